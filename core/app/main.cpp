@@ -1,0 +1,132 @@
+// trainer: weft's host executable.
+//
+//   trainer [train] --config configs/x.toml [--set section.key=value ...]
+//   trainer --help
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include <boost/program_options.hpp>
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include "core/config/config.h"
+#include "core/config/schema.h"
+#include "core/train/options.h"
+#include "core/train/trainer.h"
+#include "core/util/error.h"
+#include "core/util/log.h"
+
+namespace po = boost::program_options;
+
+namespace {
+
+struct CommandLine {
+  std::string command = "train";
+  std::string config;
+  std::vector<std::string> overrides;
+  std::string log_level;
+  bool help = false;
+};
+
+po::options_description describe_options() {
+  po::options_description options("Options");
+  options.add_options()
+      ("help,h", "print this help, including every configuration key")
+      ("config,c", po::value<std::string>(), "TOML configuration file (may `extends` another)")
+      ("set,s", po::value<std::vector<std::string>>()->composing(),
+       "override a configuration key: --set train.lr=1e-4 (repeatable; applied after the file)")
+      ("log-level", po::value<std::string>(), "trace, debug, info, warn or error (default: log.level)");
+  return options;
+}
+
+CommandLine parse_command_line(int argc, char** argv) {
+  po::options_description visible = describe_options();
+  po::options_description all;
+  all.add(visible).add_options()("command", po::value<std::string>(), "command");
+  po::positional_options_description positional;
+  positional.add("command", 1);
+  po::variables_map vm;
+  po::store(po::command_line_parser(argc, argv).options(all).positional(positional).run(), vm);
+  po::notify(vm);
+  CommandLine cli;
+  cli.help = vm.count("help") > 0;
+  if (vm.count("command")) cli.command = vm["command"].as<std::string>();
+  if (vm.count("config")) cli.config = vm["config"].as<std::string>();
+  if (vm.count("set")) cli.overrides = vm["set"].as<std::vector<std::string>>();
+  if (vm.count("log-level")) cli.log_level = vm["log-level"].as<std::string>();
+  return cli;
+}
+
+void print_help() {
+  std::cout << "weft trainer: fine-tunes LLaMA-family models.\n\n"
+               "Usage:\n"
+               "  trainer [train] --config FILE [--set section.key=value ...]\n"
+               "  trainer config-reference      print the configuration reference as Markdown\n\n"
+            << describe_options() << "\n"
+            << weft::render_help();
+}
+
+void print_summary(const weft::TrainResult& r) {
+  double total = 0;
+  for (double s : r.epoch_seconds) total += s;
+  spdlog::info("=== run summary ===");
+  if (!r.epoch_seconds.empty()) {
+    std::vector<std::string> each;
+    for (double s : r.epoch_seconds) each.push_back(weft::format_duration(s));
+    spdlog::info("time per epoch: {} (mean over {} epochs: {})", fmt::join(each, ", "), r.epoch_seconds.size(),
+                 weft::format_duration(total / r.epoch_seconds.size()));
+  }
+  spdlog::info("steps: {}, throughput: {:.0f} tokens/s", r.steps, r.tokens_per_second);
+  if (r.final_eval) {
+    spdlog::info("held-out loss {:.4f}, perplexity {:.2f} (best loss {:.4f})", r.final_eval->loss,
+                 r.final_eval->perplexity, r.best_eval_loss);
+  }
+  if (r.early_stopped) spdlog::info("stopped early (eval.patience)");
+  spdlog::info("peak memory: {:.0f} MiB", r.peak_rss_mib);
+}
+
+int run_train(const CommandLine& cli) {
+  if (cli.config.empty() && cli.overrides.empty()) {
+    throw weft::Error("no configuration: pass --config FILE (see configs/) and/or --set key=value");
+  }
+  const weft::Config config = weft::load_config(cli.config, cli.overrides);
+  weft::set_log_level(cli.log_level.empty() ? config.get_string("log.level") : cli.log_level);
+  const auto options = weft::train_options_from_config(config);
+  spdlog::info("config {} (hash {})", cli.config.empty() ? "<overrides>" : cli.config, config.hash());
+  weft::Trainer trainer(options);
+  std::filesystem::create_directories(options.out_dir);
+  weft::write_run_config(options.out_dir, config);
+  print_summary(trainer.run());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  spdlog::set_pattern("[%H:%M:%S] %^%l%$ %v");
+  try {
+    const CommandLine cli = parse_command_line(argc, argv);
+    if (cli.help) {
+      print_help();
+      return 0;
+    }
+    if (cli.command == "train") return run_train(cli);
+    if (cli.command == "config-reference") {
+      std::cout << weft::render_markdown_reference();
+      return 0;
+    }
+    throw weft::Error(fmt::format("unknown command '{}' (commands: train, config-reference)", cli.command));
+  } catch (const weft::Error& e) {
+    spdlog::error("{}", e.what());
+  } catch (const po::error& e) {
+    spdlog::error("command line: {} (see trainer --help)", e.what());
+  } catch (const c10::Error& e) {
+    spdlog::error("torch: {}", e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    spdlog::error("{}", e.what());
+  }
+  return 1;
+}

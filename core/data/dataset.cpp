@@ -1,0 +1,159 @@
+#include "core/data/dataset.h"
+
+#include <chrono>
+#include <cmath>
+#include <random>
+#include <spdlog/spdlog.h>
+
+#include "core/util/error.h"
+
+namespace weft {
+
+namespace {
+
+// Uniform integer in [0, bound) from raw 64-bit draws (rejects the biased low tail).
+uint64_t uniform_below(std::mt19937_64& rng, uint64_t bound) {
+  const uint64_t threshold = (0 - bound) % bound;  // 2^64 mod bound
+  for (;;) {
+    const uint64_t r = rng();
+    if (r >= threshold) return r % bound;
+  }
+}
+
+int64_t heldout_count(int64_t n_documents, double fraction) {
+  if (fraction == 0) return 0;
+  const auto rounded = static_cast<int64_t>(std::llround(fraction * n_documents));
+  return std::min(std::max<int64_t>(rounded, 1), n_documents - 1);
+}
+
+}  // namespace
+
+CorpusOptions DatasetOptions::corpus_options() const {
+  CorpusOptions corpus;
+  corpus.paths = paths;
+  corpus.format = parse_data_format(format);
+  corpus.text_field = text_field;
+  corpus.text_document = parse_text_document_mode(text_document);
+  corpus.max_documents = max_documents;
+  corpus.cache_dir = cache_dir;
+  corpus.add_bos = add_bos;
+  corpus.add_eos = add_eos;
+  corpus.tokenize_threads = tokenize_threads;
+  return corpus;
+}
+
+std::vector<int64_t> seeded_permutation(int64_t n, uint64_t seed) {
+  std::vector<int64_t> order(std::max<int64_t>(n, 0));
+  for (int64_t i = 0; i < n; ++i) order[i] = i;
+  std::mt19937_64 rng(seed);
+  for (int64_t i = n - 1; i > 0; --i) {
+    std::swap(order[i], order[uniform_below(rng, static_cast<uint64_t>(i) + 1)]);
+  }
+  return order;
+}
+
+DocumentSplit split_documents(int64_t n_documents, double heldout_fraction, uint64_t seed) {
+  WEFT_CHECK(heldout_fraction >= 0 && heldout_fraction < 1,
+             "heldout_fraction must be in [0, 1), got {}", heldout_fraction);
+  WEFT_CHECK(heldout_fraction == 0 || n_documents >= 2,
+             "heldout_fraction {} needs at least 2 documents, the dataset has {} (use a finer "
+             "text_document mode or heldout_fraction = 0)",
+             heldout_fraction, n_documents);
+  const int64_t n_heldout = heldout_count(n_documents, heldout_fraction);
+  const auto order = seeded_permutation(n_documents, seed);
+  std::vector<char> is_heldout(n_documents, 0);
+  for (int64_t i = 0; i < n_heldout; ++i) is_heldout[order[i]] = 1;
+  DocumentSplit split;
+  for (int64_t d = 0; d < n_documents; ++d) {
+    (is_heldout[d] ? split.heldout : split.train).push_back(d);
+  }
+  return split;
+}
+
+PackedSequences::PackedSequences(std::string name, std::vector<uint32_t> tokens, int64_t seq_len,
+                                 int64_t n_documents)
+    : name_(std::move(name)), tokens_(std::move(tokens)), seq_len_(seq_len),
+      n_documents_(n_documents) {
+  WEFT_CHECK(seq_len > 0, "seq_len must be positive, got {}", seq_len);
+  WEFT_CHECK(n_tokens() >= seq_len + 1,
+             "{} split has {} tokens ({} documents), fewer than seq_len + 1 = {}: add data, "
+             "lower seq_len or change heldout_fraction",
+             name_, n_tokens(), n_documents, seq_len + 1);
+  n_sequences_ = (n_tokens() - 1) / seq_len;
+}
+
+void PackedSequences::copy_sequence(int64_t i, int64_t* inputs, int64_t* targets) const {
+  const uint32_t* window = tokens_.data() + i * seq_len_;
+  for (int64_t t = 0; t < seq_len_; ++t) {
+    inputs[t] = window[t];
+    targets[t] = window[t + 1];
+  }
+}
+
+PackedSequences pack_documents(const TokenizedCorpus& corpus, const std::vector<int64_t>& documents,
+                               int64_t seq_len, const std::string& name) {
+  size_t total = 0;
+  for (const int64_t d : documents) total += corpus.document_size(d);
+  std::vector<uint32_t> tokens;
+  tokens.reserve(total);
+  for (const int64_t d : documents) {
+    tokens.insert(tokens.end(), corpus.tokens.begin() + corpus.offsets[d],
+                  corpus.tokens.begin() + corpus.offsets[d + 1]);
+  }
+  return PackedSequences(name, std::move(tokens), seq_len,
+                         static_cast<int64_t>(documents.size()));
+}
+
+std::string DatasetSummary::describe() const {
+  std::string line = fmt::format("dataset: {} files, {} documents, {} tokens ({}) in {:.2f}s",
+                                 files, documents, tokens,
+                                 cache_path.empty() ? "no cache"
+                                 : cache_hit        ? "cache hit"
+                                                    : "tokenized, cached",
+                                 seconds);
+  line += fmt::format(" | train: {} documents, {} tokens, {} sequences", train_documents,
+                      train_tokens, train_sequences);
+  if (heldout_documents > 0) {
+    line += fmt::format(" | held-out: {} documents, {} tokens, {} sequences", heldout_documents,
+                        heldout_tokens, heldout_sequences);
+  }
+  return line;
+}
+
+DatasetSplits prepare_dataset(const DatasetOptions& options, const Tokenizer& tokenizer) {
+  const auto start = std::chrono::steady_clock::now();
+  WEFT_CHECK(options.seq_len > 0, "seq_len must be positive, got {}", options.seq_len);
+  WEFT_CHECK(options.heldout_fraction >= 0 && options.heldout_fraction < 1,
+             "heldout_fraction must be in [0, 1), got {}", options.heldout_fraction);
+  const CorpusLoad load = load_corpus(options.corpus_options(), tokenizer);
+  const TokenizedCorpus& corpus = load.corpus;
+  const DocumentSplit split =
+      split_documents(corpus.n_documents(), options.heldout_fraction, options.split_seed);
+
+  DatasetSplits result;
+  result.train = std::make_shared<const PackedSequences>(
+      pack_documents(corpus, split.train, options.seq_len, "train"));
+  if (!split.heldout.empty()) {
+    result.heldout = std::make_shared<const PackedSequences>(
+        pack_documents(corpus, split.heldout, options.seq_len, "held-out"));
+  }
+
+  DatasetSummary& s = result.summary;
+  s.files = load.n_files;
+  s.documents = corpus.n_documents();
+  s.tokens = corpus.n_tokens();
+  s.train_documents = result.train->n_documents();
+  s.train_tokens = result.train->n_tokens();
+  s.train_sequences = result.train->n_sequences();
+  if (result.heldout) {
+    s.heldout_documents = result.heldout->n_documents();
+    s.heldout_tokens = result.heldout->n_tokens();
+    s.heldout_sequences = result.heldout->n_sequences();
+  }
+  s.cache_hit = load.cache_hit;
+  s.cache_path = load.cache_path;
+  s.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return result;
+}
+
+}  // namespace weft

@@ -1,0 +1,122 @@
+// The dataset pipeline: documents -> tokens (cached) -> train/held-out split -> packed sequences.
+//
+//   DatasetSplits splits = prepare_dataset(options, tokenizer);
+//   BatchLoader train(splits.train, global_batch, rank, world, seed, /*shuffle=*/true);
+//
+// Determinism: for the same inputs, options and tokenizer, every process on every platform gets
+// the same corpus, the same split and the same sequences (the permutations are driven by
+// std::mt19937_64, whose output the C++ standard fixes, through our own Fisher-Yates shuffle).
+// Everything here is immutable once built and safe to share between threads.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/data/corpus.h"
+#include "core/data/tokenizer.h"
+
+namespace weft {
+
+struct DatasetOptions {
+  std::vector<std::string> paths;       // files and/or directories (see resolve_inputs)
+  std::string format = "auto";          // auto | text | jsonl | tokens-u16 | tokens-u32
+  std::string text_field = "text";      // jsonl: the field holding the document text
+  std::string text_document = "paragraph";  // text files: file | paragraph | line
+  int64_t seq_len = 0;                  // tokens per training sequence (required, > 0)
+  double heldout_fraction = 0.0;        // in [0, 1): share of documents held out for evaluation
+  uint64_t split_seed = 0;              // seeds the document split
+  int64_t max_documents = 0;            // keep only the first N documents (0 = all)
+  std::string cache_dir;                // token cache directory; empty = no cache
+  bool add_bos = true;                  // prepend the tokenizer's bos id to each text document
+  bool add_eos = true;                  // append the tokenizer's eos id to each text document
+  int tokenize_threads = 0;             // 0 = hardware concurrency (see CorpusOptions)
+
+  // Validates format/text_document names and converts. Throws weft::Error on unknown names.
+  CorpusOptions corpus_options() const;
+};
+
+// Returns a permutation of 0..n-1 fully determined by `seed`: Fisher-Yates driven by
+// std::mt19937_64(seed), drawing bounded integers by rejection sampling (identical everywhere).
+std::vector<int64_t> seeded_permutation(int64_t n, uint64_t seed);
+
+// Document indices of the two splits, each in increasing (original) order; disjoint, together
+// covering 0..n_documents-1.
+struct DocumentSplit {
+  std::vector<int64_t> train;
+  std::vector<int64_t> heldout;
+};
+
+// Holds out round(heldout_fraction * n_documents) documents (at least 1 when the fraction is
+// > 0, at most n_documents - 1), the first ones of seeded_permutation(n_documents, seed).
+// Throws weft::Error when heldout_fraction is outside [0, 1), or when it is > 0 and
+// n_documents < 2 (nothing could be left for training).
+DocumentSplit split_documents(int64_t n_documents, double heldout_fraction, uint64_t seed);
+
+// One split's documents concatenated into a token stream and viewed as overlapping windows:
+// sequence i is tokens [i*L, i*L + L + 1); its inputs are the first L of those tokens and its
+// targets the last L (inputs shifted by one). n_sequences = (n_tokens - 1) / L; the tail that
+// does not fill a window is unused.
+class PackedSequences {
+ public:
+  // Throws weft::Error naming `name`, the token count and seq_len when seq_len <= 0 or the
+  // stream has fewer than seq_len + 1 tokens.
+  PackedSequences(std::string name, std::vector<uint32_t> tokens, int64_t seq_len,
+                  int64_t n_documents);
+
+  const std::string& name() const { return name_; }  // "train" or "held-out"
+  int64_t seq_len() const { return seq_len_; }
+  int64_t n_documents() const { return n_documents_; }
+  int64_t n_tokens() const { return static_cast<int64_t>(tokens_.size()); }
+  int64_t n_sequences() const { return n_sequences_; }
+  const std::vector<uint32_t>& tokens() const { return tokens_; }
+
+  // Writes sequence i's L inputs and L targets. Precondition: 0 <= i < n_sequences().
+  void copy_sequence(int64_t i, int64_t* inputs, int64_t* targets) const;
+
+ private:
+  std::string name_;
+  std::vector<uint32_t> tokens_;
+  int64_t seq_len_;
+  int64_t n_documents_;
+  int64_t n_sequences_;
+};
+
+// Concatenates `documents` of `corpus` (in the given order) and packs them; throws like the
+// PackedSequences constructor.
+PackedSequences pack_documents(const TokenizedCorpus& corpus, const std::vector<int64_t>& documents,
+                               int64_t seq_len, const std::string& name);
+
+// What prepare_dataset did, for logging.
+struct DatasetSummary {
+  int64_t files = 0;
+  int64_t documents = 0;
+  int64_t tokens = 0;
+  int64_t train_documents = 0;
+  int64_t train_tokens = 0;
+  int64_t train_sequences = 0;
+  int64_t heldout_documents = 0;
+  int64_t heldout_tokens = 0;
+  int64_t heldout_sequences = 0;
+  bool cache_hit = false;
+  std::string cache_path;  // empty when caching is off
+  double seconds = 0;      // wall time of prepare_dataset
+
+  // One line, e.g. "dataset: 3 files, 120 documents, 51234 tokens (cache hit) | train: ...".
+  std::string describe() const;
+};
+
+struct DatasetSplits {
+  std::shared_ptr<const PackedSequences> train;
+  std::shared_ptr<const PackedSequences> heldout;  // null when heldout_fraction == 0
+  DatasetSummary summary;
+};
+
+// Runs the whole pipeline: load_corpus (cache or tokenize), split_documents, pack_documents
+// for each split. Throws weft::Error for invalid options (seq_len <= 0, bad format or
+// text_document names, fraction outside [0, 1)), for anything load_corpus rejects, and when a
+// split is too small to hold one sequence.
+DatasetSplits prepare_dataset(const DatasetOptions& options, const Tokenizer& tokenizer);
+
+}  // namespace weft

@@ -1,0 +1,178 @@
+#include "core/model/layers.h"
+
+#include <cmath>
+
+#include <torch/torch.h>
+
+#include "core/util/error.h"
+
+namespace weft {
+
+LinearImpl::LinearImpl(int64_t in_features, int64_t out_features) {
+  weight = register_parameter("weight", torch::empty({out_features, in_features}));
+}
+
+torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
+  const auto input = x.to(compute_dtype_);
+  auto y = torch::nn::functional::linear(input, weight.to(compute_dtype_));
+  if (!lora_A_.is_empty()) {
+    auto h = lora_dropout_ > 0
+                 ? torch::nn::functional::dropout(
+                       input, torch::nn::functional::DropoutFuncOptions().p(lora_dropout_).training(is_training()))
+                 : input;
+    h = torch::nn::functional::linear(h, lora_A_->weight.to(compute_dtype_));
+    h = torch::nn::functional::linear(h, lora_B_->weight.to(compute_dtype_));
+    y = y + h * lora_scale_;
+  }
+  return y;
+}
+
+void LinearImpl::add_lora(const LoraSpec& spec, uint64_t generator_seed) {
+  WEFT_CHECK(lora_A_.is_empty(), "LoRA adapters added twice to one layer");
+  WEFT_CHECK(spec.r > 0, "lora.r must be positive, got {}", spec.r);
+  const int64_t out_features = weight.size(0), in_features = weight.size(1);
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(generator_seed);
+  // PEFT: A ~ kaiming_uniform(a = sqrt(5)) => U(-1/sqrt(in), 1/sqrt(in)); B = 0.
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in_features));
+  auto a = torch::empty({spec.r, in_features});
+  a.uniform_(-bound, bound, generator);
+  lora_A_ = register_module("lora_A", WeightHolder(a));
+  lora_B_ = register_module("lora_B", WeightHolder(torch::zeros({out_features, spec.r})));
+  lora_scale_ = spec.alpha / static_cast<double>(spec.r);
+  lora_dropout_ = spec.dropout;
+  weight.set_requires_grad(false);
+}
+
+void LinearImpl::merge_lora() {
+  if (lora_A_.is_empty()) return;
+  torch::NoGradGuard no_grad;
+  weight.add_(torch::matmul(lora_B_->weight, lora_A_->weight) * lora_scale_);
+  unregister_module("lora_A");
+  unregister_module("lora_B");
+  lora_A_ = nullptr;
+  lora_B_ = nullptr;
+}
+
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
+  weight = register_parameter("weight", torch::ones({dim}));
+}
+
+torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
+  const auto xf = x.to(torch::kFloat32);
+  const auto normed = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps_);
+  return (normed * weight).to(x.scalar_type());
+}
+
+RotaryEmbedding::RotaryEmbedding(const ModelConfig& config) {
+  const int64_t dim = config.head_dim;
+  auto exponents = torch::arange(0, dim, 2, torch::kFloat64) / static_cast<double>(dim);
+  auto inv_freq = 1.0 / torch::pow(config.rope_theta, exponents);
+  if (config.rope_scaling) {
+    // Llama 3: long wavelengths divided by `factor`, short kept, a smooth blend in between.
+    const auto& s = *config.rope_scaling;
+    const double old_len = static_cast<double>(s.original_max_position_embeddings);
+    const double low_freq_wavelen = old_len / s.low_freq_factor;
+    const double high_freq_wavelen = old_len / s.high_freq_factor;
+    auto accessor = inv_freq.accessor<double, 1>();
+    for (int64_t i = 0; i < inv_freq.size(0); ++i) {
+      const double freq = accessor[i];
+      const double wavelen = 2.0 * M_PI / freq;
+      if (wavelen < high_freq_wavelen) continue;
+      if (wavelen > low_freq_wavelen) {
+        accessor[i] = freq / s.factor;
+      } else {
+        const double smooth =
+            (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+        accessor[i] = (1.0 - smooth) * freq / s.factor + smooth * freq;
+      }
+    }
+  }
+  inv_freq_ = inv_freq.to(torch::kFloat32);
+}
+
+std::pair<torch::Tensor, torch::Tensor> RotaryEmbedding::tables(int64_t start, int64_t seq_len) const {
+  auto positions = torch::arange(start, start + seq_len, torch::kFloat32);
+  auto freqs = torch::outer(positions, inv_freq_);
+  auto emb = torch::cat({freqs, freqs}, -1);
+  return {emb.cos(), emb.sin()};
+}
+
+torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  const auto xf = x.to(torch::kFloat32);
+  const int64_t half = xf.size(-1) / 2;
+  auto x1 = xf.narrow(-1, 0, half);
+  auto x2 = xf.narrow(-1, half, half);
+  auto rotated = torch::cat({-x2, x1}, -1);
+  return (xf * cos + rotated * sin).to(x.scalar_type());
+}
+
+torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+  const int64_t batch = q.size(0), heads = q.size(1), seq = q.size(2), dim = q.size(3);
+  const int64_t kv_heads = k.size(1);
+  WEFT_CHECK(heads % kv_heads == 0, "attention: {} query heads over {} kv heads", heads, kv_heads);
+  const int64_t group = heads / kv_heads;
+  // Group the query heads that share a kv head: [B, KVH, group*T, D] @ [B, KVH, D, T].
+  auto qg = q.reshape({batch, kv_heads, group * seq, dim});
+  auto scores = torch::matmul(qg, k.transpose(-2, -1)).to(torch::kFloat32);
+  scores = scores.view({batch, kv_heads, group, seq, seq}) * (1.0 / std::sqrt(static_cast<double>(dim)));
+  auto future = torch::ones({seq, seq}, torch::TensorOptions().dtype(torch::kBool)).triu(1);
+  scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
+  auto probs = scores.softmax(-1).to(v.scalar_type()).view({batch, kv_heads, group * seq, seq});
+  return torch::matmul(probs, v).view({batch, heads, seq, dim});
+}
+
+AttentionImpl::AttentionImpl(const ModelConfig& c)
+    : num_heads_(c.num_attention_heads), num_kv_heads_(c.num_key_value_heads), head_dim_(c.head_dim) {
+  q_proj = register_module("q_proj", Linear(c.hidden_size, num_heads_ * head_dim_));
+  k_proj = register_module("k_proj", Linear(c.hidden_size, num_kv_heads_ * head_dim_));
+  v_proj = register_module("v_proj", Linear(c.hidden_size, num_kv_heads_ * head_dim_));
+  o_proj = register_module("o_proj", Linear(num_heads_ * head_dim_, c.hidden_size));
+}
+
+torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const RotaryEmbedding& rope) {
+  const int64_t batch = x.size(0), seq = x.size(1);
+  auto heads = [&](const torch::Tensor& t, int64_t n) {
+    return t.view({batch, seq, n, head_dim_}).transpose(1, 2);
+  };
+  auto q = heads(q_proj(x), num_heads_);
+  auto k = heads(k_proj(x), num_kv_heads_);
+  auto v = heads(v_proj(x), num_kv_heads_);
+  auto [cos, sin] = rope.tables(0, seq);
+  q = apply_rotary(q, cos, sin);
+  k = apply_rotary(k, cos, sin);
+  auto out = causal_attention(q, k, v);
+  return o_proj(out.transpose(1, 2).reshape({batch, seq, num_heads_ * head_dim_}));
+}
+
+MlpImpl::MlpImpl(const ModelConfig& c) {
+  gate_proj = register_module("gate_proj", Linear(c.hidden_size, c.intermediate_size));
+  up_proj = register_module("up_proj", Linear(c.hidden_size, c.intermediate_size));
+  down_proj = register_module("down_proj", Linear(c.intermediate_size, c.hidden_size));
+}
+
+torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
+  return down_proj(torch::silu(gate_proj(x)) * up_proj(x));
+}
+
+DecoderBlockImpl::DecoderBlockImpl(const ModelConfig& c) {
+  self_attn = register_module("self_attn", Attention(c));
+  mlp = register_module("mlp", Mlp(c));
+  input_layernorm = register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+  post_attention_layernorm =
+      register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+}
+
+torch::Tensor DecoderBlockImpl::forward(const torch::Tensor& x, const RotaryEmbedding& rope) {
+  // The residual stream stays fp32; sublayer outputs (compute dtype) are promoted on add.
+  auto h = x + self_attn->forward(input_layernorm(x), rope).to(x.scalar_type());
+  return h + mlp(post_attention_layernorm(h)).to(x.scalar_type());
+}
+
+void set_compute_dtype(torch::nn::Module& module, torch::Dtype dtype) {
+  if (auto* self = module.as<LinearImpl>()) self->set_compute_dtype(dtype);
+  for (auto& child : module.modules(/*include_self=*/false)) {
+    if (auto* linear = child->as<LinearImpl>()) linear->set_compute_dtype(dtype);
+  }
+}
+
+}  // namespace weft

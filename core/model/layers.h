@@ -1,0 +1,134 @@
+// The building blocks of a LLaMA decoder, as LibTorch modules whose parameter names follow HF
+// (`self_attn.q_proj.weight`, `mlp.gate_proj.weight`, `input_layernorm.weight`, ...).
+//
+// Precision: parameters are fp32 masters. Each module computes in `compute_dtype` (fp32 or
+// bf16): linear layers cast input and weight to it (bf16 matmuls run on oneDNN/AMX), norms and
+// softmax run in fp32, and the residual stream stays fp32. Autograd carries gradients back to the
+// fp32 masters through the casts, as autocast would.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include <torch/nn/module.h>
+#include <torch/types.h>
+
+#include "core/model/config.h"
+
+namespace weft {
+
+// LoRA adapter settings for one linear layer (PEFT semantics: W x + (alpha / r) B A dropout(x)).
+struct LoraSpec {
+  int64_t r = 8;
+  double alpha = 16.0;
+  double dropout = 0.0;
+};
+
+// Holds one parameter named "weight"; used for LoRA's lora_A/lora_B so their names match PEFT.
+class WeightHolderImpl : public torch::nn::Module {
+ public:
+  explicit WeightHolderImpl(torch::Tensor w) { weight = register_parameter("weight", w); }
+  torch::Tensor weight;
+};
+TORCH_MODULE(WeightHolder);
+
+// y = x W^T, optionally plus a LoRA update. `weight` is [out_features, in_features].
+class LinearImpl : public torch::nn::Module {
+ public:
+  LinearImpl(int64_t in_features, int64_t out_features);
+  torch::Tensor forward(const torch::Tensor& x);
+
+  // Adds LoRA adapters (A: [r, in] kaiming-uniform from `generator_seed`, B: [out, r] zeros)
+  // and freezes the base weight.
+  void add_lora(const LoraSpec& spec, uint64_t generator_seed);
+  bool has_lora() const { return !lora_A_.is_empty(); }
+  // Folds (alpha / r) B A into the base weight and removes the adapters.
+  void merge_lora();
+
+  void set_compute_dtype(torch::Dtype dtype) { compute_dtype_ = dtype; }
+
+  torch::Tensor weight;
+
+ private:
+  WeightHolder lora_A_{nullptr};
+  WeightHolder lora_B_{nullptr};
+  double lora_scale_ = 0.0;
+  double lora_dropout_ = 0.0;
+  torch::Dtype compute_dtype_ = torch::kFloat32;
+};
+TORCH_MODULE(Linear);
+
+// RMSNorm (fp32 math): y = w * x / sqrt(mean(x^2) + eps), returned in the input's dtype.
+class RMSNormImpl : public torch::nn::Module {
+ public:
+  RMSNormImpl(int64_t dim, double eps);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor weight;
+
+ private:
+  double eps_;
+};
+TORCH_MODULE(RMSNorm);
+
+// Rotary position embedding tables (HF "rotate_half" layout), with Llama 3 frequency scaling.
+class RotaryEmbedding {
+ public:
+  explicit RotaryEmbedding(const ModelConfig& config);
+  // Inverse frequencies [head_dim / 2] after Llama 3 scaling (fp32).
+  const torch::Tensor& inv_freq() const { return inv_freq_; }
+  // cos and sin tables [seq_len, head_dim] for positions start..start+seq_len-1 (fp32).
+  std::pair<torch::Tensor, torch::Tensor> tables(int64_t start, int64_t seq_len) const;
+
+ private:
+  torch::Tensor inv_freq_;
+};
+
+// Applies RoPE to x [batch, heads, seq, head_dim] with cos/sin [seq, head_dim]; fp32 math,
+// result in x's dtype.
+torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+
+// Causal scaled-dot-product attention with grouped-query heads:
+// q [B, H, T, D], k/v [B, KVH, T, D] with H % KVH == 0; query head h uses kv head h / (H / KVH).
+// Softmax in fp32; returns [B, H, T, D] in q's dtype.
+torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
+
+class AttentionImpl : public torch::nn::Module {
+ public:
+  explicit AttentionImpl(const ModelConfig& config);
+  // x [B, T, hidden] -> [B, T, hidden]; rope gives the position tables.
+  torch::Tensor forward(const torch::Tensor& x, const RotaryEmbedding& rope);
+
+  Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+
+ private:
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+};
+TORCH_MODULE(Attention);
+
+// SwiGLU: down(silu(gate(x)) * up(x)).
+class MlpImpl : public torch::nn::Module {
+ public:
+  explicit MlpImpl(const ModelConfig& config);
+  torch::Tensor forward(const torch::Tensor& x);
+  Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+// Pre-norm decoder block: h = x + attn(norm(x)); y = h + mlp(norm(h)).
+class DecoderBlockImpl : public torch::nn::Module {
+ public:
+  explicit DecoderBlockImpl(const ModelConfig& config);
+  torch::Tensor forward(const torch::Tensor& x, const RotaryEmbedding& rope);
+
+  Attention self_attn{nullptr};
+  Mlp mlp{nullptr};
+  RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+};
+TORCH_MODULE(DecoderBlock);
+
+// Sets the compute dtype of every weft::Linear under `module`.
+void set_compute_dtype(torch::nn::Module& module, torch::Dtype dtype);
+
+}  // namespace weft

@@ -1,0 +1,94 @@
+// LlamaForCausalLM as a sequence of stages, so strategies can run any contiguous part of it.
+//
+// Stage numbering (S = num_hidden_layers + 2 stages in all):
+//   stage 0          token embedding            tokens [B, T] (int64) -> hidden [B, T, C]
+//   stage 1 .. L     decoder block i = stage-1   hidden -> hidden
+//   stage L + 1      final norm + LM head        hidden -> logits [B, T, V] (compute dtype)
+// The loss is separate (cross_entropy), computed from the last stage's logits.
+//
+// A model may be built with only a range of stages materialised (a pipeline rank builds only
+// its own); parameter names are always the full model's HF names, e.g. "model.layers.7.mlp.up_proj.weight",
+// so checkpoints and initialisation do not depend on which stages a process holds.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/nn/module.h>
+#include <torch/types.h>
+
+#include "core/model/config.h"
+#include "core/model/layers.h"
+
+namespace weft {
+
+struct StageRange {
+  int64_t first = 0;  // first stage held
+  int64_t last = -1;  // one past the last stage held; -1 = through the end
+};
+
+struct ModelOptions {
+  torch::Dtype compute_dtype = torch::kFloat32;  // kFloat32 or kBFloat16
+  bool activation_checkpointing = false;         // recompute each decoder block in backward
+  StageRange stages;                             // which stages this process materialises
+};
+
+class LlamaBackboneImpl : public torch::nn::Module {
+ public:
+  LlamaBackboneImpl(const ModelConfig& config, int64_t first_stage, int64_t last_stage);
+  torch::nn::Embedding embed_tokens{nullptr};  // present when stage 0 (or a tied head) is held
+  std::shared_ptr<torch::nn::Module> layers;   // children "i" -> DecoderBlock for held blocks
+  RMSNorm norm{nullptr};                       // present when the last stage is held
+  std::map<int64_t, DecoderBlock> blocks;      // held blocks by layer index
+};
+TORCH_MODULE(LlamaBackbone);
+
+class LlamaForCausalLMImpl : public torch::nn::Module {
+ public:
+  LlamaForCausalLMImpl(const ModelConfig& config, const ModelOptions& options = {});
+
+  const ModelConfig& config() const { return config_; }
+  const ModelOptions& options() const { return options_; }
+  int64_t num_stages() const { return config_.num_hidden_layers + 2; }
+  int64_t first_stage() const { return first_stage_; }
+  int64_t last_stage() const { return last_stage_; }  // one past the last held stage
+
+  // Runs stages [first, last) on `input` (tokens if first == 0, else hidden states).
+  // Throws weft::Error if a stage in the range is not held by this model.
+  torch::Tensor forward_stages(int64_t first, int64_t last, const torch::Tensor& input);
+  // Full model: tokens -> logits. Requires all stages.
+  torch::Tensor forward(const torch::Tensor& tokens);
+
+  void set_compute_dtype(torch::Dtype dtype);
+  void set_activation_checkpointing(bool enabled) { options_.activation_checkpointing = enabled; }
+
+  // The LM head weight: lm_head.weight, or the embedding when tied.
+  torch::Tensor head_weight() const;
+
+  LlamaBackbone model{nullptr};
+  Linear lm_head{nullptr};  // absent when tie_word_embeddings
+
+ private:
+  torch::Tensor run_stage(int64_t stage, const torch::Tensor& input);
+
+  ModelConfig config_;
+  ModelOptions options_;
+  int64_t first_stage_, last_stage_;
+  RotaryEmbedding rope_;
+};
+TORCH_MODULE(LlamaForCausalLM);
+
+// Mean cross-entropy over all target tokens (fp32 math). logits [B, T, V], targets [B, T].
+torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& targets);
+// Summed cross-entropy (for token-weighted evaluation across batches and ranks).
+torch::Tensor cross_entropy_sum(const torch::Tensor& logits, const torch::Tensor& targets);
+
+// Runs `block` so that its activations are recomputed in backward instead of stored
+// (activation checkpointing). Gradients of the block's parameters accumulate as usual; dropout
+// masks are reproduced by restoring the CPU RNG state.
+torch::Tensor checkpointed_block(DecoderBlockImpl& block, const RotaryEmbedding& rope, const torch::Tensor& x);
+
+}  // namespace weft

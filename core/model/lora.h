@@ -1,0 +1,40 @@
+// LoRA fine-tuning: adapters on selected linear layers, PEFT-compatible files, merging.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/model/llama.h"
+
+namespace weft {
+
+struct LoraConfig {
+  LoraSpec spec;
+  std::vector<std::string> target_modules{"q_proj", "k_proj", "v_proj", "o_proj"};
+};
+
+// Linear layers LoRA can target.
+std::vector<std::string> lora_targetable_modules();
+
+// Adds adapters to every weft::Linear whose leaf name is in target_modules and freezes every
+// other parameter (only adapters train). A's initialisation is seeded by (seed, layer name).
+// Returns the number of adapted layers; an unknown target name is an error listing valid ones.
+int64_t apply_lora(LlamaForCausalLMImpl& model, const LoraConfig& config, uint64_t seed);
+
+// Writes PEFT's adapter_model.safetensors (names "base_model.model.<layer>.lora_A.weight") and
+// adapter_config.json into `dir`.
+void save_lora_adapter(LlamaForCausalLMImpl& model, const LoraConfig& config, const std::string& dir,
+                       const std::string& base_model = "");
+
+// Loads adapter weights saved by save_lora_adapter (or PEFT) into a model with matching adapters.
+void load_lora_adapter(LlamaForCausalLMImpl& model, const std::string& dir);
+
+// Folds every adapter into its base weight (W += alpha/r B A) and removes the adapters; the
+// model then computes the same function with plain weights.
+void merge_lora(LlamaForCausalLMImpl& model);
+
+// Parameters with requires_grad, in the model's (deterministic) order, with their names.
+std::vector<std::pair<std::string, torch::Tensor>> trainable_parameters(LlamaForCausalLMImpl& model);
+
+}  // namespace weft

@@ -1,0 +1,43 @@
+#include "core/train/optimizer.h"
+
+#include <torch/torch.h>
+
+namespace weft {
+
+std::unique_ptr<torch::optim::AdamW> make_adamw(
+    const std::vector<std::pair<std::string, torch::Tensor>>& trainable, const OptimOptions& o) {
+  std::vector<torch::Tensor> decay, no_decay;
+  for (const auto& [name, param] : trainable) (param.dim() >= 2 ? decay : no_decay).push_back(param);
+  auto options = [&](double weight_decay) {
+    return std::make_unique<torch::optim::AdamWOptions>(
+        torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(weight_decay));
+  };
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  if (!decay.empty()) groups.emplace_back(decay, options(o.weight_decay));
+  if (!no_decay.empty()) groups.emplace_back(no_decay, options(0.0));
+  return std::make_unique<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(o.lr));
+}
+
+void set_learning_rate(torch::optim::AdamW& optimizer, double lr) {
+  for (auto& group : optimizer.param_groups()) {
+    static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+  }
+}
+
+double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm) {
+  torch::NoGradGuard no_grad;
+  double total = 0.0;
+  for (const auto& p : params) {
+    if (p.grad().defined()) total += p.grad().to(torch::kFloat64).pow(2).sum().item<double>();
+  }
+  const double norm = std::sqrt(total);
+  if (max_norm > 0 && norm > max_norm) {
+    const double scale = max_norm / (norm + 1e-6);
+    for (const auto& p : params) {
+      if (p.grad().defined()) p.grad().mul_(scale);
+    }
+  }
+  return norm;
+}
+
+}  // namespace weft

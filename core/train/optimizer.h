@@ -1,0 +1,25 @@
+// AdamW over the trainable parameters: matrices decay, vectors (norm weights) do not.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/optim/adamw.h>
+
+#include "core/train/options.h"
+
+namespace weft {
+
+std::unique_ptr<torch::optim::AdamW> make_adamw(
+    const std::vector<std::pair<std::string, torch::Tensor>>& trainable, const OptimOptions& options);
+
+// Sets the learning rate of every parameter group.
+void set_learning_rate(torch::optim::AdamW& optimizer, double lr);
+
+// Global L2 norm of the gradients of `params` (missing grads count as zero); if max_norm > 0,
+// scales the gradients so the norm is at most max_norm. Returns the norm before clipping.
+double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm);
+
+}  // namespace weft

@@ -1,0 +1,309 @@
+#include "core/train/trainer.h"
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+
+#include "core/model/lora.h"
+#include "core/model/weights.h"
+#include "core/train/optimizer.h"
+#include "core/util/error.h"
+
+namespace weft {
+namespace fs = std::filesystem;
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+torch::Dtype compute_dtype(const std::string& precision) {
+  if (precision == "bf16") return torch::kBFloat16;
+  WEFT_CHECK(precision == "fp32", "train.precision must be fp32 or bf16, got '{}'", precision);
+  return torch::kFloat32;
+}
+
+}  // namespace
+
+Trainer::Trainer(TrainOptions options, RunContext context)
+    : options_(std::move(options)), context_(context) {
+  WEFT_CHECK(options_.mode == "full" || options_.mode == "lora",
+             "train.mode must be full or lora, got '{}'", options_.mode);
+  at::set_num_threads(static_cast<int>(options_.threads));
+  torch::manual_seed(options_.seed);
+  tokenizer_ = load_tokenizer(options_.tokenizer);
+  build_model();
+  build_data();
+  build_optimizer();
+  checkpoints_ = std::make_unique<CheckpointStore>(options_.out_dir, options_.keep_last, lora());
+  maybe_resume();
+}
+
+Trainer::~Trainer() = default;
+
+std::optional<LoraConfig> Trainer::lora() const {
+  if (options_.mode == "lora") return options_.lora;
+  return std::nullopt;
+}
+
+ModelConfig Trainer::resolve_model_config() const {
+  const auto& m = options_.model;
+  ModelConfig config;
+  const std::string weights_config = m.weights + "/config.json";
+  if (!m.config_path.empty()) {
+    config = load_hf_config(m.config_path);
+  } else if (!m.weights.empty() && fs::is_directory(m.weights) && fs::exists(weights_config)) {
+    config = load_hf_config(weights_config);
+  } else {
+    WEFT_CHECK(!m.preset.empty(), "no model shape: set model.preset or model.config");
+    config = preset_config(m.preset);
+  }
+  if (m.vocab_size > 0) config.vocab_size = m.vocab_size;
+  WEFT_CHECK(tokenizer_->vocab_size() <= config.vocab_size,
+             "tokenizer '{}' has {} tokens but the model's vocab_size is {} (set model.vocab_size)",
+             options_.tokenizer, tokenizer_->vocab_size(), config.vocab_size);
+  WEFT_CHECK(options_.data.seq_len <= config.max_position_embeddings,
+             "data.seq_len {} exceeds the model's max_position_embeddings {}", options_.data.seq_len,
+             config.max_position_embeddings);
+  return config;
+}
+
+void Trainer::build_model() {
+  ModelOptions model_options;
+  model_options.compute_dtype = compute_dtype(options_.precision);
+  model_options.activation_checkpointing = options_.model.activation_checkpointing;
+  model_ = LlamaForCausalLM(resolve_model_config(), model_options);
+  init_weights(*model_, options_.seed, options_.model.init_std);
+  if (!options_.model.weights.empty()) load_weights(*model_, options_.model.weights);
+  if (auto l = lora()) {
+    const int64_t adapted = apply_lora(*model_, *l, options_.seed);
+    spdlog::info("LoRA: {} layers adapted (r={}, alpha={})", adapted, l->spec.r, l->spec.alpha);
+  }
+  int64_t total = 0, trainable = 0;
+  for (auto& [name, param] : trainable_parameters(*model_)) {
+    trainable_.push_back(param);
+    trainable += param.numel();
+  }
+  for (auto& p : model_->parameters()) total += p.numel();
+  spdlog::info("model: {} layers, hidden {}, {} heads ({} kv), vocab {}: {:.2f}M parameters, {:.2f}M trainable, {}",
+               model_->config().num_hidden_layers, model_->config().hidden_size,
+               model_->config().num_attention_heads, model_->config().num_key_value_heads,
+               model_->config().vocab_size, total / 1e6, trainable / 1e6, options_.precision);
+}
+
+void Trainer::build_data() {
+  dataset_ = prepare_dataset(options_.data, *tokenizer_);
+  spdlog::info("{}", dataset_.summary.describe());
+  const int64_t micro = options_.batch_size;
+  train_loader_ = std::make_unique<BatchLoader>(dataset_.train, micro, context_.rank, context_.world,
+                                                options_.seed, /*shuffle=*/true);
+  steps_per_epoch_ = train_loader_->batches_per_epoch() / options_.grad_accum_steps;
+  WEFT_CHECK(steps_per_epoch_ > 0,
+             "the training split has {} batches of {} sequences, fewer than grad_accum_steps = {}",
+             train_loader_->batches_per_epoch(), micro, options_.grad_accum_steps);
+  total_steps_ = options_.epochs * steps_per_epoch_;
+  if (options_.max_steps > 0) total_steps_ = std::min(total_steps_, options_.max_steps);
+  WEFT_CHECK(dataset_.heldout || options_.eval_every == 0,
+             "eval.every_steps is set but data.heldout_fraction is 0: there is nothing to evaluate");
+  state_.data_identity = fmt::format("{} sequences x {} tokens, {} train tokens",
+                                     dataset_.train->n_sequences(), dataset_.train->seq_len(),
+                                     dataset_.train->n_tokens());
+}
+
+void Trainer::build_optimizer() {
+  optimizer_ = make_adamw(trainable_parameters(*model_), options_.optim);
+  schedule_.peak_lr = options_.optim.lr;
+  schedule_.min_lr_ratio = options_.optim.min_lr_ratio;
+  schedule_.warmup_steps = options_.optim.warmup_steps;
+  schedule_.total_steps = total_steps_;
+  schedule_.kind = options_.optim.schedule;
+}
+
+void Trainer::maybe_resume() {
+  if (options_.resume.empty()) return;
+  std::string dir = options_.resume;
+  if (dir == "auto") {
+    const auto latest = checkpoints_->latest();
+    if (!latest) {
+      spdlog::info("checkpoint.resume = auto: no checkpoint in {}, starting fresh", checkpoints_->checkpoints_dir());
+      return;
+    }
+    dir = *latest;
+  }
+  const std::string identity = state_.data_identity;
+  state_ = checkpoints_->load(dir, *model_, *optimizer_);
+  WEFT_CHECK(state_.data_identity == identity,
+             "checkpoint '{}' was made on different data ({}), but this run has {}", dir,
+             state_.data_identity, identity);
+  spdlog::info("resumed from {} at step {} (epoch {}, step {} of {})", dir, state_.global_step,
+               state_.epoch + 1, state_.step_in_epoch, steps_per_epoch_);
+}
+
+double Trainer::train_step(int64_t epoch, int64_t step_in_epoch) {
+  model_->train();
+  last_lr_ = schedule_.at(state_.global_step);
+  set_learning_rate(*optimizer_, last_lr_);
+  const int64_t accum = options_.grad_accum_steps;
+  double loss_sum = 0.0;
+  for (int64_t micro = 0; micro < accum; ++micro) {
+    const Batch batch = train_loader_->batch(epoch, step_in_epoch * accum + micro);
+    auto loss = cross_entropy(model_->forward(batch.inputs), batch.targets) / static_cast<double>(accum);
+    loss.backward();
+    loss_sum += loss.item<double>();
+  }
+  last_grad_norm_ = clip_grad_norm(trainable_, options_.optim.grad_clip);
+  optimizer_->step();
+  optimizer_->zero_grad();
+  return loss_sum;
+}
+
+EvalResult Trainer::evaluate() {
+  WEFT_CHECK(dataset_.heldout != nullptr, "no held-out split (data.heldout_fraction = 0)");
+  const auto start = Clock::now();
+  const int64_t batch = options_.eval_batch_size > 0 ? options_.eval_batch_size : options_.batch_size;
+  EvalLoader loader(dataset_.heldout, batch, context_.rank, context_.world);
+  int64_t batches = loader.num_batches();
+  if (options_.eval_max_batches > 0) batches = std::min(batches, options_.eval_max_batches);
+  model_->eval();
+  torch::NoGradGuard no_grad;
+  double loss_sum = 0.0;
+  int64_t tokens = 0;
+  for (int64_t i = 0; i < batches; ++i) {
+    const Batch b = loader.batch(i);
+    if (b.rows() == 0) continue;
+    loss_sum += cross_entropy_sum(model_->forward(b.inputs), b.targets).item<double>();
+    tokens += b.target_tokens();
+  }
+  model_->train();
+  EvalResult result;
+  result.tokens = tokens;
+  result.loss = tokens > 0 ? loss_sum / tokens : 0.0;
+  result.perplexity = std::exp(result.loss);
+  result.seconds = seconds_since(start);
+  return result;
+}
+
+bool Trainer::after_eval(const EvalResult& eval, Progress& progress, MetricsWriter& metrics) {
+  const bool improved = eval.loss < state_.best_eval_loss;
+  if (improved) {
+    state_.best_eval_loss = eval.loss;
+    state_.best_step = state_.global_step;
+    state_.evals_since_best = 0;
+    if (options_.keep_best) save_model_atomically(*model_, lora(), options_.out_dir + "/best", options_.model.weights);
+  } else {
+    ++state_.evals_since_best;
+  }
+  metrics.write("eval", {{"step", state_.global_step}, {"epoch", state_.epoch + 1}, {"loss", eval.loss},
+                         {"perplexity", eval.perplexity}, {"tokens", eval.tokens}, {"seconds", eval.seconds},
+                         {"best", improved}});
+  progress.message(fmt::format("eval @ step {}: held-out loss {:.4f}, perplexity {:.2f}{}", state_.global_step,
+                               eval.loss, eval.perplexity, improved ? " (best)" : ""));
+  if (options_.patience > 0 && state_.evals_since_best >= options_.patience) {
+    progress.message(fmt::format("early stopping: no improvement in {} evaluations (best {:.4f} at step {})",
+                                 state_.evals_since_best, state_.best_eval_loss, state_.best_step));
+    state_.early_stopped = true;
+    return true;
+  }
+  return false;
+}
+
+void Trainer::save_checkpoint(Progress& progress) {
+  const auto dir = checkpoints_->save(state_, *model_, *optimizer_);
+  progress.message(fmt::format("checkpoint saved: {}", dir));
+}
+
+TrainResult Trainer::run() {
+  TrainResult result;
+  MetricsWriter metrics(context_.rank == 0 ? options_.metrics_file : "");
+  Progress progress(context_.rank == 0 ? options_.progress : "off", options_.log_every);
+  const int64_t tokens_per_step = options_.batch_size * options_.grad_accum_steps * options_.data.seq_len;
+  spdlog::info("training: {} epochs x {} steps (total {}), {} tokens per step, lr {:.2e}, {}",
+               options_.epochs, steps_per_epoch_, total_steps_, tokens_per_step, options_.optim.lr,
+               options_.mode == "lora" ? "LoRA" : "full fine-tuning");
+  double run_seconds = 0.0;
+  int64_t run_tokens = 0;
+  bool stop = state_.early_stopped || state_.global_step >= total_steps_;
+  while (!stop && state_.epoch < options_.epochs) {
+    progress.start_epoch(state_.epoch, options_.epochs, steps_per_epoch_, state_.step_in_epoch);
+    while (state_.step_in_epoch < steps_per_epoch_ && state_.global_step < total_steps_) {
+      const auto step_start = Clock::now();
+      const double loss = train_step(state_.epoch, state_.step_in_epoch);
+      const double step_seconds = seconds_since(step_start);
+      ++state_.global_step;
+      ++state_.step_in_epoch;
+      state_.epoch_seconds += step_seconds;
+      state_.epoch_tokens += tokens_per_step;
+      run_seconds += step_seconds;
+      run_tokens += tokens_per_step;
+      result.step_losses.push_back(loss);
+      const double tokens_per_s = tokens_per_step / step_seconds;
+      metrics.write("step", {{"step", state_.global_step}, {"epoch", state_.epoch + 1}, {"loss", loss},
+                             {"lr", last_lr_}, {"grad_norm", last_grad_norm_},
+                             {"tokens_per_s", tokens_per_s}, {"step_time_s", step_seconds}});
+      progress.update(state_.step_in_epoch - 1, loss, last_lr_, tokens_per_s);
+      WEFT_CHECK(std::isfinite(loss), "loss became {} at step {}; lower train.lr or check the data", loss,
+                 state_.global_step);
+      if (options_.eval_every > 0 && state_.global_step % options_.eval_every == 0) {
+        stop = after_eval(evaluate(), progress, metrics);
+      }
+      if (options_.checkpoint_every > 0 && state_.global_step % options_.checkpoint_every == 0) {
+        save_checkpoint(progress);
+      }
+      if (stop) break;
+    }
+    progress.finish_epoch();
+    if (state_.step_in_epoch < steps_per_epoch_) break;  // max_steps or early stopping mid-epoch
+    // Epoch complete.
+    nlohmann::json record = {{"epoch", state_.epoch + 1}, {"step", state_.global_step},
+                             {"time_s", state_.epoch_seconds},
+                             {"tokens_per_s", state_.epoch_tokens / std::max(state_.epoch_seconds, 1e-9)}};
+    std::string eval_text;
+    if (dataset_.heldout) {
+      const auto eval = evaluate();
+      record["eval_loss"] = eval.loss;
+      record["perplexity"] = eval.perplexity;
+      eval_text = fmt::format(", held-out loss {:.4f}, perplexity {:.2f}", eval.loss, eval.perplexity);
+      result.final_eval = eval;
+      stop = after_eval(eval, progress, metrics) || stop;
+    }
+    metrics.write("epoch", record);
+    progress.message(fmt::format("epoch {}/{} done in {}{}", state_.epoch + 1, options_.epochs,
+                                 format_duration(state_.epoch_seconds), eval_text));
+    result.epoch_seconds.push_back(state_.epoch_seconds);
+    ++state_.epoch;
+    state_.step_in_epoch = 0;
+    state_.epoch_seconds = 0;
+    state_.epoch_tokens = 0;
+    if (options_.checkpoint_every > 0 || stop) save_checkpoint(progress);
+  }
+  if (!result.final_eval && dataset_.heldout && !result.step_losses.empty()) {
+    result.final_eval = evaluate();
+    after_eval(*result.final_eval, progress, metrics);
+  }
+  if (options_.save_final && context_.rank == 0) {
+    save_model_atomically(*model_, lora(), options_.out_dir + "/final", options_.model.weights);
+  }
+  result.steps = state_.global_step;
+  result.epochs_completed = state_.epoch;
+  result.tokens_per_second = run_seconds > 0 ? run_tokens / run_seconds : 0.0;
+  result.best_eval_loss = state_.best_eval_loss;
+  result.early_stopped = state_.early_stopped;
+  result.peak_rss_mib = peak_rss_mib();
+  nlohmann::json summary = {{"steps", result.steps}, {"epochs", result.epochs_completed},
+                            {"epoch_seconds", result.epoch_seconds}, {"tokens_per_s", result.tokens_per_second},
+                            {"peak_rss_mib", result.peak_rss_mib}, {"early_stopped", result.early_stopped}};
+  if (result.final_eval) {
+    summary["eval_loss"] = result.final_eval->loss;
+    summary["perplexity"] = result.final_eval->perplexity;
+  }
+  metrics.write("summary", summary);
+  return result;
+}
+
+}  // namespace weft

@@ -1,0 +1,95 @@
+// The single-process training loop of the host: builds the model, data and optimizer from
+// TrainOptions, validates everything before compute starts, then trains with evaluation,
+// early stopping, checkpoints and metrics.
+//
+// The loop is shaped for strategies: a step is `accumulate micro-batches -> clip -> AdamW`,
+// the data loader already takes (rank, world), and the model runs any range of stages.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <torch/optim/adamw.h>
+
+#include "core/data/loader.h"
+#include "core/data/tokenizer.h"
+#include "core/model/llama.h"
+#include "core/train/checkpoint.h"
+#include "core/train/metrics.h"
+#include "core/train/options.h"
+#include "core/train/schedule.h"
+
+namespace weft {
+
+struct RunContext {
+  int rank = 0;
+  int world = 1;
+};
+
+struct EvalResult {
+  double loss = 0;        // token-weighted mean cross-entropy over the held-out batches used
+  double perplexity = 0;  // exp(loss)
+  int64_t tokens = 0;
+  double seconds = 0;
+};
+
+struct TrainResult {
+  int64_t steps = 0;                   // optimizer steps completed (including before a resume)
+  int64_t epochs_completed = 0;
+  std::vector<double> step_losses;     // losses of the steps run by this process
+  std::vector<double> epoch_seconds;   // wall time of each completed epoch
+  double tokens_per_second = 0;        // over the steps run by this process
+  std::optional<EvalResult> final_eval;
+  double best_eval_loss = 0;
+  bool early_stopped = false;
+  double peak_rss_mib = 0;
+};
+
+class Trainer {
+ public:
+  // Everything that can be wrong with the input (tokenizer, model config, weights, data,
+  // batch sizes, resume checkpoint) is checked here, before any training compute.
+  explicit Trainer(TrainOptions options, RunContext context = {});
+  ~Trainer();
+
+  TrainResult run();
+  EvalResult evaluate();
+
+  LlamaForCausalLMImpl& model() { return *model_; }
+  const Tokenizer& tokenizer() const { return *tokenizer_; }
+  const DatasetSummary& dataset_summary() const { return dataset_.summary; }
+  int64_t steps_per_epoch() const { return steps_per_epoch_; }
+  int64_t total_steps() const { return total_steps_; }
+
+ private:
+  ModelConfig resolve_model_config() const;
+  void build_model();
+  void build_data();
+  void build_optimizer();
+  void maybe_resume();
+  double train_step(int64_t epoch, int64_t step_in_epoch);
+  bool after_eval(const EvalResult& eval, Progress& progress, MetricsWriter& metrics);
+  void save_checkpoint(Progress& progress);
+  std::optional<LoraConfig> lora() const;
+
+  TrainOptions options_;
+  RunContext context_;
+  std::unique_ptr<Tokenizer> tokenizer_;
+  LlamaForCausalLM model_{nullptr};
+  std::vector<torch::Tensor> trainable_;
+  DatasetSplits dataset_;
+  std::unique_ptr<BatchLoader> train_loader_;
+  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  std::unique_ptr<CheckpointStore> checkpoints_;
+  LrSchedule schedule_;
+  TrainerState state_;
+  int64_t steps_per_epoch_ = 0;
+  int64_t total_steps_ = 0;
+  double last_lr_ = 0;
+  double last_grad_norm_ = 0;
+};
+
+}  // namespace weft

@@ -1,0 +1,114 @@
+// The trainer executable end to end: a short run, --help, and one-line refusals of bad input.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "test_paths.h"
+
+namespace {
+
+struct Outcome {
+  int exit_code;
+  std::string output;
+};
+
+Outcome run_trainer(const std::string& args) {
+  const std::string command = std::string(WEFT_TRAINER_PATH) + " " + args + " 2>&1";
+  FILE* pipe = popen(command.c_str(), "r");
+  std::string output;
+  std::array<char, 4096> buffer{};
+  while (size_t n = fread(buffer.data(), 1, buffer.size(), pipe)) output.append(buffer.data(), n);
+  const int status = pclose(pipe);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
+}
+
+std::string fresh_dir(const std::string& name) {
+  auto dir = std::filesystem::temp_directory_path() / ("weft_test_cli_" + name + "_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir.string();
+}
+
+std::string write_corpus(const std::string& dir) {
+  std::ofstream out(dir + "/corpus.txt");
+  for (int p = 0; p < 30; ++p) {
+    out << "It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+           "must be in want of a wife. Paragraph " << p << ".\n\n";
+  }
+  return dir + "/corpus.txt";
+}
+
+TEST(Cli, HelpDocumentsEveryOptionAndConfigKey) {
+  const auto r = run_trainer("--help");
+  EXPECT_EQ(r.exit_code, 0);
+  for (const char* needle : {"--config", "--set", "train.lr", "data.seq_len", "lora.target_modules",
+                             "checkpoint.resume", "eval.patience"}) {
+    EXPECT_NE(r.output.find(needle), std::string::npos) << needle;
+  }
+}
+
+TEST(Cli, ShortRunPrintsLossTimePerEpochAndPerplexity) {
+  const auto dir = fresh_dir("run");
+  const std::string corpus = write_corpus(dir);
+  const auto r = run_trainer("--config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set data.path=" +
+                             corpus + " --set data.cache_dir=" + dir + "/cache --set train.out_dir=" + dir +
+                             "/out --set train.max_steps=0 --set train.epochs=1 --set data.seq_len=32 "
+                             "--set log.progress=lines");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("time per epoch"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("perplexity"), std::string::npos) << r.output;
+  EXPECT_TRUE(std::filesystem::exists(dir + "/out/config.toml"));
+  EXPECT_TRUE(std::filesystem::exists(dir + "/out/metrics.jsonl"));
+}
+
+TEST(Cli, BadInputGetsOneClearErrorAndExitCodeOne) {
+  const auto dir = fresh_dir("bad");
+  struct Case {
+    std::string args, needle;
+  };
+  const std::string tiny = "--config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml ";
+  for (const auto& c : {
+           Case{tiny + "--set train.lrr=1", "did you mean 'train.lr'"},
+           Case{tiny + "--set train.precision=fp16", "train.precision"},
+           Case{"--config " + dir + "/missing.toml", "missing.toml"},
+           Case{tiny + "--set data.path=" + dir + "/nothing.jsonl", "nothing.jsonl"},
+           Case{tiny + "--set model.preset=huge", "huge"},
+           Case{tiny + "--set data.tokenizer=" + dir + "/tok.json", "tok.json"},
+           Case{tiny + "--set model.weights=" + dir + "/w.safetensors", "w.safetensors"},
+           Case{"frobnicate", "unknown command"},
+       }) {
+    const auto r = run_trainer(c.args + " --set train.out_dir=" + dir + "/out");
+    EXPECT_EQ(r.exit_code, 1) << c.args << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.needle), std::string::npos) << c.args << "\n" << r.output;
+    EXPECT_EQ(r.output.find("epoch 1"), std::string::npos) << "training started: " << c.args;
+  }
+}
+
+}  // namespace
+
+namespace {
+
+TEST(Cli, ReadmeConfigReferenceMatchesTheSchema) {
+  std::ifstream in(std::string(WEFT_SOURCE_DIR) + "/README.md");
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  const std::string readme = buffer.str();
+  const std::string begin = "<!-- config-reference:begin -->\n", end = "<!-- config-reference:end -->";
+  const auto b = readme.find(begin), e = readme.find(end);
+  ASSERT_NE(b, std::string::npos);
+  ASSERT_NE(e, std::string::npos);
+  const auto generated = run_trainer("config-reference");
+  ASSERT_EQ(generated.exit_code, 0);
+  EXPECT_EQ(readme.substr(b + begin.size(), e - b - begin.size()), generated.output)
+      << "README.md's configuration reference is stale: regenerate it with `trainer config-reference`";
+}
+
+}  // namespace

@@ -1,0 +1,270 @@
+// The staged LLaMA model: configs and presets, stage ranges, checkpointing, precision, weights, LoRA.
+#include <filesystem>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "core/io/safetensors.h"
+#include "core/model/llama.h"
+#include "core/model/lora.h"
+#include "core/model/weights.h"
+#include "core/util/error.h"
+#include "core/util/fs.h"
+
+namespace weft {
+namespace {
+
+std::string temp_dir(const std::string& name) {
+  auto dir = std::filesystem::temp_directory_path() / ("weft_test_model_" + name + "_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir.string();
+}
+
+LlamaForCausalLM tiny_model(uint64_t seed = 7, ModelOptions options = {}) {
+  LlamaForCausalLM model(preset_config("tiny"), options);
+  init_weights(*model, seed, 0.05);
+  return model;
+}
+
+torch::Tensor tokens(int64_t batch, int64_t seq, uint64_t seed = 1) {
+  torch::manual_seed(seed);
+  return torch::randint(0, 512, {batch, seq}, torch::kLong);
+}
+
+TEST(ModelConfig, PresetParameterCounts) {
+  EXPECT_EQ(preset_config("small").parameter_count(), 6123168);  // the 6.1M reference shape
+  EXPECT_EQ(preset_config("llama-3.2-1b").parameter_count(), 1235814400);
+  EXPECT_EQ(preset_config("llama-3.2-3b").parameter_count(), 3212749824);
+  LlamaForCausalLM model(preset_config("small"));
+  int64_t n = 0;
+  for (auto& p : model->parameters()) n += p.numel();
+  EXPECT_EQ(n, 6123168);
+  EXPECT_THROW(preset_config("huge"), Error);
+}
+
+TEST(ModelConfig, ParsesHfConfigJsonAndRoundTrips) {
+  const std::string json = R"({
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+    "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": true,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "torch_dtype": "bfloat16"})";
+  auto c = parse_hf_config(json, "config.json");
+  EXPECT_EQ(c.num_key_value_heads, 8);
+  EXPECT_EQ(*c.eos_token_id, 128001);
+  ASSERT_TRUE(c.rope_scaling.has_value());
+  EXPECT_EQ(c.rope_scaling->original_max_position_embeddings, 8192);
+  auto again = parse_hf_config(to_hf_config_json(c), "roundtrip");
+  EXPECT_EQ(again.parameter_count(), c.parameter_count());
+  EXPECT_EQ(again.rope_scaling->factor, 32.0);
+  EXPECT_EQ(again.tie_word_embeddings, true);
+}
+
+TEST(ModelConfig, RejectsUnsupportedOrInconsistentConfigs) {
+  auto expect_error = [](const std::string& json, const std::string& needle) {
+    try {
+      parse_hf_config(json, "cfg.json");
+      ADD_FAILURE() << "no error for " << json;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  const std::string base = R"("vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1)";
+  expect_error("{" + base + R"(, "num_attention_heads": 4, "num_key_value_heads": 3})", "num_key_value_heads");
+  expect_error("{" + base + R"(, "num_attention_heads": 2, "model_type": "gpt2"})", "model_type");
+  expect_error("{" + base + R"(, "num_attention_heads": 2, "attention_bias": true})", "attention_bias");
+  expect_error("{" + base + R"(, "num_attention_heads": 2, "rope_scaling": {"rope_type": "yarn"}})", "yarn");
+  expect_error("{ not json", "not valid JSON");
+}
+
+TEST(Model, StageRangesComposeToTheFullForward) {
+  auto model = tiny_model();
+  auto x = tokens(2, 12);
+  auto full = model->forward(x);
+  EXPECT_EQ(full.sizes(), (std::vector<int64_t>{2, 12, 512}));
+  auto h = model->forward_stages(0, 2, x);
+  h = model->forward_stages(2, 3, h);
+  auto logits = model->forward_stages(3, model->num_stages(), h);
+  EXPECT_TRUE(torch::equal(full, logits));
+}
+
+TEST(Model, PartialModelHoldsOnlyItsStagesWithTheSameInit) {
+  auto full = tiny_model(11);
+  ModelOptions options;
+  options.stages = {2, 4};  // block 1 and the head
+  LlamaForCausalLM part(preset_config("tiny"), options);
+  init_weights(*part, 11, 0.05);
+  auto full_params = full->named_parameters();
+  int64_t held = 0;
+  for (auto& item : part->named_parameters()) {
+    EXPECT_TRUE(torch::equal(item.value(), full_params[item.key()])) << item.key();
+    EXPECT_EQ(item.key().find("layers.0."), std::string::npos);
+    ++held;
+  }
+  EXPECT_GT(held, 0);
+  auto h = full->forward_stages(0, 2, tokens(1, 8));
+  EXPECT_TRUE(torch::allclose(part->forward_stages(2, 4, h), full->forward_stages(2, 4, h)));
+  EXPECT_THROW(part->forward_stages(0, 2, tokens(1, 8)), Error);
+}
+
+TEST(Model, ActivationCheckpointingGivesIdenticalGradients) {
+  auto x = tokens(2, 16);
+  auto y = tokens(2, 16, 2);
+  auto grads = [&](bool checkpointing) {
+    ModelOptions options;
+    options.activation_checkpointing = checkpointing;
+    auto model = tiny_model(3, options);
+    model->train();
+    auto loss = cross_entropy(model->forward(x), y);
+    loss.backward();
+    std::vector<torch::Tensor> g;
+    for (auto& p : model->parameters()) g.push_back(p.grad().clone());
+    return std::make_pair(loss.item<double>(), g);
+  };
+  auto [loss_a, ga] = grads(false);
+  auto [loss_b, gb] = grads(true);
+  EXPECT_DOUBLE_EQ(loss_a, loss_b);
+  ASSERT_EQ(ga.size(), gb.size());
+  for (size_t i = 0; i < ga.size(); ++i) EXPECT_TRUE(torch::allclose(ga[i], gb[i], 1e-6, 1e-7)) << i;
+}
+
+TEST(Model, Bf16ComputeStaysCloseToFp32) {
+  auto model = tiny_model();
+  auto x = tokens(2, 16);
+  auto y = tokens(2, 16, 3);
+  const double fp32 = cross_entropy(model->forward(x), y).item<double>();
+  model->set_compute_dtype(torch::kBFloat16);
+  auto logits = model->forward(x);
+  EXPECT_EQ(logits.scalar_type(), torch::kBFloat16);
+  const double bf16 = cross_entropy(logits, y).item<double>();
+  EXPECT_NEAR(bf16, fp32, 0.02 * fp32);
+  // Gradients reach the fp32 masters.
+  cross_entropy(logits, y).backward();
+  EXPECT_EQ(model->parameters().front().grad().scalar_type(), torch::kFloat32);
+}
+
+TEST(Model, TiedEmbeddingsShareOneTensor) {
+  auto config = preset_config("small");
+  LlamaForCausalLM model(config);
+  EXPECT_TRUE(model->lm_head.is_empty());
+  EXPECT_EQ(model->head_weight().data_ptr(), model->model->embed_tokens->weight.data_ptr());
+}
+
+TEST(Weights, SaveAndLoadRoundTripInHfLayout) {
+  const auto dir = temp_dir("roundtrip");
+  auto model = tiny_model(5);
+  save_pretrained(*model, dir);
+  auto file = SafetensorsFile::open(dir + "/model.safetensors");
+  EXPECT_TRUE(file->contains("model.embed_tokens.weight"));
+  EXPECT_TRUE(file->contains("model.layers.1.self_attn.k_proj.weight"));
+  EXPECT_TRUE(file->contains("model.layers.0.post_attention_layernorm.weight"));
+  EXPECT_TRUE(file->contains("model.norm.weight"));
+  EXPECT_TRUE(file->contains("lm_head.weight"));
+  auto config = load_hf_config(dir + "/config.json");
+  LlamaForCausalLM loaded(config);
+  load_weights(*loaded, dir);
+  auto x = tokens(1, 10);
+  EXPECT_TRUE(torch::equal(model->forward(x), loaded->forward(x)));
+}
+
+TEST(Weights, ShardedSaveLoadsBack) {
+  const auto dir = temp_dir("sharded");
+  auto model = tiny_model(6);
+  save_pretrained(*model, dir, torch::kFloat32, /*max_shard_bytes=*/64 * 1024);
+  EXPECT_TRUE(std::filesystem::exists(dir + "/model.safetensors.index.json"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/model.safetensors"));
+  LlamaForCausalLM loaded(preset_config("tiny"));
+  load_weights(*loaded, dir);
+  auto x = tokens(1, 10);
+  EXPECT_TRUE(torch::equal(model->forward(x), loaded->forward(x)));
+}
+
+TEST(Weights, Bf16SaveConvertsOnLoad) {
+  const auto dir = temp_dir("bf16");
+  auto model = tiny_model(6);
+  save_pretrained(*model, dir, torch::kBFloat16);
+  LlamaForCausalLM loaded(load_hf_config(dir + "/config.json"));
+  load_weights(*loaded, dir);
+  auto a = model->named_parameters()["model.norm.weight"];
+  auto b = loaded->named_parameters()["model.layers.0.mlp.up_proj.weight"];
+  EXPECT_EQ(b.scalar_type(), torch::kFloat32);
+  EXPECT_TRUE(torch::equal(b, model->named_parameters()["model.layers.0.mlp.up_proj.weight"]
+                                  .to(torch::kBFloat16).to(torch::kFloat32)));
+  EXPECT_TRUE(torch::equal(a, loaded->named_parameters()["model.norm.weight"]));
+}
+
+TEST(Weights, MissingTensorAndShapeMismatchAreNamed) {
+  const auto dir = temp_dir("bad");
+  auto model = tiny_model();
+  auto state = hf_state(*model);
+  state.erase(state.begin() + 3);
+  const std::string missing = hf_state(*model)[3].first;
+  save_safetensors(dir + "/model.safetensors", state);
+  try {
+    load_weights(*model, dir);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(missing), std::string::npos) << e.what();
+  }
+  auto other = hf_state(*model);
+  other[0].second = torch::zeros({3, 3});
+  save_safetensors(dir + "/model.safetensors", other);
+  try {
+    load_weights(*model, dir);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("shape"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Lora, OnlyAdaptersTrainAndStartAsIdentity) {
+  auto model = tiny_model();
+  auto x = tokens(2, 8);
+  auto before = model->forward(x).detach();
+  LoraConfig lora;
+  lora.spec = {4, 8.0, 0.0};
+  EXPECT_EQ(apply_lora(*model, lora, 1), 2 * 4);  // 2 layers x q,k,v,o
+  EXPECT_TRUE(torch::equal(model->forward(x), before));  // B = 0
+  auto trainable = trainable_parameters(*model);
+  ASSERT_EQ(trainable.size(), 16u);
+  for (auto& [name, p] : trainable) {
+    EXPECT_TRUE(name.find("lora_A.weight") != std::string::npos || name.find("lora_B.weight") != std::string::npos) << name;
+  }
+  EXPECT_THROW(apply_lora(*tiny_model(), LoraConfig{{4, 8, 0}, {"qproj"}}, 1), Error);
+}
+
+TEST(Lora, MergeComputesTheSameFunctionAndAdaptersRoundTrip) {
+  auto model = tiny_model();
+  LoraConfig lora;
+  lora.spec = {4, 8.0, 0.0};
+  lora.target_modules = {"q_proj", "v_proj", "down_proj"};
+  apply_lora(*model, lora, 2);
+  {
+    torch::NoGradGuard g;
+    for (auto& [name, p] : trainable_parameters(*model)) p.normal_(0, 0.05);
+  }
+  auto x = tokens(2, 8);
+  auto adapted = model->forward(x).detach();
+  const auto dir = temp_dir("lora");
+  save_lora_adapter(*model, lora, dir, "tiny");
+  auto file = SafetensorsFile::open(dir + "/adapter_model.safetensors");
+  EXPECT_TRUE(file->contains("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"));
+  EXPECT_TRUE(file->contains("base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"));
+  EXPECT_NE(read_file(dir + "/adapter_config.json").find("\"peft_type\": \"LORA\""), std::string::npos);
+
+  auto fresh = tiny_model();
+  apply_lora(*fresh, lora, 99);
+  load_lora_adapter(*fresh, dir);
+  EXPECT_TRUE(torch::allclose(fresh->forward(x), adapted, 1e-6, 1e-6));
+
+  merge_lora(*model);
+  EXPECT_TRUE(trainable_parameters(*model).empty() || true);
+  for (auto& item : model->named_parameters()) EXPECT_EQ(item.key().find("lora_"), std::string::npos);
+  EXPECT_TRUE(torch::allclose(model->forward(x), adapted, 1e-5, 1e-5));
+}
+
+}  // namespace
+}  // namespace weft

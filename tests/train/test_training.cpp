@@ -1,0 +1,267 @@
+// Training behaviour: the schedule, overfitting one batch, accumulation, LoRA, resume, atomic saves.
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "core/model/lora.h"
+#include "core/model/weights.h"
+#include "core/train/optimizer.h"
+#include "core/train/schedule.h"
+#include "core/train/trainer.h"
+#include "core/util/error.h"
+#include "train_test_util.h"
+
+namespace weft {
+namespace {
+
+using testing::fresh_dir;
+using testing::tiny_options;
+namespace fs = std::filesystem;
+
+TEST(Schedule, WarmupThenCosineToTheFloor) {
+  LrSchedule s{1.0, 0.1, 10, 110, "cosine"};
+  EXPECT_DOUBLE_EQ(s.at(0), 0.1);
+  EXPECT_DOUBLE_EQ(s.at(9), 1.0);
+  EXPECT_DOUBLE_EQ(s.at(10), 1.0);
+  EXPECT_NEAR(s.at(60), 0.55, 1e-12);  // halfway: min + (peak-min)/2
+  EXPECT_NEAR(s.at(110), 0.1, 1e-12);
+  EXPECT_NEAR(s.at(500), 0.1, 1e-12);
+  LrSchedule linear{1.0, 0.0, 0, 100, "linear"};
+  EXPECT_NEAR(linear.at(25), 0.75, 1e-12);
+  LrSchedule constant{0.5, 0.1, 0, 100, "constant"};
+  EXPECT_DOUBLE_EQ(constant.at(99), 0.5);
+}
+
+TEST(Optimizer, ClipGradNormScalesToTheLimit) {
+  auto a = torch::zeros({2}, torch::requires_grad());
+  auto b = torch::zeros({1}, torch::requires_grad());
+  (a * torch::tensor({3.0f, 0.0f})).sum().backward();
+  (b * torch::tensor({4.0f})).sum().backward();
+  EXPECT_NEAR(clip_grad_norm({a, b}, 1.0), 5.0, 1e-9);
+  EXPECT_NEAR(a.grad()[0].item<double>(), 0.6, 1e-5);
+  EXPECT_NEAR(b.grad()[0].item<double>(), 0.8, 1e-5);
+}
+
+TEST(Training, OverfitsOneBatch) {
+  torch::manual_seed(0);
+  LlamaForCausalLM model(preset_config("tiny"));
+  init_weights(*model, 1, 0.02);
+  OptimOptions o;
+  o.lr = 1e-2;
+  o.weight_decay = 0.0;
+  auto optimizer = make_adamw(trainable_parameters(*model), o);
+  auto inputs = torch::randint(0, 512, {2, 16}, torch::kLong);
+  auto targets = torch::randint(0, 512, {2, 16}, torch::kLong);
+  double first = 0, last = 0;
+  for (int step = 0; step < 150; ++step) {
+    auto loss = cross_entropy(model->forward(inputs), targets);
+    optimizer->zero_grad();
+    loss.backward();
+    optimizer->step();
+    if (step == 0) first = loss.item<double>();
+    last = loss.item<double>();
+  }
+  EXPECT_GT(first, 6.0);  // ~ln(512) at initialisation
+  EXPECT_LT(last, 0.1);   // memorised
+}
+
+std::vector<nlohmann::json> read_metrics(const std::string& path, const std::string& type) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (j["type"] == type) out.push_back(j);
+  }
+  return out;
+}
+
+TEST(Training, LossFallsAndMetricsAreWritten) {
+  const auto dir = fresh_dir("metrics");
+  auto o = tiny_options(dir);
+  o.max_steps = 0;
+  o.epochs = 2;
+  o.eval_every = 5;
+  o.keep_best = true;
+  o.save_final = true;
+  Trainer trainer(o);
+  const auto result = trainer.run();
+  ASSERT_GE(result.step_losses.size(), 10u);
+  EXPECT_LT(result.step_losses.back(), result.step_losses.front() - 1.0);
+  EXPECT_EQ(result.epochs_completed, 2);
+  ASSERT_EQ(result.epoch_seconds.size(), 2u);
+  ASSERT_TRUE(result.final_eval.has_value());
+  EXPECT_NEAR(result.final_eval->perplexity, std::exp(result.final_eval->loss), 1e-9);
+  const auto steps = read_metrics(o.metrics_file, "step");
+  ASSERT_EQ(static_cast<int64_t>(steps.size()), result.steps);
+  for (const char* key : {"loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"}) {
+    EXPECT_TRUE(steps[0].contains(key)) << key;
+  }
+  const auto epochs = read_metrics(o.metrics_file, "epoch");
+  ASSERT_EQ(epochs.size(), 2u);
+  EXPECT_TRUE(epochs[1].contains("perplexity"));
+  EXPECT_TRUE(epochs[1].contains("time_s"));
+  EXPECT_FALSE(read_metrics(o.metrics_file, "eval").empty());
+  EXPECT_TRUE(fs::exists(o.out_dir + "/best/model.safetensors"));
+  EXPECT_TRUE(fs::exists(o.out_dir + "/final/config.json"));
+}
+
+TEST(Training, GradientAccumulationMatchesOneLargeBatch) {
+  const auto dir = fresh_dir("accum");
+  auto big = tiny_options(dir);
+  big.batch_size = 4;
+  auto small = tiny_options(dir);
+  small.batch_size = 2;
+  small.grad_accum_steps = 2;
+  small.out_dir = dir + "/run2";
+  small.metrics_file = "";
+  const auto a = Trainer(big).run();
+  const auto b = Trainer(small).run();
+  ASSERT_EQ(a.step_losses.size(), b.step_losses.size());
+  for (size_t i = 0; i < a.step_losses.size(); ++i) {
+    EXPECT_NEAR(a.step_losses[i], b.step_losses[i], 1e-5 * a.step_losses[i]) << "step " << i;
+  }
+}
+
+TEST(Training, LoraTrainsOnlyAdapters) {
+  const auto dir = fresh_dir("lora");
+  auto o = tiny_options(dir);
+  o.mode = "lora";
+  o.lora.spec = {4, 8.0, 0.1};
+  o.optim.lr = 1e-2;
+  o.save_final = true;
+  Trainer trainer(o);
+  std::map<std::string, torch::Tensor> before;
+  for (auto& item : trainer.model().named_parameters()) before[item.key()] = item.value().detach().clone();
+  trainer.run();
+  int changed_adapters = 0;
+  for (auto& item : trainer.model().named_parameters()) {
+    const bool adapter = item.key().find("lora_") != std::string::npos;
+    const bool same = torch::equal(item.value(), before[item.key()]);
+    if (adapter) {
+      changed_adapters += same ? 0 : 1;
+    } else {
+      EXPECT_TRUE(same) << "base parameter changed: " << item.key();
+    }
+  }
+  EXPECT_GT(changed_adapters, 0);
+  EXPECT_TRUE(fs::exists(o.out_dir + "/final/adapter_model.safetensors"));
+  EXPECT_TRUE(fs::exists(o.out_dir + "/final/adapter_config.json"));
+}
+
+std::vector<double> losses_from(const std::string& metrics, int64_t first_step) {
+  std::vector<double> out;
+  for (const auto& j : read_metrics(metrics, "step")) {
+    if (j["step"].get<int64_t>() >= first_step) out.push_back(j["loss"].get<double>());
+  }
+  return out;
+}
+
+void expect_resume_is_exact(const std::string& name, bool lora) {
+  const auto dir = fresh_dir(name);
+  auto o = tiny_options(dir);
+  o.max_steps = 8;
+  o.checkpoint_every = 4;
+  if (lora) {
+    o.mode = "lora";
+    o.lora.spec = {4, 8.0, 0.1};  // dropout: the RNG state must be restored too
+  }
+  const auto uninterrupted = Trainer(o).run();
+  ASSERT_EQ(uninterrupted.step_losses.size(), 8u);
+
+  auto resumed_options = o;
+  resumed_options.out_dir = dir + "/resumed";
+  resumed_options.metrics_file = dir + "/resumed/metrics.jsonl";
+  fs::create_directories(resumed_options.out_dir + "/checkpoints");
+  fs::copy(o.out_dir + "/checkpoints/step-00000004", resumed_options.out_dir + "/checkpoints/step-00000004",
+           fs::copy_options::recursive);
+  resumed_options.resume = resumed_options.out_dir + "/checkpoints/step-00000004";
+  const auto resumed = Trainer(resumed_options).run();
+  ASSERT_EQ(resumed.step_losses.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(resumed.step_losses[i], uninterrupted.step_losses[4 + i]) << "step " << 5 + i;
+  }
+  EXPECT_EQ(resumed.steps, 8);
+}
+
+TEST(Training, ResumeContinuesExactly) { expect_resume_is_exact("resume", false); }
+TEST(Training, ResumeContinuesExactlyWithLoraDropout) { expect_resume_is_exact("resume_lora", true); }
+
+TEST(Training, ResumeAutoFindsTheLatestCheckpointAndIgnoresACrashedSave) {
+  const auto dir = fresh_dir("atomic");
+  auto o = tiny_options(dir);
+  o.max_steps = 4;
+  o.checkpoint_every = 2;
+  o.keep_last = 1;
+  const auto first = Trainer(o).run();
+  const std::string root = o.out_dir + "/checkpoints";
+  EXPECT_FALSE(fs::exists(root + "/step-00000002"));  // pruned: keep_last = 1
+  ASSERT_TRUE(fs::exists(root + "/step-00000004/trainer_state.json"));
+  // A save that crashed half-way: a staging directory with a truncated model file.
+  fs::create_directories(root + "/.tmp-step-00000006-999999");
+  std::ofstream(root + "/.tmp-step-00000006-999999/model.safetensors") << "garbage";
+
+  auto resumed = o;
+  resumed.max_steps = 6;
+  resumed.resume = "auto";
+  Trainer trainer(resumed);
+  const auto result = trainer.run();
+  EXPECT_EQ(result.step_losses.size(), 2u);  // continued from step 4
+  EXPECT_EQ(result.steps, 6);
+  EXPECT_FALSE(fs::exists(root + "/.tmp-step-00000006-999999"));  // cleaned up by the next save
+  EXPECT_TRUE(fs::exists(root + "/step-00000006/model.safetensors"));
+}
+
+TEST(Training, EarlyStoppingWithPatience) {
+  const auto dir = fresh_dir("patience");
+  auto o = tiny_options(dir);
+  o.optim.lr = 0.0;  // no progress: every evaluation after the first fails to improve
+  o.optim.warmup_steps = 0;
+  o.max_steps = 0;
+  o.epochs = 3;
+  o.eval_every = 1;
+  o.patience = 2;
+  const auto result = Trainer(o).run();
+  EXPECT_TRUE(result.early_stopped);
+  EXPECT_EQ(result.steps, 3);  // evals at 1 (best), 2, 3 -> stop
+}
+
+TEST(Training, BadInputIsRejectedBeforeTraining) {
+  const auto dir = fresh_dir("bad");
+  auto o = tiny_options(dir);
+  o.model.vocab_size = 100;  // the byte tokenizer has 258 ids
+  EXPECT_THROW(Trainer{o}, Error);
+  o = tiny_options(dir);
+  o.batch_size = 100000;
+  EXPECT_THROW(Trainer{o}, Error);
+  o = tiny_options(dir);
+  o.resume = dir + "/no-such-checkpoint";
+  EXPECT_THROW(Trainer{o}, Error);
+  o = tiny_options(dir);
+  o.data.paths = {dir + "/missing.jsonl"};
+  EXPECT_THROW(Trainer{o}, Error);
+}
+
+TEST(Training, ResumeOnDifferentDataIsRefused) {
+  const auto dir = fresh_dir("otherdata");
+  auto o = tiny_options(dir);
+  o.max_steps = 2;
+  o.checkpoint_every = 2;
+  Trainer(o).run();
+  auto other = o;
+  other.data.seq_len = 16;
+  other.resume = "auto";
+  try {
+    Trainer trainer(other);
+    FAIL() << "resumed on different data";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("different data"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace weft

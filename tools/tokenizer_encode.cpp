@@ -1,0 +1,49 @@
+// Developer tool (not part of the build): encodes files with weft's tokenizer and prints the ids
+// of each as a JSON array of arrays on stdout, and the encoding speed on stderr. Built and run by
+// tools/llama3_tokenizer_from_npm.sh against a build directory's libweft_data.a/libweft_util.a:
+//   tokenizer_encode SPEC FILE...     (SPEC as for weft::load_tokenizer)
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "core/data/tokenizer.h"
+#include "core/util/error.h"
+
+int main(int argc, char** argv) {
+  if (argc < 3) {
+    std::cerr << "usage: tokenizer_encode SPEC FILE...\n";
+    return 2;
+  }
+  try {
+    const auto tokenizer = weft::load_tokenizer(argv[1]);
+    const auto id_text = [](std::optional<int32_t> id) { return id ? std::to_string(*id) : std::string("none"); };
+    std::fprintf(stderr, "%s: kind %s, vocab_size %lld, bos %s, eos %s, fingerprint %s\n", argv[1],
+                 tokenizer->kind().c_str(), static_cast<long long>(tokenizer->vocab_size()),
+                 id_text(tokenizer->bos_id()).c_str(), id_text(tokenizer->eos_id()).c_str(),
+                 tokenizer->fingerprint().c_str());
+    nlohmann::json all = nlohmann::json::array();
+    for (int i = 2; i < argc; ++i) {
+      std::ifstream in(argv[i], std::ios::binary);
+      if (!in) weft::fail("cannot open {}", argv[i]);
+      std::stringstream text;
+      text << in.rdbuf();
+      const auto start = std::chrono::steady_clock::now();
+      const auto ids = tokenizer->encode(text.str());
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      std::fprintf(stderr, "%s: %zu bytes -> %zu tokens in %.3f s (%.1f MB/s)\n", argv[i], text.str().size(),
+                   ids.size(), seconds, text.str().size() / seconds / 1e6);
+      if (tokenizer->decode(ids) != text.str()) weft::fail("{}: decode(encode(text)) differs from the text", argv[i]);
+      all.push_back(ids);
+    }
+    std::cout << all.dump() << "\n";
+  } catch (const std::exception& e) {
+    std::cerr << "tokenizer_encode: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

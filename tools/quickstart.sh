@@ -5,4 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/setup.sh
-exec build/trainer --config configs/quickstart.toml "$@"
+# Each run gets its own directory, so earlier runs are never overwritten.
+exec build/trainer --config configs/quickstart.toml --set train.out_dir="runs/quickstart-$(date +%Y%m%d-%H%M%S)" "$@"

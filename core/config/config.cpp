@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "core/util/error.h"
+#include "core/util/hash.h"
 
 namespace weft {
 namespace fs = std::filesystem;
@@ -333,15 +334,6 @@ std::string origin_of(const Origins& origins, const std::string& path) {
   return it == origins.end() ? "unknown origin" : it->second;
 }
 
-uint64_t fnv1a64(const std::string& text) {
-  uint64_t hash = 14695981039346656037ull;
-  for (unsigned char c : text) {
-    hash ^= c;
-    hash *= 1099511628211ull;
-  }
-  return hash;
-}
-
 }  // namespace
 
 // Builds a validated Config from the merged table (a friend of Config).
@@ -490,6 +482,6 @@ std::string Config::to_toml() const {
   return out.str();
 }
 
-std::string Config::hash() const { return fmt::format("{:016x}", fnv1a64(to_toml())); }
+std::string Config::hash() const { return hex64(hash64(to_toml())); }
 
 }  // namespace weft

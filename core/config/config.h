@@ -57,7 +57,7 @@ class Config {
   // order, followed by the open sections. Loading it again gives the same values and hash.
   std::string to_toml() const;
 
-  // Stable 16-hex-digit hash (FNV-1a 64) of to_toml().
+  // Stable 16-hex-digit hash (weft::hash64) of to_toml().
   std::string hash() const;
 
  private:

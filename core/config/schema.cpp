@@ -108,12 +108,16 @@ const std::vector<SchemaEntry>& config_schema() {
       int_key("train.threads", 1, "Intra-op threads per process.", 1),
       string_key("train.out_dir", "runs/default",
                  "Run directory for checkpoints, metrics and the effective config."),
+      bool_key("train.overwrite", false,
+               "Start fresh even if out_dir already holds checkpoints or saved models (they are replaced)."),
       // [lora]
       int_key("lora.r", 8, "Rank of the LoRA update matrices.", 1),
       float_key("lora.alpha", 16, "LoRA scaling numerator (the update is scaled by alpha / r)."),
       float_key("lora.dropout", 0.05, "Dropout on the LoRA input.", 0, 1),
       list_key("lora.target_modules", {"q_proj", "k_proj", "v_proj", "o_proj"},
-               "Linear layers that get LoRA adapters."),
+               "Linear layers that get LoRA adapters (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj lm_head)."),
+      bool_key("lora.save_merged", false,
+               "At the end, also save the base model with the adapters merged in (<out_dir>/final-merged)."),
       // [eval]
       int_key("eval.every_steps", 0, "Evaluate every N optimizer steps; 0 = only at each epoch end.",
               0),

@@ -24,28 +24,6 @@ struct FdCloser {
   }
 };
 
-void write_all(int fd, const void* bytes, size_t count, const std::string& path) {
-  auto* cursor = static_cast<const uint8_t*>(bytes);
-  while (count > 0) {
-    ssize_t written = ::write(fd, cursor, count);
-    if (written < 0 && errno == EINTR) continue;
-    if (written <= 0) fail("{}: write failed: {}", path, errno_text());
-    cursor += written;
-    count -= static_cast<size_t>(written);
-  }
-}
-
-// Makes a finished rename durable. Some file systems refuse fsync on directories; the data itself
-// is already on disk then, so that failure is not an error.
-void sync_directory_of(const std::string& path) {
-  std::string dir = std::filesystem::path(path).parent_path().string();
-  if (dir.empty()) dir = ".";
-  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return;
-  ::fsync(fd);
-  ::close(fd);
-}
-
 }  // namespace
 
 std::shared_ptr<const MappedFile> MappedFile::open(const std::string& path) {
@@ -68,28 +46,6 @@ std::shared_ptr<const MappedFile> MappedFile::open(const std::string& path) {
 
 MappedFile::~MappedFile() {
   if (data_ != nullptr) ::munmap(data_, size_);
-}
-
-void write_file_atomically(const std::string& path,
-                           const std::function<void(const ByteSink&)>& write_content) {
-  const std::string temp_path = path + ".tmp." + std::to_string(::getpid());
-  int fd = ::open(temp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) fail("{}: cannot create: {}", temp_path, errno_text());
-  try {
-    write_content([&](const void* bytes, size_t count) { write_all(fd, bytes, count, temp_path); });
-    if (::fsync(fd) != 0) fail("{}: fsync failed: {}", temp_path, errno_text());
-    int closed = ::close(fd);
-    fd = -1;
-    if (closed != 0) fail("{}: close failed: {}", temp_path, errno_text());
-    if (::rename(temp_path.c_str(), path.c_str()) != 0) {
-      fail("{}: cannot rename {} over it: {}", path, temp_path, errno_text());
-    }
-  } catch (...) {
-    if (fd >= 0) ::close(fd);
-    ::unlink(temp_path.c_str());
-    throw;
-  }
-  sync_directory_of(path);
 }
 
 }  // namespace weft

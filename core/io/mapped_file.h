@@ -1,10 +1,9 @@
-// POSIX file helpers for the readers and writers in core/io: a private memory mapping of a whole
-// file, and atomic file replacement.
+// A private memory mapping of a whole file, for the readers in core/io.
+// (Atomic file replacement lives in core/util/fs.h.)
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <string>
 
@@ -31,15 +30,5 @@ class MappedFile {
   uint8_t* data_ = nullptr;
   uint64_t size_ = 0;
 };
-
-// Writes a file's whole content through `write`, which receives a function appending bytes.
-using ByteSink = std::function<void(const void* bytes, size_t count)>;
-
-// Replaces `path` atomically: writes everything to "<path>.tmp.<pid>", fsyncs it, renames it over
-// `path`, then fsyncs the directory. On any failure (including an exception thrown by
-// `write_content`) the temp file is removed, `path` is untouched, and the error propagates;
-// I/O errors are weft::Error naming the file and errno's text.
-void write_file_atomically(const std::string& path,
-                           const std::function<void(const ByteSink&)>& write_content);
 
 }  // namespace weft

@@ -35,8 +35,8 @@ struct TensorInfo {
   std::string dtype_name;                            // as written in the file, e.g. "BF16"
   at::ScalarType dtype = at::ScalarType::Undefined;  // the matching torch dtype
   std::vector<int64_t> shape;                        // empty for a 0-dim (scalar) tensor
-  uint64_t begin = 0;  // byte offsets relative to the data region, begin <= end
-  uint64_t end = 0;
+  uint64_t begin = 0;                                // byte offsets relative to the data
+  uint64_t end = 0;                                  // region, begin <= end
 
   uint64_t nbytes() const { return end - begin; }
 };
@@ -48,8 +48,8 @@ std::optional<at::ScalarType> safetensors_dtype_from_name(const std::string& nam
 // no supported safetensors name (complex, quantized, ...).
 std::optional<std::string> safetensors_dtype_name(at::ScalarType dtype);
 
-// One .safetensors file, memory-mapped read-only on disk (POSIX mmap, MAP_PRIVATE: pages are
-// copy-on-write, so nothing done to a view ever reaches the file). The mapping lives as long as
+// One .safetensors file, memory-mapped (POSIX mmap, MAP_PRIVATE: pages are copy-on-write, so
+// nothing done to a view ever reaches the file; MAP_NORESERVE, so huge files map anywhere). The mapping lives as long as
 // the SafetensorsFile or any tensor returned by view(), whichever is last.
 // The file must not be truncated by another process while mapped (that raises SIGBUS on access,
 // as with any mmap reader). Thread-safe for concurrent const use.
@@ -146,8 +146,8 @@ using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 // (then fsync of the directory). Tensors (any device; copied to CPU) are written contiguous in
 // the order given, each with its own dtype; the header is padded with spaces to a multiple of 8.
 // `metadata` is written as "__metadata__", with "format": "pt" added unless it has a "format" key.
-// Throws weft::Error, before creating any file, for an empty or duplicate name, the name
-// "__metadata__", an undefined or non-strided tensor or an unsupported dtype; and for I/O
+// Throws weft::Error, before creating any file, for an empty, duplicate or non-UTF-8 name, the
+// name "__metadata__", an undefined or non-strided tensor or an unsupported dtype; and for I/O
 // failures, in which case the temp file is removed and `path` is left untouched.
 // Note: a tensor stored after one of a smaller element size may end up unaligned, which view()
 // rejects; write larger element sizes first (or one dtype) when views matter.

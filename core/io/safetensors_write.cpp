@@ -6,7 +6,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "core/io/mapped_file.h"
+#include "core/util/fs.h"
 #include "core/io/safetensors.h"
 #include "core/util/error.h"
 

@@ -42,11 +42,13 @@ TrainOptions train_options_from_config(const Config& c) {
   o.precision = c.get_string("train.precision");
   o.threads = c.get_int("train.threads");
   o.out_dir = c.get_string("train.out_dir");
+  o.overwrite = c.get_bool("train.overwrite");
 
   o.lora.spec.r = c.get_int("lora.r");
   o.lora.spec.alpha = c.get_float("lora.alpha");
   o.lora.spec.dropout = c.get_float("lora.dropout");
   o.lora.target_modules = c.get_string_list("lora.target_modules");
+  o.save_merged = c.get_bool("lora.save_merged");
 
   o.eval_every = c.get_int("eval.every_steps");
   o.eval_max_batches = c.get_int("eval.max_batches");

@@ -39,6 +39,8 @@ struct TrainOptions {
   int64_t epochs = 1, max_steps = 0, batch_size = 8, grad_accum_steps = 1, threads = 1;
   std::string precision = "fp32";
   std::string out_dir;
+  bool overwrite = false;
+  bool save_merged = false;  // LoRA: also save the merged model at the end
   int64_t eval_every = 0, eval_max_batches = 0, eval_batch_size = 0, patience = 0;
   int64_t checkpoint_every = 0, keep_last = 2;
   std::string resume;

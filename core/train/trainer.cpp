@@ -43,6 +43,20 @@ Trainer::Trainer(TrainOptions options, RunContext context)
   build_optimizer();
   checkpoints_ = std::make_unique<CheckpointStore>(options_.out_dir, options_.keep_last, lora());
   maybe_resume();
+  protect_saved_work();
+}
+
+// Starting fresh in a run directory would replace its checkpoints and saved models: refuse
+// unless the user resumes or says train.overwrite = true.
+void Trainer::protect_saved_work() const {
+  if (options_.overwrite || state_.global_step > 0) return;
+  for (const char* entry : {"checkpoints/latest", "final", "best"}) {
+    const fs::path path = fs::path(options_.out_dir) / entry;
+    WEFT_CHECK(!fs::exists(path),
+               "train.out_dir '{}' already holds a run ({} exists); resume it with "
+               "checkpoint.resume=auto, pick another out_dir, or set train.overwrite=true",
+               options_.out_dir, path.string());
+  }
 }
 
 Trainer::~Trainer() = default;
@@ -230,7 +244,9 @@ TrainResult Trainer::run() {
   int64_t run_tokens = 0;
   bool stop = state_.early_stopped || state_.global_step >= total_steps_;
   while (!stop && state_.epoch < options_.epochs) {
-    progress.start_epoch(state_.epoch, options_.epochs, steps_per_epoch_, state_.step_in_epoch);
+    const int64_t epoch_steps =
+        std::min(steps_per_epoch_, state_.step_in_epoch + (total_steps_ - state_.global_step));
+    progress.start_epoch(state_.epoch, options_.epochs, epoch_steps, state_.step_in_epoch);
     while (state_.step_in_epoch < steps_per_epoch_ && state_.global_step < total_steps_) {
       const auto step_start = Clock::now();
       const double loss = train_step(state_.epoch, state_.step_in_epoch);
@@ -288,6 +304,10 @@ TrainResult Trainer::run() {
   }
   if (options_.save_final && context_.rank == 0) {
     save_model_atomically(*model_, lora(), options_.out_dir + "/final", options_.model.weights);
+    if (lora() && options_.save_merged) {
+      merge_lora(*model_);
+      save_model_atomically(*model_, std::nullopt, options_.out_dir + "/final-merged", options_.model.weights);
+    }
   }
   result.steps = state_.global_step;
   result.epochs_completed = state_.epoch;

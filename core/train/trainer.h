@@ -70,6 +70,7 @@ class Trainer {
   void build_data();
   void build_optimizer();
   void maybe_resume();
+  void protect_saved_work() const;
   double train_step(int64_t epoch, int64_t step_in_epoch);
   bool after_eval(const EvalResult& eval, Progress& progress, MetricsWriter& metrics);
   void save_checkpoint(Progress& progress);

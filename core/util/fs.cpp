@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -14,30 +15,48 @@
 
 namespace weft {
 
-void write_file_atomically(const std::string& path, const std::string& contents) {
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  WEFT_CHECK(fd >= 0, "cannot write '{}': {}", tmp, std::strerror(errno));
-  size_t written = 0;
-  while (written < contents.size()) {
-    const ssize_t n = ::write(fd, contents.data() + written, contents.size() - written);
-    if (n < 0) {
-      const int err = errno;
-      ::close(fd);
-      std::remove(tmp.c_str());
-      fail("cannot write '{}': {}", tmp, std::strerror(err));
-    }
-    written += static_cast<size_t>(n);
+namespace {
+
+std::string errno_text() { return std::strerror(errno); }
+
+void write_all(int fd, const void* bytes, size_t count, const std::string& path) {
+  auto* cursor = static_cast<const uint8_t*>(bytes);
+  while (count > 0) {
+    const ssize_t written = ::write(fd, cursor, count);
+    if (written < 0 && errno == EINTR) continue;
+    if (written <= 0) fail("{}: write failed: {}", path, errno_text());
+    cursor += written;
+    count -= static_cast<size_t>(written);
   }
-  ::fsync(fd);
-  ::close(fd);
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    std::remove(tmp.c_str());
-    fail("cannot rename '{}' to '{}': {}", tmp, path, std::strerror(err));
+}
+
+}  // namespace
+
+void write_file_atomically(const std::string& path,
+                           const std::function<void(const ByteSink&)>& write_content) {
+  const std::string temp_path = path + ".tmp." + std::to_string(::getpid());
+  int fd = ::open(temp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) fail("{}: cannot create: {}", temp_path, errno_text());
+  try {
+    write_content([&](const void* bytes, size_t count) { write_all(fd, bytes, count, temp_path); });
+    if (::fsync(fd) != 0) fail("{}: fsync failed: {}", temp_path, errno_text());
+    const int closed = ::close(fd);
+    fd = -1;
+    if (closed != 0) fail("{}: close failed: {}", temp_path, errno_text());
+    if (::rename(temp_path.c_str(), path.c_str()) != 0) {
+      fail("{}: cannot rename {} over it: {}", path, temp_path, errno_text());
+    }
+  } catch (...) {
+    if (fd >= 0) ::close(fd);
+    ::unlink(temp_path.c_str());
+    throw;
   }
   const auto parent = std::filesystem::path(path).parent_path();
   sync_directory(parent.empty() ? "." : parent.string());
+}
+
+void write_file_atomically(const std::string& path, const std::string& contents) {
+  write_file_atomically(path, [&](const ByteSink& sink) { sink(contents.data(), contents.size()); });
 }
 
 std::string read_file(const std::string& path) {

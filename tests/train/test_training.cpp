@@ -265,3 +265,51 @@ TEST(Training, ResumeOnDifferentDataIsRefused) {
 
 }  // namespace
 }  // namespace weft
+
+namespace weft {
+namespace {
+
+TEST(Training, RefusesToOverwriteASavedRunUnlessAsked) {
+  const auto dir = testing::fresh_dir("overwrite");
+  auto o = testing::tiny_options(dir);
+  o.max_steps = 2;
+  o.save_final = true;
+  Trainer(o).run();
+  try {
+    Trainer again(o);
+    FAIL() << "started over a saved run";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("already holds a run"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(std::filesystem::exists(o.out_dir + "/final/model.safetensors"));
+  o.overwrite = true;
+  EXPECT_EQ(Trainer(o).run().steps, 2);
+}
+
+TEST(Training, LoraSavesAMergedModelThatComputesTheSameFunction) {
+  const auto dir = testing::fresh_dir("merged");
+  auto o = testing::tiny_options(dir);
+  o.mode = "lora";
+  o.lora.spec = {4, 8.0, 0.0};
+  o.optim.lr = 1e-2;
+  o.save_final = true;
+  o.save_merged = true;
+  Trainer trainer(o);
+  trainer.run();
+  auto merged = load_hf_config(o.out_dir + "/final-merged/config.json");
+  LlamaForCausalLM plain(merged);
+  load_weights(*plain, o.out_dir + "/final-merged");
+  auto x = torch::randint(0, 258, {2, 16}, torch::kLong);
+  trainer.model().eval();
+  EXPECT_TRUE(torch::allclose(plain->forward(x), trainer.model().forward(x), 1e-5, 1e-5));
+  // The adapter alone, applied to a fresh base with the same seed, gives the same function.
+  LlamaForCausalLM base(preset_config("tiny"));
+  init_weights(*base, o.seed, o.model.init_std);
+  apply_lora(*base, o.lora, o.seed);
+  load_lora_adapter(*base, o.out_dir + "/final");
+  base->eval();
+  EXPECT_TRUE(torch::allclose(base->forward(x), plain->forward(x), 1e-5, 1e-5));
+}
+
+}  // namespace
+}  // namespace weft

@@ -14,6 +14,7 @@
 
 #include "core/config/config.h"
 #include "core/config/schema.h"
+#include "core/train/interrupt.h"
 #include "core/train/options.h"
 #include "core/train/trainer.h"
 #include "core/util/error.h"
@@ -92,6 +93,7 @@ int run_train(const CommandLine& cli) {
   if (cli.config.empty() && cli.overrides.empty()) {
     throw weft::Error("no configuration: pass --config FILE (see configs/) and/or --set key=value");
   }
+  weft::install_interrupt_handlers();
   const weft::Config config = weft::load_config(cli.config, cli.overrides);
   weft::set_log_level(cli.log_level.empty() ? config.get_string("log.level") : cli.log_level);
   const auto options = weft::train_options_from_config(config);
@@ -99,8 +101,9 @@ int run_train(const CommandLine& cli) {
   weft::Trainer trainer(options);
   std::filesystem::create_directories(options.out_dir);
   weft::write_run_config(options.out_dir, config);
-  print_summary(trainer.run());
-  return 0;
+  const auto result = trainer.run();
+  print_summary(result);
+  return result.interrupted ? 128 + weft::interrupt_signal() : 0;
 }
 
 }  // namespace

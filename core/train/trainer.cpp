@@ -10,6 +10,7 @@
 
 #include "core/model/lora.h"
 #include "core/model/weights.h"
+#include "core/train/interrupt.h"
 #include "core/train/optimizer.h"
 #include "core/util/error.h"
 
@@ -232,97 +233,139 @@ void Trainer::save_checkpoint(Progress& progress) {
   progress.message(fmt::format("checkpoint saved: {}", dir));
 }
 
-TrainResult Trainer::run() {
+// What one call of run() accumulates.
+struct Trainer::Session {
+  MetricsWriter metrics;
+  Progress progress;
   TrainResult result;
-  MetricsWriter metrics(context_.rank == 0 ? options_.metrics_file : "");
-  Progress progress(context_.rank == 0 ? options_.progress : "off", options_.log_every);
-  const int64_t tokens_per_step = options_.batch_size * options_.grad_accum_steps * options_.data.seq_len;
+  double seconds = 0.0;
+  int64_t tokens = 0;
+  int64_t tokens_per_step = 0;
+  int64_t last_eval_step = -1;
+  std::optional<EvalResult> last_eval;
+};
+
+TrainResult Trainer::run() {
+  Session session{MetricsWriter(context_.rank == 0 ? options_.metrics_file : ""),
+                  Progress(context_.rank == 0 ? options_.progress : "off", options_.log_every)};
+  session.tokens_per_step = options_.batch_size * options_.grad_accum_steps * options_.data.seq_len;
   spdlog::info("training: {} epochs x {} steps (total {}), {} tokens per step, lr {:.2e}, {}",
-               options_.epochs, steps_per_epoch_, total_steps_, tokens_per_step, options_.optim.lr,
-               options_.mode == "lora" ? "LoRA" : "full fine-tuning");
-  double run_seconds = 0.0;
-  int64_t run_tokens = 0;
+               options_.epochs, steps_per_epoch_, total_steps_, session.tokens_per_step,
+               options_.optim.lr, options_.mode == "lora" ? "LoRA" : "full fine-tuning");
   bool stop = state_.early_stopped || state_.global_step >= total_steps_;
   while (!stop && state_.epoch < options_.epochs) {
-    const int64_t epoch_steps =
-        std::min(steps_per_epoch_, state_.step_in_epoch + (total_steps_ - state_.global_step));
-    progress.start_epoch(state_.epoch, options_.epochs, epoch_steps, state_.step_in_epoch);
-    while (state_.step_in_epoch < steps_per_epoch_ && state_.global_step < total_steps_) {
-      const auto step_start = Clock::now();
-      const double loss = train_step(state_.epoch, state_.step_in_epoch);
-      const double step_seconds = seconds_since(step_start);
-      ++state_.global_step;
-      ++state_.step_in_epoch;
-      state_.epoch_seconds += step_seconds;
-      state_.epoch_tokens += tokens_per_step;
-      run_seconds += step_seconds;
-      run_tokens += tokens_per_step;
-      result.step_losses.push_back(loss);
-      const double tokens_per_s = tokens_per_step / step_seconds;
-      metrics.write("step", {{"step", state_.global_step}, {"epoch", state_.epoch + 1}, {"loss", loss},
-                             {"lr", last_lr_}, {"grad_norm", last_grad_norm_},
-                             {"tokens_per_s", tokens_per_s}, {"step_time_s", step_seconds}});
-      progress.update(state_.step_in_epoch - 1, loss, last_lr_, tokens_per_s);
-      WEFT_CHECK(std::isfinite(loss), "loss became {} at step {}; lower train.lr or check the data", loss,
-                 state_.global_step);
-      if (options_.eval_every > 0 && state_.global_step % options_.eval_every == 0) {
-        stop = after_eval(evaluate(), progress, metrics);
-      }
-      if (options_.checkpoint_every > 0 && state_.global_step % options_.checkpoint_every == 0) {
-        save_checkpoint(progress);
-      }
-      if (stop) break;
-    }
-    progress.finish_epoch();
-    if (state_.step_in_epoch < steps_per_epoch_) break;  // max_steps or early stopping mid-epoch
-    // Epoch complete.
-    nlohmann::json record = {{"epoch", state_.epoch + 1}, {"step", state_.global_step},
-                             {"time_s", state_.epoch_seconds},
-                             {"tokens_per_s", state_.epoch_tokens / std::max(state_.epoch_seconds, 1e-9)}};
-    std::string eval_text;
-    if (dataset_.heldout) {
-      const auto eval = evaluate();
-      record["eval_loss"] = eval.loss;
-      record["perplexity"] = eval.perplexity;
-      eval_text = fmt::format(", held-out loss {:.4f}, perplexity {:.2f}", eval.loss, eval.perplexity);
-      result.final_eval = eval;
-      stop = after_eval(eval, progress, metrics) || stop;
-    }
-    metrics.write("epoch", record);
-    progress.message(fmt::format("epoch {}/{} done in {}{}", state_.epoch + 1, options_.epochs,
-                                 format_duration(state_.epoch_seconds), eval_text));
-    result.epoch_seconds.push_back(state_.epoch_seconds);
-    ++state_.epoch;
-    state_.step_in_epoch = 0;
-    state_.epoch_seconds = 0;
-    state_.epoch_tokens = 0;
-    if (options_.checkpoint_every > 0 || stop) save_checkpoint(progress);
+    stop = run_epoch_steps(session);
+    if (state_.step_in_epoch < steps_per_epoch_) break;  // max_steps, early stop or interrupt
+    stop = complete_epoch(session) || stop;
   }
-  if (!result.final_eval && dataset_.heldout && !result.step_losses.empty()) {
-    result.final_eval = evaluate();
-    after_eval(*result.final_eval, progress, metrics);
+  if (interrupt_signal() != 0) {
+    save_checkpoint(session.progress);
+    session.progress.message(fmt::format(
+        "interrupted by signal {} at step {}: checkpoint saved; continue with checkpoint.resume=auto",
+        interrupt_signal(), state_.global_step));
+    session.result.interrupted = true;
   }
-  if (options_.save_final && context_.rank == 0) {
+  return finish_run(session);
+}
+
+bool Trainer::run_epoch_steps(Session& session) {
+  const int64_t epoch_steps =
+      std::min(steps_per_epoch_, state_.step_in_epoch + (total_steps_ - state_.global_step));
+  session.progress.start_epoch(state_.epoch, options_.epochs, epoch_steps, state_.step_in_epoch);
+  bool stop = false;
+  while (!stop && state_.step_in_epoch < steps_per_epoch_ && state_.global_step < total_steps_) {
+    const auto step_start = Clock::now();
+    const double loss = train_step(state_.epoch, state_.step_in_epoch);
+    const double step_seconds = seconds_since(step_start);
+    ++state_.global_step;
+    ++state_.step_in_epoch;
+    state_.epoch_seconds += step_seconds;
+    state_.epoch_tokens += session.tokens_per_step;
+    session.seconds += step_seconds;
+    session.tokens += session.tokens_per_step;
+    session.result.step_losses.push_back(loss);
+    const double tokens_per_s = session.tokens_per_step / step_seconds;
+    session.metrics.write("step", {{"step", state_.global_step}, {"epoch", state_.epoch + 1},
+                                   {"loss", loss}, {"lr", last_lr_}, {"grad_norm", last_grad_norm_},
+                                   {"tokens_per_s", tokens_per_s}, {"step_time_s", step_seconds}});
+    session.progress.update(state_.step_in_epoch - 1, loss, last_lr_, tokens_per_s);
+    WEFT_CHECK(std::isfinite(loss), "loss became {} at step {}; lower train.lr or check the data",
+               loss, state_.global_step);
+    if (options_.eval_every > 0 && state_.global_step % options_.eval_every == 0) {
+      stop = evaluate_and_track(session);
+    }
+    if (options_.checkpoint_every > 0 && state_.global_step % options_.checkpoint_every == 0) {
+      save_checkpoint(session.progress);
+    }
+    stop = stop || interrupt_signal() != 0;
+  }
+  session.progress.finish_epoch();
+  return stop;
+}
+
+bool Trainer::complete_epoch(Session& session) {
+  nlohmann::json record = {{"epoch", state_.epoch + 1}, {"step", state_.global_step},
+                           {"time_s", state_.epoch_seconds},
+                           {"tokens_per_s", state_.epoch_tokens / std::max(state_.epoch_seconds, 1e-9)}};
+  std::string eval_text;
+  bool stop = false;
+  if (dataset_.heldout) {
+    stop = evaluate_and_track(session);
+    record["eval_loss"] = session.last_eval->loss;
+    record["perplexity"] = session.last_eval->perplexity;
+    eval_text = fmt::format(", held-out loss {:.4f}, perplexity {:.2f}", session.last_eval->loss,
+                            session.last_eval->perplexity);
+  }
+  session.metrics.write("epoch", record);
+  session.progress.message(fmt::format("epoch {}/{} done in {}{}", state_.epoch + 1, options_.epochs,
+                                       format_duration(state_.epoch_seconds), eval_text));
+  session.result.epoch_seconds.push_back(state_.epoch_seconds);
+  ++state_.epoch;
+  state_.step_in_epoch = 0;
+  state_.epoch_seconds = 0;
+  state_.epoch_tokens = 0;
+  if (options_.checkpoint_every > 0 || stop) save_checkpoint(session.progress);
+  return stop;
+}
+
+// Evaluates (once per optimizer step: an epoch end that coincides with eval.every_steps reuses
+// that evaluation), tracks the best model and early stopping. Returns true to stop.
+bool Trainer::evaluate_and_track(Session& session) {
+  if (session.last_eval_step == state_.global_step) return state_.early_stopped;
+  session.last_eval = evaluate();
+  session.last_eval_step = state_.global_step;
+  return after_eval(*session.last_eval, session.progress, session.metrics);
+}
+
+TrainResult Trainer::finish_run(Session& session) {
+  TrainResult& result = session.result;
+  if (dataset_.heldout && !result.step_losses.empty()) evaluate_and_track(session);
+  result.final_eval = session.last_eval;
+  if (options_.save_final && context_.rank == 0 && !result.interrupted) {
     save_model_atomically(*model_, lora(), options_.out_dir + "/final", options_.model.weights);
     if (lora() && options_.save_merged) {
       merge_lora(*model_);
-      save_model_atomically(*model_, std::nullopt, options_.out_dir + "/final-merged", options_.model.weights);
+      save_model_atomically(*model_, std::nullopt, options_.out_dir + "/final-merged",
+                            options_.model.weights);
     }
   }
   result.steps = state_.global_step;
   result.epochs_completed = state_.epoch;
-  result.tokens_per_second = run_seconds > 0 ? run_tokens / run_seconds : 0.0;
+  result.tokens_per_second = session.seconds > 0 ? session.tokens / session.seconds : 0.0;
   result.best_eval_loss = state_.best_eval_loss;
   result.early_stopped = state_.early_stopped;
   result.peak_rss_mib = peak_rss_mib();
   nlohmann::json summary = {{"steps", result.steps}, {"epochs", result.epochs_completed},
-                            {"epoch_seconds", result.epoch_seconds}, {"tokens_per_s", result.tokens_per_second},
-                            {"peak_rss_mib", result.peak_rss_mib}, {"early_stopped", result.early_stopped}};
+                            {"epoch_seconds", result.epoch_seconds},
+                            {"tokens_per_s", result.tokens_per_second},
+                            {"peak_rss_mib", result.peak_rss_mib},
+                            {"early_stopped", result.early_stopped},
+                            {"interrupted", result.interrupted}};
   if (result.final_eval) {
     summary["eval_loss"] = result.final_eval->loss;
     summary["perplexity"] = result.final_eval->perplexity;
   }
-  metrics.write("summary", summary);
+  session.metrics.write("summary", summary);
   return result;
 }
 

@@ -45,6 +45,7 @@ struct TrainResult {
   std::optional<EvalResult> final_eval;
   double best_eval_loss = 0;
   bool early_stopped = false;
+  bool interrupted = false;            // stopped by SIGINT/SIGTERM after saving a checkpoint
   double peak_rss_mib = 0;
 };
 
@@ -55,6 +56,8 @@ class Trainer {
   explicit Trainer(TrainOptions options, RunContext context = {});
   ~Trainer();
 
+  // Trains until epochs/max_steps are done, early stopping triggers, or SIGINT/SIGTERM arrives
+  // (then a checkpoint is saved first; see core/train/interrupt.h).
   TrainResult run();
   EvalResult evaluate();
 
@@ -71,6 +74,11 @@ class Trainer {
   void build_optimizer();
   void maybe_resume();
   void protect_saved_work() const;
+  struct Session;
+  bool run_epoch_steps(Session& session);
+  bool complete_epoch(Session& session);
+  bool evaluate_and_track(Session& session);
+  TrainResult finish_run(Session& session);
   double train_step(int64_t epoch, int64_t step_in_epoch);
   bool after_eval(const EvalResult& eval, Progress& progress, MetricsWriter& metrics);
   void save_checkpoint(Progress& progress);

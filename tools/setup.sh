@@ -12,6 +12,7 @@ packages=(
   libtorch-dev libopenblas0-openmp       # LibTorch 1.13 (CPU); OpenBLAS: fp32 GEMM ~20x the netlib default
   libtomlplusplus-dev libspdlog-dev nlohmann-json3-dev
   libboost-dev libboost-program-options-dev libgtest-dev
+  libdlpack-dev                          # DLPack: tensors across the plugin ABI (sdk/)
 )
 
 if [[ "${WEFT_SKIP_APT:-0}" != 1 ]]; then

@@ -1,0 +1,9 @@
+/* Compiles weft/strategy.h as strict C99 (-pedantic -Werror): the ABI must stay usable from C. */
+#include <weft/strategy.h>
+
+/* A C plugin's entry point has this shape. */
+const weft_strategy_api* weft_sdk_c99_check_entry(uint16_t host_abi_major, uint16_t host_abi_minor);
+const weft_strategy_api* weft_sdk_c99_check_entry(uint16_t host_abi_major, uint16_t host_abi_minor) {
+  (void)host_abi_minor;
+  return host_abi_major == WEFT_ABI_VERSION_MAJOR ? (const weft_strategy_api*)0 : (const weft_strategy_api*)0;
+}

@@ -1,0 +1,373 @@
+/*
+ * weft/strategy.h - the weft strategy plugin ABI (C99).
+ *
+ * STATUS: DRAFT of ABI 1.0 (issue 3). The host does not load plugins yet; this header is the
+ * contract the loader, the services table and the first plugins are being built against.
+ * Until the first release the ABI may still change without a major bump.
+ *
+ * A strategy plugin is a shared library that exports exactly one symbol, the C function
+ * `weft_strategy_entry` (WEFT_STRATEGY_ENTRY_SYMBOL). The host loads it with
+ * RTLD_NOW | RTLD_LOCAL, calls the entry with its own ABI version and receives the plugin's
+ * function table. The plugin never links against the host: everything it may call is in the
+ * weft_host_api table the host hands to `create`.
+ *
+ * Division of labour. The host keeps the model (as stages: embedding, decoder blocks,
+ * norm + head), autograd, the data loader and the optimizer. The plugin decides what runs
+ * where and when (which stages a rank holds, the micro-batch schedule, which slice of each
+ * weight a rank holds) and what is communicated (collectives and point-to-point transfers
+ * through host process groups).
+ *
+ * Conventions that hold for every function below unless its comment says otherwise:
+ *  - Errors: functions return weft_status*; NULL means success. A non-NULL status is owned by
+ *    the receiver, who releases it with weft_host_api.status_release (every status is created
+ *    by the host, including the ones a plugin returns: plugins create them with status_create).
+ *    Out-parameters are left untouched when a function fails.
+ *  - No C++ exception, longjmp or signal may cross this boundary in either direction.
+ *  - Strings passed in are borrowed for the duration of the call. Strings returned by the
+ *    host stay valid for the life of the plugin instance unless stated otherwise.
+ *  - Tensors: DLTensor* arguments are borrowed views (DLPack 0.6, always with strides), valid
+ *    only during the call unless stated otherwise. Autograd history never crosses the boundary:
+ *    tensors that need it stay in the host behind weft_activation handles.
+ *  - Threads: the host calls a plugin instance from one thread at a time; callbacks the
+ *    plugin registers may run on the host's autograd thread, which is then the calling thread.
+ *    Host services may be called from any thread that the host is currently calling into
+ *    (including from a callback).
+ *  - Versions: every slot says the ABI version that added it ("since 1.0"). A slot may be
+ *    used only when the negotiated version (see weft_strategy_entry_fn) is at least that.
+ */
+#ifndef WEFT_STRATEGY_H
+#define WEFT_STRATEGY_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <dlpack/dlpack.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------------------------------------
+ * Versioning
+ * ---------------------------------------------------------------------------------------- */
+
+/* The ABI version this header describes. Major: incompatible changes; it must match exactly.
+ * Minor: append-only additions; host and plugin use min(host minor, plugin minor). */
+#define WEFT_ABI_VERSION_MAJOR 1
+#define WEFT_ABI_VERSION_MINOR 0
+
+/* The one symbol a plugin exports. */
+#define WEFT_STRATEGY_ENTRY_SYMBOL "weft_strategy_entry"
+
+#if defined(__GNUC__) || defined(__clang__)
+#define WEFT_EXPORT __attribute__((visibility("default")))
+#else
+#define WEFT_EXPORT
+#endif
+
+/* First member of both function tables; its layout never changes.
+ * struct_size: sizeof the whole table as compiled by its producer, so a consumer can tell
+ * which slots exist. */
+typedef struct weft_abi_header {
+  uint32_t struct_size;
+  uint16_t abi_major;
+  uint16_t abi_minor;
+} weft_abi_header;
+
+/* ------------------------------------------------------------------------------------------
+ * Opaque handles
+ * ---------------------------------------------------------------------------------------- */
+
+typedef struct weft_status weft_status;         /* an error: code + message; host-owned memory */
+typedef struct weft_host weft_host;             /* the host side of one plugin instance */
+typedef struct weft_group weft_group;           /* a process group; lives until the run ends */
+typedef struct weft_work weft_work;             /* an asynchronous communication in flight */
+typedef struct weft_activation weft_activation; /* a host tensor, possibly with autograd history */
+typedef struct weft_strategy weft_strategy;     /* the plugin's instance; opaque to the host */
+
+typedef enum weft_status_code {
+  WEFT_STATUS_OK = 0,
+  WEFT_STATUS_INVALID_ARGUMENT = 1, /* a bad value from the caller */
+  WEFT_STATUS_UNSUPPORTED = 2,      /* a valid request this implementation cannot serve */
+  WEFT_STATUS_BAD_CONFIG = 3,       /* the plugin's configuration or the world size is unusable */
+  WEFT_STATUS_COMMUNICATION = 4,    /* a collective or transfer failed */
+  WEFT_STATUS_TIMEOUT = 5,          /* a collective or transfer timed out */
+  WEFT_STATUS_INTERNAL = 6          /* anything else (e.g. an exception caught at the boundary) */
+} weft_status_code;
+
+typedef enum weft_log_level {
+  WEFT_LOG_TRACE = 0,
+  WEFT_LOG_DEBUG = 1,
+  WEFT_LOG_INFO = 2,
+  WEFT_LOG_WARN = 3,
+  WEFT_LOG_ERROR = 4
+} weft_log_level;
+
+typedef enum weft_reduce_op {
+  WEFT_REDUCE_SUM = 0,
+  WEFT_REDUCE_PRODUCT = 1,
+  WEFT_REDUCE_MIN = 2,
+  WEFT_REDUCE_MAX = 3
+} weft_reduce_op;
+
+/* ------------------------------------------------------------------------------------------
+ * Plain data exchanged through the tables
+ * ---------------------------------------------------------------------------------------- */
+
+/* One parameter of the full model, as the host describes it. Since 1.0. */
+typedef struct weft_parameter_info {
+  const char* name;      /* HF name, e.g. "model.layers.3.self_attn.q_proj.weight" */
+  int64_t stage;         /* the model stage that owns it: 0 embedding, 1..L blocks, L+1 head */
+  int32_t trainable;     /* 1 if the optimizer updates it (0 for frozen base weights under LoRA) */
+  int32_t ndim;
+  const int64_t* shape;  /* full (unsharded) shape, ndim entries */
+  DLDataType dtype;      /* of the master copy (fp32) */
+} weft_parameter_info;
+
+/* How one rank holds a parameter: the slice [index * size / parts, (index + 1) * size / parts)
+ * along `dim`, or the whole tensor when parts == 1. Since 1.0. */
+typedef struct weft_shard {
+  int32_t dim;
+  int32_t parts;
+  int32_t index;
+} weft_shard;
+
+/* What this rank materialises; filled by the plugin in `plan` before the model is built.
+ * The host pre-fills it with the one-process layout (all stages, no sharding). Since 1.0. */
+typedef struct weft_model_plan {
+  uint32_t struct_size;    /* set by the host */
+  int64_t first_stage;     /* stages [first_stage, last_stage) are built on this rank */
+  int64_t last_stage;
+  int32_t data_parallel_size;  /* ranks that see different data for the same stages/shards */
+  int32_t data_parallel_rank;  /* selects this rank's share of each global batch */
+} weft_model_plan;
+
+/* The step the host asks the plugin to run. Since 1.0. */
+typedef struct weft_step_info {
+  uint32_t struct_size;
+  int64_t step;              /* 0-based optimizer step */
+  int64_t epoch;             /* 0-based */
+  int32_t micro_batches;     /* gradient-accumulation micro-batches of this step (>= 1) */
+  int32_t reserved;          /* 0 */
+  int64_t rows_per_micro_batch;     /* this rank's sequences per micro-batch */
+  int64_t seq_len;
+} weft_step_info;
+
+/* Places inside the model where the host calls the plugin (Megatron's f and g, vocabulary-
+ * parallel reductions). The plugin communicates in place; it may do nothing. Since 1.0. */
+typedef enum weft_comm_point {
+  WEFT_COMM_ATTENTION_INPUT = 0, /* before q/k/v (column-parallel input) */
+  WEFT_COMM_ATTENTION_OUTPUT = 1,/* after o_proj (row-parallel output) */
+  WEFT_COMM_MLP_INPUT = 2,       /* before gate/up */
+  WEFT_COMM_MLP_OUTPUT = 3,      /* after down_proj */
+  WEFT_COMM_EMBEDDING_OUTPUT = 4,/* after a vocabulary-sharded embedding lookup */
+  WEFT_COMM_LOSS_MAX = 5,        /* per-token max of sharded logits (vocab-parallel loss) */
+  WEFT_COMM_LOSS_SUM = 6         /* per-token sums of sharded logits (vocab-parallel loss) */
+} weft_comm_point;
+
+typedef enum weft_direction {
+  WEFT_FORWARD = 0,
+  WEFT_BACKWARD = 1
+} weft_direction;
+
+/* Flags for weft_host_api.forward. */
+#define WEFT_FORWARD_NO_GRAD 1u /* evaluation: record no autograd history */
+
+/* Called by the host during backward once a parameter's gradient for this backward pass is
+ * complete (accumulated into its .grad). `parameter_index` indexes weft_host_api.parameter_*.
+ * Runs on the autograd thread; must not call forward/backward. Since 1.0. */
+typedef void (*weft_grad_ready_fn)(void* user_data, int64_t parameter_index);
+
+/* ------------------------------------------------------------------------------------------
+ * Host services: the table the host passes to create(). All slots since 1.0.
+ * ---------------------------------------------------------------------------------------- */
+typedef struct weft_host_api {
+  weft_abi_header header;
+
+  /* --- status --- */
+  /* Creates a status (code must not be WEFT_STATUS_OK); the message is copied. Never fails
+   * (returns a preallocated out-of-memory status if it must). */
+  weft_status* (*status_create)(weft_status_code code, const char* message);
+  weft_status_code (*status_code)(const weft_status* status);
+  /* The message; valid until the status is released. */
+  const char* (*status_message)(const weft_status* status);
+  /* Releases a status; NULL is allowed. Cannot fail. */
+  void (*status_release)(weft_status* status);
+
+  /* --- logging --- */
+  /* Logs one line through the host's logger (prefixed with the rank and plugin name). */
+  void (*log)(weft_host* host, weft_log_level level, const char* message);
+
+  /* --- configuration: the plugin's own section ([plugin] in the TOML config) --- */
+  /* Each reads `key` from the plugin's section; when absent, *out = fallback. A value of the
+   * wrong type is WEFT_STATUS_BAD_CONFIG naming the key. Strings stay valid for the run. */
+  weft_status* (*config_int)(weft_host* host, const char* key, int64_t fallback, int64_t* out);
+  weft_status* (*config_float)(weft_host* host, const char* key, double fallback, double* out);
+  weft_status* (*config_bool)(weft_host* host, const char* key, int32_t fallback, int32_t* out);
+  weft_status* (*config_string)(weft_host* host, const char* key, const char* fallback,
+                                const char** out);
+
+  /* --- process groups --- */
+  /* All ranks of the job. */
+  weft_group* (*group_world)(weft_host* host);
+  int32_t (*group_rank)(const weft_group* group); /* this process's rank in the group, or -1 */
+  int32_t (*group_size)(const weft_group* group);
+  /* Creates a sub-group of the world from `count` world ranks. Collective: every rank of the
+   * world must call it with the same list in the same order (as c10d's new_group), including
+   * ranks not in the list (they get a group whose group_rank is -1). Host-owned. */
+  weft_status* (*group_create)(weft_host* host, const int32_t* world_ranks, int32_t count,
+                               weft_group** out);
+
+  /* --- collectives: asynchronous; every one returns a work handle to wait on ---
+   * The tensors' memory must stay alive and unmodified (inputs) / unread (outputs) until
+   * work_wait returns. All tensors are contiguous CPU (Gloo) or CUDA (NCCL) tensors of one
+   * dtype. */
+  weft_status* (*all_reduce)(weft_host* host, weft_group* group, DLTensor* tensor,
+                             weft_reduce_op op, weft_work** work);
+  /* output = this rank's part (dim 0, equal parts) of the reduction of `input` over the group. */
+  weft_status* (*reduce_scatter)(weft_host* host, weft_group* group, DLTensor* output,
+                                 const DLTensor* input, weft_reduce_op op, weft_work** work);
+  /* output = the inputs of all ranks concatenated along dim 0, in rank order. */
+  weft_status* (*all_gather)(weft_host* host, weft_group* group, DLTensor* output,
+                             const DLTensor* input, weft_work** work);
+  weft_status* (*broadcast)(weft_host* host, weft_group* group, DLTensor* tensor,
+                            int32_t root_group_rank, weft_work** work);
+  /* input split into group_size equal parts along dim 0; part i goes to rank i; output holds
+   * the parts received, in rank order. */
+  weft_status* (*all_to_all)(weft_host* host, weft_group* group, DLTensor* output,
+                             const DLTensor* input, weft_work** work);
+  weft_status* (*send)(weft_host* host, weft_group* group, const DLTensor* tensor,
+                       int32_t peer_group_rank, int32_t tag, weft_work** work);
+  weft_status* (*recv)(weft_host* host, weft_group* group, DLTensor* tensor,
+                       int32_t peer_group_rank, int32_t tag, weft_work** work);
+  weft_status* (*barrier)(weft_host* host, weft_group* group, weft_work** work);
+  /* Blocks until the work completes (or the configured collective timeout passes:
+   * WEFT_STATUS_TIMEOUT naming the operation). The handle stays valid until released. */
+  weft_status* (*work_wait)(weft_host* host, weft_work* work);
+  /* Releases a work handle; releasing one that has not been waited for waits first. */
+  void (*work_release)(weft_host* host, weft_work* work);
+
+  /* --- model --- */
+  int64_t (*model_num_stages)(weft_host* host); /* num_hidden_layers + 2 */
+  /* Parameters of the full model, in a fixed order shared by every rank. */
+  int64_t (*parameter_count)(weft_host* host);
+  weft_status* (*parameter_info)(weft_host* host, int64_t index, weft_parameter_info* out);
+  /* A view of this rank's master copy (writable; e.g. to broadcast initial values into it).
+   * WEFT_STATUS_INVALID_ARGUMENT if this rank does not hold the parameter. Valid until the
+   * next optimizer step. */
+  weft_status* (*parameter_data)(weft_host* host, int64_t index, DLTensor* out);
+  /* A view of the parameter's gradient (writable: e.g. to average it in place). Valid from the
+   * first backward of a step until the optimizer step; WEFT_STATUS_INVALID_ARGUMENT before. */
+  weft_status* (*parameter_grad)(weft_host* host, int64_t index, DLTensor* out);
+  /* Registers the callback for gradient readiness (one per instance; NULL unregisters). */
+  weft_status* (*set_grad_ready_callback)(weft_host* host, weft_grad_ready_fn callback,
+                                          void* user_data);
+
+  /* --- the step: data, forward and backward over stage ranges --- */
+  /* This rank's rows of micro-batch `micro_batch` of the current step, split further into
+   * `splits` equal pipeline micro-batches of which `split` is returned (splits = 1 for the
+   * whole micro-batch). inputs: int64 token ids [rows, seq_len]; targets likewise. */
+  weft_status* (*batch)(weft_host* host, int32_t micro_batch, int32_t split, int32_t splits,
+                        weft_activation** inputs, weft_activation** targets);
+  /* Runs stages [first_stage, last_stage) on `input` (token ids when first_stage == 0, hidden
+   * states otherwise) and returns the output with its autograd history (unless
+   * WEFT_FORWARD_NO_GRAD). The input is borrowed. */
+  weft_status* (*forward)(weft_host* host, int64_t first_stage, int64_t last_stage,
+                          weft_activation* input, uint32_t flags, weft_activation** output);
+  /* Mean cross-entropy of `logits` against `targets`, multiplied by `scale` (e.g. 1 /
+   * micro-batches). value_out: the unscaled mean (double); tokens_out: target tokens. */
+  weft_status* (*loss)(weft_host* host, weft_activation* logits, weft_activation* targets,
+                       double scale, weft_activation** loss_out, double* value_out,
+                       int64_t* tokens_out);
+  /* Back-propagates from `output`: a scalar loss (grad_output NULL) or a stage output with the
+   * gradient received for it. Parameter gradients accumulate; inputs created with
+   * activation_from_tensor(requires_grad = 1) receive a gradient (activation_grad). */
+  weft_status* (*backward)(weft_host* host, weft_activation* output,
+                           weft_activation* grad_output);
+  /* A read-only view of the activation's data (e.g. to send it). Valid until it is released. */
+  weft_status* (*activation_view)(weft_host* host, weft_activation* activation, DLTensor* out);
+  /* The gradient accumulated into an input activation by backward, as a new activation. */
+  weft_status* (*activation_grad)(weft_host* host, weft_activation* input,
+                                  weft_activation** out);
+  /* A new uninitialised activation (e.g. a receive buffer). */
+  weft_status* (*activation_empty)(weft_host* host, int32_t ndim, const int64_t* shape,
+                                   DLDataType dtype, weft_activation** out);
+  /* A new leaf activation holding a copy of `data`, optionally requiring grad (a stage input
+   * received from the previous stage). */
+  weft_status* (*activation_from_tensor)(weft_host* host, const DLTensor* data,
+                                         int32_t requires_grad, weft_activation** out);
+  /* Releases an activation and, with it, the autograd graph only it kept alive. NULL allowed. */
+  void (*activation_release)(weft_host* host, weft_activation* activation);
+} weft_host_api;
+
+/* ------------------------------------------------------------------------------------------
+ * The plugin's table. Slots may be NULL where marked optional: the host then does the
+ * one-process default. All slots since 1.0.
+ * ---------------------------------------------------------------------------------------- */
+typedef struct weft_strategy_api {
+  weft_abi_header header;
+  /* The oldest host ABI minor this plugin can run with (its header.abi_minor is the newest it
+   * knows). The host refuses to run a plugin whose min_host_minor exceeds its own minor. */
+  uint16_t min_host_minor;
+  uint16_t reserved;
+  const char* name;        /* e.g. "ddp"; static storage */
+  const char* version;     /* the plugin's own version, e.g. "1.2.0"; static storage */
+  const char* description; /* one line; static storage */
+
+  /* Creates an instance for this process. `api` and `host` stay valid until destroy. Read the
+   * configuration and validate the world size here: an unusable setup is
+   * WEFT_STATUS_BAD_CONFIG with a message naming the problem (checked before any compute). */
+  weft_status* (*create)(const weft_host_api* api, weft_host* host, weft_strategy** out);
+  /* Destroys the instance. Cannot fail. */
+  void (*destroy)(weft_strategy* strategy);
+
+  /* Optional. Before the model is built: which stages this rank holds and its data-parallel
+   * coordinates. Collective over the world (it may create groups). */
+  weft_status* (*plan)(weft_strategy* strategy, weft_model_plan* plan);
+  /* Optional. How this rank holds parameter `info` (default: whole). Called once per
+   * parameter of the stages this rank holds, before weights are loaded, so the host loads
+   * and allocates only that slice. */
+  weft_status* (*shard_parameter)(weft_strategy* strategy, const weft_parameter_info* info,
+                                  weft_shard* out);
+  /* Optional. After the model is built and its weights loaded or initialised (e.g. broadcast
+   * from rank 0, register the grad-ready callback). Collective. */
+  weft_status* (*setup)(weft_strategy* strategy);
+
+  /* Runs one training step's forward and backward passes over all its micro-batches, using
+   * host->batch/forward/loss/backward and communication, and leaves every trainable
+   * parameter's gradient (for the shard this rank holds) ready for the optimizer: summed over
+   * micro-batches with the loss scaled by 1 / micro_batches, averaged over data-parallel
+   * replicas. loss_out: this step's mean loss over the global batch (every rank returns the
+   * same value). Required. */
+  weft_status* (*train_step)(weft_strategy* strategy, const weft_step_info* step,
+                             double* loss_out);
+  /* Evaluation of one global held-out batch (forward only, WEFT_FORWARD_NO_GRAD): the sum of
+   * token losses and the number of target tokens over all ranks (every rank returns the same
+   * values). Optional: the default runs the whole model on this rank's rows and needs no
+   * reduction (world size 1). */
+  weft_status* (*eval_step)(weft_strategy* strategy, const weft_step_info* step,
+                            double* loss_sum_out, int64_t* tokens_out);
+  /* Optional. The squared global L2 norm of the gradients from this rank's local sum of
+   * squares over the parameters it holds (e.g. an all-reduce over model-parallel ranks),
+   * for gradient clipping. Default: local_sq unchanged. */
+  weft_status* (*global_grad_norm_sq)(weft_strategy* strategy, double local_sq,
+                                      double* global_sq_out);
+  /* Optional. Communication at a fixed point inside the model (see weft_comm_point), in place
+   * on `tensor`, in the forward or the backward direction. `layer` is the decoder block index
+   * (-1 outside blocks). Default: nothing. */
+  weft_status* (*comm_point)(weft_strategy* strategy, weft_comm_point point,
+                             weft_direction direction, int64_t layer, DLTensor* tensor);
+} weft_strategy_api;
+
+/* The entry point. The host passes its ABI version; the plugin returns its table (static
+ * storage, valid while the library is loaded), or NULL if it cannot serve that host major.
+ * The negotiated minor is min(host minor, table->header.abi_minor). Must not fail otherwise
+ * and must not call back into the host. */
+typedef const weft_strategy_api* (*weft_strategy_entry_fn)(uint16_t host_abi_major,
+                                                           uint16_t host_abi_minor);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* WEFT_STRATEGY_H */

@@ -1,0 +1,30 @@
+// The ABI's frozen parts: the version header that starts both tables must never change, and
+// table slots are only ever appended (ABI 1.0 layout pinned here on LP64).
+#include <cstddef>
+
+#include <gtest/gtest.h>
+
+#include <weft/strategy.h>
+
+namespace {
+
+static_assert(sizeof(weft_abi_header) == 8, "weft_abi_header is frozen");
+static_assert(offsetof(weft_abi_header, struct_size) == 0, "weft_abi_header is frozen");
+static_assert(offsetof(weft_abi_header, abi_major) == 4, "weft_abi_header is frozen");
+static_assert(offsetof(weft_abi_header, abi_minor) == 6, "weft_abi_header is frozen");
+static_assert(offsetof(weft_host_api, header) == 0, "tables start with the header");
+static_assert(offsetof(weft_strategy_api, header) == 0, "tables start with the header");
+static_assert(offsetof(weft_strategy_api, min_host_minor) == 8, "1.0 layout");
+static_assert(offsetof(weft_strategy_api, name) == 16, "1.0 layout");
+
+TEST(AbiLayout, TablesAreAppendOnlyFromVersionOne) {
+  // ABI 1.0: 8-byte header + 38 host service slots; header, 2 x uint16, 3 strings + 9 slots.
+  EXPECT_EQ(sizeof(weft_host_api), 8 + 38 * sizeof(void*));
+  EXPECT_EQ(offsetof(weft_host_api, status_create), 8u);
+  EXPECT_EQ(offsetof(weft_host_api, activation_release), 8 + 37 * sizeof(void*));
+  EXPECT_EQ(sizeof(weft_strategy_api), 16 + 3 * sizeof(void*) + 9 * sizeof(void*));
+  EXPECT_EQ(offsetof(weft_strategy_api, comm_point), sizeof(weft_strategy_api) - sizeof(void*));
+  EXPECT_EQ(WEFT_ABI_VERSION_MAJOR, 1);
+}
+
+}  // namespace

@@ -13,6 +13,7 @@ packages=(
   libtomlplusplus-dev libspdlog-dev nlohmann-json3-dev
   libboost-dev libboost-program-options-dev libgtest-dev
   libdlpack-dev                          # DLPack: tensors across the plugin ABI (sdk/)
+  libgloo-dev                            # c10d's ProcessGroupGloo headers include gloo's
 )
 
 if [[ "${WEFT_SKIP_APT:-0}" != 1 ]]; then

@@ -14,6 +14,8 @@
 
 #include "core/config/config.h"
 #include "core/config/schema.h"
+#include "core/plugin/library.h"
+#include "core/train/conformance.h"
 #include "core/train/interrupt.h"
 #include "core/train/options.h"
 #include "core/train/trainer.h"
@@ -29,6 +31,7 @@ struct CommandLine {
   std::string config;
   std::vector<std::string> overrides;
   std::string log_level;
+  std::string plugin;
   bool help = false;
 };
 
@@ -37,6 +40,8 @@ po::options_description describe_options() {
   options.add_options()
       ("help,h", "print this help, including every configuration key")
       ("config,c", po::value<std::string>(), "TOML configuration file (may `extends` another)")
+      ("plugin,p", po::value<std::string>(),
+       "strategy plugin: a path, or a name found in build/plugins or WEFT_PLUGIN_PATH (same as --set train.plugin=...)")
       ("set,s", po::value<std::vector<std::string>>()->composing(),
        "override a configuration key: --set train.lr=1e-4 (repeatable; applied after the file)")
       ("log-level", po::value<std::string>(), "trace, debug, info, warn or error (default: log.level)");
@@ -57,6 +62,10 @@ CommandLine parse_command_line(int argc, char** argv) {
   if (vm.count("command")) cli.command = vm["command"].as<std::string>();
   if (vm.count("config")) cli.config = vm["config"].as<std::string>();
   if (vm.count("set")) cli.overrides = vm["set"].as<std::vector<std::string>>();
+  if (vm.count("plugin")) {
+    cli.plugin = vm["plugin"].as<std::string>();
+    cli.overrides.insert(cli.overrides.begin(), "train.plugin=" + cli.plugin);
+  }
   if (vm.count("log-level")) cli.log_level = vm["log-level"].as<std::string>();
   return cli;
 }
@@ -64,7 +73,9 @@ CommandLine parse_command_line(int argc, char** argv) {
 void print_help() {
   std::cout << "weft trainer: fine-tunes LLaMA-family models.\n\n"
                "Usage:\n"
-               "  trainer [train] --config FILE [--set section.key=value ...]\n"
+               "  trainer [train] --config FILE [--plugin NAME] [--set section.key=value ...]\n"
+               "  trainer plugins               list the strategy plugins found, with versions and ABI\n"
+               "  trainer check --plugin NAME   conformance: 20 fp32 steps under NAME vs single.so\n"
                "  trainer config-reference      print the configuration reference as Markdown\n\n"
             << describe_options() << "\n"
             << weft::render_help();
@@ -106,6 +117,23 @@ int run_train(const CommandLine& cli) {
   return result.interrupted ? 128 + weft::interrupt_signal() : 0;
 }
 
+// `trainer check --plugin X`: the conformance check against single.so.
+int run_check(const CommandLine& cli) {
+  if (cli.plugin.empty()) throw weft::Error("trainer check needs --plugin NAME_OR_PATH");
+  weft::set_log_level(cli.log_level.empty() ? "warn" : cli.log_level);
+  weft::ConformanceOptions options;
+  options.plugin = cli.plugin;
+  const auto report = weft::check_conformance(options);
+  std::cout << "conformance of " << cli.plugin << " against single: " << report.describe() << "\n";
+  return report.passed ? 0 : 1;
+}
+
+// `trainer plugins`: every strategy plugin in the search path, described, failures marked.
+int run_plugins() {
+  std::cout << weft::format_plugin_table(weft::list_plugins());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -117,11 +145,13 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (cli.command == "train") return run_train(cli);
+    if (cli.command == "plugins") return run_plugins();
+    if (cli.command == "check") return run_check(cli);
     if (cli.command == "config-reference") {
       std::cout << weft::render_markdown_reference();
       return 0;
     }
-    throw weft::Error(fmt::format("unknown command '{}' (commands: train, config-reference)", cli.command));
+    throw weft::Error(fmt::format("unknown command '{}' (commands: train, plugins, check, config-reference)", cli.command));
   } catch (const weft::Error& e) {
     spdlog::error("{}", e.what());
   } catch (const po::error& e) {

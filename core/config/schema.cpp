@@ -108,6 +108,8 @@ const std::vector<SchemaEntry>& config_schema() {
       int_key("train.threads", 1, "Intra-op threads per process.", 1),
       string_key("train.out_dir", "runs/default",
                  "Run directory for checkpoints, metrics and the effective config."),
+      string_key("train.plugin", "",
+                 "Strategy plugin: a path or a name found in the build's plugins/ or WEFT_PLUGIN_PATH (e.g. single); empty = the host's built-in one-process step."),
       bool_key("train.overwrite", false,
                "Start fresh even if out_dir already holds checkpoints or saved models (they are replaced)."),
       // [lora]

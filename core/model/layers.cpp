@@ -1,9 +1,13 @@
 #include "core/model/layers.h"
 
 #include <cmath>
+#include <limits>
+#include <mutex>
+#include <vector>
 
 #include <torch/torch.h>
 
+#include "core/model/kernels.h"
 #include "core/util/error.h"
 
 namespace weft {
@@ -15,16 +19,43 @@ LinearImpl::LinearImpl(int64_t in_features, int64_t out_features) {
 torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
   const auto input = x.to(compute_dtype_);
   auto y = torch::nn::functional::linear(input, weight.to(compute_dtype_));
-  if (!lora_A_.is_empty()) {
-    auto h = lora_dropout_ > 0
-                 ? torch::nn::functional::dropout(
-                       input, torch::nn::functional::DropoutFuncOptions().p(lora_dropout_).training(is_training()))
-                 : input;
-    h = torch::nn::functional::linear(h, lora_A_->weight.to(compute_dtype_));
-    h = torch::nn::functional::linear(h, lora_B_->weight.to(compute_dtype_));
-    y = y + h * lora_scale_;
-  }
+  if (!lora_A_.is_empty()) y = y + lora_update(input);
   return y;
+}
+
+torch::Tensor LinearImpl::lora_update(const torch::Tensor& input) {
+  WEFT_CHECK(has_lora(), "lora_update on a layer without LoRA adapters");
+  auto h = lora_dropout_ > 0
+               ? torch::nn::functional::dropout(
+                     input, torch::nn::functional::DropoutFuncOptions().p(lora_dropout_).training(is_training()))
+               : input;
+  h = torch::nn::functional::linear(h, lora_A_->weight.to(compute_dtype_));
+  h = torch::nn::functional::linear(h, lora_B_->weight.to(compute_dtype_));
+  return h * lora_scale_;
+}
+
+torch::Tensor fused_linear(const torch::Tensor& x, const std::vector<LinearImpl*>& layers) {
+  WEFT_CHECK(!layers.empty(), "fused_linear needs at least one layer");
+  const auto dtype = layers.front()->compute_dtype();
+  const auto input = x.to(dtype);
+  std::vector<torch::Tensor> weights;
+  bool any_lora = false;
+  for (const auto* layer : layers) {
+    WEFT_CHECK(layer->compute_dtype() == dtype, "fused_linear: layers with different compute dtypes");
+    weights.push_back(layer->weight);
+    any_lora = any_lora || layer->has_lora();
+  }
+  auto y = torch::nn::functional::linear(input, torch::cat(weights).to(dtype));
+  if (!any_lora) return y;
+  std::vector<torch::Tensor> parts;
+  int64_t offset = 0;
+  for (auto* layer : layers) {
+    const int64_t width = layer->weight.size(0);
+    auto part = y.narrow(-1, offset, width);
+    parts.push_back(layer->has_lora() ? part + layer->lora_update(input) : part);
+    offset += width;
+  }
+  return torch::cat(parts, -1);
 }
 
 void LinearImpl::add_lora(const LoraSpec& spec, uint64_t generator_seed) {
@@ -57,10 +88,10 @@ RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
   weight = register_parameter("weight", torch::ones({dim}));
 }
 
-torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
-  const auto xf = x.to(torch::kFloat32);
-  const auto normed = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps_);
-  return (normed * weight).to(x.scalar_type());
+torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) { return normalize(x, x.scalar_type()); }
+
+torch::Tensor RMSNormImpl::normalize(const torch::Tensor& x, torch::Dtype out_dtype) {
+  return fused_rms_norm(x, weight, eps_, out_dtype);
 }
 
 RotaryEmbedding::RotaryEmbedding(const ModelConfig& config) {
@@ -91,6 +122,18 @@ RotaryEmbedding::RotaryEmbedding(const ModelConfig& config) {
 }
 
 std::pair<torch::Tensor, torch::Tensor> RotaryEmbedding::tables(int64_t start, int64_t seq_len) const {
+  std::lock_guard<std::mutex> lock(cache_->mutex);
+  if (cache_->tables.first.defined() && cache_->start == start && cache_->seq_len == seq_len) {
+    return cache_->tables;
+  }
+  cache_->tables = compute_tables(start, seq_len);
+  cache_->start = start;
+  cache_->seq_len = seq_len;
+  return cache_->tables;
+}
+
+std::pair<torch::Tensor, torch::Tensor> RotaryEmbedding::compute_tables(int64_t start, int64_t seq_len) const {
+  torch::NoGradGuard no_grad;
   auto positions = torch::arange(start, start + seq_len, torch::kFloat32);
   auto freqs = torch::outer(positions, inv_freq_);
   auto emb = torch::cat({freqs, freqs}, -1);
@@ -106,19 +149,44 @@ torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& cos, con
   return (xf * cos + rotated * sin).to(x.scalar_type());
 }
 
+namespace {
+
+// Additive causal mask [group * seq, seq] (0 on and below the diagonal, -inf above), repeated
+// for the `group` query heads that share a kv head; cached per thread for the last shape.
+const torch::Tensor& causal_bias(int64_t seq, int64_t group, torch::Dtype dtype) {
+  thread_local struct {
+    int64_t seq = -1, group = -1;
+    torch::Dtype dtype = torch::kFloat32;
+    torch::Tensor bias;
+  } cache;
+  if (!cache.bias.defined() || cache.seq != seq || cache.group != group || cache.dtype != dtype) {
+    torch::NoGradGuard no_grad;
+    auto future = torch::ones({seq, seq}, torch::TensorOptions().dtype(torch::kBool)).triu(1);
+    cache.bias = torch::zeros({seq, seq}, torch::TensorOptions().dtype(dtype))
+                     .masked_fill(future, -std::numeric_limits<float>::infinity())
+                     .repeat({group, 1});
+    cache.seq = seq;
+    cache.group = group;
+    cache.dtype = dtype;
+  }
+  return cache.bias;
+}
+
+}  // namespace
+
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
   const int64_t batch = q.size(0), heads = q.size(1), seq = q.size(2), dim = q.size(3);
   const int64_t kv_heads = k.size(1);
   WEFT_CHECK(heads % kv_heads == 0, "attention: {} query heads over {} kv heads", heads, kv_heads);
   const int64_t group = heads / kv_heads;
-  // Group the query heads that share a kv head: [B, KVH, group*T, D] @ [B, KVH, D, T].
-  auto qg = q.reshape({batch, kv_heads, group * seq, dim});
-  auto scores = torch::matmul(qg, k.transpose(-2, -1)).to(torch::kFloat32);
-  scores = scores.view({batch, kv_heads, group, seq, seq}) * (1.0 / std::sqrt(static_cast<double>(dim)));
-  auto future = torch::ones({seq, seq}, torch::TensorOptions().dtype(torch::kBool)).triu(1);
-  scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
-  auto probs = scores.softmax(-1).to(v.scalar_type()).view({batch, kv_heads, group * seq, seq});
-  return torch::matmul(probs, v).view({batch, heads, seq, dim});
+  // Group the query heads that share a kv head: [B*KVH, group*T, D] @ [B*KVH, D, T]; the scale
+  // and the causal mask are applied by the batched GEMM (scale * q k^T + bias).
+  auto qg = q.reshape({batch * kv_heads, group * seq, dim});
+  auto kt = k.reshape({batch * kv_heads, seq, dim}).transpose(1, 2);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
+  auto scores = torch::baddbmm(causal_bias(seq, group, q.scalar_type()), qg, kt, /*beta=*/1.0, /*alpha=*/scale);
+  auto probs = scores.to(torch::kFloat32).softmax(-1).to(v.scalar_type());
+  return torch::bmm(probs, v.reshape({batch * kv_heads, seq, dim})).view({batch, heads, seq, dim});
 }
 
 AttentionImpl::AttentionImpl(const ModelConfig& c)
@@ -131,15 +199,10 @@ AttentionImpl::AttentionImpl(const ModelConfig& c)
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const RotaryEmbedding& rope) {
   const int64_t batch = x.size(0), seq = x.size(1);
-  auto heads = [&](const torch::Tensor& t, int64_t n) {
-    return t.view({batch, seq, n, head_dim_}).transpose(1, 2);
-  };
-  auto q = heads(q_proj(x), num_heads_);
-  auto k = heads(k_proj(x), num_kv_heads_);
-  auto v = heads(v_proj(x), num_kv_heads_);
+  // One GEMM for q, k and v; one pass splits the heads and applies RoPE to q and k.
+  auto qkv = fused_linear(x, {q_proj.get(), k_proj.get(), v_proj.get()});
   auto [cos, sin] = rope.tables(0, seq);
-  q = apply_rotary(q, cos, sin);
-  k = apply_rotary(k, cos, sin);
+  auto [q, k, v] = split_qkv_with_rope(qkv, num_heads_, num_kv_heads_, cos, sin);
   auto out = causal_attention(q, k, v);
   return o_proj(out.transpose(1, 2).reshape({batch, seq, num_heads_ * head_dim_}));
 }
@@ -151,7 +214,8 @@ MlpImpl::MlpImpl(const ModelConfig& c) {
 }
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
-  return down_proj(torch::silu(gate_proj(x)) * up_proj(x));
+  // One GEMM for gate and up, one fused pass for silu(gate) * up.
+  return down_proj(fused_swiglu(fused_linear(x, {gate_proj.get(), up_proj.get()})));
 }
 
 DecoderBlockImpl::DecoderBlockImpl(const ModelConfig& c) {
@@ -164,8 +228,10 @@ DecoderBlockImpl::DecoderBlockImpl(const ModelConfig& c) {
 
 torch::Tensor DecoderBlockImpl::forward(const torch::Tensor& x, const RotaryEmbedding& rope) {
   // The residual stream stays fp32; sublayer outputs (compute dtype) are promoted on add.
-  auto h = x + self_attn->forward(input_layernorm(x), rope).to(x.scalar_type());
-  return h + mlp(post_attention_layernorm(h)).to(x.scalar_type());
+  // Norms write their output directly in the compute dtype the projections read.
+  const auto dtype = self_attn->q_proj->compute_dtype();
+  auto h = x + self_attn->forward(input_layernorm->normalize(x, dtype), rope).to(x.scalar_type());
+  return h + mlp(post_attention_layernorm->normalize(h, dtype)).to(x.scalar_type());
 }
 
 void set_compute_dtype(torch::nn::Module& module, torch::Dtype dtype) {

@@ -9,8 +9,11 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <torch/nn/module.h>
 #include <torch/types.h>
@@ -47,7 +50,12 @@ class LinearImpl : public torch::nn::Module {
   // Folds (alpha / r) B A into the base weight and removes the adapters.
   void merge_lora();
 
+  // The LoRA term (alpha / r) B A dropout(input) for `input` already in the compute dtype.
+  // Throws weft::Error if the layer has no adapters.
+  torch::Tensor lora_update(const torch::Tensor& input);
+
   void set_compute_dtype(torch::Dtype dtype) { compute_dtype_ = dtype; }
+  torch::Dtype compute_dtype() const { return compute_dtype_; }
 
   torch::Tensor weight;
 
@@ -60,11 +68,19 @@ class LinearImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Linear);
 
-// RMSNorm (fp32 math): y = w * x / sqrt(mean(x^2) + eps), returned in the input's dtype.
+// The outputs of several linear layers that read the same x, concatenated on the last dim, from
+// one GEMM against their stacked weights (plus each layer's LoRA term). Equals
+// cat({layer(x) ...}, -1) up to rounding order. The layers must share a compute dtype.
+torch::Tensor fused_linear(const torch::Tensor& x, const std::vector<LinearImpl*>& layers);
+
+// RMSNorm (fp32 math, one fused kernel): y = w * x / sqrt(mean(x^2) + eps), returned in the
+// input's dtype.
 class RMSNormImpl : public torch::nn::Module {
  public:
   RMSNormImpl(int64_t dim, double eps);
   torch::Tensor forward(const torch::Tensor& x);
+  // The same, returned in `out_dtype` (fp32 or bf16) without a separate cast.
+  torch::Tensor normalize(const torch::Tensor& x, torch::Dtype out_dtype);
   torch::Tensor weight;
 
  private:
@@ -78,11 +94,20 @@ class RotaryEmbedding {
   explicit RotaryEmbedding(const ModelConfig& config);
   // Inverse frequencies [head_dim / 2] after Llama 3 scaling (fp32).
   const torch::Tensor& inv_freq() const { return inv_freq_; }
-  // cos and sin tables [seq_len, head_dim] for positions start..start+seq_len-1 (fp32).
+  // cos and sin tables [seq_len, head_dim] for positions start..start+seq_len-1 (fp32). The
+  // last (start, seq_len) pair's tables are cached (thread-safe): callers must not modify them.
   std::pair<torch::Tensor, torch::Tensor> tables(int64_t start, int64_t seq_len) const;
 
  private:
+  std::pair<torch::Tensor, torch::Tensor> compute_tables(int64_t start, int64_t seq_len) const;
+
+  struct TableCache {
+    std::mutex mutex;
+    int64_t start = 0, seq_len = 0;
+    std::pair<torch::Tensor, torch::Tensor> tables;
+  };
   torch::Tensor inv_freq_;
+  std::shared_ptr<TableCache> cache_ = std::make_shared<TableCache>();
 };
 
 // Applies RoPE to x [batch, heads, seq, head_dim] with cos/sin [seq, head_dim]; fp32 math,

@@ -26,16 +26,18 @@ void set_learning_rate(torch::optim::AdamW& optimizer, double lr) {
 
 double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm) {
   torch::NoGradGuard no_grad;
-  double total = 0.0;
+  // Sums of squares in fp64, one reduction and one host sync for all tensors.
+  std::vector<torch::Tensor> grads, squares;
   for (const auto& p : params) {
-    if (p.grad().defined()) total += p.grad().to(torch::kFloat64).pow(2).sum().item<double>();
+    if (!p.grad().defined()) continue;
+    grads.push_back(p.grad());
+    squares.push_back(p.grad().to(torch::kFloat64).pow(2).sum());
   }
-  const double norm = std::sqrt(total);
+  if (grads.empty()) return 0.0;
+  const double norm = std::sqrt(torch::stack(squares).sum().item<double>());
   if (max_norm > 0 && norm > max_norm) {
     const double scale = max_norm / (norm + 1e-6);
-    for (const auto& p : params) {
-      if (p.grad().defined()) p.grad().mul_(scale);
-    }
+    for (auto& g : grads) g.mul_(scale);
   }
   return norm;
 }

@@ -43,6 +43,8 @@ TrainOptions train_options_from_config(const Config& c) {
   o.threads = c.get_int("train.threads");
   o.out_dir = c.get_string("train.out_dir");
   o.overwrite = c.get_bool("train.overwrite");
+  o.plugin = c.get_string("train.plugin");
+  o.plugin_config = c.section_table("plugin");
 
   o.lora.spec.r = c.get_int("lora.r");
   o.lora.spec.alpha = c.get_float("lora.alpha");

@@ -40,6 +40,8 @@ struct TrainOptions {
   std::string precision = "fp32";
   std::string out_dir;
   bool overwrite = false;
+  std::string plugin;          // strategy plugin path or name; empty = built-in step
+  toml::table plugin_config;   // the [plugin] section, handed to the plugin
   bool save_merged = false;  // LoRA: also save the merged model at the end
   int64_t eval_every = 0, eval_max_batches = 0, eval_batch_size = 0, patience = 0;
   int64_t checkpoint_every = 0, keep_last = 2;

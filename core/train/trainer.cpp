@@ -39,6 +39,14 @@ Trainer::Trainer(TrainOptions options, RunContext context)
   at::set_num_threads(static_cast<int>(options_.threads));
   torch::manual_seed(options_.seed);
   tokenizer_ = load_tokenizer(options_.tokenizer);
+  if (!options_.plugin.empty()) {
+    WEFT_CHECK(context_.world == 1, "multi-process runs are not available yet (world size {})", context_.world);
+    communicator_ = Communicator::single_process(std::chrono::minutes(5));
+    strategy_ = std::make_unique<StrategySession>(options_.plugin, options_.plugin_config, *communicator_);
+    spdlog::info("strategy: {} {} (ABI {}.{}) from {}", strategy_->library().name(), strategy_->library().version(),
+                 strategy_->library().negotiated_abi().major, strategy_->library().negotiated_abi().minor,
+                 strategy_->library().path());
+  }
   build_model();
   build_data();
   build_optimizer();
@@ -93,7 +101,12 @@ void Trainer::build_model() {
   ModelOptions model_options;
   model_options.compute_dtype = compute_dtype(options_.precision);
   model_options.activation_checkpointing = options_.model.activation_checkpointing;
-  model_ = LlamaForCausalLM(resolve_model_config(), model_options);
+  const ModelConfig config = resolve_model_config();
+  if (strategy_) {
+    const auto plan = strategy_->plan(config.num_hidden_layers + 2);
+    model_options.stages = {plan.first_stage, plan.last_stage};
+  }
+  model_ = LlamaForCausalLM(config, model_options);
   init_weights(*model_, options_.seed, options_.model.init_std);
   if (!options_.model.weights.empty()) load_weights(*model_, options_.model.weights);
   if (auto l = lora()) {
@@ -106,6 +119,10 @@ void Trainer::build_model() {
     trainable += param.numel();
   }
   for (auto& p : model_->parameters()) total += p.numel();
+  if (strategy_) {
+    strategy_->host().set_model(model_.get());
+    strategy_->setup();
+  }
   spdlog::info("model: {} layers, hidden {}, {} heads ({} kv), vocab {}: {:.2f}M parameters, {:.2f}M trainable, {}",
                model_->config().num_hidden_layers, model_->config().hidden_size,
                model_->config().num_attention_heads, model_->config().num_key_value_heads,
@@ -166,7 +183,19 @@ double Trainer::train_step(int64_t epoch, int64_t step_in_epoch) {
   set_learning_rate(*optimizer_, last_lr_);
   const int64_t accum = options_.grad_accum_steps;
   double loss_sum = 0.0;
-  for (int64_t micro = 0; micro < accum; ++micro) {
+  if (strategy_) {
+    weft_step_info info{};
+    info.struct_size = sizeof(weft_step_info);
+    info.step = state_.global_step;
+    info.epoch = epoch;
+    info.micro_batches = static_cast<int32_t>(accum);
+    info.rows_per_micro_batch = train_loader_->local_batch();
+    info.seq_len = options_.data.seq_len;
+    strategy_->host().begin_train_step(train_loader_.get(), epoch, step_in_epoch, info.micro_batches);
+    loss_sum = strategy_->train_step(info);
+    strategy_->host().end_step();
+  }
+  for (int64_t micro = 0; micro < (strategy_ ? 0 : accum); ++micro) {
     const Batch batch = train_loader_->batch(epoch, step_in_epoch * accum + micro);
     auto loss = cross_entropy(model_->forward(batch.inputs), batch.targets) / static_cast<double>(accum);
     loss.backward();
@@ -190,6 +219,20 @@ EvalResult Trainer::evaluate() {
   double loss_sum = 0.0;
   int64_t tokens = 0;
   for (int64_t i = 0; i < batches; ++i) {
+    if (strategy_ && strategy_->has_eval_step()) {
+      weft_step_info info{};
+      info.struct_size = sizeof(weft_step_info);
+      info.step = state_.global_step;
+      info.epoch = state_.epoch;
+      info.micro_batches = 1;
+      info.seq_len = options_.data.seq_len;
+      strategy_->host().begin_eval_step(&loader, i);
+      const auto [sum, count] = strategy_->eval_step(info);
+      strategy_->host().end_step();
+      loss_sum += sum;
+      tokens += count;
+      continue;
+    }
     const Batch b = loader.batch(i);
     if (b.rows() == 0) continue;
     loss_sum += cross_entropy_sum(model_->forward(b.inputs), b.targets).item<double>();
@@ -235,6 +278,8 @@ void Trainer::save_checkpoint(Progress& progress) {
 
 // What one call of run() accumulates.
 struct Trainer::Session {
+  Session(const std::string& metrics_file, const std::string& progress_mode, int64_t log_every)
+      : metrics(metrics_file), progress(progress_mode, log_every) {}
   MetricsWriter metrics;
   Progress progress;
   TrainResult result;
@@ -246,8 +291,8 @@ struct Trainer::Session {
 };
 
 TrainResult Trainer::run() {
-  Session session{MetricsWriter(context_.rank == 0 ? options_.metrics_file : ""),
-                  Progress(context_.rank == 0 ? options_.progress : "off", options_.log_every)};
+  Session session(context_.rank == 0 ? options_.metrics_file : "",
+                  context_.rank == 0 ? options_.progress : "off", options_.log_every);
   session.tokens_per_step = options_.batch_size * options_.grad_accum_steps * options_.data.seq_len;
   spdlog::info("training: {} epochs x {} steps (total {}), {} tokens per step, lr {:.2e}, {}",
                options_.epochs, steps_per_epoch_, total_steps_, session.tokens_per_step,

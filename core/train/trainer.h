@@ -17,6 +17,8 @@
 #include "core/data/loader.h"
 #include "core/data/tokenizer.h"
 #include "core/model/llama.h"
+#include "core/plugin/process_groups.h"
+#include "core/plugin/strategy_session.h"
 #include "core/train/checkpoint.h"
 #include "core/train/metrics.h"
 #include "core/train/options.h"
@@ -64,6 +66,8 @@ class Trainer {
   LlamaForCausalLMImpl& model() { return *model_; }
   const Tokenizer& tokenizer() const { return *tokenizer_; }
   const DatasetSummary& dataset_summary() const { return dataset_.summary; }
+  // The loaded strategy plugin, if train.plugin is set.
+  const StrategySession* strategy() const { return strategy_.get(); }
   int64_t steps_per_epoch() const { return steps_per_epoch_; }
   int64_t total_steps() const { return total_steps_; }
 
@@ -86,6 +90,8 @@ class Trainer {
 
   TrainOptions options_;
   RunContext context_;
+  std::unique_ptr<Communicator> communicator_;  // set when a strategy plugin runs
+  std::unique_ptr<StrategySession> strategy_;
   std::unique_ptr<Tokenizer> tokenizer_;
   LlamaForCausalLM model_{nullptr};
   std::vector<torch::Tensor> trainable_;

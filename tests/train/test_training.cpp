@@ -153,14 +153,6 @@ TEST(Training, LoraTrainsOnlyAdapters) {
   EXPECT_TRUE(fs::exists(o.out_dir + "/final/adapter_config.json"));
 }
 
-std::vector<double> losses_from(const std::string& metrics, int64_t first_step) {
-  std::vector<double> out;
-  for (const auto& j : read_metrics(metrics, "step")) {
-    if (j["step"].get<int64_t>() >= first_step) out.push_back(j["loss"].get<double>());
-  }
-  return out;
-}
-
 void expect_resume_is_exact(const std::string& name, bool lora) {
   const auto dir = fresh_dir(name);
   auto o = tiny_options(dir);

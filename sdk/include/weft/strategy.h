@@ -27,7 +27,12 @@
  *    host stay valid for the life of the plugin instance unless stated otherwise.
  *  - Tensors: DLTensor* arguments are borrowed views (DLPack 0.6, always with strides), valid
  *    only during the call unless stated otherwise. Autograd history never crosses the boundary:
- *    tensors that need it stay in the host behind weft_activation handles.
+ *    tensors that need it stay in the host behind weft_activation handles. DLPack 0.6 has no
+ *    bool type: booleans cross as {kDLUInt, 8, 1}. Collectives run where the tensors live:
+ *    Gloo for CPU tensors, NCCL (when the host's LibTorch has it) for CUDA tensors.
+ *  - Structs passed by pointer that start with `struct_size` (weft_model_plan,
+ *    weft_step_info) are written by the host with its own size; a reader uses only the fields
+ *    that lie within struct_size (fields are only ever appended).
  *  - Threads: the host calls a plugin instance from one thread at a time; callbacks the
  *    plugin registers may run on the host's autograd thread, which is then the calling thread.
  *    Host services may be called from any thread that the host is currently calling into
@@ -120,7 +125,7 @@ typedef struct weft_parameter_info {
   int64_t stage;         /* the model stage that owns it: 0 embedding, 1..L blocks, L+1 head */
   int32_t trainable;     /* 1 if the optimizer updates it (0 for frozen base weights under LoRA) */
   int32_t ndim;
-  const int64_t* shape;  /* full (unsharded) shape, ndim entries */
+  const int64_t* shape;  /* full (unsharded) shape, ndim entries; valid for the run */
   DLDataType dtype;      /* of the master copy (fp32) */
 } weft_parameter_info;
 
@@ -175,7 +180,9 @@ typedef enum weft_direction {
 
 /* Called by the host during backward once a parameter's gradient for this backward pass is
  * complete (accumulated into its .grad). `parameter_index` indexes weft_host_api.parameter_*.
- * Runs on the autograd thread; must not call forward/backward. Since 1.0. */
+ * Runs on the autograd thread; must not call forward/backward. It cannot fail: a plugin keeps
+ * any error it meets (e.g. a collective that could not start) and returns it from train_step.
+ * Since 1.0. */
 typedef void (*weft_grad_ready_fn)(void* user_data, int64_t parameter_index);
 
 /* ------------------------------------------------------------------------------------------
@@ -249,12 +256,12 @@ typedef struct weft_host_api {
 
   /* --- model --- */
   int64_t (*model_num_stages)(weft_host* host); /* num_hidden_layers + 2 */
-  /* Parameters of the full model, in a fixed order shared by every rank. */
+  /* The parameters this rank holds (after plan and shard_parameter), in the model's order:
+   * the same list on every rank that holds the same stages. */
   int64_t (*parameter_count)(weft_host* host);
   weft_status* (*parameter_info)(weft_host* host, int64_t index, weft_parameter_info* out);
   /* A view of this rank's master copy (writable; e.g. to broadcast initial values into it).
-   * WEFT_STATUS_INVALID_ARGUMENT if this rank does not hold the parameter. Valid until the
-   * next optimizer step. */
+   * Valid for the run (the optimizer updates it in place). */
   weft_status* (*parameter_data)(weft_host* host, int64_t index, DLTensor* out);
   /* A view of the parameter's gradient (writable: e.g. to average it in place). Valid from the
    * first backward of a step until the optimizer step; WEFT_STATUS_INVALID_ARGUMENT before. */
@@ -343,8 +350,8 @@ typedef struct weft_strategy_api {
                              double* loss_out);
   /* Evaluation of one global held-out batch (forward only, WEFT_FORWARD_NO_GRAD): the sum of
    * token losses and the number of target tokens over all ranks (every rank returns the same
-   * values). Optional: the default runs the whole model on this rank's rows and needs no
-   * reduction (world size 1). */
+   * values). Optional only for one-process plugins: the default runs the whole model on this
+   * rank's rows with no reduction, so the host refuses a world size above 1 without it. */
   weft_status* (*eval_step)(weft_strategy* strategy, const weft_step_info* step,
                             double* loss_sum_out, int64_t* tokens_out);
   /* Optional. The squared global L2 norm of the gradients from this rank's local sum of
@@ -365,6 +372,10 @@ typedef struct weft_strategy_api {
  * and must not call back into the host. */
 typedef const weft_strategy_api* (*weft_strategy_entry_fn)(uint16_t host_abi_major,
                                                            uint16_t host_abi_minor);
+
+/* Every plugin defines exactly this function (declared here so the compiler checks it). */
+WEFT_EXPORT const weft_strategy_api* weft_strategy_entry(uint16_t host_abi_major,
+                                                         uint16_t host_abi_minor);
 
 #ifdef __cplusplus
 } /* extern "C" */

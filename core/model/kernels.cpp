@@ -1,0 +1,377 @@
+#include "core/model/kernels.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+
+#include "core/util/error.h"
+
+// The loops below only vectorise if GCC may if-convert float comparisons (the clamp in
+// exp_approx, bf16 rounding's NaN test); this changes no results, only allows that.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-trapping-math")
+#endif
+
+namespace weft {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Element storage: float for fp32, Bf16Bits (the raw bits) for bf16. The conversions are written
+// out here rather than taken from c10::BFloat16 so they inline into the vectorised loops.
+using Bf16Bits = uint16_t;
+
+inline float to_float(float v) { return v; }
+inline float to_float(Bf16Bits v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+template <typename T>
+inline T from_float(float v);
+template <>
+inline float from_float<float>(float v) { return v; }
+// Round to nearest even, NaN to the canonical quiet NaN: as c10::BFloat16(float).
+template <>
+inline Bf16Bits from_float<Bf16Bits>(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return static_cast<Bf16Bits>(v != v ? 0x7FC0u : rounded);
+}
+
+template <typename T>
+T* data(const torch::Tensor& t) {
+  return static_cast<T*>(t.data_ptr());
+}
+
+// Calls f(T{}) with T = float or Bf16Bits matching `dtype`.
+template <typename F>
+void dispatch_float_or_bf16(torch::Dtype dtype, const char* what, F&& f) {
+  if (dtype == torch::kFloat32) {
+    f(float{});
+  } else if (dtype == torch::kBFloat16) {
+    f(Bf16Bits{});
+  } else {
+    fail("{}: expected an fp32 or bf16 tensor, got {}", what, std::string(c10::toString(dtype)));
+  }
+}
+
+// Sum of a[i] * b[i] * c[i] over n elements in fp32 with 8 partial sums (vectorisable).
+template <typename A, typename B>
+float dot3(const A* a, const B* b, const float* c, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) acc[j] += to_float(a[i + j]) * to_float(b[i + j]) * c[i + j];
+  }
+  float total = 0.0f;
+  for (; i < n; ++i) total += to_float(a[i]) * to_float(b[i]) * c[i];
+  for (int j = 0; j < 8; ++j) total += acc[j];
+  return total;
+}
+
+template <typename X>
+float sum_of_squares(const X* x, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) {
+      const float v = to_float(x[i + j]);
+      acc[j] += v * v;
+    }
+  }
+  float total = 0.0f;
+  for (; i < n; ++i) total += to_float(x[i]) * to_float(x[i]);
+  for (int j = 0; j < 8; ++j) total += acc[j];
+  return total;
+}
+
+// exp(x) for x in fp32 without branches or library calls, so loops over it vectorise: Cephes'
+// range reduction x = n ln2 + r and degree-6 polynomial, then scaling by 2^n through the
+// exponent bits. Inputs are clamped to [-87.3, 88.3] (the results stay normal and finite).
+inline float exp_approx(float x) {
+  x = x < -87.3f ? -87.3f : x;
+  x = x > 88.3f ? 88.3f : x;
+  // t > 0, so truncation is floor: n = round(x / ln2), biased by 127 as in the exponent field.
+  const int32_t biased = static_cast<int32_t>(x * 1.44269504088896341f + 127.5f);
+  const float n = static_cast<float>(biased - 127);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = biased << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+int64_t rows_grain(int64_t row_size) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_size)); }
+
+class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor weight, double eps,
+                               int64_t out_dtype) {
+    x = x.contiguous();
+    const auto w = weight.contiguous();
+    WEFT_CHECK(w.scalar_type() == torch::kFloat32 && w.dim() == 1 && w.size(0) == x.size(-1),
+               "rms_norm: weight must be fp32 [{}]", x.size(-1));
+    const int64_t dim = x.size(-1), rows = x.numel() / dim;
+    auto y = torch::empty(x.sizes(), x.options().dtype(static_cast<torch::Dtype>(out_dtype)));
+    auto rstd = torch::empty({rows}, x.options().dtype(torch::kFloat32));
+    const float* wp = data<float>(w);
+    float* rp = data<float>(rstd);
+    const float epsf = static_cast<float>(eps);
+    dispatch_float_or_bf16(x.scalar_type(), "rms_norm", [&](auto x_tag) {
+      using X = decltype(x_tag);
+      dispatch_float_or_bf16(y.scalar_type(), "rms_norm", [&](auto y_tag) {
+        using Y = decltype(y_tag);
+        const X* xp = data<X>(x);
+        Y* yp = data<Y>(y);
+        at::parallel_for(0, rows, rows_grain(dim), [&](int64_t begin, int64_t end) {
+          for (int64_t r = begin; r < end; ++r) {
+            const X* xr = xp + r * dim;
+            Y* yr = yp + r * dim;
+            const float mean = sum_of_squares(xr, dim) / static_cast<float>(dim);
+            const float rs = 1.0f / std::sqrt(mean + epsf);
+            rp[r] = rs;
+            for (int64_t i = 0; i < dim; ++i) yr[i] = from_float<Y>(to_float(xr[i]) * rs * wp[i]);
+          }
+        });
+      });
+    });
+    ctx->save_for_backward({x, w, rstd});
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &x = saved[0], &w = saved[1], &rstd = saved[2];
+    const auto g = grads[0].contiguous();
+    const int64_t dim = x.size(-1), rows = x.numel() / dim;
+    const bool want_w = ctx->needs_input_grad(1);
+    auto gx = torch::empty_like(x);
+    // Weight gradient: per-chunk partial sums (fp64), reduced after the parallel loop.
+    const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows));
+    auto partial = torch::zeros({want_w ? chunks : 0, dim}, x.options().dtype(torch::kFloat64));
+    const float* wp = data<float>(w);
+    const float* rp = data<float>(rstd);
+    double* pp = data<double>(partial);
+    dispatch_float_or_bf16(x.scalar_type(), "rms_norm backward", [&](auto x_tag) {
+      using X = decltype(x_tag);
+      dispatch_float_or_bf16(g.scalar_type(), "rms_norm backward", [&](auto g_tag) {
+        using G = decltype(g_tag);
+        const X* xp = data<X>(x);
+        const G* gp = data<G>(g);
+        X* gxp = data<X>(gx);
+        at::parallel_for(0, chunks, 1, [&](int64_t cbegin, int64_t cend) {
+          for (int64_t c = cbegin; c < cend; ++c) {
+            double* gw = want_w ? pp + c * dim : nullptr;
+            for (int64_t r = rows * c / chunks; r < rows * (c + 1) / chunks; ++r) {
+              const X* xr = xp + r * dim;
+              const G* gr = gp + r * dim;
+              X* gxr = gxp + r * dim;
+              const float rs = rp[r];
+              const float coef = rs * rs * rs * dot3(gr, xr, wp, dim) / static_cast<float>(dim);
+              for (int64_t i = 0; i < dim; ++i) {
+                const float gi = to_float(gr[i]), xi = to_float(xr[i]);
+                gxr[i] = from_float<X>(rs * wp[i] * gi - xi * coef);
+              }
+              if (gw) {
+                for (int64_t i = 0; i < dim; ++i) gw[i] += to_float(gr[i]) * to_float(xr[i]) * rs;
+              }
+            }
+          }
+        });
+      });
+    });
+    torch::Tensor gw = want_w ? partial.sum(0).to(torch::kFloat32) : torch::Tensor();
+    return {gx, gw, torch::Tensor(), torch::Tensor()};
+  }
+};
+
+class SwigluFunction : public torch::autograd::Function<SwigluFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor gate_up) {
+    gate_up = gate_up.contiguous();
+    const int64_t width = gate_up.size(-1) / 2, rows = gate_up.numel() / std::max<int64_t>(1, 2 * width);
+    WEFT_CHECK(gate_up.size(-1) == 2 * width, "swiglu: last dim {} is odd", gate_up.size(-1));
+    auto sizes = gate_up.sizes().vec();
+    sizes.back() = width;
+    auto out = torch::empty(sizes, gate_up.options());
+    dispatch_float_or_bf16(gate_up.scalar_type(), "swiglu", [&](auto tag) {
+      using T = decltype(tag);
+      const T* in = data<T>(gate_up);
+      T* op = data<T>(out);
+      at::parallel_for(0, rows, rows_grain(2 * width), [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+          const T* g = in + r * 2 * width;
+          const T* u = g + width;
+          T* o = op + r * width;
+          for (int64_t i = 0; i < width; ++i) {
+            const float gi = to_float(g[i]);
+            o[i] = from_float<T>(gi / (1.0f + exp_approx(-gi)) * to_float(u[i]));
+          }
+        }
+      });
+    });
+    ctx->save_for_backward({gate_up});
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto gate_up = ctx->get_saved_variables()[0];
+    const auto go = grads[0].contiguous();
+    const int64_t width = gate_up.size(-1) / 2, rows = gate_up.numel() / std::max<int64_t>(1, 2 * width);
+    auto grad = torch::empty_like(gate_up);
+    dispatch_float_or_bf16(gate_up.scalar_type(), "swiglu backward", [&](auto tag) {
+      using T = decltype(tag);
+      WEFT_CHECK(go.scalar_type() == gate_up.scalar_type(), "swiglu backward: gradient dtype mismatch");
+      const T* in = data<T>(gate_up);
+      const T* gop = data<T>(go);
+      T* gp = data<T>(grad);
+      at::parallel_for(0, rows, rows_grain(2 * width), [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+          const T* g = in + r * 2 * width;
+          const T* u = g + width;
+          const T* gor = gop + r * width;
+          T* gg = gp + r * 2 * width;
+          T* gu = gg + width;
+          for (int64_t i = 0; i < width; ++i) {
+            const float gi = to_float(g[i]), ui = to_float(u[i]), goi = to_float(gor[i]);
+            const float sig = 1.0f / (1.0f + exp_approx(-gi));
+            gg[i] = from_float<T>(goi * ui * (sig * (1.0f + gi * (1.0f - sig))));
+            gu[i] = from_float<T>(goi * (gi * sig));
+          }
+        }
+      });
+    });
+    return {grad};
+  }
+};
+
+// Shapes of a fused qkv projection.
+struct QkvShape {
+  int64_t batch, seq, heads, kv_heads, dim;
+  int64_t total_heads() const { return heads + 2 * kv_heads; }
+};
+
+// Copies head `n` of token (b, t) between the fused layout and the [B, heads, T, D] layouts,
+// rotating q and k heads. Forward: src = qkv row, dst = q/k/v row. Backward uses the transposed
+// rotation (inverse = rotation by -angle) from the q/k/v gradients into the qkv gradient.
+template <typename T>
+void rotate_row(const T* src, T* dst, const float* cos, const float* sin, int64_t dim, bool inverse) {
+  const int64_t half = dim / 2;
+  const float sign = inverse ? -1.0f : 1.0f;
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = to_float(src[i]), x2 = to_float(src[i + half]);
+    dst[i] = from_float<T>(x1 * cos[i] - x2 * (sign * sin[i]));
+    dst[i + half] = from_float<T>(x2 * cos[i + half] + x1 * (sign * sin[i + half]));
+  }
+}
+
+// Forward (inverse=false): qkv -> q, k, v. Backward (inverse=true): gq, gk, gv -> gqkv.
+template <typename T>
+void qkv_rope_pass(const QkvShape& s, T* qkv, T* q, T* k, T* v, const float* cos, const float* sin,
+                   bool inverse) {
+  const int64_t nh = s.total_heads(), d = s.dim;
+  at::parallel_for(0, s.batch * s.seq, rows_grain(nh * d), [&](int64_t begin, int64_t end) {
+    for (int64_t bt = begin; bt < end; ++bt) {
+      const int64_t b = bt / s.seq, t = bt % s.seq;
+      const float* c = cos + t * d;
+      const float* sn = sin + t * d;
+      for (int64_t n = 0; n < nh; ++n) {
+        T* fused = qkv + (bt * nh + n) * d;
+        T* split;
+        if (n < s.heads) {
+          split = q + ((b * s.heads + n) * s.seq + t) * d;
+        } else if (n < s.heads + s.kv_heads) {
+          split = k + ((b * s.kv_heads + (n - s.heads)) * s.seq + t) * d;
+        } else {
+          split = v + ((b * s.kv_heads + (n - s.heads - s.kv_heads)) * s.seq + t) * d;
+          if (inverse) {
+            std::copy(split, split + d, fused);
+          } else {
+            std::copy(fused, fused + d, split);
+          }
+          continue;
+        }
+        if (inverse) {
+          rotate_row<T>(split, fused, c, sn, d, true);
+        } else {
+          rotate_row<T>(fused, split, c, sn, d, false);
+        }
+      }
+    }
+  });
+}
+
+class QkvRopeFunction : public torch::autograd::Function<QkvRopeFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                               int64_t heads, int64_t kv_heads) {
+    WEFT_CHECK(qkv.dim() == 3 && qkv.size(-1) % (heads + 2 * kv_heads) == 0,
+               "split_qkv_with_rope: qkv must be [B, T, (H + 2 KVH) * D]");
+    qkv = qkv.contiguous();
+    const QkvShape s{qkv.size(0), qkv.size(1), heads, kv_heads, qkv.size(2) / (heads + 2 * kv_heads)};
+    const auto c = cos.to(torch::kFloat32).contiguous(), sn = sin.to(torch::kFloat32).contiguous();
+    WEFT_CHECK(c.dim() == 2 && c.size(0) == s.seq && c.size(1) == s.dim && sn.sizes() == c.sizes(),
+               "split_qkv_with_rope: cos/sin must be [{}, {}]", s.seq, s.dim);
+    auto q = torch::empty({s.batch, heads, s.seq, s.dim}, qkv.options());
+    auto k = torch::empty({s.batch, kv_heads, s.seq, s.dim}, qkv.options());
+    auto v = torch::empty({s.batch, kv_heads, s.seq, s.dim}, qkv.options());
+    dispatch_float_or_bf16(qkv.scalar_type(), "split_qkv_with_rope", [&](auto tag) {
+      using T = decltype(tag);
+      qkv_rope_pass<T>(s, data<T>(qkv), data<T>(q), data<T>(k), data<T>(v),
+                       data<float>(c), data<float>(sn), /*inverse=*/false);
+    });
+    ctx->save_for_backward({c, sn});
+    ctx->saved_data["shape"] = std::vector<int64_t>{s.batch, s.seq, heads, kv_heads, s.dim};
+    return {q, k, v};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto dims = ctx->saved_data["shape"].toIntVector();
+    const QkvShape s{dims[0], dims[1], dims[2], dims[3], dims[4]};
+    const auto gq = grads[0].contiguous(), gk = grads[1].contiguous(), gv = grads[2].contiguous();
+    auto gqkv = torch::empty({s.batch, s.seq, s.total_heads() * s.dim}, gq.options());
+    dispatch_float_or_bf16(gq.scalar_type(), "split_qkv_with_rope backward", [&](auto tag) {
+      using T = decltype(tag);
+      WEFT_CHECK(gk.scalar_type() == gq.scalar_type() && gv.scalar_type() == gq.scalar_type(),
+                 "split_qkv_with_rope backward: gradients of mixed dtypes");
+      qkv_rope_pass<T>(s, data<T>(gqkv), data<T>(gq), data<T>(gk), data<T>(gv),
+                       saved[0].data_ptr<float>(), saved[1].data_ptr<float>(), /*inverse=*/true);
+    });
+    return {gqkv, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                             torch::Dtype out_dtype) {
+  return RmsNormFunction::apply(x, weight, eps, static_cast<int64_t>(out_dtype));
+}
+
+torch::Tensor fused_swiglu(const torch::Tensor& gate_up) { return SwigluFunction::apply(gate_up); }
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> split_qkv_with_rope(
+    const torch::Tensor& qkv, int64_t num_heads, int64_t num_kv_heads, const torch::Tensor& cos,
+    const torch::Tensor& sin) {
+  auto out = QkvRopeFunction::apply(qkv, cos, sin, num_heads, num_kv_heads);
+  return {out[0], out[1], out[2]};
+}
+
+}  // namespace weft

@@ -1,0 +1,654 @@
+#include "core/plugin/host_api.h"
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <spdlog/spdlog.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/torch.h>
+
+#include "core/data/loader.h"
+#include "core/model/llama.h"
+#include "core/plugin/dlpack_view.h"
+#include "core/plugin/process_groups.h"
+#include "core/plugin/status.h"
+#include "core/util/error.h"
+
+// The C handle types of the ABI, defined by the host.
+struct weft_host {
+  weft::PluginHost::State* state;
+};
+struct weft_group {
+  weft::ProcessGroup* group;
+};
+struct weft_work {
+  c10::intrusive_ptr<c10d::Work> work;
+  std::string operation;
+  std::vector<at::Tensor> tensors;  // kept alive until the work is released
+  std::function<void()> on_complete;  // e.g. copy a result back into the caller's tensor
+  bool waited = false;
+};
+struct weft_activation {
+  at::Tensor tensor;
+};
+
+namespace weft {
+
+struct ParameterEntry {
+  std::string name;
+  at::Tensor tensor;
+  int64_t stage = 0;
+  std::vector<int64_t> shape;
+};
+
+struct PluginHost::State {
+  std::string plugin_name;
+  toml::table config;
+  Communicator* communicator = nullptr;
+  weft_host handle{};
+  std::vector<std::unique_ptr<weft_group>> groups;
+  LlamaForCausalLMImpl* model = nullptr;
+  std::vector<ParameterEntry> parameters;
+  std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators;
+  weft_grad_ready_fn grad_ready = nullptr;
+  void* grad_ready_user = nullptr;
+  // The current step.
+  const BatchLoader* train_loader = nullptr;
+  const EvalLoader* eval_loader = nullptr;
+  int64_t epoch = 0, index = 0;
+  int32_t micro_batches = 0;
+};
+
+namespace {
+
+using State = PluginHost::State;
+
+State& state_of(weft_host* host) {
+  WEFT_CHECK(host != nullptr && host->state != nullptr, "null weft_host");
+  return *host->state;
+}
+
+// An error with a specific status code (communication failures and timeouts).
+class CodedError : public std::runtime_error {
+ public:
+  CodedError(weft_status_code code, const std::string& message) : std::runtime_error(message), code(code) {}
+  weft_status_code code;
+};
+
+// Runs `body`, turning any exception into a status for the plugin: weft::Error (bad input from
+// the plugin) is INVALID_ARGUMENT, CodedError keeps its code, anything else is INTERNAL.
+template <typename Body>
+weft_status* guarded(Body&& body) {
+  try {
+    body();
+    return nullptr;
+  } catch (const CodedError& e) {
+    return status_create(e.code, e.what());
+  } catch (const Error& e) {
+    return status_create(WEFT_STATUS_INVALID_ARGUMENT, e.what());
+  } catch (...) {
+    return status_from_current_exception();
+  }
+}
+
+weft_activation* new_activation(at::Tensor tensor) { return new weft_activation{std::move(tensor)}; }
+
+const at::Tensor& tensor_of(weft_activation* activation) {
+  WEFT_CHECK(activation != nullptr && activation->tensor.defined(), "null or empty weft_activation");
+  return activation->tensor;
+}
+
+ProcessGroup& group_of(weft_group* group) {
+  WEFT_CHECK(group != nullptr && group->group != nullptr, "null weft_group");
+  WEFT_CHECK(group->group->gloo, "this rank is not a member of process group '{}'", group->group->name);
+  return *group->group;
+}
+
+c10d::ReduceOp reduce_op(weft_reduce_op op) {
+  switch (op) {
+    case WEFT_REDUCE_SUM: return c10d::ReduceOp::SUM;
+    case WEFT_REDUCE_PRODUCT: return c10d::ReduceOp::PRODUCT;
+    case WEFT_REDUCE_MIN: return c10d::ReduceOp::MIN;
+    case WEFT_REDUCE_MAX: return c10d::ReduceOp::MAX;
+  }
+  fail("unknown reduce op {}", static_cast<int>(op));
+}
+
+at::Tensor contiguous_view(const DLTensor* dl, const char* what) {
+  WEFT_CHECK(dl != nullptr, "{}: null tensor", what);
+  auto t = tensor_from_dl(*dl);
+  WEFT_CHECK(t.is_contiguous(), "{}: tensors must be contiguous", what);
+  return t;
+}
+
+weft_work* new_work(c10::intrusive_ptr<c10d::Work> work, std::string operation,
+                    std::vector<at::Tensor> tensors, std::function<void()> on_complete = {}) {
+  return new weft_work{std::move(work), std::move(operation), std::move(tensors), std::move(on_complete)};
+}
+
+// --- status and logging -----------------------------------------------------------------
+
+void log_line(weft_host* host, weft_log_level level, const char* message) {
+  try {
+    const auto& s = state_of(host);
+    static const spdlog::level::level_enum levels[] = {spdlog::level::trace, spdlog::level::debug,
+                                                       spdlog::level::info, spdlog::level::warn,
+                                                       spdlog::level::err};
+    const int index = std::clamp(static_cast<int>(level), 0, 4);
+    spdlog::log(levels[index], "[{}] {}", s.plugin_name, message ? message : "");
+  } catch (...) {
+  }
+}
+
+// --- configuration ----------------------------------------------------------------------
+
+template <typename T>
+weft_status* config_value(weft_host* host, const char* key, T fallback, T* out, const char* type_name) {
+  return guarded([&] {
+    WEFT_CHECK(key && out, "config: null key or output");
+    const auto& s = state_of(host);
+    const auto* node = s.config.get(key);
+    if (!node) {
+      *out = fallback;
+      return;
+    }
+    if constexpr (std::is_same_v<T, double>) {
+      if (auto v = node->value<double>()) {
+        *out = *v;
+        return;
+      }
+    } else if constexpr (std::is_same_v<T, int32_t>) {
+      if (auto v = node->value<bool>()) {
+        *out = *v ? 1 : 0;
+        return;
+      }
+    } else {
+      if (auto v = node->value<int64_t>()) {
+        *out = *v;
+        return;
+      }
+    }
+    throw Error(fmt::format("config key 'plugin.{}' must be {}", key, type_name));
+  });
+}
+
+weft_status* config_int(weft_host* h, const char* key, int64_t fallback, int64_t* out) {
+  return config_value<int64_t>(h, key, fallback, out, "an integer");
+}
+weft_status* config_float(weft_host* h, const char* key, double fallback, double* out) {
+  return config_value<double>(h, key, fallback, out, "a number");
+}
+weft_status* config_bool(weft_host* h, const char* key, int32_t fallback, int32_t* out) {
+  return config_value<int32_t>(h, key, fallback, out, "a boolean");
+}
+weft_status* config_string(weft_host* host, const char* key, const char* fallback, const char** out) {
+  return guarded([&] {
+    WEFT_CHECK(key && out, "config: null key or output");
+    auto& s = state_of(host);
+    auto* node = s.config.get(key);
+    if (!node) {
+      *out = fallback;
+      return;
+    }
+    const auto* str = node->as_string();
+    WEFT_CHECK(str != nullptr, "config key 'plugin.{}' must be a string", key);
+    *out = str->get().c_str();  // lives in the config table for the run
+  });
+}
+
+// --- process groups and collectives ----------------------------------------------------
+
+weft_group* wrap_group(State& s, ProcessGroup& group) {
+  for (auto& g : s.groups) {
+    if (g->group == &group) return g.get();
+  }
+  s.groups.push_back(std::make_unique<weft_group>(weft_group{&group}));
+  return s.groups.back().get();
+}
+
+weft_group* group_world(weft_host* host) {
+  try {
+    auto& s = state_of(host);
+    return wrap_group(s, s.communicator->world());
+  } catch (...) {
+    return nullptr;
+  }
+}
+int32_t group_rank(const weft_group* group) { return group && group->group ? group->group->rank : -1; }
+int32_t group_size(const weft_group* group) { return group && group->group ? group->group->size : 0; }
+
+weft_status* group_create(weft_host* host, const int32_t* ranks, int32_t count, weft_group** out) {
+  return guarded([&] {
+    WEFT_CHECK(ranks && count > 0 && out, "group_create: empty rank list");
+    auto& s = state_of(host);
+    auto& group = s.communicator->create_group(std::vector<int32_t>(ranks, ranks + count));
+    *out = wrap_group(s, group);
+  });
+}
+
+weft_status* all_reduce(weft_host*, weft_group* group, DLTensor* tensor, weft_reduce_op op, weft_work** work) {
+  return guarded([&] {
+    WEFT_CHECK(work, "all_reduce: null work output");
+    auto& g = group_of(group);
+    std::vector<at::Tensor> tensors{contiguous_view(tensor, "all_reduce")};
+    c10d::AllreduceOptions options;
+    options.reduceOp = reduce_op(op);
+    *work = new_work(g.gloo->allreduce(tensors, options), "all_reduce", tensors);
+  });
+}
+
+weft_status* reduce_scatter(weft_host*, weft_group* group, DLTensor* output, const DLTensor* input,
+                            weft_reduce_op op, weft_work** work) {
+  return guarded([&] {
+    WEFT_CHECK(work, "reduce_scatter: null work output");
+    auto& g = group_of(group);
+    auto out = contiguous_view(output, "reduce_scatter output");
+    auto in = contiguous_view(input, "reduce_scatter input");
+    WEFT_CHECK(in.size(0) == out.size(0) * g.size, "reduce_scatter: input dim 0 ({}) must be {} x output dim 0 ({})",
+               in.size(0), g.size, out.size(0));
+    // Gloo has no reduce_scatter: all-reduce a copy, keep this rank's part.
+    std::vector<at::Tensor> tensors{in.clone()};
+    c10d::AllreduceOptions options;
+    options.reduceOp = reduce_op(op);
+    auto full = tensors.front();
+    const int64_t part = out.size(0), rank = g.rank;
+    *work = new_work(g.gloo->allreduce(tensors, options), "reduce_scatter", {full, out},
+                     [full, out, part, rank]() mutable { out.copy_(full.narrow(0, rank * part, part)); });
+  });
+}
+
+weft_status* all_gather(weft_host*, weft_group* group, DLTensor* output, const DLTensor* input, weft_work** work) {
+  return guarded([&] {
+    WEFT_CHECK(work, "all_gather: null work output");
+    auto& g = group_of(group);
+    auto out = contiguous_view(output, "all_gather output");
+    auto in = contiguous_view(input, "all_gather input");
+    WEFT_CHECK(out.size(0) == in.size(0) * g.size, "all_gather: output dim 0 ({}) must be {} x input dim 0 ({})",
+               out.size(0), g.size, in.size(0));
+    std::vector<std::vector<at::Tensor>> outputs{out.chunk(g.size, 0)};
+    std::vector<at::Tensor> inputs{in};
+    *work = new_work(g.gloo->allgather(outputs, inputs), "all_gather", {out, in});
+  });
+}
+
+weft_status* broadcast(weft_host*, weft_group* group, DLTensor* tensor, int32_t root, weft_work** work) {
+  return guarded([&] {
+    WEFT_CHECK(work, "broadcast: null work output");
+    auto& g = group_of(group);
+    WEFT_CHECK(0 <= root && root < g.size, "broadcast: root {} outside a group of {}", root, g.size);
+    std::vector<at::Tensor> tensors{contiguous_view(tensor, "broadcast")};
+    c10d::BroadcastOptions options;
+    options.rootRank = root;
+    *work = new_work(g.gloo->broadcast(tensors, options), "broadcast", tensors);
+  });
+}
+
+weft_status* all_to_all(weft_host*, weft_group* group, DLTensor* output, const DLTensor* input, weft_work** work) {
+  return guarded([&] {
+    WEFT_CHECK(work, "all_to_all: null work output");
+    auto& g = group_of(group);
+    auto out = contiguous_view(output, "all_to_all output");
+    auto in = contiguous_view(input, "all_to_all input");
+    WEFT_CHECK(in.size(0) % g.size == 0 && out.sizes() == in.sizes(),
+               "all_to_all: input and output must have the same shape with dim 0 divisible by {}", g.size);
+    std::vector<int64_t> equal_splits;
+    *work = new_work(g.gloo->alltoall_base(out, in, equal_splits, equal_splits), "all_to_all", {out, in});
+  });
+}
+
+weft_status* send(weft_host*, weft_group* group, const DLTensor* tensor, int32_t peer, int32_t tag, weft_work** work) {
+  return guarded([&] {
+    WEFT_CHECK(work, "send: null work output");
+    auto& g = group_of(group);
+    WEFT_CHECK(0 <= peer && peer < g.size && peer != g.rank, "send: invalid peer {}", peer);
+    std::vector<at::Tensor> tensors{contiguous_view(tensor, "send")};
+    *work = new_work(g.gloo->send(tensors, peer, tag), "send", tensors);
+  });
+}
+
+weft_status* recv(weft_host*, weft_group* group, DLTensor* tensor, int32_t peer, int32_t tag, weft_work** work) {
+  return guarded([&] {
+    WEFT_CHECK(work, "recv: null work output");
+    auto& g = group_of(group);
+    WEFT_CHECK(0 <= peer && peer < g.size && peer != g.rank, "recv: invalid peer {}", peer);
+    std::vector<at::Tensor> tensors{contiguous_view(tensor, "recv")};
+    *work = new_work(g.gloo->recv(tensors, peer, tag), "recv", tensors);
+  });
+}
+
+weft_status* barrier(weft_host*, weft_group* group, weft_work** work) {
+  return guarded([&] {
+    WEFT_CHECK(work, "barrier: null work output");
+    auto& g = group_of(group);
+    *work = new_work(g.gloo->barrier(), "barrier", {});
+  });
+}
+
+weft_status* work_wait(weft_host*, weft_work* work) {
+  return guarded([&] {
+    WEFT_CHECK(work != nullptr, "work_wait: null work");
+    if (work->waited) return;
+    try {
+      work->work->wait();
+    } catch (const std::exception& e) {
+      const std::string what = e.what();
+      const bool timeout = what.find("imeout") != std::string::npos || what.find("imed out") != std::string::npos;
+      throw CodedError(timeout ? WEFT_STATUS_TIMEOUT : WEFT_STATUS_COMMUNICATION,
+                              fmt::format("{} failed: {}", work->operation, what));
+    }
+    work->waited = true;
+    if (work->on_complete) work->on_complete();
+  });
+}
+
+void work_release(weft_host* host, weft_work* work) {
+  if (!work) return;
+  if (!work->waited) status_release(work_wait(host, work));
+  delete work;
+}
+
+// --- model ------------------------------------------------------------------------------
+
+int64_t model_num_stages(weft_host* host) {
+  try {
+    auto& s = state_of(host);
+    return s.model ? s.model->num_stages() : 0;
+  } catch (...) {
+    return 0;
+  }
+}
+
+int64_t parameter_count(weft_host* host) {
+  try {
+    return static_cast<int64_t>(state_of(host).parameters.size());
+  } catch (...) {
+    return 0;
+  }
+}
+
+const ParameterEntry& parameter_at(State& s, int64_t index) {
+  WEFT_CHECK(0 <= index && index < static_cast<int64_t>(s.parameters.size()),
+             "parameter index {} outside [0, {})", index, s.parameters.size());
+  return s.parameters[static_cast<size_t>(index)];
+}
+
+weft_status* parameter_info(weft_host* host, int64_t index, weft_parameter_info* out) {
+  return guarded([&] {
+    WEFT_CHECK(out, "parameter_info: null output");
+    const auto& p = parameter_at(state_of(host), index);
+    weft_parameter_info info{};
+    info.name = p.name.c_str();
+    info.stage = p.stage;
+    info.trainable = p.tensor.requires_grad() ? 1 : 0;
+    info.ndim = static_cast<int32_t>(p.shape.size());
+    info.shape = p.shape.data();
+    info.dtype = dl_view(p.tensor).dtype;
+    *out = info;
+  });
+}
+
+weft_status* parameter_data(weft_host* host, int64_t index, DLTensor* out) {
+  return guarded([&] {
+    WEFT_CHECK(out, "parameter_data: null output");
+    *out = dl_view(parameter_at(state_of(host), index).tensor);
+  });
+}
+
+weft_status* parameter_grad(weft_host* host, int64_t index, DLTensor* out) {
+  return guarded([&] {
+    WEFT_CHECK(out, "parameter_grad: null output");
+    const auto& p = parameter_at(state_of(host), index);
+    const auto& grad = p.tensor.grad();
+    WEFT_CHECK(grad.defined(), "parameter '{}' has no gradient yet (before the first backward of the step)", p.name);
+    *out = dl_view(grad);
+  });
+}
+
+weft_status* set_grad_ready_callback(weft_host* host, weft_grad_ready_fn callback, void* user_data) {
+  return guarded([&] {
+    auto& s = state_of(host);
+    s.grad_ready = callback;
+    s.grad_ready_user = user_data;
+  });
+}
+
+// Installs one post-accumulation hook per trainable parameter; each calls the plugin's
+// callback (if any) with the parameter's index.
+void install_grad_hooks(State& s) {
+  s.grad_accumulators.clear();
+  for (size_t i = 0; i < s.parameters.size(); ++i) {
+    const auto& tensor = s.parameters[i].tensor;
+    if (!tensor.requires_grad()) continue;
+    auto accumulator = torch::autograd::impl::grad_accumulator(tensor);
+    const auto index = static_cast<int64_t>(i);
+    State* state = &s;
+    accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [state, index](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+          if (state->grad_ready) state->grad_ready(state->grad_ready_user, index);
+          return outputs;
+        }));
+    s.grad_accumulators.push_back(std::move(accumulator));
+  }
+}
+
+int64_t stage_of(const std::string& name, int64_t num_layers) {
+  const std::string layers = "model.layers.";
+  if (name.rfind("model.embed_tokens.", 0) == 0) return 0;
+  if (name.rfind(layers, 0) == 0) return 1 + std::stoll(name.substr(layers.size()));
+  return num_layers + 1;
+}
+
+// --- the step ---------------------------------------------------------------------------
+
+weft_status* batch(weft_host* host, int32_t micro_batch, int32_t split, int32_t splits,
+                   weft_activation** inputs, weft_activation** targets) {
+  return guarded([&] {
+    WEFT_CHECK(inputs && targets, "batch: null outputs");
+    auto& s = state_of(host);
+    WEFT_CHECK(splits >= 1 && 0 <= split && split < splits, "batch: split {} of {} is invalid", split, splits);
+    Batch b;
+    if (s.train_loader) {
+      WEFT_CHECK(0 <= micro_batch && micro_batch < s.micro_batches, "batch: micro-batch {} outside [0, {})",
+                 micro_batch, s.micro_batches);
+      b = s.train_loader->batch(s.epoch, s.index * s.micro_batches + micro_batch);
+    } else {
+      WEFT_CHECK(s.eval_loader != nullptr, "batch: called outside a step");
+      WEFT_CHECK(micro_batch == 0, "batch: an evaluation step has one micro-batch");
+      b = s.eval_loader->batch(s.index);
+    }
+    const int64_t rows = b.inputs.size(0);
+    WEFT_CHECK(rows % splits == 0, "batch: {} rows cannot be split into {} equal parts", rows, splits);
+    const int64_t part = rows / splits;
+    *inputs = new_activation(b.inputs.narrow(0, split * part, part));
+    *targets = new_activation(b.targets.narrow(0, split * part, part));
+  });
+}
+
+weft_status* forward(weft_host* host, int64_t first, int64_t last, weft_activation* input, uint32_t flags,
+                     weft_activation** output) {
+  return guarded([&] {
+    WEFT_CHECK(output, "forward: null output");
+    auto& s = state_of(host);
+    WEFT_CHECK(s.model != nullptr, "forward: the model is not built yet");
+    const auto& x = tensor_of(input);
+    if (flags & WEFT_FORWARD_NO_GRAD) {
+      torch::NoGradGuard no_grad;
+      *output = new_activation(s.model->forward_stages(first, last, x));
+    } else {
+      *output = new_activation(s.model->forward_stages(first, last, x));
+    }
+  });
+}
+
+weft_status* loss(weft_host*, weft_activation* logits, weft_activation* targets, double scale,
+                  weft_activation** loss_out, double* value_out, int64_t* tokens_out) {
+  return guarded([&] {
+    const auto& t = tensor_of(targets);
+    auto mean = cross_entropy(tensor_of(logits), t);
+    const double value = mean.item<double>();
+    if (loss_out) *loss_out = new_activation(mean * scale);
+    if (value_out) *value_out = value;
+    if (tokens_out) *tokens_out = t.numel();
+  });
+}
+
+weft_status* backward(weft_host*, weft_activation* output, weft_activation* grad_output) {
+  return guarded([&] {
+    const auto& out = tensor_of(output);
+    if (grad_output == nullptr) {
+      WEFT_CHECK(out.numel() == 1, "backward without a gradient needs a scalar output");
+      out.backward();
+    } else {
+      torch::autograd::backward({out}, {tensor_of(grad_output)});
+    }
+  });
+}
+
+weft_status* activation_view(weft_host*, weft_activation* activation, DLTensor* out) {
+  return guarded([&] {
+    WEFT_CHECK(out, "activation_view: null output");
+    auto& t = activation->tensor;
+    WEFT_CHECK(t.defined(), "activation_view: empty activation");
+    if (!t.is_contiguous()) t = t.contiguous();
+    *out = dl_view(t.detach());
+  });
+}
+
+weft_status* activation_grad(weft_host*, weft_activation* input, weft_activation** out) {
+  return guarded([&] {
+    WEFT_CHECK(out, "activation_grad: null output");
+    const auto& grad = tensor_of(input).grad();
+    WEFT_CHECK(grad.defined(), "activation_grad: the activation received no gradient");
+    *out = new_activation(grad);
+  });
+}
+
+weft_status* activation_empty(weft_host*, int32_t ndim, const int64_t* shape, DLDataType dtype, weft_activation** out) {
+  return guarded([&] {
+    WEFT_CHECK(out && ndim >= 0 && (shape || ndim == 0), "activation_empty: bad arguments");
+    DLTensor probe{};
+    probe.dtype = dtype;
+    probe.ndim = 0;
+    probe.device = {kDLCPU, 0};
+    float dummy = 0;
+    probe.data = &dummy;
+    const auto type = tensor_from_dl(probe).scalar_type();
+    *out = new_activation(torch::empty(std::vector<int64_t>(shape, shape + ndim), torch::TensorOptions().dtype(type)));
+  });
+}
+
+weft_status* activation_from_tensor(weft_host*, const DLTensor* data, int32_t requires_grad, weft_activation** out) {
+  return guarded([&] {
+    WEFT_CHECK(data && out, "activation_from_tensor: null argument");
+    auto copy = tensor_from_dl(*data).clone();
+    if (requires_grad) copy.set_requires_grad(true);
+    *out = new_activation(copy);
+  });
+}
+
+void activation_release(weft_host*, weft_activation* activation) { delete activation; }
+
+weft_host_api make_table() {
+  weft_host_api t{};
+  t.header = {static_cast<uint32_t>(sizeof(weft_host_api)), WEFT_ABI_VERSION_MAJOR, WEFT_ABI_VERSION_MINOR};
+  t.status_create = status_create;
+  t.status_code = status_code;
+  t.status_message = status_message;
+  t.status_release = status_release;
+  t.log = log_line;
+  t.config_int = config_int;
+  t.config_float = config_float;
+  t.config_bool = config_bool;
+  t.config_string = config_string;
+  t.group_world = group_world;
+  t.group_rank = group_rank;
+  t.group_size = group_size;
+  t.group_create = group_create;
+  t.all_reduce = all_reduce;
+  t.reduce_scatter = reduce_scatter;
+  t.all_gather = all_gather;
+  t.broadcast = broadcast;
+  t.all_to_all = all_to_all;
+  t.send = send;
+  t.recv = recv;
+  t.barrier = barrier;
+  t.work_wait = work_wait;
+  t.work_release = work_release;
+  t.model_num_stages = model_num_stages;
+  t.parameter_count = parameter_count;
+  t.parameter_info = parameter_info;
+  t.parameter_data = parameter_data;
+  t.parameter_grad = parameter_grad;
+  t.set_grad_ready_callback = set_grad_ready_callback;
+  t.batch = batch;
+  t.forward = forward;
+  t.loss = loss;
+  t.backward = backward;
+  t.activation_view = activation_view;
+  t.activation_grad = activation_grad;
+  t.activation_empty = activation_empty;
+  t.activation_from_tensor = activation_from_tensor;
+  t.activation_release = activation_release;
+  return t;
+}
+
+const weft_host_api kHostApi = make_table();
+
+}  // namespace
+
+PluginHost::PluginHost(std::string plugin_name, toml::table plugin_config, Communicator& communicator)
+    : state_(std::make_unique<State>()) {
+  state_->plugin_name = std::move(plugin_name);
+  state_->config = std::move(plugin_config);
+  state_->communicator = &communicator;
+  state_->handle.state = state_.get();
+}
+
+PluginHost::~PluginHost() = default;
+
+const weft_host_api* PluginHost::api() const { return &kHostApi; }
+
+weft_host* PluginHost::handle() { return &state_->handle; }
+
+void PluginHost::set_model(LlamaForCausalLMImpl* model) {
+  auto& s = *state_;
+  s.model = model;
+  s.parameters.clear();
+  if (!model) return;
+  const int64_t layers = model->config().num_hidden_layers;
+  for (auto& item : model->named_parameters()) {
+    ParameterEntry entry;
+    entry.name = item.key();
+    entry.tensor = item.value();
+    entry.stage = stage_of(entry.name, layers);
+    entry.shape = item.value().sizes().vec();
+    s.parameters.push_back(std::move(entry));
+  }
+  install_grad_hooks(s);
+}
+
+void PluginHost::begin_train_step(const BatchLoader* loader, int64_t epoch, int64_t index, int32_t micro_batches) {
+  state_->train_loader = loader;
+  state_->eval_loader = nullptr;
+  state_->epoch = epoch;
+  state_->index = index;
+  state_->micro_batches = micro_batches;
+}
+
+void PluginHost::begin_eval_step(const EvalLoader* loader, int64_t index) {
+  state_->train_loader = nullptr;
+  state_->eval_loader = loader;
+  state_->index = index;
+  state_->micro_batches = 1;
+}
+
+void PluginHost::end_step() {
+  state_->train_loader = nullptr;
+  state_->eval_loader = nullptr;
+}
+
+int64_t PluginHost::parameter_count() const { return static_cast<int64_t>(state_->parameters.size()); }
+
+}  // namespace weft

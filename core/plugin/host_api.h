@@ -1,0 +1,52 @@
+// The host side of weft_host_api (sdk/include/weft/strategy.h): the services a strategy plugin
+// calls, bound to one training process. The Trainer creates one PluginHost per plugin instance
+// and tells it, as the run proceeds, which model and which step the services refer to.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <toml++/toml.h>
+#include <weft/strategy.h>
+
+namespace weft {
+
+class BatchLoader;
+class EvalLoader;
+class LlamaForCausalLMImpl;
+class Communicator;
+
+class PluginHost {
+ public:
+  // plugin_name prefixes log lines; plugin_config is the [plugin] section of the run's config;
+  // communicator provides the world group (it must outlive this object).
+  PluginHost(std::string plugin_name, toml::table plugin_config, Communicator& communicator);
+  ~PluginHost();
+  PluginHost(const PluginHost&) = delete;
+  PluginHost& operator=(const PluginHost&) = delete;
+
+  // The table and the context to hand to the plugin's create(); valid for this object's life.
+  const weft_host_api* api() const;
+  weft_host* handle();
+
+  // The model the services refer to (after it is built). Enumerates the parameters it holds.
+  void set_model(LlamaForCausalLMImpl* model);
+  // The training step that batch() serves: micro-batch m of the step is global batch
+  // index * micro_batches + m of `epoch` from `loader`.
+  void begin_train_step(const BatchLoader* loader, int64_t epoch, int64_t index, int32_t micro_batches);
+  // The evaluation batch that batch() serves (micro-batch 0 only).
+  void begin_eval_step(const EvalLoader* loader, int64_t index);
+  // Ends the current step (batch() is refused until the next begin_*).
+  void end_step();
+
+  // Calls the registered grad-ready callback machinery's bookkeeping (tests).
+  int64_t parameter_count() const;
+
+  struct State;  // defined in host_api.cpp; `weft_host` points to it
+
+ private:
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace weft

@@ -1,0 +1,250 @@
+#include "core/plugin/library.h"
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <type_traits>
+
+#ifndef BOOST_DLL_USE_STD_FS  // normally defined for the whole build (core/CMakeLists.txt)
+#define BOOST_DLL_USE_STD_FS
+#endif
+#include <boost/dll/shared_library.hpp>
+#include <fmt/format.h>
+
+#include "core/util/error.h"
+
+namespace weft {
+namespace fs = std::filesystem;
+
+namespace {
+
+// Every library this process opened (refused ones included) and every plugin it accepted, by
+// canonical path. Never emptied: libraries are never unloaded.
+struct Registry {
+  std::mutex mutex;
+  std::map<std::string, std::shared_ptr<boost::dll::shared_library>> libraries;
+  std::map<std::string, std::shared_ptr<PluginLibrary>> plugins;
+};
+
+Registry& registry() {
+  static Registry* instance = new Registry;  // leaked on purpose: outlives static destructors
+  return *instance;
+}
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+bool is_file(const fs::path& path) {
+  std::error_code ec;
+  return fs::is_regular_file(path, ec);
+}
+
+bool has_elf_magic(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  char magic[4] = {};
+  return in.read(magic, 4) && std::memcmp(magic, "\x7f" "ELF", 4) == 0;
+}
+
+std::string version_string(PluginVersion v) { return fmt::format("{}.{}", v.major, v.minor); }
+
+// dlopen()s `path` (canonical) once per process and keeps it open for good.
+std::shared_ptr<boost::dll::shared_library> open_library(const std::string& path) {
+  auto& libraries = registry().libraries;
+  if (auto it = libraries.find(path); it != libraries.end()) return it->second;
+  WEFT_CHECK(has_elf_magic(path), "plugin {}: not a shared library (no ELF header)", path);
+  auto library = std::make_shared<boost::dll::shared_library>();
+  boost::dll::fs::error_code ec;
+  library->load(path, boost::dll::load_mode::rtld_now | boost::dll::load_mode::rtld_local, ec);
+  if (ec) {
+    const char* reason = dlerror();  // Boost.DLL leaves dlopen's message in place on failure
+    fail("plugin {}: cannot be loaded: {}", path, reason ? reason : ec.message());
+  }
+  libraries.emplace(path, library);
+  return library;
+}
+
+const weft_strategy_api& call_entry(const boost::dll::shared_library& library, const std::string& path) {
+  WEFT_CHECK(library.has(WEFT_STRATEGY_ENTRY_SYMBOL),
+             "plugin {}: exports no {} (not a weft strategy plugin)", path, WEFT_STRATEGY_ENTRY_SYMBOL);
+  // get<function type> yields a reference to the function itself (get<pointer type> would read
+  // the symbol as a variable holding a pointer).
+  auto& entry = library.get<std::remove_pointer_t<weft_strategy_entry_fn>>(WEFT_STRATEGY_ENTRY_SYMBOL);
+  const PluginVersion host = host_abi_version();
+  const weft_strategy_api* table = entry(host.major, host.minor);
+  WEFT_CHECK(table, "plugin {}: {} returned NULL (the plugin refuses this host's ABI {})", path,
+             WEFT_STRATEGY_ENTRY_SYMBOL, version_string(host));
+  return *table;
+}
+
+std::string missing_required_slots(const weft_strategy_api& table) {
+  std::vector<std::string> missing;
+  if (!table.create) missing.push_back("create");
+  if (!table.destroy) missing.push_back("destroy");
+  if (!table.train_step) missing.push_back("train_step");
+  return fmt::format("{}", fmt::join(missing, ", "));
+}
+
+bool is_empty(const char* s) { return !s || !*s; }
+
+}  // namespace
+
+PluginVersion host_abi_version() { return {WEFT_ABI_VERSION_MAJOR, WEFT_ABI_VERSION_MINOR}; }
+
+PluginVersion negotiate_abi(const weft_strategy_api& table, PluginVersion host, const std::string& path) {
+  const weft_abi_header& h = table.header;
+  WEFT_CHECK(h.abi_major == host.major, "plugin {} is built for weft ABI {}.x, this host speaks {}", path,
+             h.abi_major, version_string(host));
+  WEFT_CHECK(h.struct_size >= kStrategyApiSizeV1_0,
+             "plugin {}: its table's struct_size {} is smaller than ABI {}.0 requires ({})", path,
+             h.struct_size, host.major, kStrategyApiSizeV1_0);
+  WEFT_CHECK(table.min_host_minor <= host.minor,
+             "plugin {} needs host ABI >= {}.{} (min_host_minor), this host is {}", path, host.major,
+             table.min_host_minor, version_string(host));
+  const std::string missing = missing_required_slots(table);
+  WEFT_CHECK(missing.empty(), "plugin {}: required slot(s) are NULL: {}", path, missing);
+  WEFT_CHECK(!is_empty(table.name), "plugin {}: its table has no name", path);
+  WEFT_CHECK(!is_empty(table.version), "plugin {}: its table has no version", path);
+  return {host.major, std::min(host.minor, h.abi_minor)};
+}
+
+PluginLibrary::PluginLibrary(std::string path, const weft_strategy_api& table, PluginVersion negotiated)
+    : path_(std::move(path)),
+      name_(table.name ? table.name : ""),
+      version_(table.version ? table.version : ""),
+      description_(table.description ? table.description : ""),
+      plugin_abi_{table.header.abi_major, table.header.abi_minor},
+      negotiated_abi_(negotiated),
+      table_size_(table.header.struct_size) {
+  std::memset(&api_, 0, sizeof api_);
+  std::memcpy(&api_, &table, std::min<size_t>(table_size_, sizeof api_));
+}
+
+bool PluginLibrary::has_slot(size_t offset_of_slot, uint16_t since_minor) const {
+  return negotiated_abi_.minor >= since_minor && offset_of_slot + sizeof(void*) <= table_size_ &&
+         offset_of_slot + sizeof(void*) <= sizeof api_;
+}
+
+std::shared_ptr<PluginLibrary> PluginLibrary::load(const std::string& path_or_name) {
+  const std::string path = fs::canonical(resolve_plugin_path(path_or_name)).string();
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  if (auto it = r.plugins.find(path); it != r.plugins.end()) return it->second;
+  const auto library = open_library(path);
+  const weft_strategy_api& table = call_entry(*library, path);
+  const PluginVersion negotiated = negotiate_abi(table, host_abi_version(), path);
+  auto plugin = std::make_shared<PluginLibrary>(path, table, negotiated);
+  r.plugins.emplace(path, plugin);
+  return plugin;
+}
+
+std::vector<std::string> plugin_search_dirs() {
+  std::vector<std::string> dirs;
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) dirs.push_back((exe.parent_path() / "plugins").string());
+  if (const char* env = std::getenv("WEFT_PLUGIN_PATH")) {
+    std::stringstream entries(env);
+    for (std::string dir; std::getline(entries, dir, ':');) {
+      if (!dir.empty()) dirs.push_back(dir);
+    }
+  }
+  return dirs;
+}
+
+std::string resolve_plugin_path(const std::string& path_or_name) {
+  WEFT_CHECK(!path_or_name.empty(), "plugin: empty plugin name");
+  if (path_or_name.find('/') != std::string::npos) {
+    WEFT_CHECK(is_file(path_or_name), "plugin {}: file not found", path_or_name);
+    return path_or_name;
+  }
+  const std::string file = ends_with(path_or_name, ".so") ? path_or_name : path_or_name + ".so";
+  std::vector<std::string> searched;
+  for (const std::string& dir : plugin_search_dirs()) {
+    const std::string candidate = (fs::path(dir) / file).string();
+    if (is_file(candidate)) return candidate;
+    searched.push_back(candidate);
+  }
+  fail("plugin '{}' not found (searched: {}; set WEFT_PLUGIN_PATH or pass a path)", path_or_name,
+       searched.empty() ? "nothing" : fmt::format("{}", fmt::join(searched, ", ")));
+}
+
+namespace {
+
+std::vector<fs::path> shared_libraries_in(const std::string& dir) {
+  std::vector<fs::path> found;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    if (it->path().extension() == ".so" && is_file(it->path())) found.push_back(it->path());
+  }
+  std::sort(found.begin(), found.end());
+  return found;
+}
+
+PluginListing describe(const fs::path& file) {
+  PluginListing listing;
+  listing.path = file.string();
+  try {
+    const auto plugin = PluginLibrary::load(listing.path);
+    listing.path = plugin->path();
+    listing.name = plugin->name();
+    listing.version = plugin->version();
+    listing.description = plugin->description();
+    listing.abi = plugin->plugin_abi();
+  } catch (const std::exception& e) {
+    listing.problem = e.what();
+  }
+  return listing;
+}
+
+}  // namespace
+
+std::vector<PluginListing> list_plugins() {
+  std::vector<PluginListing> listings;
+  std::set<fs::path> seen;
+  for (const std::string& dir : plugin_search_dirs()) {
+    for (const fs::path& file : shared_libraries_in(dir)) {
+      std::error_code ec;
+      const fs::path canonical = fs::canonical(file, ec);
+      if (!seen.insert(ec ? file : canonical).second) continue;
+      listings.push_back(describe(ec ? file : canonical));
+    }
+  }
+  return listings;
+}
+
+std::string format_plugin_table(const std::vector<PluginListing>& listings) {
+  if (listings.empty()) {
+    const auto dirs = plugin_search_dirs();
+    return fmt::format("no plugins found (searched: {})\n", fmt::join(dirs, ", "));
+  }
+  std::vector<std::array<std::string, 5>> rows{{"NAME", "VERSION", "ABI", "PATH", "DESCRIPTION"}};
+  for (const PluginListing& p : listings) {
+    if (p.problem.empty()) {
+      rows.push_back({p.name, p.version, version_string(p.abi), p.path, p.description});
+    } else {
+      rows.push_back({fs::path(p.path).stem().string(), "-", "-", p.path, "PROBLEM: " + p.problem});
+    }
+  }
+  std::array<size_t, 4> width{};  // the last column is not padded
+  for (const auto& row : rows) {
+    for (size_t c = 0; c < width.size(); ++c) width[c] = std::max(width[c], row[c].size());
+  }
+  std::string out;
+  for (const auto& row : rows) {
+    for (size_t c = 0; c < width.size(); ++c) out += fmt::format("{:<{}}  ", row[c], width[c]);
+    out += row[4] + "\n";
+  }
+  return out;
+}
+
+}  // namespace weft

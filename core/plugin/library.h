@@ -1,0 +1,109 @@
+// Loading strategy plugins (shared libraries implementing sdk/include/weft/strategy.h) and
+// negotiating the ABI version with them.
+//
+// A plugin is named either by a path (anything containing '/', used as is) or by a bare name
+// ("ddp" or "ddp.so") looked up in the plugin search directories (plugin_search_dirs). Loaded
+// libraries are never unloaded: the process keeps every library it opened, including ones it
+// then refused, for its whole life (code from a library must not vanish while anything it made
+// is alive).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <weft/strategy.h>
+
+namespace weft {
+
+struct PluginVersion {
+  uint16_t major = 0;
+  uint16_t minor = 0;
+};
+
+// This host's ABI version: {WEFT_ABI_VERSION_MAJOR, WEFT_ABI_VERSION_MINOR}.
+PluginVersion host_abi_version();
+
+// The size of a strategy table of ABI 1.0 (header through comm_point); no plugin table may be
+// smaller, whatever its minor.
+constexpr size_t kStrategyApiSizeV1_0 = offsetof(weft_strategy_api, comm_point) + sizeof(void*);
+
+// A loaded, validated strategy plugin. Obtain one with load(); it lives as long as the process.
+class PluginLibrary {
+ public:
+  // Resolves `path_or_name` (resolve_plugin_path), loads it with RTLD_NOW | RTLD_LOCAL, calls its
+  // weft_strategy_entry with this host's ABI version and validates the table (negotiate_abi).
+  // Loading the same file again (by any path or name that resolves to it) returns the same
+  // object. Throws weft::Error, one line naming the file and the problem: not found (listing
+  // the places searched), not a shared library, dlopen's error (e.g. an undefined symbol), no
+  // entry symbol, entry returned NULL, or any refusal of negotiate_abi.
+  static std::shared_ptr<PluginLibrary> load(const std::string& path_or_name);
+
+  const std::string& path() const { return path_; }  // canonical absolute path of the library
+  const std::string& name() const { return name_; }  // the table's name, e.g. "ddp"
+  const std::string& version() const { return version_; }
+  const std::string& description() const { return description_; }  // "" when the plugin has none
+
+  PluginVersion plugin_abi() const { return plugin_abi_; }          // the table's header version
+  PluginVersion negotiated_abi() const { return negotiated_abi_; }  // major, min(host, plugin) minor
+
+  // The plugin's table as this host knows it: a copy of the plugin's first
+  // min(struct_size, sizeof(weft_strategy_api)) bytes, zero-filled beyond, so slots the plugin's
+  // table does not have read as NULL. Optional slots may be NULL; check has_slot for slots added
+  // after 1.0 before calling them.
+  const weft_strategy_api& api() const { return api_; }
+
+  // Whether a slot added in ABI minor `since_minor` may be called: the negotiated minor is at
+  // least `since_minor` and the slot at `offset_of_slot` (offsetof(weft_strategy_api, slot))
+  // lies within the plugin's struct_size. The slot may still be NULL if it is optional.
+  bool has_slot(size_t offset_of_slot, uint16_t since_minor) const;
+
+  // Describes an already validated table (load() calls negotiate_abi first); the table's
+  // strings are copied. Public for make_shared and for tests; plugins are obtained with load().
+  PluginLibrary(std::string path, const weft_strategy_api& table, PluginVersion negotiated);
+
+ private:
+  std::string path_, name_, version_, description_;
+  PluginVersion plugin_abi_, negotiated_abi_;
+  uint32_t table_size_;
+  weft_strategy_api api_;
+};
+
+// Validates a plugin's table against a host of ABI version `host` and returns the negotiated
+// version {major, min(host.minor, table minor)}. `path` names the plugin in messages. Throws
+// weft::Error when: the major differs ("plugin X is built for weft ABI 2.x, this host speaks
+// 1.y"), struct_size is below kStrategyApiSizeV1_0, min_host_minor exceeds host.minor ("plugin X
+// needs host ABI >= 1.5 (min_host_minor), this host is 1.0"), a required slot (create, destroy,
+// train_step) is NULL, or name or version is NULL or empty.
+PluginVersion negotiate_abi(const weft_strategy_api& table, PluginVersion host, const std::string& path);
+
+// Where bare plugin names are looked up, in order: <directory of the running executable>/plugins,
+// then each non-empty entry of the colon-separated environment variable WEFT_PLUGIN_PATH.
+// Directories that do not exist are included (they are still "places searched").
+std::vector<std::string> plugin_search_dirs();
+
+// A name containing '/' is returned unchanged if it names an existing file. Otherwise ".so" is
+// appended when the name lacks it and the first search directory holding that file wins.
+// Throws weft::Error if there is no such file; for a bare name the message lists every
+// place searched.
+std::string resolve_plugin_path(const std::string& path_or_name);
+
+// One library found by list_plugins.
+struct PluginListing {
+  std::string path, name, version, description;
+  PluginVersion abi;    // the table's header version
+  std::string problem;  // non-empty if the library failed to load (the load error's message)
+};
+
+// Every *.so in the search directories (each directory sorted by file name; a file reached
+// through two directories is listed once), each loaded and described. Load failures are
+// reported in `problem`, never thrown.
+std::vector<PluginListing> list_plugins();
+
+// A human-readable table of listings (NAME VERSION ABI PATH DESCRIPTION), failures marked with
+// their problem; or a line saying no plugins were found and where it looked.
+std::string format_plugin_table(const std::vector<PluginListing>& listings);
+
+}  // namespace weft

@@ -1,0 +1,64 @@
+#include "core/plugin/process_groups.h"
+
+#include <algorithm>
+#include <set>
+
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include "core/util/error.h"
+
+namespace weft {
+namespace {
+
+c10::intrusive_ptr<c10d::ProcessGroupGloo> make_gloo(const c10::intrusive_ptr<c10d::Store>& store,
+                                                     int rank, int size, std::chrono::milliseconds timeout) {
+  auto options = c10d::ProcessGroupGloo::Options::create();
+  options->timeout = timeout;
+  options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+}
+
+}  // namespace
+
+Communicator::Communicator(c10::intrusive_ptr<c10d::Store> store, int rank, int world,
+                           std::chrono::milliseconds timeout)
+    : store_(std::move(store)), rank_(rank), world_size_(world), timeout_(timeout) {
+  auto group = std::make_unique<ProcessGroup>();
+  group->name = "world";
+  group->rank = rank;
+  group->size = world;
+  for (int32_t r = 0; r < world; ++r) group->world_ranks.push_back(r);
+  group->gloo = make_gloo(c10::make_intrusive<c10d::PrefixStore>("world", store_), rank, world, timeout);
+  groups_.push_back(std::move(group));
+}
+
+std::unique_ptr<Communicator> Communicator::single_process(std::chrono::milliseconds timeout) {
+  return std::make_unique<Communicator>(c10::make_intrusive<c10d::HashStore>(), 0, 1, timeout);
+}
+
+Communicator::~Communicator() = default;
+
+ProcessGroup& Communicator::create_group(const std::vector<int32_t>& world_ranks) {
+  WEFT_CHECK(!world_ranks.empty(), "a process group needs at least one rank");
+  std::set<int32_t> seen;
+  for (int32_t r : world_ranks) {
+    WEFT_CHECK(0 <= r && r < world_size_, "process group rank {} is outside the world of {}", r, world_size_);
+    WEFT_CHECK(seen.insert(r).second, "process group lists rank {} twice", r);
+  }
+  auto group = std::make_unique<ProcessGroup>();
+  group->name = "group" + std::to_string(groups_.size());
+  group->world_ranks = world_ranks;
+  group->size = static_cast<int32_t>(world_ranks.size());
+  const auto it = std::find(world_ranks.begin(), world_ranks.end(), rank_);
+  if (it != world_ranks.end()) {
+    group->rank = static_cast<int32_t>(it - world_ranks.begin());
+    group->gloo = make_gloo(c10::make_intrusive<c10d::PrefixStore>(group->name, store_), group->rank,
+                            group->size, timeout_);
+  }
+  groups_.push_back(std::move(group));
+  return *groups_.back();
+}
+
+}  // namespace weft

@@ -1,0 +1,51 @@
+// Process groups for strategies: c10d's Gloo process group over a rendezvous store (TCPStore for
+// multi-process jobs, an in-memory HashStore for one process), plus sub-groups for meshes.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <c10/util/intrusive_ptr.h>
+
+namespace c10d {
+class Store;
+class ProcessGroupGloo;
+}  // namespace c10d
+
+namespace weft {
+
+struct ProcessGroup {
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;  // null on ranks outside the group
+  std::vector<int32_t> world_ranks;                 // members, in group-rank order
+  int32_t rank = -1;                                // this process's rank in the group, or -1
+  int32_t size = 0;
+  std::string name;                                 // "world", "group1", ...
+};
+
+class Communicator {
+ public:
+  // Joins the world group through `store` (rank, world size). Collective operations time out
+  // after `timeout`.
+  Communicator(c10::intrusive_ptr<c10d::Store> store, int rank, int world, std::chrono::milliseconds timeout);
+  // A one-process world on an in-memory store.
+  static std::unique_ptr<Communicator> single_process(std::chrono::milliseconds timeout);
+  ~Communicator();
+
+  ProcessGroup& world() { return *groups_.front(); }
+  // Creates a sub-group from world ranks; collective over the world (every rank calls it with
+  // the same list, in the same order). Ranks outside get a group with rank -1. The group lives
+  // as long as the Communicator. Throws weft::Error on an invalid rank list.
+  ProcessGroup& create_group(const std::vector<int32_t>& world_ranks);
+  std::chrono::milliseconds timeout() const { return timeout_; }
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+  int rank_, world_size_;
+  std::chrono::milliseconds timeout_;
+  std::vector<std::unique_ptr<ProcessGroup>> groups_;
+};
+
+}  // namespace weft

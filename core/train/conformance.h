@@ -1,0 +1,36 @@
+// The conformance check: K fp32 steps of a tiny model under a plugin and under the reference
+// single.so, on the same data, global batch and seed; the losses and final parameters must
+// match within tight tolerances. Every shipped plugin runs it in ctest.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace weft {
+
+struct ConformanceOptions {
+  std::string plugin;                // the plugin under test (path or name)
+  std::string reference = "single";  // the reference plugin
+  int64_t steps = 20;
+  int64_t batch_size = 4;            // global sequences per micro-batch
+  int64_t grad_accum_steps = 2;
+  double loss_rtol = 1e-5;           // relative tolerance on every step's loss
+  double param_atol = 1e-5;          // absolute tolerance on every final parameter
+  std::string work_dir;              // scratch directory (a synthetic corpus, run dirs)
+};
+
+struct ConformanceReport {
+  bool passed = false;
+  int64_t steps = 0;
+  double max_loss_rel_diff = 0;
+  double max_param_abs_diff = 0;
+  std::string worst_parameter;
+  std::vector<double> plugin_losses, reference_losses;
+  std::string describe() const;  // a few lines: verdict, the largest differences
+};
+
+// Throws weft::Error if either plugin cannot be loaded or refuses the setup.
+ConformanceReport check_conformance(const ConformanceOptions& options);
+
+}  // namespace weft

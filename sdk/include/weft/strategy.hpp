@@ -1,0 +1,679 @@
+// weft/strategy.hpp - the header-only C++17 layer over the strategy plugin ABI (weft/strategy.h).
+//
+// Depends only on weft/strategy.h (and so DLPack) and the standard library. A C++ plugin is a
+// class derived from weft::sdk::Strategy plus one line at namespace scope:
+//
+//     class MyStrategy : public weft::sdk::Strategy {
+//      public:
+//       explicit MyStrategy(weft::sdk::Host host) : Strategy(host) { /* read config */ }
+//       double train_step(const weft_step_info& step) override { ... }
+//     };
+//     WEFT_STRATEGY(MyStrategy, "mine", "1.0.0", "what it does, in one line")
+//
+// The macro emits the library's one exported symbol (weft_strategy_entry) and a static function
+// table whose slots are trampolines into the class. Every trampoline catches every exception and
+// turns it into a host-created weft_status, so no exception ever crosses the ABI:
+//   weft::sdk::Error       -> its code and message
+//   std::exception         -> WEFT_STATUS_INTERNAL with what()
+//   anything else          -> WEFT_STATUS_INTERNAL "unknown exception"
+// In the other direction, every weft::sdk::Host method that calls a host service throws
+// weft::sdk::Error when the service fails (after copying and releasing the host's status).
+//
+// Optional slots: the generated table leaves an optional slot (plan, shard_parameter, setup,
+// eval_step, global_grad_norm_sq, comm_point) NULL unless the class, or a base between it and
+// Strategy, declares that method itself (checked at compile time, see detail::overrides_*), so
+// the host can skip calls that would do nothing (comm_point runs inside every layer). The base
+// class implementations still reproduce the one-process defaults documented in strategy.h, so
+// an override may call Strategy::eval_step(...) etc. for the default behaviour. Overrides must
+// be public, and overloading one of these names in a subclass (a second signature) is not
+// supported: the detection (&T::method) would not compile.
+//
+// Only one WEFT_STRATEGY per shared library (it defines the C symbol weft_strategy_entry).
+#ifndef WEFT_STRATEGY_HPP
+#define WEFT_STRATEGY_HPP
+
+#include <algorithm>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <weft/strategy.h>
+
+namespace weft {
+namespace sdk {
+
+// ------------------------------------------------------------------------------------------
+// Errors
+// ------------------------------------------------------------------------------------------
+
+// An error with an ABI status code. Throw it from strategy methods to return that code to the
+// host; Host methods throw it when a host service fails. A code of WEFT_STATUS_OK is stored as
+// WEFT_STATUS_INTERNAL (an error always has an error code).
+class Error : public std::runtime_error {
+ public:
+  Error(weft_status_code code, const std::string& message)
+      : std::runtime_error(message), code_(code == WEFT_STATUS_OK ? WEFT_STATUS_INTERNAL : code) {}
+  weft_status_code code() const noexcept { return code_; }
+
+ private:
+  weft_status_code code_;
+};
+
+// The name of a status code, e.g. "BAD_CONFIG" (for messages).
+inline const char* status_code_name(weft_status_code code) noexcept {
+  switch (code) {
+    case WEFT_STATUS_OK: return "OK";
+    case WEFT_STATUS_INVALID_ARGUMENT: return "INVALID_ARGUMENT";
+    case WEFT_STATUS_UNSUPPORTED: return "UNSUPPORTED";
+    case WEFT_STATUS_BAD_CONFIG: return "BAD_CONFIG";
+    case WEFT_STATUS_COMMUNICATION: return "COMMUNICATION";
+    case WEFT_STATUS_TIMEOUT: return "TIMEOUT";
+    case WEFT_STATUS_INTERNAL: return "INTERNAL";
+  }
+  return "UNKNOWN";
+}
+
+// ------------------------------------------------------------------------------------------
+// RAII handles
+// ------------------------------------------------------------------------------------------
+
+// Owns one weft_activation; releases it (activation_release) when destroyed or reset.
+// Move-only; a moved-from or default-constructed Activation holds nothing and releases nothing.
+class Activation {
+ public:
+  Activation() noexcept = default;
+  // Adopts `handle` (may be NULL), which `host` created.
+  Activation(const weft_host_api* api, weft_host* host, weft_activation* handle) noexcept
+      : api_(api), host_(host), handle_(handle) {}
+  Activation(Activation&& other) noexcept
+      : api_(other.api_), host_(other.host_), handle_(std::exchange(other.handle_, nullptr)) {}
+  Activation& operator=(Activation&& other) noexcept {
+    if (this != &other) {
+      reset();
+      api_ = other.api_;
+      host_ = other.host_;
+      handle_ = std::exchange(other.handle_, nullptr);
+    }
+    return *this;
+  }
+  Activation(const Activation&) = delete;
+  Activation& operator=(const Activation&) = delete;
+  ~Activation() { reset(); }
+
+  weft_activation* get() const noexcept { return handle_; }
+  explicit operator bool() const noexcept { return handle_ != nullptr; }
+  // Gives up ownership: the caller must release the returned handle.
+  weft_activation* release() noexcept { return std::exchange(handle_, nullptr); }
+  // Releases the handle now (if any).
+  void reset() noexcept {
+    if (handle_ != nullptr) api_->activation_release(host_, std::exchange(handle_, nullptr));
+  }
+
+ private:
+  const weft_host_api* api_ = nullptr;
+  weft_host* host_ = nullptr;
+  weft_activation* handle_ = nullptr;
+};
+
+// Owns one weft_work (an asynchronous communication). wait() blocks until it completes and
+// throws Error if it failed; the destructor releases the handle (the host waits first if it was
+// never waited for, ignoring the outcome: call wait() to see errors). Move-only.
+class Work {
+ public:
+  Work() noexcept = default;
+  // Adopts `handle` (may be NULL), which `host` created.
+  Work(const weft_host_api* api, weft_host* host, weft_work* handle) noexcept
+      : api_(api), host_(host), handle_(handle) {}
+  Work(Work&& other) noexcept
+      : api_(other.api_), host_(other.host_), handle_(std::exchange(other.handle_, nullptr)) {}
+  Work& operator=(Work&& other) noexcept {
+    if (this != &other) {
+      reset();
+      api_ = other.api_;
+      host_ = other.host_;
+      handle_ = std::exchange(other.handle_, nullptr);
+    }
+    return *this;
+  }
+  Work(const Work&) = delete;
+  Work& operator=(const Work&) = delete;
+  ~Work() { reset(); }
+
+  // Blocks until the communication completes. Throws Error (e.g. WEFT_STATUS_TIMEOUT) on
+  // failure, or WEFT_STATUS_INVALID_ARGUMENT on an empty handle. May be called again.
+  inline void wait() const;
+
+  weft_work* get() const noexcept { return handle_; }
+  explicit operator bool() const noexcept { return handle_ != nullptr; }
+  weft_work* release() noexcept { return std::exchange(handle_, nullptr); }
+  void reset() noexcept {
+    if (handle_ != nullptr) api_->work_release(host_, std::exchange(handle_, nullptr));
+  }
+
+ private:
+  const weft_host_api* api_ = nullptr;
+  weft_host* host_ = nullptr;
+  weft_work* handle_ = nullptr;
+};
+
+// A process group. Non-owning: groups are host-owned and live until the run ends, so Group is
+// freely copyable.
+class Group {
+ public:
+  Group() noexcept = default;
+  Group(const weft_host_api* api, weft_group* handle) noexcept : api_(api), handle_(handle) {}
+  weft_group* get() const noexcept { return handle_; }
+  // This process's rank in the group, or -1 if it is not a member.
+  int32_t rank() const noexcept { return api_->group_rank(handle_); }
+  int32_t size() const noexcept { return api_->group_size(handle_); }
+  bool contains_self() const noexcept { return rank() >= 0; }
+
+ private:
+  const weft_host_api* api_ = nullptr;
+  weft_group* handle_ = nullptr;
+};
+
+// ------------------------------------------------------------------------------------------
+// Host: the services table of one plugin instance
+// ------------------------------------------------------------------------------------------
+
+// A micro-batch's token ids and targets (int64 [rows, seq_len]), see Host::batch.
+struct Batch {
+  Activation inputs;
+  Activation targets;
+};
+
+// The result of Host::loss.
+struct Loss {
+  Activation loss;     // scalar, scaled, with autograd history: pass it to Host::backward
+  double value = 0.0;  // the unscaled mean cross-entropy
+  int64_t tokens = 0;  // target tokens it averaged over
+};
+
+// A thin, copyable wrapper around (const weft_host_api*, weft_host*): valid for as long as the
+// plugin instance lives (until destroy). Every method that calls a fallible host service
+// throws Error with the host's code and message when it fails; handles it returns are RAII.
+// The method comments only add to the slot comments in strategy.h.
+class Host {
+ public:
+  Host(const weft_host_api* api, weft_host* host) noexcept : api_(api), host_(host) {}
+
+  const weft_host_api* api() const noexcept { return api_; }
+  weft_host* handle() const noexcept { return host_; }
+
+  // The ABI minor both sides speak: min(host's minor, the minor of this header). Check it
+  // before calling a slot added after 1.0.
+  uint16_t negotiated_minor() const noexcept {
+    return std::min<uint16_t>(api_->header.abi_minor, WEFT_ABI_VERSION_MINOR);
+  }
+
+  // --- statuses ---
+  // Throws Error(code, message) if `status` is non-NULL, releasing it first. No-op on NULL.
+  void check(weft_status* status) const {
+    if (status == nullptr) return;
+    const weft_status_code code = api_->status_code(status);
+    const char* message = api_->status_message(status);
+    std::string text = message != nullptr ? message : "";
+    api_->status_release(status);
+    throw Error(code, text);
+  }
+  // A new host status (owned by the caller; code WEFT_STATUS_OK is turned into INTERNAL).
+  weft_status* make_status(weft_status_code code, const char* message) const noexcept {
+    return api_->status_create(code == WEFT_STATUS_OK ? WEFT_STATUS_INTERNAL : code,
+                               message != nullptr ? message : "");
+  }
+
+  // --- logging ---
+  // Logs one line; never throws.
+  void log(weft_log_level level, const char* message) const noexcept {
+    api_->log(host_, level, message != nullptr ? message : "");
+  }
+  void log(weft_log_level level, const std::string& message) const noexcept {
+    log(level, message.c_str());
+  }
+
+  // --- configuration (the plugin's [plugin] section); a missing key gives `fallback`; a value
+  // of the wrong type throws Error(WEFT_STATUS_BAD_CONFIG) naming the key ---
+  int64_t config_int(const char* key, int64_t fallback) const {
+    int64_t out = fallback;
+    check(api_->config_int(host_, key, fallback, &out));
+    return out;
+  }
+  double config_float(const char* key, double fallback) const {
+    double out = fallback;
+    check(api_->config_float(host_, key, fallback, &out));
+    return out;
+  }
+  bool config_bool(const char* key, bool fallback) const {
+    int32_t out = fallback ? 1 : 0;
+    check(api_->config_bool(host_, key, out, &out));
+    return out != 0;
+  }
+  std::string config_string(const char* key, const std::string& fallback) const {
+    const char* out = nullptr;
+    check(api_->config_string(host_, key, fallback.c_str(), &out));
+    return out != nullptr ? std::string(out) : fallback;
+  }
+
+  // --- process groups ---
+  Group world() const noexcept { return Group(api_, api_->group_world(host_)); }
+  // Collective over the world: every rank calls it with the same list (see strategy.h).
+  Group create_group(const std::vector<int32_t>& world_ranks) const {
+    weft_group* out = nullptr;
+    check(api_->group_create(host_, world_ranks.data(), static_cast<int32_t>(world_ranks.size()),
+                             &out));
+    return Group(api_, out);
+  }
+
+  // --- collectives: asynchronous; the tensors' memory must outlive the returned Work's wait ---
+  Work all_reduce(Group group, DLTensor& tensor, weft_reduce_op op = WEFT_REDUCE_SUM) const {
+    weft_work* out = nullptr;
+    check(api_->all_reduce(host_, group.get(), &tensor, op, &out));
+    return work(out);
+  }
+  Work reduce_scatter(Group group, DLTensor& output, const DLTensor& input,
+                      weft_reduce_op op = WEFT_REDUCE_SUM) const {
+    weft_work* out = nullptr;
+    check(api_->reduce_scatter(host_, group.get(), &output, &input, op, &out));
+    return work(out);
+  }
+  Work all_gather(Group group, DLTensor& output, const DLTensor& input) const {
+    weft_work* out = nullptr;
+    check(api_->all_gather(host_, group.get(), &output, &input, &out));
+    return work(out);
+  }
+  Work broadcast(Group group, DLTensor& tensor, int32_t root_group_rank) const {
+    weft_work* out = nullptr;
+    check(api_->broadcast(host_, group.get(), &tensor, root_group_rank, &out));
+    return work(out);
+  }
+  Work all_to_all(Group group, DLTensor& output, const DLTensor& input) const {
+    weft_work* out = nullptr;
+    check(api_->all_to_all(host_, group.get(), &output, &input, &out));
+    return work(out);
+  }
+  Work send(Group group, const DLTensor& tensor, int32_t peer_group_rank, int32_t tag) const {
+    weft_work* out = nullptr;
+    check(api_->send(host_, group.get(), &tensor, peer_group_rank, tag, &out));
+    return work(out);
+  }
+  Work recv(Group group, DLTensor& tensor, int32_t peer_group_rank, int32_t tag) const {
+    weft_work* out = nullptr;
+    check(api_->recv(host_, group.get(), &tensor, peer_group_rank, tag, &out));
+    return work(out);
+  }
+  Work barrier(Group group) const {
+    weft_work* out = nullptr;
+    check(api_->barrier(host_, group.get(), &out));
+    return work(out);
+  }
+
+  // --- model ---
+  int64_t model_num_stages() const noexcept { return api_->model_num_stages(host_); }
+  int64_t parameter_count() const noexcept { return api_->parameter_count(host_); }
+  weft_parameter_info parameter_info(int64_t index) const {
+    weft_parameter_info out{};
+    check(api_->parameter_info(host_, index, &out));
+    return out;
+  }
+  // Views of this rank's master copy / gradient; see strategy.h for how long they stay valid.
+  DLTensor parameter_data(int64_t index) const {
+    DLTensor out{};
+    check(api_->parameter_data(host_, index, &out));
+    return out;
+  }
+  DLTensor parameter_grad(int64_t index) const {
+    DLTensor out{};
+    check(api_->parameter_grad(host_, index, &out));
+    return out;
+  }
+  // `user_data` must outlive the registration (unregister with callback = nullptr, e.g. in
+  // the strategy's destructor).
+  void set_grad_ready_callback(weft_grad_ready_fn callback, void* user_data) const {
+    check(api_->set_grad_ready_callback(host_, callback, user_data));
+  }
+
+  // --- the step ---
+  Batch batch(int32_t micro_batch, int32_t split = 0, int32_t splits = 1) const {
+    weft_activation* inputs = nullptr;
+    weft_activation* targets = nullptr;
+    check(api_->batch(host_, micro_batch, split, splits, &inputs, &targets));
+    return Batch{activation(inputs), activation(targets)};
+  }
+  Activation forward(int64_t first_stage, int64_t last_stage, const Activation& input,
+                     uint32_t flags = 0) const {
+    weft_activation* out = nullptr;
+    check(api_->forward(host_, first_stage, last_stage, input.get(), flags, &out));
+    return activation(out);
+  }
+  Loss loss(const Activation& logits, const Activation& targets, double scale) const {
+    weft_activation* out = nullptr;
+    double value = 0.0;
+    int64_t tokens = 0;
+    check(api_->loss(host_, logits.get(), targets.get(), scale, &out, &value, &tokens));
+    Loss result;
+    result.loss = activation(out);
+    result.value = value;
+    result.tokens = tokens;
+    return result;
+  }
+  // From a scalar loss.
+  void backward(const Activation& loss) const {
+    check(api_->backward(host_, loss.get(), nullptr));
+  }
+  // From a stage output and the gradient received for it.
+  void backward(const Activation& output, const Activation& grad_output) const {
+    check(api_->backward(host_, output.get(), grad_output.get()));
+  }
+  // A read-only view, valid while `activation` is not released.
+  DLTensor activation_view(const Activation& activation) const {
+    DLTensor out{};
+    check(api_->activation_view(host_, activation.get(), &out));
+    return out;
+  }
+  Activation activation_grad(const Activation& input) const {
+    weft_activation* out = nullptr;
+    check(api_->activation_grad(host_, input.get(), &out));
+    return activation(out);
+  }
+  Activation activation_empty(const std::vector<int64_t>& shape, DLDataType dtype) const {
+    weft_activation* out = nullptr;
+    check(api_->activation_empty(host_, static_cast<int32_t>(shape.size()), shape.data(), dtype,
+                                 &out));
+    return activation(out);
+  }
+  Activation activation_from_tensor(const DLTensor& data, bool requires_grad) const {
+    weft_activation* out = nullptr;
+    check(api_->activation_from_tensor(host_, &data, requires_grad ? 1 : 0, &out));
+    return activation(out);
+  }
+
+  // Adopts raw handles this host created.
+  Activation activation(weft_activation* handle) const noexcept {
+    return Activation(api_, host_, handle);
+  }
+  Work work(weft_work* handle) const noexcept { return Work(api_, host_, handle); }
+
+ private:
+  const weft_host_api* api_;
+  weft_host* host_;
+};
+
+inline void Work::wait() const {
+  if (handle_ == nullptr) throw Error(WEFT_STATUS_INVALID_ARGUMENT, "wait on an empty Work");
+  Host(api_, host_).check(api_->work_wait(host_, handle_));
+}
+
+// ------------------------------------------------------------------------------------------
+// Logging macros: printf-style, e.g. WEFT_LOG_INFO(host(), "step %lld: loss %.4f", s, loss).
+// `host` is a weft::sdk::Host. They share their names with the weft_log_level enumerators;
+// as function-like macros they only expand when followed by '(', so the enumerators keep
+// working (host.log(WEFT_LOG_INFO, "...")). Messages longer than 1023 bytes are truncated.
+// ------------------------------------------------------------------------------------------
+
+namespace detail {
+#if defined(__GNUC__) || defined(__clang__)
+__attribute__((format(printf, 3, 4)))
+#endif
+inline void log_printf(const Host& host, weft_log_level level, const char* format, ...) noexcept {
+  char buffer[1024];
+  va_list args;
+  va_start(args, format);
+  const int written = std::vsnprintf(buffer, sizeof buffer, format, args);
+  va_end(args);
+  host.log(level, written < 0 ? format : buffer);
+}
+}  // namespace detail
+
+#define WEFT_LOG_TRACE(host, ...) ::weft::sdk::detail::log_printf((host), WEFT_LOG_TRACE, __VA_ARGS__)
+#define WEFT_LOG_DEBUG(host, ...) ::weft::sdk::detail::log_printf((host), WEFT_LOG_DEBUG, __VA_ARGS__)
+#define WEFT_LOG_INFO(host, ...) ::weft::sdk::detail::log_printf((host), WEFT_LOG_INFO, __VA_ARGS__)
+#define WEFT_LOG_WARN(host, ...) ::weft::sdk::detail::log_printf((host), WEFT_LOG_WARN, __VA_ARGS__)
+#define WEFT_LOG_ERROR(host, ...) ::weft::sdk::detail::log_printf((host), WEFT_LOG_ERROR, __VA_ARGS__)
+
+// ------------------------------------------------------------------------------------------
+// Strategy: the base class of C++ plugins
+// ------------------------------------------------------------------------------------------
+
+// The result of Strategy::eval_step.
+struct EvalResult {
+  double loss_sum = 0.0;  // sum of token losses over the global batch
+  int64_t tokens = 0;     // target tokens over the global batch
+};
+
+// One instance per process, created by the host through the generated `create` slot with the
+// instance's Host (construct it from a `Host` and pass it to Strategy's constructor). Read the
+// configuration and validate the world size in the constructor: throw Error(BAD_CONFIG, ...)
+// for an unusable setup. Methods mirror weft_strategy_api; throwing from any of them returns a
+// status to the host (see the top of this file). Called from one host thread at a time.
+class Strategy {
+ public:
+  // The oldest host ABI minor this plugin needs; hide it in a subclass to raise it
+  // (static constexpr uint16_t min_host_minor = 1;).
+  static constexpr uint16_t min_host_minor = 0;
+
+  explicit Strategy(Host host) noexcept : host_(host) {}
+  virtual ~Strategy() = default;
+  Strategy(const Strategy&) = delete;
+  Strategy& operator=(const Strategy&) = delete;
+
+  const Host& host() const noexcept { return host_; }
+
+  // Which stages this rank holds and its data-parallel coordinates; `plan` arrives pre-filled
+  // with the one-process layout. Default: leave it (the one-process layout).
+  virtual void plan(weft_model_plan& plan) { (void)plan; }
+  // How this rank holds a parameter. Default: the whole tensor.
+  virtual weft_shard shard_parameter(const weft_parameter_info& info) {
+    (void)info;
+    return weft_shard{0, 1, 0};
+  }
+  // After the model is built and its weights loaded. Default: nothing.
+  virtual void setup() {}
+  // One training step (see weft_strategy_api.train_step); returns the step's mean loss.
+  // Required. single_process_train_step() is the one-process reference.
+  virtual double train_step(const weft_step_info& step) = 0;
+  // One evaluation batch. Default: single_process_eval_step (no reduction; world size 1).
+  virtual EvalResult eval_step(const weft_step_info& step) { return single_process_eval_step(step); }
+  // The global squared gradient norm from this rank's share. Default: local_sq.
+  virtual double global_grad_norm_sq(double local_sq) { return local_sq; }
+  // Communication at a fixed point of the model, in place. Default: nothing.
+  virtual void comm_point(weft_comm_point point, weft_direction direction, int64_t layer,
+                          DLTensor& tensor) {
+    (void)point;
+    (void)direction;
+    (void)layer;
+    (void)tensor;
+  }
+
+ protected:
+  // The one-process step: for each micro-batch m of step.micro_batches: batch(m) ->
+  // forward(0, S) -> loss(scale 1 / M) -> backward. Returns the mean of the micro-batches'
+  // unscaled losses. Gradients are left summed over micro-batches (no communication).
+  double single_process_train_step(const weft_step_info& step) const {
+    const int32_t micro_batches = step.micro_batches;
+    if (micro_batches < 1) throw Error(WEFT_STATUS_INVALID_ARGUMENT, "micro_batches must be >= 1");
+    const int64_t stages = host_.model_num_stages();
+    const double scale = 1.0 / micro_batches;
+    double loss_sum = 0.0;
+    for (int32_t m = 0; m < micro_batches; ++m) {
+      Batch batch = host_.batch(m);
+      Activation logits = host_.forward(0, stages, batch.inputs);
+      Loss loss = host_.loss(logits, batch.targets, scale);
+      host_.backward(loss.loss);
+      loss_sum += loss.value;
+    }
+    return loss_sum / micro_batches;
+  }
+  // The one-process evaluation: for each micro-batch, forward(0, S, NO_GRAD) -> loss(scale 1);
+  // sums value * tokens and tokens.
+  EvalResult single_process_eval_step(const weft_step_info& step) const {
+    const int64_t stages = host_.model_num_stages();
+    EvalResult result;
+    for (int32_t m = 0; m < step.micro_batches; ++m) {
+      Batch batch = host_.batch(m);
+      Activation logits = host_.forward(0, stages, batch.inputs, WEFT_FORWARD_NO_GRAD);
+      Loss loss = host_.loss(logits, batch.targets, 1.0);
+      result.loss_sum += loss.value * static_cast<double>(loss.tokens);
+      result.tokens += loss.tokens;
+    }
+    return result;
+  }
+
+ private:
+  Host host_;
+};
+
+// ------------------------------------------------------------------------------------------
+// The generated table (used through WEFT_STRATEGY)
+// ------------------------------------------------------------------------------------------
+
+namespace detail {
+
+// True when T (or a base between T and Strategy) declares the method itself: &T::m then has
+// type `R (X::*)(...)` with X != Strategy.
+#define WEFT_SDK_DETAIL_OVERRIDES(method)                                          \
+  template <class T>                                                               \
+  constexpr bool overrides_##method() {                                            \
+    return !std::is_same<decltype(&T::method), decltype(&Strategy::method)>::value; \
+  }
+WEFT_SDK_DETAIL_OVERRIDES(plan)
+WEFT_SDK_DETAIL_OVERRIDES(shard_parameter)
+WEFT_SDK_DETAIL_OVERRIDES(setup)
+WEFT_SDK_DETAIL_OVERRIDES(eval_step)
+WEFT_SDK_DETAIL_OVERRIDES(global_grad_norm_sq)
+WEFT_SDK_DETAIL_OVERRIDES(comm_point)
+#undef WEFT_SDK_DETAIL_OVERRIDES
+
+// Runs `body`, turning every exception into a status created by `api` (NULL on success).
+template <class Body>
+weft_status* guarded(const weft_host_api* api, Body&& body) noexcept {
+  try {
+    body();
+    return nullptr;
+  } catch (const Error& e) {
+    return api->status_create(e.code(), e.what());
+  } catch (const std::exception& e) {
+    return api->status_create(WEFT_STATUS_INTERNAL, e.what());
+  } catch (...) {
+    return api->status_create(WEFT_STATUS_INTERNAL, "unknown exception");
+  }
+}
+
+// The instance behind the opaque handle (create stores a Strategy*).
+inline Strategy& instance(weft_strategy* handle) noexcept {
+  return *reinterpret_cast<Strategy*>(handle);
+}
+template <class Body>
+weft_status* call(weft_strategy* handle, Body&& body) noexcept {
+  return guarded(instance(handle).host().api(), std::forward<Body>(body));
+}
+
+template <class T>
+struct Slots {
+  static weft_status* create(const weft_host_api* api, weft_host* host, weft_strategy** out) noexcept {
+    Strategy* created = nullptr;
+    weft_status* status = guarded(api, [&] { created = new T(Host(api, host)); });
+    if (status == nullptr) *out = reinterpret_cast<weft_strategy*>(created);
+    return status;
+  }
+  static void destroy(weft_strategy* handle) noexcept {
+    delete &instance(handle);
+  }
+  static weft_status* plan(weft_strategy* handle, weft_model_plan* plan) noexcept {
+    return call(handle, [&] {
+      // Work on a copy so that *plan is untouched on error; copy only what the host's
+      // struct holds (its struct_size).
+      weft_model_plan local{};
+      const size_t bytes = std::min<size_t>(plan->struct_size, sizeof local);
+      std::memcpy(&local, plan, bytes);
+      instance(handle).plan(local);
+      local.struct_size = plan->struct_size;
+      std::memcpy(plan, &local, bytes);
+    });
+  }
+  static weft_status* shard_parameter(weft_strategy* handle, const weft_parameter_info* info,
+                                      weft_shard* out) noexcept {
+    return call(handle, [&] { *out = instance(handle).shard_parameter(*info); });
+  }
+  static weft_status* setup(weft_strategy* handle) noexcept {
+    return call(handle, [&] { instance(handle).setup(); });
+  }
+  static weft_status* train_step(weft_strategy* handle, const weft_step_info* step,
+                                 double* loss_out) noexcept {
+    return call(handle, [&] { *loss_out = instance(handle).train_step(*step); });
+  }
+  static weft_status* eval_step(weft_strategy* handle, const weft_step_info* step,
+                                double* loss_sum_out, int64_t* tokens_out) noexcept {
+    return call(handle, [&] {
+      const EvalResult result = instance(handle).eval_step(*step);
+      *loss_sum_out = result.loss_sum;
+      *tokens_out = result.tokens;
+    });
+  }
+  static weft_status* global_grad_norm_sq(weft_strategy* handle, double local_sq,
+                                          double* global_sq_out) noexcept {
+    return call(handle, [&] { *global_sq_out = instance(handle).global_grad_norm_sq(local_sq); });
+  }
+  static weft_status* comm_point(weft_strategy* handle, weft_comm_point point,
+                                 weft_direction direction, int64_t layer, DLTensor* tensor) noexcept {
+    return call(handle, [&] { instance(handle).comm_point(point, direction, layer, *tensor); });
+  }
+};
+
+// The table for strategy class T. Optional slots are NULL unless T overrides the method.
+template <class T>
+weft_strategy_api make_table(const char* name, const char* version, const char* description) {
+  static_assert(std::is_base_of<Strategy, T>::value, "WEFT_STRATEGY: the class must derive from weft::sdk::Strategy");
+  static_assert(std::is_constructible<T, Host>::value, "WEFT_STRATEGY: the class needs a constructor taking weft::sdk::Host");
+  static_assert(!std::is_abstract<T>::value, "WEFT_STRATEGY: the class must implement train_step");
+  weft_strategy_api table{};
+  table.header.struct_size = static_cast<uint32_t>(sizeof(weft_strategy_api));
+  table.header.abi_major = WEFT_ABI_VERSION_MAJOR;
+  table.header.abi_minor = WEFT_ABI_VERSION_MINOR;
+  table.min_host_minor = T::min_host_minor;
+  table.name = name;
+  table.version = version;
+  table.description = description;
+  table.create = &Slots<T>::create;
+  table.destroy = &Slots<T>::destroy;
+  table.plan = overrides_plan<T>() ? &Slots<T>::plan : nullptr;
+  table.shard_parameter = overrides_shard_parameter<T>() ? &Slots<T>::shard_parameter : nullptr;
+  table.setup = overrides_setup<T>() ? &Slots<T>::setup : nullptr;
+  table.train_step = &Slots<T>::train_step;
+  table.eval_step = overrides_eval_step<T>() ? &Slots<T>::eval_step : nullptr;
+  table.global_grad_norm_sq =
+      overrides_global_grad_norm_sq<T>() ? &Slots<T>::global_grad_norm_sq : nullptr;
+  table.comm_point = overrides_comm_point<T>() ? &Slots<T>::comm_point : nullptr;
+  return table;
+}
+
+// The entry point's body: the table (static storage) for the host's major, else NULL.
+template <class T>
+const weft_strategy_api* entry(uint16_t host_abi_major, const char* name, const char* version,
+                               const char* description) noexcept {
+  static const weft_strategy_api table = make_table<T>(name, version, description);
+  return host_abi_major == WEFT_ABI_VERSION_MAJOR ? &table : nullptr;
+}
+
+}  // namespace detail
+}  // namespace sdk
+}  // namespace weft
+
+// Emits the plugin's entry point for strategy class `ClassName` (use once per library, at
+// global or namespace scope after the class). `name`, `version`, `description`: string
+// literals (static storage), e.g. WEFT_STRATEGY(Ddp, "ddp", "1.0.0", "data parallel").
+#define WEFT_STRATEGY(ClassName, name, version, description)                                     \
+  extern "C" WEFT_EXPORT const weft_strategy_api* weft_strategy_entry(uint16_t host_abi_major,   \
+                                                                      uint16_t host_abi_minor) { \
+    (void)host_abi_minor;                                                                        \
+    return ::weft::sdk::detail::entry<ClassName>(host_abi_major, name, version, description);    \
+  }
+
+#endif  // WEFT_STRATEGY_HPP

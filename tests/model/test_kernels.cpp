@@ -1,0 +1,117 @@
+// The fused kernels (RMSNorm, SwiGLU, q/k/v split with RoPE), fused linear layers and the rope
+// table cache against the plain ATen formulations they replace, values and gradients.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "core/model/kernels.h"
+#include "core/model/layers.h"
+
+namespace weft {
+namespace {
+
+// Gradients of sum(f(inputs) * probe) with respect to `inputs`.
+template <typename F>
+std::vector<torch::Tensor> grads_of(F f, std::vector<torch::Tensor> inputs, const torch::Tensor& probe) {
+  for (auto& t : inputs) t = t.detach().clone().requires_grad_(true);
+  (f(inputs).to(torch::kFloat32) * probe).sum().backward();
+  std::vector<torch::Tensor> out;
+  for (auto& t : inputs) out.push_back(t.grad());
+  return out;
+}
+
+TEST(FusedKernels, RmsNormMatchesComposedOpsWithGradients) {
+  torch::manual_seed(3);
+  const auto x = torch::randn({3, 5, 24});
+  const auto w = torch::rand({24}) + 0.5;
+  const auto probe = torch::randn({3, 5, 24});
+  auto reference = [](std::vector<torch::Tensor> in) {
+    return in[0] * torch::rsqrt(in[0].pow(2).mean(-1, true) + 1e-5) * in[1];
+  };
+  auto fused = [](std::vector<torch::Tensor> in) { return fused_rms_norm(in[0], in[1], 1e-5, torch::kFloat32); };
+  EXPECT_TRUE(torch::allclose(fused({x, w}), reference({x, w}), 1e-5, 1e-6));
+  const auto ga = grads_of(fused, {x, w}, probe), gb = grads_of(reference, {x, w}, probe);
+  EXPECT_TRUE(torch::allclose(ga[0], gb[0], 1e-4, 1e-5));
+  EXPECT_TRUE(torch::allclose(ga[1], gb[1], 1e-4, 1e-5));
+  // bf16 output: the fp32 result rounded once (within one bf16 ulp of the rounded reference).
+  const auto y16 = fused_rms_norm(x, w, 1e-5, torch::kBFloat16);
+  EXPECT_EQ(y16.scalar_type(), torch::kBFloat16);
+  EXPECT_TRUE(torch::allclose(y16.to(torch::kFloat32), reference({x, w}), 8e-3, 1e-6));
+}
+
+TEST(FusedKernels, SwigluMatchesSiluTimesUpWithGradients) {
+  torch::manual_seed(4);
+  const auto gate_up = torch::randn({4, 7, 2 * 33}) * 4;  // wide range exercises exp's tails
+  const auto probe = torch::randn({4, 7, 33});
+  auto reference = [](std::vector<torch::Tensor> in) {
+    return torch::silu(in[0].narrow(-1, 0, 33)) * in[0].narrow(-1, 33, 33);
+  };
+  auto fused = [](std::vector<torch::Tensor> in) { return fused_swiglu(in[0]); };
+  EXPECT_TRUE(torch::allclose(fused({gate_up}), reference({gate_up}), 1e-5, 1e-6));
+  EXPECT_TRUE(torch::allclose(grads_of(fused, {gate_up}, probe)[0], grads_of(reference, {gate_up}, probe)[0],
+                              1e-5, 1e-5));
+  // Saturated inputs stay finite: silu(-100) = 0, silu(100) = 100.
+  const auto extreme = torch::tensor({-100.0f, 100.0f, 1.0f, 1.0f}).view({1, 4});
+  EXPECT_TRUE(torch::allclose(fused_swiglu(extreme), torch::tensor({0.0f, 100.0f}).view({1, 2}), 0, 1e-4));
+  const auto bf = fused_swiglu(gate_up.to(torch::kBFloat16));
+  EXPECT_EQ(bf.scalar_type(), torch::kBFloat16);
+  EXPECT_TRUE(torch::allclose(bf.to(torch::kFloat32), reference({gate_up}), 2e-2, 2e-2));
+}
+
+TEST(FusedKernels, SplitQkvWithRopeMatchesTransposeAndApplyRotary) {
+  torch::manual_seed(5);
+  auto config = preset_config("tiny");  // 4 heads, 2 kv heads, head_dim 16
+  RotaryEmbedding rope(config);
+  const int64_t b = 2, t = 6, h = 4, kvh = 2, d = config.head_dim;
+  const auto qkv = torch::randn({b, t, (h + 2 * kvh) * d});
+  const auto [cos, sin] = rope.tables(0, t);
+  auto reference = [&](std::vector<torch::Tensor> in) {
+    auto heads = [&](int64_t first, int64_t n) {
+      return in[0].narrow(-1, first * d, n * d).view({b, t, n, d}).transpose(1, 2);
+    };
+    return torch::cat({apply_rotary(heads(0, h), cos, sin).flatten(),
+                       apply_rotary(heads(h, kvh), cos, sin).flatten(), heads(h + kvh, kvh).flatten()});
+  };
+  auto fused = [&](std::vector<torch::Tensor> in) {
+    auto [q, k, v] = split_qkv_with_rope(in[0], h, kvh, cos, sin);
+    EXPECT_EQ(q.sizes(), (std::vector<int64_t>{b, h, t, d}));
+    EXPECT_EQ(k.sizes(), (std::vector<int64_t>{b, kvh, t, d}));
+    return torch::cat({q.flatten(), k.flatten(), v.flatten()});
+  };
+  EXPECT_TRUE(torch::allclose(fused({qkv}), reference({qkv}), 1e-6, 1e-6));
+  const auto probe = torch::randn({qkv.numel()});
+  EXPECT_TRUE(torch::allclose(grads_of(fused, {qkv}, probe)[0], grads_of(reference, {qkv}, probe)[0], 1e-5, 1e-6));
+}
+
+TEST(FusedKernels, FusedLinearEqualsSeparateLayersWithAndWithoutLora) {
+  torch::manual_seed(6);
+  Linear a(8, 5), b(8, 3);
+  torch::nn::init::normal_(a->weight);
+  torch::nn::init::normal_(b->weight);
+  const auto x = torch::randn({2, 4, 8});
+  const auto separate = torch::cat({a(x), b(x)}, -1);
+  EXPECT_TRUE(torch::allclose(fused_linear(x, {a.get(), b.get()}), separate, 1e-5, 1e-5));
+  b->add_lora(LoraSpec{2, 4.0, 0.0}, 7);
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : b->parameters()) p.add_(0.1);  // make the adapter term non-zero
+  }
+  const auto with_lora = torch::cat({a(x), b(x)}, -1);
+  EXPECT_FALSE(torch::allclose(with_lora, separate, 1e-3, 1e-3));
+  EXPECT_TRUE(torch::allclose(fused_linear(x, {a.get(), b.get()}), with_lora, 1e-5, 1e-5));
+}
+
+TEST(Rope, CachedTablesEqualFreshOnesForEachRange) {
+  auto config = preset_config("tiny");
+  RotaryEmbedding rope(config);
+  const auto first = rope.tables(0, 8);
+  const auto other = rope.tables(3, 5);  // replaces the cached range
+  const auto again = rope.tables(0, 8);
+  RotaryEmbedding fresh(config);
+  EXPECT_TRUE(torch::equal(again.first, fresh.tables(0, 8).first));
+  EXPECT_TRUE(torch::equal(again.second, first.second));
+  EXPECT_TRUE(torch::equal(other.first, RotaryEmbedding(config).tables(3, 5).first));
+  EXPECT_TRUE(torch::equal(other.second, first.second.narrow(0, 3, 5)));
+}
+
+}  // namespace
+}  // namespace weft

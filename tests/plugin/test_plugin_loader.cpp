@@ -1,0 +1,318 @@
+// Loading strategy plugins: ABI negotiation and every refusal, against the purpose-built C plugins
+// of tests/plugin/fixtures (built into WEFT_PLUGIN_FIXTURE_DIR).
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <string>
+#include <sys/wait.h>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include "core/plugin/library.h"
+#include "core/plugin/status.h"
+#include "core/util/error.h"
+#include "test_paths.h"
+
+namespace weft {
+namespace {
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+
+const std::string kFixtureDir = WEFT_PLUGIN_FIXTURE_DIR;
+const std::string kHostAbi = fmt::format("{}.{}", WEFT_ABI_VERSION_MAJOR, WEFT_ABI_VERSION_MINOR);
+
+std::string fixture(const std::string& name) { return kFixtureDir + "/" + name + ".so"; }
+
+// Sets an environment variable for the scope, restoring the previous value afterwards.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const std::string& value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    setenv(name, value.c_str(), 1);
+  }
+  ~ScopedEnv() {
+    if (old_) setenv(name_, old_->c_str(), 1);
+    else unsetenv(name_);
+  }
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
+std::string load_error(const std::string& path_or_name) {
+  try {
+    PluginLibrary::load(path_or_name);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(loaded)";
+}
+
+// A host services table with only the status slots filled: enough for create/destroy.
+weft_host_api status_only_host_api() {
+  weft_host_api api{};
+  api.header = {sizeof(weft_host_api), WEFT_ABI_VERSION_MAJOR, WEFT_ABI_VERSION_MINOR};
+  api.status_create = status_create;
+  api.status_code = status_code;
+  api.status_message = status_message;
+  api.status_release = status_release;
+  return api;
+}
+
+weft_strategy_api table_with(uint32_t struct_size, uint16_t abi_minor, uint16_t min_host_minor) {
+  weft_strategy_api table{};
+  table.header = {struct_size, WEFT_ABI_VERSION_MAJOR, abi_minor};
+  table.min_host_minor = min_host_minor;
+  table.name = "in_memory";
+  table.version = "0.1";
+  table.create = [](const weft_host_api*, weft_host*, weft_strategy**) -> weft_status* { return nullptr; };
+  table.destroy = [](weft_strategy*) {};
+  table.train_step = [](weft_strategy*, const weft_step_info*, double*) -> weft_status* { return nullptr; };
+  table.comm_point = [](weft_strategy*, weft_comm_point, weft_direction, int64_t, DLTensor*) -> weft_status* {
+    return nullptr;
+  };
+  return table;
+}
+
+TEST(PluginLoader, GoodPluginDescribesItself) {
+  const auto plugin = PluginLibrary::load(fixture("good"));
+  EXPECT_EQ(plugin->path(), fs::canonical(fixture("good")).string());
+  EXPECT_EQ(plugin->name(), "good");
+  EXPECT_EQ(plugin->version(), "1.2.3");
+  EXPECT_EQ(plugin->description(), "test fixture good");
+  EXPECT_EQ(plugin->plugin_abi().major, 1);
+  EXPECT_EQ(plugin->plugin_abi().minor, 0);
+  EXPECT_EQ(plugin->negotiated_abi().major, 1);
+  EXPECT_EQ(plugin->negotiated_abi().minor, 0);
+  EXPECT_EQ(plugin->api().plan, nullptr);  // optional slots the fixture leaves empty
+  EXPECT_TRUE(plugin->has_slot(offsetof(weft_strategy_api, comm_point), 0));
+}
+
+TEST(PluginLoader, CreateTrainStepAndDestroyThroughTheTable) {
+  const auto plugin = PluginLibrary::load(fixture("good"));
+  const weft_host_api host_api = status_only_host_api();
+  const weft_strategy_api& api = plugin->api();
+  weft_strategy* first = nullptr;
+  weft_strategy* second = nullptr;
+  throw_if_error(api.create(&host_api, nullptr, &first), "create");
+  throw_if_error(api.create(&host_api, nullptr, &second), "create");
+  ASSERT_NE(first, nullptr);
+  ASSERT_NE(first, second);
+
+  weft_step_info step{sizeof(weft_step_info), 0, 0, 4, 0, 2, 16};
+  double loss = 0;
+  // The fixture's loss is 100 * (its calls on this instance) + micro_batches / 2.
+  throw_if_error(api.train_step(first, &step, &loss), "train_step");
+  EXPECT_DOUBLE_EQ(loss, 102.0);
+  throw_if_error(api.train_step(first, &step, &loss), "train_step");
+  EXPECT_DOUBLE_EQ(loss, 202.0);
+  step.micro_batches = 1;
+  throw_if_error(api.train_step(second, &step, &loss), "train_step");
+  EXPECT_DOUBLE_EQ(loss, 100.5);
+  api.destroy(first);
+  api.destroy(second);
+}
+
+TEST(PluginLoader, ErrorFromCreateReachesTheHost) {
+  const auto plugin = PluginLibrary::load(fixture("error_create"));
+  const weft_host_api host_api = status_only_host_api();
+  weft_strategy* untouched = reinterpret_cast<weft_strategy*>(0x1234);
+  weft_status* status = plugin->api().create(&host_api, nullptr, &untouched);
+  EXPECT_EQ(untouched, reinterpret_cast<weft_strategy*>(0x1234));
+  ASSERT_NE(status, nullptr);
+  EXPECT_EQ(status_code(status), WEFT_STATUS_BAD_CONFIG);
+  try {
+    throw_if_error(status, "plugin " + plugin->name() + ": create");
+    FAIL() << "no exception";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "plugin error_create: create: world size 3 is not divisible by tensor_parallel 2");
+  }
+}
+
+TEST(PluginLoader, NewerMinorPluginRunsAtThisHostsMinor) {
+  const auto plugin = PluginLibrary::load(fixture("newer_minor"));
+  EXPECT_EQ(plugin->plugin_abi().minor, 7);
+  EXPECT_EQ(plugin->negotiated_abi().major, WEFT_ABI_VERSION_MAJOR);
+  EXPECT_EQ(plugin->negotiated_abi().minor, WEFT_ABI_VERSION_MINOR);
+  EXPECT_TRUE(plugin->has_slot(offsetof(weft_strategy_api, train_step), 0));
+  EXPECT_FALSE(plugin->has_slot(offsetof(weft_strategy_api, comm_point), WEFT_ABI_VERSION_MINOR + 1));
+  EXPECT_FALSE(plugin->has_slot(sizeof(weft_strategy_api), 0));  // its 1.7 slot: unknown to this host
+}
+
+TEST(PluginLoader, NegotiatedMinorIsTheSmallerOfHostAndPlugin) {
+  const std::vector<std::array<uint16_t, 3>> cases{// plugin minor, host minor, negotiated minor
+                                                   {0, 3, 0}, {2, 3, 2}, {7, 3, 3}, {3, 3, 3}};
+  for (const auto& [plugin_minor, host_minor, negotiated] : cases) {
+    const auto table = table_with(sizeof(weft_strategy_api), plugin_minor, 0);
+    const PluginVersion v = negotiate_abi(table, {1, host_minor}, "mem.so");
+    EXPECT_EQ(v.major, 1);
+    EXPECT_EQ(v.minor, negotiated) << "plugin 1." << plugin_minor << ", host 1." << host_minor;
+  }
+  const auto needs_four = table_with(sizeof(weft_strategy_api), 6, 4);
+  EXPECT_EQ(negotiate_abi(needs_four, {1, 4}, "mem.so").minor, 4);
+  try {
+    negotiate_abi(needs_four, {1, 3}, "mem.so");
+    FAIL() << "no exception";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "plugin mem.so needs host ABI >= 1.4 (min_host_minor), this host is 1.3");
+  }
+}
+
+TEST(PluginLoader, SlotsNeedTheNegotiatedMinorAndMustLieInsideTheTable) {
+  const auto table = table_with(sizeof(weft_strategy_api), 2, 0);
+  const PluginLibrary at_1_2("mem.so", table, {1, 2});
+  EXPECT_TRUE(at_1_2.has_slot(offsetof(weft_strategy_api, comm_point), 2));
+  EXPECT_FALSE(at_1_2.has_slot(offsetof(weft_strategy_api, comm_point), 3));
+
+  // A table that ends before comm_point: the slot does not exist and the host's copy reads NULL,
+  // although the memory after the plugin's table held a function pointer.
+  const auto short_table = table_with(offsetof(weft_strategy_api, comm_point), 0, 0);
+  const PluginLibrary short_plugin("short.so", short_table, {1, 0});
+  EXPECT_TRUE(short_plugin.has_slot(offsetof(weft_strategy_api, global_grad_norm_sq), 0));
+  EXPECT_FALSE(short_plugin.has_slot(offsetof(weft_strategy_api, comm_point), 0));
+  EXPECT_EQ(short_plugin.api().comm_point, nullptr);
+  EXPECT_NE(short_plugin.api().train_step, nullptr);
+}
+
+struct Refusal {
+  const char* fixture;
+  std::string expected;
+};
+
+TEST(PluginLoader, BrokenPluginsAreRefusedWithOneLineNamingTheProblem) {
+  const std::vector<Refusal> refusals{
+      {"needs_newer_host", "needs host ABI >= 1.5 (min_host_minor), this host is " + kHostAbi},
+      {"wrong_major", "is built for weft ABI 2.x, this host speaks " + kHostAbi},
+      {"entry_null", "weft_strategy_entry returned NULL (the plugin refuses this host's ABI " + kHostAbi + ")"},
+      {"no_entry", "exports no weft_strategy_entry"},
+      {"too_small", fmt::format("struct_size {} is smaller than ABI 1.0 requires ({})",
+                                offsetof(weft_strategy_api, train_step), kStrategyApiSizeV1_0)},
+      {"missing_create", "required slot(s) are NULL: create"},
+      {"missing_name", "its table has no name"},
+      {"not_a_library", "not a shared library"},
+      {"undefined_symbol", "cannot be loaded: "},
+  };
+  for (const Refusal& r : refusals) {
+    const std::string message = load_error(fixture(r.fixture));
+    EXPECT_THAT(message, HasSubstr(r.expected)) << r.fixture;
+    EXPECT_THAT(message, HasSubstr(fs::canonical(fixture(r.fixture)).string())) << r.fixture;
+    EXPECT_EQ(message.find('\n'), std::string::npos) << r.fixture;
+    EXPECT_EQ(load_error(fixture(r.fixture)), message) << "refused again, the same way: " << r.fixture;
+  }
+  // RTLD_NOW: the unresolved import fails the load, with dlopen's own explanation.
+  EXPECT_THAT(load_error(fixture("undefined_symbol")), HasSubstr("weft_fixture_function_nobody_defines"));
+}
+
+TEST(PluginLoader, TheSameFileLoadsOnceWhateverItIsCalled) {
+  ScopedEnv env("WEFT_PLUGIN_PATH", kFixtureDir);
+  const auto by_path = PluginLibrary::load(fixture("good"));
+  EXPECT_EQ(PluginLibrary::load(fixture("good")), by_path);
+  EXPECT_EQ(PluginLibrary::load("good"), by_path);
+  EXPECT_EQ(PluginLibrary::load("good.so"), by_path);
+  EXPECT_EQ(PluginLibrary::load(kFixtureDir + "/../plugin_fixtures/good.so"), by_path);
+  EXPECT_NE(PluginLibrary::load("newer_minor"), by_path);
+}
+
+TEST(PluginLoader, BareNamesAreSearchedInOrder) {
+  const fs::path shadow = fs::temp_directory_path() / fmt::format("weft_plugin_shadow_{}", getpid());
+  fs::create_directories(shadow);
+  std::ofstream(shadow / "good.so") << "not really";
+  {
+    ScopedEnv env("WEFT_PLUGIN_PATH", "/nonexistent-weft-dir::" + kFixtureDir);
+    EXPECT_EQ(resolve_plugin_path("good"), kFixtureDir + "/good.so");
+    EXPECT_EQ(resolve_plugin_path("good.so"), kFixtureDir + "/good.so");
+    EXPECT_EQ(resolve_plugin_path("wrong_major"), kFixtureDir + "/wrong_major.so");
+  }
+  {
+    ScopedEnv env("WEFT_PLUGIN_PATH", shadow.string() + ":" + kFixtureDir);
+    EXPECT_EQ(resolve_plugin_path("good"), (shadow / "good.so").string());
+  }
+  fs::remove_all(shadow);
+}
+
+TEST(PluginLoader, NotFoundListsEveryPlaceSearched) {
+  ScopedEnv env("WEFT_PLUGIN_PATH", "/nonexistent-weft-dir:" + kFixtureDir);
+  try {
+    resolve_plugin_path("no_such_plugin");
+    FAIL() << "no exception";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), fmt::format("plugin 'no_such_plugin' not found (searched: {0}/tests/plugins/no_such_plugin.so, "
+                                       "/nonexistent-weft-dir/no_such_plugin.so, {1}/no_such_plugin.so; "
+                                       "set WEFT_PLUGIN_PATH or pass a path)",
+                                       fs::canonical(WEFT_BINARY_DIR).string(), kFixtureDir)
+                               .c_str());
+  }
+  EXPECT_THAT(load_error("no_such_plugin"), HasSubstr("/nonexistent-weft-dir/no_such_plugin.so"));
+}
+
+TEST(PluginLoader, PathsAreUsedAsGiven) {
+  ScopedEnv env("WEFT_PLUGIN_PATH", kFixtureDir);
+  EXPECT_EQ(resolve_plugin_path(fixture("good")), fixture("good"));
+  EXPECT_THAT(load_error("./good.so"), HasSubstr("plugin ./good.so: file not found"));
+  EXPECT_THAT(load_error(kFixtureDir + "/good"), HasSubstr("file not found"));  // no ".so" appended
+}
+
+TEST(PluginLoader, ListsEveryLibraryInTheSearchPathWithItsProblem) {
+  ScopedEnv env("WEFT_PLUGIN_PATH", kFixtureDir + ":" + kFixtureDir);  // listed once nevertheless
+  const std::vector<PluginListing> listings = list_plugins();
+  std::vector<std::string> files;
+  for (const auto& l : listings) files.push_back(fs::path(l.path).filename().string());
+  EXPECT_EQ(files, (std::vector<std::string>{"entry_null.so", "error_create.so", "good.so", "missing_create.so",
+                                             "missing_name.so", "needs_newer_host.so", "newer_minor.so",
+                                             "no_entry.so", "not_a_library.so", "too_small.so",
+                                             "undefined_symbol.so", "wrong_major.so"}));
+  const auto find = [&](const std::string& file) {
+    for (const auto& l : listings) {
+      if (fs::path(l.path).filename() == file) return l;
+    }
+    return PluginListing{};
+  };
+  const PluginListing good = find("good.so");
+  EXPECT_EQ(good.problem, "");
+  EXPECT_EQ(good.name, "good");
+  EXPECT_EQ(good.version, "1.2.3");
+  EXPECT_EQ(good.abi.major, 1);
+  EXPECT_EQ(find("newer_minor.so").abi.minor, 7);
+  EXPECT_EQ(find("error_create.so").problem, "");  // it loads; only its create fails
+  EXPECT_THAT(find("wrong_major.so").problem, HasSubstr("is built for weft ABI 2.x"));
+  EXPECT_THAT(find("not_a_library.so").problem, HasSubstr("not a shared library"));
+  EXPECT_EQ(find("not_a_library.so").name, "");
+}
+
+TEST(PluginLoader, FormatsListingsAsATable) {
+  PluginListing ddp{"/p/ddp.so", "ddp", "1.0.0", "data parallel", {1, 2}, ""};
+  PluginListing bad{"/p/broken.so", "", "", "", {}, "plugin /p/broken.so: not a shared library (no ELF header)"};
+  EXPECT_EQ(format_plugin_table({ddp, bad}),
+            "NAME    VERSION  ABI  PATH          DESCRIPTION\n"
+            "ddp     1.0.0    1.2  /p/ddp.so     data parallel\n"
+            "broken  -        -    /p/broken.so  PROBLEM: plugin /p/broken.so: not a shared library (no ELF header)\n");
+  ScopedEnv env("WEFT_PLUGIN_PATH", "/nowhere");
+  EXPECT_THAT(format_plugin_table({}), HasSubstr("no plugins found (searched: "));
+  EXPECT_THAT(format_plugin_table({}), HasSubstr(", /nowhere)"));
+}
+
+TEST(PluginLoader, TrainerPluginsCommandPrintsTheTable) {
+  ScopedEnv env("WEFT_PLUGIN_PATH", kFixtureDir);
+  FILE* pipe = popen(WEFT_TRAINER_PATH " plugins 2>&1", "r");
+  ASSERT_NE(pipe, nullptr);
+  std::string output;
+  char buffer[4096];
+  for (size_t n; (n = fread(buffer, 1, sizeof buffer, pipe)) > 0;) output.append(buffer, n);
+  const int status = pclose(pipe);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << output;
+  EXPECT_THAT(output, HasSubstr("NAME"));
+  EXPECT_THAT(output, HasSubstr("test fixture good"));
+  EXPECT_THAT(output, HasSubstr(fs::canonical(fixture("good")).string()));
+  EXPECT_THAT(output, HasSubstr("PROBLEM: plugin " + fs::canonical(fixture("wrong_major")).string()));
+}
+
+}  // namespace
+}  // namespace weft

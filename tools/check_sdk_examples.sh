@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Installs the weft SDK (CMake component weft_sdk) from a configured build into a temporary prefix,
+# then builds every example under sdk/examples/ out of tree against that prefix alone (warnings
+# are errors) and checks each plugin: named <example>.so, exporting exactly weft_strategy_entry,
+# whose table answers ABI major 1 (with the example's name) and refuses major 2.
+#   usage: tools/check_sdk_examples.sh <main build dir> <source dir>
+# Exits non-zero on the first failure. Needs cmake, a C/C++ compiler, nm and python3.
+set -euo pipefail
+
+if [[ $# -ne 2 ]]; then
+  echo "usage: $0 <main build dir> <source dir>" >&2
+  exit 2
+fi
+build_dir=$(cd "$1" && pwd)
+source_dir=$(cd "$2" && pwd)
+work=$(mktemp -d "${TMPDIR:-/tmp}/weft-sdk-examples.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+prefix="$work/prefix"
+
+cmake --install "$build_dir" --component weft_sdk --prefix "$prefix" >/dev/null
+for file in include/weft/strategy.h include/weft/strategy.hpp include/weft/strategy_torch.hpp \
+            lib/cmake/weft_sdk/weft_sdkConfig.cmake lib/cmake/weft_sdk/weft_sdkConfigVersion.cmake; do
+  [[ -f "$prefix/$file" ]] || { echo "check_sdk_examples: $file was not installed" >&2; exit 1; }
+done
+
+generator=()
+command -v ninja >/dev/null && generator=(-G Ninja)
+examples=0
+for example_dir in "$source_dir"/sdk/examples/*/; do
+  example=$(basename "$example_dir")
+  [[ -f "$example_dir/CMakeLists.txt" ]] || continue
+  echo "check_sdk_examples: $example"
+  # No CMAKE_PREFIX_PATH from the environment and no package registry: only the temp prefix.
+  env -u CMAKE_PREFIX_PATH cmake -S "$example_dir" -B "$work/build-$example" "${generator[@]}" \
+    -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF \
+    -DCMAKE_COMPILE_WARNING_AS_ERROR=ON >"$work/configure-$example.log" 2>&1 ||
+    { cat "$work/configure-$example.log" >&2; exit 1; }
+  grep -q "weft_sdk_DIR:PATH=$prefix/" "$work/build-$example/CMakeCache.txt" ||
+    { echo "check_sdk_examples: $example did not find the installed SDK" >&2; exit 1; }
+  cmake --build "$work/build-$example" -j 2
+
+  plugin="$work/build-$example/$example.so"
+  [[ -f "$plugin" ]] || { echo "check_sdk_examples: $plugin was not built" >&2; exit 1; }
+  # Hidden visibility cannot hide what libstdc++'s headers declare with default visibility
+  # (e.g. GNU_UNIQUE statics of std:: templates, from std::to_string): those (mangled _Z...St...)
+  # are tolerated; anything else besides the entry point is a failure.
+  exported=$(nm -D --defined-only "$plugin" | awk '$2 ~ /^[A-Zu]$/ && $2 != "A" {print $3}' |
+             grep -Ev '^_Z(Z|GVZ|T[VSI])?N?K?St' || true)
+  if [[ "$exported" != "weft_strategy_entry" ]]; then
+    echo "check_sdk_examples: $example.so must export only weft_strategy_entry, exports:" >&2
+    echo "$exported" >&2
+    exit 1
+  fi
+  python3 - "$plugin" "$example" <<'PY'
+import ctypes, sys
+path, name = sys.argv[1], sys.argv[2]
+lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
+entry = lib.weft_strategy_entry
+entry.restype = ctypes.c_void_p
+entry.argtypes = [ctypes.c_uint16, ctypes.c_uint16]
+table = entry(1, 0)
+assert table, f"{name}: entry(1, 0) returned NULL"
+struct_size, major, minor = (ctypes.c_uint32.from_address(table).value,
+                             ctypes.c_uint16.from_address(table + 4).value,
+                             ctypes.c_uint16.from_address(table + 6).value)
+assert major == 1 and struct_size >= 16 + 12 * ctypes.sizeof(ctypes.c_void_p), (major, struct_size)
+table_name = ctypes.c_char_p.from_address(table + 16).value.decode()
+assert table_name == name, f"table name {table_name!r}, expected {name!r}"
+assert not entry(2, 0), f"{name}: entry(2, 0) must return NULL"
+PY
+  examples=$((examples + 1))
+done
+[[ $examples -ge 2 ]] || { echo "check_sdk_examples: found only $examples examples" >&2; exit 1; }
+echo "check_sdk_examples: $examples examples built against the installed SDK"

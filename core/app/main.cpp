@@ -3,6 +3,7 @@
 //   trainer [train] --config configs/x.toml [--set section.key=value ...]
 //   trainer --help
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
 #include <string>
@@ -12,7 +13,9 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include "core/app/launcher.h"
 #include "core/config/config.h"
+#include "core/plugin/rendezvous.h"
 #include "core/config/schema.h"
 #include "core/plugin/library.h"
 #include "core/train/conformance.h"
@@ -32,6 +35,7 @@ struct CommandLine {
   std::vector<std::string> overrides;
   std::string log_level;
   std::string plugin;
+  int nproc = 0;
   bool help = false;
 };
 
@@ -44,6 +48,8 @@ po::options_description describe_options() {
        "strategy plugin: a path, or a name found in build/plugins or WEFT_PLUGIN_PATH (same as --set train.plugin=...)")
       ("set,s", po::value<std::vector<std::string>>()->composing(),
        "override a configuration key: --set train.lr=1e-4 (repeatable; applied after the file)")
+      ("nproc", po::value<int>(),
+       "run N local ranks of this command (TCPStore on 127.0.0.1); under torchrun or Slurm leave it out")
       ("log-level", po::value<std::string>(), "trace, debug, info, warn or error (default: log.level)");
   return options;
 }
@@ -67,13 +73,14 @@ CommandLine parse_command_line(int argc, char** argv) {
     cli.overrides.insert(cli.overrides.begin(), "train.plugin=" + cli.plugin);
   }
   if (vm.count("log-level")) cli.log_level = vm["log-level"].as<std::string>();
+  if (vm.count("nproc")) cli.nproc = vm["nproc"].as<int>();
   return cli;
 }
 
 void print_help() {
   std::cout << "weft trainer: fine-tunes LLaMA-family models.\n\n"
                "Usage:\n"
-               "  trainer [train] --config FILE [--plugin NAME] [--set section.key=value ...]\n"
+               "  trainer [train] --config FILE [--plugin NAME] [--nproc N] [--set section.key=value ...]\n"
                "  trainer plugins               list the strategy plugins found, with versions and ABI\n"
                "  trainer check --plugin NAME   conformance: 20 fp32 steps under NAME vs single.so\n"
                "  trainer config-reference      print the configuration reference as Markdown\n\n"
@@ -107,9 +114,19 @@ int run_train(const CommandLine& cli) {
   weft::install_interrupt_handlers();
   const weft::Config config = weft::load_config(cli.config, cli.overrides);
   weft::set_log_level(cli.log_level.empty() ? config.get_string("log.level") : cli.log_level);
-  const auto options = weft::train_options_from_config(config);
+  auto options = weft::train_options_from_config(config);
+  options.config_hash = config.hash();
+  weft::RunContext context;
+  context.env = weft::detect_distributed_env();
+  context.rank = context.env.rank;
+  context.world = context.env.world;
+  if (context.world > 1) {
+    spdlog::set_pattern(fmt::format("[%H:%M:%S] [rank {}] %^%l%$ %v", context.rank));
+    // One voice: ranks other than 0 report warnings and errors unless a level is asked for.
+    if (context.rank != 0 && cli.log_level.empty()) weft::set_log_level("warn");
+  }
   spdlog::info("config {} (hash {})", cli.config.empty() ? "<overrides>" : cli.config, config.hash());
-  weft::Trainer trainer(options);
+  weft::Trainer trainer(options, context);
   std::filesystem::create_directories(options.out_dir);
   weft::write_run_config(options.out_dir, config);
   const auto result = trainer.run();
@@ -143,6 +160,9 @@ int main(int argc, char** argv) {
     if (cli.help) {
       print_help();
       return 0;
+    }
+    if (cli.command == "train" && cli.nproc > 0 && std::getenv("RANK") == nullptr) {
+      return weft::launch_local_ranks(cli.nproc, argc, argv);
     }
     if (cli.command == "train") return run_train(cli);
     if (cli.command == "plugins") return run_plugins();

@@ -110,6 +110,9 @@ const std::vector<SchemaEntry>& config_schema() {
                  "Run directory for checkpoints, metrics and the effective config."),
       string_key("train.plugin", "",
                  "Strategy plugin: a path or a name found in the build's plugins/ or WEFT_PLUGIN_PATH (e.g. single); empty = the host's built-in one-process step."),
+      float_key("train.collective_timeout_s", 300.0,
+                "Seconds a collective or the start-up rendezvous may take before the run stops with an error naming it.",
+                1.0),
       bool_key("train.overwrite", false,
                "Start fresh even if out_dir already holds checkpoints or saved models (they are replaced)."),
       // [lora]

@@ -4,6 +4,7 @@
 #include <set>
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
@@ -39,6 +40,8 @@ std::unique_ptr<Communicator> Communicator::single_process(std::chrono::millisec
 }
 
 Communicator::~Communicator() = default;
+
+c10d::Store& Communicator::store() { return *store_; }
 
 ProcessGroup& Communicator::create_group(const std::vector<int32_t>& world_ranks) {
   WEFT_CHECK(!world_ranks.empty(), "a process group needs at least one rank");

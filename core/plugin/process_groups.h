@@ -40,6 +40,7 @@ class Communicator {
   // as long as the Communicator. Throws weft::Error on an invalid rank list.
   ProcessGroup& create_group(const std::vector<int32_t>& world_ranks);
   std::chrono::milliseconds timeout() const { return timeout_; }
+  c10d::Store& store();  // the rendezvous store (for start-up key exchanges)
 
  private:
   c10::intrusive_ptr<c10d::Store> store_;

@@ -45,6 +45,7 @@ TrainOptions train_options_from_config(const Config& c) {
   o.overwrite = c.get_bool("train.overwrite");
   o.plugin = c.get_string("train.plugin");
   o.plugin_config = c.section_table("plugin");
+  o.collective_timeout_s = c.get_float("train.collective_timeout_s");
 
   o.lora.spec.r = c.get_int("lora.r");
   o.lora.spec.alpha = c.get_float("lora.alpha");

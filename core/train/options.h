@@ -42,6 +42,8 @@ struct TrainOptions {
   bool overwrite = false;
   std::string plugin;          // strategy plugin path or name; empty = built-in step
   toml::table plugin_config;   // the [plugin] section, handed to the plugin
+  std::string config_hash;     // of the effective config: every rank must agree
+  double collective_timeout_s = 300;
   bool save_merged = false;  // LoRA: also save the merged model at the end
   int64_t eval_every = 0, eval_max_batches = 0, eval_batch_size = 0, patience = 0;
   int64_t checkpoint_every = 0, keep_last = 2;

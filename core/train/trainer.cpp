@@ -39,14 +39,9 @@ Trainer::Trainer(TrainOptions options, RunContext context)
   at::set_num_threads(static_cast<int>(options_.threads));
   torch::manual_seed(options_.seed);
   tokenizer_ = load_tokenizer(options_.tokenizer);
-  if (!options_.plugin.empty()) {
-    WEFT_CHECK(context_.world == 1, "multi-process runs are not available yet (world size {})", context_.world);
-    communicator_ = Communicator::single_process(std::chrono::minutes(5));
-    strategy_ = std::make_unique<StrategySession>(options_.plugin, options_.plugin_config, *communicator_);
-    spdlog::info("strategy: {} {} (ABI {}.{}) from {}", strategy_->library().name(), strategy_->library().version(),
-                 strategy_->library().negotiated_abi().major, strategy_->library().negotiated_abi().minor,
-                 strategy_->library().path());
-  }
+  WEFT_CHECK(context_.world == 1 || !options_.plugin.empty(),
+             "a run with {} processes needs a strategy plugin (e.g. --plugin ddp)", context_.world);
+  if (!options_.plugin.empty()) start_strategy();
   build_model();
   build_data();
   build_optimizer();
@@ -69,6 +64,23 @@ void Trainer::protect_saved_work() const {
 }
 
 Trainer::~Trainer() = default;
+
+// Joins the job, loads the plugin and checks that every rank runs the same plugin build with the
+// same configuration, before anything is built.
+void Trainer::start_strategy() {
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(options_.collective_timeout_s * 1000));
+  communicator_ = join_world(context_.env, timeout);
+  strategy_ = std::make_unique<StrategySession>(options_.plugin, options_.plugin_config, *communicator_);
+  const auto& library = strategy_->library();
+  const std::string fingerprint =
+      fmt::format("plugin {} {} ABI {}.{}, config {}", library.name(), library.version(),
+                  library.negotiated_abi().major, library.negotiated_abi().minor, options_.config_hash);
+  check_same_everywhere(*communicator_, "plugin and config", fingerprint);
+  spdlog::info("strategy: {} {} (ABI {}.{}) from {}, {} process(es)", library.name(), library.version(),
+               library.negotiated_abi().major, library.negotiated_abi().minor, library.path(), context_.world);
+  WEFT_CHECK(context_.world == 1 || strategy_->has_eval_step(),
+             "plugin {} has no eval_step, so it cannot evaluate with {} processes", library.name(), context_.world);
+}
 
 std::optional<LoraConfig> Trainer::lora() const {
   if (options_.mode == "lora") return options_.lora;
@@ -105,6 +117,8 @@ void Trainer::build_model() {
   if (strategy_) {
     const auto plan = strategy_->plan(config.num_hidden_layers + 2);
     model_options.stages = {plan.first_stage, plan.last_stage};
+    data_parallel_rank_ = plan.data_parallel_rank;
+    data_parallel_size_ = plan.data_parallel_size;
   }
   model_ = LlamaForCausalLM(config, model_options);
   init_weights(*model_, options_.seed, options_.model.init_std);
@@ -133,7 +147,7 @@ void Trainer::build_data() {
   dataset_ = prepare_dataset(options_.data, *tokenizer_);
   spdlog::info("{}", dataset_.summary.describe());
   const int64_t micro = options_.batch_size;
-  train_loader_ = std::make_unique<BatchLoader>(dataset_.train, micro, context_.rank, context_.world,
+  train_loader_ = std::make_unique<BatchLoader>(dataset_.train, micro, data_parallel_rank_, data_parallel_size_,
                                                 options_.seed, /*shuffle=*/true);
   steps_per_epoch_ = train_loader_->batches_per_epoch() / options_.grad_accum_steps;
   WEFT_CHECK(steps_per_epoch_ > 0,
@@ -211,7 +225,7 @@ EvalResult Trainer::evaluate() {
   WEFT_CHECK(dataset_.heldout != nullptr, "no held-out split (data.heldout_fraction = 0)");
   const auto start = Clock::now();
   const int64_t batch = options_.eval_batch_size > 0 ? options_.eval_batch_size : options_.batch_size;
-  EvalLoader loader(dataset_.heldout, batch, context_.rank, context_.world);
+  EvalLoader loader(dataset_.heldout, batch, data_parallel_rank_, data_parallel_size_);
   int64_t batches = loader.num_batches();
   if (options_.eval_max_batches > 0) batches = std::min(batches, options_.eval_max_batches);
   model_->eval();
@@ -253,7 +267,9 @@ bool Trainer::after_eval(const EvalResult& eval, Progress& progress, MetricsWrit
     state_.best_eval_loss = eval.loss;
     state_.best_step = state_.global_step;
     state_.evals_since_best = 0;
-    if (options_.keep_best) save_model_atomically(*model_, lora(), options_.out_dir + "/best", options_.model.weights);
+    if (options_.keep_best && context_.rank == 0) {
+      save_model_atomically(*model_, lora(), options_.out_dir + "/best", options_.model.weights);
+    }
   } else {
     ++state_.evals_since_best;
   }
@@ -272,6 +288,7 @@ bool Trainer::after_eval(const EvalResult& eval, Progress& progress, MetricsWrit
 }
 
 void Trainer::save_checkpoint(Progress& progress) {
+  if (context_.rank != 0) return;  // replicas hold the same state; rank 0 writes it
   const auto dir = checkpoints_->save(state_, *model_, *optimizer_);
   progress.message(fmt::format("checkpoint saved: {}", dir));
 }

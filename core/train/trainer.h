@@ -18,6 +18,7 @@
 #include "core/data/tokenizer.h"
 #include "core/model/llama.h"
 #include "core/plugin/process_groups.h"
+#include "core/plugin/rendezvous.h"
 #include "core/plugin/strategy_session.h"
 #include "core/train/checkpoint.h"
 #include "core/train/metrics.h"
@@ -29,6 +30,7 @@ namespace weft {
 struct RunContext {
   int rank = 0;
   int world = 1;
+  DistributedEnv env;  // how to join the job when world > 1 (torchrun / Slurm / --nproc)
 };
 
 struct EvalResult {
@@ -76,6 +78,7 @@ class Trainer {
   void build_model();
   void build_data();
   void build_optimizer();
+  void start_strategy();
   void maybe_resume();
   void protect_saved_work() const;
   struct Session;
@@ -102,6 +105,7 @@ class Trainer {
   LrSchedule schedule_;
   TrainerState state_;
   int64_t steps_per_epoch_ = 0;
+  int data_parallel_rank_ = 0, data_parallel_size_ = 1;  // from the plugin's plan
   int64_t total_steps_ = 0;
   double last_lr_ = 0;
   double last_grad_norm_ = 0;

@@ -1,0 +1,85 @@
+#include "core/plugin/rendezvous.h"
+
+#include <cstdlib>
+
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "core/plugin/process_groups.h"
+#include "core/util/error.h"
+
+namespace weft {
+namespace {
+
+const char* env(const char* name) {
+  const char* value = std::getenv(name);
+  return value && *value ? value : nullptr;
+}
+
+int env_int(const char* name, int fallback, int min_value) {
+  const char* value = env(name);
+  if (!value) return fallback;
+  char* end = nullptr;
+  const long parsed = std::strtol(value, &end, 10);
+  WEFT_CHECK(end && *end == '\0' && parsed >= min_value && parsed <= 1 << 24,
+             "environment variable {}='{}' is not a valid number (>= {})", name, value, min_value);
+  return static_cast<int>(parsed);
+}
+
+}  // namespace
+
+DistributedEnv detect_distributed_env() {
+  DistributedEnv e;
+  if (env("WORLD_SIZE") || env("RANK")) {
+    WEFT_CHECK(env("WORLD_SIZE") && env("RANK"), "RANK and WORLD_SIZE must be set together (torchrun convention)");
+    e.source = "torchrun";
+    e.rank = env_int("RANK", 0, 0);
+    e.world = env_int("WORLD_SIZE", 1, 1);
+    e.local_rank = env_int("LOCAL_RANK", e.rank, 0);
+  } else if (env("SLURM_PROCID") && env("SLURM_NTASKS")) {
+    e.source = "slurm";
+    e.rank = env_int("SLURM_PROCID", 0, 0);
+    e.world = env_int("SLURM_NTASKS", 1, 1);
+    e.local_rank = env_int("SLURM_LOCALID", 0, 0);
+    WEFT_CHECK(e.world == 1 || env("MASTER_ADDR"),
+               "running under Slurm with {} tasks: set MASTER_ADDR to the first host of SLURM_JOB_NODELIST", e.world);
+  } else {
+    return e;
+  }
+  WEFT_CHECK(e.rank < e.world, "rank {} is not below the world size {}", e.rank, e.world);
+  if (const char* addr = env("MASTER_ADDR")) e.master_addr = addr;
+  e.master_port = env_int("MASTER_PORT", 29500, 1);
+  WEFT_CHECK(e.master_port <= 65535, "MASTER_PORT {} is not a TCP port", e.master_port);
+  return e;
+}
+
+std::unique_ptr<Communicator> join_world(const DistributedEnv& e, std::chrono::milliseconds timeout) {
+  if (e.world == 1) return Communicator::single_process(timeout);
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<uint16_t>(e.master_port);
+  options.isServer = e.rank == 0;
+  options.numWorkers = static_cast<size_t>(e.world);
+  options.waitWorkers = true;
+  options.timeout = timeout;
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(e.master_addr, options);
+  } catch (const std::exception& ex) {
+    fail("rank {}: rendezvous with {}:{} failed ({})", e.rank, e.master_addr, e.master_port, ex.what());
+  }
+  return std::make_unique<Communicator>(store, e.rank, e.world, timeout);
+}
+
+void check_same_everywhere(Communicator& communicator, const std::string& what, const std::string& fingerprint) {
+  auto& store = communicator.store();
+  const int rank = communicator.world().rank, world = communicator.world().size;
+  const std::string prefix = "weft/check/" + what + "/";
+  store.set(prefix + std::to_string(rank), std::vector<uint8_t>(fingerprint.begin(), fingerprint.end()));
+  for (int r = 0; r < world; ++r) {
+    const auto bytes = store.get(prefix + std::to_string(r));
+    const std::string theirs(bytes.begin(), bytes.end());
+    WEFT_CHECK(theirs == fingerprint, "ranks disagree on the {}: rank {} has '{}' but rank {} has '{}'", what, rank,
+               fingerprint, r, theirs);
+  }
+}
+
+}  // namespace weft

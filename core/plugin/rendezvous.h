@@ -1,0 +1,38 @@
+// Joining a multi-process job: the torchrun and Slurm environment conventions, c10d's TCPStore
+// rendezvous, and the start-up check that every rank runs the same plugin build and config.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+namespace weft {
+
+class Communicator;
+
+struct DistributedEnv {
+  int rank = 0;
+  int world = 1;
+  int local_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  std::string source = "single";  // "single", "torchrun" (also trainer --nproc) or "slurm"
+};
+
+// Reads the environment:
+//  - torchrun / trainer --nproc: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT;
+//  - Slurm (srun): SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, with MASTER_ADDR (required when
+//    SLURM_NTASKS > 1: e.g. the first host of SLURM_JOB_NODELIST) and MASTER_PORT (default 29500);
+//  - neither: one process.
+// Partial or invalid values are a weft::Error naming the variable.
+DistributedEnv detect_distributed_env();
+
+// Connects to the job's TCPStore (rank 0 hosts it) and builds the world process group.
+// Throws weft::Error naming the address if the rendezvous times out.
+std::unique_ptr<Communicator> join_world(const DistributedEnv& env, std::chrono::milliseconds timeout);
+
+// Every rank publishes `fingerprint` (plugin name, version, ABI, config hash) through the store;
+// each then compares all of them and throws weft::Error naming the first rank that differs.
+void check_same_everywhere(Communicator& communicator, const std::string& what, const std::string& fingerprint);
+
+}  // namespace weft

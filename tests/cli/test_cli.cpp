@@ -11,31 +11,15 @@
 
 #include <gtest/gtest.h>
 
+#include "common/process.h"
 #include "test_paths.h"
 
 namespace {
 
-struct Outcome {
-  int exit_code;
-  std::string output;
-};
+using weft::testing::read_text;
+using weft::testing::run_trainer;
 
-Outcome run_trainer(const std::string& args) {
-  const std::string command = std::string(WEFT_TRAINER_PATH) + " " + args + " 2>&1";
-  FILE* pipe = popen(command.c_str(), "r");
-  std::string output;
-  std::array<char, 4096> buffer{};
-  while (size_t n = fread(buffer.data(), 1, buffer.size(), pipe)) output.append(buffer.data(), n);
-  const int status = pclose(pipe);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
-}
-
-std::string fresh_dir(const std::string& name) {
-  auto dir = std::filesystem::temp_directory_path() / ("weft_test_cli_" + name + "_" + std::to_string(::getpid()));
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir.string();
-}
+std::string fresh_dir(const std::string& name) { return weft::testing::fresh_dir("weft_test_cli", name); }
 
 std::string write_corpus(const std::string& dir) {
   std::ofstream out(dir + "/corpus.txt");

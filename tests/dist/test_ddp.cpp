@@ -19,31 +19,14 @@
 #include <torch/torch.h>
 
 #include "core/io/safetensors.h"
+#include "common/process.h"
 #include "test_paths.h"
 
 namespace {
 
-struct Outcome {
-  int exit_code;
-  std::string output;
-};
+using weft::testing::run_trainer;
 
-Outcome run(const std::string& args) {
-  const std::string command = "OMP_NUM_THREADS=1 " + std::string(WEFT_TRAINER_PATH) + " " + args + " 2>&1";
-  FILE* pipe = popen(command.c_str(), "r");
-  std::string output;
-  std::array<char, 4096> buffer{};
-  while (size_t n = fread(buffer.data(), 1, buffer.size(), pipe)) output.append(buffer.data(), n);
-  const int status = pclose(pipe);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
-}
-
-std::string fresh_dir(const std::string& name) {
-  auto dir = std::filesystem::temp_directory_path() / ("weft_test_dist_" + name + "_" + std::to_string(::getpid()));
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir.string();
-}
+std::string fresh_dir(const std::string& name) { return weft::testing::fresh_dir("weft_test_dist", name); }
 
 std::string write_corpus(const std::string& dir) {
   static const char* words[] = {"the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog",
@@ -79,7 +62,7 @@ std::string train(const std::string& dir, const std::string& name, const std::st
                      " --set train.max_steps=20 --set train.epochs=3 --set train.precision=fp32 --set log.progress=off"
                      " --set train.out_dir=" + out + " " + extra;
   if (nproc > 0) args += " --plugin ddp --nproc " + std::to_string(nproc);
-  const auto r = run(args);
+  const auto r = run_trainer(args);
   EXPECT_EQ(r.exit_code, 0) << r.output;
   return out;
 }

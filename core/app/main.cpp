@@ -82,7 +82,7 @@ void print_help() {
                "Usage:\n"
                "  trainer [train] --config FILE [--plugin NAME] [--nproc N] [--set section.key=value ...]\n"
                "  trainer plugins               list the strategy plugins found, with versions and ABI\n"
-               "  trainer check --plugin NAME   conformance: 20 fp32 steps under NAME vs single.so\n"
+               "  trainer check --plugin NAME [--nproc N]   conformance: 20 fp32 steps under NAME vs single.so\n"
                "  trainer config-reference      print the configuration reference as Markdown\n\n"
             << describe_options() << "\n"
             << weft::render_help();
@@ -140,8 +140,11 @@ int run_check(const CommandLine& cli) {
   weft::set_log_level(cli.log_level.empty() ? "warn" : cli.log_level);
   weft::ConformanceOptions options;
   options.plugin = cli.plugin;
+  options.nproc = std::max(1, cli.nproc);
+  options.trainer_path = std::filesystem::read_symlink("/proc/self/exe").string();
   const auto report = weft::check_conformance(options);
-  std::cout << "conformance of " << cli.plugin << " against single: " << report.describe() << "\n";
+  std::cout << "conformance of " << cli.plugin << " (" << options.nproc << " rank" << (options.nproc > 1 ? "s" : "")
+            << ") against single: " << report.describe() << "\n";
   return report.passed ? 0 : 1;
 }
 

@@ -5,11 +5,15 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
+
+#include <nlohmann/json.hpp>
 
 #include <fmt/format.h>
 #include <torch/torch.h>
 
+#include "core/io/safetensors.h"
 #include "core/train/trainer.h"
 #include "core/util/error.h"
 
@@ -23,12 +27,35 @@ std::string write_corpus(const std::string& dir) {
   std::mt19937 rng(7);
   const std::string path = dir + "/corpus.jsonl";
   std::ofstream out(path);
-  for (int d = 0; d < 48; ++d) {
+  for (int d = 0; d < 96; ++d) {
     std::string text;
     for (int w = 0; w < 80; ++w) text += std::string(w ? " " : "") + words[rng() % 19];
     out << "{\"text\": \"" << text << ".\"}\n";
   }
   return path;
+}
+
+// The same settings as run_options, as command-line overrides for a multi-process run.
+std::string run_arguments(const ConformanceOptions& c, const std::string& corpus, const std::string& out_dir) {
+  return fmt::format(
+      "train --plugin {} --nproc {} --set model.preset=tiny --set data.path={} --set data.seq_len=32"
+      " --set data.heldout_fraction=0.1 --set data.split_seed=1 --set data.tokenizer=byte --set data.cache_dir="
+      " --set train.lr=3e-3 --set train.warmup_steps=2 --set train.seed=11 --set train.max_steps={}"
+      " --set train.batch_size={} --set train.grad_accum_steps={} --set train.precision=fp32 --set train.threads=1"
+      " --set train.out_dir={} --set train.overwrite=true --set log.progress=off --set checkpoint.keep_best=false"
+      " --set checkpoint.save_final=true --log-level warn",
+      c.plugin, c.nproc, corpus, c.steps, c.batch_size, c.grad_accum_steps, out_dir);
+}
+
+std::vector<double> logged_losses(const std::string& metrics) {
+  std::vector<double> losses;
+  std::ifstream in(metrics);
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto j = nlohmann::json::parse(line);
+    if (j["type"] == "step") losses.push_back(j["loss"].get<double>());
+  }
+  return losses;
 }
 
 TrainOptions run_options(const ConformanceOptions& c, const std::string& corpus, const std::string& plugin,
@@ -77,30 +104,50 @@ ConformanceReport check_conformance(const ConformanceOptions& c) {
   std::filesystem::create_directories(dir);
   const std::string corpus = write_corpus(dir);
   Trainer reference(run_options(c, corpus, c.reference, dir + "/reference"));
-  Trainer candidate(run_options(c, corpus, c.plugin, dir + "/candidate"));
   const auto r = reference.run();
-  const auto p = candidate.run();
+  std::map<std::string, torch::Tensor> candidate_params;
+  std::vector<double> candidate_losses;
+  if (c.nproc > 1) {
+    // The plugin under test in real processes; rank 0 saves the final model.
+    WEFT_CHECK(!c.trainer_path.empty(), "conformance check with {} ranks needs the trainer executable", c.nproc);
+    const std::string out = dir + "/candidate";
+    const std::string command = c.trainer_path + " " + run_arguments(c, corpus, out) + " > " + dir + "/candidate.log 2>&1";
+    const int status = std::system(command.c_str());
+    WEFT_CHECK(status == 0, "the {}-rank run of {} failed (see {}/candidate.log)", c.nproc, c.plugin, dir);
+    candidate_losses = logged_losses(out + "/metrics.jsonl");
+    const auto weights = SafetensorsFile::open(out + "/final/model.safetensors");
+    for (const auto& info : weights->tensors()) candidate_params[info.name] = weights->load(info.name);
+  } else {
+    Trainer candidate(run_options(c, corpus, c.plugin, dir + "/candidate"));
+    candidate_losses = candidate.run().step_losses;
+    for (auto& item : candidate.model().named_parameters()) candidate_params[item.key()] = item.value().detach().clone();
+  }
 
   ConformanceReport report;
   report.reference_losses = r.step_losses;
-  report.plugin_losses = p.step_losses;
-  report.steps = static_cast<int64_t>(std::min(r.step_losses.size(), p.step_losses.size()));
-  bool same_steps = r.step_losses.size() == p.step_losses.size();
+  report.plugin_losses = candidate_losses;
+  const auto& p_losses = candidate_losses;
+  report.steps = static_cast<int64_t>(std::min(r.step_losses.size(), p_losses.size()));
+  bool same_steps = r.step_losses.size() == p_losses.size();
   for (int64_t i = 0; i < report.steps; ++i) {
-    const double a = r.step_losses[i], b = p.step_losses[i];
+    const double a = r.step_losses[i], b = p_losses[i];
     report.max_loss_rel_diff = std::max(report.max_loss_rel_diff, std::abs(a - b) / std::max(std::abs(a), 1e-12));
   }
-  auto reference_params = reference.model().named_parameters();
-  for (auto& item : candidate.model().named_parameters()) {
-    const auto* ref = reference_params.find(item.key());
-    if (!ref) continue;  // a sharding plugin holds only part; the multi-rank check gathers
-    const double diff = (item.value() - *ref).abs().max().item<double>();
+  bool all_parameters = true;
+  for (auto& item : reference.model().named_parameters()) {
+    const auto it = candidate_params.find(item.key());
+    if (it == candidate_params.end()) {
+      all_parameters = false;
+      report.worst_parameter = item.key() + " (missing)";
+      continue;
+    }
+    const double diff = (it->second - item.value()).abs().max().item<double>();
     if (diff > report.max_param_abs_diff) {
       report.max_param_abs_diff = diff;
       report.worst_parameter = item.key();
     }
   }
-  report.passed = same_steps && report.steps == c.steps && report.max_loss_rel_diff <= c.loss_rtol &&
+  report.passed = same_steps && all_parameters && report.steps == c.steps && report.max_loss_rel_diff <= c.loss_rtol &&
                   report.max_param_abs_diff <= c.param_atol;
   if (c.work_dir.empty()) std::filesystem::remove_all(dir);
   return report;

@@ -13,7 +13,9 @@ struct ConformanceOptions {
   std::string plugin;                // the plugin under test (path or name)
   std::string reference = "single";  // the reference plugin
   int64_t steps = 20;
-  int64_t batch_size = 4;            // global sequences per micro-batch
+  int nproc = 1;                     // ranks for the plugin under test (> 1: real processes)
+  std::string trainer_path;          // the trainer executable (for nproc > 1)
+  int64_t batch_size = 12;           // global sequences per micro-batch (divisible by 1, 2, 3, 4, 6)
   int64_t grad_accum_steps = 2;
   double loss_rtol = 1e-5;           // relative tolerance on every step's loss
   double param_atol = 1e-5;          // absolute tolerance on every final parameter
@@ -30,7 +32,9 @@ struct ConformanceReport {
   std::string describe() const;  // a few lines: verdict, the largest differences
 };
 
-// Throws weft::Error if either plugin cannot be loaded or refuses the setup.
+// The reference always runs in this process. With nproc > 1 the plugin under test runs as
+// `trainer --nproc N` (real processes over Gloo) on the same settings, and its losses and saved
+// final parameters are compared. Throws weft::Error if either run fails or refuses the setup.
 ConformanceReport check_conformance(const ConformanceOptions& options);
 
 }  // namespace weft

@@ -1,9 +1,10 @@
 /*
  * weft/strategy.h - the weft strategy plugin ABI (C99).
  *
- * STATUS: DRAFT of ABI 1.0 (issue 3). The host does not load plugins yet; this header is the
- * contract the loader, the services table and the first plugins are being built against.
- * Until the first release the ABI may still change without a major bump.
+ * STATUS: ABI 1.0, implemented by the host (core/plugin) and used by single.so and ddp.so.
+ * The model-parallel slots (plan stage ranges, shard_parameter, comm_point) are not exercised
+ * by a shipped plugin yet; until the first release the ABI may still change without a major
+ * bump.
  *
  * A strategy plugin is a shared library that exports exactly one symbol, the C function
  * `weft_strategy_entry` (WEFT_STRATEGY_ENTRY_SYMBOL). The host loads it with

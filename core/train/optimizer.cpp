@@ -42,4 +42,11 @@ double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm)
   return norm;
 }
 
+void zero_gradients(const std::vector<torch::Tensor>& params) {
+  torch::NoGradGuard no_grad;
+  for (const auto& p : params) {
+    if (p.grad().defined()) p.grad().zero_();
+  }
+}
+
 }  // namespace weft

@@ -18,6 +18,10 @@ std::unique_ptr<torch::optim::AdamW> make_adamw(
 // Sets the learning rate of every parameter group.
 void set_learning_rate(torch::optim::AdamW& optimizer, double lr);
 
+// Zeroes the gradients in place (keeping them defined). Optimizer::zero_grad() sets them to
+// undefined in LibTorch 2.x, which would leave strategies without a gradient to reduce.
+void zero_gradients(const std::vector<torch::Tensor>& params);
+
 // Global L2 norm of the gradients of `params` (missing grads count as zero); if max_norm > 0,
 // scales the gradients so the norm is at most max_norm. Returns the norm before clipping.
 double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm);

@@ -217,7 +217,7 @@ double Trainer::train_step(int64_t epoch, int64_t step_in_epoch) {
   }
   last_grad_norm_ = clip_grad_norm(trainable_, options_.optim.grad_clip);
   optimizer_->step();
-  optimizer_->zero_grad();
+  zero_gradients(trainable_);
   return loss_sum;
 }
 

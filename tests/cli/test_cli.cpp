@@ -111,16 +111,11 @@ TEST(Cli, SigtermSavesACheckpointThatResumes) {
                              "/log.txt 2>&1 & pid=$!; "
                              "for i in $(seq 100); do grep -q 'training:' " + dir +
                              "/log.txt && break; sleep 0.1; done; sleep 0.5; kill -TERM $pid; wait $pid; echo $?";
-  FILE* pipe = popen(script.c_str(), "r");
-  char buffer[64] = {0};
-  fgets(buffer, sizeof(buffer), pipe);
-  pclose(pipe);
-  EXPECT_EQ(std::string(buffer), "143\n");
-  std::ifstream log(dir + "/log.txt");
-  std::stringstream text;
-  text << log.rdbuf();
-  EXPECT_NE(text.str().find("interrupted by signal 15"), std::string::npos) << text.str();
-  ASSERT_TRUE(std::filesystem::exists(dir + "/out/checkpoints/latest")) << text.str();
+  const std::string status = weft::testing::last_line(weft::testing::run_command(script).output);
+  const std::string log = read_text(dir + "/log.txt");
+  EXPECT_EQ(status, "143") << log;
+  EXPECT_NE(log.find("interrupted by signal 15"), std::string::npos) << log;
+  ASSERT_TRUE(std::filesystem::exists(dir + "/out/checkpoints/latest")) << log;
   std::ifstream latest(dir + "/out/checkpoints/latest");
   std::string name;
   latest >> name;  // step-00000012

@@ -43,6 +43,14 @@ inline std::string fresh_dir(const std::string& prefix, const std::string& name)
   return dir.string();
 }
 
+// The last non-empty line of `text`, without its newline.
+inline std::string last_line(const std::string& text) {
+  const auto end = text.find_last_not_of('\n');
+  if (end == std::string::npos) return "";
+  const auto begin = text.rfind('\n', end);
+  return text.substr(begin == std::string::npos ? 0 : begin + 1, end - (begin == std::string::npos ? 0 : begin + 1) + 1);
+}
+
 inline std::string read_text(const std::string& path) {
   std::ifstream in(path);
   std::stringstream text;

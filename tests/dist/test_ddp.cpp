@@ -109,16 +109,11 @@ TEST(Launcher, AKilledRankStopsTheRunWithItsRankAndStatus) {
                              "/log.txt 2>&1 & pid=$!; for i in $(seq 300); do grep -q 'training:' " + dir +
                              "/log.txt && break; sleep 0.1; done; "
                              "kill -KILL $(pgrep -P $pid | tail -1); wait $pid; echo $?";
-  FILE* pipe = popen(script.c_str(), "r");
-  char buffer[64] = {0};
-  fgets(buffer, sizeof(buffer), pipe);
-  pclose(pipe);
-  std::ifstream log(dir + "/log.txt");
-  std::stringstream text;
-  text << log.rdbuf();
-  EXPECT_NE(std::string(buffer), "0\n") << text.str();
-  EXPECT_NE(text.str().find("failed (signal"), std::string::npos) << text.str();
-  EXPECT_NE(text.str().find("stopping the other ranks"), std::string::npos) << text.str();
+  const std::string status = weft::testing::last_line(weft::testing::run_command(script).output);
+  const std::string log = weft::testing::read_text(dir + "/log.txt");
+  EXPECT_NE(status, "0") << log;
+  EXPECT_NE(log.find("failed (signal"), std::string::npos) << log;
+  EXPECT_NE(log.find("stopping the other ranks"), std::string::npos) << log;
 }
 
 TEST(Launcher, TorchrunStyleEnvironmentJoinsTheJob) {
@@ -133,15 +128,10 @@ TEST(Launcher, TorchrunStyleEnvironmentJoinsTheJob) {
   const std::string script = env + " RANK=1 LOCAL_RANK=1 " + std::string(WEFT_TRAINER_PATH) + " " + args + " > " +
                              dir + "/r1.txt 2>&1 & " + env + " RANK=0 LOCAL_RANK=0 " + WEFT_TRAINER_PATH + " " + args +
                              " > " + dir + "/r0.txt 2>&1; a=$?; wait %1; b=$?; echo $a$b";
-  FILE* pipe = popen(script.c_str(), "r");
-  char buffer[64] = {0};
-  fgets(buffer, sizeof(buffer), pipe);
-  pclose(pipe);
-  std::ifstream log(dir + "/r0.txt");
-  std::stringstream text;
-  text << log.rdbuf();
-  EXPECT_EQ(std::string(buffer), "00\n") << text.str();
-  EXPECT_NE(text.str().find("2 process(es)"), std::string::npos) << text.str();
+  const std::string status = weft::testing::last_line(weft::testing::run_command(script).output);
+  const std::string log = weft::testing::read_text(dir + "/r0.txt");
+  EXPECT_EQ(status, "00") << log;
+  EXPECT_NE(log.find("2 process(es)"), std::string::npos) << log;
 }
 
 }  // namespace

@@ -2,9 +2,12 @@
 # Installs the weft SDK (CMake component weft_sdk) from a configured build into a temporary prefix,
 # then builds every example under sdk/examples/ out of tree against that prefix alone (warnings
 # are errors) and checks each plugin: named <example>.so, exporting exactly weft_strategy_entry,
-# whose table answers ABI major 1 (with the example's name) and refuses major 2.
+# whose table answers ABI major 1 (with the example's name) and refuses major 2, and which passes
+# the conformance check against single.so (`trainer check`) in one process and, when its table
+# has an eval_step (needed for more than one rank), with 2 and 3 real ranks.
 #   usage: tools/check_sdk_examples.sh <main build dir> <source dir>
-# Exits non-zero on the first failure. Needs cmake, a C/C++ compiler, nm and python3.
+# Exits non-zero on the first failure. Needs cmake, a C/C++ compiler, nm, python3 and the built
+# trainer (<main build dir>/trainer).
 set -euo pipefail
 
 if [[ $# -ne 2 ]]; then
@@ -51,7 +54,7 @@ for example_dir in "$source_dir"/sdk/examples/*/; do
     echo "$exported" >&2
     exit 1
   fi
-  python3 - "$plugin" "$example" <<'PY'
+  multi_rank=$(python3 - "$plugin" "$example" <<'PY'
 import ctypes, sys
 path, name = sys.argv[1], sys.argv[2]
 lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
@@ -67,7 +70,17 @@ assert major == 1 and struct_size >= 16 + 12 * ctypes.sizeof(ctypes.c_void_p), (
 table_name = ctypes.c_char_p.from_address(table + 16).value.decode()
 assert table_name == name, f"table name {table_name!r}, expected {name!r}"
 assert not entry(2, 0), f"{name}: entry(2, 0) must return NULL"
+# eval_step: the 10th pointer after the 16-byte {header, min_host_minor, reserved} prefix.
+print("yes" if ctypes.c_void_p.from_address(table + 16 + 9 * ctypes.sizeof(ctypes.c_void_p)).value
+      else "no")
 PY
+)
+  ranks=(1)
+  [[ "$multi_rank" == yes ]] && ranks=(1 2 3)
+  for n in "${ranks[@]}"; do
+    echo "check_sdk_examples: trainer check --plugin $example.so --nproc $n"
+    OMP_NUM_THREADS=1 "$build_dir/trainer" check --plugin "$plugin" --nproc "$n"
+  done
   examples=$((examples + 1))
 done
 [[ $examples -ge 2 ]] || { echo "check_sdk_examples: found only $examples examples" >&2; exit 1; }

@@ -335,8 +335,12 @@ weft_status* work_wait(weft_host*, weft_work* work) {
     } catch (const std::exception& e) {
       const std::string what = e.what();
       const bool timeout = what.find("imeout") != std::string::npos || what.find("imed out") != std::string::npos;
-      throw CodedError(timeout ? WEFT_STATUS_TIMEOUT : WEFT_STATUS_COMMUNICATION,
-                              fmt::format("{} failed: {}", work->operation, what));
+      if (timeout) {
+        throw CodedError(WEFT_STATUS_TIMEOUT,
+                         fmt::format("{} timed out (a rank did not join it within train.collective_timeout_s): {}",
+                                     work->operation, what));
+      }
+      throw CodedError(WEFT_STATUS_COMMUNICATION, fmt::format("{} failed: {}", work->operation, what));
     }
     work->waited = true;
     if (work->on_complete) work->on_complete();

@@ -1,10 +1,12 @@
 // ddp.so against the one-process reference, with real processes (trainer --nproc N over Gloo on
 // 127.0.0.1): per-step losses within 1e-5 relative over 20 fp32 steps and final parameters within
-// 1e-5, for 2 and 3 ranks, with gradient accumulation and with LoRA.
+// 1e-5, for 2 and 3 ranks, with gradient accumulation and with LoRA; and how the launcher ends a run
+// when a rank dies or hangs.
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <array>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -114,6 +116,30 @@ TEST(Launcher, AKilledRankStopsTheRunWithItsRankAndStatus) {
   EXPECT_NE(status, "0") << log;
   EXPECT_NE(log.find("failed (signal"), std::string::npos) << log;
   EXPECT_NE(log.find("stopping the other ranks"), std::string::npos) << log;
+}
+
+TEST(Launcher, AHungRankMakesTheCollectiveTimeOutNamingIt) {
+  const auto dir = fresh_dir("hang");
+  const auto corpus = write_corpus(dir);
+  // Rank 1 is stopped (SIGSTOP: alive, connections open, never joins the next all-reduce); rank 0
+  // must give up after train.collective_timeout_s, name the operation, and the run must end.
+  const std::string args = "--config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set data.path=" +
+                           corpus + " --set data.cache_dir=" + dir + "/cache --set data.seq_len=32"
+                           " --set train.max_steps=0 --set train.epochs=100000 --set log.progress=off"
+                           " --set train.collective_timeout_s=2 --set train.out_dir=" + dir + "/out --plugin ddp --nproc 2";
+  const std::string script = "OMP_NUM_THREADS=1 " + std::string(WEFT_TRAINER_PATH) + " " + args + " > " + dir +
+                             "/log.txt 2>&1 & pid=$!; for i in $(seq 300); do grep -q 'training:' " + dir +
+                             "/log.txt && break; sleep 0.1; done; "
+                             "kill -STOP $(pgrep -P $pid | tail -1); wait $pid; echo $?";
+  const auto started = std::chrono::steady_clock::now();
+  const std::string status = weft::testing::last_line(weft::testing::run_command(script).output);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  const std::string log = weft::testing::read_text(dir + "/log.txt");
+  EXPECT_NE(status, "0") << log;
+  EXPECT_NE(log.find("all_reduce timed out"), std::string::npos) << log;
+  EXPECT_NE(log.find("train.collective_timeout_s"), std::string::npos) << log;
+  EXPECT_NE(log.find("rank 0 failed (exit status 1)"), std::string::npos) << log;
+  EXPECT_LT(seconds, 120) << "the launcher did not end the run after the timeout";
 }
 
 TEST(Launcher, TorchrunStyleEnvironmentJoinsTheJob) {

@@ -5,6 +5,8 @@
  * each trainable parameter, all_reduce(SUM) its gradient over the world, wait, and divide by
  * the world size in place through the gradient's DLTensor view (fp32 CPU gradients only).
  * The step's loss is averaged over the world the same way, so every rank returns the same value.
+ * eval_step: forward only (no autograd history) over this rank's held-out rows, then the sum of
+ * token losses and the token count are summed over the world, so every rank returns the totals.
  * Every rank must hold the whole model (no plan/shard_parameter: the host's defaults). */
 #include <stdarg.h>
 #include <stdio.h>
@@ -124,6 +126,23 @@ static weft_status* average_gradients(weft_strategy* s, weft_group* world, int32
   return NULL;
 }
 
+/* A contiguous 1-D fp64 CPU view of values[0..*count) (so that doubles can be all-reduced in
+ * place); `count` and `unit_stride` (= 1) must outlive the view. */
+static DLTensor double_view(double* values, int64_t* count, int64_t* unit_stride) {
+  DLTensor view;
+  view.data = values;
+  view.device.device_type = kDLCPU;
+  view.device.device_id = 0;
+  view.ndim = 1;
+  view.dtype.code = kDLFloat;
+  view.dtype.bits = 64;
+  view.dtype.lanes = 1;
+  view.shape = count;
+  view.strides = unit_stride;
+  view.byte_offset = 0;
+  return view;
+}
+
 static weft_status* train_step(weft_strategy* s, const weft_step_info* step, double* loss_out) {
   weft_group* world = s->api->group_world(s->host);
   const int32_t world_size = s->api->group_size(world);
@@ -143,20 +162,62 @@ static weft_status* train_step(weft_strategy* s, const weft_step_info* step, dou
   status = average_gradients(s, world, world_size);
   if (status != NULL) return status;
 
-  /* The loss too, so that every rank reports the global mean: a 1-element fp64 CPU view. */
-  loss_view.data = &loss_sum;
-  loss_view.device.device_type = kDLCPU;
-  loss_view.device.device_id = 0;
-  loss_view.ndim = 1;
-  loss_view.dtype.code = kDLFloat;
-  loss_view.dtype.bits = 64;
-  loss_view.dtype.lanes = 1;
-  loss_view.shape = &one;
-  loss_view.strides = &one;
-  loss_view.byte_offset = 0;
+  /* The loss too, so that every rank reports the global mean. */
+  loss_view = double_view(&loss_sum, &one, &one);
   status = all_reduce_sum(s, world, &loss_view);
   if (status != NULL) return status;
   *loss_out = loss_sum / step->micro_batches / world_size;
+  return NULL;
+}
+
+/* One held-out micro-batch, forward only: adds its token-loss sum and token count. A rank may
+ * get no rows of the last, partial batch. */
+static weft_status* eval_micro_batch(weft_strategy* s, int32_t micro_batch, double* sums) {
+  const weft_host_api* api = s->api;
+  weft_activation* inputs = NULL;
+  weft_activation* targets = NULL;
+  weft_activation* logits = NULL;
+  weft_activation* loss = NULL;
+  DLTensor view;
+  double value = 0.0;
+  int64_t tokens = 0;
+  weft_status* status = api->batch(s->host, micro_batch, 0, 1, &inputs, &targets);
+  if (status == NULL) status = api->activation_view(s->host, inputs, &view);
+  if (status == NULL && !(view.ndim > 0 && view.shape[0] == 0)) {
+    status = api->forward(s->host, 0, api->model_num_stages(s->host), inputs,
+                          WEFT_FORWARD_NO_GRAD, &logits);
+    if (status == NULL) status = api->loss(s->host, logits, targets, 1.0, &loss, &value, &tokens);
+    if (status == NULL) {
+      sums[0] += value * (double)tokens;
+      sums[1] += (double)tokens;
+    }
+  }
+  api->activation_release(s->host, loss);
+  api->activation_release(s->host, logits);
+  api->activation_release(s->host, targets);
+  api->activation_release(s->host, inputs);
+  return status;
+}
+
+static weft_status* eval_step(weft_strategy* s, const weft_step_info* step, double* loss_sum_out,
+                              int64_t* tokens_out) {
+  weft_group* world = s->api->group_world(s->host);
+  double sums[2] = {0.0, 0.0}; /* token-loss sum, tokens (exact in a double below 2^53) */
+  int64_t two = 2;
+  int64_t one = 1;
+  DLTensor view;
+  const int32_t micro_batches = step->micro_batches > 0 ? step->micro_batches : 1;
+  int32_t m;
+  weft_status* status;
+  for (m = 0; m < micro_batches; ++m) {
+    status = eval_micro_batch(s, m, sums);
+    if (status != NULL) return status;
+  }
+  view = double_view(sums, &two, &one);
+  status = all_reduce_sum(s, world, &view);
+  if (status != NULL) return status;
+  *loss_sum_out = sums[0];
+  *tokens_out = (int64_t)(sums[1] + 0.5);
   return NULL;
 }
 
@@ -173,7 +234,7 @@ static const weft_strategy_api table = {
     NULL, /* shard_parameter: whole tensors */
     NULL, /* setup */
     train_step,
-    NULL, /* eval_step: the host's default (this rank's rows only: exact on one rank) */
+    eval_step,
     NULL, /* global_grad_norm_sq: gradients are replicated, the local norm is global */
     NULL  /* comm_point */
 };

@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# The main job: set up, then fine-tune on the bundled Austen corpus (configs/quickstart.toml),
-# printing the loss as it falls, time per epoch and held-out perplexity.
+# The main job: set up, then fine-tune on the bundled Austen corpus (configs/quickstart.toml)
+# with ddp.so on 2 local ranks (1 intra-op thread each), printing the loss as it falls, time per
+# epoch and held-out perplexity.
 # Extra arguments go to the trainer, e.g. tools/quickstart.sh --set train.epochs=1
+# (WEFT_QUICKSTART_NPROC=1 runs it in one process with single.so instead).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/setup.sh
 # Each run gets its own directory, so earlier runs are never overwritten.
-exec build/trainer --config configs/quickstart.toml --set train.out_dir="runs/quickstart-$(date +%Y%m%d-%H%M%S)" "$@"
+nproc=${WEFT_QUICKSTART_NPROC:-2}
+plugin=ddp
+[[ "$nproc" == 1 ]] && plugin=single
+exec build/trainer --config configs/quickstart.toml --plugin "$plugin" --nproc "$nproc" \
+  --set train.out_dir="runs/quickstart-$(date +%Y%m%d-%H%M%S)" "$@"

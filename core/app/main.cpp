@@ -165,6 +165,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (cli.command == "train" && cli.nproc > 0 && std::getenv("RANK") == nullptr) {
+      if (!cli.log_level.empty()) weft::set_log_level(cli.log_level);  // the launcher's own lines
       return weft::launch_local_ranks(cli.nproc, argc, argv);
     }
     if (cli.command == "train") return run_train(cli);

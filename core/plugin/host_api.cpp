@@ -1,6 +1,8 @@
 #include "core/plugin/host_api.h"
 
+#include <chrono>
 #include <functional>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -59,6 +61,10 @@ struct PluginHost::State {
   const EvalLoader* eval_loader = nullptr;
   int64_t epoch = 0, index = 0;
   int32_t micro_batches = 0;
+  // Communication since the last take_comm_stats (collectives may be issued and waited on
+  // from the autograd thread, hence the lock).
+  std::mutex comm_mutex;
+  PluginHost::CommStats comm;
 };
 
 namespace {
@@ -68,6 +74,14 @@ using State = PluginHost::State;
 State& state_of(weft_host* host) {
   WEFT_CHECK(host != nullptr && host->state != nullptr, "null weft_host");
   return *host->state;
+}
+
+// Counts one operation issued with `payload` bytes (the data this rank contributes or receives).
+void count_operation(weft_host* host, int64_t payload) {
+  auto& s = state_of(host);
+  std::lock_guard<std::mutex> lock(s.comm_mutex);
+  ++s.comm.operations;
+  s.comm.bytes += payload;
 }
 
 // An error with a specific status code (communication failures and timeouts).
@@ -228,18 +242,19 @@ weft_status* group_create(weft_host* host, const int32_t* ranks, int32_t count, 
   });
 }
 
-weft_status* all_reduce(weft_host*, weft_group* group, DLTensor* tensor, weft_reduce_op op, weft_work** work) {
+weft_status* all_reduce(weft_host* host, weft_group* group, DLTensor* tensor, weft_reduce_op op, weft_work** work) {
   return guarded([&] {
     WEFT_CHECK(work, "all_reduce: null work output");
     auto& g = group_of(group);
     std::vector<at::Tensor> tensors{contiguous_view(tensor, "all_reduce")};
     c10d::AllreduceOptions options;
     options.reduceOp = reduce_op(op);
+    count_operation(host, static_cast<int64_t>(tensors.front().nbytes()));
     *work = new_work(g.gloo->allreduce(tensors, options), "all_reduce", tensors);
   });
 }
 
-weft_status* reduce_scatter(weft_host*, weft_group* group, DLTensor* output, const DLTensor* input,
+weft_status* reduce_scatter(weft_host* host, weft_group* group, DLTensor* output, const DLTensor* input,
                             weft_reduce_op op, weft_work** work) {
   return guarded([&] {
     WEFT_CHECK(work, "reduce_scatter: null work output");
@@ -253,13 +268,14 @@ weft_status* reduce_scatter(weft_host*, weft_group* group, DLTensor* output, con
     c10d::AllreduceOptions options;
     options.reduceOp = reduce_op(op);
     auto full = tensors.front();
+    count_operation(host, static_cast<int64_t>(in.nbytes()));
     const int64_t part = out.size(0), rank = g.rank;
     *work = new_work(g.gloo->allreduce(tensors, options), "reduce_scatter", {full, out},
                      [full, out, part, rank]() mutable { out.copy_(full.narrow(0, rank * part, part)); });
   });
 }
 
-weft_status* all_gather(weft_host*, weft_group* group, DLTensor* output, const DLTensor* input, weft_work** work) {
+weft_status* all_gather(weft_host* host, weft_group* group, DLTensor* output, const DLTensor* input, weft_work** work) {
   return guarded([&] {
     WEFT_CHECK(work, "all_gather: null work output");
     auto& g = group_of(group);
@@ -269,11 +285,12 @@ weft_status* all_gather(weft_host*, weft_group* group, DLTensor* output, const D
                out.size(0), g.size, in.size(0));
     std::vector<std::vector<at::Tensor>> outputs{out.chunk(g.size, 0)};
     std::vector<at::Tensor> inputs{in};
+    count_operation(host, static_cast<int64_t>(in.nbytes()));
     *work = new_work(g.gloo->allgather(outputs, inputs), "all_gather", {out, in});
   });
 }
 
-weft_status* broadcast(weft_host*, weft_group* group, DLTensor* tensor, int32_t root, weft_work** work) {
+weft_status* broadcast(weft_host* host, weft_group* group, DLTensor* tensor, int32_t root, weft_work** work) {
   return guarded([&] {
     WEFT_CHECK(work, "broadcast: null work output");
     auto& g = group_of(group);
@@ -281,11 +298,12 @@ weft_status* broadcast(weft_host*, weft_group* group, DLTensor* tensor, int32_t 
     std::vector<at::Tensor> tensors{contiguous_view(tensor, "broadcast")};
     c10d::BroadcastOptions options;
     options.rootRank = root;
+    count_operation(host, static_cast<int64_t>(tensors.front().nbytes()));
     *work = new_work(g.gloo->broadcast(tensors, options), "broadcast", tensors);
   });
 }
 
-weft_status* all_to_all(weft_host*, weft_group* group, DLTensor* output, const DLTensor* input, weft_work** work) {
+weft_status* all_to_all(weft_host* host, weft_group* group, DLTensor* output, const DLTensor* input, weft_work** work) {
   return guarded([&] {
     WEFT_CHECK(work, "all_to_all: null work output");
     auto& g = group_of(group);
@@ -294,44 +312,58 @@ weft_status* all_to_all(weft_host*, weft_group* group, DLTensor* output, const D
     WEFT_CHECK(in.size(0) % g.size == 0 && out.sizes() == in.sizes(),
                "all_to_all: input and output must have the same shape with dim 0 divisible by {}", g.size);
     std::vector<int64_t> equal_splits;
+    count_operation(host, static_cast<int64_t>(in.nbytes()));
     *work = new_work(g.gloo->alltoall_base(out, in, equal_splits, equal_splits), "all_to_all", {out, in});
   });
 }
 
-weft_status* send(weft_host*, weft_group* group, const DLTensor* tensor, int32_t peer, int32_t tag, weft_work** work) {
+weft_status* send(weft_host* host, weft_group* group, const DLTensor* tensor, int32_t peer, int32_t tag, weft_work** work) {
   return guarded([&] {
     WEFT_CHECK(work, "send: null work output");
     auto& g = group_of(group);
     WEFT_CHECK(0 <= peer && peer < g.size && peer != g.rank, "send: invalid peer {}", peer);
     std::vector<at::Tensor> tensors{contiguous_view(tensor, "send")};
+    count_operation(host, static_cast<int64_t>(tensors.front().nbytes()));
     *work = new_work(g.gloo->send(tensors, peer, tag), "send", tensors);
   });
 }
 
-weft_status* recv(weft_host*, weft_group* group, DLTensor* tensor, int32_t peer, int32_t tag, weft_work** work) {
+weft_status* recv(weft_host* host, weft_group* group, DLTensor* tensor, int32_t peer, int32_t tag, weft_work** work) {
   return guarded([&] {
     WEFT_CHECK(work, "recv: null work output");
     auto& g = group_of(group);
     WEFT_CHECK(0 <= peer && peer < g.size && peer != g.rank, "recv: invalid peer {}", peer);
     std::vector<at::Tensor> tensors{contiguous_view(tensor, "recv")};
+    count_operation(host, static_cast<int64_t>(tensors.front().nbytes()));
     *work = new_work(g.gloo->recv(tensors, peer, tag), "recv", tensors);
   });
 }
 
-weft_status* barrier(weft_host*, weft_group* group, weft_work** work) {
+weft_status* barrier(weft_host* host, weft_group* group, weft_work** work) {
   return guarded([&] {
     WEFT_CHECK(work, "barrier: null work output");
     auto& g = group_of(group);
+    count_operation(host, 0);
     *work = new_work(g.gloo->barrier(), "barrier", {});
   });
 }
 
-weft_status* work_wait(weft_host*, weft_work* work) {
+// Adds the time since `start` to the time this rank spent blocked on communication.
+void add_wait_time(weft_host* host, std::chrono::steady_clock::time_point start) {
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  auto& s = state_of(host);
+  std::lock_guard<std::mutex> lock(s.comm_mutex);
+  s.comm.wait_seconds += seconds;
+}
+
+weft_status* work_wait(weft_host* host, weft_work* work) {
   return guarded([&] {
     WEFT_CHECK(work != nullptr, "work_wait: null work");
     if (work->waited) return;
+    const auto start = std::chrono::steady_clock::now();
     try {
       work->work->wait();
+      add_wait_time(host, start);
     } catch (const std::exception& e) {
       const std::string what = e.what();
       const bool timeout = what.find("imeout") != std::string::npos || what.find("imed out") != std::string::npos;
@@ -651,6 +683,13 @@ void PluginHost::begin_eval_step(const EvalLoader* loader, int64_t index) {
 void PluginHost::end_step() {
   state_->train_loader = nullptr;
   state_->eval_loader = nullptr;
+}
+
+PluginHost::CommStats PluginHost::take_comm_stats() {
+  std::lock_guard<std::mutex> lock(state_->comm_mutex);
+  const CommStats taken = state_->comm;
+  state_->comm = CommStats{};
+  return taken;
 }
 
 int64_t PluginHost::parameter_count() const { return static_cast<int64_t>(state_->parameters.size()); }

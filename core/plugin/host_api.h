@@ -40,6 +40,16 @@ class PluginHost {
   // Ends the current step (batch() is refused until the next begin_*).
   void end_step();
 
+  // What this rank's plugin communicated through the host's collectives and transfers since the
+  // last call (which resets it): operations issued, their payload bytes (the data this rank
+  // contributes or receives: the tensor of all_reduce/broadcast/send/recv, the input of
+  // reduce_scatter/all_gather/all_to_all) and the wall time spent blocked in work_wait.
+  struct CommStats {
+    int64_t operations = 0;
+    int64_t bytes = 0;
+    double wait_seconds = 0.0;
+  };
+  CommStats take_comm_stats();
   // Calls the registered grad-ready callback machinery's bookkeeping (tests).
   int64_t parameter_count() const;
 

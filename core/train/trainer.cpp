@@ -303,6 +303,8 @@ struct Trainer::Session {
   double seconds = 0.0;
   int64_t tokens = 0;
   int64_t tokens_per_step = 0;
+  double comm_wait_seconds = 0.0;  // this rank's time blocked on the plugin's communication
+  int64_t comm_bytes = 0;
   int64_t last_eval_step = -1;
   std::optional<EvalResult> last_eval;
 };
@@ -336,9 +338,13 @@ bool Trainer::run_epoch_steps(Session& session) {
   session.progress.start_epoch(state_.epoch, options_.epochs, epoch_steps, state_.step_in_epoch);
   bool stop = false;
   while (!stop && state_.step_in_epoch < steps_per_epoch_ && state_.global_step < total_steps_) {
+    if (strategy_) strategy_->host().take_comm_stats();  // not the evaluation's or set-up's
     const auto step_start = Clock::now();
     const double loss = train_step(state_.epoch, state_.step_in_epoch);
     const double step_seconds = seconds_since(step_start);
+    const auto comm = strategy_ ? strategy_->host().take_comm_stats() : PluginHost::CommStats{};
+    session.comm_wait_seconds += comm.wait_seconds;
+    session.comm_bytes += comm.bytes;
     ++state_.global_step;
     ++state_.step_in_epoch;
     state_.epoch_seconds += step_seconds;
@@ -347,9 +353,14 @@ bool Trainer::run_epoch_steps(Session& session) {
     session.tokens += session.tokens_per_step;
     session.result.step_losses.push_back(loss);
     const double tokens_per_s = session.tokens_per_step / step_seconds;
-    session.metrics.write("step", {{"step", state_.global_step}, {"epoch", state_.epoch + 1},
-                                   {"loss", loss}, {"lr", last_lr_}, {"grad_norm", last_grad_norm_},
-                                   {"tokens_per_s", tokens_per_s}, {"step_time_s", step_seconds}});
+    nlohmann::json record = {{"step", state_.global_step}, {"epoch", state_.epoch + 1},
+                             {"loss", loss}, {"lr", last_lr_}, {"grad_norm", last_grad_norm_},
+                             {"tokens_per_s", tokens_per_s}, {"step_time_s", step_seconds}};
+    if (strategy_) {
+      record["comm_wait_s"] = comm.wait_seconds;
+      record["comm_bytes"] = comm.bytes;
+    }
+    session.metrics.write("step", record);
     session.progress.update(state_.step_in_epoch - 1, loss, last_lr_, tokens_per_s);
     WEFT_CHECK(std::isfinite(loss), "loss became {} at step {}; lower train.lr or check the data",
                loss, state_.global_step);
@@ -423,6 +434,14 @@ TrainResult Trainer::finish_run(Session& session) {
                             {"peak_rss_mib", result.peak_rss_mib},
                             {"early_stopped", result.early_stopped},
                             {"interrupted", result.interrupted}};
+  if (strategy_ && session.seconds > 0) {
+    const double steps = static_cast<double>(std::max<size_t>(result.step_losses.size(), 1));
+    summary["comm_wait_fraction"] = session.comm_wait_seconds / session.seconds;
+    summary["comm_bytes_per_step"] = static_cast<double>(session.comm_bytes) / steps;
+    spdlog::info("communication: waiting {:.1f}% of step time ({:.3f} s per step), {:.2f} MB per step (rank {})",
+                 100.0 * session.comm_wait_seconds / session.seconds, session.comm_wait_seconds / steps,
+                 session.comm_bytes / steps / 1e6, context_.rank);
+  }
   if (result.final_eval) {
     summary["eval_loss"] = result.final_eval->loss;
     summary["perplexity"] = result.final_eval->perplexity;

@@ -90,6 +90,33 @@ void expect_parity(const std::string& name, int nproc, const std::string& extra,
 }
 
 TEST(Ddp, TwoRanksMatchOneProcess) { expect_parity("r2", 2, "", "model.safetensors"); }
+
+TEST(Ddp, HostMeasuresTheStepsCommunication) {
+  const auto dir = fresh_dir("comm");
+  const auto corpus = write_corpus(dir);
+  const auto run = train(dir, "ddp", corpus, 2, "--set train.max_steps=3");
+  auto weights = weft::SafetensorsFile::open(run + "/final/model.safetensors");
+  int64_t parameters = 0;
+  for (const auto& info : weights->tensors()) parameters += weights->load(info.name).numel();
+  // Per step: every fp32 gradient all-reduced once, plus the step's loss (one double).
+  std::ifstream in(run + "/metrics.jsonl");
+  std::string line;
+  int steps = 0;
+  while (std::getline(in, line)) {
+    const auto j = nlohmann::json::parse(line);
+    if (j["type"] == "step") {
+      ++steps;
+      EXPECT_EQ(j["comm_bytes"].get<int64_t>(), 4 * parameters + 8) << line;
+      EXPECT_GE(j["comm_wait_s"].get<double>(), 0.0) << line;
+      EXPECT_LT(j["comm_wait_s"].get<double>(), j["step_time_s"].get<double>()) << line;
+    } else if (j["type"] == "summary") {
+      EXPECT_EQ(j["comm_bytes_per_step"].get<double>(), static_cast<double>(4 * parameters + 8)) << line;
+      EXPECT_GT(j["comm_wait_fraction"].get<double>(), 0.0) << line;
+      EXPECT_LT(j["comm_wait_fraction"].get<double>(), 1.0) << line;
+    }
+  }
+  EXPECT_EQ(steps, 3);
+}
 TEST(Ddp, ThreeRanksMatchOneProcess) { expect_parity("r3", 3, "", "model.safetensors"); }
 TEST(Ddp, GradientAccumulationMatchesOneProcess) {
   expect_parity("accum", 2, "--set train.grad_accum_steps=2", "model.safetensors");

@@ -1,0 +1,111 @@
+// partition.cpp - explicit and cost-balanced pipeline partitions.
+#include "partition.hpp"
+
+#include <algorithm>
+#include <limits>
+#include <stdexcept>
+
+namespace weft {
+namespace pipeline {
+
+Partition partition_from_balance(const std::vector<int64_t>& balance, int64_t num_layers) {
+  if (balance.empty()) throw std::invalid_argument("balance is empty");
+  Partition bounds{0};
+  int64_t blocks = 0;
+  for (size_t p = 0; p < balance.size(); ++p) {
+    if (balance[p] < 1) {
+      throw std::invalid_argument("balance[" + std::to_string(p) + "] = " + std::to_string(balance[p]) +
+                                  ": every stage needs at least one decoder layer");
+    }
+    blocks += balance[p];
+    bounds.push_back(1 + blocks);  // model stage of the first block of the next pipeline stage
+  }
+  if (blocks != num_layers) {
+    throw std::invalid_argument("balance sums to " + std::to_string(blocks) + " layers but the model has " +
+                                std::to_string(num_layers));
+  }
+  bounds.back() = num_layers + 2;  // the last pipeline stage also holds the norm and head
+  return bounds;
+}
+
+Partition balanced_partition(const std::vector<double>& costs, int32_t stages) {
+  const int64_t n = static_cast<int64_t>(costs.size());
+  const int64_t layers = n - 2;
+  if (n < 3) throw std::invalid_argument("a model needs an embedding, at least one layer and a head");
+  if (stages < 1) throw std::invalid_argument("a pipeline needs at least 1 stage");
+  if (stages > layers) {
+    throw std::invalid_argument(std::to_string(stages) + " pipeline stages need at least as many decoder layers, the model has " +
+                                std::to_string(layers));
+  }
+  for (double c : costs) {
+    if (c < 0) throw std::invalid_argument("a stage cost is negative");
+  }
+  // prefix[i] = cost of model stages [0, i).
+  std::vector<double> prefix(n + 1, 0.0);
+  for (int64_t i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + costs[i];
+  // Pipeline stage boundaries are model stages b_1 < ... < b_{S-1} in [2, n - 1] (each stage keeps
+  // at least one block). best[k][b] = the smallest possible max cost of the first k stages when
+  // they cover model stages [0, b); choice[k][b] = the start of the k-th stage.
+  const double inf = std::numeric_limits<double>::infinity();
+  std::vector<std::vector<double>> best(stages + 1, std::vector<double>(n + 1, inf));
+  std::vector<std::vector<int64_t>> choice(stages + 1, std::vector<int64_t>(n + 1, -1));
+  best[0][0] = 0.0;
+  for (int32_t k = 1; k <= stages; ++k) {
+    for (int64_t b = 1; b <= n; ++b) {
+      const bool last = k == stages;
+      if (last != (b == n)) continue;            // only the last stage reaches the head
+      if (!last && (b < 2 || b > n - 1)) continue;
+      for (int64_t a = (k == 1 ? 0 : 2); a < b; ++a) {
+        if ((k == 1) != (a == 0) || best[k - 1][a] == inf) continue;
+        const int64_t blocks = std::min(b, n - 1) - std::max<int64_t>(a, 1);
+        if (blocks < 1) continue;
+        const double cost = std::max(best[k - 1][a], prefix[b] - prefix[a]);
+        if (cost < best[k][b]) {
+          best[k][b] = cost;
+          choice[k][b] = a;
+        }
+      }
+    }
+  }
+  Partition bounds(stages + 1, 0);
+  bounds[stages] = n;
+  for (int32_t k = stages; k >= 1; --k) bounds[k - 1] = choice[k][bounds[k]];
+  return bounds;
+}
+
+std::vector<int64_t> balance_of(const Partition& partition) {
+  std::vector<int64_t> balance;
+  const int64_t n = partition.back();
+  for (size_t p = 0; p + 1 < partition.size(); ++p) {
+    balance.push_back(std::min(partition[p + 1], n - 1) - std::max<int64_t>(partition[p], 1));
+  }
+  return balance;
+}
+
+std::vector<double> stage_costs(const Partition& partition, const std::vector<double>& costs) {
+  std::vector<double> out;
+  for (size_t p = 0; p + 1 < partition.size(); ++p) {
+    double sum = 0.0;
+    for (int64_t i = partition[p]; i < partition[p + 1]; ++i) sum += costs[static_cast<size_t>(i)];
+    out.push_back(sum);
+  }
+  return out;
+}
+
+std::string describe(const Partition& partition) {
+  const int64_t n = partition.back();
+  std::string out = "[";
+  for (size_t p = 0; p + 1 < partition.size(); ++p) {
+    const int64_t first_block = std::max<int64_t>(partition[p], 1) - 1;
+    const int64_t last_block = std::min(partition[p + 1], n - 1) - 2;
+    if (p > 0) out += " | ";
+    if (partition[p] == 0) out += "embed + ";
+    out += first_block == last_block ? "layer " + std::to_string(first_block)
+                                     : "layers " + std::to_string(first_block) + "-" + std::to_string(last_block);
+    if (partition[p + 1] == n) out += " + head";
+  }
+  return out + "]";
+}
+
+}  // namespace pipeline
+}  // namespace weft

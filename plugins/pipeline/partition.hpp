@@ -1,0 +1,44 @@
+// partition.hpp - which model stages each pipeline stage holds.
+//
+// The host's model is a sequence of N = L + 2 model stages: 0 the embedding, 1..L the decoder
+// blocks, L + 1 the final norm and LM head (the loss is computed there too). A pipeline of S
+// stages splits the decoder blocks into S contiguous, non-empty groups; pipeline stage 0 also
+// holds the embedding and stage S - 1 the norm and head.
+#ifndef WEFT_PLUGINS_PIPELINE_PARTITION_HPP
+#define WEFT_PLUGINS_PIPELINE_PARTITION_HPP
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace weft {
+namespace pipeline {
+
+// Pipeline stage p holds model stages [bounds[p], bounds[p + 1]); bounds.front() == 0 and
+// bounds.back() == N.
+using Partition = std::vector<int64_t>;
+
+// From explicit decoder blocks per pipeline stage (`balance`, each >= 1, summing to
+// `num_layers`). Throws std::invalid_argument naming the problem.
+Partition partition_from_balance(const std::vector<int64_t>& balance, int64_t num_layers);
+
+// The split of the decoder blocks into `stages` groups that minimises the largest stage cost,
+// where `costs` has one entry per model stage (N = num_layers + 2 entries: embedding, blocks,
+// head) and a pipeline stage costs the sum of its model stages. Exact (dynamic programming);
+// ties go to the split with the earliest boundaries. Throws std::invalid_argument if
+// stages < 1, stages > num_layers or a cost is negative.
+Partition balanced_partition(const std::vector<double>& costs, int32_t stages);
+
+// The decoder blocks per pipeline stage of `partition` (the inverse of partition_from_balance).
+std::vector<int64_t> balance_of(const Partition& partition);
+
+// The cost of each pipeline stage under `partition`.
+std::vector<double> stage_costs(const Partition& partition, const std::vector<double>& costs);
+
+// "[embed + blocks 0-2 | blocks 3-5 + head]".
+std::string describe(const Partition& partition);
+
+}  // namespace pipeline
+}  // namespace weft
+
+#endif  // WEFT_PLUGINS_PIPELINE_PARTITION_HPP

@@ -1,0 +1,156 @@
+// schedule.cpp - the GPipe, 1F1B and forward-only schedule generators.
+//
+// Each generator first decides a stage's compute order (forwards and backwards), then adds the
+// transfers around it: a send right after the compute that produced the data, and each receive
+// one compute action before the compute that consumes it, so that the transfer overlaps that
+// earlier compute (the very first receive goes first).
+#include "schedule.hpp"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace weft {
+namespace pipeline {
+namespace {
+
+struct Compute {
+  bool forward;
+  int32_t micro_batch;
+};
+
+// The receive that `compute` on `stage` needs first, if any.
+bool needs_receive(const Compute& compute, int32_t stage, int32_t stages, Action* receive) {
+  if (compute.forward && stage > 0) {
+    *receive = {ActionKind::kRecvActivation, compute.micro_batch};
+    return true;
+  }
+  if (!compute.forward && stage < stages - 1) {
+    *receive = {ActionKind::kRecvGradient, compute.micro_batch};
+    return true;
+  }
+  return false;
+}
+
+// The send that follows `compute` on `stage`, if any.
+bool makes_send(const Compute& compute, int32_t stage, int32_t stages, Action* send) {
+  if (compute.forward && stage < stages - 1) {
+    *send = {ActionKind::kSendActivation, compute.micro_batch};
+    return true;
+  }
+  if (!compute.forward && stage > 0) {
+    *send = {ActionKind::kSendGradient, compute.micro_batch};
+    return true;
+  }
+  return false;
+}
+
+// Compute order -> full action list (receives posted one compute early, sends right after).
+std::vector<Action> with_transfers(const std::vector<Compute>& order, int32_t stage, int32_t stages,
+                                   bool optimizer_step) {
+  std::vector<Action> actions;
+  Action transfer{ActionKind::kOptimizerStep, -1};
+  if (!order.empty() && needs_receive(order[0], stage, stages, &transfer)) actions.push_back(transfer);
+  for (size_t i = 0; i < order.size(); ++i) {
+    if (i + 1 < order.size() && needs_receive(order[i + 1], stage, stages, &transfer)) {
+      actions.push_back(transfer);
+    }
+    actions.push_back({order[i].forward ? ActionKind::kForward : ActionKind::kBackward, order[i].micro_batch});
+    if (makes_send(order[i], stage, stages, &transfer)) actions.push_back(transfer);
+  }
+  if (optimizer_step) actions.push_back({ActionKind::kOptimizerStep, -1});
+  return actions;
+}
+
+void check_shape(int32_t stages, int32_t micro_batches) {
+  if (stages < 1) throw std::invalid_argument("a pipeline needs at least 1 stage, got " + std::to_string(stages));
+  if (micro_batches < 1) {
+    throw std::invalid_argument("a pipeline needs at least 1 micro-batch, got " + std::to_string(micro_batches));
+  }
+}
+
+Schedule empty_schedule(const std::string& name, int32_t stages, int32_t micro_batches) {
+  check_shape(stages, micro_batches);
+  Schedule s;
+  s.name = name;
+  s.stages = stages;
+  s.micro_batches = micro_batches;
+  s.actions.resize(static_cast<size_t>(stages));
+  return s;
+}
+
+}  // namespace
+
+Schedule gpipe_schedule(int32_t stages, int32_t micro_batches) {
+  Schedule s = empty_schedule("gpipe", stages, micro_batches);
+  s.max_in_flight = micro_batches;
+  for (int32_t p = 0; p < stages; ++p) {
+    std::vector<Compute> order;
+    for (int32_t m = 0; m < micro_batches; ++m) order.push_back({true, m});
+    for (int32_t m = micro_batches - 1; m >= 0; --m) order.push_back({false, m});
+    s.actions[p] = with_transfers(order, p, stages, true);
+  }
+  return s;
+}
+
+Schedule one_f_one_b_schedule(int32_t stages, int32_t micro_batches) {
+  Schedule s = empty_schedule("1f1b", stages, micro_batches);
+  s.max_in_flight = std::min(stages, micro_batches);
+  for (int32_t p = 0; p < stages; ++p) {
+    const int32_t warmup = std::min(stages - p - 1, micro_batches);
+    std::vector<Compute> order;
+    for (int32_t m = 0; m < warmup; ++m) order.push_back({true, m});
+    for (int32_t i = 0; i < micro_batches - warmup; ++i) {
+      order.push_back({true, warmup + i});
+      order.push_back({false, i});
+    }
+    for (int32_t m = micro_batches - warmup; m < micro_batches; ++m) order.push_back({false, m});
+    s.actions[p] = with_transfers(order, p, stages, true);
+  }
+  return s;
+}
+
+Schedule forward_only_schedule(int32_t stages, int32_t micro_batches) {
+  Schedule s = empty_schedule("forward", stages, micro_batches);
+  s.trains = false;
+  s.max_in_flight = 1;
+  for (int32_t p = 0; p < stages; ++p) {
+    std::vector<Compute> order;
+    for (int32_t m = 0; m < micro_batches; ++m) order.push_back({true, m});
+    s.actions[p] = with_transfers(order, p, stages, false);
+  }
+  return s;
+}
+
+Schedule make_schedule(const std::string& name, int32_t stages, int32_t micro_batches) {
+  if (name == "gpipe") return gpipe_schedule(stages, micro_batches);
+  if (name == "1f1b") return one_f_one_b_schedule(stages, micro_batches);
+  if (name == "forward") return forward_only_schedule(stages, micro_batches);
+  throw std::invalid_argument("unknown pipeline schedule '" + name + "' (known: gpipe, 1f1b, forward)");
+}
+
+std::string to_string(const Action& action) {
+  const std::string m = std::to_string(action.micro_batch);
+  switch (action.kind) {
+    case ActionKind::kRecvActivation: return "rA" + m;
+    case ActionKind::kForward: return "F" + m;
+    case ActionKind::kSendActivation: return "sA" + m;
+    case ActionKind::kRecvGradient: return "rG" + m;
+    case ActionKind::kBackward: return "B" + m;
+    case ActionKind::kSendGradient: return "sG" + m;
+    case ActionKind::kOptimizerStep: return "step";
+  }
+  return "?";
+}
+
+std::string to_string(const Schedule& schedule) {
+  std::string out;
+  for (size_t p = 0; p < schedule.actions.size(); ++p) {
+    out += "stage " + std::to_string(p) + ":";
+    for (const Action& a : schedule.actions[p]) out += " " + to_string(a);
+    out += "\n";
+  }
+  return out;
+}
+
+}  // namespace pipeline
+}  // namespace weft

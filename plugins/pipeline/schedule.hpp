@@ -1,0 +1,81 @@
+// schedule.hpp - pipeline schedules as data.
+//
+// A schedule is, for each pipeline stage (one rank of the pipeline), the ordered list of actions
+// that rank performs in one training step over M micro-batches. It is produced by a pure
+// function of (stages, micro-batches), checked by the verifier (verify.hpp) before it runs, and
+// executed action by action (executor.hpp). New schedules (interleaved 1F1B, zero-bubble) are
+// new generator functions; the verifier and the executor do not change.
+//
+// Conventions:
+//  - Pipeline stage p receives activations from p - 1 and gradients from p + 1.
+//  - RECV_* actions post an asynchronous receive; the matching FORWARD/BACKWARD waits for it.
+//    Because receives are posted ahead (the executor posts every receive as early as it may),
+//    the position of a RECV in the list is where it is posted, not where it completes.
+//  - SEND_* actions start an asynchronous send; the executor waits for sends before the
+//    optimizer step (and before reusing a buffer), never in between.
+//  - Every stage ends with OPTIMIZER_STEP (the flush): the synchronous schedules here update the
+//    weights once per step, after every micro-batch's backward.
+#ifndef WEFT_PLUGINS_PIPELINE_SCHEDULE_HPP
+#define WEFT_PLUGINS_PIPELINE_SCHEDULE_HPP
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace weft {
+namespace pipeline {
+
+enum class ActionKind {
+  kRecvActivation,  // from stage - 1: the input of FORWARD(micro_batch)
+  kForward,         // run this stage's layers on micro_batch (the loss too on the last stage)
+  kSendActivation,  // to stage + 1: the output of FORWARD(micro_batch)
+  kRecvGradient,    // from stage + 1: the gradient of this stage's output for micro_batch
+  kBackward,        // back-propagate micro_batch through this stage's layers
+  kSendGradient,    // to stage - 1: the gradient of this stage's input for micro_batch
+  kOptimizerStep,   // end of the step (gradients complete on this stage)
+};
+
+struct Action {
+  ActionKind kind;
+  int32_t micro_batch;  // -1 for kOptimizerStep
+  bool operator==(const Action& other) const {
+    return kind == other.kind && micro_batch == other.micro_batch;
+  }
+};
+
+// One step of a pipeline with `stages` stages and `micro_batches` micro-batches.
+struct Schedule {
+  std::string name;                       // e.g. "gpipe", "1f1b"
+  int32_t stages = 0;
+  int32_t micro_batches = 0;
+  bool trains = true;  // false: forward only (evaluation): no backward, no optimizer step
+  // The most micro-batches whose forward has run but whose backward has not, on any stage, that
+  // the schedule promises (GPipe: M; 1F1B: min(stages, M)). The verifier enforces it.
+  int32_t max_in_flight = 0;
+  std::vector<std::vector<Action>> actions;  // [stage] -> that stage's actions in order
+};
+
+// GPipe (fill-drain): all forwards, then all backwards in reverse micro-batch order.
+Schedule gpipe_schedule(int32_t stages, int32_t micro_batches);
+
+// 1F1B with a flush (PipeDream-Flush / DAPPLE): stage p runs min(stages - p - 1, M) warm-up
+// forwards, then alternates one forward and one backward, then drains the remaining backwards.
+// Same gradients as GPipe; at most min(stages - p, M) micro-batches in flight on stage p.
+Schedule one_f_one_b_schedule(int32_t stages, int32_t micro_batches);
+
+// Forward-only (evaluation): every stage forwards every micro-batch in order; no backward.
+Schedule forward_only_schedule(int32_t stages, int32_t micro_batches);
+
+// The schedule called `name` ("gpipe", "1f1b", "forward"); throws std::invalid_argument for
+// another name or stages < 1 or micro_batches < 1.
+Schedule make_schedule(const std::string& name, int32_t stages, int32_t micro_batches);
+
+// "F3", "B0", "rA2" (receive activation), "sA2", "rG1", "sG1", "step".
+std::string to_string(const Action& action);
+// One line per stage: "stage 0: F0 sA0 F1 sA1 ... step".
+std::string to_string(const Schedule& schedule);
+
+}  // namespace pipeline
+}  // namespace weft
+
+#endif  // WEFT_PLUGINS_PIPELINE_SCHEDULE_HPP

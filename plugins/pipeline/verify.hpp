@@ -1,0 +1,54 @@
+// verify.hpp - checks a pipeline schedule before it runs, by simulating it.
+//
+// The verifier proves, for one concrete (stages, micro-batches) schedule:
+//  1. Shape: one action list per stage; transfers only towards stages that exist.
+//  2. Completeness: on every stage every micro-batch is forwarded exactly once and (when the
+//     schedule trains) back-propagated exactly once, after its forward; the optimizer step is
+//     the last action, once.
+//  3. Matching: every send has exactly one matching receive on the neighbouring stage (same
+//     kind, same micro-batch) and vice versa; each receive is posted before the compute that
+//     consumes it, and each send follows the compute that produces its data.
+//  4. Progress: a dataflow simulation where sends never block and a compute waits for the data
+//     of its receive runs every stage to its end (no rank waits forever); a stall is reported
+//     with what each stuck stage waits for.
+//  5. Memory: the number of micro-batches forwarded but not yet back-propagated on a stage never
+//     exceeds Schedule::max_in_flight.
+// The same simulation, with per-action costs, yields the schedule's makespan and bubble.
+#ifndef WEFT_PLUGINS_PIPELINE_VERIFY_HPP
+#define WEFT_PLUGINS_PIPELINE_VERIFY_HPP
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "schedule.hpp"
+
+namespace weft {
+namespace pipeline {
+
+// Simulated durations (arbitrary units). The default is the textbook model: backward = 2x
+// forward, free transfers.
+struct CostModel {
+  double forward = 1.0;
+  double backward = 2.0;
+  double transfer = 0.0;  // latency from a send to the data being usable by the receiver
+};
+
+struct Verification {
+  bool ok = false;
+  std::string error;                    // the first problem found (empty when ok)
+  std::vector<int32_t> peak_in_flight;  // per stage
+  double makespan = 0.0;                // simulated time of the whole step
+  // Idle share of the stages over the makespan: 1 - sum(busy) / (stages * makespan).
+  double bubble = 0.0;
+};
+
+Verification verify(const Schedule& schedule, const CostModel& costs = {});
+
+// GPipe's bubble for uniform stages and free transfers: (S - 1) / (M + S - 1).
+double gpipe_bubble_formula(int32_t stages, int32_t micro_batches);
+
+}  // namespace pipeline
+}  // namespace weft
+
+#endif  // WEFT_PLUGINS_PIPELINE_VERIFY_HPP

@@ -1,0 +1,173 @@
+// Pipeline schedules as data (plugins/pipeline): the generators, the verifier on every
+// (stages, micro-batches) in 1..8 x 1..32, the verifier catching broken schedules, and the
+// simulated bubble against GPipe's formula.
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "schedule.hpp"
+#include "verify.hpp"
+
+namespace {
+
+using weft::pipeline::Action;
+using weft::pipeline::ActionKind;
+using weft::pipeline::Schedule;
+
+std::vector<std::string> names(const std::vector<Action>& actions) {
+  std::vector<std::string> out;
+  for (const Action& a : actions) out.push_back(weft::pipeline::to_string(a));
+  return out;
+}
+
+TEST(Schedule, GpipeTwoStagesTwoMicroBatches) {
+  const Schedule s = weft::pipeline::gpipe_schedule(2, 2);
+  EXPECT_EQ(names(s.actions[0]),
+            (std::vector<std::string>{"F0", "sA0", "rG1", "F1", "sA1", "rG0", "B1", "B0", "step"}));
+  EXPECT_EQ(names(s.actions[1]),
+            (std::vector<std::string>{"rA0", "rA1", "F0", "F1", "B1", "sG1", "B0", "sG0", "step"}));
+  EXPECT_EQ(s.max_in_flight, 2);
+}
+
+TEST(Schedule, OneFOneBAlternatesAfterWarmUp) {
+  const Schedule s = weft::pipeline::one_f_one_b_schedule(3, 4);
+  // Stage 0 warms up with stages - 1 = 2 forwards, then alternates, then drains.
+  std::vector<std::string> compute;
+  for (const auto& n : names(s.actions[0])) {
+    if (n[0] == 'F' || n[0] == 'B') compute.push_back(n);
+  }
+  EXPECT_EQ(compute, (std::vector<std::string>{"F0", "F1", "F2", "B0", "F3", "B1", "B2", "B3"}));
+  // The last stage does one forward then its backward right away.
+  compute.clear();
+  for (const auto& n : names(s.actions[2])) {
+    if (n[0] == 'F' || n[0] == 'B') compute.push_back(n);
+  }
+  EXPECT_EQ(compute, (std::vector<std::string>{"F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"}));
+  EXPECT_EQ(s.max_in_flight, 3);
+}
+
+TEST(Verifier, AcceptsEveryShippedScheduleFor1To8StagesAnd1To32MicroBatches) {
+  for (const std::string name : {"gpipe", "1f1b", "forward"}) {
+    for (int32_t stages = 1; stages <= 8; ++stages) {
+      for (int32_t m = 1; m <= 32; ++m) {
+        const Schedule s = weft::pipeline::make_schedule(name, stages, m);
+        const auto v = weft::pipeline::verify(s);
+        ASSERT_TRUE(v.ok) << name << " S=" << stages << " M=" << m << ": " << v.error << "\n"
+                          << weft::pipeline::to_string(s);
+        const int32_t peak = *std::max_element(v.peak_in_flight.begin(), v.peak_in_flight.end());
+        if (name == "gpipe") {
+          EXPECT_EQ(peak, m) << "S=" << stages << " M=" << m;
+        } else if (name == "1f1b") {
+          EXPECT_EQ(peak, std::min(stages, m)) << "S=" << stages << " M=" << m;
+          for (int32_t p = 0; p < stages; ++p) EXPECT_EQ(v.peak_in_flight[p], std::min(stages - p, m));
+        }
+      }
+    }
+  }
+}
+
+TEST(Verifier, SimulatedBubbleOfGpipeAnd1F1BIsTheFormula) {
+  for (int32_t stages = 1; stages <= 8; ++stages) {
+    for (int32_t m = 1; m <= 32; ++m) {
+      const double formula = weft::pipeline::gpipe_bubble_formula(stages, m);
+      for (const std::string name : {"gpipe", "1f1b"}) {
+        const auto v = weft::pipeline::verify(weft::pipeline::make_schedule(name, stages, m));
+        ASSERT_TRUE(v.ok) << v.error;
+        EXPECT_NEAR(v.bubble, formula, 1e-12) << name << " S=" << stages << " M=" << m;
+        EXPECT_NEAR(v.makespan, 3.0 * (m + stages - 1), 1e-9) << name << " S=" << stages << " M=" << m;
+      }
+    }
+  }
+}
+
+// Returns `s` with the first action equal to `target` on `stage` removed.
+Schedule without(Schedule s, int32_t stage, Action target) {
+  auto& list = s.actions[stage];
+  list.erase(std::find(list.begin(), list.end(), target));
+  return s;
+}
+
+TEST(Verifier, CatchesAMissingReceive) {
+  const auto v = weft::pipeline::verify(without(weft::pipeline::gpipe_schedule(2, 2), 1, {ActionKind::kRecvActivation, 1}));
+  EXPECT_FALSE(v.ok);
+  EXPECT_NE(v.error.find("stage 1 rA1 is missing"), std::string::npos) << v.error;
+}
+
+TEST(Verifier, CatchesAMissingSend) {
+  // Stage 1 drops its gradient send for micro-batch 0: stage 0's backward of micro-batch 0
+  // would wait for it forever.
+  const Schedule s = without(weft::pipeline::gpipe_schedule(3, 2), 1, {ActionKind::kSendGradient, 0});
+  const auto v = weft::pipeline::verify(s);
+  EXPECT_FALSE(v.ok);
+  EXPECT_NE(v.error.find("stage 1 sG0 is missing"), std::string::npos) << v.error;
+}
+
+TEST(Verifier, CatchesAMissingBackward) {
+  const auto v = weft::pipeline::verify(without(weft::pipeline::one_f_one_b_schedule(2, 3), 0, {ActionKind::kBackward, 2}));
+  EXPECT_FALSE(v.ok);
+  EXPECT_NE(v.error.find("stage 0 B2 is missing"), std::string::npos) << v.error;
+}
+
+TEST(Verifier, CatchesBackwardBeforeForward) {
+  Schedule s = weft::pipeline::gpipe_schedule(1, 2);  // F0 F1 B1 B0 step
+  std::swap(s.actions[0][0], s.actions[0][3]);        // B0 F1 B1 F0 step
+  const auto v = weft::pipeline::verify(s);
+  EXPECT_FALSE(v.ok);
+  EXPECT_NE(v.error.find("B0 comes before its forward"), std::string::npos) << v.error;
+}
+
+TEST(Verifier, CatchesADeadlock) {
+  // Two stages, each waiting for the other: stage 1 does B0 (needing nothing) only after its
+  // F1, but stage 0 sends A1 only after receiving G0.
+  Schedule s;
+  s.name = "broken";
+  s.stages = 2;
+  s.micro_batches = 2;
+  s.max_in_flight = 2;
+  using K = ActionKind;
+  s.actions = {
+      {{K::kForward, 0}, {K::kSendActivation, 0}, {K::kRecvGradient, 0}, {K::kBackward, 0},
+       {K::kForward, 1}, {K::kSendActivation, 1}, {K::kRecvGradient, 1}, {K::kBackward, 1}, {K::kOptimizerStep, -1}},
+      {{K::kRecvActivation, 0}, {K::kRecvActivation, 1}, {K::kForward, 0}, {K::kForward, 1}, {K::kBackward, 0},
+       {K::kSendGradient, 0}, {K::kBackward, 1}, {K::kSendGradient, 1}, {K::kOptimizerStep, -1}},
+  };
+  const auto v = weft::pipeline::verify(s);
+  EXPECT_FALSE(v.ok);
+  EXPECT_NE(v.error.find("deadlock"), std::string::npos) << v.error;
+  EXPECT_NE(v.error.find("stage 0 B0 waits forever"), std::string::npos) << v.error;
+  EXPECT_NE(v.error.find("stage 1 F1 waits forever"), std::string::npos) << v.error;
+}
+
+TEST(Verifier, CatchesMoreInFlightThanTheBound) {
+  Schedule s = weft::pipeline::gpipe_schedule(2, 4);
+  s.max_in_flight = 2;  // GPipe holds all 4
+  const auto v = weft::pipeline::verify(s);
+  EXPECT_FALSE(v.ok);
+  EXPECT_NE(v.error.find("3 micro-batches in flight, above the schedule's bound of 2"), std::string::npos) << v.error;
+}
+
+TEST(Verifier, CatchesAReceivePostedAfterItsConsumer) {
+  Schedule s = weft::pipeline::gpipe_schedule(2, 1);  // stage 1: rA0 F0 B0 sG0 step
+  std::swap(s.actions[1][0], s.actions[1][1]);
+  const auto v = weft::pipeline::verify(s);
+  EXPECT_FALSE(v.ok);
+  EXPECT_NE(v.error.find("stage 1 rA0 is posted after F0"), std::string::npos) << v.error;
+}
+
+TEST(Verifier, CatchesTransfersToStagesThatDoNotExist) {
+  Schedule s = weft::pipeline::gpipe_schedule(2, 1);
+  s.actions[0].insert(s.actions[0].begin(), Action{ActionKind::kRecvActivation, 0});
+  const auto v = weft::pipeline::verify(s);
+  EXPECT_FALSE(v.ok);
+  EXPECT_NE(v.error.find("there is no stage -1"), std::string::npos) << v.error;
+}
+
+TEST(Schedule, RefusesImpossibleShapesAndNames) {
+  EXPECT_THROW(weft::pipeline::make_schedule("gpipe", 0, 4), std::invalid_argument);
+  EXPECT_THROW(weft::pipeline::make_schedule("1f1b", 2, 0), std::invalid_argument);
+  EXPECT_THROW(weft::pipeline::make_schedule("zb", 2, 2), std::invalid_argument);
+}
+
+}  // namespace

@@ -50,7 +50,9 @@ po::options_description describe_options() {
        "override a configuration key: --set train.lr=1e-4 (repeatable; applied after the file)")
       ("nproc", po::value<int>(),
        "run N local ranks of this command (TCPStore on 127.0.0.1); under torchrun or Slurm leave it out")
-      ("log-level", po::value<std::string>(), "trace, debug, info, warn or error (default: log.level)");
+      ("log-level", po::value<std::string>(), "trace, debug, info, warn or error (default: log.level)")
+      ("trace", po::value<std::string>(),
+       "write a Chrome/Perfetto trace of the run to FILE (FILE.rank<r>.json per rank; same as --set log.trace=FILE)");
   return options;
 }
 
@@ -72,6 +74,7 @@ CommandLine parse_command_line(int argc, char** argv) {
     cli.plugin = vm["plugin"].as<std::string>();
     cli.overrides.insert(cli.overrides.begin(), "train.plugin=" + cli.plugin);
   }
+  if (vm.count("trace")) cli.overrides.push_back("log.trace=" + vm["trace"].as<std::string>());
   if (vm.count("log-level")) cli.log_level = vm["log-level"].as<std::string>();
   if (vm.count("nproc")) cli.nproc = vm["nproc"].as<int>();
   return cli;

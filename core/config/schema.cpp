@@ -148,6 +148,9 @@ const std::vector<SchemaEntry>& config_schema() {
                  {"auto", "bar", "lines", "off"}),
       int_key("log.every_steps", 10, "Log training metrics every N optimizer steps.", 1),
       string_key("log.metrics_file", "", "JSONL metrics file; empty = <out_dir>/metrics.jsonl."),
+      string_key("log.trace", "",
+                 "Chrome/Perfetto trace file (open in ui.perfetto.dev or chrome://tracing); ranks of "
+                 "a multi-process run write FILE.rank<r>.json; empty = off. Also --trace FILE."),
   };
   return schema;
 }

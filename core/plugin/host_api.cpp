@@ -1,7 +1,10 @@
 #include "core/plugin/host_api.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -17,6 +20,7 @@
 #include "core/plugin/process_groups.h"
 #include "core/plugin/status.h"
 #include "core/util/error.h"
+#include "core/util/trace.h"
 
 // The C handle types of the ABI, defined by the host.
 struct weft_host {
@@ -65,6 +69,11 @@ struct PluginHost::State {
   // from the autograd thread, hence the lock).
   std::mutex comm_mutex;
   PluginHost::CommStats comm;
+  // The model's shape (from set_model_info, before the model is built).
+  bool has_model_info = false;
+  weft_model_info model_info{};
+  // Values the plugin reported for the current step (report_metric).
+  std::map<std::string, double> step_metrics;
 };
 
 namespace {
@@ -364,6 +373,10 @@ weft_status* work_wait(weft_host* host, weft_work* work) {
     try {
       work->work->wait();
       add_wait_time(host, start);
+      if (Tracer::instance().enabled()) {
+        Tracer::instance().complete("wait", "wait " + work->operation, start,
+                                    std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      }
     } catch (const std::exception& e) {
       const std::string what = e.what();
       const bool timeout = what.find("imeout") != std::string::npos || what.find("imed out") != std::string::npos;
@@ -586,6 +599,50 @@ weft_status* activation_from_tensor(weft_host*, const DLTensor* data, int32_t re
 
 void activation_release(weft_host*, weft_activation* activation) { delete activation; }
 
+// --- since 1.1 ---------------------------------------------------------------------------
+
+weft_status* model_info(weft_host* host, weft_model_info* out) {
+  return guarded([&] {
+    WEFT_CHECK(out != nullptr, "model_info: null output");
+    auto& s = state_of(host);
+    WEFT_CHECK(s.has_model_info, "model_info: the model's shape is known from plan on, not in create");
+    WEFT_CHECK(out->struct_size >= offsetof(weft_model_info, num_layers),
+               "model_info: out->struct_size ({}) must be set to sizeof(weft_model_info)", out->struct_size);
+    const size_t size = std::min<size_t>(out->struct_size, sizeof(weft_model_info));
+    weft_model_info info = s.model_info;
+    info.struct_size = static_cast<uint32_t>(size);
+    std::memcpy(out, &info, size);
+  });
+}
+
+void trace_begin(weft_host*, const char* category, const char* name) {
+  if (!Tracer::instance().enabled()) return;
+  try {
+    Tracer::instance().begin(category ? category : "plugin", name ? name : "");
+  } catch (...) {
+  }
+}
+
+void trace_end(weft_host*) {
+  if (!Tracer::instance().enabled()) return;
+  try {
+    Tracer::instance().end();
+  } catch (...) {
+  }
+}
+
+weft_status* report_metric(weft_host* host, const char* name, double value) {
+  return guarded([&] {
+    WEFT_CHECK(name != nullptr && *name != '\0', "report_metric: empty name");
+    const std::string key(name);
+    for (char c : key) {
+      WEFT_CHECK((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_',
+                 "report_metric: name '{}' must be [a-z0-9_]+", key);
+    }
+    state_of(host).step_metrics[key] = value;
+  });
+}
+
 weft_host_api make_table() {
   weft_host_api t{};
   t.header = {static_cast<uint32_t>(sizeof(weft_host_api)), WEFT_ABI_VERSION_MAJOR, WEFT_ABI_VERSION_MINOR};
@@ -627,6 +684,10 @@ weft_host_api make_table() {
   t.activation_empty = activation_empty;
   t.activation_from_tensor = activation_from_tensor;
   t.activation_release = activation_release;
+  t.model_info = model_info;
+  t.trace_begin = trace_begin;
+  t.trace_end = trace_end;
+  t.report_metric = report_metric;
   return t;
 }
 
@@ -647,6 +708,28 @@ PluginHost::~PluginHost() = default;
 const weft_host_api* PluginHost::api() const { return &kHostApi; }
 
 weft_host* PluginHost::handle() { return &state_->handle; }
+
+void PluginHost::set_model_info(const ModelConfig& config, bool bf16) {
+  weft_model_info& i = state_->model_info;
+  i = weft_model_info{};
+  i.struct_size = sizeof(weft_model_info);
+  i.num_layers = static_cast<int32_t>(config.num_hidden_layers);
+  i.hidden_size = config.hidden_size;
+  i.intermediate_size = config.intermediate_size;
+  i.num_attention_heads = static_cast<int32_t>(config.num_attention_heads);
+  i.num_key_value_heads = static_cast<int32_t>(config.num_key_value_heads);
+  i.head_dim = config.head_dim;
+  i.vocab_size = config.vocab_size;
+  i.tie_word_embeddings = config.tie_word_embeddings ? 1 : 0;
+  i.compute_dtype = bf16 ? DLDataType{kDLBfloat, 16, 1} : DLDataType{kDLFloat, 32, 1};
+  state_->has_model_info = true;
+}
+
+std::map<std::string, double> PluginHost::take_step_metrics() {
+  std::map<std::string, double> taken;
+  taken.swap(state_->step_metrics);
+  return taken;
+}
 
 void PluginHost::set_model(LlamaForCausalLMImpl* model) {
   auto& s = *state_;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 
@@ -16,6 +17,7 @@ class BatchLoader;
 class EvalLoader;
 class LlamaForCausalLMImpl;
 class Communicator;
+struct ModelConfig;
 
 class PluginHost {
  public:
@@ -30,6 +32,8 @@ class PluginHost {
   const weft_host_api* api() const;
   weft_host* handle();
 
+  // The model's shape for model_info (before plan; bf16: the compute dtype).
+  void set_model_info(const ModelConfig& config, bool bf16);
   // The model the services refer to (after it is built). Enumerates the parameters it holds.
   void set_model(LlamaForCausalLMImpl* model);
   // The training step that batch() serves: micro-batch m of the step is global batch
@@ -50,6 +54,8 @@ class PluginHost {
     double wait_seconds = 0.0;
   };
   CommStats take_comm_stats();
+  // The values the plugin reported with report_metric since the last call (which clears them).
+  std::map<std::string, double> take_step_metrics();
   // Calls the registered grad-ready callback machinery's bookkeeping (tests).
   int64_t parameter_count() const;
 

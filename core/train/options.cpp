@@ -67,6 +67,7 @@ TrainOptions train_options_from_config(const Config& c) {
   o.progress = c.get_string("log.progress");
   o.log_every = c.get_int("log.every_steps");
   o.metrics_file = c.get_string("log.metrics_file");
+  o.trace_file = c.get_string("log.trace");
   if (o.metrics_file.empty()) o.metrics_file = o.out_dir + "/metrics.jsonl";
   return o;
 }

@@ -52,6 +52,7 @@ struct TrainOptions {
   std::string progress = "auto";
   int64_t log_every = 10;
   std::string metrics_file;
+  std::string trace_file;    // log.trace: Chrome trace of this run ("" = off)
 };
 
 TrainOptions train_options_from_config(const Config& config);

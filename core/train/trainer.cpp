@@ -12,6 +12,7 @@
 #include "core/model/weights.h"
 #include "core/train/interrupt.h"
 #include "core/train/optimizer.h"
+#include "core/util/trace.h"
 #include "core/util/error.h"
 
 namespace weft {
@@ -42,6 +43,9 @@ Trainer::Trainer(TrainOptions options, RunContext context)
   WEFT_CHECK(context_.world == 1 || !options_.plugin.empty(),
              "a run with {} processes needs a strategy plugin (e.g. --plugin ddp)", context_.world);
   if (!options_.plugin.empty()) start_strategy();
+  if (!options_.trace_file.empty()) {
+    Tracer::instance().enable(Tracer::rank_path(options_.trace_file, context_.rank, context_.world), context_.rank);
+  }
   build_model();
   build_data();
   build_optimizer();
@@ -115,6 +119,7 @@ void Trainer::build_model() {
   model_options.activation_checkpointing = options_.model.activation_checkpointing;
   const ModelConfig config = resolve_model_config();
   if (strategy_) {
+    strategy_->host().set_model_info(config, model_options.compute_dtype == torch::kBFloat16);
     const auto plan = strategy_->plan(config.num_hidden_layers + 2);
     model_options.stages = {plan.first_stage, plan.last_stage};
     data_parallel_rank_ = plan.data_parallel_rank;
@@ -223,6 +228,7 @@ double Trainer::train_step(int64_t epoch, int64_t step_in_epoch) {
 
 EvalResult Trainer::evaluate() {
   WEFT_CHECK(dataset_.heldout != nullptr, "no held-out split (data.heldout_fraction = 0)");
+  TraceSpan span("eval", "evaluation");
   const auto start = Clock::now();
   const int64_t batch = options_.eval_batch_size > 0 ? options_.eval_batch_size : options_.batch_size;
   EvalLoader loader(dataset_.heldout, batch, data_parallel_rank_, data_parallel_size_);
@@ -303,6 +309,7 @@ struct Trainer::Session {
   double seconds = 0.0;
   int64_t tokens = 0;
   int64_t tokens_per_step = 0;
+  std::map<std::string, std::pair<double, int64_t>> plugin_metric_sums;  // name -> (sum, steps)
   double comm_wait_seconds = 0.0;  // this rank's time blocked on the plugin's communication
   int64_t comm_bytes = 0;
   int64_t last_eval_step = -1;
@@ -338,9 +345,16 @@ bool Trainer::run_epoch_steps(Session& session) {
   session.progress.start_epoch(state_.epoch, options_.epochs, epoch_steps, state_.step_in_epoch);
   bool stop = false;
   while (!stop && state_.step_in_epoch < steps_per_epoch_ && state_.global_step < total_steps_) {
-    if (strategy_) strategy_->host().take_comm_stats();  // not the evaluation's or set-up's
+    if (strategy_) {  // not the evaluation's or set-up's
+      strategy_->host().take_comm_stats();
+      strategy_->host().take_step_metrics();
+    }
     const auto step_start = Clock::now();
-    const double loss = train_step(state_.epoch, state_.step_in_epoch);
+    double loss = 0.0;
+    {
+      TraceSpan span("step", fmt::format("step {}", state_.global_step + 1));
+      loss = train_step(state_.epoch, state_.step_in_epoch);
+    }
     const double step_seconds = seconds_since(step_start);
     const auto comm = strategy_ ? strategy_->host().take_comm_stats() : PluginHost::CommStats{};
     session.comm_wait_seconds += comm.wait_seconds;
@@ -359,6 +373,12 @@ bool Trainer::run_epoch_steps(Session& session) {
     if (strategy_) {
       record["comm_wait_s"] = comm.wait_seconds;
       record["comm_bytes"] = comm.bytes;
+      for (const auto& [name, value] : strategy_->host().take_step_metrics()) {
+        record["plugin." + name] = value;
+        auto& sum = session.plugin_metric_sums[name];
+        sum.first += value;
+        sum.second += 1;
+      }
     }
     session.metrics.write("step", record);
     session.progress.update(state_.step_in_epoch - 1, loss, last_lr_, tokens_per_s);
@@ -441,6 +461,12 @@ TrainResult Trainer::finish_run(Session& session) {
     spdlog::info("communication: waiting {:.1f}% of step time ({:.3f} s per step), {:.2f} MB per step (rank {})",
                  100.0 * session.comm_wait_seconds / session.seconds, session.comm_wait_seconds / steps,
                  session.comm_bytes / steps / 1e6, context_.rank);
+  }
+  for (const auto& [name, sum] : session.plugin_metric_sums) {
+    summary["plugin." + name] = sum.first / static_cast<double>(std::max<int64_t>(sum.second, 1));
+  }
+  if (const std::string trace = Tracer::instance().write(); !trace.empty()) {
+    spdlog::info("trace written to {}", trace);
   }
   if (result.final_eval) {
     summary["eval_loss"] = result.final_eval->loss;

@@ -159,6 +159,23 @@ void activation_release(weft_host* host, weft_activation* activation) {
   delete activation;
 }
 
+weft_status* model_info(weft_host* host, weft_model_info* out) {
+  if (out->struct_size < sizeof(weft_model_info)) return create_status(WEFT_STATUS_INVALID_ARGUMENT, "small struct");
+  *out = host->model;
+  return nullptr;
+}
+
+void trace_begin(weft_host* host, const char* category, const char* name) {
+  host->trace.push_back(std::string("+") + category + "/" + name);
+}
+
+void trace_end(weft_host* host) { host->trace.push_back("-"); }
+
+weft_status* report_metric(weft_host* host, const char* name, double value) {
+  host->metrics[name] = value;
+  return nullptr;
+}
+
 }  // namespace
 
 FakeStatusCounts& fake_status_counts() {
@@ -194,6 +211,10 @@ weft_host_api make_fake_host_api(uint16_t abi_minor) {
   api.loss = loss;
   api.backward = backward;
   api.activation_release = activation_release;
+  api.model_info = model_info;
+  api.trace_begin = trace_begin;
+  api.trace_end = trace_end;
+  api.report_metric = report_metric;
   return api;
 }
 

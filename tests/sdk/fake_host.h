@@ -64,6 +64,10 @@ struct weft_host {
   std::vector<FakeParameter> parameters;
   double peer_value = 0.0;
   int all_reduces = 0;
+  // ABI 1.1: the model shape model_info returns, trace spans opened/closed, reported metrics.
+  weft_model_info model{sizeof(weft_model_info), 2, 64, 128, 4, 2, 16, 512, 1, {kDLFloat, 32, 1}};
+  std::vector<std::string> trace;  // "+category/name" and "-"
+  std::map<std::string, double> metrics;
 };
 
 // Status bookkeeping is global (status_create takes no host).

@@ -368,6 +368,36 @@ TEST_F(SdkTest, NegotiatedMinorIsTheSmallerOfBoth) {
   EXPECT_EQ(sdk_host.negotiated_minor(), WEFT_ABI_VERSION_MINOR);
 }
 
+TEST_F(SdkTest, Abi11ServicesWorkOnA11HostAndDegradeOnA10Host) {
+  const weft_model_info info = sdk_host.model_info();
+  EXPECT_EQ(info.struct_size, sizeof(weft_model_info));
+  EXPECT_EQ(info.hidden_size, 64);
+  EXPECT_EQ(info.tie_word_embeddings, 1);
+  {
+    weft::sdk::TraceSpan span(sdk_host, "forward", "F0");
+    sdk_host.report_metric("bubble", 0.25);
+  }
+  EXPECT_EQ(host.trace, (std::vector<std::string>{"+forward/F0", "-"}));
+  EXPECT_EQ(host.metrics.at("bubble"), 0.25);
+
+  weft_host_api older = make_fake_host_api(0);  // a 1.0 host: the 1.1 slots must not be called
+  older.model_info = nullptr;
+  older.trace_begin = nullptr;
+  older.trace_end = nullptr;
+  older.report_metric = nullptr;
+  const Host old_host(&older, &host);
+  try {
+    old_host.model_info();
+    FAIL() << "no exception";
+  } catch (const weft::sdk::Error& e) {
+    EXPECT_EQ(e.code(), WEFT_STATUS_UNSUPPORTED);
+  }
+  { weft::sdk::TraceSpan span(old_host, "forward", "F1"); }
+  old_host.report_metric("bubble", 0.5);
+  EXPECT_EQ(host.trace.size(), 2u);
+  EXPECT_EQ(host.metrics.at("bubble"), 0.25);
+}
+
 // --- RAII handles ---
 
 TEST_F(SdkTest, ActivationsAreReleasedExactlyOnce) {

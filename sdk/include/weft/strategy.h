@@ -1,10 +1,10 @@
 /*
  * weft/strategy.h - the weft strategy plugin ABI (C99).
  *
- * STATUS: ABI 1.0, implemented by the host (core/plugin) and used by single.so and ddp.so.
- * The model-parallel slots (plan stage ranges, shard_parameter, comm_point) are not exercised
- * by a shipped plugin yet; until the first release the ABI may still change without a major
- * bump.
+ * STATUS: ABI 1.1, implemented by the host (core/plugin) and used by single.so, ddp.so, gpipe.so
+ * and pipedream.so. 1.1 appended model_info, tracing and report_metric to the host table.
+ * Plan stage ranges are exercised by the pipeline plugins; shard_parameter and comm_point
+ * (tensor parallelism) are not exercised by a shipped plugin yet.
  *
  * A strategy plugin is a shared library that exports exactly one symbol, the C function
  * `weft_strategy_entry` (WEFT_STRATEGY_ENTRY_SYMBOL). The host loads it with
@@ -60,7 +60,7 @@ extern "C" {
 /* The ABI version this header describes. Major: incompatible changes; it must match exactly.
  * Minor: append-only additions; host and plugin use min(host minor, plugin minor). */
 #define WEFT_ABI_VERSION_MAJOR 1
-#define WEFT_ABI_VERSION_MINOR 0
+#define WEFT_ABI_VERSION_MINOR 1
 
 /* The one symbol a plugin exports. */
 #define WEFT_STRATEGY_ENTRY_SYMBOL "weft_strategy_entry"
@@ -176,6 +176,26 @@ typedef enum weft_direction {
   WEFT_BACKWARD = 1
 } weft_direction;
 
+/* The model's shape, known from `plan` on (before the model is built), e.g. to size
+ * receive buffers or check that heads divide by a tensor-parallel degree. Hidden states
+ * between stages are always fp32 [rows, seq_len, hidden_size] (the residual stream stays fp32
+ * in every precision), as are their gradients. Filled by weft_host_api.model_info. Since 1.1. */
+typedef struct weft_model_info {
+  uint32_t struct_size;        /* set by the CALLER to sizeof its struct; see model_info */
+  int32_t num_layers;          /* decoder blocks (the model has num_layers + 2 stages) */
+  int64_t hidden_size;
+  int64_t intermediate_size;
+  int32_t num_attention_heads;
+  int32_t num_key_value_heads;
+  int64_t head_dim;
+  int64_t vocab_size;
+  int32_t tie_word_embeddings; /* 1: the LM head is the embedding (a rank holding the last
+                                  stage but not stage 0 holds its own copy, named
+                                  "model.embed_tokens.weight", whose gradient the plugin must
+                                  combine with stage 0's) */
+  DLDataType compute_dtype;    /* of matrix multiplications: fp32 or bf16 */
+} weft_model_info;
+
 /* Flags for weft_host_api.forward. */
 #define WEFT_FORWARD_NO_GRAD 1u /* evaluation: record no autograd history */
 
@@ -187,7 +207,7 @@ typedef enum weft_direction {
 typedef void (*weft_grad_ready_fn)(void* user_data, int64_t parameter_index);
 
 /* ------------------------------------------------------------------------------------------
- * Host services: the table the host passes to create(). All slots since 1.0.
+ * Host services: the table the host passes to create(). Slots since 1.0 unless marked.
  * ---------------------------------------------------------------------------------------- */
 typedef struct weft_host_api {
   weft_abi_header header;
@@ -306,6 +326,26 @@ typedef struct weft_host_api {
                                          int32_t requires_grad, weft_activation** out);
   /* Releases an activation and, with it, the autograd graph only it kept alive. NULL allowed. */
   void (*activation_release)(weft_host* host, weft_activation* activation);
+
+  /* ---------------------------------- since 1.1 ---------------------------------------- */
+  /* The model's shape. The caller sets out->struct_size to sizeof(weft_model_info) as it was
+   * compiled; the host fills the fields that both versions know and sets out->struct_size to
+   * the size it wrote. Callable from plan on (the shape is resolved after create).
+   * Since 1.1. */
+  weft_status* (*model_info)(weft_host* host, weft_model_info* out);
+  /* Tracing. When the user asked for a trace (trainer --trace FILE), the host records spans in
+   * a Chrome/Perfetto trace per rank; otherwise these return at once. trace_begin opens a span
+   * on the calling thread (name and category are copied; categories the host's tools know:
+   * "forward", "backward", "send", "recv", "optimizer", "comm"); trace_end closes the calling
+   * thread's innermost open span. Spans nest; the host itself adds spans for each step and for
+   * time blocked in work_wait (category "wait"). Since 1.1. */
+  void (*trace_begin)(weft_host* host, const char* category, const char* name);
+  void (*trace_end)(weft_host* host);
+  /* Adds a named value to this rank's record of the current training step (metrics.jsonl on
+   * rank 0, as "plugin.<name>"); the run summary reports each name's mean over the steps.
+   * Reporting a name twice in one step keeps the last value. `name` is copied; it must be
+   * [a-z0-9_]+. Since 1.1. */
+  weft_status* (*report_metric)(weft_host* host, const char* name, double value);
 } weft_host_api;
 
 /* ------------------------------------------------------------------------------------------

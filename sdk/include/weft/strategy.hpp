@@ -395,6 +395,28 @@ class Host {
     return activation(out);
   }
 
+  // --- since ABI 1.1 (each degrades as stated on a 1.0 host) ---
+  // The model's shape (from plan on). Throws Error(UNSUPPORTED) on a 1.0 host.
+  weft_model_info model_info() const {
+    if (negotiated_minor() < 1) throw Error(WEFT_STATUS_UNSUPPORTED, "model_info needs host ABI >= 1.1");
+    weft_model_info out{};
+    out.struct_size = sizeof(weft_model_info);
+    check(api_->model_info(host_, &out));
+    return out;
+  }
+  // Opens / closes a trace span on the calling thread (no-op on a 1.0 host or with tracing
+  // off). Prefer TraceSpan.
+  void trace_begin(const char* category, const char* name) const noexcept {
+    if (negotiated_minor() >= 1) api_->trace_begin(host_, category, name);
+  }
+  void trace_end() const noexcept {
+    if (negotiated_minor() >= 1) api_->trace_end(host_);
+  }
+  // Adds a value to this step's metrics ("plugin.<name>"); ignored on a 1.0 host.
+  void report_metric(const char* name, double value) const {
+    if (negotiated_minor() >= 1) check(api_->report_metric(host_, name, value));
+  }
+
   // Adopts raw handles this host created.
   Activation activation(weft_activation* handle) const noexcept {
     return Activation(api_, host_, handle);
@@ -404,6 +426,22 @@ class Host {
  private:
   const weft_host_api* api_;
   weft_host* host_;
+};
+
+// A trace span for the lifetime of the object (Host::trace_begin / trace_end).
+class TraceSpan {
+ public:
+  TraceSpan(const Host& host, const char* category, const char* name) noexcept : host_(host) {
+    host_.trace_begin(category, name);
+  }
+  TraceSpan(const Host& host, const char* category, const std::string& name) noexcept
+      : TraceSpan(host, category, name.c_str()) {}
+  ~TraceSpan() { host_.trace_end(); }
+  TraceSpan(const TraceSpan&) = delete;
+  TraceSpan& operator=(const TraceSpan&) = delete;
+
+ private:
+  Host host_;
 };
 
 inline void Work::wait() const {

@@ -85,7 +85,7 @@ void print_help() {
                "Usage:\n"
                "  trainer [train] --config FILE [--plugin NAME] [--nproc N] [--set section.key=value ...]\n"
                "  trainer plugins               list the strategy plugins found, with versions and ABI\n"
-               "  trainer check --plugin NAME [--nproc N]   conformance: 20 fp32 steps under NAME vs single.so\n"
+               "  trainer check --plugin NAME [--nproc N] [--set plugin.KEY=VALUE ...]   conformance: 20 fp32 steps under NAME vs single.so\n"
                "  trainer config-reference      print the configuration reference as Markdown\n\n"
             << describe_options() << "\n"
             << weft::render_help();
@@ -145,9 +145,19 @@ int run_check(const CommandLine& cli) {
   options.plugin = cli.plugin;
   options.nproc = std::max(1, cli.nproc);
   options.trainer_path = std::filesystem::read_symlink("/proc/self/exe").string();
+  for (const auto& setting : cli.overrides) {
+    if (setting.rfind("train.plugin=", 0) == 0) continue;  // --plugin itself
+    if (setting.rfind("plugin.", 0) != 0) {
+      throw weft::Error(fmt::format("trainer check takes only --set plugin.KEY=VALUE (the plugin's settings), got '{}'",
+                                    setting));
+    }
+    options.plugin_settings.push_back(setting.substr(std::string("plugin.").size()));
+  }
   const auto report = weft::check_conformance(options);
+  std::string settings;
+  for (const auto& s : options.plugin_settings) settings += (settings.empty() ? ", plugin." : " plugin.") + s;
   std::cout << "conformance of " << cli.plugin << " (" << options.nproc << " rank" << (options.nproc > 1 ? "s" : "")
-            << ") against single: " << report.describe() << "\n";
+            << settings << ") against single: " << report.describe() << "\n";
   return report.passed ? 0 : 1;
 }
 

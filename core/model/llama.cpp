@@ -81,6 +81,13 @@ torch::Tensor LlamaForCausalLMImpl::forward(const torch::Tensor& tokens) {
   return forward_stages(0, num_stages(), tokens);
 }
 
+int64_t stage_of_parameter(const std::string& name, int64_t num_layers) {
+  const std::string layers = "model.layers.";
+  if (name.rfind("model.embed_tokens.", 0) == 0) return 0;
+  if (name.rfind(layers, 0) == 0) return 1 + std::stoll(name.substr(layers.size()));
+  return num_layers + 1;
+}
+
 torch::Tensor cross_entropy_sum(const torch::Tensor& logits, const torch::Tensor& targets) {
   const int64_t vocab = logits.size(-1);
   return torch::nn::functional::cross_entropy(

@@ -46,6 +46,10 @@ class LlamaBackboneImpl : public torch::nn::Module {
 };
 TORCH_MODULE(LlamaBackbone);
 
+// The model stage that owns a parameter, from its HF name: 0 for the embedding (also the
+// tied head's weight), 1 + i for "model.layers.<i>.*", num_layers + 1 for the norm and head.
+int64_t stage_of_parameter(const std::string& name, int64_t num_layers);
+
 class LlamaForCausalLMImpl : public torch::nn::Module {
  public:
   LlamaForCausalLMImpl(const ModelConfig& config, const ModelOptions& options = {});

@@ -482,12 +482,6 @@ void install_grad_hooks(State& s) {
   }
 }
 
-int64_t stage_of(const std::string& name, int64_t num_layers) {
-  const std::string layers = "model.layers.";
-  if (name.rfind("model.embed_tokens.", 0) == 0) return 0;
-  if (name.rfind(layers, 0) == 0) return 1 + std::stoll(name.substr(layers.size()));
-  return num_layers + 1;
-}
 
 // --- the step ---------------------------------------------------------------------------
 
@@ -521,10 +515,21 @@ weft_status* forward(weft_host* host, int64_t first, int64_t last, weft_activati
     WEFT_CHECK(output, "forward: null output");
     auto& s = state_of(host);
     WEFT_CHECK(s.model != nullptr, "forward: the model is not built yet");
+    WEFT_CHECK((flags & ~(WEFT_FORWARD_NO_GRAD | WEFT_FORWARD_RECOMPUTE)) == 0, "forward: unknown flags {:#x}", flags);
     const auto& x = tensor_of(input);
     if (flags & WEFT_FORWARD_NO_GRAD) {
       torch::NoGradGuard no_grad;
       *output = new_activation(s.model->forward_stages(first, last, x));
+    } else if (flags & WEFT_FORWARD_RECOMPUTE) {
+      const bool was = s.model->options().activation_checkpointing;
+      s.model->set_activation_checkpointing(true);
+      try {
+        *output = new_activation(s.model->forward_stages(first, last, x));
+      } catch (...) {
+        s.model->set_activation_checkpointing(was);
+        throw;
+      }
+      s.model->set_activation_checkpointing(was);
     } else {
       *output = new_activation(s.model->forward_stages(first, last, x));
     }
@@ -643,6 +648,28 @@ weft_status* report_metric(weft_host* host, const char* name, double value) {
   });
 }
 
+weft_status* config_int_list(weft_host* host, const char* key, int64_t* out, int32_t capacity, int32_t* count_out) {
+  return guarded([&] {
+    WEFT_CHECK(key && count_out && capacity >= 0 && (capacity == 0 || out), "config_int_list: invalid arguments");
+    auto& s = state_of(host);
+    auto* node = s.config.get(key);
+    if (!node) {
+      *count_out = 0;
+      return;
+    }
+    const auto* array = node->as_array();
+    WEFT_CHECK(array != nullptr, "config key 'plugin.{}' must be an array of integers", key);
+    std::vector<int64_t> values;
+    for (const auto& element : *array) {
+      const auto* value = element.as_integer();
+      WEFT_CHECK(value != nullptr, "config key 'plugin.{}' must be an array of integers", key);
+      values.push_back(value->get());
+    }
+    for (int32_t i = 0; i < capacity && i < static_cast<int32_t>(values.size()); ++i) out[i] = values[i];
+    *count_out = static_cast<int32_t>(values.size());
+  });
+}
+
 weft_host_api make_table() {
   weft_host_api t{};
   t.header = {static_cast<uint32_t>(sizeof(weft_host_api)), WEFT_ABI_VERSION_MAJOR, WEFT_ABI_VERSION_MINOR};
@@ -688,6 +715,7 @@ weft_host_api make_table() {
   t.trace_begin = trace_begin;
   t.trace_end = trace_end;
   t.report_metric = report_metric;
+  t.config_int_list = config_int_list;
   return t;
 }
 
@@ -741,7 +769,7 @@ void PluginHost::set_model(LlamaForCausalLMImpl* model) {
     ParameterEntry entry;
     entry.name = item.key();
     entry.tensor = item.value();
-    entry.stage = stage_of(entry.name, layers);
+    entry.stage = stage_of_parameter(entry.name, layers);
     entry.shape = item.value().sizes().vec();
     s.parameters.push_back(std::move(entry));
   }

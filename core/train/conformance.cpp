@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 
 #include "core/io/safetensors.h"
+#include "core/model/config.h"
 #include "core/train/trainer.h"
 #include "core/util/error.h"
 
@@ -35,16 +36,48 @@ std::string write_corpus(const std::string& dir) {
   return path;
 }
 
+// The check's model: the tiny preset with 4 layers and a tied head, as a config.json in `dir`.
+std::string write_model_config(const std::string& dir) {
+  ModelConfig config = preset_config("tiny");
+  config.num_hidden_layers = 4;
+  config.tie_word_embeddings = true;
+  const std::string path = dir + "/config.json";
+  std::ofstream out(path);
+  out << to_hf_config_json(config);
+  WEFT_CHECK(out.good(), "cannot write {}", path);
+  return path;
+}
+
+// "key=value" (a TOML value) -> the plugin's table; a value that is not TOML is a string.
+toml::table plugin_table(const std::vector<std::string>& settings) {
+  toml::table table;
+  for (const auto& setting : settings) {
+    const auto eq = setting.find('=');
+    WEFT_CHECK(eq != std::string::npos && eq > 0, "plugin setting '{}' is not key=value", setting);
+    const std::string key = setting.substr(0, eq), value = setting.substr(eq + 1);
+    try {
+      toml::table parsed = toml::parse("v = " + value);
+      table.insert_or_assign(key, *parsed.get("v"));
+    } catch (const toml::parse_error&) {
+      table.insert_or_assign(key, value);
+    }
+  }
+  return table;
+}
+
 // The same settings as run_options, as command-line overrides for a multi-process run.
-std::string run_arguments(const ConformanceOptions& c, const std::string& corpus, const std::string& out_dir) {
+std::string run_arguments(const ConformanceOptions& c, const std::string& corpus, const std::string& model_config,
+                          const std::string& out_dir) {
+  std::string plugin_settings;
+  for (const auto& setting : c.plugin_settings) plugin_settings += " --set 'plugin." + setting + "'";
   return fmt::format(
-      "train --plugin {} --nproc {} --set model.preset=tiny --set data.path={} --set data.seq_len=32"
+      "train --plugin {} --nproc {} --set model.config={} --set data.path={} --set data.seq_len=32"
       " --set data.heldout_fraction=0.1 --set data.split_seed=1 --set data.tokenizer=byte --set data.cache_dir="
-      " --set train.lr=3e-3 --set train.warmup_steps=2 --set train.seed=11 --set train.max_steps={}"
+      " --set train.lr=1e-3 --set train.warmup_steps=2 --set train.seed=11 --set train.max_steps={}"
       " --set train.batch_size={} --set train.grad_accum_steps={} --set train.precision=fp32 --set train.threads=1"
       " --set train.out_dir={} --set train.overwrite=true --set log.progress=off --set checkpoint.keep_best=false"
-      " --set checkpoint.save_final=true --log-level warn",
-      c.plugin, c.nproc, corpus, c.steps, c.batch_size, c.grad_accum_steps, out_dir);
+      " --set checkpoint.save_final=true --log-level warn{}",
+      c.plugin, c.nproc, model_config, corpus, c.steps, c.batch_size, c.grad_accum_steps, out_dir, plugin_settings);
 }
 
 std::vector<double> logged_losses(const std::string& metrics) {
@@ -58,17 +91,17 @@ std::vector<double> logged_losses(const std::string& metrics) {
   return losses;
 }
 
-TrainOptions run_options(const ConformanceOptions& c, const std::string& corpus, const std::string& plugin,
-                         const std::string& out_dir) {
+TrainOptions run_options(const ConformanceOptions& c, const std::string& corpus, const std::string& model_config,
+                         const std::string& plugin, const std::string& out_dir) {
   TrainOptions o;
-  o.model.preset = "tiny";
+  o.model.config_path = model_config;
   o.data.paths = {corpus};
   o.data.seq_len = 32;
   o.data.heldout_fraction = 0.1;
   o.data.split_seed = 1;
   o.data.tokenize_threads = 1;
   o.tokenizer = "byte";
-  o.optim.lr = 3e-3;
+  o.optim.lr = 1e-3;
   o.optim.warmup_steps = 2;
   o.seed = 11;
   o.max_steps = c.steps;
@@ -103,7 +136,8 @@ ConformanceReport check_conformance(const ConformanceOptions& c) {
                               : c.work_dir;
   std::filesystem::create_directories(dir);
   const std::string corpus = write_corpus(dir);
-  Trainer reference(run_options(c, corpus, c.reference, dir + "/reference"));
+  const std::string model_config = write_model_config(dir);
+  Trainer reference(run_options(c, corpus, model_config, c.reference, dir + "/reference"));
   const auto r = reference.run();
   std::map<std::string, torch::Tensor> candidate_params;
   std::vector<double> candidate_losses;
@@ -111,14 +145,17 @@ ConformanceReport check_conformance(const ConformanceOptions& c) {
     // The plugin under test in real processes; rank 0 saves the final model.
     WEFT_CHECK(!c.trainer_path.empty(), "conformance check with {} ranks needs the trainer executable", c.nproc);
     const std::string out = dir + "/candidate";
-    const std::string command = c.trainer_path + " " + run_arguments(c, corpus, out) + " > " + dir + "/candidate.log 2>&1";
+    const std::string command =
+        c.trainer_path + " " + run_arguments(c, corpus, model_config, out) + " > " + dir + "/candidate.log 2>&1";
     const int status = std::system(command.c_str());
     WEFT_CHECK(status == 0, "the {}-rank run of {} failed (see {}/candidate.log)", c.nproc, c.plugin, dir);
     candidate_losses = logged_losses(out + "/metrics.jsonl");
     const auto weights = SafetensorsFile::open(out + "/final/model.safetensors");
     for (const auto& info : weights->tensors()) candidate_params[info.name] = weights->load(info.name);
   } else {
-    Trainer candidate(run_options(c, corpus, c.plugin, dir + "/candidate"));
+    TrainOptions options = run_options(c, corpus, model_config, c.plugin, dir + "/candidate");
+    options.plugin_config = plugin_table(c.plugin_settings);
+    Trainer candidate(options);
     candidate_losses = candidate.run().step_losses;
     for (auto& item : candidate.model().named_parameters()) candidate_params[item.key()] = item.value().detach().clone();
   }

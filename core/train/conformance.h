@@ -1,6 +1,7 @@
-// The conformance check: K fp32 steps of a tiny model under a plugin and under the reference
-// single.so, on the same data, global batch and seed; the losses and final parameters must
-// match within tight tolerances. Every shipped plugin runs it in ctest.
+// The conformance check: K fp32 steps of a tiny model (the `tiny` preset with 4 layers and tied
+// embeddings, so that pipelines can use up to 4 stages and must handle the tied head) under a
+// plugin and under the reference single.so, on the same data, global batch and seed; the losses
+// and final parameters must match within tight tolerances. Every shipped plugin runs it in ctest.
 #pragma once
 
 #include <cstdint>
@@ -15,11 +16,14 @@ struct ConformanceOptions {
   int64_t steps = 20;
   int nproc = 1;                     // ranks for the plugin under test (> 1: real processes)
   std::string trainer_path;          // the trainer executable (for nproc > 1)
-  int64_t batch_size = 12;           // global sequences per micro-batch (divisible by 1, 2, 3, 4, 6)
+  int64_t batch_size = 24;           // global sequences per micro-batch (divisible by 1-4, 6, 8, 12)
   int64_t grad_accum_steps = 2;
   double loss_rtol = 1e-5;           // relative tolerance on every step's loss
   double param_atol = 1e-5;          // absolute tolerance on every final parameter
   std::string work_dir;              // scratch directory (a synthetic corpus, run dirs)
+  // The plugin's settings for the run under test, "key=value" with a TOML value (e.g.
+  // "stages=2", "balance=[3, 1]", "mode=\"flush\"").
+  std::vector<std::string> plugin_settings;
 };
 
 struct ConformanceReport {

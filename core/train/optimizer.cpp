@@ -24,7 +24,8 @@ void set_learning_rate(torch::optim::AdamW& optimizer, double lr) {
   }
 }
 
-double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm) {
+double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm,
+                      const std::function<double(double)>& globalize) {
   torch::NoGradGuard no_grad;
   // Sums of squares in fp64, one reduction and one host sync for all tensors.
   std::vector<torch::Tensor> grads, squares;
@@ -33,8 +34,10 @@ double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm)
     grads.push_back(p.grad());
     squares.push_back(p.grad().to(torch::kFloat64).pow(2).sum());
   }
-  if (grads.empty()) return 0.0;
-  const double norm = std::sqrt(torch::stack(squares).sum().item<double>());
+  double sum_sq = squares.empty() ? 0.0 : torch::stack(squares).sum().item<double>();
+  if (globalize) sum_sq = globalize(sum_sq);  // collective: every process calls it
+  if (grads.empty()) return std::sqrt(std::max(sum_sq, 0.0));
+  const double norm = std::sqrt(std::max(sum_sq, 0.0));
   if (max_norm > 0 && norm > max_norm) {
     const double scale = max_norm / (norm + 1e-6);
     for (auto& g : grads) g.mul_(scale);

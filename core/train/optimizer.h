@@ -4,6 +4,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <functional>
 #include <vector>
 
 #include <torch/optim/adamw.h>
@@ -24,6 +25,9 @@ void zero_gradients(const std::vector<torch::Tensor>& params);
 
 // Global L2 norm of the gradients of `params` (missing grads count as zero); if max_norm > 0,
 // scales the gradients so the norm is at most max_norm. Returns the norm before clipping.
-double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm);
+// `globalize` (optional) turns this process's sum of squares into the sum over every process
+// that holds a part of the model (a model-parallel plugin's global_grad_norm_sq).
+double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm,
+                      const std::function<double(double)>& globalize = {});
 
 }  // namespace weft

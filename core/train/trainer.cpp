@@ -141,6 +141,11 @@ void Trainer::build_model() {
   if (strategy_) {
     strategy_->host().set_model(model_.get());
     strategy_->setup();
+    gather_ = std::make_unique<ModelGather>(*model_, *communicator_, lora());
+    WEFT_CHECK(!gather_->split() || (options_.checkpoint_every == 0 && options_.resume.empty()),
+               "checkpoint.every_steps and checkpoint.resume are not supported yet when plugin {} splits the "
+               "model's stages over ranks (the best and final models are saved whole); set them to 0 and \"\"",
+               strategy_->library().name());
   }
   spdlog::info("model: {} layers, hidden {}, {} heads ({} kv), vocab {}: {:.2f}M parameters, {:.2f}M trainable, {}",
                model_->config().num_hidden_layers, model_->config().hidden_size,
@@ -220,7 +225,9 @@ double Trainer::train_step(int64_t epoch, int64_t step_in_epoch) {
     loss.backward();
     loss_sum += loss.item<double>();
   }
-  last_grad_norm_ = clip_grad_norm(trainable_, options_.optim.grad_clip);
+  std::function<double(double)> globalize;
+  if (strategy_) globalize = [this](double local_sq) { return strategy_->global_grad_norm_sq(local_sq); };
+  last_grad_norm_ = clip_grad_norm(trainable_, options_.optim.grad_clip, globalize);
   optimizer_->step();
   zero_gradients(trainable_);
   return loss_sum;
@@ -273,8 +280,10 @@ bool Trainer::after_eval(const EvalResult& eval, Progress& progress, MetricsWrit
     state_.best_eval_loss = eval.loss;
     state_.best_step = state_.global_step;
     state_.evals_since_best = 0;
-    if (options_.keep_best && context_.rank == 0) {
-      save_model_atomically(*model_, lora(), options_.out_dir + "/best", options_.model.weights);
+    if (options_.keep_best) {
+      if (auto* whole = model_to_save()) {
+        save_model_atomically(*whole, lora(), options_.out_dir + "/best", options_.model.weights);
+      }
     }
   } else {
     ++state_.evals_since_best;
@@ -293,7 +302,16 @@ bool Trainer::after_eval(const EvalResult& eval, Progress& progress, MetricsWrit
   return false;
 }
 
+LlamaForCausalLMImpl* Trainer::model_to_save() {
+  if (gather_) return gather_->gather();
+  return context_.rank == 0 ? model_.get() : nullptr;
+}
+
 void Trainer::save_checkpoint(Progress& progress) {
+  if (gather_ && gather_->split()) {
+    progress.message("no checkpoint: optimizer state split over pipeline stages cannot be saved yet");
+    return;
+  }
   if (context_.rank != 0) return;  // replicas hold the same state; rank 0 writes it
   const auto dir = checkpoints_->save(state_, *model_, *optimizer_);
   progress.message(fmt::format("checkpoint saved: {}", dir));
@@ -434,12 +452,13 @@ TrainResult Trainer::finish_run(Session& session) {
   TrainResult& result = session.result;
   if (dataset_.heldout && !result.step_losses.empty()) evaluate_and_track(session);
   result.final_eval = session.last_eval;
-  if (options_.save_final && context_.rank == 0 && !result.interrupted) {
-    save_model_atomically(*model_, lora(), options_.out_dir + "/final", options_.model.weights);
-    if (lora() && options_.save_merged) {
-      merge_lora(*model_);
-      save_model_atomically(*model_, std::nullopt, options_.out_dir + "/final-merged",
-                            options_.model.weights);
+  if (options_.save_final && !result.interrupted) {
+    if (auto* whole = model_to_save()) {
+      save_model_atomically(*whole, lora(), options_.out_dir + "/final", options_.model.weights);
+      if (lora() && options_.save_merged) {
+        merge_lora(*whole);
+        save_model_atomically(*whole, std::nullopt, options_.out_dir + "/final-merged", options_.model.weights);
+      }
     }
   }
   result.steps = state_.global_step;

@@ -20,6 +20,7 @@
 #include "core/plugin/process_groups.h"
 #include "core/plugin/rendezvous.h"
 #include "core/plugin/strategy_session.h"
+#include "core/train/model_gather.h"
 #include "core/train/checkpoint.h"
 #include "core/train/metrics.h"
 #include "core/train/options.h"
@@ -89,12 +90,15 @@ class Trainer {
   double train_step(int64_t epoch, int64_t step_in_epoch);
   bool after_eval(const EvalResult& eval, Progress& progress, MetricsWriter& metrics);
   void save_checkpoint(Progress& progress);
+  // The whole model to save, on rank 0 (nullptr elsewhere); collective when stages are split.
+  LlamaForCausalLMImpl* model_to_save();
   std::optional<LoraConfig> lora() const;
 
   TrainOptions options_;
   RunContext context_;
   std::unique_ptr<Communicator> communicator_;  // set when a strategy plugin runs
   std::unique_ptr<StrategySession> strategy_;
+  std::unique_ptr<ModelGather> gather_;  // set when a strategy plugin runs
   std::unique_ptr<Tokenizer> tokenizer_;
   LlamaForCausalLM model_{nullptr};
   std::vector<torch::Tensor> trainable_;

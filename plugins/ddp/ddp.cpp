@@ -6,12 +6,16 @@
 #include <cstring>
 #include <string>
 
-#include "dl_views.hpp"
+#include "../common/dl_views.hpp"
 
 namespace weft {
 namespace ddp {
 
 using weft::sdk::Error;
+using weft::plugins::element_count;
+using weft::plugins::flat_view;
+using weft::plugins::float_data;
+using weft::plugins::is_contiguous_cpu_fp32;
 
 namespace {
 

@@ -26,10 +26,14 @@
 
 #include <weft/strategy.hpp>
 
-#include "buckets.hpp"
+#include "../common/buckets.hpp"
 
 namespace weft {
 namespace ddp {
+
+using weft::plugins::BucketInput;
+using weft::plugins::BucketLayout;
+using weft::plugins::build_buckets;
 
 // What one train_step did, for the log and the tests.
 struct StepStats {

@@ -10,7 +10,7 @@
 #include "sdk/ddp_fake_host.h"
 
 #define weft_strategy_entry ddp_entry
-#include "../../plugins/ddp/buckets.cpp"
+#include "../../plugins/common/buckets.cpp"
 #include "../../plugins/ddp/ddp.cpp"
 #undef weft_strategy_entry
 

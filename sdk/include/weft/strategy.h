@@ -2,7 +2,8 @@
  * weft/strategy.h - the weft strategy plugin ABI (C99).
  *
  * STATUS: ABI 1.1, implemented by the host (core/plugin) and used by single.so, ddp.so, gpipe.so
- * and pipedream.so. 1.1 appended model_info, tracing and report_metric to the host table.
+ * and pipedream.so. 1.1 appended model_info, tracing, report_metric and config_int_list to the host
+ * table, and the WEFT_FORWARD_RECOMPUTE flag.
  * Plan stage ranges are exercised by the pipeline plugins; shard_parameter and comm_point
  * (tensor parallelism) are not exercised by a shipped plugin yet.
  *
@@ -198,6 +199,10 @@ typedef struct weft_model_info {
 
 /* Flags for weft_host_api.forward. */
 #define WEFT_FORWARD_NO_GRAD 1u /* evaluation: record no autograd history */
+/* Keep only each decoder block's input and recompute the block's activations during backward
+ * (GPipe's re-materialisation; less memory, about one more forward of compute). Since 1.1;
+ * a 1.0 host rejects unknown flags. */
+#define WEFT_FORWARD_RECOMPUTE 2u
 
 /* Called by the host during backward once a parameter's gradient for this backward pass is
  * complete (accumulated into its .grad). `parameter_index` indexes weft_host_api.parameter_*.
@@ -346,6 +351,13 @@ typedef struct weft_host_api {
    * Reporting a name twice in one step keeps the last value. `name` is copied; it must be
    * [a-z0-9_]+. Since 1.1. */
   weft_status* (*report_metric)(weft_host* host, const char* name, double value);
+  /* An array of integers from the plugin's configuration section (e.g. balance = [3, 3]).
+   * Writes up to `capacity` values to `out` and the array's length to `count_out`; a missing
+   * key gives count 0 (and `out` untouched); a value that is not an array of integers is
+   * WEFT_STATUS_BAD_CONFIG naming the key. Call with capacity 0 to learn the length.
+   * Since 1.1. */
+  weft_status* (*config_int_list)(weft_host* host, const char* key, int64_t* out,
+                                  int32_t capacity, int32_t* count_out);
 } weft_host_api;
 
 /* ------------------------------------------------------------------------------------------

@@ -417,6 +417,17 @@ class Host {
     if (negotiated_minor() >= 1) check(api_->report_metric(host_, name, value));
   }
 
+  // An integer array from the configuration (empty when missing). Throws
+  // Error(UNSUPPORTED) on a 1.0 host.
+  std::vector<int64_t> config_int_list(const char* key) const {
+    if (negotiated_minor() < 1) throw Error(WEFT_STATUS_UNSUPPORTED, "config_int_list needs host ABI >= 1.1");
+    int32_t count = 0;
+    check(api_->config_int_list(host_, key, nullptr, 0, &count));
+    std::vector<int64_t> values(static_cast<size_t>(count));
+    if (count > 0) check(api_->config_int_list(host_, key, values.data(), count, &count));
+    return values;
+  }
+
   // Adopts raw handles this host created.
   Activation activation(weft_activation* handle) const noexcept {
     return Activation(api_, host_, handle);

@@ -1,8 +1,8 @@
-// dl_views.hpp - small helpers over DLTensor views for ddp.so: element counts, the fp32 CPU
-// contiguity check the plugin needs before it memcpy's a gradient, and views of plugin-owned
-// buffers to hand to the host's collectives. Header-only, no LibTorch.
-#ifndef WEFT_PLUGINS_DDP_DL_VIEWS_HPP
-#define WEFT_PLUGINS_DDP_DL_VIEWS_HPP
+// dl_views.hpp - small helpers over DLTensor views shared by the shipped plugins: element
+// counts, the fp32 CPU contiguity check a plugin needs before it memcpy's a gradient, and views
+// of plugin-owned buffers to hand to the host's collectives. Header-only, SDK only (no LibTorch).
+#ifndef WEFT_PLUGINS_COMMON_DL_VIEWS_HPP
+#define WEFT_PLUGINS_COMMON_DL_VIEWS_HPP
 
 #include <cstdint>
 #include <vector>
@@ -10,7 +10,7 @@
 #include <weft/strategy.h>
 
 namespace weft {
-namespace ddp {
+namespace plugins {
 
 // The product of the shape (1 for a scalar).
 inline int64_t element_count(const DLTensor& tensor) {
@@ -55,7 +55,23 @@ DLTensor flat_view(std::vector<T>& buffer, int64_t (&shape_and_stride)[2]) {
   return view;
 }
 
-}  // namespace ddp
+// A contiguous N-D fp32 CPU view of a plugin-owned buffer with `shape`; `shape` and `strides`
+// (filled here) must outlive the view; so must the buffer (at least the product of shape).
+inline DLTensor dense_view(float* data, std::vector<int64_t>& shape, std::vector<int64_t>& strides) {
+  strides.assign(shape.size(), 1);
+  for (size_t d = shape.size(); d-- > 1;) strides[d - 1] = strides[d] * shape[d];
+  DLTensor view{};
+  view.data = data;
+  view.device = {kDLCPU, 0};
+  view.ndim = static_cast<int32_t>(shape.size());
+  view.dtype = {kDLFloat, 32, 1};
+  view.shape = shape.data();
+  view.strides = strides.data();
+  view.byte_offset = 0;
+  return view;
+}
+
+}  // namespace plugins
 }  // namespace weft
 
-#endif  // WEFT_PLUGINS_DDP_DL_VIEWS_HPP
+#endif  // WEFT_PLUGINS_COMMON_DL_VIEWS_HPP

@@ -1,18 +1,19 @@
-// buckets.hpp - how ddp.so groups trainable parameters into all-reduce buckets.
+// buckets.hpp - how data-parallel gradient synchronisation (ddp.so, pipeline replicas) groups
+// trainable parameters into all-reduce buckets.
 //
 // Gradients become ready roughly in reverse parameter order during backward, so buckets are
 // filled walking the parameters from last to first: each bucket takes parameters while its
 // total stays within the byte limit; a parameter larger than the limit gets a bucket of its
 // own. Every rank computes the same layout from the same parameter list, so bucket i is the
 // same collective on every rank.
-#ifndef WEFT_PLUGINS_DDP_BUCKETS_HPP
-#define WEFT_PLUGINS_DDP_BUCKETS_HPP
+#ifndef WEFT_PLUGINS_COMMON_BUCKETS_HPP
+#define WEFT_PLUGINS_COMMON_BUCKETS_HPP
 
 #include <cstdint>
 #include <vector>
 
 namespace weft {
-namespace ddp {
+namespace plugins {
 
 // One parameter to bucket: its index in the host's parameter list and its fp32 element count.
 struct BucketInput {
@@ -34,7 +35,7 @@ struct BucketLayout {
 // elements are placed like any other. Throws std::invalid_argument if limit_bytes <= 0.
 std::vector<BucketLayout> build_buckets(const std::vector<BucketInput>& inputs, int64_t limit_bytes);
 
-}  // namespace ddp
+}  // namespace plugins
 }  // namespace weft
 
-#endif  // WEFT_PLUGINS_DDP_BUCKETS_HPP
+#endif  // WEFT_PLUGINS_COMMON_BUCKETS_HPP

@@ -3,7 +3,7 @@
 #include <stdexcept>
 
 namespace weft {
-namespace ddp {
+namespace plugins {
 
 std::vector<BucketLayout> build_buckets(const std::vector<BucketInput>& inputs, int64_t limit_bytes) {
   if (limit_bytes <= 0) throw std::invalid_argument("bucket limit must be positive");
@@ -22,5 +22,5 @@ std::vector<BucketLayout> build_buckets(const std::vector<BucketInput>& inputs, 
   return buckets;
 }
 
-}  // namespace ddp
+}  // namespace plugins
 }  // namespace weft

@@ -1,0 +1,87 @@
+#include "core/train/model_gather.h"
+
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/torch.h>
+
+#include "core/plugin/process_groups.h"
+#include "core/util/error.h"
+
+namespace weft {
+namespace {
+
+void wait(const c10::intrusive_ptr<c10d::Work>& work) { work->wait(); }
+
+// The parameters of `model` owned by model stage `stage`, in registration order (the same order
+// on every rank, whatever stages it holds).
+std::vector<torch::Tensor> stage_parameters(LlamaForCausalLMImpl& model, int64_t stage) {
+  std::vector<torch::Tensor> out;
+  const int64_t layers = model.config().num_hidden_layers;
+  for (auto& item : model.named_parameters()) {
+    if (stage_of_parameter(item.key(), layers) == stage) out.push_back(item.value());
+  }
+  return out;
+}
+
+}  // namespace
+
+ModelGather::ModelGather(LlamaForCausalLMImpl& local, Communicator& communicator, std::optional<LoraConfig> lora)
+    : local_(local), communicator_(communicator), lora_(std::move(lora)) {
+  auto& world = communicator_.world();
+  auto ranges = torch::zeros({world.size, 2}, torch::kLong);
+  ranges[world.rank][0] = local_.first_stage();
+  ranges[world.rank][1] = local_.last_stage();
+  std::vector<at::Tensor> tensors{ranges};
+  wait(world.gloo->allreduce(tensors));
+  for (int32_t r = 0; r < world.size; ++r) {
+    ranges_.emplace_back(ranges[r][0].item<int64_t>(), ranges[r][1].item<int64_t>());
+    split_ = split_ || ranges_.back().first != 0 || ranges_.back().second != local_.num_stages();
+  }
+}
+
+LlamaForCausalLMImpl* ModelGather::gather() {
+  auto& world = communicator_.world();
+  if (!split_) return world.rank == 0 ? &local_ : nullptr;
+  torch::NoGradGuard no_grad;
+  const int64_t stages = local_.num_stages();
+  // The owner of each model stage: the lowest rank that holds it.
+  std::vector<int32_t> owner(static_cast<size_t>(stages), -1);
+  for (int64_t s = 0; s < stages; ++s) {
+    for (int32_t r = 0; r < world.size && owner[s] < 0; ++r) {
+      if (ranges_[r].first <= s && s < ranges_[r].second) owner[s] = r;
+    }
+    WEFT_CHECK(owner[s] >= 0, "no rank holds model stage {}; cannot save the model", s);
+  }
+  if (world.rank != 0) {
+    for (int64_t s = 0; s < stages; ++s) {
+      if (owner[s] != world.rank) continue;
+      for (auto& p : stage_parameters(local_, s)) {
+        std::vector<at::Tensor> tensors{p.detach().contiguous()};
+        wait(world.gloo->send(tensors, 0, static_cast<int>(s)));
+      }
+    }
+    return nullptr;
+  }
+  if (!full_) {
+    ModelOptions options = local_.options();
+    options.stages = StageRange{};
+    full_ = LlamaForCausalLM(local_.config(), options);
+    if (lora_) apply_lora(*full_, *lora_, 0);
+  }
+  for (int64_t s = 0; s < stages; ++s) {
+    auto targets = stage_parameters(*full_, s);
+    if (owner[s] == 0) {
+      auto sources = stage_parameters(local_, s);
+      WEFT_CHECK(sources.size() == targets.size(), "stage {}: {} parameters here, {} in the whole model", s,
+                 sources.size(), targets.size());
+      for (size_t i = 0; i < targets.size(); ++i) targets[i].copy_(sources[i]);
+      continue;
+    }
+    for (auto& p : targets) {
+      std::vector<at::Tensor> tensors{p.detach()};
+      wait(world.gloo->recv(tensors, owner[s], static_cast<int>(s)));
+    }
+  }
+  return full_.get();
+}
+
+}  // namespace weft

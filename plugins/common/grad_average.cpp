@@ -1,0 +1,64 @@
+#include "grad_average.hpp"
+
+#include <cstring>
+#include <string>
+
+#include "dl_views.hpp"
+
+namespace weft {
+namespace plugins {
+
+using weft::sdk::Error;
+
+GradientAverager::GradientAverager(const weft::sdk::Host& host, weft::sdk::Group group, double bucket_mb)
+    : host_(host), group_(group) {
+  std::vector<BucketInput> trainable;
+  const int64_t count = host.parameter_count();
+  for (int64_t i = 0; i < count; ++i) {
+    const weft_parameter_info info = host.parameter_info(i);
+    if (!info.trainable) continue;
+    int64_t elements = 1;
+    for (int32_t d = 0; d < info.ndim; ++d) elements *= info.shape[d];
+    trainable.push_back({i, elements});
+  }
+  const auto limit = static_cast<int64_t>(bucket_mb * 1024.0 * 1024.0);
+  for (BucketLayout& layout : build_buckets(trainable, limit > 0 ? limit : 1)) {
+    Bucket bucket;
+    bucket.layout = std::move(layout);
+    bucket.buffer.assign(static_cast<size_t>(bucket.layout.elements), 0.0f);
+    buckets_.push_back(std::move(bucket));
+  }
+}
+
+void GradientAverager::average() {
+  std::vector<weft::sdk::Work> works;
+  for (Bucket& bucket : buckets_) {
+    const BucketLayout& layout = bucket.layout;
+    for (size_t k = 0; k < layout.parameters.size(); ++k) {
+      const DLTensor grad = host_.parameter_grad(layout.parameters[k]);
+      if (!is_contiguous_cpu_fp32(grad) || element_count(grad) != layout.sizes[k]) {
+        throw Error(WEFT_STATUS_UNSUPPORTED, "gradient of parameter " + std::to_string(layout.parameters[k]) +
+                                                 " is not a contiguous fp32 CPU tensor of the expected size");
+      }
+      std::memcpy(bucket.buffer.data() + layout.offsets[k], float_data(grad),
+                  static_cast<size_t>(layout.sizes[k]) * sizeof(float));
+    }
+    DLTensor view = flat_view(bucket.buffer, bucket.view_shape);
+    works.push_back(host_.all_reduce(group_, view));
+  }
+  const float scale = 1.0f / static_cast<float>(group_.size());
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    works[b].wait();
+    Bucket& bucket = buckets_[b];
+    for (float& v : bucket.buffer) v *= scale;
+    const BucketLayout& layout = bucket.layout;
+    for (size_t k = 0; k < layout.parameters.size(); ++k) {
+      const DLTensor grad = host_.parameter_grad(layout.parameters[k]);
+      std::memcpy(float_data(grad), bucket.buffer.data() + layout.offsets[k],
+                  static_cast<size_t>(layout.sizes[k]) * sizeof(float));
+    }
+  }
+}
+
+}  // namespace plugins
+}  // namespace weft

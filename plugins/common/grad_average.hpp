@@ -1,0 +1,45 @@
+// grad_average.hpp - averages trainable gradients over a process group after backward, in
+// buckets (buckets.hpp): every bucket's flat fp32 buffer is filled and its all_reduce(SUM)
+// started before any is waited for, so transfers of different buckets overlap each other.
+// Used by pipeline replicas (each stage's replicas average their gradients after the flush).
+// ddp.so overlaps with backward instead (grad-ready hooks); this is the simple after-backward
+// variant. SDK only.
+#ifndef WEFT_PLUGINS_COMMON_GRAD_AVERAGE_HPP
+#define WEFT_PLUGINS_COMMON_GRAD_AVERAGE_HPP
+
+#include <cstdint>
+#include <vector>
+
+#include <weft/strategy.hpp>
+
+#include "buckets.hpp"
+
+namespace weft {
+namespace plugins {
+
+class GradientAverager {
+ public:
+  // The trainable fp32 parameters of this rank (in host parameter order) over `group`, in
+  // buckets of at most `bucket_mb` MiB. Every rank of the group must hold the same parameters.
+  GradientAverager(const weft::sdk::Host& host, weft::sdk::Group group, double bucket_mb);
+
+  // Replaces every trainable gradient by its mean over the group. Collective over the group.
+  void average();
+
+  size_t bucket_count() const { return buckets_.size(); }
+
+ private:
+  struct Bucket {
+    BucketLayout layout;
+    std::vector<float> buffer;
+    int64_t view_shape[2] = {0, 1};
+  };
+  weft::sdk::Host host_;
+  weft::sdk::Group group_;
+  std::vector<Bucket> buckets_;
+};
+
+}  // namespace plugins
+}  // namespace weft
+
+#endif  // WEFT_PLUGINS_COMMON_GRAD_AVERAGE_HPP

@@ -1,0 +1,227 @@
+#include "pipeline_strategy.hpp"
+
+#include <algorithm>
+#include <cinttypes>
+#include <stdexcept>
+
+#include "../common/dl_views.hpp"
+#include "verify.hpp"
+
+namespace weft {
+namespace pipeline {
+
+using weft::sdk::Error;
+
+namespace {
+
+constexpr const char* kTiedName = "model.embed_tokens.weight";
+
+}  // namespace
+
+PipelineStrategy::PipelineStrategy(weft::sdk::Host host, std::string plugin, std::string schedule_name)
+    : Strategy(host), plugin_(std::move(plugin)), schedule_name_(std::move(schedule_name)), world_(host.world()) {
+  const int32_t world = world_.size();
+  const int64_t stages = host.config_int("stages", world);
+  if (stages < 1 || world % stages != 0) {
+    throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": plugin.stages = " + std::to_string(stages) +
+                                            " must be >= 1 and divide the world size " + std::to_string(world));
+  }
+  const int64_t microbatches = host.config_int("microbatches", 4);
+  if (microbatches < 1 || microbatches > 4096) {
+    throw Error(WEFT_STATUS_BAD_CONFIG,
+                plugin_ + ": plugin.microbatches must be in [1, 4096], got " + std::to_string(microbatches));
+  }
+  microbatches_ = static_cast<int32_t>(microbatches);
+  balance_ = host.config_int_list("balance");
+  if (!balance_.empty() && static_cast<int64_t>(balance_.size()) != stages) {
+    throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": plugin.balance has " + std::to_string(balance_.size()) +
+                                            " entries for " + std::to_string(stages) + " stages");
+  }
+  bucket_mb_ = host.config_float("bucket_mb", 25.0);
+  if (!(bucket_mb_ > 0.0)) throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": plugin.bucket_mb must be > 0");
+  log_every_ = host.config_int("log_every", 0);
+  if (log_every_ < 0) throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": plugin.log_every must be >= 0");
+  placement_.stages = static_cast<int32_t>(stages);
+  placement_.replicas = world / placement_.stages;
+  placement_.stage = world_.rank() % placement_.stages;
+  placement_.replica = world_.rank() / placement_.stages;
+  make_schedule(schedule_name_, placement_.stages, microbatches_);  // a bad name fails here
+}
+
+std::vector<double> PipelineStrategy::parameter_costs(const weft_model_info& info) const {
+  const double h = static_cast<double>(info.hidden_size);
+  const double q = static_cast<double>(info.num_attention_heads) * static_cast<double>(info.head_dim);
+  const double kv = static_cast<double>(info.num_key_value_heads) * static_cast<double>(info.head_dim);
+  const double block = 2 * h + h * q + 2 * h * kv + q * h + 3 * h * static_cast<double>(info.intermediate_size);
+  const double embedding = static_cast<double>(info.vocab_size) * h;
+  std::vector<double> costs(static_cast<size_t>(info.num_layers) + 2, block);
+  costs.front() = embedding;
+  costs.back() = h + embedding;  // final norm + head (the head multiplies by a vocab x hidden
+                                 // matrix even when it is the tied embedding)
+  return costs;
+}
+
+void PipelineStrategy::plan(weft_model_plan& plan) {
+  const weft_model_info info = host().model_info();
+  const int64_t layers = info.num_layers;
+  try {
+    if (!balance_.empty()) {
+      partition_ = partition_from_balance(balance_, layers);
+    } else {
+      partition_ = balanced_partition(parameter_costs(info), placement_.stages);
+    }
+  } catch (const std::invalid_argument& e) {
+    throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": " + e.what());
+  }
+  placement_.first_model_stage = partition_[static_cast<size_t>(placement_.stage)];
+  placement_.last_model_stage = partition_[static_cast<size_t>(placement_.stage) + 1];
+  placement_.hidden_size = info.hidden_size;
+  plan.first_stage = placement_.first_model_stage;
+  plan.last_stage = placement_.last_model_stage;
+  plan.data_parallel_size = placement_.replicas;
+  plan.data_parallel_rank = placement_.replica;
+  if (world_.rank() == 0) {
+    WEFT_LOG_INFO(host(), "%s: %d stages x %d replicas, %d micro-batches, partition %s (layers per stage:%s)",
+                  plugin_.c_str(), placement_.stages, placement_.replicas, microbatches_, describe(partition_).c_str(),
+                  [&] {
+                    std::string s;
+                    for (int64_t b : balance_of(partition_)) s += " " + std::to_string(b);
+                    return s;
+                  }()
+                      .c_str());
+  }
+}
+
+void PipelineStrategy::setup() {
+  const weft_model_info info = host().model_info();
+  const int32_t S = placement_.stages, R = placement_.replicas;
+  // Groups are collective over the world: every rank creates every group, in the same order.
+  for (int32_t r = 0; r < R; ++r) {
+    std::vector<int32_t> ranks;
+    for (int32_t p = 0; p < S; ++p) ranks.push_back(r * S + p);
+    weft::sdk::Group g = host().create_group(ranks);
+    if (r == placement_.replica) pipeline_group_ = g;
+  }
+  if (info.tie_word_embeddings && S > 1) {
+    for (int32_t r = 0; r < R; ++r) {
+      weft::sdk::Group g = host().create_group({r * S, r * S + S - 1});
+      if (r == placement_.replica) tied_group_ = g;
+    }
+    if (placement_.is_first() || placement_.is_last()) {
+      for (int64_t i = 0; i < host().parameter_count(); ++i) {
+        if (std::string(host().parameter_info(i).name) == kTiedName) tied_parameter_ = i;
+      }
+      if (tied_parameter_ < 0) {
+        throw Error(WEFT_STATUS_INTERNAL, plugin_ + ": tied embeddings but this rank holds no " + kTiedName);
+      }
+    }
+  }
+  weft::sdk::Group replica_group;
+  for (int32_t p = 0; p < S; ++p) {
+    std::vector<int32_t> ranks;
+    for (int32_t r = 0; r < R; ++r) ranks.push_back(r * S + p);
+    weft::sdk::Group g = host().create_group(ranks);
+    if (p == placement_.stage) replica_group = g;
+  }
+  if (R > 1) replica_average_ = std::make_unique<weft::plugins::GradientAverager>(host(), replica_group, bucket_mb_);
+  executor_ = std::make_unique<Executor>(host(), world_, placement_, recompute_);
+}
+
+const Schedule& PipelineStrategy::verified_schedule(const std::string& name, int32_t micro_batches) {
+  const auto key = std::make_pair(name, micro_batches);
+  auto it = schedules_.find(key);
+  if (it != schedules_.end()) return it->second;
+  Schedule schedule = make_schedule(name, placement_.stages, micro_batches);
+  const Verification v = verify(schedule);
+  if (!v.ok) {
+    throw Error(WEFT_STATUS_INTERNAL, plugin_ + ": schedule " + name + " (" + std::to_string(placement_.stages) +
+                                          " stages, " + std::to_string(micro_batches) +
+                                          " micro-batches) failed verification: " + v.error);
+  }
+  return schedules_.emplace(key, std::move(schedule)).first->second;
+}
+
+std::vector<double> PipelineStrategy::sum_over(weft::sdk::Group group, std::vector<double> values) const {
+  if (group.size() <= 1) return values;
+  int64_t shape_and_stride[2];
+  DLTensor view = weft::plugins::flat_view(values, shape_and_stride);
+  host().all_reduce(group, view).wait();
+  return values;
+}
+
+void PipelineStrategy::combine_tied_embedding_gradients() {
+  if (tied_parameter_ < 0) return;
+  DLTensor grad = host().parameter_grad(tied_parameter_);
+  host().all_reduce(tied_group_, grad).wait();  // both copies now hold the full gradient
+}
+
+double PipelineStrategy::tied_copy_norm_sq() const {
+  if (tied_parameter_ < 0 || placement_.is_first()) return 0.0;
+  const DLTensor grad = host().parameter_grad(tied_parameter_);
+  if (!weft::plugins::is_contiguous_cpu_fp32(grad)) {
+    throw Error(WEFT_STATUS_UNSUPPORTED, plugin_ + ": the tied embedding's gradient is not contiguous fp32");
+  }
+  const float* g = weft::plugins::float_data(grad);
+  double sq = 0.0;
+  for (int64_t i = 0, n = weft::plugins::element_count(grad); i < n; ++i) sq += static_cast<double>(g[i]) * g[i];
+  return sq;
+}
+
+double PipelineStrategy::train_step(const weft_step_info& step) {
+  if (step.rows_per_micro_batch % microbatches_ != 0) {
+    throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": each replica's " + std::to_string(step.rows_per_micro_batch) +
+                                            " sequences per micro-batch (train.batch_size / replicas) do not "
+                                            "divide into plugin.microbatches = " +
+                                            std::to_string(microbatches_));
+  }
+  const int32_t total = step.micro_batches * microbatches_;
+  const Schedule& schedule = verified_schedule(schedule_name_, total);
+  last_stats_ = executor_->run(schedule, microbatches_, step.rows_per_micro_batch, step.seq_len);
+  combine_tied_embedding_gradients();
+  if (replica_average_) replica_average_->average();
+  // Loss (last stages), compute and wall time (all ranks) over the world.
+  const std::vector<double> sums = sum_over(
+      world_, {placement_.is_last() ? last_stats_.loss_sum : 0.0, last_stats_.compute_seconds, last_stats_.wall_seconds});
+  const double loss = sums[0] / (static_cast<double>(total) * placement_.replicas);
+  const double bubble = sums[2] > 0 ? 1.0 - sums[1] / sums[2] : 0.0;
+  const double formula = gpipe_bubble_formula(placement_.stages, total);
+  host().report_metric("bubble", bubble);
+  host().report_metric("bubble_formula", formula);
+  host().report_metric("peak_in_flight", last_stats_.peak_in_flight);
+  if (log_every_ > 0 && (step.step + 1) % log_every_ == 0 && world_.rank() == 0) {
+    WEFT_LOG_INFO(host(), "%s step %" PRId64 ": bubble %.3f (formula %.3f), %d micro-batches in flight at most",
+                  plugin_.c_str(), step.step + 1, bubble, formula, last_stats_.peak_in_flight);
+  }
+  return loss;
+}
+
+weft::sdk::EvalResult PipelineStrategy::eval_step(const weft_step_info& step) {
+  // Every stage learns this replica's row count from the batch (the last one may be partial).
+  int64_t rows = 0;
+  {
+    weft::sdk::Batch batch = host().batch(0);
+    const DLTensor inputs = host().activation_view(batch.inputs);
+    rows = inputs.ndim > 0 ? inputs.shape[0] : 0;
+  }
+  RunStats stats;
+  if (rows > 0) {
+    const int32_t splits = rows % microbatches_ == 0 ? microbatches_ : 1;
+    stats = executor_->run(verified_schedule("forward", splits), splits, rows, step.seq_len);
+  }
+  const std::vector<double> sums =
+      sum_over(world_, {placement_.is_last() ? stats.token_loss_sum : 0.0,
+                        placement_.is_last() ? static_cast<double>(stats.tokens) : 0.0});
+  weft::sdk::EvalResult result;
+  result.loss_sum = sums[0];
+  result.tokens = static_cast<int64_t>(sums[1] + 0.5);
+  return result;
+}
+
+double PipelineStrategy::global_grad_norm_sq(double local_sq) {
+  // The tied copy on the last stage is the same tensor as stage 0's: count it once. Replicas
+  // hold equal gradients, so the sum over this replica's stages is the global norm.
+  return sum_over(pipeline_group_, {local_sq - tied_copy_norm_sq()})[0];
+}
+
+}  // namespace pipeline
+}  // namespace weft

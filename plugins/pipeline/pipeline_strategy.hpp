@@ -1,0 +1,90 @@
+// pipeline_strategy.hpp - the strategy that gpipe.so and pipedream.so share: placement,
+// partition, verified schedules, tied embeddings, replicas, loss and evaluation. A plugin
+// picks the schedule (schedule_name) and adds its own options.
+//
+// Layout: world = stages x replicas; world rank = replica * stages + stage. Each rank builds
+// only its pipeline stage's model stages (plan). Each replica sees its own rows of every global
+// batch (data_parallel_size = replicas); a step's host micro-batches (train.grad_accum_steps)
+// are each split into `microbatches` pipeline micro-batches, and one schedule runs them all.
+//
+// Configuration ([plugin]):
+//   stages        int >= 1, default: the world size (then replicas = 1). world % stages == 0.
+//   microbatches  int >= 1, default 4: pipeline micro-batches per host micro-batch; this
+//                 replica's rows per micro-batch must divide by it.
+//   balance       [int, ...]: decoder layers per stage (sums to the model's layers);
+//                 default: split by parameter count (embedding on the first stage, norm + head
+//                 on the last), the min-max partition.
+//   bucket_mb     float > 0, default 25: replica gradient all-reduce buckets.
+//   log_every     int >= 0, default 0: log step statistics at info level every N steps.
+// Per step it reports (metrics.jsonl): plugin.bubble (1 - compute / wall time, over all ranks),
+// plugin.bubble_formula ((S - 1) / (M + S - 1)), plugin.peak_in_flight (this rank's most
+// micro-batches between forward and backward; rank 0 is stage 0, the fullest).
+#ifndef WEFT_PLUGINS_PIPELINE_PIPELINE_STRATEGY_HPP
+#define WEFT_PLUGINS_PIPELINE_PIPELINE_STRATEGY_HPP
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <weft/strategy.hpp>
+
+#include "../common/grad_average.hpp"
+#include "executor.hpp"
+#include "partition.hpp"
+#include "schedule.hpp"
+
+namespace weft {
+namespace pipeline {
+
+class PipelineStrategy : public weft::sdk::Strategy {
+ public:
+  static constexpr uint16_t min_host_minor = 1;  // model_info, config_int_list, tracing
+
+  // `plugin` names the plugin in messages; `schedule_name` is a make_schedule name.
+  PipelineStrategy(weft::sdk::Host host, std::string plugin, std::string schedule_name);
+
+  void plan(weft_model_plan& plan) override;
+  void setup() override;
+  double train_step(const weft_step_info& step) override;
+  weft::sdk::EvalResult eval_step(const weft_step_info& step) override;
+  double global_grad_norm_sq(double local_sq) override;
+
+  // --- introspection (tests) ---
+  const Placement& placement() const { return placement_; }
+  const Partition& partition() const { return partition_; }
+  const RunStats& last_stats() const { return last_stats_; }
+
+ protected:
+  bool recompute_ = false;  // set by a plugin's constructor (gpipe.so: recompute = true)
+
+ private:
+  const Schedule& verified_schedule(const std::string& name, int32_t micro_batches);
+  std::vector<double> parameter_costs(const weft_model_info& info) const;
+  void combine_tied_embedding_gradients();
+  double tied_copy_norm_sq() const;
+  std::vector<double> sum_over(weft::sdk::Group group, std::vector<double> values) const;
+
+  std::string plugin_;
+  std::string schedule_name_;
+  weft::sdk::Group world_;
+  int32_t microbatches_ = 4;
+  std::vector<int64_t> balance_;
+  double bucket_mb_ = 25.0;
+  int64_t log_every_ = 0;
+  Placement placement_;
+  Partition partition_;
+  weft::sdk::Group pipeline_group_;  // this replica's stages
+  weft::sdk::Group tied_group_;      // {stage 0, last stage} of this replica, when tied
+  int64_t tied_parameter_ = -1;      // this rank's index of model.embed_tokens.weight, when tied
+  std::unique_ptr<Executor> executor_;
+  std::unique_ptr<weft::plugins::GradientAverager> replica_average_;
+  std::map<std::pair<std::string, int32_t>, Schedule> schedules_;  // verified, by (name, M)
+  RunStats last_stats_;
+};
+
+}  // namespace pipeline
+}  // namespace weft
+
+#endif  // WEFT_PLUGINS_PIPELINE_PIPELINE_STRATEGY_HPP

@@ -43,6 +43,15 @@ Communicator::~Communicator() = default;
 
 c10d::Store& Communicator::store() { return *store_; }
 
+std::vector<double> Communicator::all_gather(double value) {
+  auto& world = this->world();
+  auto values = torch::zeros({world.size}, torch::kFloat64);
+  values[world.rank] = value;
+  std::vector<at::Tensor> tensors{values};
+  world.gloo->allreduce(tensors)->wait();
+  return std::vector<double>(values.data_ptr<double>(), values.data_ptr<double>() + world.size);
+}
+
 ProcessGroup& Communicator::create_group(const std::vector<int32_t>& world_ranks) {
   WEFT_CHECK(!world_ranks.empty(), "a process group needs at least one rank");
   std::set<int32_t> seen;

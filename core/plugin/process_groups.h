@@ -41,6 +41,8 @@ class Communicator {
   ProcessGroup& create_group(const std::vector<int32_t>& world_ranks);
   std::chrono::milliseconds timeout() const { return timeout_; }
   c10d::Store& store();  // the rendezvous store (for start-up key exchanges)
+  // Every rank's `value`, in rank order. Collective over the world.
+  std::vector<double> all_gather(double value);
 
  private:
   c10::intrusive_ptr<c10d::Store> store_;

@@ -11,6 +11,7 @@
 #include "core/model/lora.h"
 #include "core/model/weights.h"
 #include "core/train/interrupt.h"
+#include "core/train/memory.h"
 #include "core/train/optimizer.h"
 #include "core/util/trace.h"
 #include "core/util/error.h"
@@ -37,6 +38,7 @@ Trainer::Trainer(TrainOptions options, RunContext context)
     : options_(std::move(options)), context_(context) {
   WEFT_CHECK(options_.mode == "full" || options_.mode == "lora",
              "train.mode must be full or lora, got '{}'", options_.mode);
+  install_memory_tracker();
   at::set_num_threads(static_cast<int>(options_.threads));
   torch::manual_seed(options_.seed);
   tokenizer_ = load_tokenizer(options_.tokenizer);
@@ -328,6 +330,7 @@ struct Trainer::Session {
   int64_t tokens = 0;
   int64_t tokens_per_step = 0;
   std::map<std::string, std::pair<double, int64_t>> plugin_metric_sums;  // name -> (sum, steps)
+  double activation_peak_mib = 0.0;  // most tensor memory a step added on this rank (MiB)
   double comm_wait_seconds = 0.0;  // this rank's time blocked on the plugin's communication
   int64_t comm_bytes = 0;
   int64_t last_eval_step = -1;
@@ -367,6 +370,8 @@ bool Trainer::run_epoch_steps(Session& session) {
       strategy_->host().take_comm_stats();
       strategy_->host().take_step_metrics();
     }
+    const int64_t bytes_before = tensor_bytes_live();
+    reset_tensor_peak();
     const auto step_start = Clock::now();
     double loss = 0.0;
     {
@@ -374,6 +379,8 @@ bool Trainer::run_epoch_steps(Session& session) {
       loss = train_step(state_.epoch, state_.step_in_epoch);
     }
     const double step_seconds = seconds_since(step_start);
+    const double activation_mib = static_cast<double>(tensor_bytes_peak() - bytes_before) / (1024.0 * 1024.0);
+    session.activation_peak_mib = std::max(session.activation_peak_mib, activation_mib);
     const auto comm = strategy_ ? strategy_->host().take_comm_stats() : PluginHost::CommStats{};
     session.comm_wait_seconds += comm.wait_seconds;
     session.comm_bytes += comm.bytes;
@@ -387,7 +394,8 @@ bool Trainer::run_epoch_steps(Session& session) {
     const double tokens_per_s = session.tokens_per_step / step_seconds;
     nlohmann::json record = {{"step", state_.global_step}, {"epoch", state_.epoch + 1},
                              {"loss", loss}, {"lr", last_lr_}, {"grad_norm", last_grad_norm_},
-                             {"tokens_per_s", tokens_per_s}, {"step_time_s", step_seconds}};
+                             {"tokens_per_s", tokens_per_s}, {"step_time_s", step_seconds},
+                             {"activation_peak_mib", activation_mib}};
     if (strategy_) {
       record["comm_wait_s"] = comm.wait_seconds;
       record["comm_bytes"] = comm.bytes;
@@ -481,9 +489,21 @@ TrainResult Trainer::finish_run(Session& session) {
                  100.0 * session.comm_wait_seconds / session.seconds, session.comm_wait_seconds / steps,
                  session.comm_bytes / steps / 1e6, context_.rank);
   }
-  for (const auto& [name, sum] : session.plugin_metric_sums) {
-    summary["plugin." + name] = sum.first / static_cast<double>(std::max<int64_t>(sum.second, 1));
+  summary["activation_peak_mib"] = session.activation_peak_mib;
+  if (communicator_) {
+    const auto per_rank = communicator_->all_gather(session.activation_peak_mib);  // collective
+    summary["activation_peak_mib_per_rank"] = per_rank;
+    std::string text;
+    for (double mib : per_rank) text += fmt::format("{}{:.1f}", text.empty() ? "" : ", ", mib);
+    spdlog::info("step activation memory (peak tensor MiB above the step's start) per rank: {}", text);
   }
+  std::string plugin_text;
+  for (const auto& [name, sum] : session.plugin_metric_sums) {
+    const double mean = sum.first / static_cast<double>(std::max<int64_t>(sum.second, 1));
+    summary["plugin." + name] = mean;
+    plugin_text += fmt::format("{}{} {:.4g}", plugin_text.empty() ? "" : ", ", name, mean);
+  }
+  if (!plugin_text.empty()) spdlog::info("plugin metrics (mean over steps): {}", plugin_text);
   if (const std::string trace = Tracer::instance().write(); !trace.empty()) {
     spdlog::info("trace written to {}", trace);
   }

@@ -21,6 +21,7 @@
 #include <torch/torch.h>
 
 #include "core/io/safetensors.h"
+#include "common/corpus.h"
 #include "common/process.h"
 #include "test_paths.h"
 
@@ -30,18 +31,7 @@ using weft::testing::run_trainer;
 
 std::string fresh_dir(const std::string& name) { return weft::testing::fresh_dir("weft_test_dist", name); }
 
-std::string write_corpus(const std::string& dir) {
-  static const char* words[] = {"the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog",
-                                "and", "runs", "away", "from", "her", "sister", "at", "noon"};
-  std::mt19937 rng(42);
-  std::ofstream out(dir + "/corpus.jsonl");
-  for (int d = 0; d < 40; ++d) {
-    std::string text;
-    for (int w = 0; w < 80; ++w) text += std::string(w ? " " : "") + words[rng() % 17];
-    out << "{\"text\": \"" << text << ".\"}\n";
-  }
-  return dir + "/corpus.jsonl";
-}
+std::string write_corpus(const std::string& dir) { return weft::testing::write_word_corpus(dir); }
 
 std::vector<double> step_losses(const std::string& metrics) {
   std::vector<double> out;

@@ -1,0 +1,22 @@
+// Tensor memory accounting: a CPU allocator that wraps LibTorch's (same alignment, same
+// malloc) and counts live and peak bytes, so the trainer can report what a step's activations
+// cost on each rank (a pipeline stage holding M micro-batches versus 1F1B's at most S).
+#pragma once
+
+#include <cstdint>
+
+namespace weft {
+
+// Installs the counting allocator as LibTorch's CPU allocator (idempotent). Tensors allocated
+// before are freed by their own allocator and never counted.
+void install_memory_tracker();
+bool memory_tracker_installed();
+
+// Bytes of CPU tensor memory allocated through the tracker and not yet freed.
+int64_t tensor_bytes_live();
+// The most live bytes since the last reset_tensor_peak() (or since installation).
+int64_t tensor_bytes_peak();
+// Starts a new peak window at the current live bytes.
+void reset_tensor_peak();
+
+}  // namespace weft

@@ -1,0 +1,130 @@
+// gpipe.so and pipedream.so with real processes: what a step holds in flight (GPipe: every
+// micro-batch; 1F1B: at most the stage count) and what that costs in activation bytes, the
+// per-rank traces, the bubble metrics, the split printed, and one-line refusals of plans that
+// cannot work. (Loss and parameter parity with single.so: the Conformance.gpipe.* and
+// Conformance.pipedream.* ctest entries.)
+#include <fstream>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "common/corpus.h"
+#include "common/process.h"
+#include "test_paths.h"
+
+namespace {
+
+using weft::testing::run_trainer;
+
+struct PipelineRun {
+  int exit_code = -1;
+  std::string output;
+  std::string dir;
+  std::vector<nlohmann::json> steps;
+  nlohmann::json summary;
+};
+
+// Trains the tiny preset (2 layers) for 4 fp32 steps of 8 sequences under `plugin_args`.
+PipelineRun train(const std::string& name, const std::string& plugin_args) {
+  PipelineRun run;
+  run.dir = weft::testing::fresh_dir("weft_test_pipeline", name);
+  const auto corpus = weft::testing::write_word_corpus(run.dir);
+  const auto r = run_trainer("--config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set data.path=" + corpus +
+                             " --set data.cache_dir=" + run.dir + "/cache --set data.seq_len=32 --set train.batch_size=8"
+                             " --set train.max_steps=4 --set train.precision=fp32 --set log.progress=off"
+                             " --set train.out_dir=" + run.dir + "/out " + plugin_args);
+  run.exit_code = r.exit_code;
+  run.output = r.output;
+  std::ifstream in(run.dir + "/out/metrics.jsonl");
+  std::string line;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (j["type"] == "step") run.steps.push_back(j);
+    if (j["type"] == "summary") run.summary = j;
+  }
+  return run;
+}
+
+TEST(Pipeline, GpipeHoldsEveryMicroBatchAnd1F1BAtMostTheStages) {
+  const PipelineRun gpipe = train("gpipe", "--plugin gpipe --nproc 2 --set plugin.microbatches=8");
+  const PipelineRun pipedream = train("pipedream", "--plugin pipedream --nproc 2 --set plugin.microbatches=8");
+  ASSERT_EQ(gpipe.exit_code, 0) << gpipe.output;
+  ASSERT_EQ(pipedream.exit_code, 0) << pipedream.output;
+  ASSERT_EQ(gpipe.steps.size(), 4u);
+  ASSERT_EQ(pipedream.steps.size(), 4u);
+  for (const auto& s : gpipe.steps) EXPECT_EQ(s["plugin.peak_in_flight"].get<double>(), 8.0) << s;  // rank 0 = stage 0
+  for (const auto& s : pipedream.steps) EXPECT_EQ(s["plugin.peak_in_flight"].get<double>(), 2.0) << s;
+  // Fewer micro-batches held -> less activation memory on every stage.
+  const auto g = gpipe.summary["activation_peak_mib_per_rank"].get<std::vector<double>>();
+  const auto p = pipedream.summary["activation_peak_mib_per_rank"].get<std::vector<double>>();
+  ASSERT_EQ(g.size(), 2u);
+  ASSERT_EQ(p.size(), 2u);
+  for (size_t r = 0; r < 2; ++r) {
+    EXPECT_GT(p[r], 0.0);
+    EXPECT_LT(p[r], 0.75 * g[r]) << "rank " << r;
+  }
+  // The same math: the same losses.
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_NEAR(gpipe.steps[i]["loss"].get<double>(), pipedream.steps[i]["loss"].get<double>(), 1e-6);
+  }
+}
+
+TEST(Pipeline, ReportsTheBubbleNextToTheFormulaAndPrintsTheSplit) {
+  const PipelineRun run = train("bubble", "--plugin gpipe --nproc 2 --set plugin.microbatches=4");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  for (const auto& s : run.steps) {
+    EXPECT_DOUBLE_EQ(s["plugin.bubble_formula"].get<double>(), 1.0 / 5.0) << s;  // (S-1)/(M+S-1)
+    EXPECT_GT(s["plugin.bubble"].get<double>(), 0.0) << s;
+    EXPECT_LT(s["plugin.bubble"].get<double>(), 1.0) << s;
+  }
+  EXPECT_GT(run.summary["plugin.bubble"].get<double>(), 0.0);
+  EXPECT_NE(run.output.find("gpipe: 2 stages x 1 replicas, 4 micro-batches, partition [embed + layer 0 | layer 1 + head]"),
+            std::string::npos)
+      << run.output;
+  EXPECT_NE(run.output.find("plugin metrics (mean over steps): bubble"), std::string::npos) << run.output;
+}
+
+TEST(Pipeline, TraceHasEveryRanksForwardsBackwardsAndWaits) {
+  // train() empties and reuses this directory; the trace is written at the end of the run.
+  const std::string dir = weft::testing::fresh_dir("weft_test_pipeline", "trace");
+  const PipelineRun traced = train("trace", "--plugin pipedream --nproc 2 --set plugin.microbatches=4 --trace " + dir + "/t.json");
+  ASSERT_EQ(traced.exit_code, 0) << traced.output;
+  for (int rank = 0; rank < 2; ++rank) {
+    const std::string path = dir + "/t.rank" + std::to_string(rank) + ".json";
+    std::ifstream in(path);
+    ASSERT_TRUE(in.good()) << path;
+    const auto trace = nlohmann::json::parse(in);
+    std::set<std::string> names, categories;
+    for (const auto& e : trace["traceEvents"]) {
+      if (e["ph"] != "X") continue;
+      EXPECT_EQ(e["pid"].get<int>(), rank);
+      EXPECT_GE(e["dur"].get<double>(), 0.0);
+      names.insert(e["name"].get<std::string>());
+      categories.insert(e["cat"].get<std::string>());
+    }
+    for (const char* name : {"F0", "F3", "B0", "B3", "step 1", "step 4"}) EXPECT_TRUE(names.count(name)) << path << " " << name;
+    for (const char* cat : {"forward", "backward", "wait", "step"}) EXPECT_TRUE(categories.count(cat)) << path << " " << cat;
+  }
+}
+
+TEST(Pipeline, RefusesPlansThatCannotWorkInOneLine) {
+  const PipelineRun stages = train("stages", "--plugin gpipe --nproc 2 --set plugin.stages=3");
+  EXPECT_NE(stages.exit_code, 0);
+  EXPECT_NE(stages.output.find("plugin.stages = 3 must be >= 1 and divide the world size 2"), std::string::npos)
+      << stages.output;
+  const PipelineRun balance = train("balance", "--plugin gpipe --nproc 2 --set plugin.balance=[2,1]");
+  EXPECT_NE(balance.exit_code, 0);
+  EXPECT_NE(balance.output.find("balance sums to 3 layers but the model has 2"), std::string::npos) << balance.output;
+  const PipelineRun deep = train("deep", "--plugin pipedream --nproc 3");
+  EXPECT_NE(deep.exit_code, 0);
+  EXPECT_NE(deep.output.find("3 pipeline stages need at least as many decoder layers, the model has 2"), std::string::npos)
+      << deep.output;
+  const PipelineRun split = train("split", "--plugin gpipe --nproc 2 --set plugin.microbatches=3");
+  EXPECT_NE(split.exit_code, 0);
+  EXPECT_NE(split.output.find("do not divide into plugin.microbatches = 3"), std::string::npos) << split.output;
+}
+
+}  // namespace

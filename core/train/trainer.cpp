@@ -476,6 +476,7 @@ TrainResult Trainer::finish_run(Session& session) {
   result.early_stopped = state_.early_stopped;
   result.peak_rss_mib = peak_rss_mib();
   nlohmann::json summary = {{"steps", result.steps}, {"epochs", result.epochs_completed},
+                            {"steps_per_epoch", steps_per_epoch_},
                             {"epoch_seconds", result.epoch_seconds},
                             {"tokens_per_s", result.tokens_per_second},
                             {"peak_rss_mib", result.peak_rss_mib},

@@ -69,6 +69,7 @@ void Executor::forward(Slot& slot, int32_t micro_batch, const Schedule& schedule
     slot.activation_work = Work();
     DLTensor view = weft::plugins::dense_view(slot.activation_buffer.data(), slot.shape, slot.strides);
     slot.input = host_.activation_from_tensor(view, /*requires_grad=*/train_);
+    slot.activation_buffer = std::vector<float>();  // the host copied it
   }
   const auto start = Clock::now();
   TraceSpan span(host_, "forward", name);
@@ -95,22 +96,32 @@ void Executor::send(Slot& slot, bool gradient, int32_t micro_batch) {
   pending_sends_->push_back(host_.send(world_, view, peer(/*to_next=*/!gradient), transfer_tag(micro_batch, gradient)));
 }
 
-void Executor::backward(Slot& slot, int32_t micro_batch) {
-  if (placement_.is_last()) {
-    TraceSpan span(host_, "backward", "B" + std::to_string(micro_batch));
-    host_.backward(slot.output);
-  } else {
+void Executor::backward(Slot& slot, int32_t micro_batch, RunStats& stats) {
+  Activation grad;
+  if (!placement_.is_last()) {
     {
       TraceSpan wait(host_, "recv", "recv G" + std::to_string(micro_batch));
       slot.gradient_work.wait();
     }
     slot.gradient_work = Work();
     DLTensor view = weft::plugins::dense_view(slot.gradient_buffer.data(), slot.shape, slot.strides);
-    Activation grad = host_.activation_from_tensor(view, /*requires_grad=*/false);
-    TraceSpan span(host_, "backward", "B" + std::to_string(micro_batch));
-    host_.backward(slot.output, grad);
+    grad = host_.activation_from_tensor(view, /*requires_grad=*/false);
+    slot.gradient_buffer = std::vector<float>();
   }
-  if (!placement_.is_first()) slot.input_grad = host_.activation_grad(slot.input);
+  const auto start = Clock::now();
+  {
+    TraceSpan span(host_, "backward", "B" + std::to_string(micro_batch));
+    if (placement_.is_last()) {
+      host_.backward(slot.output);
+    } else {
+      host_.backward(slot.output, grad);
+    }
+  }
+  if (!placement_.is_first()) {
+    slot.input_grad = host_.activation_grad(slot.input);
+    slot.input = Activation();  // the gradient tensor lives on in input_grad until it is sent
+  }
+  stats.compute_seconds += seconds_since(start);
 }
 
 RunStats Executor::run(const Schedule& schedule, int32_t splits, int64_t rows, int64_t seq_len) {
@@ -141,9 +152,7 @@ RunStats Executor::run(const Schedule& schedule, int32_t splits, int64_t rows, i
         break;
       case ActionKind::kSendActivation: send(*slot, false, a.micro_batch); break;
       case ActionKind::kBackward: {
-        const auto compute_start = Clock::now();
-        backward(*slot, a.micro_batch);
-        stats.compute_seconds += seconds_since(compute_start);
+        backward(*slot, a.micro_batch, stats);
         --in_flight;
         slot->output = Activation();  // frees the micro-batch's graph; the input stays until its
         if (placement_.is_first()) slot->input = Activation();  // gradient is sent

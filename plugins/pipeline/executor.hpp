@@ -69,7 +69,7 @@ class Executor {
   struct Slot;  // one micro-batch's handles and buffers on this rank
   void receive(Slot& slot, bool gradient, int32_t micro_batch);
   void forward(Slot& slot, int32_t micro_batch, const Schedule& schedule, RunStats& stats);
-  void backward(Slot& slot, int32_t micro_batch);
+  void backward(Slot& slot, int32_t micro_batch, RunStats& stats);
   void send(Slot& slot, bool gradient, int32_t micro_batch);
   int32_t peer(bool to_next) const;
 

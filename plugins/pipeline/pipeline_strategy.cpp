@@ -179,11 +179,18 @@ double PipelineStrategy::train_step(const weft_step_info& step) {
   last_stats_ = executor_->run(schedule, microbatches_, step.rows_per_micro_batch, step.seq_len);
   combine_tied_embedding_gradients();
   if (replica_average_) replica_average_->average();
-  // Loss (last stages), compute and wall time (all ranks) over the world.
-  const std::vector<double> sums = sum_over(
-      world_, {placement_.is_last() ? last_stats_.loss_sum : 0.0, last_stats_.compute_seconds, last_stats_.wall_seconds});
+  // Loss (last stages), compute time (all ranks) and every rank's wall time, over the world.
+  // The bubble is the idle share of the ranks over the step's window: the longest rank's run
+  // (ranks start and end a step at different times, so their own walls are shorter).
+  const int32_t world = world_.size();
+  std::vector<double> values(2 + static_cast<size_t>(world), 0.0);
+  values[0] = placement_.is_last() ? last_stats_.loss_sum : 0.0;
+  values[1] = last_stats_.compute_seconds;
+  values[2 + static_cast<size_t>(world_.rank())] = last_stats_.wall_seconds;
+  const std::vector<double> sums = sum_over(world_, values);
   const double loss = sums[0] / (static_cast<double>(total) * placement_.replicas);
-  const double bubble = sums[2] > 0 ? 1.0 - sums[1] / sums[2] : 0.0;
+  const double window = *std::max_element(sums.begin() + 2, sums.end());
+  const double bubble = window > 0 ? 1.0 - sums[1] / (world * window) : 0.0;
   const double formula = gpipe_bubble_formula(placement_.stages, total);
   host().report_metric("bubble", bubble);
   host().report_metric("bubble_formula", formula);

@@ -16,7 +16,8 @@
 //                 on the last), the min-max partition.
 //   bucket_mb     float > 0, default 25: replica gradient all-reduce buckets.
 //   log_every     int >= 0, default 0: log step statistics at info level every N steps.
-// Per step it reports (metrics.jsonl): plugin.bubble (1 - compute / wall time, over all ranks),
+// Per step it reports (metrics.jsonl): plugin.bubble (the ranks' idle share of the step window:
+// 1 - forward/backward time summed over ranks / (ranks x the longest rank's schedule time)),
 // plugin.bubble_formula ((S - 1) / (M + S - 1)), plugin.peak_in_flight (this rank's most
 // micro-batches between forward and backward; rank 0 is stage 0, the fullest).
 #ifndef WEFT_PLUGINS_PIPELINE_PIPELINE_STRATEGY_HPP

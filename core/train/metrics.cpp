@@ -12,11 +12,11 @@
 
 namespace weft {
 
-MetricsWriter::MetricsWriter(const std::string& path) {
+MetricsWriter::MetricsWriter(const std::string& path, bool append) {
   if (path.empty()) return;
   const auto parent = std::filesystem::path(path).parent_path();
   if (!parent.empty()) std::filesystem::create_directories(parent);
-  file_ = std::fopen(path.c_str(), "a");
+  file_ = std::fopen(path.c_str(), append ? "a" : "w");
   WEFT_CHECK(file_ != nullptr, "cannot open metrics file '{}'", path);
 }
 

@@ -16,7 +16,9 @@ namespace weft {
 // flushed so a crashed run keeps everything up to its last step.
 class MetricsWriter {
  public:
-  explicit MetricsWriter(const std::string& path);  // empty path: discard
+  // Empty path: discard. append = false starts the file afresh (a new run); true continues it
+  // (a resumed run).
+  explicit MetricsWriter(const std::string& path, bool append = true);
   ~MetricsWriter();
   MetricsWriter(const MetricsWriter&) = delete;
   MetricsWriter& operator=(const MetricsWriter&) = delete;

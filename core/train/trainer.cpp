@@ -140,6 +140,15 @@ void Trainer::build_model() {
     trainable += param.numel();
   }
   for (auto& p : model_->parameters()) total += p.numel();
+  // Gradients exist from the start (zero until a backward adds to them), so a plugin can
+  // communicate a stage's gradient even in a step where that stage had no backward (PipeDream's
+  // warm-up, a tied embedding's second copy).
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : trainable_) {
+      if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+    }
+  }
   if (strategy_) {
     strategy_->host().set_model(model_.get());
     strategy_->setup();
@@ -321,8 +330,8 @@ void Trainer::save_checkpoint(Progress& progress) {
 
 // What one call of run() accumulates.
 struct Trainer::Session {
-  Session(const std::string& metrics_file, const std::string& progress_mode, int64_t log_every)
-      : metrics(metrics_file), progress(progress_mode, log_every) {}
+  Session(const std::string& metrics_file, bool resumed, const std::string& progress_mode, int64_t log_every)
+      : metrics(metrics_file, /*append=*/resumed), progress(progress_mode, log_every) {}
   MetricsWriter metrics;
   Progress progress;
   TrainResult result;
@@ -338,7 +347,7 @@ struct Trainer::Session {
 };
 
 TrainResult Trainer::run() {
-  Session session(context_.rank == 0 ? options_.metrics_file : "",
+  Session session(context_.rank == 0 ? options_.metrics_file : "", state_.global_step > 0,
                   context_.rank == 0 ? options_.progress : "off", options_.log_every);
   session.tokens_per_step = options_.batch_size * options_.grad_accum_steps * options_.data.seq_len;
   spdlog::info("training: {} epochs x {} steps (total {}), {} tokens per step, lr {:.2e}, {}",

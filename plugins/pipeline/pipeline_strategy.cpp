@@ -155,6 +155,11 @@ void PipelineStrategy::combine_tied_embedding_gradients() {
   host().all_reduce(tied_group_, grad).wait();  // both copies now hold the full gradient
 }
 
+void PipelineStrategy::finish_gradients() {
+  combine_tied_embedding_gradients();
+  if (replica_average_) replica_average_->average();
+}
+
 double PipelineStrategy::tied_copy_norm_sq() const {
   if (tied_parameter_ < 0 || placement_.is_first()) return 0.0;
   const DLTensor grad = host().parameter_grad(tied_parameter_);
@@ -177,8 +182,7 @@ double PipelineStrategy::train_step(const weft_step_info& step) {
   const int32_t total = step.micro_batches * microbatches_;
   const Schedule& schedule = verified_schedule(schedule_name_, total);
   last_stats_ = executor_->run(schedule, microbatches_, step.rows_per_micro_batch, step.seq_len);
-  combine_tied_embedding_gradients();
-  if (replica_average_) replica_average_->average();
+  finish_gradients();
   // Loss (last stages), compute time (all ranks) and every rank's wall time, over the world.
   // The bubble is the idle share of the ranks over the step's window: the longest rank's run
   // (ranks start and end a step at different times, so their own walls are shorter).

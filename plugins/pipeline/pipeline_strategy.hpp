@@ -60,12 +60,18 @@ class PipelineStrategy : public weft::sdk::Strategy {
  protected:
   bool recompute_ = false;  // set by a plugin's constructor (gpipe.so: recompute = true)
 
+  // For plugins that run their own step (pipedream.so's async mode):
+  // the tied embedding's two copies get the sum of their gradients, replicas the mean.
+  void finish_gradients();
+  // Sums `values` element-wise over `group` (in place of a collective per value).
+  std::vector<double> sum_over(weft::sdk::Group group, std::vector<double> values) const;
+  const weft::sdk::Group& world() const { return world_; }
+
  private:
   const Schedule& verified_schedule(const std::string& name, int32_t micro_batches);
   std::vector<double> parameter_costs(const weft_model_info& info) const;
   void combine_tied_embedding_gradients();
   double tied_copy_norm_sq() const;
-  std::vector<double> sum_over(weft::sdk::Group group, std::vector<double> values) const;
 
   std::string plugin_;
   std::string schedule_name_;

@@ -16,6 +16,7 @@
 
 #include "core/data/loader.h"
 #include "core/model/llama.h"
+#include "core/model/weights.h"
 #include "core/plugin/dlpack_view.h"
 #include "core/plugin/process_groups.h"
 #include "core/plugin/status.h"
@@ -72,6 +73,8 @@ struct PluginHost::State {
   // The model's shape (from set_model_info, before the model is built).
   bool has_model_info = false;
   weft_model_info model_info{};
+  std::shared_ptr<ModelConfig> model_config;  // for profile_stages
+  int64_t seq_len = 0, batch_rows = 0;
   // Values the plugin reported for the current step (report_metric).
   std::map<std::string, double> step_metrics;
 };
@@ -670,6 +673,60 @@ weft_status* config_int_list(weft_host* host, const char* key, int64_t* out, int
   });
 }
 
+// The median of `repeats` timings of `body` after one warm-up run.
+template <typename Body>
+double median_seconds(int32_t repeats, Body&& body) {
+  body();
+  std::vector<double> times;
+  for (int32_t r = 0; r < repeats; ++r) {
+    const auto start = std::chrono::steady_clock::now();
+    body();
+    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+weft_status* profile_stages(weft_host* host, int64_t rows, int32_t repeats, double* seconds_out, int64_t count) {
+  return guarded([&] {
+    auto& s = state_of(host);
+    WEFT_CHECK(s.model_config != nullptr, "profile_stages: the model's shape is known from plan on");
+    const ModelConfig& config = *s.model_config;
+    const int64_t layers = config.num_hidden_layers;
+    WEFT_CHECK(seconds_out != nullptr && count == layers + 2, "profile_stages: count must be {} (the model's stages)",
+               layers + 2);
+    WEFT_CHECK(repeats >= 1 && rows >= 0, "profile_stages: repeats must be >= 1 and rows >= 0");
+    if (rows == 0) rows = std::max<int64_t>(s.batch_rows, 1);
+    const int64_t seq = std::max<int64_t>(s.seq_len, 1);
+    ModelOptions options;
+    options.compute_dtype = s.model_info.compute_dtype.code == kDLBfloat ? torch::kBFloat16 : torch::kFloat32;
+    torch::manual_seed(0);
+    const auto tokens = torch::randint(0, config.vocab_size, {rows, seq}, torch::kLong);
+    const auto hidden = [&] { return torch::randn({rows, seq, config.hidden_size}).requires_grad_(true); };
+    // Embedding and one block.
+    options.stages = StageRange{0, 2};
+    LlamaForCausalLM front(config, options);
+    init_weights(*front, 0, 0.02);
+    const double embed = median_seconds(repeats, [&] { front->forward_stages(0, 1, tokens).sum().backward(); });
+    const double block = median_seconds(repeats, [&] {
+      auto x = hidden();
+      front->forward_stages(1, 2, x).sum().backward();
+    });
+    // Norm, head and loss.
+    options.stages = StageRange{layers + 1, layers + 2};
+    LlamaForCausalLM back(config, options);
+    init_weights(*back, 0, 0.02);
+    const auto targets = torch::randint(0, config.vocab_size, {rows, seq}, torch::kLong);
+    const double head = median_seconds(repeats, [&] {
+      auto x = hidden();
+      cross_entropy(back->forward_stages(layers + 1, layers + 2, x), targets).backward();
+    });
+    seconds_out[0] = embed;
+    for (int64_t i = 1; i <= layers; ++i) seconds_out[i] = block;
+    seconds_out[layers + 1] = head;
+  });
+}
+
 weft_host_api make_table() {
   weft_host_api t{};
   t.header = {static_cast<uint32_t>(sizeof(weft_host_api)), WEFT_ABI_VERSION_MAJOR, WEFT_ABI_VERSION_MINOR};
@@ -716,6 +773,7 @@ weft_host_api make_table() {
   t.trace_end = trace_end;
   t.report_metric = report_metric;
   t.config_int_list = config_int_list;
+  t.profile_stages = profile_stages;
   return t;
 }
 
@@ -737,7 +795,10 @@ const weft_host_api* PluginHost::api() const { return &kHostApi; }
 
 weft_host* PluginHost::handle() { return &state_->handle; }
 
-void PluginHost::set_model_info(const ModelConfig& config, bool bf16) {
+void PluginHost::set_model_info(const ModelConfig& config, bool bf16, int64_t seq_len, int64_t batch_rows) {
+  state_->model_config = std::make_shared<ModelConfig>(config);
+  state_->seq_len = seq_len;
+  state_->batch_rows = batch_rows;
   weft_model_info& i = state_->model_info;
   i = weft_model_info{};
   i.struct_size = sizeof(weft_model_info);

@@ -32,8 +32,9 @@ class PluginHost {
   const weft_host_api* api() const;
   weft_host* handle();
 
-  // The model's shape for model_info (before plan; bf16: the compute dtype).
-  void set_model_info(const ModelConfig& config, bool bf16);
+  // The model's shape for model_info and profile_stages (before plan; bf16: the compute dtype;
+  // seq_len and batch_rows: the run's sequence length and train.batch_size).
+  void set_model_info(const ModelConfig& config, bool bf16, int64_t seq_len, int64_t batch_rows);
   // The model the services refer to (after it is built). Enumerates the parameters it holds.
   void set_model(LlamaForCausalLMImpl* model);
   // The training step that batch() serves: micro-batch m of the step is global batch

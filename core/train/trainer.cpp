@@ -121,7 +121,8 @@ void Trainer::build_model() {
   model_options.activation_checkpointing = options_.model.activation_checkpointing;
   const ModelConfig config = resolve_model_config();
   if (strategy_) {
-    strategy_->host().set_model_info(config, model_options.compute_dtype == torch::kBFloat16);
+    strategy_->host().set_model_info(config, model_options.compute_dtype == torch::kBFloat16, options_.data.seq_len,
+                                     options_.batch_size);
     const auto plan = strategy_->plan(config.num_hidden_layers + 2);
     model_options.stages = {plan.first_stage, plan.last_stage};
     data_parallel_rank_ = plan.data_parallel_rank;

@@ -37,6 +37,11 @@ PipelineStrategy::PipelineStrategy(weft::sdk::Host host, std::string plugin, std
     throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": plugin.balance has " + std::to_string(balance_.size()) +
                                             " entries for " + std::to_string(stages) + " stages");
   }
+  partition_by_ = host.config_string("partition", "parameters");
+  if (partition_by_ != "parameters" && partition_by_ != "time") {
+    throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": plugin.partition must be \"parameters\" or \"time\", got \"" +
+                                            partition_by_ + "\"");
+  }
   bucket_mb_ = host.config_float("bucket_mb", 25.0);
   if (!(bucket_mb_ > 0.0)) throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": plugin.bucket_mb must be > 0");
   log_every_ = host.config_int("log_every", 0);
@@ -61,12 +66,26 @@ std::vector<double> PipelineStrategy::parameter_costs(const weft_model_info& inf
   return costs;
 }
 
+// Seconds per model stage, measured by the host on every rank and averaged over the world so
+// that every rank computes the same partition.
+std::vector<double> PipelineStrategy::profiled_costs(int64_t model_stages) const {
+  std::vector<double> seconds = sum_over(world_, host().profile_stages(model_stages));
+  for (double& s : seconds) s /= world_.size();
+  if (world_.rank() == 0) {
+    WEFT_LOG_INFO(host(), "%s: profiled forward+backward per micro-batch: embedding %.2f ms, block %.2f ms, head+loss %.2f ms",
+                  plugin_.c_str(), 1e3 * seconds.front(), 1e3 * seconds[1], 1e3 * seconds.back());
+  }
+  return seconds;
+}
+
 void PipelineStrategy::plan(weft_model_plan& plan) {
   const weft_model_info info = host().model_info();
   const int64_t layers = info.num_layers;
   try {
     if (!balance_.empty()) {
       partition_ = partition_from_balance(balance_, layers);
+    } else if (partition_by_ == "time") {
+      partition_ = balanced_partition(profiled_costs(layers + 2), placement_.stages);
     } else {
       partition_ = balanced_partition(parameter_costs(info), placement_.stages);
     }

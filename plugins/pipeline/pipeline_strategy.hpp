@@ -11,9 +11,11 @@
 //   stages        int >= 1, default: the world size (then replicas = 1). world % stages == 0.
 //   microbatches  int >= 1, default 4: pipeline micro-batches per host micro-batch; this
 //                 replica's rows per micro-batch must divide by it.
-//   balance       [int, ...]: decoder layers per stage (sums to the model's layers);
-//                 default: split by parameter count (embedding on the first stage, norm + head
-//                 on the last), the min-max partition.
+//   balance       [int, ...]: decoder layers per stage (sums to the model's layers).
+//   partition     "parameters" (default) or "time": without balance, the min-max split of the
+//                 per-stage parameter counts, or of forward+backward times the host profiles
+//                 on a few real-shaped micro-batches before the model is built (embedding on
+//                 the first stage, norm + head + loss on the last; averaged over the ranks).
 //   bucket_mb     float > 0, default 25: replica gradient all-reduce buckets.
 //   log_every     int >= 0, default 0: log step statistics at info level every N steps.
 // Per step it reports (metrics.jsonl): plugin.bubble (the ranks' idle share of the step window:
@@ -70,6 +72,7 @@ class PipelineStrategy : public weft::sdk::Strategy {
  private:
   const Schedule& verified_schedule(const std::string& name, int32_t micro_batches);
   std::vector<double> parameter_costs(const weft_model_info& info) const;
+  std::vector<double> profiled_costs(int64_t model_stages) const;
   void combine_tied_embedding_gradients();
   double tied_copy_norm_sq() const;
 
@@ -78,6 +81,7 @@ class PipelineStrategy : public weft::sdk::Strategy {
   weft::sdk::Group world_;
   int32_t microbatches_ = 4;
   std::vector<int64_t> balance_;
+  std::string partition_by_ = "parameters";
   double bucket_mb_ = 25.0;
   int64_t log_every_ = 0;
   Placement placement_;

@@ -88,6 +88,18 @@ TEST(Pipeline, ReportsTheBubbleNextToTheFormulaAndPrintsTheSplit) {
   EXPECT_NE(run.output.find("plugin metrics (mean over steps): bubble"), std::string::npos) << run.output;
 }
 
+TEST(Pipeline, PartitionsByProfiledTime) {
+  const PipelineRun run = train("profile", "--plugin pipedream --nproc 2 --set plugin.partition=time");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_NE(run.output.find("profiled forward+backward per micro-batch: embedding"), std::string::npos) << run.output;
+  // Two equal blocks, a cheap embedding and a cheaper-than-a-block head: one block per stage.
+  EXPECT_NE(run.output.find("partition [embed + layer 0 | layer 1 + head]"), std::string::npos) << run.output;
+  const PipelineRun bad = train("badpartition", "--plugin gpipe --nproc 2 --set plugin.partition=flops");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("plugin.partition must be \"parameters\" or \"time\", got \"flops\""), std::string::npos)
+      << bad.output;
+}
+
 TEST(Pipeline, TraceHasEveryRanksForwardsBackwardsAndWaits) {
   // train() empties and reuses this directory; the trace is written at the end of the run.
   const std::string dir = weft::testing::fresh_dir("weft_test_pipeline", "trace");

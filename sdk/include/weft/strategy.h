@@ -2,8 +2,8 @@
  * weft/strategy.h - the weft strategy plugin ABI (C99).
  *
  * STATUS: ABI 1.1, implemented by the host (core/plugin) and used by single.so, ddp.so, gpipe.so
- * and pipedream.so. 1.1 appended model_info, tracing, report_metric and config_int_list to the host
- * table, and the WEFT_FORWARD_RECOMPUTE flag.
+ * and pipedream.so. 1.1 appended model_info, tracing, report_metric, config_int_list and profile_stages to
+ * the host table, and the WEFT_FORWARD_RECOMPUTE flag.
  * Plan stage ranges are exercised by the pipeline plugins; shard_parameter and comm_point
  * (tensor parallelism) are not exercised by a shipped plugin yet.
  *
@@ -358,6 +358,16 @@ typedef struct weft_host_api {
    * Since 1.1. */
   weft_status* (*config_int_list)(weft_host* host, const char* key, int64_t* out,
                                   int32_t capacity, int32_t* count_out);
+  /* Measures what each model stage costs: the median seconds of a forward and a backward on
+   * `rows` sequences of the run's length (0: the run's train.batch_size), over `repeats` runs
+   * after one warm-up; stage 0 includes the embedding, the last stage the head and the loss.
+   * The host builds temporary copies of the embedding, one decoder block (all blocks have the
+   * same shape and cost) and the head, never the whole model, on random data in the run's
+   * precision. Writes `count` (= the number of model stages) values to seconds_out. Callable
+   * in plan (before the model is built). Local: ranks measure separately (average them, e.g.
+   * with an all_reduce, so that every rank picks the same plan). Since 1.1. */
+  weft_status* (*profile_stages)(weft_host* host, int64_t rows, int32_t repeats,
+                                 double* seconds_out, int64_t count);
 } weft_host_api;
 
 /* ------------------------------------------------------------------------------------------

@@ -428,6 +428,15 @@ class Host {
     return values;
   }
 
+  // Seconds per model stage (see strategy.h); `count` = the number of model stages.
+  // Throws Error(UNSUPPORTED) on a 1.0 host.
+  std::vector<double> profile_stages(int64_t count, int64_t rows = 0, int32_t repeats = 3) const {
+    if (negotiated_minor() < 1) throw Error(WEFT_STATUS_UNSUPPORTED, "profile_stages needs host ABI >= 1.1");
+    std::vector<double> seconds(static_cast<size_t>(count), 0.0);
+    check(api_->profile_stages(host_, rows, repeats, seconds.data(), count));
+    return seconds;
+  }
+
   // Adopts raw handles this host created.
   Activation activation(weft_activation* handle) const noexcept {
     return Activation(api_, host_, handle);

@@ -42,8 +42,6 @@ json byte_vocab(std::initializer_list<std::string> extra = {}) {
   return vocab;
 }
 
-Ids bytes_of(std::string_view text) { return Ids(text.begin(), text.end()); }
-
 json gpt2_pre_tokenizer() {
   return {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}};
 }

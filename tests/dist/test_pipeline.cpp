@@ -133,7 +133,9 @@ TEST(PipeDreamAsync, EachBackwardUsesTheWeightsItsForwardUsed) {
     EXPECT_EQ(s["plugin.stashed_versions"].get<double>(), 2.0) << s;
     // The weights moved between the minibatch's forward and its backward (an optimizer step in
     // between), so a backward with the current weights would differ...
-    if (i >= 2) EXPECT_GT(s["plugin.stash_weight_staleness"].get<double>(), 1e-6) << s;
+    if (i >= 2) {
+      EXPECT_GT(s["plugin.stash_weight_staleness"].get<double>(), 1e-6) << s;
+    }
     // ...but the backward's recomputed forward reproduces the sent output exactly: it ran with
     // the forward-time weights on the forward-time input.
     EXPECT_EQ(s["plugin.stash_recompute_difference"].get<double>(), 0.0) << s;

@@ -189,8 +189,10 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, c
   return torch::bmm(probs, v.reshape({batch * kv_heads, seq, dim})).view({batch, heads, seq, dim});
 }
 
-AttentionImpl::AttentionImpl(const ModelConfig& c)
-    : num_heads_(c.num_attention_heads), num_kv_heads_(c.num_key_value_heads), head_dim_(c.head_dim) {
+AttentionImpl::AttentionImpl(const ModelConfig& c) : AttentionImpl(c, c.num_attention_heads, c.num_key_value_heads) {}
+
+AttentionImpl::AttentionImpl(const ModelConfig& c, int64_t heads, int64_t kv_heads)
+    : num_heads_(heads), num_kv_heads_(kv_heads), head_dim_(c.head_dim) {
   q_proj = register_module("q_proj", Linear(c.hidden_size, num_heads_ * head_dim_));
   k_proj = register_module("k_proj", Linear(c.hidden_size, num_kv_heads_ * head_dim_));
   v_proj = register_module("v_proj", Linear(c.hidden_size, num_kv_heads_ * head_dim_));
@@ -207,10 +209,12 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const RotaryEmbeddi
   return o_proj(out.transpose(1, 2).reshape({batch, seq, num_heads_ * head_dim_}));
 }
 
-MlpImpl::MlpImpl(const ModelConfig& c) {
-  gate_proj = register_module("gate_proj", Linear(c.hidden_size, c.intermediate_size));
-  up_proj = register_module("up_proj", Linear(c.hidden_size, c.intermediate_size));
-  down_proj = register_module("down_proj", Linear(c.intermediate_size, c.hidden_size));
+MlpImpl::MlpImpl(const ModelConfig& c) : MlpImpl(c, c.intermediate_size) {}
+
+MlpImpl::MlpImpl(const ModelConfig& c, int64_t intermediate) {
+  gate_proj = register_module("gate_proj", Linear(c.hidden_size, intermediate));
+  up_proj = register_module("up_proj", Linear(c.hidden_size, intermediate));
+  down_proj = register_module("down_proj", Linear(intermediate, c.hidden_size));
 }
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
@@ -218,9 +222,13 @@ torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
   return down_proj(fused_swiglu(fused_linear(x, {gate_proj.get(), up_proj.get()})));
 }
 
-DecoderBlockImpl::DecoderBlockImpl(const ModelConfig& c) {
-  self_attn = register_module("self_attn", Attention(c));
-  mlp = register_module("mlp", Mlp(c));
+DecoderBlockImpl::DecoderBlockImpl(const ModelConfig& c)
+    : DecoderBlockImpl(c, BlockShape{c.num_attention_heads, c.num_key_value_heads, c.intermediate_size}, -1, nullptr) {}
+
+DecoderBlockImpl::DecoderBlockImpl(const ModelConfig& c, const BlockShape& shape, int64_t layer, const CommHook* comm)
+    : layer_(layer), comm_(comm) {
+  self_attn = register_module("self_attn", Attention(c, shape.heads, shape.kv_heads));
+  mlp = register_module("mlp", Mlp(c, shape.intermediate));
   input_layernorm = register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
   post_attention_layernorm =
       register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
@@ -229,9 +237,19 @@ DecoderBlockImpl::DecoderBlockImpl(const ModelConfig& c) {
 torch::Tensor DecoderBlockImpl::forward(const torch::Tensor& x, const RotaryEmbedding& rope) {
   // The residual stream stays fp32; sublayer outputs (compute dtype) are promoted on add.
   // Norms write their output directly in the compute dtype the projections read.
+  // With tensor parallelism, comm points wrap each sublayer: f before (all-reduce backward),
+  // g after (all-reduce forward of the row-parallel partial sums).
   const auto dtype = self_attn->q_proj->compute_dtype();
-  auto h = x + self_attn->forward(input_layernorm->normalize(x, dtype), rope).to(x.scalar_type());
-  return h + mlp(post_attention_layernorm->normalize(h, dtype)).to(x.scalar_type());
+  if (comm_ == nullptr || !*comm_) {
+    auto h = x + self_attn->forward(input_layernorm->normalize(x, dtype), rope).to(x.scalar_type());
+    return h + mlp(post_attention_layernorm->normalize(h, dtype)).to(x.scalar_type());
+  }
+  auto a = comm_point(comm_, CommPoint::kAttentionInput, layer_, input_layernorm->normalize(x, dtype));
+  a = comm_point(comm_, CommPoint::kAttentionOutput, layer_, self_attn->forward(a, rope));
+  auto h = x + a.to(x.scalar_type());
+  auto m = comm_point(comm_, CommPoint::kMlpInput, layer_, post_attention_layernorm->normalize(h, dtype));
+  m = comm_point(comm_, CommPoint::kMlpOutput, layer_, mlp(m));
+  return h + m.to(x.scalar_type());
 }
 
 void set_compute_dtype(torch::nn::Module& module, torch::Dtype dtype) {

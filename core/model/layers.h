@@ -19,6 +19,7 @@
 #include <torch/types.h>
 
 #include "core/model/config.h"
+#include "core/model/parallel.h"
 
 namespace weft {
 
@@ -119,9 +120,18 @@ torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& cos, con
 // Softmax in fp32; returns [B, H, T, D] in q's dtype.
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
 
+// The heads and MLP width a process holds of each block (all of them without tensor
+// parallelism).
+struct BlockShape {
+  int64_t heads = 0, kv_heads = 0, intermediate = 0;
+};
+
 class AttentionImpl : public torch::nn::Module {
  public:
   explicit AttentionImpl(const ModelConfig& config);
+  // This process's `heads` query and `kv_heads` key/value heads (column-parallel q/k/v,
+  // row-parallel o: the output is a partial sum over the processes' heads).
+  AttentionImpl(const ModelConfig& config, int64_t heads, int64_t kv_heads);
   // x [B, T, hidden] -> [B, T, hidden]; rope gives the position tables.
   torch::Tensor forward(const torch::Tensor& x, const RotaryEmbedding& rope);
 
@@ -136,6 +146,8 @@ TORCH_MODULE(Attention);
 class MlpImpl : public torch::nn::Module {
  public:
   explicit MlpImpl(const ModelConfig& config);
+  // `intermediate` columns of the MLP (gate/up column-parallel, down row-parallel).
+  MlpImpl(const ModelConfig& config, int64_t intermediate);
   torch::Tensor forward(const torch::Tensor& x);
   Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
 };
@@ -145,11 +157,17 @@ TORCH_MODULE(Mlp);
 class DecoderBlockImpl : public torch::nn::Module {
  public:
   explicit DecoderBlockImpl(const ModelConfig& config);
+  // Block `layer` holding `shape` of it; `comm` (may be null; must outlive the block) is called
+  // at the four Megatron points around attention and MLP.
+  DecoderBlockImpl(const ModelConfig& config, const BlockShape& shape, int64_t layer, const CommHook* comm);
   torch::Tensor forward(const torch::Tensor& x, const RotaryEmbedding& rope);
-
   Attention self_attn{nullptr};
   Mlp mlp{nullptr};
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+
+ private:
+  int64_t layer_ = -1;
+  const CommHook* comm_ = nullptr;
 };
 TORCH_MODULE(DecoderBlock);
 

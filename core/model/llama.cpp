@@ -1,22 +1,100 @@
 #include "core/model/llama.h"
 
+#include <algorithm>
+#include <tuple>
+
 #include <torch/torch.h>
 
 #include "core/util/error.h"
 
 namespace weft {
 
-LlamaBackboneImpl::LlamaBackboneImpl(const ModelConfig& c, int64_t first, int64_t last) {
+LocalShape local_shape(const ModelConfig& c, const ShardMap& shards, int64_t first, int64_t last) {
+  LocalShape local{c.num_attention_heads, c.num_key_value_heads, c.intermediate_size, 0, c.vocab_size};
+  const auto specs = parameter_specs(c, first, last);
+  for (const auto& [name, shard] : shards) {
+    const auto spec = std::find_if(specs.begin(), specs.end(), [&](const auto& s) { return s.first == name; });
+    WEFT_CHECK(spec != specs.end(), "tensor parallel: '{}' is not a parameter this process holds", name);
+    WEFT_CHECK(shard.parts >= 1 && 0 <= shard.index && shard.index < shard.parts && 0 <= shard.dim &&
+                   shard.dim < static_cast<int32_t>(spec->second.size()),
+               "tensor parallel: invalid shard of '{}' (dim {}, part {} of {})", name, shard.dim, shard.index,
+               shard.parts);
+  }
+  // Every block must be split the same way; the first held block decides, the others are checked.
+  auto shard_for = [&](const std::string& suffix, int64_t layer) {
+    return shard_of(shards, "model.layers." + std::to_string(layer) + "." + suffix);
+  };
+  const int64_t final_stage = c.num_hidden_layers + 1;
+  bool first_block = true;
+  for (int64_t stage = std::max<int64_t>(first, 1); stage < std::min(last, final_stage); ++stage) {
+    const int64_t layer = stage - 1;
+    const auto q = shard_for("self_attn.q_proj.weight", layer), k = shard_for("self_attn.k_proj.weight", layer),
+               v = shard_for("self_attn.v_proj.weight", layer), o = shard_for("self_attn.o_proj.weight", layer);
+    const auto gate = shard_for("mlp.gate_proj.weight", layer), up = shard_for("mlp.up_proj.weight", layer),
+               down = shard_for("mlp.down_proj.weight", layer);
+    WEFT_CHECK((q.whole() || q.dim == 0) && (k.whole() || k.dim == 0) && (v.whole() || v.dim == 0) &&
+                   (o.whole() || o.dim == 1) && (gate.whole() || gate.dim == 0) && (up.whole() || up.dim == 0) &&
+                   (down.whole() || down.dim == 1),
+               "tensor parallel: layer {}: q/k/v/gate/up split along dim 0 and o/down along dim 1 (Megatron)", layer);
+    WEFT_CHECK(q.parts == o.parts && q.index == o.index, "tensor parallel: layer {}: q_proj and o_proj must be split alike",
+               layer);
+    WEFT_CHECK(k.parts == v.parts && k.index == v.index, "tensor parallel: layer {}: k_proj and v_proj must be split alike",
+               layer);
+    WEFT_CHECK(gate.parts == up.parts && gate.index == up.index && gate.parts == down.parts && gate.index == down.index,
+               "tensor parallel: layer {}: gate/up/down must be split alike", layer);
+    WEFT_CHECK(c.num_attention_heads % q.parts == 0,
+               "tensor parallel: {} attention heads cannot be split into {} parts", c.num_attention_heads, q.parts);
+    WEFT_CHECK(c.num_key_value_heads % k.parts == 0,
+               "tensor parallel: {} kv heads cannot be split into {} parts", c.num_key_value_heads, k.parts);
+    WEFT_CHECK(c.intermediate_size % gate.parts == 0,
+               "tensor parallel: intermediate size {} cannot be split into {} parts", c.intermediate_size, gate.parts);
+    const int64_t heads = c.num_attention_heads / q.parts, kv_heads = c.num_key_value_heads / k.parts;
+    // The local query heads must use exactly the local kv heads (GQA groups intact).
+    const int64_t group = c.num_attention_heads / c.num_key_value_heads;
+    const int64_t first_head = q.index * heads, first_kv = k.index * kv_heads;
+    WEFT_CHECK(first_head / group == first_kv && (first_head + heads - 1) / group == first_kv + kv_heads - 1 &&
+                   heads % kv_heads == 0,
+               "tensor parallel: layer {}: query heads [{}, {}) need kv heads [{}, {}], this part holds [{}, {})", layer,
+               first_head, first_head + heads, first_head / group, (first_head + heads - 1) / group, first_kv,
+               first_kv + kv_heads);
+    const LocalShape here{heads, kv_heads, c.intermediate_size / gate.parts, 0, 0};
+    if (first_block) {
+      local.heads = here.heads;
+      local.kv_heads = here.kv_heads;
+      local.intermediate = here.intermediate;
+      first_block = false;
+    }
+    WEFT_CHECK(here.heads == local.heads && here.kv_heads == local.kv_heads && here.intermediate == local.intermediate,
+               "tensor parallel: every layer must be split alike (layer {} differs)", layer);
+    for (const char* norm : {"input_layernorm.weight", "post_attention_layernorm.weight"}) {
+      WEFT_CHECK(shard_for(norm, layer).whole(), "tensor parallel: norms are not split (layer {})", layer);
+    }
+  }
+  WEFT_CHECK(shard_of(shards, "model.norm.weight").whole(), "tensor parallel: the final norm is not split");
+  const auto embed = shard_of(shards, "model.embed_tokens.weight"), head = shard_of(shards, "lm_head.weight");
+  const bool head_held = first <= final_stage && final_stage < last;
+  const ParameterShard vocab = !embed.whole() ? embed : head;
+  WEFT_CHECK(vocab.whole() || vocab.dim == 0, "tensor parallel: the embedding and LM head split along the vocabulary (dim 0)");
+  WEFT_CHECK(embed.whole() || !head_held || c.tie_word_embeddings || (head.parts == embed.parts && head.index == embed.index),
+             "tensor parallel: the embedding and LM head must be split alike");
+  WEFT_CHECK(c.vocab_size % vocab.parts == 0, "tensor parallel: vocabulary {} cannot be split into {} parts", c.vocab_size,
+             vocab.parts);
+  std::tie(local.vocab_start, local.vocab) = vocab.range(c.vocab_size);
+  return local;
+}
+
+LlamaBackboneImpl::LlamaBackboneImpl(const ModelConfig& c, int64_t first, int64_t last, const LocalShape& local,
+                                     const CommHook* comm) {
   const int64_t final_stage = c.num_hidden_layers + 1;
   const bool holds_head = first <= final_stage && final_stage < last;
   if (first == 0 || (holds_head && c.tie_word_embeddings)) {
-    embed_tokens = register_module("embed_tokens",
-                                   torch::nn::Embedding(c.vocab_size, c.hidden_size));
+    embed_tokens = register_module("embed_tokens", torch::nn::Embedding(local.vocab, c.hidden_size));
   }
   layers = register_module("layers", std::make_shared<torch::nn::Module>());
+  const BlockShape shape{local.heads, local.kv_heads, local.intermediate};
   for (int64_t stage = std::max<int64_t>(first, 1); stage < std::min(last, final_stage); ++stage) {
     const int64_t index = stage - 1;
-    blocks.emplace(index, layers->register_module(std::to_string(index), DecoderBlock(c)));
+    blocks.emplace(index, layers->register_module(std::to_string(index), DecoderBlock(c, shape, index, comm)));
   }
   if (holds_head) norm = register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps));
 }
@@ -29,9 +107,10 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const ModelConfig& config, const Mode
   WEFT_CHECK(0 <= first_stage_ && first_stage_ < last_stage_ && last_stage_ <= num_stages(),
              "stage range [{}, {}) is not within the model's {} stages", first_stage_, last_stage_,
              num_stages());
-  model = register_module("model", LlamaBackbone(config_, first_stage_, last_stage_));
+  local_ = weft::local_shape(config_, options_.shards, first_stage_, last_stage_);
+  model = register_module("model", LlamaBackbone(config_, first_stage_, last_stage_, local_, options_.comm.get()));
   if (last_stage_ == num_stages() && !config_.tie_word_embeddings) {
-    lm_head = register_module("lm_head", Linear(config_.hidden_size, config_.vocab_size));
+    lm_head = register_module("lm_head", Linear(config_.hidden_size, local_.vocab));
   }
   set_compute_dtype(options_.compute_dtype);
 }
@@ -53,7 +132,12 @@ torch::Tensor LlamaForCausalLMImpl::run_stage(int64_t stage, const torch::Tensor
     WEFT_CHECK(input.scalar_type() == torch::kLong && input.dim() == 2,
                "stage 0 expects int64 token ids [batch, seq], got {} with {} dims",
                std::string(c10::toString(input.scalar_type())), input.dim());
-    return model->embed_tokens(input);
+    if (!vocab_parallel()) return model->embed_tokens(input);
+    // This process's rows of the vocabulary; other tokens contribute zeros, summed over shards.
+    auto local = input - local_.vocab_start;
+    auto mine = ((local >= 0) & (local < local_.vocab)).unsqueeze(-1).to(torch::kFloat32);
+    auto rows = model->embed_tokens(local.clamp(0, local_.vocab - 1)) * mine;
+    return comm_point(options_.comm.get(), CommPoint::kEmbeddingOutput, -1, rows);
   }
   if (stage < final_stage) {
     auto& block = model->blocks.at(stage - 1);
@@ -63,6 +147,7 @@ torch::Tensor LlamaForCausalLMImpl::run_stage(int64_t stage, const torch::Tensor
     return block->forward(input, rope_);
   }
   auto h = model->norm(input);
+  if (vocab_parallel()) h = comm_point(options_.comm.get(), CommPoint::kHeadInput, -1, h);
   if (!lm_head.is_empty()) return lm_head(h);
   return torch::nn::functional::linear(h.to(options_.compute_dtype),
                                        head_weight().to(options_.compute_dtype));
@@ -86,6 +171,11 @@ int64_t stage_of_parameter(const std::string& name, int64_t num_layers) {
   if (name.rfind("model.embed_tokens.", 0) == 0) return 0;
   if (name.rfind(layers, 0) == 0) return 1 + std::stoll(name.substr(layers.size()));
   return num_layers + 1;
+}
+
+torch::Tensor LlamaForCausalLMImpl::loss(const torch::Tensor& logits, const torch::Tensor& targets) const {
+  if (!vocab_parallel()) return cross_entropy(logits, targets);
+  return vocab_parallel_cross_entropy(logits, targets, local_.vocab_start, options_.comm.get());
 }
 
 torch::Tensor cross_entropy_sum(const torch::Tensor& logits, const torch::Tensor& targets) {

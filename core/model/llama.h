@@ -22,6 +22,7 @@
 
 #include "core/model/config.h"
 #include "core/model/layers.h"
+#include "core/model/parallel.h"
 
 namespace weft {
 
@@ -34,11 +35,26 @@ struct ModelOptions {
   torch::Dtype compute_dtype = torch::kFloat32;  // kFloat32 or kBFloat16
   bool activation_checkpointing = false;         // recompute each decoder block in backward
   StageRange stages;                             // which stages this process materialises
+  // Tensor parallelism: the slice of each weight this process holds (parallel.h) and the hook
+  // the model calls at Megatron's communication points (none: a whole model).
+  ShardMap shards;
+  std::shared_ptr<const CommHook> comm;
 };
+
+// What a process's slices amount to, checked against the Megatron layout: local head counts,
+// MLP width and the vocabulary range of the embedding / LM head.
+struct LocalShape {
+  int64_t heads = 0, kv_heads = 0, intermediate = 0;
+  int64_t vocab_start = 0, vocab = 0;
+};
+// Throws weft::Error naming the parameter and the problem when `shards` is not a layout the
+// model can run (a split that does not divide the heads, a norm split, a transposed split...).
+LocalShape local_shape(const ModelConfig& config, const ShardMap& shards, int64_t first_stage, int64_t last_stage);
 
 class LlamaBackboneImpl : public torch::nn::Module {
  public:
-  LlamaBackboneImpl(const ModelConfig& config, int64_t first_stage, int64_t last_stage);
+  LlamaBackboneImpl(const ModelConfig& config, int64_t first_stage, int64_t last_stage, const LocalShape& local,
+                    const CommHook* comm);
   torch::nn::Embedding embed_tokens{nullptr};  // present when stage 0 (or a tied head) is held
   std::shared_ptr<torch::nn::Module> layers;   // children "i" -> DecoderBlock for held blocks
   RMSNorm norm{nullptr};                       // present when the last stage is held
@@ -71,6 +87,12 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
 
   // The LM head weight: lm_head.weight, or the embedding when tied.
   torch::Tensor head_weight() const;
+  // This process's slices (whole model: heads = config heads, vocab = [0, vocab_size)).
+  const LocalShape& local_shape() const { return local_; }
+  bool vocab_parallel() const { return local_.vocab != config_.vocab_size; }
+  // Mean cross-entropy of this model's logits (the last stage's output) against targets:
+  // cross_entropy, or vocab_parallel_cross_entropy when the vocabulary is split.
+  torch::Tensor loss(const torch::Tensor& logits, const torch::Tensor& targets) const;
 
   LlamaBackbone model{nullptr};
   Linear lm_head{nullptr};  // absent when tie_word_embeddings
@@ -81,6 +103,7 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   ModelConfig config_;
   ModelOptions options_;
   int64_t first_stage_, last_stage_;
+  LocalShape local_;
   RotaryEmbedding rope_;
 };
 TORCH_MODULE(LlamaForCausalLM);

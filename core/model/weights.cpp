@@ -37,7 +37,16 @@ void init_weights(LlamaForCausalLMImpl& model, uint64_t seed, double std) {
       continue;
     }
     auto generator = at::make_generator<at::CPUGeneratorImpl>(hash64(name, seed));
-    param.normal_(0.0, std, generator);
+    const ParameterShard shard = shard_of(model.options().shards, name);
+    if (shard.whole()) {
+      param.normal_(0.0, std, generator);
+    } else {  // this process's slice of the whole tensor's values
+      std::vector<int64_t> full = param.sizes().vec();
+      full[shard.dim] = full[shard.dim] * shard.parts;
+      auto whole = torch::empty(full, param.options());
+      whole.normal_(0.0, std, generator);
+      param.copy_(shard_slice(whole, shard));
+    }
   }
 }
 
@@ -54,9 +63,12 @@ void load_weights(LlamaForCausalLMImpl& model, const std::string& path) {
     }
     auto& param = item.value();
     const auto& info = checkpoint.info(name);
-    WEFT_CHECK(info.shape == param.sizes().vec(), "{}: tensor '{}' has shape {} but the model expects {}",
-               path, name, fmt::join(info.shape, "x"), fmt::join(param.sizes(), "x"));
-    param.copy_(checkpoint.load(name, torch::kFloat32));
+    const ParameterShard shard = shard_of(model.options().shards, name);
+    std::vector<int64_t> expected = param.sizes().vec();
+    if (!shard.whole()) expected[shard.dim] *= shard.parts;
+    WEFT_CHECK(info.shape == expected, "{}: tensor '{}' has shape {} but the model expects {}", path, name,
+               fmt::join(info.shape, "x"), fmt::join(expected, "x"));
+    param.copy_(shard_slice(checkpoint.load(name, torch::kFloat32), shard));
   }
   WEFT_CHECK(missing.empty(), "{}: {} model tensors are missing from the checkpoint, e.g. '{}'", path,
              missing.size(), missing.empty() ? "" : missing.front());

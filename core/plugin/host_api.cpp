@@ -539,11 +539,13 @@ weft_status* forward(weft_host* host, int64_t first, int64_t last, weft_activati
   });
 }
 
-weft_status* loss(weft_host*, weft_activation* logits, weft_activation* targets, double scale,
+weft_status* loss(weft_host* host, weft_activation* logits, weft_activation* targets, double scale,
                   weft_activation** loss_out, double* value_out, int64_t* tokens_out) {
   return guarded([&] {
     const auto& t = tensor_of(targets);
-    auto mean = cross_entropy(tensor_of(logits), t);
+    auto& s = state_of(host);
+    // A vocabulary-parallel model combines its shards' partial sums (comm points).
+    auto mean = s.model ? s.model->loss(tensor_of(logits), t) : cross_entropy(tensor_of(logits), t);
     const double value = mean.item<double>();
     if (loss_out) *loss_out = new_activation(mean * scale);
     if (value_out) *value_out = value;

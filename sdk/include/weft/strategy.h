@@ -169,7 +169,8 @@ typedef enum weft_comm_point {
   WEFT_COMM_MLP_OUTPUT = 3,      /* after down_proj */
   WEFT_COMM_EMBEDDING_OUTPUT = 4,/* after a vocabulary-sharded embedding lookup */
   WEFT_COMM_LOSS_MAX = 5,        /* per-token max of sharded logits (vocab-parallel loss) */
-  WEFT_COMM_LOSS_SUM = 6         /* per-token sums of sharded logits (vocab-parallel loss) */
+  WEFT_COMM_LOSS_SUM = 6,        /* per-token sums of sharded logits (vocab-parallel loss) */
+  WEFT_COMM_HEAD_INPUT = 7       /* before a vocabulary-parallel LM head (since 1.1) */
 } weft_comm_point;
 
 typedef enum weft_direction {

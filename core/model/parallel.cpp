@@ -1,0 +1,95 @@
+#include "core/model/parallel.h"
+
+#include <torch/torch.h>
+
+#include "core/util/error.h"
+
+namespace weft {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct CommFunction : public torch::autograd::Function<CommFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const CommHook* hook, int64_t point,
+                               int64_t layer) {
+    ctx->saved_data["hook"] = reinterpret_cast<int64_t>(hook);
+    ctx->saved_data["point"] = point;
+    ctx->saved_data["layer"] = layer;
+    torch::Tensor y = x.clone();
+    (*hook)(static_cast<CommPoint>(point), /*backward=*/false, layer, y);
+    return y;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto* hook = reinterpret_cast<const CommHook*>(ctx->saved_data["hook"].toInt());
+    torch::Tensor g = grads[0].contiguous().clone();
+    (*hook)(static_cast<CommPoint>(ctx->saved_data["point"].toInt()), /*backward=*/true,
+            ctx->saved_data["layer"].toInt(), g);
+    return {g, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+ParameterShard shard_of(const ShardMap& shards, const std::string& name) {
+  const auto it = shards.find(name);
+  return it == shards.end() ? ParameterShard{} : it->second;
+}
+
+torch::Tensor comm_point(const CommHook* hook, CommPoint point, int64_t layer, const torch::Tensor& x) {
+  if (hook == nullptr || !*hook) return x;
+  return CommFunction::apply(x.contiguous(), hook, static_cast<int64_t>(point), layer);
+}
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_specs(const ModelConfig& c, int64_t first,
+                                                                          int64_t last) {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> specs;
+  const int64_t final_stage = c.num_hidden_layers + 1;
+  const bool head = first <= final_stage && final_stage < last;
+  const int64_t q = c.num_attention_heads * c.head_dim, kv = c.num_key_value_heads * c.head_dim;
+  if (first == 0 || (head && c.tie_word_embeddings)) specs.push_back({"model.embed_tokens.weight", {c.vocab_size, c.hidden_size}});
+  for (int64_t stage = std::max<int64_t>(first, 1); stage < std::min(last, final_stage); ++stage) {
+    const std::string p = "model.layers." + std::to_string(stage - 1) + ".";
+    specs.push_back({p + "self_attn.q_proj.weight", {q, c.hidden_size}});
+    specs.push_back({p + "self_attn.k_proj.weight", {kv, c.hidden_size}});
+    specs.push_back({p + "self_attn.v_proj.weight", {kv, c.hidden_size}});
+    specs.push_back({p + "self_attn.o_proj.weight", {c.hidden_size, q}});
+    specs.push_back({p + "mlp.gate_proj.weight", {c.intermediate_size, c.hidden_size}});
+    specs.push_back({p + "mlp.up_proj.weight", {c.intermediate_size, c.hidden_size}});
+    specs.push_back({p + "mlp.down_proj.weight", {c.hidden_size, c.intermediate_size}});
+    specs.push_back({p + "input_layernorm.weight", {c.hidden_size}});
+    specs.push_back({p + "post_attention_layernorm.weight", {c.hidden_size}});
+  }
+  if (head) {
+    specs.push_back({"model.norm.weight", {c.hidden_size}});
+    if (!c.tie_word_embeddings) specs.push_back({"lm_head.weight", {c.vocab_size, c.hidden_size}});
+  }
+  return specs;
+}
+
+torch::Tensor shard_slice(const torch::Tensor& full, const ParameterShard& shard) {
+  if (shard.whole()) return full;
+  const auto [start, length] = shard.range(full.size(shard.dim));
+  return full.narrow(shard.dim, start, length);
+}
+
+torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits, const torch::Tensor& targets,
+                                           int64_t vocab_start, const CommHook* hook) {
+  const int64_t vocab = logits.size(-1);
+  auto x = logits.reshape({-1, vocab}).to(torch::kFloat32);
+  auto t = targets.reshape({-1});
+  // Per-token max over every shard (a constant for autograd: the loss does not depend on it).
+  auto max = std::get<0>(x.detach().max(-1)).contiguous();
+  if (hook && *hook) (*hook)(CommPoint::kLossMax, false, -1, max);
+  auto shifted = x - max.unsqueeze(1);
+  // Local sums of exp() and the target's logit (0 on shards that do not hold it), combined.
+  auto local = t - vocab_start;
+  auto mine = (local >= 0) & (local < vocab);
+  auto index = local.clamp(0, vocab - 1).unsqueeze(1);
+  auto target_logit = shifted.gather(1, index).squeeze(1) * mine.to(torch::kFloat32);
+  auto sums = torch::stack({shifted.exp().sum(1), target_logit});
+  sums = comm_point(hook, CommPoint::kLossSum, -1, sums);
+  return (sums[0].log() - sums[1]).mean();
+}
+
+}  // namespace weft

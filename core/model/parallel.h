@@ -1,0 +1,79 @@
+// Tensor parallelism inside the model (Megatron-LM): which slice of each weight this process
+// holds, and the communication points the model calls so that a strategy plugin can combine
+// the slices' partial results.
+//
+// A parameter's shard is the slice [index * n / parts, (index + 1) * n / parts) along `dim` of
+// its full tensor (parts == 1: whole). The model supports the Megatron layout: q/k/v and
+// gate/up column-parallel (dim 0), o and down row-parallel (dim 1), embedding and LM head
+// vocabulary-parallel (dim 0), norms whole; k/v may also be split into fewer parts than q (ranks
+// that share a kv head hold the same kv slice, and each gets a partial gradient of it, from its
+// own query heads: the plugin sums those over the sharing ranks). Anything else is refused when
+// the model is built.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/types.h>
+
+#include "core/model/config.h"
+
+namespace weft {
+
+struct ParameterShard {
+  int32_t dim = 0;
+  int32_t parts = 1;
+  int32_t index = 0;
+  bool whole() const { return parts == 1; }
+  // [start, start + length) of a dimension of `size` elements.
+  std::pair<int64_t, int64_t> range(int64_t size) const {
+    const int64_t start = index * size / parts, end = (index + 1) * size / parts;
+    return {start, end - start};
+  }
+};
+
+// By HF parameter name; names not present are whole.
+using ShardMap = std::map<std::string, ParameterShard>;
+ParameterShard shard_of(const ShardMap& shards, const std::string& name);
+
+// Where the model calls the communication hook (the C ABI's weft_comm_point, same order).
+enum class CommPoint {
+  kAttentionInput = 0,   // before q/k/v: identity forward, all-reduce backward (Megatron's f)
+  kAttentionOutput = 1,  // after o_proj: all-reduce forward, identity backward (Megatron's g)
+  kMlpInput = 2,
+  kMlpOutput = 3,
+  kEmbeddingOutput = 4,  // after a vocabulary-parallel lookup: all-reduce forward
+  kLossMax = 5,          // per-token max of the local logits: all-reduce(max) forward
+  kLossSum = 6,          // per-token sums of the local logits' terms: all-reduce forward
+  kHeadInput = 7,        // before a vocabulary-parallel LM head: identity forward, all-reduce
+                         // backward (the hidden state's gradient sums over the vocabulary)
+};
+
+// Communicates in place on `tensor` at `point` of decoder block `layer` (-1 outside blocks),
+// in the forward or the backward direction. Throws on failure.
+using CommHook = std::function<void(CommPoint point, bool backward, int64_t layer, torch::Tensor& tensor)>;
+
+// y = x with the hook applied to (a copy of) x in the forward pass and to the incoming
+// gradient in the backward pass. Without a hook, x itself.
+torch::Tensor comm_point(const CommHook* hook, CommPoint point, int64_t layer, const torch::Tensor& x);
+
+// Every parameter of model stages [first, last) with its full shape, by HF name (without LoRA
+// adapters), so a plugin can be asked how to shard each before anything is allocated.
+std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_specs(const ModelConfig& config, int64_t first,
+                                                                          int64_t last);
+
+// The slice of `full` that `shard` selects (a view).
+torch::Tensor shard_slice(const torch::Tensor& full, const ParameterShard& shard);
+
+// Mean cross-entropy of vocabulary-sharded logits [.., V / parts] whose shard starts at
+// `vocab_start`, against global target ids, never gathering the full logits: the per-token max
+// and the sums of exp() and of the target logit are combined over the shards through the hook
+// (kLossMax, kLossSum). Equals cross_entropy(full logits) when every shard runs it.
+torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits, const torch::Tensor& targets,
+                                           int64_t vocab_start, const CommHook* hook);
+
+}  // namespace weft

@@ -1,0 +1,228 @@
+// Megatron tensor parallelism inside the model (core/model/parallel.h), in one process: two
+// shard models run in two threads whose communication hook sums (or maxes) over both, and
+// their results must equal the whole model's: logits (gathered over the vocabulary), the loss
+// (vocabulary-parallel cross-entropy, never gathering logits), the gradient with respect to the
+// input embeddings and every parameter's gradient slice. Also: GQA kv heads split into fewer
+// parts than the query heads, tied embeddings, and the refusals of layouts the model cannot run.
+#include <condition_variable>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "core/model/llama.h"
+#include "core/model/parallel.h"
+#include "core/model/weights.h"
+#include "core/util/error.h"
+
+namespace {
+
+using weft::CommPoint;
+using weft::ModelConfig;
+using weft::ParameterShard;
+using weft::ShardMap;
+
+// An all-reduce between `size` threads of this process.
+class ThreadAllReduce {
+ public:
+  explicit ThreadAllReduce(int size) : size_(size), slots_(static_cast<size_t>(size)) {}
+  void run(int rank, torch::Tensor& t, bool max) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    const int generation = generation_;
+    slots_[static_cast<size_t>(rank)] = t.detach().clone();
+    if (++arrived_ == size_) {
+      result_ = slots_[0].clone();
+      for (int r = 1; r < size_; ++r) result_ = max ? torch::maximum(result_, slots_[r]) : result_ + slots_[r];
+      arrived_ = 0;
+      ++generation_;
+      cv_.notify_all();
+    } else {
+      cv_.wait(lock, [&] { return generation_ != generation; });
+    }
+    t.copy_(result_);
+  }
+
+ private:
+  int size_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  int arrived_ = 0, generation_ = 0;
+  std::vector<torch::Tensor> slots_;
+  torch::Tensor result_;
+};
+
+// Megatron's f/g and the vocabulary-parallel reductions for thread `rank`.
+weft::CommHook megatron_hook(ThreadAllReduce& reduce, int rank) {
+  return [&reduce, rank](CommPoint point, bool backward, int64_t, torch::Tensor& t) {
+    switch (point) {
+      case CommPoint::kAttentionInput:
+      case CommPoint::kMlpInput:
+      case CommPoint::kHeadInput:
+        if (backward) reduce.run(rank, t, false);
+        break;
+      case CommPoint::kAttentionOutput:
+      case CommPoint::kMlpOutput:
+      case CommPoint::kEmbeddingOutput:
+      case CommPoint::kLossSum:
+        if (!backward) reduce.run(rank, t, false);
+        break;
+      case CommPoint::kLossMax:
+        if (!backward) reduce.run(rank, t, true);
+        break;
+    }
+  };
+}
+
+ModelConfig small_config(bool tied) {
+  ModelConfig c = weft::preset_config("tiny");  // hidden 64, 4 heads, 2 kv heads, 512 vocab
+  c.num_hidden_layers = 2;
+  c.tie_word_embeddings = tied;
+  return c;
+}
+
+// The Megatron layout for part `index` of `parts` (kv heads split into `kv_parts`).
+ShardMap megatron_shards(const ModelConfig& c, int32_t parts, int32_t index, int32_t kv_parts) {
+  ShardMap shards;
+  const int32_t kv_index = index * kv_parts / parts;
+  for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer) {
+    const std::string p = "model.layers." + std::to_string(layer) + ".";
+    shards[p + "self_attn.q_proj.weight"] = {0, parts, index};
+    shards[p + "self_attn.k_proj.weight"] = {0, kv_parts, kv_index};
+    shards[p + "self_attn.v_proj.weight"] = {0, kv_parts, kv_index};
+    shards[p + "self_attn.o_proj.weight"] = {1, parts, index};
+    shards[p + "mlp.gate_proj.weight"] = {0, parts, index};
+    shards[p + "mlp.up_proj.weight"] = {0, parts, index};
+    shards[p + "mlp.down_proj.weight"] = {1, parts, index};
+  }
+  shards["model.embed_tokens.weight"] = {0, parts, index};
+  if (!c.tie_word_embeddings) shards["lm_head.weight"] = {0, parts, index};
+  return shards;
+}
+
+struct Result {
+  torch::Tensor logits, loss, hidden_grad;  // hidden_grad: d loss / d (stage 0 output)
+  std::map<std::string, torch::Tensor> grads;
+};
+
+// Runs the embedding, then the rest with the embeddings as a leaf, so their gradient is seen.
+Result run(weft::LlamaForCausalLMImpl& model, const torch::Tensor& tokens, const torch::Tensor& targets) {
+  Result r;
+  const int64_t stages = model.num_stages();
+  auto embedded = model.forward_stages(0, 1, tokens);
+  auto leaf = embedded.detach().requires_grad_(true);
+  r.logits = model.forward_stages(1, stages, leaf);
+  r.loss = model.loss(r.logits, targets);
+  r.loss.backward();
+  embedded.backward(leaf.grad());
+  r.hidden_grad = leaf.grad().clone();
+  for (auto& item : model.named_parameters()) r.grads[item.key()] = item.value().grad().clone();
+  return r;
+}
+
+void expect_matches_whole_model(bool tied, int32_t parts, int32_t kv_parts) {
+  torch::manual_seed(3);
+  at::set_num_threads(1);
+  const ModelConfig config = small_config(tied);
+  weft::LlamaForCausalLM whole(config);
+  weft::init_weights(*whole, 11, 0.05);
+  const auto tokens = torch::randint(0, config.vocab_size, {2, 16}, torch::kLong);
+  const auto targets = torch::randint(0, config.vocab_size, {2, 16}, torch::kLong);
+  const Result expected = run(*whole, tokens, targets);
+
+  ThreadAllReduce reduce(parts);
+  std::vector<Result> results(static_cast<size_t>(parts));
+  std::vector<weft::LlamaForCausalLM> shards;
+  for (int32_t rank = 0; rank < parts; ++rank) {
+    weft::ModelOptions options;
+    options.shards = megatron_shards(config, parts, rank, kv_parts);
+    options.comm = std::make_shared<const weft::CommHook>(megatron_hook(reduce, rank));
+    shards.emplace_back(config, options);
+    weft::init_weights(*shards.back(), 11, 0.05);  // the whole model's values, sliced
+  }
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(static_cast<size_t>(parts));
+  for (int32_t rank = 0; rank < parts; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        results[rank] = run(*shards[rank], tokens, targets);
+      } catch (const std::exception& e) {
+        errors[rank] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& e : errors) ASSERT_TRUE(e.empty()) << e;
+
+  std::vector<torch::Tensor> logits;
+  for (const auto& r : results) logits.push_back(r.logits);
+  EXPECT_LT((torch::cat(logits, -1) - expected.logits).abs().max().item<double>(), 1e-6);
+  // Ranks that share a kv slice each hold a partial gradient of it (from their own query
+  // heads): their sum is the slice's gradient (a plugin all-reduces it over those ranks).
+  if (kv_parts < parts) {
+    std::vector<std::map<std::string, torch::Tensor>> summed(results.size());
+    for (int32_t rank = 0; rank < parts; ++rank) {
+      for (const auto& [name, grad] : results[rank].grads) {
+        if (name.find("k_proj") == std::string::npos && name.find("v_proj") == std::string::npos) continue;
+        const int32_t sharing = parts / kv_parts, first = rank / sharing * sharing;
+        torch::Tensor sum = torch::zeros_like(grad);
+        for (int32_t other = first; other < first + sharing; ++other) sum += results[other].grads.at(name);
+        summed[rank][name + "#summed"] = sum;
+      }
+    }
+    for (int32_t rank = 0; rank < parts; ++rank) results[rank].grads.insert(summed[rank].begin(), summed[rank].end());
+  }
+  for (int32_t rank = 0; rank < parts; ++rank) {
+    const Result& r = results[rank];
+    EXPECT_NEAR(r.loss.item<double>(), expected.loss.item<double>(), 1e-6);
+    EXPECT_LT((r.hidden_grad - expected.hidden_grad).abs().max().item<double>(), 1e-6) << "rank " << rank;
+    for (const auto& [key, value] : r.grads) {
+      const bool shared_kv = kv_parts < parts && (key.find("k_proj") != std::string::npos || key.find("v_proj") != std::string::npos);
+      if (shared_kv && key.find("#summed") == std::string::npos) continue;
+      const std::string name = shared_kv ? key.substr(0, key.find('#')) : key;
+      const torch::Tensor& grad = value;
+      const ParameterShard shard = weft::shard_of(shards[rank]->options().shards, name);
+      const auto want = weft::shard_slice(expected.grads.at(name), shard);
+      ASSERT_EQ(grad.sizes(), want.sizes()) << name;
+      EXPECT_LT((grad - want).abs().max().item<double>(), 1e-6) << name << " rank " << rank;
+    }
+  }
+}
+
+TEST(TensorParallel, TwoShardsMatchTheWholeModel) { expect_matches_whole_model(false, 2, 2); }
+TEST(TensorParallel, TwoShardsWithTiedEmbeddings) { expect_matches_whole_model(true, 2, 2); }
+TEST(TensorParallel, FourShardsShareKvHeadsInPairs) { expect_matches_whole_model(false, 4, 2); }
+
+TEST(TensorParallel, RefusesLayoutsTheModelCannotRun) {
+  const ModelConfig config = small_config(false);
+  auto build = [&](ShardMap shards) {
+    weft::ModelOptions options;
+    options.shards = std::move(shards);
+    weft::LlamaForCausalLM model(config, options);
+  };
+  auto expect_error = [&](ShardMap shards, const std::string& message) {
+    try {
+      build(std::move(shards));
+      FAIL() << "no error; expected: " << message;
+    } catch (const weft::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    }
+  };
+  ShardMap three = megatron_shards(config, 3, 0, 3);
+  expect_error(three, "4 attention heads cannot be split into 3 parts");
+  ShardMap eight = megatron_shards(config, 8, 0, 2);
+  expect_error(eight, "4 attention heads cannot be split into 8 parts");
+  ShardMap transposed = megatron_shards(config, 2, 0, 2);
+  transposed["model.layers.0.self_attn.o_proj.weight"] = {0, 2, 0};
+  expect_error(transposed, "o/down along dim 1");
+  ShardMap norm = megatron_shards(config, 2, 0, 2);
+  norm["model.layers.1.input_layernorm.weight"] = {0, 2, 0};
+  expect_error(norm, "norms are not split");
+  ShardMap unknown;
+  unknown["model.layers.9.mlp.up_proj.weight"] = {0, 2, 0};
+  expect_error(unknown, "'model.layers.9.mlp.up_proj.weight' is not a parameter this process holds");
+}
+
+}  // namespace

@@ -833,7 +833,9 @@ void PluginHost::set_model(LlamaForCausalLMImpl* model) {
     entry.name = item.key();
     entry.tensor = item.value();
     entry.stage = stage_of_parameter(entry.name, layers);
-    entry.shape = item.value().sizes().vec();
+    entry.shape = item.value().sizes().vec();  // the full shape (the ABI's), not the local slice
+    const ParameterShard shard = shard_of(model->options().shards, entry.name);
+    if (!shard.whole()) entry.shape[shard.dim] *= shard.parts;
     s.parameters.push_back(std::move(entry));
   }
   install_grad_hooks(s);

@@ -67,4 +67,20 @@ double StrategySession::global_grad_norm_sq(double local_sq) {
   return global;
 }
 
+weft_shard StrategySession::shard_parameter(const weft_parameter_info& info) {
+  weft_shard shard{0, 1, 0};
+  if (!has_shard_parameter()) return shard;
+  check(library_->api().shard_parameter(instance_, &info, &shard), "shard_parameter");
+  WEFT_CHECK(shard.parts >= 1 && 0 <= shard.index && shard.index < shard.parts && 0 <= shard.dim &&
+                 shard.dim < info.ndim,
+             "plugin {}: shard_parameter({}) returned dim {}, part {} of {}", library_->name(), info.name, shard.dim,
+             shard.index, shard.parts);
+  return shard;
+}
+
+void StrategySession::comm_point(weft_comm_point point, weft_direction direction, int64_t layer, DLTensor& tensor) {
+  if (!has_comm_point()) return;
+  check(library_->api().comm_point(instance_, point, direction, layer, &tensor), "comm_point");
+}
+
 }  // namespace weft

@@ -36,6 +36,12 @@ class StrategySession {
   std::pair<double, int64_t> eval_step(const weft_step_info& step);
   // The global squared grad norm from this rank's local one.
   double global_grad_norm_sq(double local_sq);
+  // Tensor parallelism: how this rank holds each parameter (whole without a shard_parameter
+  // slot), and the communication at the model's comm points (nothing without a comm_point slot).
+  bool has_shard_parameter() const { return library_->api().shard_parameter != nullptr; }
+  weft_shard shard_parameter(const weft_parameter_info& info);
+  bool has_comm_point() const { return library_->api().comm_point != nullptr; }
+  void comm_point(weft_comm_point point, weft_direction direction, int64_t layer, DLTensor& tensor);
 
  private:
   void check(weft_status* status, const char* what) const;

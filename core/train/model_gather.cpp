@@ -32,16 +32,78 @@ ModelGather::ModelGather(LlamaForCausalLMImpl& local, Communicator& communicator
   ranges[world.rank][1] = local_.last_stage();
   std::vector<at::Tensor> tensors{ranges};
   wait(world.gloo->allreduce(tensors));
+  bool staged = false;
   for (int32_t r = 0; r < world.size; ++r) {
     ranges_.emplace_back(ranges[r][0].item<int64_t>(), ranges[r][1].item<int64_t>());
-    split_ = split_ || ranges_.back().first != 0 || ranges_.back().second != local_.num_stages();
+    staged = staged || ranges_.back().first != 0 || ranges_.back().second != local_.num_stages();
   }
+  // Every rank's (parts, index) of each of its parameters (same list on every rank when no
+  // stage is split).
+  const auto params = local_.named_parameters();
+  auto slices = torch::zeros({world.size, static_cast<int64_t>(params.size()), 2}, torch::kLong);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const ParameterShard shard = shard_of(local_.options().shards, params[i].key());
+    slices[world.rank][static_cast<int64_t>(i)][0] = shard.parts;
+    slices[world.rank][static_cast<int64_t>(i)][1] = shard.index;
+    sliced_ = sliced_ || !shard.whole();
+  }
+  std::vector<at::Tensor> slice_tensors{slices};
+  std::vector<at::Tensor> flag{torch::tensor({sliced_ ? 1L : 0L, staged ? 1L : 0L})};
+  wait(world.gloo->allreduce(flag));
+  sliced_ = flag[0][0].item<int64_t>() > 0;
+  WEFT_CHECK(!(sliced_ && flag[0][1].item<int64_t>() > 0),
+             "saving a model split into pipeline stages and tensor-parallel slices at once is not supported yet");
+  if (sliced_) {
+    wait(world.gloo->allreduce(slice_tensors));
+    for (int32_t r = 0; r < world.size; ++r) {
+      slices_.emplace_back();
+      for (size_t i = 0; i < params.size(); ++i) {
+        slices_.back().emplace_back(static_cast<int32_t>(slices[r][static_cast<int64_t>(i)][0].item<int64_t>()),
+                                    static_cast<int32_t>(slices[r][static_cast<int64_t>(i)][1].item<int64_t>()));
+      }
+    }
+  }
+  split_ = staged || sliced_;
 }
 
 LlamaForCausalLMImpl* ModelGather::gather() {
   auto& world = communicator_.world();
   if (!split_) return world.rank == 0 ? &local_ : nullptr;
   torch::NoGradGuard no_grad;
+  if (!full_ && world.rank == 0) {
+    ModelOptions options = local_.options();
+    options.stages = StageRange{};
+    options.shards.clear();
+    options.comm.reset();
+    full_ = LlamaForCausalLM(local_.config(), options);
+    if (lora_) apply_lora(*full_, *lora_, 0);
+  }
+  if (sliced_) {
+    // Every parameter, in the same order everywhere: all-gather the slices, keep one per index.
+    const auto params = local_.named_parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      const std::string& name = params[i].key();
+      const ParameterShard mine = shard_of(local_.options().shards, name);
+      std::vector<at::Tensor> input{params[i].value().detach().contiguous()};
+      std::vector<std::vector<at::Tensor>> output(1);
+      for (int32_t r = 0; r < world.size; ++r) output[0].push_back(torch::empty_like(input[0]));
+      wait(world.gloo->allgather(output, input));
+      if (world.rank != 0) continue;
+      torch::Tensor target = full_->named_parameters()[name];
+      if (mine.whole()) {
+        target.copy_(input[0]);
+        continue;
+      }
+      std::vector<torch::Tensor> parts(static_cast<size_t>(mine.parts));
+      for (int32_t r = 0; r < world.size; ++r) {
+        const auto [count, index] = slices_[static_cast<size_t>(r)][i];
+        if (count == mine.parts && !parts[static_cast<size_t>(index)].defined()) parts[static_cast<size_t>(index)] = output[0][r];
+      }
+      for (const auto& part : parts) WEFT_CHECK(part.defined(), "saving: a slice of '{}' is held by no rank", name);
+      target.copy_(torch::cat(parts, mine.dim));
+    }
+    return world.rank == 0 ? full_.get() : nullptr;
+  }
   const int64_t stages = local_.num_stages();
   // The owner of each model stage: the lowest rank that holds it.
   std::vector<int32_t> owner(static_cast<size_t>(stages), -1);
@@ -60,12 +122,6 @@ LlamaForCausalLMImpl* ModelGather::gather() {
       }
     }
     return nullptr;
-  }
-  if (!full_) {
-    ModelOptions options = local_.options();
-    options.stages = StageRange{};
-    full_ = LlamaForCausalLM(local_.config(), options);
-    if (lora_) apply_lora(*full_, *lora_, 0);
   }
   for (int64_t s = 0; s < stages; ++s) {
     auto targets = stage_parameters(*full_, s);

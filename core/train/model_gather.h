@@ -1,6 +1,7 @@
-// Saving a model that is split over ranks (pipeline stages): every rank sends the stages it
-// owns to rank 0, which assembles the whole model and saves it in the standard HF layout, so a
-// run under gpipe.so or pipedream.so resumes under single.so or ddp.so and vice versa.
+// Saving a model that is split over ranks: pipeline stages (every rank sends the stages it owns
+// to rank 0) or tensor-parallel slices (rank 0 gathers every slice and concatenates them), so
+// rank 0 saves the whole model in the standard HF layout and a run under any plugin resumes
+// under any other. (Stages and slices split at once: refused for now.)
 #pragma once
 
 #include <cstdint>
@@ -34,6 +35,8 @@ class ModelGather {
   std::optional<LoraConfig> lora_;
   std::vector<std::pair<int64_t, int64_t>> ranges_;  // per rank: model stages [first, last)
   bool split_ = false;
+  bool sliced_ = false;                              // some parameter is a tensor-parallel slice
+  std::vector<std::vector<std::pair<int32_t, int32_t>>> slices_;  // [rank][parameter] (parts, index)
   LlamaForCausalLM full_{nullptr};  // rank 0, built on first use
 };
 

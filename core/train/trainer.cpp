@@ -9,6 +9,8 @@
 #include <torch/torch.h>
 
 #include "core/model/lora.h"
+#include "core/model/parallel.h"
+#include "core/plugin/dlpack_view.h"
 #include "core/model/weights.h"
 #include "core/train/interrupt.h"
 #include "core/train/memory.h"
@@ -115,6 +117,24 @@ ModelConfig Trainer::resolve_model_config() const {
   return config;
 }
 
+// The plugin's shard of every parameter this rank builds (empty: every tensor whole).
+ShardMap Trainer::ask_shards(const ModelConfig& config, int64_t first_stage, int64_t last_stage) {
+  ShardMap shards;
+  if (!strategy_->has_shard_parameter()) return shards;
+  for (const auto& [name, shape] : parameter_specs(config, first_stage, last_stage)) {
+    weft_parameter_info info{};
+    info.name = name.c_str();
+    info.stage = stage_of_parameter(name, config.num_hidden_layers);
+    info.trainable = 1;
+    info.ndim = static_cast<int32_t>(shape.size());
+    info.shape = shape.data();
+    info.dtype = DLDataType{kDLFloat, 32, 1};
+    const weft_shard shard = strategy_->shard_parameter(info);
+    if (shard.parts > 1) shards[name] = ParameterShard{shard.dim, shard.parts, shard.index};
+  }
+  return shards;
+}
+
 void Trainer::build_model() {
   ModelOptions model_options;
   model_options.compute_dtype = compute_dtype(options_.precision);
@@ -127,6 +147,21 @@ void Trainer::build_model() {
     model_options.stages = {plan.first_stage, plan.last_stage};
     data_parallel_rank_ = plan.data_parallel_rank;
     data_parallel_size_ = plan.data_parallel_size;
+    model_options.shards = ask_shards(config, plan.first_stage, plan.last_stage);
+    if (!model_options.shards.empty()) {
+      WEFT_CHECK(!lora(), "plugin {} splits weights (tensor parallelism); LoRA on split weights is not supported yet",
+                 strategy_->library().name());
+    }
+    if (strategy_->has_comm_point()) {
+      StrategySession* session = strategy_.get();
+      model_options.comm = std::make_shared<const CommHook>(
+          [session](CommPoint point, bool backward, int64_t layer, torch::Tensor& tensor) {
+            if (!tensor.is_contiguous()) tensor = tensor.contiguous();
+            DLTensor view = dl_view(tensor);
+            session->comm_point(static_cast<weft_comm_point>(point), backward ? WEFT_BACKWARD : WEFT_FORWARD, layer,
+                                view);
+          });
+    }
   }
   model_ = LlamaForCausalLM(config, model_options);
   init_weights(*model_, options_.seed, options_.model.init_std);

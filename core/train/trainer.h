@@ -79,6 +79,7 @@ class Trainer {
   void build_model();
   void build_data();
   void build_optimizer();
+  ShardMap ask_shards(const ModelConfig& config, int64_t first_stage, int64_t last_stage);
   void start_strategy();
   void maybe_resume();
   void protect_saved_work() const;

@@ -17,9 +17,7 @@ GradientAverager::GradientAverager(const weft::sdk::Host& host, weft::sdk::Group
   for (int64_t i = 0; i < count; ++i) {
     const weft_parameter_info info = host.parameter_info(i);
     if (!info.trainable) continue;
-    int64_t elements = 1;
-    for (int32_t d = 0; d < info.ndim; ++d) elements *= info.shape[d];
-    trainable.push_back({i, elements});
+    trainable.push_back({i, element_count(host.parameter_data(i))});  // the local slice under TP
   }
   const auto limit = static_cast<int64_t>(bucket_mb * 1024.0 * 1024.0);
   for (BucketLayout& layout : build_buckets(trainable, limit > 0 ? limit : 1)) {

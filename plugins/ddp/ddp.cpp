@@ -58,9 +58,7 @@ void Ddp::setup() {
     if (info.dtype.code != kDLFloat || info.dtype.bits != 32 || info.dtype.lanes != 1) {
       throw Error(WEFT_STATUS_UNSUPPORTED, std::string("ddp: parameter ") + info.name + " is not fp32");
     }
-    int64_t elements = 1;
-    for (int32_t d = 0; d < info.ndim; ++d) elements *= info.shape[d];
-    trainable.push_back({i, elements});
+    trainable.push_back({i, element_count(data)});  // this rank's tensor (a slice under TP)
   }
   for (const weft::sdk::Work& work : broadcasts) work.wait();
 

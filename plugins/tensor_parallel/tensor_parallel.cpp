@@ -1,0 +1,207 @@
+// tensor_parallel.so - Megatron-LM tensor parallelism (Shoeybi et al. 2019) for the LLaMA
+// blocks, on the SDK alone.
+//
+// Layout: world = tp x dp; world rank = dp_rank * tp + tp_rank. Every rank builds every stage
+// but only its slice of each weight (shard_parameter): q/k/v and gate/up column-parallel
+// (dim 0), o and down row-parallel (dim 1), embedding and LM head vocabulary-parallel (dim 0),
+// norms whole. Attention heads are split over the tp ranks; kv heads too when
+// num_key_value_heads % tp == 0, else (tp % num_key_value_heads == 0) each group of
+// tp / num_key_value_heads ranks shares one kv head (and sums its gradient over that group).
+// Head counts that allow neither are refused in plan.
+// Communication (comm_point): Megatron's f before attention, MLP and a vocabulary-parallel head
+// (identity forward, all-reduce backward over the tp group), g after them and after the
+// vocabulary-parallel embedding (all-reduce forward), and the vocabulary-parallel loss's
+// per-token max (all-reduce MAX) and sums (all-reduce SUM) - the full logits are never
+// gathered. Tensor-parallel ranks see the same rows; dp replicas average gradients in buckets.
+// Configuration ([plugin]): tp (int >= 1, default: the world size), bucket_mb (float > 0,
+// default 25: dp gradient buckets).
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <weft/strategy.hpp>
+
+#include "../common/dl_views.hpp"
+#include "../common/grad_average.hpp"
+
+namespace {
+
+using weft::sdk::Error;
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+class TensorParallel : public weft::sdk::Strategy {
+ public:
+  static constexpr uint16_t min_host_minor = 1;  // model_info, WEFT_COMM_HEAD_INPUT
+
+  explicit TensorParallel(weft::sdk::Host host) : Strategy(host), world_(host.world()) {
+    const int64_t tp = host.config_int("tp", world_.size());
+    if (tp < 1 || world_.size() % tp != 0) {
+      throw Error(WEFT_STATUS_BAD_CONFIG, "tensor_parallel: plugin.tp = " + std::to_string(tp) +
+                                              " must be >= 1 and divide the world size " + std::to_string(world_.size()));
+    }
+    tp_ = static_cast<int32_t>(tp);
+    dp_ = world_.size() / tp_;
+    tp_rank_ = world_.rank() % tp_;
+    dp_rank_ = world_.rank() / tp_;
+    bucket_mb_ = host.config_float("bucket_mb", 25.0);
+    if (!(bucket_mb_ > 0.0)) throw Error(WEFT_STATUS_BAD_CONFIG, "tensor_parallel: plugin.bucket_mb must be > 0");
+  }
+
+  void plan(weft_model_plan& plan) override {
+    const weft_model_info info = host().model_info();
+    auto refuse = [&](const std::string& what) {
+      throw Error(WEFT_STATUS_BAD_CONFIG, "tensor_parallel: " + what + " cannot be split " + std::to_string(tp_) +
+                                              " ways (plugin.tp)");
+    };
+    if (info.num_attention_heads % tp_ != 0) refuse(std::to_string(info.num_attention_heads) + " attention heads");
+    if (info.num_key_value_heads % tp_ != 0 && tp_ % info.num_key_value_heads != 0) {
+      refuse(std::to_string(info.num_key_value_heads) + " kv heads (neither divides the other)");
+    }
+    if (info.intermediate_size % tp_ != 0) refuse("intermediate size " + std::to_string(info.intermediate_size));
+    if (info.vocab_size % tp_ != 0) refuse("vocabulary " + std::to_string(info.vocab_size));
+    kv_parts_ = info.num_key_value_heads % tp_ == 0 ? tp_ : info.num_key_value_heads;
+    plan.data_parallel_size = dp_;
+    plan.data_parallel_rank = dp_rank_;
+  }
+
+  weft_shard shard_parameter(const weft_parameter_info& info) override {
+    const std::string name = info.name;
+    for (const char* column : {"self_attn.q_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight"}) {
+      if (ends_with(name, column)) return {0, tp_, tp_rank_};
+    }
+    for (const char* kv : {"self_attn.k_proj.weight", "self_attn.v_proj.weight"}) {
+      if (ends_with(name, kv)) return {0, kv_parts_, tp_rank_ * kv_parts_ / tp_};
+    }
+    for (const char* row : {"self_attn.o_proj.weight", "mlp.down_proj.weight"}) {
+      if (ends_with(name, row)) return {1, tp_, tp_rank_};
+    }
+    if (name == "model.embed_tokens.weight" || name == "lm_head.weight") return {0, tp_, tp_rank_};
+    return {0, 1, 0};
+  }
+
+  void setup() override {
+    // Groups (collective: every rank creates every group in the same order).
+    for (int32_t d = 0; d < dp_; ++d) {
+      std::vector<int32_t> ranks;
+      for (int32_t t = 0; t < tp_; ++t) ranks.push_back(d * tp_ + t);
+      weft::sdk::Group g = host().create_group(ranks);
+      if (d == dp_rank_) tp_group_ = g;
+    }
+    const int32_t sharing = tp_ / kv_parts_;
+    for (int32_t d = 0; d < dp_; ++d) {
+      for (int32_t k = 0; k < kv_parts_; ++k) {
+        std::vector<int32_t> ranks;
+        for (int32_t t = k * sharing; t < (k + 1) * sharing; ++t) ranks.push_back(d * tp_ + t);
+        weft::sdk::Group g = host().create_group(ranks);
+        if (d == dp_rank_ && tp_rank_ / sharing == k) kv_group_ = g;
+      }
+    }
+    weft::sdk::Group dp_group;
+    for (int32_t t = 0; t < tp_; ++t) {
+      std::vector<int32_t> ranks;
+      for (int32_t d = 0; d < dp_; ++d) ranks.push_back(d * tp_ + t);
+      weft::sdk::Group g = host().create_group(ranks);
+      if (t == tp_rank_) dp_group = g;
+    }
+    if (dp_ > 1) average_ = std::make_unique<weft::plugins::GradientAverager>(host(), dp_group, bucket_mb_);
+    // Which gradients are replicated over the tp group (norms), or over a kv-sharing group.
+    for (int64_t i = 0; i < host().parameter_count(); ++i) {
+      const weft_parameter_info info = host().parameter_info(i);
+      if (!info.trainable) continue;
+      const weft_shard shard = shard_parameter(info);
+      if (shard.parts == 1) replicated_.push_back(i);
+      if (shard.parts == kv_parts_ && kv_parts_ < tp_ &&
+          (ends_with(info.name, "self_attn.k_proj.weight") || ends_with(info.name, "self_attn.v_proj.weight"))) {
+        shared_kv_.push_back(i);
+      }
+    }
+  }
+
+  double train_step(const weft_step_info& step) override {
+    const double loss = single_process_train_step(step);  // comm points run inside
+    for (int64_t index : shared_kv_) {  // each sharing rank holds a partial gradient
+      DLTensor grad = host().parameter_grad(index);
+      host().all_reduce(kv_group_, grad).wait();
+    }
+    if (average_) average_->average();
+    return mean_over_replicas(loss);
+  }
+
+  weft::sdk::EvalResult eval_step(const weft_step_info& step) override {
+    weft::sdk::EvalResult local = single_process_eval_step(step);  // the same on every tp rank
+    std::vector<double> sums{local.loss_sum, static_cast<double>(local.tokens)};
+    sum_over(world_, sums);
+    weft::sdk::EvalResult result;
+    result.loss_sum = sums[0] / tp_;
+    result.tokens = static_cast<int64_t>(sums[1] / tp_ + 0.5);
+    return result;
+  }
+
+  double global_grad_norm_sq(double local_sq) override {
+    // Sliced gradients add up over the tp group; replicated ones (norms) are the same on every
+    // tp rank and kv slices on every rank of their sharing group: count each once.
+    double replicated = 0.0, shared = 0.0;
+    for (int64_t i : replicated_) replicated += squares(i);
+    for (int64_t i : shared_kv_) shared += squares(i);
+    const double sharing = static_cast<double>(tp_ / kv_parts_);
+    std::vector<double> sliced{local_sq - replicated - shared + shared / sharing};
+    sum_over(tp_group_, sliced);
+    return sliced[0] + replicated;
+  }
+
+  void comm_point(weft_comm_point point, weft_direction direction, int64_t layer, DLTensor& tensor) override {
+    (void)layer;
+    if (tp_ == 1) return;
+    const bool forward = direction == WEFT_FORWARD;
+    switch (point) {
+      case WEFT_COMM_ATTENTION_INPUT:
+      case WEFT_COMM_MLP_INPUT:
+      case WEFT_COMM_HEAD_INPUT:  // f: identity forward, all-reduce backward
+        if (!forward) host().all_reduce(tp_group_, tensor).wait();
+        break;
+      case WEFT_COMM_ATTENTION_OUTPUT:
+      case WEFT_COMM_MLP_OUTPUT:
+      case WEFT_COMM_EMBEDDING_OUTPUT:
+      case WEFT_COMM_LOSS_SUM:  // g: all-reduce forward, identity backward
+        if (forward) host().all_reduce(tp_group_, tensor).wait();
+        break;
+      case WEFT_COMM_LOSS_MAX:
+        if (forward) host().all_reduce(tp_group_, tensor, WEFT_REDUCE_MAX).wait();
+        break;
+    }
+  }
+
+ private:
+  double squares(int64_t index) const {
+    const DLTensor grad = host().parameter_grad(index);
+    const float* g = weft::plugins::float_data(grad);
+    double sum = 0.0;
+    for (int64_t i = 0, n = weft::plugins::element_count(grad); i < n; ++i) sum += static_cast<double>(g[i]) * g[i];
+    return sum;
+  }
+  void sum_over(weft::sdk::Group group, std::vector<double>& values) const {
+    if (group.size() <= 1) return;
+    int64_t shape_and_stride[2];
+    DLTensor view = weft::plugins::flat_view(values, shape_and_stride);
+    host().all_reduce(group, view).wait();
+  }
+  double mean_over_replicas(double loss) const {
+    std::vector<double> v{loss};
+    sum_over(world_, v);
+    return v[0] / world_.size();
+  }
+
+  weft::sdk::Group world_, tp_group_, kv_group_;
+  int32_t tp_ = 1, dp_ = 1, tp_rank_ = 0, dp_rank_ = 0, kv_parts_ = 1;
+  double bucket_mb_ = 25.0;
+  std::unique_ptr<weft::plugins::GradientAverager> average_;
+  std::vector<int64_t> replicated_, shared_kv_;
+};
+
+}  // namespace
+
+WEFT_STRATEGY(TensorParallel, "tensor_parallel", "1.0.0", "Megatron tensor parallelism (x data parallel)")

@@ -68,7 +68,12 @@ void load_weights(LlamaForCausalLMImpl& model, const std::string& path) {
     if (!shard.whole()) expected[shard.dim] *= shard.parts;
     WEFT_CHECK(info.shape == expected, "{}: tensor '{}' has shape {} but the model expects {}", path, name,
                fmt::join(info.shape, "x"), fmt::join(expected, "x"));
-    param.copy_(shard_slice(checkpoint.load(name, torch::kFloat32), shard));
+    if (shard.whole()) {
+      param.copy_(checkpoint.load(name, torch::kFloat32));
+    } else {  // only this process's slice leaves the memory-mapped file
+      const auto [start, length] = shard.range(info.shape[static_cast<size_t>(shard.dim)]);
+      param.copy_(checkpoint.load_slice(name, shard.dim, start, length, torch::kFloat32));
+    }
   }
   WEFT_CHECK(missing.empty(), "{}: {} model tensors are missing from the checkpoint, e.g. '{}'", path,
              missing.size(), missing.empty() ? "" : missing.front());

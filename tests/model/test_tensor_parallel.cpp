@@ -4,7 +4,10 @@
 // (vocabulary-parallel cross-entropy, never gathering logits), the gradient with respect to the
 // input embeddings and every parameter's gradient slice. Also: GQA kv heads split into fewer
 // parts than the query heads, tied embeddings, and the refusals of layouts the model cannot run.
+#include <unistd.h>
+
 #include <condition_variable>
+#include <filesystem>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -194,6 +197,27 @@ void expect_matches_whole_model(bool tied, int32_t parts, int32_t kv_parts) {
 TEST(TensorParallel, TwoShardsMatchTheWholeModel) { expect_matches_whole_model(false, 2, 2); }
 TEST(TensorParallel, TwoShardsWithTiedEmbeddings) { expect_matches_whole_model(true, 2, 2); }
 TEST(TensorParallel, FourShardsShareKvHeadsInPairs) { expect_matches_whole_model(false, 4, 2); }
+
+TEST(TensorParallel, EachShardLoadsItsSliceOfACheckpoint) {
+  const ModelConfig config = small_config(false);
+  weft::LlamaForCausalLM whole(config);
+  weft::init_weights(*whole, 5, 0.05);
+  const std::string dir = (std::filesystem::temp_directory_path() / ("weft_tp_load_" + std::to_string(::getpid()))).string();
+  weft::save_pretrained(*whole, dir, torch::kFloat32);
+  for (int32_t rank = 0; rank < 2; ++rank) {
+    weft::ModelOptions options;
+    options.shards = megatron_shards(config, 2, rank, 2);
+    weft::LlamaForCausalLM shard(config, options);
+    weft::load_weights(*shard, dir);
+    const auto reference = whole->named_parameters();
+    for (const auto& item : shard->named_parameters()) {
+      const auto want = weft::shard_slice(reference[item.key()], weft::shard_of(options.shards, item.key()));
+      ASSERT_EQ(item.value().sizes(), want.sizes()) << item.key();
+      EXPECT_TRUE(torch::equal(item.value(), want)) << item.key() << " rank " << rank;
+    }
+  }
+  std::filesystem::remove_all(dir);
+}
 
 TEST(TensorParallel, RefusesLayoutsTheModelCannotRun) {
   const ModelConfig config = small_config(false);

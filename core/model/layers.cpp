@@ -209,6 +209,29 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const RotaryEmbeddi
   return o_proj(out.transpose(1, 2).reshape({batch, seq, num_heads_ * head_dim_}));
 }
 
+torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t start) {
+  const int64_t heads = q.size(1), seq = q.size(2), dim = q.size(3), kv_heads = k.size(1), keys = k.size(2);
+  WEFT_CHECK(heads % kv_heads == 0 && keys == start + seq, "cached attention: {} heads over {} kv heads, {} keys for "
+             "positions {}..{}", heads, kv_heads, keys, start, start + seq - 1);
+  const auto kk = k.repeat_interleave(heads / kv_heads, 1), vv = v.repeat_interleave(heads / kv_heads, 1);
+  auto scores = torch::matmul(q, kk.transpose(2, 3)).to(torch::kFloat32) / std::sqrt(static_cast<double>(dim));
+  // Query i (position start + i) sees keys 0 .. start + i.
+  auto future = torch::ones({seq, keys}, torch::TensorOptions().dtype(torch::kBool)).triu(start + 1);
+  scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
+  return torch::matmul(scores.softmax(-1).to(v.scalar_type()), vv);
+}
+
+torch::Tensor AttentionImpl::forward_cached(const torch::Tensor& x, const RotaryEmbedding& rope, LayerKvCache& cache) {
+  const int64_t batch = x.size(0), seq = x.size(1), start = cache.length();
+  auto qkv = fused_linear(x, {q_proj.get(), k_proj.get(), v_proj.get()});
+  auto [cos, sin] = rope.tables(start, seq);
+  auto [q, k, v] = split_qkv_with_rope(qkv, num_heads_, num_kv_heads_, cos, sin);
+  cache.k = cache.k.defined() ? torch::cat({cache.k, k}, 2) : k;
+  cache.v = cache.v.defined() ? torch::cat({cache.v, v}, 2) : v;
+  auto out = cached_attention(q, cache.k, cache.v, start);
+  return o_proj(out.transpose(1, 2).reshape({batch, seq, num_heads_ * head_dim_}));
+}
+
 MlpImpl::MlpImpl(const ModelConfig& c) : MlpImpl(c, c.intermediate_size) {}
 
 MlpImpl::MlpImpl(const ModelConfig& c, int64_t intermediate) {
@@ -246,6 +269,16 @@ torch::Tensor DecoderBlockImpl::forward(const torch::Tensor& x, const RotaryEmbe
   }
   auto a = comm_point(comm_, CommPoint::kAttentionInput, layer_, input_layernorm->normalize(x, dtype));
   a = comm_point(comm_, CommPoint::kAttentionOutput, layer_, self_attn->forward(a, rope));
+  auto h = x + a.to(x.scalar_type());
+  auto m = comm_point(comm_, CommPoint::kMlpInput, layer_, post_attention_layernorm->normalize(h, dtype));
+  m = comm_point(comm_, CommPoint::kMlpOutput, layer_, mlp(m));
+  return h + m.to(x.scalar_type());
+}
+
+torch::Tensor DecoderBlockImpl::forward_cached(const torch::Tensor& x, const RotaryEmbedding& rope, LayerKvCache& cache) {
+  const auto dtype = self_attn->q_proj->compute_dtype();
+  auto a = comm_point(comm_, CommPoint::kAttentionInput, layer_, input_layernorm->normalize(x, dtype));
+  a = comm_point(comm_, CommPoint::kAttentionOutput, layer_, self_attn->forward_cached(a, rope, cache));
   auto h = x + a.to(x.scalar_type());
   auto m = comm_point(comm_, CommPoint::kMlpInput, layer_, post_attention_layernorm->normalize(h, dtype));
   m = comm_point(comm_, CommPoint::kMlpOutput, layer_, mlp(m));

@@ -126,6 +126,18 @@ struct BlockShape {
   int64_t heads = 0, kv_heads = 0, intermediate = 0;
 };
 
+// One layer's key/value cache for incremental decoding: [B, kv_heads, length, head_dim] each,
+// grown by concatenation (this process's kv heads only, so a tensor-parallel cache is sharded
+// by heads).
+struct LayerKvCache {
+  torch::Tensor k, v;
+  int64_t length() const { return k.defined() ? k.size(2) : 0; }
+};
+
+// Attention of queries at absolute positions start .. start + Tq - 1 over keys 0 .. Tk - 1
+// (Tk = start + Tq): q [B, H, Tq, D], k/v [B, KVH, Tk, D], grouped-query as causal_attention.
+torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t start);
+
 class AttentionImpl : public torch::nn::Module {
  public:
   explicit AttentionImpl(const ModelConfig& config);
@@ -134,6 +146,9 @@ class AttentionImpl : public torch::nn::Module {
   AttentionImpl(const ModelConfig& config, int64_t heads, int64_t kv_heads);
   // x [B, T, hidden] -> [B, T, hidden]; rope gives the position tables.
   torch::Tensor forward(const torch::Tensor& x, const RotaryEmbedding& rope);
+  // The same for new tokens at positions cache.length() .. + T - 1, attending to the cached
+  // keys and values too; appends the new keys and values to `cache` (inference, no autograd).
+  torch::Tensor forward_cached(const torch::Tensor& x, const RotaryEmbedding& rope, LayerKvCache& cache);
 
   Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
 
@@ -161,6 +176,8 @@ class DecoderBlockImpl : public torch::nn::Module {
   // at the four Megatron points around attention and MLP.
   DecoderBlockImpl(const ModelConfig& config, const BlockShape& shape, int64_t layer, const CommHook* comm);
   torch::Tensor forward(const torch::Tensor& x, const RotaryEmbedding& rope);
+  // Incremental decoding with this block's cache (see AttentionImpl::forward_cached).
+  torch::Tensor forward_cached(const torch::Tensor& x, const RotaryEmbedding& rope, LayerKvCache& cache);
   Attention self_attn{nullptr};
   Mlp mlp{nullptr};
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};

@@ -166,6 +166,17 @@ torch::Tensor LlamaForCausalLMImpl::forward(const torch::Tensor& tokens) {
   return forward_stages(0, num_stages(), tokens);
 }
 
+torch::Tensor LlamaForCausalLMImpl::forward_cached(const torch::Tensor& tokens, std::vector<LayerKvCache>& cache) {
+  WEFT_CHECK(first_stage_ == 0 && last_stage_ == num_stages(), "cached decoding needs every stage of the model");
+  torch::NoGradGuard no_grad;
+  if (cache.empty()) cache.resize(static_cast<size_t>(config_.num_hidden_layers));
+  torch::Tensor x = run_stage(0, tokens);
+  for (int64_t layer = 0; layer < config_.num_hidden_layers; ++layer) {
+    x = model->blocks.at(layer)->forward_cached(x, rope_, cache[static_cast<size_t>(layer)]);
+  }
+  return run_stage(num_stages() - 1, x);
+}
+
 int64_t stage_of_parameter(const std::string& name, int64_t num_layers) {
   const std::string layers = "model.layers.";
   if (name.rfind("model.embed_tokens.", 0) == 0) return 0;

@@ -81,6 +81,11 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   torch::Tensor forward_stages(int64_t first, int64_t last, const torch::Tensor& input);
   // Full model: tokens -> logits. Requires all stages.
   torch::Tensor forward(const torch::Tensor& tokens);
+  // Incremental decoding (inference, no autograd; requires all stages): logits for `tokens`
+  // [B, T] at positions cache[0].length() onwards, appending every layer's keys and values to
+  // `cache` (one entry per layer, created on the first call). Equals forward() on the whole
+  // sequence so far, position by position.
+  torch::Tensor forward_cached(const torch::Tensor& tokens, std::vector<LayerKvCache>& cache);
 
   void set_compute_dtype(torch::Dtype dtype);
   void set_activation_checkpointing(bool enabled) { options_.activation_checkpointing = enabled; }

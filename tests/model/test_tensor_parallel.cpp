@@ -219,6 +219,48 @@ TEST(TensorParallel, EachShardLoadsItsSliceOfACheckpoint) {
   std::filesystem::remove_all(dir);
 }
 
+// Prefill `prefix` tokens, then decode the rest one at a time; returns the logits of every
+// position, concatenated.
+torch::Tensor decode(weft::LlamaForCausalLMImpl& model, const torch::Tensor& tokens, int64_t prefix) {
+  std::vector<weft::LayerKvCache> cache;
+  std::vector<torch::Tensor> logits{model.forward_cached(tokens.narrow(1, 0, prefix), cache)};
+  for (int64_t t = prefix; t < tokens.size(1); ++t) logits.push_back(model.forward_cached(tokens.narrow(1, t, 1), cache));
+  EXPECT_EQ(cache.front().length(), tokens.size(1));
+  return torch::cat(logits, 1);
+}
+
+TEST(TensorParallel, CachedDecodingEqualsTheFullForwardWholeAndSharded) {
+  torch::manual_seed(4);
+  at::set_num_threads(1);
+  const ModelConfig config = small_config(false);
+  weft::LlamaForCausalLM whole(config);
+  weft::init_weights(*whole, 9, 0.05);
+  const auto tokens = torch::randint(0, config.vocab_size, {2, 12}, torch::kLong);
+  torch::Tensor full;
+  {
+    torch::NoGradGuard no_grad;
+    full = whole->forward(tokens);
+  }
+  EXPECT_LT((decode(*whole, tokens, 5) - full).abs().max().item<double>(), 1e-5);
+  // Two shards with their own (head-sharded) caches, in threads, gathered over the vocabulary.
+  ThreadAllReduce reduce(2);
+  std::vector<weft::LlamaForCausalLM> shards;
+  std::vector<torch::Tensor> logits(2);
+  for (int32_t rank = 0; rank < 2; ++rank) {
+    weft::ModelOptions options;
+    options.shards = megatron_shards(config, 2, rank, 2);
+    options.comm = std::make_shared<const weft::CommHook>(megatron_hook(reduce, rank));
+    shards.emplace_back(config, options);
+    weft::init_weights(*shards.back(), 9, 0.05);
+  }
+  std::vector<std::thread> threads;
+  for (int32_t rank = 0; rank < 2; ++rank) {
+    threads.emplace_back([&, rank] { logits[rank] = decode(*shards[rank], tokens, 5); });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_LT((torch::cat(logits, -1) - full).abs().max().item<double>(), 1e-5);
+}
+
 TEST(TensorParallel, RefusesLayoutsTheModelCannotRun) {
   const ModelConfig config = small_config(false);
   auto build = [&](ShardMap shards) {

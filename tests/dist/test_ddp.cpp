@@ -14,6 +14,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -116,42 +117,38 @@ TEST(Ddp, LoraMatchesOneProcess) {
                 "adapter_model.safetensors");
 }
 
-TEST(Launcher, AKilledRankStopsTheRunWithItsRankAndStatus) {
-  const auto dir = fresh_dir("kill");
+// Starts an endless 2-rank ddp run with `extra` settings, sends `signal` to its last rank once
+// training has started, and returns {the launcher's exit status, its log}.
+std::pair<std::string, std::string> signal_a_rank(const std::string& name, const std::string& signal,
+                                                  const std::string& extra) {
+  const auto dir = fresh_dir(name);
   const auto corpus = write_corpus(dir);
-  // Rank 1 kills itself once training starts; the launcher must stop rank 0 and name rank 1.
   const std::string args = "--config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set data.path=" +
                            corpus + " --set data.cache_dir=" + dir + "/cache --set data.seq_len=32"
-                           " --set train.max_steps=0 --set train.epochs=100000 --set log.progress=off"
+                           " --set train.max_steps=0 --set train.epochs=100000 --set log.progress=off " + extra +
                            " --set train.out_dir=" + dir + "/out --plugin ddp --nproc 2";
   const std::string script = "OMP_NUM_THREADS=1 " + std::string(WEFT_TRAINER_PATH) + " " + args + " > " + dir +
                              "/log.txt 2>&1 & pid=$!; for i in $(seq 300); do grep -q 'training:' " + dir +
                              "/log.txt && break; sleep 0.1; done; "
-                             "kill -KILL $(pgrep -P $pid | tail -1); wait $pid; echo $?";
+                             "kill -" + signal + " $(pgrep -P $pid | tail -1); wait $pid; echo $?";
   const std::string status = weft::testing::last_line(weft::testing::run_command(script).output);
-  const std::string log = weft::testing::read_text(dir + "/log.txt");
+  return {status, weft::testing::read_text(dir + "/log.txt")};
+}
+
+TEST(Launcher, AKilledRankStopsTheRunWithItsRankAndStatus) {
+  // Rank 1 dies once training starts; the launcher must stop rank 0 and name rank 1.
+  const auto [status, log] = signal_a_rank("kill", "KILL", "");
   EXPECT_NE(status, "0") << log;
   EXPECT_NE(log.find("failed (signal"), std::string::npos) << log;
   EXPECT_NE(log.find("stopping the other ranks"), std::string::npos) << log;
 }
 
 TEST(Launcher, AHungRankMakesTheCollectiveTimeOutNamingIt) {
-  const auto dir = fresh_dir("hang");
-  const auto corpus = write_corpus(dir);
   // Rank 1 is stopped (SIGSTOP: alive, connections open, never joins the next all-reduce); rank 0
   // must give up after train.collective_timeout_s, name the operation, and the run must end.
-  const std::string args = "--config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set data.path=" +
-                           corpus + " --set data.cache_dir=" + dir + "/cache --set data.seq_len=32"
-                           " --set train.max_steps=0 --set train.epochs=100000 --set log.progress=off"
-                           " --set train.collective_timeout_s=2 --set train.out_dir=" + dir + "/out --plugin ddp --nproc 2";
-  const std::string script = "OMP_NUM_THREADS=1 " + std::string(WEFT_TRAINER_PATH) + " " + args + " > " + dir +
-                             "/log.txt 2>&1 & pid=$!; for i in $(seq 300); do grep -q 'training:' " + dir +
-                             "/log.txt && break; sleep 0.1; done; "
-                             "kill -STOP $(pgrep -P $pid | tail -1); wait $pid; echo $?";
   const auto started = std::chrono::steady_clock::now();
-  const std::string status = weft::testing::last_line(weft::testing::run_command(script).output);
+  const auto [status, log] = signal_a_rank("hang", "STOP", "--set train.collective_timeout_s=2");
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-  const std::string log = weft::testing::read_text(dir + "/log.txt");
   EXPECT_NE(status, "0") << log;
   EXPECT_NE(log.find("all_reduce timed out"), std::string::npos) << log;
   EXPECT_NE(log.find("train.collective_timeout_s"), std::string::npos) << log;

@@ -34,6 +34,7 @@ struct CommandLine {
   std::string config;
   std::vector<std::string> overrides;
   std::string log_level;
+  std::string prompt;
   std::string plugin;
   int nproc = 0;
   bool help = false;
@@ -51,6 +52,7 @@ po::options_description describe_options() {
       ("nproc", po::value<int>(),
        "run N local ranks of this command (TCPStore on 127.0.0.1); under torchrun or Slurm leave it out")
       ("log-level", po::value<std::string>(), "trace, debug, info, warn or error (default: log.level)")
+      ("prompt", po::value<std::string>(), "trainer generate: the text to continue")
       ("trace", po::value<std::string>(),
        "write a Chrome/Perfetto trace of the run to FILE (FILE.rank<r>.json per rank; same as --set log.trace=FILE)");
   return options;
@@ -74,6 +76,7 @@ CommandLine parse_command_line(int argc, char** argv) {
     cli.plugin = vm["plugin"].as<std::string>();
     cli.overrides.insert(cli.overrides.begin(), "train.plugin=" + cli.plugin);
   }
+  if (vm.count("prompt")) cli.prompt = vm["prompt"].as<std::string>();
   if (vm.count("trace")) cli.overrides.push_back("log.trace=" + vm["trace"].as<std::string>());
   if (vm.count("log-level")) cli.log_level = vm["log-level"].as<std::string>();
   if (vm.count("nproc")) cli.nproc = vm["nproc"].as<int>();
@@ -85,6 +88,7 @@ void print_help() {
                "Usage:\n"
                "  trainer [train] --config FILE [--plugin NAME] [--nproc N] [--set section.key=value ...]\n"
                "  trainer plugins               list the strategy plugins found, with versions and ABI\n"
+               "  trainer generate --config FILE [--plugin NAME] [--nproc N] --prompt TEXT   continue TEXT (generate.*)\n"
                "  trainer check --plugin NAME [--nproc N] [--set plugin.KEY=VALUE ...]   conformance: 20 fp32 steps under NAME vs single.so\n"
                "  trainer config-reference      print the configuration reference as Markdown\n\n"
             << describe_options() << "\n"
@@ -110,26 +114,58 @@ void print_summary(const weft::TrainResult& r) {
   spdlog::info("peak memory: {:.0f} MiB", r.peak_rss_mib);
 }
 
-int run_train(const CommandLine& cli) {
+// The configuration, options and rank context of a train or generate run, with logging set
+// up for this rank.
+struct RunSetup {
+  weft::Config config;
+  weft::TrainOptions options;
+  weft::RunContext context;
+};
+
+RunSetup prepare_run(const CommandLine& cli) {
   if (cli.config.empty() && cli.overrides.empty()) {
     throw weft::Error("no configuration: pass --config FILE (see configs/) and/or --set key=value");
   }
-  weft::install_interrupt_handlers();
-  const weft::Config config = weft::load_config(cli.config, cli.overrides);
-  weft::set_log_level(cli.log_level.empty() ? config.get_string("log.level") : cli.log_level);
-  auto options = weft::train_options_from_config(config);
-  options.config_hash = config.hash();
-  weft::RunContext context;
-  context.env = weft::detect_distributed_env();
-  context.rank = context.env.rank;
-  context.world = context.env.world;
-  if (context.world > 1) {
-    spdlog::set_pattern(fmt::format("[%H:%M:%S] [rank {}] %^%l%$ %v", context.rank));
+  RunSetup run{weft::load_config(cli.config, cli.overrides), {}, {}};
+  weft::set_log_level(cli.log_level.empty() ? run.config.get_string("log.level") : cli.log_level);
+  run.options = weft::train_options_from_config(run.config);
+  run.options.config_hash = run.config.hash();
+  run.context.env = weft::detect_distributed_env();
+  run.context.rank = run.context.env.rank;
+  run.context.world = run.context.env.world;
+  if (run.context.world > 1) {
+    spdlog::set_pattern(fmt::format("[%H:%M:%S] [rank {}] %^%l%$ %v", run.context.rank));
     // One voice: ranks other than 0 report warnings and errors unless a level is asked for.
-    if (context.rank != 0 && cli.log_level.empty()) weft::set_log_level("warn");
+    if (run.context.rank != 0 && cli.log_level.empty()) weft::set_log_level("warn");
   }
-  spdlog::info("config {} (hash {})", cli.config.empty() ? "<overrides>" : cli.config, config.hash());
-  weft::Trainer trainer(options, context);
+  spdlog::info("config {} (hash {})", cli.config.empty() ? "<overrides>" : cli.config, run.config.hash());
+  return run;
+}
+
+// `trainer generate`: continue --prompt with the configured model (and plugin); rank 0 prints.
+int run_generate(const CommandLine& cli) {
+  if (cli.prompt.empty()) throw weft::Error("trainer generate needs --prompt TEXT");
+  RunSetup run = prepare_run(cli);
+  run.options.inference_only = true;
+  weft::Trainer trainer(run.options, run.context);
+  const auto result = trainer.generate(cli.prompt);
+  if (run.context.rank == 0) {
+    std::string ids;
+    for (int32_t id : result.tokens) ids += (ids.empty() ? "" : " ") + std::to_string(id);
+    std::cout << "tokens: " << ids << "\n" << cli.prompt << result.text << "\n";
+    spdlog::info("generated {} tokens after a {}-token prompt in {:.2f} s ({:.1f} tokens/s)", result.tokens.size(),
+                 result.prompt_tokens, result.seconds,
+                 result.seconds > 0 ? static_cast<double>(result.tokens.size()) / result.seconds : 0.0);
+  }
+  return 0;
+}
+
+int run_train(const CommandLine& cli) {
+  weft::install_interrupt_handlers();
+  RunSetup run = prepare_run(cli);
+  const weft::Config& config = run.config;
+  const auto& options = run.options;
+  weft::Trainer trainer(options, run.context);
   std::filesystem::create_directories(options.out_dir);
   weft::write_run_config(options.out_dir, config);
   const auto result = trainer.run();
@@ -177,18 +213,20 @@ int main(int argc, char** argv) {
       print_help();
       return 0;
     }
-    if (cli.command == "train" && cli.nproc > 0 && std::getenv("RANK") == nullptr) {
+    if ((cli.command == "train" || cli.command == "generate") && cli.nproc > 0 && std::getenv("RANK") == nullptr) {
       if (!cli.log_level.empty()) weft::set_log_level(cli.log_level);  // the launcher's own lines
       return weft::launch_local_ranks(cli.nproc, argc, argv);
     }
     if (cli.command == "train") return run_train(cli);
+    if (cli.command == "generate") return run_generate(cli);
     if (cli.command == "plugins") return run_plugins();
     if (cli.command == "check") return run_check(cli);
     if (cli.command == "config-reference") {
       std::cout << weft::render_markdown_reference();
       return 0;
     }
-    throw weft::Error(fmt::format("unknown command '{}' (commands: train, plugins, check, config-reference)", cli.command));
+    throw weft::Error(
+        fmt::format("unknown command '{}' (commands: train, generate, plugins, check, config-reference)", cli.command));
   } catch (const weft::Error& e) {
     spdlog::error("{}", e.what());
   } catch (const po::error& e) {

@@ -44,6 +44,7 @@ const std::vector<SchemaSection>& config_sections() {
       {"lora", "LoRA adapters (used when train.mode = \"lora\").", false},
       {"eval", "Held-out evaluation and early stopping.", false},
       {"checkpoint", "Checkpoint saving and resuming.", false},
+      {"generate", "Text generation (trainer generate --prompt ...).", false},
       {"log", "Console logging and the metrics file.", false},
       {"plugin", "Free-form settings for a strategy plugin (any keys, not validated here).", true},
   };
@@ -140,6 +141,12 @@ const std::vector<SchemaEntry>& config_schema() {
       bool_key("checkpoint.save_final", true, "Save a checkpoint when training ends."),
       bool_key("checkpoint.keep_best", true,
                "Keep the checkpoint with the best held-out loss as well."),
+      // [generate]
+      int_key("generate.max_new_tokens", 64, "Tokens to generate after the prompt (trainer generate).", 1),
+      float_key("generate.temperature", 0.0, "Sampling temperature; 0 = greedy (the most likely token).", 0.0),
+      float_key("generate.top_p", 1.0, "Nucleus sampling: sample among the most likely tokens whose "
+                "probabilities sum to top_p (with temperature > 0).", 0.0),
+      int_key("generate.seed", 0, "Seed of the sampler (every rank draws the same tokens).", 0),
       // [log]
       string_key("log.level", "info", "Console log level.",
                  {"trace", "debug", "info", "warn", "error"}),

@@ -68,6 +68,10 @@ TrainOptions train_options_from_config(const Config& c) {
   o.log_every = c.get_int("log.every_steps");
   o.metrics_file = c.get_string("log.metrics_file");
   o.trace_file = c.get_string("log.trace");
+  o.max_new_tokens = c.get_int("generate.max_new_tokens");
+  o.temperature = c.get_float("generate.temperature");
+  o.top_p = c.get_float("generate.top_p");
+  o.generate_seed = static_cast<uint64_t>(c.get_int("generate.seed"));
   if (o.metrics_file.empty()) o.metrics_file = o.out_dir + "/metrics.jsonl";
   return o;
 }

@@ -53,6 +53,13 @@ struct TrainOptions {
   int64_t log_every = 10;
   std::string metrics_file;
   std::string trace_file;    // log.trace: Chrome trace of this run ("" = off)
+  // Generation (trainer generate): build the strategy and the model only (no data, no
+  // optimizer, no run directory).
+  bool inference_only = false;
+  int64_t max_new_tokens = 64;  // generate.max_new_tokens
+  double temperature = 0.0;     // generate.temperature: 0 = greedy
+  double top_p = 1.0;           // generate.top_p
+  uint64_t generate_seed = 0;   // generate.seed
 };
 
 TrainOptions train_options_from_config(const Config& config);

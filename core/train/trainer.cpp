@@ -51,11 +51,64 @@ Trainer::Trainer(TrainOptions options, RunContext context)
     Tracer::instance().enable(Tracer::rank_path(options_.trace_file, context_.rank, context_.world), context_.rank);
   }
   build_model();
+  if (options_.inference_only) return;  // trainer generate: no data, optimizer or run directory
   build_data();
   build_optimizer();
   checkpoints_ = std::make_unique<CheckpointStore>(options_.out_dir, options_.keep_last, lora());
   maybe_resume();
   protect_saved_work();
+}
+
+// The whole vocabulary's logits of the last position, on every rank (a vocabulary-parallel
+// model sums its shards through the loss-sum communication point).
+static torch::Tensor full_vocabulary(LlamaForCausalLMImpl& model, const torch::Tensor& last) {
+  if (!model.vocab_parallel()) return last.to(torch::kFloat32);
+  auto full = torch::zeros({model.config().vocab_size}, torch::kFloat32);
+  full.narrow(0, model.local_shape().vocab_start, model.local_shape().vocab).copy_(last);
+  (*model.options().comm)(CommPoint::kLossSum, /*backward=*/false, -1, full);
+  return full;
+}
+
+// Greedy (temperature 0) or temperature + nucleus (top-p) sampling with `generator`.
+static int32_t pick_token(const torch::Tensor& logits, double temperature, double top_p, at::Generator& generator) {
+  if (temperature <= 0.0) return static_cast<int32_t>(logits.argmax().item<int64_t>());
+  auto probs = (logits / temperature).softmax(0);
+  auto [sorted, order] = probs.sort(0, /*descending=*/true);
+  auto cumulative = sorted.cumsum(0);
+  // Keep the smallest prefix whose mass reaches top_p (at least one token).
+  auto keep = (cumulative - sorted) < top_p;
+  auto kept = sorted * keep.to(torch::kFloat32);
+  const int64_t choice = torch::multinomial(kept / kept.sum(), 1, false, generator).item<int64_t>();
+  return static_cast<int32_t>(order[choice].item<int64_t>());
+}
+
+GenerateResult Trainer::generate(const std::string& prompt) {
+  torch::NoGradGuard no_grad;
+  model_->eval();
+  std::vector<int32_t> ids;
+  if (const auto bos = tokenizer_->bos_id()) ids.push_back(*bos);
+  const auto encoded = tokenizer_->encode(prompt);
+  ids.insert(ids.end(), encoded.begin(), encoded.end());
+  WEFT_CHECK(!ids.empty(), "trainer generate: the prompt encodes to no tokens");
+  const std::optional<int32_t> stop = tokenizer_->eos_id();
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(options_.generate_seed);
+  std::vector<LayerKvCache> cache;
+  GenerateResult result;
+  const auto start = Clock::now();
+  auto input = torch::tensor(std::vector<int64_t>(ids.begin(), ids.end()), torch::kLong).unsqueeze(0);
+  for (int64_t n = 0; n < options_.max_new_tokens; ++n) {
+    const auto logits = model_->forward_cached(input, cache);
+    // Only ids the tokenizer can decode (a model's vocabulary may be padded beyond them).
+    const auto last = full_vocabulary(*model_, logits[0][logits.size(1) - 1]).narrow(0, 0, tokenizer_->vocab_size());
+    const int32_t next = pick_token(last, options_.temperature, options_.top_p, generator);
+    if (stop && next == *stop) break;
+    result.tokens.push_back(next);
+    input = torch::tensor({static_cast<int64_t>(next)}, torch::kLong).unsqueeze(0);
+  }
+  result.seconds = seconds_since(start);
+  result.prompt_tokens = static_cast<int64_t>(ids.size());
+  result.text = tokenizer_->decode(result.tokens);
+  return result;
 }
 
 // Starting fresh in a run directory would replace its checkpoints and saved models: refuse

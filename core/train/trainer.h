@@ -34,6 +34,13 @@ struct RunContext {
   DistributedEnv env;  // how to join the job when world > 1 (torchrun / Slurm / --nproc)
 };
 
+struct GenerateResult {
+  std::vector<int32_t> tokens;  // generated after the prompt (stop token excluded)
+  std::string text;             // their decoding
+  int64_t prompt_tokens = 0;
+  double seconds = 0;           // prompt processing and generation
+};
+
 struct EvalResult {
   double loss = 0;        // token-weighted mean cross-entropy over the held-out batches used
   double perplexity = 0;  // exp(loss)
@@ -64,6 +71,10 @@ class Trainer {
   // Trains until epochs/max_steps are done, early stopping triggers, or SIGINT/SIGTERM arrives
   // (then a checkpoint is saved first; see core/train/interrupt.h).
   TrainResult run();
+  // Continues `prompt` with the model (built with options.inference_only): up to
+  // generate.max_new_tokens tokens, greedy or sampled, stopping at the tokenizer's end token.
+  // Collective under a plugin: every rank runs it and gets the same tokens.
+  GenerateResult generate(const std::string& prompt);
   EvalResult evaluate();
 
   LlamaForCausalLMImpl& model() { return *model_; }

@@ -1,6 +1,7 @@
 // tensor_parallel.so with real processes: head counts a degree cannot split are refused in one
 // line before compute; a model trained with tensor parallelism is saved whole (HF layout) and
-// resumes under single.so, and back. (Loss and parameter parity: Conformance.tensor_parallel.*.)
+// resumes under single.so, and back; greedy generation gives the same tokens under it as in one
+// process. (Loss and parameter parity: Conformance.tensor_parallel.*.)
 #include <fstream>
 #include <string>
 
@@ -53,6 +54,22 @@ TEST(TensorParallelRun, SavesTheWholeModelThatResumesUnderSingle) {
   const auto back = run_trainer(tiny_args(dir, corpus) + " --set train.max_steps=2 --set model.weights=" + dir +
                                 "/single/final --set train.out_dir=" + dir + "/back --plugin tensor_parallel --nproc 2");
   EXPECT_EQ(back.exit_code, 0) << back.output;
+
+  // Greedy generation from the trained model: the same tokens in one process and over 2 and 4
+  // tensor-parallel ranks (each with a KV cache of its own heads).
+  const std::string generate = "generate --config " + std::string(WEFT_SOURCE_DIR) +
+                               "/configs/tiny.toml --set model.weights=" + dir +
+                               "/tp/final --prompt 'the quick brown' --set generate.max_new_tokens=24 --log-level warn";
+  const auto one = run_trainer(generate);
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const std::string tokens = one.output.substr(0, one.output.find('\n'));
+  ASSERT_EQ(tokens.rfind("tokens: ", 0), 0u) << one.output;
+  EXPECT_GT(tokens.size(), std::string("tokens: ").size()) << one.output;
+  for (const char* ranks : {"2", "4"}) {
+    const auto tp_run = run_trainer(generate + " --plugin tensor_parallel --nproc " + ranks);
+    ASSERT_EQ(tp_run.exit_code, 0) << tp_run.output;
+    EXPECT_EQ(tp_run.output.substr(0, tp_run.output.find('\n')), tokens) << ranks << " ranks:\n" << tp_run.output;
+  }
 }
 
 }  // namespace

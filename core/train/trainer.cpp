@@ -63,6 +63,8 @@ Trainer::Trainer(TrainOptions options, RunContext context)
 // model sums its shards through the loss-sum communication point).
 static torch::Tensor full_vocabulary(LlamaForCausalLMImpl& model, const torch::Tensor& last) {
   if (!model.vocab_parallel()) return last.to(torch::kFloat32);
+  WEFT_CHECK(model.options().comm != nullptr && *model.options().comm,
+             "the vocabulary is split over ranks but the plugin has no comm_point to combine it");
   auto full = torch::zeros({model.config().vocab_size}, torch::kFloat32);
   full.narrow(0, model.local_shape().vocab_start, model.local_shape().vocab).copy_(last);
   (*model.options().comm)(CommPoint::kLossSum, /*backward=*/false, -1, full);

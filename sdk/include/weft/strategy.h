@@ -1,11 +1,11 @@
 /*
  * weft/strategy.h - the weft strategy plugin ABI (C99).
  *
- * STATUS: ABI 1.1, implemented by the host (core/plugin) and used by single.so, ddp.so, gpipe.so
- * and pipedream.so. 1.1 appended model_info, tracing, report_metric, config_int_list and profile_stages to
- * the host table, and the WEFT_FORWARD_RECOMPUTE flag.
- * Plan stage ranges are exercised by the pipeline plugins; shard_parameter and comm_point
- * (tensor parallelism) are not exercised by a shipped plugin yet.
+ * STATUS: ABI 1.1, implemented by the host (core/plugin) and used by single.so, ddp.so, gpipe.so,
+ * pipedream.so and tensor_parallel.so (plan stage ranges: the pipelines; shard_parameter and
+ * comm_point: tensor parallelism). 1.1 appended model_info, tracing, report_metric,
+ * config_int_list and profile_stages to the host table, WEFT_FORWARD_RECOMPUTE and
+ * WEFT_COMM_HEAD_INPUT.
  *
  * A strategy plugin is a shared library that exports exactly one symbol, the C function
  * `weft_strategy_entry` (WEFT_STRATEGY_ENTRY_SYMBOL). The host loads it with
@@ -424,8 +424,16 @@ typedef struct weft_strategy_api {
   weft_status* (*global_grad_norm_sq)(weft_strategy* strategy, double local_sq,
                                       double* global_sq_out);
   /* Optional. Communication at a fixed point inside the model (see weft_comm_point), in place
-   * on `tensor`, in the forward or the backward direction. `layer` is the decoder block index
-   * (-1 outside blocks). Default: nothing. */
+   * on `tensor` (a contiguous CPU or CUDA tensor owned by the host, valid during the call), in
+   * the forward or the backward direction. `layer` is the decoder block index (-1 outside
+   * blocks). The host calls the four block points in every decoder block, and
+   * EMBEDDING_OUTPUT, HEAD_INPUT and LOSS_MAX/SUM when the vocabulary is split
+   * (shard_parameter): every point in the forward direction, and all but LOSS_MAX (a constant
+   * for autograd) also in the backward direction, on the gradient. Megatron: all-reduce SUM
+   * over the tensor-parallel group in the backward of the *_INPUT points and in the forward of
+   * *_OUTPUT, EMBEDDING_OUTPUT and LOSS_SUM; all-reduce MAX in the forward of LOSS_MAX;
+   * nothing otherwise. Every rank of the group calls the same points in the same order. Default:
+   * nothing. */
   weft_status* (*comm_point)(weft_strategy* strategy, weft_comm_point point,
                              weft_direction direction, int64_t layer, DLTensor* tensor);
 } weft_strategy_api;

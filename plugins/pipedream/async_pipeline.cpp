@@ -8,6 +8,7 @@
 #include <string>
 
 #include "../common/dl_views.hpp"
+#include "../common/reductions.hpp"
 
 namespace weft {
 namespace pipedream {
@@ -16,12 +17,9 @@ namespace {
 // Sum and sum of squares of a contiguous fp32 view, in double.
 std::pair<double, double> moments(const DLTensor& view) {
   const float* x = weft::plugins::float_data(view);
-  double sum = 0.0, squares = 0.0;
-  for (int64_t i = 0, n = weft::plugins::element_count(view); i < n; ++i) {
-    sum += x[i];
-    squares += static_cast<double>(x[i]) * x[i];
-  }
-  return {sum, squares};
+  double sum = 0.0;
+  for (int64_t i = 0, n = weft::plugins::element_count(view); i < n; ++i) sum += x[i];
+  return {sum, weft::plugins::squared_norm(view)};
 }
 
 double largest_difference(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {

@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <cinttypes>
 #include <stdexcept>
+#include <utility>
 
 #include "../common/dl_views.hpp"
+#include "../common/reductions.hpp"
 #include "verify.hpp"
 
 namespace weft {
@@ -161,11 +163,7 @@ const Schedule& PipelineStrategy::verified_schedule(const std::string& name, int
 }
 
 std::vector<double> PipelineStrategy::sum_over(weft::sdk::Group group, std::vector<double> values) const {
-  if (group.size() <= 1) return values;
-  int64_t shape_and_stride[2];
-  DLTensor view = weft::plugins::flat_view(values, shape_and_stride);
-  host().all_reduce(group, view).wait();
-  return values;
+  return weft::plugins::sum_over(host(), group, std::move(values));
 }
 
 void PipelineStrategy::combine_tied_embedding_gradients() {
@@ -185,10 +183,7 @@ double PipelineStrategy::tied_copy_norm_sq() const {
   if (!weft::plugins::is_contiguous_cpu_fp32(grad)) {
     throw Error(WEFT_STATUS_UNSUPPORTED, plugin_ + ": the tied embedding's gradient is not contiguous fp32");
   }
-  const float* g = weft::plugins::float_data(grad);
-  double sq = 0.0;
-  for (int64_t i = 0, n = weft::plugins::element_count(grad); i < n; ++i) sq += static_cast<double>(g[i]) * g[i];
-  return sq;
+  return weft::plugins::squared_norm(grad);
 }
 
 double PipelineStrategy::train_step(const weft_step_info& step) {

@@ -24,6 +24,7 @@
 
 #include "../common/dl_views.hpp"
 #include "../common/grad_average.hpp"
+#include "../common/reductions.hpp"
 
 namespace {
 
@@ -176,18 +177,9 @@ class TensorParallel : public weft::sdk::Strategy {
   }
 
  private:
-  double squares(int64_t index) const {
-    const DLTensor grad = host().parameter_grad(index);
-    const float* g = weft::plugins::float_data(grad);
-    double sum = 0.0;
-    for (int64_t i = 0, n = weft::plugins::element_count(grad); i < n; ++i) sum += static_cast<double>(g[i]) * g[i];
-    return sum;
-  }
+  double squares(int64_t index) const { return weft::plugins::squared_norm(host().parameter_grad(index)); }
   void sum_over(weft::sdk::Group group, std::vector<double>& values) const {
-    if (group.size() <= 1) return;
-    int64_t shape_and_stride[2];
-    DLTensor view = weft::plugins::flat_view(values, shape_and_stride);
-    host().all_reduce(group, view).wait();
+    values = weft::plugins::sum_over(host(), group, std::move(values));
   }
   double mean_over_replicas(double loss) const {
     std::vector<double> v{loss};

@@ -181,17 +181,23 @@ int run_check(const CommandLine& cli) {
   options.plugin = cli.plugin;
   options.nproc = std::max(1, cli.nproc);
   options.trainer_path = std::filesystem::read_symlink("/proc/self/exe").string();
+  std::string settings;
   for (const auto& setting : cli.overrides) {
     if (setting.rfind("train.plugin=", 0) == 0) continue;  // --plugin itself
+    if (setting == "train.mode=lora" || setting == "train.mode=full") {
+      options.mode = setting.substr(std::string("train.mode=").size());
+      settings += ", " + setting;
+      continue;
+    }
     if (setting.rfind("plugin.", 0) != 0) {
-      throw weft::Error(fmt::format("trainer check takes only --set plugin.KEY=VALUE (the plugin's settings), got '{}'",
-                                    setting));
+      throw weft::Error(fmt::format(
+          "trainer check takes only --set plugin.KEY=VALUE (the plugin's settings) and --set train.mode=full|lora, got '{}'",
+          setting));
     }
     options.plugin_settings.push_back(setting.substr(std::string("plugin.").size()));
   }
   const auto report = weft::check_conformance(options);
-  std::string settings;
-  for (const auto& s : options.plugin_settings) settings += (settings.empty() ? ", plugin." : " plugin.") + s;
+  for (const auto& s : options.plugin_settings) settings += ", plugin." + s;
   std::cout << "conformance of " << cli.plugin << " (" << options.nproc << " rank" << (options.nproc > 1 ? "s" : "")
             << settings << ") against single: " << report.describe() << "\n";
   return report.passed ? 0 : 1;

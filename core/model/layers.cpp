@@ -58,15 +58,18 @@ torch::Tensor fused_linear(const torch::Tensor& x, const std::vector<LinearImpl*
   return torch::cat(parts, -1);
 }
 
-void LinearImpl::add_lora(const LoraSpec& spec, uint64_t generator_seed) {
+void LinearImpl::add_lora(const LoraSpec& spec, uint64_t generator_seed, const ParameterShard& base) {
   WEFT_CHECK(lora_A_.is_empty(), "LoRA adapters added twice to one layer");
   WEFT_CHECK(spec.r > 0, "lora.r must be positive, got {}", spec.r);
-  const int64_t out_features = weight.size(0), in_features = weight.size(1);
+  const bool split_input = !base.whole() && base.dim == 1;
+  const int64_t out_features = weight.size(0);
+  const int64_t in_features = weight.size(1) * (split_input ? base.parts : 1);
   auto generator = at::make_generator<at::CPUGeneratorImpl>(generator_seed);
   // PEFT: A ~ kaiming_uniform(a = sqrt(5)) => U(-1/sqrt(in), 1/sqrt(in)); B = 0.
   const double bound = 1.0 / std::sqrt(static_cast<double>(in_features));
   auto a = torch::empty({spec.r, in_features});
   a.uniform_(-bound, bound, generator);
+  if (split_input) a = shard_slice(a, ParameterShard{1, base.parts, base.index}).contiguous();
   lora_A_ = register_module("lora_A", WeightHolder(a));
   lora_B_ = register_module("lora_B", WeightHolder(torch::zeros({out_features, spec.r})));
   lora_scale_ = spec.alpha / static_cast<double>(spec.r);

@@ -45,8 +45,10 @@ class LinearImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x);
 
   // Adds LoRA adapters (A: [r, in] kaiming-uniform from `generator_seed`, B: [out, r] zeros)
-  // and freezes the base weight.
-  void add_lora(const LoraSpec& spec, uint64_t generator_seed);
+  // and freezes the base weight. When `weight` is a slice of a split layer (`base`), the
+  // adapters are sliced to match (parallel.h's shard_of): A's values are then those of the
+  // whole layer's A, so every split of a model starts from the same adapters.
+  void add_lora(const LoraSpec& spec, uint64_t generator_seed, const ParameterShard& base = {});
   bool has_lora() const { return !lora_A_.is_empty(); }
   // Folds (alpha / r) B A into the base weight and removes the adapters.
   void merge_lora();

@@ -43,7 +43,7 @@ int64_t apply_lora(LlamaForCausalLMImpl& model, const LoraConfig& config, uint64
         config.target_modules.end()) {
       continue;
     }
-    linear->add_lora(config.spec, hash64(item.key(), seed));
+    linear->add_lora(config.spec, hash64(item.key(), seed), shard_of(model.options().shards, item.key() + ".weight"));
     ++adapted;
   }
   WEFT_CHECK(adapted > 0,
@@ -84,10 +84,17 @@ void load_lora_adapter(LlamaForCausalLMImpl& model, const std::string& dir) {
     const std::string name = kPeftPrefix + item.key();
     WEFT_CHECK(file->contains(name), "{}/adapter_model.safetensors: adapter tensor '{}' is missing", dir, name);
     const auto& info = file->info(name);
-    WEFT_CHECK(info.shape == item.value().sizes().vec(),
-               "{}/adapter_model.safetensors: '{}' has shape {} but the model expects {}", dir, name,
-               fmt::join(info.shape, "x"), fmt::join(item.value().sizes(), "x"));
-    item.value().copy_(file->load(name, torch::kFloat32));
+    const ParameterShard shard = shard_of(model.options().shards, item.key());
+    std::vector<int64_t> expected = item.value().sizes().vec();
+    if (!shard.whole()) expected[static_cast<size_t>(shard.dim)] *= shard.parts;
+    WEFT_CHECK(info.shape == expected, "{}/adapter_model.safetensors: '{}' has shape {} but the model expects {}", dir,
+               name, fmt::join(info.shape, "x"), fmt::join(expected, "x"));
+    if (shard.whole()) {
+      item.value().copy_(file->load(name, torch::kFloat32));
+    } else {  // this process's slice (tensor parallelism)
+      const auto [start, length] = shard.range(info.shape[static_cast<size_t>(shard.dim)]);
+      item.value().copy_(file->load_slice(name, shard.dim, start, length, torch::kFloat32));
+    }
   }
 }
 

@@ -32,6 +32,14 @@ struct CommFunction : public torch::autograd::Function<CommFunction> {
 }  // namespace
 
 ParameterShard shard_of(const ShardMap& shards, const std::string& name) {
+  for (const std::string factor : {".lora_A.weight", ".lora_B.weight"}) {
+    const auto at = name.rfind(factor);
+    if (at == std::string::npos || at + factor.size() != name.size()) continue;
+    // An adapter follows its base layer: B [out, r] takes a dim-0 split, A [r, in] a dim-1 split.
+    const ParameterShard base = shard_of(shards, name.substr(0, at) + ".weight");
+    const int32_t split_dim = factor == ".lora_B.weight" ? 0 : 1;
+    return base.dim == split_dim ? base : ParameterShard{};
+  }
   const auto it = shards.find(name);
   return it == shards.end() ? ParameterShard{} : it->second;
 }

@@ -38,6 +38,11 @@ struct ParameterShard {
 
 // By HF parameter name; names not present are whole.
 using ShardMap = std::map<std::string, ParameterShard>;
+// The shard of parameter `name`. LoRA adapters ("<base>.lora_A.weight" [r, in],
+// "<base>.lora_B.weight" [out, r]) follow their base layer: a column-parallel base (dim 0)
+// splits lora_B along dim 0 and keeps lora_A whole; a row-parallel base (dim 1) splits lora_A
+// along dim 1 and keeps lora_B whole. The whole factor's gradient is then a partial sum (this
+// rank's share), which the strategy sums over the ranks holding the base's other slices.
 ParameterShard shard_of(const ShardMap& shards, const std::string& name);
 
 // Where the model calls the communication hook (the C ABI's weft_comm_point, same order).

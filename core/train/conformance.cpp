@@ -15,6 +15,7 @@
 
 #include "core/io/safetensors.h"
 #include "core/model/config.h"
+#include "core/model/lora.h"
 #include "core/train/trainer.h"
 #include "core/util/error.h"
 
@@ -70,6 +71,11 @@ std::string run_arguments(const ConformanceOptions& c, const std::string& corpus
                           const std::string& out_dir) {
   std::string plugin_settings;
   for (const auto& setting : c.plugin_settings) plugin_settings += " --set 'plugin." + setting + "'";
+  if (c.mode == "lora") {
+    plugin_settings += fmt::format(" --set train.mode=lora --set lora.r=4 --set lora.alpha=8 --set lora.dropout=0"
+                                   " --set 'lora.target_modules=[\"{}\"]'",
+                                   fmt::join(lora_targetable_modules(), "\", \""));
+  }
   return fmt::format(
       "train --plugin {} --nproc {} --set model.config={} --set data.path={} --set data.seq_len=32"
       " --set data.heldout_fraction=0.1 --set data.split_seed=1 --set data.tokenizer=byte --set data.cache_dir="
@@ -116,6 +122,13 @@ TrainOptions run_options(const ConformanceOptions& c, const std::string& corpus,
   o.keep_best = false;
   o.overwrite = true;
   o.plugin = plugin;
+  if (c.mode == "lora") {
+    o.mode = "lora";
+    o.lora.spec.r = 4;
+    o.lora.spec.alpha = 8;
+    o.lora.spec.dropout = 0;
+    o.lora.target_modules = lora_targetable_modules();
+  }
   return o;
 }
 
@@ -150,8 +163,14 @@ ConformanceReport check_conformance(const ConformanceOptions& c) {
     const int status = std::system(command.c_str());
     WEFT_CHECK(status == 0, "the {}-rank run of {} failed (see {}/candidate.log)", c.nproc, c.plugin, dir);
     candidate_losses = logged_losses(out + "/metrics.jsonl");
-    const auto weights = SafetensorsFile::open(out + "/final/model.safetensors");
-    for (const auto& info : weights->tensors()) candidate_params[info.name] = weights->load(info.name);
+    if (c.mode == "lora") {  // PEFT's adapter file: "base_model.model." + the parameter name
+      const auto adapter = SafetensorsFile::open(out + "/final/adapter_model.safetensors");
+      const std::string prefix = "base_model.model.";
+      for (const auto& info : adapter->tensors()) candidate_params[info.name.substr(prefix.size())] = adapter->load(info.name);
+    } else {
+      const auto weights = SafetensorsFile::open(out + "/final/model.safetensors");
+      for (const auto& info : weights->tensors()) candidate_params[info.name] = weights->load(info.name);
+    }
   } else {
     TrainOptions options = run_options(c, corpus, model_config, c.plugin, dir + "/candidate");
     options.plugin_config = plugin_table(c.plugin_settings);
@@ -172,6 +191,7 @@ ConformanceReport check_conformance(const ConformanceOptions& c) {
   }
   bool all_parameters = true;
   for (auto& item : reference.model().named_parameters()) {
+    if (!item.value().requires_grad()) continue;  // frozen under LoRA (the same by construction)
     const auto it = candidate_params.find(item.key());
     if (it == candidate_params.end()) {
       all_parameters = false;

@@ -24,6 +24,9 @@ struct ConformanceOptions {
   // The plugin's settings for the run under test, "key=value" with a TOML value (e.g.
   // "stages=2", "balance=[3, 1]", "mode=\"flush\"").
   std::vector<std::string> plugin_settings;
+  // "full", or "lora": both runs train LoRA adapters (r 4, alpha 8, no dropout) on every
+  // targetable layer with the base frozen, and the adapters are compared.
+  std::string mode = "full";
 };
 
 struct ConformanceReport {

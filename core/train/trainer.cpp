@@ -203,10 +203,6 @@ void Trainer::build_model() {
     data_parallel_rank_ = plan.data_parallel_rank;
     data_parallel_size_ = plan.data_parallel_size;
     model_options.shards = ask_shards(config, plan.first_stage, plan.last_stage);
-    if (!model_options.shards.empty()) {
-      WEFT_CHECK(!lora(), "plugin {} splits weights (tensor parallelism); LoRA on split weights is not supported yet",
-                 strategy_->library().name());
-    }
     if (strategy_->has_comm_point()) {
       StrategySession* session = strategy_.get();
       model_options.comm = std::make_shared<const CommHook>(

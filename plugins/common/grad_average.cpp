@@ -12,15 +12,25 @@ using weft::sdk::Error;
 
 GradientAverager::GradientAverager(const weft::sdk::Host& host, weft::sdk::Group group, double bucket_mb)
     : host_(host), group_(group) {
-  std::vector<BucketInput> trainable;
+  std::vector<int64_t> trainable;
   const int64_t count = host.parameter_count();
   for (int64_t i = 0; i < count; ++i) {
-    const weft_parameter_info info = host.parameter_info(i);
-    if (!info.trainable) continue;
-    trainable.push_back({i, element_count(host.parameter_data(i))});  // the local slice under TP
+    if (host.parameter_info(i).trainable) trainable.push_back(i);
   }
+  build(trainable, bucket_mb);
+}
+
+GradientAverager::GradientAverager(const weft::sdk::Host& host, weft::sdk::Group group, double bucket_mb,
+                                   const std::vector<int64_t>& parameters)
+    : host_(host), group_(group) {
+  build(parameters, bucket_mb);
+}
+
+void GradientAverager::build(const std::vector<int64_t>& parameters, double bucket_mb) {
+  std::vector<BucketInput> inputs;
+  for (int64_t i : parameters) inputs.push_back({i, element_count(host_.parameter_data(i))});  // local slice under TP
   const auto limit = static_cast<int64_t>(bucket_mb * 1024.0 * 1024.0);
-  for (BucketLayout& layout : build_buckets(trainable, limit > 0 ? limit : 1)) {
+  for (BucketLayout& layout : build_buckets(inputs, limit > 0 ? limit : 1)) {
     Bucket bucket;
     bucket.layout = std::move(layout);
     bucket.buffer.assign(static_cast<size_t>(bucket.layout.elements), 0.0f);
@@ -28,7 +38,11 @@ GradientAverager::GradientAverager(const weft::sdk::Host& host, weft::sdk::Group
   }
 }
 
-void GradientAverager::average() {
+void GradientAverager::average() { reduce(1.0f / static_cast<float>(group_.size())); }
+
+void GradientAverager::sum() { reduce(1.0f); }
+
+void GradientAverager::reduce(float scale) {
   std::vector<weft::sdk::Work> works;
   for (Bucket& bucket : buckets_) {
     const BucketLayout& layout = bucket.layout;
@@ -44,11 +58,12 @@ void GradientAverager::average() {
     DLTensor view = flat_view(bucket.buffer, bucket.view_shape);
     works.push_back(host_.all_reduce(group_, view));
   }
-  const float scale = 1.0f / static_cast<float>(group_.size());
   for (size_t b = 0; b < buckets_.size(); ++b) {
     works[b].wait();
     Bucket& bucket = buckets_[b];
-    for (float& v : bucket.buffer) v *= scale;
+    if (scale != 1.0f) {
+      for (float& v : bucket.buffer) v *= scale;
+    }
     const BucketLayout& layout = bucket.layout;
     for (size_t k = 0; k < layout.parameters.size(); ++k) {
       const DLTensor grad = host_.parameter_grad(layout.parameters[k]);

@@ -1,4 +1,4 @@
-// grad_average.hpp - averages trainable gradients over a process group after backward, in
+// grad_average.hpp - averages (or sums) trainable gradients over a process group after backward, in
 // buckets (buckets.hpp): every bucket's flat fp32 buffer is filled and its all_reduce(SUM)
 // started before any is waited for, so transfers of different buckets overlap each other.
 // Used by pipeline replicas (each stage's replicas average their gradients after the flush).
@@ -22,9 +22,15 @@ class GradientAverager {
   // The trainable fp32 parameters of this rank (in host parameter order) over `group`, in
   // buckets of at most `bucket_mb` MiB. Every rank of the group must hold the same parameters.
   GradientAverager(const weft::sdk::Host& host, weft::sdk::Group group, double bucket_mb);
+  // Only `parameters` (host indices, in parameter order) instead of every trainable one.
+  GradientAverager(const weft::sdk::Host& host, weft::sdk::Group group, double bucket_mb,
+                   const std::vector<int64_t>& parameters);
 
-  // Replaces every trainable gradient by its mean over the group. Collective over the group.
+  // Replaces every gradient by its mean over the group. Collective over the group.
   void average();
+  // Replaces every gradient by its sum over the group (gradients that are partial sums, e.g.
+  // the replicated factor of a LoRA adapter on a tensor-parallel layer). Collective.
+  void sum();
 
   size_t bucket_count() const { return buckets_.size(); }
 
@@ -34,6 +40,9 @@ class GradientAverager {
     std::vector<float> buffer;
     int64_t view_shape[2] = {0, 1};
   };
+  void build(const std::vector<int64_t>& parameters, double bucket_mb);
+  void reduce(float scale);
+
   weft::sdk::Host host_;
   weft::sdk::Group group_;
   std::vector<Bucket> buckets_;

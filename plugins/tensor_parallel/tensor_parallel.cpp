@@ -13,6 +13,9 @@
 // vocabulary-parallel embedding (all-reduce forward), and the vocabulary-parallel loss's
 // per-token max (all-reduce MAX) and sums (all-reduce SUM) - the full logits are never
 // gathered. Tensor-parallel ranks see the same rows; dp replicas average gradients in buckets.
+// LoRA (train.mode = lora): adapters follow their base layer's split (the host's layout, see
+// weft_parameter_info); the whole factor of a split layer's adapter holds this rank's share of
+// its gradient, summed here over the tp group.
 // Configuration ([plugin]): tp (int >= 1, default: the world size), bucket_mb (float > 0,
 // default 25: dp gradient buckets).
 #include <cmath>
@@ -109,25 +112,13 @@ class TensorParallel : public weft::sdk::Strategy {
       if (t == tp_rank_) dp_group = g;
     }
     if (dp_ > 1) average_ = std::make_unique<weft::plugins::GradientAverager>(host(), dp_group, bucket_mb_);
-    // Which gradients are replicated over the tp group (norms), or over a kv-sharing group.
-    for (int64_t i = 0; i < host().parameter_count(); ++i) {
-      const weft_parameter_info info = host().parameter_info(i);
-      if (!info.trainable) continue;
-      const weft_shard shard = shard_parameter(info);
-      if (shard.parts == 1) replicated_.push_back(i);
-      if (shard.parts == kv_parts_ && kv_parts_ < tp_ &&
-          (ends_with(info.name, "self_attn.k_proj.weight") || ends_with(info.name, "self_attn.v_proj.weight"))) {
-        shared_kv_.push_back(i);
-      }
-    }
+    classify_gradients();
   }
 
   double train_step(const weft_step_info& step) override {
     const double loss = single_process_train_step(step);  // comm points run inside
-    for (int64_t index : shared_kv_) {  // each sharing rank holds a partial gradient
-      DLTensor grad = host().parameter_grad(index);
-      host().all_reduce(kv_group_, grad).wait();
-    }
+    if (sum_over_tp_) sum_over_tp_->sum();
+    if (sum_over_kv_) sum_over_kv_->sum();
     if (average_) average_->average();
     return mean_over_replicas(loss);
   }
@@ -143,15 +134,11 @@ class TensorParallel : public weft::sdk::Strategy {
   }
 
   double global_grad_norm_sq(double local_sq) override {
-    // Sliced gradients add up over the tp group; replicated ones (norms) are the same on every
-    // tp rank and kv slices on every rank of their sharing group: count each once.
-    double replicated = 0.0, shared = 0.0;
-    for (int64_t i : replicated_) replicated += squares(i);
-    for (int64_t i : shared_kv_) shared += squares(i);
-    const double sharing = static_cast<double>(tp_ / kv_parts_);
-    std::vector<double> sliced{local_sq - replicated - shared + shared / sharing};
-    sum_over(tp_group_, sliced);
-    return sliced[0] + replicated;
+    (void)local_sq;  // recomputed here: each gradient counts once however many tp ranks hold it
+    std::vector<double> share{0.0};
+    for (size_t i = 0; i < trainable_.size(); ++i) share[0] += squares(trainable_[i]) / copies_[i];
+    sum_over(tp_group_, share);
+    return share[0];
   }
 
   void comm_point(weft_comm_point point, weft_direction direction, int64_t layer, DLTensor& tensor) override {
@@ -177,6 +164,42 @@ class TensorParallel : public weft::sdk::Strategy {
   }
 
  private:
+  // After backward, a gradient on this rank is one of: a slice only this tp rank holds
+  // (complete); a norm's (whole, complete and equal on every tp rank); a kv slice shared by
+  // tp / kv_parts ranks (each holds the part from its own query heads: summed over the kv
+  // group); or the whole factor of a LoRA adapter on a split layer (this rank's share: summed
+  // over the tp group). `copies_` is how many tp ranks then hold each identical gradient.
+  void classify_gradients() {
+    std::vector<int64_t> tp_partial, kv_partial;
+    const int32_t sharing = tp_ / kv_parts_;
+    for (int64_t i = 0; i < host().parameter_count(); ++i) {
+      const weft_parameter_info info = host().parameter_info(i);
+      if (!info.trainable) continue;
+      const std::string name = info.name;
+      int64_t full = 1;
+      for (int32_t d = 0; d < info.ndim; ++d) full *= info.shape[d];
+      const bool sliced = weft::plugins::element_count(host().parameter_data(i)) < full;
+      const bool lora_a = ends_with(name, ".lora_A.weight"), lora_b = ends_with(name, ".lora_B.weight");
+      const bool kv = name.find("self_attn.k_proj.") != std::string::npos ||
+                      name.find("self_attn.v_proj.") != std::string::npos;
+      double copies = 1.0;
+      if (kv && !lora_a && sharing > 1) {  // k/v weight or its lora_B: laid out like the kv heads
+        kv_partial.push_back(i);
+        copies = sharing;
+      } else if ((lora_a || lora_b) && !sliced && tp_ > 1) {
+        tp_partial.push_back(i);
+        copies = tp_;
+      } else if (!sliced) {
+        copies = tp_;  // norms
+      }
+      trainable_.push_back(i);
+      copies_.push_back(copies);
+    }
+    using weft::plugins::GradientAverager;
+    if (!tp_partial.empty()) sum_over_tp_ = std::make_unique<GradientAverager>(host(), tp_group_, bucket_mb_, tp_partial);
+    if (!kv_partial.empty()) sum_over_kv_ = std::make_unique<GradientAverager>(host(), kv_group_, bucket_mb_, kv_partial);
+  }
+
   double squares(int64_t index) const { return weft::plugins::squared_norm(host().parameter_grad(index)); }
   void sum_over(weft::sdk::Group group, std::vector<double>& values) const {
     values = weft::plugins::sum_over(host(), group, std::move(values));
@@ -190,8 +213,9 @@ class TensorParallel : public weft::sdk::Strategy {
   weft::sdk::Group world_, tp_group_, kv_group_;
   int32_t tp_ = 1, dp_ = 1, tp_rank_ = 0, dp_rank_ = 0, kv_parts_ = 1;
   double bucket_mb_ = 25.0;
-  std::unique_ptr<weft::plugins::GradientAverager> average_;
-  std::vector<int64_t> replicated_, shared_kv_;
+  std::unique_ptr<weft::plugins::GradientAverager> average_, sum_over_tp_, sum_over_kv_;
+  std::vector<int64_t> trainable_;
+  std::vector<double> copies_;
 };
 
 }  // namespace

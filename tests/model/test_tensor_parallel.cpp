@@ -17,9 +17,11 @@
 #include <torch/torch.h>
 
 #include "core/model/llama.h"
+#include "core/model/lora.h"
 #include "core/model/parallel.h"
 #include "core/model/weights.h"
 #include "core/util/error.h"
+#include "core/util/hash.h"
 
 namespace {
 
@@ -119,18 +121,47 @@ Result run(weft::LlamaForCausalLMImpl& model, const torch::Tensor& tokens, const
   r.logits = model.forward_stages(1, stages, leaf);
   r.loss = model.loss(r.logits, targets);
   r.loss.backward();
-  embedded.backward(leaf.grad());
+  if (embedded.requires_grad()) embedded.backward(leaf.grad());  // frozen under LoRA
   r.hidden_grad = leaf.grad().clone();
-  for (auto& item : model.named_parameters()) r.grads[item.key()] = item.value().grad().clone();
+  for (auto& item : model.named_parameters()) {
+    if (item.value().grad().defined()) r.grads[item.key()] = item.value().grad().clone();  // frozen under LoRA
+  }
   return r;
 }
 
-void expect_matches_whole_model(bool tied, int32_t parts, int32_t kv_parts) {
+// LoRA adapters on every targetable layer of `model`, with B drawn at random (PEFT starts it at
+// zero, which would leave A without a gradient) in the whole model's values, sliced.
+void add_adapters(weft::LlamaForCausalLMImpl& model, weft::LlamaForCausalLMImpl* whole) {
+  weft::LoraConfig lora;
+  lora.spec.r = 4;
+  lora.spec.alpha = 8;
+  lora.target_modules = weft::lora_targetable_modules();
+  weft::apply_lora(model, lora, 7);
+  torch::NoGradGuard no_grad;
+  auto params = model.named_parameters();
+  for (auto& item : params) {
+    if (item.key().find(".lora_B.") == std::string::npos) continue;
+    if (whole == nullptr) {
+      auto generator = at::make_generator<at::CPUGeneratorImpl>(weft::hash64(item.key(), 3));
+      item.value().normal_(0.0, 0.05, generator);
+    } else {
+      item.value().copy_(weft::shard_slice(whole->named_parameters()[item.key()],
+                                           weft::shard_of(model.options().shards, item.key())));
+    }
+  }
+}
+
+bool is_norm(const std::string& name) { return name.find("norm.weight") != std::string::npos; }
+
+// kv_heads: 0 keeps the preset's 2.
+void expect_matches_whole_model(bool tied, int32_t parts, int32_t kv_parts, bool lora = false, int64_t kv_heads = 0) {
   torch::manual_seed(3);
   at::set_num_threads(1);
-  const ModelConfig config = small_config(tied);
+  ModelConfig config = small_config(tied);
+  if (kv_heads > 0) config.num_key_value_heads = kv_heads;
   weft::LlamaForCausalLM whole(config);
   weft::init_weights(*whole, 11, 0.05);
+  if (lora) add_adapters(*whole, nullptr);
   const auto tokens = torch::randint(0, config.vocab_size, {2, 16}, torch::kLong);
   const auto targets = torch::randint(0, config.vocab_size, {2, 16}, torch::kLong);
   const Result expected = run(*whole, tokens, targets);
@@ -144,6 +175,15 @@ void expect_matches_whole_model(bool tied, int32_t parts, int32_t kv_parts) {
     options.comm = std::make_shared<const weft::CommHook>(megatron_hook(reduce, rank));
     shards.emplace_back(config, options);
     weft::init_weights(*shards.back(), 11, 0.05);  // the whole model's values, sliced
+    if (!lora) continue;
+    add_adapters(*shards.back(), whole.get());
+    // Each shard's A starts as its slice of the whole layer's A (same seed, sliced draw).
+    for (auto& item : shards.back()->named_parameters()) {
+      if (item.key().find(".lora_A.") == std::string::npos) continue;
+      const auto want = weft::shard_slice(whole->named_parameters()[item.key()], weft::shard_of(options.shards, item.key()));
+      ASSERT_EQ(item.value().sizes(), want.sizes()) << item.key();
+      EXPECT_TRUE(torch::equal(item.value(), want)) << item.key() << " rank " << rank;
+    }
   }
   std::vector<std::thread> threads;
   std::vector<std::string> errors(static_cast<size_t>(parts));
@@ -162,34 +202,25 @@ void expect_matches_whole_model(bool tied, int32_t parts, int32_t kv_parts) {
   std::vector<torch::Tensor> logits;
   for (const auto& r : results) logits.push_back(r.logits);
   EXPECT_LT((torch::cat(logits, -1) - expected.logits).abs().max().item<double>(), 1e-6);
-  // Ranks that share a kv slice each hold a partial gradient of it (from their own query
-  // heads): their sum is the slice's gradient (a plugin all-reduces it over those ranks).
-  if (kv_parts < parts) {
-    std::vector<std::map<std::string, torch::Tensor>> summed(results.size());
-    for (int32_t rank = 0; rank < parts; ++rank) {
-      for (const auto& [name, grad] : results[rank].grads) {
-        if (name.find("k_proj") == std::string::npos && name.find("v_proj") == std::string::npos) continue;
-        const int32_t sharing = parts / kv_parts, first = rank / sharing * sharing;
-        torch::Tensor sum = torch::zeros_like(grad);
-        for (int32_t other = first; other < first + sharing; ++other) sum += results[other].grads.at(name);
-        summed[rank][name + "#summed"] = sum;
-      }
-    }
-    for (int32_t rank = 0; rank < parts; ++rank) results[rank].grads.insert(summed[rank].begin(), summed[rank].end());
-  }
   for (int32_t rank = 0; rank < parts; ++rank) {
     const Result& r = results[rank];
     EXPECT_NEAR(r.loss.item<double>(), expected.loss.item<double>(), 1e-6);
     EXPECT_LT((r.hidden_grad - expected.hidden_grad).abs().max().item<double>(), 1e-6) << "rank " << rank;
-    for (const auto& [key, value] : r.grads) {
-      const bool shared_kv = kv_parts < parts && (key.find("k_proj") != std::string::npos || key.find("v_proj") != std::string::npos);
-      if (shared_kv && key.find("#summed") == std::string::npos) continue;
-      const std::string name = shared_kv ? key.substr(0, key.find('#')) : key;
-      const torch::Tensor& grad = value;
+    ASSERT_EQ(r.grads.size(), expected.grads.size());
+    for (const auto& [name, grad] : r.grads) {
       const ParameterShard shard = weft::shard_of(shards[rank]->options().shards, name);
+      // A norm's gradient is complete on every rank. Any other gradient is each rank's share:
+      // kv slices shared by several ranks (from their own query heads), the whole factor of a
+      // LoRA adapter on a split layer. Summed over the ranks that hold the same slice (what a
+      // plugin all-reduces), it is the slice's gradient; a slice held once is complete as is.
+      torch::Tensor total = grad.clone();
+      for (int32_t other = 0; other < parts && !is_norm(name); ++other) {
+        const ParameterShard theirs = weft::shard_of(shards[other]->options().shards, name);
+        if (other != rank && theirs.parts == shard.parts && theirs.index == shard.index) total += results[other].grads.at(name);
+      }
       const auto want = weft::shard_slice(expected.grads.at(name), shard);
-      ASSERT_EQ(grad.sizes(), want.sizes()) << name;
-      EXPECT_LT((grad - want).abs().max().item<double>(), 1e-6) << name << " rank " << rank;
+      ASSERT_EQ(total.sizes(), want.sizes()) << name;
+      EXPECT_LT((total - want).abs().max().item<double>(), 1e-6) << name << " rank " << rank;
     }
   }
 }
@@ -197,6 +228,10 @@ void expect_matches_whole_model(bool tied, int32_t parts, int32_t kv_parts) {
 TEST(TensorParallel, TwoShardsMatchTheWholeModel) { expect_matches_whole_model(false, 2, 2); }
 TEST(TensorParallel, TwoShardsWithTiedEmbeddings) { expect_matches_whole_model(true, 2, 2); }
 TEST(TensorParallel, FourShardsShareKvHeadsInPairs) { expect_matches_whole_model(false, 4, 2); }
+TEST(TensorParallel, LoraAdaptersFollowTheirBaseLayersSplit) { expect_matches_whole_model(false, 2, 2, true); }
+TEST(TensorParallel, LoraAdaptersWithKvHeadsSharedInPairs) { expect_matches_whole_model(false, 4, 2, true); }
+// Multi-query attention: the one kv head is whole on both ranks, each with a share of its gradient.
+TEST(TensorParallel, LoraAdaptersWithOneKvHeadOnEveryRank) { expect_matches_whole_model(false, 2, 1, true, 1); }
 
 TEST(TensorParallel, EachShardLoadsItsSliceOfACheckpoint) {
   const ModelConfig config = small_config(false);

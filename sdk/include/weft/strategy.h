@@ -121,7 +121,14 @@ typedef enum weft_reduce_op {
  * Plain data exchanged through the tables
  * ---------------------------------------------------------------------------------------- */
 
-/* One parameter of the full model, as the host describes it. Since 1.0. */
+/* One parameter of the full model, as the host describes it. Since 1.0.
+ * LoRA (train.mode = lora): the base weights are frozen (trainable 0) and each adapted layer
+ * "<base>" adds "<base>.lora_A.weight" [r, in] and "<base>.lora_B.weight" [out, r] (PEFT's
+ * names). shard_parameter is asked about base weights only; adapters follow their base's
+ * split: a base split along dim 0 splits lora_B the same way and keeps lora_A whole, a base
+ * split along dim 1 splits lora_A along dim 1 and keeps lora_B whole. The whole factor's
+ * gradient after backward is then only this rank's share; the plugin sums it over the ranks
+ * that hold the base's other slices (tensor_parallel.so: its tp group). */
 typedef struct weft_parameter_info {
   const char* name;      /* HF name, e.g. "model.layers.3.self_attn.q_proj.weight" */
   int64_t stage;         /* the model stage that owns it: 0 embedding, 1..L blocks, L+1 head */

@@ -153,9 +153,17 @@ int run_generate(const CommandLine& cli) {
     std::string ids;
     for (int32_t id : result.tokens) ids += (ids.empty() ? "" : " ") + std::to_string(id);
     std::cout << "tokens: " << ids << "\n" << cli.prompt << result.text << "\n";
-    spdlog::info("generated {} tokens after a {}-token prompt in {:.2f} s ({:.1f} tokens/s)", result.tokens.size(),
-                 result.prompt_tokens, result.seconds,
-                 result.seconds > 0 ? static_cast<double>(result.tokens.size()) / result.seconds : 0.0);
+    spdlog::info("generated {} tokens after a {}-token prompt in {:.2f} s ({:.1f} tokens/s; first token after {:.3f} s)",
+                 result.tokens.size(), result.prompt_tokens, result.seconds,
+                 result.seconds > 0 ? static_cast<double>(result.tokens.size()) / result.seconds : 0.0,
+                 result.first_token_seconds);
+    if (result.comm_operations > 0) {
+      spdlog::info("communication (rank 0): {} operations, {:.2f} MB, {:.3f} s waiting ({:.1f}% of the time; compute "
+                   "and the rest {:.3f} s)",
+                   result.comm_operations, result.comm_bytes / 1e6, result.comm_wait_seconds,
+                   result.seconds > 0 ? 100.0 * result.comm_wait_seconds / result.seconds : 0.0,
+                   result.seconds - result.comm_wait_seconds);
+    }
   }
   return 0;
 }

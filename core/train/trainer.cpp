@@ -96,6 +96,7 @@ GenerateResult Trainer::generate(const std::string& prompt) {
   auto generator = at::make_generator<at::CPUGeneratorImpl>(options_.generate_seed);
   std::vector<LayerKvCache> cache;
   GenerateResult result;
+  if (strategy_) strategy_->host().take_comm_stats();  // count generation's communication only
   const auto start = Clock::now();
   auto input = torch::tensor(std::vector<int64_t>(ids.begin(), ids.end()), torch::kLong).unsqueeze(0);
   for (int64_t n = 0; n < options_.max_new_tokens; ++n) {
@@ -103,11 +104,18 @@ GenerateResult Trainer::generate(const std::string& prompt) {
     // Only ids the tokenizer can decode (a model's vocabulary may be padded beyond them).
     const auto last = full_vocabulary(*model_, logits[0][logits.size(1) - 1]).narrow(0, 0, tokenizer_->vocab_size());
     const int32_t next = pick_token(last, options_.temperature, options_.top_p, generator);
+    if (n == 0) result.first_token_seconds = seconds_since(start);
     if (stop && next == *stop) break;
     result.tokens.push_back(next);
     input = torch::tensor({static_cast<int64_t>(next)}, torch::kLong).unsqueeze(0);
   }
   result.seconds = seconds_since(start);
+  if (strategy_) {
+    const auto comm = strategy_->host().take_comm_stats();
+    result.comm_operations = comm.operations;
+    result.comm_bytes = comm.bytes;
+    result.comm_wait_seconds = comm.wait_seconds;
+  }
   result.prompt_tokens = static_cast<int64_t>(ids.size());
   result.text = tokenizer_->decode(result.tokens);
   return result;

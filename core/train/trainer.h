@@ -39,6 +39,11 @@ struct GenerateResult {
   std::string text;             // their decoding
   int64_t prompt_tokens = 0;
   double seconds = 0;           // prompt processing and generation
+  double first_token_seconds = 0;  // prompt processing and the first new token
+  // This rank's communication through the plugin during generation (tensor parallelism's
+  // all-reduces): operations, bytes, and seconds spent waiting for them to complete.
+  int64_t comm_operations = 0, comm_bytes = 0;
+  double comm_wait_seconds = 0;
 };
 
 struct EvalResult {

@@ -14,6 +14,7 @@ packages=(
   libboost-dev libboost-program-options-dev libgtest-dev
   libdlpack-dev                          # DLPack: tensors across the plugin ABI (sdk/)
   libgloo-dev                            # c10d's ProcessGroupGloo headers include gloo's
+  python3-torch                          # trainer bench --baseline pytorch (tools/pytorch_baseline.py)
 )
 
 if [[ "${WEFT_SKIP_APT:-0}" != 1 ]]; then

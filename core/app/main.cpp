@@ -14,6 +14,7 @@
 #include <spdlog/spdlog.h>
 
 #include "core/app/launcher.h"
+#include "core/bench/bench.h"
 #include "core/config/config.h"
 #include "core/plugin/rendezvous.h"
 #include "core/config/schema.h"
@@ -23,7 +24,9 @@
 #include "core/train/options.h"
 #include "core/train/trainer.h"
 #include "core/util/error.h"
+#include "core/util/fs.h"
 #include "core/util/log.h"
+#include "core/util/shell.h"
 
 namespace po = boost::program_options;
 
@@ -38,6 +41,10 @@ struct CommandLine {
   std::string plugin;
   int nproc = 0;
   bool help = false;
+  // trainer bench: every --plugin and --nproc as given; trainer report: the run directory.
+  std::vector<std::string> plugins, nprocs;
+  std::string target, out, baseline;
+  int64_t warmup = 3, steps = 10, repetitions = 3;
 };
 
 po::options_description describe_options() {
@@ -45,12 +52,19 @@ po::options_description describe_options() {
   options.add_options()
       ("help,h", "print this help, including every configuration key")
       ("config,c", po::value<std::string>(), "TOML configuration file (may `extends` another)")
-      ("plugin,p", po::value<std::string>(),
-       "strategy plugin: a path, or a name found in build/plugins or WEFT_PLUGIN_PATH (same as --set train.plugin=...)")
+      ("plugin,p", po::value<std::vector<std::string>>()->composing(),
+       "strategy plugin: a path, or a name found in build/plugins or WEFT_PLUGIN_PATH (same as --set train.plugin=...); "
+       "trainer bench: repeat it, each may add settings: --plugin 'gpipe --set plugin.microbatches=8'")
       ("set,s", po::value<std::vector<std::string>>()->composing(),
        "override a configuration key: --set train.lr=1e-4 (repeatable; applied after the file)")
-      ("nproc", po::value<int>(),
-       "run N local ranks of this command (TCPStore on 127.0.0.1); under torchrun or Slurm leave it out")
+      ("nproc", po::value<std::vector<std::string>>()->composing(),
+       "run N local ranks of this command (TCPStore on 127.0.0.1); under torchrun or Slurm leave it out; "
+       "trainer bench: N or a list 1,2 for every plugin, or one per --plugin")
+      ("warmup", po::value<int64_t>(), "trainer bench: steps per run not counted (default 3)")
+      ("steps", po::value<int64_t>(), "trainer bench: counted steps per run (default 10)")
+      ("repetitions", po::value<int64_t>(), "trainer bench: runs per variant, alternated (default 3)")
+      ("baseline", po::value<std::string>(), "trainer bench: 'pytorch' adds PyTorch DDP (tools/pytorch_baseline.py)")
+      ("out,o", po::value<std::string>(), "trainer bench: output directory; trainer report: the Markdown file")
       ("log-level", po::value<std::string>(), "trace, debug, info, warn or error (default: log.level)")
       ("prompt", po::value<std::string>(), "trainer generate: the text to continue")
       ("trace", po::value<std::string>(),
@@ -61,9 +75,10 @@ po::options_description describe_options() {
 CommandLine parse_command_line(int argc, char** argv) {
   po::options_description visible = describe_options();
   po::options_description all;
-  all.add(visible).add_options()("command", po::value<std::string>(), "command");
+  all.add(visible).add_options()("command", po::value<std::string>(), "command")(
+      "target", po::value<std::string>(), "the command's operand (trainer report RUN_DIR)");
   po::positional_options_description positional;
-  positional.add("command", 1);
+  positional.add("command", 1).add("target", 1);
   po::variables_map vm;
   po::store(po::command_line_parser(argc, argv).options(all).positional(positional).run(), vm);
   po::notify(vm);
@@ -72,14 +87,36 @@ CommandLine parse_command_line(int argc, char** argv) {
   if (vm.count("command")) cli.command = vm["command"].as<std::string>();
   if (vm.count("config")) cli.config = vm["config"].as<std::string>();
   if (vm.count("set")) cli.overrides = vm["set"].as<std::vector<std::string>>();
-  if (vm.count("plugin")) {
-    cli.plugin = vm["plugin"].as<std::string>();
+  if (vm.count("plugin")) cli.plugins = vm["plugin"].as<std::vector<std::string>>();
+  if (vm.count("nproc")) cli.nprocs = vm["nproc"].as<std::vector<std::string>>();
+  if (vm.count("target")) cli.target = vm["target"].as<std::string>();
+  if (vm.count("out")) cli.out = vm["out"].as<std::string>();
+  if (vm.count("baseline")) cli.baseline = vm["baseline"].as<std::string>();
+  if (vm.count("warmup")) cli.warmup = vm["warmup"].as<int64_t>();
+  if (vm.count("steps")) cli.steps = vm["steps"].as<int64_t>();
+  if (vm.count("repetitions")) cli.repetitions = vm["repetitions"].as<int64_t>();
+  if (!cli.target.empty() && cli.command != "report") {
+    throw weft::Error(fmt::format("unexpected argument '{}' after '{}'", cli.target, cli.command));
+  }
+  if (cli.command == "bench") return cli;
+  if (cli.plugins.size() > 1) throw weft::Error("--plugin is given more than once (only trainer bench takes several)");
+  if (cli.nprocs.size() > 1) throw weft::Error("--nproc is given more than once (only trainer bench takes several)");
+  if (!cli.plugins.empty()) {
+    cli.plugin = cli.plugins.front();
     cli.overrides.insert(cli.overrides.begin(), "train.plugin=" + cli.plugin);
+  }
+  if (!cli.nprocs.empty()) {
+    try {
+      size_t used = 0;
+      cli.nproc = std::stoi(cli.nprocs.front(), &used);
+      if (used != cli.nprocs.front().size()) throw std::invalid_argument("trailing characters");
+    } catch (const std::exception&) {
+      throw weft::Error(fmt::format("--nproc '{}': expected a number of processes", cli.nprocs.front()));
+    }
   }
   if (vm.count("prompt")) cli.prompt = vm["prompt"].as<std::string>();
   if (vm.count("trace")) cli.overrides.push_back("log.trace=" + vm["trace"].as<std::string>());
   if (vm.count("log-level")) cli.log_level = vm["log-level"].as<std::string>();
-  if (vm.count("nproc")) cli.nproc = vm["nproc"].as<int>();
   return cli;
 }
 
@@ -90,6 +127,9 @@ void print_help() {
                "  trainer plugins               list the strategy plugins found, with versions and ABI\n"
                "  trainer generate --config FILE [--plugin NAME] [--nproc N] --prompt TEXT   continue TEXT (generate.*)\n"
                "  trainer check --plugin NAME [--nproc N] [--set plugin.KEY=VALUE ...]   conformance: 20 fp32 steps under NAME vs single.so\n"
+               "  trainer bench --config FILE --plugin A --plugin B [--nproc N] [--baseline pytorch] [--warmup W]\n"
+               "        [--steps S] [--repetitions R] [--out DIR]   A/B timing: table, bench.json, plots\n"
+               "  trainer report RUN_DIR [--out REPORT.md]   a finished run as a Markdown report with plots\n"
                "  trainer config-reference      print the configuration reference as Markdown\n\n"
             << describe_options() << "\n"
             << weft::render_help();
@@ -176,6 +216,10 @@ int run_train(const CommandLine& cli) {
   weft::Trainer trainer(options, run.context);
   std::filesystem::create_directories(options.out_dir);
   weft::write_run_config(options.out_dir, config);
+  if (run.context.rank == 0) {  // for `trainer report`: how to run this again
+    const char* command = std::getenv("WEFT_COMMAND_LINE");  // unset under torchrun / Slurm: not recorded
+    if (command != nullptr) weft::write_file_atomically(options.out_dir + "/command.txt", std::string(command) + "\n");
+  }
   const auto result = trainer.run();
   print_summary(result);
   return result.interrupted ? 128 + weft::interrupt_signal() : 0;
@@ -211,6 +255,46 @@ int run_check(const CommandLine& cli) {
   return report.passed ? 0 : 1;
 }
 
+std::string tools_dir() {
+  const char* dir = std::getenv("WEFT_TOOLS_DIR");
+  return dir != nullptr ? dir : WEFT_TOOLS_DIR;
+}
+
+// `trainer bench`: A/B timing of plugins (core/bench/bench.h).
+int run_bench(const CommandLine& cli) {
+  weft::set_log_level(cli.log_level.empty() ? "info" : cli.log_level);
+  if (!cli.baseline.empty() && cli.baseline != "pytorch") {
+    throw weft::Error(fmt::format("--baseline '{}': the only baseline is 'pytorch'", cli.baseline));
+  }
+  weft::BenchOptions options;
+  options.config = cli.config;
+  options.overrides = cli.overrides;
+  options.plugins = cli.plugins;
+  options.nproc = cli.nprocs;
+  options.pytorch_baseline = cli.baseline == "pytorch";
+  options.warmup_steps = cli.warmup;
+  options.steps = cli.steps;
+  options.repetitions = cli.repetitions;
+  options.out_dir = cli.out;
+  options.trainer_path = std::filesystem::read_symlink("/proc/self/exe").string();
+  options.tools_dir = tools_dir();
+  const char* python = std::getenv("WEFT_PYTHON");
+  options.python = python != nullptr ? python : (std::filesystem::exists("/usr/bin/python3") ? "/usr/bin/python3" : "python3");
+  return weft::run_bench(options);
+}
+
+// `trainer report RUN_DIR`: tools/report.py turns the run's metrics into Markdown and plots.
+int run_report(const CommandLine& cli) {
+  if (cli.target.empty()) throw weft::Error("trainer report needs the run directory: trainer report RUN_DIR");
+  if (!std::filesystem::exists(cli.target + "/metrics.jsonl")) {
+    throw weft::Error(fmt::format("{}: not a run directory (no metrics.jsonl)", cli.target));
+  }
+  std::vector<std::string> args{"python3", tools_dir() + "/report.py", cli.target};
+  if (!cli.out.empty()) args.insert(args.end(), {"-o", cli.out});
+  const int status = std::system(weft::shell_join(args).c_str());
+  return status == 0 ? 0 : 1;
+}
+
 // `trainer plugins`: every strategy plugin in the search path, described, failures marked.
 int run_plugins() {
   std::cout << weft::format_plugin_table(weft::list_plugins());
@@ -227,6 +311,10 @@ int main(int argc, char** argv) {
       print_help();
       return 0;
     }
+    // The command as the user typed it; ranks that a --nproc launch starts inherit the launcher's.
+    if (std::getenv("RANK") == nullptr) {
+      ::setenv("WEFT_COMMAND_LINE", weft::reproducible_command_line(argc, argv).c_str(), /*overwrite=*/1);
+    }
     if ((cli.command == "train" || cli.command == "generate") && cli.nproc > 0 && std::getenv("RANK") == nullptr) {
       if (!cli.log_level.empty()) weft::set_log_level(cli.log_level);  // the launcher's own lines
       return weft::launch_local_ranks(cli.nproc, argc, argv);
@@ -235,12 +323,15 @@ int main(int argc, char** argv) {
     if (cli.command == "generate") return run_generate(cli);
     if (cli.command == "plugins") return run_plugins();
     if (cli.command == "check") return run_check(cli);
+    if (cli.command == "bench") return run_bench(cli);
+    if (cli.command == "report") return run_report(cli);
     if (cli.command == "config-reference") {
       std::cout << weft::render_markdown_reference();
       return 0;
     }
     throw weft::Error(
-        fmt::format("unknown command '{}' (commands: train, generate, plugins, check, config-reference)", cli.command));
+        fmt::format("unknown command '{}' (commands: train, generate, plugins, check, bench, report, config-reference)",
+                    cli.command));
   } catch (const weft::Error& e) {
     spdlog::error("{}", e.what());
   } catch (const po::error& e) {

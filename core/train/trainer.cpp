@@ -596,6 +596,7 @@ TrainResult Trainer::finish_run(Session& session) {
   }
   summary["activation_peak_mib"] = session.activation_peak_mib;
   if (communicator_) {
+    summary["peak_rss_mib_per_rank"] = communicator_->all_gather(result.peak_rss_mib);  // collective
     const auto per_rank = communicator_->all_gather(session.activation_peak_mib);  // collective
     summary["activation_peak_mib_per_rank"] = per_rank;
     std::string text;

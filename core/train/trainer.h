@@ -81,6 +81,12 @@ class Trainer {
   // Collective under a plugin: every rank runs it and gets the same tokens.
   GenerateResult generate(const std::string& prompt);
   EvalResult evaluate();
+  // Writes what another trainer needs to run this same job (trainer bench's PyTorch
+  // baseline, tools/pytorch_baseline.py) into `dir`: config.json (the model, HF layout),
+  // tokens.u32 (the training split's packed token stream, little-endian uint32) and run.json
+  // (seq_len, batch_size, grad_accum_steps, optimiser, seed, threads, precision, steps_per_epoch
+  // and `steps` to run). Throws weft::Error if a file cannot be written.
+  void export_job(const std::string& dir, int64_t steps) const;
 
   LlamaForCausalLMImpl& model() { return *model_; }
   const Tokenizer& tokenizer() const { return *tokenizer_; }

@@ -1,0 +1,268 @@
+#include "core/bench/bench.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <set>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+
+#include "core/bench/bench_stats.h"
+#include "core/config/config.h"
+#include "core/plugin/library.h"
+#include "core/train/options.h"
+#include "core/train/trainer.h"
+#include "core/util/error.h"
+#include "core/util/fs.h"
+#include "core/util/shell.h"
+
+namespace weft {
+namespace fs = std::filesystem;
+namespace {
+
+std::vector<std::string> split_words(const std::string& text) {
+  std::istringstream in(text);
+  std::vector<std::string> words;
+  for (std::string w; in >> w;) words.push_back(w);
+  return words;
+}
+
+std::vector<int> parse_counts(const std::string& text) {
+  std::vector<int> counts;
+  std::stringstream in(text);
+  for (std::string item; std::getline(in, item, ',');) {
+    size_t used = 0;
+    int n = 0;
+    try {
+      n = std::stoi(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    WEFT_CHECK(used == item.size() && n >= 1, "--nproc '{}': expected a process count >= 1 or a list like 1,2", text);
+    counts.push_back(n);
+  }
+  WEFT_CHECK(!counts.empty(), "--nproc '{}': expected a process count >= 1 or a list like 1,2", text);
+  return counts;
+}
+
+// "ddp" from "ddp", "build/plugins/ddp.so" or "libddp.so".
+std::string short_plugin_name(const std::string& plugin) {
+  std::string name = fs::path(plugin).filename().string();
+  if (name.size() > 3 && name.compare(name.size() - 3, 3, ".so") == 0) name.resize(name.size() - 3);
+  if (name.rfind("lib", 0) == 0 && name.size() > 3) name = name.substr(3);
+  return name;
+}
+
+// "gpipe --set plugin.microbatches=8" -> the plugin and its settings.
+BenchVariant parse_plugin_spec(const std::string& spec) {
+  const auto words = split_words(spec);
+  WEFT_CHECK(!words.empty(), "--plugin '': expected a plugin name or path");
+  BenchVariant v;
+  v.plugin = words[0];
+  for (size_t i = 1; i < words.size(); i += 2) {
+    WEFT_CHECK(words[i] == "--set" && i + 1 < words.size() && words[i + 1].find('=') != std::string::npos,
+               "--plugin '{}': after the plugin only '--set KEY=VALUE' pairs may follow", spec);
+    v.settings.push_back(words[i + 1]);
+  }
+  return v;
+}
+
+std::string variant_name(const BenchVariant& v) {
+  std::string name = v.pytorch ? (v.nproc > 1 ? "pytorch-ddp" : "pytorch") : short_plugin_name(v.plugin);
+  for (const auto& s : v.settings) name += " " + (s.rfind("plugin.", 0) == 0 ? s.substr(7) : s);
+  return name + " x" + std::to_string(v.nproc);
+}
+
+std::string slug(const std::string& name) {
+  std::string out;
+  for (char c : name) out += std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '-' ? c : '_';
+  return out;
+}
+
+std::string timestamp() {
+  const std::time_t now = std::time(nullptr);
+  char text[32];
+  std::strftime(text, sizeof(text), "%Y%m%d-%H%M%S", std::localtime(&now));
+  return text;
+}
+
+// The first line of `log` that reports an error (the cause, usually), or "".
+std::string first_error_line(const std::string& log) {
+  std::ifstream in(log);
+  for (std::string line; std::getline(in, line);) {
+    if (line.find("error") != std::string::npos || line.find("Error") != std::string::npos) return line;
+  }
+  return "";
+}
+
+// Runs `command` with its output in `log`; throws naming `what`, the cause and the log on failure.
+void run_logged(const std::string& command, const std::string& log, const std::string& what) {
+  const int status = std::system((command + " > " + shell_quote(log) + " 2>&1").c_str());
+  WEFT_CHECK(status == 0, "bench: {} failed: {} (all its output: {})", what, first_error_line(log), log);
+}
+
+std::vector<std::string> weft_run_command(const BenchOptions& o, const BenchVariant& v, const std::string& run_dir) {
+  std::vector<std::string> args{o.trainer_path, "train"};
+  if (!o.config.empty()) args.insert(args.end(), {"--config", o.config});
+  for (const auto& s : o.overrides) args.insert(args.end(), {"--set", s});
+  args.insert(args.end(), {"--plugin", v.plugin, "--nproc", std::to_string(v.nproc)});
+  for (const auto& s : v.settings) args.insert(args.end(), {"--set", s});
+  const std::vector<std::string> fixed{
+      "train.max_steps=" + std::to_string(o.warmup_steps + o.steps), "train.out_dir=" + run_dir,
+      "train.overwrite=true", "log.progress=off", "eval.every_steps=0", "eval.max_batches=1",
+      "checkpoint.save_final=false", "checkpoint.keep_best=false", "checkpoint.every_steps=0",
+      "checkpoint.resume=", "log.trace="};
+  for (const auto& s : fixed) args.insert(args.end(), {"--set", s});
+  args.insert(args.end(), {"--log-level", "warn"});
+  return args;
+}
+
+std::vector<std::string> pytorch_run_command(const BenchOptions& o, const BenchVariant& v,
+                                             const std::string& job_dir, const std::string& run_dir) {
+  return {o.python, o.tools_dir + "/pytorch_baseline.py", "--data", job_dir, "--nproc", std::to_string(v.nproc),
+          "--out", run_dir};
+}
+
+// The job as files for the baseline (same data, model, batch and optimiser), built in-process.
+void export_job(const BenchOptions& o, const std::string& dir) {
+  const Config config = load_config(o.config, o.overrides);
+  TrainOptions options = train_options_from_config(config);
+  options.plugin.clear();
+  options.out_dir = dir + "/unused-run";
+  options.overwrite = true;
+  options.metrics_file.clear();
+  options.resume.clear();
+  Trainer trainer(options);
+  trainer.export_job(dir, o.warmup_steps + o.steps);
+  fs::remove_all(options.out_dir);
+}
+
+void check_python_has_torch(const std::string& python, const std::string& dir) {
+  const std::string log = dir + "/python-check.log";
+  const int status = std::system((shell_quote(python) + " -c 'import torch' > " + shell_quote(log) + " 2>&1").c_str());
+  WEFT_CHECK(status == 0,
+             "--baseline pytorch needs PyTorch, but '{}' cannot import torch (install Debian's python3-torch, or set "
+             "WEFT_PYTHON to an interpreter that has it); see {}",
+             python, log);
+}
+
+void draw_plots(const BenchOptions& o, const std::string& json_path) {
+  const std::string command = shell_join({"python3", o.tools_dir + "/plot_bench.py", json_path, "-o", o.out_dir}) +
+                              " > " + shell_quote(o.out_dir + "/plots.log") + " 2>&1";
+  if (std::system(command.c_str()) != 0) {
+    spdlog::warn("bench: the plots were not drawn (python3 {}/plot_bench.py failed; see {}/plots.log)", o.tools_dir,
+                 o.out_dir);
+  }
+}
+
+}  // namespace
+
+std::vector<BenchVariant> plan_bench(const BenchOptions& o) {
+  WEFT_CHECK(!o.plugins.empty() || o.pytorch_baseline, "trainer bench needs at least one --plugin (or --baseline pytorch)");
+  std::vector<std::vector<int>> counts;
+  for (const auto& text : o.nproc) counts.push_back(parse_counts(text));
+  if (counts.empty()) counts.push_back({1});
+  WEFT_CHECK(counts.size() == 1 || counts.size() == o.plugins.size(),
+             "trainer bench: {} --nproc values for {} --plugin values (give one for all, or one per plugin in order)",
+             counts.size(), o.plugins.size());
+  std::vector<BenchVariant> variants;
+  std::set<int> sizes;
+  for (size_t i = 0; i < o.plugins.size(); ++i) {
+    for (int n : counts.size() == 1 ? counts[0] : counts[i]) {
+      BenchVariant v = parse_plugin_spec(o.plugins[i]);
+      v.nproc = n;
+      v.name = variant_name(v);
+      variants.push_back(v);
+      sizes.insert(n);
+    }
+  }
+  if (o.plugins.empty()) sizes.insert(counts[0].begin(), counts[0].end());
+  if (o.pytorch_baseline) {
+    for (int n : sizes) {
+      BenchVariant v;
+      v.pytorch = true;
+      v.nproc = n;
+      v.name = variant_name(v);
+      variants.push_back(v);
+    }
+  }
+  for (size_t i = 0; i < variants.size(); ++i) {
+    for (size_t j = i + 1; j < variants.size(); ++j) {
+      WEFT_CHECK(variants[i].name != variants[j].name, "trainer bench: variant '{}' is listed twice", variants[i].name);
+    }
+  }
+  return variants;
+}
+
+int run_bench(const BenchOptions& options) {
+  BenchOptions o = options;
+  WEFT_CHECK(o.warmup_steps >= 0 && o.steps >= 1 && o.repetitions >= 1,
+             "trainer bench: --warmup must be >= 0, --steps and --repetitions >= 1");
+  const auto variants = plan_bench(o);
+  // The job itself is validated here, before any run: a bad config fails once, clearly.
+  const TrainOptions job = train_options_from_config(load_config(o.config, o.overrides));
+  const int64_t tokens_per_step = job.batch_size * job.grad_accum_steps * job.data.seq_len;
+  for (const auto& v : variants) {
+    if (!v.pytorch) resolve_plugin_path(v.plugin);  // throws naming a plugin that is not found
+  }
+  if (o.out_dir.empty()) o.out_dir = "runs/bench-" + timestamp();
+  fs::create_directories(o.out_dir);
+  o.out_dir = fs::absolute(o.out_dir).lexically_normal().string();
+  const std::string job_dir = o.out_dir + "/job";
+  if (std::any_of(variants.begin(), variants.end(), [](const BenchVariant& v) { return v.pytorch; })) {
+    check_python_has_torch(o.python, o.out_dir);
+    export_job(o, job_dir);
+  }
+  spdlog::info("bench: {} variants x {} repetitions, {} warm-up + {} measured steps each, {} tokens per step",
+               variants.size(), o.repetitions, o.warmup_steps, o.steps, tokens_per_step);
+  std::vector<std::vector<RunMeasurement>> runs(variants.size());
+  for (int64_t rep = 1; rep <= o.repetitions; ++rep) {
+    for (size_t i = 0; i < variants.size(); ++i) {  // alternated: A B C, A B C, ...
+      const auto& v = variants[i];
+      const std::string run_dir = fmt::format("{}/runs/{}/rep{}", o.out_dir, slug(v.name), rep);
+      fs::create_directories(run_dir);
+      const auto args = v.pytorch ? pytorch_run_command(o, v, job_dir, run_dir) : weft_run_command(o, v, run_dir);
+      write_file_atomically(run_dir + "/command.txt", shell_join(args) + "\n");
+      run_logged(shell_join(args), run_dir + "/output.log", fmt::format("'{}' (repetition {})", v.name, rep));
+      runs[i].push_back(read_run(run_dir + "/metrics.jsonl", o.warmup_steps));
+      const double step = median_of(runs[i].back().step_seconds);
+      spdlog::info("bench: repetition {}/{} {}: median step {:.3f} s, {:.0f} tokens/s", rep, o.repetitions, v.name,
+                   step, tokens_per_step / step);
+    }
+  }
+  std::vector<VariantSummary> summaries;
+  for (size_t i = 0; i < variants.size(); ++i) {
+    const auto& v = variants[i];
+    summaries.push_back(summarise(v.name, v.plugin, v.nproc, v.pytorch, runs[i], tokens_per_step));
+  }
+  const auto ratios = pair_ratios(summaries);
+  const std::string table = format_bench_table(summaries, ratios);
+  std::cout << table;
+  const char* command = std::getenv("WEFT_COMMAND_LINE");  // set by the trainer's main
+  nlohmann::json json = {{"command", command != nullptr ? command : ""},
+                         {"config", o.config},
+                         {"overrides", o.overrides},
+                         {"warmup_steps", o.warmup_steps},
+                         {"steps", o.steps},
+                         {"repetitions", o.repetitions},
+                         {"tokens_per_step", tokens_per_step},
+                         {"steps_per_epoch", runs.front().front().steps_per_epoch},
+                         {"variants", nlohmann::json::array()},
+                         {"ratios", nlohmann::json::array()}};
+  for (const auto& s : summaries) json["variants"].push_back(to_json(s));
+  for (const auto& r : ratios) json["ratios"].push_back(to_json(r));
+  const std::string json_path = o.out_dir + "/bench.json";
+  write_file_atomically(json_path, json.dump(2) + "\n");
+  write_file_atomically(o.out_dir + "/bench.md", table);
+  draw_plots(o, json_path);
+  spdlog::info("bench: wrote {}, {}/bench.md and the plots in {}", json_path, o.out_dir, o.out_dir);
+  return 0;
+}
+
+}  // namespace weft

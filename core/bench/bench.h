@@ -1,0 +1,51 @@
+// trainer bench: A/B timing of strategy plugins on one job, made fair.
+//
+// Every variant (a plugin, its settings and a process count; optionally the PyTorch DDP
+// baseline) trains the same configuration - same data, seed, global batch and model - for
+// warm-up + measured steps, in alternation (A B C A B C ...) so that slow drifts of the machine
+// hit every variant alike, R repetitions each. Only steps after the warm-up count. Each run is
+// a child `trainer train` (or tools/pytorch_baseline.py) whose metrics.jsonl is read back; the
+// figures per variant are in VariantSummary (bench_stats.h).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace weft {
+
+// One thing to time.
+struct BenchVariant {
+  std::string name;                   // e.g. "ddp x2", "gpipe microbatches=8 x2", "pytorch-ddp x2"
+  std::string plugin;                 // plugin name or path; empty for the PyTorch baseline
+  int nproc = 1;
+  std::vector<std::string> settings;  // extra "--set key=value" for this variant only
+  bool pytorch = false;               // the PyTorch DistributedDataParallel baseline
+};
+
+struct BenchOptions {
+  std::string config;                      // the job (--config)
+  std::vector<std::string> overrides;      // --set for every variant
+  std::vector<std::string> plugins;        // --plugin, repeatable: "NAME [--set plugin.k=v ...]"
+  std::vector<std::string> nproc;          // --nproc, "N" or "N,M,..."; one for all or one per plugin
+  bool pytorch_baseline = false;           // --baseline pytorch
+  int64_t warmup_steps = 3;                // not counted
+  int64_t steps = 10;                      // counted, per run
+  int64_t repetitions = 3;
+  std::string out_dir;                     // bench.json, bench.md, plots, runs/
+  std::string trainer_path;                // the trainer executable (for the child runs)
+  std::string tools_dir;                   // tools/ (plots, the PyTorch baseline)
+  std::string python;                      // interpreter with torch, for the baseline
+};
+
+// The variants in run order: each plugin at each of its process counts, then the baseline at
+// every process count used. Throws weft::Error for a malformed --plugin or --nproc, a count
+// list that matches neither one nor every plugin, or no plugin at all.
+std::vector<BenchVariant> plan_bench(const BenchOptions& options);
+
+// Runs the bench and writes out_dir/bench.json, out_dir/bench.md (the table) and the plots;
+// prints the table. Returns 0, or throws weft::Error naming the variant and its log when a run
+// fails.
+int run_bench(const BenchOptions& options);
+
+}  // namespace weft

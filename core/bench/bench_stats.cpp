@@ -1,0 +1,187 @@
+#include "core/bench/bench_stats.h"
+
+#include <algorithm>
+#include <fstream>
+
+#include <fmt/format.h>
+
+#include "core/train/metrics.h"
+#include "core/util/error.h"
+
+namespace weft {
+namespace {
+
+Spread spread_of(const std::vector<double>& values) {
+  if (values.empty()) return {};
+  return {median_of(values), *std::min_element(values.begin(), values.end()),
+          *std::max_element(values.begin(), values.end())};
+}
+
+std::string optional_percent(const std::optional<double>& v) {
+  return v ? fmt::format("{:.1f}%", 100.0 * *v) : "-";
+}
+
+std::string ranks_text(const std::vector<double>& values) {
+  std::string out;
+  for (double v : values) out += fmt::format("{}{:.0f}", out.empty() ? "" : "/", v);
+  return out.empty() ? "-" : out;
+}
+
+}  // namespace
+
+double median_of(std::vector<double> values) {
+  if (values.empty()) return 0.0;
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
+}
+
+RunMeasurement read_run(const std::string& metrics_path, int64_t warmup_steps) {
+  std::ifstream in(metrics_path);
+  WEFT_CHECK(in.good(), "{}: cannot read the run's metrics", metrics_path);
+  RunMeasurement run;
+  bool summary = false;
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    WEFT_CHECK(!j.is_discarded() && j.is_object(), "{}: a line is not a JSON object: {}", metrics_path, line);
+    const std::string type = j.value("type", "");
+    if (type == "step" && j.value("step", int64_t{0}) > warmup_steps) {
+      run.step_seconds.push_back(j.at("step_time_s").get<double>());
+      run.tokens_per_second.push_back(j.value("tokens_per_s", 0.0));
+      if (j.contains("comm_wait_s")) {
+        run.has_comm = true;
+        run.comm_wait_seconds += j["comm_wait_s"].get<double>();
+        run.comm_bytes.push_back(j.value("comm_bytes", 0.0));
+      }
+      if (j.contains("plugin.bubble")) run.bubble.push_back(j["plugin.bubble"].get<double>());
+      if (j.contains("plugin.bubble_formula")) run.bubble_formula = j["plugin.bubble_formula"].get<double>();
+    } else if (type == "summary") {
+      summary = true;
+      run.steps_per_epoch = j.value("steps_per_epoch", int64_t{0});
+      if (j.contains("peak_rss_mib_per_rank")) {
+        run.peak_rss_mib_per_rank = j["peak_rss_mib_per_rank"].get<std::vector<double>>();
+      } else {
+        run.peak_rss_mib_per_rank = {j.value("peak_rss_mib", 0.0)};
+      }
+    }
+  }
+  WEFT_CHECK(!run.step_seconds.empty(), "{}: no step after the {} warm-up steps", metrics_path, warmup_steps);
+  WEFT_CHECK(summary, "{}: no summary line (did the run finish?)", metrics_path);
+  return run;
+}
+
+VariantSummary summarise(const std::string& name, const std::string& plugin, int nproc, bool pytorch,
+                         const std::vector<RunMeasurement>& runs, int64_t tokens_per_step) {
+  WEFT_CHECK(!runs.empty(), "bench: variant '{}' has no runs", name);
+  VariantSummary v;
+  v.name = name;
+  v.plugin = plugin;
+  v.nproc = nproc;
+  v.pytorch = pytorch;
+  std::vector<double> steps, bytes, bubble;
+  double wait = 0, busy = 0;
+  bool comm = false;
+  for (const auto& run : runs) {
+    steps.insert(steps.end(), run.step_seconds.begin(), run.step_seconds.end());
+    v.run_step_seconds.push_back(median_of(run.step_seconds));
+    bytes.insert(bytes.end(), run.comm_bytes.begin(), run.comm_bytes.end());
+    bubble.insert(bubble.end(), run.bubble.begin(), run.bubble.end());
+    if (run.bubble_formula) v.bubble_formula = run.bubble_formula;
+    comm = comm || run.has_comm;
+    wait += run.comm_wait_seconds;
+    for (double s : run.step_seconds) busy += s;
+    if (v.peak_rss_mib_per_rank.size() < run.peak_rss_mib_per_rank.size()) {
+      v.peak_rss_mib_per_rank.resize(run.peak_rss_mib_per_rank.size(), 0.0);
+    }
+    for (size_t r = 0; r < run.peak_rss_mib_per_rank.size(); ++r) {
+      v.peak_rss_mib_per_rank[r] = std::max(v.peak_rss_mib_per_rank[r], run.peak_rss_mib_per_rank[r]);
+    }
+  }
+  v.step_seconds = spread_of(steps);
+  const double tokens = static_cast<double>(tokens_per_step);
+  v.tokens_per_second = {tokens / v.step_seconds.median, tokens / v.step_seconds.max, tokens / v.step_seconds.min};
+  const double per_epoch = static_cast<double>(runs.front().steps_per_epoch);
+  v.epoch_seconds = {per_epoch * v.step_seconds.median, per_epoch * v.step_seconds.min,
+                     per_epoch * v.step_seconds.max};
+  if (comm) {
+    v.comm_wait_fraction = busy > 0 ? wait / busy : 0.0;
+    v.comm_bytes_per_step = median_of(bytes);
+  }
+  if (!bubble.empty()) v.bubble = median_of(bubble);
+  return v;
+}
+
+std::vector<PairRatio> pair_ratios(const std::vector<VariantSummary>& variants) {
+  std::vector<PairRatio> out;
+  for (size_t i = 0; i < variants.size(); ++i) {
+    for (size_t j = i + 1; j < variants.size(); ++j) {
+      const auto &a = variants[i], &b = variants[j];
+      PairRatio r{a.name, b.name, a.step_seconds.median / b.step_seconds.median, {}};
+      for (size_t k = 0; k < std::min(a.run_step_seconds.size(), b.run_step_seconds.size()); ++k) {
+        r.per_repetition.push_back(a.run_step_seconds[k] / b.run_step_seconds[k]);
+      }
+      out.push_back(std::move(r));
+    }
+  }
+  return out;
+}
+
+std::string format_bench_table(const std::vector<VariantSummary>& variants, const std::vector<PairRatio>& ratios) {
+  std::string out =
+      "| variant | processes | step time median [min-max] | tokens/s median [min-max] | time per epoch median "
+      "[min-max] | peak RSS MiB per rank | waiting on comm (rank 0) | MB sent per step | bubble (formula) |\n"
+      "|---|---|---|---|---|---|---|---|---|\n";
+  for (const auto& v : variants) {
+    const std::string bubble =
+        v.bubble ? fmt::format("{:.3f} ({})", *v.bubble, v.bubble_formula ? fmt::format("{:.3f}", *v.bubble_formula) : "-")
+                 : "-";
+    out += fmt::format("| {} | {} | {:.3f} s [{:.3f}-{:.3f}] | {:.0f} [{:.0f}-{:.0f}] | {} [{}-{}] | {} | {} | {} | {} |\n",
+                       v.name, v.nproc, v.step_seconds.median, v.step_seconds.min, v.step_seconds.max,
+                       v.tokens_per_second.median, v.tokens_per_second.min, v.tokens_per_second.max,
+                       format_duration(v.epoch_seconds.median), format_duration(v.epoch_seconds.min),
+                       format_duration(v.epoch_seconds.max), ranks_text(v.peak_rss_mib_per_rank),
+                       v.pytorch ? "n/a" : optional_percent(v.comm_wait_fraction),
+                       v.comm_bytes_per_step ? fmt::format("{:.2f}", *v.comm_bytes_per_step / 1e6) : "-", bubble);
+  }
+  if (!ratios.empty()) {
+    out += "\n| B vs A | tokens/s of B / tokens/s of A | per repetition |\n|---|---|---|\n";
+    for (const auto& r : ratios) {
+      std::string reps;
+      for (double x : r.per_repetition) reps += fmt::format("{}{:.2f}", reps.empty() ? "" : ", ", x);
+      out += fmt::format("| {} vs {} | {:.2f}x | {} |\n", r.b, r.a, r.tokens_per_second, reps);
+    }
+  }
+  return out;
+}
+
+nlohmann::json to_json(const VariantSummary& v) {
+  auto spread = [](const Spread& s) { return nlohmann::json{{"median", s.median}, {"min", s.min}, {"max", s.max}}; };
+  auto optional = [](const std::optional<double>& x) { return x ? nlohmann::json(*x) : nlohmann::json(nullptr); };
+  nlohmann::json runs = nlohmann::json::array();
+  for (size_t k = 0; k < v.run_step_seconds.size(); ++k) {
+    const double tokens_per_step = v.tokens_per_second.median * v.step_seconds.median;
+    runs.push_back({{"repetition", k + 1}, {"step_time_s", v.run_step_seconds[k]},
+                    {"tokens_per_s", tokens_per_step / v.run_step_seconds[k]}});
+  }
+  return {{"name", v.name},
+          {"plugin", v.plugin},
+          {"nproc", v.nproc},
+          {"kind", v.pytorch ? "pytorch" : "weft"},
+          {"step_time_s", spread(v.step_seconds)},
+          {"tokens_per_s", spread(v.tokens_per_second)},
+          {"epoch_s", spread(v.epoch_seconds)},
+          {"peak_rss_mib_per_rank", v.peak_rss_mib_per_rank},
+          {"comm_wait_fraction", optional(v.comm_wait_fraction)},
+          {"comm_bytes_per_step", optional(v.comm_bytes_per_step)},
+          {"bubble", optional(v.bubble)},
+          {"bubble_formula", optional(v.bubble_formula)},
+          {"runs", runs}};
+}
+
+nlohmann::json to_json(const PairRatio& r) {
+  return {{"a", r.a}, {"b", r.b}, {"tokens_per_s", r.tokens_per_second}, {"per_repetition", r.per_repetition}};
+}
+
+}  // namespace weft

@@ -1,0 +1,73 @@
+// trainer bench's figures: what one run measured (from its metrics.jsonl) and the summary of a
+// variant over its repetitions, with the table and JSON they are reported in.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace weft {
+
+// One run's measured steps (those after the warm-up) and its summary line.
+struct RunMeasurement {
+  std::vector<double> step_seconds;
+  std::vector<double> tokens_per_second;  // as the run logged them (global tokens / step time)
+  double comm_wait_seconds = 0;           // rank 0, over the measured steps
+  std::vector<double> comm_bytes;         // rank 0, per measured step
+  std::vector<double> bubble;             // plugin.bubble per measured step (pipelines)
+  std::optional<double> bubble_formula;
+  bool has_comm = false;
+  int64_t steps_per_epoch = 0;
+  std::vector<double> peak_rss_mib_per_rank;
+};
+
+// Reads `metrics_path` (weft's metrics.jsonl, or the PyTorch baseline's in the same format),
+// keeping steps numbered above `warmup_steps`. Throws weft::Error naming the file when it is
+// missing, has no measured step or no summary line.
+RunMeasurement read_run(const std::string& metrics_path, int64_t warmup_steps);
+
+struct Spread {
+  double median = 0, min = 0, max = 0;
+};
+
+struct VariantSummary {
+  std::string name, plugin;
+  int nproc = 1;
+  bool pytorch = false;
+  Spread step_seconds;           // over every measured step of every repetition
+  Spread tokens_per_second;      // global tokens per step / step time (min from the slowest step)
+  Spread epoch_seconds;          // steps per epoch x step time
+  std::vector<double> run_step_seconds;  // each repetition's median step time, in order
+  std::vector<double> peak_rss_mib_per_rank;  // the largest over repetitions, per rank
+  std::optional<double> comm_wait_fraction;   // rank 0's time blocked on communication / step time
+  std::optional<double> comm_bytes_per_step;  // median
+  std::optional<double> bubble, bubble_formula;
+};
+
+// The median of `values` (the mean of the middle two for an even count); 0 for none.
+double median_of(std::vector<double> values);
+
+// Summarises a variant's repetitions. `tokens_per_step` is the global batch in tokens.
+VariantSummary summarise(const std::string& name, const std::string& plugin, int nproc, bool pytorch,
+                         const std::vector<RunMeasurement>& runs, int64_t tokens_per_step);
+
+// B's tokens/s over A's, for every pair of variants (A listed first), with the ratio of each
+// repetition's medians (runs of one repetition ran back to back).
+struct PairRatio {
+  std::string a, b;
+  double tokens_per_second = 0;
+  std::vector<double> per_repetition;
+};
+std::vector<PairRatio> pair_ratios(const std::vector<VariantSummary>& variants);
+
+// The terminal / Markdown table: one row per variant, then the ratios.
+std::string format_bench_table(const std::vector<VariantSummary>& variants, const std::vector<PairRatio>& ratios);
+
+// bench.json's "variants" entry and "ratios" entry.
+nlohmann::json to_json(const VariantSummary& v);
+nlohmann::json to_json(const PairRatio& r);
+
+}  // namespace weft

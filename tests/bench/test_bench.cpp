@@ -1,0 +1,180 @@
+// trainer bench: the plan of variants (names, process counts, the baseline, refusals), the
+// figures from metrics files with hand-computed medians and ratios, and a real two-plugin
+// bench end to end (runs alternated, bench.json, the table, the run report of a child run).
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "common/corpus.h"
+#include "common/process.h"
+#include "core/bench/bench.h"
+#include "core/bench/bench_stats.h"
+#include "core/util/error.h"
+
+namespace {
+
+using weft::testing::fresh_dir;
+using weft::testing::read_text;
+using weft::testing::run_trainer;
+
+std::vector<std::string> names(const std::vector<weft::BenchVariant>& variants) {
+  std::vector<std::string> out;
+  for (const auto& v : variants) out.push_back(v.name);
+  return out;
+}
+
+std::string plan_error(const weft::BenchOptions& options) {
+  try {
+    weft::plan_bench(options);
+  } catch (const weft::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(BenchPlan, OneCountForAllPluginsOrOnePerPluginAndTheBaselineAtEveryCount) {
+  weft::BenchOptions o;
+  o.plugins = {"single", "build/plugins/ddp.so", "gpipe --set plugin.microbatches=8"};
+  o.nproc = {"1", "1,2", "2"};
+  o.pytorch_baseline = true;
+  const auto variants = weft::plan_bench(o);
+  EXPECT_EQ(names(variants), (std::vector<std::string>{"single x1", "ddp x1", "ddp x2", "gpipe microbatches=8 x2",
+                                                       "pytorch x1", "pytorch-ddp x2"}));
+  EXPECT_EQ(variants[1].plugin, "build/plugins/ddp.so");
+  EXPECT_EQ(variants[3].settings, (std::vector<std::string>{"plugin.microbatches=8"}));
+  EXPECT_TRUE(variants[5].pytorch);
+  EXPECT_EQ(variants[5].nproc, 2);
+
+  weft::BenchOptions all;
+  all.plugins = {"single", "ddp"};
+  all.nproc = {"2"};
+  EXPECT_EQ(names(weft::plan_bench(all)), (std::vector<std::string>{"single x2", "ddp x2"}));
+}
+
+TEST(BenchPlan, RefusesWhatItCannotRun) {
+  weft::BenchOptions none;
+  EXPECT_NE(plan_error(none).find("at least one --plugin"), std::string::npos);
+  weft::BenchOptions counts;
+  counts.plugins = {"a", "b", "c"};
+  counts.nproc = {"1", "2"};
+  EXPECT_NE(plan_error(counts).find("2 --nproc values for 3 --plugin values"), std::string::npos);
+  weft::BenchOptions bad;
+  bad.plugins = {"ddp"};
+  bad.nproc = {"two"};
+  EXPECT_NE(plan_error(bad).find("--nproc 'two'"), std::string::npos);
+  weft::BenchOptions zero = bad;
+  zero.nproc = {"1,0"};
+  EXPECT_NE(plan_error(zero).find("--nproc '1,0'"), std::string::npos);
+  weft::BenchOptions spec;
+  spec.plugins = {"gpipe microbatches=8"};
+  EXPECT_NE(plan_error(spec).find("only '--set KEY=VALUE' pairs"), std::string::npos);
+  weft::BenchOptions twice;
+  twice.plugins = {"ddp", "ddp"};
+  EXPECT_NE(plan_error(twice).find("'ddp x1' is listed twice"), std::string::npos);
+}
+
+// A metrics.jsonl with the given step times (steps 1..n), comm on every step, and a summary.
+std::string write_metrics(const std::string& dir, const std::string& name, const std::vector<double>& steps,
+                          bool comm) {
+  const std::string path = dir + "/" + name + ".jsonl";
+  std::ofstream out(path);
+  for (size_t i = 0; i < steps.size(); ++i) {
+    nlohmann::json j = {{"type", "step"}, {"step", i + 1}, {"step_time_s", steps[i]}, {"tokens_per_s", 1000 / steps[i]}};
+    if (comm) {
+      j["comm_wait_s"] = 0.25 * steps[i];
+      j["comm_bytes"] = 1000.0 * static_cast<double>(i + 1);
+      j["plugin.bubble"] = 0.1 * static_cast<double>(i + 1);
+      j["plugin.bubble_formula"] = 0.2;
+    }
+    out << j.dump() << "\n";
+  }
+  out << nlohmann::json{{"type", "summary"}, {"steps_per_epoch", 100}, {"peak_rss_mib_per_rank", {300.0, 200.0}}}.dump()
+      << "\n";
+  return path;
+}
+
+TEST(BenchStats, WarmUpIsDroppedAndEveryFigureFollowsFromTheMeasuredSteps) {
+  const auto dir = fresh_dir("weft_bench", "stats");
+  // Step 1 (warm-up) is slow and must not count; measured steps 2..4.
+  const auto a1 = weft::read_run(write_metrics(dir, "a1", {9.0, 1.0, 3.0, 2.0}, true), 1);
+  const auto a2 = weft::read_run(write_metrics(dir, "a2", {9.0, 4.0, 1.5, 2.5}, true), 1);
+  ASSERT_EQ(a1.step_seconds, (std::vector<double>{1.0, 3.0, 2.0}));
+  const auto a = weft::summarise("a x2", "a", 2, false, {a1, a2}, 1000);
+  // Pooled measured steps {1, 3, 2, 4, 1.5, 2.5}: median 2.25, min 1, max 4.
+  EXPECT_DOUBLE_EQ(a.step_seconds.median, 2.25);
+  EXPECT_DOUBLE_EQ(a.step_seconds.min, 1.0);
+  EXPECT_DOUBLE_EQ(a.step_seconds.max, 4.0);
+  EXPECT_DOUBLE_EQ(a.tokens_per_second.median, 1000 / 2.25);
+  EXPECT_DOUBLE_EQ(a.tokens_per_second.min, 250.0);  // the slowest step
+  EXPECT_DOUBLE_EQ(a.epoch_seconds.median, 225.0);   // 100 steps per epoch
+  EXPECT_EQ(a.run_step_seconds, (std::vector<double>{2.0, 2.5}));
+  ASSERT_TRUE(a.comm_wait_fraction.has_value());
+  EXPECT_DOUBLE_EQ(*a.comm_wait_fraction, 0.25);
+  EXPECT_DOUBLE_EQ(*a.comm_bytes_per_step, 3000.0);  // bytes {2000, 3000, 4000} twice
+  EXPECT_DOUBLE_EQ(*a.bubble, 0.3);
+  EXPECT_DOUBLE_EQ(*a.bubble_formula, 0.2);
+  EXPECT_EQ(a.peak_rss_mib_per_rank, (std::vector<double>{300.0, 200.0}));
+
+  const auto b1 = weft::read_run(write_metrics(dir, "b1", {9.0, 4.0, 4.0, 4.0}, false), 1);
+  const auto b2 = weft::read_run(write_metrics(dir, "b2", {9.0, 5.0, 5.0, 5.0}, false), 1);
+  const auto b = weft::summarise("b x1", "b", 1, false, {b1, b2}, 1000);
+  EXPECT_FALSE(b.comm_wait_fraction.has_value());
+  const auto ratios = weft::pair_ratios({a, b});
+  ASSERT_EQ(ratios.size(), 1u);
+  EXPECT_DOUBLE_EQ(ratios[0].tokens_per_second, 2.25 / 4.5);  // b's tokens/s over a's
+  EXPECT_EQ(ratios[0].per_repetition, (std::vector<double>{0.5, 0.5}));
+  const std::string table = weft::format_bench_table({a, b}, ratios);
+  EXPECT_NE(table.find("| a x2 | 2 | 2.250 s [1.000-4.000] | 444 [250-1000] | 03:45 [01:40-06:40] | 300/200 | 25.0% | "
+                       "0.00 | 0.300 (0.200) |"),
+            std::string::npos)
+      << table;
+  EXPECT_NE(table.find("| b x1 vs a x2 | 0.50x | 0.50, 0.50 |"), std::string::npos) << table;
+}
+
+TEST(BenchStats, ARunWithoutMeasuredStepsOrSummaryIsAnError) {
+  const auto dir = fresh_dir("weft_bench", "errors");
+  const auto path = write_metrics(dir, "short", {1.0, 1.0}, false);
+  EXPECT_THROW(weft::read_run(path, 2), weft::Error);
+  std::ofstream(dir + "/nosummary.jsonl") << R"({"type": "step", "step": 3, "step_time_s": 1.0})" << "\n";
+  EXPECT_THROW(weft::read_run(dir + "/nosummary.jsonl", 1), weft::Error);
+  EXPECT_THROW(weft::read_run(dir + "/missing.jsonl", 1), weft::Error);
+}
+
+TEST(BenchCommand, AlternatesTwoPluginsAndWritesTheTableJsonAndRunReports) {
+  const auto dir = fresh_dir("weft_bench", "e2e");
+  const std::string corpus = weft::testing::write_word_corpus(dir);
+  const std::string out = dir + "/bench";
+  const auto result = run_trainer("bench --config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set data.path=" +
+                                  corpus + " --set data.cache_dir= --set data.seq_len=32 --plugin single --plugin ddp"
+                                  " --nproc 1 --nproc 2 --warmup 1 --steps 2 --repetitions 2 --out " + out);
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.output.find("| ddp x2 vs single x1 |"), std::string::npos) << result.output;
+  const auto json = nlohmann::json::parse(read_text(out + "/bench.json"));
+  ASSERT_EQ(json["variants"].size(), 2u);
+  EXPECT_EQ(json["variants"][0]["name"], "single x1");
+  EXPECT_EQ(json["variants"][1]["nproc"], 2);
+  EXPECT_EQ(json["variants"][1]["runs"].size(), 2u);
+  EXPECT_EQ(json["variants"][1]["peak_rss_mib_per_rank"].size(), 2u);
+  EXPECT_GT(json["variants"][1]["comm_bytes_per_step"].get<double>(), 0.0);
+  EXPECT_EQ(json["tokens_per_step"], 4 * 32);
+  // Alternation: repetition 1 of both variants finished before repetition 2 of either began.
+  auto finished = [&](const std::string& variant, int rep) {
+    return std::filesystem::last_write_time(out + "/runs/" + variant + "/rep" + std::to_string(rep) + "/metrics.jsonl");
+  };
+  EXPECT_LT(finished("ddp_x2", 1), finished("single_x1", 2));
+  EXPECT_LT(finished("single_x1", 1), finished("ddp_x2", 1));
+  // Every run records the command that reproduces it.
+  EXPECT_NE(read_text(out + "/runs/ddp_x2/rep1/command.txt").find("--plugin ddp --nproc 2"), std::string::npos);
+  // A plugin that does not exist is refused before anything runs.
+  const auto missing = run_trainer("bench --config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --plugin nosuch"
+                                   " --out " + dir + "/bench2");
+  EXPECT_NE(missing.exit_code, 0);
+  EXPECT_NE(missing.output.find("nosuch"), std::string::npos) << missing.output;
+  EXPECT_FALSE(std::filesystem::exists(dir + "/bench2/runs"));
+}
+
+}  // namespace

@@ -155,21 +155,6 @@ def text_center(c, x, y, text, color=INK, scale=1):
     c.text(x - c.text_width(text, scale) / 2, y, text, color, scale)
 
 
-def text_vertical(c, x, y, text, color=INK, scale=1):
-    """Text rotated 90 degrees counter-clockwise (read bottom to top), its bounding box's
-    top-left at (x, y)."""
-    text = str(text).upper()
-    total = len(text) * GLYPH_W
-    for k, ch in enumerate(text):
-        rows = pngcanvas._FONT.get(ch, pngcanvas._FONT[" "])
-        for r, bits in enumerate(rows):
-            for col in range(5):
-                if bits & (0x10 >> col):
-                    gx = k * GLYPH_W + col
-                    px, py = x + r * scale, y + (total - 1 - gx) * scale
-                    c.fill_rect(px, py, px + scale, py + scale, color)
-
-
 def thick_line(c, x0, y0, x1, y1, color, width=2):
     c.line(x0, y0, x1, y1, color)
     if width >= 2:
@@ -256,7 +241,7 @@ def bar_chart(path, title, labels, values, lows=None, highs=None, unit="", color
 
     c = Canvas(width, height)
     top = _title(c, title, subtitle) + 22  # room for a value label above the tallest bar
-    left = 12 + (7 + 8 if unit else 0) + max(c.text_width(t) for t in y_labels) + 8
+    left = 12 + max(c.text_width(t) for t in y_labels) + 8
     right = 16
     slot = (width - left - right) / max(n, 1)
     max_chars = max(int((slot - 6) // GLYPH_W), 1)
@@ -272,8 +257,8 @@ def bar_chart(path, title, labels, values, lows=None, highs=None, unit="", color
         y = y_of(t)
         c.fill_rect(left, y, width - right, y + 1, GRID)
         c.text(left - 6 - c.text_width(label), y - 3, label, MUTED)
-    if unit:
-        text_vertical(c, 12, (plot_top + plot_bottom) / 2 - c.text_width(unit) / 2, unit, INK)
+    if unit:  # the axis' unit, above its tick labels
+        c.text(12, plot_top - 14, unit, INK)
 
     bar_w = max(min(slot * 0.62, 120), 2)
     for i in range(n):
@@ -379,7 +364,7 @@ def line_chart(path, title, series, x_label, y_label, x_ticks=None, log_y=False,
         x_lo, x_hi = xt[0], xt[-1]
         x_tick_labels = tick_labels(xt, xstep)
 
-    left = 12 + 7 + 10 + max(c.text_width(t) for t in y_labels) + 8
+    left = 12 + max(c.text_width(t) for t in y_labels) + 8
     right, bottom = 20, 44
     pl, pr, pt, pb = left, width - right, top, height - bottom
     x_of = lambda x: pl + (x - x_lo) / (x_hi - x_lo) * (pr - pl)  # noqa: E731
@@ -401,7 +386,7 @@ def line_chart(path, title, series, x_label, y_label, x_ticks=None, log_y=False,
             last_right = x + w / 2
     c.rect(pl, pt, pr + 1, pb + 1, FRAME)
     text_center(c, (pl + pr) / 2, height - 16, x_label, INK)
-    text_vertical(c, 12, (pt + pb) / 2 - c.text_width(y_label) / 2, y_label, INK)
+    c.text(12, pt - 14, y_label, INK)  # the y axis' name, above its tick labels
 
     # data: lines first, then markers on top
     occupied = []

@@ -74,7 +74,9 @@ BenchVariant parse_plugin_spec(const std::string& spec) {
 }
 
 std::string variant_name(const BenchVariant& v) {
-  std::string name = v.pytorch ? (v.nproc > 1 ? "pytorch-ddp" : "pytorch") : short_plugin_name(v.plugin);
+  // The baseline keeps one name at every size (one process runs without the DDP wrapper), so
+  // that it is one line in the scaling plots.
+  std::string name = v.pytorch ? "pytorch-ddp" : short_plugin_name(v.plugin);
   for (const auto& s : v.settings) name += " " + (s.rfind("plugin.", 0) == 0 ? s.substr(7) : s);
   return name + " x" + std::to_string(v.nproc);
 }

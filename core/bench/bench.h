@@ -17,6 +17,7 @@ namespace weft {
 // One thing to time.
 struct BenchVariant {
   std::string name;                   // e.g. "ddp x2", "gpipe microbatches=8 x2", "pytorch-ddp x2"
+                                      // (the baseline's name also at x1, where it runs without DDP)
   std::string plugin;                 // plugin name or path; empty for the PyTorch baseline
   int nproc = 1;
   std::vector<std::string> settings;  // extra "--set key=value" for this variant only

@@ -13,6 +13,7 @@
 #include "common/process.h"
 #include "core/bench/bench.h"
 #include "core/bench/bench_stats.h"
+#include "core/model/config.h"
 #include "core/util/error.h"
 
 namespace {
@@ -43,7 +44,7 @@ TEST(BenchPlan, OneCountForAllPluginsOrOnePerPluginAndTheBaselineAtEveryCount) {
   o.pytorch_baseline = true;
   const auto variants = weft::plan_bench(o);
   EXPECT_EQ(names(variants), (std::vector<std::string>{"single x1", "ddp x1", "ddp x2", "gpipe microbatches=8 x2",
-                                                       "pytorch x1", "pytorch-ddp x2"}));
+                                                       "pytorch-ddp x1", "pytorch-ddp x2"}));
   EXPECT_EQ(variants[1].plugin, "build/plugins/ddp.so");
   EXPECT_EQ(variants[3].settings, (std::vector<std::string>{"plugin.microbatches=8"}));
   EXPECT_TRUE(variants[5].pytorch);
@@ -175,6 +176,37 @@ TEST(BenchCommand, AlternatesTwoPluginsAndWritesTheTableJsonAndRunReports) {
   EXPECT_NE(missing.exit_code, 0);
   EXPECT_NE(missing.output.find("nosuch"), std::string::npos) << missing.output;
   EXPECT_FALSE(std::filesystem::exists(dir + "/bench2/runs"));
+}
+
+// The PyTorch DDP baseline (tools/pytorch_baseline.py, Debian's python3-torch) trains the job
+// trainer bench exported: the same model (its parameter count equals weft's for the exported
+// config.json), the same global batch, on 2 processes, in the same alternation.
+TEST(BenchCommand, ThePytorchBaselineTrainsTheSameModelInTheAlternation) {
+  const auto dir = fresh_dir("weft_bench", "pytorch");
+  const std::string corpus = weft::testing::write_word_corpus(dir);
+  const std::string out = dir + "/bench";
+  const auto result = run_trainer("bench --config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set data.path=" +
+                                  corpus + " --set data.cache_dir= --set data.seq_len=32 --plugin ddp --nproc 2"
+                                  " --baseline pytorch --warmup 1 --steps 2 --repetitions 1 --out " + out);
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  const auto json = nlohmann::json::parse(read_text(out + "/bench.json"));
+  ASSERT_EQ(json["variants"].size(), 2u);
+  EXPECT_EQ(json["variants"][1]["name"], "pytorch-ddp x2");
+  EXPECT_EQ(json["variants"][1]["kind"], "pytorch");
+  EXPECT_EQ(json["variants"][1]["peak_rss_mib_per_rank"].size(), 2u);
+  EXPECT_EQ(json["ratios"][0]["b"], "pytorch-ddp x2");
+  nlohmann::json summary;
+  std::ifstream metrics(out + "/runs/pytorch-ddp_x2/rep1/metrics.jsonl");
+  int steps = 0;
+  for (std::string line; std::getline(metrics, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j["type"] == "step") ++steps;
+    if (j["type"] == "summary") summary = j;
+  }
+  EXPECT_EQ(steps, 3);  // warm-up + measured
+  const auto model = weft::load_hf_config(out + "/job/config.json");
+  EXPECT_EQ(summary["parameters"].get<int64_t>(), model.parameter_count());
+  EXPECT_EQ(summary["world_size"], 2);
 }
 
 }  // namespace

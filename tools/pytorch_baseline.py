@@ -1,0 +1,353 @@
+#!/usr/bin/python3
+"""PyTorch DistributedDataParallel baseline for `trainer bench --baseline pytorch`.
+
+Trains the same LLaMA 3 model (same configuration, data and global batch) that weft trains, in
+plain PyTorch: DDP over Gloo on the CPU, so weft's throughput can be compared with what a user
+would otherwise run. Standard library + torch only; run it with Debian's interpreter
+(/usr/bin/python3, python3-torch 1.13), not a pyenv python without torch.
+
+  /usr/bin/python3 tools/pytorch_baseline.py --data DIR --nproc N --out RUN_DIR [--steps K]
+
+Inputs (DIR, written by trainer bench):
+  config.json  a Hugging Face LLaMA config.json (head_dim, rope_scaling optional)
+  tokens.u32   the training split, raw little-endian uint32 tokens; sequence i is
+               tokens[i*L : i*L + L + 1] (inputs are its first L, targets its last L)
+  run.json     seq_len, batch_size (global sequences per micro-batch), grad_accum_steps, lr,
+               weight_decay, beta1, beta2, eps, warmup_steps, grad_clip (0 = off), seed, steps,
+               threads (intra-op threads per process), precision ("fp32" or "bf16")
+
+Output: RUN_DIR/metrics.jsonl in weft's format: one {"type": "step", ...} line per optimizer step
+(loss averaged over the global batch, step_time_s and tokens_per_s measured on rank 0) and one
+{"type": "summary", ...} line with overall tokens/s and peak resident memory of every rank.
+Exit status 0 on success; otherwise 1 with a one-line message on stderr.
+"""
+import argparse
+import contextlib
+import json
+import math
+import os
+import resource
+import socket
+import statistics
+import sys
+import time
+from array import array
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+RUN_KEYS = ("seq_len", "batch_size", "grad_accum_steps", "lr", "weight_decay", "beta1", "beta2",
+            "eps", "warmup_steps", "grad_clip", "seed", "steps", "threads", "precision")
+
+
+class BaselineError(Exception):
+    """A problem with the inputs, reported as one line."""
+
+
+# ----------------------------------------------------------------------------- model
+
+def rope_inv_freq(cfg, head_dim):
+    """HF inverse frequencies, with Llama-3 rope_scaling applied when the config has it."""
+    inv_freq = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    rs = cfg.get("rope_scaling")
+    if not rs or rs.get("rope_type", rs.get("type", "default")) == "default":
+        return inv_freq.float()
+    factor, low, high = rs.get("factor", 8.0), rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+    old_ctx = rs.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    medium = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+    scaled = torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    return scaled.float()
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, head_dim):
+        super().__init__()
+        c, i = cfg["hidden_size"], cfg["intermediate_size"]
+        self.n_heads, self.n_kv, self.head_dim = cfg["num_attention_heads"], cfg["num_key_value_heads"], head_dim
+        self.input_layernorm = RMSNorm(c, cfg["rms_norm_eps"])
+        self.q_proj = nn.Linear(c, self.n_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(c, self.n_kv * head_dim, bias=False)
+        self.v_proj = nn.Linear(c, self.n_kv * head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * head_dim, c, bias=False)
+        self.post_attention_layernorm = RMSNorm(c, cfg["rms_norm_eps"])
+        self.gate_proj = nn.Linear(c, i, bias=False)
+        self.up_proj = nn.Linear(c, i, bias=False)
+        self.down_proj = nn.Linear(i, c, bias=False)
+
+    def attention(self, x, cos, sin, mask):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        q = q * cos.to(q.dtype) + rotate_half(q) * sin.to(q.dtype)
+        k = k * cos.to(k.dtype) + rotate_half(k) * sin.to(k.dtype)
+        if self.n_heads != self.n_kv:  # grouped-query attention: HF repeat_kv
+            k = k.repeat_interleave(self.n_heads // self.n_kv, dim=1)
+            v = v.repeat_interleave(self.n_heads // self.n_kv, dim=1)
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim) + mask
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+        return self.o_proj((probs @ v).transpose(1, 2).reshape(b, t, -1))
+
+    def forward(self, x, cos, sin, mask):
+        x = x + self.attention(self.input_layernorm(x), cos, sin, mask)
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        c, v = cfg["hidden_size"], cfg["vocab_size"]
+        head_dim = cfg.get("head_dim") or c // cfg["num_attention_heads"]
+        self.embed_tokens = nn.Embedding(v, c)
+        self.layers = nn.ModuleList(Block(cfg, head_dim) for _ in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(c, cfg["rms_norm_eps"])
+        self.lm_head = nn.Linear(c, v, bias=False)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        if cfg.get("tie_word_embeddings", False):
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg, head_dim), persistent=False)
+
+    def forward(self, tokens, targets):
+        t = tokens.shape[1]
+        freqs = torch.outer(torch.arange(t, dtype=torch.float32), self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        mask = torch.full((t, t), float("-inf")).triu(1)
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
+        logits = self.lm_head(self.norm(x))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+# ----------------------------------------------------------------------------- data
+
+def load_tokens(path):
+    """The token stream as an int32 tensor over the file's bytes (tokens < 2^31)."""
+    data = array("I")
+    with open(path, "rb") as f:
+        data.fromfile(f, os.path.getsize(path) // 4)
+    if sys.byteorder != "little":
+        data.byteswap()
+    return torch.frombuffer(data, dtype=torch.int32) if len(data) else torch.empty(0, dtype=torch.int32)
+
+
+class Batches:
+    """Global sequence position p -> sequence perm_e[p % n] with e = p // n, where perm_e is a
+    permutation of range(n) drawn from a torch.Generator seeded with seed + e."""
+
+    def __init__(self, tokens, seq_len, seed):
+        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
+        self.n = (tokens.numel() - 1) // seq_len
+        self.epoch, self.perm = -1, None
+
+    def sequence(self, position):
+        epoch = position // self.n
+        if epoch != self.epoch:
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            self.epoch, self.perm = epoch, torch.randperm(self.n, generator=g)
+        start = int(self.perm[position % self.n]) * self.seq_len
+        return self.tokens[start:start + self.seq_len + 1]
+
+    def rows(self, first, count):
+        seqs = torch.stack([self.sequence(first + j) for j in range(count)]).long()
+        return seqs[:, :-1], seqs[:, 1:]
+
+
+# ----------------------------------------------------------------------------- training
+
+def peak_rss_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def worker(rank, world, port, cfg, run, data_dir, out_dir):
+    torch.set_num_threads(run["threads"])
+    torch.manual_seed(run["seed"])
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    model = Llama(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    if world > 1:
+        model = DDP(model)
+    L, B, G = run["seq_len"], run["batch_size"], run["grad_accum_steps"]
+    local_b = B // world
+    batches = Batches(load_tokens(os.path.join(data_dir, "tokens.u32")), L, run["seed"])
+    opt = torch.optim.AdamW(model.parameters(), lr=run["lr"], betas=(run["beta1"], run["beta2"]),
+                            eps=run["eps"], weight_decay=run["weight_decay"])
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if run["precision"] == "bf16" \
+        else contextlib.nullcontext
+    tokens_per_step, warmup = B * G * L, run["warmup_steps"]
+    metrics = open(os.path.join(out_dir, "metrics.jsonl"), "w") if rank == 0 else None
+    if rank == 0:
+        print(f"pytorch baseline: {n_params:,} parameters, {world} process(es), {run['threads']} thread(s) "
+              f"each, {batches.n} sequences of {L}, {tokens_per_step} tokens per step, {run['precision']}",
+              flush=True)
+    times = []
+    for step in range(run["steps"]):
+        start = time.perf_counter()
+        lr = run["lr"] * min(1.0, (step + 1) / warmup) if warmup > 0 else run["lr"]
+        for group in opt.param_groups:
+            group["lr"] = lr
+        local_loss = 0.0
+        for m in range(G):
+            inputs, targets = batches.rows((step * G + m) * B + rank * local_b, local_b)
+            sync = world == 1 or m == G - 1
+            with (contextlib.nullcontext() if sync else model.no_sync()):
+                with autocast():
+                    loss = model(inputs, targets) / G
+                loss.backward()
+            local_loss += loss.item()
+        clip = run["grad_clip"] if run["grad_clip"] > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - start
+        if world > 1:  # the global-batch mean, outside the timed region
+            t = torch.tensor([local_loss], dtype=torch.float64)
+            dist.all_reduce(t)
+            local_loss = t.item() / world
+        if rank == 0:
+            times.append(elapsed)
+            record = {"type": "step", "step": step + 1, "epoch": 1, "loss": local_loss, "lr": lr,
+                      "grad_norm": grad_norm, "step_time_s": elapsed,
+                      "tokens_per_s": tokens_per_step / elapsed, "time": time.time()}
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+            if not math.isfinite(local_loss):
+                raise BaselineError(f"loss became {local_loss} at step {step + 1}")
+            if (step + 1) % 10 == 0:
+                print(f"step {step + 1}/{run['steps']}: loss {local_loss:.4f}, "
+                      f"{tokens_per_step / elapsed:.0f} tokens/s", flush=True)
+    rss = [peak_rss_mib()] * world
+    if world > 1:
+        dist.all_gather_object(rss, peak_rss_mib())
+    if rank == 0:
+        total = sum(times)
+        summary = {"type": "summary", "steps": run["steps"], "steps_per_epoch": batches.n // (B * G),
+                   "tokens_per_s": tokens_per_step * len(times) / total if total > 0 else 0.0,
+                   "peak_rss_mib": rss[0], "peak_rss_mib_per_rank": rss, "world_size": world,
+                   "parameters": n_params, "torch_version": torch.__version__, "time": time.time()}
+        metrics.write(json.dumps(summary) + "\n")
+        metrics.close()
+        median = statistics.median(times) if times else 0.0
+        print(f"pytorch baseline: {world} processes, {summary['tokens_per_s']:.0f} tokens/s "
+              f"(median step {median:.3f} s)", flush=True)
+    if world > 1:
+        dist.barrier()
+
+
+def spawned(rank, world, port, cfg, run, data_dir, out_dir, errors):
+    """mp.spawn entry point. Leaves with os._exit: with Python 3.11 and torch 1.13, tearing down
+    DDP's Gloo process group at interpreter exit can deadlock (its worker thread waits for the GIL
+    that the joining main thread holds). A failure goes to the parent through `errors`."""
+    code = 0
+    try:
+        worker(rank, world, port, cfg, run, data_dir, out_dir)
+    except BaseException as e:  # noqa: BLE001 - reported by the parent as one line
+        first = (str(e).strip().splitlines() or [""])[0]
+        errors.put(f"rank {rank}: {first}" if isinstance(e, BaselineError) else
+                   f"rank {rank}: {type(e).__name__}: {first}")
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+# ----------------------------------------------------------------------------- driver
+
+def read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise BaselineError(f"cannot read {path}: {e}")
+
+
+def load_inputs(data_dir, nproc, steps):
+    cfg, run = read_json(os.path.join(data_dir, "config.json")), read_json(os.path.join(data_dir, "run.json"))
+    missing = [k for k in RUN_KEYS if k not in run]
+    if missing:
+        raise BaselineError(f"{data_dir}/run.json lacks {', '.join(missing)}")
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
+            raise BaselineError(f"{data_dir}/config.json: {key} must be a positive integer")
+    cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
+    cfg.setdefault("rms_norm_eps", 1e-5)
+    cfg.setdefault("rope_theta", 10000.0)
+    if cfg["num_attention_heads"] % cfg["num_key_value_heads"]:
+        raise BaselineError("num_attention_heads is not a multiple of num_key_value_heads")
+    if steps is not None:
+        run["steps"] = steps
+    if run["precision"] not in ("fp32", "bf16"):
+        raise BaselineError(f"precision must be fp32 or bf16, got {run['precision']!r}")
+    if nproc < 1 or run["batch_size"] % nproc:
+        raise BaselineError(f"batch_size {run['batch_size']} is not divisible by nproc {nproc}")
+    if run["steps"] < 1 or run["grad_accum_steps"] < 1 or run["seq_len"] < 1 or run["threads"] < 1:
+        raise BaselineError("steps, grad_accum_steps, seq_len and threads must be positive")
+    n_tokens = os.path.getsize(os.path.join(data_dir, "tokens.u32")) // 4
+    if (n_tokens - 1) // run["seq_len"] < 1:
+        raise BaselineError(f"{data_dir}/tokens.u32 holds {n_tokens} tokens: not one sequence of {run['seq_len']}")
+    return cfg, run
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data", required=True, help="directory with config.json, tokens.u32, run.json")
+    parser.add_argument("--nproc", type=int, default=1, help="number of DDP processes")
+    parser.add_argument("--out", required=True, help="run directory for metrics.jsonl")
+    parser.add_argument("--steps", type=int, help="optimizer steps (overrides run.json)")
+    args = parser.parse_args()
+    try:
+        cfg, run = load_inputs(args.data, args.nproc, args.steps)
+        os.makedirs(args.out, exist_ok=True)
+        if args.nproc == 1:
+            worker(0, 1, 0, cfg, run, args.data, args.out)
+        else:
+            errors = mp.get_context("spawn").SimpleQueue()
+            try:
+                mp.spawn(spawned, args=(args.nproc, free_port(), cfg, run, args.data, args.out, errors),
+                         nprocs=args.nproc, join=True)
+            except Exception as e:  # a child failed: prefer its own message to "exited with code 1"
+                raise BaselineError(errors.get() if not errors.empty() else str(e)) from e
+    except Exception as e:  # noqa: BLE001 - one line for the caller, whatever failed
+        lines = [l.strip() for l in str(e).splitlines() if l.strip()]
+        print(f"pytorch_baseline: {lines[0] if lines else type(e).__name__}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

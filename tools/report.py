@@ -250,6 +250,11 @@ def summary_rows(run):
     add("Epochs completed", str(len(epoch_times) if run.epochs or "epoch_seconds" in s else s.get("epochs", 0)))
     if epoch_times:
         add("Time per epoch", ", ".join(f"epoch {e}: {hms(t)}" for e, t in epoch_times))
+    else:  # no epoch finished: what one would take at this run's pace
+        step_times = [y for _, y in run.step_values("step_time_s")]
+        if step_times and s.get("steps_per_epoch"):
+            add("Time per epoch (projected)", f"{hms(s['steps_per_epoch'] * statistics.median(step_times))} "
+                f"({s['steps_per_epoch']} steps x median step time {statistics.median(step_times):.3f} s)")
     if run.steps:
         start = run.first_step_time
         end = max((finite(r.get("time")) or 0) for r in run.steps + run.evals + run.epochs + [s])

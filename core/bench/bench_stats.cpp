@@ -146,8 +146,12 @@ std::string format_bench_table(const std::vector<VariantSummary>& variants, cons
                        v.comm_bytes_per_step ? fmt::format("{:.2f}", *v.comm_bytes_per_step / 1e6) : "-", bubble);
   }
   if (!ratios.empty()) {
-    out += "\n| B vs A | tokens/s of B / tokens/s of A | per repetition |\n|---|---|---|\n";
+    // Every pair of up to 3 variants; beyond that (28 pairs for 8) each against the first.
+    const bool all_pairs = variants.size() <= 3;
+    out += fmt::format("\n| B vs A | tokens/s of B / tokens/s of A | per repetition |{}\n|---|---|---|\n",
+                       all_pairs ? "" : " (each against the first variant; every pair is in bench.json)");
     for (const auto& r : ratios) {
+      if (!all_pairs && r.a != variants.front().name) continue;
       std::string reps;
       for (double x : r.per_repetition) reps += fmt::format("{}{:.2f}", reps.empty() ? "" : ", ", x);
       out += fmt::format("| {} vs {} | {:.2f}x | {} |\n", r.b, r.a, r.tokens_per_second, reps);

@@ -63,7 +63,8 @@ struct PairRatio {
 };
 std::vector<PairRatio> pair_ratios(const std::vector<VariantSummary>& variants);
 
-// The terminal / Markdown table: one row per variant, then the ratios.
+// The terminal / Markdown table: one row per variant, then the ratios (every pair for up to 3
+// variants, otherwise each variant against the first).
 std::string format_bench_table(const std::vector<VariantSummary>& variants, const std::vector<PairRatio>& ratios);
 
 // bench.json's "variants" entry and "ratios" entry.

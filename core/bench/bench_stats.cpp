@@ -148,7 +148,7 @@ std::string format_bench_table(const std::vector<VariantSummary>& variants, cons
   if (!ratios.empty()) {
     // Every pair of up to 3 variants; beyond that (28 pairs for 8) each against the first.
     const bool all_pairs = variants.size() <= 3;
-    out += fmt::format("\n| B vs A | tokens/s of B / tokens/s of A | per repetition |{}\n|---|---|---|\n",
+    out += fmt::format("\n| B vs A | tokens/s of B / tokens/s of A | per repetition{} |\n|---|---|---|\n",
                        all_pairs ? "" : " (each against the first variant; every pair is in bench.json)");
     for (const auto& r : ratios) {
       if (!all_pairs && r.a != variants.front().name) continue;

@@ -134,6 +134,18 @@ TEST(BenchStats, WarmUpIsDroppedAndEveryFigureFollowsFromTheMeasuredSteps) {
             std::string::npos)
       << table;
   EXPECT_NE(table.find("| b x1 vs a x2 | 0.50x | 0.50, 0.50 |"), std::string::npos) << table;
+  // Beyond 3 variants the table lists each against the first only (all pairs stay in JSON).
+  auto c = b, d = b;
+  c.name = "c x1";
+  d.name = "d x1";
+  const auto four = weft::pair_ratios({a, b, c, d});
+  EXPECT_EQ(four.size(), 6u);
+  const std::string long_table = weft::format_bench_table({a, b, c, d}, four);
+  EXPECT_NE(long_table.find("| d x1 vs a x2 |"), std::string::npos) << long_table;
+  EXPECT_EQ(long_table.find("| d x1 vs b x1 |"), std::string::npos) << long_table;
+  EXPECT_NE(long_table.find("| per repetition (each against the first variant; every pair is in bench.json) |"),
+            std::string::npos)
+      << long_table;
 }
 
 TEST(BenchStats, ARunWithoutMeasuredStepsOrSummaryIsAnError) {

@@ -147,6 +147,15 @@ def fmt_log_tick(v):
     return fmt3(v) if v >= 1 else f"{v:.6g}"
 
 
+def time_unit(seconds):
+    """(divisor, unit name) that keeps the largest time readable."""
+    if seconds < 120:
+        return 1.0, "seconds"
+    if seconds < 120 * 60:
+        return 60.0, "minutes"
+    return 3600.0, "hours"
+
+
 # ---------------------------------------------------------------------------------------------
 # Drawing helpers
 

@@ -16,7 +16,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from charts import BASELINE, PALETTE, bar_chart, finite, line_chart  # noqa: E402
+from charts import BASELINE, PALETTE, bar_chart, finite, line_chart, time_unit  # noqa: E402
 
 WORLD_SUFFIX = re.compile(r"\s*[x\u00d7]\s*\d+\s*$")
 
@@ -78,15 +78,6 @@ def colors_for(variants):
         if not is_pytorch(v) and series_key(v) not in keys:
             keys.append(series_key(v))
     return [BASELINE if is_pytorch(v) else PALETTE[keys.index(series_key(v)) % len(PALETTE)] for v in variants]
-
-
-def time_unit(seconds):
-    """(divisor, unit name) that keeps the largest time readable."""
-    if seconds < 120:
-        return 1.0, "seconds"
-    if seconds < 120 * 60:
-        return 60.0, "minutes"
-    return 3600.0, "hours"
 
 
 def subtitle(bench, whiskers=True):

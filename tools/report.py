@@ -20,7 +20,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from charts import PALETTE, bar_chart, finite, fmt3, lighten, line_chart  # noqa: E402
+from charts import PALETTE, bar_chart, finite, fmt3, lighten, line_chart, time_unit  # noqa: E402
 
 try:
     import tomllib
@@ -158,14 +158,6 @@ def moving_average(points, window):
 
 def smoothing_window(n):
     return max(3, min(100, n // 20)) if n >= 10 else 0
-
-
-def time_unit(seconds):
-    if seconds < 120:
-        return 1.0, "seconds"
-    if seconds < 120 * 60:
-        return 60.0, "minutes"
-    return 3600.0, "hours"
 
 
 def world_size(run):

@@ -157,13 +157,19 @@ TEST(BenchStats, ARunWithoutMeasuredStepsOrSummaryIsAnError) {
   EXPECT_THROW(weft::read_run(dir + "/missing.jsonl", 1), weft::Error);
 }
 
+// `trainer bench` on the tiny config and a generated corpus in `dir`, 1 warm-up + 2 counted
+// steps per run, writing to dir/bench; `variants` adds the plugins, counts and repetitions.
+weft::testing::Outcome run_tiny_bench(const std::string& dir, const std::string& variants) {
+  const std::string corpus = weft::testing::write_word_corpus(dir);
+  return run_trainer("bench --config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set data.path=" + corpus +
+                     " --set data.cache_dir= --set data.seq_len=32 --warmup 1 --steps 2 --out " + dir + "/bench " +
+                     variants);
+}
+
 TEST(BenchCommand, AlternatesTwoPluginsAndWritesTheTableJsonAndRunReports) {
   const auto dir = fresh_dir("weft_bench", "e2e");
-  const std::string corpus = weft::testing::write_word_corpus(dir);
   const std::string out = dir + "/bench";
-  const auto result = run_trainer("bench --config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set data.path=" +
-                                  corpus + " --set data.cache_dir= --set data.seq_len=32 --plugin single --plugin ddp"
-                                  " --nproc 1 --nproc 2 --warmup 1 --steps 2 --repetitions 2 --out " + out);
+  const auto result = run_tiny_bench(dir, "--plugin single --plugin ddp --nproc 1 --nproc 2 --repetitions 2");
   ASSERT_EQ(result.exit_code, 0) << result.output;
   EXPECT_NE(result.output.find("| ddp x2 vs single x1 |"), std::string::npos) << result.output;
   const auto json = nlohmann::json::parse(read_text(out + "/bench.json"));
@@ -195,11 +201,8 @@ TEST(BenchCommand, AlternatesTwoPluginsAndWritesTheTableJsonAndRunReports) {
 // config.json), the same global batch, on 2 processes, in the same alternation.
 TEST(BenchCommand, ThePytorchBaselineTrainsTheSameModelInTheAlternation) {
   const auto dir = fresh_dir("weft_bench", "pytorch");
-  const std::string corpus = weft::testing::write_word_corpus(dir);
   const std::string out = dir + "/bench";
-  const auto result = run_trainer("bench --config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set data.path=" +
-                                  corpus + " --set data.cache_dir= --set data.seq_len=32 --plugin ddp --nproc 2"
-                                  " --baseline pytorch --warmup 1 --steps 2 --repetitions 1 --out " + out);
+  const auto result = run_tiny_bench(dir, "--plugin ddp --nproc 2 --baseline pytorch --repetitions 1");
   ASSERT_EQ(result.exit_code, 0) << result.output;
   const auto json = nlohmann::json::parse(read_text(out + "/bench.json"));
   ASSERT_EQ(json["variants"].size(), 2u);

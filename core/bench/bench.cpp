@@ -16,8 +16,8 @@
 #include "core/bench/bench_stats.h"
 #include "core/config/config.h"
 #include "core/plugin/library.h"
+#include "core/train/job_export.h"
 #include "core/train/options.h"
-#include "core/train/trainer.h"
 #include "core/util/error.h"
 #include "core/util/fs.h"
 #include "core/util/shell.h"
@@ -131,18 +131,9 @@ std::vector<std::string> pytorch_run_command(const BenchOptions& o, const BenchV
           "--out", run_dir};
 }
 
-// The job as files for the baseline (same data, model, batch and optimiser), built in-process.
-void export_job(const BenchOptions& o, const std::string& dir) {
-  const Config config = load_config(o.config, o.overrides);
-  TrainOptions options = train_options_from_config(config);
-  options.plugin.clear();
-  options.out_dir = dir + "/unused-run";
-  options.overwrite = true;
-  options.metrics_file.clear();
-  options.resume.clear();
-  Trainer trainer(options);
-  trainer.export_job(dir, o.warmup_steps + o.steps);
-  fs::remove_all(options.out_dir);
+// The job as files for the baseline (same data, model, batch and optimiser).
+void export_job_for_baseline(const BenchOptions& o, const std::string& dir) {
+  export_job(train_options_from_config(load_config(o.config, o.overrides)), dir, o.warmup_steps + o.steps);
 }
 
 void check_python_has_torch(const std::string& python, const std::string& dir) {
@@ -219,7 +210,7 @@ int run_bench(const BenchOptions& options) {
   const std::string job_dir = o.out_dir + "/job";
   if (std::any_of(variants.begin(), variants.end(), [](const BenchVariant& v) { return v.pytorch; })) {
     check_python_has_torch(o.python, o.out_dir);
-    export_job(o, job_dir);
+    export_job_for_baseline(o, job_dir);
   }
   spdlog::info("bench: {} variants x {} repetitions, {} warm-up + {} measured steps each, {} tokens per step",
                variants.size(), o.repetitions, o.warmup_steps, o.steps, tokens_per_step);

@@ -158,8 +158,10 @@ std::optional<LoraConfig> Trainer::lora() const {
   return std::nullopt;
 }
 
-ModelConfig Trainer::resolve_model_config() const {
-  const auto& m = options_.model;
+ModelConfig Trainer::resolve_model_config() const { return weft::resolve_model_config(options_, *tokenizer_); }
+
+ModelConfig resolve_model_config(const TrainOptions& options, const Tokenizer& tokenizer) {
+  const auto& m = options.model;
   ModelConfig config;
   const std::string weights_config = m.weights + "/config.json";
   if (!m.config_path.empty()) {
@@ -171,11 +173,11 @@ ModelConfig Trainer::resolve_model_config() const {
     config = preset_config(m.preset);
   }
   if (m.vocab_size > 0) config.vocab_size = m.vocab_size;
-  WEFT_CHECK(tokenizer_->vocab_size() <= config.vocab_size,
+  WEFT_CHECK(tokenizer.vocab_size() <= config.vocab_size,
              "tokenizer '{}' has {} tokens but the model's vocab_size is {} (set model.vocab_size)",
-             options_.tokenizer, tokenizer_->vocab_size(), config.vocab_size);
-  WEFT_CHECK(options_.data.seq_len <= config.max_position_embeddings,
-             "data.seq_len {} exceeds the model's max_position_embeddings {}", options_.data.seq_len,
+             options.tokenizer, tokenizer.vocab_size(), config.vocab_size);
+  WEFT_CHECK(options.data.seq_len <= config.max_position_embeddings,
+             "data.seq_len {} exceeds the model's max_position_embeddings {}", options.data.seq_len,
              config.max_position_embeddings);
   return config;
 }

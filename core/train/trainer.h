@@ -66,6 +66,12 @@ struct TrainResult {
   double peak_rss_mib = 0;
 };
 
+// The model's shape for a run: model.config, else the config.json beside model.weights, else
+// model.preset; model.vocab_size overrides. Throws weft::Error naming the problem when there is
+// no shape, the tokenizer has more tokens than the vocabulary, or data.seq_len exceeds the
+// model's positions.
+ModelConfig resolve_model_config(const TrainOptions& options, const Tokenizer& tokenizer);
+
 class Trainer {
  public:
   // Everything that can be wrong with the input (tokenizer, model config, weights, data,
@@ -81,12 +87,6 @@ class Trainer {
   // Collective under a plugin: every rank runs it and gets the same tokens.
   GenerateResult generate(const std::string& prompt);
   EvalResult evaluate();
-  // Writes what another trainer needs to run this same job (trainer bench's PyTorch
-  // baseline, tools/pytorch_baseline.py) into `dir`: config.json (the model, HF layout),
-  // tokens.u32 (the training split's packed token stream, little-endian uint32) and run.json
-  // (seq_len, batch_size, grad_accum_steps, optimiser, seed, threads, precision, steps_per_epoch
-  // and `steps` to run). Throws weft::Error if a file cannot be written.
-  void export_job(const std::string& dir, int64_t steps) const;
 
   LlamaForCausalLMImpl& model() { return *model_; }
   const Tokenizer& tokenizer() const { return *tokenizer_; }

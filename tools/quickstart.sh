@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job: set up, then fine-tune on the bundled Austen corpus (configs/quickstart.toml)
 # with ddp.so on 2 local ranks (1 intra-op thread each), printing the loss as it falls, time per
-# epoch and held-out perplexity.
+# epoch and held-out perplexity, then writes the run's report (runs/quickstart-<date>/report.md).
 # Extra arguments go to the trainer, e.g. tools/quickstart.sh --set train.epochs=1
 # (WEFT_QUICKSTART_NPROC=1 runs it in one process with single.so instead).
 set -euo pipefail
@@ -11,5 +11,7 @@ tools/setup.sh
 nproc=${WEFT_QUICKSTART_NPROC:-2}
 plugin=ddp
 [[ "$nproc" == 1 ]] && plugin=single
-exec build/trainer --config configs/quickstart.toml --plugin "$plugin" --nproc "$nproc" \
-  --set train.out_dir="runs/quickstart-$(date +%Y%m%d-%H%M%S)" "$@"
+out="runs/quickstart-$(date +%Y%m%d-%H%M%S)"
+build/trainer --config configs/quickstart.toml --plugin "$plugin" --nproc "$nproc" --set train.out_dir="$out" "$@"
+# The run as a document: loss curves, time per epoch, tokens/s, perplexity, config, command.
+build/trainer report "$out"

@@ -16,6 +16,16 @@
 #pragma GCC optimize("no-trapping-math")
 #endif
 
+// WEFT_SIMD_CLONES: GCC function multi-versioning for x86-64 (an ifunc picks the clone for the
+// CPU at load time); elsewhere the plain function.
+// The loops they run are WEFT_ALWAYS_INLINE, so that each clone compiles them for its target.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define WEFT_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define WEFT_SIMD_CLONES
+#endif
+#define WEFT_ALWAYS_INLINE inline __attribute__((always_inline))
+
 namespace weft {
 namespace {
 
@@ -26,8 +36,8 @@ using torch::autograd::variable_list;
 // out here rather than taken from c10::BFloat16 so they inline into the vectorised loops.
 using Bf16Bits = uint16_t;
 
-inline float to_float(float v) { return v; }
-inline float to_float(Bf16Bits v) {
+WEFT_ALWAYS_INLINE float to_float(float v) { return v; }
+WEFT_ALWAYS_INLINE float to_float(Bf16Bits v) {
   const uint32_t bits = static_cast<uint32_t>(v) << 16;
   float f;
   std::memcpy(&f, &bits, sizeof(f));
@@ -36,10 +46,10 @@ inline float to_float(Bf16Bits v) {
 template <typename T>
 inline T from_float(float v);
 template <>
-inline float from_float<float>(float v) { return v; }
+WEFT_ALWAYS_INLINE float from_float<float>(float v) { return v; }
 // Round to nearest even, NaN to the canonical quiet NaN: as c10::BFloat16(float).
 template <>
-inline Bf16Bits from_float<Bf16Bits>(float v) {
+WEFT_ALWAYS_INLINE Bf16Bits from_float<Bf16Bits>(float v) {
   uint32_t bits;
   std::memcpy(&bits, &v, sizeof(bits));
   const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
@@ -96,7 +106,7 @@ float sum_of_squares(const X* x, int64_t n) {
 // exp(x) for x in fp32 without branches or library calls, so loops over it vectorise: Cephes'
 // range reduction x = n ln2 + r and degree-6 polynomial, then scaling by 2^n through the
 // exponent bits. Inputs are clamped to [-87.3, 88.3] (the results stay normal and finite).
-inline float exp_approx(float x) {
+WEFT_ALWAYS_INLINE float exp_approx(float x) {
   x = x < -87.3f ? -87.3f : x;
   x = x > 88.3f ? 88.3f : x;
   // t > 0, so truncation is floor: n = round(x / ln2), biased by 127 as in the exponent field.
@@ -201,6 +211,57 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
   }
 };
 
+// SwiGLU over rows [begin, end) of `width` gate and `width` up values each: out = silu(g) * u.
+template <typename T>
+WEFT_ALWAYS_INLINE void swiglu_rows(const T* in, T* out, int64_t begin, int64_t end, int64_t width) {
+  for (int64_t r = begin; r < end; ++r) {
+    const T* g = in + r * 2 * width;
+    const T* u = g + width;
+    T* o = out + r * width;
+    for (int64_t i = 0; i < width; ++i) {
+      const float gi = to_float(g[i]);
+      o[i] = from_float<T>(gi / (1.0f + exp_approx(-gi)) * to_float(u[i]));
+    }
+  }
+}
+
+// Its gradient with respect to gate and up, from the output's gradient `go`.
+template <typename T>
+WEFT_ALWAYS_INLINE void swiglu_backward_rows(const T* in, const T* go, T* grad, int64_t begin, int64_t end, int64_t width) {
+  for (int64_t r = begin; r < end; ++r) {
+    const T* g = in + r * 2 * width;
+    const T* u = g + width;
+    const T* gor = go + r * width;
+    T* gg = grad + r * 2 * width;
+    T* gu = gg + width;
+    for (int64_t i = 0; i < width; ++i) {
+      const float gi = to_float(g[i]), ui = to_float(u[i]), goi = to_float(gor[i]);
+      const float sig = 1.0f / (1.0f + exp_approx(-gi));
+      gg[i] = from_float<T>(goi * ui * (sig * (1.0f + gi * (1.0f - sig))));
+      gu[i] = from_float<T>(goi * (gi * sig));
+    }
+  }
+}
+
+// The element-wise loops compiled for AVX-512, AVX2 and the baseline, picked at load time for
+// the CPU at hand (LibTorch's own kernels dispatch the same way; without this they would run on
+// 4-wide SSE vectors).
+WEFT_SIMD_CLONES void swiglu_rows_dispatch(const float* in, float* out, int64_t begin, int64_t end, int64_t width) {
+  swiglu_rows(in, out, begin, end, width);
+}
+WEFT_SIMD_CLONES void swiglu_rows_dispatch(const Bf16Bits* in, Bf16Bits* out, int64_t begin, int64_t end,
+                                           int64_t width) {
+  swiglu_rows(in, out, begin, end, width);
+}
+WEFT_SIMD_CLONES void swiglu_backward_rows_dispatch(const float* in, const float* go, float* grad, int64_t begin,
+                                                    int64_t end, int64_t width) {
+  swiglu_backward_rows(in, go, grad, begin, end, width);
+}
+WEFT_SIMD_CLONES void swiglu_backward_rows_dispatch(const Bf16Bits* in, const Bf16Bits* go, Bf16Bits* grad,
+                                                    int64_t begin, int64_t end, int64_t width) {
+  swiglu_backward_rows(in, go, grad, begin, end, width);
+}
+
 class SwigluFunction : public torch::autograd::Function<SwigluFunction> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor gate_up) {
@@ -215,15 +276,7 @@ class SwigluFunction : public torch::autograd::Function<SwigluFunction> {
       const T* in = data<T>(gate_up);
       T* op = data<T>(out);
       at::parallel_for(0, rows, rows_grain(2 * width), [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r) {
-          const T* g = in + r * 2 * width;
-          const T* u = g + width;
-          T* o = op + r * width;
-          for (int64_t i = 0; i < width; ++i) {
-            const float gi = to_float(g[i]);
-            o[i] = from_float<T>(gi / (1.0f + exp_approx(-gi)) * to_float(u[i]));
-          }
-        }
+        swiglu_rows_dispatch(in, op, begin, end, width);
       });
     });
     ctx->save_for_backward({gate_up});
@@ -242,19 +295,7 @@ class SwigluFunction : public torch::autograd::Function<SwigluFunction> {
       const T* gop = data<T>(go);
       T* gp = data<T>(grad);
       at::parallel_for(0, rows, rows_grain(2 * width), [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r) {
-          const T* g = in + r * 2 * width;
-          const T* u = g + width;
-          const T* gor = gop + r * width;
-          T* gg = gp + r * 2 * width;
-          T* gu = gg + width;
-          for (int64_t i = 0; i < width; ++i) {
-            const float gi = to_float(g[i]), ui = to_float(u[i]), goi = to_float(gor[i]);
-            const float sig = 1.0f / (1.0f + exp_approx(-gi));
-            gg[i] = from_float<T>(goi * ui * (sig * (1.0f + gi * (1.0f - sig))));
-            gu[i] = from_float<T>(goi * (gi * sig));
-          }
-        }
+        swiglu_backward_rows_dispatch(in, gop, gp, begin, end, width);
       });
     });
     return {grad};
@@ -271,7 +312,8 @@ struct QkvShape {
 // rotating q and k heads. Forward: src = qkv row, dst = q/k/v row. Backward uses the transposed
 // rotation (inverse = rotation by -angle) from the q/k/v gradients into the qkv gradient.
 template <typename T>
-void rotate_row(const T* src, T* dst, const float* cos, const float* sin, int64_t dim, bool inverse) {
+WEFT_ALWAYS_INLINE void rotate_row(const T* src, T* dst, const float* cos, const float* sin, int64_t dim,
+                                   bool inverse) {
   const int64_t half = dim / 2;
   const float sign = inverse ? -1.0f : 1.0f;
   for (int64_t i = 0; i < half; ++i) {
@@ -279,6 +321,15 @@ void rotate_row(const T* src, T* dst, const float* cos, const float* sin, int64_
     dst[i] = from_float<T>(x1 * cos[i] - x2 * (sign * sin[i]));
     dst[i + half] = from_float<T>(x2 * cos[i + half] + x1 * (sign * sin[i + half]));
   }
+}
+
+WEFT_SIMD_CLONES void rotate_row_dispatch(const float* src, float* dst, const float* cos, const float* sin,
+                                          int64_t dim, bool inverse) {
+  rotate_row(src, dst, cos, sin, dim, inverse);
+}
+WEFT_SIMD_CLONES void rotate_row_dispatch(const Bf16Bits* src, Bf16Bits* dst, const float* cos, const float* sin,
+                                          int64_t dim, bool inverse) {
+  rotate_row(src, dst, cos, sin, dim, inverse);
 }
 
 // Forward (inverse=false): qkv -> q, k, v. Backward (inverse=true): gq, gk, gv -> gqkv.
@@ -308,9 +359,9 @@ void qkv_rope_pass(const QkvShape& s, T* qkv, T* q, T* k, T* v, const float* cos
           continue;
         }
         if (inverse) {
-          rotate_row<T>(split, fused, c, sn, d, true);
+          rotate_row_dispatch(split, fused, c, sn, d, true);
         } else {
-          rotate_row<T>(fused, split, c, sn, d, false);
+          rotate_row_dispatch(fused, split, c, sn, d, false);
         }
       }
     }

@@ -1,8 +1,8 @@
 #include "core/bench/bench.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cstdlib>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <iostream>

@@ -80,6 +80,7 @@ VariantSummary summarise(const std::string& name, const std::string& plugin, int
   v.plugin = plugin;
   v.nproc = nproc;
   v.pytorch = pytorch;
+  v.tokens_per_step = tokens_per_step;
   std::vector<double> steps, bytes, bubble;
   double wait = 0, busy = 0;
   bool comm = false;
@@ -165,9 +166,8 @@ nlohmann::json to_json(const VariantSummary& v) {
   auto optional = [](const std::optional<double>& x) { return x ? nlohmann::json(*x) : nlohmann::json(nullptr); };
   nlohmann::json runs = nlohmann::json::array();
   for (size_t k = 0; k < v.run_step_seconds.size(); ++k) {
-    const double tokens_per_step = v.tokens_per_second.median * v.step_seconds.median;
     runs.push_back({{"repetition", k + 1}, {"step_time_s", v.run_step_seconds[k]},
-                    {"tokens_per_s", tokens_per_step / v.run_step_seconds[k]}});
+                    {"tokens_per_s", static_cast<double>(v.tokens_per_step) / v.run_step_seconds[k]}});
   }
   return {{"name", v.name},
           {"plugin", v.plugin},

@@ -37,6 +37,7 @@ struct VariantSummary {
   std::string name, plugin;
   int nproc = 1;
   bool pytorch = false;
+  int64_t tokens_per_step = 0;   // the global batch in tokens (the same for every variant)
   Spread step_seconds;           // over every measured step of every repetition
   Spread tokens_per_second;      // global tokens per step / step time (min from the slowest step)
   Spread epoch_seconds;          // steps per epoch x step time

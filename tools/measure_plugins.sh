@@ -7,8 +7,10 @@
 # steps per epoch), pipelines' measured bubble next to (S-1)/(M+S-1), and each rank's peak
 # activation memory.
 #   usage: tools/measure_plugins.sh [CONFIG] [STEPS] [REPETITIONS] -- VARIANT...
-#   VARIANT: "NAME:PLUGIN:NPROC[:--set k=v ...]", e.g. "ddp-b4:ddp:2:--set plugin.bucket_mb=4"
-# Until `trainer bench` exists (issue 6) this is the measurement behind the plugin figures.
+#   VARIANT: "NAME:PLUGIN[@TRAINER]:NPROC[:--set k=v ...]", e.g. "ddp-b4:ddp:2:--set plugin.bucket_mb=4";
+#   @TRAINER runs that variant with another build's trainer (default build/trainer), e.g.
+#   "ddp-1.13:ddp@build-debian/trainer:2" against "ddp-2.11:ddp:2" to A/B two LibTorch builds.
+# `trainer bench` is the user-facing A/B tool (one trainer); this script also alternates builds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 config=${1:-configs/small-bench.toml}
@@ -23,9 +25,11 @@ trap 'rm -rf "$out"' EXIT
 for rep in $(seq "$reps"); do
   for variant in "${variants[@]}"; do
     IFS=: read -r name plugin nproc extra <<<"$variant"
+    trainer=build/trainer
+    if [[ "$plugin" == *@* ]]; then trainer=${plugin#*@}; plugin=${plugin%%@*}; fi
     run="$out/$name/$rep"
     # shellcheck disable=SC2086
-    OMP_NUM_THREADS=1 build/trainer --config "$config" --plugin "$plugin" --nproc "$nproc" \
+    OMP_NUM_THREADS=1 "$trainer" --config "$config" --plugin "$plugin" --nproc "$nproc" \
       --set train.threads=1 --set train.max_steps="$steps" --set train.out_dir="$run" \
       --set log.progress=off --set eval.max_batches=1 --set checkpoint.save_final=false \
       --set checkpoint.keep_best=false --log-level warn $extra

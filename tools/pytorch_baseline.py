@@ -1,12 +1,14 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """PyTorch DistributedDataParallel baseline for `trainer bench --baseline pytorch`.
 
 Trains the same LLaMA 3 model (same configuration, data and global batch) that weft trains, in
 plain PyTorch: DDP over Gloo on the CPU, so weft's throughput can be compared with what a user
-would otherwise run. Standard library + torch only; run it with Debian's interpreter
-(/usr/bin/python3, python3-torch 1.13), not a pyenv python without torch.
+would otherwise run. Standard library + torch only; trainer bench runs it with the Python of
+tools/setup.sh's virtual environment (PyTorch's wheel; WEFT_PYTHON chooses another). On PyTorch
+2.x attention is F.scaled_dot_product_attention, as transformers' default; 1.13 has the explicit
+softmax.
 
-  /usr/bin/python3 tools/pytorch_baseline.py --data DIR --nproc N --out RUN_DIR [--steps K]
+  ~/.cache/weft/venv/bin/python tools/pytorch_baseline.py --data DIR --nproc N --out RUN_DIR [--steps K]
 
 Inputs (DIR, written by trainer bench):
   config.json  a Hugging Face LLaMA config.json (head_dim, rope_scaling optional)
@@ -39,6 +41,8 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+HAS_SDPA = hasattr(F, "scaled_dot_product_attention")  # PyTorch 2.0+
 
 RUN_KEYS = ("seq_len", "batch_size", "grad_accum_steps", "lr", "weight_decay", "beta1", "beta2",
             "eps", "warmup_steps", "grad_clip", "seed", "steps", "threads", "precision")
@@ -108,6 +112,9 @@ class Block(nn.Module):
         if self.n_heads != self.n_kv:  # grouped-query attention: HF repeat_kv
             k = k.repeat_interleave(self.n_heads // self.n_kv, dim=1)
             v = v.repeat_interleave(self.n_heads // self.n_kv, dim=1)
+        if HAS_SDPA:  # PyTorch 2.x: the fused kernel (transformers' default attn_implementation "sdpa")
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim) + mask
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
         return self.o_proj((probs @ v).transpose(1, 2).reshape(b, t, -1))

@@ -1,20 +1,34 @@
 #!/usr/bin/env bash
-# Sets up a fresh Debian 12 machine for weft: installs the dependencies from Debian main
-# (as root; idempotent), fetches the bundled corpus and builds everything into build/.
+# Sets up a fresh Debian 12 machine for weft and builds it. Idempotent; each step is skipped when
+# already done.
+#   1. Debian packages (as root): compiler, CMake, OpenBLAS, the libraries weft uses, and Debian's
+#      LibTorch 1.13 (libtorch-dev, the apt-only build).
+#   2. The Python environment of tools/requirements.txt in a virtual environment outside the tree
+#      ($WEFT_VENV, default ~/.cache/weft/venv): PyTorch's wheel, which is LibTorch 2.x with CUDA
+#      and NCCL compiled in, and the reference libraries the tests compare against.
+#   3. The bundled corpus (data/austen).
+#   4. The build, against the LibTorch that WEFT_LIBTORCH names:
+#        wheel (default)  the venv's PyTorch wheel (torch==2.11.0, pinned in tools/requirements.txt)
+#                         -> build/
+#        debian           Debian 12's libtorch-dev 1.13 (CPU only)   -> build-debian/
+#        DIR              any other LibTorch: an unzipped libtorch, or a PyTorch's torch/ folder
+#                         -> build/
+#      WEFT_BUILD_DIR names another build folder. Without a CUDA toolkit (nvcc) the wheel builds
+#      CPU only, and the build says so.
 #
-#   tools/setup.sh            install + corpus + build
-#   WEFT_SKIP_APT=1 tools/setup.sh   skip apt (dependencies already present)
+#   tools/setup.sh                      everything
+#   WEFT_SKIP_APT=1 tools/setup.sh      skip step 1 (packages already present, or not root)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source tools/build_env.sh
 
 packages=(
-  g++ cmake ninja-build python3
+  g++ cmake ninja-build ccache python3 python3-venv
   libtorch-dev libopenblas0-openmp       # LibTorch 1.13 (CPU); OpenBLAS: fp32 GEMM ~20x the netlib default
   libtomlplusplus-dev libspdlog-dev nlohmann-json3-dev
   libboost-dev libboost-program-options-dev libgtest-dev
   libdlpack-dev                          # DLPack: tensors across the plugin ABI (sdk/)
-  libgloo-dev                            # c10d's ProcessGroupGloo headers include gloo's
-  python3-torch                          # trainer bench --baseline pytorch (tools/pytorch_baseline.py)
+  libgloo-dev                            # c10d's ProcessGroupGloo.hpp includes gloo's headers (no LibTorch ships them)
 )
 
 if [[ "${WEFT_SKIP_APT:-0}" != 1 ]]; then
@@ -35,10 +49,41 @@ if [[ "$blas" != *openblas* ]]; then
   exit 1
 fi
 
+# The Python environment, made again only when tools/requirements.txt changed.
+stamp="$WEFT_VENV/.weft-requirements.sha256"
+want=$(sha256sum tools/requirements.txt | cut -d' ' -f1)
+if [[ ! -x "$WEFT_VENV/bin/python" || "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
+  echo "setup: installing tools/requirements.txt (PyTorch's wheel and the reference libraries) into $WEFT_VENV"
+  started=$(date +%s)
+  /usr/bin/python3 -m venv "$WEFT_VENV"
+  "$WEFT_VENV/bin/python" -m pip install -q --disable-pip-version-check -r tools/requirements.txt
+  echo "$want" > "$stamp"
+  echo "setup: Python environment ready in $(( $(date +%s) - started )) s, $(du -sh "$WEFT_VENV" | cut -f1)"
+fi
+
 tools/fetch_austen.sh data/austen
 
-generator=()
-command -v ninja >/dev/null && generator=(-G Ninja)
-cmake -S . -B build "${generator[@]}" -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build build -j "$(nproc)"
-echo "setup: built build/trainer"
+cmake_args=(-DCMAKE_BUILD_TYPE=Release -DWEFT_PYTHON="$WEFT_VENV/bin/python")
+case "$WEFT_LIBTORCH" in
+  wheel)
+    # torch.utils.cmake_prefix_path (TorchConfig.cmake) and the torch/ folder (its lib/).
+    prefix=$("$WEFT_VENV/bin/python" -c 'import os, torch, torch.utils
+print(torch.utils.cmake_prefix_path + ";" + os.path.dirname(torch.__file__))')
+    cmake_args+=(-DCMAKE_PREFIX_PATH="$prefix") ;;
+  debian) cmake_args+=(-DCMAKE_PREFIX_PATH=/usr) ;;
+  *)
+    [[ -d "$WEFT_LIBTORCH" ]] || { echo "setup: WEFT_LIBTORCH='$WEFT_LIBTORCH' is not wheel, debian or a folder" >&2; exit 1; }
+    cmake_args+=(-DCMAKE_PREFIX_PATH="$(cd "$WEFT_LIBTORCH" && pwd)") ;;
+esac
+command -v ninja >/dev/null && cmake_args+=(-G Ninja)
+
+log="$WEFT_BUILD_DIR/cmake.log"
+mkdir -p "$WEFT_BUILD_DIR"
+if ! cmake -S . -B "$WEFT_BUILD_DIR" "${cmake_args[@]}" > "$log" 2>&1; then
+  cat "$log" >&2
+  echo "setup: configuring failed (above, and in $log)" >&2
+  exit 1
+fi
+sed -n 's/^-- weft: /setup: /p' "$log"   # which LibTorch, CUDA and NCCL paths compiled or not
+cmake --build "$WEFT_BUILD_DIR" -j "$(nproc)"
+echo "setup: built $WEFT_BUILD_DIR/trainer"

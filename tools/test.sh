@@ -1,8 +1,41 @@
 #!/usr/bin/env bash
-# Runs the whole test suite: set up (install, corpus, build), then every GoogleTest through ctest.
-# Exits non-zero if anything fails.
+# Runs the whole test suite against both LibTorch builds: PyTorch's wheel (2.x with CUDA + NCCL
+# compiled in; the tests run on the CPU) and Debian 12's libtorch-dev 1.13. For each: set up
+# (install, corpus, build: tools/setup.sh), then every test through ctest. Exits non-zero if any
+# test of either fails; the last line sums both.
+#
+#   tools/test.sh                 both builds (what CI runs)
+#   tools/test.sh wheel|debian    one of them (or a LibTorch folder, as WEFT_LIBTORCH in setup.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-tools/setup.sh
+
+builds=("$@")
+[[ ${#builds[@]} -gt 0 ]] || builds=(wheel debian)
 export OMP_NUM_THREADS=1
-ctest --test-dir build --output-on-failure -j "$(nproc)" --timeout 600
+
+passed=0 failed=0 status=0 summary=()
+for build in "${builds[@]}"; do
+  (
+    export WEFT_LIBTORCH=$build
+    unset WEFT_BUILD_DIR
+    source tools/build_env.sh
+    tools/setup.sh
+    ctest --test-dir "$WEFT_BUILD_DIR" --output-on-failure -j "$(nproc)" --timeout 600 \
+      2>&1 | tee "$WEFT_BUILD_DIR/ctest.log"
+  ) && rc=0 || rc=$?
+  export WEFT_SKIP_APT=1  # the packages are in after the first build's set-up
+  dir=$(WEFT_LIBTORCH=$build bash -c 'unset WEFT_BUILD_DIR; source tools/build_env.sh; echo "$WEFT_BUILD_DIR"')
+  line=$(grep -E "tests passed, [0-9]+ tests failed out of [0-9]+" "$dir/ctest.log" 2>/dev/null | tail -1 || true)
+  if [[ -n "$line" ]]; then
+    total=$(sed -E 's/.* out of ([0-9]+).*/\1/' <<<"$line")
+    bad=$(sed -E 's/.* ([0-9]+) tests failed.*/\1/' <<<"$line")
+    passed=$((passed + total - bad)) failed=$((failed + bad))
+    summary+=("$build: $((total - bad)) passed, $bad failed")
+  else
+    summary+=("$build: no test ran (set-up or build failed, exit $rc)")
+  fi
+  [[ $rc == 0 ]] || status=1
+done
+printf 'test: %s\n' "${summary[@]}"
+echo "test: $passed passed, $failed failed"
+exit $status

@@ -279,7 +279,7 @@ int run_bench(const CommandLine& cli) {
   options.trainer_path = std::filesystem::read_symlink("/proc/self/exe").string();
   options.tools_dir = tools_dir();
   const char* python = std::getenv("WEFT_PYTHON");
-  options.python = python != nullptr ? python : (std::filesystem::exists("/usr/bin/python3") ? "/usr/bin/python3" : "python3");
+  options.python = python != nullptr ? python : WEFT_DEFAULT_PYTHON;
   return weft::run_bench(options);
 }
 

@@ -140,8 +140,8 @@ void check_python_has_torch(const std::string& python, const std::string& dir) {
   const std::string log = dir + "/python-check.log";
   const int status = std::system((shell_quote(python) + " -c 'import torch' > " + shell_quote(log) + " 2>&1").c_str());
   WEFT_CHECK(status == 0,
-             "--baseline pytorch needs PyTorch, but '{}' cannot import torch (install Debian's python3-torch, or set "
-             "WEFT_PYTHON to an interpreter that has it); see {}",
+             "--baseline pytorch needs PyTorch, but '{}' cannot import torch (tools/setup.sh makes a virtual "
+             "environment with it, or set WEFT_PYTHON to an interpreter that has it); see {}",
              python, log);
 }
 

@@ -1,6 +1,6 @@
-// Developer tool (not part of the build): encodes files with weft's tokenizer and prints the ids
-// of each as a JSON array of arrays on stdout, and the encoding speed on stderr. Built and run by
-// tools/llama3_tokenizer_from_npm.sh against a build directory's libweft_data.a/libweft_util.a:
+// Encodes files with weft's tokenizer and prints the ids of each as a JSON array of arrays on
+// stdout, and the encoding speed on stderr. Built with the tests (tests/CMakeLists.txt); the
+// tokenizer test runs it next to the reference encoders (tools/llama3_tokenizer.py check):
 //   tokenizer_encode SPEC FILE...     (SPEC as for weft::load_tokenizer)
 #include <chrono>
 #include <cstdio>

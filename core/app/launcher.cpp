@@ -1,8 +1,6 @@
 #include "core/app/launcher.h"
 
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -14,6 +12,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "core/plugin/rendezvous.h"
 #include "core/util/error.h"
 
 namespace weft {
@@ -25,21 +24,6 @@ extern "C" void forward_signal(int signal) {
   for (pid_t pid : children) {
     if (pid > 0) ::kill(pid, signal);
   }
-}
-
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  WEFT_CHECK(fd >= 0, "launcher: cannot create a socket");
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  address.sin_port = 0;
-  socklen_t length = sizeof(address);
-  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0 &&
-                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0;
-  ::close(fd);
-  WEFT_CHECK(ok, "launcher: cannot find a free port on 127.0.0.1");
-  return ntohs(address.sin_port);
 }
 
 // The command line without --nproc N / --nproc=N.
@@ -113,7 +97,7 @@ void stop_all(const std::vector<pid_t>& pids, std::vector<bool>& done) {
 
 int launch_local_ranks(int nproc, int argc, char** argv) {
   WEFT_CHECK(nproc >= 1 && nproc <= 256, "--nproc must be between 1 and 256, got {}", nproc);
-  const int port = free_port();
+  const int port = free_local_port();
   const auto args = rank_arguments(argc, argv);
   spdlog::info("launching {} local ranks (rendezvous 127.0.0.1:{})", nproc, port);
   children.assign(static_cast<size_t>(nproc), -1);

@@ -12,6 +12,8 @@
 #include <boost/program_options.hpp>
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
+#include <torch/cuda.h>
+#include <torch/version.h>
 
 #include "core/app/launcher.h"
 #include "core/bench/bench.h"
@@ -19,6 +21,7 @@
 #include "core/plugin/rendezvous.h"
 #include "core/config/schema.h"
 #include "core/plugin/library.h"
+#include "core/plugin/process_groups.h"
 #include "core/train/conformance.h"
 #include "core/train/interrupt.h"
 #include "core/train/options.h"
@@ -297,6 +300,11 @@ int run_report(const CommandLine& cli) {
 
 // `trainer plugins`: every strategy plugin in the search path, described, failures marked.
 int run_plugins() {
+  // Plugins that link LibTorch must be built against this one (sdk/include/weft/strategy_torch.hpp).
+  std::cout << fmt::format("host: LibTorch {}.{}.{}, NCCL {}, CUDA devices {}\n", TORCH_VERSION_MAJOR,
+                           TORCH_VERSION_MINOR, TORCH_VERSION_PATCH,
+                           weft::Communicator::nccl_compiled() ? "compiled in" : "not in this build",
+                           torch::cuda::device_count());
   std::cout << weft::format_plugin_table(weft::list_plugins());
   return 0;
 }

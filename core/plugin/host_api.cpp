@@ -128,7 +128,7 @@ const at::Tensor& tensor_of(weft_activation* activation) {
 
 ProcessGroup& group_of(weft_group* group) {
   WEFT_CHECK(group != nullptr && group->group != nullptr, "null weft_group");
-  WEFT_CHECK(group->group->gloo, "this rank is not a member of process group '{}'", group->group->name);
+  WEFT_CHECK(group->group->backend, "this rank is not a member of process group '{}'", group->group->name);
   return *group->group;
 }
 
@@ -262,7 +262,7 @@ weft_status* all_reduce(weft_host* host, weft_group* group, DLTensor* tensor, we
     c10d::AllreduceOptions options;
     options.reduceOp = reduce_op(op);
     count_operation(host, static_cast<int64_t>(tensors.front().nbytes()));
-    *work = new_work(g.gloo->allreduce(tensors, options), "all_reduce", tensors);
+    *work = new_work(g.backend->allreduce(tensors, options), "all_reduce", tensors);
   });
 }
 
@@ -282,7 +282,7 @@ weft_status* reduce_scatter(weft_host* host, weft_group* group, DLTensor* output
     auto full = tensors.front();
     count_operation(host, static_cast<int64_t>(in.nbytes()));
     const int64_t part = out.size(0), rank = g.rank;
-    *work = new_work(g.gloo->allreduce(tensors, options), "reduce_scatter", {full, out},
+    *work = new_work(g.backend->allreduce(tensors, options), "reduce_scatter", {full, out},
                      [full, out, part, rank]() mutable { out.copy_(full.narrow(0, rank * part, part)); });
   });
 }
@@ -298,7 +298,7 @@ weft_status* all_gather(weft_host* host, weft_group* group, DLTensor* output, co
     std::vector<std::vector<at::Tensor>> outputs{out.chunk(g.size, 0)};
     std::vector<at::Tensor> inputs{in};
     count_operation(host, static_cast<int64_t>(in.nbytes()));
-    *work = new_work(g.gloo->allgather(outputs, inputs), "all_gather", {out, in});
+    *work = new_work(g.backend->allgather(outputs, inputs), "all_gather", {out, in});
   });
 }
 
@@ -311,7 +311,7 @@ weft_status* broadcast(weft_host* host, weft_group* group, DLTensor* tensor, int
     c10d::BroadcastOptions options;
     options.rootRank = root;
     count_operation(host, static_cast<int64_t>(tensors.front().nbytes()));
-    *work = new_work(g.gloo->broadcast(tensors, options), "broadcast", tensors);
+    *work = new_work(g.backend->broadcast(tensors, options), "broadcast", tensors);
   });
 }
 
@@ -325,7 +325,7 @@ weft_status* all_to_all(weft_host* host, weft_group* group, DLTensor* output, co
                "all_to_all: input and output must have the same shape with dim 0 divisible by {}", g.size);
     std::vector<int64_t> equal_splits;
     count_operation(host, static_cast<int64_t>(in.nbytes()));
-    *work = new_work(g.gloo->alltoall_base(out, in, equal_splits, equal_splits), "all_to_all", {out, in});
+    *work = new_work(g.backend->alltoall_base(out, in, equal_splits, equal_splits), "all_to_all", {out, in});
   });
 }
 
@@ -336,7 +336,7 @@ weft_status* send(weft_host* host, weft_group* group, const DLTensor* tensor, in
     WEFT_CHECK(0 <= peer && peer < g.size && peer != g.rank, "send: invalid peer {}", peer);
     std::vector<at::Tensor> tensors{contiguous_view(tensor, "send")};
     count_operation(host, static_cast<int64_t>(tensors.front().nbytes()));
-    *work = new_work(g.gloo->send(tensors, peer, tag), "send", tensors);
+    *work = new_work(g.backend->send(tensors, peer, tag), "send", tensors);
   });
 }
 
@@ -347,7 +347,7 @@ weft_status* recv(weft_host* host, weft_group* group, DLTensor* tensor, int32_t 
     WEFT_CHECK(0 <= peer && peer < g.size && peer != g.rank, "recv: invalid peer {}", peer);
     std::vector<at::Tensor> tensors{contiguous_view(tensor, "recv")};
     count_operation(host, static_cast<int64_t>(tensors.front().nbytes()));
-    *work = new_work(g.gloo->recv(tensors, peer, tag), "recv", tensors);
+    *work = new_work(g.backend->recv(tensors, peer, tag), "recv", tensors);
   });
 }
 
@@ -356,7 +356,7 @@ weft_status* barrier(weft_host* host, weft_group* group, weft_work** work) {
     WEFT_CHECK(work, "barrier: null work output");
     auto& g = group_of(group);
     count_operation(host, 0);
-    *work = new_work(g.gloo->barrier(), "barrier", {});
+    *work = new_work(g.backend->barrier(), "barrier", {});
   });
 }
 

@@ -1,11 +1,19 @@
 #include "core/plugin/rendezvous.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <cstdlib>
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "core/plugin/process_groups.h"
 #include "core/util/error.h"
+#include "core/util/torch_compat.h"
+
+#include <spdlog/spdlog.h>
 
 namespace weft {
 namespace {
@@ -25,7 +33,39 @@ int env_int(const char* name, int fallback, int min_value) {
   return static_cast<int>(parsed);
 }
 
+// The job's TCPStore. Its server uses libuv where this LibTorch was built with it (PyTorch's wheels)
+// and the classic one where not (Debian 13's 2.6 refuses libuv; 1.13 has no choice to make);
+// USE_LIBUV=0, torchrun's switch, asks for the classic one.
+c10::intrusive_ptr<c10d::Store> make_tcp_store(const std::string& host, c10d::TCPStoreOptions options) {
+  const char* use_libuv = env("USE_LIBUV");
+  const bool libuv = compat::kStoreHasLibuvOption && !(use_libuv && std::string(use_libuv) == "0");
+  compat::set_store_libuv(options, libuv);
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(host, options);
+  } catch (const std::exception& ex) {
+    if (!libuv || std::string(ex.what()).find("libuv") == std::string::npos) throw;
+    spdlog::debug("TCPStore: this LibTorch was built without libuv; using the classic server ({})", ex.what());
+  }
+  compat::set_store_libuv(options, false);
+  return c10::make_intrusive<c10d::TCPStore>(host, options);
+}
+
 }  // namespace
+
+int free_local_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  WEFT_CHECK(fd >= 0, "cannot create a socket");
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = 0;
+  socklen_t length = sizeof(address);
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0;
+  ::close(fd);
+  WEFT_CHECK(ok, "launcher: cannot find a free port on 127.0.0.1");
+  return ntohs(address.sin_port);
+}
 
 DistributedEnv detect_distributed_env() {
   DistributedEnv e;
@@ -62,7 +102,7 @@ std::unique_ptr<Communicator> join_world(const DistributedEnv& e, std::chrono::m
   options.timeout = timeout;
   c10::intrusive_ptr<c10d::Store> store;
   try {
-    store = c10::make_intrusive<c10d::TCPStore>(e.master_addr, options);
+    store = make_tcp_store(e.master_addr, options);
   } catch (const std::exception& ex) {
     fail("rank {}: rendezvous with {}:{} failed ({})", e.rank, e.master_addr, e.master_port, ex.what());
   }

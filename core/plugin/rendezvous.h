@@ -27,6 +27,9 @@ struct DistributedEnv {
 // Partial or invalid values are a weft::Error naming the variable.
 DistributedEnv detect_distributed_env();
 
+// A TCP port on 127.0.0.1 that was free a moment ago (the kernel's choice), for local jobs.
+int free_local_port();
+
 // Connects to the job's TCPStore (rank 0 hosts it) and builds the world process group.
 // Throws weft::Error naming the address if the rendezvous times out.
 std::unique_ptr<Communicator> join_world(const DistributedEnv& env, std::chrono::milliseconds timeout);

@@ -31,7 +31,7 @@ ModelGather::ModelGather(LlamaForCausalLMImpl& local, Communicator& communicator
   ranges[world.rank][0] = local_.first_stage();
   ranges[world.rank][1] = local_.last_stage();
   std::vector<at::Tensor> tensors{ranges};
-  wait(world.gloo->allreduce(tensors));
+  wait(world.backend->allreduce(tensors));
   bool staged = false;
   for (int32_t r = 0; r < world.size; ++r) {
     ranges_.emplace_back(ranges[r][0].item<int64_t>(), ranges[r][1].item<int64_t>());
@@ -49,12 +49,12 @@ ModelGather::ModelGather(LlamaForCausalLMImpl& local, Communicator& communicator
   }
   std::vector<at::Tensor> slice_tensors{slices};
   std::vector<at::Tensor> flag{torch::tensor({sliced_ ? 1L : 0L, staged ? 1L : 0L})};
-  wait(world.gloo->allreduce(flag));
+  wait(world.backend->allreduce(flag));
   sliced_ = flag[0][0].item<int64_t>() > 0;
   WEFT_CHECK(!(sliced_ && flag[0][1].item<int64_t>() > 0),
              "saving a model split into pipeline stages and tensor-parallel slices at once is not supported yet");
   if (sliced_) {
-    wait(world.gloo->allreduce(slice_tensors));
+    wait(world.backend->allreduce(slice_tensors));
     for (int32_t r = 0; r < world.size; ++r) {
       slices_.emplace_back();
       for (size_t i = 0; i < params.size(); ++i) {
@@ -87,7 +87,7 @@ LlamaForCausalLMImpl* ModelGather::gather() {
       std::vector<at::Tensor> input{params[i].value().detach().contiguous()};
       std::vector<std::vector<at::Tensor>> output(1);
       for (int32_t r = 0; r < world.size; ++r) output[0].push_back(torch::empty_like(input[0]));
-      wait(world.gloo->allgather(output, input));
+      wait(world.backend->allgather(output, input));
       if (world.rank != 0) continue;
       torch::Tensor target = full_->named_parameters()[name];
       if (mine.whole()) {
@@ -118,7 +118,7 @@ LlamaForCausalLMImpl* ModelGather::gather() {
       if (owner[s] != world.rank) continue;
       for (auto& p : stage_parameters(local_, s)) {
         std::vector<at::Tensor> tensors{p.detach().contiguous()};
-        wait(world.gloo->send(tensors, 0, static_cast<int>(s)));
+        wait(world.backend->send(tensors, 0, static_cast<int>(s)));
       }
     }
     return nullptr;
@@ -134,7 +134,7 @@ LlamaForCausalLMImpl* ModelGather::gather() {
     }
     for (auto& p : targets) {
       std::vector<at::Tensor> tensors{p.detach()};
-      wait(world.gloo->recv(tensors, owner[s], static_cast<int>(s)));
+      wait(world.backend->recv(tensors, owner[s], static_cast<int>(s)));
     }
   }
   return full_.get();

@@ -1,0 +1,62 @@
+// Every difference between the LibTorch versions weft builds against, in one place: Debian 12's
+// libtorch-dev 1.13 (CPU) and PyTorch's 2.x wheels (CUDA + NCCL compiled in; 2.11 is the pin in
+// tools/requirements.txt). Code elsewhere calls these names and never tests TORCH_VERSION itself.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/version.h>
+
+#define WEFT_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+#if WEFT_TORCH_AT_LEAST(2, 0)
+#include <ATen/ops/scaled_dot_product_attention.h>
+#endif
+
+namespace c10d {
+class Backend;
+class ProcessGroup;
+}  // namespace c10d
+
+namespace weft::compat {
+
+// The base class of c10d's process-group implementations (ProcessGroupGloo, ProcessGroupNCCL):
+// c10d::Backend since 2.0, c10d::ProcessGroup before.
+#if WEFT_TORCH_AT_LEAST(2, 0)
+using Backend = c10d::Backend;
+#else
+using Backend = c10d::ProcessGroup;
+#endif
+
+// TCPStoreOptions::useLibUV exists from 2.4 on (default true there); a LibTorch built without
+// libuv (Debian 13's 2.6) refuses `true` when the server starts. 1.13's store has no libuv backend.
+inline constexpr bool kStoreHasLibuvOption = WEFT_TORCH_AT_LEAST(2, 4);
+template <class TCPStoreOptions>
+void set_store_libuv(TCPStoreOptions& options, bool use_libuv) {
+#if WEFT_TORCH_AT_LEAST(2, 4)
+  options.useLibUV = use_libuv;
+#else
+  (void)options;
+  (void)use_libuv;
+#endif
+}
+
+// at::scaled_dot_product_attention (2.0+; fused flash-attention kernels on CPU and CUDA). 1.13
+// has none: callers check kHasScaledDotProductAttention first.
+inline constexpr bool kHasScaledDotProductAttention = WEFT_TORCH_AT_LEAST(2, 0);
+// Causal attention over q [B, H, S, D] and k, v [B, Hkv, S, D] (H a multiple of Hkv).
+inline at::Tensor scaled_dot_product_attention_causal(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+#if WEFT_TORCH_AT_LEAST(2, 5)
+  return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true,
+                                          /*scale=*/std::nullopt, /*enable_gqa=*/q.size(1) != k.size(1));
+#elif WEFT_TORCH_AT_LEAST(2, 0)
+  const int64_t group = q.size(1) / k.size(1);
+  return at::scaled_dot_product_attention(q, group == 1 ? k : k.repeat_interleave(group, 1),
+                                          group == 1 ? v : v.repeat_interleave(group, 1), {}, 0.0, true);
+#else
+  (void)q, (void)k, (void)v;
+  return {};
+#endif
+}
+
+}  // namespace weft::compat

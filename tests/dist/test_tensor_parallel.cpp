@@ -42,9 +42,15 @@ TEST(TensorParallelRun, SavesTheWholeModelThatResumesUnderSingle) {
   ASSERT_EQ(tp.exit_code, 0) << tp.output;
   auto saved = weft::SafetensorsFile::open(dir + "/tp/final/model.safetensors");
   for (const auto& info : saved->tensors()) {
-    if (info.name == "model.embed_tokens.weight") EXPECT_EQ(info.shape, (std::vector<int64_t>{512, 64}));
-    if (info.name == "model.layers.0.self_attn.o_proj.weight") EXPECT_EQ(info.shape, (std::vector<int64_t>{64, 64}));
-    if (info.name == "model.layers.0.mlp.gate_proj.weight") EXPECT_EQ(info.shape, (std::vector<int64_t>{176, 64}));
+    if (info.name == "model.embed_tokens.weight") {
+      EXPECT_EQ(info.shape, (std::vector<int64_t>{512, 64}));
+    }
+    if (info.name == "model.layers.0.self_attn.o_proj.weight") {
+      EXPECT_EQ(info.shape, (std::vector<int64_t>{64, 64}));
+    }
+    if (info.name == "model.layers.0.mlp.gate_proj.weight") {
+      EXPECT_EQ(info.shape, (std::vector<int64_t>{176, 64}));
+    }
   }
   // Fine-tune further from it in one process.
   const auto single = run_trainer(tiny_args(dir, corpus) + " --set train.max_steps=2 --set model.weights=" + dir +

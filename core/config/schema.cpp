@@ -65,6 +65,10 @@ const std::vector<SchemaEntry>& config_schema() {
       int_key("model.vocab_size", 0,
               "Vocabulary size override; 0 = the preset's or config's value (must cover the tokenizer).",
               0),
+      string_key("model.attention", "auto",
+                 "Causal attention kernel: sdpa = at::scaled_dot_product_attention (LibTorch 2.x), weft = weft's "
+                 "own; auto = sdpa where LibTorch has it, weft on 1.13.",
+                 {"auto", "sdpa", "weft"}),
       bool_key("model.activation_checkpointing", false,
                "Recompute each decoder block in backward instead of storing its activations."),
       // [data]

@@ -9,6 +9,7 @@
 
 #include "core/model/kernels.h"
 #include "core/util/error.h"
+#include "core/util/torch_compat.h"
 
 namespace weft {
 
@@ -177,7 +178,11 @@ const torch::Tensor& causal_bias(int64_t seq, int64_t group, torch::Dtype dtype)
 
 }  // namespace
 
-torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               AttentionKernel kernel) {
+  if (resolve_attention_kernel(kernel) == AttentionKernel::kSdpa) {
+    return compat::scaled_dot_product_attention_causal(q, k, v);
+  }
   const int64_t batch = q.size(0), heads = q.size(1), seq = q.size(2), dim = q.size(3);
   const int64_t kv_heads = k.size(1);
   WEFT_CHECK(heads % kv_heads == 0, "attention: {} query heads over {} kv heads", heads, kv_heads);
@@ -195,7 +200,7 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, c
 AttentionImpl::AttentionImpl(const ModelConfig& c) : AttentionImpl(c, c.num_attention_heads, c.num_key_value_heads) {}
 
 AttentionImpl::AttentionImpl(const ModelConfig& c, int64_t heads, int64_t kv_heads)
-    : num_heads_(heads), num_kv_heads_(kv_heads), head_dim_(c.head_dim) {
+    : num_heads_(heads), num_kv_heads_(kv_heads), head_dim_(c.head_dim), kernel_(resolve_attention_kernel(c.attention)) {
   q_proj = register_module("q_proj", Linear(c.hidden_size, num_heads_ * head_dim_));
   k_proj = register_module("k_proj", Linear(c.hidden_size, num_kv_heads_ * head_dim_));
   v_proj = register_module("v_proj", Linear(c.hidden_size, num_kv_heads_ * head_dim_));
@@ -208,7 +213,7 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const RotaryEmbeddi
   auto qkv = fused_linear(x, {q_proj.get(), k_proj.get(), v_proj.get()});
   auto [cos, sin] = rope.tables(0, seq);
   auto [q, k, v] = split_qkv_with_rope(qkv, num_heads_, num_kv_heads_, cos, sin);
-  auto out = causal_attention(q, k, v);
+  auto out = causal_attention(q, k, v, kernel_);
   return o_proj(out.transpose(1, 2).reshape({batch, seq, num_heads_ * head_dim_}));
 }
 

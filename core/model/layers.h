@@ -119,8 +119,11 @@ torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& cos, con
 
 // Causal scaled-dot-product attention with grouped-query heads:
 // q [B, H, T, D], k/v [B, KVH, T, D] with H % KVH == 0; query head h uses kv head h / (H / KVH).
-// Softmax in fp32; returns [B, H, T, D] in q's dtype.
-torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
+// Returns [B, H, T, D] in q's dtype. `kernel` (config.h): weft's own (one batched GEMM per head
+// group with the scale and mask fused, softmax in fp32) or at::scaled_dot_product_attention
+// (LibTorch 2.x; its fused kernel keeps the softmax statistics in fp32); kAuto resolves per build.
+torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               AttentionKernel kernel = AttentionKernel::kWeft);
 
 // The heads and MLP width a process holds of each block (all of them without tensor
 // parallelism).
@@ -156,6 +159,7 @@ class AttentionImpl : public torch::nn::Module {
 
  private:
   int64_t num_heads_, num_kv_heads_, head_dim_;
+  AttentionKernel kernel_;  // resolved (kWeft or kSdpa)
 };
 TORCH_MODULE(Attention);
 

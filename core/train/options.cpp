@@ -10,6 +10,7 @@ TrainOptions train_options_from_config(const Config& c) {
   o.model.init_std = c.get_float("model.init_std");
   o.model.vocab_size = c.get_int("model.vocab_size");
   o.model.activation_checkpointing = c.get_bool("model.activation_checkpointing");
+  o.model.attention = c.get_string("model.attention");
 
   o.data.paths = c.get_string_list("data.path");
   o.data.format = c.get_string("data.format");

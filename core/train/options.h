@@ -19,6 +19,7 @@ struct ModelSource {
   double init_std = 0.02;
   int64_t vocab_size = 0;
   bool activation_checkpointing = false;
+  std::string attention = "auto";  // model.attention (AttentionKernel, core/model/config.h)
 };
 
 struct OptimOptions {

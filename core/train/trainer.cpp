@@ -173,6 +173,7 @@ ModelConfig resolve_model_config(const TrainOptions& options, const Tokenizer& t
     config = preset_config(m.preset);
   }
   if (m.vocab_size > 0) config.vocab_size = m.vocab_size;
+  config.attention = parse_attention_kernel(m.attention);
   WEFT_CHECK(tokenizer.vocab_size() <= config.vocab_size,
              "tokenizer '{}' has {} tokens but the model's vocab_size is {} (set model.vocab_size)",
              options.tokenizer, tokenizer.vocab_size(), config.vocab_size);

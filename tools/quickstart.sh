@@ -6,12 +6,13 @@
 # (WEFT_QUICKSTART_NPROC=1 runs it in one process with single.so instead).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source tools/build_env.sh   # PyTorch's wheel by default (WEFT_LIBTORCH=debian: Debian's 1.13)
 tools/setup.sh
 # Each run gets its own directory, so earlier runs are never overwritten.
 nproc=${WEFT_QUICKSTART_NPROC:-2}
 plugin=ddp
 [[ "$nproc" == 1 ]] && plugin=single
 out="runs/quickstart-$(date +%Y%m%d-%H%M%S)"
-build/trainer --config configs/quickstart.toml --plugin "$plugin" --nproc "$nproc" --set train.out_dir="$out" "$@"
+"$WEFT_BUILD_DIR/trainer" --config configs/quickstart.toml --plugin "$plugin" --nproc "$nproc" --set train.out_dir="$out" "$@"
 # The run as a document: loss curves, time per epoch, tokens/s, perplexity, config, command.
-build/trainer report "$out"
+"$WEFT_BUILD_DIR/trainer" report "$out"

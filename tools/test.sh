@@ -13,18 +13,19 @@ builds=("$@")
 [[ ${#builds[@]} -gt 0 ]] || builds=(wheel debian)
 export OMP_NUM_THREADS=1
 
+build_dir_of() { (export WEFT_LIBTORCH=$1; unset WEFT_BUILD_DIR; source tools/build_env.sh; echo "$WEFT_BUILD_DIR"); }
+
 passed=0 failed=0 status=0 summary=()
 for build in "${builds[@]}"; do
+  dir=$(build_dir_of "$build")
+  rm -f "$dir/ctest.log"
+  # (set -e does not apply inside a subshell tested by ||: the steps are chained with &&.)
   (
-    export WEFT_LIBTORCH=$build
-    unset WEFT_BUILD_DIR
-    source tools/build_env.sh
-    tools/setup.sh
-    ctest --test-dir "$WEFT_BUILD_DIR" --output-on-failure -j "$(nproc)" --timeout 600 \
-      2>&1 | tee "$WEFT_BUILD_DIR/ctest.log"
+    export WEFT_LIBTORCH=$build WEFT_BUILD_DIR=$dir &&
+    tools/setup.sh &&
+    ctest --test-dir "$dir" --output-on-failure -j "$(nproc)" --timeout 600 2>&1 | tee "$dir/ctest.log"
   ) && rc=0 || rc=$?
   export WEFT_SKIP_APT=1  # the packages are in after the first build's set-up
-  dir=$(WEFT_LIBTORCH=$build bash -c 'unset WEFT_BUILD_DIR; source tools/build_env.sh; echo "$WEFT_BUILD_DIR"')
   line=$(grep -E "tests passed, [0-9]+ tests failed out of [0-9]+" "$dir/ctest.log" 2>/dev/null | tail -1 || true)
   if [[ -n "$line" ]]; then
     total=$(sed -E 's/.* out of ([0-9]+).*/\1/' <<<"$line")

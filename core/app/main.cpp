@@ -13,7 +13,6 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 #include <torch/cuda.h>
-#include <torch/version.h>
 
 #include "core/app/launcher.h"
 #include "core/bench/bench.h"
@@ -30,6 +29,7 @@
 #include "core/util/fs.h"
 #include "core/util/log.h"
 #include "core/util/shell.h"
+#include "core/util/torch_compat.h"
 
 namespace po = boost::program_options;
 
@@ -301,8 +301,7 @@ int run_report(const CommandLine& cli) {
 // `trainer plugins`: every strategy plugin in the search path, described, failures marked.
 int run_plugins() {
   // Plugins that link LibTorch must be built against this one (sdk/include/weft/strategy_torch.hpp).
-  std::cout << fmt::format("host: LibTorch {}.{}.{}, NCCL {}, CUDA devices {}\n", TORCH_VERSION_MAJOR,
-                           TORCH_VERSION_MINOR, TORCH_VERSION_PATCH,
+  std::cout << fmt::format("host: LibTorch {}, NCCL {}, CUDA devices {}\n", weft::compat::libtorch_version(),
                            weft::Communicator::nccl_compiled() ? "compiled in" : "not in this build",
                            torch::cuda::device_count());
   std::cout << weft::format_plugin_table(weft::list_plugins());

@@ -17,6 +17,7 @@
 #include "core/train/optimizer.h"
 #include "core/util/trace.h"
 #include "core/util/error.h"
+#include "core/util/torch_compat.h"
 
 namespace weft {
 namespace fs = std::filesystem;
@@ -256,10 +257,12 @@ void Trainer::build_model() {
                "model's stages over ranks (the best and final models are saved whole); set them to 0 and \"\"",
                strategy_->library().name());
   }
-  spdlog::info("model: {} layers, hidden {}, {} heads ({} kv), vocab {}: {:.2f}M parameters, {:.2f}M trainable, {}",
+  spdlog::info("model: {} layers, hidden {}, {} heads ({} kv), vocab {}: {:.2f}M parameters, {:.2f}M trainable, {}, "
+               "attention {} (LibTorch {})",
                model_->config().num_hidden_layers, model_->config().hidden_size,
                model_->config().num_attention_heads, model_->config().num_key_value_heads,
-               model_->config().vocab_size, total / 1e6, trainable / 1e6, options_.precision);
+               model_->config().vocab_size, total / 1e6, trainable / 1e6, options_.precision,
+               attention_kernel_name(resolve_attention_kernel(model_->config().attention)), compat::libtorch_version());
 }
 
 void Trainer::build_data() {
@@ -588,7 +591,9 @@ TrainResult Trainer::finish_run(Session& session) {
                             {"tokens_per_s", result.tokens_per_second},
                             {"peak_rss_mib", result.peak_rss_mib},
                             {"early_stopped", result.early_stopped},
-                            {"interrupted", result.interrupted}};
+                            {"interrupted", result.interrupted},
+                            {"libtorch", compat::libtorch_version()},
+                            {"attention", attention_kernel_name(resolve_attention_kernel(model_->config().attention))}};
   if (strategy_ && session.seconds > 0) {
     const double steps = static_cast<double>(std::max<size_t>(result.step_losses.size(), 1));
     summary["comm_wait_fraction"] = session.comm_wait_seconds / session.seconds;

@@ -3,6 +3,8 @@
 // tools/requirements.txt). Code elsewhere calls these names and never tests TORCH_VERSION itself.
 #pragma once
 
+#include <string>
+
 #include <ATen/core/Tensor.h>
 #include <torch/version.h>
 
@@ -19,6 +21,12 @@ class ProcessGroup;
 }  // namespace c10d
 
 namespace weft::compat {
+
+// "2.11.0": the LibTorch this weft was compiled against (in run summaries and `trainer plugins`).
+inline std::string libtorch_version() {
+  return std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
+         std::to_string(TORCH_VERSION_PATCH);
+}
 
 // The base class of c10d's process-group implementations (ProcessGroupGloo, ProcessGroupNCCL):
 // c10d::Backend since 2.0, c10d::ProcessGroup before.

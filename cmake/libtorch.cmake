@@ -1,6 +1,6 @@
 # LibTorch for weft, found in one place. tools/setup.sh points CMAKE_PREFIX_PATH at PyTorch's
 # wheel (WEFT_LIBTORCH=wheel, the default: the LibTorch users install with `pip install torch`)
-# or at nothing for Debian 12's libtorch-dev 1.13 (WEFT_LIBTORCH=debian); any other LibTorch (a
+# or at /usr for Debian 12's libtorch-dev 1.13 (WEFT_LIBTORCH=debian); any other LibTorch (a
 # libtorch zip, another wheel) works the same way through CMAKE_PREFIX_PATH or Torch_DIR.
 #
 # Sets TORCH_LIBRARIES (link it), WEFT_TORCH_CUDA and WEFT_TORCH_NCCL (ON when LibTorch's CUDA

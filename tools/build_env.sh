@@ -9,4 +9,4 @@ if [[ -z "${WEFT_BUILD_DIR:-}" ]]; then
   if [[ "$WEFT_LIBTORCH" == debian ]]; then WEFT_BUILD_DIR=build-debian; else WEFT_BUILD_DIR=build; fi
 fi
 export WEFT_BUILD_DIR
-export WEFT_VENV=${WEFT_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/weft/venv}
+export WEFT_VENV=${WEFT_VENV:-${XDG_CACHE_HOME:-${HOME:-/root}/.cache}/weft/venv}

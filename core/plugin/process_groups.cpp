@@ -35,7 +35,7 @@ c10::intrusive_ptr<compat::Backend> make_backend(const std::string& backend,
   return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
 #else
   fail("the nccl backend is not in this build: weft was built against LibTorch {} without NCCL (build against "
-       "PyTorch's CUDA wheel: tools/setup.sh)", TORCH_VERSION);
+       "PyTorch's CUDA wheel: tools/setup.sh)", compat::libtorch_version());
 #endif
 }
 

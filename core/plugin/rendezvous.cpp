@@ -7,13 +7,12 @@
 
 #include <cstdlib>
 
+#include <spdlog/spdlog.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "core/plugin/process_groups.h"
 #include "core/util/error.h"
 #include "core/util/torch_compat.h"
-
-#include <spdlog/spdlog.h>
 
 namespace weft {
 namespace {
@@ -63,7 +62,7 @@ int free_local_port() {
   const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0 &&
                   ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0;
   ::close(fd);
-  WEFT_CHECK(ok, "launcher: cannot find a free port on 127.0.0.1");
+  WEFT_CHECK(ok, "cannot find a free port on 127.0.0.1");
   return ntohs(address.sin_port);
 }
 

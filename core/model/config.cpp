@@ -220,7 +220,7 @@ AttentionKernel parse_attention_kernel(const std::string& name) {
   WEFT_CHECK(name == "sdpa", "unknown attention kernel '{}' (auto, weft or sdpa)", name);
   WEFT_CHECK(compat::kHasScaledDotProductAttention,
              "attention kernel 'sdpa' needs LibTorch 2.0 or later (at::scaled_dot_product_attention); this weft was "
-             "built against LibTorch {}.{} (use auto or weft)", TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR);
+             "built against LibTorch {} (use auto or weft)", compat::libtorch_version());
   return AttentionKernel::kSdpa;
 }
 

@@ -174,7 +174,7 @@ ModelConfig resolve_model_config(const TrainOptions& options, const Tokenizer& t
     config = preset_config(m.preset);
   }
   if (m.vocab_size > 0) config.vocab_size = m.vocab_size;
-  config.attention = parse_attention_kernel(m.attention);
+  config.attention = resolve_attention_kernel(parse_attention_kernel(m.attention));  // kSdpa or kWeft
   WEFT_CHECK(tokenizer.vocab_size() <= config.vocab_size,
              "tokenizer '{}' has {} tokens but the model's vocab_size is {} (set model.vocab_size)",
              options.tokenizer, tokenizer.vocab_size(), config.vocab_size);
@@ -262,7 +262,7 @@ void Trainer::build_model() {
                model_->config().num_hidden_layers, model_->config().hidden_size,
                model_->config().num_attention_heads, model_->config().num_key_value_heads,
                model_->config().vocab_size, total / 1e6, trainable / 1e6, options_.precision,
-               attention_kernel_name(resolve_attention_kernel(model_->config().attention)), compat::libtorch_version());
+               attention_kernel_name(model_->config().attention), compat::libtorch_version());
 }
 
 void Trainer::build_data() {
@@ -593,7 +593,7 @@ TrainResult Trainer::finish_run(Session& session) {
                             {"early_stopped", result.early_stopped},
                             {"interrupted", result.interrupted},
                             {"libtorch", compat::libtorch_version()},
-                            {"attention", attention_kernel_name(resolve_attention_kernel(model_->config().attention))}};
+                            {"attention", attention_kernel_name(model_->config().attention)}};
   if (strategy_ && session.seconds > 0) {
     const double steps = static_cast<double>(std::max<size_t>(result.step_losses.size(), 1));
     summary["comm_wait_fraction"] = session.comm_wait_seconds / session.seconds;

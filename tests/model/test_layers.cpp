@@ -184,7 +184,7 @@ TEST(Attention, AutoPicksSdpaWhereLibTorchHasItAndSdpaIsRefusedWhereNot) {
   } else {
     try {
       parse_attention_kernel("sdpa");
-      ADD_FAILURE() << "sdpa accepted on LibTorch " << TORCH_VERSION_MAJOR << "." << TORCH_VERSION_MINOR;
+      ADD_FAILURE() << "sdpa accepted on LibTorch " << compat::libtorch_version();
     } catch (const weft::Error& e) {
       EXPECT_NE(std::string(e.what()).find("needs LibTorch 2.0"), std::string::npos) << e.what();
     }

@@ -11,7 +11,6 @@
 
 #include <spdlog/spdlog.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/torch.h>
 
 #include "core/data/loader.h"
@@ -31,10 +30,7 @@ struct weft_group {
   weft::ProcessGroup* group;
 };
 struct weft_work {
-  c10::intrusive_ptr<c10d::Work> work;
-  std::string operation;
-  std::vector<at::Tensor> tensors;  // kept alive until the work is released
-  std::function<void()> on_complete;  // e.g. copy a result back into the caller's tensor
+  weft::Operation operation;  // keeps its tensors alive until the work is released
   bool waited = false;
 };
 struct weft_activation {
@@ -149,9 +145,16 @@ at::Tensor contiguous_view(const DLTensor* dl, const char* what) {
   return t;
 }
 
-weft_work* new_work(c10::intrusive_ptr<c10d::Work> work, std::string operation,
-                    std::vector<at::Tensor> tensors, std::function<void()> on_complete = {}) {
-  return new weft_work{std::move(work), std::move(operation), std::move(tensors), std::move(on_complete)};
+// Hands `operation` to the plugin as a work handle, counting its bytes.
+weft_work* new_work(weft_host* host, Operation operation) {
+  count_operation(host, operation.bytes);
+  return new weft_work{std::move(operation)};
+}
+
+Communicator& communicator_of(weft_host* host) {
+  auto& s = state_of(host);
+  WEFT_CHECK(s.communicator != nullptr, "no process groups in this run");
+  return *s.communicator;
 }
 
 // --- status and logging -----------------------------------------------------------------
@@ -258,11 +261,7 @@ weft_status* all_reduce(weft_host* host, weft_group* group, DLTensor* tensor, we
   return guarded([&] {
     WEFT_CHECK(work, "all_reduce: null work output");
     auto& g = group_of(group);
-    std::vector<at::Tensor> tensors{contiguous_view(tensor, "all_reduce")};
-    c10d::AllreduceOptions options;
-    options.reduceOp = reduce_op(op);
-    count_operation(host, static_cast<int64_t>(tensors.front().nbytes()));
-    *work = new_work(g.backend->allreduce(tensors, options), "all_reduce", tensors);
+    *work = new_work(host, communicator_of(host).all_reduce(g, contiguous_view(tensor, "all_reduce"), reduce_op(op)));
   });
 }
 
@@ -271,19 +270,9 @@ weft_status* reduce_scatter(weft_host* host, weft_group* group, DLTensor* output
   return guarded([&] {
     WEFT_CHECK(work, "reduce_scatter: null work output");
     auto& g = group_of(group);
-    auto out = contiguous_view(output, "reduce_scatter output");
-    auto in = contiguous_view(input, "reduce_scatter input");
-    WEFT_CHECK(in.size(0) == out.size(0) * g.size, "reduce_scatter: input dim 0 ({}) must be {} x output dim 0 ({})",
-               in.size(0), g.size, out.size(0));
-    // Gloo has no reduce_scatter: all-reduce a copy, keep this rank's part.
-    std::vector<at::Tensor> tensors{in.clone()};
-    c10d::AllreduceOptions options;
-    options.reduceOp = reduce_op(op);
-    auto full = tensors.front();
-    count_operation(host, static_cast<int64_t>(in.nbytes()));
-    const int64_t part = out.size(0), rank = g.rank;
-    *work = new_work(g.backend->allreduce(tensors, options), "reduce_scatter", {full, out},
-                     [full, out, part, rank]() mutable { out.copy_(full.narrow(0, rank * part, part)); });
+    *work = new_work(host, communicator_of(host).reduce_scatter(g, contiguous_view(output, "reduce_scatter output"),
+                                                                contiguous_view(input, "reduce_scatter input"),
+                                                                reduce_op(op)));
   });
 }
 
@@ -291,14 +280,8 @@ weft_status* all_gather(weft_host* host, weft_group* group, DLTensor* output, co
   return guarded([&] {
     WEFT_CHECK(work, "all_gather: null work output");
     auto& g = group_of(group);
-    auto out = contiguous_view(output, "all_gather output");
-    auto in = contiguous_view(input, "all_gather input");
-    WEFT_CHECK(out.size(0) == in.size(0) * g.size, "all_gather: output dim 0 ({}) must be {} x input dim 0 ({})",
-               out.size(0), g.size, in.size(0));
-    std::vector<std::vector<at::Tensor>> outputs{out.chunk(g.size, 0)};
-    std::vector<at::Tensor> inputs{in};
-    count_operation(host, static_cast<int64_t>(in.nbytes()));
-    *work = new_work(g.backend->allgather(outputs, inputs), "all_gather", {out, in});
+    *work = new_work(host, communicator_of(host).all_gather(g, contiguous_view(output, "all_gather output"),
+                                                            contiguous_view(input, "all_gather input")));
   });
 }
 
@@ -306,12 +289,7 @@ weft_status* broadcast(weft_host* host, weft_group* group, DLTensor* tensor, int
   return guarded([&] {
     WEFT_CHECK(work, "broadcast: null work output");
     auto& g = group_of(group);
-    WEFT_CHECK(0 <= root && root < g.size, "broadcast: root {} outside a group of {}", root, g.size);
-    std::vector<at::Tensor> tensors{contiguous_view(tensor, "broadcast")};
-    c10d::BroadcastOptions options;
-    options.rootRank = root;
-    count_operation(host, static_cast<int64_t>(tensors.front().nbytes()));
-    *work = new_work(g.backend->broadcast(tensors, options), "broadcast", tensors);
+    *work = new_work(host, communicator_of(host).broadcast(g, contiguous_view(tensor, "broadcast"), root));
   });
 }
 
@@ -319,13 +297,8 @@ weft_status* all_to_all(weft_host* host, weft_group* group, DLTensor* output, co
   return guarded([&] {
     WEFT_CHECK(work, "all_to_all: null work output");
     auto& g = group_of(group);
-    auto out = contiguous_view(output, "all_to_all output");
-    auto in = contiguous_view(input, "all_to_all input");
-    WEFT_CHECK(in.size(0) % g.size == 0 && out.sizes() == in.sizes(),
-               "all_to_all: input and output must have the same shape with dim 0 divisible by {}", g.size);
-    std::vector<int64_t> equal_splits;
-    count_operation(host, static_cast<int64_t>(in.nbytes()));
-    *work = new_work(g.backend->alltoall_base(out, in, equal_splits, equal_splits), "all_to_all", {out, in});
+    *work = new_work(host, communicator_of(host).all_to_all(g, contiguous_view(output, "all_to_all output"),
+                                                            contiguous_view(input, "all_to_all input")));
   });
 }
 
@@ -333,10 +306,7 @@ weft_status* send(weft_host* host, weft_group* group, const DLTensor* tensor, in
   return guarded([&] {
     WEFT_CHECK(work, "send: null work output");
     auto& g = group_of(group);
-    WEFT_CHECK(0 <= peer && peer < g.size && peer != g.rank, "send: invalid peer {}", peer);
-    std::vector<at::Tensor> tensors{contiguous_view(tensor, "send")};
-    count_operation(host, static_cast<int64_t>(tensors.front().nbytes()));
-    *work = new_work(g.backend->send(tensors, peer, tag), "send", tensors);
+    *work = new_work(host, communicator_of(host).send(g, contiguous_view(tensor, "send"), peer, tag));
   });
 }
 
@@ -344,10 +314,7 @@ weft_status* recv(weft_host* host, weft_group* group, DLTensor* tensor, int32_t 
   return guarded([&] {
     WEFT_CHECK(work, "recv: null work output");
     auto& g = group_of(group);
-    WEFT_CHECK(0 <= peer && peer < g.size && peer != g.rank, "recv: invalid peer {}", peer);
-    std::vector<at::Tensor> tensors{contiguous_view(tensor, "recv")};
-    count_operation(host, static_cast<int64_t>(tensors.front().nbytes()));
-    *work = new_work(g.backend->recv(tensors, peer, tag), "recv", tensors);
+    *work = new_work(host, communicator_of(host).recv(g, contiguous_view(tensor, "recv"), peer, tag));
   });
 }
 
@@ -355,8 +322,7 @@ weft_status* barrier(weft_host* host, weft_group* group, weft_work** work) {
   return guarded([&] {
     WEFT_CHECK(work, "barrier: null work output");
     auto& g = group_of(group);
-    count_operation(host, 0);
-    *work = new_work(g.backend->barrier(), "barrier", {});
+    *work = new_work(host, communicator_of(host).barrier(g));
   });
 }
 
@@ -374,24 +340,16 @@ weft_status* work_wait(weft_host* host, weft_work* work) {
     if (work->waited) return;
     const auto start = std::chrono::steady_clock::now();
     try {
-      work->work->wait();
-      add_wait_time(host, start);
-      if (Tracer::instance().enabled()) {
-        Tracer::instance().complete("wait", "wait " + work->operation, start,
-                                    std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-      }
-    } catch (const std::exception& e) {
-      const std::string what = e.what();
-      const bool timeout = what.find("imeout") != std::string::npos || what.find("imed out") != std::string::npos;
-      if (timeout) {
-        throw CodedError(WEFT_STATUS_TIMEOUT,
-                         fmt::format("{} timed out (a rank did not join it within train.collective_timeout_s): {}",
-                                     work->operation, what));
-      }
-      throw CodedError(WEFT_STATUS_COMMUNICATION, fmt::format("{} failed: {}", work->operation, what));
+      communicator_of(host).wait(work->operation);
+    } catch (const CommError& e) {
+      throw CodedError(e.timed_out() ? WEFT_STATUS_TIMEOUT : WEFT_STATUS_COMMUNICATION, e.what());
+    }
+    add_wait_time(host, start);
+    if (Tracer::instance().enabled()) {
+      Tracer::instance().complete("wait", "wait " + work->operation.name, start,
+                                  std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }
     work->waited = true;
-    if (work->on_complete) work->on_complete();
   });
 }
 

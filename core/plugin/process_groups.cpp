@@ -1,6 +1,7 @@
 #include "core/plugin/process_groups.h"
 
 #include <algorithm>
+#include <chrono>
 #include <set>
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -73,9 +74,236 @@ std::vector<double> Communicator::all_gather(double value) {
   auto& world = this->world();
   auto values = torch::zeros({world.size}, torch::kFloat64);
   values[world.rank] = value;
-  std::vector<at::Tensor> tensors{values};
-  world.backend->allreduce(tensors)->wait();
+  auto operation = all_reduce(world, values, c10d::ReduceOp::SUM);
+  wait(operation);
   return std::vector<double>(values.data_ptr<double>(), values.data_ptr<double>() + world.size);
+}
+
+// --- operations ---------------------------------------------------------------------------
+
+namespace {
+
+// The types Gloo's kernels are instantiated for in every LibTorch weft builds against (1.13's
+// GENERATE_ALL_TYPES; later versions add more).
+bool gloo_type(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat: case at::kDouble: case at::kHalf: case at::kChar: case at::kByte: case at::kInt: case at::kLong:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// A same-sized type that `backend` moves, to reinterpret `tensor`'s bytes as.
+at::Tensor as_movable(const at::Tensor& tensor) {
+  switch (tensor.element_size()) {
+    case 1: return tensor.view(at::kByte);
+    case 2: return tensor.view(at::kHalf);
+    case 4: return tensor.view(at::kInt);
+    case 8: return tensor.view(at::kLong);
+    default: fail("cannot communicate tensors of {} ({} bytes per element)", c10::toString(tensor.scalar_type()),
+                  tensor.element_size());
+  }
+}
+
+std::string rank_list(const std::vector<int32_t>& ranks) {
+  std::string text;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    text += (i == 0 ? "" : i + 1 == ranks.size() ? " and " : ", ") + std::to_string(ranks[i]);
+  }
+  return text;
+}
+
+}  // namespace
+
+bool Communicator::reduces_natively(const std::string& backend, at::ScalarType dtype) {
+  if (backend == "nccl") return true;
+  return gloo_type(dtype) && dtype != at::kHalf;
+}
+
+bool Communicator::moves_natively(const std::string& backend, at::ScalarType dtype) {
+  return backend == "nccl" || gloo_type(dtype);
+}
+
+std::string Communicator::fault_key(int rank) { return "weft/fault/" + std::to_string(rank); }
+
+Operation Communicator::issue(ProcessGroup& group, std::string name, bool collective, int64_t bytes) {
+  WEFT_CHECK(group.backend, "this rank is not a member of process group '{}'", group.name);
+  Operation operation;
+  operation.name = std::move(name);
+  operation.group = &group;
+  operation.bytes = bytes;
+  if (collective) operation.sequence = ++group.collectives;
+  return operation;
+}
+
+Operation Communicator::all_reduce(ProcessGroup& group, const at::Tensor& tensor, c10d::ReduceOp op) {
+  auto operation = issue(group, "all_reduce", true, static_cast<int64_t>(tensor.nbytes()));
+  std::vector<at::Tensor> tensors{tensor};
+  if (!reduces_natively(backend_, tensor.scalar_type())) {  // reduce a wider copy, copy the result back
+    tensors[0] = tensor.to(at::kFloat);
+    operation.finish = [tensor, wide = tensors[0]]() mutable { tensor.copy_(wide); };
+  }
+  c10d::AllreduceOptions options;
+  options.reduceOp = op;
+  operation.work = group.backend->allreduce(tensors, options);
+  operation.tensors = {tensor, tensors[0]};
+  return operation;
+}
+
+Operation Communicator::reduce_scatter(ProcessGroup& group, const at::Tensor& output, const at::Tensor& input,
+                                       c10d::ReduceOp op) {
+  WEFT_CHECK(input.size(0) == output.size(0) * group.size,
+             "reduce_scatter: input dim 0 ({}) must be {} x output dim 0 ({})", input.size(0), group.size,
+             output.size(0));
+  auto operation = issue(group, "reduce_scatter", true, static_cast<int64_t>(input.nbytes()));
+  // Gloo has no reduce_scatter: all-reduce a (widened) copy and keep this rank's part.
+  std::vector<at::Tensor> tensors{reduces_natively(backend_, input.scalar_type()) ? input.clone() : input.to(at::kFloat)};
+  c10d::AllreduceOptions options;
+  options.reduceOp = op;
+  operation.work = group.backend->allreduce(tensors, options);
+  const int64_t part = output.size(0), rank = group.rank;
+  operation.finish = [full = tensors[0], output, part, rank]() mutable {
+    output.copy_(full.narrow(0, rank * part, part));
+  };
+  operation.tensors = {tensors[0], output};
+  return operation;
+}
+
+Operation Communicator::all_gather(ProcessGroup& group, const at::Tensor& output, const at::Tensor& input) {
+  WEFT_CHECK(output.size(0) == input.size(0) * group.size,
+             "all_gather: output dim 0 ({}) must be {} x input dim 0 ({})", output.size(0), group.size,
+             input.size(0));
+  WEFT_CHECK(output.scalar_type() == input.scalar_type(), "all_gather: output and input dtypes differ");
+  auto operation = issue(group, "all_gather", true, static_cast<int64_t>(input.nbytes()));
+  const bool native = moves_natively(backend_, input.scalar_type());
+  const at::Tensor out = native ? output : as_movable(output), in = native ? input : as_movable(input);
+  std::vector<std::vector<at::Tensor>> outputs{out.chunk(group.size, 0)};
+  std::vector<at::Tensor> inputs{in};
+  operation.work = group.backend->allgather(outputs, inputs);
+  operation.tensors = {output, input};
+  return operation;
+}
+
+Operation Communicator::broadcast(ProcessGroup& group, const at::Tensor& tensor, int32_t root) {
+  WEFT_CHECK(0 <= root && root < group.size, "broadcast: root {} outside a group of {}", root, group.size);
+  auto operation = issue(group, "broadcast", true, static_cast<int64_t>(tensor.nbytes()));
+  std::vector<at::Tensor> tensors{moves_natively(backend_, tensor.scalar_type()) ? tensor : as_movable(tensor)};
+  c10d::BroadcastOptions options;
+  options.rootRank = root;
+  operation.work = group.backend->broadcast(tensors, options);
+  operation.tensors = {tensor};
+  return operation;
+}
+
+Operation Communicator::all_to_all(ProcessGroup& group, const at::Tensor& output, const at::Tensor& input) {
+  WEFT_CHECK(input.size(0) % group.size == 0 && output.sizes() == input.sizes() &&
+                 output.scalar_type() == input.scalar_type(),
+             "all_to_all: input and output must have the same shape and dtype with dim 0 divisible by {}", group.size);
+  auto operation = issue(group, "all_to_all", true, static_cast<int64_t>(input.nbytes()));
+  const bool native = moves_natively(backend_, input.scalar_type());
+  at::Tensor out = native ? output : as_movable(output), in = native ? input : as_movable(input);
+  std::vector<int64_t> equal_splits;
+  operation.work = group.backend->alltoall_base(out, in, equal_splits, equal_splits);
+  operation.tensors = {output, input};
+  return operation;
+}
+
+Operation Communicator::send(ProcessGroup& group, const at::Tensor& tensor, int32_t peer, int32_t tag) {
+  WEFT_CHECK(0 <= peer && peer < group.size && peer != group.rank, "send: invalid peer {}", peer);
+  auto operation = issue(group, "send", false, static_cast<int64_t>(tensor.nbytes()));
+  operation.peer = peer;
+  std::vector<at::Tensor> tensors{tensor};  // Gloo sends raw bytes: any dtype
+  operation.work = group.backend->send(tensors, peer, tag);
+  operation.tensors = {tensor};
+  return operation;
+}
+
+Operation Communicator::recv(ProcessGroup& group, const at::Tensor& tensor, int32_t peer, int32_t tag) {
+  WEFT_CHECK(0 <= peer && peer < group.size && peer != group.rank, "recv: invalid peer {}", peer);
+  auto operation = issue(group, "recv", false, static_cast<int64_t>(tensor.nbytes()));
+  operation.peer = peer;
+  std::vector<at::Tensor> tensors{tensor};
+  operation.work = group.backend->recv(tensors, peer, tag);
+  operation.tensors = {tensor};
+  return operation;
+}
+
+Operation Communicator::barrier(ProcessGroup& group) {
+  auto operation = issue(group, "barrier", true, 0);
+  operation.work = group.backend->barrier();
+  return operation;
+}
+
+namespace {
+
+std::string reached_key(const Operation& operation, int32_t world_rank) {
+  return fmt::format("weft/reached/{}/{}/{}", operation.group->name, operation.sequence, world_rank);
+}
+
+}  // namespace
+
+// A member that waits on a collective for half the timeout says so in the store, so that the one
+// whose wait times out can tell who was there.
+void Communicator::mark_reached(const Operation& operation) {
+  try {
+    store_->set(reached_key(operation, rank_), std::vector<uint8_t>{'1'});
+  } catch (const std::exception&) {
+    // the store is gone too: the timeout's message will say so
+  }
+}
+
+std::string Communicator::who_did_not_arrive(const Operation& operation) {
+  std::vector<int32_t> absent;
+  try {
+    for (int32_t world_rank : operation.group->world_ranks) {
+      if (world_rank != rank_ && !store_->check({reached_key(operation, world_rank)})) absent.push_back(world_rank);
+    }
+  } catch (const std::exception& e) {
+    return fmt::format("the rendezvous store did not answer to tell which ranks were missing ({})", e.what());
+  }
+  if (absent.empty()) return "every other member had joined it";
+  return fmt::format("rank{} {} did not join it", absent.size() > 1 ? "s" : "", rank_list(absent));
+}
+
+void Communicator::wait(Operation& operation) {
+  const auto seconds = std::chrono::duration<double>(timeout_).count();
+  try {
+    bool done = false;
+    if (operation.sequence > 0 && world_size_ > 1) {
+      try {  // the common case: a collective done within half the timeout
+        done = operation.work->wait(std::max(timeout_ / 2, std::chrono::milliseconds(1)));
+      } catch (const std::exception&) {
+        if (operation.work->isCompleted()) throw;  // it failed (the wait rethrows its error)
+      }
+      if (!done) mark_reached(operation);  // still waiting: say so, for whoever times out
+    }
+    if (!done) operation.work->wait();
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    const bool timed_out = what.find("imeout") != std::string::npos || what.find("imed out") != std::string::npos;
+    const std::string where = fmt::format("{}{} on group {}", operation.name,
+                                          operation.sequence > 0 ? fmt::format(" #{}", operation.sequence) : "",
+                                          operation.group->name);
+    const std::string first_line = what.substr(0, what.find('\n'));
+    if (!timed_out) throw CommError(fmt::format("{} failed: {}", where, first_line), false);
+    std::string who;
+    if (operation.sequence > 0) {
+      mark_reached(operation);
+      who = who_did_not_arrive(operation);
+    } else {
+      who = fmt::format("rank {} did not {}", operation.group->world_ranks.at(static_cast<size_t>(operation.peer)),
+                        operation.name == "send" ? "receive it" : "send it");
+    }
+    const std::string message =
+        fmt::format("rank {}: {} timed out after {:.0f} s (train.collective_timeout_s): {}", rank_, where, seconds, who);
+    try {  // for the launcher, which names the rank that did not join rather than the one that noticed
+      store_->set(fault_key(rank_), std::vector<uint8_t>(message.begin(), message.end()));
+    } catch (const std::exception&) {
+    }
+    throw CommError(message, true);
+  }
+  if (operation.finish) operation.finish();
 }
 
 ProcessGroup& Communicator::create_group(const std::vector<int32_t>& world_ranks) {

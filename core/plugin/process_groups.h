@@ -1,16 +1,25 @@
 // Process groups for strategies: c10d's Gloo process group (or NCCL's, where LibTorch has it) over a
 // rendezvous store (TCPStore for multi-process jobs, an in-memory HashStore for one process), plus
-// sub-groups for meshes.
+// sub-groups for meshes, and the operations on them. Every collective goes through Communicator,
+// which adapts a tensor to what the backend can do (a dtype it cannot reduce is reduced in a wider
+// one, a dtype it cannot move is moved as raw bytes) and, when a collective times out, asks the
+// store which ranks never reached it.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include "core/util/error.h"
 #include "core/util/torch_compat.h"
 
 namespace c10d {
@@ -25,6 +34,30 @@ struct ProcessGroup {
   int32_t rank = -1;                                // this process's rank in the group, or -1
   int32_t size = 0;
   std::string name;                                 // "world", "group1", ...
+  std::atomic<int64_t> collectives{0};              // collectives issued on it so far by this process
+};
+
+// One operation issued on a process group, until it is waited for.
+struct Operation {
+  c10::intrusive_ptr<c10d::Work> work;
+  std::string name;                 // "all_reduce", "recv", ...
+  ProcessGroup* group = nullptr;
+  int64_t sequence = 0;             // a collective's number among its group's collectives (1, 2, ...);
+                                    // every member numbers them alike. 0 for send and recv.
+  int32_t peer = -1;                // send/recv: the other side (group rank)
+  int64_t bytes = 0;                // what this rank contributes or receives
+  std::vector<at::Tensor> tensors;  // kept alive until the operation completes
+  std::function<void()> finish;     // after completion: copy a widened or staged result back
+};
+
+// An operation that failed, or timed out (timed_out()).
+class CommError : public Error {
+ public:
+  CommError(const std::string& message, bool timed_out) : Error(message), timed_out_(timed_out) {}
+  bool timed_out() const { return timed_out_; }
+
+ private:
+  bool timed_out_;
 };
 
 class Communicator {
@@ -51,7 +84,40 @@ class Communicator {
   // Every rank's `value`, in rank order. Collective over the world.
   std::vector<double> all_gather(double value);
 
+  // Operations on `group` (this rank must be a member). Each returns at once; wait() completes it.
+  // Tensors must be contiguous; they stay alive in the Operation. Collective ones must be issued
+  // by every member in the same order.
+  Operation all_reduce(ProcessGroup& group, const at::Tensor& tensor, c10d::ReduceOp op);
+  // input: dim 0 = group size x output's dim 0; the group rank's part of the reduction lands in output.
+  Operation reduce_scatter(ProcessGroup& group, const at::Tensor& output, const at::Tensor& input, c10d::ReduceOp op);
+  // output: dim 0 = group size x input's dim 0, filled in group-rank order.
+  Operation all_gather(ProcessGroup& group, const at::Tensor& output, const at::Tensor& input);
+  Operation broadcast(ProcessGroup& group, const at::Tensor& tensor, int32_t root);
+  // Equal splits along dim 0: part j of input goes to group rank j; part j of output comes from it.
+  Operation all_to_all(ProcessGroup& group, const at::Tensor& output, const at::Tensor& input);
+  Operation send(ProcessGroup& group, const at::Tensor& tensor, int32_t peer, int32_t tag);
+  Operation recv(ProcessGroup& group, const at::Tensor& tensor, int32_t peer, int32_t tag);
+  Operation barrier(ProcessGroup& group);
+  // Blocks until `operation` completes, then runs its finish step. Throws CommError naming the
+  // operation; for a collective that timed out, the message names the ranks that never reached
+  // it and the setting that bounds the wait, and is also left in the store for the launcher
+  // (fault_key).
+  void wait(Operation& operation);
+
+  // What a backend can do with a dtype: reduce it, and move it (broadcast, gather, all-to-all,
+  // send) without reinterpreting its bytes. Gloo reduces fp16/bf16 in fp32 here: LibTorch 1.13's
+  // Gloo has no bf16 at all, and where later Gloo has it, it sums in bf16 rank after rank.
+  static bool reduces_natively(const std::string& backend, at::ScalarType dtype);
+  static bool moves_natively(const std::string& backend, at::ScalarType dtype);
+  // The store key where rank `rank` leaves the description of a collective that timed out.
+  static std::string fault_key(int rank);
+
  private:
+  Operation issue(ProcessGroup& group, std::string name, bool collective, int64_t bytes);
+  // Which members of `operation`'s group never reached it (asked through the store).
+  std::string who_did_not_arrive(const Operation& operation);
+  void mark_reached(const Operation& operation);
+
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_, world_size_;
   std::chrono::milliseconds timeout_;

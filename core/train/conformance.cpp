@@ -80,10 +80,11 @@ std::string run_arguments(const ConformanceOptions& c, const std::string& corpus
       "train --plugin {} --nproc {} --set model.config={} --set data.path={} --set data.seq_len=32"
       " --set data.heldout_fraction=0.1 --set data.split_seed=1 --set data.tokenizer=byte --set data.cache_dir="
       " --set train.lr=1e-3 --set train.warmup_steps=2 --set train.seed=11 --set train.max_steps={}"
-      " --set train.batch_size={} --set train.grad_accum_steps={} --set train.precision=fp32 --set train.threads=1"
+      " --set train.batch_size={} --set train.grad_accum_steps={} --set train.precision={} --set train.threads=1"
       " --set train.out_dir={} --set train.overwrite=true --set log.progress=off --set checkpoint.keep_best=false"
       " --set checkpoint.save_final=true --log-level warn{}",
-      c.plugin, c.nproc, model_config, corpus, c.steps, c.batch_size, c.grad_accum_steps, out_dir, plugin_settings);
+      c.plugin, c.nproc, model_config, corpus, c.steps, c.batch_size, c.grad_accum_steps, c.precision, out_dir,
+      plugin_settings);
 }
 
 std::vector<double> logged_losses(const std::string& metrics) {
@@ -113,7 +114,7 @@ TrainOptions run_options(const ConformanceOptions& c, const std::string& corpus,
   o.max_steps = c.steps;
   o.batch_size = c.batch_size;
   o.grad_accum_steps = c.grad_accum_steps;
-  o.precision = "fp32";
+  o.precision = c.precision;
   o.threads = 1;
   o.out_dir = out_dir;
   o.metrics_file = "";
@@ -136,14 +137,16 @@ TrainOptions run_options(const ConformanceOptions& c, const std::string& corpus,
 
 std::string ConformanceReport::describe() const {
   return fmt::format(
-      "{}: {} fp32 steps; largest loss difference {:.3g} (relative), largest parameter difference {:.3g} "
-      "(absolute, {})",
-      passed ? "PASS" : "FAIL", steps, max_loss_rel_diff, max_param_abs_diff,
+      "{}: {} {} steps; largest loss difference {:.3g} (relative, tolerance {:.3g}), largest parameter difference "
+      "{:.3g} (absolute, tolerance {:.3g}, {})",
+      passed ? "PASS" : "FAIL", steps, precision, max_loss_rel_diff, loss_rtol, max_param_abs_diff, param_atol,
       worst_parameter.empty() ? "-" : worst_parameter);
 }
 
 ConformanceReport check_conformance(const ConformanceOptions& c) {
   WEFT_CHECK(!c.plugin.empty(), "conformance check: no plugin given");
+  WEFT_CHECK(c.precision == "fp32" || c.precision == "bf16", "conformance check: precision must be fp32 or bf16, got '{}'",
+             c.precision);
   const std::string dir = c.work_dir.empty()
                               ? (std::filesystem::temp_directory_path() / ("weft-check-" + std::to_string(::getpid()))).string()
                               : c.work_dir;
@@ -204,8 +207,11 @@ ConformanceReport check_conformance(const ConformanceOptions& c) {
       report.worst_parameter = item.key();
     }
   }
-  report.passed = same_steps && all_parameters && report.steps == c.steps && report.max_loss_rel_diff <= c.loss_rtol &&
-                  report.max_param_abs_diff <= c.param_atol;
+  report.precision = c.precision;
+  report.loss_rtol = c.precision == "bf16" ? c.bf16_loss_rtol : c.loss_rtol;
+  report.param_atol = c.precision == "bf16" ? c.bf16_param_atol : c.param_atol;
+  report.passed = same_steps && all_parameters && report.steps == c.steps &&
+                  report.max_loss_rel_diff <= report.loss_rtol && report.max_param_abs_diff <= report.param_atol;
   if (c.work_dir.empty()) std::filesystem::remove_all(dir);
   return report;
 }

@@ -1,6 +1,5 @@
 #include "core/train/model_gather.h"
 
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/torch.h>
 
 #include "core/plugin/process_groups.h"
@@ -8,8 +7,6 @@
 
 namespace weft {
 namespace {
-
-void wait(const c10::intrusive_ptr<c10d::Work>& work) { work->wait(); }
 
 // The parameters of `model` owned by model stage `stage`, in registration order (the same order
 // on every rank, whatever stages it holds).
@@ -30,8 +27,8 @@ ModelGather::ModelGather(LlamaForCausalLMImpl& local, Communicator& communicator
   auto ranges = torch::zeros({world.size, 2}, torch::kLong);
   ranges[world.rank][0] = local_.first_stage();
   ranges[world.rank][1] = local_.last_stage();
-  std::vector<at::Tensor> tensors{ranges};
-  wait(world.backend->allreduce(tensors));
+  auto ranges_sum = communicator_.all_reduce(world, ranges, c10d::ReduceOp::SUM);
+  communicator_.wait(ranges_sum);
   bool staged = false;
   for (int32_t r = 0; r < world.size; ++r) {
     ranges_.emplace_back(ranges[r][0].item<int64_t>(), ranges[r][1].item<int64_t>());
@@ -47,14 +44,15 @@ ModelGather::ModelGather(LlamaForCausalLMImpl& local, Communicator& communicator
     slices[world.rank][static_cast<int64_t>(i)][1] = shard.index;
     sliced_ = sliced_ || !shard.whole();
   }
-  std::vector<at::Tensor> slice_tensors{slices};
-  std::vector<at::Tensor> flag{torch::tensor({sliced_ ? 1L : 0L, staged ? 1L : 0L})};
-  wait(world.backend->allreduce(flag));
-  sliced_ = flag[0][0].item<int64_t>() > 0;
-  WEFT_CHECK(!(sliced_ && flag[0][1].item<int64_t>() > 0),
+  auto flag = torch::tensor({sliced_ ? 1L : 0L, staged ? 1L : 0L});
+  auto flag_sum = communicator_.all_reduce(world, flag, c10d::ReduceOp::SUM);
+  communicator_.wait(flag_sum);
+  sliced_ = flag[0].item<int64_t>() > 0;
+  WEFT_CHECK(!(sliced_ && flag[1].item<int64_t>() > 0),
              "saving a model split into pipeline stages and tensor-parallel slices at once is not supported yet");
   if (sliced_) {
-    wait(world.backend->allreduce(slice_tensors));
+    auto slices_sum = communicator_.all_reduce(world, slices, c10d::ReduceOp::SUM);
+    communicator_.wait(slices_sum);
     for (int32_t r = 0; r < world.size; ++r) {
       slices_.emplace_back();
       for (size_t i = 0; i < params.size(); ++i) {
@@ -84,20 +82,22 @@ LlamaForCausalLMImpl* ModelGather::gather() {
     for (size_t i = 0; i < params.size(); ++i) {
       const std::string& name = params[i].key();
       const ParameterShard mine = shard_of(local_.options().shards, name);
-      std::vector<at::Tensor> input{params[i].value().detach().contiguous()};
-      std::vector<std::vector<at::Tensor>> output(1);
-      for (int32_t r = 0; r < world.size; ++r) output[0].push_back(torch::empty_like(input[0]));
-      wait(world.backend->allgather(output, input));
+      const auto input = params[i].value().detach().contiguous();
+      std::vector<int64_t> gathered_shape = input.sizes().vec();
+      gathered_shape.insert(gathered_shape.begin(), world.size);
+      const auto gathered = torch::empty(gathered_shape, input.options());
+      auto gather = communicator_.all_gather(world, gathered.view({-1}), input.view({-1}));
+      communicator_.wait(gather);
       if (world.rank != 0) continue;
       torch::Tensor target = full_->named_parameters()[name];
       if (mine.whole()) {
-        target.copy_(input[0]);
+        target.copy_(input);
         continue;
       }
       std::vector<torch::Tensor> parts(static_cast<size_t>(mine.parts));
       for (int32_t r = 0; r < world.size; ++r) {
         const auto [count, index] = slices_[static_cast<size_t>(r)][i];
-        if (count == mine.parts && !parts[static_cast<size_t>(index)].defined()) parts[static_cast<size_t>(index)] = output[0][r];
+        if (count == mine.parts && !parts[static_cast<size_t>(index)].defined()) parts[static_cast<size_t>(index)] = gathered[r];
       }
       for (const auto& part : parts) WEFT_CHECK(part.defined(), "saving: a slice of '{}' is held by no rank", name);
       target.copy_(torch::cat(parts, mine.dim));
@@ -117,8 +117,8 @@ LlamaForCausalLMImpl* ModelGather::gather() {
     for (int64_t s = 0; s < stages; ++s) {
       if (owner[s] != world.rank) continue;
       for (auto& p : stage_parameters(local_, s)) {
-        std::vector<at::Tensor> tensors{p.detach().contiguous()};
-        wait(world.backend->send(tensors, 0, static_cast<int>(s)));
+        auto sent = communicator_.send(world, p.detach().contiguous(), 0, static_cast<int32_t>(s));
+        communicator_.wait(sent);
       }
     }
     return nullptr;
@@ -133,8 +133,8 @@ LlamaForCausalLMImpl* ModelGather::gather() {
       continue;
     }
     for (auto& p : targets) {
-      std::vector<at::Tensor> tensors{p.detach()};
-      wait(world.backend->recv(tensors, owner[s], static_cast<int>(s)));
+      auto received = communicator_.recv(world, p.detach(), owner[s], static_cast<int32_t>(s));
+      communicator_.wait(received);
     }
   }
   return full_.get();

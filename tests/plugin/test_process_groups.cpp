@@ -2,6 +2,7 @@
 // the NCCL backend's presence in the build and its refusals.
 #include <cstdlib>
 #include <future>
+#include <thread>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -77,6 +78,99 @@ TEST(ProcessGroups, NcclIsRefusedWithOneClearErrorWhereItCannotRun) {
     EXPECT_TRUE(torch::equal(tensors[0].cpu(), torch::ones({4})));
   }
   EXPECT_THROW(Communicator(store, 0, 1, std::chrono::seconds(5), "mpi"), Error);
+}
+
+// Runs `body(communicator)` on `world` ranks (threads) joined through join_world's TCPStore.
+template <typename Body>
+void on_ranks(int world, Body body, std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+  const int port = free_local_port();
+  auto join = [&](int rank) {
+    DistributedEnv e;
+    e.source = "torchrun";
+    e.rank = rank;
+    e.world = world;
+    e.master_addr = "127.0.0.1";
+    e.master_port = port;
+    auto communicator = join_world(e, timeout);
+    body(*communicator);
+  };
+  std::vector<std::future<void>> others;
+  for (int r = 1; r < world; ++r) others.push_back(std::async(std::launch::async, join, r));
+  join(0);
+  for (auto& other : others) other.get();
+}
+
+// Gloo has no bf16 in LibTorch 1.13 ("Invalid scalar type" from the first tensor-parallel comm
+// point), and where later Gloo has it, it adds rank after rank in bf16. Communicator reduces bf16
+// in fp32 and moves it as raw bytes, on every LibTorch: 1 + 2^-8 + 2^-8 is exactly 1 + 2^-7 in
+// fp32 (a bf16 number), where a bf16 running sum stays at 1.
+TEST(ProcessGroups, Bf16IsReducedInFp32AndMovedAsBytes) {
+  EXPECT_FALSE(Communicator::reduces_natively("gloo", torch::kBFloat16));
+  EXPECT_FALSE(Communicator::moves_natively("gloo", torch::kBFloat16));
+  EXPECT_TRUE(Communicator::reduces_natively("nccl", torch::kBFloat16));
+  on_ranks(3, [](Communicator& c) {
+    auto& world = c.world();
+    const int rank = world.rank;
+    const auto bf16 = torch::TensorOptions().dtype(torch::kBFloat16);
+    auto run = [&](Operation operation) { c.wait(operation); };
+    // all_reduce: exact fp32 sum, rounded once.
+    auto sum = torch::full({3}, rank == 0 ? 1.0 : 1.0 / 256, bf16);
+    run(c.all_reduce(world, sum, c10d::ReduceOp::SUM));
+    EXPECT_TRUE(torch::equal(sum, torch::full({3}, 1.0 + 1.0 / 128, bf16))) << sum;
+    auto top = torch::full({2}, 0.5 * rank, bf16);
+    run(c.all_reduce(world, top, c10d::ReduceOp::MAX));
+    EXPECT_TRUE(torch::equal(top, torch::full({2}, 1.0, bf16))) << top;
+    // reduce_scatter: rank r keeps the r-th part of the sum.
+    auto parts = torch::arange(6, torch::kFloat).to(torch::kBFloat16);
+    auto mine = torch::empty({2}, bf16);
+    run(c.reduce_scatter(world, mine, parts, c10d::ReduceOp::SUM));
+    EXPECT_TRUE(torch::equal(mine, (3 * torch::arange(2 * rank, 2 * rank + 2, torch::kFloat)).to(torch::kBFloat16)));
+    // broadcast, all_gather and all_to_all move bf16's bytes unchanged (values fp16 cannot hold).
+    auto shared = rank == 1 ? torch::tensor({1e30, -3e-30, 7.0}).to(torch::kBFloat16) : torch::zeros({3}, bf16);
+    run(c.broadcast(world, shared, 1));
+    EXPECT_TRUE(torch::equal(shared, torch::tensor({1e30, -3e-30, 7.0}).to(torch::kBFloat16))) << shared;
+    auto gathered = torch::empty({3, 2}, bf16);
+    run(c.all_gather(world, gathered, torch::full({1, 2}, 1e20 * (rank + 1), bf16)));
+    for (int r = 0; r < 3; ++r) {
+      EXPECT_TRUE(torch::equal(gathered[r], torch::full({2}, 1e20 * (r + 1), bf16))) << gathered;
+    }
+    auto sent = torch::tensor({100.0 * rank, 100.0 * rank + 1, 100.0 * rank + 2}).to(torch::kBFloat16);
+    auto received = torch::empty({3}, bf16);
+    run(c.all_to_all(world, received, sent));
+    EXPECT_TRUE(torch::equal(received, torch::tensor({0.0 + rank, 100.0 + rank, 200.0 + rank}).to(torch::kBFloat16)))
+        << received;
+  });
+}
+
+// A collective that times out names the ranks that never joined it, which the members that did
+// join know from the store.
+TEST(ProcessGroups, ATimedOutCollectiveNamesTheRanksThatNeverJoinedIt) {
+  on_ranks(
+      3,
+      [](Communicator& c) {
+        auto& world = c.world();
+        auto value = torch::ones({1});
+        auto first = c.all_reduce(world, value, c10d::ReduceOp::SUM);
+        c.wait(first);
+        if (world.rank == 2) {  // stays away from the second collective
+          std::this_thread::sleep_for(std::chrono::milliseconds(3500));
+          return;
+        }
+        auto second = c.all_reduce(world, value, c10d::ReduceOp::SUM);
+        try {
+          c.wait(second);
+          ADD_FAILURE() << "the all_reduce completed without rank 2";
+        } catch (const CommError& e) {
+          EXPECT_TRUE(e.timed_out()) << e.what();
+          EXPECT_NE(std::string(e.what()).find(
+                        "all_reduce #2 on group world timed out after 2 s (train.collective_timeout_s): rank 2 did "
+                        "not join it"),
+                    std::string::npos)
+              << e.what();
+          EXPECT_TRUE(c.store().check({Communicator::fault_key(world.rank)}));
+        }
+      },
+      std::chrono::seconds(2));
 }
 
 }  // namespace

@@ -262,7 +262,9 @@ typedef struct weft_host_api {
   /* --- collectives: asynchronous; every one returns a work handle to wait on ---
    * The tensors' memory must stay alive and unmodified (inputs) / unread (outputs) until
    * work_wait returns. All tensors are contiguous CPU (Gloo) or CUDA (NCCL) tensors of one
-   * dtype. */
+   * dtype, any dtype on any backend: where the backend cannot reduce it (Gloo: fp16, bf16) the
+   * host reduces an fp32 copy and writes the result back; where it cannot move it, the host
+   * moves its bytes. */
   weft_status* (*all_reduce)(weft_host* host, weft_group* group, DLTensor* tensor,
                              weft_reduce_op op, weft_work** work);
   /* output = this rank's part (dim 0, equal parts) of the reduction of `input` over the group. */
@@ -283,7 +285,8 @@ typedef struct weft_host_api {
                        int32_t peer_group_rank, int32_t tag, weft_work** work);
   weft_status* (*barrier)(weft_host* host, weft_group* group, weft_work** work);
   /* Blocks until the work completes (or the configured collective timeout passes:
-   * WEFT_STATUS_TIMEOUT naming the operation). The handle stays valid until released. */
+   * WEFT_STATUS_TIMEOUT naming the operation and, for a collective, the ranks that never joined
+   * it). The handle stays valid until released. */
   weft_status* (*work_wait)(weft_host* host, weft_work* work);
   /* Releases a work handle; releasing one that has not been waited for waits first. */
   void (*work_release)(weft_host* host, weft_work* work);

@@ -1,26 +1,35 @@
 #include "core/app/launcher.h"
 
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <spdlog/spdlog.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "core/plugin/process_groups.h"
 #include "core/plugin/rendezvous.h"
 #include "core/util/error.h"
+
+extern char** environ;
 
 namespace weft {
 namespace {
 
 std::vector<pid_t> children;
+std::atomic<int> forwarded_signal{0};  // SIGTERM or SIGINT that the launcher passed on to its ranks
 
 extern "C" void forward_signal(int signal) {
+  forwarded_signal.store(signal);
   for (pid_t pid : children) {
     if (pid > 0) ::kill(pid, signal);
   }
@@ -47,42 +56,83 @@ std::string describe_status(int status) {
   return "status " + std::to_string(status);
 }
 
+// The environment of rank `rank`: the launcher's, with torchrun's variables for this job.
+std::vector<std::string> rank_environment(int rank, int nproc, int port) {
+  const std::vector<std::pair<std::string, std::string>> job{
+      {"RANK", std::to_string(rank)},        {"LOCAL_RANK", std::to_string(rank)},
+      {"WORLD_SIZE", std::to_string(nproc)}, {"LOCAL_WORLD_SIZE", std::to_string(nproc)},
+      {"MASTER_ADDR", "127.0.0.1"},          {"MASTER_PORT", std::to_string(port)},
+      {"TORCHELASTIC_USE_AGENT_STORE", "True"},  // the launcher hosts the store
+      {"WEFT_LAUNCHER", "1"}};
+  std::vector<std::string> environment;
+  for (char** entry = environ; *entry != nullptr; ++entry) {
+    const std::string variable = *entry;
+    const std::string name = variable.substr(0, variable.find('='));
+    bool replaced = false;
+    for (const auto& [key, value] : job) replaced = replaced || key == name;
+    if (!replaced) environment.push_back(variable);
+  }
+  for (const auto& [key, value] : job) environment.push_back(key + "=" + value);
+  return environment;
+}
+
+// Starts one rank. Everything the child does between fork and exec is async-signal-safe (the
+// launcher has threads: the store's server): argv and the environment are built before fork.
 pid_t spawn_rank(int rank, int nproc, int port, const std::vector<std::string>& args) {
+  const auto environment = rank_environment(rank, nproc, port);
+  std::vector<char*> argv, envp;
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  for (const auto& v : environment) envp.push_back(const_cast<char*>(v.c_str()));
+  envp.push_back(nullptr);
+  const pid_t launcher = ::getpid();
   const pid_t pid = ::fork();
   WEFT_CHECK(pid >= 0, "launcher: fork failed: {}", std::strerror(errno));
   if (pid != 0) return pid;
-  ::setenv("RANK", std::to_string(rank).c_str(), 1);
-  ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
-  ::setenv("WORLD_SIZE", std::to_string(nproc).c_str(), 1);
-  ::setenv("LOCAL_WORLD_SIZE", std::to_string(nproc).c_str(), 1);
-  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-  ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-  std::vector<char*> argv;
-  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
-  ::execv("/proc/self/exe", argv.data());
-  std::fprintf(stderr, "launcher: rank %d: exec failed: %s\n", rank, std::strerror(errno));
-  std::_Exit(127);
+  // A rank dies with its launcher (kill -9 of the launcher included), also if the launcher died
+  // before the request took effect.
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() != launcher) ::_exit(1);
+  ::execve("/proc/self/exe", argv.data(), envp.data());
+  static const char message[] = "launcher: a rank could not exec the trainer\n";
+  [[maybe_unused]] auto ignored = ::write(STDERR_FILENO, message, sizeof(message) - 1);
+  ::_exit(127);
 }
 
-void stop_all(const std::vector<pid_t>& pids, std::vector<bool>& done) {
+// Whether `pid` is stopped (SIGSTOP, a debugger): it cannot act on SIGTERM until continued.
+bool is_stopped(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return false;
+  const auto close = line.rfind(')');  // "pid (comm) STATE ..."
+  return close != std::string::npos && close + 2 < line.size() && (line[close + 2] == 'T' || line[close + 2] == 't');
+}
+
+// Stops every rank still running: a stopped one is killed at once (it cannot act on SIGTERM), the
+// others get SIGTERM and `grace` to exit, then SIGKILL.
+void stop_all(const std::vector<pid_t> pids, std::vector<bool>& done, std::chrono::seconds grace) {
   for (size_t r = 0; r < pids.size(); ++r) {
-    if (!done[r]) ::kill(pids[r], SIGTERM);
+    if (done[r]) continue;
+    if (is_stopped(pids[r])) {
+      spdlog::error("rank {} is stopped (SIGSTOP or a debugger); killing it", r);
+      ::kill(pids[r], SIGKILL);
+    } else {
+      ::kill(pids[r], SIGTERM);
+    }
   }
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  const auto deadline = std::chrono::steady_clock::now() + grace;
   while (std::chrono::steady_clock::now() < deadline) {
     bool all = true;
     for (size_t r = 0; r < pids.size(); ++r) {
       if (done[r]) continue;
-      int status = 0;
-      if (::waitpid(pids[r], &status, WNOHANG) == pids[r]) {
+      if (::waitpid(pids[r], nullptr, WNOHANG) == pids[r]) {
         done[r] = true;
       } else {
         all = false;
       }
     }
     if (all) return;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   for (size_t r = 0; r < pids.size(); ++r) {
     if (!done[r]) {
@@ -93,17 +143,47 @@ void stop_all(const std::vector<pid_t>& pids, std::vector<bool>& done) {
   }
 }
 
+// SIGINT or SIGTERM if a rank ended because of it (exit status 128 + the signal after saving its
+// work, or killed by it before training started), else 0.
+int stop_signal(int status) {
+  for (int signal : {SIGINT, SIGTERM}) {
+    if ((WIFEXITED(status) && WEXITSTATUS(status) == 128 + signal) ||
+        (WIFSIGNALED(status) && WTERMSIG(status) == signal)) {
+      return signal;
+    }
+  }
+  return 0;
+}
+
+// What the ranks left in the store about a collective that timed out (Communicator::wait), or "".
+std::string reported_faults(c10d::Store& store, int nproc) {
+  std::string text;
+  try {
+    for (int r = 0; r < nproc; ++r) {
+      const std::string key = Communicator::fault_key(r);
+      if (!store.check({key})) continue;
+      const auto bytes = store.get(key);
+      text += (text.empty() ? "" : "; ") + std::string(bytes.begin(), bytes.end());
+    }
+  } catch (const std::exception&) {
+  }
+  return text;
+}
+
 }  // namespace
 
 int launch_local_ranks(int nproc, int argc, char** argv) {
   WEFT_CHECK(nproc >= 1 && nproc <= 256, "--nproc must be between 1 and 256, got {}", nproc);
-  const int port = free_local_port();
+  // The launcher hosts the job's store, as torchrun's agent does: it outlives any rank, so the
+  // ranks can leave word there of what went wrong.
+  int port = 0;
+  auto store = host_store("127.0.0.1", port, std::chrono::seconds(30));
   const auto args = rank_arguments(argc, argv);
   spdlog::info("launching {} local ranks (rendezvous 127.0.0.1:{})", nproc, port);
   children.assign(static_cast<size_t>(nproc), -1);
-  for (int r = 0; r < nproc; ++r) children[static_cast<size_t>(r)] = spawn_rank(r, nproc, port, args);
   ::signal(SIGINT, SIG_IGN);  // Ctrl-C reaches the ranks directly (same process group)
   ::signal(SIGTERM, forward_signal);
+  for (int r = 0; r < nproc; ++r) children[static_cast<size_t>(r)] = spawn_rank(r, nproc, port, args);
 
   std::vector<bool> done(static_cast<size_t>(nproc), false);
   int remaining = nproc;
@@ -120,15 +200,29 @@ int launch_local_ranks(int nproc, int argc, char** argv) {
     }
     if (rank < 0) continue;
     done[static_cast<size_t>(rank)] = true;
+    children[static_cast<size_t>(rank)] = -1;  // reaped: its pid may be reused, never signal it again
     --remaining;
-    const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-    if (failed) {
-      spdlog::error("rank {} failed ({}); stopping the other ranks", rank, describe_status(status));
-      stop_all(children, done);
-      return WIFEXITED(status) && WEXITSTATUS(status) != 0 ? WEXITSTATUS(status) : 1;
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) continue;
+    // A rank that stopped on SIGINT/SIGTERM exits with 128 + the signal after saving its work; before
+    // training starts (nothing to save) the signal ends it.
+    const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    if (const int stop = stop_signal(status); stop != 0) {
+      spdlog::info("rank {} stopped on signal {}{}", rank, stop, code > 0 ? " after saving its work" : "");
+      if (forwarded_signal.load() == 0) forward_signal(stop);  // the others stop at the same step
+      continue;
     }
+    const std::string faults = reported_faults(*store, nproc);
+    if (!faults.empty()) {
+      spdlog::error("rank {} failed ({}) because a collective timed out: {}; stopping the other ranks", rank,
+                    describe_status(status), faults);
+    } else {
+      spdlog::error("rank {} failed ({}); stopping the other ranks", rank, describe_status(status));
+    }
+    stop_all(children, done, std::chrono::seconds(5));
+    return code > 0 ? code : 1;
   }
-  return 0;
+  const int signal = forwarded_signal.load();
+  return signal != 0 ? 128 + signal : 0;
 }
 
 }  // namespace weft

@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
 
 #include <spdlog/spdlog.h>
@@ -85,25 +86,82 @@ DistributedEnv detect_distributed_env() {
     return e;
   }
   WEFT_CHECK(e.rank < e.world, "rank {} is not below the world size {}", e.rank, e.world);
+  if (const char* agent = env("TORCHELASTIC_USE_AGENT_STORE")) e.agent_store = std::string(agent) == "True";
   if (const char* addr = env("MASTER_ADDR")) e.master_addr = addr;
   e.master_port = env_int("MASTER_PORT", 29500, 1);
   WEFT_CHECK(e.master_port <= 65535, "MASTER_PORT {} is not a TCP port", e.master_port);
   return e;
 }
 
+namespace {
+
+// "127.0.0.1:29500 (MASTER_ADDR, MASTER_PORT from trainer --nproc)"
+std::string describe_rendezvous(const DistributedEnv& e) {
+  const char* origin = e.source == "slurm" ? "MASTER_ADDR and MASTER_PORT under Slurm"
+                       : std::getenv("WEFT_LAUNCHER") != nullptr ? "set by trainer --nproc"
+                                                                 : "MASTER_ADDR and MASTER_PORT from torchrun's environment";
+  const char* host = e.agent_store ? "hosted by the launcher" : "hosted by rank 0";
+  return fmt::format("{}:{} ({}; {})", e.master_addr, e.master_port, host, origin);
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Store> host_store(const std::string& host, int& port, std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<uint16_t>(port);
+  options.isServer = true;
+  options.waitWorkers = false;
+  options.timeout = timeout;
+  auto store = make_tcp_store(host, options);
+  port = static_cast<c10d::TCPStore&>(*store).getPort();
+  return store;
+}
+
 std::unique_ptr<Communicator> join_world(const DistributedEnv& e, std::chrono::milliseconds timeout) {
   if (e.world == 1) return Communicator::single_process(timeout);
+  const double seconds = std::chrono::duration<double>(timeout).count();
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  // Reach the store (or host it: rank 0 without a launcher's store).
   c10d::TCPStoreOptions options;
   options.port = static_cast<uint16_t>(e.master_port);
-  options.isServer = e.rank == 0;
-  options.numWorkers = static_cast<size_t>(e.world);
-  options.waitWorkers = true;
+  options.isServer = e.rank == 0 && !e.agent_store;
+  options.waitWorkers = false;  // arrivals are counted below, so that the missing ones can be named
   options.timeout = timeout;
   c10::intrusive_ptr<c10d::Store> store;
   try {
     store = make_tcp_store(e.master_addr, options);
   } catch (const std::exception& ex) {
-    fail("rank {}: rendezvous with {}:{} failed ({})", e.rank, e.master_addr, e.master_port, ex.what());
+    const std::string cause = std::string(ex.what()).substr(0, std::string(ex.what()).find('\n'));
+    if (options.isServer) {
+      fail("rank 0 could not host the rendezvous store at {}: {} (is the port in use?)", describe_rendezvous(e), cause);
+    }
+    fail("rank {} could not reach the rendezvous store at {} within {:.0f} s (train.collective_timeout_s): {} ({})",
+         e.rank, describe_rendezvous(e), seconds,
+         e.agent_store ? "the launcher is gone, or the address is wrong" : "rank 0 has not started, or the address is wrong",
+         cause);
+  }
+  // Arrive, and wait for the others: the last to arrive opens the door.
+  const std::string prefix = "weft/rendezvous/";
+  const std::string me = fmt::format("pid {}", ::getpid());
+  store->set(prefix + "rank/" + std::to_string(e.rank), std::vector<uint8_t>(me.begin(), me.end()));
+  if (store->add(prefix + "arrived", 1) == e.world) store->set(prefix + "complete", std::vector<uint8_t>{'1'});
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+  try {
+    store->wait({prefix + "complete"}, std::max(left, std::chrono::milliseconds(1)));
+  } catch (const std::exception&) {
+    std::vector<int> missing;
+    try {
+      for (int r = 0; r < e.world; ++r) {
+        if (!store->check({prefix + "rank/" + std::to_string(r)})) missing.push_back(r);
+      }
+    } catch (const std::exception&) {
+    }
+    std::string list;
+    for (size_t i = 0; i < missing.size() && i < 16; ++i) list += (i ? ", " : "") + std::to_string(missing[i]);
+    if (missing.size() > 16) list += fmt::format(" and {} more", missing.size() - 16);
+    fail("rendezvous at {}: {} of {} ranks did not arrive within {:.0f} s (train.collective_timeout_s){}",
+         describe_rendezvous(e), missing.empty() ? std::string("some") : std::to_string(missing.size()), e.world,
+         seconds, missing.empty() ? "" : ": rank" + std::string(missing.size() > 1 ? "s " : " ") + list);
   }
   return std::make_unique<Communicator>(store, e.rank, e.world, timeout);
 }

@@ -6,6 +6,12 @@
 #include <memory>
 #include <string>
 
+#include <c10/util/intrusive_ptr.h>
+
+namespace c10d {
+class Store;
+}  // namespace c10d
+
 namespace weft {
 
 class Communicator;
@@ -17,10 +23,14 @@ struct DistributedEnv {
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
   std::string source = "single";  // "single", "torchrun" (also trainer --nproc) or "slurm"
+  // The rendezvous store is hosted by the launcher (torchrun's agent, trainer --nproc), not by
+  // rank 0: every rank connects as a client (TORCHELASTIC_USE_AGENT_STORE=True).
+  bool agent_store = false;
 };
 
 // Reads the environment:
-//  - torchrun / trainer --nproc: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT;
+//  - torchrun / trainer --nproc: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT,
+//    TORCHELASTIC_USE_AGENT_STORE;
 //  - Slurm (srun): SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, with MASTER_ADDR (required when
 //    SLURM_NTASKS > 1: e.g. the first host of SLURM_JOB_NODELIST) and MASTER_PORT (default 29500);
 //  - neither: one process.
@@ -30,9 +40,15 @@ DistributedEnv detect_distributed_env();
 // A TCP port on 127.0.0.1 that was free a moment ago (the kernel's choice), for local jobs.
 int free_local_port();
 
-// Connects to the job's TCPStore (rank 0 hosts it) and builds the world process group.
-// Throws weft::Error naming the address if the rendezvous times out.
+// Connects to the job's TCPStore (the launcher's, or rank 0 hosts it), waits until every rank has
+// arrived, and builds the world process group. Each rank has `timeout` to reach the store and
+// the whole world to arrive; past it, a weft::Error names the rendezvous address, where it came
+// from, the ranks that never arrived and train.collective_timeout_s.
 std::unique_ptr<Communicator> join_world(const DistributedEnv& env, std::chrono::milliseconds timeout);
+
+// A TCPStore server on `host`:`port` (0: a free port the kernel picks), as a launcher hosts it
+// for its ranks; `port` is set to the port it listens on.
+c10::intrusive_ptr<c10d::Store> host_store(const std::string& host, int& port, std::chrono::milliseconds timeout);
 
 // Every rank publishes `fingerprint` (plugin name, version, ABI, config hash) through the store;
 // each then compares all of them and throws weft::Error naming the first rank that differs.

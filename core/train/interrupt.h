@@ -4,7 +4,9 @@
 
 namespace weft {
 
-// Installs the handlers (idempotent). Call once before training.
+// Installs the handlers (idempotent). Call when training starts: until then SIGINT and SIGTERM
+// keep their default action and end the process at once (a rank waiting at the rendezvous has
+// nothing to save and must not wait out the timeout).
 void install_interrupt_handlers();
 // The signal number that asked to stop, or 0.
 int interrupt_signal();

@@ -11,6 +11,7 @@
 
 #include <boost/program_options.hpp>
 #include <fmt/format.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 #include <torch/cuda.h>
 
@@ -22,7 +23,6 @@
 #include "core/plugin/library.h"
 #include "core/plugin/process_groups.h"
 #include "core/train/conformance.h"
-#include "core/train/interrupt.h"
 #include "core/train/options.h"
 #include "core/train/trainer.h"
 #include "core/util/error.h"
@@ -116,6 +116,9 @@ CommandLine parse_command_line(int argc, char** argv) {
     } catch (const std::exception&) {
       throw weft::Error(fmt::format("--nproc '{}': expected a number of processes", cli.nprocs.front()));
     }
+    if (cli.nproc < 1) {
+      throw weft::Error(fmt::format("--nproc {}: the number of processes must be at least 1", cli.nproc));
+    }
   }
   if (vm.count("prompt")) cli.prompt = vm["prompt"].as<std::string>();
   if (vm.count("trace")) cli.overrides.push_back("log.trace=" + vm["trace"].as<std::string>());
@@ -129,7 +132,7 @@ void print_help() {
                "  trainer [train] --config FILE [--plugin NAME] [--nproc N] [--set section.key=value ...]\n"
                "  trainer plugins               list the strategy plugins found, with versions and ABI\n"
                "  trainer generate --config FILE [--plugin NAME] [--nproc N] --prompt TEXT   continue TEXT (generate.*)\n"
-               "  trainer check --plugin NAME [--nproc N] [--set plugin.KEY=VALUE ...]   conformance: 20 fp32 steps under NAME vs single.so\n"
+               "  trainer check --plugin NAME [--nproc N] [--set plugin.KEY=VALUE ...]   conformance: 20 steps under NAME vs single.so\n"
                "  trainer bench --config FILE --plugin A --plugin B [--nproc N] [--baseline pytorch] [--warmup W]\n"
                "        [--steps S] [--repetitions R] [--out DIR]   A/B timing: table, bench.json, plots\n"
                "  trainer report RUN_DIR [--out REPORT.md]   a finished run as a Markdown report with plots\n"
@@ -212,20 +215,19 @@ int run_generate(const CommandLine& cli) {
 }
 
 int run_train(const CommandLine& cli) {
-  weft::install_interrupt_handlers();
   RunSetup run = prepare_run(cli);
   const weft::Config& config = run.config;
   const auto& options = run.options;
   weft::Trainer trainer(options, run.context);
   std::filesystem::create_directories(options.out_dir);
-  weft::write_run_config(options.out_dir, config);
-  if (run.context.rank == 0) {  // for `trainer report`: how to run this again
+  if (run.context.rank == 0) {  // one writer: the effective config, and how to run this again (trainer report)
+    weft::write_run_config(options.out_dir, config);
     const char* command = std::getenv("WEFT_COMMAND_LINE");  // unset under torchrun / Slurm: not recorded
     if (command != nullptr) weft::write_file_atomically(options.out_dir + "/command.txt", std::string(command) + "\n");
   }
   const auto result = trainer.run();
   print_summary(result);
-  return result.interrupted ? 128 + weft::interrupt_signal() : 0;
+  return result.interrupted ? 128 + result.interrupt_signal : 0;
 }
 
 // `trainer check --plugin X`: the conformance check against single.so.
@@ -244,10 +246,15 @@ int run_check(const CommandLine& cli) {
       settings += ", " + setting;
       continue;
     }
+    if (setting == "train.precision=fp32" || setting == "train.precision=bf16") {
+      options.precision = setting.substr(std::string("train.precision=").size());
+      settings += ", " + setting;
+      continue;
+    }
     if (setting.rfind("plugin.", 0) != 0) {
-      throw weft::Error(fmt::format(
-          "trainer check takes only --set plugin.KEY=VALUE (the plugin's settings) and --set train.mode=full|lora, got '{}'",
-          setting));
+      throw weft::Error(fmt::format("trainer check takes only --set plugin.KEY=VALUE (the plugin's settings), --set "
+                                    "train.mode=full|lora and --set train.precision=fp32|bf16, got '{}'",
+                                    setting));
     }
     options.plugin_settings.push_back(setting.substr(std::string("plugin.").size()));
   }
@@ -311,6 +318,9 @@ int run_plugins() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Logs go to stderr, so that stdout carries only what a command produces (generated text, a
+  // table, a verdict) and can be piped.
+  spdlog::set_default_logger(spdlog::stderr_color_mt("weft"));
   spdlog::set_pattern("[%H:%M:%S] %^%l%$ %v");
   try {
     const CommandLine cli = parse_command_line(argc, argv);
@@ -344,9 +354,9 @@ int main(int argc, char** argv) {
   } catch (const po::error& e) {
     spdlog::error("command line: {} (see trainer --help)", e.what());
   } catch (const c10::Error& e) {
-    spdlog::error("torch: {}", e.what_without_backtrace());
+    spdlog::error("torch: {}", weft::printable(e.what_without_backtrace()));
   } catch (const std::exception& e) {
-    spdlog::error("{}", e.what());
+    spdlog::error("{}", weft::printable(e.what()));
   }
   return 1;
 }

@@ -1,8 +1,13 @@
 #include "core/train/checkpoint.h"
 
+#include <fcntl.h>
+#include <stdio.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
+#include <exception>
+#include <functional>
 #include <filesystem>
 
 #include <fmt/format.h>
@@ -50,6 +55,30 @@ TrainerState TrainerState::from_json(const nlohmann::json& j, const std::string&
   return s;
 }
 
+void TrainerState::validate(int64_t steps_per_epoch, int64_t epochs, const std::string& origin) const {
+  WEFT_CHECK(global_step >= 0 && epoch >= 0 && step_in_epoch >= 0,
+             "{}: global_step {}, epoch {} and step_in_epoch {} must not be negative", origin, global_step, epoch,
+             step_in_epoch);
+  WEFT_CHECK(step_in_epoch <= steps_per_epoch,
+             "{}: step_in_epoch {} is past the end of an epoch of {} steps (this run's data and batch settings)",
+             origin, step_in_epoch, steps_per_epoch);
+  WEFT_CHECK(epoch <= epochs, "{}: the checkpoint is in epoch {} but train.epochs is {}", origin, epoch + 1, epochs);
+  WEFT_CHECK(epoch < epochs || step_in_epoch == 0, "{}: step_in_epoch {} in epoch {}, after the last epoch ({})",
+             origin, step_in_epoch, epoch + 1, epochs);
+  WEFT_CHECK(global_step == epoch * steps_per_epoch + step_in_epoch,
+             "{}: global_step {} is not epoch {} x {} steps per epoch + step_in_epoch {} (was the checkpoint made "
+             "with another train.batch_size or grad_accum_steps?)",
+             origin, global_step, epoch, steps_per_epoch, step_in_epoch);
+  WEFT_CHECK(best_step >= -1 && best_step <= global_step, "{}: best_step {} is not between -1 and global_step {}",
+             origin, best_step, global_step);
+  WEFT_CHECK(evals_since_best >= 0 && epoch_tokens >= 0, "{}: evals_since_best {} and epoch_tokens {} must not be "
+             "negative", origin, evals_since_best, epoch_tokens);
+  WEFT_CHECK(std::isfinite(epoch_seconds) && epoch_seconds >= 0, "{}: epoch_seconds {} is not a duration", origin,
+             epoch_seconds);
+  WEFT_CHECK(std::isinf(best_eval_loss) || (std::isfinite(best_eval_loss) && best_eval_loss >= 0),
+             "{}: best_eval_loss {} is not a loss", origin, best_eval_loss);
+}
+
 CheckpointStore::CheckpointStore(std::string out_dir, int64_t keep_last, std::optional<LoraConfig> lora)
     : out_dir_(std::move(out_dir)), keep_last_(keep_last), lora_(std::move(lora)) {}
 
@@ -64,13 +93,93 @@ void write_model_files(LlamaForCausalLMImpl& model, const std::optional<LoraConf
   }
 }
 
-// Moves `staged` into place at `target`, replacing an existing directory.
+// Moves `staged` into place at `target`, replacing an existing directory. Where the file system
+// can exchange two names atomically (renameat2 RENAME_EXCHANGE: ext4, xfs, btrfs, tmpfs) `target`
+// always names a complete directory; elsewhere the old one is renamed aside first, and
+// remove_leftovers puts it back if a crash comes between the two renames.
 void swap_in_directory(const fs::path& staged, const fs::path& target) {
-  const fs::path old = target.string() + ".old-" + std::to_string(::getpid());
-  if (fs::exists(target)) fs::rename(target, old);
+  if (fs::exists(target)) {
+    if (::renameat2(AT_FDCWD, staged.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) == 0) {
+      sync_directory(target.parent_path().string());
+      fs::remove_all(staged);  // now the old directory
+      return;
+    }
+    const fs::path old = target.string() + ".old-" + std::to_string(::getpid());
+    fs::rename(target, old);
+    fs::rename(staged, target);
+    sync_directory(target.parent_path().string());
+    fs::remove_all(old);
+    return;
+  }
   fs::rename(staged, target);
   sync_directory(target.parent_path().string());
-  fs::remove_all(old);
+}
+
+// Writes what `save_to(writer)` produces (a LibTorch archive) to `path` atomically. LibTorch's zip
+// writer must never see a failed write: 1.13 then throws from a destructor and the process aborts.
+// So the writer takes every byte, keeps the first error (a full disk) and drops what follows, and
+// the error is thrown once the archive is complete.
+template <typename SaveTo>
+void save_archive(const std::string& path, SaveTo&& save_to) {
+  write_file_atomically(path, [&](const ByteSink& sink) {
+    std::exception_ptr error;
+    const std::function<size_t(const void*, size_t)> writer = [&](const void* bytes, size_t count) -> size_t {
+      if (!error) {
+        try {
+          sink(bytes, count);
+        } catch (...) {
+          error = std::current_exception();
+        }
+      }
+      return count;
+    };
+    save_to(writer);
+    if (error) std::rethrow_exception(error);
+  });
+}
+
+// Deletes a directory so that it is never seen half-deleted: renamed to a .tmp- name in the same
+// folder first (what remove_leftovers removes if a crash interrupts the deletion).
+void remove_directory_atomically(const fs::path& dir) {
+  const fs::path doomed = dir.parent_path() / fmt::format(".tmp-delete-{}-{}", dir.filename().string(), ::getpid());
+  fs::rename(dir, doomed);
+  sync_directory(dir.parent_path().string());
+  fs::remove_all(doomed);
+}
+
+// "best.old-1234" -> "best"; "" when `name` is not a directory renamed aside by swap_in_directory.
+std::string renamed_aside(const std::string& name) {
+  const auto at = name.rfind(".old-");
+  if (at == std::string::npos || at == 0) return "";
+  const std::string pid = name.substr(at + 5);
+  if (pid.empty() || pid.find_first_not_of("0123456789") != std::string::npos) return "";
+  return name.substr(0, at);
+}
+
+// Cleans one folder (see CheckpointStore::remove_leftovers): entries `temporary` names are
+// removed; a directory renamed aside by swap_in_directory ("<name>.old-<pid>", `name` accepted
+// by `saved`) is put back if nothing replaced it, and removed otherwise.
+void remove_leftovers_in(const fs::path& folder, const std::function<bool(const std::string&)>& temporary,
+                         const std::function<bool(const std::string&)>& saved) {
+  std::error_code ec;
+  if (!fs::is_directory(folder, ec)) return;
+  std::vector<fs::path> entries;
+  for (const auto& entry : fs::directory_iterator(folder, ec)) entries.push_back(entry.path());
+  for (const auto& path : entries) {
+    const std::string name = path.filename().string();
+    if (const std::string original = renamed_aside(name); !original.empty() && saved(original)) {
+      if (!fs::exists(folder / original)) {
+        spdlog::warn("{}: restoring {} (a save was interrupted after moving it aside)", (folder / original).string(),
+                     name);
+        fs::rename(path, folder / original);
+      } else {
+        fs::remove_all(path);
+      }
+    } else if (temporary(name)) {
+      spdlog::info("removing {}, left by an interrupted save", path.string());
+      fs::remove_all(path);
+    }
+  }
 }
 
 }  // namespace
@@ -78,22 +187,37 @@ void swap_in_directory(const fs::path& staged, const fs::path& target) {
 std::string CheckpointStore::save(const TrainerState& state, LlamaForCausalLMImpl& model,
                                   torch::optim::Optimizer& optimizer) {
   const fs::path root = checkpoints_dir();
-  fs::create_directories(root);
   const std::string name = fmt::format("step-{:08}", state.global_step);
   const fs::path staged = root / fmt::format(".tmp-{}-{}", name, ::getpid());
-  fs::remove_all(staged);
-  fs::create_directories(staged);
-
-  write_model_files(model, lora_, staged.string(), "");
-  torch::serialize::OutputArchive optimizer_archive;
-  optimizer.save(optimizer_archive);
-  optimizer_archive.save_to((staged / "optimizer.pt").string());
-  torch::save(at::detail::getDefaultCPUGenerator().get_state(), (staged / "rng.pt").string());
-  write_file_atomically((staged / "trainer_state.json").string(), state.to_json().dump(2) + "\n");
-  sync_directory(staged.string());
-
-  swap_in_directory(staged, root / name);
-  write_file_atomically((root / "latest").string(), name + "\n");
+  try {
+    fs::create_directories(root);
+    fs::remove_all(staged);
+    fs::create_directories(staged);
+    write_model_files(model, lora_, staged.string(), "");
+    save_archive((staged / "optimizer.pt").string(), [&](const auto& writer) {
+      torch::serialize::OutputArchive archive;
+      optimizer.save(archive);
+      archive.save_to(writer);
+    });
+    save_archive((staged / "rng.pt").string(), [&](const auto& writer) {
+      torch::save(at::detail::getDefaultCPUGenerator().get_state(), writer);
+    });
+    write_file_atomically((staged / "trainer_state.json").string(), state.to_json().dump(2) + "\n");
+    sync_directory(staged.string());
+    swap_in_directory(staged, root / name);
+    write_file_atomically((root / "latest").string(), name + "\n");
+  } catch (const std::exception& e) {
+    std::error_code ignored;
+    fs::remove_all(staged, ignored);
+    std::optional<std::string> previous;
+    try {
+      previous = latest();
+    } catch (const std::exception&) {
+    }
+    fail("checkpoint of step {} not saved in {}: {} (removed its partial copy; {})", state.global_step,
+         root.string(), e.what(),
+         previous ? fmt::format("the latest checkpoint is still {}", *previous) : std::string("no earlier checkpoint"));
+  }
   prune();
   return (root / name).string();
 }
@@ -108,8 +232,7 @@ std::optional<std::string> CheckpointStore::latest() const {
   return dir.string();
 }
 
-TrainerState CheckpointStore::load(const std::string& dir, LlamaForCausalLMImpl& model,
-                                   torch::optim::Optimizer& optimizer) const {
+TrainerState CheckpointStore::read_state(const std::string& dir) const {
   WEFT_CHECK(fs::is_directory(dir), "checkpoint '{}' is not a directory", dir);
   const std::string state_path = dir + "/trainer_state.json";
   WEFT_CHECK(fs::exists(state_path), "checkpoint '{}' has no trainer_state.json", dir);
@@ -119,7 +242,11 @@ TrainerState CheckpointStore::load(const std::string& dir, LlamaForCausalLMImpl&
   } catch (const nlohmann::json::exception& e) {
     fail("{}: not valid JSON ({})", state_path, e.what());
   }
-  auto state = TrainerState::from_json(state_json, state_path);
+  return TrainerState::from_json(state_json, state_path);
+}
+
+void CheckpointStore::restore(const std::string& dir, LlamaForCausalLMImpl& model,
+                              torch::optim::Optimizer& optimizer) const {
   if (lora_) {
     WEFT_CHECK(fs::exists(dir + "/adapter_model.safetensors"),
                "checkpoint '{}' has no LoRA adapter, but train.mode is lora", dir);
@@ -142,30 +269,64 @@ TrainerState CheckpointStore::load(const std::string& dir, LlamaForCausalLMImpl&
   } catch (const c10::Error& e) {
     fail("checkpoint '{}': cannot restore optimizer/RNG state ({})", dir, e.what_without_backtrace());
   }
-  return state;
 }
 
+void CheckpointStore::remove_leftovers() const {
+  // In the run directory only the saved models' staging folders ("best.tmp-<pid>"): other ranks
+  // may be writing their own files there (config.toml, metrics).
+  static const char* models[] = {"best", "final", "final-merged"};
+  remove_leftovers_in(
+      out_dir_,
+      [](const std::string& name) {
+        for (const char* model : models) {
+          if (name.rfind(std::string(model) + ".tmp-", 0) == 0) return true;
+        }
+        return false;
+      },
+      [](const std::string& name) { return std::find(std::begin(models), std::end(models), name) != std::end(models); });
+  // In checkpoints/, written by rank 0 alone: staged checkpoints and deletions (".tmp-..."), the
+  // `latest` pointer's temporary file, and checkpoints moved aside ("step-00000010.old-<pid>").
+  remove_leftovers_in(
+      checkpoints_dir(),
+      [](const std::string& name) { return name.rfind(".tmp-", 0) == 0 || name.rfind("latest.tmp.", 0) == 0; },
+      [](const std::string& name) { return name.rfind("step-", 0) == 0; });
+}
+
+// Deletes all but the newest keep_last checkpoints. A deletion that fails (a busy or read-only
+// file system) is a warning: the new checkpoint is saved either way.
 void CheckpointStore::prune() const {
   std::vector<fs::path> steps;
-  for (const auto& entry : fs::directory_iterator(checkpoints_dir())) {
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(checkpoints_dir(), ec)) {
     const auto name = entry.path().filename().string();
-    if (name.rfind("step-", 0) == 0 && entry.is_directory()) steps.push_back(entry.path());
-    if (name.rfind(".tmp-", 0) == 0 && name.find(fmt::format("-{}", ::getpid())) == std::string::npos) {
-      fs::remove_all(entry.path());  // left by a crashed save
+    if (name.rfind("step-", 0) == 0 && renamed_aside(name).empty() && entry.is_directory()) {
+      steps.push_back(entry.path());
     }
   }
   std::sort(steps.begin(), steps.end());
-  for (size_t i = 0; i + keep_last_ < steps.size(); ++i) fs::remove_all(steps[i]);
+  for (size_t i = 0; i + keep_last_ < steps.size(); ++i) {
+    try {
+      remove_directory_atomically(steps[i]);
+    } catch (const std::exception& e) {
+      spdlog::warn("could not delete the old checkpoint {}: {}", steps[i].string(), e.what());
+    }
+  }
 }
 
 void save_model_atomically(LlamaForCausalLMImpl& model, const std::optional<LoraConfig>& lora,
                            const std::string& dir, const std::string& base_model) {
   const fs::path target = dir;
-  if (target.has_parent_path()) fs::create_directories(target.parent_path());
   const fs::path staged = target.string() + ".tmp-" + std::to_string(::getpid());
-  fs::remove_all(staged);
-  write_model_files(model, lora, staged.string(), base_model);
-  swap_in_directory(staged, target);
+  try {
+    if (target.has_parent_path()) fs::create_directories(target.parent_path());
+    fs::remove_all(staged);
+    write_model_files(model, lora, staged.string(), base_model);
+    swap_in_directory(staged, target);
+  } catch (const std::exception& e) {
+    std::error_code ignored;
+    fs::remove_all(staged, ignored);
+    fail("model not saved in {}: {} (removed its partial copy; {} is as it was)", dir, e.what(), dir);
+  }
 }
 
 }  // namespace weft

@@ -8,7 +8,10 @@
 //     rng.pt                   the CPU generator state
 //     trainer_state.json       step, data position, early-stopping state, data identity
 //   latest                     name of the newest complete checkpoint (replaced atomically)
-// A crash while saving leaves a .tmp directory that is ignored and removed next time.
+// A crash while saving leaves a .tmp directory that is ignored, and removed when the next run
+// starts (remove_leftovers). A save that fails (a full disk) removes its .tmp directory and
+// throws: the previous checkpoint and `latest` stay as they were. Old checkpoints are deleted by
+// renaming them to .tmp-... first, so none is ever seen half-deleted.
 #pragma once
 
 #include <cstdint>
@@ -38,6 +41,10 @@ struct TrainerState {
 
   nlohmann::json to_json() const;
   static TrainerState from_json(const nlohmann::json& j, const std::string& origin);
+  // A checkpoint's state is untrusted input: throws weft::Error naming `origin` unless every value
+  // is in range and the position is one a run with `steps_per_epoch` steps per epoch and `epochs`
+  // epochs can be at (global_step = epoch * steps_per_epoch + step_in_epoch).
+  void validate(int64_t steps_per_epoch, int64_t epochs, const std::string& origin) const;
 };
 
 class CheckpointStore {
@@ -52,9 +59,17 @@ class CheckpointStore {
   // The directory `latest` names, if any.
   std::optional<std::string> latest() const;
 
-  // Restores model weights (or adapters), optimizer and RNG state from `dir` and returns the
-  // trainer state. Throws weft::Error naming the file when something is missing or malformed.
-  TrainerState load(const std::string& dir, LlamaForCausalLMImpl& model, torch::optim::Optimizer& optimizer) const;
+  // The trainer state saved in `dir` (its trainer_state.json). Throws weft::Error naming the file
+  // when it is missing or malformed.
+  TrainerState read_state(const std::string& dir) const;
+  // Restores model weights (or adapters), optimizer and RNG state from `dir`. Throws weft::Error
+  // naming the file when something is missing or malformed.
+  void restore(const std::string& dir, LlamaForCausalLMImpl& model, torch::optim::Optimizer& optimizer) const;
+
+  // Removes what an interrupted save or deletion left in the run directory (.tmp folders and
+  // files) and puts back a model directory that a crash left renamed aside (best, final, a
+  // checkpoint). Call on one rank, before the run saves anything.
+  void remove_leftovers() const;
 
   std::string checkpoints_dir() const { return out_dir_ + "/checkpoints"; }
 

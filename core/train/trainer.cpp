@@ -56,6 +56,7 @@ Trainer::Trainer(TrainOptions options, RunContext context)
   build_data();
   build_optimizer();
   checkpoints_ = std::make_unique<CheckpointStore>(options_.out_dir, options_.keep_last, lora());
+  if (context_.rank == 0) checkpoints_->remove_leftovers();
   maybe_resume();
   protect_saved_work();
 }
@@ -93,6 +94,20 @@ GenerateResult Trainer::generate(const std::string& prompt) {
   const auto encoded = tokenizer_->encode(prompt);
   ids.insert(ids.end(), encoded.begin(), encoded.end());
   WEFT_CHECK(!ids.empty(), "trainer generate: the prompt encodes to no tokens");
+  // The model has positions for max_position_embeddings tokens, prompt included.
+  const int64_t positions = model_->config().max_position_embeddings;
+  const int64_t prompt_tokens = static_cast<int64_t>(ids.size());
+  WEFT_CHECK(prompt_tokens < positions,
+             "trainer generate: the prompt is {} tokens, but the model has {} positions "
+             "(max_position_embeddings) and needs one more for the first new token",
+             prompt_tokens, positions);
+  int64_t max_new_tokens = options_.max_new_tokens;
+  if (prompt_tokens + max_new_tokens > positions) {
+    max_new_tokens = positions - prompt_tokens;
+    spdlog::warn("trainer generate: at most {} new tokens after the {}-token prompt: the model has {} positions "
+                 "(max_position_embeddings), fewer than generate.max_new_tokens = {} needs",
+                 max_new_tokens, prompt_tokens, positions, options_.max_new_tokens);
+  }
   const std::optional<int32_t> stop = tokenizer_->eos_id();
   auto generator = at::make_generator<at::CPUGeneratorImpl>(options_.generate_seed);
   std::vector<LayerKvCache> cache;
@@ -100,7 +115,7 @@ GenerateResult Trainer::generate(const std::string& prompt) {
   if (strategy_) strategy_->host().take_comm_stats();  // count generation's communication only
   const auto start = Clock::now();
   auto input = torch::tensor(std::vector<int64_t>(ids.begin(), ids.end()), torch::kLong).unsqueeze(0);
-  for (int64_t n = 0; n < options_.max_new_tokens; ++n) {
+  for (int64_t n = 0; n < max_new_tokens; ++n) {
     const auto logits = model_->forward_cached(input, cache);
     // Only ids the tokenizer can decode (a model's vocabulary may be padded beyond them).
     const auto last = full_vocabulary(*model_, logits[0][logits.size(1) - 1]).narrow(0, 0, tokenizer_->vocab_size());
@@ -174,6 +189,14 @@ ModelConfig resolve_model_config(const TrainOptions& options, const Tokenizer& t
     config = preset_config(m.preset);
   }
   if (m.vocab_size > 0) config.vocab_size = m.vocab_size;
+  // A shape without special-token ids (a preset) takes the tokenizer's, so that a saved config.json
+  // names them as an HF model directory does.
+  if (!config.bos_token_id) {
+    if (const auto bos = tokenizer.bos_id()) config.bos_token_id = *bos;
+  }
+  if (!config.eos_token_id) {
+    if (const auto eos = tokenizer.eos_id()) config.eos_token_id = *eos;
+  }
   config.attention = resolve_attention_kernel(parse_attention_kernel(m.attention));  // kSdpa or kWeft
   WEFT_CHECK(tokenizer.vocab_size() <= config.vocab_size,
              "tokenizer '{}' has {} tokens but the model's vocab_size is {} (set model.vocab_size)",
@@ -252,9 +275,9 @@ void Trainer::build_model() {
     strategy_->host().set_model(model_.get());
     strategy_->setup();
     gather_ = std::make_unique<ModelGather>(*model_, *communicator_, lora());
-    WEFT_CHECK(!gather_->split() || (options_.checkpoint_every == 0 && options_.resume.empty()),
-               "checkpoint.every_steps and checkpoint.resume are not supported yet when plugin {} splits the "
-               "model's stages over ranks (the best and final models are saved whole); set them to 0 and \"\"",
+    WEFT_CHECK(!gather_->split() || options_.checkpoint_every == 0,
+               "checkpoint.every_steps is not supported yet when plugin {} splits the model over ranks (the best "
+               "and final models are saved whole); set it to 0",
                strategy_->library().name());
   }
   spdlog::info("model: {} layers, hidden {}, {} heads ({} kv), vocab {}: {:.2f}M parameters, {:.2f}M trainable, {}, "
@@ -304,11 +327,17 @@ void Trainer::maybe_resume() {
     }
     dir = *latest;
   }
-  const std::string identity = state_.data_identity;
-  state_ = checkpoints_->load(dir, *model_, *optimizer_);
-  WEFT_CHECK(state_.data_identity == identity,
-             "checkpoint '{}' was made on different data ({}), but this run has {}", dir,
-             state_.data_identity, identity);
+  WEFT_CHECK(!gather_ || !gather_->split(),
+             "checkpoint.resume: plugin {} splits the model over ranks and cannot resume a checkpoint yet ({}); "
+             "resume it under single or ddp, or start fresh",
+             strategy_->library().name(), dir);
+  TrainerState saved = checkpoints_->read_state(dir);
+  WEFT_CHECK(saved.data_identity == state_.data_identity,
+             "checkpoint '{}' was made on different data ({}), but this run has {}", dir, saved.data_identity,
+             state_.data_identity);
+  saved.validate(steps_per_epoch_, options_.epochs, dir + "/trainer_state.json");
+  checkpoints_->restore(dir, *model_, *optimizer_);
+  state_ = saved;
   spdlog::info("resumed from {} at step {} (epoch {}, step {} of {})", dir, state_.global_step,
                state_.epoch + 1, state_.step_in_epoch, steps_per_epoch_);
 }
@@ -419,14 +448,17 @@ LlamaForCausalLMImpl* Trainer::model_to_save() {
   return context_.rank == 0 ? model_.get() : nullptr;
 }
 
-void Trainer::save_checkpoint(Progress& progress) {
+bool Trainer::save_checkpoint(Progress& progress) {
   if (gather_ && gather_->split()) {
-    progress.message("no checkpoint: optimizer state split over pipeline stages cannot be saved yet");
-    return;
+    progress.message(fmt::format("no checkpoint: plugin {} splits the model and its optimizer state over ranks, "
+                                 "which cannot be saved as a checkpoint yet",
+                                 strategy_->library().name()));
+    return false;
   }
-  if (context_.rank != 0) return;  // replicas hold the same state; rank 0 writes it
+  if (context_.rank != 0) return true;  // replicas hold the same state; rank 0 writes it
   const auto dir = checkpoints_->save(state_, *model_, *optimizer_);
   progress.message(fmt::format("checkpoint saved: {}", dir));
+  return true;
 }
 
 // What one call of run() accumulates.
@@ -448,6 +480,7 @@ struct Trainer::Session {
 };
 
 TrainResult Trainer::run() {
+  install_interrupt_handlers();
   Session session(context_.rank == 0 ? options_.metrics_file : "", state_.global_step > 0,
                   context_.rank == 0 ? options_.progress : "off", options_.log_every);
   session.tokens_per_step = options_.batch_size * options_.grad_accum_steps * options_.data.seq_len;
@@ -460,14 +493,29 @@ TrainResult Trainer::run() {
     if (state_.step_in_epoch < steps_per_epoch_) break;  // max_steps, early stop or interrupt
     stop = complete_epoch(session) || stop;
   }
-  if (interrupt_signal() != 0) {
-    save_checkpoint(session.progress);
-    session.progress.message(fmt::format(
-        "interrupted by signal {} at step {}: checkpoint saved; continue with checkpoint.resume=auto",
-        interrupt_signal(), state_.global_step));
+  if (interrupt_ != 0) {
+    const bool saved = save_checkpoint(session.progress);
+    session.progress.message(fmt::format("interrupted by signal {} at step {}: {}", interrupt_,
+                                         state_.global_step,
+                                         saved ? "checkpoint saved; continue with checkpoint.resume=auto"
+                                               : "no checkpoint was saved, this run cannot be continued"));
     session.result.interrupted = true;
+    session.result.interrupt_signal = interrupt_;
   }
   return finish_run(session);
+}
+
+// SIGINT/SIGTERM may reach the ranks of a job at different steps: they agree after each step
+// (the largest signal number any rank has), so that all stop after the same one.
+int Trainer::agreed_interrupt() {
+  int signal = interrupt_signal();
+  if (communicator_ && context_.world > 1) {
+    for (double value : communicator_->all_gather(static_cast<double>(signal))) {
+      signal = std::max(signal, static_cast<int>(value));
+    }
+  }
+  interrupt_ = signal;
+  return signal;
 }
 
 bool Trainer::run_epoch_steps(Session& session) {
@@ -526,7 +574,7 @@ bool Trainer::run_epoch_steps(Session& session) {
     if (options_.checkpoint_every > 0 && state_.global_step % options_.checkpoint_every == 0) {
       save_checkpoint(session.progress);
     }
-    stop = stop || interrupt_signal() != 0;
+    stop = stop || agreed_interrupt() != 0;
   }
   session.progress.finish_epoch();
   return stop;

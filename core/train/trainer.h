@@ -62,7 +62,8 @@ struct TrainResult {
   std::optional<EvalResult> final_eval;
   double best_eval_loss = 0;
   bool early_stopped = false;
-  bool interrupted = false;            // stopped by SIGINT/SIGTERM after saving a checkpoint
+  bool interrupted = false;            // stopped by SIGINT/SIGTERM (after saving a checkpoint if it could)
+  int interrupt_signal = 0;            // that signal (the same on every rank)
   double peak_rss_mib = 0;
 };
 
@@ -80,7 +81,8 @@ class Trainer {
   ~Trainer();
 
   // Trains until epochs/max_steps are done, early stopping triggers, or SIGINT/SIGTERM arrives
-  // (then a checkpoint is saved first; see core/train/interrupt.h).
+  // (then a checkpoint is saved first; see core/train/interrupt.h). The signal handlers are
+  // installed here: before training (joining the job, loading) a signal ends the process at once.
   TrainResult run();
   // Continues `prompt` with the model (built with options.inference_only): up to
   // generate.max_new_tokens tokens, greedy or sampled, stopping at the tokenizer's end token.
@@ -107,12 +109,14 @@ class Trainer {
   void protect_saved_work() const;
   struct Session;
   bool run_epoch_steps(Session& session);
+  int agreed_interrupt();
   bool complete_epoch(Session& session);
   bool evaluate_and_track(Session& session);
   TrainResult finish_run(Session& session);
   double train_step(int64_t epoch, int64_t step_in_epoch);
   bool after_eval(const EvalResult& eval, Progress& progress, MetricsWriter& metrics);
-  void save_checkpoint(Progress& progress);
+  // Saves a checkpoint (rank 0 writes it); false when the plugin's split state cannot be saved.
+  bool save_checkpoint(Progress& progress);
   // The whole model to save, on rank 0 (nullptr elsewhere); collective when stages are split.
   LlamaForCausalLMImpl* model_to_save();
   std::optional<LoraConfig> lora() const;
@@ -136,6 +140,7 @@ class Trainer {
   int64_t total_steps_ = 0;
   double last_lr_ = 0;
   double last_grad_norm_ = 0;
+  int interrupt_ = 0;  // the signal every rank agreed to stop on, or 0
 };
 
 }  // namespace weft

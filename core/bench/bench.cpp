@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -103,11 +104,17 @@ std::string first_error_line(const std::string& log) {
   return "";
 }
 
-// Runs `command` with its output in `log`; throws naming `what`, the cause and the log on failure.
-void run_logged(const std::string& command, const std::string& log, const std::string& what) {
+// Runs `command` with its output in `log`; throws naming the cause and the log on failure.
+void run_logged(const std::string& command, const std::string& log) {
   const int status = std::system((command + " > " + shell_quote(log) + " 2>&1").c_str());
-  WEFT_CHECK(status == 0, "bench: {} failed: {} (all its output: {})", what, first_error_line(log), log);
+  WEFT_CHECK(status == 0, "{} (all its output: {})", first_error_line(log), log);
 }
+
+// A variant that failed: it is left out of the figures and named with its error.
+struct Failure {
+  std::string error;
+  int64_t repetition = 0;
+};
 
 std::vector<std::string> weft_run_command(const BenchOptions& o, const BenchVariant& v, const std::string& run_dir) {
   std::vector<std::string> args{o.trainer_path, "train"};
@@ -215,28 +222,39 @@ int run_bench(const BenchOptions& options) {
   spdlog::info("bench: {} variants x {} repetitions, {} warm-up + {} measured steps each, {} tokens per step",
                variants.size(), o.repetitions, o.warmup_steps, o.steps, tokens_per_step);
   std::vector<std::vector<RunMeasurement>> runs(variants.size());
+  std::vector<std::optional<Failure>> failures(variants.size());
   for (int64_t rep = 1; rep <= o.repetitions; ++rep) {
     for (size_t i = 0; i < variants.size(); ++i) {  // alternated: A B C, A B C, ...
       const auto& v = variants[i];
+      if (failures[i]) continue;  // failed once: its other repetitions would fail alike
       const std::string run_dir = fmt::format("{}/runs/{}/rep{}", o.out_dir, slug(v.name), rep);
       fs::create_directories(run_dir);
       const auto args = v.pytorch ? pytorch_run_command(o, v, job_dir, run_dir) : weft_run_command(o, v, run_dir);
       write_file_atomically(run_dir + "/command.txt", shell_join(args) + "\n");
-      run_logged(shell_join(args), run_dir + "/output.log", fmt::format("'{}' (repetition {})", v.name, rep));
-      runs[i].push_back(read_run(run_dir + "/metrics.jsonl", o.warmup_steps));
+      try {
+        run_logged(shell_join(args), run_dir + "/output.log");
+        runs[i].push_back(read_run(run_dir + "/metrics.jsonl", o.warmup_steps));
+      } catch (const Error& e) {
+        failures[i] = Failure{e.what(), rep};
+        spdlog::error("bench: repetition {}/{} {} failed: {}; the bench goes on without it", rep, o.repetitions,
+                      v.name, e.what());
+        continue;
+      }
       const double step = median_of(runs[i].back().step_seconds);
       spdlog::info("bench: repetition {}/{} {}: median step {:.3f} s, {:.0f} tokens/s", rep, o.repetitions, v.name,
                    step, tokens_per_step / step);
     }
   }
   std::vector<VariantSummary> summaries;
+  int64_t steps_per_epoch = 0;
   for (size_t i = 0; i < variants.size(); ++i) {
     const auto& v = variants[i];
+    if (failures[i]) continue;
     summaries.push_back(summarise(v.name, v.plugin, v.nproc, v.pytorch, runs[i], tokens_per_step));
+    steps_per_epoch = runs[i].front().steps_per_epoch;
   }
   const auto ratios = pair_ratios(summaries);
-  const std::string table = format_bench_table(summaries, ratios);
-  std::cout << table;
+  std::string table = summaries.empty() ? std::string() : format_bench_table(summaries, ratios);
   const char* command = std::getenv("WEFT_COMMAND_LINE");  // set by the trainer's main
   nlohmann::json json = {{"command", command != nullptr ? command : ""},
                          {"config", o.config},
@@ -245,16 +263,36 @@ int run_bench(const BenchOptions& options) {
                          {"steps", o.steps},
                          {"repetitions", o.repetitions},
                          {"tokens_per_step", tokens_per_step},
-                         {"steps_per_epoch", runs.front().front().steps_per_epoch},
+                         {"steps_per_epoch", steps_per_epoch},
                          {"variants", nlohmann::json::array()},
-                         {"ratios", nlohmann::json::array()}};
+                         {"ratios", nlohmann::json::array()},
+                         {"failed", nlohmann::json::array()}};
   for (const auto& s : summaries) json["variants"].push_back(to_json(s));
   for (const auto& r : ratios) json["ratios"].push_back(to_json(r));
+  int failed = 0;
+  for (size_t i = 0; i < variants.size(); ++i) {
+    if (!failures[i]) continue;
+    ++failed;
+    json["failed"].push_back({{"name", variants[i].name},
+                              {"plugin", variants[i].plugin},
+                              {"nproc", variants[i].nproc},
+                              {"repetition", failures[i]->repetition},
+                              {"error", failures[i]->error}});
+    table += fmt::format("{}- **{} failed** in repetition {} (no figures): {}\n",
+                         table.empty() || failed > 1 ? "" : "\nFailed variants:\n\n", variants[i].name,
+                         failures[i]->repetition, failures[i]->error);
+  }
+  std::cout << table;
   const std::string json_path = o.out_dir + "/bench.json";
   write_file_atomically(json_path, json.dump(2) + "\n");
   write_file_atomically(o.out_dir + "/bench.md", table);
-  draw_plots(o, json_path);
+  if (!summaries.empty()) draw_plots(o, json_path);
   spdlog::info("bench: wrote {}, {}/bench.md and the plots in {}", json_path, o.out_dir, o.out_dir);
+  if (failed > 0) {
+    spdlog::error("bench: {} of {} variants failed (named in the table and in bench.json's \"failed\")", failed,
+                  variants.size());
+    return 1;
+  }
   return 0;
 }
 

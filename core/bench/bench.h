@@ -45,8 +45,8 @@ struct BenchOptions {
 std::vector<BenchVariant> plan_bench(const BenchOptions& options);
 
 // Runs the bench and writes out_dir/bench.json, out_dir/bench.md (the table) and the plots;
-// prints the table. Returns 0, or throws weft::Error naming the variant and its log when a run
-// fails.
+// prints the table. A variant whose run fails is not run again; the others go on, and the table
+// and bench.json ("failed") name it with its error and log. Returns 0, or 1 when a variant failed.
 int run_bench(const BenchOptions& options);
 
 }  // namespace weft

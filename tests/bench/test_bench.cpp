@@ -196,6 +196,31 @@ TEST(BenchCommand, AlternatesTwoPluginsAndWritesTheTableJsonAndRunReports) {
   EXPECT_FALSE(std::filesystem::exists(dir + "/bench2/runs"));
 }
 
+TEST(BenchCommand, AFailingVariantIsNamedAndTheOthersAreStillMeasured) {
+  // gpipe with 3 stages cannot run on 2 ranks: that variant fails in its first repetition; the
+  // bench goes on with single, writes its figures, names the failure with its error and exits 1.
+  // Before, the first failure discarded the whole bench.
+  const auto dir = fresh_dir("weft_bench", "failing");
+  const std::string out = dir + "/bench";
+  const auto result = run_tiny_bench(
+      dir, "--plugin single --plugin 'gpipe --set plugin.stages=3' --nproc 1 --nproc 2 --repetitions 2");
+  EXPECT_EQ(result.exit_code, 1) << result.output;
+  const auto json = nlohmann::json::parse(read_text(out + "/bench.json"));
+  ASSERT_EQ(json["variants"].size(), 1u) << json.dump(2);
+  EXPECT_EQ(json["variants"][0]["name"], "single x1");
+  EXPECT_EQ(json["variants"][0]["runs"].size(), 2u);
+  ASSERT_EQ(json["failed"].size(), 1u) << json.dump(2);
+  EXPECT_EQ(json["failed"][0]["name"], "gpipe stages=3 x2");
+  EXPECT_EQ(json["failed"][0]["repetition"], 1);
+  const std::string error = json["failed"][0]["error"];
+  EXPECT_NE(error.find("stages"), std::string::npos) << error;
+  EXPECT_NE(error.find(out + "/runs/gpipe_stages_3_x2/rep1/output.log"), std::string::npos) << error;
+  EXPECT_FALSE(std::filesystem::exists(out + "/runs/gpipe_stages_3_x2/rep2"));  // not run again
+  const std::string table = read_text(out + "/bench.md");
+  EXPECT_NE(table.find("| single x1 |"), std::string::npos) << table;
+  EXPECT_NE(table.find("**gpipe stages=3 x2 failed** in repetition 1"), std::string::npos) << table;
+}
+
 // The PyTorch DDP baseline (tools/pytorch_baseline.py, Debian's python3-torch) trains the job
 // trainer bench exported: the same model (its parameter count equals weft's for the exported
 // config.json), the same global batch, on 2 processes, in the same alternation.

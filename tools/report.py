@@ -28,6 +28,10 @@ except ImportError:  # Python < 3.11: the configuration is still shown verbatim
     tomllib = None
 
 
+# The run's files the report reads.
+INPUTS = ("metrics.jsonl", "config.toml", "command.txt")
+
+
 def fail(message):
     sys.exit(f"report: {message}")
 
@@ -49,10 +53,17 @@ class Run:
         self.first_step_time = None
         last_step = None
         try:
-            with open(path, encoding="utf-8") as f:
-                lines = f.readlines()
+            with open(path, "rb") as f:
+                raw_lines = f.readlines()
         except OSError as e:
             fail(f"cannot read {path}: {e.strerror}")
+        lines = []
+        for number, raw in enumerate(raw_lines, 1):
+            try:
+                lines.append(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                fail(f"{path} line {number}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                     "is it a weft metrics file?")
         for line in lines:
             line = line.strip()
             if not line:
@@ -451,8 +462,12 @@ def main():
 
     if not os.path.isdir(args.run_dir):
         fail(f"{args.run_dir} is not a directory")
-    run = Run(args.run_dir)
     report = args.output or os.path.join(args.run_dir, "report.md")
+    for name in INPUTS:  # the report must never replace what it is made from
+        source = os.path.join(args.run_dir, name)
+        if os.path.exists(source) and os.path.exists(report) and os.path.samefile(source, report):
+            fail(f"{report} is an input of the report ({name} of the run); write the report elsewhere (-o REPORT.md)")
+    run = Run(args.run_dir)
     report_dir = os.path.dirname(os.path.abspath(report))
     os.makedirs(report_dir, exist_ok=True)
     plots = draw_plots(run, os.path.join(report_dir, "report"))

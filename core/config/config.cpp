@@ -1,7 +1,6 @@
 #include "core/config/config.h"
 
 #include <algorithm>
-#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -262,17 +261,10 @@ std::string describe_node(const toml::node& node) {
 
 void check_range(const SchemaEntry& entry, double value, const std::string& shown,
                  const std::string& where) {
-  const bool below = entry.min && value < *entry.min;
-  const bool above = entry.max && value > *entry.max;
+  const bool below = entry.min && (value < *entry.min || (entry.min_exclusive && value == *entry.min));
+  const bool above = entry.max && (value > *entry.max || (entry.max_exclusive && value == *entry.max));
   if (!below && !above) return;
-  std::string range;
-  if (entry.min && entry.max)
-    range = fmt::format("between {} and {}", *entry.min, *entry.max);
-  else if (entry.min)
-    range = fmt::format(">= {}", *entry.min);
-  else
-    range = fmt::format("<= {}", *entry.max);
-  fail("config key '{}' must be {}, got {} ({})", entry.key, range, shown, where);
+  fail("config key '{}' must be {}, got {} ({})", entry.key, describe_range(entry), shown, where);
 }
 
 void check_choice(const SchemaEntry& entry, const std::string& value, const std::string& where) {

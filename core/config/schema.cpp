@@ -22,6 +22,12 @@ SchemaEntry float_key(std::string key, double def, std::string doc, Bound min = 
                       Bound max = none) {
   return {std::move(key), ValueType::Float, def, std::move(doc), {}, min, max};
 }
+// A bound that the value may not equal: exclusive(float_key(...), /*min=*/true, /*max=*/false).
+SchemaEntry exclusive(SchemaEntry entry, bool min, bool max) {
+  entry.min_exclusive = min;
+  entry.max_exclusive = max;
+  return entry;
+}
 SchemaEntry bool_key(std::string key, bool def, std::string doc) {
   return {std::move(key), ValueType::Bool, def, std::move(doc), {}, none, none};
 }
@@ -61,7 +67,7 @@ const std::vector<SchemaEntry>& config_schema() {
       string_key("model.config", "", "Path to an HF config.json describing the model shape."),
       string_key("model.weights", "",
                  "Safetensors file, directory or index to load; empty = seeded random init."),
-      float_key("model.init_std", 0.02, "Standard deviation of the random weight init."),
+      float_key("model.init_std", 0.02, "Standard deviation of the random weight init.", 0),
       int_key("model.vocab_size", 0,
               "Vocabulary size override; 0 = the preset's or config's value (must cover the tokenizer).",
               0),
@@ -105,9 +111,9 @@ const std::vector<SchemaEntry>& config_schema() {
       string_key("train.schedule", "cosine", "Learning-rate decay after warm-up.",
                  {"cosine", "linear", "constant"}),
       float_key("train.weight_decay", 0.1, "AdamW decoupled weight decay.", 0),
-      float_key("train.beta1", 0.9, "AdamW first-moment decay."),
-      float_key("train.beta2", 0.95, "AdamW second-moment decay."),
-      float_key("train.eps", 1e-8, "AdamW denominator epsilon."),
+      exclusive(float_key("train.beta1", 0.9, "AdamW first-moment decay.", 0, 1), false, true),
+      exclusive(float_key("train.beta2", 0.95, "AdamW second-moment decay.", 0, 1), false, true),
+      exclusive(float_key("train.eps", 1e-8, "AdamW denominator epsilon.", 0), true, false),
       float_key("train.grad_clip", 1.0, "Clip the global gradient norm to this; 0 = off.", 0),
       string_key("train.precision", "fp32", "Compute precision.", {"fp32", "bf16"}),
       int_key("train.threads", 1, "Intra-op threads per process.", 1),
@@ -122,8 +128,9 @@ const std::vector<SchemaEntry>& config_schema() {
                "Start fresh even if out_dir already holds checkpoints or saved models (they are replaced)."),
       // [lora]
       int_key("lora.r", 8, "Rank of the LoRA update matrices.", 1),
-      float_key("lora.alpha", 16, "LoRA scaling numerator (the update is scaled by alpha / r)."),
-      float_key("lora.dropout", 0.05, "Dropout on the LoRA input.", 0, 1),
+      exclusive(float_key("lora.alpha", 16, "LoRA scaling numerator (the update is scaled by alpha / r).", 0),
+                true, false),
+      exclusive(float_key("lora.dropout", 0.05, "Dropout on the LoRA input.", 0, 1), false, true),
       list_key("lora.target_modules", {"q_proj", "k_proj", "v_proj", "o_proj"},
                "Linear layers that get LoRA adapters (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj lm_head)."),
       bool_key("lora.save_merged", false,
@@ -148,8 +155,9 @@ const std::vector<SchemaEntry>& config_schema() {
       // [generate]
       int_key("generate.max_new_tokens", 64, "Tokens to generate after the prompt (trainer generate).", 1),
       float_key("generate.temperature", 0.0, "Sampling temperature; 0 = greedy (the most likely token).", 0.0),
-      float_key("generate.top_p", 1.0, "Nucleus sampling: sample among the most likely tokens whose "
-                "probabilities sum to top_p (with temperature > 0).", 0.0),
+      exclusive(float_key("generate.top_p", 1.0, "Nucleus sampling: sample among the most likely tokens whose "
+                          "probabilities sum to top_p (with temperature > 0).", 0.0, 1.0),
+                true, false),
       int_key("generate.seed", 0, "Seed of the sampler (every rank draws the same tokens).", 0),
       // [log]
       string_key("log.level", "info", "Console log level.",
@@ -251,7 +259,21 @@ std::string bound_to_string(double v) {
                                                   : fmt::format("{}", v);
 }
 
-// "one of: "a", "b"; min 0, max 1" - the constraints of an entry, empty when it has none.
+}  // namespace
+
+std::string describe_range(const SchemaEntry& entry) {
+  const std::string low = entry.min ? fmt::format("{} {}", entry.min_exclusive ? ">" : ">=", bound_to_string(*entry.min)) : "";
+  const std::string high = entry.max ? fmt::format("{} {}", entry.max_exclusive ? "<" : "<=", bound_to_string(*entry.max)) : "";
+  if (entry.min && entry.max && !entry.min_exclusive && !entry.max_exclusive) {
+    return fmt::format("between {} and {}", bound_to_string(*entry.min), bound_to_string(*entry.max));
+  }
+  if (!low.empty() && !high.empty()) return low + " and " + high;
+  return low + high;
+}
+
+namespace {
+
+// "one of: "a", "b"; min 0; max 1 (excluded)" - the constraints of an entry, empty when it has none.
 std::string constraints(const SchemaEntry& entry) {
   std::vector<std::string> parts;
   if (!entry.choices.empty()) {
@@ -259,8 +281,8 @@ std::string constraints(const SchemaEntry& entry) {
     for (const auto& choice : entry.choices) quoted.push_back(quote(choice));
     parts.push_back("one of " + join(quoted, ", "));
   }
-  if (entry.min) parts.push_back("min " + bound_to_string(*entry.min));
-  if (entry.max) parts.push_back("max " + bound_to_string(*entry.max));
+  if (entry.min) parts.push_back("min " + bound_to_string(*entry.min) + (entry.min_exclusive ? " (excluded)" : ""));
+  if (entry.max) parts.push_back("max " + bound_to_string(*entry.max) + (entry.max_exclusive ? " (excluded)" : ""));
   return join(parts, "; ");
 }
 

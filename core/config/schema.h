@@ -26,6 +26,8 @@ struct SchemaEntry {
   std::vector<std::string> choices;  // String keys only; empty = any string
   std::optional<double> min;         // Int/Float keys only, inclusive
   std::optional<double> max;         // Int/Float keys only, inclusive
+  bool min_exclusive = false;        // the value must be greater than min (not equal)
+  bool max_exclusive = false;        // the value must be less than max (not equal)
 
   std::string section() const;  // "train" for "train.lr"
   std::string name() const;     // "lr" for "train.lr"
@@ -50,6 +52,9 @@ const SchemaEntry* find_config_key(const std::string& key);
 std::string describe_type(ValueType type);
 // Short type name for documentation: "int", "float", "bool", "string", "string list".
 std::string type_name(ValueType type);
+// The allowed range of an Int/Float entry: ">= 1", "between 0 and 1" (inclusive), "> 0 and <= 1";
+// empty when unbounded.
+std::string describe_range(const SchemaEntry& entry);
 // A value written as TOML (strings quoted and escaped, floats round-trip exactly, lists inline).
 std::string value_to_toml(const ConfigValue& value);
 

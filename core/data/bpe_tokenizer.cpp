@@ -151,9 +151,15 @@ void BpeTokenizer::State::parse_model(const json& model) {
 
 void BpeTokenizer::State::parse_vocab(const json& vocab_json) {
   vocab.reserve(vocab_json.size());
+  std::unordered_map<int32_t, std::string> token_of_id;  // an id decodes to one token only
+  token_of_id.reserve(vocab_json.size());
   for (const auto& [token, id] : vocab_json.items()) {
     if (!is_valid_id(id))
       error(fmt::format("model.vocab[\"{}\"] is not a valid token id", token));
+    const auto [other, fresh] = token_of_id.emplace(id.get<int32_t>(), token);
+    if (!fresh)
+      error(fmt::format("model.vocab gives id {} to two tokens, \"{}\" and \"{}\"", other->first, other->second,
+                        token));
     vocab[token] = id.get<int32_t>();
   }
 }
@@ -254,6 +260,10 @@ void BpeTokenizer::State::parse_added_tokens(const json& root) {
       if (token.value(key, false))
         error(fmt::format("added token \"{}\": {}=true is not supported", added_token.content, key));
     if (added_token.content.empty()) continue;
+    for (const auto& earlier : added)
+      if (earlier.id == added_token.id && earlier.content != added_token.content)
+        error(fmt::format("added_tokens gives id {} to two tokens, \"{}\" and \"{}\"", added_token.id,
+                          earlier.content, added_token.content));
     added.push_back(std::move(added_token));
   }
   for (size_t i = 0; i < added.size(); ++i)

@@ -213,19 +213,33 @@ TensorInfo parse_entry(const std::string& name, const json& entry, uint64_t data
   return info;
 }
 
-// Sorts into storage order and rejects two non-empty byte ranges that intersect.
-void sort_and_check_overlap(std::vector<TensorInfo>& tensors, const std::string& path) {
+// Sorts into storage order and checks that the non-empty tensors tile the data region exactly, as
+// the reference implementation (huggingface/safetensors) requires: no two byte ranges intersect,
+// no bytes lie between them, and the last one ends where the file ends. (Empty tensors hold no
+// bytes; the reference also wants them on the tiling, weft lets them sit at any offset inside
+// the region.)
+void sort_and_check_layout(std::vector<TensorInfo>& tensors, uint64_t data_size, const std::string& path) {
   std::sort(tensors.begin(), tensors.end(), [](const TensorInfo& a, const TensorInfo& b) {
     return std::tie(a.begin, a.end, a.name) < std::tie(b.begin, b.end, b.name);
   });
   const TensorInfo* furthest = nullptr;  // the non-empty tensor reaching furthest so far
+  uint64_t covered = 0;                  // bytes [0, covered) belong to tensors seen so far
   for (const TensorInfo& info : tensors) {
     if (info.nbytes() == 0) continue;
     if (furthest != nullptr && info.begin < furthest->end) {
       fail("{}: tensors '{}' [{}, {}) and '{}' [{}, {}) overlap", path, furthest->name,
            furthest->begin, furthest->end, info.name, info.begin, info.end);
     }
+    if (info.begin != covered) {
+      fail("{}: bytes [{}, {}) of the data region belong to no tensor (before '{}')", path, covered,
+           info.begin, info.name);
+    }
     if (furthest == nullptr || info.end > furthest->end) furthest = &info;
+    covered = info.end;
+  }
+  if (covered != data_size) {
+    fail("{}: {} bytes after the last tensor's data (the data region ends at byte {} of {})", path,
+         data_size - covered, covered, data_size);
   }
 }
 
@@ -337,7 +351,7 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
       file->tensors_.push_back(parse_entry(name, entry, data_size, path));
     }
   }
-  sort_and_check_overlap(file->tensors_, path);
+  sort_and_check_layout(file->tensors_, data_size, path);
   for (size_t i = 0; i < file->tensors_.size(); ++i) file->index_[file->tensors_[i].name] = i;
   return file;
 }

@@ -5,13 +5,19 @@
 
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <fmt/format.h>
 
 namespace weft {
 
+// `text` as one printable line: valid UTF-8 is kept, control characters (newlines included), DEL
+// and bytes that are not valid UTF-8 become \xNN. Messages often quote untrusted input (a file's
+// bytes in a parse error), which must not reach a terminal raw.
+std::string printable(std::string_view text);
+
 class Error : public std::runtime_error {
  public:
-  explicit Error(const std::string& message) : std::runtime_error(message) {}
+  explicit Error(const std::string& message) : std::runtime_error(printable(message)) {}
 };
 
 // Throws weft::Error with a fmt-formatted message.

@@ -283,6 +283,23 @@ TEST_F(ConfigTest, MinAndMaxAreInclusiveBounds) {
   EXPECT_EQ(edges.get_int("train.epochs"), 1);
 }
 
+TEST_F(ConfigTest, ExclusiveBoundsRefuseTheirEdge) {
+  // top_p = 0 keeps no token at all (sampling divided by zero before this check existed), and a
+  // probability mass above 1 means nothing.
+  EXPECT_EQ(error_of([] { load_config("", {"generate.top_p=0"}); }),
+            "config key 'generate.top_p' must be > 0 and <= 1, got 0.0 (--set)");
+  EXPECT_EQ(error_of([] { load_config("", {"generate.top_p=1.5"}); }),
+            "config key 'generate.top_p' must be > 0 and <= 1, got 1.5 (--set)");
+  EXPECT_EQ(error_of([] { load_config("", {"generate.temperature=-1"}); }),
+            "config key 'generate.temperature' must be >= 0, got -1.0 (--set)");
+  EXPECT_EQ(error_of([] { load_config("", {"train.beta2=1"}); }),
+            "config key 'train.beta2' must be >= 0 and < 1, got 1.0 (--set)");
+  EXPECT_EQ(error_of([] { load_config("", {"lora.dropout=1"}); }),
+            "config key 'lora.dropout' must be >= 0 and < 1, got 1.0 (--set)");
+  const Config edges = load_config("", {"generate.top_p=1", "generate.top_p=0.01", "train.beta2=0"});
+  EXPECT_DOUBLE_EQ(edges.get_float("generate.top_p"), 0.01);
+}
+
 TEST_F(ConfigTest, TomlSyntaxErrorHasLineAndColumn) {
   const std::string path = write("broken.toml", "[train]\nlr = 1e-3\nepochs = = 3\n");
   const std::string message = error_of([&] { load_config(path); });

@@ -347,6 +347,29 @@ TEST_F(BpeTokenizerTest, MalformedFilesAreRejectedWithOneLine) {
   bad = good;
   bad["added_tokens"] = {{{"id", 300}, {"content", 7}}};
   expect_load_error(bad.dump(), "unexpected structure");
+  // Two tokens with one id: decoding that id would be ambiguous.
+  bad = good;
+  bad["model"]["vocab"][byte_level("zz")] = 256;  // "ab" has 256
+  expect_load_error(bad.dump(), "model.vocab gives id 256 to two tokens");
+  bad = good;
+  bad["added_tokens"] = {added_token(300, "<s>"), added_token(300, "</s>")};
+  expect_load_error(bad.dump(), "added_tokens gives id 300 to two tokens, \"<s>\" and \"</s>\"");
+}
+
+TEST_F(BpeTokenizerTest, GarbageFileErrorQuotesNoRawBytes) {
+  // A binary file given as the tokenizer: the JSON parser's message quotes what it read last,
+  // which must reach the terminal escaped (\xNN), in one line.
+  const std::string garbage("\x89PNG\r\n\x1a\n\x00\x01\xff\xfe\x1b[31mred", 20);
+  expect_load_error(garbage, "invalid JSON");
+  try {
+    load_tokenizer(write("bad.json", garbage));
+  } catch (const Error& e) {
+    const std::string message = e.what();
+    for (unsigned char c : message) {
+      EXPECT_TRUE(c >= 0x20 && c < 0x7F) << "raw byte " << static_cast<int>(c) << " in: " << message;
+    }
+    EXPECT_NE(message.find("\\x"), std::string::npos) << message;
+  }
 }
 
 }  // namespace

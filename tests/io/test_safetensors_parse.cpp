@@ -213,6 +213,29 @@ TEST_F(SafetensorsParse, RejectsOverlappingTensors) {
               HasSubstr("tensors 'a' [0, 4) and 'b' [0, 4) overlap"));
 }
 
+TEST_F(SafetensorsParse, RejectsBytesOutsideEveryTensor) {
+  // The tensors must tile the data region exactly (huggingface/safetensors refuses anything else):
+  // bytes after the last tensor, and bytes between two tensors, are rejected.
+  const std::string one = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
+  EXPECT_THAT(open_error(safetensors_bytes(one, std::string(9, '\0'))),
+              HasSubstr("1 bytes after the last tensor's data (the data region ends at byte 8 of 9)"));
+  EXPECT_THAT(open_error(safetensors_bytes(one, std::string(8, '\0') + "trailing garbage")),
+              HasSubstr("16 bytes after the last tensor's data"));
+  const std::string gap = R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                          R"("b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})";
+  EXPECT_THAT(open_error(safetensors_bytes(gap, std::string(12, '\0'))),
+              HasSubstr("bytes [4, 8) of the data region belong to no tensor (before 'b')"));
+  const std::string late = R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})";
+  EXPECT_THAT(open_error(safetensors_bytes(late, std::string(8, '\0'))),
+              HasSubstr("bytes [0, 4) of the data region belong to no tensor (before 'a')"));
+  // An empty file of tensors is a zero-byte data region; empty tensors sit anywhere on the tiling.
+  const std::string empties = R"({"e":{"dtype":"F32","shape":[0],"data_offsets":[0,0]},)"
+                              R"("a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                              R"("z":{"dtype":"F32","shape":[0],"data_offsets":[4,4]}})";
+  write_bytes(path("empties.safetensors"), safetensors_bytes(empties, std::string(4, '\0')));
+  EXPECT_EQ(SafetensorsFile::open(path("empties.safetensors"))->tensors().size(), 3u);
+}
+
 TEST_F(SafetensorsParse, RejectsDuplicateNamesInHeader) {
   const std::string header = R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},)"
                              R"("a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}})";

@@ -99,11 +99,12 @@ TEST(Faults, AFullDiskWhileSavingIsOneErrorAndKeepsThePreviousCheckpoint) {
 }
 
 TEST(Faults, AKillWhileDeletingAnOldCheckpointNeverLeavesAHalfDeletedOne) {
-  // keep_last = 1: saving step 4 deletes step 2. The process is killed (SIGKILL) at the first file
-  // the deletion removes. Before: step-00000002 stayed, without optimizer.pt, as a checkpoint.
+  // keep_last = 1: saving step 4 deletes step 2. The process is killed (SIGKILL) at the second
+  // file the deletion removes. Before: step-00000002 stayed, one file short, as a checkpoint.
   const auto dir = fresh_dir("kill_prune");
   const std::string args = tiny_args(dir) + " --set checkpoint.every_steps=2 --set checkpoint.keep_last=1";
-  const auto killed = run_command("WEFT_TEST_KILL_ON_UNLINK=optimizer.pt LD_PRELOAD=" +
+  const std::string files = "config.json,model.safetensors,optimizer.pt,rng.pt,trainer_state.json";
+  const auto killed = run_command("WEFT_TEST_KILL_ON_UNLINK=2:" + files + " LD_PRELOAD=" +
                                   std::string(WEFT_KILL_ON_UNLINK_LIB) + " OMP_NUM_THREADS=1 " + WEFT_TRAINER_PATH +
                                   " " + args + " --set train.max_steps=4; echo status $?");
   ASSERT_NE(killed.output.find("status 137"), std::string::npos) << killed.output;  // killed in the deletion

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "common/corpus.h"
 #include "common/process.h"
 #include "test_paths.h"
 
@@ -20,14 +21,7 @@ using weft::testing::run_trainer;
 
 std::string fresh_dir(const std::string& name) { return weft::testing::fresh_dir("weft_test_faults", name); }
 
-std::string write_corpus(const std::string& dir) {
-  std::ofstream out(dir + "/corpus.txt");
-  for (int p = 0; p < 30; ++p) {
-    out << "It is a truth universally acknowledged, that a single man in possession of a good fortune, "
-           "must be in want of a wife. Paragraph " << p << ".\n\n";
-  }
-  return dir + "/corpus.txt";
-}
+std::string write_corpus(const std::string& dir) { return weft::testing::write_prose_corpus(dir); }
 
 // The tiny preset on a small corpus, writing to DIR/out.
 std::string tiny_args(const std::string& dir) {

@@ -22,5 +22,15 @@ inline std::string write_word_corpus(const std::string& dir, int documents = 40)
   return dir + "/corpus.jsonl";
 }
 
+// Writes 30 paragraphs of English prose (blank-line separated) to <dir>/corpus.txt; returns the path.
+inline std::string write_prose_corpus(const std::string& dir) {
+  std::ofstream out(dir + "/corpus.txt");
+  for (int p = 0; p < 30; ++p) {
+    out << "It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+           "must be in want of a wife. Paragraph " << p << ".\n\n";
+  }
+  return dir + "/corpus.txt";
+}
+
 }  // namespace testing
 }  // namespace weft

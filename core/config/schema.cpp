@@ -67,6 +67,9 @@ const std::vector<SchemaEntry>& config_schema() {
       string_key("model.config", "", "Path to an HF config.json describing the model shape."),
       string_key("model.weights", "",
                  "Safetensors file, directory or index to load; empty = seeded random init."),
+      string_key("model.adapter", "",
+                 "A LoRA adapter directory (PEFT: adapter_config.json, adapter_model.safetensors) applied on top "
+                 "of model.weights; train it further with train.mode = \"lora\". Empty = none."),
       float_key("model.init_std", 0.02, "Standard deviation of the random weight init.", 0),
       int_key("model.vocab_size", 0,
               "Vocabulary size override; 0 = the preset's or config's value (must cover the tokenizer).",

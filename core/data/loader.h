@@ -86,6 +86,7 @@ class EvalLoader {
   EvalLoader(std::shared_ptr<const PackedSequences> seqs, int64_t global_batch, int rank,
              int world);
 
+  const PackedSequences& sequences() const { return *seqs_; }
   int64_t num_batches() const;  // ceil(n_sequences / global_batch), the same on every rank
   // Throws weft::Error when index is outside [0, num_batches()).
   Batch batch(int64_t index) const;

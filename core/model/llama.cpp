@@ -189,6 +189,16 @@ torch::Tensor LlamaForCausalLMImpl::loss(const torch::Tensor& logits, const torc
   return vocab_parallel_cross_entropy(logits, targets, local_.vocab_start, options_.comm.get());
 }
 
+torch::Tensor LlamaForCausalLMImpl::token_losses(const torch::Tensor& logits, const torch::Tensor& targets) const {
+  if (vocab_parallel()) {
+    return vocab_parallel_token_losses(logits, targets, local_.vocab_start, options_.comm.get());
+  }
+  const int64_t vocab = logits.size(-1);
+  return torch::nn::functional::cross_entropy(
+      logits.reshape({-1, vocab}).to(torch::kFloat32), targets.reshape({-1}),
+      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
+}
+
 torch::Tensor cross_entropy_sum(const torch::Tensor& logits, const torch::Tensor& targets) {
   const int64_t vocab = logits.size(-1);
   return torch::nn::functional::cross_entropy(

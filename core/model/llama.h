@@ -98,6 +98,8 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   // Mean cross-entropy of this model's logits (the last stage's output) against targets:
   // cross_entropy, or vocab_parallel_cross_entropy when the vocabulary is split.
   torch::Tensor loss(const torch::Tensor& logits, const torch::Tensor& targets) const;
+  // Each target token's cross-entropy (fp32, flattened), the vocabulary's shards combined too.
+  torch::Tensor token_losses(const torch::Tensor& logits, const torch::Tensor& targets) const;
 
   LlamaBackbone model{nullptr};
   Linear lm_head{nullptr};  // absent when tie_word_embeddings

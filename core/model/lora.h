@@ -30,6 +30,11 @@ void save_lora_adapter(LlamaForCausalLMImpl& model, const LoraConfig& config, co
 // Loads adapter weights saved by save_lora_adapter (or PEFT) into a model with matching adapters.
 void load_lora_adapter(LlamaForCausalLMImpl& model, const std::string& dir);
 
+// The adapters' shape from dir/adapter_config.json (PEFT's: r, lora_alpha, lora_dropout,
+// target_modules). Throws weft::Error naming the file when it is missing or malformed, or is not
+// a LoRA adapter.
+LoraConfig read_lora_adapter_config(const std::string& dir);
+
 // Folds every adapter into its base weight (W += alpha/r B A) and removes the adapters; the
 // model then computes the same function with plain weights.
 void merge_lora(LlamaForCausalLMImpl& model);

@@ -83,6 +83,11 @@ torch::Tensor shard_slice(const torch::Tensor& full, const ParameterShard& shard
 
 torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits, const torch::Tensor& targets,
                                            int64_t vocab_start, const CommHook* hook) {
+  return vocab_parallel_token_losses(logits, targets, vocab_start, hook).mean();
+}
+
+torch::Tensor vocab_parallel_token_losses(const torch::Tensor& logits, const torch::Tensor& targets,
+                                          int64_t vocab_start, const CommHook* hook) {
   const int64_t vocab = logits.size(-1);
   auto x = logits.reshape({-1, vocab}).to(torch::kFloat32);
   auto t = targets.reshape({-1});
@@ -97,7 +102,7 @@ torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits, const to
   auto target_logit = shifted.gather(1, index).squeeze(1) * mine.to(torch::kFloat32);
   auto sums = torch::stack({shifted.exp().sum(1), target_logit});
   sums = comm_point(hook, CommPoint::kLossSum, -1, sums);
-  return (sums[0].log() - sums[1]).mean();
+  return sums[0].log() - sums[1];
 }
 
 }  // namespace weft

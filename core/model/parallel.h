@@ -80,5 +80,8 @@ torch::Tensor shard_slice(const torch::Tensor& full, const ParameterShard& shard
 // (kLossMax, kLossSum). Equals cross_entropy(full logits) when every shard runs it.
 torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits, const torch::Tensor& targets,
                                            int64_t vocab_start, const CommHook* hook);
+// The same per target token (flattened), before the mean.
+torch::Tensor vocab_parallel_token_losses(const torch::Tensor& logits, const torch::Tensor& targets,
+                                          int64_t vocab_start, const CommHook* hook);
 
 }  // namespace weft

@@ -1,5 +1,5 @@
 // The host side of weft_host_api (sdk/include/weft/strategy.h): the services a strategy plugin
-// calls, bound to one training process. The Trainer creates one PluginHost per plugin instance
+// calls, bound to one process's run. StrategySession creates one PluginHost per plugin instance
 // and tells it, as the run proceeds, which model and which step the services refer to.
 #pragma once
 
@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 
+#include <ATen/core/Tensor.h>
 #include <toml++/toml.h>
 #include <weft/strategy.h>
 
@@ -44,6 +45,10 @@ class PluginHost {
   void begin_eval_step(const EvalLoader* loader, int64_t index);
   // Ends the current step (batch() is refused until the next begin_*).
   void end_step();
+  // The ABI's default evaluation step, for a plugin without eval_step (one rank): through the
+  // services, as a plugin would call them: batch, forward over every stage without gradients,
+  // loss. Returns the batch's summed token loss and its token count.
+  std::pair<double, int64_t> default_eval_step();
 
   // What this rank's plugin communicated through the host's collectives and transfers since the
   // last call (which resets it): operations issued, their payload bytes (the data this rank
@@ -57,6 +62,12 @@ class PluginHost {
   CommStats take_comm_stats();
   // The values the plugin reported with report_metric since the last call (which clears them).
   std::map<std::string, double> take_step_metrics();
+  // Per-sequence evaluation: from now on, the loss of every evaluation row whose sequence index
+  // is known (the targets batch() handed out) is also summed by sequence, out of `sequences`.
+  void record_sequence_losses(int64_t sequences);
+  // Stops recording and returns, by sequence index, the summed token losses this rank computed
+  // and how many times it computed each (float64 tensors of `sequences` entries).
+  std::pair<at::Tensor, at::Tensor> take_sequence_losses();
   // Calls the registered grad-ready callback machinery's bookkeeping (tests).
   int64_t parameter_count() const;
 

@@ -22,6 +22,9 @@
 
 #include "core/util/error.h"
 
+// The strategy compiled into the host (builtin_single.cpp).
+extern "C" const weft_strategy_api* weft_builtin_single_entry(uint16_t host_abi_major, uint16_t host_abi_minor);
+
 namespace weft {
 namespace fs = std::filesystem;
 
@@ -135,6 +138,15 @@ bool PluginLibrary::has_slot(size_t offset_of_slot, uint16_t since_minor) const 
 }
 
 std::shared_ptr<PluginLibrary> PluginLibrary::load(const std::string& path_or_name) {
+  if (path_or_name == kBuiltinStrategy) {
+    static const std::shared_ptr<PluginLibrary> builtin = [] {
+      const PluginVersion host = host_abi_version();
+      const weft_strategy_api* table = weft_builtin_single_entry(host.major, host.minor);
+      WEFT_CHECK(table != nullptr, "the built-in strategy refuses this host's ABI");
+      return std::make_shared<PluginLibrary>(kBuiltinPath, *table, negotiate_abi(*table, host, kBuiltinPath));
+    }();
+    return builtin;
+  }
   const std::string path = fs::canonical(resolve_plugin_path(path_or_name)).string();
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
@@ -209,7 +221,7 @@ PluginListing describe(const fs::path& file) {
 }  // namespace
 
 std::vector<PluginListing> list_plugins() {
-  std::vector<PluginListing> listings;
+  std::vector<PluginListing> listings{describe(kBuiltinStrategy)};
   std::set<fs::path> seen;
   for (const std::string& dir : plugin_search_dirs()) {
     for (const fs::path& file : shared_libraries_in(dir)) {

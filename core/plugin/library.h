@@ -30,10 +30,17 @@ PluginVersion host_abi_version();
 // smaller, whatever its minor.
 constexpr size_t kStrategyApiSizeV1_0 = offsetof(weft_strategy_api, comm_point) + sizeof(void*);
 
+// The strategy built into the host (plugins/single, compiled in): what "" and "single" name.
+inline constexpr const char* kBuiltinStrategy = "single";
+// PluginLibrary::path() of the built-in strategy.
+inline constexpr const char* kBuiltinPath = "(built in)";
+
 // A loaded, validated strategy plugin. Obtain one with load(); it lives as long as the process.
 class PluginLibrary {
  public:
-  // Resolves `path_or_name` (resolve_plugin_path), loads it with RTLD_NOW | RTLD_LOCAL, calls its
+  // kBuiltinStrategy ("single") is the strategy compiled into the host (its table validated like a
+  // library's); a path to single.so loads the library. Anything else:
+  // resolves `path_or_name` (resolve_plugin_path), loads it with RTLD_NOW | RTLD_LOCAL, calls its
   // weft_strategy_entry with this host's ABI version and validates the table (negotiate_abi).
   // Loading the same file again (by any path or name that resolves to it) returns the same
   // object. Throws weft::Error, one line naming the file and the problem: not found (listing
@@ -97,9 +104,9 @@ struct PluginListing {
   std::string problem;  // non-empty if the library failed to load (the load error's message)
 };
 
-// Every *.so in the search directories (each directory sorted by file name; a file reached
-// through two directories is listed once), each loaded and described. Load failures are
-// reported in `problem`, never thrown.
+// The built-in strategy, then every *.so in the search directories (each directory sorted by
+// file name; a file reached through two directories is listed once), each loaded and described.
+// Load failures are reported in `problem`, never thrown.
 std::vector<PluginListing> list_plugins();
 
 // A human-readable table of listings (NAME VERSION ABI PATH DESCRIPTION), failures marked with

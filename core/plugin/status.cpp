@@ -35,19 +35,6 @@ void status_release(weft_status* status) noexcept {
   if (status != &out_of_memory_status) delete status;
 }
 
-const char* status_code_name(weft_status_code code) noexcept {
-  switch (code) {
-    case WEFT_STATUS_OK: return "OK";
-    case WEFT_STATUS_INVALID_ARGUMENT: return "INVALID_ARGUMENT";
-    case WEFT_STATUS_UNSUPPORTED: return "UNSUPPORTED";
-    case WEFT_STATUS_BAD_CONFIG: return "BAD_CONFIG";
-    case WEFT_STATUS_COMMUNICATION: return "COMMUNICATION";
-    case WEFT_STATUS_TIMEOUT: return "TIMEOUT";
-    case WEFT_STATUS_INTERNAL: return "INTERNAL";
-  }
-  return "UNKNOWN";
-}
-
 void throw_if_error(weft_status* status, const std::string& context) {
   if (!status) return;
   const StatusPtr owned(status);

@@ -8,6 +8,7 @@
 #include <string>
 
 #include <weft/strategy.h>
+#include <weft/strategy.hpp>
 
 // Defined at global scope because strategy.h declares it there (`typedef struct weft_status`).
 struct weft_status {
@@ -30,8 +31,8 @@ const char* status_message(const weft_status* status) noexcept;
 // Frees a status made by status_create. NULL and the out-of-memory status are ignored.
 void status_release(weft_status* status) noexcept;
 
-// A short name for a code, e.g. "BAD_CONFIG" (for logs).
-const char* status_code_name(weft_status_code code) noexcept;
+// A short name for a code, e.g. "BAD_CONFIG" (for logs): the SDK's.
+using sdk::status_code_name;
 
 // --- host-side helpers ---
 

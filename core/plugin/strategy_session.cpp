@@ -1,7 +1,10 @@
 #include "core/plugin/strategy_session.h"
 
 #include <fmt/format.h>
+#include <torch/torch.h>
+#include <weft/strategy_torch.hpp>
 
+#include "core/data/loader.h"
 #include "core/plugin/status.h"
 #include "core/util/error.h"
 
@@ -9,7 +12,7 @@ namespace weft {
 
 StrategySession::StrategySession(const std::string& path_or_name, toml::table plugin_config,
                                  Communicator& communicator)
-    : library_(PluginLibrary::load(path_or_name)) {
+    : library_(PluginLibrary::load(path_or_name.empty() ? kBuiltinStrategy : path_or_name)) {
   host_ = std::make_unique<PluginHost>(library_->name(), std::move(plugin_config), communicator);
   weft_strategy* instance = nullptr;
   check(library_->api().create(host_->api(), host_->handle(), &instance), "create");
@@ -25,7 +28,20 @@ void StrategySession::check(weft_status* status, const char* what) const {
   throw_if_error(status, fmt::format("plugin {} ({}): {}", library_->name(), library_->path(), what));
 }
 
-weft_model_plan StrategySession::plan(int64_t num_stages) {
+std::string StrategySession::describe() const {
+  return fmt::format("{} {} (ABI {}.{}) from {}", library_->name(), library_->version(),
+                     library_->negotiated_abi().major, library_->negotiated_abi().minor, library_->path());
+}
+
+std::string StrategySession::fingerprint() const {
+  return fmt::format("plugin {} {} ABI {}.{}", library_->name(), library_->version(), library_->negotiated_abi().major,
+                     library_->negotiated_abi().minor);
+}
+
+Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute_dtype, int64_t seq_len,
+                                 int64_t batch_rows) {
+  host_->set_model_info(config, compute_dtype == torch::kBFloat16, seq_len, batch_rows);
+  const int64_t num_stages = config.num_hidden_layers + 2;
   weft_model_plan plan{};
   plan.struct_size = sizeof(weft_model_plan);
   plan.first_stage = 0;
@@ -40,24 +56,98 @@ weft_model_plan StrategySession::plan(int64_t num_stages) {
                  plan.data_parallel_rank < plan.data_parallel_size,
              "plugin {}: plan chose data-parallel rank {} of {}", library_->name(), plan.data_parallel_rank,
              plan.data_parallel_size);
-  return plan;
+  return Placement{{plan.first_stage, plan.last_stage}, plan.data_parallel_rank, plan.data_parallel_size};
 }
 
-void StrategySession::setup() {
+ShardMap StrategySession::shards(const ModelConfig& config, const StageRange& stages) {
+  ShardMap shards;
+  if (library_->api().shard_parameter == nullptr) return shards;
+  for (const auto& [name, shape] : parameter_specs(config, stages.first, stages.last)) {
+    weft_parameter_info info{};
+    info.name = name.c_str();
+    info.stage = stage_of_parameter(name, config.num_hidden_layers);
+    info.trainable = 1;
+    info.ndim = static_cast<int32_t>(shape.size());
+    info.shape = shape.data();
+    info.dtype = DLDataType{kDLFloat, 32, 1};
+    weft_shard shard{0, 1, 0};
+    check(library_->api().shard_parameter(instance_, &info, &shard), "shard_parameter");
+    WEFT_CHECK(shard.parts >= 1 && 0 <= shard.index && shard.index < shard.parts && 0 <= shard.dim &&
+                   shard.dim < info.ndim,
+               "plugin {}: shard_parameter({}) returned dim {}, part {} of {}", library_->name(), name, shard.dim,
+               shard.index, shard.parts);
+    if (shard.parts > 1) shards[name] = ParameterShard{shard.dim, shard.parts, shard.index};
+  }
+  return shards;
+}
+
+std::shared_ptr<const CommHook> StrategySession::comm_hook() {
+  if (library_->api().comm_point == nullptr) return nullptr;
+  return std::make_shared<const CommHook>([this](CommPoint point, bool backward, int64_t layer, torch::Tensor& tensor) {
+    if (!tensor.is_contiguous()) tensor = tensor.contiguous();
+    DLTensor view = sdk::to_dl_view(tensor);
+    check(library_->api().comm_point(instance_, static_cast<weft_comm_point>(point),
+                                     backward ? WEFT_BACKWARD : WEFT_FORWARD, layer, &view),
+          "comm_point");
+  });
+}
+
+void StrategySession::attach(LlamaForCausalLMImpl& model) {
+  model_ = &model;
+  host_->set_model(&model);
   if (library_->api().setup) check(library_->api().setup(instance_), "setup");
 }
 
-double StrategySession::train_step(const weft_step_info& step) {
-  double loss = 0.0;
-  check(library_->api().train_step(instance_, &step, &loss), "train_step");
-  return loss;
+StepReport StrategySession::train_step(const BatchLoader& loader, int64_t global_step, int64_t epoch,
+                                       int64_t step_in_epoch, int32_t micro_batches, int64_t seq_len) {
+  host_->take_comm_stats();  // not the evaluation's or set-up's
+  host_->take_step_metrics();
+  weft_step_info info{};
+  info.struct_size = sizeof(weft_step_info);
+  info.step = global_step;
+  info.epoch = epoch;
+  info.micro_batches = micro_batches;
+  info.rows_per_micro_batch = loader.local_batch();
+  info.seq_len = seq_len;
+  StepReport report;
+  host_->begin_train_step(&loader, epoch, step_in_epoch, micro_batches);
+  try {
+    check(library_->api().train_step(instance_, &info, &report.loss), "train_step");
+  } catch (...) {
+    host_->end_step();
+    throw;
+  }
+  host_->end_step();
+  report.comm = host_->take_comm_stats();
+  report.metrics = host_->take_step_metrics();
+  return report;
 }
 
-std::pair<double, int64_t> StrategySession::eval_step(const weft_step_info& step) {
-  double sum = 0.0;
-  int64_t tokens = 0;
-  check(library_->api().eval_step(instance_, &step, &sum, &tokens), "eval_step");
-  return {sum, tokens};
+bool StrategySession::can_evaluate(int world) const { return world == 1 || library_->api().eval_step != nullptr; }
+
+EvalSums StrategySession::eval_batch(const EvalLoader& loader, int64_t index, int64_t global_step, int64_t epoch,
+                                     int64_t seq_len) {
+  WEFT_CHECK(model_ != nullptr, "plugin {}: evaluation before the model is attached", library_->name());
+  weft_step_info info{};
+  info.struct_size = sizeof(weft_step_info);
+  info.step = global_step;
+  info.epoch = epoch;
+  info.micro_batches = 1;
+  info.seq_len = seq_len;
+  EvalSums sums;
+  host_->begin_eval_step(&loader, index);
+  try {
+    if (library_->api().eval_step == nullptr) {  // the ABI's default (one rank)
+      std::tie(sums.loss_sum, sums.tokens) = host_->default_eval_step();
+    } else {
+      check(library_->api().eval_step(instance_, &info, &sums.loss_sum, &sums.tokens), "eval_step");
+    }
+  } catch (...) {
+    host_->end_step();
+    throw;
+  }
+  host_->end_step();
+  return sums;
 }
 
 double StrategySession::global_grad_norm_sq(double local_sq) {
@@ -67,20 +157,10 @@ double StrategySession::global_grad_norm_sq(double local_sq) {
   return global;
 }
 
-weft_shard StrategySession::shard_parameter(const weft_parameter_info& info) {
-  weft_shard shard{0, 1, 0};
-  if (!has_shard_parameter()) return shard;
-  check(library_->api().shard_parameter(instance_, &info, &shard), "shard_parameter");
-  WEFT_CHECK(shard.parts >= 1 && 0 <= shard.index && shard.index < shard.parts && 0 <= shard.dim &&
-                 shard.dim < info.ndim,
-             "plugin {}: shard_parameter({}) returned dim {}, part {} of {}", library_->name(), info.name, shard.dim,
-             shard.index, shard.parts);
-  return shard;
-}
+PluginHost::CommStats StrategySession::take_comm_stats() { return host_->take_comm_stats(); }
 
-void StrategySession::comm_point(weft_comm_point point, weft_direction direction, int64_t layer, DLTensor& tensor) {
-  if (!has_comm_point()) return;
-  check(library_->api().comm_point(instance_, point, direction, layer, &tensor), "comm_point");
-}
+void StrategySession::record_sequence_losses(int64_t sequences) { host_->record_sequence_losses(sequences); }
+
+std::pair<at::Tensor, at::Tensor> StrategySession::take_sequence_losses() { return host_->take_sequence_losses(); }
 
 }  // namespace weft

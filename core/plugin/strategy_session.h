@@ -1,47 +1,93 @@
-// One loaded strategy plugin instance for this process: the library, the PluginHost that serves
-// it and the plugin's weft_strategy, with C++ calls that throw weft::Error naming the plugin.
+// One strategy instance for this process, with a C++ face: the rest of the host (the trainer, the
+// evaluator, generation) calls these methods and never sees the C ABI (weft_step_info, DLPack
+// views, statuses). Behind it: the plugin library (loaded, or the built-in single), the
+// PluginHost that serves it, and the plugin's weft_strategy. Every method throws weft::Error
+// naming the plugin when the plugin fails.
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 
 #include <toml++/toml.h>
 #include <weft/strategy.h>
 
+#include "core/model/llama.h"
+#include "core/model/parallel.h"
 #include "core/plugin/host_api.h"
 #include "core/plugin/library.h"
 
 namespace weft {
 
+class BatchLoader;
+class EvalLoader;
+class Communicator;
+
+// Where the plugin puts this rank: the model stages it holds and its data-parallel coordinates.
+struct Placement {
+  StageRange stages;
+  int data_parallel_rank = 0;
+  int data_parallel_size = 1;
+};
+
+// What one step did on this rank.
+struct StepReport {
+  double loss = 0.0;                      // the step's mean loss (the same on every rank)
+  PluginHost::CommStats comm;             // this rank's communication during the step
+  std::map<std::string, double> metrics;  // what the plugin reported (report_metric)
+};
+
+// One held-out batch's token-weighted loss, summed over the ranks that share it.
+struct EvalSums {
+  double loss_sum = 0.0;
+  int64_t tokens = 0;
+};
+
 class StrategySession {
  public:
-  // Loads the plugin and creates its instance (the plugin validates its config and the world
-  // size here). Throws weft::Error on any refusal, before the model is built.
+  // Loads the plugin (`path_or_name`; "" means single, which is built into the host) and creates
+  // its instance, which validates its [plugin] settings and the world size. Throws weft::Error on
+  // any refusal, before the model is built. `communicator` must outlive the session.
   StrategySession(const std::string& path_or_name, toml::table plugin_config, Communicator& communicator);
   ~StrategySession();  // destroys the instance; the library stays loaded
   StrategySession(const StrategySession&) = delete;
   StrategySession& operator=(const StrategySession&) = delete;
 
   const PluginLibrary& library() const { return *library_; }
-  PluginHost& host() { return *host_; }
+  // "ddp 1.0.0 (ABI 1.1) from /path/ddp.so"
+  std::string describe() const;
+  // What every rank must agree on: the plugin's name, version and negotiated ABI.
+  std::string fingerprint() const;
 
-  // The plugin's placement for this rank (one-process layout when it has no plan slot).
-  weft_model_plan plan(int64_t num_stages);
-  void setup();
-  // Runs the step's forward/backward; returns the step's mean loss.
-  double train_step(const weft_step_info& step);
-  bool has_eval_step() const { return library_->api().eval_step != nullptr; }
-  // Sum of token losses and the token count of one held-out batch over all ranks.
-  std::pair<double, int64_t> eval_step(const weft_step_info& step);
-  // The global squared grad norm from this rank's local one.
+  // --- before the model is built ---
+  // Tells the plugin the model's shape and the run's batch geometry, and asks where this rank
+  // stands (the one-process layout for a plugin without a plan).
+  Placement place(const ModelConfig& config, torch::Dtype compute_dtype, int64_t seq_len, int64_t batch_rows);
+  // How this rank holds each parameter of `stages` (empty: every tensor whole).
+  ShardMap shards(const ModelConfig& config, const StageRange& stages);
+  // The communication the model runs at its fixed points, or null for a plugin without any.
+  std::shared_ptr<const CommHook> comm_hook();
+
+  // --- after ---
+  // The model the host services refer to (built, weights loaded); runs the plugin's setup.
+  void attach(LlamaForCausalLMImpl& model);
+  // One optimizer step's forward and backward passes: `micro_batches` micro-batches of `loader`
+  // from global batch step_in_epoch x micro_batches of `epoch`. Gradients are left for the
+  // optimizer.
+  StepReport train_step(const BatchLoader& loader, int64_t global_step, int64_t epoch, int64_t step_in_epoch,
+                        int32_t micro_batches, int64_t seq_len);
+  // Whether this plugin can evaluate on `world` ranks (a plugin without eval_step: one rank).
+  bool can_evaluate(int world) const;
+  // Held-out batch `index` of `loader`, forward only.
+  EvalSums eval_batch(const EvalLoader& loader, int64_t index, int64_t global_step, int64_t epoch, int64_t seq_len);
+  // The global squared gradient norm from this rank's share.
   double global_grad_norm_sq(double local_sq);
-  // Tensor parallelism: how this rank holds each parameter (whole without a shard_parameter
-  // slot), and the communication at the model's comm points (nothing without a comm_point slot).
-  bool has_shard_parameter() const { return library_->api().shard_parameter != nullptr; }
-  weft_shard shard_parameter(const weft_parameter_info& info);
-  bool has_comm_point() const { return library_->api().comm_point != nullptr; }
-  void comm_point(weft_comm_point point, weft_direction direction, int64_t layer, DLTensor& tensor);
+  // This rank's communication through the plugin since the last call (which resets it).
+  PluginHost::CommStats take_comm_stats();
+  // Per-sequence evaluation (PluginHost::record_sequence_losses / take_sequence_losses).
+  void record_sequence_losses(int64_t sequences);
+  std::pair<at::Tensor, at::Tensor> take_sequence_losses();
 
  private:
   void check(weft_status* status, const char* what) const;
@@ -49,6 +95,7 @@ class StrategySession {
   std::shared_ptr<PluginLibrary> library_;
   std::unique_ptr<PluginHost> host_;
   weft_strategy* instance_ = nullptr;
+  LlamaForCausalLMImpl* model_ = nullptr;
 };
 
 }  // namespace weft

@@ -2,7 +2,7 @@
 
 #include <torch/torch.h>
 
-#include "core/plugin/process_groups.h"
+#include "core/dist/process_groups.h"
 #include "core/util/error.h"
 
 namespace weft {

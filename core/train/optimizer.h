@@ -9,7 +9,7 @@
 
 #include <torch/optim/adamw.h>
 
-#include "core/train/options.h"
+#include "core/job/options.h"
 
 namespace weft {
 

@@ -266,7 +266,12 @@ TEST(PluginLoader, ListsEveryLibraryInTheSearchPathWithItsProblem) {
   const std::vector<PluginListing> listings = list_plugins();
   std::vector<std::string> files;
   for (const auto& l : listings) files.push_back(fs::path(l.path).filename().string());
-  EXPECT_EQ(files, (std::vector<std::string>{"entry_null.so", "error_create.so", "good.so", "missing_create.so",
+  // The strategy built into the host first, then the libraries.
+  ASSERT_FALSE(listings.empty());
+  EXPECT_EQ(listings[0].path, "(built in)");
+  EXPECT_EQ(listings[0].name, "single");
+  EXPECT_EQ(listings[0].problem, "");
+  EXPECT_EQ(files, (std::vector<std::string>{"(built in)", "entry_null.so", "error_create.so", "good.so", "missing_create.so",
                                              "missing_name.so", "needs_newer_host.so", "newer_minor.so",
                                              "no_entry.so", "not_a_library.so", "too_small.so",
                                              "undefined_symbol.so", "wrong_major.so"}));

@@ -5,7 +5,7 @@
 
 #include <gtest/gtest.h>
 
-#include "sdk/fake_host.h"
+#include "common/fake_host.h"
 
 #define weft_strategy_entry c_average_entry
 extern "C" {

@@ -6,7 +6,7 @@
 
 #include <gtest/gtest.h>
 
-#include "sdk/fake_host.h"
+#include "common/fake_host.h"
 
 #define weft_strategy_entry cpp_single_entry
 #include "../../sdk/examples/cpp_single/cpp_single.cpp"

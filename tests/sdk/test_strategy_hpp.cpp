@@ -8,7 +8,7 @@
 
 #include <weft/strategy.hpp>
 
-#include "sdk/fake_host.h"
+#include "common/fake_host.h"
 
 namespace {
 

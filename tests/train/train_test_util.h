@@ -8,7 +8,7 @@
 #include <random>
 #include <string>
 
-#include "core/train/options.h"
+#include "core/job/options.h"
 
 namespace weft::testing {
 

@@ -1,6 +1,7 @@
-// cpp_single: the one-process reference strategy written with the C++ SDK (weft/strategy.hpp).
-// train_step: for each micro-batch: batch -> forward(all stages) -> loss(scale 1/M) -> backward;
-// returns the mean loss. Every other slot is left to the host's defaults.
+// cpp_single: a one-process strategy written with the C++ SDK (weft/strategy.hpp), out of tree.
+// train_step: the SDK's reference step (Strategy::single_process_train_step: for each micro-batch
+// batch -> forward(all stages) -> loss(scale 1/M) -> backward; the mean loss), plus a debug log
+// line every plugin.log_every steps. Every other slot is left to the host's defaults.
 #include <string>
 
 #include <weft/strategy.hpp>
@@ -19,20 +20,11 @@ class SingleProcess : public weft::sdk::Strategy {
   }
 
   double train_step(const weft_step_info& step) override {
-    const weft::sdk::Host& h = host();
-    const int64_t stages = h.model_num_stages();
-    const double scale = 1.0 / step.micro_batches;
-    double loss_sum = 0.0;
-    for (int32_t m = 0; m < step.micro_batches; ++m) {
-      weft::sdk::Batch batch = h.batch(m);
-      weft::sdk::Activation logits = h.forward(0, stages, batch.inputs);
-      weft::sdk::Loss loss = h.loss(logits, batch.targets, scale);
-      h.backward(loss.loss);
-      loss_sum += loss.value;
-    }  // each micro-batch's activations (and its graph) are released here
-    const double mean_loss = loss_sum / step.micro_batches;
+    // The SDK's one-process reference step (the host's own: batch -> forward -> loss(1/M) ->
+    // backward per micro-batch), then what this example adds: a log line every log_every steps.
+    const double mean_loss = single_process_train_step(step);
     if (log_every_ > 0 && step.step % log_every_ == 0) {
-      WEFT_LOG_DEBUG(h, "step %lld: mean loss %.4f over %d micro-batches",
+      WEFT_LOG_DEBUG(host(), "step %lld: mean loss %.4f over %d micro-batches",
                      static_cast<long long>(step.step), mean_loss, step.micro_batches);
     }
     return mean_loss;

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "sdk/fake_host.h"
+#include "common/fake_host.h"
 
 struct DdpFakeAllReduce {
   int64_t elements;

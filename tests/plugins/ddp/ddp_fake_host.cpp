@@ -1,4 +1,4 @@
-#include "sdk/ddp_fake_host.h"
+#include "plugins/ddp/ddp_fake_host.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-#include "core/app/launcher.h"
+#include "core/dist/launcher.h"
 
 #include <signal.h>
 #include <sys/prctl.h>
@@ -16,8 +16,8 @@
 #include <spdlog/spdlog.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
-#include "core/plugin/process_groups.h"
-#include "core/plugin/rendezvous.h"
+#include "core/dist/process_groups.h"
+#include "core/dist/rendezvous.h"
 #include "core/util/error.h"
 
 extern char** environ;

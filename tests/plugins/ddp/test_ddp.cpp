@@ -7,11 +7,10 @@
 
 #include <gtest/gtest.h>
 
-#include "sdk/ddp_fake_host.h"
+#include "plugins/ddp/ddp_fake_host.h"
 
 #define weft_strategy_entry ddp_entry
-#include "../../plugins/common/buckets.cpp"
-#include "../../plugins/ddp/ddp.cpp"
+#include "../../../plugins/ddp/ddp.cpp"
 #undef weft_strategy_entry
 
 namespace {

@@ -1,4 +1,4 @@
-#include "core/plugin/process_groups.h"
+#include "core/dist/process_groups.h"
 
 #include <algorithm>
 #include <chrono>

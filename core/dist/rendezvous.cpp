@@ -1,4 +1,4 @@
-#include "core/plugin/rendezvous.h"
+#include "core/dist/rendezvous.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -11,7 +11,7 @@
 #include <spdlog/spdlog.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
-#include "core/plugin/process_groups.h"
+#include "core/dist/process_groups.h"
 #include "core/util/error.h"
 #include "core/util/torch_compat.h"
 

@@ -1,4 +1,4 @@
-#include "sdk/fake_host.h"
+#include "common/fake_host.h"
 
 namespace {
 

@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <string>
 
-#include "core/train/options.h"
+#include "core/job/options.h"
 
 namespace weft {
 

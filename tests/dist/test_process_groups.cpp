@@ -11,8 +11,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/torch.h>
 
-#include "core/plugin/process_groups.h"
-#include "core/plugin/rendezvous.h"
+#include "core/dist/process_groups.h"
+#include "core/dist/rendezvous.h"
 #include "core/util/error.h"
 #include "test_paths.h"
 

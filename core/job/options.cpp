@@ -1,4 +1,4 @@
-#include "core/train/options.h"
+#include "core/job/options.h"
 
 namespace weft {
 
@@ -7,6 +7,7 @@ TrainOptions train_options_from_config(const Config& c) {
   o.model.preset = c.get_string("model.preset");
   o.model.config_path = c.get_string("model.config");
   o.model.weights = c.get_string("model.weights");
+  o.model.adapter = c.get_string("model.adapter");
   o.model.init_std = c.get_float("model.init_std");
   o.model.vocab_size = c.get_int("model.vocab_size");
   o.model.activation_checkpointing = c.get_bool("model.activation_checkpointing");

@@ -1,4 +1,4 @@
-#include "core/train/memory.h"
+#include "core/util/memory.h"
 
 #include <atomic>
 #include <cstring>

@@ -1,4 +1,4 @@
-#include "core/train/job_export.h"
+#include "core/job/export.h"
 
 #include <filesystem>
 
@@ -7,7 +7,7 @@
 #include "core/data/dataset.h"
 #include "core/data/tokenizer.h"
 #include "core/model/config.h"
-#include "core/train/trainer.h"
+#include "core/job/job.h"
 #include "core/util/error.h"
 #include "core/util/fs.h"
 

@@ -16,6 +16,7 @@ struct ModelSource {
   std::string preset;
   std::string config_path;
   std::string weights;
+  std::string adapter;  // model.adapter: a PEFT LoRA adapter directory applied on top of the weights
   double init_std = 0.02;
   int64_t vocab_size = 0;
   bool activation_checkpointing = false;

@@ -1,0 +1,118 @@
+#include "core/app/cli.h"
+
+#include <iostream>
+#include <stdexcept>
+
+#include <boost/program_options.hpp>
+#include <fmt/format.h>
+
+#include "core/config/schema.h"
+#include "core/util/error.h"
+
+namespace weft::app {
+
+namespace po = boost::program_options;
+
+namespace {
+
+po::options_description describe_options() {
+  po::options_description options("Options");
+  options.add_options()
+      ("help,h", "print this help, including every configuration key")
+      ("config,c", po::value<std::string>(), "TOML configuration file (may `extends` another)")
+      ("plugin,p", po::value<std::vector<std::string>>()->composing(),
+       "strategy plugin: a path, or a name found in build/plugins or WEFT_PLUGIN_PATH (same as --set train.plugin=...); "
+       "trainer bench: repeat it, each may add settings: --plugin 'gpipe --set plugin.microbatches=8'")
+      ("set,s", po::value<std::vector<std::string>>()->composing(),
+       "override a configuration key: --set train.lr=1e-4 (repeatable; applied after the file)")
+      ("nproc", po::value<std::vector<std::string>>()->composing(),
+       "run N local ranks of this command (TCPStore on 127.0.0.1); under torchrun or Slurm leave it out; "
+       "trainer bench: N or a list 1,2 for every plugin, or one per --plugin")
+      ("warmup", po::value<int64_t>(), "trainer bench: steps per run not counted (default 3)")
+      ("steps", po::value<int64_t>(), "trainer bench: counted steps per run (default 10)")
+      ("repetitions", po::value<int64_t>(), "trainer bench: runs per variant, alternated (default 3)")
+      ("baseline", po::value<std::string>(), "trainer bench: 'pytorch' adds PyTorch DDP (tools/pytorch_baseline.py)")
+      ("out,o", po::value<std::string>(), "trainer bench: output directory; trainer report: the Markdown file")
+      ("log-level", po::value<std::string>(), "trace, debug, info, warn or error (default: log.level)")
+      ("prompt", po::value<std::string>(), "trainer generate: the text to continue")
+      ("data", po::value<std::vector<std::string>>()->composing(),
+       "trainer eval: evaluate every sequence of these files (repeatable) instead of the held-out split")
+      ("json", po::value<std::string>(), "trainer eval: write tokens, loss, perplexity and every sequence's loss to FILE")
+      ("trace", po::value<std::string>(),
+       "write a Chrome/Perfetto trace of the run to FILE (FILE.rank<r>.json per rank; same as --set log.trace=FILE)");
+  return options;
+}
+
+}  // namespace
+
+CommandLine parse_command_line(int argc, char** argv) {
+  po::options_description visible = describe_options();
+  po::options_description all;
+  all.add(visible).add_options()("command", po::value<std::string>(), "command")(
+      "target", po::value<std::string>(), "the command's operand (trainer report RUN_DIR)");
+  po::positional_options_description positional;
+  positional.add("command", 1).add("target", 1);
+  po::variables_map vm;
+  po::store(po::command_line_parser(argc, argv).options(all).positional(positional).run(), vm);
+  po::notify(vm);
+  CommandLine cli;
+  cli.help = vm.count("help") > 0;
+  if (vm.count("command")) cli.command = vm["command"].as<std::string>();
+  if (vm.count("config")) cli.config = vm["config"].as<std::string>();
+  if (vm.count("set")) cli.overrides = vm["set"].as<std::vector<std::string>>();
+  if (vm.count("plugin")) cli.plugins = vm["plugin"].as<std::vector<std::string>>();
+  if (vm.count("nproc")) cli.nprocs = vm["nproc"].as<std::vector<std::string>>();
+  if (vm.count("target")) cli.target = vm["target"].as<std::string>();
+  if (vm.count("out")) cli.out = vm["out"].as<std::string>();
+  if (vm.count("baseline")) cli.baseline = vm["baseline"].as<std::string>();
+  if (vm.count("warmup")) cli.warmup = vm["warmup"].as<int64_t>();
+  if (vm.count("steps")) cli.steps = vm["steps"].as<int64_t>();
+  if (vm.count("repetitions")) cli.repetitions = vm["repetitions"].as<int64_t>();
+  if (!cli.target.empty() && cli.command != "report") {
+    throw Error(fmt::format("unexpected argument '{}' after '{}'", cli.target, cli.command));
+  }
+  if (cli.command == "bench") return cli;
+  if (cli.plugins.size() > 1) throw Error("--plugin is given more than once (only trainer bench takes several)");
+  if (cli.nprocs.size() > 1) throw Error("--nproc is given more than once (only trainer bench takes several)");
+  if (!cli.plugins.empty()) {
+    cli.plugin = cli.plugins.front();
+    cli.overrides.insert(cli.overrides.begin(), "train.plugin=" + cli.plugin);
+  }
+  if (!cli.nprocs.empty()) {
+    try {
+      size_t used = 0;
+      cli.nproc = std::stoi(cli.nprocs.front(), &used);
+      if (used != cli.nprocs.front().size()) throw std::invalid_argument("trailing characters");
+    } catch (const std::exception&) {
+      throw Error(fmt::format("--nproc '{}': expected a number of processes", cli.nprocs.front()));
+    }
+    if (cli.nproc < 1) {
+      throw Error(fmt::format("--nproc {}: the number of processes must be at least 1", cli.nproc));
+    }
+  }
+  if (vm.count("prompt")) cli.prompt = vm["prompt"].as<std::string>();
+  if (vm.count("data")) cli.data = vm["data"].as<std::vector<std::string>>();
+  if (vm.count("json")) cli.json = vm["json"].as<std::string>();
+  if (vm.count("trace")) cli.overrides.push_back("log.trace=" + vm["trace"].as<std::string>());
+  if (vm.count("log-level")) cli.log_level = vm["log-level"].as<std::string>();
+  return cli;
+}
+
+void print_help() {
+  std::cout << "weft trainer: fine-tunes LLaMA-family models.\n\n"
+               "Usage:\n"
+               "  trainer [train] --config FILE [--plugin NAME] [--nproc N] [--set section.key=value ...]\n"
+               "  trainer plugins               list the strategy plugins found, with versions and ABI\n"
+               "  trainer eval --config FILE [--plugin NAME] [--nproc N] [--data FILE ...] [--json OUT]   held-out\n"
+               "        loss and perplexity of the configured model (or of every sequence of the --data files)\n"
+               "  trainer generate --config FILE [--plugin NAME] [--nproc N] --prompt TEXT   continue TEXT (generate.*)\n"
+               "  trainer check --plugin NAME [--nproc N] [--set plugin.KEY=VALUE ...]   conformance: 20 steps under NAME vs single.so\n"
+               "  trainer bench --config FILE --plugin A --plugin B [--nproc N] [--baseline pytorch] [--warmup W]\n"
+               "        [--steps S] [--repetitions R] [--out DIR]   A/B timing: table, bench.json, plots\n"
+               "  trainer report RUN_DIR [--out REPORT.md]   a finished run as a Markdown report with plots\n"
+               "  trainer config-reference      print the configuration reference as Markdown\n\n"
+            << describe_options() << "\n"
+            << render_help();
+}
+
+}  // namespace weft::app

@@ -1,0 +1,34 @@
+// The trainer's command line: the command, its options and the configuration overrides they
+// imply (--plugin is --set train.plugin=..., --trace is --set log.trace=...).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace weft::app {
+
+struct CommandLine {
+  std::string command = "train";
+  std::string config;
+  std::vector<std::string> overrides;
+  std::string log_level;
+  std::string prompt;
+  std::string plugin;
+  int nproc = 0;
+  bool help = false;
+  // trainer bench: every --plugin and --nproc as given; trainer report: the run directory.
+  std::vector<std::string> plugins, nprocs;
+  std::string target, out, baseline;
+  int64_t warmup = 3, steps = 10, repetitions = 3;
+  // trainer eval: files to evaluate instead of the held-out split, and where to write the JSON.
+  std::vector<std::string> data;
+  std::string json;
+};
+
+// Parses argv; throws weft::Error (or boost::program_options::error) for a malformed command line.
+CommandLine parse_command_line(int argc, char** argv);
+// Usage, every option and every configuration key.
+void print_help();
+
+}  // namespace weft::app

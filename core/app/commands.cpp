@@ -1,0 +1,255 @@
+// The trainer's commands, one function each: train, eval, generate, check, bench, report, plugins.
+#include "core/app/commands.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+#include <torch/cuda.h>
+
+#include "core/bench/bench.h"
+#include "core/config/config.h"
+#include "core/dist/process_groups.h"
+#include "core/job/evaluate.h"
+#include "core/job/generate.h"
+#include "core/job/job.h"
+#include "core/plugin/library.h"
+#include "core/train/conformance.h"
+#include "core/train/trainer.h"
+#include "core/util/error.h"
+#include "core/util/fs.h"
+#include "core/util/log.h"
+#include "core/util/shell.h"
+#include "core/util/torch_compat.h"
+
+namespace weft::app {
+namespace {
+
+void print_summary(const TrainResult& r) {
+  double total = 0;
+  for (double s : r.epoch_seconds) total += s;
+  spdlog::info("=== run summary ===");
+  if (!r.epoch_seconds.empty()) {
+    std::vector<std::string> each;
+    for (double s : r.epoch_seconds) each.push_back(format_duration(s));
+    spdlog::info("time per epoch: {} (mean over {} epochs: {})", fmt::join(each, ", "), r.epoch_seconds.size(),
+                 format_duration(total / r.epoch_seconds.size()));
+  }
+  spdlog::info("steps: {}, throughput: {:.0f} tokens/s", r.steps, r.tokens_per_second);
+  if (r.final_eval) {
+    spdlog::info("held-out loss {:.4f}, perplexity {:.2f} (best loss {:.4f})", r.final_eval->loss,
+                 r.final_eval->perplexity, r.best_eval_loss);
+  }
+  if (r.early_stopped) spdlog::info("stopped early (eval.patience)");
+  spdlog::info("peak memory: {:.0f} MiB", r.peak_rss_mib);
+}
+
+// The configuration, options and rank context of a train or generate run, with logging set
+// up for this rank.
+struct RunSetup {
+  Config config;
+  TrainOptions options;
+  RunContext context;
+};
+
+RunSetup prepare_run(const CommandLine& cli) {
+  if (cli.config.empty() && cli.overrides.empty()) {
+    throw Error("no configuration: pass --config FILE (see configs/) and/or --set key=value");
+  }
+  RunSetup run{load_config(cli.config, cli.overrides), {}, {}};
+  set_log_level(cli.log_level.empty() ? run.config.get_string("log.level") : cli.log_level);
+  run.options = train_options_from_config(run.config);
+  run.options.config_hash = run.config.hash();
+  run.context.env = detect_distributed_env();
+  run.context.rank = run.context.env.rank;
+  run.context.world = run.context.env.world;
+  if (run.context.world > 1) {
+    spdlog::set_pattern(fmt::format("[%H:%M:%S] [rank {}] %^%l%$ %v", run.context.rank));
+    // One voice: ranks other than 0 report warnings and errors unless a level is asked for.
+    if (run.context.rank != 0 && cli.log_level.empty()) set_log_level("warn");
+  }
+  spdlog::info("config {} (hash {})", cli.config.empty() ? "<overrides>" : cli.config, run.config.hash());
+  return run;
+}
+
+std::string tools_dir() {
+  const char* dir = std::getenv("WEFT_TOOLS_DIR");
+  return dir != nullptr ? dir : WEFT_TOOLS_DIR;
+}
+
+}  // namespace
+
+// `trainer train`: the training run; its exit status is 128 + the signal when SIGINT/SIGTERM
+// stopped it.
+int run_train(const CommandLine& cli) {
+  RunSetup run = prepare_run(cli);
+  const Config& config = run.config;
+  const auto& options = run.options;
+  Trainer trainer(options, run.context);
+  std::filesystem::create_directories(options.out_dir);
+  if (run.context.rank == 0) {  // one writer: the effective config, and how to run this again (trainer report)
+    write_run_config(options.out_dir, config);
+    const char* command = std::getenv("WEFT_COMMAND_LINE");  // unset under torchrun / Slurm: not recorded
+    if (command != nullptr) write_file_atomically(options.out_dir + "/command.txt", std::string(command) + "\n");
+  }
+  const auto result = trainer.run();
+  print_summary(result);
+  return result.interrupted ? 128 + result.interrupt_signal : 0;
+}
+
+// `trainer generate`: continue --prompt with the configured model (and plugin); rank 0 prints the
+// tokens and the text on stdout.
+int run_generate(const CommandLine& cli) {
+  if (cli.prompt.empty()) throw Error("trainer generate needs --prompt TEXT");
+  RunSetup run = prepare_run(cli);
+  Job job(run.options, run.context, Job::Data::kNone);
+  const auto result = generate(job, cli.prompt);
+  if (run.context.rank == 0) {
+    std::string ids;
+    for (int32_t id : result.tokens) ids += (ids.empty() ? "" : " ") + std::to_string(id);
+    std::cout << "tokens: " << ids << "\n" << cli.prompt << result.text << "\n";
+    spdlog::info("generated {} tokens after a {}-token prompt in {:.2f} s ({:.1f} tokens/s; first token after {:.3f} s)",
+                 result.tokens.size(), result.prompt_tokens, result.seconds,
+                 result.seconds > 0 ? static_cast<double>(result.tokens.size()) / result.seconds : 0.0,
+                 result.first_token_seconds);
+    if (result.comm_operations > 0) {
+      spdlog::info("communication (rank 0): {} operations, {:.2f} MB, {:.3f} s waiting ({:.1f}% of the time; compute "
+                   "and the rest {:.3f} s)",
+                   result.comm_operations, result.comm_bytes / 1e6, result.comm_wait_seconds,
+                   result.seconds > 0 ? 100.0 * result.comm_wait_seconds / result.seconds : 0.0,
+                   result.seconds - result.comm_wait_seconds);
+    }
+  }
+  return 0;
+}
+
+// `trainer eval`: the configured model's token-weighted loss and perplexity on the held-out split
+// of data.path (as training evaluates it), or on every sequence of the --data files (no split,
+// packed as training packs them). Rank 0 prints them; --json also writes every sequence's loss.
+int run_eval(const CommandLine& cli) {
+  RunSetup run = prepare_run(cli);
+  TrainOptions options = run.options;
+  if (!cli.data.empty()) {
+    options.data.paths = cli.data;
+    options.data.heldout_fraction = 0;
+    options.data.max_documents = 0;
+  }
+  Job job(options, run.context, Job::Data::kSplits);
+  const auto& sequences = cli.data.empty() ? job.data().heldout : job.data().train;
+  WEFT_CHECK(sequences != nullptr,
+             "trainer eval: data.heldout_fraction is 0, so data.path has no held-out split (pass --data FILE)");
+  EvalOptions eval;
+  eval.batch_size = options.eval_batch_size > 0 ? options.eval_batch_size : options.batch_size;
+  eval.max_batches = cli.data.empty() ? options.eval_max_batches : 0;
+  eval.per_sequence = !cli.json.empty();
+  const EvalResult result = evaluate(job, sequences, eval);
+  if (run.context.rank != 0) return 0;
+  std::cout << fmt::format("{}: {} sequences, {} tokens, loss {:.6f}, perplexity {:.4f}\n",
+                           cli.data.empty() ? "held-out" : "data", result.sequences, result.tokens, result.loss,
+                           result.perplexity);
+  if (!cli.json.empty()) {
+    const nlohmann::json json = {{"data", cli.data.empty() ? nlohmann::json("held-out") : nlohmann::json(cli.data)},
+                                 {"sequences", result.sequences},
+                                 {"seq_len", sequences->seq_len()},
+                                 {"tokens", result.tokens},
+                                 {"loss", result.loss},
+                                 {"perplexity", result.perplexity},
+                                 {"seconds", result.seconds},
+                                 {"plugin", job.strategy().library().name()},
+                                 {"processes", run.context.world},
+                                 {"sequence_losses", result.sequence_losses}};
+    write_file_atomically(cli.json, json.dump(2) + "\n");
+    spdlog::info("wrote {}", cli.json);
+  }
+  return 0;
+}
+
+// `trainer check --plugin X`: the conformance check against single.so.
+int run_check(const CommandLine& cli) {
+  if (cli.plugin.empty()) throw Error("trainer check needs --plugin NAME_OR_PATH");
+  set_log_level(cli.log_level.empty() ? "warn" : cli.log_level);
+  ConformanceOptions options;
+  options.plugin = cli.plugin;
+  options.nproc = std::max(1, cli.nproc);
+  options.trainer_path = std::filesystem::read_symlink("/proc/self/exe").string();
+  std::string settings;
+  for (const auto& setting : cli.overrides) {
+    if (setting.rfind("train.plugin=", 0) == 0) continue;  // --plugin itself
+    if (setting == "train.mode=lora" || setting == "train.mode=full") {
+      options.mode = setting.substr(std::string("train.mode=").size());
+      settings += ", " + setting;
+      continue;
+    }
+    if (setting == "train.precision=fp32" || setting == "train.precision=bf16") {
+      options.precision = setting.substr(std::string("train.precision=").size());
+      settings += ", " + setting;
+      continue;
+    }
+    if (setting.rfind("plugin.", 0) != 0) {
+      throw Error(fmt::format("trainer check takes only --set plugin.KEY=VALUE (the plugin's settings), --set "
+                                    "train.mode=full|lora and --set train.precision=fp32|bf16, got '{}'",
+                                    setting));
+    }
+    options.plugin_settings.push_back(setting.substr(std::string("plugin.").size()));
+  }
+  const auto report = check_conformance(options);
+  for (const auto& s : options.plugin_settings) settings += ", plugin." + s;
+  std::cout << "conformance of " << cli.plugin << " (" << options.nproc << " rank" << (options.nproc > 1 ? "s" : "")
+            << settings << ") against single: " << report.describe() << "\n";
+  return report.passed ? 0 : 1;
+}
+
+
+// `trainer bench`: A/B timing of plugins (core/bench/bench.h).
+int run_bench(const CommandLine& cli) {
+  set_log_level(cli.log_level.empty() ? "info" : cli.log_level);
+  if (!cli.baseline.empty() && cli.baseline != "pytorch") {
+    throw Error(fmt::format("--baseline '{}': the only baseline is 'pytorch'", cli.baseline));
+  }
+  BenchOptions options;
+  options.config = cli.config;
+  options.overrides = cli.overrides;
+  options.plugins = cli.plugins;
+  options.nproc = cli.nprocs;
+  options.pytorch_baseline = cli.baseline == "pytorch";
+  options.warmup_steps = cli.warmup;
+  options.steps = cli.steps;
+  options.repetitions = cli.repetitions;
+  options.out_dir = cli.out;
+  options.trainer_path = std::filesystem::read_symlink("/proc/self/exe").string();
+  options.tools_dir = tools_dir();
+  const char* python = std::getenv("WEFT_PYTHON");
+  options.python = python != nullptr ? python : WEFT_DEFAULT_PYTHON;
+  return run_bench(options);
+}
+
+// `trainer report RUN_DIR`: tools/report.py turns the run's metrics into Markdown and plots.
+int run_report(const CommandLine& cli) {
+  if (cli.target.empty()) throw Error("trainer report needs the run directory: trainer report RUN_DIR");
+  if (!std::filesystem::exists(cli.target + "/metrics.jsonl")) {
+    throw Error(fmt::format("{}: not a run directory (no metrics.jsonl)", cli.target));
+  }
+  std::vector<std::string> args{"python3", tools_dir() + "/report.py", cli.target};
+  if (!cli.out.empty()) args.insert(args.end(), {"-o", cli.out});
+  const int status = std::system(shell_join(args).c_str());
+  return status == 0 ? 0 : 1;
+}
+
+// `trainer plugins`: every strategy plugin in the search path, described, failures marked.
+int run_plugins() {
+  // Plugins that link LibTorch must be built against this one (sdk/include/weft/strategy_torch.hpp).
+  std::cout << fmt::format("host: LibTorch {}, NCCL {}, CUDA devices {}\n", compat::libtorch_version(),
+                           Communicator::nccl_compiled() ? "compiled in" : "not in this build",
+                           torch::cuda::device_count());
+  std::cout << format_plugin_table(list_plugins());
+  return 0;
+}
+
+
+}  // namespace weft::app

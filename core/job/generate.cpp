@@ -1,0 +1,99 @@
+#include "core/job/generate.h"
+
+#include <chrono>
+
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+
+#include "core/job/job.h"
+#include "core/util/error.h"
+
+namespace weft {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// The whole vocabulary's logits of the last position, on every rank (a vocabulary-parallel
+// model sums its shards through the loss-sum communication point).
+torch::Tensor full_vocabulary(LlamaForCausalLMImpl& model, const torch::Tensor& last) {
+  if (!model.vocab_parallel()) return last.to(torch::kFloat32);
+  WEFT_CHECK(model.options().comm != nullptr && *model.options().comm,
+             "the vocabulary is split over ranks but the plugin has no comm_point to combine it");
+  auto full = torch::zeros({model.config().vocab_size}, torch::kFloat32);
+  full.narrow(0, model.local_shape().vocab_start, model.local_shape().vocab).copy_(last);
+  (*model.options().comm)(CommPoint::kLossSum, /*backward=*/false, -1, full);
+  return full;
+}
+
+// Greedy (temperature 0) or temperature + nucleus (top-p) sampling with `generator`.
+int32_t pick_token(const torch::Tensor& logits, double temperature, double top_p, at::Generator& generator) {
+  if (temperature <= 0.0) return static_cast<int32_t>(logits.argmax().item<int64_t>());
+  auto probs = (logits / temperature).softmax(0);
+  auto [sorted, order] = probs.sort(0, /*descending=*/true);
+  auto cumulative = sorted.cumsum(0);
+  // Keep the smallest prefix whose mass reaches top_p (at least one token).
+  auto keep = (cumulative - sorted) < top_p;
+  auto kept = sorted * keep.to(torch::kFloat32);
+  const int64_t choice = torch::multinomial(kept / kept.sum(), 1, false, generator).item<int64_t>();
+  return static_cast<int32_t>(order[choice].item<int64_t>());
+}
+
+}  // namespace
+
+GenerateResult generate(Job& job, const std::string& prompt) {
+  const TrainOptions& options = job.options();
+  const Tokenizer& tokenizer = job.tokenizer();
+  LlamaForCausalLMImpl& model = job.model();
+  torch::NoGradGuard no_grad;
+  model.eval();
+  std::vector<int32_t> ids;
+  if (const auto bos = tokenizer.bos_id()) ids.push_back(*bos);
+  const auto encoded = tokenizer.encode(prompt);
+  ids.insert(ids.end(), encoded.begin(), encoded.end());
+  WEFT_CHECK(!ids.empty(), "trainer generate: the prompt encodes to no tokens");
+  // The model has positions for max_position_embeddings tokens, prompt included.
+  const int64_t positions = model.config().max_position_embeddings;
+  const int64_t prompt_tokens = static_cast<int64_t>(ids.size());
+  WEFT_CHECK(prompt_tokens < positions,
+             "trainer generate: the prompt is {} tokens, but the model has {} positions "
+             "(max_position_embeddings) and needs one more for the first new token",
+             prompt_tokens, positions);
+  int64_t max_new_tokens = options.max_new_tokens;
+  if (prompt_tokens + max_new_tokens > positions) {
+    max_new_tokens = positions - prompt_tokens;
+    spdlog::warn("trainer generate: at most {} new tokens after the {}-token prompt: the model has {} positions "
+                 "(max_position_embeddings), fewer than generate.max_new_tokens = {} needs",
+                 max_new_tokens, prompt_tokens, positions, options.max_new_tokens);
+  }
+  const std::optional<int32_t> stop = tokenizer.eos_id();
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(options.generate_seed);
+  std::vector<LayerKvCache> cache;
+  GenerateResult result;
+  job.strategy().take_comm_stats();  // count generation's communication only
+  const auto start = Clock::now();
+  auto input = torch::tensor(std::vector<int64_t>(ids.begin(), ids.end()), torch::kLong).unsqueeze(0);
+  for (int64_t n = 0; n < max_new_tokens; ++n) {
+    const auto logits = model.forward_cached(input, cache);
+    // Only ids the tokenizer can decode (a model's vocabulary may be padded beyond them).
+    const auto last = full_vocabulary(model, logits[0][logits.size(1) - 1]).narrow(0, 0, tokenizer.vocab_size());
+    const int32_t next = pick_token(last, options.temperature, options.top_p, generator);
+    if (n == 0) result.first_token_seconds = seconds_since(start);
+    if (stop && next == *stop) break;
+    result.tokens.push_back(next);
+    input = torch::tensor({static_cast<int64_t>(next)}, torch::kLong).unsqueeze(0);
+  }
+  result.seconds = seconds_since(start);
+  const auto comm = job.strategy().take_comm_stats();
+  result.comm_operations = comm.operations;
+  result.comm_bytes = comm.bytes;
+  result.comm_wait_seconds = comm.wait_seconds;
+  result.prompt_tokens = static_cast<int64_t>(ids.size());
+  result.text = tokenizer.decode(result.tokens);
+  return result;
+}
+
+}  // namespace weft

@@ -1,0 +1,82 @@
+// A job: what every command that runs a model builds, and builds the same way (trainer train,
+// eval, generate and check; trainer bench exports it): this process's place in the run, the
+// strategy (a plugin, or the built-in single), the tokenizer, the model as the strategy places
+// and shards it, with its weights, and optionally the data. Everything that can be wrong with the
+// input is refused here, with one error naming it, before any compute.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <torch/types.h>
+
+#include "core/data/dataset.h"
+#include "core/data/tokenizer.h"
+#include "core/dist/process_groups.h"
+#include "core/dist/rendezvous.h"
+#include "core/job/options.h"
+#include "core/model/llama.h"
+#include "core/model/lora.h"
+#include "core/plugin/strategy_session.h"
+
+namespace weft {
+
+struct RunContext {
+  int rank = 0;
+  int world = 1;
+  DistributedEnv env;  // how to join the job when world > 1 (torchrun / Slurm / --nproc)
+};
+
+// The model's shape for a run: model.config, else the config.json beside model.weights, else
+// model.preset; model.vocab_size overrides; special-token ids the shape lacks come from the
+// tokenizer. Throws weft::Error naming the problem when there is no shape, the tokenizer has more
+// tokens than the vocabulary, or data.seq_len exceeds the model's positions.
+ModelConfig resolve_model_config(const TrainOptions& options, const Tokenizer& tokenizer);
+
+class Job {
+ public:
+  enum class Data {
+    kNone,      // the model only (trainer generate)
+    kSplits,    // data.path prepared as training prepares it: the train and held-out splits
+  };
+  // Joins the run (rendezvous, process groups), loads the strategy and checks that every rank
+  // runs the same plugin build and configuration, then builds the tokenizer, the model and `data`.
+  Job(TrainOptions options, RunContext context, Data data);
+  ~Job();
+  Job(const Job&) = delete;
+  Job& operator=(const Job&) = delete;
+
+  const TrainOptions& options() const { return options_; }
+  const RunContext& context() const { return context_; }
+  Communicator& communicator() { return *communicator_; }
+  StrategySession& strategy() { return *strategy_; }
+  const Tokenizer& tokenizer() const { return *tokenizer_; }
+  LlamaForCausalLMImpl& model() { return *model_; }
+  const Placement& placement() const { return placement_; }
+  // The trainable parameters, in the model's order (gradients defined from the start).
+  const std::vector<torch::Tensor>& trainable() const { return trainable_; }
+  // The LoRA adapters the model carries (model.adapter's, or new ones with train.mode = lora).
+  const std::optional<LoraConfig>& lora() const { return lora_; }
+  // Data::kSplits: the splits (held-out null when data.heldout_fraction = 0).
+  const DatasetSplits& data() const { return data_; }
+
+ private:
+  void join();
+  void build_model();
+
+  TrainOptions options_;
+  RunContext context_;
+  std::unique_ptr<Communicator> communicator_;
+  std::unique_ptr<StrategySession> strategy_;
+  std::unique_ptr<Tokenizer> tokenizer_;
+  LlamaForCausalLM model_{nullptr};
+  Placement placement_;
+  std::vector<torch::Tensor> trainable_;
+  std::optional<LoraConfig> lora_;
+  DatasetSplits data_;
+};
+
+}  // namespace weft

@@ -1,0 +1,257 @@
+// The host services for the model and the step: parameters and their gradients, batches, forward, loss, backward and activations, the model's shape and stage timings.
+#include "core/plugin/host_services.h"
+
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+
+#include "core/data/loader.h"
+#include "core/model/profile.h"
+
+namespace weft {
+namespace host {
+
+
+int64_t model_num_stages(weft_host* host) {
+  try {
+    auto& s = state_of(host);
+    return s.model ? s.model->num_stages() : 0;
+  } catch (...) {
+    return 0;
+  }
+}
+
+int64_t parameter_count(weft_host* host) {
+  try {
+    return static_cast<int64_t>(state_of(host).parameters.size());
+  } catch (...) {
+    return 0;
+  }
+}
+
+const ParameterEntry& parameter_at(State& s, int64_t index) {
+  WEFT_CHECK(0 <= index && index < static_cast<int64_t>(s.parameters.size()),
+             "parameter index {} outside [0, {})", index, s.parameters.size());
+  return s.parameters[static_cast<size_t>(index)];
+}
+
+weft_status* parameter_info(weft_host* host, int64_t index, weft_parameter_info* out) {
+  return guarded([&] {
+    WEFT_CHECK(out, "parameter_info: null output");
+    const auto& p = parameter_at(state_of(host), index);
+    weft_parameter_info info{};
+    info.name = p.name.c_str();
+    info.stage = p.stage;
+    info.trainable = p.tensor.requires_grad() ? 1 : 0;
+    info.ndim = static_cast<int32_t>(p.shape.size());
+    info.shape = p.shape.data();
+    info.dtype = sdk::to_dl_dtype(p.tensor.scalar_type());
+    *out = info;
+  });
+}
+
+weft_status* parameter_data(weft_host* host, int64_t index, DLTensor* out) {
+  return guarded([&] {
+    WEFT_CHECK(out, "parameter_data: null output");
+    *out = sdk::to_dl_view(parameter_at(state_of(host), index).tensor);
+  });
+}
+
+weft_status* parameter_grad(weft_host* host, int64_t index, DLTensor* out) {
+  return guarded([&] {
+    WEFT_CHECK(out, "parameter_grad: null output");
+    const auto& p = parameter_at(state_of(host), index);
+    const auto& grad = p.tensor.grad();
+    WEFT_CHECK(grad.defined(), "parameter '{}' has no gradient yet (before the first backward of the step)", p.name);
+    *out = sdk::to_dl_view(grad);
+  });
+}
+
+weft_status* set_grad_ready_callback(weft_host* host, weft_grad_ready_fn callback, void* user_data) {
+  return guarded([&] {
+    auto& s = state_of(host);
+    s.grad_ready = callback;
+    s.grad_ready_user = user_data;
+  });
+}
+
+// Installs one post-accumulation hook per trainable parameter; each calls the plugin's
+// callback (if any) with the parameter's index.
+void install_grad_hooks(State& s) {
+  s.grad_accumulators.clear();
+  for (size_t i = 0; i < s.parameters.size(); ++i) {
+    const auto& tensor = s.parameters[i].tensor;
+    if (!tensor.requires_grad()) continue;
+    auto accumulator = torch::autograd::impl::grad_accumulator(tensor);
+    const auto index = static_cast<int64_t>(i);
+    State* state = &s;
+    accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [state, index](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+          if (state->grad_ready) state->grad_ready(state->grad_ready_user, index);
+          return outputs;
+        }));
+    s.grad_accumulators.push_back(std::move(accumulator));
+  }
+}
+
+
+
+weft_status* batch(weft_host* host, int32_t micro_batch, int32_t split, int32_t splits,
+                   weft_activation** inputs, weft_activation** targets) {
+  return guarded([&] {
+    WEFT_CHECK(inputs && targets, "batch: null outputs");
+    auto& s = state_of(host);
+    WEFT_CHECK(splits >= 1 && 0 <= split && split < splits, "batch: split {} of {} is invalid", split, splits);
+    Batch b;
+    std::vector<int64_t> sequences;  // evaluation: the index of each row's sequence
+    if (s.train_loader) {
+      WEFT_CHECK(0 <= micro_batch && micro_batch < s.micro_batches, "batch: micro-batch {} outside [0, {})",
+                 micro_batch, s.micro_batches);
+      b = s.train_loader->batch(s.epoch, s.index * s.micro_batches + micro_batch);
+    } else {
+      WEFT_CHECK(s.eval_loader != nullptr, "batch: called outside a step");
+      WEFT_CHECK(micro_batch == 0, "batch: an evaluation step has one micro-batch");
+      sequences = s.eval_loader->sequence_indices(s.index);
+      b = make_batch(s.eval_loader->sequences(), sequences);
+    }
+    const int64_t rows = b.inputs.size(0);
+    WEFT_CHECK(rows % splits == 0, "batch: {} rows cannot be split into {} equal parts", rows, splits);
+    const int64_t part = rows / splits;
+    if (!sequences.empty()) {
+      sequences = std::vector<int64_t>(sequences.begin() + split * part, sequences.begin() + (split + 1) * part);
+    }
+    *inputs = new_activation(b.inputs.narrow(0, split * part, part));
+    *targets = new_activation(b.targets.narrow(0, split * part, part), std::move(sequences));
+  });
+}
+
+weft_status* forward(weft_host* host, int64_t first, int64_t last, weft_activation* input, uint32_t flags,
+                     weft_activation** output) {
+  return guarded([&] {
+    WEFT_CHECK(output, "forward: null output");
+    auto& s = state_of(host);
+    WEFT_CHECK(s.model != nullptr, "forward: the model is not built yet");
+    WEFT_CHECK((flags & ~(WEFT_FORWARD_NO_GRAD | WEFT_FORWARD_RECOMPUTE)) == 0, "forward: unknown flags {:#x}", flags);
+    const auto& x = tensor_of(input);
+    if (flags & WEFT_FORWARD_NO_GRAD) {
+      torch::NoGradGuard no_grad;
+      *output = new_activation(s.model->forward_stages(first, last, x));
+    } else if (flags & WEFT_FORWARD_RECOMPUTE) {
+      const bool was = s.model->options().activation_checkpointing;
+      s.model->set_activation_checkpointing(true);
+      try {
+        *output = new_activation(s.model->forward_stages(first, last, x));
+      } catch (...) {
+        s.model->set_activation_checkpointing(was);
+        throw;
+      }
+      s.model->set_activation_checkpointing(was);
+    } else {
+      *output = new_activation(s.model->forward_stages(first, last, x));
+    }
+  });
+}
+
+weft_status* loss(weft_host* host, weft_activation* logits, weft_activation* targets, double scale,
+                  weft_activation** loss_out, double* value_out, int64_t* tokens_out) {
+  return guarded([&] {
+    const auto& t = tensor_of(targets);
+    auto& s = state_of(host);
+    WEFT_CHECK(s.model != nullptr, "loss: the model is not built yet");
+    at::Tensor mean;
+    if (s.sequence_loss_sums.defined() && !targets->sequences.empty()) {
+      // Evaluation that records each sequence's loss: per-token losses once, summed per row.
+      const auto tokens = s.model->token_losses(tensor_of(logits), t).reshape({t.size(0), -1}).to(torch::kFloat64);
+      const auto rows = torch::tensor(targets->sequences, torch::kLong);
+      s.sequence_loss_sums.index_add_(0, rows, tokens.sum(1));
+      s.sequence_counts.index_add_(0, rows, torch::ones({rows.size(0)}, torch::kFloat64));
+      mean = tokens.mean();  // in float64, as the per-sequence sums
+    } else {
+      mean = s.model->loss(tensor_of(logits), t);  // vocabulary-parallel: shards combined at comm points
+    }
+    const double value = mean.item<double>();
+    if (loss_out) *loss_out = new_activation(mean * scale);
+    if (value_out) *value_out = value;
+    if (tokens_out) *tokens_out = t.numel();
+  });
+}
+
+weft_status* backward(weft_host*, weft_activation* output, weft_activation* grad_output) {
+  return guarded([&] {
+    const auto& out = tensor_of(output);
+    if (grad_output == nullptr) {
+      WEFT_CHECK(out.numel() == 1, "backward without a gradient needs a scalar output");
+      out.backward();
+    } else {
+      torch::autograd::backward({out}, {tensor_of(grad_output)});
+    }
+  });
+}
+
+weft_status* activation_view(weft_host*, weft_activation* activation, DLTensor* out) {
+  return guarded([&] {
+    WEFT_CHECK(out, "activation_view: null output");
+    auto& t = activation->tensor;
+    WEFT_CHECK(t.defined(), "activation_view: empty activation");
+    if (!t.is_contiguous()) t = t.contiguous();
+    *out = sdk::to_dl_view(t.detach());
+  });
+}
+
+weft_status* activation_grad(weft_host*, weft_activation* input, weft_activation** out) {
+  return guarded([&] {
+    WEFT_CHECK(out, "activation_grad: null output");
+    const auto& grad = tensor_of(input).grad();
+    WEFT_CHECK(grad.defined(), "activation_grad: the activation received no gradient");
+    *out = new_activation(grad);
+  });
+}
+
+weft_status* activation_empty(weft_host*, int32_t ndim, const int64_t* shape, DLDataType dtype, weft_activation** out) {
+  return guarded([&] {
+    WEFT_CHECK(out && ndim >= 0 && (shape || ndim == 0), "activation_empty: bad arguments");
+    const auto type = sdk::from_dl_dtype(dtype);
+    *out = new_activation(torch::empty(std::vector<int64_t>(shape, shape + ndim), torch::TensorOptions().dtype(type)));
+  });
+}
+
+weft_status* activation_from_tensor(weft_host*, const DLTensor* data, int32_t requires_grad, weft_activation** out) {
+  return guarded([&] {
+    WEFT_CHECK(data && out, "activation_from_tensor: null argument");
+    auto copy = sdk::from_dl_view(*data).clone();
+    if (requires_grad) copy.set_requires_grad(true);
+    *out = new_activation(copy);
+  });
+}
+
+void activation_release(weft_host*, weft_activation* activation) { delete activation; }
+
+weft_status* model_info(weft_host* host, weft_model_info* out) {
+  return guarded([&] {
+    WEFT_CHECK(out != nullptr, "model_info: null output");
+    auto& s = state_of(host);
+    WEFT_CHECK(s.has_model_info, "model_info: the model's shape is known from plan on, not in create");
+    WEFT_CHECK(out->struct_size >= offsetof(weft_model_info, num_layers),
+               "model_info: out->struct_size ({}) must be set to sizeof(weft_model_info)", out->struct_size);
+    const size_t size = std::min<size_t>(out->struct_size, sizeof(weft_model_info));
+    weft_model_info info = s.model_info;
+    info.struct_size = static_cast<uint32_t>(size);
+    std::memcpy(out, &info, size);
+  });
+}
+
+weft_status* profile_stages(weft_host* host, int64_t rows, int32_t repeats, double* seconds_out, int64_t count) {
+  return guarded([&] {
+    auto& s = state_of(host);
+    WEFT_CHECK(s.model_config != nullptr, "profile_stages: the model's shape is known from plan on");
+    const int64_t stages = s.model_config->num_hidden_layers + 2;
+    WEFT_CHECK(seconds_out != nullptr && count == stages, "profile_stages: count must be {} (the model's stages)",
+               stages);
+    WEFT_CHECK(repeats >= 1 && rows >= 0, "profile_stages: repeats must be >= 1 and rows >= 0");
+    const auto dtype = s.model_info.compute_dtype.code == kDLBfloat ? torch::kBFloat16 : torch::kFloat32;
+    const auto seconds = profile_stage_seconds(*s.model_config, dtype, rows > 0 ? rows : std::max<int64_t>(s.batch_rows, 1),
+                                               std::max<int64_t>(s.seq_len, 1), repeats);
+    std::copy(seconds.begin(), seconds.end(), seconds_out);
+  });
+}
+
+}  // namespace host
+}  // namespace weft

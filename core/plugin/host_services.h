@@ -1,0 +1,227 @@
+// The host side of the plugin ABI, shared by the files that implement its services by concern:
+// host_config.cpp (configuration), host_collectives.cpp (process groups and collectives),
+// host_model.cpp (the model and the step), host_telemetry.cpp (logging, tracing, metrics,
+// communication accounting); host_api.cpp assembles the table. Internal to core/plugin.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+#include <weft/strategy.h>
+#include <weft/strategy_torch.hpp>
+
+#include "core/dist/process_groups.h"
+#include "core/model/llama.h"
+#include "core/plugin/host_api.h"
+#include "core/plugin/status.h"
+#include "core/util/error.h"
+
+// The C handle types of the ABI, defined by the host.
+struct weft_host {
+  weft::PluginHost::State* state;
+};
+struct weft_group {
+  weft::ProcessGroup* group;
+};
+struct weft_work {
+  weft::Operation operation;  // keeps its tensors alive until the work is released
+  bool waited = false;
+};
+struct weft_activation {
+  at::Tensor tensor;
+  std::vector<int64_t> sequences;  // targets handed out by batch(): the sequence of each row
+};
+
+namespace weft {
+
+// A parameter the plugin sees: its name, tensor, owning stage and full (unsharded) shape.
+struct ParameterEntry {
+  std::string name;
+  at::Tensor tensor;
+  int64_t stage = 0;
+  std::vector<int64_t> shape;
+};
+
+struct PluginHost::State {
+  std::string plugin_name;
+  toml::table config;
+  Communicator* communicator = nullptr;
+  weft_host handle{};
+  std::vector<std::unique_ptr<weft_group>> groups;
+  LlamaForCausalLMImpl* model = nullptr;
+  std::vector<ParameterEntry> parameters;
+  std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators;
+  weft_grad_ready_fn grad_ready = nullptr;
+  void* grad_ready_user = nullptr;
+  // The current step.
+  const BatchLoader* train_loader = nullptr;
+  const EvalLoader* eval_loader = nullptr;
+  int64_t epoch = 0, index = 0;
+  int32_t micro_batches = 0;
+  // Communication since the last take_comm_stats (collectives may be issued and waited on
+  // from the autograd thread, hence the lock).
+  std::mutex comm_mutex;
+  PluginHost::CommStats comm;
+  // The model's shape (from set_model_info, before the model is built).
+  bool has_model_info = false;
+  weft_model_info model_info{};
+  std::shared_ptr<ModelConfig> model_config;  // for profile_stages
+  int64_t seq_len = 0, batch_rows = 0;
+  // Values the plugin reported for the current step (report_metric).
+  std::map<std::string, double> step_metrics;
+  // Per-sequence evaluation (record_sequence_losses): each sequence's summed token losses and
+  // how many times this rank computed them, by sequence index; undefined when not recording.
+  at::Tensor sequence_loss_sums, sequence_counts;
+};
+
+
+namespace host {
+
+using State = PluginHost::State;
+
+inline State& state_of(weft_host* host) {
+  WEFT_CHECK(host != nullptr && host->state != nullptr, "null weft_host");
+  return *host->state;
+}
+
+// Counts one operation issued with `payload` bytes (the data this rank contributes or receives).
+inline void count_operation(weft_host* host, int64_t payload) {
+  auto& s = state_of(host);
+  std::lock_guard<std::mutex> lock(s.comm_mutex);
+  ++s.comm.operations;
+  s.comm.bytes += payload;
+}
+
+// An error with a specific status code (communication failures and timeouts).
+class CodedError : public std::runtime_error {
+ public:
+  CodedError(weft_status_code code, const std::string& message) : std::runtime_error(message), code(code) {}
+  weft_status_code code;
+};
+
+// Runs `body`, turning any exception into a status for the plugin: weft::Error (bad input from
+// the plugin) is INVALID_ARGUMENT, CodedError and sdk::Error keep their code, anything else is
+// INTERNAL.
+template <typename Body>
+weft_status* guarded(Body&& body) {
+  try {
+    body();
+    return nullptr;
+  } catch (const CodedError& e) {
+    return status_create(e.code, e.what());
+  } catch (const sdk::Error& e) {  // from the SDK's DLPack helpers
+    return status_create(e.code(), e.what());
+  } catch (const Error& e) {
+    return status_create(WEFT_STATUS_INVALID_ARGUMENT, e.what());
+  } catch (...) {
+    return status_from_current_exception();
+  }
+}
+
+inline weft_activation* new_activation(at::Tensor tensor, std::vector<int64_t> sequences = {}) {
+  return new weft_activation{std::move(tensor), std::move(sequences)};
+}
+
+inline const at::Tensor& tensor_of(weft_activation* activation) {
+  WEFT_CHECK(activation != nullptr && activation->tensor.defined(), "null or empty weft_activation");
+  return activation->tensor;
+}
+
+inline ProcessGroup& group_of(weft_group* group) {
+  WEFT_CHECK(group != nullptr && group->group != nullptr, "null weft_group");
+  WEFT_CHECK(group->group->backend, "this rank is not a member of process group '{}'", group->group->name);
+  return *group->group;
+}
+
+inline c10d::ReduceOp reduce_op(weft_reduce_op op) {
+  switch (op) {
+    case WEFT_REDUCE_SUM: return c10d::ReduceOp::SUM;
+    case WEFT_REDUCE_PRODUCT: return c10d::ReduceOp::PRODUCT;
+    case WEFT_REDUCE_MIN: return c10d::ReduceOp::MIN;
+    case WEFT_REDUCE_MAX: return c10d::ReduceOp::MAX;
+  }
+  fail("unknown reduce op {}", static_cast<int>(op));
+}
+
+inline at::Tensor contiguous_view(const DLTensor* dl, const char* what) {
+  WEFT_CHECK(dl != nullptr, "{}: null tensor", what);
+  auto t = sdk::from_dl_view(*dl);
+  WEFT_CHECK(t.is_contiguous(), "{}: tensors must be contiguous", what);
+  return t;
+}
+
+// Hands `operation` to the plugin as a work handle, counting its bytes.
+inline weft_work* new_work(weft_host* host, Operation operation) {
+  count_operation(host, operation.bytes);
+  return new weft_work{std::move(operation)};
+}
+
+inline Communicator& communicator_of(weft_host* host) {
+  auto& s = state_of(host);
+  WEFT_CHECK(s.communicator != nullptr, "no process groups in this run");
+  return *s.communicator;
+}
+
+// Adds the time since `start` to the time this rank spent blocked on communication.
+void add_wait_time(weft_host* host, std::chrono::steady_clock::time_point start);
+
+// The services, by concern (the slots of weft_host_api they fill).
+// host_telemetry.cpp
+void log_line(weft_host* host, weft_log_level level, const char* message);
+void trace_begin(weft_host*, const char* category, const char* name);
+void trace_end(weft_host*);
+weft_status* report_metric(weft_host* host, const char* name, double value);
+// host_config.cpp
+weft_status* config_int(weft_host* h, const char* key, int64_t fallback, int64_t* out);
+weft_status* config_float(weft_host* h, const char* key, double fallback, double* out);
+weft_status* config_bool(weft_host* h, const char* key, int32_t fallback, int32_t* out);
+weft_status* config_string(weft_host* host, const char* key, const char* fallback, const char** out);
+weft_status* config_int_list(weft_host* host, const char* key, int64_t* out, int32_t capacity, int32_t* count_out);
+// host_collectives.cpp
+weft_group* group_world(weft_host* host);
+int32_t group_rank(const weft_group* group);
+int32_t group_size(const weft_group* group);
+weft_status* group_create(weft_host* host, const int32_t* ranks, int32_t count, weft_group** out);
+weft_status* all_reduce(weft_host* host, weft_group* group, DLTensor* tensor, weft_reduce_op op, weft_work** work);
+weft_status* reduce_scatter(weft_host* host, weft_group* group, DLTensor* output, const DLTensor* input,
+                            weft_reduce_op op, weft_work** work);
+weft_status* all_gather(weft_host* host, weft_group* group, DLTensor* output, const DLTensor* input, weft_work** work);
+weft_status* broadcast(weft_host* host, weft_group* group, DLTensor* tensor, int32_t root, weft_work** work);
+weft_status* all_to_all(weft_host* host, weft_group* group, DLTensor* output, const DLTensor* input, weft_work** work);
+weft_status* send(weft_host* host, weft_group* group, const DLTensor* tensor, int32_t peer, int32_t tag,
+                  weft_work** work);
+weft_status* recv(weft_host* host, weft_group* group, DLTensor* tensor, int32_t peer, int32_t tag, weft_work** work);
+weft_status* barrier(weft_host* host, weft_group* group, weft_work** work);
+weft_status* work_wait(weft_host* host, weft_work* work);
+void work_release(weft_host* host, weft_work* work);
+// host_model.cpp
+int64_t model_num_stages(weft_host* host);
+int64_t parameter_count(weft_host* host);
+weft_status* parameter_info(weft_host* host, int64_t index, weft_parameter_info* out);
+weft_status* parameter_data(weft_host* host, int64_t index, DLTensor* out);
+weft_status* parameter_grad(weft_host* host, int64_t index, DLTensor* out);
+weft_status* set_grad_ready_callback(weft_host* host, weft_grad_ready_fn callback, void* user_data);
+void install_grad_hooks(State& s);
+weft_status* batch(weft_host* host, int32_t micro_batch, int32_t split, int32_t splits, weft_activation** inputs,
+                   weft_activation** targets);
+weft_status* forward(weft_host* host, int64_t first, int64_t last, weft_activation* input, uint32_t flags,
+                     weft_activation** output);
+weft_status* loss(weft_host* host, weft_activation* logits, weft_activation* targets, double scale,
+                  weft_activation** loss_out, double* value_out, int64_t* tokens_out);
+weft_status* backward(weft_host*, weft_activation* output, weft_activation* grad_output);
+weft_status* activation_view(weft_host*, weft_activation* activation, DLTensor* out);
+weft_status* activation_grad(weft_host*, weft_activation* input, weft_activation** out);
+weft_status* activation_empty(weft_host*, int32_t ndim, const int64_t* shape, DLDataType dtype, weft_activation** out);
+weft_status* activation_from_tensor(weft_host*, const DLTensor* data, int32_t requires_grad, weft_activation** out);
+void activation_release(weft_host*, weft_activation* activation);
+weft_status* model_info(weft_host* host, weft_model_info* out);
+weft_status* profile_stages(weft_host* host, int64_t rows, int32_t repeats, double* seconds_out, int64_t count);
+
+}  // namespace host
+}  // namespace weft

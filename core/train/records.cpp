@@ -1,0 +1,110 @@
+#include "core/train/records.h"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include "core/dist/process_groups.h"
+#include "core/util/torch_compat.h"
+#include "core/util/trace.h"
+
+namespace weft {
+
+RunRecords::RunRecords(const std::string& metrics_file, bool resumed, const std::string& progress_mode,
+                       int64_t log_every, int64_t tokens_per_step)
+    : metrics_(metrics_file, /*append=*/resumed), progress_(progress_mode, log_every), tokens_per_step_(tokens_per_step) {}
+
+void RunRecords::step(const StepRecord& s) {
+  seconds_ += s.seconds;
+  tokens_ += tokens_per_step_;
+  activation_peak_mib_ = std::max(activation_peak_mib_, s.activation_mib);
+  comm_wait_seconds_ += s.report.comm.wait_seconds;
+  comm_bytes_ += s.report.comm.bytes;
+  result_.step_losses.push_back(s.report.loss);
+  nlohmann::json record = {{"step", s.step},
+                           {"epoch", s.epoch + 1},
+                           {"loss", s.report.loss},
+                           {"lr", s.lr},
+                           {"grad_norm", s.grad_norm},
+                           {"tokens_per_s", tokens_per_step_ / s.seconds},
+                           {"step_time_s", s.seconds},
+                           {"activation_peak_mib", s.activation_mib},
+                           {"comm_wait_s", s.report.comm.wait_seconds},
+                           {"comm_bytes", s.report.comm.bytes}};
+  for (const auto& [name, value] : s.report.metrics) {
+    record["plugin." + name] = value;
+    auto& sum = plugin_metric_sums_[name];
+    sum.first += value;
+    sum.second += 1;
+  }
+  metrics_.write("step", record);
+}
+
+void RunRecords::eval(const EvalResult& e, int64_t step, int64_t epoch, bool improved) {
+  metrics_.write("eval", {{"step", step}, {"epoch", epoch + 1}, {"loss", e.loss}, {"perplexity", e.perplexity},
+                          {"tokens", e.tokens}, {"seconds", e.seconds}, {"best", improved}});
+}
+
+void RunRecords::epoch(int64_t epoch, int64_t step, double seconds, int64_t tokens,
+                       const std::optional<EvalResult>& eval) {
+  nlohmann::json record = {{"epoch", epoch + 1}, {"step", step}, {"time_s", seconds},
+                           {"tokens_per_s", tokens / std::max(seconds, 1e-9)}};
+  if (eval) {
+    record["eval_loss"] = eval->loss;
+    record["perplexity"] = eval->perplexity;
+  }
+  metrics_.write("epoch", record);
+  result_.epoch_seconds.push_back(seconds);
+}
+
+const TrainResult& RunRecords::finish(Communicator& communicator, int rank, int64_t steps_per_epoch,
+                                      const std::string& attention) {
+  TrainResult& result = result_;
+  result.tokens_per_second = seconds_ > 0 ? tokens_ / seconds_ : 0.0;
+  result.peak_rss_mib = peak_rss_mib();
+  const double steps = static_cast<double>(std::max<size_t>(result.step_losses.size(), 1));
+  nlohmann::json summary = {{"steps", result.steps},
+                            {"epochs", result.epochs_completed},
+                            {"steps_per_epoch", steps_per_epoch},
+                            {"epoch_seconds", result.epoch_seconds},
+                            {"tokens_per_s", result.tokens_per_second},
+                            {"peak_rss_mib", result.peak_rss_mib},
+                            {"early_stopped", result.early_stopped},
+                            {"interrupted", result.interrupted},
+                            {"libtorch", compat::libtorch_version()},
+                            {"attention", attention},
+                            {"activation_peak_mib", activation_peak_mib_}};
+  if (seconds_ > 0) {
+    summary["comm_wait_fraction"] = comm_wait_seconds_ / seconds_;
+    summary["comm_bytes_per_step"] = static_cast<double>(comm_bytes_) / steps;
+    if (comm_bytes_ > 0) {
+      spdlog::info("communication: waiting {:.1f}% of step time ({:.3f} s per step), {:.2f} MB per step (rank {})",
+                   100.0 * comm_wait_seconds_ / seconds_, comm_wait_seconds_ / steps, comm_bytes_ / steps / 1e6, rank);
+    }
+  }
+  summary["peak_rss_mib_per_rank"] = communicator.all_gather(result.peak_rss_mib);  // collective
+  const auto per_rank = communicator.all_gather(activation_peak_mib_);               // collective
+  summary["activation_peak_mib_per_rank"] = per_rank;
+  std::string text;
+  for (double mib : per_rank) text += fmt::format("{}{:.1f}", text.empty() ? "" : ", ", mib);
+  spdlog::info("step activation memory (peak tensor MiB above the step's start) per rank: {}", text);
+  std::string plugin_text;
+  for (const auto& [name, sum] : plugin_metric_sums_) {
+    const double mean = sum.first / static_cast<double>(std::max<int64_t>(sum.second, 1));
+    summary["plugin." + name] = mean;
+    plugin_text += fmt::format("{}{} {:.4g}", plugin_text.empty() ? "" : ", ", name, mean);
+  }
+  if (!plugin_text.empty()) spdlog::info("plugin metrics (mean over steps): {}", plugin_text);
+  if (const std::string trace = Tracer::instance().write(); !trace.empty()) {
+    spdlog::info("trace written to {}", trace);
+  }
+  if (result.final_eval) {
+    summary["eval_loss"] = result.final_eval->loss;
+    summary["perplexity"] = result.final_eval->perplexity;
+  }
+  metrics_.write("summary", summary);
+  return result;
+}
+
+}  // namespace weft

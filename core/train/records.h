@@ -1,0 +1,72 @@
+// What a training run records: one metrics.jsonl line per step, evaluation and epoch, the
+// progress display, and the summary (line and log) at the end, with the totals behind it (time,
+// tokens, this rank's communication, the plugin's metrics, memory).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/job/evaluate.h"
+#include "core/plugin/strategy_session.h"
+#include "core/train/metrics.h"
+
+namespace weft {
+
+class Communicator;
+
+struct TrainResult {
+  int64_t steps = 0;                   // optimizer steps completed (including before a resume)
+  int64_t epochs_completed = 0;
+  std::vector<double> step_losses;     // losses of the steps run by this process
+  std::vector<double> epoch_seconds;   // wall time of each completed epoch
+  double tokens_per_second = 0;        // over the steps run by this process
+  std::optional<EvalResult> final_eval;
+  double best_eval_loss = 0;
+  bool early_stopped = false;
+  bool interrupted = false;            // stopped by SIGINT/SIGTERM (after saving a checkpoint if it could)
+  int interrupt_signal = 0;            // that signal (the same on every rank)
+  double peak_rss_mib = 0;
+};
+
+// One optimizer step as it is recorded.
+struct StepRecord {
+  int64_t step = 0, epoch = 0;  // the step's number (1-based) and its epoch (0-based)
+  double lr = 0, grad_norm = 0, seconds = 0;
+  double activation_mib = 0;    // tensor memory the step added on this rank at its peak
+  StepReport report;            // loss, communication, plugin metrics
+};
+
+class RunRecords {
+ public:
+  // metrics_file "" records no lines (ranks other than 0); resumed: append to it.
+  RunRecords(const std::string& metrics_file, bool resumed, const std::string& progress_mode, int64_t log_every,
+             int64_t tokens_per_step);
+
+  Progress& progress() { return progress_; }
+  TrainResult& result() { return result_; }
+  int64_t tokens_per_step() const { return tokens_per_step_; }
+
+  void step(const StepRecord& step);
+  void eval(const EvalResult& eval, int64_t step, int64_t epoch, bool improved);
+  void epoch(int64_t epoch, int64_t step, double seconds, int64_t tokens, const std::optional<EvalResult>& eval);
+  // Completes the result (throughput, memory) and writes the summary line and the log lines.
+  // Collective over `communicator`'s world (per-rank memory).
+  const TrainResult& finish(Communicator& communicator, int rank, int64_t steps_per_epoch, const std::string& attention);
+
+ private:
+  MetricsWriter metrics_;
+  Progress progress_;
+  TrainResult result_;
+  int64_t tokens_per_step_ = 0;
+  double seconds_ = 0.0;             // of the steps run by this process
+  int64_t tokens_ = 0;
+  double activation_peak_mib_ = 0.0;
+  double comm_wait_seconds_ = 0.0;   // this rank's time blocked on the plugin's communication
+  int64_t comm_bytes_ = 0;
+  std::map<std::string, std::pair<double, int64_t>> plugin_metric_sums_;  // name -> (sum, steps)
+};
+
+}  // namespace weft

@@ -24,6 +24,7 @@ source tools/build_env.sh
 
 packages=(
   g++ cmake ninja-build ccache python3 python3-venv
+  python3-matplotlib                     # the plots of trainer report and trainer bench (python/)
   libtorch-dev libopenblas0-openmp       # LibTorch 1.13 (CPU); OpenBLAS: fp32 GEMM ~20x the netlib default
   libtomlplusplus-dev libspdlog-dev nlohmann-json3-dev
   libboost-dev libboost-program-options-dev libgtest-dev

@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "core/config/schema.h"
+#include "core/job/options.h"
 #include "core/util/error.h"
 
 namespace weft::app {
@@ -31,7 +32,7 @@ po::options_description describe_options() {
       ("warmup", po::value<int64_t>(), "trainer bench: steps per run not counted (default 3)")
       ("steps", po::value<int64_t>(), "trainer bench: counted steps per run (default 10)")
       ("repetitions", po::value<int64_t>(), "trainer bench: runs per variant, alternated (default 3)")
-      ("baseline", po::value<std::string>(), "trainer bench: 'pytorch' adds PyTorch DDP (tools/pytorch_baseline.py)")
+      ("baseline", po::value<std::string>(), "trainer bench: 'pytorch' adds PyTorch DDP (python/pytorch_baseline.py)")
       ("out,o", po::value<std::string>(), "trainer bench: output directory; trainer report: the Markdown file")
       ("log-level", po::value<std::string>(), "trace, debug, info, warn or error (default: log.level)")
       ("prompt", po::value<std::string>(), "trainer generate: the text to continue")
@@ -112,7 +113,7 @@ void print_help() {
                "  trainer report RUN_DIR [--out REPORT.md]   a finished run as a Markdown report with plots\n"
                "  trainer config-reference      print the configuration reference as Markdown\n\n"
             << describe_options() << "\n"
-            << render_help();
+            << render_help(run_schema());
 }
 
 }  // namespace weft::app

@@ -62,9 +62,9 @@ RunSetup prepare_run(const CommandLine& cli) {
   if (cli.config.empty() && cli.overrides.empty()) {
     throw Error("no configuration: pass --config FILE (see configs/) and/or --set key=value");
   }
-  RunSetup run{load_config(cli.config, cli.overrides), {}, {}};
-  set_log_level(cli.log_level.empty() ? run.config.get_string("log.level") : cli.log_level);
+  RunSetup run{load_run_config(cli.config, cli.overrides), {}, {}};
   run.options = train_options_from_config(run.config);
+  set_log_level(cli.log_level.empty() ? run.options.log_level : cli.log_level);
   run.options.config_hash = run.config.hash();
   run.context.env = detect_distributed_env();
   run.context.rank = run.context.env.rank;
@@ -78,9 +78,18 @@ RunSetup prepare_run(const CommandLine& cli) {
   return run;
 }
 
-std::string tools_dir() {
-  const char* dir = std::getenv("WEFT_TOOLS_DIR");
-  return dir != nullptr ? dir : WEFT_TOOLS_DIR;
+// python/: the Python the trainer runs (reports, bench plots, the PyTorch baseline), unless
+// WEFT_PYTHON_DIR says otherwise.
+std::string python_dir() {
+  const char* dir = std::getenv("WEFT_PYTHON_DIR");
+  return dir != nullptr ? dir : WEFT_PYTHON_DIR;
+}
+
+// The Python that draws (reports, bench plots): Debian's, with python3-matplotlib, unless
+// WEFT_PLOT_PYTHON says otherwise.
+std::string plot_python() {
+  const char* python = std::getenv("WEFT_PLOT_PYTHON");
+  return python != nullptr ? python : WEFT_DEFAULT_PLOT_PYTHON;
 }
 
 }  // namespace
@@ -223,7 +232,8 @@ int run_bench(const CommandLine& cli) {
   options.repetitions = cli.repetitions;
   options.out_dir = cli.out;
   options.trainer_path = std::filesystem::read_symlink("/proc/self/exe").string();
-  options.tools_dir = tools_dir();
+  options.python_dir = python_dir();
+  options.plot_python = plot_python();
   const char* python = std::getenv("WEFT_PYTHON");
   options.python = python != nullptr ? python : WEFT_DEFAULT_PYTHON;
   return run_bench(options);
@@ -235,7 +245,7 @@ int run_report(const CommandLine& cli) {
   if (!std::filesystem::exists(cli.target + "/metrics.jsonl")) {
     throw Error(fmt::format("{}: not a run directory (no metrics.jsonl)", cli.target));
   }
-  std::vector<std::string> args{"python3", tools_dir() + "/report.py", cli.target};
+  std::vector<std::string> args{plot_python(), python_dir() + "/report.py", cli.target};
   if (!cli.out.empty()) args.insert(args.end(), {"-o", cli.out});
   const int status = std::system(shell_join(args).c_str());
   return status == 0 ? 0 : 1;

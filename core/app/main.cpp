@@ -13,6 +13,7 @@
 #include "core/app/cli.h"
 #include "core/app/commands.h"
 #include "core/config/schema.h"
+#include "core/job/options.h"
 #include "core/dist/launcher.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
@@ -47,7 +48,7 @@ int main(int argc, char** argv) {
     if (cli.command == "report") return run_report(cli);
     if (cli.command == "plugins") return run_plugins();
     if (cli.command == "config-reference") {
-      std::cout << weft::render_markdown_reference();
+      std::cout << weft::render_markdown_reference(weft::run_schema());
       return 0;
     }
     throw weft::Error(fmt::format(

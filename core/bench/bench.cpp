@@ -134,13 +134,13 @@ std::vector<std::string> weft_run_command(const BenchOptions& o, const BenchVari
 
 std::vector<std::string> pytorch_run_command(const BenchOptions& o, const BenchVariant& v,
                                              const std::string& job_dir, const std::string& run_dir) {
-  return {o.python, o.tools_dir + "/pytorch_baseline.py", "--data", job_dir, "--nproc", std::to_string(v.nproc),
+  return {o.python, o.python_dir + "/pytorch_baseline.py", "--data", job_dir, "--nproc", std::to_string(v.nproc),
           "--out", run_dir};
 }
 
 // The job as files for the baseline (same data, model, batch and optimiser).
 void export_job_for_baseline(const BenchOptions& o, const std::string& dir) {
-  export_job(train_options_from_config(load_config(o.config, o.overrides)), dir, o.warmup_steps + o.steps);
+  export_job(train_options_from_config(load_run_config(o.config, o.overrides)), dir, o.warmup_steps + o.steps);
 }
 
 void check_python_has_torch(const std::string& python, const std::string& dir) {
@@ -153,10 +153,11 @@ void check_python_has_torch(const std::string& python, const std::string& dir) {
 }
 
 void draw_plots(const BenchOptions& o, const std::string& json_path) {
-  const std::string command = shell_join({"python3", o.tools_dir + "/plot_bench.py", json_path, "-o", o.out_dir}) +
+  const std::string command = shell_join({o.plot_python, o.python_dir + "/plot_bench.py", json_path, "-o", o.out_dir}) +
                               " > " + shell_quote(o.out_dir + "/plots.log") + " 2>&1";
   if (std::system(command.c_str()) != 0) {
-    spdlog::warn("bench: the plots were not drawn (python3 {}/plot_bench.py failed; see {}/plots.log)", o.tools_dir,
+    spdlog::warn("bench: the plots were not drawn ({} {}/plot_bench.py failed; see {}/plots.log)", o.plot_python,
+                 o.python_dir,
                  o.out_dir);
   }
 }
@@ -206,7 +207,7 @@ int run_bench(const BenchOptions& options) {
              "trainer bench: --warmup must be >= 0, --steps and --repetitions >= 1");
   const auto variants = plan_bench(o);
   // The job itself is validated here, before any run: a bad config fails once, clearly.
-  const TrainOptions job = train_options_from_config(load_config(o.config, o.overrides));
+  const TrainOptions job = train_options_from_config(load_run_config(o.config, o.overrides));
   const int64_t tokens_per_step = job.batch_size * job.grad_accum_steps * job.data.seq_len;
   for (const auto& v : variants) {
     if (!v.pytorch) resolve_plugin_path(v.plugin);  // throws naming a plugin that is not found

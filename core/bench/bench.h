@@ -35,8 +35,9 @@ struct BenchOptions {
   int64_t repetitions = 3;
   std::string out_dir;                     // bench.json, bench.md, plots, runs/
   std::string trainer_path;                // the trainer executable (for the child runs)
-  std::string tools_dir;                   // tools/ (plots, the PyTorch baseline)
+  std::string python_dir;                  // python/ (plots, the PyTorch baseline)
   std::string python;                      // interpreter with torch, for the baseline
+  std::string plot_python;                 // interpreter with matplotlib, for the plots
 };
 
 // The variants in run order: each plugin at each of its process counts, then the baseline at

@@ -53,15 +53,15 @@ std::optional<std::string> closest(const std::string& word, const std::vector<st
 
 // Suggests a schema key for an unknown one: a close name in the same section, else the same or a
 // close name in any section ("train.seq_len" -> "data.seq_len", top-level "lr" -> "train.lr").
-std::optional<std::string> suggest_key(const std::string& section, const std::string& name) {
+std::optional<std::string> suggest_key(const Schema& schema, const std::string& section, const std::string& name) {
   std::vector<std::string> same_section, everywhere;
-  for (const auto& entry : config_schema()) {
+  for (const auto& entry : schema.entries) {
     if (entry.section() == section) same_section.push_back(entry.name());
     everywhere.push_back(entry.name());
   }
   if (auto match = closest(name, same_section)) return section + "." + *match;
   if (auto match = closest(name, everywhere))
-    for (const auto& entry : config_schema())
+    for (const auto& entry : schema.entries)
       if (entry.name() == *match) return entry.key;
   return std::nullopt;
 }
@@ -209,7 +209,7 @@ toml::table parse_override_value(const std::string& text, const SchemaEntry* ent
   return as_text;
 }
 
-void apply_override(const std::string& text, toml::table& root, Origins& origins) {
+void apply_override(const Schema& schema, const std::string& text, toml::table& root, Origins& origins) {
   const size_t equals = text.find('=');
   WEFT_CHECK(equals != std::string::npos, "malformed override '{}': expected section.key=value",
              text);
@@ -220,7 +220,7 @@ void apply_override(const std::string& text, toml::table& root, Origins& origins
   WEFT_CHECK(!key.empty() && !empty_part && parts.size() >= 2,
              "malformed override '{}': expected section.key=value", text);
 
-  toml::table value = parse_override_value(trim(text.substr(equals + 1)), find_config_key(key));
+  toml::table value = parse_override_value(trim(text.substr(equals + 1)), schema.find_key(key));
   toml::table* table = &root;
   for (size_t i = 0; i + 1 < parts.size(); ++i) {
     if (!table->get_as<toml::table>(parts[i])) table->insert_or_assign(parts[i], toml::table{});
@@ -331,19 +331,19 @@ std::string origin_of(const Origins& origins, const std::string& path) {
 // Builds a validated Config from the merged table (a friend of Config).
 class ConfigBuilder {
  public:
-  static Config build(const toml::table& root, Origins origins, std::vector<std::string> files) {
-    Config config;
+  static Config build(const Schema& schema, const toml::table& root, Origins origins, std::vector<std::string> files) {
+    Config config(schema);
     for (auto&& [key, node] : root) {
       const std::string name(key.str());
       const std::string where = origin_of(origins, name);
-      const SchemaSection* section = find_config_section(name);
+      const SchemaSection* section = schema.find_section(name);
       if (!section && node.is_table()) {
         std::vector<std::string> names;
-        for (const auto& s : config_sections()) names.push_back(s.name);
+        for (const auto& s : schema.sections) names.push_back(s.name);
         fail("unknown config section '{}' ({}){}", name, where, did_you_mean(closest(name, names)));
       }
       WEFT_CHECK(section, "unknown config key '{}' ({}){}", name, where,
-                 did_you_mean(suggest_key("", name)));
+                 did_you_mean(suggest_key(schema, "", name)));
       const toml::table* table = node.as_table();
       WEFT_CHECK(table, "config key '{}' must be a section (table), got {} ({})", name,
                  describe_node(node), where);
@@ -354,9 +354,9 @@ class ConfigBuilder {
       for (auto&& [sub_key, value] : *table) {
         const std::string full = name + "." + std::string(sub_key.str());
         const std::string value_where = origin_of(origins, full);
-        const SchemaEntry* entry = find_config_key(full);
+        const SchemaEntry* entry = schema.find_key(full);
         WEFT_CHECK(entry, "unknown config key '{}' ({}){}", full, value_where,
-                   did_you_mean(suggest_key(name, std::string(sub_key.str()))));
+                   did_you_mean(suggest_key(schema, name, std::string(sub_key.str()))));
         config.values_[full] = to_config_value(*entry, value, value_where);
       }
     }
@@ -368,33 +368,40 @@ class ConfigBuilder {
 
 namespace {
 
-Config finish(Layered layered, const std::vector<std::string>& overrides) {
-  for (const auto& text : overrides) apply_override(text, layered.table, layered.origins);
-  return ConfigBuilder::build(layered.table, std::move(layered.origins), std::move(layered.files));
+Config finish(const Schema& schema, Layered layered, const std::vector<std::string>& overrides) {
+  for (const auto& text : overrides) apply_override(schema, text, layered.table, layered.origins);
+  return ConfigBuilder::build(schema, layered.table, std::move(layered.origins), std::move(layered.files));
 }
 
 }  // namespace
 
-Config load_config_text(const std::string& toml_text, const std::string& source_name,
+Config load_config_text(const Schema& schema, const std::string& toml_text, const std::string& source_name,
                         const std::vector<std::string>& overrides) {
   std::vector<std::pair<fs::path, std::string>> stack{{fs::weakly_canonical(source_name), source_name}};
-  return finish(load_layer(toml_text, source_name, stack), overrides);
+  return finish(schema, load_layer(toml_text, source_name, stack), overrides);
 }
 
-Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
-  if (path.empty()) return finish(Layered{}, overrides);
-  return load_config_text(read_text_file(path, ""), path, overrides);
+Config load_config(const Schema& schema, const std::string& path, const std::vector<std::string>& overrides) {
+  if (path.empty()) return finish(schema, Layered{}, overrides);
+  return load_config_text(schema, read_text_file(path, ""), path, overrides);
 }
 
 // ---- Config ------------------------------------------------------------------------------------
 
 const SchemaEntry& Config::entry_for(const std::string& key, ValueType type) const {
-  const SchemaEntry* entry = find_config_key(key);
+  const SchemaEntry* entry = schema_->find_key(key);
   if (!entry) throw std::logic_error("weft::Config: '" + key + "' is not a key of the schema");
   if (entry->type != type)
     throw std::logic_error("weft::Config: '" + key + "' is " + describe_type(entry->type) +
                            ", not " + describe_type(type));
   return *entry;
+}
+
+const ConfigValue& Config::value(const std::string& key) const {
+  const SchemaEntry* entry = schema_->find_key(key);
+  if (!entry) throw std::logic_error("weft::Config: '" + key + "' is not a key of the schema");
+  const ConfigValue* set = explicit_value(key);
+  return set ? *set : entry->default_value;
 }
 
 const ConfigValue* Config::explicit_value(const std::string& key) const {
@@ -433,8 +440,8 @@ std::vector<std::string> Config::get_string_list(const std::string& key) const {
 }
 
 bool Config::is_set(const std::string& key) const {
-  if (find_config_key(key)) return values_.count(key) > 0;
-  const SchemaSection* section = find_config_section(key.substr(0, key.find('.')));
+  if (schema_->find_key(key)) return values_.count(key) > 0;
+  const SchemaSection* section = schema_->find_section(key.substr(0, key.find('.')));
   if (!section || !section->open || key.find('.') == std::string::npos)
     throw std::logic_error("weft::Config: '" + key + "' is not a key of the schema");
   return static_cast<bool>(open_sections_.at_path(key));
@@ -446,7 +453,7 @@ std::string Config::origin(const std::string& key) const {
 }
 
 toml::table Config::section_table(const std::string& section) const {
-  const SchemaSection* found = find_config_section(section);
+  const SchemaSection* found = schema_->find_section(section);
   if (!found || !found->open)
     throw std::logic_error("weft::Config: '" + section + "' is not an open config section");
   const toml::table* table = open_sections_.get_as<toml::table>(section);
@@ -455,17 +462,17 @@ toml::table Config::section_table(const std::string& section) const {
 
 std::string Config::to_toml() const {
   std::ostringstream out;
-  for (const auto& section : config_sections()) {
+  for (const auto& section : schema_->sections) {
     if (section.open) continue;
     out << "[" << section.name << "]\n";
-    for (const auto& entry : config_schema()) {
+    for (const auto& entry : schema_->entries) {
       if (entry.section() != section.name) continue;
       const ConfigValue* value = explicit_value(entry.key);
       out << entry.name() << " = " << value_to_toml(value ? *value : entry.default_value) << "\n";
     }
     out << "\n";
   }
-  for (const auto& section : config_sections()) {
+  for (const auto& section : schema_->sections) {
     const toml::table* table = open_sections_.get_as<toml::table>(section.name);
     if (!section.open || !table || table->empty()) continue;
     toml::table wrapper{{section.name, *table}};

@@ -1,5 +1,5 @@
-// weft's run configuration: TOML files with inheritance, command-line overrides, validation
-// against the schema (core/config/schema.h) and typed access.
+// A run configuration: TOML files with inheritance, command-line overrides, validation against a
+// schema (core/config/schema.h; weft's is run_schema(), core/job/options.h) and typed access.
 //
 // Loading, in order:
 //  1. The file is parsed. A top-level `extends = "base.toml"` (relative to the extending file's
@@ -25,8 +25,8 @@ namespace weft {
 
 class Config {
  public:
-  // Every key at its schema default; open sections empty.
-  Config() = default;
+  // Every key of `schema` at its default; open sections empty. `schema` must outlive the Config.
+  explicit Config(const Schema& schema) : schema_(&schema) {}
 
   // Typed access by full key ("train.lr"): the configured value, or the schema default. A key that
   // is not in the schema, or is asked for with the wrong type, is a programming error and throws
@@ -41,6 +41,10 @@ class Config {
   // Whether a file or an override set the key (rather than falling back to the default). Accepts
   // schema keys and keys inside open sections ("plugin.foo"); other keys throw std::logic_error.
   bool is_set(const std::string& key) const;
+
+  // The key's value, whatever its type: the configured one or the schema default. A key that is
+  // not in the schema throws std::logic_error.
+  const ConfigValue& value(const std::string& key) const;
 
   // Where the key's value came from: "path/to/file.toml:LINE", "--set", or "default".
   std::string origin(const std::string& key) const;
@@ -65,6 +69,7 @@ class Config {
   const SchemaEntry& entry_for(const std::string& key, ValueType type) const;
   const ConfigValue* explicit_value(const std::string& key) const;
 
+  const Schema* schema_;
   std::map<std::string, ConfigValue> values_;      // explicitly set schema keys, normalised
   toml::table open_sections_;                      // section name -> table
   std::map<std::string, std::string> origins_;     // dotted path -> "file:line" or "--set"
@@ -76,11 +81,11 @@ class Config {
 // Throws weft::Error for: a missing or unreadable file or base (naming both files), an extends
 // cycle (naming the chain), TOML syntax errors (file:line:col and the parser's description), a
 // malformed override (naming it), and every validation failure described above.
-Config load_config(const std::string& path, const std::vector<std::string>& overrides = {});
+Config load_config(const Schema& schema, const std::string& path, const std::vector<std::string>& overrides = {});
 
 // Like load_config, from TOML text; `source_name` is used in messages and as the base for a
 // relative `extends`.
-Config load_config_text(const std::string& toml_text, const std::string& source_name,
+Config load_config_text(const Schema& schema, const std::string& toml_text, const std::string& source_name,
                         const std::vector<std::string>& overrides = {});
 
 }  // namespace weft

@@ -1,7 +1,7 @@
-// The configuration schema: every key the trainer understands, with its type, default, allowed
-// values and one line of documentation. The schema is data, defined in one place (schema.cpp);
-// validation (config.cpp), typed access, `trainer --help` and the README reference are all derived
-// from it, so adding a key means adding one entry there.
+// A configuration schema: sections and keys, each key with its type, default, allowed values and
+// one line of documentation. Config (config.h) validates against a Schema and reads through it;
+// render_help and render_markdown_reference document it. weft's own schema, declared once per key
+// next to the option each key sets, is run_schema() (core/job/options.h).
 #pragma once
 
 #include <cstdint>
@@ -39,14 +39,14 @@ struct SchemaSection {
   bool open;  // open sections accept any keys and values, unvalidated (e.g. a plugin's own settings)
 };
 
-// All sections, in documentation order.
-const std::vector<SchemaSection>& config_sections();
-// All keys, grouped by section in the order of config_sections().
-const std::vector<SchemaEntry>& config_schema();
+struct Schema {
+  std::vector<SchemaSection> sections;  // in documentation order
+  std::vector<SchemaEntry> entries;     // grouped by section, in the order of `sections`
 
-// Look-ups; nullptr when absent.
-const SchemaSection* find_config_section(const std::string& name);
-const SchemaEntry* find_config_key(const std::string& key);
+  // Look-ups; nullptr when absent.
+  const SchemaSection* find_section(const std::string& name) const;
+  const SchemaEntry* find_key(const std::string& key) const;
+};
 
 // "an integer", "a float", "a boolean", "a string", "a list of strings".
 std::string describe_type(ValueType type);
@@ -60,8 +60,8 @@ std::string value_to_toml(const ConfigValue& value);
 
 // Plain-text reference of every key (type, default, choices, range, doc), grouped by section;
 // printed by `trainer --help`.
-std::string render_help();
-// Markdown reference: one table per section, for the README.
-std::string render_markdown_reference();
+std::string render_help(const Schema& schema);
+// Markdown reference: one table per section (docs/configuration.md).
+std::string render_markdown_reference(const Schema& schema);
 
 }  // namespace weft

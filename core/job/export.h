@@ -1,5 +1,5 @@
 // A training job as plain files, for another trainer to run the very same job (trainer bench's
-// PyTorch baseline, tools/pytorch_baseline.py).
+// PyTorch baseline, python/pytorch_baseline.py).
 #pragma once
 
 #include <cstdint>

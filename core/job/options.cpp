@@ -1,92 +1,232 @@
 #include "core/job/options.h"
 
-namespace weft {
-
-TrainOptions train_options_from_config(const Config& c) {
-  TrainOptions o;
-  o.model.preset = c.get_string("model.preset");
-  o.model.config_path = c.get_string("model.config");
-  o.model.weights = c.get_string("model.weights");
-  o.model.adapter = c.get_string("model.adapter");
-  o.model.init_std = c.get_float("model.init_std");
-  o.model.vocab_size = c.get_int("model.vocab_size");
-  o.model.activation_checkpointing = c.get_bool("model.activation_checkpointing");
-  o.model.attention = c.get_string("model.attention");
-
-  o.data.paths = c.get_string_list("data.path");
-  o.data.format = c.get_string("data.format");
-  o.data.text_field = c.get_string("data.text_field");
-  o.data.text_document = c.get_string("data.text_document");
-  o.data.seq_len = c.get_int("data.seq_len");
-  o.data.heldout_fraction = c.get_float("data.heldout_fraction");
-  o.data.split_seed = static_cast<uint64_t>(c.get_int("data.split_seed"));
-  o.data.max_documents = c.get_int("data.max_documents");
-  o.data.cache_dir = c.get_string("data.cache_dir");
-  o.data.add_bos = c.get_bool("data.add_bos");
-  o.data.add_eos = c.get_bool("data.add_eos");
-  o.tokenizer = c.get_string("data.tokenizer");
-
-  o.mode = c.get_string("train.mode");
-  o.seed = static_cast<uint64_t>(c.get_int("train.seed"));
-  o.epochs = c.get_int("train.epochs");
-  o.max_steps = c.get_int("train.max_steps");
-  o.batch_size = c.get_int("train.batch_size");
-  o.grad_accum_steps = c.get_int("train.grad_accum_steps");
-  o.optim.lr = c.get_float("train.lr");
-  o.optim.min_lr_ratio = c.get_float("train.min_lr_ratio");
-  o.optim.warmup_steps = c.get_int("train.warmup_steps");
-  o.optim.schedule = c.get_string("train.schedule");
-  o.optim.weight_decay = c.get_float("train.weight_decay");
-  o.optim.beta1 = c.get_float("train.beta1");
-  o.optim.beta2 = c.get_float("train.beta2");
-  o.optim.eps = c.get_float("train.eps");
-  o.optim.grad_clip = c.get_float("train.grad_clip");
-  o.precision = c.get_string("train.precision");
-  o.threads = c.get_int("train.threads");
-  o.out_dir = c.get_string("train.out_dir");
-  o.overwrite = c.get_bool("train.overwrite");
-  o.plugin = c.get_string("train.plugin");
-  o.plugin_config = c.section_table("plugin");
-  o.collective_timeout_s = c.get_float("train.collective_timeout_s");
-
-  o.lora.spec.r = c.get_int("lora.r");
-  o.lora.spec.alpha = c.get_float("lora.alpha");
-  o.lora.spec.dropout = c.get_float("lora.dropout");
-  o.lora.target_modules = c.get_string_list("lora.target_modules");
-  o.save_merged = c.get_bool("lora.save_merged");
-
-  o.eval_every = c.get_int("eval.every_steps");
-  o.eval_max_batches = c.get_int("eval.max_batches");
-  o.eval_batch_size = c.get_int("eval.batch_size");
-  o.patience = c.get_int("eval.patience");
-
-  o.checkpoint_every = c.get_int("checkpoint.every_steps");
-  o.keep_last = c.get_int("checkpoint.keep_last");
-  o.resume = c.get_string("checkpoint.resume");
-  o.save_final = c.get_bool("checkpoint.save_final");
-  o.keep_best = c.get_bool("checkpoint.keep_best");
-
-  o.progress = c.get_string("log.progress");
-  o.log_every = c.get_int("log.every_steps");
-  o.metrics_file = c.get_string("log.metrics_file");
-  o.trace_file = c.get_string("log.trace");
-  o.max_new_tokens = c.get_int("generate.max_new_tokens");
-  o.temperature = c.get_float("generate.temperature");
-  o.top_p = c.get_float("generate.top_p");
-  o.generate_seed = static_cast<uint64_t>(c.get_int("generate.seed"));
-  if (o.metrics_file.empty()) o.metrics_file = o.out_dir + "/metrics.jsonl";
-  return o;
-}
-
-}  // namespace weft
-
 #include <filesystem>
+#include <functional>
+#include <optional>
+#include <type_traits>
+#include <utility>
 
 #include "core/util/fs.h"
 
 namespace weft {
+namespace {
+
+// One configuration key: its schema entry (name, type, default, doc, constraints) and how it sets
+// its TrainOptions member.
+struct Row {
+  SchemaEntry entry;
+  std::function<void(TrainOptions&, const ConfigValue&)> set;
+};
+
+using Bound = std::optional<double>;
+constexpr std::nullopt_t none = std::nullopt;
+
+// The member a key sets, as an accessor: WEFT_MEMBER(optim.lr).
+#define WEFT_MEMBER(member) [](TrainOptions& o) -> auto& { return o.member; }
+
+template <typename Access>
+Row int_key(std::string key, Access member, int64_t def, std::string doc, Bound min = none, Bound max = none) {
+  return {{std::move(key), ValueType::Int, def, std::move(doc), {}, min, max},
+          [member](TrainOptions& o, const ConfigValue& v) {
+            auto& field = member(o);
+            field = static_cast<std::remove_reference_t<decltype(field)>>(std::get<int64_t>(v));
+          }};
+}
+template <typename Access>
+Row float_key(std::string key, Access member, double def, std::string doc, Bound min = none, Bound max = none) {
+  return {{std::move(key), ValueType::Float, def, std::move(doc), {}, min, max},
+          [member](TrainOptions& o, const ConfigValue& v) { member(o) = std::get<double>(v); }};
+}
+template <typename Access>
+Row bool_key(std::string key, Access member, bool def, std::string doc) {
+  return {{std::move(key), ValueType::Bool, def, std::move(doc), {}, none, none},
+          [member](TrainOptions& o, const ConfigValue& v) { member(o) = std::get<bool>(v); }};
+}
+template <typename Access>
+Row string_key(std::string key, Access member, std::string def, std::string doc, std::vector<std::string> choices = {}) {
+  return {{std::move(key), ValueType::String, std::move(def), std::move(doc), std::move(choices), none, none},
+          [member](TrainOptions& o, const ConfigValue& v) { member(o) = std::get<std::string>(v); }};
+}
+template <typename Access>
+Row list_key(std::string key, Access member, std::vector<std::string> def, std::string doc) {
+  return {{std::move(key), ValueType::StringList, std::move(def), std::move(doc), {}, none, none},
+          [member](TrainOptions& o, const ConfigValue& v) { member(o) = std::get<std::vector<std::string>>(v); }};
+}
+// A bound that the value may not equal: exclusive(float_key(...), /*min=*/true, /*max=*/false).
+Row exclusive(Row row, bool min, bool max) {
+  row.entry.min_exclusive = min;
+  row.entry.max_exclusive = max;
+  return row;
+}
+
+const std::vector<SchemaSection>& sections() {
+  static const std::vector<SchemaSection> sections = {
+      {"model", "Model architecture and initial weights.", false},
+      {"data", "Training data, tokenizer and held-out split.", false},
+      {"train", "Optimisation: mode, batch, learning-rate schedule, AdamW, precision.", false},
+      {"lora", "LoRA adapters (used when train.mode = \"lora\").", false},
+      {"eval", "Held-out evaluation and early stopping.", false},
+      {"checkpoint", "Checkpoint saving and resuming.", false},
+      {"generate", "Text generation (trainer generate --prompt ...).", false},
+      {"log", "Console logging and the metrics file.", false},
+      {"plugin", "Free-form settings for a strategy plugin (any keys, not validated here).", true},
+  };
+  return sections;
+}
+
+// Every key, once: grouped by section, in the order of sections().
+const std::vector<Row>& rows() {
+  static const std::vector<Row> rows = {
+      // [model]
+      string_key("model.preset", WEFT_MEMBER(model.preset), "tiny",
+                 "Named model shape (\"\" = none, model.config required); ignored when model.config "
+                 "is set.",
+                 {"tiny", "small", "llama-3.2-1b", "llama-3.2-3b", ""}),
+      string_key("model.config", WEFT_MEMBER(model.config_path), "", "Path to an HF config.json describing the model shape."),
+      string_key("model.weights", WEFT_MEMBER(model.weights), "",
+                 "Safetensors file, directory or index to load; empty = seeded random init."),
+      string_key("model.adapter", WEFT_MEMBER(model.adapter), "",
+                 "A LoRA adapter directory (PEFT: adapter_config.json, adapter_model.safetensors) applied on top "
+                 "of model.weights; train it further with train.mode = \"lora\". Empty = none."),
+      float_key("model.init_std", WEFT_MEMBER(model.init_std), 0.02, "Standard deviation of the random weight init.", 0),
+      int_key("model.vocab_size", WEFT_MEMBER(model.vocab_size), 0,
+              "Vocabulary size override; 0 = the preset's or config's value (must cover the tokenizer).",
+              0),
+      string_key("model.attention", WEFT_MEMBER(model.attention), "auto",
+                 "Causal attention kernel: sdpa = at::scaled_dot_product_attention (LibTorch 2.x), weft = weft's "
+                 "own; auto = sdpa where LibTorch has it, weft on 1.13.",
+                 {"auto", "sdpa", "weft"}),
+      bool_key("model.activation_checkpointing", WEFT_MEMBER(model.activation_checkpointing), false,
+               "Recompute each decoder block in backward instead of storing its activations."),
+      // [data]
+      list_key("data.path", WEFT_MEMBER(data.paths), {"data/austen/austen.jsonl"},
+               "Training files or directories: text .txt, JSONL .jsonl, or tokens .u16/.u32/.bin."),
+      string_key("data.format", WEFT_MEMBER(data.format), "auto", "Input format; auto = by file extension.",
+                 {"auto", "text", "jsonl", "tokens-u16", "tokens-u32"}),
+      string_key("data.text_field", WEFT_MEMBER(data.text_field), "text", "Field of each JSONL record that holds the text."),
+      string_key("data.text_document", WEFT_MEMBER(data.text_document), "paragraph", "How plain text is cut into documents.",
+                 {"file", "paragraph", "line"}),
+      string_key("data.tokenizer", WEFT_MEMBER(tokenizer), "byte",
+                 "\"byte\" for the built-in byte tokenizer, or a tokenizer.json (or its directory)."),
+      int_key("data.seq_len", WEFT_MEMBER(data.seq_len), 256, "Tokens per training sequence.", 2),
+      float_key("data.heldout_fraction", WEFT_MEMBER(data.heldout_fraction), 0.1, "Fraction of documents held out for evaluation.", 0,
+                0.9),
+      int_key("data.split_seed", WEFT_MEMBER(data.split_seed), 1234, "Seed of the train/held-out document split."),
+      int_key("data.max_documents", WEFT_MEMBER(data.max_documents), 0, "Use at most this many documents; 0 = all.", 0),
+      string_key("data.cache_dir", WEFT_MEMBER(data.cache_dir), ".cache/weft", "Directory for cached tokenized data."),
+      bool_key("data.add_bos", WEFT_MEMBER(data.add_bos), true, "Prepend the BOS token to each document."),
+      bool_key("data.add_eos", WEFT_MEMBER(data.add_eos), true, "Append the EOS token to each document."),
+      // [train]
+      string_key("train.mode", WEFT_MEMBER(mode), "full", "Train all weights (full) or LoRA adapters only (lora).",
+                 {"full", "lora"}),
+      int_key("train.seed", WEFT_MEMBER(seed), 1234, "Seed for initialisation, shuffling and dropout."),
+      int_key("train.epochs", WEFT_MEMBER(epochs), 1, "Passes over the training set.", 1),
+      int_key("train.max_steps", WEFT_MEMBER(max_steps), 0, "Stop after this many optimizer steps; 0 = no limit.", 0),
+      int_key("train.batch_size", WEFT_MEMBER(batch_size), 8,
+              "Global micro-batch: sequences per forward/backward, summed over data-parallel ranks.",
+              1),
+      int_key("train.grad_accum_steps", WEFT_MEMBER(grad_accum_steps), 1, "Micro-batches accumulated per optimizer step.", 1),
+      float_key("train.lr", WEFT_MEMBER(optim.lr), 3e-4, "Peak learning rate.", 0),
+      float_key("train.min_lr_ratio", WEFT_MEMBER(optim.min_lr_ratio), 0.1, "Final learning rate as a fraction of train.lr.", 0, 1),
+      int_key("train.warmup_steps", WEFT_MEMBER(optim.warmup_steps), 100, "Linear warm-up steps from 0 to train.lr.", 0),
+      string_key("train.schedule", WEFT_MEMBER(optim.schedule), "cosine", "Learning-rate decay after warm-up.",
+                 {"cosine", "linear", "constant"}),
+      float_key("train.weight_decay", WEFT_MEMBER(optim.weight_decay), 0.1, "AdamW decoupled weight decay.", 0),
+      exclusive(float_key("train.beta1", WEFT_MEMBER(optim.beta1), 0.9, "AdamW first-moment decay.", 0, 1), false, true),
+      exclusive(float_key("train.beta2", WEFT_MEMBER(optim.beta2), 0.95, "AdamW second-moment decay.", 0, 1), false, true),
+      exclusive(float_key("train.eps", WEFT_MEMBER(optim.eps), 1e-8, "AdamW denominator epsilon.", 0), true, false),
+      float_key("train.grad_clip", WEFT_MEMBER(optim.grad_clip), 1.0, "Clip the global gradient norm to this; 0 = off.", 0),
+      string_key("train.precision", WEFT_MEMBER(precision), "fp32", "Compute precision.", {"fp32", "bf16"}),
+      int_key("train.threads", WEFT_MEMBER(threads), 1, "Intra-op threads per process.", 1),
+      string_key("train.out_dir", WEFT_MEMBER(out_dir), "runs/default",
+                 "Run directory for checkpoints, metrics and the effective config."),
+      string_key("train.plugin", WEFT_MEMBER(plugin), "",
+                 "Strategy plugin: a path or a name found in the build's plugins/ or WEFT_PLUGIN_PATH (e.g. ddp); empty = single, "
+                 "built into the host (one process, the reference step)."),
+      float_key("train.collective_timeout_s", WEFT_MEMBER(collective_timeout_s), 300.0,
+                "Seconds a collective or the start-up rendezvous may take before the run stops with an error naming it.",
+                1.0),
+      bool_key("train.overwrite", WEFT_MEMBER(overwrite), false,
+               "Start fresh even if out_dir already holds checkpoints or saved models (they are replaced)."),
+      // [lora]
+      int_key("lora.r", WEFT_MEMBER(lora.spec.r), 8, "Rank of the LoRA update matrices.", 1),
+      exclusive(float_key("lora.alpha", WEFT_MEMBER(lora.spec.alpha), 16, "LoRA scaling numerator (the update is scaled by alpha / r).", 0),
+                true, false),
+      exclusive(float_key("lora.dropout", WEFT_MEMBER(lora.spec.dropout), 0.05, "Dropout on the LoRA input.", 0, 1), false, true),
+      list_key("lora.target_modules", WEFT_MEMBER(lora.target_modules), {"q_proj", "k_proj", "v_proj", "o_proj"},
+               "Linear layers that get LoRA adapters (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj lm_head)."),
+      bool_key("lora.save_merged", WEFT_MEMBER(save_merged), false,
+               "At the end, also save the base model with the adapters merged in (<out_dir>/final-merged)."),
+      // [eval]
+      int_key("eval.every_steps", WEFT_MEMBER(eval_every), 0, "Evaluate every N optimizer steps; 0 = only at each epoch end.",
+              0),
+      int_key("eval.max_batches", WEFT_MEMBER(eval_max_batches), 0, "Batches per evaluation; 0 = the whole held-out set.", 0),
+      int_key("eval.batch_size", WEFT_MEMBER(eval_batch_size), 0, "Sequences per evaluation batch; 0 = train.batch_size.", 0),
+      int_key("eval.patience", WEFT_MEMBER(patience), 0,
+              "Evaluations without improvement before early stopping; 0 = off.", 0),
+      // [checkpoint]
+      int_key("checkpoint.every_steps", WEFT_MEMBER(checkpoint_every), 0, "Save a checkpoint every N optimizer steps; 0 = off.", 0),
+      int_key("checkpoint.keep_last", WEFT_MEMBER(keep_last), 2, "Periodic checkpoints to keep (older ones are deleted).",
+              1),
+      string_key("checkpoint.resume", WEFT_MEMBER(resume), "",
+                 "\"\" = start fresh, \"auto\" = latest in train.out_dir if any, or a checkpoint "
+                 "directory."),
+      bool_key("checkpoint.save_final", WEFT_MEMBER(save_final), true, "Save a checkpoint when training ends."),
+      bool_key("checkpoint.keep_best", WEFT_MEMBER(keep_best), true,
+               "Keep the checkpoint with the best held-out loss as well."),
+      // [generate]
+      int_key("generate.max_new_tokens", WEFT_MEMBER(max_new_tokens), 64, "Tokens to generate after the prompt (trainer generate).", 1),
+      float_key("generate.temperature", WEFT_MEMBER(temperature), 0.0, "Sampling temperature; 0 = greedy (the most likely token).", 0.0),
+      exclusive(float_key("generate.top_p", WEFT_MEMBER(top_p), 1.0, "Nucleus sampling: sample among the most likely tokens whose "
+                          "probabilities sum to top_p (with temperature > 0).", 0.0, 1.0),
+                true, false),
+      int_key("generate.seed", WEFT_MEMBER(generate_seed), 0, "Seed of the sampler (every rank draws the same tokens).", 0),
+      // [log]
+      string_key("log.level", WEFT_MEMBER(log_level), "info", "Console log level.",
+                 {"trace", "debug", "info", "warn", "error"}),
+      string_key("log.progress", WEFT_MEMBER(progress), "auto",
+                 "Progress display; auto = a bar on a terminal, lines otherwise.",
+                 {"auto", "bar", "lines", "off"}),
+      int_key("log.every_steps", WEFT_MEMBER(log_every), 10, "Log training metrics every N optimizer steps.", 1),
+      string_key("log.metrics_file", WEFT_MEMBER(metrics_file), "", "JSONL metrics file; empty = <out_dir>/metrics.jsonl."),
+      string_key("log.trace", WEFT_MEMBER(trace_file), "",
+                 "Chrome/Perfetto trace file (open in ui.perfetto.dev or chrome://tracing); ranks of "
+                 "a multi-process run write FILE.rank<r>.json; empty = off. Also --trace FILE."),
+  };
+  return rows;
+}
+
+}  // namespace
+
+const Schema& run_schema() {
+  static const Schema schema = [] {
+    Schema s;
+    s.sections = sections();
+    for (const Row& row : rows()) s.entries.push_back(row.entry);
+    return s;
+  }();
+  return schema;
+}
+
+TrainOptions::TrainOptions() {
+  for (const Row& row : rows()) row.set(*this, row.entry.default_value);
+}
+
+Config load_run_config(const std::string& path, const std::vector<std::string>& overrides) {
+  return load_config(run_schema(), path, overrides);
+}
+
+TrainOptions train_options_from_config(const Config& config) {
+  TrainOptions o;
+  for (const Row& row : rows()) row.set(o, config.value(row.entry.key));
+  o.plugin_config = config.section_table("plugin");
+  if (o.metrics_file.empty()) o.metrics_file = o.out_dir + "/metrics.jsonl";
+  return o;
+}
+
 void write_run_config(const std::string& out_dir, const Config& config) {
   std::filesystem::create_directories(out_dir);
   write_file_atomically(out_dir + "/config.toml", config.to_toml());
 }
+
 }  // namespace weft

@@ -1,10 +1,15 @@
-// Typed run options, read once from the validated Config so the training code never looks up
-// string keys. Each field mirrors a schema key (core/config/schema.cpp documents them).
+// A run's options, and weft's configuration keys, declared once each (options.cpp): one row per
+// key binds its name, the TrainOptions member it sets, its default, its documentation and its
+// constraints. The rows give the schema that validates a configuration (run_schema), the reader
+// (train_options_from_config), the defaults of a TrainOptions, `trainer --help` and the generated
+// reference (docs/configuration.md).
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#include <toml++/toml.h>
 
 #include "core/config/config.h"
 #include "core/data/dataset.h"
@@ -13,63 +18,69 @@
 namespace weft {
 
 struct ModelSource {
-  std::string preset;
-  std::string config_path;
-  std::string weights;
-  std::string adapter;  // model.adapter: a PEFT LoRA adapter directory applied on top of the weights
-  double init_std = 0.02;
-  int64_t vocab_size = 0;
-  bool activation_checkpointing = false;
-  std::string attention = "auto";  // model.attention (AttentionKernel, core/model/config.h)
+  std::string preset;       // model.preset
+  std::string config_path;  // model.config
+  std::string weights;      // model.weights
+  std::string adapter;      // model.adapter: a PEFT LoRA adapter directory on top of the weights
+  double init_std;
+  int64_t vocab_size;
+  bool activation_checkpointing;
+  std::string attention;    // model.attention (AttentionKernel, core/model/config.h)
 };
 
 struct OptimOptions {
-  double lr = 3e-4, min_lr_ratio = 0.1, weight_decay = 0.1;
-  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, grad_clip = 1.0;
-  int64_t warmup_steps = 0;
-  std::string schedule = "cosine";
+  double lr, min_lr_ratio, weight_decay;
+  double beta1, beta2, eps, grad_clip;
+  int64_t warmup_steps;
+  std::string schedule;
 };
 
 struct TrainOptions {
+  // Every member a configuration key sets holds that key's default (from its row).
+  TrainOptions();
+
   ModelSource model;
   DatasetOptions data;
-  std::string tokenizer = "byte";
+  std::string tokenizer;      // data.tokenizer
   OptimOptions optim;
-  std::string mode = "full";  // full | lora
+  std::string mode;           // train.mode: full | lora
   LoraConfig lora;
-  uint64_t seed = 0;
-  int64_t epochs = 1, max_steps = 0, batch_size = 8, grad_accum_steps = 1, threads = 1;
-  std::string precision = "fp32";
+  uint64_t seed;
+  int64_t epochs, max_steps, batch_size, grad_accum_steps, threads;
+  std::string precision;
   std::string out_dir;
-  bool overwrite = false;
-  std::string plugin;          // strategy plugin path or name; empty = built-in step
-  toml::table plugin_config;   // the [plugin] section, handed to the plugin
-  std::string config_hash;     // of the effective config: every rank must agree
-  double collective_timeout_s = 300;
-  bool save_merged = false;  // LoRA: also save the merged model at the end
-  int64_t eval_every = 0, eval_max_batches = 0, eval_batch_size = 0, patience = 0;
-  int64_t checkpoint_every = 0, keep_last = 2;
+  bool overwrite;
+  std::string plugin;         // train.plugin: a path or name; empty = single, built into the host
+  double collective_timeout_s;
+  bool save_merged;           // lora.save_merged
+  int64_t eval_every, eval_max_batches, eval_batch_size, patience;
+  int64_t checkpoint_every, keep_last;
   std::string resume;
-  bool save_final = true, keep_best = true;
-  std::string progress = "auto";
-  int64_t log_every = 10;
-  std::string metrics_file;
-  std::string trace_file;    // log.trace: Chrome trace of this run ("" = off)
-  // Generation (trainer generate): build the strategy and the model only (no data, no
-  // optimizer, no run directory).
-  bool inference_only = false;
-  int64_t max_new_tokens = 64;  // generate.max_new_tokens
-  double temperature = 0.0;     // generate.temperature: 0 = greedy
-  double top_p = 1.0;           // generate.top_p
-  uint64_t generate_seed = 0;   // generate.seed
+  bool save_final, keep_best;
+  std::string log_level, progress;
+  int64_t log_every;
+  std::string metrics_file;   // log.metrics_file, or <out_dir>/metrics.jsonl
+  std::string trace_file;     // log.trace: Chrome trace of this run ("" = off)
+  int64_t max_new_tokens;     // generate.*
+  double temperature, top_p;
+  uint64_t generate_seed;
+
+  // Not configuration keys:
+  toml::table plugin_config;  // the [plugin] section, handed to the plugin
+  std::string config_hash;    // of the effective configuration: every rank must agree
 };
 
+// weft's configuration schema: the sections and every key's row.
+const Schema& run_schema();
+
+// A configuration of weft's schema (load_config, core/config/config.h).
+Config load_run_config(const std::string& path, const std::vector<std::string>& overrides = {});
+
+// The options `config` sets, and the defaults of the keys it leaves.
 TrainOptions train_options_from_config(const Config& config);
 
-}  // namespace weft
-
-namespace weft {
 // Writes the effective configuration to <out_dir>/config.toml, so a run can be reproduced with
 // `trainer --config <out_dir>/config.toml`.
 void write_run_config(const std::string& out_dir, const Config& config);
+
 }  // namespace weft

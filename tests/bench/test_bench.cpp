@@ -221,7 +221,7 @@ TEST(BenchCommand, AFailingVariantIsNamedAndTheOthersAreStillMeasured) {
   EXPECT_NE(table.find("**gpipe stages=3 x2 failed** in repetition 1"), std::string::npos) << table;
 }
 
-// The PyTorch DDP baseline (tools/pytorch_baseline.py, Debian's python3-torch) trains the job
+// The PyTorch DDP baseline (python/pytorch_baseline.py, Debian's python3-torch) trains the job
 // trainer bench exported: the same model (its parameter count equals weft's for the exported
 // config.json), the same global batch, on 2 processes, in the same alternation.
 TEST(BenchCommand, ThePytorchBaselineTrainsTheSameModelInTheAlternation) {

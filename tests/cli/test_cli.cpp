@@ -74,19 +74,20 @@ TEST(Cli, BadInputGetsOneClearErrorAndExitCodeOne) {
 
 namespace {
 
-TEST(Cli, ReadmeConfigReferenceMatchesTheSchema) {
-  std::ifstream in(std::string(WEFT_SOURCE_DIR) + "/README.md");
+TEST(Cli, TheConfigurationReferenceMatchesTheSchema) {
+  const std::string path = std::string(WEFT_SOURCE_DIR) + "/docs/configuration.md";
+  std::ifstream in(path);
   std::stringstream buffer;
   buffer << in.rdbuf();
-  const std::string readme = buffer.str();
+  const std::string doc = buffer.str();
   const std::string begin = "<!-- config-reference:begin -->\n", end = "<!-- config-reference:end -->";
-  const auto b = readme.find(begin), e = readme.find(end);
-  ASSERT_NE(b, std::string::npos);
-  ASSERT_NE(e, std::string::npos);
+  const auto b = doc.find(begin), e = doc.find(end);
+  ASSERT_NE(b, std::string::npos) << path;
+  ASSERT_NE(e, std::string::npos) << path;
   const auto generated = run_trainer("config-reference");
   ASSERT_EQ(generated.exit_code, 0);
-  EXPECT_EQ(readme.substr(b + begin.size(), e - b - begin.size()), generated.output)
-      << "README.md's configuration reference is stale: regenerate it with `trainer config-reference`";
+  EXPECT_EQ(doc.substr(b + begin.size(), e - b - begin.size()), generated.output)
+      << "docs/configuration.md is stale: regenerate it with `trainer config-reference`";
 }
 
 }  // namespace

@@ -4,11 +4,11 @@ plots: a summary table (steps, epochs, time per epoch, tokens/s, held-out loss a
 memory, communication, plugin metrics), loss / throughput / perplexity / epoch-time charts, the
 resolved configuration and the command that reproduces the run.
 
-  tools/report.py RUN_DIR [-o REPORT_MD]
+  python/report.py RUN_DIR [-o REPORT_MD]
 
 Reads RUN_DIR/metrics.jsonl, RUN_DIR/config.toml and RUN_DIR/command.txt (optional); writes
 REPORT_MD (default RUN_DIR/report.md) and its PNGs into the folder report/ next to it, linked
-with relative paths. Prints the paths written. Standard library only (tools/charts.py).
+with relative paths. Prints the paths written. Plots with matplotlib (python/charts.py).
 """
 import argparse
 import datetime

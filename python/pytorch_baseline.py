@@ -8,7 +8,7 @@ tools/setup.sh's virtual environment (PyTorch's wheel; WEFT_PYTHON chooses anoth
 2.x attention is F.scaled_dot_product_attention, as transformers' default; 1.13 has the explicit
 softmax.
 
-  ~/.cache/weft/venv/bin/python tools/pytorch_baseline.py --data DIR --nproc N --out RUN_DIR [--steps K]
+  ~/.cache/weft/venv/bin/python python/pytorch_baseline.py --data DIR --nproc N --out RUN_DIR [--steps K]
 
 Inputs (DIR, written by trainer bench):
   config.json  a Hugging Face LLaMA config.json (head_dim, rope_scaling optional)

@@ -3,10 +3,10 @@
 the x-axis, each forward (F) and backward (B) of a micro-batch as a labelled box; white is idle
 (the bubble). Reads the per-rank Chrome traces that `trainer --trace FILE` writes.
 
-  tools/plot_pipeline.py runs/x/trace.rank*.json -o timeline.png [--step N] [--formula S M]
+  python/plot_pipeline.py runs/x/trace.rank*.json -o timeline.png [--step N] [--formula S M]
 
 Prints the step's measured bubble: 1 - (time in forward/backward) / (ranks x step time).
-Standard library only (tools/pngcanvas.py).
+Drawn with matplotlib (python/charts.py's colours).
 """
 import argparse
 import json
@@ -14,10 +14,10 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pngcanvas import Canvas  # noqa: E402
+from charts import plt, rgb  # noqa: E402  (matplotlib with the Agg backend)
 
 FORWARD, BACKWARD = (66, 133, 244), (52, 168, 83)
-WAIT, GRID, INK = (225, 225, 225), (200, 200, 200), (20, 20, 20)
+WAIT, INK = (200, 200, 200), (20, 20, 20)
 
 
 def load(paths):
@@ -59,49 +59,39 @@ def main():
     ranks = load(args.traces)
     t0, t1, label = step_window(ranks, args.step)
     span = max(t1 - t0, 1.0)
-    left, right, top, row_h, gap = 96, 20, 40, 34, 8
-    width = 1400
-    plot_w = width - left - right
-    height = top + len(ranks) * (row_h + gap) + 40
-    c = Canvas(width, height)
-    x_of = lambda t: left + (t - t0) / span * plot_w  # noqa: E731
-
+    fig, ax = plt.subplots(figsize=(14, 0.6 * len(ranks) + 1.4), dpi=100)
     busy = 0.0
     for row, (rank, events) in enumerate(ranks.items()):
-        y0 = top + row * (row_h + gap)
-        c.text(8, y0 + row_h / 2 - 7, f"rank {rank}", INK, 2)
-        c.rect(left, y0, left + plot_w, y0 + row_h, GRID)
+        y = len(ranks) - 1 - row  # rank 0 on top
         for e in events:
             a, b = max(e["ts"], t0), min(e["ts"] + e["dur"], t1)
             if b <= a:
                 continue
             cat = e.get("cat")
+            x, w = (a - t0) / 1000, (b - a) / 1000  # ms
             if cat in ("forward", "backward"):
                 busy += b - a
-                color = FORWARD if cat == "forward" else BACKWARD
-                c.fill_rect(x_of(a), y0 + 1, x_of(b), y0 + row_h - 1, color)
-                c.fill_rect(x_of(b) - 1, y0 + 1, x_of(b), y0 + row_h - 1, (255, 255, 255))
-                name = e["name"]
-                scale = 2 if c.text_width(name, 2) < x_of(b) - x_of(a) - 2 else 1
-                if c.text_width(name, scale) < x_of(b) - x_of(a) - 1:
-                    c.text((x_of(a) + x_of(b) - c.text_width(name, scale)) / 2, y0 + (row_h - 7 * scale) / 2, name,
-                           (255, 255, 255), scale)
+                ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors=rgb(FORWARD if cat == "forward" else BACKWARD),
+                               edgecolors="white", linewidth=0.5)
+                if w > span / 1000 * 0.025:  # label boxes wide enough to hold it
+                    ax.text(x + w / 2, y, e["name"], ha="center", va="center", color="white", fontsize=8)
             elif cat in ("wait", "recv"):
-                c.fill_rect(x_of(a), y0 + row_h - 5, x_of(b), y0 + row_h - 1, WAIT)
+                ax.broken_barh([(x, w)], (y - 0.45, 0.1), facecolors=rgb(WAIT))
     bubble = 1.0 - busy / (len(ranks) * span)
     title = f"{label}: {span / 1000:.1f} ms, bubble {100 * bubble:.1f}%"
     if args.formula:
         s, m = args.formula
         title += f" (gpipe formula {100 * (s - 1) / (m + s - 1):.1f}%)"
-    c.text(left, 12, title, INK, 2)
-    axis_y = top + len(ranks) * (row_h + gap) + 4
-    for k in range(11):
-        x = left + k * plot_w / 10
-        c.line(x, axis_y, x, axis_y + 4, INK)
-        tick = f"{span / 1000 * k / 10:.0f}" if span >= 10000 else f"{span / 1000 * k / 10:.1f}"
-        c.text(x - c.text_width(tick) / 2, axis_y + 7, tick, INK)
-    c.text(left + plot_w - c.text_width("ms", 1), axis_y + 18, "ms", INK)
-    c.save(args.output)
+    ax.set_title(title, loc="left", fontsize=12, color=rgb(INK))
+    ax.set_yticks(range(len(ranks)))
+    ax.set_yticklabels([f"rank {r}" for r in reversed(list(ranks))])
+    ax.set_xlim(0, span / 1000)
+    ax.set_xlabel("ms")
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    fig.savefig(args.output)
+    plt.close(fig)
     formula = ""
     if args.formula:
         s, m = args.formula

@@ -3,11 +3,11 @@
 epoch (median bars, min-max whiskers over repetitions; the PyTorch baseline in grey), and per
 plugin tokens/s and time per epoch against world size.
 
-  tools/plot_bench.py BENCH_JSON [-o OUT_DIR]
+  python/plot_bench.py BENCH_JSON [-o OUT_DIR]
 
 Writes OUT_DIR/tokens_per_s.png, epoch_time.png, scaling.png and scaling_epoch.png (OUT_DIR
-defaults to the JSON's folder) and prints each path written. Standard library only
-(tools/charts.py on tools/pngcanvas.py).
+defaults to the JSON's folder) and prints each path written. Plots with matplotlib
+(python/charts.py).
 """
 import argparse
 import json

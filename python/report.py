@@ -207,7 +207,7 @@ def summary_rows(run):
     add("Status", status)
 
     plugin = run.cfg("train", "plugin") or ""
-    plugin_text = f"`{plugin}`" if plugin else "none (the host's built-in one-process step)"
+    plugin_text = f"`{plugin}`" if plugin else "single (built into the trainer: one process)"
     settings = run.config.get("plugin")
     if isinstance(settings, dict) and settings:
         plugin_text += " (" + ", ".join(f"{k}={json.dumps(v)}" for k, v in settings.items()) + ")"

@@ -239,7 +239,7 @@ int run_bench(const CommandLine& cli) {
   return run_bench(options);
 }
 
-// `trainer report RUN_DIR`: tools/report.py turns the run's metrics into Markdown and plots.
+// `trainer report RUN_DIR`: python/report.py turns the run's metrics into Markdown and plots.
 int run_report(const CommandLine& cli) {
   if (cli.target.empty()) throw Error("trainer report needs the run directory: trainer report RUN_DIR");
   if (!std::filesystem::exists(cli.target + "/metrics.jsonl")) {

@@ -30,8 +30,9 @@
  *  - Tensors: DLTensor* arguments are borrowed views (DLPack 0.6, always with strides), valid
  *    only during the call unless stated otherwise. Autograd history never crosses the boundary:
  *    tensors that need it stay in the host behind weft_activation handles. DLPack 0.6 has no
- *    bool type: booleans cross as {kDLUInt, 8, 1}. Collectives run where the tensors live:
- *    Gloo for CPU tensors, NCCL (when the host's LibTorch has it) for CUDA tensors.
+ *    bool type: booleans cross as {kDLUInt, 8, 1}. Collectives run on Gloo process groups over
+ *    CPU tensors (this host compiles c10d's NCCL group where its LibTorch has it, but places no
+ *    model on CUDA devices yet).
  *  - Structs passed by pointer that start with `struct_size` (weft_model_plan,
  *    weft_step_info) are written by the host with its own size; a reader uses only the fields
  *    that lie within struct_size (fields are only ever appended).
@@ -261,10 +262,10 @@ typedef struct weft_host_api {
 
   /* --- collectives: asynchronous; every one returns a work handle to wait on ---
    * The tensors' memory must stay alive and unmodified (inputs) / unread (outputs) until
-   * work_wait returns. All tensors are contiguous CPU (Gloo) or CUDA (NCCL) tensors of one
-   * dtype, any dtype on any backend: where the backend cannot reduce it (Gloo: fp16, bf16) the
-   * host reduces an fp32 copy and writes the result back; where it cannot move it, the host
-   * moves its bytes. */
+   * work_wait returns. All tensors are contiguous CPU tensors (Gloo process groups; CUDA tensors
+   * and NCCL groups are not supported by this host yet) of one dtype, any dtype: where the backend
+   * cannot reduce it (Gloo: fp16, bf16) the host reduces an fp32 copy and writes the result back;
+   * where it cannot move it, the host moves its bytes. */
   weft_status* (*all_reduce)(weft_host* host, weft_group* group, DLTensor* tensor,
                              weft_reduce_op op, weft_work** work);
   /* output = this rank's part (dim 0, equal parts) of the reduction of `input` over the group. */

@@ -47,7 +47,7 @@ std::vector<double> step_losses(const std::string& metrics) {
 }
 
 // Trains the tiny preset for 20 fp32 steps with `extra` settings under `plugin` on `nproc`
-// processes (0 = the built-in one-process step); returns the run directory.
+// processes (0: one process, the built-in single); returns the run directory.
 std::string train(const std::string& dir, const std::string& name, const std::string& corpus, int nproc,
                   const std::string& extra) {
   const std::string out = dir + "/" + name;

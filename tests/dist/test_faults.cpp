@@ -106,4 +106,15 @@ TEST(DistFaults, ResumeAutoOnAFreshRunStartsFreshUnderEveryPlugin) {
   }
 }
 
+TEST(DistFaults, APluginWithoutEvalStepIsRefusedOnSeveralRanks) {
+  // Without eval_step the host's default evaluation runs on one rank; on two it would sum only
+  // each rank's share. Refused before anything is built.
+  const auto dir = fresh_dir("no_eval_step");
+  const auto r = run_trainer(tiny_args(dir) + " --plugin " + std::string(WEFT_PLUGIN_FIXTURE_DIR) + "/good.so --nproc 2");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("plugin good has no eval_step, so it cannot evaluate with 2 processes"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("training:"), std::string::npos) << r.output;
+}
+
 }  // namespace

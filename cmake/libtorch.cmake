@@ -93,7 +93,8 @@ endif()
 
 # The wheel ships fmt 12's headers in its include folder, ahead of the system's; spdlog (Debian)
 # is built on the system's fmt 9. Every weft target sees the system's fmt first.
-find_path(WEFT_FMT_INCLUDE_DIR fmt/format.h PATHS /usr/include /usr/local/include NO_DEFAULT_PATH)
+find_path(WEFT_FMT_INCLUDE_DIR fmt/format.h PATHS ${WEFT_DEPS_PREFIX}/usr/include /usr/include /usr/local/include
+  NO_DEFAULT_PATH)
 if(EXISTS "${TORCH_INSTALL_PREFIX}/include/fmt" AND WEFT_FMT_INCLUDE_DIR)
   set(_weft_fmt_first ${PROJECT_BINARY_DIR}/fmt-first)
   file(MAKE_DIRECTORY ${_weft_fmt_first})

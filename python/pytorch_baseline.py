@@ -2,8 +2,9 @@
 """PyTorch DistributedDataParallel baseline for `trainer bench --baseline pytorch`.
 
 Trains the same LLaMA 3 model (same configuration, data and global batch) that weft trains, in
-plain PyTorch: DDP over Gloo on the CPU, so weft's throughput can be compared with what a user
-would otherwise run. Standard library + torch only; trainer bench runs it with the Python of
+plain PyTorch: DDP over Gloo on the CPU, or over NCCL with rank r on cuda:r when run.json's device
+is "cuda" (autocast on that device, step times measured after torch.cuda.synchronize), so weft's
+throughput can be compared with what a user would otherwise run. Standard library + torch only; trainer bench runs it with the Python of
 tools/setup.sh's virtual environment (PyTorch's wheel; WEFT_PYTHON chooses another). On PyTorch
 2.x attention is F.scaled_dot_product_attention, as transformers' default; 1.13 has the explicit
 softmax.
@@ -16,11 +17,14 @@ Inputs (DIR, written by trainer bench):
                tokens[i*L : i*L + L + 1] (inputs are its first L, targets its last L)
   run.json     seq_len, batch_size (global sequences per micro-batch), grad_accum_steps, lr,
                weight_decay, beta1, beta2, eps, warmup_steps, grad_clip (0 = off), seed, steps,
-               threads (intra-op threads per process), precision ("fp32" or "bf16")
+               threads (intra-op threads per process), precision ("fp32", "bf16" or "fp16": autocast
+               over fp32 weights, fp16 with torch.amp.GradScaler), device ("cpu", the default, or
+               "cuda")
 
 Output: RUN_DIR/metrics.jsonl in weft's format: one {"type": "step", ...} line per optimizer step
 (loss averaged over the global batch, step_time_s and tokens_per_s measured on rank 0) and one
-{"type": "summary", ...} line with overall tokens/s and peak resident memory of every rank.
+{"type": "summary", ...} line with overall tokens/s and peak resident memory of every rank (and,
+on CUDA, peak device memory allocated and reserved).
 Exit status 0 on success; otherwise 1 with a one-line message on stderr.
 """
 import argparse
@@ -190,6 +194,22 @@ class Batches:
 
 # ----------------------------------------------------------------------------- training
 
+class NoScaler:
+    """GradScaler's interface doing nothing (fp32, bf16; and torch 1.13, which has no torch.amp.GradScaler)."""
+
+    def scale(self, loss):
+        return loss
+
+    def unscale_(self, optimizer):
+        pass
+
+    def step(self, optimizer):
+        optimizer.step()
+
+    def update(self):
+        pass
+
+
 def peak_rss_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
@@ -197,19 +217,28 @@ def peak_rss_mib():
 def worker(rank, world, port, cfg, run, data_dir, out_dir):
     torch.set_num_threads(run["threads"])
     torch.manual_seed(run["seed"])
+    cuda = run.get("device", "cpu") == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        if rank >= torch.cuda.device_count():
+            raise BaselineError(f"rank {rank} needs cuda:{rank}, but {torch.cuda.device_count()} CUDA devices are visible")
+        torch.cuda.set_device(device)
     if world > 1:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    model = Llama(cfg)
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world)
+    model = Llama(cfg).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     if world > 1:
-        model = DDP(model)
+        model = DDP(model, device_ids=[rank] if cuda else None)
     L, B, G = run["seq_len"], run["batch_size"], run["grad_accum_steps"]
     local_b = B // world
     batches = Batches(load_tokens(os.path.join(data_dir, "tokens.u32")), L, run["seed"])
     opt = torch.optim.AdamW(model.parameters(), lr=run["lr"], betas=(run["beta1"], run["beta2"]),
                             eps=run["eps"], weight_decay=run["weight_decay"])
-    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if run["precision"] == "bf16" \
-        else contextlib.nullcontext
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run["precision"])
+    autocast = (lambda: torch.autocast(device.type, dtype=half)) if half is not None else contextlib.nullcontext
+    scaler = torch.amp.GradScaler(device.type) if run["precision"] == "fp16" else NoScaler()
+    synchronize = torch.cuda.synchronize if cuda else (lambda: None)
     tokens_per_step, warmup = B * G * L, run["warmup_steps"]
     metrics = open(os.path.join(out_dir, "metrics.jsonl"), "w") if rank == 0 else None
     if rank == 0:
@@ -218,6 +247,7 @@ def worker(rank, world, port, cfg, run, data_dir, out_dir):
               flush=True)
     times = []
     for step in range(run["steps"]):
+        synchronize()
         start = time.perf_counter()
         lr = run["lr"] * min(1.0, (step + 1) / warmup) if warmup > 0 else run["lr"]
         for group in opt.param_groups:
@@ -225,19 +255,23 @@ def worker(rank, world, port, cfg, run, data_dir, out_dir):
         local_loss = 0.0
         for m in range(G):
             inputs, targets = batches.rows((step * G + m) * B + rank * local_b, local_b)
+            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             sync = world == 1 or m == G - 1
             with (contextlib.nullcontext() if sync else model.no_sync()):
                 with autocast():
                     loss = model(inputs, targets) / G
-                loss.backward()
+                scaler.scale(loss).backward()
             local_loss += loss.item()
         clip = run["grad_clip"] if run["grad_clip"] > 0 else float("inf")
+        scaler.unscale_(opt)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
-        opt.step()
+        scaler.step(opt)
+        scaler.update()
         opt.zero_grad(set_to_none=True)
+        synchronize()
         elapsed = time.perf_counter() - start
         if world > 1:  # the global-batch mean, outside the timed region
-            t = torch.tensor([local_loss], dtype=torch.float64)
+            t = torch.tensor([local_loss], dtype=torch.float64, device=device)
             dist.all_reduce(t)
             local_loss = t.item() / world
         if rank == 0:
@@ -260,7 +294,12 @@ def worker(rank, world, port, cfg, run, data_dir, out_dir):
         summary = {"type": "summary", "steps": run["steps"], "steps_per_epoch": batches.n // (B * G),
                    "tokens_per_s": tokens_per_step * len(times) / total if total > 0 else 0.0,
                    "peak_rss_mib": rss[0], "peak_rss_mib_per_rank": rss, "world_size": world,
-                   "parameters": n_params, "torch_version": torch.__version__, "time": time.time()}
+                   "parameters": n_params, "torch_version": torch.__version__, "device": str(device),
+                   "precision": run["precision"], "time": time.time()}
+        if cuda:
+            summary["device_name"] = torch.cuda.get_device_name(device)
+            summary["device_peak_allocated_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+            summary["device_peak_reserved_mib"] = torch.cuda.max_memory_reserved(device) / 2**20
         metrics.write(json.dumps(summary) + "\n")
         metrics.close()
         median = statistics.median(times) if times else 0.0

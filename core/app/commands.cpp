@@ -195,15 +195,21 @@ int run_check(const CommandLine& cli) {
       settings += ", " + setting;
       continue;
     }
-    if (setting == "train.precision=fp32" || setting == "train.precision=bf16") {
+    if (setting == "train.precision=fp32" || setting == "train.precision=bf16" || setting == "train.precision=fp16") {
       options.precision = setting.substr(std::string("train.precision=").size());
+      settings += ", " + setting;
+      continue;
+    }
+    if (setting == "train.device=cpu" || setting == "train.device=cuda" || setting == "train.device=auto") {
+      options.device = setting.substr(std::string("train.device=").size());
       settings += ", " + setting;
       continue;
     }
     if (setting.rfind("plugin.", 0) != 0) {
       throw Error(fmt::format("trainer check takes only --set plugin.KEY=VALUE (the plugin's settings), --set "
-                                    "train.mode=full|lora and --set train.precision=fp32|bf16, got '{}'",
-                                    setting));
+                              "train.mode=full|lora, --set train.precision=fp32|bf16|fp16 and --set "
+                              "train.device=cpu|cuda|auto, got '{}'",
+                              setting));
     }
     options.plugin_settings.push_back(setting.substr(std::string("plugin.").size()));
   }

@@ -31,6 +31,9 @@ c10::intrusive_ptr<compat::Backend> make_backend(const std::string& backend,
 #ifdef USE_C10D_NCCL
   WEFT_CHECK(torch::cuda::device_count() > 0,
              "the nccl backend needs a CUDA device, and rank {} sees none (use gloo on CPUs)", rank);
+  // A wait on an NCCL operation blocks until it completes or the timeout passes, so that a hung
+  // collective ends with an error naming it (Communicator::wait) rather than the watchdog's abort.
+  ::setenv("TORCH_NCCL_BLOCKING_WAIT", "1", /*overwrite=*/0);
   auto options = c10d::ProcessGroupNCCL::Options::create();
   options->timeout = timeout;
   return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
@@ -58,7 +61,7 @@ Communicator::Communicator(c10::intrusive_ptr<c10d::Store> store, int rank, int 
   group->rank = rank;
   group->size = world;
   for (int32_t r = 0; r < world; ++r) group->world_ranks.push_back(r);
-  group->backend = make_backend(backend_, c10::make_intrusive<c10d::PrefixStore>("world", store_), rank, world, timeout);
+  attach_backends(*group, "world");
   groups_.push_back(std::move(group));
 }
 
@@ -67,6 +70,21 @@ std::unique_ptr<Communicator> Communicator::single_process(std::chrono::millisec
 }
 
 Communicator::~Communicator() = default;
+
+void Communicator::attach_backends(ProcessGroup& group, const std::string& prefix) {
+  WEFT_CHECK(backend_ == "gloo" || backend_ == "nccl", "unknown collective backend '{}' (gloo or nccl)", backend_);
+  group.backend =
+      make_backend("gloo", c10::make_intrusive<c10d::PrefixStore>(prefix, store_), group.rank, group.size, timeout_);
+  if (backend_ == "nccl") {
+    group.nccl = make_backend("nccl", c10::make_intrusive<c10d::PrefixStore>(prefix + "/nccl", store_), group.rank,
+                              group.size, timeout_);
+  }
+}
+
+Route Communicator::route(const ProcessGroup& group, const c10::Device& device) {
+  if (device.is_cuda() && group.nccl) return Route{group.nccl.get(), "nccl", false};
+  return Route{group.backend.get(), "gloo", !device.is_cpu()};
+}
 
 c10d::Store& Communicator::store() { return *store_; }
 
@@ -137,17 +155,30 @@ Operation Communicator::issue(ProcessGroup& group, std::string name, bool collec
   return operation;
 }
 
+namespace {
+
+// The tensor an operation hands its backend for `tensor`: a host copy when the route stages it.
+at::Tensor on_route(const Route& route, const at::Tensor& tensor) { return route.staged ? tensor.cpu() : tensor; }
+
+// After completion, copies `result` into `tensor` where they are different tensors (staged or widened).
+std::function<void()> copy_back(const at::Tensor& tensor, const at::Tensor& result) {
+  if (result.is_same(tensor)) return {};
+  return [tensor, result]() mutable { tensor.copy_(result); };
+}
+
+}  // namespace
+
 Operation Communicator::all_reduce(ProcessGroup& group, const at::Tensor& tensor, c10d::ReduceOp op) {
   auto operation = issue(group, "all_reduce", true, static_cast<int64_t>(tensor.nbytes()));
-  std::vector<at::Tensor> tensors{tensor};
-  if (!reduces_natively(backend_, tensor.scalar_type())) {  // reduce a wider copy, copy the result back
-    tensors[0] = tensor.to(at::kFloat);
-    operation.finish = [tensor, wide = tensors[0]]() mutable { tensor.copy_(wide); };
-  }
+  const Route route = Communicator::route(group, tensor.device());
+  at::Tensor reduced = on_route(route, tensor);
+  if (!reduces_natively(route.name, tensor.scalar_type())) reduced = reduced.to(at::kFloat);  // reduce wider
+  std::vector<at::Tensor> tensors{reduced};
   c10d::AllreduceOptions options;
   options.reduceOp = op;
-  operation.work = group.backend->allreduce(tensors, options);
-  operation.tensors = {tensor, tensors[0]};
+  operation.work = route.backend->allreduce(tensors, options);
+  operation.finish = copy_back(tensor, reduced);
+  operation.tensors = {tensor, reduced};
   return operation;
 }
 
@@ -157,16 +188,18 @@ Operation Communicator::reduce_scatter(ProcessGroup& group, const at::Tensor& ou
              "reduce_scatter: input dim 0 ({}) must be {} x output dim 0 ({})", input.size(0), group.size,
              output.size(0));
   auto operation = issue(group, "reduce_scatter", true, static_cast<int64_t>(input.nbytes()));
+  const Route route = Communicator::route(group, input.device());
   // Gloo has no reduce_scatter: all-reduce a (widened) copy and keep this rank's part.
-  std::vector<at::Tensor> tensors{reduces_natively(backend_, input.scalar_type()) ? input.clone() : input.to(at::kFloat)};
+  at::Tensor full = on_route(route, input);
+  full = reduces_natively(route.name, input.scalar_type()) ? (full.is_same(input) ? full.clone() : full)
+                                                           : full.to(at::kFloat);
+  std::vector<at::Tensor> tensors{full};
   c10d::AllreduceOptions options;
   options.reduceOp = op;
-  operation.work = group.backend->allreduce(tensors, options);
+  operation.work = route.backend->allreduce(tensors, options);
   const int64_t part = output.size(0), rank = group.rank;
-  operation.finish = [full = tensors[0], output, part, rank]() mutable {
-    output.copy_(full.narrow(0, rank * part, part));
-  };
-  operation.tensors = {tensors[0], output};
+  operation.finish = [full, output, part, rank]() mutable { output.copy_(full.narrow(0, rank * part, part)); };
+  operation.tensors = {full, output};
   return operation;
 }
 
@@ -176,23 +209,30 @@ Operation Communicator::all_gather(ProcessGroup& group, const at::Tensor& output
              input.size(0));
   WEFT_CHECK(output.scalar_type() == input.scalar_type(), "all_gather: output and input dtypes differ");
   auto operation = issue(group, "all_gather", true, static_cast<int64_t>(input.nbytes()));
-  const bool native = moves_natively(backend_, input.scalar_type());
-  const at::Tensor out = native ? output : as_movable(output), in = native ? input : as_movable(input);
+  const Route route = Communicator::route(group, input.device());
+  const at::Tensor gathered = route.staged ? at::empty(output.sizes(), output.options().device(at::kCPU)) : output;
+  const at::Tensor sent = on_route(route, input);
+  const bool native = moves_natively(route.name, input.scalar_type());
+  const at::Tensor out = native ? gathered : as_movable(gathered), in = native ? sent : as_movable(sent);
   std::vector<std::vector<at::Tensor>> outputs{out.chunk(group.size, 0)};
   std::vector<at::Tensor> inputs{in};
-  operation.work = group.backend->allgather(outputs, inputs);
-  operation.tensors = {output, input};
+  operation.work = route.backend->allgather(outputs, inputs);
+  operation.finish = copy_back(output, gathered);
+  operation.tensors = {output, input, gathered, sent};
   return operation;
 }
 
 Operation Communicator::broadcast(ProcessGroup& group, const at::Tensor& tensor, int32_t root) {
   WEFT_CHECK(0 <= root && root < group.size, "broadcast: root {} outside a group of {}", root, group.size);
   auto operation = issue(group, "broadcast", true, static_cast<int64_t>(tensor.nbytes()));
-  std::vector<at::Tensor> tensors{moves_natively(backend_, tensor.scalar_type()) ? tensor : as_movable(tensor)};
+  const Route route = Communicator::route(group, tensor.device());
+  const at::Tensor moved = on_route(route, tensor);
+  std::vector<at::Tensor> tensors{moves_natively(route.name, tensor.scalar_type()) ? moved : as_movable(moved)};
   c10d::BroadcastOptions options;
   options.rootRank = root;
-  operation.work = group.backend->broadcast(tensors, options);
-  operation.tensors = {tensor};
+  operation.work = route.backend->broadcast(tensors, options);
+  operation.finish = copy_back(tensor, moved);
+  operation.tensors = {tensor, moved};
   return operation;
 }
 
@@ -201,11 +241,15 @@ Operation Communicator::all_to_all(ProcessGroup& group, const at::Tensor& output
                  output.scalar_type() == input.scalar_type(),
              "all_to_all: input and output must have the same shape and dtype with dim 0 divisible by {}", group.size);
   auto operation = issue(group, "all_to_all", true, static_cast<int64_t>(input.nbytes()));
-  const bool native = moves_natively(backend_, input.scalar_type());
-  at::Tensor out = native ? output : as_movable(output), in = native ? input : as_movable(input);
+  const Route route = Communicator::route(group, input.device());
+  const at::Tensor received = route.staged ? at::empty(output.sizes(), output.options().device(at::kCPU)) : output;
+  const at::Tensor sent = on_route(route, input);
+  const bool native = moves_natively(route.name, input.scalar_type());
+  at::Tensor out = native ? received : as_movable(received), in = native ? sent : as_movable(sent);
   std::vector<int64_t> equal_splits;
-  operation.work = group.backend->alltoall_base(out, in, equal_splits, equal_splits);
-  operation.tensors = {output, input};
+  operation.work = route.backend->alltoall_base(out, in, equal_splits, equal_splits);
+  operation.finish = copy_back(output, received);
+  operation.tensors = {output, input, received, sent};
   return operation;
 }
 
@@ -213,9 +257,10 @@ Operation Communicator::send(ProcessGroup& group, const at::Tensor& tensor, int3
   WEFT_CHECK(0 <= peer && peer < group.size && peer != group.rank, "send: invalid peer {}", peer);
   auto operation = issue(group, "send", false, static_cast<int64_t>(tensor.nbytes()));
   operation.peer = peer;
-  std::vector<at::Tensor> tensors{tensor};  // Gloo sends raw bytes: any dtype
-  operation.work = group.backend->send(tensors, peer, tag);
-  operation.tensors = {tensor};
+  const Route route = Communicator::route(group, tensor.device());
+  std::vector<at::Tensor> tensors{on_route(route, tensor)};  // Gloo sends raw bytes: any dtype
+  operation.work = route.backend->send(tensors, peer, tag);
+  operation.tensors = {tensor, tensors[0]};
   return operation;
 }
 
@@ -223,9 +268,12 @@ Operation Communicator::recv(ProcessGroup& group, const at::Tensor& tensor, int3
   WEFT_CHECK(0 <= peer && peer < group.size && peer != group.rank, "recv: invalid peer {}", peer);
   auto operation = issue(group, "recv", false, static_cast<int64_t>(tensor.nbytes()));
   operation.peer = peer;
-  std::vector<at::Tensor> tensors{tensor};
-  operation.work = group.backend->recv(tensors, peer, tag);
-  operation.tensors = {tensor};
+  const Route route = Communicator::route(group, tensor.device());
+  const at::Tensor received = route.staged ? at::empty(tensor.sizes(), tensor.options().device(at::kCPU)) : tensor;
+  std::vector<at::Tensor> tensors{received};
+  operation.work = route.backend->recv(tensors, peer, tag);
+  operation.finish = copy_back(tensor, received);
+  operation.tensors = {tensor, received};
   return operation;
 }
 
@@ -320,8 +368,7 @@ ProcessGroup& Communicator::create_group(const std::vector<int32_t>& world_ranks
   const auto it = std::find(world_ranks.begin(), world_ranks.end(), rank_);
   if (it != world_ranks.end()) {
     group->rank = static_cast<int32_t>(it - world_ranks.begin());
-    group->backend = make_backend(backend_, c10::make_intrusive<c10d::PrefixStore>(group->name, store_), group->rank,
-                                  group->size, timeout_);
+    attach_backends(*group, group->name);
   }
   groups_.push_back(std::move(group));
   return *groups_.back();

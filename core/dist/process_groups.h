@@ -1,9 +1,11 @@
-// Process groups for strategies: c10d's Gloo process group (or NCCL's, where LibTorch has it) over a
-// rendezvous store (TCPStore for multi-process jobs, an in-memory HashStore for one process), plus
-// sub-groups for meshes, and the operations on them. Every collective goes through Communicator,
-// which adapts a tensor to what the backend can do (a dtype it cannot reduce is reduced in a wider
-// one, a dtype it cannot move is moved as raw bytes) and, when a collective times out, asks the
-// store which ranks never reached it.
+// Process groups for strategies: c10d's Gloo process group for CPU tensors and, in a run that
+// computes on CUDA devices where LibTorch has it, c10d's NCCL process group for CUDA tensors, over
+// a rendezvous store (TCPStore for multi-process jobs, an in-memory HashStore for one process),
+// plus sub-groups for meshes, and the operations on them. Every operation goes through
+// Communicator, which routes it by its tensors' device (route()) and adapts a tensor to what the
+// backend can do (a dtype it cannot reduce is reduced in a wider one, a dtype it cannot move is
+// moved as raw bytes, a CUDA tensor in a group without NCCL is staged through host memory) and,
+// when a collective times out, asks the store which ranks never reached it.
 #pragma once
 
 #include <atomic>
@@ -29,7 +31,8 @@ class Store;
 namespace weft {
 
 struct ProcessGroup {
-  c10::intrusive_ptr<compat::Backend> backend;      // c10d's Gloo or NCCL group; null on ranks outside
+  c10::intrusive_ptr<compat::Backend> backend;      // c10d's Gloo group (CPU tensors); null on ranks outside
+  c10::intrusive_ptr<compat::Backend> nccl;         // c10d's NCCL group (CUDA tensors), or null: see route()
   std::vector<int32_t> world_ranks;                 // members, in group-rank order
   int32_t rank = -1;                                // this process's rank in the group, or -1
   int32_t size = 0;
@@ -60,12 +63,20 @@ class CommError : public Error {
   bool timed_out_;
 };
 
+// Which backend carries an operation on tensors of one device (Communicator::route).
+struct Route {
+  compat::Backend* backend = nullptr;
+  std::string name;     // "gloo" or "nccl"
+  bool staged = false;  // a CUDA tensor through Gloo: copied to host memory and back
+};
+
 class Communicator {
  public:
   // Joins the world group through `store` (rank, world size). Collective operations time out
-  // after `timeout`. `backend`: "gloo" (CPU tensors), or "nccl" (CUDA tensors; only where LibTorch
-  // was built with NCCL, see nccl_compiled(), and the process sees a CUDA device). Throws
-  // weft::Error naming the problem otherwise.
+  // after `timeout`. `backend`: "gloo" (every group has Gloo, for CPU tensors), or "nccl" (Gloo
+  // and, for CUDA tensors, NCCL; only where LibTorch was built with NCCL, see nccl_compiled(), and
+  // the process sees a CUDA device: bind_device (core/util/device.h) first). Throws weft::Error
+  // naming the problem otherwise.
   Communicator(c10::intrusive_ptr<c10d::Store> store, int rank, int world, std::chrono::milliseconds timeout,
                std::string backend = "gloo");
   // Whether this weft was compiled against a LibTorch with c10d's NCCL process group.
@@ -104,6 +115,11 @@ class Communicator {
   // (fault_key).
   void wait(Operation& operation);
 
+  // The backend for tensors on `device` in `group`: NCCL for CUDA tensors where the group has it;
+  // Gloo otherwise, a CUDA tensor then staged through host memory (Gloo's own CUDA support does not
+  // cover every operation, send and recv among them).
+  static Route route(const ProcessGroup& group, const c10::Device& device);
+
   // What a backend can do with a dtype: reduce it, and move it (broadcast, gather, all-to-all,
   // send) without reinterpreting its bytes. Gloo reduces fp16/bf16 in fp32 here: LibTorch 1.13's
   // Gloo has no bf16 at all, and where later Gloo has it, it sums in bf16 rank after rank.
@@ -114,6 +130,8 @@ class Communicator {
 
  private:
   Operation issue(ProcessGroup& group, std::string name, bool collective, int64_t bytes);
+  // Gives `group` (this rank a member) its Gloo backend and, with "nccl", its NCCL one.
+  void attach_backends(ProcessGroup& group, const std::string& prefix);
   // Which members of `operation`'s group never reached it (asked through the store).
   std::string who_did_not_arrive(const Operation& operation);
   void mark_reached(const Operation& operation);

@@ -117,7 +117,8 @@ c10::intrusive_ptr<c10d::Store> host_store(const std::string& host, int& port, s
   return store;
 }
 
-std::unique_ptr<Communicator> join_world(const DistributedEnv& e, std::chrono::milliseconds timeout) {
+std::unique_ptr<Communicator> join_world(const DistributedEnv& e, std::chrono::milliseconds timeout,
+                                         const std::string& backend) {
   if (e.world == 1) return Communicator::single_process(timeout);
   const double seconds = std::chrono::duration<double>(timeout).count();
   const auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -163,7 +164,7 @@ std::unique_ptr<Communicator> join_world(const DistributedEnv& e, std::chrono::m
          describe_rendezvous(e), missing.empty() ? std::string("some") : std::to_string(missing.size()), e.world,
          seconds, missing.empty() ? "" : ": rank" + std::string(missing.size() > 1 ? "s " : " ") + list);
   }
-  return std::make_unique<Communicator>(store, e.rank, e.world, timeout);
+  return std::make_unique<Communicator>(store, e.rank, e.world, timeout, backend);
 }
 
 void check_same_everywhere(Communicator& communicator, const std::string& what, const std::string& fingerprint) {

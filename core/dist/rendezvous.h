@@ -43,8 +43,10 @@ int free_local_port();
 // Connects to the job's TCPStore (the launcher's, or rank 0 hosts it), waits until every rank has
 // arrived, and builds the world process group. Each rank has `timeout` to reach the store and
 // the whole world to arrive; past it, a weft::Error names the rendezvous address, where it came
-// from, the ranks that never arrived and train.collective_timeout_s.
-std::unique_ptr<Communicator> join_world(const DistributedEnv& env, std::chrono::milliseconds timeout);
+// from, the ranks that never arrived and train.collective_timeout_s. `backend`: Communicator's
+// ("nccl" adds NCCL groups for CUDA tensors; a one-process world always has Gloo only).
+std::unique_ptr<Communicator> join_world(const DistributedEnv& env, std::chrono::milliseconds timeout,
+                                         const std::string& backend = "gloo");
 
 // A TCPStore server on `host`:`port` (0: a free port the kernel picks), as a launcher hosts it
 // for its ranks; `port` is set to the port it listens on.

@@ -8,6 +8,7 @@
 #include "core/data/tokenizer.h"
 #include "core/model/config.h"
 #include "core/job/job.h"
+#include "core/util/device.h"
 #include "core/util/error.h"
 #include "core/util/fs.h"
 
@@ -38,6 +39,8 @@ void export_job(const TrainOptions& options, const std::string& dir, int64_t ste
                               {"seed", options.seed},
                               {"threads", options.threads},
                               {"precision", options.precision},
+                              {"device", resolve_device(options.device, 0, 0, this_process_devices()).is_cuda()
+                                             ? "cuda" : "cpu"},
                               {"steps_per_epoch", steps_per_epoch},
                               {"steps", steps}};
   write_file_atomically(dir + "/run.json", run.dump(2) + "\n");

@@ -12,7 +12,8 @@ namespace weft {
 // Writes into `dir`: config.json (the model's shape, HF layout), tokens.u32 (the training
 // split's packed token stream, little-endian uint32: sequence i is tokens [i*L, i*L + L + 1))
 // and run.json (seq_len, batch_size, grad_accum_steps, the AdamW settings, warmup_steps,
-// grad_clip, seed, threads, precision, steps_per_epoch and `steps` to run). Tokenizes the data
+// grad_clip, seed, threads, precision, device ("cpu" or "cuda": train.device resolved here), steps_per_epoch
+// and `steps` to run). Tokenizes the data
 // like a run would (or reads the token cache); builds no model. Throws weft::Error for bad
 // options or a file that cannot be written.
 void export_job(const TrainOptions& options, const std::string& dir, int64_t steps);

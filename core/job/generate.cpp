@@ -23,7 +23,7 @@ torch::Tensor full_vocabulary(LlamaForCausalLMImpl& model, const torch::Tensor& 
   if (!model.vocab_parallel()) return last.to(torch::kFloat32);
   WEFT_CHECK(model.options().comm != nullptr && *model.options().comm,
              "the vocabulary is split over ranks but the plugin has no comm_point to combine it");
-  auto full = torch::zeros({model.config().vocab_size}, torch::kFloat32);
+  auto full = torch::zeros({model.config().vocab_size}, last.options().dtype(torch::kFloat32));
   full.narrow(0, model.local_shape().vocab_start, model.local_shape().vocab).copy_(last);
   (*model.options().comm)(CommPoint::kLossSum, /*backward=*/false, -1, full);
   return full;
@@ -75,16 +75,18 @@ GenerateResult generate(Job& job, const std::string& prompt) {
   GenerateResult result;
   job.strategy().take_comm_stats();  // count generation's communication only
   const auto start = Clock::now();
-  auto input = torch::tensor(std::vector<int64_t>(ids.begin(), ids.end()), torch::kLong).unsqueeze(0);
+  // Tokens and the KV cache live on the model's device; sampling reads the last logits on the CPU.
+  auto input = torch::tensor(std::vector<int64_t>(ids.begin(), ids.end()), torch::kLong).unsqueeze(0).to(job.device());
   for (int64_t n = 0; n < max_new_tokens; ++n) {
     const auto logits = model.forward_cached(input, cache);
     // Only ids the tokenizer can decode (a model's vocabulary may be padded beyond them).
-    const auto last = full_vocabulary(model, logits[0][logits.size(1) - 1]).narrow(0, 0, tokenizer.vocab_size());
+    const auto last =
+        full_vocabulary(model, logits[0][logits.size(1) - 1]).narrow(0, 0, tokenizer.vocab_size()).to(torch::kCPU);
     const int32_t next = pick_token(last, options.temperature, options.top_p, generator);
     if (n == 0) result.first_token_seconds = seconds_since(start);
     if (stop && next == *stop) break;
     result.tokens.push_back(next);
-    input = torch::tensor({static_cast<int64_t>(next)}, torch::kLong).unsqueeze(0);
+    input = torch::tensor({static_cast<int64_t>(next)}, torch::kLong).unsqueeze(0).to(job.device());
   }
   result.seconds = seconds_since(start);
   const auto comm = job.strategy().take_comm_stats();

@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include "core/model/weights.h"
+#include "core/util/device.h"
 #include "core/util/memory.h"
 #include "core/util/error.h"
 #include "core/util/torch_compat.h"
@@ -14,6 +15,12 @@
 
 namespace weft {
 namespace fs = std::filesystem;
+
+torch::Dtype compute_dtype(const std::string& precision) {
+  if (precision == "bf16") return torch::kBFloat16;
+  if (precision == "fp16") return torch::kHalf;
+  return torch::kFloat32;
+}
 
 ModelConfig resolve_model_config(const TrainOptions& options, const Tokenizer& tokenizer) {
   const auto& m = options.model;
@@ -49,8 +56,16 @@ ModelConfig resolve_model_config(const TrainOptions& options, const Tokenizer& t
 Job::Job(TrainOptions options, RunContext context, Data data) : options_(std::move(options)), context_(context) {
   WEFT_CHECK(options_.mode == "full" || options_.mode == "lora", "train.mode must be full or lora, got '{}'",
              options_.mode);
-  WEFT_CHECK(options_.precision == "fp32" || options_.precision == "bf16",
-             "train.precision must be fp32 or bf16, got '{}'", options_.precision);
+  WEFT_CHECK(options_.precision == "fp32" || options_.precision == "bf16" || options_.precision == "fp16",
+             "train.precision must be fp32, bf16 or fp16, got '{}'", options_.precision);
+  const DeviceInventory devices = this_process_devices();
+  device_ = resolve_device(options_.device, context_.env.local_rank, context_.rank, devices);
+  nccl_ = device_.is_cuda() && Communicator::nccl_compiled() && !devices.share;
+  bind_device(device_);
+  WEFT_CHECK(options_.precision != "fp16" || device_.is_cuda() || compat::kCpuComputesFp16,
+             "train.precision = fp16 on the CPU needs LibTorch 2.2 or later (this weft is built against {}); use bf16 "
+             "or fp32 here, or fp16 on a CUDA device",
+             compat::libtorch_version());
   install_memory_tracker();
   at::set_num_threads(static_cast<int>(options_.threads));
   torch::manual_seed(options_.seed);
@@ -72,7 +87,9 @@ Job::~Job() = default;
 // configuration, checked before anything is built.
 void Job::join() {
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(options_.collective_timeout_s * 1000));
-  communicator_ = join_world(context_.env, timeout);
+  // CUDA tensors travel over NCCL where this LibTorch has it and each rank has its own GPU (Gloo
+  // stages them through host memory otherwise).
+  communicator_ = join_world(context_.env, timeout, nccl_ ? "nccl" : "gloo");
   strategy_ = std::make_unique<StrategySession>(options_.plugin, options_.plugin_config, *communicator_);
   check_same_everywhere(*communicator_, "plugin and config",
                         fmt::format("{}, config {}", strategy_->fingerprint(), options_.config_hash));
@@ -84,15 +101,22 @@ void Job::join() {
 void Job::build_model() {
   const ModelConfig config = resolve_model_config(options_, *tokenizer_);
   ModelOptions model_options;
-  model_options.compute_dtype = options_.precision == "bf16" ? torch::kBFloat16 : torch::kFloat32;
+  model_options.compute_dtype = compute_dtype(options_.precision);
   model_options.activation_checkpointing = options_.model.activation_checkpointing;
   placement_ = strategy_->place(config, model_options.compute_dtype, options_.data.seq_len, options_.batch_size);
   model_options.stages = placement_.stages;
   model_options.shards = strategy_->shards(config, placement_.stages);
   model_options.comm = strategy_->comm_hook();
   model_ = LlamaForCausalLM(config, model_options);
-  init_weights(*model_, options_.seed, options_.model.init_std);
-  if (!options_.model.weights.empty()) load_weights(*model_, options_.model.weights);
+  // On the device before the weights arrive, so that each tensor goes from the memory-mapped file
+  // (or its seeded initialisation) to the device on its own: no whole-model copy in host memory.
+  if (options_.model.weights.empty()) {
+    init_weights(*model_, options_.seed, options_.model.init_std);
+    model_->to(device_);
+  } else {  // every base weight is in the file (load_weights refuses it otherwise)
+    model_->to(device_);
+    load_weights(*model_, options_.model.weights);
+  }
   if (!options_.model.adapter.empty()) {
     lora_ = read_lora_adapter_config(options_.model.adapter);
   } else if (options_.mode == "lora") {
@@ -100,6 +124,7 @@ void Job::build_model() {
   }
   if (lora_) {
     const int64_t adapted = apply_lora(*model_, *lora_, options_.seed);
+    model_->to(device_);  // the new adapters
     if (!options_.model.adapter.empty()) load_lora_adapter(*model_, options_.model.adapter);
     spdlog::info("LoRA: {} layers adapted (r={}, alpha={}){}", adapted, lora_->spec.r, lora_->spec.alpha,
                  options_.model.adapter.empty() ? "" : ", adapters from " + options_.model.adapter);
@@ -121,11 +146,11 @@ void Job::build_model() {
   }
   strategy_->attach(*model_);
   spdlog::info("model: {} layers, hidden {}, {} heads ({} kv), vocab {}: {:.2f}M parameters, {:.2f}M trainable, {}, "
-               "attention {} (LibTorch {})",
+               "attention {} on {} (LibTorch {})",
                model_->config().num_hidden_layers, model_->config().hidden_size,
                model_->config().num_attention_heads, model_->config().num_key_value_heads,
                model_->config().vocab_size, total / 1e6, trainable / 1e6, options_.precision,
-               attention_kernel_name(model_->config().attention), compat::libtorch_version());
+               attention_kernel_name(model_->config().attention), device_.str(), compat::libtorch_version());
 }
 
 }  // namespace weft

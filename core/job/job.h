@@ -36,6 +36,9 @@ struct RunContext {
 // tokens than the vocabulary, or data.seq_len exceeds the model's positions.
 ModelConfig resolve_model_config(const TrainOptions& options, const Tokenizer& tokenizer);
 
+// The dtype train.precision computes in: fp32, bf16 or fp16 (masters stay fp32).
+torch::Dtype compute_dtype(const std::string& precision);
+
 class Job {
  public:
   enum class Data {
@@ -56,6 +59,8 @@ class Job {
   const Tokenizer& tokenizer() const { return *tokenizer_; }
   LlamaForCausalLMImpl& model() { return *model_; }
   const Placement& placement() const { return placement_; }
+  // Where this rank computes (train.device resolved: cpu, or cuda:LOCAL_RANK).
+  const torch::Device& device() const { return device_; }
   // The trainable parameters, in the model's order (gradients defined from the start).
   const std::vector<torch::Tensor>& trainable() const { return trainable_; }
   // The LoRA adapters the model carries (model.adapter's, or new ones with train.mode = lora).
@@ -74,6 +79,8 @@ class Job {
   std::unique_ptr<Tokenizer> tokenizer_;
   LlamaForCausalLM model_{nullptr};
   Placement placement_;
+  torch::Device device_ = torch::kCPU;
+  bool nccl_ = false;  // NCCL groups for CUDA tensors
   std::vector<torch::Tensor> trainable_;
   std::optional<LoraConfig> lora_;
   DatasetSplits data_;

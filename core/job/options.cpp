@@ -136,7 +136,22 @@ const std::vector<Row>& rows() {
       exclusive(float_key("train.beta2", WEFT_MEMBER(optim.beta2), 0.95, "AdamW second-moment decay.", 0, 1), false, true),
       exclusive(float_key("train.eps", WEFT_MEMBER(optim.eps), 1e-8, "AdamW denominator epsilon.", 0), true, false),
       float_key("train.grad_clip", WEFT_MEMBER(optim.grad_clip), 1.0, "Clip the global gradient norm to this; 0 = off.", 0),
-      string_key("train.precision", WEFT_MEMBER(precision), "fp32", "Compute precision.", {"fp32", "bf16"}),
+      string_key("train.precision", WEFT_MEMBER(precision), "fp32",
+                 "Compute precision over fp32 master weights: fp32, bf16, or fp16 with dynamic loss scaling.",
+                 {"fp32", "bf16", "fp16"}),
+      exclusive(float_key("train.loss_scale", WEFT_MEMBER(loss_scale), 65536.0,
+                          "fp16: the initial dynamic loss scale (halved after a step with non-finite gradients, which "
+                          "is skipped; doubled after 2000 finite steps).",
+                          0),
+                true, false),
+      string_key("train.device", WEFT_MEMBER(device), "auto",
+                 "Where each rank computes: cuda (cuda:LOCAL_RANK), cpu, or auto (cuda when this build has CUDA and a "
+                 "GPU is visible).",
+                 {"auto", "cpu", "cuda"}),
+      float_key("train.peak_tflops", WEFT_MEMBER(peak_tflops), 0.0,
+                "The device's peak TFLOP/s at train.precision for model FLOP utilisation; 0 = from weft's table of "
+                "known GPUs (none for CPUs).",
+                0),
       int_key("train.threads", WEFT_MEMBER(threads), 1, "Intra-op threads per process.", 1),
       string_key("train.out_dir", WEFT_MEMBER(out_dir), "runs/default",
                  "Run directory for checkpoints, metrics and the effective config."),

@@ -48,6 +48,9 @@ struct TrainOptions {
   uint64_t seed;
   int64_t epochs, max_steps, batch_size, grad_accum_steps, threads;
   std::string precision;
+  std::string device;         // train.device: auto | cpu | cuda
+  double peak_tflops;
+  double loss_scale;          // train.loss_scale: fp16's initial dynamic loss scale         // train.peak_tflops: 0 = the table's (core/train/flops.h)
   std::string out_dir;
   bool overwrite;
   std::string plugin;         // train.plugin: a path or name; empty = single, built into the host

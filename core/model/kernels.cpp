@@ -411,16 +411,57 @@ class QkvRopeFunction : public torch::autograd::Function<QkvRopeFunction> {
 
 }  // namespace
 
+namespace {
+
+// The hand-written kernels run on CPU tensors of fp32 or bf16; anything else (a CUDA tensor, fp16)
+// takes ATen's ops, which run on every device.
+bool fused_applies(const torch::Tensor& x) {
+  return x.device().is_cpu() && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16);
+}
+
+}  // namespace
+
+torch::Tensor aten_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, torch::Dtype out_dtype) {
+  const auto xf = x.to(torch::kFloat32);
+  return (xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps) * weight).to(out_dtype);
+}
+
+torch::Tensor aten_swiglu(const torch::Tensor& gate_up) {
+  const int64_t width = gate_up.size(-1) / 2;
+  return torch::silu(gate_up.narrow(-1, 0, width)) * gate_up.narrow(-1, width, width);
+}
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> aten_split_qkv_with_rope(
+    const torch::Tensor& qkv, int64_t num_heads, int64_t num_kv_heads, const torch::Tensor& cos,
+    const torch::Tensor& sin) {
+  const int64_t batch = qkv.size(0), seq = qkv.size(1);
+  const int64_t dim = qkv.size(2) / (num_heads + 2 * num_kv_heads);
+  auto heads = qkv.view({batch, seq, num_heads + 2 * num_kv_heads, dim}).transpose(1, 2);
+  auto rotate = [&](const torch::Tensor& x) {  // fp32 math, HF's rotate_half, in x's dtype
+    const auto xf = x.to(torch::kFloat32);
+    const int64_t half = dim / 2;
+    const auto rotated = torch::cat({-xf.narrow(-1, half, half), xf.narrow(-1, 0, half)}, -1);
+    return (xf * cos + rotated * sin).to(x.scalar_type()).contiguous();
+  };
+  return {rotate(heads.narrow(1, 0, num_heads)), rotate(heads.narrow(1, num_heads, num_kv_heads)),
+          heads.narrow(1, num_heads + num_kv_heads, num_kv_heads).contiguous()};
+}
+
 torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
                              torch::Dtype out_dtype) {
+  const bool fused = fused_applies(x) && (out_dtype == torch::kFloat32 || out_dtype == torch::kBFloat16);
+  if (!fused) return aten_rms_norm(x, weight, eps, out_dtype);
   return RmsNormFunction::apply(x, weight, eps, static_cast<int64_t>(out_dtype));
 }
 
-torch::Tensor fused_swiglu(const torch::Tensor& gate_up) { return SwigluFunction::apply(gate_up); }
+torch::Tensor fused_swiglu(const torch::Tensor& gate_up) {
+  return fused_applies(gate_up) ? SwigluFunction::apply(gate_up) : aten_swiglu(gate_up);
+}
 
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> split_qkv_with_rope(
     const torch::Tensor& qkv, int64_t num_heads, int64_t num_kv_heads, const torch::Tensor& cos,
     const torch::Tensor& sin) {
+  if (!fused_applies(qkv) || !cos.device().is_cpu()) return aten_split_qkv_with_rope(qkv, num_heads, num_kv_heads, cos, sin);
   auto out = QkvRopeFunction::apply(qkv, cos, sin, num_heads, num_kv_heads);
   return {out[0], out[1], out[2]};
 }

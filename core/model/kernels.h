@@ -1,5 +1,10 @@
 // Fused CPU kernels for the decoder block, each an autograd function with a hand-written
-// backward pass. They read and write fp32 or bf16 tensors and always compute in fp32, so one
+// backward pass, and the ATen formulations they replace. The fused_* entry points run the
+// hand-written kernel on CPU tensors of fp32 or bf16 and the ATen formulation (aten_*) on anything
+// else: CUDA tensors (ATen's kernels there) and fp16. The CPU is one backend among others; the
+// kernels test checks each fused kernel against its ATen formulation, values and gradients.
+//
+// The hand-written kernels read and write fp32 or bf16 tensors and always compute in fp32, so one
 // pass over memory replaces the several elementwise kernels (and dtype casts) that the
 // equivalent chain of ATen ops would run. Results equal the ATen formulation up to
 // floating-point rounding order.
@@ -27,6 +32,13 @@ torch::Tensor fused_swiglu(const torch::Tensor& gate_up);
 // with cos/sin [T, D] (fp32, HF rotate_half layout: both halves of a row equal): the same values as transposing the heads
 // and calling apply_rotary, in one pass.
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> split_qkv_with_rope(
+    const torch::Tensor& qkv, int64_t num_heads, int64_t num_kv_heads, const torch::Tensor& cos,
+    const torch::Tensor& sin);
+
+// The ATen formulations: the same values up to rounding order, on every device and dtype.
+torch::Tensor aten_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, torch::Dtype out_dtype);
+torch::Tensor aten_swiglu(const torch::Tensor& gate_up);
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> aten_split_qkv_with_rope(
     const torch::Tensor& qkv, int64_t num_heads, int64_t num_kv_heads, const torch::Tensor& cos,
     const torch::Tensor& sin);
 

@@ -125,14 +125,18 @@ RotaryEmbedding::RotaryEmbedding(const ModelConfig& config) {
   inv_freq_ = inv_freq.to(torch::kFloat32);
 }
 
-std::pair<torch::Tensor, torch::Tensor> RotaryEmbedding::tables(int64_t start, int64_t seq_len) const {
+std::pair<torch::Tensor, torch::Tensor> RotaryEmbedding::tables(int64_t start, int64_t seq_len,
+                                                                const torch::Device& device) const {
   std::lock_guard<std::mutex> lock(cache_->mutex);
-  if (cache_->tables.first.defined() && cache_->start == start && cache_->seq_len == seq_len) {
+  if (cache_->tables.first.defined() && cache_->start == start && cache_->seq_len == seq_len &&
+      cache_->device == device) {
     return cache_->tables;
   }
-  cache_->tables = compute_tables(start, seq_len);
+  auto [cos, sin] = compute_tables(start, seq_len);  // on the CPU, in double-checked fp32 as before
+  cache_->tables = {cos.to(device), sin.to(device)};
   cache_->start = start;
   cache_->seq_len = seq_len;
+  cache_->device = device;
   return cache_->tables;
 }
 
@@ -157,21 +161,24 @@ namespace {
 
 // Additive causal mask [group * seq, seq] (0 on and below the diagonal, -inf above), repeated
 // for the `group` query heads that share a kv head; cached per thread for the last shape.
-const torch::Tensor& causal_bias(int64_t seq, int64_t group, torch::Dtype dtype) {
+const torch::Tensor& causal_bias(int64_t seq, int64_t group, torch::Dtype dtype, const torch::Device& device) {
   thread_local struct {
     int64_t seq = -1, group = -1;
     torch::Dtype dtype = torch::kFloat32;
+    torch::Device device = torch::kCPU;
     torch::Tensor bias;
   } cache;
-  if (!cache.bias.defined() || cache.seq != seq || cache.group != group || cache.dtype != dtype) {
+  if (!cache.bias.defined() || cache.seq != seq || cache.group != group || cache.dtype != dtype ||
+      cache.device != device) {
     torch::NoGradGuard no_grad;
-    auto future = torch::ones({seq, seq}, torch::TensorOptions().dtype(torch::kBool)).triu(1);
-    cache.bias = torch::zeros({seq, seq}, torch::TensorOptions().dtype(dtype))
+    auto future = torch::ones({seq, seq}, torch::TensorOptions().dtype(torch::kBool).device(device)).triu(1);
+    cache.bias = torch::zeros({seq, seq}, torch::TensorOptions().dtype(dtype).device(device))
                      .masked_fill(future, -std::numeric_limits<float>::infinity())
                      .repeat({group, 1});
     cache.seq = seq;
     cache.group = group;
     cache.dtype = dtype;
+    cache.device = device;
   }
   return cache.bias;
 }
@@ -192,7 +199,7 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, c
   auto qg = q.reshape({batch * kv_heads, group * seq, dim});
   auto kt = k.reshape({batch * kv_heads, seq, dim}).transpose(1, 2);
   const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
-  auto scores = torch::baddbmm(causal_bias(seq, group, q.scalar_type()), qg, kt, /*beta=*/1.0, /*alpha=*/scale);
+  auto scores = torch::baddbmm(causal_bias(seq, group, q.scalar_type(), q.device()), qg, kt, /*beta=*/1.0, /*alpha=*/scale);
   auto probs = scores.to(torch::kFloat32).softmax(-1).to(v.scalar_type());
   return torch::bmm(probs, v.reshape({batch * kv_heads, seq, dim})).view({batch, heads, seq, dim});
 }
@@ -211,7 +218,7 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const RotaryEmbeddi
   const int64_t batch = x.size(0), seq = x.size(1);
   // One GEMM for q, k and v; one pass splits the heads and applies RoPE to q and k.
   auto qkv = fused_linear(x, {q_proj.get(), k_proj.get(), v_proj.get()});
-  auto [cos, sin] = rope.tables(0, seq);
+  auto [cos, sin] = rope.tables(0, seq, x.device());
   auto [q, k, v] = split_qkv_with_rope(qkv, num_heads_, num_kv_heads_, cos, sin);
   auto out = causal_attention(q, k, v, kernel_);
   return o_proj(out.transpose(1, 2).reshape({batch, seq, num_heads_ * head_dim_}));
@@ -224,7 +231,7 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k, c
   const auto kk = k.repeat_interleave(heads / kv_heads, 1), vv = v.repeat_interleave(heads / kv_heads, 1);
   auto scores = torch::matmul(q, kk.transpose(2, 3)).to(torch::kFloat32) / std::sqrt(static_cast<double>(dim));
   // Query i (position start + i) sees keys 0 .. start + i.
-  auto future = torch::ones({seq, keys}, torch::TensorOptions().dtype(torch::kBool)).triu(start + 1);
+  auto future = torch::ones({seq, keys}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).triu(start + 1);
   scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
   return torch::matmul(scores.softmax(-1).to(v.scalar_type()), vv);
 }
@@ -232,7 +239,7 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k, c
 torch::Tensor AttentionImpl::forward_cached(const torch::Tensor& x, const RotaryEmbedding& rope, LayerKvCache& cache) {
   const int64_t batch = x.size(0), seq = x.size(1), start = cache.length();
   auto qkv = fused_linear(x, {q_proj.get(), k_proj.get(), v_proj.get()});
-  auto [cos, sin] = rope.tables(start, seq);
+  auto [cos, sin] = rope.tables(start, seq, x.device());
   auto [q, k, v] = split_qkv_with_rope(qkv, num_heads_, num_kv_heads_, cos, sin);
   cache.k = cache.k.defined() ? torch::cat({cache.k, k}, 2) : k;
   cache.v = cache.v.defined() ? torch::cat({cache.v, v}, 2) : v;

@@ -97,9 +97,11 @@ class RotaryEmbedding {
   explicit RotaryEmbedding(const ModelConfig& config);
   // Inverse frequencies [head_dim / 2] after Llama 3 scaling (fp32).
   const torch::Tensor& inv_freq() const { return inv_freq_; }
-  // cos and sin tables [seq_len, head_dim] for positions start..start+seq_len-1 (fp32). The
-  // last (start, seq_len) pair's tables are cached (thread-safe): callers must not modify them.
-  std::pair<torch::Tensor, torch::Tensor> tables(int64_t start, int64_t seq_len) const;
+  // cos and sin tables [seq_len, head_dim] for positions start..start+seq_len-1 (fp32, on
+  // `device`). The last (start, seq_len, device)'s tables are cached (thread-safe): callers must
+  // not modify them.
+  std::pair<torch::Tensor, torch::Tensor> tables(int64_t start, int64_t seq_len,
+                                                 const torch::Device& device = torch::kCPU) const;
 
  private:
   std::pair<torch::Tensor, torch::Tensor> compute_tables(int64_t start, int64_t seq_len) const;
@@ -107,6 +109,7 @@ class RotaryEmbedding {
   struct TableCache {
     std::mutex mutex;
     int64_t start = 0, seq_len = 0;
+    torch::Device device = torch::kCPU;
     std::pair<torch::Tensor, torch::Tensor> tables;
   };
   torch::Tensor inv_freq_;

@@ -116,8 +116,8 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const ModelConfig& config, const Mode
 }
 
 void LlamaForCausalLMImpl::set_compute_dtype(torch::Dtype dtype) {
-  WEFT_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16,
-             "compute dtype must be fp32 or bf16");
+  WEFT_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kHalf,
+             "compute dtype must be fp32, bf16 or fp16");
   options_.compute_dtype = dtype;
   weft::set_compute_dtype(*this, dtype);
 }

@@ -78,7 +78,8 @@ const weft_host_api* PluginHost::api() const { return &kHostApi; }
 
 weft_host* PluginHost::handle() { return &state_->handle; }
 
-void PluginHost::set_model_info(const ModelConfig& config, bool bf16, int64_t seq_len, int64_t batch_rows) {
+void PluginHost::set_model_info(const ModelConfig& config, torch::Dtype compute_dtype, int64_t seq_len,
+                                int64_t batch_rows) {
   state_->model_config = std::make_shared<ModelConfig>(config);
   state_->seq_len = seq_len;
   state_->batch_rows = batch_rows;
@@ -93,7 +94,7 @@ void PluginHost::set_model_info(const ModelConfig& config, bool bf16, int64_t se
   i.head_dim = config.head_dim;
   i.vocab_size = config.vocab_size;
   i.tie_word_embeddings = config.tie_word_embeddings ? 1 : 0;
-  i.compute_dtype = bf16 ? DLDataType{kDLBfloat, 16, 1} : DLDataType{kDLFloat, 32, 1};
+  i.compute_dtype = sdk::to_dl_dtype(compute_dtype);
   state_->has_model_info = true;
 }
 
@@ -103,12 +104,16 @@ std::map<std::string, double> PluginHost::take_step_metrics() {
   return taken;
 }
 
+void PluginHost::set_loss_scale(double scale) { state_->loss_scale = scale; }
+
 void PluginHost::set_model(LlamaForCausalLMImpl* model) {
   auto& s = *state_;
   s.model = model;
   s.parameters.clear();
   if (!model) return;
   const int64_t layers = model->config().num_hidden_layers;
+  const auto parameters = model->parameters();
+  s.device = parameters.empty() ? torch::Device(torch::kCPU) : parameters.front().device();
   for (auto& item : model->named_parameters()) {
     ParameterEntry entry;
     entry.name = item.key();

@@ -35,7 +35,7 @@ class PluginHost {
 
   // The model's shape for model_info and profile_stages (before plan; bf16: the compute dtype;
   // seq_len and batch_rows: the run's sequence length and train.batch_size).
-  void set_model_info(const ModelConfig& config, bool bf16, int64_t seq_len, int64_t batch_rows);
+  void set_model_info(const ModelConfig& config, torch::Dtype compute_dtype, int64_t seq_len, int64_t batch_rows);
   // The model the services refer to (after it is built). Enumerates the parameters it holds.
   void set_model(LlamaForCausalLMImpl* model);
   // The training step that batch() serves: micro-batch m of the step is global batch
@@ -62,6 +62,8 @@ class PluginHost {
   CommStats take_comm_stats();
   // The values the plugin reported with report_metric since the last call (which clears them).
   std::map<std::string, double> take_step_metrics();
+  // The loss service's extra factor on the loss it returns for backward (fp16 loss scaling).
+  void set_loss_scale(double scale);
   // Per-sequence evaluation: from now on, the loss of every evaluation row whose sequence index
   // is known (the targets batch() handed out) is also summed by sequence, out of `sequences`.
   void record_sequence_losses(int64_t sequences);

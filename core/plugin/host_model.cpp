@@ -118,8 +118,8 @@ weft_status* batch(weft_host* host, int32_t micro_batch, int32_t split, int32_t 
     if (!sequences.empty()) {
       sequences = std::vector<int64_t>(sequences.begin() + split * part, sequences.begin() + (split + 1) * part);
     }
-    *inputs = new_activation(b.inputs.narrow(0, split * part, part));
-    *targets = new_activation(b.targets.narrow(0, split * part, part), std::move(sequences));
+    *inputs = new_activation(b.inputs.narrow(0, split * part, part).to(s.device));
+    *targets = new_activation(b.targets.narrow(0, split * part, part).to(s.device), std::move(sequences));
   });
 }
 
@@ -159,7 +159,7 @@ weft_status* loss(weft_host* host, weft_activation* logits, weft_activation* tar
     at::Tensor mean;
     if (s.sequence_loss_sums.defined() && !targets->sequences.empty()) {
       // Evaluation that records each sequence's loss: per-token losses once, summed per row.
-      const auto tokens = s.model->token_losses(tensor_of(logits), t).reshape({t.size(0), -1}).to(torch::kFloat64);
+      const auto tokens = s.model->token_losses(tensor_of(logits), t).reshape({t.size(0), -1}).to(torch::kCPU, torch::kFloat64);
       const auto rows = torch::tensor(targets->sequences, torch::kLong);
       s.sequence_loss_sums.index_add_(0, rows, tokens.sum(1));
       s.sequence_counts.index_add_(0, rows, torch::ones({rows.size(0)}, torch::kFloat64));
@@ -168,7 +168,7 @@ weft_status* loss(weft_host* host, weft_activation* logits, weft_activation* tar
       mean = s.model->loss(tensor_of(logits), t);  // vocabulary-parallel: shards combined at comm points
     }
     const double value = mean.item<double>();
-    if (loss_out) *loss_out = new_activation(mean * scale);
+    if (loss_out) *loss_out = new_activation(mean * (scale * s.loss_scale));
     if (value_out) *value_out = value;
     if (tokens_out) *tokens_out = t.numel();
   });
@@ -205,18 +205,19 @@ weft_status* activation_grad(weft_host*, weft_activation* input, weft_activation
   });
 }
 
-weft_status* activation_empty(weft_host*, int32_t ndim, const int64_t* shape, DLDataType dtype, weft_activation** out) {
+weft_status* activation_empty(weft_host* host, int32_t ndim, const int64_t* shape, DLDataType dtype, weft_activation** out) {
   return guarded([&] {
     WEFT_CHECK(out && ndim >= 0 && (shape || ndim == 0), "activation_empty: bad arguments");
     const auto type = sdk::from_dl_dtype(dtype);
-    *out = new_activation(torch::empty(std::vector<int64_t>(shape, shape + ndim), torch::TensorOptions().dtype(type)));
+    *out = new_activation(torch::empty(std::vector<int64_t>(shape, shape + ndim),
+                                       torch::TensorOptions().dtype(type).device(state_of(host).device)));
   });
 }
 
-weft_status* activation_from_tensor(weft_host*, const DLTensor* data, int32_t requires_grad, weft_activation** out) {
+weft_status* activation_from_tensor(weft_host* host, const DLTensor* data, int32_t requires_grad, weft_activation** out) {
   return guarded([&] {
     WEFT_CHECK(data && out, "activation_from_tensor: null argument");
-    auto copy = sdk::from_dl_view(*data).clone();
+    auto copy = sdk::from_dl_view(*data).to(state_of(host).device, /*non_blocking=*/false, /*copy=*/true);
     if (requires_grad) copy.set_requires_grad(true);
     *out = new_activation(copy);
   });
@@ -246,7 +247,7 @@ weft_status* profile_stages(weft_host* host, int64_t rows, int32_t repeats, doub
     WEFT_CHECK(seconds_out != nullptr && count == stages, "profile_stages: count must be {} (the model's stages)",
                stages);
     WEFT_CHECK(repeats >= 1 && rows >= 0, "profile_stages: repeats must be >= 1 and rows >= 0");
-    const auto dtype = s.model_info.compute_dtype.code == kDLBfloat ? torch::kBFloat16 : torch::kFloat32;
+    const auto dtype = sdk::from_dl_dtype(s.model_info.compute_dtype);
     const auto seconds = profile_stage_seconds(*s.model_config, dtype, rows > 0 ? rows : std::max<int64_t>(s.batch_rows, 1),
                                                std::max<int64_t>(s.seq_len, 1), repeats);
     std::copy(seconds.begin(), seconds.end(), seconds_out);

@@ -55,6 +55,8 @@ struct PluginHost::State {
   weft_host handle{};
   std::vector<std::unique_ptr<weft_group>> groups;
   LlamaForCausalLMImpl* model = nullptr;
+  torch::Device device = torch::kCPU;
+  double loss_scale = 1.0;  // fp16: multiplies the loss handed back for backward (set_loss_scale)  // where the model computes: batches and activations go there
   std::vector<ParameterEntry> parameters;
   std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators;
   weft_grad_ready_fn grad_ready = nullptr;

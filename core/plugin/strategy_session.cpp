@@ -40,7 +40,7 @@ std::string StrategySession::fingerprint() const {
 
 Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute_dtype, int64_t seq_len,
                                  int64_t batch_rows) {
-  host_->set_model_info(config, compute_dtype == torch::kBFloat16, seq_len, batch_rows);
+  host_->set_model_info(config, compute_dtype, seq_len, batch_rows);
   const int64_t num_stages = config.num_hidden_layers + 2;
   weft_model_plan plan{};
   plan.struct_size = sizeof(weft_model_plan);

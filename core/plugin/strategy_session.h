@@ -83,6 +83,9 @@ class StrategySession {
   EvalSums eval_batch(const EvalLoader& loader, int64_t index, int64_t global_step, int64_t epoch, int64_t seq_len);
   // The global squared gradient norm from this rank's share.
   double global_grad_norm_sq(double local_sq);
+  // fp16: the factor the host's loss service multiplies every training loss by before the
+  // plugin's backward (1: none). The plugin sees the scaled gradients; the trainer unscales them.
+  void set_loss_scale(double scale) { host_->set_loss_scale(scale); }
   // This rank's communication through the plugin since the last call (which resets it).
   PluginHost::CommStats take_comm_stats();
   // Per-sequence evaluation (PluginHost::record_sequence_losses / take_sequence_losses).

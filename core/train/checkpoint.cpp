@@ -33,6 +33,8 @@ nlohmann::json TrainerState::to_json() const {
       {"epoch_tokens", epoch_tokens},
       {"data_identity", data_identity},
       {"early_stopped", early_stopped},
+      {"loss_scale", loss_scale},
+      {"loss_scale_streak", loss_scale_streak},
   };
 }
 
@@ -49,6 +51,8 @@ TrainerState TrainerState::from_json(const nlohmann::json& j, const std::string&
     s.epoch_tokens = j.at("epoch_tokens").get<int64_t>();
     s.data_identity = j.at("data_identity").get<std::string>();
     s.early_stopped = j.value("early_stopped", false);
+    s.loss_scale = j.value("loss_scale", 0.0);  // absent in checkpoints before fp16
+    s.loss_scale_streak = j.value("loss_scale_streak", int64_t{0});
   } catch (const nlohmann::json::exception& e) {
     fail("{}: malformed trainer state ({})", origin, e.what());
   }
@@ -77,6 +81,9 @@ void TrainerState::validate(int64_t steps_per_epoch, int64_t epochs, const std::
              epoch_seconds);
   WEFT_CHECK(std::isinf(best_eval_loss) || (std::isfinite(best_eval_loss) && best_eval_loss >= 0),
              "{}: best_eval_loss {} is not a loss", origin, best_eval_loss);
+  WEFT_CHECK(std::isfinite(loss_scale) && loss_scale >= 0 && loss_scale_streak >= 0,
+             "{}: loss_scale {} and loss_scale_streak {} must be finite and not negative", origin, loss_scale,
+             loss_scale_streak);
 }
 
 CheckpointStore::CheckpointStore(std::string out_dir, int64_t keep_last, std::optional<LoraConfig> lora)

@@ -38,6 +38,8 @@ struct TrainerState {
   int64_t epoch_tokens = 0;    // tokens already processed in the current epoch
   std::string data_identity;   // train sequences / seq_len / tokens: must match on resume
   bool early_stopped = false;
+  double loss_scale = 0;          // fp16: the dynamic loss scale to go on with (0: none saved)
+  int64_t loss_scale_streak = 0;  // fp16: finite steps since the scale last changed
 
   nlohmann::json to_json() const;
   static TrainerState from_json(const nlohmann::json& j, const std::string& origin);

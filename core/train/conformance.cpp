@@ -81,10 +81,11 @@ std::string run_arguments(const ConformanceOptions& c, const std::string& corpus
       " --set data.heldout_fraction=0.1 --set data.split_seed=1 --set data.tokenizer=byte --set data.cache_dir="
       " --set train.lr=1e-3 --set train.warmup_steps=2 --set train.seed=11 --set train.max_steps={}"
       " --set train.batch_size={} --set train.grad_accum_steps={} --set train.precision={} --set train.threads=1"
+      " --set train.device={}"
       " --set train.out_dir={} --set train.overwrite=true --set log.progress=off --set checkpoint.keep_best=false"
       " --set checkpoint.save_final=true --log-level warn{}",
-      c.plugin, c.nproc, model_config, corpus, c.steps, c.batch_size, c.grad_accum_steps, c.precision, out_dir,
-      plugin_settings);
+      c.plugin, c.nproc, model_config, corpus, c.steps, c.batch_size, c.grad_accum_steps, c.precision, c.device,
+      out_dir, plugin_settings);
 }
 
 std::vector<double> logged_losses(const std::string& metrics) {
@@ -115,6 +116,7 @@ TrainOptions run_options(const ConformanceOptions& c, const std::string& corpus,
   o.batch_size = c.batch_size;
   o.grad_accum_steps = c.grad_accum_steps;
   o.precision = c.precision;
+  o.device = c.device;
   o.threads = 1;
   o.out_dir = out_dir;
   o.metrics_file = "";
@@ -145,15 +147,17 @@ std::string ConformanceReport::describe() const {
 
 ConformanceReport check_conformance(const ConformanceOptions& c) {
   WEFT_CHECK(!c.plugin.empty(), "conformance check: no plugin given");
-  WEFT_CHECK(c.precision == "fp32" || c.precision == "bf16", "conformance check: precision must be fp32 or bf16, got '{}'",
-             c.precision);
+  WEFT_CHECK(c.precision == "fp32" || c.precision == "bf16" || c.precision == "fp16",
+             "conformance check: precision must be fp32, bf16 or fp16, got '{}'", c.precision);
   const std::string dir = c.work_dir.empty()
                               ? (std::filesystem::temp_directory_path() / ("weft-check-" + std::to_string(::getpid()))).string()
                               : c.work_dir;
   std::filesystem::create_directories(dir);
   const std::string corpus = write_corpus(dir);
   const std::string model_config = write_model_config(dir);
-  Trainer reference(run_options(c, corpus, model_config, c.reference, dir + "/reference"));
+  TrainOptions reference_options = run_options(c, corpus, model_config, c.reference, dir + "/reference");
+  reference_options.device = "cpu";  // the reference computes on the CPU whatever the candidate's device
+  Trainer reference(reference_options);
   const auto r = reference.run();
   std::map<std::string, torch::Tensor> candidate_params;
   std::vector<double> candidate_losses;
@@ -179,7 +183,9 @@ ConformanceReport check_conformance(const ConformanceOptions& c) {
     options.plugin_config = plugin_table(c.plugin_settings);
     Trainer candidate(options);
     candidate_losses = candidate.run().step_losses;
-    for (auto& item : candidate.model().named_parameters()) candidate_params[item.key()] = item.value().detach().clone();
+    for (auto& item : candidate.model().named_parameters()) {
+      candidate_params[item.key()] = item.value().detach().to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true);
+    }
   }
 
   ConformanceReport report;
@@ -208,8 +214,8 @@ ConformanceReport check_conformance(const ConformanceOptions& c) {
     }
   }
   report.precision = c.precision;
-  report.loss_rtol = c.precision == "bf16" ? c.bf16_loss_rtol : c.loss_rtol;
-  report.param_atol = c.precision == "bf16" ? c.bf16_param_atol : c.param_atol;
+  report.loss_rtol = c.precision == "fp32" ? c.loss_rtol : c.bf16_loss_rtol;
+  report.param_atol = c.precision == "fp32" ? c.param_atol : c.bf16_param_atol;
   report.passed = same_steps && all_parameters && report.steps == c.steps &&
                   report.max_loss_rel_diff <= report.loss_rtol && report.max_param_abs_diff <= report.param_atol;
   if (c.work_dir.empty()) std::filesystem::remove_all(dir);

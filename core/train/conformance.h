@@ -27,11 +27,15 @@ struct ConformanceOptions {
   // "full", or "lora": both runs train LoRA adapters (r 4, alpha 8, no dropout) on every
   // targetable layer with the base frozen, and the adapters are compared.
   std::string mode = "full";
-  // "fp32", or "bf16": both runs compute in bf16 (fp32 weights and optimizer), compared with
-  // bf16's tolerances (bf16_loss_rtol, bf16_param_atol) instead of fp32's.
+  // "fp32", or "bf16" / "fp16": both runs compute in that half precision (fp32 weights and
+  // optimizer; fp16 with dynamic loss scaling), compared with the half-precision tolerances
+  // (bf16_loss_rtol, bf16_param_atol) instead of fp32's.
   std::string precision = "fp32";
   double bf16_loss_rtol = 1e-4;     // measured: <= 3e-5 for ddp, tensor_parallel and the pipelines
   double bf16_param_atol = 5e-3;    // measured: <= 2.2e-3 (20 steps at lr 1e-3)
+  // Where the plugin under test computes (train.device: "cpu", "cuda", "auto"); the reference
+  // always computes on the CPU, so "cuda" checks the CUDA path against the CPU's.
+  std::string device = "cpu";
 };
 
 struct ConformanceReport {

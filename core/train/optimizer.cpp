@@ -1,5 +1,7 @@
 #include "core/train/optimizer.h"
 
+#include <cmath>
+
 #include <torch/torch.h>
 
 namespace weft {
@@ -25,7 +27,7 @@ void set_learning_rate(torch::optim::AdamW& optimizer, double lr) {
 }
 
 double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm,
-                      const std::function<double(double)>& globalize) {
+                      const std::function<double(double)>& globalize, double grad_scale) {
   torch::NoGradGuard no_grad;
   // Sums of squares in fp64, one reduction and one host sync for all tensors.
   std::vector<torch::Tensor> grads, squares;
@@ -36,11 +38,12 @@ double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm,
   }
   double sum_sq = squares.empty() ? 0.0 : torch::stack(squares).sum().item<double>();
   if (globalize) sum_sq = globalize(sum_sq);  // collective: every process calls it
-  if (grads.empty()) return std::sqrt(std::max(sum_sq, 0.0));
-  const double norm = std::sqrt(std::max(sum_sq, 0.0));
-  if (max_norm > 0 && norm > max_norm) {
-    const double scale = max_norm / (norm + 1e-6);
-    for (auto& g : grads) g.mul_(scale);
+  const double norm = std::sqrt(std::max(sum_sq, 0.0)) / grad_scale;  // NaN stays NaN
+  if (grads.empty() || !std::isfinite(norm)) return norm;
+  double factor = 1.0 / grad_scale;
+  if (max_norm > 0 && norm > max_norm) factor *= max_norm / (norm + 1e-6);
+  if (factor != 1.0) {
+    for (auto& g : grads) g.mul_(factor);
   }
   return norm;
 }

@@ -23,11 +23,14 @@ void set_learning_rate(torch::optim::AdamW& optimizer, double lr);
 // undefined in LibTorch 2.x, which would leave strategies without a gradient to reduce.
 void zero_gradients(const std::vector<torch::Tensor>& params);
 
-// Global L2 norm of the gradients of `params` (missing grads count as zero); if max_norm > 0,
-// scales the gradients so the norm is at most max_norm. Returns the norm before clipping.
-// `globalize` (optional) turns this process's sum of squares into the sum over every process
-// that holds a part of the model (a model-parallel plugin's global_grad_norm_sq).
+// Global L2 norm of the gradients of `params` (missing grads count as zero), divided by
+// `grad_scale` (fp16's loss scale: the gradients hold scale x their values); if it is finite, the
+// gradients are divided by grad_scale and, if max_norm > 0, scaled so that their norm is at most
+// max_norm. Returns the unscaled norm before clipping (inf or NaN, gradients untouched, when some
+// gradient is not finite). `globalize` (optional) turns this process's sum of squares into the
+// sum over every process that holds a part of the model (a model-parallel plugin's
+// global_grad_norm_sq).
 double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm,
-                      const std::function<double(double)>& globalize = {});
+                      const std::function<double(double)>& globalize = {}, double grad_scale = 1.0);
 
 }  // namespace weft

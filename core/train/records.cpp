@@ -6,14 +6,24 @@
 #include <spdlog/spdlog.h>
 
 #include "core/dist/process_groups.h"
+#include "core/train/flops.h"
+#include "core/util/device.h"
 #include "core/util/torch_compat.h"
 #include "core/util/trace.h"
 
 namespace weft {
 
 RunRecords::RunRecords(const std::string& metrics_file, bool resumed, const std::string& progress_mode,
-                       int64_t log_every, int64_t tokens_per_step)
-    : metrics_(metrics_file, /*append=*/resumed), progress_(progress_mode, log_every), tokens_per_step_(tokens_per_step) {}
+                       int64_t log_every, int64_t tokens_per_step, RunSetting setting)
+    : metrics_(metrics_file, /*append=*/resumed),
+      progress_(progress_mode, log_every),
+      tokens_per_step_(tokens_per_step),
+      setting_(std::move(setting)) {}
+
+double RunRecords::mfu(double tokens_per_second) const {
+  return model_flop_utilisation(tokens_per_second / std::max(setting_.world, 1), setting_.flops_per_token,
+                                setting_.peak_tflops);
+}
 
 void RunRecords::step(const StepRecord& s) {
   seconds_ += s.seconds;
@@ -32,6 +42,11 @@ void RunRecords::step(const StepRecord& s) {
                            {"activation_peak_mib", s.activation_mib},
                            {"comm_wait_s", s.report.comm.wait_seconds},
                            {"comm_bytes", s.report.comm.bytes}};
+  if (setting_.peak_tflops > 0) record["mfu"] = mfu(tokens_per_step_ / s.seconds);
+  if (s.loss_scale > 0) {
+    record["loss_scale"] = s.loss_scale;
+    record["skipped"] = s.skipped;
+  }
   for (const auto& [name, value] : s.report.metrics) {
     record["plugin." + name] = value;
     auto& sum = plugin_metric_sums_[name];
@@ -59,10 +74,12 @@ void RunRecords::epoch(int64_t epoch, int64_t step, double seconds, int64_t toke
 }
 
 const TrainResult& RunRecords::finish(Communicator& communicator, int rank, int64_t steps_per_epoch,
-                                      const std::string& attention) {
+                                      int64_t skipped_steps) {
   TrainResult& result = result_;
   result.tokens_per_second = seconds_ > 0 ? tokens_ / seconds_ : 0.0;
   result.peak_rss_mib = peak_rss_mib();
+  result.mfu = mfu(result.tokens_per_second);
+  result.skipped_steps = skipped_steps;
   const double steps = static_cast<double>(std::max<size_t>(result.step_losses.size(), 1));
   nlohmann::json summary = {{"steps", result.steps},
                             {"epochs", result.epochs_completed},
@@ -73,7 +90,11 @@ const TrainResult& RunRecords::finish(Communicator& communicator, int rank, int6
                             {"early_stopped", result.early_stopped},
                             {"interrupted", result.interrupted},
                             {"libtorch", compat::libtorch_version()},
-                            {"attention", attention},
+                            {"attention", setting_.attention},
+                            {"device", setting_.device},
+                            {"device_name", setting_.device_name},
+                            {"precision", setting_.precision},
+                            {"model_flops_per_token", setting_.flops_per_token},
                             {"activation_peak_mib", activation_peak_mib_}};
   if (seconds_ > 0) {
     summary["comm_wait_fraction"] = comm_wait_seconds_ / seconds_;
@@ -83,7 +104,34 @@ const TrainResult& RunRecords::finish(Communicator& communicator, int rank, int6
                    100.0 * comm_wait_seconds_ / seconds_, comm_wait_seconds_ / steps, comm_bytes_ / steps / 1e6, rank);
     }
   }
+  if (setting_.peak_tflops > 0) {
+    summary["peak_tflops"] = setting_.peak_tflops;
+    summary["mfu"] = result.mfu;
+    spdlog::info("model FLOP utilisation {:.1f}% ({:.3g} FLOPs per token, {:.0f} tokens/s over {} device(s) of {:.1f} "
+                 "TFLOP/s peak at {})",
+                 100.0 * result.mfu, setting_.flops_per_token, result.tokens_per_second, setting_.world,
+                 setting_.peak_tflops, setting_.precision);
+  }
+  if (setting_.precision == "fp16") summary["skipped_steps"] = skipped_steps;
   summary["peak_rss_mib_per_rank"] = communicator.all_gather(result.peak_rss_mib);  // collective
+  {  // the device's memory (CUDA's caching allocator; zeros on CPUs), every rank's
+    const DeviceMemory memory = device_memory(c10::Device(setting_.device));
+    result.device_peak_allocated_mib = static_cast<double>(memory.peak_allocated_bytes) / (1024.0 * 1024.0);
+    result.device_peak_reserved_mib = static_cast<double>(memory.peak_reserved_bytes) / (1024.0 * 1024.0);
+    const auto allocated = communicator.all_gather(result.device_peak_allocated_mib);  // collective
+    const auto reserved = communicator.all_gather(result.device_peak_reserved_mib);    // collective
+    if (c10::Device(setting_.device).is_cuda()) {
+      summary["device_peak_allocated_mib_per_rank"] = allocated;
+      summary["device_peak_reserved_mib_per_rank"] = reserved;
+      summary["device_peak_allocated_mib"] = *std::max_element(allocated.begin(), allocated.end());
+      summary["device_peak_reserved_mib"] = *std::max_element(reserved.begin(), reserved.end());
+      std::string text;
+      for (size_t r = 0; r < allocated.size(); ++r) {
+        text += fmt::format("{}{:.0f}/{:.0f}", r ? ", " : "", allocated[r], reserved[r]);
+      }
+      spdlog::info("peak device memory (MiB allocated/reserved) per rank: {}", text);
+    }
+  }
   const auto per_rank = communicator.all_gather(activation_peak_mib_);               // collective
   summary["activation_peak_mib_per_rank"] = per_rank;
   std::string text;

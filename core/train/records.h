@@ -29,12 +29,29 @@ struct TrainResult {
   bool interrupted = false;            // stopped by SIGINT/SIGTERM (after saving a checkpoint if it could)
   int interrupt_signal = 0;            // that signal (the same on every rank)
   double peak_rss_mib = 0;
+  double mfu = 0;                      // model FLOP utilisation (0 where the device's peak is unknown)
+  double device_peak_allocated_mib = 0;  // CUDA: this rank's peak tensor memory (0 on a CPU)
+  double device_peak_reserved_mib = 0;   // CUDA: this rank's peak memory held by the caching allocator
+  int64_t skipped_steps = 0;           // fp16: steps skipped for non-finite gradients
+};
+
+// Where and how the run computes, for the records: the summary's device, precision and MFU.
+struct RunSetting {
+  std::string attention;       // the attention kernel
+  std::string device;          // "cpu", "cuda:0"
+  std::string device_name;     // "cpu", "NVIDIA H100 80GB HBM3"
+  std::string precision;       // train.precision
+  int world = 1;               // processes (devices) of the run
+  double flops_per_token = 0;  // training FLOPs per token (core/train/flops.h)
+  double peak_tflops = 0;      // the device's peak at this precision, 0 if unknown
 };
 
 // One optimizer step as it is recorded.
 struct StepRecord {
   int64_t step = 0, epoch = 0;  // the step's number (1-based) and its epoch (0-based)
   double lr = 0, grad_norm = 0, seconds = 0;
+  double loss_scale = 0;        // fp16: the loss scale of the step (0: no scaling)
+  bool skipped = false;         // fp16: gradients were not finite, the optimizer did not step
   double activation_mib = 0;    // tensor memory the step added on this rank at its peak
   StepReport report;            // loss, communication, plugin metrics
 };
@@ -43,7 +60,7 @@ class RunRecords {
  public:
   // metrics_file "" records no lines (ranks other than 0); resumed: append to it.
   RunRecords(const std::string& metrics_file, bool resumed, const std::string& progress_mode, int64_t log_every,
-             int64_t tokens_per_step);
+             int64_t tokens_per_step, RunSetting setting);
 
   Progress& progress() { return progress_; }
   TrainResult& result() { return result_; }
@@ -54,13 +71,16 @@ class RunRecords {
   void epoch(int64_t epoch, int64_t step, double seconds, int64_t tokens, const std::optional<EvalResult>& eval);
   // Completes the result (throughput, memory) and writes the summary line and the log lines.
   // Collective over `communicator`'s world (per-rank memory).
-  const TrainResult& finish(Communicator& communicator, int rank, int64_t steps_per_epoch, const std::string& attention);
+  const TrainResult& finish(Communicator& communicator, int rank, int64_t steps_per_epoch, int64_t skipped_steps);
+  // MFU of `tokens_per_second` (the whole run's) on this setting, 0 when the peak is unknown.
+  double mfu(double tokens_per_second) const;
 
  private:
   MetricsWriter metrics_;
   Progress progress_;
   TrainResult result_;
   int64_t tokens_per_step_ = 0;
+  RunSetting setting_;
   double seconds_ = 0.0;             // of the steps run by this process
   int64_t tokens_ = 0;
   double activation_peak_mib_ = 0.0;

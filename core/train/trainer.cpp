@@ -11,6 +11,8 @@
 #include "core/model/lora.h"
 #include "core/train/interrupt.h"
 #include "core/train/optimizer.h"
+#include "core/train/flops.h"
+#include "core/util/device.h"
 #include "core/util/error.h"
 #include "core/util/memory.h"
 #include "core/util/trace.h"
@@ -25,7 +27,8 @@ double seconds_since(Clock::time_point start) { return std::chrono::duration<dou
 
 }  // namespace
 
-Trainer::Trainer(TrainOptions options, RunContext context) : options_(options) {
+Trainer::Trainer(TrainOptions options, RunContext context)
+    : options_(options), scaler_(/*enabled=*/options.precision == "fp16", LossScalerOptions{options.loss_scale}) {
   WEFT_CHECK(options_.model.adapter.empty() || options_.mode == "lora",
              "model.adapter loads LoRA adapters, which train further with train.mode = \"lora\" (it is \"{}\")",
              options_.mode);
@@ -97,6 +100,7 @@ void Trainer::maybe_resume() {
   saved.validate(steps_per_epoch_, options_.epochs, dir + "/trainer_state.json");
   checkpoints_->restore(dir, job_->model(), *optimizer_);
   state_ = saved;
+  if (scaler_.enabled() && state_.loss_scale > 0) scaler_.restore(state_.loss_scale, state_.loss_scale_streak);
   spdlog::info("resumed from {} at step {} (epoch {}, step {} of {})", dir, state_.global_step, state_.epoch + 1,
                state_.step_in_epoch, steps_per_epoch_);
 }
@@ -105,7 +109,8 @@ TrainResult Trainer::run() {
   install_interrupt_handlers();
   const bool rank0 = job_->context().rank == 0;
   RunRecords records(rank0 ? options_.metrics_file : "", state_.global_step > 0, rank0 ? options_.progress : "off",
-                     options_.log_every, options_.batch_size * options_.grad_accum_steps * options_.data.seq_len);
+                     options_.log_every, options_.batch_size * options_.grad_accum_steps * options_.data.seq_len,
+                     run_setting());
   spdlog::info("training: {} epochs x {} steps (total {}), {} tokens per step, lr {:.2e}, {}", options_.epochs,
                steps_per_epoch_, total_steps_, records.tokens_per_step(), options_.optim.lr,
                options_.mode == "lora" ? "LoRA" : "full fine-tuning");
@@ -131,8 +136,29 @@ TrainResult Trainer::run() {
   result.epochs_completed = state_.epoch;
   result.best_eval_loss = state_.best_eval_loss;
   result.early_stopped = state_.early_stopped;
-  return records.finish(job_->communicator(), job_->context().rank, steps_per_epoch_,
-                        attention_kernel_name(job_->model().config().attention));
+  return records.finish(job_->communicator(), job_->context().rank, steps_per_epoch_, scaler_.skipped_steps());
+}
+
+RunSetting Trainer::run_setting() {
+  RunSetting setting;
+  const ModelConfig& config = job_->model().config();
+  setting.attention = attention_kernel_name(config.attention);
+  setting.device = job_->device().str();
+  setting.device_name = device_name(job_->device());
+  setting.precision = options_.precision;
+  setting.world = job_->context().world;
+  int64_t adapters = -1;
+  if (job_->lora()) {  // the whole model's adapters: this rank's, summed over the ranks that hold different ones
+    adapters = 0;
+    for (const auto& p : job_->trainable()) adapters += p.numel();
+    const auto counts = job_->communicator().all_gather(static_cast<double>(adapters));  // collective
+    adapters = 0;
+    for (double c : counts) adapters += static_cast<int64_t>(c);
+    adapters /= std::max(job_->placement().data_parallel_size, 1);  // data-parallel copies hold the same
+  }
+  setting.flops_per_token = training_flops_per_token(config, options_.data.seq_len, adapters);
+  setting.peak_tflops = peak_tflops(setting.device_name, options_.precision, options_.peak_tflops).value_or(0.0);
+  return setting;
 }
 
 void Trainer::save_models(RunRecords&) {
@@ -163,11 +189,17 @@ StepReport Trainer::train_step(int64_t epoch, int64_t step_in_epoch) {
   last_lr_ = schedule_.at(state_.global_step);
   set_learning_rate(*optimizer_, last_lr_);
   auto& strategy = job_->strategy();
+  strategy.set_loss_scale(scaler_.scale());  // fp16: the backward runs on the scaled loss
   StepReport report = strategy.train_step(*train_loader_, state_.global_step, epoch, step_in_epoch,
                                           static_cast<int32_t>(options_.grad_accum_steps), options_.data.seq_len);
+  strategy.set_loss_scale(1.0);
+  last_loss_scale_ = scaler_.scale();
+  // The global norm of the unscaled gradients decides on every rank alike whether they are finite.
   last_grad_norm_ = clip_grad_norm(job_->trainable(), options_.optim.grad_clip,
-                                   [&](double local_sq) { return strategy.global_grad_norm_sq(local_sq); });
-  optimizer_->step();
+                                   [&](double local_sq) { return strategy.global_grad_norm_sq(local_sq); },
+                                   scaler_.scale());
+  last_step_skipped_ = !scaler_.update(std::isfinite(last_grad_norm_));
+  if (!last_step_skipped_) optimizer_->step();
   zero_gradients(job_->trainable());
   return report;
 }
@@ -185,6 +217,7 @@ bool Trainer::run_epoch_steps(RunRecords& records) {
       TraceSpan span("step", fmt::format("step {}", state_.global_step + 1));
       step.report = train_step(state_.epoch, state_.step_in_epoch);
     }
+    synchronize(job_->device());  // a GPU's queued work is part of the step
     step.seconds = seconds_since(step_start);
     step.activation_mib = static_cast<double>(tensor_bytes_peak() - bytes_before) / (1024.0 * 1024.0);
     ++state_.global_step;
@@ -195,6 +228,10 @@ bool Trainer::run_epoch_steps(RunRecords& records) {
     step.epoch = state_.epoch;
     step.lr = last_lr_;
     step.grad_norm = last_grad_norm_;
+    if (scaler_.enabled()) {
+      step.loss_scale = last_loss_scale_;
+      step.skipped = last_step_skipped_;
+    }
     records.step(step);
     records.progress().update(state_.step_in_epoch - 1, step.report.loss, last_lr_,
                               records.tokens_per_step() / step.seconds);
@@ -280,6 +317,10 @@ bool Trainer::save_checkpoint(Progress& progress) {
     return false;
   }
   if (job_->context().rank != 0) return true;  // replicas hold the same state; rank 0 writes it
+  if (scaler_.enabled()) {
+    state_.loss_scale = scaler_.scale();
+    state_.loss_scale_streak = scaler_.finite_streak();
+  }
   const auto dir = checkpoints_->save(state_, job_->model(), *optimizer_);
   progress.message(fmt::format("checkpoint saved: {}", dir));
   return true;

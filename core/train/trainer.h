@@ -3,7 +3,9 @@
 // strategy, tokenizer, model, data) is built by Job, the same way for every command.
 //
 // A step is: the strategy's forward and backward passes over the step's micro-batches -> clip
-// the global gradient norm -> AdamW. With no plugin the strategy is the built-in single.
+// the global gradient norm -> AdamW. With no plugin the strategy is the built-in single. Under
+// fp16 the backward runs on the scaled loss and a step with non-finite gradients is skipped
+// (core/train/loss_scaler.h).
 #pragma once
 
 #include <cstdint>
@@ -18,6 +20,7 @@
 #include "core/job/evaluate.h"
 #include "core/job/job.h"
 #include "core/train/checkpoint.h"
+#include "core/train/loss_scaler.h"
 #include "core/train/model_gather.h"
 #include "core/train/records.h"
 #include "core/train/schedule.h"
@@ -57,6 +60,7 @@ class Trainer {
   LlamaForCausalLMImpl* model_to_save() { return gather_->gather(); }
   int agreed_interrupt();
   void save_models(RunRecords& records);
+  RunSetting run_setting();  // collective (LoRA: the adapters' count)
 
   TrainOptions options_;
   std::unique_ptr<Job> job_;
@@ -70,6 +74,9 @@ class Trainer {
   int64_t total_steps_ = 0;
   double last_lr_ = 0;
   double last_grad_norm_ = 0;
+  LossScaler scaler_;  // fp16's dynamic loss scaling (disabled otherwise)
+  double last_loss_scale_ = 1;
+  bool last_step_skipped_ = false;
   int interrupt_ = 0;  // the signal every rank agreed to stop on, or 0
   int64_t last_eval_step_ = -1;
   std::optional<EvalResult> last_eval_;

@@ -49,6 +49,10 @@ void set_store_libuv(TCPStoreOptions& options, bool use_libuv) {
 #endif
 }
 
+// fp16 matmuls on the CPU: LibTorch 2.x (1.13 has no Half addmm on the CPU). fp16 training on a
+// CPU (slow: no fp16 GEMM units) exists to test the loss scaler without a GPU.
+inline constexpr bool kCpuComputesFp16 = WEFT_TORCH_AT_LEAST(2, 2);
+
 // at::scaled_dot_product_attention (2.0+; fused flash-attention kernels on CPU and CUDA). 1.13
 // has none: callers check kHasScaledDotProductAttention first.
 inline constexpr bool kHasScaledDotProductAttention = WEFT_TORCH_AT_LEAST(2, 0);

@@ -262,8 +262,8 @@ TEST_F(ConfigTest, IntegerIsAcceptedForFloat) {
 }
 
 TEST_F(ConfigTest, ChoicesAreEnforced) {
-  EXPECT_EQ(error_of([] { load_config_text(run_schema(), "[train]\nprecision = \"fp16\"\n", "t.toml"); }),
-            "config key 'train.precision' must be one of \"fp32\", \"bf16\"; got \"fp16\" "
+  EXPECT_EQ(error_of([] { load_config_text(run_schema(), "[train]\nprecision = \"fp8\"\n", "t.toml"); }),
+            "config key 'train.precision' must be one of \"fp32\", \"bf16\", \"fp16\"; got \"fp8\" "
             "(t.toml:2)");
   EXPECT_EQ(load_run_config("", {"model.preset=llama-3.2-1b"}).get_string("model.preset"),
             "llama-3.2-1b");
@@ -417,7 +417,7 @@ TEST(ConfigSchema, HelpAndReferenceListEveryKey) {
               std::string::npos)
         << entry.key;
   }
-  EXPECT_NE(help.find("train.precision (string, default \"fp32\"; one of \"fp32\", \"bf16\")"),
+  EXPECT_NE(help.find("train.precision (string, default \"fp32\"; one of \"fp32\", \"bf16\", \"fp16\")"),
             std::string::npos);
   EXPECT_NE(help.find("data.heldout_fraction (float, default 0.1; min 0; max 0.9)"),
             std::string::npos);

@@ -71,13 +71,56 @@ TEST(ProcessGroups, NcclIsRefusedWithOneClearErrorWhereItCannotRun) {
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("needs a CUDA device"), std::string::npos) << e.what();
     }
-  } else {  // a GPU machine: a one-rank NCCL world all-reduces a CUDA tensor
+  } else {  // a GPU machine (needs a GPU: the kit in tools/gpu runs it): a one-rank world all-reduces a
+             // CUDA tensor over NCCL and a CPU tensor over Gloo
     Communicator communicator(store, 0, 1, std::chrono::seconds(60), "nccl");
-    std::vector<at::Tensor> tensors{torch::ones({4}, torch::kCUDA)};
-    communicator.world().backend->allreduce(tensors)->wait();
-    EXPECT_TRUE(torch::equal(tensors[0].cpu(), torch::ones({4})));
+    EXPECT_EQ(Communicator::route(communicator.world(), c10::Device(c10::kCUDA, 0)).name, "nccl");
+    auto on_gpu = torch::ones({4}, torch::kCUDA), on_cpu = torch::ones({4});
+    auto gpu_op = communicator.all_reduce(communicator.world(), on_gpu, c10d::ReduceOp::SUM);
+    communicator.wait(gpu_op);
+    auto cpu_op = communicator.all_reduce(communicator.world(), on_cpu, c10d::ReduceOp::SUM);
+    communicator.wait(cpu_op);
+    EXPECT_TRUE(torch::equal(on_gpu.cpu(), torch::ones({4})));
+    EXPECT_TRUE(torch::equal(on_cpu, torch::ones({4})));
   }
   EXPECT_THROW(Communicator(store, 0, 1, std::chrono::seconds(5), "mpi"), Error);
+}
+
+// Every operation goes to the backend for its tensors' device: Gloo for CPU tensors; NCCL for CUDA
+// tensors where the group has an NCCL backend; Gloo through a host copy where it has none. (On a
+// machine without a GPU a second Gloo group stands in the NCCL slot: routing looks only at which
+// slots a group has. The NCCL path itself needs a GPU: the test above, run by tools/gpu.)
+TEST(ProcessGroups, EachOperationRoutesByItsTensorsDevice) {
+  auto communicator = Communicator::single_process(std::chrono::seconds(5));
+  ProcessGroup& world = communicator->world();
+  const c10::Device cpu(c10::kCPU), gpu(c10::kCUDA, 0);
+  Route route = Communicator::route(world, cpu);
+  EXPECT_EQ(route.name, "gloo");
+  EXPECT_EQ(route.backend, world.backend.get());
+  EXPECT_FALSE(route.staged);
+  route = Communicator::route(world, gpu);  // no NCCL group: Gloo, through host memory
+  EXPECT_EQ(route.name, "gloo");
+  EXPECT_EQ(route.backend, world.backend.get());
+  EXPECT_TRUE(route.staged);
+  auto stand_in = Communicator::single_process(std::chrono::seconds(5));
+  world.nccl = stand_in->world().backend;
+  route = Communicator::route(world, gpu);
+  EXPECT_EQ(route.name, "nccl");
+  EXPECT_EQ(route.backend, world.nccl.get());
+  EXPECT_FALSE(route.staged);
+  route = Communicator::route(world, cpu);
+  EXPECT_EQ(route.name, "gloo");
+  EXPECT_EQ(route.backend, world.backend.get());
+  // And what each backend does with a dtype: NCCL reduces and moves bf16 and fp16 natively.
+  EXPECT_TRUE(Communicator::reduces_natively("nccl", at::kBFloat16));
+  EXPECT_FALSE(Communicator::reduces_natively("gloo", at::kBFloat16));
+  EXPECT_FALSE(Communicator::reduces_natively("gloo", at::kHalf));
+  world.nccl.reset();
+  // The CPU path still reduces through the communicator (a one-rank sum is the tensor itself).
+  auto values = torch::tensor({1.5f, -2.0f}).to(at::kBFloat16);
+  auto operation = communicator->all_reduce(world, values, c10d::ReduceOp::SUM);
+  communicator->wait(operation);
+  EXPECT_TRUE(torch::equal(values.to(at::kFloat), torch::tensor({1.5f, -2.0f})));
 }
 
 // Runs `body(communicator)` on `world` ranks (threads) joined through join_world's TCPStore.

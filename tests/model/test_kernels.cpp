@@ -5,6 +5,7 @@
 
 #include "core/model/kernels.h"
 #include "core/model/layers.h"
+#include "core/util/torch_compat.h"
 
 namespace weft {
 namespace {
@@ -80,6 +81,50 @@ TEST(FusedKernels, SplitQkvWithRopeMatchesTransposeAndApplyRotary) {
   EXPECT_TRUE(torch::allclose(fused({qkv}), reference({qkv}), 1e-6, 1e-6));
   const auto probe = torch::randn({qkv.numel()});
   EXPECT_TRUE(torch::allclose(grads_of(fused, {qkv}, probe)[0], grads_of(reference, {qkv}, probe)[0], 1e-5, 1e-6));
+}
+
+// The ATen formulations (the path on CUDA and for fp16) against the fused CPU kernels, values and
+// gradients, and the dispatch: an fp16 tensor takes the ATen path and keeps its dtype.
+TEST(FusedKernels, TheAtenPathEqualsTheFusedKernelsItStandsInFor) {
+  torch::manual_seed(6);
+  auto config = preset_config("tiny");
+  RotaryEmbedding rope(config);
+  const int64_t h = 4, kvh = 2, d = config.head_dim;
+  const auto x = torch::randn({2, 6, 24}), w = torch::rand({24}) + 0.5, probe = torch::randn({2, 6, 24});
+  auto norm_fused = [&](std::vector<torch::Tensor> in) { return fused_rms_norm(in[0], in[1], 1e-5, torch::kFloat32); };
+  auto norm_aten = [&](std::vector<torch::Tensor> in) { return aten_rms_norm(in[0], in[1], 1e-5, torch::kFloat32); };
+  EXPECT_TRUE(torch::allclose(norm_aten({x, w}), norm_fused({x, w}), 1e-5, 1e-6));
+  const auto gn_a = grads_of(norm_aten, {x, w}, probe), gn_f = grads_of(norm_fused, {x, w}, probe);
+  EXPECT_TRUE(torch::allclose(gn_a[0], gn_f[0], 1e-4, 1e-5));
+  EXPECT_TRUE(torch::allclose(gn_a[1], gn_f[1], 1e-4, 1e-5));
+
+  const auto gate_up = torch::randn({2, 6, 2 * 20}) * 3, probe_mlp = torch::randn({2, 6, 20});
+  auto mlp_fused = [](std::vector<torch::Tensor> in) { return fused_swiglu(in[0]); };
+  auto mlp_aten = [](std::vector<torch::Tensor> in) { return aten_swiglu(in[0]); };
+  EXPECT_TRUE(torch::allclose(mlp_aten({gate_up}), mlp_fused({gate_up}), 1e-5, 1e-6));
+  EXPECT_TRUE(torch::allclose(grads_of(mlp_aten, {gate_up}, probe_mlp)[0], grads_of(mlp_fused, {gate_up}, probe_mlp)[0],
+                              1e-5, 1e-5));
+
+  const auto qkv = torch::randn({2, 6, (h + 2 * kvh) * d});
+  const auto [cos, sin] = rope.tables(0, 6);
+  auto qkv_of = [&](bool aten) {
+    return [&, aten](std::vector<torch::Tensor> in) {
+      auto [q, k, v] = aten ? aten_split_qkv_with_rope(in[0], h, kvh, cos, sin) : split_qkv_with_rope(in[0], h, kvh, cos, sin);
+      return torch::cat({q.flatten(), k.flatten(), v.flatten()});
+    };
+  };
+  EXPECT_TRUE(torch::allclose(qkv_of(true)({qkv}), qkv_of(false)({qkv}), 1e-6, 1e-6));
+  const auto probe_qkv = torch::randn({qkv.numel()});
+  EXPECT_TRUE(torch::allclose(grads_of(qkv_of(true), {qkv}, probe_qkv)[0], grads_of(qkv_of(false), {qkv}, probe_qkv)[0],
+                              1e-5, 1e-6));
+
+  // fp16 (CUDA's other half-precision) is not a dtype of the fused kernels: ATen's path runs
+  // (on the CPU where LibTorch computes fp16 there: 2.x; 1.13 has no fp16 silu or matmul on the CPU).
+  if (!compat::kCpuComputesFp16) return;
+  const auto y16 = fused_rms_norm(x.to(torch::kHalf), w, 1e-5, torch::kHalf);
+  EXPECT_EQ(y16.scalar_type(), torch::kHalf);
+  EXPECT_TRUE(torch::allclose(y16.to(torch::kFloat32), norm_fused({x, w}), 2e-3, 2e-3));
+  EXPECT_EQ(fused_swiglu(gate_up.to(torch::kHalf)).scalar_type(), torch::kHalf);
 }
 
 TEST(FusedKernels, FusedLinearEqualsSeparateLayersWithAndWithoutLora) {

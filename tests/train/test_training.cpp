@@ -1,5 +1,6 @@
 // Training behaviour: the schedule, overfitting one batch, accumulation, LoRA, resume, atomic saves.
 #include <cmath>
+#include <limits>
 #include <filesystem>
 #include <fstream>
 
@@ -44,6 +45,24 @@ TEST(Optimizer, ClipGradNormScalesToTheLimit) {
   EXPECT_NEAR(clip_grad_norm({a, b}, 1.0), 5.0, 1e-9);
   EXPECT_NEAR(a.grad()[0].item<double>(), 0.6, 1e-5);
   EXPECT_NEAR(b.grad()[0].item<double>(), 0.8, 1e-5);
+}
+
+// fp16: the gradients hold the loss scale; the norm is the unscaled one, and the gradients are
+// unscaled (and clipped) only when every one is finite.
+TEST(Optimizer, ClipGradNormRemovesTheLossScaleAndLeavesNonFiniteGradientsAlone) {
+  auto a = torch::zeros({2}, torch::requires_grad());
+  (a * torch::tensor({3.0f * 1024, 4.0f * 1024})).sum().backward();
+  EXPECT_NEAR(clip_grad_norm({a}, 0.0, {}, 1024.0), 5.0, 1e-9);
+  EXPECT_NEAR(a.grad()[0].item<double>(), 3.0, 1e-5);
+  EXPECT_NEAR(a.grad()[1].item<double>(), 4.0, 1e-5);
+  a.mutable_grad() = torch::tensor({3.0f * 1024, 4.0f * 1024});
+  EXPECT_NEAR(clip_grad_norm({a}, 1.0, {}, 1024.0), 5.0, 1e-9);  // unscaled and clipped in one pass
+  EXPECT_NEAR(a.grad()[1].item<double>(), 0.8, 1e-5);
+  a.mutable_grad() = torch::tensor({std::numeric_limits<float>::infinity(), 1.0f});
+  EXPECT_TRUE(std::isinf(clip_grad_norm({a}, 1.0, {}, 1024.0)));
+  EXPECT_EQ(a.grad()[1].item<float>(), 1.0f);  // untouched: the step is skipped
+  a.mutable_grad() = torch::tensor({std::numeric_limits<float>::quiet_NaN(), 1.0f});
+  EXPECT_TRUE(std::isnan(clip_grad_norm({a}, 1.0, {}, 1024.0)));
 }
 
 TEST(Training, OverfitsOneBatch) {

@@ -30,9 +30,10 @@
  *  - Tensors: DLTensor* arguments are borrowed views (DLPack 0.6, always with strides), valid
  *    only during the call unless stated otherwise. Autograd history never crosses the boundary:
  *    tensors that need it stay in the host behind weft_activation handles. DLPack 0.6 has no
- *    bool type: booleans cross as {kDLUInt, 8, 1}. Collectives run on Gloo process groups over
- *    CPU tensors (this host compiles c10d's NCCL group where its LibTorch has it, but places no
- *    model on CUDA devices yet).
+ *    bool type: booleans cross as {kDLUInt, 8, 1}. Tensors live on the rank's device
+ *    (train.device: the CPU, or cuda:LOCAL_RANK); collectives route by the tensor's device: Gloo
+ *    for CPU tensors, NCCL for CUDA tensors where the host's LibTorch has it (else Gloo through a
+ *    host copy). On CUDA, what has been verified on a GPU is listed in docs/gpu.md.
  *  - Structs passed by pointer that start with `struct_size` (weft_model_plan,
  *    weft_step_info) are written by the host with its own size; a reader uses only the fields
  *    that lie within struct_size (fields are only ever appended).
@@ -262,10 +263,12 @@ typedef struct weft_host_api {
 
   /* --- collectives: asynchronous; every one returns a work handle to wait on ---
    * The tensors' memory must stay alive and unmodified (inputs) / unread (outputs) until
-   * work_wait returns. All tensors are contiguous CPU tensors (Gloo process groups; CUDA tensors
-   * and NCCL groups are not supported by this host yet) of one dtype, any dtype: where the backend
-   * cannot reduce it (Gloo: fp16, bf16) the host reduces an fp32 copy and writes the result back;
-   * where it cannot move it, the host moves its bytes. */
+   * work_wait returns. All tensors are contiguous, on one device, of one dtype, any dtype. A
+   * collective goes over NCCL when its tensors are CUDA tensors and the run has NCCL groups
+   * (train.device = cuda with a LibTorch that has NCCL), else over Gloo (a CUDA tensor is then
+   * copied to host memory and back). Where the backend cannot reduce the dtype (Gloo: fp16,
+   * bf16) the host reduces an fp32 copy and writes the result back; where it cannot move it, the
+   * host moves its bytes. */
   weft_status* (*all_reduce)(weft_host* host, weft_group* group, DLTensor* tensor,
                              weft_reduce_op op, weft_work** work);
   /* output = this rank's part (dim 0, equal parts) of the reduction of `input` over the group. */
@@ -320,7 +323,10 @@ typedef struct weft_host_api {
   weft_status* (*forward)(weft_host* host, int64_t first_stage, int64_t last_stage,
                           weft_activation* input, uint32_t flags, weft_activation** output);
   /* Mean cross-entropy of `logits` against `targets`, multiplied by `scale` (e.g. 1 /
-   * micro-batches). value_out: the unscaled mean (double); tokens_out: target tokens. */
+   * micro-batches) and, in a training step under train.precision = fp16, by the host's dynamic
+   * loss scale (so gradients, also those a pipeline passes between stages, hold that factor; the
+   * host removes it before the optimizer and skips a step whose gradients are not finite).
+   * value_out: the unscaled mean (double); tokens_out: target tokens. */
   weft_status* (*loss)(weft_host* host, weft_activation* logits, weft_activation* targets,
                        double scale, weft_activation** loss_out, double* value_out,
                        int64_t* tokens_out);
@@ -334,11 +340,14 @@ typedef struct weft_host_api {
   /* The gradient accumulated into an input activation by backward, as a new activation. */
   weft_status* (*activation_grad)(weft_host* host, weft_activation* input,
                                   weft_activation** out);
-  /* A new uninitialised activation (e.g. a receive buffer). */
+  /* A new uninitialised activation (e.g. a receive buffer), on the model's device. Batches,
+   * activations and parameters all live on the device the rank computes on (train.device: the
+   * CPU, or cuda:LOCAL_RANK); a DLTensor view says which in its `device`. */
   weft_status* (*activation_empty)(weft_host* host, int32_t ndim, const int64_t* shape,
                                    DLDataType dtype, weft_activation** out);
-  /* A new leaf activation holding a copy of `data`, optionally requiring grad (a stage input
-   * received from the previous stage). */
+  /* A new leaf activation holding a copy of `data` (from any device the host's LibTorch knows,
+   * copied to the model's device), optionally requiring grad (a stage input received from the
+   * previous stage). */
   weft_status* (*activation_from_tensor)(weft_host* host, const DLTensor* data,
                                          int32_t requires_grad, weft_activation** out);
   /* Releases an activation and, with it, the autograd graph only it kept alive. NULL allowed. */

@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# The GPU verification kit: what must run on an NVIDIA GPU to be trusted, for a machine that has a
+# GPU, a PyTorch 2.x with CUDA in its plain `python3`, CMake, ninja and nvcc, but no package
+# registry (docs/gpu.md says what it checks and what it found).
+#
+#   here (Debian 12, online):  tools/gpu/kit.sh fetch        .gpu-kit/debs: weft's build dependencies
+#                                                           as Debian packages; data/austen as usual
+#   there, from the repo root: tools/gpu/kit.sh build        unpacks them into a prefix and builds
+#                                                           weft against python3's own libtorch
+#                              tools/gpu/kit.sh check        the checks below, in order
+#                              tools/gpu/kit.sh throughput   Llama 3.2 1B shape, bf16: weft vs PyTorch
+#
+# Each step appends to $KIT_OUT/gpu-kit.md (default: $OUT where the device tool sets it, else
+# build-gpu/kit) and goes on after a failure; the exit status is the number of failed checks.
+# With the workplace's device tool: carry [".gpu-kit", "data", "build-gpu"] and run one step per
+# call (each call has 10 minutes). Settings: WEFT_KIT_BUILD (build-gpu), WEFT_KIT_PREFIX
+# (/tmp/weft-deps), WEFT_KIT_JOBS (nproc).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+
+build=${WEFT_KIT_BUILD:-build-gpu}
+prefix=${WEFT_KIT_PREFIX:-/tmp/weft-deps}
+jobs=${WEFT_KIT_JOBS:-$(nproc)}
+out=${KIT_OUT:-${OUT:-$build/kit}}
+report=$out/gpu-kit.md
+failed=0
+
+# Debian 12 packages weft builds with that a bare CUDA machine lacks (headers, CMake configs, and
+# the few shared libraries they link: spdlog, fmt, toml++, Boost.ProgramOptions).
+debs=(libspdlog-dev libspdlog1.10 libfmt-dev libfmt9 libtomlplusplus-dev libtomlplusplus3 nlohmann-json3-dev
+      libboost-dev libboost1.74-dev libboost-program-options-dev libboost-program-options1.74-dev
+      libboost-program-options1.74.0 libgtest-dev libdlpack-dev libgloo-dev)
+
+say() { echo "$*" | tee -a "$report"; }
+
+# run NAME TIMEOUT COMMAND...: runs a check, keeps its whole log, reports PASS/FAIL and its tail.
+run() {
+  local name=$1 limit=$2
+  shift 2
+  local log="$out/$name.log" started=$(date +%s)
+  timeout "$limit" "$@" > "$log" 2>&1
+  local status=$?
+  local seconds=$(( $(date +%s) - started ))
+  if [[ $status -eq 0 ]]; then
+    say "- PASS \`$name\` (${seconds} s): \`$*\`"
+  else
+    failed=$((failed + 1))
+    say "- FAIL \`$name\` (exit $status after ${seconds} s): \`$*\`"
+  fi
+  { echo '  ```'; tail -n "${KIT_TAIL:-12}" "$log" | sed 's/^/  /'; echo '  ```'; } >> "$report"
+  return $status
+}
+
+# A run's summary line (metrics.jsonl) as a few figures.
+summary_of() {
+  python3 - "$1" <<'PY'
+import json, sys
+s = [json.loads(l) for l in open(sys.argv[1]) if '"summary"' in l][-1]
+keys = ["device_name", "precision", "tokens_per_s", "mfu", "peak_tflops", "device_peak_allocated_mib",
+        "device_peak_reserved_mib", "eval_loss", "perplexity", "skipped_steps"]
+print(", ".join(f"{k} {s[k]:.4g}" if isinstance(s.get(k), float) else f"{k} {s.get(k)}" for k in keys if k in s))
+PY
+}
+
+fetch() {
+  mkdir -p .gpu-kit/debs
+  (cd .gpu-kit/debs && apt-get download "${debs[@]}")
+  tools/fetch_austen.sh data/austen
+  du -sh .gpu-kit data/austen
+}
+
+build_step() {
+  mkdir -p "$out"
+  say "## build ($(date -u +%FT%TZ))"
+  for deb in .gpu-kit/debs/*.deb; do dpkg -x "$deb" "$prefix"; done
+  local torch_prefix
+  torch_prefix=$(python3 -c 'import os, torch, torch.utils
+print(torch.utils.cmake_prefix_path + ";" + os.path.dirname(torch.__file__))') || { say "- FAIL: python3 has no torch"; return 1; }
+  run environment 60 bash -c 'nvidia-smi -L; python3 -c "import torch; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"no GPU\")"; nvcc --version | tail -1; cmake --version | head -1; g++ --version | head -1'
+  run configure 300 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_prefix" \
+      -DWEFT_DEPS_PREFIX="$prefix" -DWEFT_PYTHON="$(command -v python3)"
+  grep -h '^-- weft: ' "$out/configure.log" | tee -a "$report"
+  run compile 560 cmake --build "$build" -j "$jobs" --target trainer single ddp gpipe pipedream tensor_parallel \
+      test_device test_model test_dist
+}
+
+check_step() {
+  mkdir -p "$out"
+  say "## check ($(date -u +%FT%TZ))"
+  local t=$build/trainer
+  run plugins 60 "$t" plugins
+  # Unit tests that take the GPU branch where there is a GPU: device resolution, NCCL's one-rank
+  # world and routing, the kernels' ATen path (against the fused CPU kernels).
+  run test_device 120 "$build/tests/test_device"
+  run test_dist_process_groups 300 "$build/tests/test_dist" --gtest_filter='ProcessGroups.*:Rendezvous.*'
+  run test_model 300 "$build/tests/test_model"
+  # single on CUDA against single on the CPU (the reference always computes on the CPU), fp32 and bf16.
+  run check_single_cuda_fp32 300 "$t" check --plugin single --set train.device=cuda
+  run check_single_cuda_bf16 300 "$t" check --plugin single --set train.device=cuda --set train.precision=bf16
+  run check_single_cuda_fp16 300 "$t" check --plugin single --set train.device=cuda --set train.precision=fp16
+  # The quick start on CUDA (its first 200 steps).
+  if run quickstart_cuda 400 "$t" --config configs/quickstart.toml --set train.device=cuda --set train.max_steps=200 \
+      --set train.out_dir="$out/quickstart" --set train.overwrite=true --set log.progress=lines; then
+    say "  quick start on CUDA: $(summary_of "$out/quickstart/metrics.jsonl")"
+  fi
+  # Every plugin's multi-rank logic on CUDA tensors: one GPU per rank where there are enough,
+  # else two ranks sharing one (WEFT_SHARE_GPUS=1: Gloo through host memory, as NCCL refuses a
+  # shared GPU).
+  local gpus share=0
+  gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+  [[ "$gpus" -lt 2 ]] && share=1
+  say "- $gpus GPU(s): multi-rank checks $([[ $share == 1 ]] && echo 'share one GPU (WEFT_SHARE_GPUS=1, Gloo)' || echo 'one GPU per rank (NCCL)')"
+  local plugin
+  for plugin in ddp gpipe pipedream tensor_parallel; do
+    WEFT_SHARE_GPUS=$share run "check_${plugin}_cuda_2ranks" 400 "$t" check --plugin "$plugin" --nproc 2 --set train.device=cuda
+  done
+}
+
+throughput_step() {
+  mkdir -p "$out"
+  say "## throughput ($(date -u +%FT%TZ))"
+  local t=$build/trainer
+  if run throughput_weft 500 "$t" --config configs/llama-3.2-1b-throughput.toml --set train.out_dir="$out/1b" \
+      --set train.overwrite=true --set log.progress=lines; then
+    say "  weft, Llama 3.2 1B shape, bf16, 4 x 2048 tokens per step: $(summary_of "$out/1b/metrics.jsonl")"
+  fi
+  KIT_TAIL=30 run throughput_weft_vs_pytorch 580 "$t" bench --config configs/llama-3.2-1b-throughput.toml \
+      --plugin single --baseline pytorch --warmup 3 --steps 10 --repetitions 2 --out "$out/bench"
+}
+
+case "${1:-}" in
+  fetch) fetch ;;
+  build) build_step ;;
+  check) check_step ;;
+  throughput) throughput_step ;;
+  *) echo "usage: tools/gpu/kit.sh fetch|build|check|throughput (see the top of this file)" >&2; exit 2 ;;
+esac
+exit "$failed"

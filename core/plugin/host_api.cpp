@@ -1,6 +1,6 @@
 // The plugin ABI's host services table (weft_host_api) and PluginHost, which binds it to one
 // process's run. The services themselves are in host_config.cpp, host_collectives.cpp,
-// host_model.cpp and host_telemetry.cpp (declared in host_services.h).
+// host_model.cpp, host_memory.cpp and host_telemetry.cpp (declared in host_services.h).
 #include "core/plugin/host_api.h"
 
 #include "core/plugin/host_services.h"
@@ -57,6 +57,12 @@ weft_host_api make_table() {
   t.report_metric = host::report_metric;
   t.config_int_list = host::config_int_list;
   t.profile_stages = host::profile_stages;
+  t.buffer_create = host::buffer_create;
+  t.buffer_release = host::buffer_release;
+  t.tensor_copy = host::tensor_copy;
+  t.tensor_scale = host::tensor_scale;
+  t.tensor_add = host::tensor_add;
+  t.tensor_squared_norm = host::tensor_squared_norm;
   return t;
 }
 

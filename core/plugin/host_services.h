@@ -1,7 +1,8 @@
 // The host side of the plugin ABI, shared by the files that implement its services by concern:
 // host_config.cpp (configuration), host_collectives.cpp (process groups and collectives),
-// host_model.cpp (the model and the step), host_telemetry.cpp (logging, tracing, metrics,
-// communication accounting); host_api.cpp assembles the table. Internal to core/plugin.
+// host_model.cpp (the model and the step), host_memory.cpp (plugins' buffers on the device and
+// operations on views), host_telemetry.cpp (logging, tracing, metrics, communication
+// accounting); host_api.cpp assembles the table. Internal to core/plugin.
 #pragma once
 
 #include <chrono>
@@ -36,6 +37,9 @@ struct weft_work {
 struct weft_activation {
   at::Tensor tensor;
   std::vector<int64_t> sequences;  // targets handed out by batch(): the sequence of each row
+};
+struct weft_buffer {
+  at::Tensor tensor;  // contiguous, on the rank's device; its sizes and strides back the view
 };
 
 namespace weft {
@@ -224,6 +228,14 @@ weft_status* activation_from_tensor(weft_host*, const DLTensor* data, int32_t re
 void activation_release(weft_host*, weft_activation* activation);
 weft_status* model_info(weft_host* host, weft_model_info* out);
 weft_status* profile_stages(weft_host* host, int64_t rows, int32_t repeats, double* seconds_out, int64_t count);
+// host_memory.cpp
+weft_status* buffer_create(weft_host* host, int32_t ndim, const int64_t* shape, DLDataType dtype, weft_buffer** out,
+                           DLTensor* view_out);
+void buffer_release(weft_host* host, weft_buffer* buffer);
+weft_status* tensor_copy(weft_host* host, DLTensor* dst, const DLTensor* src);
+weft_status* tensor_scale(weft_host* host, DLTensor* tensor, double factor);
+weft_status* tensor_add(weft_host* host, DLTensor* dst, const DLTensor* src, double alpha);
+weft_status* tensor_squared_norm(weft_host* host, const DLTensor* tensor, double* out);
 
 }  // namespace host
 }  // namespace weft

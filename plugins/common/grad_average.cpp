@@ -33,7 +33,7 @@ void GradientAverager::build(const std::vector<int64_t>& parameters, double buck
   for (BucketLayout& layout : build_buckets(inputs, limit > 0 ? limit : 1)) {
     Bucket bucket;
     bucket.layout = std::move(layout);
-    bucket.buffer.assign(static_cast<size_t>(bucket.layout.elements), 0.0f);
+    bucket.buffer = host_.buffer({bucket.layout.elements}, DLDataType{kDLFloat, 32, 1});
     buckets_.push_back(std::move(bucket));
   }
 }
@@ -48,27 +48,30 @@ void GradientAverager::reduce(float scale) {
     const BucketLayout& layout = bucket.layout;
     for (size_t k = 0; k < layout.parameters.size(); ++k) {
       const DLTensor grad = host_.parameter_grad(layout.parameters[k]);
-      if (!is_contiguous_cpu_fp32(grad) || element_count(grad) != layout.sizes[k]) {
+      if (!is_fp32(grad) || element_count(grad) != layout.sizes[k]) {
         throw Error(WEFT_STATUS_UNSUPPORTED, "gradient of parameter " + std::to_string(layout.parameters[k]) +
-                                                 " is not a contiguous fp32 CPU tensor of the expected size");
+                                                 " is not an fp32 tensor of the expected size");
       }
-      std::memcpy(bucket.buffer.data() + layout.offsets[k], float_data(grad),
-                  static_cast<size_t>(layout.sizes[k]) * sizeof(float));
+      int64_t part_shape[2];
+      DLTensor part = bucket.buffer.part(layout.offsets[k], layout.sizes[k], part_shape);
+      host_.copy(part, grad);
     }
-    DLTensor view = flat_view(bucket.buffer, bucket.view_shape);
+    DLTensor view = bucket.buffer.view();
     works.push_back(host_.all_reduce(group_, view));
   }
   for (size_t b = 0; b < buckets_.size(); ++b) {
     works[b].wait();
     Bucket& bucket = buckets_[b];
     if (scale != 1.0f) {
-      for (float& v : bucket.buffer) v *= scale;
+      DLTensor whole = bucket.buffer.view();
+      host_.scale(whole, scale);
     }
     const BucketLayout& layout = bucket.layout;
     for (size_t k = 0; k < layout.parameters.size(); ++k) {
-      const DLTensor grad = host_.parameter_grad(layout.parameters[k]);
-      std::memcpy(float_data(grad), bucket.buffer.data() + layout.offsets[k],
-                  static_cast<size_t>(layout.sizes[k]) * sizeof(float));
+      DLTensor grad = host_.parameter_grad(layout.parameters[k]);
+      int64_t part_shape[2];
+      const DLTensor part = bucket.buffer.part(layout.offsets[k], layout.sizes[k], part_shape);
+      host_.copy(grad, part);
     }
   }
 }

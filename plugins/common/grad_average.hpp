@@ -37,8 +37,7 @@ class GradientAverager {
  private:
   struct Bucket {
     BucketLayout layout;
-    std::vector<float> buffer;
-    int64_t view_shape[2] = {0, 1};
+    weft::sdk::Buffer buffer;  // fp32, on the rank's device
   };
   void build(const std::vector<int64_t>& parameters, double bucket_mb);
   void reduce(float scale);

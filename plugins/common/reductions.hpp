@@ -1,5 +1,5 @@
-// reductions.hpp - small collectives on doubles and local norms that several plugins need
-// (loss and timing sums, gradient-norm pieces). Header-only, SDK only.
+// reductions.hpp - small collectives on doubles that several plugins need (loss and timing sums,
+// gradient-norm pieces; the norms themselves: Host::squared_norm). Header-only, SDK only.
 #ifndef WEFT_PLUGINS_COMMON_REDUCTIONS_HPP
 #define WEFT_PLUGINS_COMMON_REDUCTIONS_HPP
 
@@ -19,14 +19,6 @@ inline std::vector<double> sum_over(const weft::sdk::Host& host, weft::sdk::Grou
   DLTensor view = flat_view(values, shape_and_stride);
   host.all_reduce(group, view).wait();
   return values;
-}
-
-// The sum of squares of a contiguous fp32 CPU view, in double.
-inline double squared_norm(const DLTensor& tensor) {
-  const float* x = float_data(tensor);
-  double sum = 0.0;
-  for (int64_t i = 0, n = element_count(tensor); i < n; ++i) sum += static_cast<double>(x[i]) * x[i];
-  return sum;
 }
 
 }  // namespace plugins

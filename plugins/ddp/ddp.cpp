@@ -14,8 +14,7 @@ namespace ddp {
 using weft::sdk::Error;
 using weft::plugins::element_count;
 using weft::plugins::flat_view;
-using weft::plugins::float_data;
-using weft::plugins::is_contiguous_cpu_fp32;
+using weft::plugins::is_fp32;
 
 namespace {
 
@@ -70,7 +69,7 @@ void Ddp::setup() {
     buckets_.emplace_back();
     Bucket& bucket = buckets_.back();
     bucket.layout = std::move(layout);
-    bucket.buffer.assign(static_cast<size_t>(bucket.layout.elements), 0.0f);
+    bucket.buffer = host().buffer({bucket.layout.elements}, DLDataType{kDLFloat, 32, 1});
     for (int64_t parameter : bucket.layout.parameters) {
       bucket_of_[static_cast<size_t>(parameter)] = static_cast<int64_t>(buckets_.size() - 1);
     }
@@ -187,34 +186,34 @@ void Ddp::start_ready_buckets() {
 
 void Ddp::start_bucket(Bucket& bucket) {
   fill_bucket(bucket);
-  DLTensor view = flat_view(bucket.buffer, bucket.view_shape);
+  DLTensor view = bucket.buffer.view();
   bucket.work = host().all_reduce(world_, view, WEFT_REDUCE_SUM);
   bucket.started = true;
   ++stats_.all_reduces;
-  stats_.bytes_all_reduced += static_cast<int64_t>(bucket.buffer.size() * sizeof(float));
+  stats_.bytes_all_reduced += bucket.buffer.elements() * static_cast<int64_t>(sizeof(float));
 }
 
-// Copies the bucket's gradients into its buffer; a parameter without a gradient is zeros.
+// Copies the bucket's gradients into its buffer (on the device, through the host); a parameter
+// without a gradient is zeros.
 void Ddp::fill_bucket(Bucket& bucket) {
   const BucketLayout& layout = bucket.layout;
   for (size_t k = 0; k < layout.parameters.size(); ++k) {
-    float* target = bucket.buffer.data() + layout.offsets[k];
-    const auto bytes = static_cast<size_t>(layout.sizes[k]) * sizeof(float);
+    int64_t part_shape[2];
+    DLTensor target = bucket.buffer.part(layout.offsets[k], layout.sizes[k], part_shape);
     DLTensor grad{};
     weft_status* status = host().api()->parameter_grad(host().handle(), layout.parameters[k], &grad);
     if (status != nullptr && host().api()->status_code(status) == WEFT_STATUS_INVALID_ARGUMENT) {
       host().api()->status_release(status);  // no gradient yet: contributes zeros
       ++stats_.missing_grads;
-      std::memset(target, 0, bytes);
+      host().scale(target, 0.0);
       continue;
     }
     host().check(status);
-    if (!is_contiguous_cpu_fp32(grad) || element_count(grad) != layout.sizes[k]) {
-      throw Error(WEFT_STATUS_UNSUPPORTED,
-                  "ddp: the gradient of parameter " + std::to_string(layout.parameters[k]) +
-                      " is not a contiguous fp32 CPU tensor of its parameter's size");
+    if (!is_fp32(grad) || element_count(grad) != layout.sizes[k]) {
+      throw Error(WEFT_STATUS_UNSUPPORTED, "ddp: the gradient of parameter " + std::to_string(layout.parameters[k]) +
+                                               " is not an fp32 tensor of its parameter's size");
     }
-    std::memcpy(target, float_data(grad), bytes);
+    host().copy(target, grad);
   }
 }
 
@@ -230,8 +229,8 @@ void Ddp::finish_sync() {
 
 // Divides the summed buffer by the world size and copies it back into the gradients.
 void Ddp::scatter_bucket(Bucket& bucket) {
-  const float world = static_cast<float>(world_.size());
-  for (float& value : bucket.buffer) value /= world;
+  DLTensor whole = bucket.buffer.view();
+  host().scale(whole, 1.0 / static_cast<double>(world_.size()));
   const BucketLayout& layout = bucket.layout;
   for (size_t k = 0; k < layout.parameters.size(); ++k) {
     DLTensor grad{};
@@ -244,8 +243,9 @@ void Ddp::scatter_bucket(Bucket& bucket) {
       continue;
     }
     host().check(status);
-    std::memcpy(float_data(grad), bucket.buffer.data() + layout.offsets[k],
-                static_cast<size_t>(layout.sizes[k]) * sizeof(float));
+    int64_t part_shape[2];
+    const DLTensor part = bucket.buffer.part(layout.offsets[k], layout.sizes[k], part_shape);
+    host().copy(grad, part);
   }
 }
 

@@ -67,10 +67,9 @@ class Ddp : public weft::sdk::Strategy {
  private:
   struct Bucket {
     BucketLayout layout;
-    std::vector<float> buffer;
+    weft::sdk::Buffer buffer;  // fp32, on the rank's device (the host's memory since ABI 1.2)
     int64_t pending = 0;  // parameters not yet ready in this backward
     bool started = false;
-    int64_t view_shape[2] = {0, 1};
     weft::sdk::Work work;
   };
 

@@ -14,22 +14,6 @@ namespace weft {
 namespace pipedream {
 namespace {
 
-// Sum and sum of squares of a contiguous fp32 view, in double.
-std::pair<double, double> moments(const DLTensor& view) {
-  const float* x = weft::plugins::float_data(view);
-  double sum = 0.0;
-  for (int64_t i = 0, n = weft::plugins::element_count(view); i < n; ++i) sum += x[i];
-  return {sum, weft::plugins::squared_norm(view)};
-}
-
-double largest_difference(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
-  double largest = 0.0;
-  for (size_t k = 0; k < a.size(); ++k) {
-    for (size_t i = 0; i < a[k].size(); ++i) largest = std::max(largest, static_cast<double>(std::abs(a[k][i] - b[k][i])));
-  }
-  return largest;
-}
-
 }  // namespace
 
 using weft::sdk::Activation;
@@ -44,8 +28,8 @@ AsyncPipeline::AsyncPipeline(const weft::sdk::Host& host, weft::sdk::Group world
     const weft_parameter_info info = host.parameter_info(i);
     if (!info.trainable) continue;
     const DLTensor data = host.parameter_data(i);
-    if (!weft::plugins::is_contiguous_cpu_fp32(data)) {
-      throw Error(WEFT_STATUS_UNSUPPORTED, std::string("pipedream async: parameter ") + info.name + " is not contiguous fp32");
+    if (!weft::plugins::is_fp32(data)) {
+      throw Error(WEFT_STATUS_UNSUPPORTED, std::string("pipedream async: parameter ") + info.name + " is not fp32");
     }
     trainable_.push_back(i);
   }
@@ -55,28 +39,40 @@ int32_t AsyncPipeline::peer(bool next) const {
   return placement_.replica * placement_.stages + placement_.stage + (next ? 1 : -1);
 }
 
-std::vector<std::vector<float>> AsyncPipeline::read_weights() const {
-  std::vector<std::vector<float>> out;
+std::vector<weft::sdk::Buffer> AsyncPipeline::read_weights() const {
+  std::vector<weft::sdk::Buffer> out;
   out.reserve(trainable_.size());
   for (int64_t index : trainable_) {
     const DLTensor data = host_.parameter_data(index);
-    const float* begin = weft::plugins::float_data(data);
-    out.emplace_back(begin, begin + weft::plugins::element_count(data));
+    out.push_back(host_.buffer({weft::plugins::element_count(data)}, data.dtype));
+    DLTensor copy = out.back().view();
+    host_.copy(copy, data);
   }
   return out;
 }
 
-void AsyncPipeline::write_weights(const std::vector<std::vector<float>>& weights) const {
+void AsyncPipeline::write_weights(const std::vector<weft::sdk::Buffer>& weights) const {
   for (size_t k = 0; k < trainable_.size(); ++k) {
-    const DLTensor data = host_.parameter_data(trainable_[k]);
-    std::memcpy(weft::plugins::float_data(data), weights[k].data(), weights[k].size() * sizeof(float));
+    DLTensor data = host_.parameter_data(trainable_[k]);
+    host_.copy(data, weights[k].view());
   }
 }
 
+double AsyncPipeline::distance(const std::vector<weft::sdk::Buffer>& a, const std::vector<weft::sdk::Buffer>& b) const {
+  double squares = 0.0;
+  for (size_t k = 0; k < a.size(); ++k) {
+    weft::sdk::Buffer difference = host_.buffer({a[k].elements()}, a[k].view().dtype);
+    DLTensor d = difference.view();
+    host_.copy(d, a[k].view());
+    host_.add(d, b[k].view(), -1.0);
+    squares += host_.squared_norm(d);
+  }
+  return std::sqrt(squares);
+}
+
 void AsyncPipeline::post_gradient_receive(int64_t minibatch, int64_t rows, int64_t seq_len) {
-  gradient_shape_ = {rows, seq_len, placement_.hidden_size};
-  gradient_buffer_.assign(static_cast<size_t>(rows * seq_len * placement_.hidden_size), 0.0f);
-  DLTensor view = weft::plugins::dense_view(gradient_buffer_.data(), gradient_shape_, gradient_strides_);
+  gradient_buffer_ = host_.buffer({rows, seq_len, placement_.hidden_size}, DLDataType{kDLFloat, 32, 1});
+  DLTensor view = gradient_buffer_.view();
   gradient_work_ = host_.recv(world_, view, peer(/*next=*/true), async_tag(minibatch, true));
   gradient_minibatch_ = minibatch;
 }
@@ -92,20 +88,19 @@ void AsyncPipeline::backward(int64_t minibatch, std::vector<Work>& sends) {
     gradient_work_.wait();
   }
   gradient_work_ = Work();
-  DLTensor view = weft::plugins::dense_view(gradient_buffer_.data(), gradient_shape_, gradient_strides_);
-  Activation grad = host_.activation_from_tensor(view, /*requires_grad=*/false);
+  Activation grad = host_.activation_from_tensor(gradient_buffer_.view(), /*requires_grad=*/false);
+  gradient_buffer_.reset();
   InFlight& flight = it->second;
   TraceSpan span(host_, "backward", "B" + std::to_string(minibatch));
   const auto current = read_weights();
-  last_staleness_ = largest_difference(current, flight.weights);
+  last_staleness_ = distance(current, flight.weights);
   write_weights(flight.weights);  // the weights minibatch `minibatch` was forwarded with
   Activation input = placement_.is_first()
                          ? std::move(flight.input)
                          : host_.activation_from_tensor(host_.activation_view(flight.input), /*requires_grad=*/true);
   {
     Activation output = host_.forward(placement_.first_model_stage, placement_.last_model_stage, input);
-    const auto [sum, squares] = moments(host_.activation_view(output));
-    last_recompute_difference_ = std::max(std::abs(sum - flight.output_sum), std::abs(squares - flight.output_squares));
+    last_recompute_difference_ = std::abs(host_.squared_norm(host_.activation_view(output)) - flight.output_squares);
     host_.backward(output, grad);
   }
   write_weights(current);
@@ -125,14 +120,12 @@ double AsyncPipeline::step(int64_t t, int64_t rows, int64_t seq_len) {
   // Forward of minibatch t.
   weft::sdk::Batch batch = host_.batch(0);
   Activation input;
-  std::vector<float> received;
-  std::vector<int64_t> shape, strides;
+  weft::sdk::Buffer received;
   if (placement_.is_first()) {
     input = std::move(batch.inputs);
   } else {
-    shape = {rows, seq_len, placement_.hidden_size};
-    received.assign(static_cast<size_t>(rows * seq_len * placement_.hidden_size), 0.0f);
-    DLTensor view = weft::plugins::dense_view(received.data(), shape, strides);
+    received = host_.buffer({rows, seq_len, placement_.hidden_size}, DLDataType{kDLFloat, 32, 1});
+    DLTensor view = received.view();
     TraceSpan wait(host_, "recv", "recv A" + std::to_string(t));
     host_.recv(world_, view, peer(/*next=*/false), async_tag(t, false)).wait();
     input = host_.activation_from_tensor(view, /*requires_grad=*/placement_.is_last());
@@ -161,7 +154,7 @@ double AsyncPipeline::step(int64_t t, int64_t rows, int64_t seq_len) {
     DLTensor data = host_.activation_view(output);
     sends.push_back(host_.send(world_, data, peer(/*next=*/true), async_tag(t, false)));
     InFlight flight;
-    std::tie(flight.output_sum, flight.output_squares) = moments(data);
+    flight.output_squares = host_.squared_norm(data);
     flight.input = std::move(input);
     flight.weights = read_weights();
     stash_.emplace(t, std::move(flight));

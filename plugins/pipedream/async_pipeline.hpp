@@ -48,24 +48,25 @@ class AsyncPipeline {
   // The largest stash this stage has held (PipeDream: S - p versions on stage p).
   size_t peak_stashed() const { return peak_stashed_; }
   // Evidence that stashing works, from the last step's backward (0 when there was none):
-  // how far the weights had moved since the minibatch's forward (largest absolute element
-  // difference between the stashed and the current weights: what a backward without stashing
-  // would have used instead), and how far the recomputed stage output is from the output the
-  // forward sent (|sum| and |sum of squares| differences: 0 when the backward really ran with the
-  // forward's weights on the forward's input).
+  // how far the weights had moved since the minibatch's forward (the L2 norm of the difference
+  // between the stashed and the current weights: what a backward without stashing would have
+  // used instead), and how far the recomputed stage output is from the output the forward sent
+  // (the difference of their sums of squares: 0 when the backward really ran with the forward's
+  // weights on the forward's input).
   double last_weight_staleness() const { return last_staleness_; }
   double last_recompute_difference() const { return last_recompute_difference_; }
 
  private:
   struct InFlight {
     weft::sdk::Activation input;          // token ids (stage 0) or the received activation
-    std::vector<std::vector<float>> weights;  // the trainable parameters at forward time
-    double output_sum = 0.0, output_squares = 0.0;  // of the output the forward sent
+    std::vector<weft::sdk::Buffer> weights;  // the trainable parameters at forward time (on the device)
+    double output_squares = 0.0;             // of the output the forward sent
   };
   int64_t delay() const { return placement_.stages - 1 - placement_.stage; }
   int32_t peer(bool next) const;
-  std::vector<std::vector<float>> read_weights() const;
-  void write_weights(const std::vector<std::vector<float>>& weights) const;
+  std::vector<weft::sdk::Buffer> read_weights() const;
+  void write_weights(const std::vector<weft::sdk::Buffer>& weights) const;
+  double distance(const std::vector<weft::sdk::Buffer>& a, const std::vector<weft::sdk::Buffer>& b) const;
   void post_gradient_receive(int64_t minibatch, int64_t rows, int64_t seq_len);
   void backward(int64_t minibatch, std::vector<weft::sdk::Work>& sends);
 
@@ -78,8 +79,7 @@ class AsyncPipeline {
   double last_staleness_ = 0.0, last_recompute_difference_ = 0.0;
   // The posted receive of the next backward's gradient.
   int64_t gradient_minibatch_ = -1;
-  std::vector<float> gradient_buffer_;
-  std::vector<int64_t> gradient_shape_, gradient_strides_;
+  weft::sdk::Buffer gradient_buffer_;
   weft::sdk::Work gradient_work_;
   weft::sdk::Activation pending_input_grad_;  // kept until its send is waited for
 };

@@ -30,8 +30,7 @@ struct Executor::Slot {
   Activation targets;  // last stage
   Activation output;   // stage output (to send, and to back-propagate from) or the scaled loss
   Activation input_grad;  // what SEND_GRADIENT sends
-  std::vector<float> activation_buffer, gradient_buffer;  // receive buffers
-  std::vector<int64_t> shape, strides;
+  weft::sdk::Buffer activation_buffer, gradient_buffer;  // receive buffers, on the rank's device
   Work activation_work, gradient_work;  // outstanding receives
 };
 
@@ -44,10 +43,9 @@ int32_t Executor::peer(bool to_next) const {
 }
 
 void Executor::receive(Slot& slot, bool gradient, int32_t micro_batch) {
-  std::vector<float>& buffer = gradient ? slot.gradient_buffer : slot.activation_buffer;
-  slot.shape = {rows_ / splits_, seq_len_, placement_.hidden_size};
-  buffer.assign(static_cast<size_t>(slot.shape[0] * slot.shape[1] * slot.shape[2]), 0.0f);
-  DLTensor view = weft::plugins::dense_view(buffer.data(), slot.shape, slot.strides);
+  weft::sdk::Buffer& buffer = gradient ? slot.gradient_buffer : slot.activation_buffer;
+  buffer = host_.buffer({rows_ / splits_, seq_len_, placement_.hidden_size}, DLDataType{kDLFloat, 32, 1});
+  DLTensor view = buffer.view();
   Work work = host_.recv(world_, view, peer(/*to_next=*/gradient), transfer_tag(micro_batch, gradient));
   (gradient ? slot.gradient_work : slot.activation_work) = std::move(work);
 }
@@ -67,9 +65,8 @@ void Executor::forward(Slot& slot, int32_t micro_batch, const Schedule& schedule
       slot.activation_work.wait();
     }
     slot.activation_work = Work();
-    DLTensor view = weft::plugins::dense_view(slot.activation_buffer.data(), slot.shape, slot.strides);
-    slot.input = host_.activation_from_tensor(view, /*requires_grad=*/train_);
-    slot.activation_buffer = std::vector<float>();  // the host copied it
+    slot.input = host_.activation_from_tensor(slot.activation_buffer.view(), /*requires_grad=*/train_);
+    slot.activation_buffer.reset();  // the host copied it
   }
   const auto start = Clock::now();
   TraceSpan span(host_, "forward", name);
@@ -104,9 +101,8 @@ void Executor::backward(Slot& slot, int32_t micro_batch, RunStats& stats) {
       slot.gradient_work.wait();
     }
     slot.gradient_work = Work();
-    DLTensor view = weft::plugins::dense_view(slot.gradient_buffer.data(), slot.shape, slot.strides);
-    grad = host_.activation_from_tensor(view, /*requires_grad=*/false);
-    slot.gradient_buffer = std::vector<float>();
+    grad = host_.activation_from_tensor(slot.gradient_buffer.view(), /*requires_grad=*/false);
+    slot.gradient_buffer.reset();
   }
   const auto start = Clock::now();
   {

@@ -180,10 +180,10 @@ void PipelineStrategy::finish_gradients() {
 double PipelineStrategy::tied_copy_norm_sq() const {
   if (tied_parameter_ < 0 || placement_.is_first()) return 0.0;
   const DLTensor grad = host().parameter_grad(tied_parameter_);
-  if (!weft::plugins::is_contiguous_cpu_fp32(grad)) {
-    throw Error(WEFT_STATUS_UNSUPPORTED, plugin_ + ": the tied embedding's gradient is not contiguous fp32");
+  if (!weft::plugins::is_fp32(grad)) {
+    throw Error(WEFT_STATUS_UNSUPPORTED, plugin_ + ": the tied embedding's gradient is not fp32");
   }
-  return weft::plugins::squared_norm(grad);
+  return host().squared_norm(grad);
 }
 
 double PipelineStrategy::train_step(const weft_step_info& step) {

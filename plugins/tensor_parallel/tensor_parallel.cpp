@@ -200,7 +200,7 @@ class TensorParallel : public weft::sdk::Strategy {
     if (!kv_partial.empty()) sum_over_kv_ = std::make_unique<GradientAverager>(host(), kv_group_, bucket_mb_, kv_partial);
   }
 
-  double squares(int64_t index) const { return weft::plugins::squared_norm(host().parameter_grad(index)); }
+  double squares(int64_t index) const { return host().squared_norm(host().parameter_grad(index)); }
   void sum_over(weft::sdk::Group group, std::vector<double>& values) const {
     values = weft::plugins::sum_over(host(), group, std::move(values));
   }

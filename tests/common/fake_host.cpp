@@ -1,5 +1,7 @@
 #include "common/fake_host.h"
 
+#include <weft/strategy.hpp>
+
 namespace {
 
 weft_status* create_status(weft_status_code code, const char* message) {
@@ -176,6 +178,59 @@ weft_status* report_metric(weft_host* host, const char* name, double value) {
   return nullptr;
 }
 
+// ABI 1.2, over host memory (the SDK's own CPU fallbacks do the arithmetic).
+weft_status* buffer_create(weft_host* host, int32_t ndim, const int64_t* shape, DLDataType dtype, weft_buffer** out,
+                           DLTensor* view) {
+  auto* buffer = new weft_buffer;
+  buffer->shape.assign(shape, shape + ndim);
+  int64_t elements = 1;
+  for (int64_t extent : buffer->shape) elements *= extent;
+  buffer->bytes.assign(static_cast<size_t>(elements) * ((dtype.bits * dtype.lanes + 7) / 8), 0);
+  *view = DLTensor{};
+  view->data = buffer->bytes.data();
+  view->device = DLDevice{kDLCPU, 0};
+  view->ndim = ndim;
+  view->dtype = dtype;
+  view->shape = buffer->shape.data();
+  host->live_buffers.insert(buffer);
+  *out = buffer;
+  return nullptr;
+}
+void buffer_release(weft_host* host, weft_buffer* buffer) {
+  if (buffer == nullptr) return;
+  ++host->buffer_releases;
+  if (host->live_buffers.erase(buffer) == 0) {
+    ++host->double_releases;
+    return;
+  }
+  delete buffer;
+}
+template <typename F>
+weft_status* as_status(F&& f) {
+  try {
+    f();
+    return nullptr;
+  } catch (const weft::sdk::Error& e) {
+    return create_status(e.code(), e.what());
+  }
+}
+weft_status* tensor_copy(weft_host* host, DLTensor* dst, const DLTensor* src) {
+  ++host->copies;
+  return as_status([&] { weft::sdk::detail::cpu_copy(*dst, *src); });
+}
+weft_status* tensor_scale(weft_host* host, DLTensor* tensor, double factor) {
+  ++host->scales;
+  return as_status([&] { weft::sdk::detail::cpu_scale(*tensor, factor); });
+}
+weft_status* tensor_add(weft_host* host, DLTensor* dst, const DLTensor* src, double alpha) {
+  ++host->adds;
+  return as_status([&] { weft::sdk::detail::cpu_add(*dst, *src, alpha); });
+}
+weft_status* tensor_squared_norm(weft_host* host, const DLTensor* tensor, double* out) {
+  ++host->norms;
+  return as_status([&] { *out = weft::sdk::detail::cpu_squared_norm(*tensor); });
+}
+
 }  // namespace
 
 FakeStatusCounts& fake_status_counts() {
@@ -215,6 +270,12 @@ weft_host_api make_fake_host_api(uint16_t abi_minor) {
   api.trace_begin = trace_begin;
   api.trace_end = trace_end;
   api.report_metric = report_metric;
+  api.buffer_create = buffer_create;
+  api.buffer_release = buffer_release;
+  api.tensor_copy = tensor_copy;
+  api.tensor_scale = tensor_scale;
+  api.tensor_add = tensor_add;
+  api.tensor_squared_norm = tensor_squared_norm;
   return api;
 }
 

@@ -26,6 +26,10 @@ struct weft_activation {
   std::string what;  // e.g. "inputs0", "logits", "loss"
   double scale;      // for losses: the scale passed to loss()
 };
+struct weft_buffer {  // ABI 1.2: host memory standing in for the device's
+  std::vector<unsigned char> bytes;
+  std::vector<int64_t> shape;
+};
 
 // A parameter of the fake model: a 1-D fp32 tensor with a gradient.
 struct FakeParameter {
@@ -68,6 +72,10 @@ struct weft_host {
   weft_model_info model{sizeof(weft_model_info), 2, 64, 128, 4, 2, 16, 512, 1, {kDLFloat, 32, 1}};
   std::vector<std::string> trace;  // "+category/name" and "-"
   std::map<std::string, double> metrics;
+  // ABI 1.2: buffers alive, and calls of the view operations.
+  std::set<const weft_buffer*> live_buffers;
+  int buffer_releases = 0;
+  int copies = 0, scales = 0, adds = 0, norms = 0;
 };
 
 // Status bookkeeping is global (status_create takes no host).

@@ -20,14 +20,17 @@ static_assert(offsetof(weft_strategy_api, name) == 16, "1.0 layout");
 TEST(AbiLayout, TablesAreAppendOnlyFromVersionOne) {
   // ABI 1.0: 8-byte header + 38 host service slots; header, 2 x uint16, 3 strings + 9 slots.
   // ABI 1.1 appended 6 host slots (model_info, trace_begin, trace_end, report_metric,
-  // config_int_list, profile_stages).
-  EXPECT_EQ(sizeof(weft_host_api), 8 + 44 * sizeof(void*));
+  // config_int_list, profile_stages); ABI 1.2 appended 6 more (buffer_create, buffer_release,
+  // tensor_copy, tensor_scale, tensor_add, tensor_squared_norm).
+  EXPECT_EQ(sizeof(weft_host_api), 8 + 50 * sizeof(void*));
   EXPECT_EQ(offsetof(weft_host_api, status_create), 8u);
   EXPECT_EQ(offsetof(weft_host_api, activation_release), 8 + 37 * sizeof(void*));
   EXPECT_EQ(offsetof(weft_host_api, model_info), 8 + 38 * sizeof(void*));
   EXPECT_EQ(offsetof(weft_host_api, report_metric), 8 + 41 * sizeof(void*));
   EXPECT_EQ(offsetof(weft_host_api, config_int_list), 8 + 42 * sizeof(void*));
   EXPECT_EQ(offsetof(weft_host_api, profile_stages), 8 + 43 * sizeof(void*));
+  EXPECT_EQ(offsetof(weft_host_api, buffer_create), 8 + 44 * sizeof(void*));
+  EXPECT_EQ(offsetof(weft_host_api, tensor_squared_norm), 8 + 49 * sizeof(void*));
   // weft_model_info (1.1): fields are only ever appended.
   EXPECT_EQ(offsetof(weft_model_info, num_layers), 4u);
   EXPECT_EQ(offsetof(weft_model_info, hidden_size), 8u);
@@ -36,7 +39,7 @@ TEST(AbiLayout, TablesAreAppendOnlyFromVersionOne) {
   EXPECT_EQ(sizeof(weft_strategy_api), 16 + 3 * sizeof(void*) + 9 * sizeof(void*));
   EXPECT_EQ(offsetof(weft_strategy_api, comm_point), sizeof(weft_strategy_api) - sizeof(void*));
   EXPECT_EQ(WEFT_ABI_VERSION_MAJOR, 1);
-  EXPECT_EQ(WEFT_ABI_VERSION_MINOR, 1);
+  EXPECT_EQ(WEFT_ABI_VERSION_MINOR, 2);
 }
 
 }  // namespace

@@ -1,11 +1,13 @@
 /*
  * weft/strategy.h - the weft strategy plugin ABI (C99).
  *
- * STATUS: ABI 1.1, implemented by the host (core/plugin) and used by single.so, ddp.so, gpipe.so,
+ * STATUS: ABI 1.2, implemented by the host (core/plugin) and used by single.so, ddp.so, gpipe.so,
  * pipedream.so and tensor_parallel.so (plan stage ranges: the pipelines; shard_parameter and
  * comm_point: tensor parallelism). 1.1 appended model_info, tracing, report_metric,
  * config_int_list and profile_stages to the host table, WEFT_FORWARD_RECOMPUTE and
- * WEFT_COMM_HEAD_INPUT.
+ * WEFT_COMM_HEAD_INPUT. 1.2 appended memory on the rank's device for plugins (buffer_create,
+ * buffer_release) and the operations on views a plugin cannot do on a GPU's memory itself
+ * (tensor_copy, tensor_scale, tensor_add, tensor_squared_norm); see sdk/DESIGN.md.
  *
  * A strategy plugin is a shared library that exports exactly one symbol, the C function
  * `weft_strategy_entry` (WEFT_STRATEGY_ENTRY_SYMBOL). The host loads it with
@@ -63,7 +65,7 @@ extern "C" {
 /* The ABI version this header describes. Major: incompatible changes; it must match exactly.
  * Minor: append-only additions; host and plugin use min(host minor, plugin minor). */
 #define WEFT_ABI_VERSION_MAJOR 1
-#define WEFT_ABI_VERSION_MINOR 1
+#define WEFT_ABI_VERSION_MINOR 2
 
 /* The one symbol a plugin exports. */
 #define WEFT_STRATEGY_ENTRY_SYMBOL "weft_strategy_entry"
@@ -92,6 +94,7 @@ typedef struct weft_host weft_host;             /* the host side of one plugin i
 typedef struct weft_group weft_group;           /* a process group; lives until the run ends */
 typedef struct weft_work weft_work;             /* an asynchronous communication in flight */
 typedef struct weft_activation weft_activation; /* a host tensor, possibly with autograd history */
+typedef struct weft_buffer weft_buffer;         /* memory on the rank's device owned by a plugin (since 1.2) */
 typedef struct weft_strategy weft_strategy;     /* the plugin's instance; opaque to the host */
 
 typedef enum weft_status_code {
@@ -389,6 +392,35 @@ typedef struct weft_host_api {
    * with an all_reduce, so that every rank picks the same plan). Since 1.1. */
   weft_status* (*profile_stages)(weft_host* host, int64_t rows, int32_t repeats,
                                  double* seconds_out, int64_t count);
+
+  /* ---------------------------------- since 1.2 ---------------------------------------- */
+  /* Memory where the model is. A plugin that keeps its own buffers (gradient buckets, receive
+   * buffers, stashed weights) asks the host for them, so that they live on the rank's device
+   * (train.device: the CPU, or cuda:LOCAL_RANK), and works on views it cannot touch itself
+   * (plain loads, stores and memcpy work only on kDLCPU memory) through the operations below.
+   * They run in order with the host's other work on that device: a collective, a forward or a
+   * copy issued after one sees its result. Since 1.2. */
+  /* A new zero-filled contiguous buffer of `shape` and `dtype` on the rank's device, owned by
+   * the caller (buffer_release). *view_out receives its view (shape and strides owned by the
+   * host), valid until the buffer is released; byte_offset and narrower shapes make views of
+   * parts of it. Since 1.2. */
+  weft_status* (*buffer_create)(weft_host* host, int32_t ndim, const int64_t* shape,
+                                DLDataType dtype, weft_buffer** out, DLTensor* view_out);
+  /* Releases a buffer (NULL allowed); its views die with it. Since 1.2. */
+  void (*buffer_release)(weft_host* host, weft_buffer* buffer);
+  /* dst[i] = src[i] over the elements of two views of the same element count and dtype (their
+   * shapes may differ; each may be strided), on any devices the host knows, between host and
+   * device memory too. Since 1.2. */
+  weft_status* (*tensor_copy)(weft_host* host, DLTensor* dst, const DLTensor* src);
+  /* tensor *= factor, in place, for a floating-point view; factor 0 writes zeros (NaN and inf
+   * included) in a view of any dtype. Since 1.2. */
+  weft_status* (*tensor_scale)(weft_host* host, DLTensor* tensor, double factor);
+  /* dst += alpha * src, element by element, for floating-point views of the same element count
+   * and dtype (on any devices). Since 1.2. */
+  weft_status* (*tensor_add)(weft_host* host, DLTensor* dst, const DLTensor* src, double alpha);
+  /* The sum of the squares of a floating-point view's elements, accumulated in fp64 (it waits
+   * for the device). Since 1.2. */
+  weft_status* (*tensor_squared_norm)(weft_host* host, const DLTensor* tensor, double* out);
 } weft_host_api;
 
 /* ------------------------------------------------------------------------------------------

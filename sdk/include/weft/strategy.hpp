@@ -163,6 +163,176 @@ class Work {
   weft_work* handle_ = nullptr;
 };
 
+namespace detail {
+
+// What Host::copy, scale and squared_norm do for a host older than ABI 1.2 (CPU memory only).
+inline int64_t elements_of(const DLTensor& t) {
+  int64_t n = 1;
+  for (int32_t d = 0; d < t.ndim; ++d) n *= t.shape[d];
+  return n;
+}
+inline size_t element_bytes(const DLTensor& t) { return static_cast<size_t>((t.dtype.bits * t.dtype.lanes + 7) / 8); }
+// The byte offset of element `index` (row-major order over the shape) in a possibly strided view.
+inline int64_t byte_offset_of(const DLTensor& t, int64_t index) {
+  if (t.strides == nullptr) return index * static_cast<int64_t>(element_bytes(t));
+  int64_t offset = 0;
+  for (int32_t d = t.ndim - 1; d >= 0; --d) {
+    offset += (index % t.shape[d]) * t.strides[d];
+    index /= t.shape[d];
+  }
+  return offset * static_cast<int64_t>(element_bytes(t));
+}
+inline char* bytes_of(const DLTensor& t) { return static_cast<char*>(t.data) + t.byte_offset; }
+inline void require_cpu(const DLTensor& t, const char* what) {
+  if (t.device.device_type != kDLCPU) {
+    throw Error(WEFT_STATUS_UNSUPPORTED, std::string(what) + ": a view of device memory needs host ABI >= 1.2");
+  }
+}
+inline void cpu_copy(DLTensor& dst, const DLTensor& src) {
+  require_cpu(dst, "copy");
+  require_cpu(src, "copy");
+  const int64_t n = elements_of(src);
+  if (n != elements_of(dst) || element_bytes(src) != element_bytes(dst) || src.dtype.code != dst.dtype.code) {
+    throw Error(WEFT_STATUS_INVALID_ARGUMENT, "copy: the views differ in element count or dtype");
+  }
+  const size_t size = element_bytes(src);
+  for (int64_t i = 0; i < n; ++i) std::memcpy(bytes_of(dst) + byte_offset_of(dst, i), bytes_of(src) + byte_offset_of(src, i), size);
+}
+inline void cpu_scale(DLTensor& t, double factor) {
+  require_cpu(t, "scale");
+  const int64_t n = elements_of(t);
+  for (int64_t i = 0; i < n; ++i) {
+    char* p = bytes_of(t) + byte_offset_of(t, i);
+    if (factor == 0.0) {
+      std::memset(p, 0, element_bytes(t));
+    } else if (t.dtype.code == kDLFloat && t.dtype.bits == 32) {
+      float v;
+      std::memcpy(&v, p, sizeof v);
+      v = static_cast<float>(v * factor);
+      std::memcpy(p, &v, sizeof v);
+    } else if (t.dtype.code == kDLFloat && t.dtype.bits == 64) {
+      double v;
+      std::memcpy(&v, p, sizeof v);
+      v *= factor;
+      std::memcpy(p, &v, sizeof v);
+    } else {
+      throw Error(WEFT_STATUS_UNSUPPORTED, "scale: only fp32 and fp64 views on a host older than ABI 1.2");
+    }
+  }
+}
+inline void cpu_add(DLTensor& dst, const DLTensor& src, double alpha) {
+  require_cpu(dst, "add");
+  require_cpu(src, "add");
+  const int64_t n = elements_of(src);
+  const bool f32 = src.dtype.code == kDLFloat && src.dtype.bits == 32, f64 = src.dtype.code == kDLFloat && src.dtype.bits == 64;
+  if (n != elements_of(dst) || src.dtype.code != dst.dtype.code || src.dtype.bits != dst.dtype.bits || !(f32 || f64)) {
+    throw Error(WEFT_STATUS_INVALID_ARGUMENT, "add: fp32 or fp64 views of the same element count and dtype needed");
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    char* d = bytes_of(dst) + byte_offset_of(dst, i);
+    const char* s = bytes_of(src) + byte_offset_of(src, i);
+    if (f32) {
+      float a, b;
+      std::memcpy(&a, d, sizeof a);
+      std::memcpy(&b, s, sizeof b);
+      a = static_cast<float>(a + alpha * b);
+      std::memcpy(d, &a, sizeof a);
+    } else {
+      double a, b;
+      std::memcpy(&a, d, sizeof a);
+      std::memcpy(&b, s, sizeof b);
+      a += alpha * b;
+      std::memcpy(d, &a, sizeof a);
+    }
+  }
+}
+inline double cpu_squared_norm(const DLTensor& t) {
+  require_cpu(t, "squared_norm");
+  if (t.dtype.code != kDLFloat || (t.dtype.bits != 32 && t.dtype.bits != 64)) {
+    throw Error(WEFT_STATUS_UNSUPPORTED, "squared_norm: only fp32 and fp64 views on a host older than ABI 1.2");
+  }
+  double sum = 0.0;
+  for (int64_t i = 0, n = elements_of(t); i < n; ++i) {
+    const char* p = bytes_of(t) + byte_offset_of(t, i);
+    double v;
+    if (t.dtype.bits == 32) {
+      float f;
+      std::memcpy(&f, p, sizeof f);
+      v = f;
+    } else {
+      std::memcpy(&v, p, sizeof v);
+    }
+    sum += v * v;
+  }
+  return sum;
+}
+
+}  // namespace detail
+
+// Memory for a plugin's own data where the model is (Host::buffer): on a 1.2 host the host's,
+// on the rank's device; on an older host, host memory the SDK allocates itself (kDLCPU), so
+// plugins written against 1.2 still run there on CPU models. Zero-filled. Move-only; the memory
+// goes with the object.
+class Buffer {
+ public:
+  Buffer() noexcept = default;
+  Buffer(Buffer&& other) noexcept { *this = std::move(other); }
+  Buffer& operator=(Buffer&& other) noexcept {
+    if (this != &other) {
+      reset();
+      api_ = other.api_;
+      host_ = other.host_;
+      handle_ = std::exchange(other.handle_, nullptr);
+      local_ = std::move(other.local_);
+      shape_ = std::move(other.shape_);
+      view_ = other.view_;
+      if (handle_ == nullptr && !local_.empty()) {  // the view points into our own vectors
+        view_.data = local_.data();
+        view_.shape = shape_.data();
+      }
+      other.view_ = DLTensor{};
+    }
+    return *this;
+  }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer() { reset(); }
+
+  // The whole buffer (contiguous); valid while the Buffer lives.
+  const DLTensor& view() const noexcept { return view_; }
+  int64_t elements() const noexcept {
+    int64_t n = 1;
+    for (int32_t d = 0; d < view_.ndim; ++d) n *= view_.shape[d];
+    return n;
+  }
+  // Elements [offset, offset + count) as a 1-D contiguous view; `shape_and_stride` ({count, 1})
+  // must outlive it.
+  DLTensor part(int64_t offset, int64_t count, int64_t (&shape_and_stride)[2]) const noexcept {
+    DLTensor part = view_;
+    shape_and_stride[0] = count;
+    shape_and_stride[1] = 1;
+    part.ndim = 1;
+    part.shape = &shape_and_stride[0];
+    part.strides = &shape_and_stride[1];
+    part.byte_offset = view_.byte_offset + static_cast<uint64_t>(offset) * ((view_.dtype.bits * view_.dtype.lanes + 7) / 8);
+    return part;
+  }
+  void reset() noexcept {
+    if (handle_ != nullptr) api_->buffer_release(host_, std::exchange(handle_, nullptr));
+    local_.clear();
+    view_ = DLTensor{};
+  }
+
+ private:
+  friend class Host;
+  const weft_host_api* api_ = nullptr;
+  weft_host* host_ = nullptr;
+  weft_buffer* handle_ = nullptr;
+  std::vector<uint8_t> local_;  // a pre-1.2 host: the SDK's own memory
+  std::vector<int64_t> shape_;
+  DLTensor view_{};
+};
+
 // A process group. Non-owning: groups are host-owned and live until the run ends, so Group is
 // freely copyable.
 class Group {
@@ -435,6 +605,56 @@ class Host {
     std::vector<double> seconds(static_cast<size_t>(count), 0.0);
     check(api_->profile_stages(host_, rows, repeats, seconds.data(), count));
     return seconds;
+  }
+
+  // --- since ABI 1.2: memory where the model is, and operations on views (strategy.h). On an
+  // older host (CPU models only) the SDK does the same in host memory; a view of another device
+  // there throws Error(UNSUPPORTED). ---
+  // A zero-filled contiguous buffer of `shape` and `dtype` on the rank's device.
+  Buffer buffer(const std::vector<int64_t>& shape, DLDataType dtype) const {
+    Buffer buffer;
+    buffer.api_ = api_;
+    buffer.host_ = host_;
+    if (negotiated_minor() >= 2) {
+      check(api_->buffer_create(host_, static_cast<int32_t>(shape.size()), shape.data(), dtype, &buffer.handle_,
+                                &buffer.view_));
+      return buffer;
+    }
+    int64_t elements = 1;
+    for (int64_t extent : shape) elements *= extent;
+    buffer.shape_ = shape;
+    buffer.local_.assign(static_cast<size_t>(elements) * ((dtype.bits * dtype.lanes + 7) / 8), 0);
+    buffer.view_.data = buffer.local_.data();
+    buffer.view_.device = DLDevice{kDLCPU, 0};
+    buffer.view_.ndim = static_cast<int32_t>(shape.size());
+    buffer.view_.dtype = dtype;
+    buffer.view_.shape = buffer.shape_.data();
+    buffer.view_.strides = nullptr;  // contiguous
+    return buffer;
+  }
+  // dst = src, element by element (same element count and dtype).
+  void copy(DLTensor& dst, const DLTensor& src) const {
+    if (negotiated_minor() >= 2) return check(api_->tensor_copy(host_, &dst, &src));
+    detail::cpu_copy(dst, src);
+  }
+  // tensor *= factor (0: zeros).
+  void scale(DLTensor& tensor, double factor) const {
+    if (negotiated_minor() >= 2) return check(api_->tensor_scale(host_, &tensor, factor));
+    detail::cpu_scale(tensor, factor);
+  }
+  // dst += alpha * src.
+  void add(DLTensor& dst, const DLTensor& src, double alpha) const {
+    if (negotiated_minor() >= 2) return check(api_->tensor_add(host_, &dst, &src, alpha));
+    detail::cpu_add(dst, src, alpha);
+  }
+  // Sum of squares in fp64.
+  double squared_norm(const DLTensor& tensor) const {
+    if (negotiated_minor() >= 2) {
+      double out = 0.0;
+      check(api_->tensor_squared_norm(host_, &tensor, &out));
+      return out;
+    }
+    return detail::cpu_squared_norm(tensor);
   }
 
   // Adopts raw handles this host created.

@@ -17,6 +17,7 @@
 #include "core/model/config.h"
 #include "core/model/lora.h"
 #include "core/train/trainer.h"
+#include "core/util/device.h"
 #include "core/util/error.h"
 
 namespace weft {
@@ -88,6 +89,17 @@ std::string run_arguments(const ConformanceOptions& c, const std::string& corpus
       out_dir, plugin_settings);
 }
 
+// ": <the first error line of a run's log>", or "" when it has none.
+std::string first_error(const std::string& log) {
+  std::ifstream in(log);
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto at = line.find(" error ");
+    if (at != std::string::npos) return ": " + line.substr(at + 7);
+  }
+  return "";
+}
+
 std::vector<double> logged_losses(const std::string& metrics) {
   std::vector<double> losses;
   std::ifstream in(metrics);
@@ -149,6 +161,7 @@ ConformanceReport check_conformance(const ConformanceOptions& c) {
   WEFT_CHECK(!c.plugin.empty(), "conformance check: no plugin given");
   WEFT_CHECK(c.precision == "fp32" || c.precision == "bf16" || c.precision == "fp16",
              "conformance check: precision must be fp32, bf16 or fp16, got '{}'", c.precision);
+  resolve_device(c.device, 0, 0, this_process_devices());  // a device the candidate cannot have: before any run
   const std::string dir = c.work_dir.empty()
                               ? (std::filesystem::temp_directory_path() / ("weft-check-" + std::to_string(::getpid()))).string()
                               : c.work_dir;
@@ -168,7 +181,8 @@ ConformanceReport check_conformance(const ConformanceOptions& c) {
     const std::string command =
         c.trainer_path + " " + run_arguments(c, corpus, model_config, out) + " > " + dir + "/candidate.log 2>&1";
     const int status = std::system(command.c_str());
-    WEFT_CHECK(status == 0, "the {}-rank run of {} failed (see {}/candidate.log)", c.nproc, c.plugin, dir);
+    WEFT_CHECK(status == 0, "the {}-rank run of {} failed{} (see {}/candidate.log)", c.nproc, c.plugin,
+               first_error(dir + "/candidate.log"), dir);
     candidate_losses = logged_losses(out + "/metrics.jsonl");
     if (c.mode == "lora") {  // PEFT's adapter file: "base_model.model." + the parameter name
       const auto adapter = SafetensorsFile::open(out + "/final/adapter_model.safetensors");

@@ -160,6 +160,11 @@ namespace {
 // The tensor an operation hands its backend for `tensor`: a host copy when the route stages it.
 at::Tensor on_route(const Route& route, const at::Tensor& tensor) { return route.staged ? tensor.cpu() : tensor; }
 
+// Where an operation's result lands for `output`: the output itself, or a host buffer when staged.
+at::Tensor landing(const Route& route, const at::Tensor& output) {
+  return route.staged ? at::empty(output.sizes(), output.options().device(at::kCPU)) : output;
+}
+
 // After completion, copies `result` into `tensor` where they are different tensors (staged or widened).
 std::function<void()> copy_back(const at::Tensor& tensor, const at::Tensor& result) {
   if (result.is_same(tensor)) return {};
@@ -210,7 +215,7 @@ Operation Communicator::all_gather(ProcessGroup& group, const at::Tensor& output
   WEFT_CHECK(output.scalar_type() == input.scalar_type(), "all_gather: output and input dtypes differ");
   auto operation = issue(group, "all_gather", true, static_cast<int64_t>(input.nbytes()));
   const Route route = Communicator::route(group, input.device());
-  const at::Tensor gathered = route.staged ? at::empty(output.sizes(), output.options().device(at::kCPU)) : output;
+  const at::Tensor gathered = landing(route, output);
   const at::Tensor sent = on_route(route, input);
   const bool native = moves_natively(route.name, input.scalar_type());
   const at::Tensor out = native ? gathered : as_movable(gathered), in = native ? sent : as_movable(sent);
@@ -242,7 +247,7 @@ Operation Communicator::all_to_all(ProcessGroup& group, const at::Tensor& output
              "all_to_all: input and output must have the same shape and dtype with dim 0 divisible by {}", group.size);
   auto operation = issue(group, "all_to_all", true, static_cast<int64_t>(input.nbytes()));
   const Route route = Communicator::route(group, input.device());
-  const at::Tensor received = route.staged ? at::empty(output.sizes(), output.options().device(at::kCPU)) : output;
+  const at::Tensor received = landing(route, output);
   const at::Tensor sent = on_route(route, input);
   const bool native = moves_natively(route.name, input.scalar_type());
   at::Tensor out = native ? received : as_movable(received), in = native ? sent : as_movable(sent);
@@ -269,7 +274,7 @@ Operation Communicator::recv(ProcessGroup& group, const at::Tensor& tensor, int3
   auto operation = issue(group, "recv", false, static_cast<int64_t>(tensor.nbytes()));
   operation.peer = peer;
   const Route route = Communicator::route(group, tensor.device());
-  const at::Tensor received = route.staged ? at::empty(tensor.sizes(), tensor.options().device(at::kCPU)) : tensor;
+  const at::Tensor received = landing(route, tensor);
   std::vector<at::Tensor> tensors{received};
   operation.work = route.backend->recv(tensors, peer, tag);
   operation.finish = copy_back(tensor, received);

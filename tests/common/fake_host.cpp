@@ -1,5 +1,7 @@
 #include "common/fake_host.h"
 
+#include <utility>
+
 #include <weft/strategy.hpp>
 
 namespace {
@@ -205,14 +207,15 @@ void buffer_release(weft_host* host, weft_buffer* buffer) {
   }
   delete buffer;
 }
+// The SDK's own boundary (exceptions to statuses), over this fake's status allocator.
 template <typename F>
 weft_status* as_status(F&& f) {
-  try {
-    f();
-    return nullptr;
-  } catch (const weft::sdk::Error& e) {
-    return create_status(e.code(), e.what());
-  }
+  static const weft_host_api statuses = [] {
+    weft_host_api api{};
+    api.status_create = create_status;
+    return api;
+  }();
+  return weft::sdk::detail::guarded(&statuses, std::forward<F>(f));
 }
 weft_status* tensor_copy(weft_host* host, DLTensor* dst, const DLTensor* src) {
   ++host->copies;

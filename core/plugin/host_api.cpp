@@ -63,6 +63,11 @@ weft_host_api make_table() {
   t.tensor_scale = host::tensor_scale;
   t.tensor_add = host::tensor_add;
   t.tensor_squared_norm = host::tensor_squared_norm;
+  t.parameter_shard = host::parameter_shard;
+  t.parameter_grad_shard = host::parameter_grad_shard;
+  t.parameter_grad_release = host::parameter_grad_release;
+  t.parameter_release = host::parameter_release;
+  t.parameter_materialize = host::parameter_materialize;
   return t;
 }
 
@@ -126,6 +131,7 @@ void PluginHost::set_model(LlamaForCausalLMImpl* model) {
     entry.tensor = item.value();
     entry.stage = stage_of_parameter(entry.name, layers);
     entry.shape = item.value().sizes().vec();  // the full shape (the ABI's), not the local slice
+    entry.local_shape = entry.shape;
     const ParameterShard shard = shard_of(model->options().shards, entry.name);
     if (!shard.whole()) entry.shape[shard.dim] *= shard.parts;
     s.parameters.push_back(std::move(entry));

@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <toml++/toml.h>
@@ -72,6 +73,25 @@ class PluginHost {
   std::pair<at::Tensor, at::Tensor> take_sequence_losses();
   // Calls the registered grad-ready callback machinery's bookkeeping (tests).
   int64_t parameter_count() const;
+
+  // --- ABI 1.3: sharded training state (host_shards.cpp) ---
+  // Records the flat shard the plugin chose for parameter `index` (after set_model): refuses a
+  // range outside the parameter; a whole range without flags means "not sharded". Allocates the
+  // gradient shard of a trainable parameter and the own storage of a releasable shard.
+  void set_flat_shard(int64_t index, const weft_flat_shard& shard);
+  // What the optimizer updates, per trainable parameter in the model's order: the parameter
+  // itself, or for a sharded one its master shard, whose .grad() is the gradient shard the plugin
+  // writes. `matrix`: the whole parameter has two or more dimensions (AdamW decays those).
+  struct TrainingTensor {
+    std::string name;
+    at::Tensor tensor;
+    bool matrix = false;
+  };
+  std::vector<TrainingTensor> training_tensors() const;
+  // True when some parameter's training state is sharded.
+  bool sharded() const;
+  // Zeroes every gradient shard (after the optimizer step).
+  void zero_grad_shards();
 
   struct State;  // defined in host_api.cpp; `weft_host` points to it
 

@@ -27,7 +27,7 @@ int64_t parameter_count(weft_host* host) {
   }
 }
 
-const ParameterEntry& parameter_at(State& s, int64_t index) {
+ParameterEntry& parameter_at(State& s, int64_t index) {
   WEFT_CHECK(0 <= index && index < static_cast<int64_t>(s.parameters.size()),
              "parameter index {} outside [0, {})", index, s.parameters.size());
   return s.parameters[static_cast<size_t>(index)];
@@ -60,7 +60,8 @@ weft_status* parameter_grad(weft_host* host, int64_t index, DLTensor* out) {
     WEFT_CHECK(out, "parameter_grad: null output");
     const auto& p = parameter_at(state_of(host), index);
     const auto& grad = p.tensor.grad();
-    WEFT_CHECK(grad.defined(), "parameter '{}' has no gradient yet (before the first backward of the step)", p.name);
+    WEFT_CHECK(grad.defined(), "parameter '{}' has no gradient yet (before the first backward of the step, or "
+               "released)", p.name);
     *out = sdk::to_dl_view(grad);
   });
 }

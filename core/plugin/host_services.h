@@ -44,12 +44,21 @@ struct weft_buffer {
 
 namespace weft {
 
-// A parameter the plugin sees: its name, tensor, owning stage and full (unsharded) shape.
+// A parameter the plugin sees: its name, tensor, owning stage and full (unsharded) shape, and
+// (ABI 1.3) the flat shard of its training state this rank keeps.
 struct ParameterEntry {
   std::string name;
   at::Tensor tensor;
   int64_t stage = 0;
-  std::vector<int64_t> shape;
+  std::vector<int64_t> shape;        // the ABI's: the whole parameter, before tensor-parallel slicing
+  std::vector<int64_t> local_shape;  // this rank's tensor when it is whole (parameter_materialize)
+  // ABI 1.3 (flat_shard): elements [shard_begin, shard_begin + shard_count) of the flattened
+  // local tensor. `shard` is the master copy of them (a view into `tensor`, or storage of its own
+  // when releasable); `grad_shard` (trainable only) their gradient, which `shard.grad()` refers
+  // to so that the optimizer and clipping read it.
+  bool sharded = false, releasable = false, released = false;
+  int64_t shard_begin = 0, shard_count = 0;
+  at::Tensor shard, grad_shard;
 };
 
 struct PluginHost::State {
@@ -236,6 +245,14 @@ weft_status* tensor_copy(weft_host* host, DLTensor* dst, const DLTensor* src);
 weft_status* tensor_scale(weft_host* host, DLTensor* tensor, double factor);
 weft_status* tensor_add(weft_host* host, DLTensor* dst, const DLTensor* src, double alpha);
 weft_status* tensor_squared_norm(weft_host* host, const DLTensor* tensor, double* out);
+// host_shards.cpp (ABI 1.3)
+weft_status* parameter_shard(weft_host* host, int64_t index, DLTensor* out);
+weft_status* parameter_grad_shard(weft_host* host, int64_t index, DLTensor* out);
+weft_status* parameter_grad_release(weft_host* host, int64_t index);
+weft_status* parameter_release(weft_host* host, int64_t index);
+weft_status* parameter_materialize(weft_host* host, int64_t index, DLTensor* out);
+// host_model.cpp
+ParameterEntry& parameter_at(State& s, int64_t index);
 
 }  // namespace host
 }  // namespace weft

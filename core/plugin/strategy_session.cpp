@@ -1,5 +1,7 @@
 #include "core/plugin/strategy_session.h"
 
+#include <cstddef>
+
 #include <fmt/format.h>
 #include <torch/torch.h>
 #include <weft/strategy_torch.hpp>
@@ -96,6 +98,32 @@ void StrategySession::attach(LlamaForCausalLMImpl& model) {
   model_ = &model;
   host_->set_model(&model);
   if (library_->api().setup) check(library_->api().setup(instance_), "setup");
+  if (library_->has_slot(offsetof(weft_strategy_api, flat_shard), 3) && library_->api().flat_shard) {
+    for (int64_t i = 0; i < host_->parameter_count(); ++i) {
+      weft_flat_shard shard{};
+      check(library_->api().flat_shard(instance_, i, &shard), "flat_shard");
+      try {
+        host_->set_flat_shard(i, shard);
+      } catch (const Error& e) {
+        fail("plugin {}: {}", library_->name(), e.what());
+      }
+    }
+  }
+}
+
+void StrategySession::after_optimizer_step() {
+  host_->zero_grad_shards();
+  if (library_->has_slot(offsetof(weft_strategy_api, after_optimizer_step), 3) &&
+      library_->api().after_optimizer_step) {
+    check(library_->api().after_optimizer_step(instance_), "after_optimizer_step");
+  }
+}
+
+void StrategySession::materialize_parameters(bool whole) {
+  if (library_->has_slot(offsetof(weft_strategy_api, materialize_parameters), 3) &&
+      library_->api().materialize_parameters) {
+    check(library_->api().materialize_parameters(instance_, whole ? 1 : 0), "materialize_parameters");
+  }
 }
 
 StepReport StrategySession::train_step(const BatchLoader& loader, int64_t global_step, int64_t epoch,

@@ -83,6 +83,16 @@ class StrategySession {
   EvalSums eval_batch(const EvalLoader& loader, int64_t index, int64_t global_step, int64_t epoch, int64_t seq_len);
   // The global squared gradient norm from this rank's share.
   double global_grad_norm_sq(double local_sq);
+  // What the optimizer updates (the parameters, or their shards under a plugin that shards the
+  // training state: ABI 1.3 flat_shard, asked in attach), and whether anything is sharded.
+  std::vector<PluginHost::TrainingTensor> training_tensors() const { return host_->training_tensors(); }
+  bool shards_training_state() const { return host_->sharded(); }
+  // After the optimizer step (whether it ran or fp16 skipped it): zeroes the gradient shards and
+  // lets the plugin act (e.g. all-gather the updated shards). Collective.
+  void after_optimizer_step();
+  // Every parameter whole (true, e.g. to save the model) or back to the plugin's layout (false).
+  // Collective; nothing for a plugin without the slot.
+  void materialize_parameters(bool whole);
   // fp16: the factor the host's loss service multiplies every training loss by before the
   // plugin's backward (1: none). The plugin sees the scaled gradients; the trainer unscales them.
   void set_loss_scale(double scale) { host_->set_loss_scale(scale); }

@@ -197,9 +197,7 @@ ConformanceReport check_conformance(const ConformanceOptions& c) {
     options.plugin_config = plugin_table(c.plugin_settings);
     Trainer candidate(options);
     candidate_losses = candidate.run().step_losses;
-    for (auto& item : candidate.model().named_parameters()) {
-      candidate_params[item.key()] = item.value().detach().to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true);
-    }
+    candidate_params = candidate.whole_parameters();  // as its save would write them
   }
 
   ConformanceReport report;

@@ -8,8 +8,14 @@ namespace weft {
 
 std::unique_ptr<torch::optim::AdamW> make_adamw(
     const std::vector<std::pair<std::string, torch::Tensor>>& trainable, const OptimOptions& o) {
+  std::vector<OptimizedTensor> tensors;
+  for (const auto& [name, param] : trainable) tensors.push_back({param, param.dim() >= 2});
+  return make_adamw(tensors, o);
+}
+
+std::unique_ptr<torch::optim::AdamW> make_adamw(const std::vector<OptimizedTensor>& tensors, const OptimOptions& o) {
   std::vector<torch::Tensor> decay, no_decay;
-  for (const auto& [name, param] : trainable) (param.dim() >= 2 ? decay : no_decay).push_back(param);
+  for (const auto& t : tensors) (t.decay ? decay : no_decay).push_back(t.tensor);
   auto options = [&](double weight_decay) {
     return std::make_unique<torch::optim::AdamWOptions>(
         torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(weight_decay));

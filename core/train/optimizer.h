@@ -16,6 +16,16 @@ namespace weft {
 std::unique_ptr<torch::optim::AdamW> make_adamw(
     const std::vector<std::pair<std::string, torch::Tensor>>& trainable, const OptimOptions& options);
 
+// A tensor the optimizer updates: a parameter, or the shard of one that this rank keeps under a
+// plugin that shards the training state (its .grad() the shard's gradient). `decay`: weight
+// decay applies (the whole parameter is a matrix).
+struct OptimizedTensor {
+  torch::Tensor tensor;
+  bool decay = false;
+};
+std::unique_ptr<torch::optim::AdamW> make_adamw(const std::vector<OptimizedTensor>& tensors,
+                                                const OptimOptions& options);
+
 // Sets the learning rate of every parameter group.
 void set_learning_rate(torch::optim::AdamW& optimizer, double lr);
 

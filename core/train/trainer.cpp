@@ -40,6 +40,10 @@ Trainer::Trainer(TrainOptions options, RunContext context)
              "checkpoint.every_steps is not supported yet when plugin {} splits the model over ranks (the best "
              "and final models are saved whole); set it to 0",
              job_->strategy().library().name());
+  WEFT_CHECK(!job_->strategy().shards_training_state() || options_.checkpoint_every == 0,
+             "checkpoint.every_steps is not supported yet when plugin {} shards the optimizer state over ranks (the "
+             "best and final models are saved whole); set it to 0",
+             job_->strategy().library().name());
   train_loader_ = std::make_unique<BatchLoader>(data.train, options_.batch_size, place.data_parallel_rank,
                                                 place.data_parallel_size, options_.seed, /*shuffle=*/true);
   steps_per_epoch_ = train_loader_->batches_per_epoch() / options_.grad_accum_steps;
@@ -51,7 +55,8 @@ Trainer::Trainer(TrainOptions options, RunContext context)
              "eval.every_steps is set but data.heldout_fraction is 0: there is nothing to evaluate");
   state_.data_identity = fmt::format("{} sequences x {} tokens, {} train tokens", data.train->n_sequences(),
                                      data.train->seq_len(), data.train->n_tokens());
-  optimizer_ = make_adamw(trainable_parameters(job_->model()), options_.optim);
+  for (const auto& t : job_->strategy().training_tensors()) optimized_.push_back({t.tensor, t.matrix});
+  optimizer_ = make_adamw(optimized_, options_.optim);
   schedule_.peak_lr = options_.optim.lr;
   schedule_.min_lr_ratio = options_.optim.min_lr_ratio;
   schedule_.warmup_steps = options_.optim.warmup_steps;
@@ -89,9 +94,9 @@ void Trainer::maybe_resume() {
     }
     dir = *latest;
   }
-  WEFT_CHECK(!gather_->split(),
-             "checkpoint.resume: plugin {} splits the model over ranks and cannot resume a checkpoint yet ({}); "
-             "resume it under single or ddp, or start fresh",
+  WEFT_CHECK(!gather_->split() && !job_->strategy().shards_training_state(),
+             "checkpoint.resume: plugin {} splits the model or its optimizer state over ranks and cannot resume a "
+             "checkpoint yet ({}); resume it under single or ddp, or start fresh",
              job_->strategy().library().name(), dir);
   TrainerState saved = checkpoints_->read_state(dir);
   WEFT_CHECK(saved.data_identity == state_.data_identity,
@@ -162,13 +167,32 @@ RunSetting Trainer::run_setting() {
 }
 
 void Trainer::save_models(RunRecords&) {
-  auto* whole = model_to_save();
-  if (whole == nullptr) return;
-  save_model_atomically(*whole, job_->lora(), options_.out_dir + "/final", options_.model.weights);
-  if (job_->lora() && options_.save_merged) {
-    merge_lora(*whole);
-    save_model_atomically(*whole, std::nullopt, options_.out_dir + "/final-merged", options_.model.weights);
-  }
+  with_whole_model([&](LlamaForCausalLMImpl& whole) {
+    save_model_atomically(whole, job_->lora(), options_.out_dir + "/final", options_.model.weights);
+    if (job_->lora() && options_.save_merged) {
+      merge_lora(whole);
+      save_model_atomically(whole, std::nullopt, options_.out_dir + "/final-merged", options_.model.weights);
+    }
+  });
+}
+
+std::map<std::string, torch::Tensor> Trainer::whole_parameters() {
+  std::map<std::string, torch::Tensor> copies;
+  with_whole_model([&](LlamaForCausalLMImpl& whole) {
+    for (auto& item : whole.named_parameters()) {
+      copies[item.key()] = item.value().detach().to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true);
+    }
+  });
+  return copies;
+}
+
+// The whole model on rank 0: gathered from the ranks a plugin splits it over, and made whole first
+// where the plugin releases parameters between steps (ZeRO-3); back to the plugin's layout after.
+void Trainer::with_whole_model(const std::function<void(LlamaForCausalLMImpl&)>& use) {
+  auto& strategy = job_->strategy();
+  strategy.materialize_parameters(true);
+  if (auto* whole = gather_->gather()) use(*whole);
+  strategy.materialize_parameters(false);
 }
 
 // SIGINT/SIGTERM may reach the ranks of a job at different steps: they agree after each step
@@ -195,12 +219,17 @@ StepReport Trainer::train_step(int64_t epoch, int64_t step_in_epoch) {
   strategy.set_loss_scale(1.0);
   last_loss_scale_ = scaler_.scale();
   // The global norm of the unscaled gradients decides on every rank alike whether they are finite.
-  last_grad_norm_ = clip_grad_norm(job_->trainable(), options_.optim.grad_clip,
+  // The optimizer's tensors: the parameters, or this rank's shards of them (their gradients the
+  // plugin's reduced shards), so the norm is the plugin's sum over the ranks' shares.
+  std::vector<torch::Tensor> optimized;
+  for (const auto& t : optimized_) optimized.push_back(t.tensor);
+  last_grad_norm_ = clip_grad_norm(optimized, options_.optim.grad_clip,
                                    [&](double local_sq) { return strategy.global_grad_norm_sq(local_sq); },
                                    scaler_.scale());
   last_step_skipped_ = !scaler_.update(std::isfinite(last_grad_norm_));
   if (!last_step_skipped_) optimizer_->step();
   zero_gradients(job_->trainable());
+  strategy.after_optimizer_step();  // zeroes the gradient shards; ZeRO gathers the updated shards
   return report;
 }
 
@@ -290,9 +319,9 @@ bool Trainer::evaluate_and_track(RunRecords& records) {
     state_.best_step = state_.global_step;
     state_.evals_since_best = 0;
     if (options_.keep_best) {
-      if (auto* whole = model_to_save()) {
-        save_model_atomically(*whole, job_->lora(), options_.out_dir + "/best", options_.model.weights);
-      }
+      with_whole_model([&](LlamaForCausalLMImpl& whole) {
+        save_model_atomically(whole, job_->lora(), options_.out_dir + "/best", options_.model.weights);
+      });
     }
   } else {
     ++state_.evals_since_best;
@@ -310,7 +339,7 @@ bool Trainer::evaluate_and_track(RunRecords& records) {
 }
 
 bool Trainer::save_checkpoint(Progress& progress) {
-  if (gather_->split()) {
+  if (gather_->split() || job_->strategy().shards_training_state()) {
     progress.message(fmt::format("no checkpoint: plugin {} splits the model and its optimizer state over ranks, "
                                  "which cannot be saved as a checkpoint yet",
                                  job_->strategy().library().name()));

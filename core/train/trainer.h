@@ -9,6 +9,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -22,6 +24,7 @@
 #include "core/train/checkpoint.h"
 #include "core/train/loss_scaler.h"
 #include "core/train/model_gather.h"
+#include "core/train/optimizer.h"
 #include "core/train/records.h"
 #include "core/train/schedule.h"
 
@@ -44,6 +47,10 @@ class Trainer {
 
   Job& job() { return *job_; }
   LlamaForCausalLMImpl& model() { return job_->model(); }
+  // Copies (on the CPU) of the whole model's parameters as a save would write them: gathered from
+  // the ranks that split the model, made whole where a plugin releases them between steps. On
+  // rank 0; empty elsewhere. Collective.
+  std::map<std::string, torch::Tensor> whole_parameters();
   int64_t steps_per_epoch() const { return steps_per_epoch_; }
   int64_t total_steps() const { return total_steps_; }
 
@@ -57,7 +64,7 @@ class Trainer {
   // Saves a checkpoint (rank 0 writes it); false when the plugin's split state cannot be saved.
   bool save_checkpoint(Progress& progress);
   // The whole model to save, on rank 0 (nullptr elsewhere); collective when the model is split.
-  LlamaForCausalLMImpl* model_to_save() { return gather_->gather(); }
+  void with_whole_model(const std::function<void(LlamaForCausalLMImpl&)>& use);  // collective
   int agreed_interrupt();
   void save_models(RunRecords& records);
   RunSetting run_setting();  // collective (LoRA: the adapters' count)
@@ -66,6 +73,7 @@ class Trainer {
   std::unique_ptr<Job> job_;
   std::unique_ptr<ModelGather> gather_;
   std::unique_ptr<BatchLoader> train_loader_;
+  std::vector<OptimizedTensor> optimized_;  // what optimizer_ updates (parameters or their shards)
   std::unique_ptr<torch::optim::AdamW> optimizer_;
   std::unique_ptr<CheckpointStore> checkpoints_;
   LrSchedule schedule_;

@@ -86,7 +86,9 @@ struct FakeStatusCounts {
 FakeStatusCounts& fake_status_counts();
 
 // The services table (every slot filled) with the given header minor.
-weft_host_api make_fake_host_api(uint16_t abi_minor = WEFT_ABI_VERSION_MINOR);
+// The fake host implements the ABI up to 1.2 (no sharded training state).
+constexpr uint16_t kFakeHostMinor = 2;
+weft_host_api make_fake_host_api(uint16_t abi_minor = kFakeHostMinor);
 
 // Reads a status the caller owns and releases it: {code, message}; {OK, ""} for NULL.
 std::pair<weft_status_code, std::string> take_status(weft_status* status);

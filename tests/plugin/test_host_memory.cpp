@@ -71,7 +71,7 @@ TEST(HostMemory, BuffersAndViewOperationsWorkAlikeOnTheHostAndInTheSdkFallback) 
   auto communicator = Communicator::single_process(std::chrono::seconds(5));
   PluginHost plugin_host("memory-test", toml::table{}, *communicator);
   const sdk::Host host(plugin_host.api(), plugin_host.handle());
-  ASSERT_EQ(host.negotiated_minor(), 2);
+  ASSERT_GE(host.negotiated_minor(), 2);
   const auto through_host = exercise(host);
   EXPECT_EQ(through_host, (std::vector<float>{0, 0, 0, 9.5f, 5.5f, 11.5f}));
   // A host that speaks 1.1: the SDK allocates and computes in host memory itself.

@@ -365,7 +365,20 @@ TEST_F(SdkTest, GroupsAreNonOwningViews) {
 TEST_F(SdkTest, NegotiatedMinorIsTheSmallerOfBoth) {
   weft_host_api newer = make_fake_host_api(7);
   EXPECT_EQ(Host(&newer, &host).negotiated_minor(), WEFT_ABI_VERSION_MINOR);
-  EXPECT_EQ(sdk_host.negotiated_minor(), WEFT_ABI_VERSION_MINOR);
+  EXPECT_EQ(sdk_host.negotiated_minor(), kFakeHostMinor);  // the fake host's own minor is older
+}
+
+TEST_F(SdkTest, Abi13ServicesRefuseAnOlderHostInOneLine) {
+  ASSERT_LT(sdk_host.negotiated_minor(), 3);
+  try {
+    sdk_host.parameter_shard(0);
+    FAIL() << "parameter_shard on a 1.2 host";
+  } catch (const weft::sdk::Error& e) {
+    EXPECT_EQ(e.code(), WEFT_STATUS_UNSUPPORTED);
+    EXPECT_NE(std::string(e.what()).find("parameter_shard needs host ABI >= 1.3"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(sdk_host.release_parameter(0), weft::sdk::Error);
+  EXPECT_THROW(sdk_host.materialize_parameter(0), weft::sdk::Error);
 }
 
 TEST_F(SdkTest, Abi11ServicesWorkOnA11HostAndDegradeOnA10Host) {

@@ -236,7 +236,10 @@ static const weft_strategy_api table = {
     train_step,
     eval_step,
     NULL, /* global_grad_norm_sq: gradients are replicated, the local norm is global */
-    NULL  /* comm_point */
+    NULL, /* comm_point */
+    NULL, /* flat_shard (1.3): the training state is not sharded */
+    NULL, /* after_optimizer_step (1.3) */
+    NULL  /* materialize_parameters (1.3) */
 };
 
 WEFT_EXPORT const weft_strategy_api* weft_strategy_entry(uint16_t host_abi_major,

@@ -1,13 +1,16 @@
 /*
  * weft/strategy.h - the weft strategy plugin ABI (C99).
  *
- * STATUS: ABI 1.2, implemented by the host (core/plugin) and used by single.so, ddp.so, gpipe.so,
- * pipedream.so and tensor_parallel.so (plan stage ranges: the pipelines; shard_parameter and
- * comm_point: tensor parallelism). 1.1 appended model_info, tracing, report_metric,
+ * STATUS: ABI 1.3, implemented by the host (core/plugin) and used by single.so, ddp.so, gpipe.so,
+ * pipedream.so, tensor_parallel.so and zero.so (plan stage ranges: the pipelines; shard_parameter
+ * and comm_point: tensor parallelism; flat shards of the training state: zero). 1.1 appended model_info, tracing, report_metric,
  * config_int_list and profile_stages to the host table, WEFT_FORWARD_RECOMPUTE and
  * WEFT_COMM_HEAD_INPUT. 1.2 appended memory on the rank's device for plugins (buffer_create,
  * buffer_release) and the operations on views a plugin cannot do on a GPU's memory itself
- * (tensor_copy, tensor_scale, tensor_add, tensor_squared_norm); see sdk/DESIGN.md.
+ * (tensor_copy, tensor_scale, tensor_add, tensor_squared_norm). 1.3 appended sharded training
+ * state (ZeRO / FSDP): the plugin's flat_shard, after_optimizer_step and materialize_parameters
+ * slots and the host's parameter_shard, parameter_grad_shard, parameter_grad_release,
+ * parameter_release and parameter_materialize; see sdk/DESIGN.md.
  *
  * A strategy plugin is a shared library that exports exactly one symbol, the C function
  * `weft_strategy_entry` (WEFT_STRATEGY_ENTRY_SYMBOL). The host loads it with
@@ -65,7 +68,7 @@ extern "C" {
 /* The ABI version this header describes. Major: incompatible changes; it must match exactly.
  * Minor: append-only additions; host and plugin use min(host minor, plugin minor). */
 #define WEFT_ABI_VERSION_MAJOR 1
-#define WEFT_ABI_VERSION_MINOR 2
+#define WEFT_ABI_VERSION_MINOR 3
 
 /* The one symbol a plugin exports. */
 #define WEFT_STRATEGY_ENTRY_SYMBOL "weft_strategy_entry"
@@ -150,6 +153,25 @@ typedef struct weft_shard {
   int32_t parts;
   int32_t index;
 } weft_shard;
+
+/* Which elements of a parameter's training state this rank keeps under sharded data parallelism
+ * (ZeRO, FSDP): elements [begin, begin + count) of the parameter's flattened local tensor (its
+ * tensor-parallel slice, if any, in row-major order). Returned by the plugin's flat_shard slot.
+ * For a trainable parameter with count < its element count, the host keeps AdamW's state for
+ * those elements only and updates only them, from the gradient shard the plugin writes
+ * (parameter_grad_shard). flags: WEFT_FLAT_SHARD_*. Since 1.3. */
+typedef struct weft_flat_shard {
+  int64_t begin;
+  int64_t count;
+  uint32_t flags;
+  uint32_t reserved; /* 0 */
+} weft_flat_shard;
+
+/* The plugin will release the whole parameter between uses (parameter_release, ZeRO-3): the host
+ * keeps the shard's elements in storage of their own (the persistent master copy, read and
+ * written through parameter_shard) instead of as a view of the whole parameter. Allowed for
+ * frozen parameters too (their shard is kept, no optimizer state). Since 1.3. */
+#define WEFT_FLAT_SHARD_RELEASABLE 1u
 
 /* What this rank materialises; filled by the plugin in `plan` before the model is built.
  * The host pre-fills it with the one-process layout (all stages, no sharding). Since 1.0. */
@@ -421,11 +443,47 @@ typedef struct weft_host_api {
   /* The sum of the squares of a floating-point view's elements, accumulated in fp64 (it waits
    * for the device). Since 1.2. */
   weft_status* (*tensor_squared_norm)(weft_host* host, const DLTensor* tensor, double* out);
+
+  /* ---------------------------------- since 1.3 ---------------------------------------- */
+  /* Sharded training state (ZeRO / FSDP). The host asks the plugin's flat_shard slot, once per
+   * parameter after setup, which elements of each parameter this rank keeps; these services
+   * then give the plugin the pieces it moves. Indices are weft_host_api.parameter_* indices. A
+   * parameter whose shard is whole (the default) has none of this: parameter_shard and
+   * parameter_grad_shard are WEFT_STATUS_INVALID_ARGUMENT for it. Since 1.3. */
+  /* A writable view of this rank's master copy of the shard's elements: 1-D, `count` elements,
+   * the parameter's dtype, on the rank's device. A view into the whole parameter, or, for a
+   * RELEASABLE shard, storage of its own that outlives parameter_release (the plugin gathers
+   * whole parameters from the ranks' shards). The optimizer updates it in place. Valid for the
+   * run. Since 1.3. */
+  weft_status* (*parameter_shard)(weft_host* host, int64_t index, DLTensor* out);
+  /* A writable view of the gradient of a trainable parameter's shard: 1-D, `count` fp32 elements,
+   * on the rank's device, zero at the start of every step (the host zeroes it after the
+   * optimizer step). The plugin leaves it holding the shard's gradient averaged over the data-
+   * parallel ranks (summed over micro-batches with the loss scaled by 1 / micro_batches, as
+   * train_step says for whole gradients); the optimizer, gradient clipping and the fp16 loss
+   * scaler then read it instead of the whole gradient. Valid for the run. Since 1.3. */
+  weft_status* (*parameter_grad_shard)(weft_host* host, int64_t index, DLTensor* out);
+  /* Frees the parameter's whole gradient (e.g. once its shard has been reduce-scattered into
+   * parameter_grad_shard): parameter_grad fails until the next backward accumulates a new one.
+   * Views of the old gradient die. Since 1.3. */
+  weft_status* (*parameter_grad_release)(weft_host* host, int64_t index);
+  /* Frees the whole parameter's storage (its shard must be RELEASABLE): views from
+   * parameter_data die, and the parameter must be materialised again before a forward or
+   * backward that uses it. The shard (parameter_shard) is kept. Releasing a released parameter
+   * does nothing. Since 1.3. */
+  weft_status* (*parameter_release)(weft_host* host, int64_t index);
+  /* Gives a released parameter whole storage again and returns its writable view (the local
+   * shape, contiguous, on the rank's device) with UNDEFINED contents: the plugin fills it (e.g.
+   * all-gathers the ranks' shards into it) before the model uses it. A parameter that is
+   * whole already keeps its storage and values; the view is of it. Autograd sees the new
+   * storage: a backward after a release and a materialisation uses the values written here.
+   * Valid until the next parameter_release of it. Since 1.3. */
+  weft_status* (*parameter_materialize)(weft_host* host, int64_t index, DLTensor* out);
 } weft_host_api;
 
 /* ------------------------------------------------------------------------------------------
  * The plugin's table. Slots may be NULL where marked optional: the host then does the
- * one-process default. All slots since 1.0.
+ * one-process default. Slots since 1.0 unless marked.
  * ---------------------------------------------------------------------------------------- */
 typedef struct weft_strategy_api {
   weft_abi_header header;
@@ -488,6 +546,24 @@ typedef struct weft_strategy_api {
    * nothing. */
   weft_status* (*comm_point)(weft_strategy* strategy, weft_comm_point point,
                              weft_direction direction, int64_t layer, DLTensor* tensor);
+
+  /* ---------------------------------- since 1.3 ---------------------------------------- */
+  /* Optional. Which elements of parameter `parameter_index` (weft_host_api.parameter_*) this
+   * rank keeps (weft_flat_shard). Called once per parameter after setup, before the first step.
+   * Default (or a NULL slot): {0, the parameter's element count, no flags}, which is "not
+   * sharded"; any other answer shards it. The host refuses a range outside the parameter.
+   * Since 1.3. */
+  weft_status* (*flat_shard)(weft_strategy* strategy, int64_t parameter_index,
+                             weft_flat_shard* out);
+  /* Optional. Called after every optimizer step, including one the fp16 loss scaler skipped
+   * (shards unchanged): e.g. all-gather the updated shards into the whole parameters (ZeRO-1/2)
+   * or leave them released until the next forward (ZeRO-3). Collective. Since 1.3. */
+  weft_status* (*after_optimizer_step)(weft_strategy* strategy);
+  /* Optional. whole = 1: make every parameter of this rank whole, with its current values, so
+   * that the host can read the model (saving a model, generation); whole = 0: return to the
+   * plugin's own layout between steps. The host calls 1 then 0 around such uses, outside steps.
+   * Collective. Default: nothing (parameters are always whole between steps). Since 1.3. */
+  weft_status* (*materialize_parameters)(weft_strategy* strategy, int32_t whole);
 } weft_strategy_api;
 
 /* The entry point. The host passes its ABI version; the plugin returns its table (static

@@ -20,7 +20,8 @@
 // weft::sdk::Error when the service fails (after copying and releasing the host's status).
 //
 // Optional slots: the generated table leaves an optional slot (plan, shard_parameter, setup,
-// eval_step, global_grad_norm_sq, comm_point) NULL unless the class, or a base between it and
+// eval_step, global_grad_norm_sq, comm_point; since 1.3 flat_shard, after_optimizer_step,
+// materialize_parameters) NULL unless the class, or a base between it and
 // Strategy, declares that method itself (checked at compile time, see detail::overrides_*), so
 // the host can skip calls that would do nothing (comm_point runs inside every layer). The base
 // class implementations still reproduce the one-process defaults documented in strategy.h, so
@@ -657,6 +658,40 @@ class Host {
     return detail::cpu_squared_norm(tensor);
   }
 
+  // --- since ABI 1.3: sharded training state (strategy.h). Each throws Error(UNSUPPORTED) on an
+  // older host; a plugin that shards sets min_host_minor = 3. ---
+  // This rank's master copy of the parameter's shard (1-D).
+  DLTensor parameter_shard(int64_t index) const {
+    require_minor(3, "parameter_shard");
+    DLTensor out{};
+    check(api_->parameter_shard(host_, index, &out));
+    return out;
+  }
+  // The gradient of the parameter's shard (1-D fp32; zero at the start of a step).
+  DLTensor parameter_grad_shard(int64_t index) const {
+    require_minor(3, "parameter_grad_shard");
+    DLTensor out{};
+    check(api_->parameter_grad_shard(host_, index, &out));
+    return out;
+  }
+  // Frees the parameter's whole gradient.
+  void release_parameter_grad(int64_t index) const {
+    require_minor(3, "parameter_grad_release");
+    check(api_->parameter_grad_release(host_, index));
+  }
+  // Frees the whole parameter (a RELEASABLE shard).
+  void release_parameter(int64_t index) const {
+    require_minor(3, "parameter_release");
+    check(api_->parameter_release(host_, index));
+  }
+  // Whole storage again, contents undefined until the caller fills it; returns its view.
+  DLTensor materialize_parameter(int64_t index) const {
+    require_minor(3, "parameter_materialize");
+    DLTensor out{};
+    check(api_->parameter_materialize(host_, index, &out));
+    return out;
+  }
+
   // Adopts raw handles this host created.
   Activation activation(weft_activation* handle) const noexcept {
     return Activation(api_, host_, handle);
@@ -664,6 +699,12 @@ class Host {
   Work work(weft_work* handle) const noexcept { return Work(api_, host_, handle); }
 
  private:
+  void require_minor(uint16_t minor, const char* slot) const {
+    if (negotiated_minor() < minor) {
+      throw Error(WEFT_STATUS_UNSUPPORTED, std::string(slot) + " needs host ABI >= 1." + std::to_string(minor));
+    }
+  }
+
   const weft_host_api* api_;
   weft_host* host_;
 };
@@ -769,6 +810,16 @@ class Strategy {
     (void)layer;
     (void)tensor;
   }
+  // --- since ABI 1.3 (sharded training state; see strategy.h) ---
+  // Which elements of parameter `index` this rank keeps. Default: all of them, no flags.
+  virtual weft_flat_shard flat_shard(int64_t index) {
+    const DLTensor data = host_.parameter_data(index);
+    return weft_flat_shard{0, detail::elements_of(data), 0u, 0u};
+  }
+  // After every optimizer step. Collective. Default: nothing.
+  virtual void after_optimizer_step() {}
+  // Parameters whole (true) or back to the plugin's layout (false). Collective. Default: nothing.
+  virtual void materialize_parameters(bool whole) { (void)whole; }
 
  protected:
   // The one-process step: for each micro-batch m of step.micro_batches: batch(m) ->
@@ -827,6 +878,9 @@ WEFT_SDK_DETAIL_OVERRIDES(setup)
 WEFT_SDK_DETAIL_OVERRIDES(eval_step)
 WEFT_SDK_DETAIL_OVERRIDES(global_grad_norm_sq)
 WEFT_SDK_DETAIL_OVERRIDES(comm_point)
+WEFT_SDK_DETAIL_OVERRIDES(flat_shard)
+WEFT_SDK_DETAIL_OVERRIDES(after_optimizer_step)
+WEFT_SDK_DETAIL_OVERRIDES(materialize_parameters)
 #undef WEFT_SDK_DETAIL_OVERRIDES
 
 // Runs `body`, turning every exception into a status created by `api` (NULL on success).
@@ -903,6 +957,15 @@ struct Slots {
                                  weft_direction direction, int64_t layer, DLTensor* tensor) noexcept {
     return call(handle, [&] { instance(handle).comm_point(point, direction, layer, *tensor); });
   }
+  static weft_status* flat_shard(weft_strategy* handle, int64_t index, weft_flat_shard* out) noexcept {
+    return call(handle, [&] { *out = instance(handle).flat_shard(index); });
+  }
+  static weft_status* after_optimizer_step(weft_strategy* handle) noexcept {
+    return call(handle, [&] { instance(handle).after_optimizer_step(); });
+  }
+  static weft_status* materialize_parameters(weft_strategy* handle, int32_t whole) noexcept {
+    return call(handle, [&] { instance(handle).materialize_parameters(whole != 0); });
+  }
 };
 
 // The table for strategy class T. Optional slots are NULL unless T overrides the method.
@@ -929,6 +992,10 @@ weft_strategy_api make_table(const char* name, const char* version, const char* 
   table.global_grad_norm_sq =
       overrides_global_grad_norm_sq<T>() ? &Slots<T>::global_grad_norm_sq : nullptr;
   table.comm_point = overrides_comm_point<T>() ? &Slots<T>::comm_point : nullptr;
+  table.flat_shard = overrides_flat_shard<T>() ? &Slots<T>::flat_shard : nullptr;
+  table.after_optimizer_step = overrides_after_optimizer_step<T>() ? &Slots<T>::after_optimizer_step : nullptr;
+  table.materialize_parameters =
+      overrides_materialize_parameters<T>() ? &Slots<T>::materialize_parameters : nullptr;
   return table;
 }
 

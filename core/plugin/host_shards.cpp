@@ -1,0 +1,116 @@
+// The host services for sharded training state (since ABI 1.3: ZeRO / FSDP): the flat shard of
+// each parameter a plugin keeps, its master copy and gradient, and whole parameters and gradients
+// the plugin frees and brings back.
+#include "core/plugin/host_services.h"
+
+namespace weft {
+namespace host {
+namespace {
+
+ParameterEntry& sharded_parameter(State& s, int64_t index, const char* what) {
+  auto& p = parameter_at(s, index);
+  WEFT_CHECK(p.sharded, "{}: parameter '{}' is not sharded (the plugin's flat_shard kept it whole)", what, p.name);
+  return p;
+}
+
+}  // namespace
+
+weft_status* parameter_shard(weft_host* host, int64_t index, DLTensor* out) {
+  return guarded([&] {
+    WEFT_CHECK(out, "parameter_shard: null output");
+    *out = sdk::to_dl_view(sharded_parameter(state_of(host), index, "parameter_shard").shard);
+  });
+}
+
+weft_status* parameter_grad_shard(weft_host* host, int64_t index, DLTensor* out) {
+  return guarded([&] {
+    WEFT_CHECK(out, "parameter_grad_shard: null output");
+    const auto& p = sharded_parameter(state_of(host), index, "parameter_grad_shard");
+    WEFT_CHECK(p.grad_shard.defined(), "parameter_grad_shard: parameter '{}' is frozen (no gradient)", p.name);
+    *out = sdk::to_dl_view(p.grad_shard);
+  });
+}
+
+weft_status* parameter_grad_release(weft_host* host, int64_t index) {
+  return guarded([&] {
+    auto& p = parameter_at(state_of(host), index);
+    p.tensor.mutable_grad() = at::Tensor();
+  });
+}
+
+weft_status* parameter_release(weft_host* host, int64_t index) {
+  return guarded([&] {
+    auto& p = sharded_parameter(state_of(host), index, "parameter_release");
+    WEFT_CHECK(p.releasable, "parameter_release: the shard of parameter '{}' is not WEFT_FLAT_SHARD_RELEASABLE",
+               p.name);
+    if (p.released) return;
+    // set_data keeps the tensor's identity (autograd's references, the optimizer's, the module's)
+    // and swaps its storage: an empty tensor frees the whole parameter's memory, unless a view
+    // saved for backward still holds it (it then dies with that graph).
+    p.tensor.set_data(at::empty({0}, p.tensor.options().requires_grad(false)));
+    p.released = true;
+  });
+}
+
+weft_status* parameter_materialize(weft_host* host, int64_t index, DLTensor* out) {
+  return guarded([&] {
+    WEFT_CHECK(out, "parameter_materialize: null output");
+    auto& p = parameter_at(state_of(host), index);
+    if (p.released) {
+      p.tensor.set_data(at::empty(p.local_shape, p.tensor.options().requires_grad(false)));
+      p.released = false;
+    }
+    *out = sdk::to_dl_view(p.tensor.detach());
+  });
+}
+
+}  // namespace host
+
+void PluginHost::set_flat_shard(int64_t index, const weft_flat_shard& shard) {
+  auto& p = host::parameter_at(*state_, index);
+  const int64_t numel = p.tensor.numel();
+  WEFT_CHECK(shard.begin >= 0 && shard.count >= 0 && shard.begin + shard.count <= numel,
+             "flat_shard({}) returned elements [{}, {}) of a parameter with {} elements", p.name, shard.begin,
+             shard.begin + shard.count, numel);
+  WEFT_CHECK((shard.flags & ~WEFT_FLAT_SHARD_RELEASABLE) == 0, "flat_shard({}) returned unknown flags {:#x}", p.name,
+             shard.flags);
+  WEFT_CHECK(!p.released, "flat_shard({}): the parameter is released", p.name);
+  if (shard.begin == 0 && shard.count == numel && shard.flags == 0) return;  // whole: not sharded
+  WEFT_CHECK(p.tensor.is_contiguous(), "flat_shard({}): the parameter is not contiguous", p.name);
+  torch::NoGradGuard no_grad;
+  p.sharded = true;
+  p.shard_begin = shard.begin;
+  p.shard_count = shard.count;
+  p.releasable = (shard.flags & WEFT_FLAT_SHARD_RELEASABLE) != 0;
+  at::Tensor view = p.tensor.detach().reshape({-1}).narrow(0, shard.begin, shard.count);
+  p.shard = p.releasable ? view.clone() : view;
+  if (p.tensor.requires_grad()) {
+    p.grad_shard = at::zeros({shard.count}, p.tensor.options().dtype(at::kFloat).requires_grad(false));
+    p.shard.mutable_grad() = p.grad_shard;  // what the optimizer and clipping read
+  }
+}
+
+std::vector<PluginHost::TrainingTensor> PluginHost::training_tensors() const {
+  std::vector<TrainingTensor> tensors;
+  for (const auto& p : state_->parameters) {
+    if (!p.tensor.requires_grad()) continue;
+    tensors.push_back({p.name, p.sharded ? p.shard : p.tensor, p.shape.size() >= 2});
+  }
+  return tensors;
+}
+
+bool PluginHost::sharded() const {
+  for (const auto& p : state_->parameters) {
+    if (p.sharded) return true;
+  }
+  return false;
+}
+
+void PluginHost::zero_grad_shards() {
+  torch::NoGradGuard no_grad;
+  for (auto& p : state_->parameters) {
+    if (p.grad_shard.defined()) p.grad_shard.zero_();
+  }
+}
+
+}  // namespace weft

@@ -1,0 +1,453 @@
+#include "zero.hpp"
+
+#include <string>
+
+#include "../common/dl_views.hpp"
+#include "../common/reductions.hpp"
+
+namespace weft {
+namespace zero {
+
+using weft::plugins::element_count;
+using weft::plugins::is_fp32;
+using weft::sdk::Activation;
+using weft::sdk::Error;
+
+namespace {
+
+constexpr size_t kInFlight = 2;  // collectives of one kind started and not yet finished
+constexpr DLDataType kFp32{kDLFloat, 32, 1};
+
+}  // namespace
+
+Zero::Zero(weft::sdk::Host host) : Strategy(host), world_(host.world()) {
+  ranks_ = world_.size();
+  rank_ = world_.rank();
+  stage_ = host.config_int("stage", 3);
+  if (stage_ < 1 || stage_ > 3) {
+    throw Error(WEFT_STATUS_BAD_CONFIG, "plugin.stage must be 1, 2 or 3 (ZeRO's stages), got " + std::to_string(stage_));
+  }
+  reshard_after_forward_ = host.config_bool("reshard_after_forward", true);
+}
+
+Zero::~Zero() {
+  abandon();
+  if (stage_ < 3 && !group_of_.empty()) host().api()->set_grad_ready_callback(host().handle(), nullptr, nullptr);
+}
+
+void Zero::plan(weft_model_plan& plan) {
+  plan.data_parallel_size = ranks_;
+  plan.data_parallel_rank = rank_;
+}
+
+void Zero::setup() {
+  const int64_t count = host().parameter_count();
+  model_stages_ = host().model_num_stages();
+  tied_ = stage_ == 3 && host().model_info().tie_word_embeddings != 0;
+  std::vector<weft::sdk::Work> broadcasts;
+  std::vector<std::vector<int64_t>> gather_params(static_cast<size_t>(model_stages_)), gather_sizes = gather_params;
+  std::vector<std::vector<int64_t>> reduce_params = gather_params, reduce_sizes = gather_params;
+  for (int64_t i = 0; i < count; ++i) {
+    DLTensor data = host().parameter_data(i);
+    if (ranks_ > 1) broadcasts.push_back(host().broadcast(world_, data, 0));  // replicas start identical
+    const weft_parameter_info info = host().parameter_info(i);
+    if (!is_fp32(data)) throw Error(WEFT_STATUS_UNSUPPORTED, std::string("zero: parameter ") + info.name + " is not fp32");
+    const auto stage = static_cast<size_t>(info.stage);
+    if (stage >= gather_params.size()) throw Error(WEFT_STATUS_INTERNAL, "zero: parameter stage out of range");
+    if (info.trainable) {
+      reduce_params[stage].push_back(i);
+      reduce_sizes[stage].push_back(element_count(data));
+    }
+    if (info.trainable || stage_ == 3) {
+      gather_params[stage].push_back(i);
+      gather_sizes[stage].push_back(element_count(data));
+    }
+  }
+  for (const weft::sdk::Work& work : broadcasts) work.wait();
+  gather_groups_.clear();
+  reduce_groups_.clear();
+  group_of_.assign(static_cast<size_t>(count), -1);
+  for (size_t s = 0; s < gather_params.size(); ++s) {
+    gather_groups_.push_back(make_group(gather_params[s], gather_sizes[s], ranks_));
+    reduce_groups_.push_back(make_group(reduce_params[s], reduce_sizes[s], ranks_));
+    for (int64_t i : reduce_params[s]) group_of_[static_cast<size_t>(i)] = static_cast<int64_t>(s);
+  }
+  first_trainable_ = gather_params.size();
+  for (size_t s = reduce_params.size(); s-- > 0;) {
+    if (!reduce_params[s].empty()) first_trainable_ = s;
+  }
+  reduce_order_.clear();
+  for (size_t s = gather_params.size(); s-- > 0;) reduce_order_.push_back(s);
+  whole_.assign(gather_params.size(), 1);
+  pending_.assign(gather_params.size(), 0);
+  ready_.assign(static_cast<size_t>(count), 0);
+  if (ranks_ == 1 && stage_ < 3) return;  // nothing to shard: the one-process step
+  if (stage_ < 3) host().set_grad_ready_callback(&Zero::grad_ready_trampoline, this);
+  if (stage_ >= 2) {
+    for (int64_t i = 0; i < count; ++i) {
+      if (group_of_[static_cast<size_t>(i)] >= 0) host().release_parameter_grad(i);
+    }
+  }
+}
+
+weft_flat_shard Zero::flat_shard(int64_t index) {
+  const int64_t elements = element_count(host().parameter_data(index));
+  if (stage_ == 3) {
+    weft_flat_shard shard = shard_of(elements, ranks_, rank_);
+    shard.flags = WEFT_FLAT_SHARD_RELEASABLE;
+    return shard;
+  }
+  if (!host().parameter_info(index).trainable || ranks_ == 1) return weft_flat_shard{0, elements, 0u, 0u};
+  return shard_of(elements, ranks_, rank_);
+}
+
+// --- the step ---
+
+double Zero::train_step(const weft_step_info& step) {
+  if (step.micro_batches < 1) throw Error(WEFT_STATUS_INVALID_ARGUMENT, "zero: micro_batches must be >= 1");
+  if (group_of_.size() != static_cast<size_t>(host().parameter_count())) {
+    throw Error(WEFT_STATUS_INTERNAL, "zero: train_step before setup");
+  }
+  if (ranks_ == 1 && stage_ < 3) return single_process_train_step(step);
+  double local = 0.0;
+  try {
+    local = stage_ == 3 ? staged_train_step(step) : hooked_train_step(step);
+  } catch (...) {
+    abandon();
+    throw;
+  }
+  std::vector<double> sum{local};
+  return all_reduce_sum(sum) / (static_cast<double>(step.micro_batches) * ranks_);
+}
+
+// Stages 1 and 2: the one-process loop; the last micro-batch's backward starts the reduce-scatters.
+double Zero::hooked_train_step(const weft_step_info& step) {
+  const int64_t stages = host().model_num_stages();
+  const double scale = 1.0 / step.micro_batches;
+  double loss_sum = 0.0;
+  for (int32_t m = 0; m < step.micro_batches; ++m) {
+    weft::sdk::Batch batch = host().batch(m);
+    Activation logits = host().forward(0, stages, batch.inputs);
+    weft::sdk::Loss loss = host().loss(logits, batch.targets, scale);
+    if (m == step.micro_batches - 1) {
+      for (size_t g = 0; g < reduce_groups_.size(); ++g) {
+        pending_[g] = static_cast<int64_t>(reduce_groups_[g].parameters.size());
+      }
+      std::fill(ready_.begin(), ready_.end(), 0);
+      next_reduce_ = 0;
+      callback_error_ = nullptr;
+      syncing_ = true;
+    }
+    host().backward(loss.loss);
+    syncing_ = false;
+    loss_sum += loss.value;
+  }
+  if (callback_error_) std::rethrow_exception(callback_error_);
+  finish_reduces();
+  return loss_sum;
+}
+
+// Stage 3: stage by stage, gathering each stage's parameters before it runs and releasing them
+// after, in both directions.
+double Zero::staged_train_step(const weft_step_info& step) {
+  if (!resting_) release_all();
+  const auto S = static_cast<size_t>(model_stages_);
+  const double scale = 1.0 / step.micro_batches;
+  double loss_sum = 0.0;
+  next_reduce_ = 0;
+  if (tied_) ensure_whole(0);
+  for (int32_t m = 0; m < step.micro_batches; ++m) {
+    const bool last = m == step.micro_batches - 1;
+    weft::sdk::Batch batch = host().batch(m);
+    std::vector<Activation> inputs(S), outputs(S);  // inputs[s]: stage s's leaf input (s > 0)
+    prefetch(0);
+    for (size_t s = 0; s < S; ++s) {
+      ensure_whole(s);
+      if (s + 1 < S) prefetch(s + 1);
+      weft::sdk::TraceSpan span(host(), "forward", "stage " + std::to_string(s));
+      if (s == 0) {
+        outputs[0] = host().forward(0, 1, batch.inputs);
+      } else {
+        inputs[s] = host().activation_from_tensor(host().activation_view(outputs[s - 1]), true);
+        outputs[s] = host().forward(static_cast<int64_t>(s), static_cast<int64_t>(s + 1), inputs[s]);
+      }
+      if (reshard_after_forward_ && s + 1 < S) release_stage(s);
+    }
+    weft::sdk::Loss loss = host().loss(outputs[S - 1], batch.targets, scale);
+    loss_sum += loss.value;
+    for (size_t s = S; s-- > 0;) {
+      if (s < first_trainable_) {  // nothing before it trains (a frozen LoRA embedding): no backward
+        release_stage(s);
+        continue;
+      }
+      ensure_whole(s);
+      if (s > first_trainable_) prefetch(s - 1);
+      {
+        weft::sdk::TraceSpan span(host(), "backward", "stage " + std::to_string(s));
+        if (s + 1 == S) {
+          host().backward(loss.loss);
+          loss.loss.reset();
+        } else {
+          Activation grad = host().activation_grad(inputs[s + 1]);
+          host().backward(outputs[s], grad);
+          inputs[s + 1].reset();
+        }
+        outputs[s].reset();  // its graph is spent
+      }
+      if (last) reduce_in_order(s);
+      release_stage(s);
+    }
+  }
+  finish_reduces();
+  release_stage(0, /*even_pinned=*/true);
+  return loss_sum;
+}
+
+weft::sdk::EvalResult Zero::eval_step(const weft_step_info& step) {
+  std::vector<double> sums{0.0, 0.0};  // {loss sum, tokens}
+  const int32_t micro_batches = step.micro_batches > 0 ? step.micro_batches : 1;
+  const auto S = static_cast<size_t>(model_stages_);
+  try {
+    if (stage_ == 3 && !resting_) release_all();
+    for (int32_t m = 0; m < micro_batches; ++m) {
+      weft::sdk::Batch batch = host().batch(m);
+      const DLTensor inputs = host().activation_view(batch.inputs);
+      const bool rows = !(inputs.ndim > 0 && inputs.shape[0] == 0);  // a rank may have none
+      Activation logits;
+      if (stage_ < 3) {
+        if (rows) logits = host().forward(0, static_cast<int64_t>(S), batch.inputs, WEFT_FORWARD_NO_GRAD);
+      } else {  // every rank gathers every stage, rows or not: the gathers are collectives
+        if (tied_) ensure_whole(0);
+        prefetch(0);
+        Activation hidden;
+        for (size_t s = 0; s < S; ++s) {
+          ensure_whole(s);
+          if (s + 1 < S) prefetch(s + 1);
+          if (rows) {
+            hidden = host().forward(static_cast<int64_t>(s), static_cast<int64_t>(s + 1), s == 0 ? batch.inputs : hidden,
+                                    WEFT_FORWARD_NO_GRAD);
+          }
+          if (s + 1 < S) release_stage(s);
+        }
+        logits = std::move(hidden);
+        release_all();
+      }
+      if (!rows) continue;
+      weft::sdk::Loss loss = host().loss(logits, batch.targets, 1.0);
+      sums[0] += loss.value * static_cast<double>(loss.tokens);
+      sums[1] += static_cast<double>(loss.tokens);
+    }
+  } catch (...) {
+    abandon();
+    throw;
+  }
+  all_reduce_sum(sums);
+  weft::sdk::EvalResult result;
+  result.loss_sum = sums[0];
+  result.tokens = static_cast<int64_t>(sums[1] + 0.5);
+  return result;
+}
+
+double Zero::global_grad_norm_sq(double local_sq) {
+  if (ranks_ == 1) return local_sq;
+  std::vector<double> sum{local_sq};
+  return all_reduce_sum(sum);  // the ranks' shards cover every element once
+}
+
+void Zero::after_optimizer_step() {
+  if (stage_ < 3 && ranks_ > 1) gather_all();  // the updated shards into every rank's whole parameters
+}
+
+void Zero::materialize_parameters(bool whole) {
+  if (stage_ < 3) return;  // whole between steps already
+  try {
+    if (whole) {
+      gather_all();
+      resting_ = false;
+    } else {
+      release_all();
+    }
+  } catch (...) {
+    abandon();
+    throw;
+  }
+}
+
+// --- gradients ---
+
+Zero::InFlight Zero::start_reduce(size_t group) {
+  const FlatGroup& g = reduce_groups_[group];
+  InFlight flight;
+  flight.group = group;
+  flight.send = host().buffer({static_cast<int64_t>(ranks_) * g.width}, kFp32);  // [ranks, width]
+  flight.receive = host().buffer({g.width}, kFp32);
+  for (size_t k = 0; k < g.parameters.size(); ++k) {
+    const int64_t index = g.parameters[k];
+    DLTensor grad{};
+    weft_status* status = host().api()->parameter_grad(host().handle(), index, &grad);
+    if (status != nullptr && host().api()->status_code(status) == WEFT_STATUS_INVALID_ARGUMENT) {
+      host().api()->status_release(status);  // no gradient in this step: zeros (the buffer's)
+      continue;
+    }
+    host().check(status);
+    if (!is_fp32(grad)) throw Error(WEFT_STATUS_UNSUPPORTED, "zero: a gradient is not fp32");
+    copy_into_matrix(host(), g, k, flight.send.view(), grad);
+    if (stage_ >= 2) host().release_parameter_grad(index);  // copied: the whole gradient can go
+  }
+  DLTensor receive = flight.receive.view();
+  flight.work = host().reduce_scatter(world_, receive, flight.send.view(), WEFT_REDUCE_SUM);
+  return flight;
+}
+
+void Zero::finish_reduce(InFlight& flight) {
+  flight.work.wait();
+  flight.send.reset();
+  const FlatGroup& g = reduce_groups_[flight.group];
+  DLTensor row = flight.receive.view();
+  host().scale(row, 1.0 / ranks_);
+  for (size_t k = 0; k < g.parameters.size(); ++k) {
+    DLTensor shard = host().parameter_grad_shard(g.parameters[k]);
+    copy_from_row(host(), g, k, row, shard);
+  }
+}
+
+// Starts `group`'s reduce-scatter (groups start in reduce_order_ on every rank), finishing the
+// oldest first when kInFlight are already under way. Groups without trainable parameters are
+// skipped on every rank alike.
+void Zero::reduce_in_order(size_t group) {
+  if (reduce_groups_[group].width == 0) return;
+  if (reducing_.size() >= kInFlight) {
+    finish_reduce(reducing_.front());
+    reducing_.pop_front();
+  }
+  reducing_.push_back(start_reduce(group));
+}
+
+void Zero::finish_reduces() {
+  if (stage_ < 3) {  // whatever did not arrive counts as zeros, in order
+    for (; next_reduce_ < reduce_order_.size(); ++next_reduce_) reduce_in_order(reduce_order_[next_reduce_]);
+  }
+  while (!reducing_.empty()) {
+    finish_reduce(reducing_.front());
+    reducing_.pop_front();
+  }
+}
+
+void Zero::grad_ready_trampoline(void* user_data, int64_t parameter_index) noexcept {
+  auto* self = static_cast<Zero*>(user_data);
+  if (!self->syncing_ || self->callback_error_) return;
+  try {
+    self->on_grad_ready(parameter_index);
+  } catch (...) {
+    self->callback_error_ = std::current_exception();
+  }
+}
+
+void Zero::on_grad_ready(int64_t parameter_index) {
+  if (parameter_index < 0 || static_cast<size_t>(parameter_index) >= group_of_.size()) {
+    throw Error(WEFT_STATUS_INTERNAL, "zero: grad-ready callback for unknown parameter " + std::to_string(parameter_index));
+  }
+  const int64_t group = group_of_[static_cast<size_t>(parameter_index)];
+  char& ready = ready_[static_cast<size_t>(parameter_index)];
+  if (group < 0 || ready) return;
+  ready = 1;
+  --pending_[static_cast<size_t>(group)];
+  while (next_reduce_ < reduce_order_.size() && pending_[reduce_order_[next_reduce_]] == 0) {
+    reduce_in_order(reduce_order_[next_reduce_++]);
+  }
+}
+
+// --- parameters ---
+
+Zero::InFlight Zero::start_gather(size_t group) {
+  const FlatGroup& g = gather_groups_[group];
+  InFlight flight;
+  flight.group = group;
+  flight.send = host().buffer({g.width}, kFp32);
+  flight.receive = host().buffer({static_cast<int64_t>(ranks_) * g.width}, kFp32);  // [ranks, width]
+  for (size_t k = 0; k < g.parameters.size(); ++k) {
+    copy_into_row(host(), g, k, flight.send.view(), host().parameter_shard(g.parameters[k]));
+  }
+  DLTensor receive = flight.receive.view();
+  flight.work = host().all_gather(world_, receive, flight.send.view());
+  return flight;
+}
+
+void Zero::finish_gather(InFlight& flight) {
+  flight.work.wait();
+  flight.send.reset();
+  const FlatGroup& g = gather_groups_[flight.group];
+  for (size_t k = 0; k < g.parameters.size(); ++k) {
+    const int64_t index = g.parameters[k];
+    const DLTensor whole = stage_ == 3 ? host().materialize_parameter(index) : host().parameter_data(index);
+    copy_from_matrix(host(), g, k, flight.receive.view(), whole);
+  }
+  whole_[flight.group] = 1;
+}
+
+void Zero::gather_all() {
+  for (size_t group = 0; group < gather_groups_.size(); ++group) {
+    if (gather_groups_[group].width == 0) continue;
+    if (gathering_.size() >= kInFlight) {
+      finish_gather(gathering_.front());
+      gathering_.pop_front();
+    }
+    gathering_.push_back(start_gather(group));
+  }
+  while (!gathering_.empty()) {
+    finish_gather(gathering_.front());
+    gathering_.pop_front();
+  }
+}
+
+void Zero::prefetch(size_t stage) {
+  if (whole_[stage]) return;
+  for (const InFlight& flight : gathering_) {
+    if (flight.group == stage) return;
+  }
+  if (gathering_.size() >= kInFlight) {
+    finish_gather(gathering_.front());
+    gathering_.pop_front();
+  }
+  gathering_.push_back(start_gather(stage));
+}
+
+void Zero::ensure_whole(size_t stage) {
+  if (whole_[stage]) return;
+  prefetch(stage);
+  while (!whole_[stage]) {  // gathers finish in the order they started
+    finish_gather(gathering_.front());
+    gathering_.pop_front();
+  }
+}
+
+void Zero::release_stage(size_t stage, bool even_pinned) {
+  if (stage_ < 3 || !whole_[stage] || (tied_ && stage == 0 && !even_pinned)) return;
+  for (int64_t index : gather_groups_[stage].parameters) host().release_parameter(index);
+  whole_[stage] = 0;
+}
+
+void Zero::release_all() {
+  for (size_t stage = 0; stage < gather_groups_.size(); ++stage) release_stage(stage, /*even_pinned=*/true);
+  resting_ = true;
+}
+
+double Zero::all_reduce_sum(std::vector<double>& values) {
+  values = weft::plugins::sum_over(host(), world_, values);
+  return values[0];
+}
+
+// After a failure: no callback may act any more, and every collective in flight is released (the
+// host waits for it) before its buffers go.
+void Zero::abandon() noexcept {
+  syncing_ = false;
+  callback_error_ = nullptr;
+  reducing_.clear();
+  gathering_.clear();
+}
+
+}  // namespace zero
+}  // namespace weft
+
+WEFT_STRATEGY(weft::zero::Zero, "zero", "1.0.0",
+              "sharded data parallelism (ZeRO stages 1-3, FSDP-style): optimizer state, gradients and parameters")

@@ -108,6 +108,8 @@ void print_help() {
                "        loss and perplexity of the configured model (or of every sequence of the --data files)\n"
                "  trainer generate --config FILE [--plugin NAME] [--nproc N] --prompt TEXT   continue TEXT (generate.*)\n"
                "  trainer check --plugin NAME [--nproc N] [--set plugin.KEY=VALUE ...]   conformance: 20 steps under NAME vs single.so\n"
+               "  trainer plan --config FILE [--plugin NAME] [--nproc N]   the memory plan per rank (parameters,\n"
+               "        gradients, optimizer, activations, buffers) and whether it fits, without building the model\n"
                "  trainer bench --config FILE --plugin A --plugin B [--nproc N] [--baseline pytorch] [--warmup W]\n"
                "        [--steps S] [--repetitions R] [--out DIR]   A/B timing: table, bench.json, plots\n"
                "  trainer report RUN_DIR [--out REPORT.md]   a finished run as a Markdown report with plots\n"

@@ -179,6 +179,39 @@ int run_eval(const CommandLine& cli) {
   return 0;
 }
 
+// `trainer plan`: every rank's memory plan as the run would make it before building the model, as
+// a table on stdout (MiB), and whether it fits train.memory_limit_gib. Exit status 1 when a run
+// would be refused.
+int run_plan(const CommandLine& cli) {
+  RunSetup run = prepare_run(cli);
+  Job job(run.options, run.context, Job::Data::kPlanOnly);
+  if (run.context.rank != 0) return job.memory().fits ? 0 : 1;
+  const MemoryVerdict& v = job.memory();
+  const auto mib = [](int64_t bytes) { return fmt::format("{:.1f}", static_cast<double>(bytes) / (1024.0 * 1024.0)); };
+  std::cout << fmt::format("memory plan: plugin {}, {} rank(s), precision {}, train.batch_size {} x {} micro-batch(es), "
+                           "seq_len {}{}\n",
+                           job.strategy().library().name(), v.ranks.size(), run.options.precision, run.options.batch_size,
+                           run.options.grad_accum_steps, run.options.data.seq_len,
+                           run.options.mode == "lora" ? ", LoRA" : "");
+  std::cout << fmt::format("{:>5} {:>8} {:>11} {:>10} {:>10} {:>12} {:>8} {:>8} {:>8}\n", "rank", "machine", "parameters",
+                           "gradients", "optimizer", "activations", "buffers", "runtime", "total");
+  for (size_t r = 0; r < v.ranks.size(); ++r) {
+    const MemoryPlan& p = v.ranks[r];
+    std::cout << fmt::format("{:>5} {:>8} {:>11} {:>10} {:>10} {:>12} {:>8} {:>8} {:>8}\n", r, v.machine[r], mib(p.parameters),
+                             mib(p.gradients), mib(p.optimizer), mib(p.activations), mib(p.buffers), mib(v.runtime_bytes),
+                             mib(p.total() + v.runtime_bytes));
+  }
+  std::cout << "(MiB; activations are an estimate of this host's kernels, the rest follows from the shapes)\n";
+  if (v.limit_bytes > 0) {
+    std::cout << fmt::format("limit: {} MiB {} ({}): {}\n", mib(v.limit_bytes),
+                             v.per_device ? "per device" : "per machine", v.limit_source,
+                             v.fits ? "fits" : "does NOT fit: " + v.problem);
+  } else {
+    std::cout << "limit: unknown (set train.memory_limit_gib)\n";
+  }
+  return v.fits ? 0 : 1;
+}
+
 // `trainer check --plugin X`: the conformance check against single.so.
 int run_check(const CommandLine& cli) {
   if (cli.plugin.empty()) throw Error("trainer check needs --plugin NAME_OR_PATH");

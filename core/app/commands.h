@@ -10,6 +10,7 @@ int run_train(const CommandLine& cli);
 int run_eval(const CommandLine& cli);
 int run_generate(const CommandLine& cli);
 int run_check(const CommandLine& cli);
+int run_plan(const CommandLine& cli);
 int run_bench(const CommandLine& cli);
 int run_report(const CommandLine& cli);
 int run_plugins();

@@ -1,7 +1,7 @@
 // trainer: weft's host executable.
 //
 //   trainer [train] --config configs/x.toml [--plugin NAME] [--nproc N] [--set section.key=value ...]
-//   trainer eval | generate | check | bench | report | plugins | config-reference   (trainer --help)
+//   trainer eval | generate | check | plan | bench | report | plugins | config-reference   (trainer --help)
 #include <cstdlib>
 #include <iostream>
 
@@ -35,7 +35,8 @@ int main(int argc, char** argv) {
     if (std::getenv("RANK") == nullptr) {
       ::setenv("WEFT_COMMAND_LINE", weft::reproducible_command_line(argc, argv).c_str(), /*overwrite=*/1);
     }
-    const bool runs_ranks = cli.command == "train" || cli.command == "eval" || cli.command == "generate";
+    const bool runs_ranks =
+        cli.command == "train" || cli.command == "eval" || cli.command == "generate" || cli.command == "plan";
     if (runs_ranks && cli.nproc > 0 && std::getenv("RANK") == nullptr) {
       if (!cli.log_level.empty()) weft::set_log_level(cli.log_level);  // the launcher's own lines
       return weft::launch_local_ranks(cli.nproc, argc, argv);
@@ -44,6 +45,7 @@ int main(int argc, char** argv) {
     if (cli.command == "eval") return run_eval(cli);
     if (cli.command == "generate") return run_generate(cli);
     if (cli.command == "check") return run_check(cli);
+    if (cli.command == "plan") return run_plan(cli);
     if (cli.command == "bench") return run_bench(cli);
     if (cli.command == "report") return run_report(cli);
     if (cli.command == "plugins") return run_plugins();
@@ -52,7 +54,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     throw weft::Error(fmt::format(
-        "unknown command '{}' (commands: train, eval, generate, check, bench, report, plugins, config-reference)",
+        "unknown command '{}' (commands: train, eval, generate, check, plan, bench, report, plugins, config-reference)",
         cli.command));
   } catch (const weft::Error& e) {
     spdlog::error("{}", e.what());

@@ -39,11 +39,24 @@ ModelConfig resolve_model_config(const TrainOptions& options, const Tokenizer& t
 // The dtype train.precision computes in: fp32, bf16 or fp16 (masters stay fp32).
 torch::Dtype compute_dtype(const std::string& precision);
 
+// Every rank's memory plan and whether the run fits the limit (train.memory_limit_gib).
+struct MemoryVerdict {
+  std::vector<MemoryPlan> ranks;       // by rank
+  std::vector<int> machine;            // by rank: ranks with the same number share a machine
+  int64_t runtime_bytes = 0;           // per process: LibTorch and the process itself
+  int64_t limit_bytes = 0;             // per machine (CPU) or per device (CUDA)
+  std::string limit_source;            // "train.memory_limit_gib" or what the default came from
+  bool per_device = false;             // CUDA: each rank against its device
+  bool fits = true;
+  std::string problem;                 // one line when it does not fit
+};
+
 class Job {
  public:
   enum class Data {
     kNone,      // the model only (trainer generate)
     kSplits,    // data.path prepared as training prepares it: the train and held-out splits
+    kPlanOnly,  // the memory plan only (trainer plan): no model, no data, no refusal over the limit
   };
   // Joins the run (rendezvous, process groups), loads the strategy and checks that every rank
   // runs the same plugin build and configuration, then builds the tokenizer, the model and `data`.
@@ -67,10 +80,14 @@ class Job {
   const std::optional<LoraConfig>& lora() const { return lora_; }
   // Data::kSplits: the splits (held-out null when data.heldout_fraction = 0).
   const DatasetSplits& data() const { return data_; }
+  // The memory plan of every rank (index: rank), made before the model was built.
+  const MemoryVerdict& memory() const { return memory_; }
 
  private:
   void join();
   void build_model();
+  void plan_memory(const ModelConfig& config, torch::Dtype dtype);
+  void check_memory_limit();
 
   TrainOptions options_;
   RunContext context_;
@@ -84,6 +101,9 @@ class Job {
   std::vector<torch::Tensor> trainable_;
   std::optional<LoraConfig> lora_;
   DatasetSplits data_;
+  ShardMap shards_;  // this rank's tensor-parallel slices (for the memory plan)
+  MemoryVerdict memory_;
+  bool plan_only_ = false;
 };
 
 }  // namespace weft

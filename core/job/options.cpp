@@ -161,6 +161,11 @@ const std::vector<Row>& rows() {
       float_key("train.collective_timeout_s", WEFT_MEMBER(collective_timeout_s), 300.0,
                 "Seconds a collective or the start-up rendezvous may take before the run stops with an error naming it.",
                 1.0),
+      float_key("train.memory_limit_gib", WEFT_MEMBER(memory_limit_gib), 0.0,
+                "GiB the memory plan may use before compute: on the CPU, all ranks of a machine together; on CUDA, "
+                "each rank's device. 0 = the machine's memory (MemTotal) or the device's. A run whose plan exceeds it "
+                "is refused before the model is built (trainer plan prints the plan).",
+                0),
       bool_key("train.overwrite", WEFT_MEMBER(overwrite), false,
                "Start fresh even if out_dir already holds checkpoints or saved models (they are replaced)."),
       // [lora]

@@ -55,6 +55,7 @@ struct TrainOptions {
   bool overwrite;
   std::string plugin;         // train.plugin: a path or name; empty = single, built into the host
   double collective_timeout_s;
+  double memory_limit_gib;    // train.memory_limit_gib: 0 = the machine's memory (CPU) / the device's (CUDA)
   bool save_merged;           // lora.save_merged
   int64_t eval_every, eval_max_batches, eval_batch_size, patience;
   int64_t checkpoint_every, keep_last;

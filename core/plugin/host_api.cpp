@@ -68,6 +68,7 @@ weft_host_api make_table() {
   t.parameter_grad_release = host::parameter_grad_release;
   t.parameter_release = host::parameter_release;
   t.parameter_materialize = host::parameter_materialize;
+  t.stage_memory = host::stage_memory;
   return t;
 }
 

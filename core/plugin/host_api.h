@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -88,10 +89,27 @@ class PluginHost {
     bool matrix = false;
   };
   std::vector<TrainingTensor> training_tensors() const;
+  // Per trainable parameter, in the model's order: the parameter, and where it is sharded, its
+  // master shard and the flat range [begin, begin + count) it holds (checkpoints gather and slice
+  // the optimizer state with these).
+  struct ShardedTensor {
+    std::string name;
+    at::Tensor whole;  // the parameter (whole while the plugin keeps it so)
+    at::Tensor shard;  // its master shard; undefined when not sharded
+    int64_t begin = 0, count = 0;
+    bool own_storage = false;  // a RELEASABLE shard: storage of its own, not a view of `whole`
+  };
+  std::vector<ShardedTensor> trainable_shards() const;
   // True when some parameter's training state is sharded.
   bool sharded() const;
   // Zeroes every gradient shard (after the optimizer step).
   void zero_grad_shards();
+  // Bytes this rank's parameters and gradients hold now (between steps: what persists): whole
+  // parameters not released plus releasable shards' own storage; whole gradients plus gradient
+  // shards.
+  std::pair<int64_t, int64_t> parameter_and_gradient_bytes() const;
+  // The host's memory estimate per model stage, which stage_memory serves (before the model).
+  void set_stage_memory(std::vector<weft_stage_memory> stages);
 
   struct State;  // defined in host_api.cpp; `weft_host` points to it
 

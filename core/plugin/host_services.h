@@ -88,6 +88,8 @@ struct PluginHost::State {
   weft_model_info model_info{};
   std::shared_ptr<ModelConfig> model_config;  // for profile_stages
   int64_t seq_len = 0, batch_rows = 0;
+  // The host's memory estimate per model stage (set_stage_memory, before the model is built).
+  std::vector<weft_stage_memory> stage_memory;
   // Values the plugin reported for the current step (report_metric).
   std::map<std::string, double> step_metrics;
   // Per-sequence evaluation (record_sequence_losses): each sequence's summed token losses and
@@ -251,6 +253,7 @@ weft_status* parameter_grad_shard(weft_host* host, int64_t index, DLTensor* out)
 weft_status* parameter_grad_release(weft_host* host, int64_t index);
 weft_status* parameter_release(weft_host* host, int64_t index);
 weft_status* parameter_materialize(weft_host* host, int64_t index, DLTensor* out);
+weft_status* stage_memory(weft_host* host, int64_t stage, weft_stage_memory* out);
 // host_model.cpp
 ParameterEntry& parameter_at(State& s, int64_t index);
 

@@ -1,7 +1,9 @@
 // The host services for sharded training state (since ABI 1.3: ZeRO / FSDP): the flat shard of
 // each parameter a plugin keeps, its master copy and gradient, and whole parameters and gradients
-// the plugin frees and brings back.
+// the plugin frees and brings back; and the per-stage memory estimate behind the memory plan.
 #include "core/plugin/host_services.h"
+
+#include <cstring>
 
 namespace weft {
 namespace host {
@@ -64,7 +66,24 @@ weft_status* parameter_materialize(weft_host* host, int64_t index, DLTensor* out
   });
 }
 
+weft_status* stage_memory(weft_host* host, int64_t stage, weft_stage_memory* out) {
+  return guarded([&] {
+    WEFT_CHECK(out != nullptr, "stage_memory: null output");
+    auto& s = state_of(host);
+    WEFT_CHECK(!s.stage_memory.empty(), "stage_memory: the memory estimate is made after shard_parameter");
+    WEFT_CHECK(0 <= stage && stage < static_cast<int64_t>(s.stage_memory.size()), "stage_memory: stage {} outside [0, {})",
+               stage, s.stage_memory.size());
+    WEFT_CHECK(out->struct_size >= sizeof(uint32_t), "stage_memory: out->struct_size must be sizeof(weft_stage_memory)");
+    const size_t size = std::min<size_t>(out->struct_size, sizeof(weft_stage_memory));
+    weft_stage_memory value = s.stage_memory[static_cast<size_t>(stage)];
+    value.struct_size = static_cast<uint32_t>(size);
+    std::memcpy(out, &value, size);
+  });
+}
+
 }  // namespace host
+
+void PluginHost::set_stage_memory(std::vector<weft_stage_memory> stages) { state_->stage_memory = std::move(stages); }
 
 void PluginHost::set_flat_shard(int64_t index, const weft_flat_shard& shard) {
   auto& p = host::parameter_at(*state_, index);
@@ -97,6 +116,33 @@ std::vector<PluginHost::TrainingTensor> PluginHost::training_tensors() const {
     tensors.push_back({p.name, p.sharded ? p.shard : p.tensor, p.shape.size() >= 2});
   }
   return tensors;
+}
+
+std::pair<int64_t, int64_t> PluginHost::parameter_and_gradient_bytes() const {
+  int64_t parameters = 0, gradients = 0;
+  for (const auto& p : state_->parameters) {
+    if (!p.released) parameters += static_cast<int64_t>(p.tensor.nbytes());
+    if (p.releasable) parameters += static_cast<int64_t>(p.shard.nbytes());
+    if (p.tensor.grad().defined()) gradients += static_cast<int64_t>(p.tensor.grad().nbytes());
+    if (p.grad_shard.defined()) gradients += static_cast<int64_t>(p.grad_shard.nbytes());
+  }
+  return {parameters, gradients};
+}
+
+std::vector<PluginHost::ShardedTensor> PluginHost::trainable_shards() const {
+  std::vector<ShardedTensor> out;
+  for (const auto& p : state_->parameters) {
+    if (!p.tensor.requires_grad()) continue;
+    ShardedTensor t{p.name, p.tensor, at::Tensor(), 0, p.tensor.numel(), false};
+    if (p.sharded) {
+      t.shard = p.shard;
+      t.begin = p.shard_begin;
+      t.count = p.shard_count;
+      t.own_storage = p.releasable;
+    }
+    out.push_back(std::move(t));
+  }
+  return out;
 }
 
 bool PluginHost::sharded() const {

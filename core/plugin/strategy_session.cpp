@@ -83,6 +83,31 @@ ShardMap StrategySession::shards(const ModelConfig& config, const StageRange& st
   return shards;
 }
 
+MemoryPlan StrategySession::memory_plan(const std::vector<weft_stage_memory>& stages, const StageRange& held,
+                                        int32_t micro_batches, int64_t rows, int64_t seq_len) {
+  host_->set_stage_memory(stages);
+  weft_memory_plan plan{};
+  plan.struct_size = sizeof(weft_memory_plan);
+  plan.micro_batches = micro_batches;
+  plan.rows_per_micro_batch = rows;
+  plan.seq_len = seq_len;
+  for (int64_t s = held.first; s < held.last; ++s) {  // the one-process layout of what this rank holds
+    const auto& stage = stages[static_cast<size_t>(s)];
+    plan.parameter_bytes += stage.parameter_bytes;
+    plan.gradient_bytes += stage.trainable_bytes;
+    plan.optimizer_bytes += 2 * stage.trainable_bytes;  // AdamW's two fp32 moments
+    plan.activation_bytes += rows * stage.activation_bytes_per_row + stage.weight_copy_bytes;
+  }
+  if (library_->has_slot(offsetof(weft_strategy_api, memory_plan), 3) && library_->api().memory_plan) {
+    check(library_->api().memory_plan(instance_, &plan), "memory_plan");
+  }
+  MemoryPlan out{plan.parameter_bytes, plan.gradient_bytes, plan.optimizer_bytes, plan.activation_bytes,
+                 plan.buffer_bytes};
+  WEFT_CHECK(out.parameters >= 0 && out.gradients >= 0 && out.optimizer >= 0 && out.activations >= 0 && out.buffers >= 0,
+             "plugin {}: memory_plan returned a negative size", library_->name());
+  return out;
+}
+
 std::shared_ptr<const CommHook> StrategySession::comm_hook() {
   if (library_->api().comm_point == nullptr) return nullptr;
   return std::make_shared<const CommHook>([this](CommPoint point, bool backward, int64_t layer, torch::Tensor& tensor) {

@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <toml++/toml.h>
 #include <weft/strategy.h>
@@ -29,6 +30,13 @@ struct Placement {
   StageRange stages;
   int data_parallel_rank = 0;
   int data_parallel_size = 1;
+};
+
+// Bytes one rank will hold at its peak, by kind: the host's one-process estimate of the stages and
+// slices the plugin chose, adjusted by the plugin (ABI 1.3 memory_plan).
+struct MemoryPlan {
+  int64_t parameters = 0, gradients = 0, optimizer = 0, activations = 0, buffers = 0;
+  int64_t total() const { return parameters + gradients + optimizer + activations + buffers; }
 };
 
 // What one step did on this rank.
@@ -66,6 +74,11 @@ class StrategySession {
   Placement place(const ModelConfig& config, torch::Dtype compute_dtype, int64_t seq_len, int64_t batch_rows);
   // How this rank holds each parameter of `stages` (empty: every tensor whole).
   ShardMap shards(const ModelConfig& config, const StageRange& stages);
+  // This rank's memory plan for `stages` (the host's estimate of each model stage as this rank
+  // holds it) over [held.first, held.last), micro-batches of `rows` sequences of seq_len; the
+  // plugin adjusts it (memory_plan). No communication.
+  MemoryPlan memory_plan(const std::vector<weft_stage_memory>& stages, const StageRange& held, int32_t micro_batches,
+                         int64_t rows, int64_t seq_len);
   // The communication the model runs at its fixed points, or null for a plugin without any.
   std::shared_ptr<const CommHook> comm_hook();
 
@@ -87,6 +100,9 @@ class StrategySession {
   // training state: ABI 1.3 flat_shard, asked in attach), and whether anything is sharded.
   std::vector<PluginHost::TrainingTensor> training_tensors() const { return host_->training_tensors(); }
   bool shards_training_state() const { return host_->sharded(); }
+  std::vector<PluginHost::ShardedTensor> trainable_shards() const { return host_->trainable_shards(); }
+  // Bytes of this rank's parameters and gradients now (PluginHost::parameter_and_gradient_bytes).
+  std::pair<int64_t, int64_t> parameter_and_gradient_bytes() const { return host_->parameter_and_gradient_bytes(); }
   // After the optimizer step (whether it ran or fp16 skipped it): zeroes the gradient shards and
   // lets the plugin act (e.g. all-gather the updated shards). Collective.
   void after_optimizer_step();

@@ -26,6 +26,17 @@ std::unique_ptr<torch::optim::AdamW> make_adamw(const std::vector<OptimizedTenso
   return std::make_unique<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(o.lr));
 }
 
+int64_t optimizer_state_bytes(torch::optim::AdamW& optimizer) {
+  int64_t bytes = 0;
+  for (const auto& [key, state] : optimizer.state()) {
+    const auto& adamw = static_cast<const torch::optim::AdamWParamState&>(*state);
+    for (const auto* t : {&adamw.exp_avg(), &adamw.exp_avg_sq(), &adamw.max_exp_avg_sq()}) {
+      if (t->defined()) bytes += static_cast<int64_t>(t->nbytes());
+    }
+  }
+  return bytes;
+}
+
 void set_learning_rate(torch::optim::AdamW& optimizer, double lr) {
   for (auto& group : optimizer.param_groups()) {
     static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);

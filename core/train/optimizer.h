@@ -26,6 +26,9 @@ struct OptimizedTensor {
 std::unique_ptr<torch::optim::AdamW> make_adamw(const std::vector<OptimizedTensor>& tensors,
                                                 const OptimOptions& options);
 
+// Bytes of AdamW's state tensors (the moments of every tensor it has stepped).
+int64_t optimizer_state_bytes(torch::optim::AdamW& optimizer);
+
 // Sets the learning rate of every parameter group.
 void set_learning_rate(torch::optim::AdamW& optimizer, double lr);
 

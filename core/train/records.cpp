@@ -74,8 +74,9 @@ void RunRecords::epoch(int64_t epoch, int64_t step, double seconds, int64_t toke
 }
 
 const TrainResult& RunRecords::finish(Communicator& communicator, int rank, int64_t steps_per_epoch,
-                                      int64_t skipped_steps) {
+                                      int64_t skipped_steps, double tensor_peak_mib) {
   TrainResult& result = result_;
+  result.tensor_peak_mib = tensor_peak_mib;
   result.tokens_per_second = seconds_ > 0 ? tokens_ / seconds_ : 0.0;
   result.peak_rss_mib = peak_rss_mib();
   result.mfu = mfu(result.tokens_per_second);
@@ -114,6 +115,13 @@ const TrainResult& RunRecords::finish(Communicator& communicator, int rank, int6
   }
   if (setting_.precision == "fp16") summary["skipped_steps"] = skipped_steps;
   summary["peak_rss_mib_per_rank"] = communicator.all_gather(result.peak_rss_mib);  // collective
+  // The memory plan made before the model was built, next to what the ranks' tensors peaked at.
+  summary["memory_plan_mib_per_rank"] = communicator.all_gather(setting_.memory_plan_mib);  // collective
+  summary["tensor_peak_mib_per_rank"] = communicator.all_gather(tensor_peak_mib);           // collective
+  summary["state_mib_per_rank"] = {
+      {"parameters", communicator.all_gather(result.state_parameters_mib)},  // collective
+      {"gradients", communicator.all_gather(result.state_gradients_mib)},    // collective
+      {"optimizer", communicator.all_gather(result.state_optimizer_mib)}};   // collective
   {  // the device's memory (CUDA's caching allocator; zeros on CPUs), every rank's
     const DeviceMemory memory = device_memory(c10::Device(setting_.device));
     result.device_peak_allocated_mib = static_cast<double>(memory.peak_allocated_bytes) / (1024.0 * 1024.0);

@@ -29,6 +29,10 @@ struct TrainResult {
   bool interrupted = false;            // stopped by SIGINT/SIGTERM (after saving a checkpoint if it could)
   int interrupt_signal = 0;            // that signal (the same on every rank)
   double peak_rss_mib = 0;
+  double tensor_peak_mib = 0;  // the most CPU tensor memory this rank held at once (memory.h), 0 untracked
+  // What this rank's training state held between steps after the last one (MiB): parameters,
+  // gradients and optimizer state as they were stored (whole or sharded).
+  double state_parameters_mib = 0, state_gradients_mib = 0, state_optimizer_mib = 0;
   double mfu = 0;                      // model FLOP utilisation (0 where the device's peak is unknown)
   double device_peak_allocated_mib = 0;  // CUDA: this rank's peak tensor memory (0 on a CPU)
   double device_peak_reserved_mib = 0;   // CUDA: this rank's peak memory held by the caching allocator
@@ -44,6 +48,7 @@ struct RunSetting {
   int world = 1;               // processes (devices) of the run
   double flops_per_token = 0;  // training FLOPs per token (core/train/flops.h)
   double peak_tflops = 0;      // the device's peak at this precision, 0 if unknown
+  double memory_plan_mib = 0;  // this rank's memory plan (core/job: parameters .. buffers, no runtime)
 };
 
 // One optimizer step as it is recorded.
@@ -71,7 +76,9 @@ class RunRecords {
   void epoch(int64_t epoch, int64_t step, double seconds, int64_t tokens, const std::optional<EvalResult>& eval);
   // Completes the result (throughput, memory) and writes the summary line and the log lines.
   // Collective over `communicator`'s world (per-rank memory).
-  const TrainResult& finish(Communicator& communicator, int rank, int64_t steps_per_epoch, int64_t skipped_steps);
+  // tensor_peak_mib: this rank's peak tensor memory over the run (compared with its memory plan).
+  const TrainResult& finish(Communicator& communicator, int rank, int64_t steps_per_epoch, int64_t skipped_steps,
+                            double tensor_peak_mib);
   // MFU of `tokens_per_second` (the whole run's) on this setting, 0 when the peak is unknown.
   double mfu(double tokens_per_second) const;
 

@@ -11,6 +11,7 @@
 #include "core/model/lora.h"
 #include "core/train/interrupt.h"
 #include "core/train/optimizer.h"
+#include "core/train/sharded_state.h"
 #include "core/train/flops.h"
 #include "core/util/device.h"
 #include "core/util/error.h"
@@ -39,10 +40,6 @@ Trainer::Trainer(TrainOptions options, RunContext context)
   WEFT_CHECK(!gather_->split() || options_.checkpoint_every == 0,
              "checkpoint.every_steps is not supported yet when plugin {} splits the model over ranks (the best "
              "and final models are saved whole); set it to 0",
-             job_->strategy().library().name());
-  WEFT_CHECK(!job_->strategy().shards_training_state() || options_.checkpoint_every == 0,
-             "checkpoint.every_steps is not supported yet when plugin {} shards the optimizer state over ranks (the "
-             "best and final models are saved whole); set it to 0",
              job_->strategy().library().name());
   train_loader_ = std::make_unique<BatchLoader>(data.train, options_.batch_size, place.data_parallel_rank,
                                                 place.data_parallel_size, options_.seed, /*shuffle=*/true);
@@ -94,16 +91,22 @@ void Trainer::maybe_resume() {
     }
     dir = *latest;
   }
-  WEFT_CHECK(!gather_->split() && !job_->strategy().shards_training_state(),
-             "checkpoint.resume: plugin {} splits the model or its optimizer state over ranks and cannot resume a "
-             "checkpoint yet ({}); resume it under single or ddp, or start fresh",
+  WEFT_CHECK(!gather_->split(),
+             "checkpoint.resume: plugin {} splits the model over ranks and cannot resume a checkpoint yet ({}); "
+             "resume it under single, ddp or zero, or start fresh",
              job_->strategy().library().name(), dir);
   TrainerState saved = checkpoints_->read_state(dir);
   WEFT_CHECK(saved.data_identity == state_.data_identity,
              "checkpoint '{}' was made on different data ({}), but this run has {}", dir, saved.data_identity,
              state_.data_identity);
   saved.validate(steps_per_epoch_, options_.epochs, dir + "/trainer_state.json");
-  checkpoints_->restore(dir, job_->model(), *optimizer_);
+  if (job_->strategy().shards_training_state()) {  // the whole state, sliced into this rank's shards
+    auto whole = make_adamw(trainable_parameters(job_->model()), options_.optim);
+    checkpoints_->restore(dir, job_->model(), *whole);
+    scatter_into_shards(*whole, *optimizer_, job_->strategy().trainable_shards());
+  } else {
+    checkpoints_->restore(dir, job_->model(), *optimizer_);
+  }
   state_ = saved;
   if (scaler_.enabled() && state_.loss_scale > 0) scaler_.restore(state_.loss_scale, state_.loss_scale_streak);
   spdlog::info("resumed from {} at step {} (epoch {}, step {} of {})", dir, state_.global_step, state_.epoch + 1,
@@ -141,7 +144,16 @@ TrainResult Trainer::run() {
   result.epochs_completed = state_.epoch;
   result.best_eval_loss = state_.best_eval_loss;
   result.early_stopped = state_.early_stopped;
-  return records.finish(job_->communicator(), job_->context().rank, steps_per_epoch_, scaler_.skipped_steps());
+  tensor_peak_bytes_ = std::max(tensor_peak_bytes_, tensor_bytes_peak());
+  {  // what the training state holds between steps, as stored (whole or sharded)
+    constexpr double kMiB = 1024.0 * 1024.0;
+    const auto [parameters, gradients] = job_->strategy().parameter_and_gradient_bytes();
+    result.state_parameters_mib = static_cast<double>(parameters) / kMiB;
+    result.state_gradients_mib = static_cast<double>(gradients) / kMiB;
+    result.state_optimizer_mib = static_cast<double>(optimizer_state_bytes(*optimizer_)) / kMiB;
+  }
+  return records.finish(job_->communicator(), job_->context().rank, steps_per_epoch_, scaler_.skipped_steps(),
+                        static_cast<double>(tensor_peak_bytes_) / (1024.0 * 1024.0));
 }
 
 RunSetting Trainer::run_setting() {
@@ -163,6 +175,10 @@ RunSetting Trainer::run_setting() {
   }
   setting.flops_per_token = training_flops_per_token(config, options_.data.seq_len, adapters);
   setting.peak_tflops = peak_tflops(setting.device_name, options_.precision, options_.peak_tflops).value_or(0.0);
+  const auto& plans = job_->memory().ranks;
+  if (static_cast<size_t>(job_->context().rank) < plans.size()) {
+    setting.memory_plan_mib = static_cast<double>(plans[static_cast<size_t>(job_->context().rank)].total()) / (1024.0 * 1024.0);
+  }
   return setting;
 }
 
@@ -239,6 +255,7 @@ bool Trainer::run_epoch_steps(RunRecords& records) {
   bool stop = false;
   while (!stop && state_.step_in_epoch < steps_per_epoch_ && state_.global_step < total_steps_) {
     const int64_t bytes_before = tensor_bytes_live();
+    tensor_peak_bytes_ = std::max(tensor_peak_bytes_, tensor_bytes_peak());  // what came before (evaluation)
     reset_tensor_peak();
     const auto step_start = Clock::now();
     StepRecord step;
@@ -339,17 +356,28 @@ bool Trainer::evaluate_and_track(RunRecords& records) {
 }
 
 bool Trainer::save_checkpoint(Progress& progress) {
-  if (gather_->split() || job_->strategy().shards_training_state()) {
+  if (gather_->split()) {
     progress.message(fmt::format("no checkpoint: plugin {} splits the model and its optimizer state over ranks, "
                                  "which cannot be saved as a checkpoint yet",
                                  job_->strategy().library().name()));
     return false;
   }
-  if (job_->context().rank != 0) return true;  // replicas hold the same state; rank 0 writes it
   if (scaler_.enabled()) {
     state_.loss_scale = scaler_.scale();
     state_.loss_scale_streak = scaler_.finite_streak();
   }
+  auto& strategy = job_->strategy();
+  if (strategy.shards_training_state()) {  // the ranks' shards put together; rank 0 writes the whole
+    strategy.materialize_parameters(true);
+    auto whole = gather_sharded_optimizer(*optimizer_, strategy.trainable_shards(), job_->model(), options_.optim,
+                                          job_->communicator());  // collective
+    std::string dir;
+    if (job_->context().rank == 0) dir = checkpoints_->save(state_, job_->model(), *whole);
+    strategy.materialize_parameters(false);
+    if (job_->context().rank == 0) progress.message(fmt::format("checkpoint saved: {}", dir));
+    return true;
+  }
+  if (job_->context().rank != 0) return true;  // replicas hold the same state; rank 0 writes it
   const auto dir = checkpoints_->save(state_, job_->model(), *optimizer_);
   progress.message(fmt::format("checkpoint saved: {}", dir));
   return true;

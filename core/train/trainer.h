@@ -73,6 +73,7 @@ class Trainer {
   std::unique_ptr<Job> job_;
   std::unique_ptr<ModelGather> gather_;
   std::unique_ptr<BatchLoader> train_loader_;
+  int64_t tensor_peak_bytes_ = 0;  // the run's peak of tracked tensor memory (before each step's reset)
   std::vector<OptimizedTensor> optimized_;  // what optimizer_ updates (parameters or their shards)
   std::unique_ptr<torch::optim::AdamW> optimizer_;
   std::unique_ptr<CheckpointStore> checkpoints_;

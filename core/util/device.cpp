@@ -1,6 +1,7 @@
 #include "core/util/device.h"
 
 #include <cstdlib>
+#include <fstream>
 #include <string>
 
 #include <fmt/format.h>
@@ -80,6 +81,25 @@ DeviceMemory device_memory(const c10::Device& device) {
   memory.peak_reserved_bytes = stats.reserved_bytes[all].peak;
 #endif
   return memory;
+}
+
+int64_t device_total_bytes(const c10::Device& device) {
+  if (device.is_cuda()) {
+#ifdef WEFT_WITH_CUDA
+    cudaDeviceProp properties{};
+    if (cudaGetDeviceProperties(&properties, device.index()) == cudaSuccess) {
+      return static_cast<int64_t>(properties.totalGlobalMem);
+    }
+#endif
+    return 0;
+  }
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key, unit;
+  int64_t kib = 0;
+  while (meminfo >> key >> kib >> unit) {
+    if (key == "MemTotal:") return kib * 1024;
+  }
+  return 0;
 }
 
 void reset_device_memory_peaks(const c10::Device& device) {

@@ -51,6 +51,9 @@ struct DeviceMemory {
   int64_t peak_reserved_bytes = 0;
 };
 DeviceMemory device_memory(const c10::Device& device);
+// The memory `device` has in all: a CUDA device's total memory, or the machine's (MemTotal of
+// /proc/meminfo) for the CPU; 0 when unknown.
+int64_t device_total_bytes(const c10::Device& device);
 void reset_device_memory_peaks(const c10::Device& device);
 
 }  // namespace weft

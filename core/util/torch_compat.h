@@ -49,6 +49,16 @@ void set_store_libuv(TCPStoreOptions& options, bool use_libuv) {
 #endif
 }
 
+// The key torch::optim::Optimizer::state() files a parameter's state under: its TensorImpl* (2.x),
+// or that pointer printed as a string (1.13).
+#if WEFT_TORCH_AT_LEAST(2, 0)
+inline void* optimizer_state_key(const at::Tensor& parameter) { return parameter.unsafeGetTensorImpl(); }
+#else
+inline std::string optimizer_state_key(const at::Tensor& parameter) {
+  return c10::guts::to_string(parameter.unsafeGetTensorImpl());
+}
+#endif
+
 // fp16 matmuls on the CPU: LibTorch 2.x (1.13 has no Half addmm on the CPU). fp16 training on a
 // CPU (slow: no fp16 GEMM units) exists to test the loss scaler without a GPU.
 inline constexpr bool kCpuComputesFp16 = WEFT_TORCH_AT_LEAST(2, 2);

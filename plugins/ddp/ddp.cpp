@@ -79,6 +79,10 @@ void Ddp::setup() {
                  trainable.size(), buckets_.size(), bucket_mb_);
 }
 
+void Ddp::memory_plan(weft_memory_plan& plan) {
+  if (host().negotiated_minor() >= 3 && world_.size() > 1) plan.buffer_bytes += plan.gradient_bytes;
+}
+
 std::vector<BucketLayout> Ddp::bucket_layouts() const {
   std::vector<BucketLayout> layouts;
   for (const Bucket& bucket : buckets_) layouts.push_back(bucket.layout);

@@ -56,6 +56,8 @@ class Ddp : public weft::sdk::Strategy {
   void setup() override;
   double train_step(const weft_step_info& step) override;
   weft::sdk::EvalResult eval_step(const weft_step_info& step) override;
+  // The host's plan plus the buckets: a flat fp32 copy of every trainable gradient.
+  void memory_plan(weft_memory_plan& plan) override;
 
   // --- introspection (tests, logging) ---
   double bucket_mb() const noexcept { return bucket_mb_; }

@@ -162,6 +162,41 @@ const Schedule& PipelineStrategy::verified_schedule(const std::string& name, int
   return schedules_.emplace(key, std::move(schedule)).first->second;
 }
 
+// The host's plan counts one micro-batch of this rank's rows through its stages; a pipeline splits
+// the rows into micro-batches and keeps as many in flight as its (verified) schedule says at this
+// stage (GPipe: all of them; 1F1B: at most the stages after it), with their stage inputs received;
+// recompute keeps only each micro-batch's block inputs plus one micro-batch's activations. A last
+// stage that does not hold the embedding keeps its own copy of a tied one.
+void PipelineStrategy::memory_plan(weft_memory_plan& plan) {
+  const int32_t M = plan.rows_per_micro_batch % microbatches_ == 0 ? microbatches_ : 1;
+  const int64_t rows = plan.rows_per_micro_batch / M;  // per pipeline micro-batch
+  const Verification v = verify(make_schedule(schedule_name_, placement_.stages, M));
+  const int64_t in_flight = v.ok && placement_.stage < static_cast<int32_t>(v.peak_in_flight.size())
+                                ? v.peak_in_flight[static_cast<size_t>(placement_.stage)]
+                                : M;
+  int64_t per_row = 0, copies = 0, inputs = 0, outputs = 0;
+  for (int64_t s = placement_.first_model_stage; s < placement_.last_model_stage; ++s) {
+    const weft_stage_memory m = host().stage_memory(s);
+    per_row += m.activation_bytes_per_row;
+    copies += m.weight_copy_bytes;
+    if (s == placement_.first_model_stage && s > 0) inputs = host().stage_memory(s - 1).output_bytes_per_row;
+    if (s + 1 == placement_.last_model_stage) outputs = m.output_bytes_per_row;
+  }
+  if (recompute_) {  // every micro-batch keeps its stage input; one is re-materialised at a time
+    plan.activation_bytes = copies + rows * (in_flight * inputs + per_row);
+  } else {
+    plan.activation_bytes = copies + rows * in_flight * (per_row + inputs);
+  }
+  plan.buffer_bytes += rows * (inputs + outputs) * 2;  // receive buffers and gradients of the boundary
+  if (placement_.is_last() && !placement_.is_first() && host().model_info().tie_word_embeddings) {
+    const weft_stage_memory embedding = host().stage_memory(0);
+    plan.parameter_bytes += embedding.parameter_bytes;
+    plan.gradient_bytes += embedding.trainable_bytes;
+    plan.optimizer_bytes += 2 * embedding.trainable_bytes;
+  }
+  if (placement_.replicas > 1) plan.buffer_bytes += plan.gradient_bytes;  // the replicas' averaging buckets
+}
+
 std::vector<double> PipelineStrategy::sum_over(weft::sdk::Group group, std::vector<double> values) const {
   return weft::plugins::sum_over(host(), group, std::move(values));
 }

@@ -43,7 +43,7 @@ namespace pipeline {
 
 class PipelineStrategy : public weft::sdk::Strategy {
  public:
-  static constexpr uint16_t min_host_minor = 1;  // model_info, config_int_list, tracing
+  static constexpr uint16_t min_host_minor = 1;  // model_info, config_int_list, tracing (memory_plan: 1.3)
 
   // `plugin` names the plugin in messages; `schedule_name` is a make_schedule name.
   PipelineStrategy(weft::sdk::Host host, std::string plugin, std::string schedule_name);
@@ -53,6 +53,7 @@ class PipelineStrategy : public weft::sdk::Strategy {
   double train_step(const weft_step_info& step) override;
   weft::sdk::EvalResult eval_step(const weft_step_info& step) override;
   double global_grad_norm_sq(double local_sq) override;
+  void memory_plan(weft_memory_plan& plan) override;
 
   // --- introspection (tests) ---
   const Placement& placement() const { return placement_; }

@@ -1,5 +1,6 @@
 #include "zero.hpp"
 
+#include <algorithm>
 #include <string>
 
 #include "../common/dl_views.hpp"
@@ -99,6 +100,39 @@ weft_flat_shard Zero::flat_shard(int64_t index) {
   }
   if (!host().parameter_info(index).trainable || ranks_ == 1) return weft_flat_shard{0, elements, 0u, 0u};
   return shard_of(elements, ranks_, rank_);
+}
+
+// The host's plan is the replicated one; per rank ZeRO keeps 1/N of the optimizer state (all
+// stages), of the gradients (stages 2-3; whole gradients still accumulate over micro-batches, and
+// a stage's whole gradients live until its reduce-scatter starts) and of the parameters (stage 3;
+// at most kInFlight stages whole at once, plus the tied embedding during a step, or every stage
+// between forward and backward without reshard_after_forward). Collectives in flight hold their
+// send and receive buffers: a whole group and a row of it each.
+void Zero::memory_plan(weft_memory_plan& plan) {
+  if (ranks_ == 1 && stage_ < 3) return;
+  const int64_t N = ranks_;
+  const auto shard = [N](int64_t bytes) { return (bytes + N - 1) / N; };
+  const int64_t stages = host().model_num_stages() > 0 ? host().model_num_stages() : host().model_info().num_layers + 2;
+  int64_t params = 0, trainable = 0, largest_params = 0, largest_trainable = 0, inputs = 0;
+  for (int64_t s = 0; s < stages; ++s) {
+    const weft_stage_memory m = host().stage_memory(s);
+    params += m.parameter_bytes;
+    trainable += m.trainable_bytes;
+    largest_params = std::max(largest_params, m.parameter_bytes);
+    largest_trainable = std::max(largest_trainable, m.trainable_bytes);
+    if (s + 1 < stages) inputs += m.output_bytes_per_row;
+  }
+  const int64_t in_flight = static_cast<int64_t>(kInFlight);
+  const int64_t reduce_buffers = in_flight * (largest_trainable + shard(largest_trainable));
+  plan.optimizer_bytes = 2 * shard(trainable);
+  plan.gradient_bytes = shard(trainable) + (stage_ == 1 || plan.micro_batches > 1 ? trainable : in_flight * largest_trainable);
+  plan.buffer_bytes += reduce_buffers;
+  if (stage_ < 3) return;  // parameters whole; the gathers after the step reuse the reduce buffers' room
+  const int64_t pinned = host().model_info().tie_word_embeddings ? host().stage_memory(0).parameter_bytes : 0;
+  const int64_t whole = reshard_after_forward_ ? std::min(params, in_flight * largest_params + pinned) : params;
+  plan.parameter_bytes = shard(params) + whole;
+  plan.buffer_bytes += in_flight * (largest_params + shard(largest_params));
+  plan.activation_bytes += plan.rows_per_micro_batch * inputs;  // the stage inputs copied as leaves
 }
 
 // --- the step ---

@@ -58,6 +58,7 @@ class Zero : public weft::sdk::Strategy {
   double global_grad_norm_sq(double local_sq) override;
   void after_optimizer_step() override;
   void materialize_parameters(bool whole) override;
+  void memory_plan(weft_memory_plan& plan) override;
 
  private:
   // A collective of one group in flight, with the buffers it uses.

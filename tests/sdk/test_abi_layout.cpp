@@ -22,9 +22,10 @@ TEST(AbiLayout, TablesAreAppendOnlyFromVersionOne) {
   // ABI 1.1 appended 6 host slots (model_info, trace_begin, trace_end, report_metric,
   // config_int_list, profile_stages); ABI 1.2 appended 6 more (buffer_create, buffer_release,
   // tensor_copy, tensor_scale, tensor_add, tensor_squared_norm); ABI 1.3 appended 5 (parameter_shard,
-  // parameter_grad_shard, parameter_grad_release, parameter_release, parameter_materialize) and 3
-  // plugin slots (flat_shard, after_optimizer_step, materialize_parameters).
-  EXPECT_EQ(sizeof(weft_host_api), 8 + 55 * sizeof(void*));
+  // parameter_grad_shard, parameter_grad_release, parameter_release, parameter_materialize,
+  // stage_memory) and 4 plugin slots (flat_shard, after_optimizer_step, materialize_parameters,
+  // memory_plan).
+  EXPECT_EQ(sizeof(weft_host_api), 8 + 56 * sizeof(void*));
   EXPECT_EQ(offsetof(weft_host_api, status_create), 8u);
   EXPECT_EQ(offsetof(weft_host_api, activation_release), 8 + 37 * sizeof(void*));
   EXPECT_EQ(offsetof(weft_host_api, model_info), 8 + 38 * sizeof(void*));
@@ -38,15 +39,19 @@ TEST(AbiLayout, TablesAreAppendOnlyFromVersionOne) {
   // weft_flat_shard (1.3).
   EXPECT_EQ(sizeof(weft_flat_shard), 24u);
   EXPECT_EQ(offsetof(weft_flat_shard, flags), 16u);
+  EXPECT_EQ(offsetof(weft_host_api, stage_memory), 8 + 55 * sizeof(void*));
+  EXPECT_EQ(sizeof(weft_stage_memory), 48u);
+  EXPECT_EQ(sizeof(weft_memory_plan), 64u);
+  EXPECT_EQ(offsetof(weft_memory_plan, buffer_bytes), 56u);
   // weft_model_info (1.1): fields are only ever appended.
   EXPECT_EQ(offsetof(weft_model_info, num_layers), 4u);
   EXPECT_EQ(offsetof(weft_model_info, hidden_size), 8u);
   EXPECT_EQ(offsetof(weft_model_info, compute_dtype), 52u);
   EXPECT_EQ(sizeof(weft_model_info), 56u);
-  EXPECT_EQ(sizeof(weft_strategy_api), 16 + 3 * sizeof(void*) + 12 * sizeof(void*));
+  EXPECT_EQ(sizeof(weft_strategy_api), 16 + 3 * sizeof(void*) + 13 * sizeof(void*));
   EXPECT_EQ(offsetof(weft_strategy_api, comm_point), 16 + 3 * sizeof(void*) + 8 * sizeof(void*));
   EXPECT_EQ(offsetof(weft_strategy_api, flat_shard), 16 + 3 * sizeof(void*) + 9 * sizeof(void*));
-  EXPECT_EQ(offsetof(weft_strategy_api, materialize_parameters), sizeof(weft_strategy_api) - sizeof(void*));
+  EXPECT_EQ(offsetof(weft_strategy_api, memory_plan), sizeof(weft_strategy_api) - sizeof(void*));
   EXPECT_EQ(WEFT_ABI_VERSION_MAJOR, 1);
   EXPECT_EQ(WEFT_ABI_VERSION_MINOR, 3);
 }

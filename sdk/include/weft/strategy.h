@@ -10,7 +10,8 @@
  * (tensor_copy, tensor_scale, tensor_add, tensor_squared_norm). 1.3 appended sharded training
  * state (ZeRO / FSDP): the plugin's flat_shard, after_optimizer_step and materialize_parameters
  * slots and the host's parameter_shard, parameter_grad_shard, parameter_grad_release,
- * parameter_release and parameter_materialize; see sdk/DESIGN.md.
+ * parameter_release and parameter_materialize; and the memory plan before the model is built:
+ * the plugin's memory_plan slot and the host's stage_memory. See sdk/DESIGN.md.
  *
  * A strategy plugin is a shared library that exports exactly one symbol, the C function
  * `weft_strategy_entry` (WEFT_STRATEGY_ENTRY_SYMBOL). The host loads it with
@@ -172,6 +173,43 @@ typedef struct weft_flat_shard {
  * written through parameter_shard) instead of as a view of the whole parameter. Allowed for
  * frozen parameters too (their shard is kept, no optimizer state). Since 1.3. */
 #define WEFT_FLAT_SHARD_RELEASABLE 1u
+
+/* What one model stage costs in memory as this rank would hold it, estimated by the host before
+ * the model is built (weft_host_api.stage_memory). Bytes. Since 1.3. */
+typedef struct weft_stage_memory {
+  uint32_t struct_size;            /* set by the CALLER to sizeof its struct (as model_info) */
+  uint32_t reserved;
+  int64_t parameter_bytes;         /* the stage's parameters as this rank holds them (its slices
+                                      after shard_parameter; LoRA adapters included), fp32 masters */
+  int64_t trainable_bytes;         /* the part the optimizer updates (LoRA: the adapters only) */
+  int64_t activation_bytes_per_row;/* what a forward of one sequence of the run's seq_len keeps for
+                                      backward in this stage (the host's model of its own kernels:
+                                      compute dtype, attention kernel, activation checkpointing) */
+  int64_t weight_copy_bytes;       /* compute-dtype copies of the stage's weights a forward keeps for
+                                      backward (bf16 / fp16 compute over fp32 masters; 0 in fp32) */
+  int64_t output_bytes_per_row;    /* the stage's output for one sequence: fp32 hidden states, or
+                                      the logits for the last stage */
+} weft_stage_memory;
+
+/* What one rank will hold at its peak, in bytes, by kind: the memory plan the host checks against
+ * train.memory_limit_gib before the model is built, and `trainer plan` prints. The host fills it
+ * with the one-process layout of this rank's stages and slices (parameters and gradients of what
+ * it holds, AdamW's two fp32 moments per trainable element, one micro-batch's activations through
+ * its stages plus the weight copies, no buffers) and the step's geometry, then hands it to the
+ * plugin's memory_plan slot to adjust for what the plugin does differently (shards, micro-batches
+ * in flight, its own buffers). Since 1.3. */
+typedef struct weft_memory_plan {
+  uint32_t struct_size;            /* set by the host */
+  int32_t micro_batches;           /* in: gradient-accumulation micro-batches per step */
+  int64_t rows_per_micro_batch;    /* in: this rank's sequences per micro-batch */
+  int64_t seq_len;                 /* in */
+  int64_t parameter_bytes;         /* in/out: master parameters resident at the peak */
+  int64_t gradient_bytes;          /* in/out: gradients at the peak */
+  int64_t optimizer_bytes;         /* in/out: optimizer state */
+  int64_t activation_bytes;        /* in/out: activations (and weight copies) kept for backward */
+  int64_t buffer_bytes;            /* in/out: the plugin's own memory at the peak (gradient buckets,
+                                      receive buffers, gathered parameters) */
+} weft_memory_plan;
 
 /* What this rank materialises; filled by the plugin in `plan` before the model is built.
  * The host pre-fills it with the one-process layout (all stages, no sharding). Since 1.0. */
@@ -479,6 +517,11 @@ typedef struct weft_host_api {
    * storage: a backward after a release and a materialisation uses the values written here.
    * Valid until the next parameter_release of it. Since 1.3. */
   weft_status* (*parameter_materialize)(weft_host* host, int64_t index, DLTensor* out);
+  /* The host's memory estimate for model stage `stage` as this rank would hold it
+   * (weft_stage_memory; the caller sets out->struct_size, the host sets it to the size it wrote).
+   * Callable from the plugin's memory_plan on (after plan and shard_parameter, before the model is
+   * built): stages this rank does not hold are estimated whole. Since 1.3. */
+  weft_status* (*stage_memory)(weft_host* host, int64_t stage, weft_stage_memory* out);
 } weft_host_api;
 
 /* ------------------------------------------------------------------------------------------
@@ -564,6 +607,13 @@ typedef struct weft_strategy_api {
    * plugin's own layout between steps. The host calls 1 then 0 around such uses, outside steps.
    * Collective. Default: nothing (parameters are always whole between steps). Since 1.3. */
   weft_status* (*materialize_parameters)(weft_strategy* strategy, int32_t whole);
+  /* Optional. Adjusts this rank's memory plan (weft_memory_plan, pre-filled by the host with the
+   * one-process layout of what plan and shard_parameter chose) for what the plugin does: e.g.
+   * divides the optimizer state by the data-parallel size (ZeRO), multiplies activations by the
+   * micro-batches a pipeline keeps in flight, adds its buffers. Called on every rank after
+   * shard_parameter and before the model is built, also by `trainer plan`, which builds nothing.
+   * Not collective: no communication. Default: the host's plan unchanged. Since 1.3. */
+  weft_status* (*memory_plan)(weft_strategy* strategy, weft_memory_plan* plan);
 } weft_strategy_api;
 
 /* The entry point. The host passes its ABI version; the plugin returns its table (static

@@ -21,7 +21,7 @@
 //
 // Optional slots: the generated table leaves an optional slot (plan, shard_parameter, setup,
 // eval_step, global_grad_norm_sq, comm_point; since 1.3 flat_shard, after_optimizer_step,
-// materialize_parameters) NULL unless the class, or a base between it and
+// materialize_parameters, memory_plan) NULL unless the class, or a base between it and
 // Strategy, declares that method itself (checked at compile time, see detail::overrides_*), so
 // the host can skip calls that would do nothing (comm_point runs inside every layer). The base
 // class implementations still reproduce the one-process defaults documented in strategy.h, so
@@ -692,6 +692,15 @@ class Host {
     return out;
   }
 
+  // The host's estimate for model stage `stage` as this rank would hold it (from memory_plan on).
+  weft_stage_memory stage_memory(int64_t stage) const {
+    require_minor(3, "stage_memory");
+    weft_stage_memory out{};
+    out.struct_size = sizeof(weft_stage_memory);
+    check(api_->stage_memory(host_, stage, &out));
+    return out;
+  }
+
   // Adopts raw handles this host created.
   Activation activation(weft_activation* handle) const noexcept {
     return Activation(api_, host_, handle);
@@ -820,6 +829,8 @@ class Strategy {
   virtual void after_optimizer_step() {}
   // Parameters whole (true) or back to the plugin's layout (false). Collective. Default: nothing.
   virtual void materialize_parameters(bool whole) { (void)whole; }
+  // Adjusts this rank's memory plan (pre-filled by the host). Not collective. Default: nothing.
+  virtual void memory_plan(weft_memory_plan& plan) { (void)plan; }
 
  protected:
   // The one-process step: for each micro-batch m of step.micro_batches: batch(m) ->
@@ -881,6 +892,7 @@ WEFT_SDK_DETAIL_OVERRIDES(comm_point)
 WEFT_SDK_DETAIL_OVERRIDES(flat_shard)
 WEFT_SDK_DETAIL_OVERRIDES(after_optimizer_step)
 WEFT_SDK_DETAIL_OVERRIDES(materialize_parameters)
+WEFT_SDK_DETAIL_OVERRIDES(memory_plan)
 #undef WEFT_SDK_DETAIL_OVERRIDES
 
 // Runs `body`, turning every exception into a status created by `api` (NULL on success).
@@ -966,6 +978,16 @@ struct Slots {
   static weft_status* materialize_parameters(weft_strategy* handle, int32_t whole) noexcept {
     return call(handle, [&] { instance(handle).materialize_parameters(whole != 0); });
   }
+  static weft_status* memory_plan(weft_strategy* handle, weft_memory_plan* plan) noexcept {
+    return call(handle, [&] {
+      weft_memory_plan local{};  // as plan: untouched on error, only the host's struct_size copied
+      const size_t bytes = std::min<size_t>(plan->struct_size, sizeof local);
+      std::memcpy(&local, plan, bytes);
+      instance(handle).memory_plan(local);
+      local.struct_size = plan->struct_size;
+      std::memcpy(plan, &local, bytes);
+    });
+  }
 };
 
 // The table for strategy class T. Optional slots are NULL unless T overrides the method.
@@ -996,6 +1018,7 @@ weft_strategy_api make_table(const char* name, const char* version, const char* 
   table.after_optimizer_step = overrides_after_optimizer_step<T>() ? &Slots<T>::after_optimizer_step : nullptr;
   table.materialize_parameters =
       overrides_materialize_parameters<T>() ? &Slots<T>::materialize_parameters : nullptr;
+  table.memory_plan = overrides_memory_plan<T>() ? &Slots<T>::memory_plan : nullptr;
   return table;
 }
 

@@ -1,0 +1,35 @@
+// What the model will cost in memory, per stage, before it is built: parameters and trainable
+// bytes from the parameter shapes (tensor-parallel slices and LoRA adapters included), and an
+// estimate of what a forward keeps for backward per sequence, from the tensors this host's layers
+// save (layers.cpp): the memory plan (trainer plan, train.memory_limit_gib) adds these up. The
+// activation estimate is a model of this implementation, checked against measured peaks in
+// tests/train (MemoryPlan.*), not a bound.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include <torch/types.h>
+
+#include "core/model/lora.h"
+#include "core/model/parallel.h"
+
+namespace weft {
+
+struct StageMemory {
+  int64_t parameter_bytes = 0;           // fp32 masters of the stage as this rank holds them
+  int64_t trainable_bytes = 0;           // the optimizer's part (LoRA: the adapters)
+  int64_t activation_bytes_per_row = 0;  // kept for backward per sequence of seq_len
+  int64_t weight_copy_bytes = 0;         // compute-dtype weight copies kept for backward (0 in fp32)
+  int64_t output_bytes_per_row = 0;      // fp32 hidden states, or the last stage's logits
+};
+
+// One entry per model stage (embedding, each block, norm + head). `shards`: this rank's slices
+// (stages it does not hold are estimated whole when absent from the map). `lora`: adapters train,
+// the base is frozen. `checkpointing`: blocks keep only their input.
+std::vector<StageMemory> estimate_stage_memory(const ModelConfig& config, const ShardMap& shards,
+                                               const std::optional<LoraConfig>& lora, torch::Dtype compute_dtype,
+                                               int64_t seq_len, bool checkpointing);
+
+}  // namespace weft

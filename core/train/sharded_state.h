@@ -1,0 +1,36 @@
+// Checkpoints under a plugin that shards the training state (ABI 1.3 flat shards, zero.so): the
+// ranks' shards of AdamW's state are put together into the optimizer that single and ddp save
+// (one state per whole trainable parameter), and sliced out of it again at resume. A checkpoint is
+// therefore the same files whatever saved it, and resumes at another world size, another ZeRO stage
+// or under another plugin (and a ddp or single checkpoint resumes under zero.so).
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include <torch/optim/adamw.h>
+
+#include "core/job/options.h"
+#include "core/model/llama.h"
+#include "core/plugin/host_api.h"
+
+namespace weft {
+
+class Communicator;
+
+// An AdamW over the model's whole trainable parameters (make_adamw(trainable_parameters(model)),
+// the layout single and ddp save) holding the state of every rank's shards of `sharded`.
+// Collective over the world, which must be the group the shards split over (zero.so's). Every
+// rank gets the whole state (all-gathered); the parameters must be whole on the ranks that save.
+std::unique_ptr<torch::optim::AdamW> gather_sharded_optimizer(torch::optim::AdamW& sharded,
+                                                              const std::vector<PluginHost::ShardedTensor>& shards,
+                                                              LlamaForCausalLMImpl& model, const OptimOptions& options,
+                                                              Communicator& communicator);
+
+// The reverse, after a checkpoint was restored into `whole` (an AdamW as above) and into the whole
+// parameters: each shard's slice of the state goes into `sharded`, and shards with storage of their
+// own take their slice of the restored parameters. Local.
+void scatter_into_shards(torch::optim::AdamW& whole, torch::optim::AdamW& sharded,
+                         const std::vector<PluginHost::ShardedTensor>& shards);
+
+}  // namespace weft

@@ -74,4 +74,31 @@ TEST(ShardedCheckpoint, SavedAtTwoRanksResumesAtThreeUnderAnotherStageAndUnderDd
   expect_continues(whole, losses_of(ddp), "ddp at 2 ranks");
 }
 
+// Evaluation and generation through zero.so's job (stage 3 gathers each stage for evaluation;
+// generation reads the whole model) give one process's numbers and tokens.
+TEST(ShardedCheckpoint, EvaluationAndGenerationUnderZeroMatchOneProcess) {
+  const std::string common = "--config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set data.path=" +
+                             WEFT_SOURCE_DIR + "/data/austen/austen.jsonl --set data.cache_dir=";
+  const auto held_out = [](const std::string& output) {
+    const auto at = output.find("held-out: ");
+    return at == std::string::npos ? std::string() : output.substr(at, output.find('\n', at) - at);
+  };
+  const auto one = run_trainer("eval " + common);
+  const auto zero = run_trainer("eval " + common + " --plugin zero --nproc 2 --set plugin.stage=3");
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  ASSERT_EQ(zero.exit_code, 0) << zero.output;
+  ASSERT_FALSE(held_out(one.output).empty()) << one.output;
+  EXPECT_EQ(held_out(zero.output), held_out(one.output));
+  const std::string prompt = " --prompt \"It is a truth\" --set generate.max_new_tokens=8";
+  const auto tokens = [](const std::string& output) {
+    const auto at = output.find("tokens: ");
+    return at == std::string::npos ? std::string() : output.substr(at, output.find('\n', at) - at);
+  };
+  const auto g1 = run_trainer("generate " + common + prompt);
+  const auto gz = run_trainer("generate " + common + prompt + " --plugin zero --nproc 2");
+  ASSERT_EQ(gz.exit_code, 0) << gz.output;
+  ASSERT_FALSE(tokens(g1.output).empty()) << g1.output;
+  EXPECT_EQ(tokens(gz.output), tokens(g1.output));
+}
+
 }  // namespace

@@ -29,11 +29,13 @@ Zero::Zero(weft::sdk::Host host) : Strategy(host), world_(host.world()) {
     throw Error(WEFT_STATUS_BAD_CONFIG, "plugin.stage must be 1, 2 or 3 (ZeRO's stages), got " + std::to_string(stage_));
   }
   reshard_after_forward_ = host.config_bool("reshard_after_forward", true);
+  bucket_mb_ = host.config_float("bucket_mb", 64.0);
+  if (!(bucket_mb_ > 0.0)) throw Error(WEFT_STATUS_BAD_CONFIG, "plugin.bucket_mb must be > 0, got " + std::to_string(bucket_mb_));
 }
 
 Zero::~Zero() {
   abandon();
-  if (stage_ < 3 && !group_of_.empty()) host().api()->set_grad_ready_callback(host().handle(), nullptr, nullptr);
+  if (stage_ < 3 && !stage_of_.empty()) host().api()->set_grad_ready_callback(host().handle(), nullptr, nullptr);
 }
 
 void Zero::plan(weft_model_plan& plan) {
@@ -65,13 +67,29 @@ void Zero::setup() {
     }
   }
   for (const weft::sdk::Work& work : broadcasts) work.wait();
+  // Collectives of at most bucket_mb MiB: [ranks, width] fp32.
+  const auto max_width = std::max<int64_t>(1, static_cast<int64_t>(bucket_mb_ * 1024 * 1024 / 4) / ranks_);
+  stages_.assign(gather_params.size(), StageLayout{});
   gather_groups_.clear();
   reduce_groups_.clear();
-  group_of_.assign(static_cast<size_t>(count), -1);
+  gather_stage_.clear();
+  stage_of_.assign(static_cast<size_t>(count), -1);
+  pieces_.assign(static_cast<size_t>(count), 0);
   for (size_t s = 0; s < gather_params.size(); ++s) {
-    gather_groups_.push_back(make_group(gather_params[s], gather_sizes[s], ranks_));
-    reduce_groups_.push_back(make_group(reduce_params[s], reduce_sizes[s], ranks_));
-    for (int64_t i : reduce_params[s]) group_of_[static_cast<size_t>(i)] = static_cast<int64_t>(s);
+    StageLayout& layout = stages_[s];
+    layout.gathered = gather_params[s];
+    layout.trainable = static_cast<int64_t>(reduce_params[s].size());
+    for (FlatGroup& g : make_groups(gather_params[s], gather_sizes[s], ranks_, max_width)) {
+      layout.gather_groups.push_back(gather_groups_.size());
+      gather_stage_.push_back(s);
+      gather_groups_.push_back(std::move(g));
+    }
+    for (FlatGroup& g : make_groups(reduce_params[s], reduce_sizes[s], ranks_, max_width)) {
+      for (int64_t index : g.parameters) ++pieces_[static_cast<size_t>(index)];
+      layout.reduce_groups.push_back(reduce_groups_.size());
+      reduce_groups_.push_back(std::move(g));
+    }
+    for (int64_t i : reduce_params[s]) stage_of_[static_cast<size_t>(i)] = static_cast<int64_t>(s);
   }
   first_trainable_ = gather_params.size();
   for (size_t s = reduce_params.size(); s-- > 0;) {
@@ -80,13 +98,16 @@ void Zero::setup() {
   reduce_order_.clear();
   for (size_t s = gather_params.size(); s-- > 0;) reduce_order_.push_back(s);
   whole_.assign(gather_params.size(), 1);
+  gathered_.assign(gather_params.size(), 0);
+  gather_started_.assign(gather_groups_.size(), 0);
   pending_.assign(gather_params.size(), 0);
+  pieces_left_ = pieces_;
   ready_.assign(static_cast<size_t>(count), 0);
   if (ranks_ == 1 && stage_ < 3) return;  // nothing to shard: the one-process step
   if (stage_ < 3) host().set_grad_ready_callback(&Zero::grad_ready_trampoline, this);
   if (stage_ >= 2) {
     for (int64_t i = 0; i < count; ++i) {
-      if (group_of_[static_cast<size_t>(i)] >= 0) host().release_parameter_grad(i);
+      if (stage_of_[static_cast<size_t>(i)] >= 0) host().release_parameter_grad(i);
     }
   }
 }
@@ -107,31 +128,44 @@ weft_flat_shard Zero::flat_shard(int64_t index) {
 // a stage's whole gradients live until its reduce-scatter starts) and of the parameters (stage 3;
 // at most kInFlight stages whole at once, plus the tied embedding during a step, or every stage
 // between forward and backward without reshard_after_forward). Collectives in flight hold their
-// send and receive buffers: a whole group and a row of it each.
+// send and receive buffers: a whole group (at most bucket_mb) and a row of it each.
 void Zero::memory_plan(weft_memory_plan& plan) {
   if (ranks_ == 1 && stage_ < 3) return;
   const int64_t N = ranks_;
   const auto shard = [N](int64_t bytes) { return (bytes + N - 1) / N; };
   const int64_t stages = host().model_num_stages() > 0 ? host().model_num_stages() : host().model_info().num_layers + 2;
+  // Stage 3 with tied embeddings pins stage 0 whole for the step (and its whole gradient lives from
+  // the head's backward to the embedding's): counted once, the other stages by the largest.
+  const bool pin = stage_ == 3 && host().model_info().tie_word_embeddings != 0;
   int64_t params = 0, trainable = 0, largest_params = 0, largest_trainable = 0, inputs = 0;
+  int64_t pinned = 0, pinned_trainable = 0;
   for (int64_t s = 0; s < stages; ++s) {
     const weft_stage_memory m = host().stage_memory(s);
     params += m.parameter_bytes;
     trainable += m.trainable_bytes;
-    largest_params = std::max(largest_params, m.parameter_bytes);
-    largest_trainable = std::max(largest_trainable, m.trainable_bytes);
+    if (pin && s == 0) {
+      pinned = m.parameter_bytes;
+      pinned_trainable = m.trainable_bytes;
+    } else {
+      largest_params = std::max(largest_params, m.parameter_bytes);
+      largest_trainable = std::max(largest_trainable, m.trainable_bytes);
+    }
     if (s + 1 < stages) inputs += m.output_bytes_per_row;
   }
   const int64_t in_flight = static_cast<int64_t>(kInFlight);
-  const int64_t reduce_buffers = in_flight * (largest_trainable + shard(largest_trainable));
+  const auto bucket = static_cast<int64_t>(bucket_mb_ * 1024 * 1024);  // a collective's whole group at most
+  const int64_t reduce_group = std::min(std::max(largest_trainable, pinned_trainable), bucket);
+  const int64_t gather_group = std::min(std::max(largest_params, pinned), bucket);
+  const int64_t reduce_buffers = in_flight * (reduce_group + shard(reduce_group));
   plan.optimizer_bytes = 2 * shard(trainable);
-  plan.gradient_bytes = shard(trainable) + (stage_ == 1 || plan.micro_batches > 1 ? trainable : in_flight * largest_trainable);
+  plan.gradient_bytes = shard(trainable) + (stage_ == 1 || plan.micro_batches > 1
+                                                 ? trainable
+                                                 : std::min(trainable, pinned_trainable + in_flight * largest_trainable));
   plan.buffer_bytes += reduce_buffers;
   if (stage_ < 3) return;  // parameters whole; the gathers after the step reuse the reduce buffers' room
-  const int64_t pinned = host().model_info().tie_word_embeddings ? host().stage_memory(0).parameter_bytes : 0;
   const int64_t whole = reshard_after_forward_ ? std::min(params, in_flight * largest_params + pinned) : params;
   plan.parameter_bytes = shard(params) + whole;
-  plan.buffer_bytes += in_flight * (largest_params + shard(largest_params));
+  plan.buffer_bytes += in_flight * (gather_group + shard(gather_group));
   plan.activation_bytes += plan.rows_per_micro_batch * inputs;  // the stage inputs copied as leaves
 }
 
@@ -139,7 +173,7 @@ void Zero::memory_plan(weft_memory_plan& plan) {
 
 double Zero::train_step(const weft_step_info& step) {
   if (step.micro_batches < 1) throw Error(WEFT_STATUS_INVALID_ARGUMENT, "zero: micro_batches must be >= 1");
-  if (group_of_.size() != static_cast<size_t>(host().parameter_count())) {
+  if (stage_of_.size() != static_cast<size_t>(host().parameter_count())) {
     throw Error(WEFT_STATUS_INTERNAL, "zero: train_step before setup");
   }
   if (ranks_ == 1 && stage_ < 3) return single_process_train_step(step);
@@ -164,10 +198,9 @@ double Zero::hooked_train_step(const weft_step_info& step) {
     Activation logits = host().forward(0, stages, batch.inputs);
     weft::sdk::Loss loss = host().loss(logits, batch.targets, scale);
     if (m == step.micro_batches - 1) {
-      for (size_t g = 0; g < reduce_groups_.size(); ++g) {
-        pending_[g] = static_cast<int64_t>(reduce_groups_[g].parameters.size());
-      }
+      for (size_t st = 0; st < stages_.size(); ++st) pending_[st] = stages_[st].trainable;
       std::fill(ready_.begin(), ready_.end(), 0);
+      pieces_left_ = pieces_;
       next_reduce_ = 0;
       callback_error_ = nullptr;
       syncing_ = true;
@@ -189,6 +222,7 @@ double Zero::staged_train_step(const weft_step_info& step) {
   const double scale = 1.0 / step.micro_batches;
   double loss_sum = 0.0;
   next_reduce_ = 0;
+  pieces_left_ = pieces_;
   if (tied_) ensure_whole(0);
   for (int32_t m = 0; m < step.micro_batches; ++m) {
     const bool last = m == step.micro_batches - 1;
@@ -228,7 +262,7 @@ double Zero::staged_train_step(const weft_step_info& step) {
         }
         outputs[s].reset();  // its graph is spent
       }
-      if (last) reduce_in_order(s);
+      if (last) reduce_stage(s);
       release_stage(s);
     }
   }
@@ -289,14 +323,15 @@ double Zero::global_grad_norm_sq(double local_sq) {
 }
 
 void Zero::after_optimizer_step() {
-  if (stage_ < 3 && ranks_ > 1) gather_all();  // the updated shards into every rank's whole parameters
+  if (stage_ < 3 && ranks_ > 1) gather_every_group();  // the updated shards into every rank's whole parameters
 }
 
 void Zero::materialize_parameters(bool whole) {
   if (stage_ < 3) return;  // whole between steps already
   try {
     if (whole) {
-      gather_all();
+      for (size_t st = 0; st < stages_.size(); ++st) prefetch(st);
+      for (size_t st = 0; st < stages_.size(); ++st) ensure_whole(st);
       resting_ = false;
     } else {
       release_all();
@@ -321,12 +356,15 @@ Zero::InFlight Zero::start_reduce(size_t group) {
     weft_status* status = host().api()->parameter_grad(host().handle(), index, &grad);
     if (status != nullptr && host().api()->status_code(status) == WEFT_STATUS_INVALID_ARGUMENT) {
       host().api()->status_release(status);  // no gradient in this step: zeros (the buffer's)
-      continue;
+    } else {
+      host().check(status);
+      if (!is_fp32(grad)) throw Error(WEFT_STATUS_UNSUPPORTED, "zero: a gradient is not fp32");
+      copy_into_matrix(host(), g, k, flight.send.view(), grad);
     }
-    host().check(status);
-    if (!is_fp32(grad)) throw Error(WEFT_STATUS_UNSUPPORTED, "zero: a gradient is not fp32");
-    copy_into_matrix(host(), g, k, flight.send.view(), grad);
-    if (stage_ >= 2) host().release_parameter_grad(index);  // copied: the whole gradient can go
+    // Its last piece copied: the whole gradient can go (stages 2 and 3).
+    if (--pieces_left_[static_cast<size_t>(index)] == 0 && stage_ >= 2 && status == nullptr) {
+      host().release_parameter_grad(index);
+    }
   }
   DLTensor receive = flight.receive.view();
   flight.work = host().reduce_scatter(world_, receive, flight.send.view(), WEFT_REDUCE_SUM);
@@ -340,26 +378,25 @@ void Zero::finish_reduce(InFlight& flight) {
   DLTensor row = flight.receive.view();
   host().scale(row, 1.0 / ranks_);
   for (size_t k = 0; k < g.parameters.size(); ++k) {
-    DLTensor shard = host().parameter_grad_shard(g.parameters[k]);
-    copy_from_row(host(), g, k, row, shard);
+    copy_from_row(host(), g, k, row, host().parameter_grad_shard(g.parameters[k]));
   }
 }
 
-// Starts `group`'s reduce-scatter (groups start in reduce_order_ on every rank), finishing the
-// oldest first when kInFlight are already under way. Groups without trainable parameters are
-// skipped on every rank alike.
-void Zero::reduce_in_order(size_t group) {
-  if (reduce_groups_[group].width == 0) return;
-  if (reducing_.size() >= kInFlight) {
-    finish_reduce(reducing_.front());
-    reducing_.pop_front();
+// Starts the reduce-scatters of `stage`'s groups (stages start in reduce_order_ on every rank),
+// finishing the oldest first when kInFlight are already under way.
+void Zero::reduce_stage(size_t stage) {
+  for (size_t group : stages_[stage].reduce_groups) {
+    if (reducing_.size() >= kInFlight) {
+      finish_reduce(reducing_.front());
+      reducing_.pop_front();
+    }
+    reducing_.push_back(start_reduce(group));
   }
-  reducing_.push_back(start_reduce(group));
 }
 
 void Zero::finish_reduces() {
   if (stage_ < 3) {  // whatever did not arrive counts as zeros, in order
-    for (; next_reduce_ < reduce_order_.size(); ++next_reduce_) reduce_in_order(reduce_order_[next_reduce_]);
+    for (; next_reduce_ < reduce_order_.size(); ++next_reduce_) reduce_stage(reduce_order_[next_reduce_]);
   }
   while (!reducing_.empty()) {
     finish_reduce(reducing_.front());
@@ -378,16 +415,16 @@ void Zero::grad_ready_trampoline(void* user_data, int64_t parameter_index) noexc
 }
 
 void Zero::on_grad_ready(int64_t parameter_index) {
-  if (parameter_index < 0 || static_cast<size_t>(parameter_index) >= group_of_.size()) {
+  if (parameter_index < 0 || static_cast<size_t>(parameter_index) >= stage_of_.size()) {
     throw Error(WEFT_STATUS_INTERNAL, "zero: grad-ready callback for unknown parameter " + std::to_string(parameter_index));
   }
-  const int64_t group = group_of_[static_cast<size_t>(parameter_index)];
+  const int64_t stage = stage_of_[static_cast<size_t>(parameter_index)];
   char& ready = ready_[static_cast<size_t>(parameter_index)];
-  if (group < 0 || ready) return;
+  if (stage < 0 || ready) return;
   ready = 1;
-  --pending_[static_cast<size_t>(group)];
+  --pending_[static_cast<size_t>(stage)];
   while (next_reduce_ < reduce_order_.size() && pending_[reduce_order_[next_reduce_]] == 0) {
-    reduce_in_order(reduce_order_[next_reduce_++]);
+    reduce_stage(reduce_order_[next_reduce_++]);
   }
 }
 
@@ -413,15 +450,16 @@ void Zero::finish_gather(InFlight& flight) {
   const FlatGroup& g = gather_groups_[flight.group];
   for (size_t k = 0; k < g.parameters.size(); ++k) {
     const int64_t index = g.parameters[k];
+    // Stage 3: whole storage on the first piece (the later pieces find it whole).
     const DLTensor whole = stage_ == 3 ? host().materialize_parameter(index) : host().parameter_data(index);
     copy_from_matrix(host(), g, k, flight.receive.view(), whole);
   }
-  whole_[flight.group] = 1;
+  const size_t stage = gather_stage_[flight.group];
+  if (++gathered_[stage] == static_cast<int64_t>(stages_[stage].gather_groups.size())) whole_[stage] = 1;
 }
 
-void Zero::gather_all() {
+void Zero::gather_every_group() {
   for (size_t group = 0; group < gather_groups_.size(); ++group) {
-    if (gather_groups_[group].width == 0) continue;
     if (gathering_.size() >= kInFlight) {
       finish_gather(gathering_.front());
       gathering_.pop_front();
@@ -432,18 +470,20 @@ void Zero::gather_all() {
     finish_gather(gathering_.front());
     gathering_.pop_front();
   }
+  std::fill(gathered_.begin(), gathered_.end(), 0);  // stages 1-2 count nothing between steps
 }
 
 void Zero::prefetch(size_t stage) {
   if (whole_[stage]) return;
-  for (const InFlight& flight : gathering_) {
-    if (flight.group == stage) return;
+  for (size_t group : stages_[stage].gather_groups) {
+    if (gather_started_[group]) continue;
+    if (gathering_.size() >= kInFlight) {
+      finish_gather(gathering_.front());
+      gathering_.pop_front();
+    }
+    gathering_.push_back(start_gather(group));
+    gather_started_[group] = 1;
   }
-  if (gathering_.size() >= kInFlight) {
-    finish_gather(gathering_.front());
-    gathering_.pop_front();
-  }
-  gathering_.push_back(start_gather(stage));
 }
 
 void Zero::ensure_whole(size_t stage) {
@@ -456,13 +496,17 @@ void Zero::ensure_whole(size_t stage) {
 }
 
 void Zero::release_stage(size_t stage, bool even_pinned) {
-  if (stage_ < 3 || !whole_[stage] || (tied_ && stage == 0 && !even_pinned)) return;
-  for (int64_t index : gather_groups_[stage].parameters) host().release_parameter(index);
+  if (stage_ < 3 || !whole_[stage] || stages_[stage].gather_groups.empty() || (tied_ && stage == 0 && !even_pinned)) {
+    return;
+  }
+  for (int64_t index : stages_[stage].gathered) host().release_parameter(index);
   whole_[stage] = 0;
+  gathered_[stage] = 0;
+  for (size_t group : stages_[stage].gather_groups) gather_started_[group] = 0;
 }
 
 void Zero::release_all() {
-  for (size_t stage = 0; stage < gather_groups_.size(); ++stage) release_stage(stage, /*even_pinned=*/true);
+  for (size_t stage = 0; stage < stages_.size(); ++stage) release_stage(stage, /*even_pinned=*/true);
   resting_ = true;
 }
 

@@ -26,8 +26,13 @@
 // {loss sum, tokens} summed over the world. global_grad_norm_sq: the sum of every rank's shard
 // norms. materialize_parameters (stage 3): gathers every stage for the host to save the model.
 //
+// Collectives are bounded: a stage's parameters travel in groups of at most plugin.bucket_mb MiB
+// (as whole fp32 tensors; a larger parameter is cut into pieces over consecutive groups), so no
+// buffer holds more than that while the parameter itself is gathered or reduced piece by piece.
+//
 // Configuration ([plugin]): stage (1, 2 or 3; default 3), reshard_after_forward (bool, default
-// true; stage 3 only). Needs a host with ABI >= 1.3. Parameters and gradients must be fp32.
+// true; stage 3 only), bucket_mb (float > 0, default 64). Needs a host with ABI >= 1.3. Parameters
+// and gradients must be fp32.
 #ifndef WEFT_PLUGINS_ZERO_ZERO_HPP
 #define WEFT_PLUGINS_ZERO_ZERO_HPP
 
@@ -67,21 +72,28 @@ class Zero : public weft::sdk::Strategy {
     weft::sdk::Buffer send, receive;
     weft::sdk::Work work;
   };
+  // One model stage: its parameters and the groups (collectives) they travel in.
+  struct StageLayout {
+    std::vector<int64_t> gathered;       // host indices (stage 3: every parameter; else the trainable)
+    std::vector<size_t> gather_groups;   // indices into gather_groups_
+    std::vector<size_t> reduce_groups;   // indices into reduce_groups_ (its trainable parameters)
+    int64_t trainable = 0;               // trainable parameters (grad-ready bookkeeping)
+  };
 
-  // --- gradients: reduce-scatter per group into the gradient shards ---
+  // --- gradients: reduce-scatter into the gradient shards ---
   InFlight start_reduce(size_t group);
   void finish_reduce(InFlight& flight);
-  void reduce_in_order(size_t group);  // starts it, keeping at most kInFlight started and unfinished
+  void reduce_stage(size_t stage);  // starts its groups, keeping at most kInFlight started and unfinished
   void finish_reduces();
   static void grad_ready_trampoline(void* user_data, int64_t parameter_index) noexcept;
   void on_grad_ready(int64_t parameter_index);
 
-  // --- parameters: all-gather per group from the shards into whole parameters ---
+  // --- parameters: all-gather from the shards into whole parameters ---
   InFlight start_gather(size_t group);
   void finish_gather(InFlight& flight);
-  void gather_all();                       // every group, at most kInFlight at a time
+  void gather_every_group();               // stages 1-2: the updated shards into the whole parameters
   void ensure_whole(size_t stage);         // stage 3: gathered, waiting for its prefetch if one is in flight
-  void prefetch(size_t stage);             // stage 3: starts the stage's gather if it is released
+  void prefetch(size_t stage);             // stage 3: starts the stage's gathers if it is released
   void release_stage(size_t stage, bool even_pinned = false);  // stage 3: frees its parameters
   void release_all();
 
@@ -94,16 +106,22 @@ class Zero : public weft::sdk::Strategy {
   int32_t ranks_ = 1, rank_ = 0;
   int64_t stage_ = 3;
   bool reshard_after_forward_ = true;
+  double bucket_mb_ = 64.0;                // the most a collective moves (whole group, fp32)
   int64_t model_stages_ = 0;
-  std::vector<FlatGroup> gather_groups_;  // per model stage: its parameters (stage 3: frozen ones too)
-  std::vector<FlatGroup> reduce_groups_;  // per model stage: its trainable parameters
+  std::vector<StageLayout> stages_;
+  std::vector<FlatGroup> gather_groups_, reduce_groups_;
+  std::vector<size_t> gather_stage_;      // per gather group: its model stage
   size_t first_trainable_ = 0;            // the first model stage with a trainable parameter
   std::vector<size_t> reduce_order_;      // model stages from the last to the first (gradients' order)
   std::vector<char> whole_;               // per model stage: its parameters are whole now
-  std::vector<int64_t> group_of_;         // per host parameter: its model stage's reduce group, or -1
-  std::vector<int64_t> pending_;          // per reduce group: trainable parameters not ready yet
+  std::vector<int64_t> gathered_;         // per model stage: groups finished since its release
+  std::vector<char> gather_started_;      // per gather group: started since its stage's release
+  std::vector<int64_t> stage_of_;         // per host parameter: its model stage if trainable, else -1
+  std::vector<int64_t> pieces_;           // per host parameter: its pieces in the reduce groups
+  std::vector<int64_t> pieces_left_;      // per host parameter: pieces not yet copied in this sync
+  std::vector<int64_t> pending_;          // per model stage: trainable parameters not ready yet
   std::vector<char> ready_;               // per host parameter: gradient ready in this backward
-  size_t next_reduce_ = 0;                // index into reduce_order_ of the next group to start
+  size_t next_reduce_ = 0;                // index into reduce_order_ of the next stage to reduce
   std::deque<InFlight> reducing_;
   std::deque<InFlight> gathering_;
   bool syncing_ = false;

@@ -662,17 +662,11 @@ class Host {
   // older host; a plugin that shards sets min_host_minor = 3. ---
   // This rank's master copy of the parameter's shard (1-D).
   DLTensor parameter_shard(int64_t index) const {
-    require_minor(3, "parameter_shard");
-    DLTensor out{};
-    check(api_->parameter_shard(host_, index, &out));
-    return out;
+    return view_since_1_3(&weft_host_api::parameter_shard, index, "parameter_shard");
   }
   // The gradient of the parameter's shard (1-D fp32; zero at the start of a step).
   DLTensor parameter_grad_shard(int64_t index) const {
-    require_minor(3, "parameter_grad_shard");
-    DLTensor out{};
-    check(api_->parameter_grad_shard(host_, index, &out));
-    return out;
+    return view_since_1_3(&weft_host_api::parameter_grad_shard, index, "parameter_grad_shard");
   }
   // Frees the parameter's whole gradient.
   void release_parameter_grad(int64_t index) const {
@@ -686,10 +680,7 @@ class Host {
   }
   // Whole storage again, contents undefined until the caller fills it; returns its view.
   DLTensor materialize_parameter(int64_t index) const {
-    require_minor(3, "parameter_materialize");
-    DLTensor out{};
-    check(api_->parameter_materialize(host_, index, &out));
-    return out;
+    return view_since_1_3(&weft_host_api::parameter_materialize, index, "parameter_materialize");
   }
 
   // The host's estimate for model stage `stage` as this rank would hold it (from memory_plan on).
@@ -712,6 +703,15 @@ class Host {
     if (negotiated_minor() < minor) {
       throw Error(WEFT_STATUS_UNSUPPORTED, std::string(slot) + " needs host ABI >= 1." + std::to_string(minor));
     }
+  }
+  // A 1.3 service that writes a view of parameter `index`. The slot is named by member pointer and
+  // read only after the version check (an older host's table does not have it).
+  using ViewSlot = weft_status* (*)(weft_host*, int64_t, DLTensor*);
+  DLTensor view_since_1_3(ViewSlot weft_host_api::*slot, int64_t index, const char* name) const {
+    require_minor(3, name);
+    DLTensor out{};
+    check((api_->*slot)(host_, index, &out));
+    return out;
   }
 
   const weft_host_api* api_;

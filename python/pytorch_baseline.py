@@ -147,10 +147,10 @@ class Llama(nn.Module):
 
     def forward(self, tokens, targets):
         t = tokens.shape[1]
-        freqs = torch.outer(torch.arange(t, dtype=torch.float32), self.inv_freq)
+        freqs = torch.outer(torch.arange(t, dtype=torch.float32, device=tokens.device), self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
-        mask = torch.full((t, t), float("-inf")).triu(1)
+        mask = None if HAS_SDPA else torch.full((t, t), float("-inf"), device=tokens.device).triu(1)
         x = self.embed_tokens(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin, mask)

@@ -69,7 +69,18 @@ std::unique_ptr<Communicator> Communicator::single_process(std::chrono::millisec
   return std::make_unique<Communicator>(c10::make_intrusive<c10d::HashStore>(), 0, 1, timeout);
 }
 
-Communicator::~Communicator() = default;
+Communicator::~Communicator() {
+  // NCCL groups are shut down before they are released (their watchdogs stopped); nothing throws
+  // out of a destructor.
+  for (auto& group : groups_) {
+    if (!group || !group->nccl) continue;
+    try {
+      compat::shutdown_backend(*group->nccl);
+    } catch (const std::exception& e) {
+      spdlog::warn("shutting down the NCCL group of {}: {}", group->name, e.what());
+    }
+  }
+}
 
 void Communicator::attach_backends(ProcessGroup& group, const std::string& prefix) {
   WEFT_CHECK(backend_ == "gloo" || backend_ == "nccl", "unknown collective backend '{}' (gloo or nccl)", backend_);

@@ -212,6 +212,15 @@ const std::vector<Row>& rows() {
       string_key("log.trace", WEFT_MEMBER(trace_file), "",
                  "Chrome/Perfetto trace file (open in ui.perfetto.dev or chrome://tracing); ranks of "
                  "a multi-process run write FILE.rank<r>.json; empty = off. Also --trace FILE."),
+      string_key("log.torch_profile", WEFT_MEMBER(torch_profile), "",
+                 "PyTorch's profiler (Kineto) over a few training steps: every operator, and every CUDA "
+                 "kernel on a GPU, as a Chrome trace (ranks of a multi-process run write "
+                 "FILE.rank<r>.json; tools/gpu/profile_summary.py sums it by kernel); empty = off. "
+                 "LibTorch 2.x."),
+      int_key("log.torch_profile_from", WEFT_MEMBER(torch_profile_from), 5,
+              "log.torch_profile: the optimizer steps done before recording starts (warm-up).", 0),
+      int_key("log.torch_profile_steps", WEFT_MEMBER(torch_profile_steps), 3,
+              "log.torch_profile: how many optimizer steps are recorded.", 1),
   };
   return rows;
 }

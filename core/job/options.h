@@ -65,6 +65,9 @@ struct TrainOptions {
   int64_t log_every;
   std::string metrics_file;   // log.metrics_file, or <out_dir>/metrics.jsonl
   std::string trace_file;     // log.trace: Chrome trace of this run ("" = off)
+  std::string torch_profile;  // log.torch_profile: Kineto trace of a few steps ("" = off)
+  int64_t torch_profile_from;
+  int64_t torch_profile_steps;
   int64_t max_new_tokens;     // generate.*
   double temperature, top_p;
   uint64_t generate_seed;

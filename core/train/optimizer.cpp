@@ -2,7 +2,12 @@
 
 #include <cmath>
 
+#include <map>
+
 #include <torch/torch.h>
+
+#include "core/util/error.h"
+#include "core/util/torch_compat.h"
 
 namespace weft {
 
@@ -43,15 +48,90 @@ void set_learning_rate(torch::optim::AdamW& optimizer, double lr) {
   }
 }
 
+namespace {
+
+// Whether every tensor of `group` with a gradient can take the fused kernel: fp32, dense, on CUDA
+// (or on the CPU where `cpu` and the LibTorch has the CPU kernel).
+bool fusable(const torch::optim::OptimizerParamGroup& group, bool cpu) {
+  if (!compat::kHasFusedAdamW) return false;
+  bool any = false;
+  for (const auto& p : group.params()) {
+    if (!p.grad().defined()) continue;
+    const bool device_ok = p.is_cuda() || (cpu && compat::kHasFusedAdamWOnCpu && p.is_cpu());
+    if (!device_ok || p.scalar_type() != torch::kFloat32 || p.grad().scalar_type() != torch::kFloat32 ||
+        p.is_sparse() || p.grad().is_sparse()) {
+      return false;
+    }
+    any = true;
+  }
+  return any;
+}
+
+// One group's step through aten::_fused_adamw_, on the optimizer's own state (step counts,
+// moments), so checkpoints and optimizer_state_bytes see what the unfused step would have left.
+void fused_group_step(torch::optim::AdamW& optimizer, torch::optim::OptimizerParamGroup& group) {
+  const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
+  std::vector<torch::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
+  std::map<int64_t, torch::Tensor> step_tensors;  // one per distinct step count (usually one)
+  for (const auto& p : group.params()) {
+    if (!p.grad().defined()) continue;
+    auto& slot = optimizer.state()[compat::optimizer_state_key(p)];
+    if (!slot) {
+      auto state = std::make_unique<torch::optim::AdamWParamState>();
+      state->step(0);
+      state->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+      state->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+      slot = std::move(state);
+    }
+    auto& state = static_cast<torch::optim::AdamWParamState&>(*slot);
+    state.step(state.step() + 1);
+    auto& step = step_tensors[state.step()];
+    if (!step.defined()) step = torch::full({}, static_cast<double>(state.step()), p.options());
+    params.push_back(p);
+    grads.push_back(p.grad());
+    exp_avgs.push_back(state.exp_avg());
+    exp_avg_sqs.push_back(state.exp_avg_sq());
+    steps.push_back(step);
+  }
+  const auto [beta1, beta2] = o.betas();
+  compat::fused_adamw(params, grads, exp_avgs, exp_avg_sqs, steps, o.lr(), beta1, beta2, o.weight_decay(), o.eps());
+}
+
+}  // namespace
+
+void adamw_step(torch::optim::AdamW& optimizer, AdamWKernel kernel) {
+  torch::NoGradGuard no_grad;
+  bool all_fusable = true;
+  for (const auto& group : optimizer.param_groups()) {
+    WEFT_CHECK(!static_cast<const torch::optim::AdamWOptions&>(group.options()).amsgrad(),
+               "adamw_step: amsgrad is not used by weft");
+    all_fusable = all_fusable && fusable(group, kernel == AdamWKernel::kFused);
+  }
+  WEFT_CHECK(all_fusable || kernel != AdamWKernel::kFused,
+             "adamw_step: no fused AdamW kernel for these tensors in LibTorch {}", compat::libtorch_version());
+  if (!all_fusable) {
+    optimizer.step();
+    return;
+  }
+  for (auto& group : optimizer.param_groups()) fused_group_step(optimizer, group);
+}
+
 double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm,
                       const std::function<double(double)>& globalize, double grad_scale) {
   torch::NoGradGuard no_grad;
   // Sums of squares in fp64, one reduction and one host sync for all tensors.
+  // On CUDA, one multi-tensor kernel computes every norm (fp32 accumulation per tensor).
   std::vector<torch::Tensor> grads, squares;
+  bool cuda = !params.empty();
   for (const auto& p : params) {
     if (!p.grad().defined()) continue;
     grads.push_back(p.grad());
-    squares.push_back(p.grad().to(torch::kFloat64).pow(2).sum());
+    cuda = cuda && p.grad().is_cuda();
+  }
+  if (cuda && !grads.empty()) {
+    for (const auto& n : at::_foreach_norm(grads, 2)) squares.push_back(n.to(torch::kFloat64).pow(2));
+  } else {
+    for (const auto& g : grads) squares.push_back(g.to(torch::kFloat64).pow(2).sum());
   }
   double sum_sq = squares.empty() ? 0.0 : torch::stack(squares).sum().item<double>();
   if (globalize) sum_sq = globalize(sum_sq);  // collective: every process calls it
@@ -60,16 +140,27 @@ double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm,
   double factor = 1.0 / grad_scale;
   if (max_norm > 0 && norm > max_norm) factor *= max_norm / (norm + 1e-6);
   if (factor != 1.0) {
-    for (auto& g : grads) g.mul_(factor);
+    if (cuda) {
+      at::_foreach_mul_(grads, factor);
+    } else {
+      for (auto& g : grads) g.mul_(factor);
+    }
   }
   return norm;
 }
 
 void zero_gradients(const std::vector<torch::Tensor>& params) {
   torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> cuda_grads;
   for (const auto& p : params) {
-    if (p.grad().defined()) p.grad().zero_();
+    if (!p.grad().defined()) continue;
+    if (p.grad().is_cuda()) {
+      cuda_grads.push_back(p.grad());
+    } else {
+      p.grad().zero_();
+    }
   }
+  if (!cuda_grads.empty()) at::_foreach_zero_(cuda_grads);
 }
 
 }  // namespace weft

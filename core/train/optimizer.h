@@ -29,6 +29,15 @@ std::unique_ptr<torch::optim::AdamW> make_adamw(const std::vector<OptimizedTenso
 // Bytes of AdamW's state tensors (the moments of every tensor it has stepped).
 int64_t optimizer_state_bytes(torch::optim::AdamW& optimizer);
 
+// One AdamW step of `optimizer` (the update torch::optim::AdamW::step makes). When every tensor
+// with a gradient is fp32 on a CUDA device (LibTorch 2.x), the whole step is aten::_fused_adamw_,
+// one multi-tensor kernel per parameter group, instead of ~10 kernels per tensor; the state it
+// leaves (step counts, moments) is the optimizer's own, as the unfused step leaves it.
+// `kernel`: kAuto as above; kFused also on the CPU (LibTorch 2.4+; tests compare the two there),
+// throwing weft::Error where this LibTorch has no fused kernel for the tensors' device.
+enum class AdamWKernel { kAuto, kFused };
+void adamw_step(torch::optim::AdamW& optimizer, AdamWKernel kernel = AdamWKernel::kAuto);
+
 // Sets the learning rate of every parameter group.
 void set_learning_rate(torch::optim::AdamW& optimizer, double lr);
 

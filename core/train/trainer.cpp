@@ -33,6 +33,8 @@ Trainer::Trainer(TrainOptions options, RunContext context)
   WEFT_CHECK(options_.model.adapter.empty() || options_.mode == "lora",
              "model.adapter loads LoRA adapters, which train further with train.mode = \"lora\" (it is \"{}\")",
              options_.mode);
+  std::string why;
+  WEFT_CHECK(options_.torch_profile.empty() || TorchProfiler::available(&why), "{}", why);
   job_ = std::make_unique<Job>(std::move(options), context, Job::Data::kSplits);
   const auto& data = job_->data();
   const Placement& place = job_->placement();
@@ -243,7 +245,7 @@ StepReport Trainer::train_step(int64_t epoch, int64_t step_in_epoch) {
                                    [&](double local_sq) { return strategy.global_grad_norm_sq(local_sq); },
                                    scaler_.scale());
   last_step_skipped_ = !scaler_.update(std::isfinite(last_grad_norm_));
-  if (!last_step_skipped_) optimizer_->step();
+  if (!last_step_skipped_) adamw_step(*optimizer_);
   zero_gradients(job_->trainable());
   strategy.after_optimizer_step();  // zeroes the gradient shards; ZeRO gathers the updated shards
   return report;
@@ -254,6 +256,7 @@ bool Trainer::run_epoch_steps(RunRecords& records) {
   records.progress().start_epoch(state_.epoch, options_.epochs, epoch_steps, state_.step_in_epoch);
   bool stop = false;
   while (!stop && state_.step_in_epoch < steps_per_epoch_ && state_.global_step < total_steps_) {
+    profile_around_step();
     const int64_t bytes_before = tensor_bytes_live();
     tensor_peak_bytes_ = std::max(tensor_peak_bytes_, tensor_bytes_peak());  // what came before (evaluation)
     reset_tensor_peak();
@@ -290,7 +293,26 @@ bool Trainer::run_epoch_steps(RunRecords& records) {
     stop = stop || agreed_interrupt() != 0;
   }
   records.progress().finish_epoch();
+  if (stop || state_.global_step >= total_steps_) profile_around_step(/*last=*/true);
   return stop;
+}
+
+// log.torch_profile: starts the profiler before step from + 1 and saves it after step from + steps
+// (or when the run ends first).
+void Trainer::profile_around_step(bool last) {
+  if (options_.torch_profile.empty()) return;
+  const int64_t done = state_.global_step;
+  const bool end = done >= options_.torch_profile_from + options_.torch_profile_steps || last ||
+                   done >= total_steps_;
+  if (profiler_.running() && end) {
+    synchronize(job_->device());
+    const auto path = Tracer::rank_path(options_.torch_profile, job_->context().rank, job_->context().world);
+    profiler_.stop_and_save(path);
+    spdlog::info("torch profile of steps {}-{} written to {}", options_.torch_profile_from + 1, done, path);
+  } else if (!profiler_.running() && !end && done == options_.torch_profile_from) {
+    synchronize(job_->device());
+    profiler_.start(job_->device().is_cuda());
+  }
 }
 
 bool Trainer::complete_epoch(RunRecords& records) {

@@ -19,6 +19,7 @@
 #include <torch/optim/adamw.h>
 
 #include "core/data/loader.h"
+#include "core/util/torch_profiler.h"
 #include "core/job/evaluate.h"
 #include "core/job/job.h"
 #include "core/train/checkpoint.h"
@@ -66,6 +67,7 @@ class Trainer {
   // The whole model to save, on rank 0 (nullptr elsewhere); collective when the model is split.
   void with_whole_model(const std::function<void(LlamaForCausalLMImpl&)>& use);  // collective
   int agreed_interrupt();
+  void profile_around_step(bool last = false);
   void save_models(RunRecords& records);
   RunSetting run_setting();  // collective (LoRA: the adapters' count)
 
@@ -84,6 +86,7 @@ class Trainer {
   double last_lr_ = 0;
   double last_grad_norm_ = 0;
   LossScaler scaler_;  // fp16's dynamic loss scaling (disabled otherwise)
+  TorchProfiler profiler_;  // log.torch_profile
   double last_loss_scale_ = 1;
   bool last_step_skipped_ = false;
   int interrupt_ = 0;  // the signal every rank agreed to stop on, or 0

@@ -52,6 +52,38 @@ TEST(Cli, ShortRunPrintsLossTimePerEpochAndPerplexity) {
   EXPECT_TRUE(std::filesystem::exists(dir + "/out/metrics.jsonl"));
 }
 
+// log.torch_profile: PyTorch's profiler records the chosen steps (the steps' operators, nothing
+// from before them) into a Chrome trace; a 1.13 build refuses the key before compute.
+TEST(Cli, TorchProfileRecordsTheChosenStepsAsAChromeTrace) {
+  const auto dir = fresh_dir("torch_profile");
+  const std::string corpus = write_corpus(dir);
+  const auto r = run_trainer("--config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set data.path=" +
+                             corpus + " --set data.cache_dir=" + dir + "/cache --set train.out_dir=" + dir +
+                             "/out --set train.max_steps=4 --set data.seq_len=32 --set log.progress=off "
+                             "--set log.torch_profile=" + dir + "/p.json --set log.torch_profile_from=1 "
+                             "--set log.torch_profile_steps=2");
+  if (!weft::compat::kHasTorchProfiler) {  // LibTorch 1.13: no profiler
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find("log.torch_profile needs LibTorch 2.x"), std::string::npos) << r.output;
+    EXPECT_FALSE(std::filesystem::exists(dir + "/out/metrics.jsonl")) << "refused after compute started";
+    return;
+  }
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("torch profile of steps 2-3 written to"), std::string::npos) << r.output;
+  std::ifstream in(dir + "/p.json");
+  ASSERT_TRUE(in.good());
+  const auto trace = nlohmann::json::parse(in);
+  int matmuls = 0, backward = 0;
+  for (const auto& e : trace.at("traceEvents")) {
+    if (e.value("cat", "") != "cpu_op") continue;
+    const auto name = e.value("name", "");
+    matmuls += name == "aten::mm" || name == "aten::matmul" || name == "aten::linear";
+    backward += name.find("Backward") != std::string::npos;
+  }
+  EXPECT_GT(matmuls, 0);
+  EXPECT_GT(backward, 0);
+}
+
 TEST(Cli, BadInputGetsOneClearErrorAndExitCodeOne) {
   const auto dir = fresh_dir("bad");
   struct Case {

@@ -14,6 +14,7 @@
 #include "core/train/schedule.h"
 #include "core/train/trainer.h"
 #include "core/util/error.h"
+#include "core/util/torch_compat.h"
 #include "train_test_util.h"
 
 namespace weft {
@@ -63,6 +64,57 @@ TEST(Optimizer, ClipGradNormRemovesTheLossScaleAndLeavesNonFiniteGradientsAlone)
   EXPECT_EQ(a.grad()[1].item<float>(), 1.0f);  // untouched: the step is skipped
   a.mutable_grad() = torch::tensor({std::numeric_limits<float>::quiet_NaN(), 1.0f});
   EXPECT_TRUE(std::isnan(clip_grad_norm({a}, 1.0, {}, 1024.0)));
+}
+
+// The fused step (what CUDA runs) against torch::optim::AdamW's own step, on the CPU where
+// LibTorch 2.4+ has the fused kernel: the same parameters, moments and step counts after steps
+// with different learning rates, decay and no-decay groups, and a tensor without a gradient.
+TEST(Optimizer, TheFusedStepEqualsTheUnfusedOne) {
+  if (!compat::kHasFusedAdamWOnCpu) {
+    GTEST_SKIP() << "LibTorch " << compat::libtorch_version() << " has no fused AdamW kernel on the CPU "
+                 << "(2.4+); the fused step runs only on CUDA there, which the GPU kit checks";
+  }
+  auto make = [] {
+    torch::manual_seed(7);
+    std::vector<OptimizedTensor> tensors{{torch::randn({5, 3}), true}, {torch::randn({3}), false},
+                                         {torch::randn({4, 2}), true}};
+    for (auto& t : tensors) t.tensor.set_requires_grad(true);
+    return tensors;
+  };
+  OptimOptions o;
+  o.lr = 1e-2;
+  o.weight_decay = 0.1;
+  o.beta1 = 0.9;
+  o.beta2 = 0.95;
+  o.eps = 1e-8;
+  auto plain = make(), fused = make();
+  auto plain_opt = make_adamw(plain, o), fused_opt = make_adamw(fused, o);
+  for (int step = 0; step < 4; ++step) {
+    torch::manual_seed(100 + step);
+    for (size_t i = 0; i + 1 < plain.size(); ++i) {  // the last tensor never gets a gradient
+      const auto g = torch::randn_like(plain[i].tensor);
+      plain[i].tensor.mutable_grad() = g.clone();
+      fused[i].tensor.mutable_grad() = g.clone();
+    }
+    set_learning_rate(*plain_opt, 1e-2 * (step + 1));
+    set_learning_rate(*fused_opt, 1e-2 * (step + 1));
+    adamw_step(*plain_opt);  // CPU tensors: the unfused step
+    adamw_step(*fused_opt, AdamWKernel::kFused);
+  }
+  for (size_t i = 0; i < plain.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(plain[i].tensor, fused[i].tensor, 1e-5, 1e-6)) << "tensor " << i;
+  }
+  EXPECT_EQ(plain_opt->state().size(), 2u);
+  ASSERT_EQ(fused_opt->state().size(), 2u);
+  for (size_t i = 0; i + 1 < plain.size(); ++i) {
+    const auto& a = static_cast<torch::optim::AdamWParamState&>(*plain_opt->state().at(compat::optimizer_state_key(plain[i].tensor)));
+    const auto& b = static_cast<torch::optim::AdamWParamState&>(*fused_opt->state().at(compat::optimizer_state_key(fused[i].tensor)));
+    EXPECT_EQ(a.step(), 4);
+    EXPECT_EQ(b.step(), 4);
+    EXPECT_TRUE(torch::allclose(a.exp_avg(), b.exp_avg(), 1e-6, 1e-7));
+    EXPECT_TRUE(torch::allclose(a.exp_avg_sq(), b.exp_avg_sq(), 1e-6, 1e-7));
+  }
+  EXPECT_EQ(optimizer_state_bytes(*plain_opt), optimizer_state_bytes(*fused_opt));
 }
 
 TEST(Training, OverfitsOneBatch) {

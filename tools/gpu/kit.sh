@@ -77,11 +77,18 @@ build_step() {
   torch_prefix=$(python3 -c 'import os, torch, torch.utils
 print(torch.utils.cmake_prefix_path + ";" + os.path.dirname(torch.__file__))') || { say "- FAIL: python3 has no torch"; return 1; }
   run environment 60 bash -c 'nvidia-smi -L; python3 -c "import torch; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"no GPU\")"; nvcc --version | tail -1; cmake --version | head -1; g++ --version | head -1'
+  # The system's g++ (WEFT_KIT_CXX chooses another): a g++ of its own in /opt/gcc, first on the
+  # PATH of the workplace's GPU machines, linked libtorch.so ahead of libstdc++, so libtorch's
+  # static std::filesystem answered weft's calls and remove_all jumped to address 0.
+  local cxx=${WEFT_KIT_CXX:-/usr/bin/g++}
+  [[ -x "$cxx" ]] || cxx=$(command -v g++)
   run configure 300 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_prefix" \
-      -DWEFT_DEPS_PREFIX="$prefix" -DWEFT_PYTHON="$(command -v python3)"
+      -DCMAKE_CXX_COMPILER="$cxx" -DWEFT_DEPS_PREFIX="$prefix" -DWEFT_PYTHON="$(command -v python3)"
   grep -h '^-- weft: ' "$out/configure.log" | tee -a "$report"
-  run compile 560 cmake --build "$build" -j "$jobs" --target trainer single ddp gpipe pipedream tensor_parallel \
+  run compile 560 cmake --build "$build" -j "$jobs" --target trainer single ddp gpipe pipedream tensor_parallel zero \
       test_device test_model test_dist
+  # libstdc++ must come before libtorch.so in the search order (cmake/libtorch.cmake says why).
+  run libstdcxx_first 10 bash -c "readelf -d $build/trainer $build/tests/test_model | grep NEEDED | head -1 | grep -q libstdc++ && readelf -d $build/tests/test_model | grep NEEDED | head -1 | grep -q libstdc++"
 }
 
 check_step() {
@@ -111,7 +118,7 @@ check_step() {
   [[ "$gpus" -lt 2 ]] && share=1
   say "- $gpus GPU(s): multi-rank checks $([[ $share == 1 ]] && echo 'share one GPU (WEFT_SHARE_GPUS=1, Gloo)' || echo 'one GPU per rank (NCCL)')"
   local plugin
-  for plugin in ddp gpipe pipedream tensor_parallel; do
+  for plugin in ddp gpipe pipedream tensor_parallel zero; do
     WEFT_SHARE_GPUS=$share run "check_${plugin}_cuda_2ranks" 400 "$t" check --plugin "$plugin" --nproc 2 --set train.device=cuda
   done
 }
@@ -124,7 +131,14 @@ throughput_step() {
       --set train.overwrite=true --set log.progress=lines; then
     say "  weft, Llama 3.2 1B shape, bf16, 4 x 2048 tokens per step: $(summary_of "$out/1b/metrics.jsonl")"
   fi
-  KIT_TAIL=30 run throughput_weft_vs_pytorch 580 "$t" bench --config configs/llama-3.2-1b-throughput.toml \
+  # Where the step's GPU time goes: PyTorch's profiler over 3 steps after 5, summed by kernel.
+  if run profile_weft 300 "$t" --config configs/llama-3.2-1b-throughput.toml --set train.out_dir="$out/1b-profile" \
+      --set train.overwrite=true --set log.progress=off --set train.max_steps=9 --set eval.max_batches=1 \
+      --set log.torch_profile="$out/1b-profile.json" --set log.torch_profile_from=5 --set log.torch_profile_steps=3; then
+    { echo '  ```'; python3 tools/gpu/profile_summary.py "$out/1b-profile.json" --steps 3 --top 30 | sed 's/^/  /'; echo '  ```'; } >> "$report"
+  fi
+  # The plots need matplotlib: python3's there, not Debian's /usr/bin/python3.
+  WEFT_PLOT_PYTHON=${WEFT_PLOT_PYTHON:-python3} KIT_TAIL=30 run throughput_weft_vs_pytorch 580 "$t" bench --config configs/llama-3.2-1b-throughput.toml \
       --plugin single --baseline pytorch --warmup 3 --steps 10 --repetitions 2 --out "$out/bench"
 }
 

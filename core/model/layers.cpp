@@ -215,12 +215,31 @@ AttentionImpl::AttentionImpl(const ModelConfig& c, int64_t heads, int64_t kv_hea
 }
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const RotaryEmbedding& rope) {
+  if (sequence_ != nullptr && sequence_->size > 1) return forward_sequence_split(x, rope);
   const int64_t batch = x.size(0), seq = x.size(1);
   // One GEMM for q, k and v; one pass splits the heads and applies RoPE to q and k.
   auto qkv = fused_linear(x, {q_proj.get(), k_proj.get(), v_proj.get()});
   auto [cos, sin] = rope.tables(0, seq, x.device());
   auto [q, k, v] = split_qkv_with_rope(qkv, num_heads_, num_kv_heads_, cos, sin);
   auto out = causal_attention(q, k, v, kernel_);
+  return o_proj(out.transpose(1, 2).reshape({batch, seq, num_heads_ * head_dim_}));
+}
+
+torch::Tensor AttentionImpl::forward_sequence_split(const torch::Tensor& x, const RotaryEmbedding& rope) {
+  const int64_t batch = x.size(0), seq = x.size(1), parts = sequence_->size;
+  WEFT_CHECK(num_heads_ % parts == 0, "sequence parallelism: {} attention heads cannot be split over {} processes",
+             num_heads_, parts);
+  auto qkv = fused_linear(x, {q_proj.get(), k_proj.get(), v_proj.get()});
+  auto [cos, sin] = rope.tables(sequence_->rank * seq, seq, x.device());  // global positions
+  auto [q, k, v] = split_qkv_with_rope(qkv, num_heads_, num_kv_heads_, cos, sin);
+  if (num_kv_heads_ % parts != 0) {  // GQA with fewer kv heads than processes: one per query head
+    k = k.repeat_interleave(num_heads_ / num_kv_heads_, 1);
+    v = v.repeat_interleave(num_heads_ / num_kv_heads_, 1);
+  }
+  q = sequence_to_heads(q, *sequence_, layer_);
+  k = sequence_to_heads(k, *sequence_, layer_);
+  v = sequence_to_heads(v, *sequence_, layer_);
+  auto out = heads_to_sequence(causal_attention(q, k, v, kernel_), *sequence_, layer_);  // [B, H, s, D]
   return o_proj(out.transpose(1, 2).reshape({batch, seq, num_heads_ * head_dim_}));
 }
 

@@ -109,6 +109,11 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const ModelConfig& config, const Mode
              num_stages());
   local_ = weft::local_shape(config_, options_.shards, first_stage_, last_stage_);
   model = register_module("model", LlamaBackbone(config_, first_stage_, last_stage_, local_, options_.comm.get()));
+  if (options_.sequence != nullptr && options_.sequence->size > 1) {
+    WEFT_CHECK(options_.sequence->rank >= 0 && options_.sequence->rank < options_.sequence->size,
+               "sequence parallelism: rank {} of {}", options_.sequence->rank, options_.sequence->size);
+    for (auto& [index, block] : model->blocks) block->self_attn->set_sequence_split(options_.sequence.get(), index);
+  }
   if (last_stage_ == num_stages() && !config_.tie_word_embeddings) {
     lm_head = register_module("lm_head", Linear(config_.hidden_size, local_.vocab));
   }

@@ -39,6 +39,9 @@ struct ModelOptions {
   // the model calls at Megatron's communication points (none: a whole model).
   ShardMap shards;
   std::shared_ptr<const CommHook> comm;
+  // Sequence parallelism (parallel.h): forward() takes this process's tokens of each sequence
+  // and the attention core exchanges them (none, or size 1: whole sequences).
+  std::shared_ptr<const SequenceSplit> sequence;
 };
 
 // What a process's slices amount to, checked against the Megatron layout: local head counts,

@@ -29,7 +29,54 @@ struct CommFunction : public torch::autograd::Function<CommFunction> {
   }
 };
 
+// The Ulysses all-to-all: to_heads maps [B, Hx, s, D] -> [B, Hx / n, n * s, D], otherwise the
+// inverse. `backward` is passed to the hook (which direction autograd is in).
+torch::Tensor exchange(const torch::Tensor& x, const SequenceSplit& split, int64_t layer, bool to_heads,
+                       bool backward) {
+  const int64_t n = split.size, batch = x.size(0), heads = x.size(1), tokens = x.size(2), dim = x.size(3);
+  torch::Tensor send;
+  if (to_heads) {
+    WEFT_CHECK(heads % n == 0, "sequence parallelism: {} heads cannot be split over {} processes", heads, n);
+    send = x.reshape({batch, n, heads / n, tokens, dim}).permute({1, 0, 2, 3, 4}).contiguous();
+  } else {
+    WEFT_CHECK(tokens % n == 0, "sequence parallelism: {} tokens cannot be split over {} processes", tokens, n);
+    send = x.reshape({batch, heads, n, tokens / n, dim}).permute({2, 0, 1, 3, 4}).contiguous();
+  }
+  torch::Tensor recv = torch::empty_like(send);
+  split.all_to_all(layer, backward, send, recv);
+  // recv[i]: from process i: to_heads: its tokens for this process's heads; else: its heads
+  // for this process's tokens.
+  if (to_heads) return recv.permute({1, 2, 0, 3, 4}).reshape({batch, heads / n, n * tokens, dim});
+  return recv.permute({1, 0, 2, 3, 4}).reshape({batch, n * heads, tokens / n, dim});
+}
+
+struct SequenceExchange : public torch::autograd::Function<SequenceExchange> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const SequenceSplit* split,
+                               int64_t layer, bool to_heads) {
+    ctx->saved_data["split"] = reinterpret_cast<int64_t>(split);
+    ctx->saved_data["layer"] = layer;
+    ctx->saved_data["to_heads"] = to_heads;
+    return exchange(x, *split, layer, to_heads, /*backward=*/false);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto* split = reinterpret_cast<const SequenceSplit*>(ctx->saved_data["split"].toInt());
+    const bool to_heads = ctx->saved_data["to_heads"].toBool();
+    return {exchange(grads[0], *split, ctx->saved_data["layer"].toInt(), !to_heads, /*backward=*/true),
+            torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
 }  // namespace
+
+torch::Tensor sequence_to_heads(const torch::Tensor& x, const SequenceSplit& split, int64_t layer) {
+  WEFT_CHECK(x.dim() == 4 && split.all_to_all, "sequence_to_heads: a [B, H, s, D] tensor and an all-to-all");
+  return SequenceExchange::apply(x, &split, layer, true);
+}
+
+torch::Tensor heads_to_sequence(const torch::Tensor& x, const SequenceSplit& split, int64_t layer) {
+  WEFT_CHECK(x.dim() == 4 && split.all_to_all, "heads_to_sequence: a [B, h, S, D] tensor and an all-to-all");
+  return SequenceExchange::apply(x, &split, layer, false);
+}
 
 ParameterShard shard_of(const ShardMap& shards, const std::string& name) {
   for (const std::string factor : {".lora_A.weight", ".lora_B.weight"}) {

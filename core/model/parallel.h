@@ -66,6 +66,27 @@ using CommHook = std::function<void(CommPoint point, bool backward, int64_t laye
 // gradient in the backward pass. Without a hook, x itself.
 torch::Tensor comm_point(const CommHook* hook, CommPoint point, int64_t layer, const torch::Tensor& x);
 
+// Sequence (context) parallelism, Ulysses style: each of `size` processes holds tokens
+// [rank * s, (rank + 1) * s) of every sequence. Everything but the attention core runs on those
+// local tokens (RoPE at their global positions); around the core an all-to-all turns the
+// token-split q, k, v [B, H, s, D] into head-split ones over the whole sequence [B, H / size,
+// size * s, D], and a second one turns the core's output back. `all_to_all(layer, backward,
+// send, recv)`: send and recv are [size, ...] with equal chunks; chunk j of send goes to process
+// j, chunk i of recv came from process i (every process of the group calls it in the same
+// order). The all-to-all's backward is the inverse all-to-all.
+struct SequenceSplit {
+  int64_t rank = 0;
+  int64_t size = 1;
+  std::function<void(int64_t layer, bool backward, torch::Tensor& send, torch::Tensor& recv)> all_to_all;
+};
+
+// x [B, Hx, s, D] (this process's tokens, every head; Hx divisible by split.size) ->
+// [B, Hx / size, size * s, D] (every token, this process's heads: rank r holds heads
+// [r * Hx / size, (r + 1) * Hx / size)), with autograd (the backward is heads_to_sequence).
+torch::Tensor sequence_to_heads(const torch::Tensor& x, const SequenceSplit& split, int64_t layer);
+// The inverse: [B, h, size * s, D] -> [B, size * h, s, D].
+torch::Tensor heads_to_sequence(const torch::Tensor& x, const SequenceSplit& split, int64_t layer);
+
 // Every parameter of model stages [first, last) with its full shape, by HF name (without LoRA
 // adapters), so a plugin can be asked how to shard each before anything is allocated.
 std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_specs(const ModelConfig& config, int64_t first,

@@ -122,6 +122,7 @@ void Job::build_model() {
   if (plan_only_) return;
   WEFT_CHECK(memory_.fits, "{}", memory_.problem);
   model_options.comm = strategy_->comm_hook();
+  model_options.sequence = strategy_->sequence_split();
   model_ = LlamaForCausalLM(config, model_options);
   // On the device before the weights arrive, so that each tensor goes from the memory-mapped file
   // (or its seeded initialisation) to the device on its own: no whole-model copy in host memory.

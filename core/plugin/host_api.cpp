@@ -90,6 +90,11 @@ const weft_host_api* PluginHost::api() const { return &kHostApi; }
 
 weft_host* PluginHost::handle() { return &state_->handle; }
 
+void PluginHost::set_sequence_split(int64_t rank, int64_t size) {
+  state_->sequence_rank = rank;
+  state_->sequence_size = size;
+}
+
 void PluginHost::set_model_info(const ModelConfig& config, torch::Dtype compute_dtype, int64_t seq_len,
                                 int64_t batch_rows) {
   state_->model_config = std::make_shared<ModelConfig>(config);

@@ -119,8 +119,17 @@ weft_status* batch(weft_host* host, int32_t micro_batch, int32_t split, int32_t 
     if (!sequences.empty()) {
       sequences = std::vector<int64_t>(sequences.begin() + split * part, sequences.begin() + (split + 1) * part);
     }
-    *inputs = new_activation(b.inputs.narrow(0, split * part, part).to(s.device));
-    *targets = new_activation(b.targets.narrow(0, split * part, part).to(s.device), std::move(sequences));
+    auto rows_inputs = b.inputs.narrow(0, split * part, part), rows_targets = b.targets.narrow(0, split * part, part);
+    if (s.sequence_size > 1) {  // sequence parallelism: this rank's tokens of every row
+      const int64_t length = rows_inputs.size(1);
+      WEFT_CHECK(length % s.sequence_size == 0, "batch: {} tokens per row cannot be split over {} sequence ranks",
+                 length, s.sequence_size);
+      const int64_t local = length / s.sequence_size;
+      rows_inputs = rows_inputs.narrow(1, s.sequence_rank * local, local);
+      rows_targets = rows_targets.narrow(1, s.sequence_rank * local, local);
+    }
+    *inputs = new_activation(rows_inputs.contiguous().to(s.device));
+    *targets = new_activation(rows_targets.contiguous().to(s.device), std::move(sequences));
   });
 }
 

@@ -88,6 +88,8 @@ struct PluginHost::State {
   weft_model_info model_info{};
   std::shared_ptr<ModelConfig> model_config;  // for profile_stages
   int64_t seq_len = 0, batch_rows = 0;
+  // Sequence parallelism (ABI 1.4 plan): batch() hands out tokens [rank * L / size, ...) of each row.
+  int64_t sequence_rank = 0, sequence_size = 1;
   // The host's memory estimate per model stage (set_stage_memory, before the model is built).
   std::vector<weft_stage_memory> stage_memory;
   // Values the plugin reported for the current step (report_metric).

@@ -50,6 +50,8 @@ Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute
   plan.last_stage = num_stages;
   plan.data_parallel_size = 1;
   plan.data_parallel_rank = 0;
+  plan.sequence_parallel_size = 1;
+  plan.sequence_parallel_rank = 0;
   if (library_->api().plan) check(library_->api().plan(instance_, &plan), "plan");
   WEFT_CHECK(0 <= plan.first_stage && plan.first_stage < plan.last_stage && plan.last_stage <= num_stages,
              "plugin {}: plan chose stages [{}, {}) of a {}-stage model", library_->name(), plan.first_stage,
@@ -58,7 +60,34 @@ Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute
                  plan.data_parallel_rank < plan.data_parallel_size,
              "plugin {}: plan chose data-parallel rank {} of {}", library_->name(), plan.data_parallel_rank,
              plan.data_parallel_size);
-  return Placement{{plan.first_stage, plan.last_stage}, plan.data_parallel_rank, plan.data_parallel_size};
+  Placement placement{{plan.first_stage, plan.last_stage}, plan.data_parallel_rank, plan.data_parallel_size};
+  if (library_->negotiated_abi().minor >= 4) {
+    const int32_t size = plan.sequence_parallel_size, rank = plan.sequence_parallel_rank;
+    WEFT_CHECK(size >= 1 && 0 <= rank && rank < size, "plugin {}: plan chose sequence-parallel rank {} of {}",
+               library_->name(), rank, size);
+    if (size > 1) {
+      WEFT_CHECK(library_->has_slot(offsetof(weft_strategy_api, sequence_exchange), 4) &&
+                     library_->api().sequence_exchange != nullptr,
+                 "plugin {}: plan splits sequences over {} ranks but the plugin has no sequence_exchange",
+                 library_->name(), size);
+      WEFT_CHECK(seq_len % size == 0, "data.seq_len = {} cannot be split over {} sequence-parallel ranks (plugin {}): "
+                 "choose a multiple of {}", seq_len, size, library_->name(), size);
+      WEFT_CHECK(config.num_attention_heads % size == 0, "the model's {} attention heads cannot be split over {} "
+                 "sequence-parallel ranks (plugin {})", config.num_attention_heads, size, library_->name());
+      WEFT_CHECK(plan.first_stage == 0 && plan.last_stage == num_stages,
+                 "plugin {}: sequence parallelism with a split of the model's stages is not supported", library_->name());
+    }
+    if (size > 1) {
+      spdlog::info("plugin {} splits every sequence over {} ranks: this rank holds tokens [{}, {}) of each",
+                   library_->name(), size, rank * seq_len / size, (rank + 1) * seq_len / size);
+    }
+    placement.sequence_parallel_rank = rank;
+    placement.sequence_parallel_size = size;
+    host_->set_sequence_split(rank, size);
+    sequence_rank_ = rank;
+    sequence_size_ = size;
+  }
+  return placement;
 }
 
 ShardMap StrategySession::shards(const ModelConfig& config, const StageRange& stages) {
@@ -117,6 +146,22 @@ std::shared_ptr<const CommHook> StrategySession::comm_hook() {
                                      backward ? WEFT_BACKWARD : WEFT_FORWARD, layer, &view),
           "comm_point");
   });
+}
+
+std::shared_ptr<const SequenceSplit> StrategySession::sequence_split() {
+  if (sequence_size_ <= 1) return nullptr;
+  auto split = std::make_shared<SequenceSplit>();
+  split->rank = sequence_rank_;
+  split->size = sequence_size_;
+  split->all_to_all = [this](int64_t layer, bool backward, torch::Tensor& send, torch::Tensor& recv) {
+    if (!send.is_contiguous()) send = send.contiguous();
+    const DLTensor send_view = sdk::to_dl_view(send);
+    DLTensor recv_view = sdk::to_dl_view(recv);
+    check(library_->api().sequence_exchange(instance_, layer, backward ? WEFT_BACKWARD : WEFT_FORWARD, &send_view,
+                                            &recv_view),
+          "sequence_exchange");
+  };
+  return split;
 }
 
 void StrategySession::attach(LlamaForCausalLMImpl& model) {

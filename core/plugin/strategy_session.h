@@ -30,6 +30,8 @@ struct Placement {
   StageRange stages;
   int data_parallel_rank = 0;
   int data_parallel_size = 1;
+  int sequence_parallel_rank = 0;  // ABI 1.4: this rank's share of every sequence
+  int sequence_parallel_size = 1;
 };
 
 // Bytes one rank will hold at its peak, by kind: the host's one-process estimate of the stages and
@@ -81,6 +83,9 @@ class StrategySession {
                          int64_t rows, int64_t seq_len);
   // The communication the model runs at its fixed points, or null for a plugin without any.
   std::shared_ptr<const CommHook> comm_hook();
+  // The sequence split the plan chose (ABI 1.4), its all-to-all the plugin's sequence_exchange;
+  // nullptr when the plan keeps whole sequences.
+  std::shared_ptr<const SequenceSplit> sequence_split();
 
   // --- after ---
   // The model the host services refer to (built, weights loaded); runs the plugin's setup.
@@ -125,6 +130,7 @@ class StrategySession {
   std::unique_ptr<PluginHost> host_;
   weft_strategy* instance_ = nullptr;
   LlamaForCausalLMImpl* model_ = nullptr;
+  int sequence_rank_ = 0, sequence_size_ = 1;  // the plan's sequence split (ABI 1.4)
 };
 
 }  // namespace weft

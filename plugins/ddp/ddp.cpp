@@ -289,5 +289,7 @@ void Ddp::maybe_log(const weft_step_info& step) const {
 }  // namespace ddp
 }  // namespace weft
 
+#ifndef WEFT_DDP_NO_ENTRY  // context_parallel.so builds on Ddp with an entry point of its own
 WEFT_STRATEGY(weft::ddp::Ddp, "ddp", "1.0.0",
               "data parallelism: bucketed, overlapped gradient all-reduce over the world")
+#endif

@@ -84,6 +84,27 @@ TEST(Cli, TorchProfileRecordsTheChosenStepsAsAChromeTrace) {
   EXPECT_GT(backward, 0);
 }
 
+// context_parallel.so (ABI 1.4): each rank really holds its share of every sequence (the host
+// says so), the run trains and evaluates, and a sequence length the ranks cannot split is one
+// error before compute. Parity with single: the Conformance.context_parallel.* checks.
+TEST(Cli, ContextParallelSplitsEverySequenceAndRefusesALengthItCannotSplit) {
+  const auto dir = fresh_dir("context_parallel");
+  const std::string corpus = write_corpus(dir);
+  const std::string common = "--config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set data.path=" +
+                             corpus + " --set data.cache_dir=" + dir + "/cache --plugin context_parallel --nproc 2 "
+                             "--set train.max_steps=2 --set log.progress=off --set train.out_dir=" + dir;
+  const auto r = run_trainer(common + "/out --set data.seq_len=32");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("plugin context_parallel splits every sequence over 2 ranks: this rank holds tokens [0, 16)"),
+            std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("perplexity"), std::string::npos) << r.output;
+  const auto bad = run_trainer(common + "/bad --set data.seq_len=33");
+  EXPECT_EQ(bad.exit_code, 1) << bad.output;
+  EXPECT_NE(bad.output.find("data.seq_len = 33 cannot be split over 2 sequence-parallel ranks"), std::string::npos)
+      << bad.output;
+  EXPECT_FALSE(std::filesystem::exists(dir + "/bad/metrics.jsonl")) << "refused after compute started";
+}
+
 TEST(Cli, BadInputGetsOneClearErrorAndExitCodeOne) {
   const auto dir = fresh_dir("bad");
   struct Case {

@@ -48,12 +48,17 @@ TEST(AbiLayout, TablesAreAppendOnlyFromVersionOne) {
   EXPECT_EQ(offsetof(weft_model_info, hidden_size), 8u);
   EXPECT_EQ(offsetof(weft_model_info, compute_dtype), 52u);
   EXPECT_EQ(sizeof(weft_model_info), 56u);
-  EXPECT_EQ(sizeof(weft_strategy_api), 16 + 3 * sizeof(void*) + 13 * sizeof(void*));
+  // ABI 1.4 appended the plugin's sequence_exchange and weft_model_plan's sequence fields.
+  EXPECT_EQ(sizeof(weft_strategy_api), 16 + 3 * sizeof(void*) + 14 * sizeof(void*));
+  EXPECT_EQ(offsetof(weft_strategy_api, sequence_exchange), sizeof(weft_strategy_api) - sizeof(void*));
+  EXPECT_EQ(offsetof(weft_model_plan, data_parallel_rank), 28u);
+  EXPECT_EQ(offsetof(weft_model_plan, sequence_parallel_size), 32u);
+  EXPECT_EQ(sizeof(weft_model_plan), 40u);
   EXPECT_EQ(offsetof(weft_strategy_api, comm_point), 16 + 3 * sizeof(void*) + 8 * sizeof(void*));
   EXPECT_EQ(offsetof(weft_strategy_api, flat_shard), 16 + 3 * sizeof(void*) + 9 * sizeof(void*));
-  EXPECT_EQ(offsetof(weft_strategy_api, memory_plan), sizeof(weft_strategy_api) - sizeof(void*));
+  EXPECT_EQ(offsetof(weft_strategy_api, memory_plan), sizeof(weft_strategy_api) - 2 * sizeof(void*));
   EXPECT_EQ(WEFT_ABI_VERSION_MAJOR, 1);
-  EXPECT_EQ(WEFT_ABI_VERSION_MINOR, 3);
+  EXPECT_EQ(WEFT_ABI_VERSION_MINOR, 4);
 }
 
 }  // namespace

@@ -240,7 +240,8 @@ static const weft_strategy_api table = {
     NULL, /* flat_shard (1.3): the training state is not sharded */
     NULL, /* after_optimizer_step (1.3) */
     NULL, /* materialize_parameters (1.3) */
-    NULL  /* memory_plan (1.3): the host's one-process plan holds */
+    NULL, /* memory_plan (1.3): the host's one-process plan holds */
+    NULL  /* sequence_exchange (1.4): whole sequences */
 };
 
 WEFT_EXPORT const weft_strategy_api* weft_strategy_entry(uint16_t host_abi_major,

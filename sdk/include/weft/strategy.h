@@ -1,9 +1,10 @@
 /*
  * weft/strategy.h - the weft strategy plugin ABI (C99).
  *
- * STATUS: ABI 1.3, implemented by the host (core/plugin) and used by single.so, ddp.so, gpipe.so,
- * pipedream.so, tensor_parallel.so and zero.so (plan stage ranges: the pipelines; shard_parameter
- * and comm_point: tensor parallelism; flat shards of the training state: zero). 1.1 appended model_info, tracing, report_metric,
+ * STATUS: ABI 1.4, implemented by the host (core/plugin) and used by single.so, ddp.so, gpipe.so,
+ * pipedream.so, tensor_parallel.so, zero.so and context_parallel.so (plan stage ranges: the
+ * pipelines; shard_parameter and comm_point: tensor parallelism; flat shards of the training
+ * state: zero; sequence parallelism: context_parallel). 1.1 appended model_info, tracing, report_metric,
  * config_int_list and profile_stages to the host table, WEFT_FORWARD_RECOMPUTE and
  * WEFT_COMM_HEAD_INPUT. 1.2 appended memory on the rank's device for plugins (buffer_create,
  * buffer_release) and the operations on views a plugin cannot do on a GPU's memory itself
@@ -11,7 +12,10 @@
  * state (ZeRO / FSDP): the plugin's flat_shard, after_optimizer_step and materialize_parameters
  * slots and the host's parameter_shard, parameter_grad_shard, parameter_grad_release,
  * parameter_release and parameter_materialize; and the memory plan before the model is built:
- * the plugin's memory_plan slot and the host's stage_memory. See sdk/DESIGN.md.
+ * the plugin's memory_plan slot and the host's stage_memory. 1.4 appended sequence (context)
+ * parallelism: weft_model_plan's sequence_parallel_size / sequence_parallel_rank and the
+ * plugin's sequence_exchange slot (Ulysses all-to-all around the attention core). See
+ * sdk/DESIGN.md.
  *
  * A strategy plugin is a shared library that exports exactly one symbol, the C function
  * `weft_strategy_entry` (WEFT_STRATEGY_ENTRY_SYMBOL). The host loads it with
@@ -69,7 +73,7 @@ extern "C" {
 /* The ABI version this header describes. Major: incompatible changes; it must match exactly.
  * Minor: append-only additions; host and plugin use min(host minor, plugin minor). */
 #define WEFT_ABI_VERSION_MAJOR 1
-#define WEFT_ABI_VERSION_MINOR 3
+#define WEFT_ABI_VERSION_MINOR 4
 
 /* The one symbol a plugin exports. */
 #define WEFT_STRATEGY_ENTRY_SYMBOL "weft_strategy_entry"
@@ -219,6 +223,20 @@ typedef struct weft_model_plan {
   int64_t last_stage;
   int32_t data_parallel_size;  /* ranks that see different data for the same stages/shards */
   int32_t data_parallel_rank;  /* selects this rank's share of each global batch */
+  /* Since 1.4: sequence (context) parallelism. sequence_parallel_size ranks (>= 1; 1 = whole
+   * sequences, the pre-filled value) split every sequence of their rows between them, and this
+   * rank is number sequence_parallel_rank among them: batch() then returns tokens
+   * [r * L / size, (r + 1) * L / size) of every row (L = seq_len, which size must divide), the
+   * host runs RoPE at those global positions and, in every decoder block, calls
+   * sequence_exchange around the attention core, which runs over the whole sequence for
+   * num_attention_heads / size heads (size must divide the heads; kv heads that it does not
+   * divide are repeated to one per query head). The loss of batch() is the mean over this
+   * rank's tokens: with every rank holding as many target tokens, the mean of the ranks' losses
+   * and gradients is the whole sequence's. Everything else (embeddings, norms, MLP, head) runs
+   * on this rank's tokens. A plugin writes these fields only when plan->struct_size covers
+   * them (a 1.4 host); a size above 1 needs the sequence_exchange slot. */
+  int32_t sequence_parallel_size;
+  int32_t sequence_parallel_rank;
 } weft_model_plan;
 
 /* The step the host asks the plugin to run. Since 1.0. */
@@ -614,6 +632,20 @@ typedef struct weft_strategy_api {
    * shard_parameter and before the model is built, also by `trainer plan`, which builds nothing.
    * Not collective: no communication. Default: the host's plan unchanged. Since 1.3. */
   weft_status* (*memory_plan)(weft_strategy* strategy, weft_memory_plan* plan);
+
+  /* ---------------------------------- since 1.4 ---------------------------------------- */
+  /* Required when plan chose sequence_parallel_size > 1 (the host refuses the plan otherwise);
+   * unused otherwise. The all-to-all between the sequence_parallel_size ranks that split the same
+   * sequences (Ulysses), around the attention core of decoder block `layer`: `send` and `recv`
+   * are contiguous tensors of the same shape and dtype on the rank's device, owned by the host
+   * and valid during the call, whose dim 0 is sequence_parallel_size; chunk j of send must
+   * arrive as chunk i of recv on sequence rank j, where i is this rank's sequence rank (the
+   * host service all_to_all over a group of those ranks in sequence-rank order does exactly
+   * that). The host calls it four times per block in the forward direction (q, k, v to heads;
+   * the attention output back to tokens) and four times in the backward direction (their
+   * gradients), in the same order on every rank of the group. Since 1.4. */
+  weft_status* (*sequence_exchange)(weft_strategy* strategy, int64_t layer, weft_direction direction,
+                                    const DLTensor* send, DLTensor* recv);
 } weft_strategy_api;
 
 /* The entry point. The host passes its ABI version; the plugin returns its table (static

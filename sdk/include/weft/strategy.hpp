@@ -21,7 +21,7 @@
 //
 // Optional slots: the generated table leaves an optional slot (plan, shard_parameter, setup,
 // eval_step, global_grad_norm_sq, comm_point; since 1.3 flat_shard, after_optimizer_step,
-// materialize_parameters, memory_plan) NULL unless the class, or a base between it and
+// materialize_parameters, memory_plan; since 1.4 sequence_exchange) NULL unless the class, or a base between it and
 // Strategy, declares that method itself (checked at compile time, see detail::overrides_*), so
 // the host can skip calls that would do nothing (comm_point runs inside every layer). The base
 // class implementations still reproduce the one-process defaults documented in strategy.h, so
@@ -831,6 +831,16 @@ class Strategy {
   virtual void materialize_parameters(bool whole) { (void)whole; }
   // Adjusts this rank's memory plan (pre-filled by the host). Not collective. Default: nothing.
   virtual void memory_plan(weft_memory_plan& plan) { (void)plan; }
+  // --- since ABI 1.4 (sequence parallelism; see strategy.h) ---
+  // The all-to-all between the ranks that split the same sequences. Default: refuses (only a
+  // plugin whose plan splits sequences is asked).
+  virtual void sequence_exchange(int64_t layer, weft_direction direction, const DLTensor& send, DLTensor& recv) {
+    (void)layer;
+    (void)direction;
+    (void)send;
+    (void)recv;
+    throw Error(WEFT_STATUS_UNSUPPORTED, "sequence_exchange: this plugin does not split sequences");
+  }
 
  protected:
   // The one-process step: for each micro-batch m of step.micro_batches: batch(m) ->
@@ -893,6 +903,7 @@ WEFT_SDK_DETAIL_OVERRIDES(flat_shard)
 WEFT_SDK_DETAIL_OVERRIDES(after_optimizer_step)
 WEFT_SDK_DETAIL_OVERRIDES(materialize_parameters)
 WEFT_SDK_DETAIL_OVERRIDES(memory_plan)
+WEFT_SDK_DETAIL_OVERRIDES(sequence_exchange)
 #undef WEFT_SDK_DETAIL_OVERRIDES
 
 // Runs `body`, turning every exception into a status created by `api` (NULL on success).
@@ -988,6 +999,10 @@ struct Slots {
       std::memcpy(plan, &local, bytes);
     });
   }
+  static weft_status* sequence_exchange(weft_strategy* handle, int64_t layer, weft_direction direction,
+                                        const DLTensor* send, DLTensor* recv) noexcept {
+    return call(handle, [&] { instance(handle).sequence_exchange(layer, direction, *send, *recv); });
+  }
 };
 
 // The table for strategy class T. Optional slots are NULL unless T overrides the method.
@@ -1019,6 +1034,7 @@ weft_strategy_api make_table(const char* name, const char* version, const char* 
   table.materialize_parameters =
       overrides_materialize_parameters<T>() ? &Slots<T>::materialize_parameters : nullptr;
   table.memory_plan = overrides_memory_plan<T>() ? &Slots<T>::memory_plan : nullptr;
+  table.sequence_exchange = overrides_sequence_exchange<T>() ? &Slots<T>::sequence_exchange : nullptr;
   return table;
 }
 

@@ -172,7 +172,10 @@ weft_status* loss(weft_host* host, weft_activation* logits, weft_activation* tar
       const auto tokens = s.model->token_losses(tensor_of(logits), t).reshape({t.size(0), -1}).to(torch::kCPU, torch::kFloat64);
       const auto rows = torch::tensor(targets->sequences, torch::kLong);
       s.sequence_loss_sums.index_add_(0, rows, tokens.sum(1));
-      s.sequence_counts.index_add_(0, rows, torch::ones({rows.size(0)}, torch::kFloat64));
+      // Sequence parallelism: this rank summed 1/size of each sequence's tokens, so it counts as
+      // 1/size of a computation (the world's sums then hold each sequence once).
+      s.sequence_counts.index_add_(0, rows, torch::full({rows.size(0)}, 1.0 / static_cast<double>(s.sequence_size),
+                                                        torch::kFloat64));
       mean = tokens.mean();  // in float64, as the per-sequence sums
     } else {
       mean = s.model->loss(tensor_of(logits), t);  // vocabulary-parallel: shards combined at comm points

@@ -81,7 +81,8 @@ TEST_F(Eval, EveryPluginReportsTheNumbersOfOneProcess) {
   ASSERT_EQ(run_trainer(args_ + weights + " --json " + dir_ + "/reference.json eval").exit_code, 0);
   const json reference = read_json(dir_ + "/reference.json");
   const auto reference_losses = reference["sequence_losses"].get<std::vector<double>>();
-  for (const std::string plugin : {"ddp --nproc 2", "tensor_parallel --nproc 2", "gpipe --nproc 2"}) {
+  for (const std::string plugin : {"ddp --nproc 2", "tensor_parallel --nproc 2", "gpipe --nproc 2",
+                                  "context_parallel --nproc 2"}) {
     const std::string out = dir_ + "/" + plugin.substr(0, plugin.find(' ')) + ".json";
     const auto r = run_trainer(args_ + weights + " --plugin " + plugin + " --json " + out + " eval");
     ASSERT_EQ(r.exit_code, 0) << plugin << "\n" << r.output;

@@ -29,6 +29,12 @@ std::string fresh_dir(const std::string& name) { return weft::testing::fresh_dir
 
 std::string write_corpus(const std::string& dir) { return weft::testing::write_prose_corpus(dir); }
 
+// The tiny preset on a prose corpus written into `dir`, its token cache in dir/cache.
+std::string tiny_args(const std::string& dir) {
+  return "--config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set data.path=" + write_corpus(dir) +
+         " --set data.cache_dir=" + dir + "/cache";
+}
+
 TEST(Cli, HelpDocumentsEveryOptionAndConfigKey) {
   const auto r = run_trainer("--help");
   EXPECT_EQ(r.exit_code, 0);
@@ -40,9 +46,7 @@ TEST(Cli, HelpDocumentsEveryOptionAndConfigKey) {
 
 TEST(Cli, ShortRunPrintsLossTimePerEpochAndPerplexity) {
   const auto dir = fresh_dir("run");
-  const std::string corpus = write_corpus(dir);
-  const auto r = run_trainer("--config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set data.path=" +
-                             corpus + " --set data.cache_dir=" + dir + "/cache --set train.out_dir=" + dir +
+  const auto r = run_trainer(tiny_args(dir) + " --set train.out_dir=" + dir +
                              "/out --set train.max_steps=0 --set train.epochs=1 --set data.seq_len=32 "
                              "--set log.progress=lines");
   EXPECT_EQ(r.exit_code, 0) << r.output;
@@ -56,9 +60,7 @@ TEST(Cli, ShortRunPrintsLossTimePerEpochAndPerplexity) {
 // from before them) into a Chrome trace; a 1.13 build refuses the key before compute.
 TEST(Cli, TorchProfileRecordsTheChosenStepsAsAChromeTrace) {
   const auto dir = fresh_dir("torch_profile");
-  const std::string corpus = write_corpus(dir);
-  const auto r = run_trainer("--config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set data.path=" +
-                             corpus + " --set data.cache_dir=" + dir + "/cache --set train.out_dir=" + dir +
+  const auto r = run_trainer(tiny_args(dir) + " --set train.out_dir=" + dir +
                              "/out --set train.max_steps=4 --set data.seq_len=32 --set log.progress=off "
                              "--set log.torch_profile=" + dir + "/p.json --set log.torch_profile_from=1 "
                              "--set log.torch_profile_steps=2");
@@ -89,9 +91,7 @@ TEST(Cli, TorchProfileRecordsTheChosenStepsAsAChromeTrace) {
 // error before compute. Parity with single: the Conformance.context_parallel.* checks.
 TEST(Cli, ContextParallelSplitsEverySequenceAndRefusesALengthItCannotSplit) {
   const auto dir = fresh_dir("context_parallel");
-  const std::string corpus = write_corpus(dir);
-  const std::string common = "--config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set data.path=" +
-                             corpus + " --set data.cache_dir=" + dir + "/cache --plugin context_parallel --nproc 2 "
+  const std::string common = tiny_args(dir) + " --plugin context_parallel --nproc 2 "
                              "--set train.max_steps=2 --set log.progress=off --set train.out_dir=" + dir;
   const auto r = run_trainer(common + "/out --set data.seq_len=32");
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -133,9 +133,7 @@ TEST(Cli, BadInputGetsOneClearErrorAndExitCodeOne) {
 // GPU machine) is one error before anything is built; "auto" trains on the CPU there.
 TEST(Cli, CudaWithoutAVisibleGpuIsOneErrorBeforeComputeAndAutoIsTheCpu) {
   const auto dir = fresh_dir("device");
-  const std::string corpus = write_corpus(dir);
-  const std::string args = "--config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set data.path=" + corpus +
-                           " --set data.cache_dir=" + dir + "/cache --set train.max_steps=2 --set data.seq_len=32";
+  const std::string args = tiny_args(dir) + " --set train.max_steps=2 --set data.seq_len=32";
   auto r = weft::testing::run_command("CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 " + std::string(WEFT_TRAINER_PATH) + " " +
                                       args + " --set train.device=cuda --set train.out_dir=" + dir + "/cuda");
   EXPECT_EQ(r.exit_code, 1) << r.output;
@@ -168,9 +166,7 @@ std::vector<nlohmann::json> records_of(const std::string& metrics, const std::st
 // fp16's gradients it skips steps, halving the scale each time, until they are finite.
 TEST(Cli, Fp16TrainsWithDynamicLossScalingAndSkipsTheStepsThatOverflow) {
   const auto dir = fresh_dir("fp16");
-  const std::string corpus = write_corpus(dir);
-  const std::string args = "--config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set data.path=" + corpus +
-                           " --set data.cache_dir=" + dir + "/cache --set train.max_steps=16 --set data.seq_len=32";
+  const std::string args = tiny_args(dir) + " --set train.max_steps=16 --set data.seq_len=32";
   if (!weft::compat::kCpuComputesFp16) {  // LibTorch 1.13 has no fp16 matmul on the CPU: refused up front
     const auto r = run_trainer(args + " --set train.device=cpu --set train.precision=fp16 --set train.out_dir=" + dir + "/x");
     EXPECT_EQ(r.exit_code, 1) << r.output;
@@ -241,9 +237,7 @@ namespace {
 
 TEST(Cli, SigtermSavesACheckpointThatResumes) {
   const auto dir = fresh_dir("sigterm");
-  const std::string corpus = write_corpus(dir);
-  const std::string args = "--config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set data.path=" +
-                           corpus + " --set data.cache_dir=" + dir + "/cache --set train.out_dir=" + dir +
+  const std::string args = tiny_args(dir) + " --set train.out_dir=" + dir +
                            "/out --set data.seq_len=32 --set log.progress=off";
   // A run far too long to finish: stopped by SIGTERM once it is training.
   const std::string script = std::string(WEFT_TRAINER_PATH) + " " + args +

@@ -186,7 +186,7 @@ std::string describe_rank(const MemoryPlan& p, int64_t runtime) {
 // has its device's.
 void Job::plan_memory(const ModelConfig& config, torch::Dtype dtype) {
   const auto estimate = estimate_stage_memory(config, shards_, lora_, dtype, options_.data.seq_len,
-                                              options_.model.activation_checkpointing);
+                                              options_.model.activation_checkpointing, strategy_->plugin_attention());
   std::vector<weft_stage_memory> stages;
   for (const auto& e : estimate) {
     weft_stage_memory s{};

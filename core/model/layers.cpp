@@ -227,11 +227,25 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const RotaryEmbeddi
 
 torch::Tensor AttentionImpl::forward_sequence_split(const torch::Tensor& x, const RotaryEmbedding& rope) {
   const int64_t batch = x.size(0), seq = x.size(1), parts = sequence_->size;
-  WEFT_CHECK(num_heads_ % parts == 0, "sequence parallelism: {} attention heads cannot be split over {} processes",
-             num_heads_, parts);
+  WEFT_CHECK(sequence_->attention || num_heads_ % parts == 0,
+             "sequence parallelism: {} attention heads cannot be split over {} processes", num_heads_, parts);
   auto qkv = fused_linear(x, {q_proj.get(), k_proj.get(), v_proj.get()});
-  auto [cos, sin] = rope.tables(sequence_->rank * seq, seq, x.device());  // global positions
+  // RoPE at the global positions of this process's tokens (one or two runs of the sequence).
+  std::vector<torch::Tensor> cos_runs, sin_runs;
+  for (const auto& [start, count] : sequence_->token_runs(parts * seq)) {
+    auto [c, s] = rope.tables(start, count, x.device());
+    cos_runs.push_back(c);
+    sin_runs.push_back(s);
+  }
+  const auto cos = cos_runs.size() == 1 ? cos_runs[0] : torch::cat(cos_runs);
+  const auto sin = sin_runs.size() == 1 ? sin_runs[0] : torch::cat(sin_runs);
   auto [q, k, v] = split_qkv_with_rope(qkv, num_heads_, num_kv_heads_, cos, sin);
+  if (sequence_->attention) {  // ring attention: this process's queries, key/value blocks moved by the caller
+    auto out = sequence_attention(q, k, v, *sequence_, layer_);  // [B, H, s, D]
+    return o_proj(out.transpose(1, 2).reshape({batch, seq, num_heads_ * head_dim_}));
+  }
+  WEFT_CHECK(sequence_->layout == SequenceLayout::kContiguous,
+             "sequence parallelism: the all-to-all (Ulysses) needs the contiguous layout");
   if (num_kv_heads_ % parts != 0) {  // GQA with fewer kv heads than processes: one per query head
     k = k.repeat_interleave(num_heads_ / num_kv_heads_, 1);
     v = v.repeat_interleave(num_heads_ / num_kv_heads_, 1);

@@ -159,9 +159,11 @@ class AttentionImpl : public torch::nn::Module {
   torch::Tensor forward_cached(const torch::Tensor& x, const RotaryEmbedding& rope, LayerKvCache& cache);
   // Sequence parallelism (parallel.h's SequenceSplit, owned by the caller and outliving this
   // module; nullptr or size 1: off): forward() then takes this process's tokens of every
-  // sequence, applies RoPE at their global positions and runs the attention core over the whole
-  // sequence for its share of the heads (kv heads repeated to one per query head when they
-  // cannot be split evenly). `layer` names the block to the all-to-all.
+  // sequence (in the split's layout), applies RoPE at their global positions and runs the
+  // attention core over the whole sequence for its share of the heads (Ulysses; kv heads repeated
+  // to one per query head when they cannot be split evenly), or, when the split has an
+  // `attention`, hands this process's q, k, v to it (ring attention). `layer` names the block to
+  // the all-to-all or the attention.
   void set_sequence_split(const SequenceSplit* split, int64_t layer) {
     sequence_ = split;
     layer_ = layer;

@@ -26,7 +26,8 @@ std::string leaf_module(const std::string& name) {
 
 std::vector<StageMemory> estimate_stage_memory(const ModelConfig& c, const ShardMap& shards,
                                                const std::optional<LoraConfig>& lora, torch::Dtype compute_dtype,
-                                               int64_t seq_len, bool checkpointing) {
+                                               int64_t seq_len, bool checkpointing,
+                                               bool blockwise_attention) {
   const int64_t layers = c.num_hidden_layers, stages = layers + 2;
   const int64_t cb = compute_dtype == torch::kFloat32 ? 4 : 2;  // bytes per compute element
   std::vector<StageMemory> out(static_cast<size_t>(stages));
@@ -65,9 +66,15 @@ std::vector<StageMemory> estimate_stage_memory(const ModelConfig& c, const Shard
   // A decoder block, per token (layers.cpp): the fp32 residual at each norm (2 x 4H), the norms'
   // outputs (2 x cb H), q, k, v after RoPE, the attention output and o_proj's input (cb (q + 2 kv)
   // + 2 cb q), gate/up and SwiGLU's output (3 cb I); the math attention kernel also keeps the
-  // probabilities (heads x S per token, fp32 scores and compute-dtype probabilities).
   int64_t block = 8 * H + 2 * cb * H + cb * (q_width + 2 * kv_width) + 2 * cb * q_width + 3 * cb * inter;
-  if (resolve_attention_kernel(c.attention) == AttentionKernel::kWeft) block += heads * S * (4 + cb);
+  // probabilities (heads x S per token, fp32 scores and compute-dtype probabilities). Blockwise
+  // (ring) attention keeps an fp32 output (instead of a compute-dtype one) and an fp32
+  // log-sum-exp per head, never the probabilities.
+  if (blockwise_attention) {
+    block += (4 - cb) * q_width + 4 * heads;
+  } else if (resolve_attention_kernel(c.attention) == AttentionKernel::kWeft) {
+    block += heads * S * (4 + cb);
+  }
   if (checkpointing) block = 4 * H;  // the block's input; its activations come back one block at a time
   for (int64_t l = 1; l <= layers; ++l) {
     out[static_cast<size_t>(l)].activation_bytes_per_row = block * S;

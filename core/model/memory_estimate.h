@@ -27,9 +27,12 @@ struct StageMemory {
 
 // One entry per model stage (embedding, each block, norm + head). `shards`: this rank's slices
 // (stages it does not hold are estimated whole when absent from the map). `lora`: adapters train,
-// the base is frozen. `checkpointing`: blocks keep only their input.
+// the base is frozen. `checkpointing`: blocks keep only their input. `blockwise_attention`: the
+// attention core is ring attention's (SequenceSplit::attention), which keeps its fp32 output and
+// log-sum-exp instead of the probabilities.
 std::vector<StageMemory> estimate_stage_memory(const ModelConfig& config, const ShardMap& shards,
                                                const std::optional<LoraConfig>& lora, torch::Dtype compute_dtype,
-                                               int64_t seq_len, bool checkpointing);
+                                               int64_t seq_len, bool checkpointing,
+                                               bool blockwise_attention = false);
 
 }  // namespace weft

@@ -66,7 +66,61 @@ struct SequenceExchange : public torch::autograd::Function<SequenceExchange> {
   }
 };
 
+// Ring attention's core: the caller's split.attention computes the output and log-sum-exp in
+// the forward and the three gradients in the backward; out and lse are kept for the backward.
+struct SequenceAttention : public torch::autograd::Function<SequenceAttention> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, const SequenceSplit* split, int64_t layer) {
+    ctx->saved_data["split"] = reinterpret_cast<int64_t>(split);
+    ctx->saved_data["layer"] = layer;
+    const auto f32 = q.options().dtype(torch::kFloat32);
+    SequenceAttentionTensors t;
+    t.q = q.contiguous();
+    t.k = k.contiguous();
+    t.v = v.contiguous();
+    t.out = torch::empty(q.sizes(), f32);
+    t.lse = torch::empty({q.size(0), q.size(1), q.size(2)}, f32);
+    split->attention(layer, /*backward=*/false, t);
+    ctx->save_for_backward({t.q, t.k, t.v, t.out, t.lse});
+    return t.out.to(q.scalar_type());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto* split = reinterpret_cast<const SequenceSplit*>(ctx->saved_data["split"].toInt());
+    const auto saved = ctx->get_saved_variables();
+    SequenceAttentionTensors t{saved[0], saved[1], saved[2], saved[3], saved[4], grads[0].contiguous(), {}, {}, {}};
+    t.grad_q = torch::zeros(t.q.sizes(), t.out.options());
+    t.grad_k = torch::zeros(t.k.sizes(), t.out.options());
+    t.grad_v = torch::zeros(t.v.sizes(), t.out.options());
+    split->attention(ctx->saved_data["layer"].toInt(), /*backward=*/true, t);
+    return {t.grad_q.to(t.q.scalar_type()), t.grad_k.to(t.k.scalar_type()), t.grad_v.to(t.v.scalar_type()),
+            torch::Tensor(), torch::Tensor()};
+  }
+};
+
 }  // namespace
+
+std::vector<std::pair<int64_t, int64_t>> SequenceSplit::token_runs(int64_t length) const {
+  if (layout == SequenceLayout::kContiguous) {
+    WEFT_CHECK(length % size == 0, "sequence parallelism: {} tokens cannot be split over {} processes", length, size);
+    return {{rank * (length / size), length / size}};
+  }
+  WEFT_CHECK(length % (2 * size) == 0,
+             "sequence parallelism (balanced layout): {} tokens cannot be cut into {} equal chunks", length, 2 * size);
+  const int64_t chunk = length / (2 * size);
+  return {{rank * chunk, chunk}, {(2 * size - 1 - rank) * chunk, chunk}};
+}
+
+torch::Tensor SequenceSplit::positions(int64_t length) const {
+  std::vector<torch::Tensor> parts;
+  for (const auto& [start, count] : token_runs(length)) parts.push_back(torch::arange(start, start + count, torch::kLong));
+  return torch::cat(parts);
+}
+
+torch::Tensor sequence_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                 const SequenceSplit& split, int64_t layer) {
+  WEFT_CHECK(q.dim() == 4 && k.dim() == 4 && split.attention, "sequence_attention: [B, H, s, D] tensors and an attention");
+  return SequenceAttention::apply(q, k, v, &split, layer);
+}
 
 torch::Tensor sequence_to_heads(const torch::Tensor& x, const SequenceSplit& split, int64_t layer) {
   WEFT_CHECK(x.dim() == 4 && split.all_to_all, "sequence_to_heads: a [B, H, s, D] tensor and an all-to-all");

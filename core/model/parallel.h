@@ -74,11 +74,42 @@ torch::Tensor comm_point(const CommHook* hook, CommPoint point, int64_t layer, c
 // send, recv)`: send and recv are [size, ...] with equal chunks; chunk j of send goes to process
 // j, chunk i of recv came from process i (every process of the group calls it in the same
 // order). The all-to-all's backward is the inverse all-to-all.
+//
+// Ring attention instead (`attention` set): each process keeps its queries and the attention
+// core is `attention(layer, backward, tensors)` over them (SequenceAttentionTensors; the caller
+// moves key/value blocks between the processes and computes with blockwise_attention.h), wrapped
+// in an autograd function by sequence_attention(). Tokens may then lie in the balanced layout.
+enum class SequenceLayout {
+  kContiguous = 0,  // process r of N: tokens [r L / N, (r + 1) L / N)
+  kBalanced = 1,    // 2N equal chunks; process r: chunk r, then chunk 2N - 1 - r
+};
+
+// The tensors of one call of SequenceSplit::attention (ABI weft_attention_call): this process's
+// q [B, H, s, D], k, v [B, Hkv, s, D]; out fp32 [B, H, s, D] and lse fp32 [B, H, s] (written in
+// the forward, read in the backward); in the backward grad_out and the zeroed fp32 grad_q,
+// grad_k, grad_v to fill.
+struct SequenceAttentionTensors {
+  torch::Tensor q, k, v, out, lse, grad_out, grad_q, grad_k, grad_v;
+};
+
 struct SequenceSplit {
   int64_t rank = 0;
   int64_t size = 1;
+  SequenceLayout layout = SequenceLayout::kContiguous;
   std::function<void(int64_t layer, bool backward, torch::Tensor& send, torch::Tensor& recv)> all_to_all;
+  std::function<void(int64_t layer, bool backward, SequenceAttentionTensors& tensors)> attention;
+
+  // This process's tokens of a sequence of `length` tokens, as (first position, count) runs in
+  // the order they are held.
+  std::vector<std::pair<int64_t, int64_t>> token_runs(int64_t length) const;
+  // Their global positions, in order (int64, on the CPU).
+  torch::Tensor positions(int64_t length) const;
 };
+
+// Ring attention's core over this process's tokens: q [B, H, s, D], k, v [B, Hkv, s, D] (RoPE
+// applied) -> [B, H, s, D] in q's dtype, with autograd (split.attention in both directions).
+torch::Tensor sequence_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                 const SequenceSplit& split, int64_t layer);
 
 // x [B, Hx, s, D] (this process's tokens, every head; Hx divisible by split.size) ->
 // [B, Hx / size, size * s, D] (every token, this process's heads: rank r holds heads

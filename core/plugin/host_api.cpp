@@ -69,6 +69,7 @@ weft_host_api make_table() {
   t.parameter_release = host::parameter_release;
   t.parameter_materialize = host::parameter_materialize;
   t.stage_memory = host::stage_memory;
+  t.attention_block = host::attention_block;
   return t;
 }
 
@@ -90,9 +91,10 @@ const weft_host_api* PluginHost::api() const { return &kHostApi; }
 
 weft_host* PluginHost::handle() { return &state_->handle; }
 
-void PluginHost::set_sequence_split(int64_t rank, int64_t size) {
-  state_->sequence_rank = rank;
-  state_->sequence_size = size;
+void PluginHost::set_sequence_split(int64_t rank, int64_t size, SequenceLayout layout) {
+  state_->sequence.rank = rank;
+  state_->sequence.size = size;
+  state_->sequence.layout = layout;
 }
 
 void PluginHost::set_model_info(const ModelConfig& config, torch::Dtype compute_dtype, int64_t seq_len,

@@ -120,13 +120,10 @@ weft_status* batch(weft_host* host, int32_t micro_batch, int32_t split, int32_t 
       sequences = std::vector<int64_t>(sequences.begin() + split * part, sequences.begin() + (split + 1) * part);
     }
     auto rows_inputs = b.inputs.narrow(0, split * part, part), rows_targets = b.targets.narrow(0, split * part, part);
-    if (s.sequence_size > 1) {  // sequence parallelism: this rank's tokens of every row
-      const int64_t length = rows_inputs.size(1);
-      WEFT_CHECK(length % s.sequence_size == 0, "batch: {} tokens per row cannot be split over {} sequence ranks",
-                 length, s.sequence_size);
-      const int64_t local = length / s.sequence_size;
-      rows_inputs = rows_inputs.narrow(1, s.sequence_rank * local, local);
-      rows_targets = rows_targets.narrow(1, s.sequence_rank * local, local);
+    if (s.sequence.size > 1) {  // sequence parallelism: this rank's tokens of every row, in its layout
+      const auto positions = s.sequence.positions(rows_inputs.size(1));
+      rows_inputs = rows_inputs.index_select(1, positions);
+      rows_targets = rows_targets.index_select(1, positions);
     }
     *inputs = new_activation(rows_inputs.contiguous().to(s.device));
     *targets = new_activation(rows_targets.contiguous().to(s.device), std::move(sequences));
@@ -174,7 +171,7 @@ weft_status* loss(weft_host* host, weft_activation* logits, weft_activation* tar
       s.sequence_loss_sums.index_add_(0, rows, tokens.sum(1));
       // Sequence parallelism: this rank summed 1/size of each sequence's tokens, so it counts as
       // 1/size of a computation (the world's sums then hold each sequence once).
-      s.sequence_counts.index_add_(0, rows, torch::full({rows.size(0)}, 1.0 / static_cast<double>(s.sequence_size),
+      s.sequence_counts.index_add_(0, rows, torch::full({rows.size(0)}, 1.0 / static_cast<double>(s.sequence.size),
                                                         torch::kFloat64));
       mean = tokens.mean();  // in float64, as the per-sequence sums
     } else {

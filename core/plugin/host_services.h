@@ -88,8 +88,9 @@ struct PluginHost::State {
   weft_model_info model_info{};
   std::shared_ptr<ModelConfig> model_config;  // for profile_stages
   int64_t seq_len = 0, batch_rows = 0;
-  // Sequence parallelism (ABI 1.4 plan): batch() hands out tokens [rank * L / size, ...) of each row.
-  int64_t sequence_rank = 0, sequence_size = 1;
+  // Sequence parallelism (ABI 1.4 plan; the layout since 1.5): batch() hands out this rank's
+  // tokens of each row (rank, size and layout only; the model's own split holds the callbacks).
+  SequenceSplit sequence;
   // The host's memory estimate per model stage (set_stage_memory, before the model is built).
   std::vector<weft_stage_memory> stage_memory;
   // Values the plugin reported for the current step (report_metric).
@@ -256,6 +257,8 @@ weft_status* parameter_grad_release(weft_host* host, int64_t index);
 weft_status* parameter_release(weft_host* host, int64_t index);
 weft_status* parameter_materialize(weft_host* host, int64_t index, DLTensor* out);
 weft_status* stage_memory(weft_host* host, int64_t stage, weft_stage_memory* out);
+// host_attention.cpp (ABI 1.5)
+weft_status* attention_block(weft_host* host, weft_direction direction, const weft_attention_block* block);
 // host_model.cpp
 ParameterEntry& parameter_at(State& s, int64_t index);
 

@@ -1,5 +1,6 @@
 #include "core/plugin/strategy_session.h"
 
+#include <cmath>
 #include <cstddef>
 
 #include <fmt/format.h>
@@ -52,6 +53,8 @@ Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute
   plan.data_parallel_rank = 0;
   plan.sequence_parallel_size = 1;
   plan.sequence_parallel_rank = 0;
+  plan.sequence_parallel_layout = WEFT_SEQUENCE_CONTIGUOUS;
+  plan.sequence_parallel_attention = WEFT_SEQUENCE_ATTENTION_EXCHANGE;
   if (library_->api().plan) check(library_->api().plan(instance_, &plan), "plan");
   WEFT_CHECK(0 <= plan.first_stage && plan.first_stage < plan.last_stage && plan.last_stage <= num_stages,
              "plugin {}: plan chose stages [{}, {}) of a {}-stage model", library_->name(), plan.first_stage,
@@ -65,27 +68,57 @@ Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute
     const int32_t size = plan.sequence_parallel_size, rank = plan.sequence_parallel_rank;
     WEFT_CHECK(size >= 1 && 0 <= rank && rank < size, "plugin {}: plan chose sequence-parallel rank {} of {}",
                library_->name(), rank, size);
+    // 1.5: the layout and who runs the attention core (a 1.4 plugin leaves the pre-filled 0, 0).
+    const bool v15 = library_->negotiated_abi().minor >= 5;
+    const int32_t layout = v15 ? plan.sequence_parallel_layout : WEFT_SEQUENCE_CONTIGUOUS;
+    const bool ring = v15 && plan.sequence_parallel_attention == WEFT_SEQUENCE_ATTENTION_PLUGIN;
+    WEFT_CHECK(layout == WEFT_SEQUENCE_CONTIGUOUS || layout == WEFT_SEQUENCE_BALANCED,
+               "plugin {}: plan chose sequence layout {}, which is neither contiguous (0) nor balanced (1)",
+               library_->name(), layout);
+    WEFT_CHECK(!v15 || plan.sequence_parallel_attention == WEFT_SEQUENCE_ATTENTION_EXCHANGE || ring,
+               "plugin {}: plan chose sequence attention {}, which is neither the exchange (0) nor the plugin's (1)",
+               library_->name(), plan.sequence_parallel_attention);
     if (size > 1) {
-      WEFT_CHECK(library_->has_slot(offsetof(weft_strategy_api, sequence_exchange), 4) &&
-                     library_->api().sequence_exchange != nullptr,
-                 "plugin {}: plan splits sequences over {} ranks but the plugin has no sequence_exchange",
-                 library_->name(), size);
-      WEFT_CHECK(seq_len % size == 0, "data.seq_len = {} cannot be split over {} sequence-parallel ranks (plugin {}): "
-                 "choose a multiple of {}", seq_len, size, library_->name(), size);
-      WEFT_CHECK(config.num_attention_heads % size == 0, "the model's {} attention heads cannot be split over {} "
-                 "sequence-parallel ranks (plugin {})", config.num_attention_heads, size, library_->name());
+      if (ring) {
+        WEFT_CHECK(library_->has_slot(offsetof(weft_strategy_api, sequence_attention), 5) &&
+                       library_->api().sequence_attention != nullptr,
+                   "plugin {}: plan runs the attention core in the plugin but the plugin has no sequence_attention",
+                   library_->name());
+      } else {
+        WEFT_CHECK(library_->has_slot(offsetof(weft_strategy_api, sequence_exchange), 4) &&
+                       library_->api().sequence_exchange != nullptr,
+                   "plugin {}: plan splits sequences over {} ranks but the plugin has no sequence_exchange",
+                   library_->name(), size);
+        WEFT_CHECK(layout == WEFT_SEQUENCE_CONTIGUOUS,
+                   "plugin {}: the balanced sequence layout needs the plugin's attention (sequence_attention)",
+                   library_->name());
+        WEFT_CHECK(config.num_attention_heads % size == 0, "the model's {} attention heads cannot be split over {} "
+                   "sequence-parallel ranks (plugin {})", config.num_attention_heads, size, library_->name());
+      }
+      const int64_t parts = layout == WEFT_SEQUENCE_BALANCED ? 2 * size : size;
+      WEFT_CHECK(seq_len % parts == 0, "data.seq_len = {} cannot be split over {} sequence-parallel ranks (plugin {}{}): "
+                 "choose a multiple of {}", seq_len, size, library_->name(),
+                 layout == WEFT_SEQUENCE_BALANCED ? ", balanced layout: 2 chunks per rank" : "", parts);
       WEFT_CHECK(plan.first_stage == 0 && plan.last_stage == num_stages,
                  "plugin {}: sequence parallelism with a split of the model's stages is not supported", library_->name());
     }
+    sequence_ = SequenceSplit{};
+    sequence_.rank = rank;
+    sequence_.size = size;
+    sequence_.layout = static_cast<SequenceLayout>(layout);
+    sequence_ring_ = ring;
     if (size > 1) {
-      spdlog::info("plugin {} splits every sequence over {} ranks: this rank holds tokens [{}, {}) of each",
-                   library_->name(), size, rank * seq_len / size, (rank + 1) * seq_len / size);
+      std::string runs;
+      for (const auto& [start, count] : sequence_.token_runs(seq_len)) {
+        runs += fmt::format("{}[{}, {})", runs.empty() ? "" : " and ", start, start + count);
+      }
+      spdlog::info("plugin {} splits every sequence over {} ranks ({}): this rank holds tokens {} of each",
+                   library_->name(), size, ring ? "attention run by the plugin, e.g. ring" : "all-to-all around attention",
+                   runs);
     }
     placement.sequence_parallel_rank = rank;
     placement.sequence_parallel_size = size;
-    host_->set_sequence_split(rank, size);
-    sequence_rank_ = rank;
-    sequence_size_ = size;
+    host_->set_sequence_split(rank, size, sequence_.layout);
   }
   return placement;
 }
@@ -149,10 +182,37 @@ std::shared_ptr<const CommHook> StrategySession::comm_hook() {
 }
 
 std::shared_ptr<const SequenceSplit> StrategySession::sequence_split() {
-  if (sequence_size_ <= 1) return nullptr;
-  auto split = std::make_shared<SequenceSplit>();
-  split->rank = sequence_rank_;
-  split->size = sequence_size_;
+  if (sequence_.size <= 1) return nullptr;
+  auto split = std::make_shared<SequenceSplit>(sequence_);
+  if (sequence_ring_) {
+    split->attention = [this](int64_t layer, bool backward, SequenceAttentionTensors& t) {
+      const DLTensor q = sdk::to_dl_view(t.q), k = sdk::to_dl_view(t.k), v = sdk::to_dl_view(t.v);
+      DLTensor out = sdk::to_dl_view(t.out), lse = sdk::to_dl_view(t.lse);
+      DLTensor grad_out{}, grad_q{}, grad_k{}, grad_v{};
+      weft_attention_call call{};
+      call.struct_size = sizeof(weft_attention_call);
+      call.direction = backward ? WEFT_BACKWARD : WEFT_FORWARD;
+      call.layer = layer;
+      call.scale = 1.0 / std::sqrt(static_cast<double>(t.q.size(3)));
+      call.q = &q;
+      call.k = &k;
+      call.v = &v;
+      call.out = &out;
+      call.lse = &lse;
+      if (backward) {
+        grad_out = sdk::to_dl_view(t.grad_out);
+        grad_q = sdk::to_dl_view(t.grad_q);
+        grad_k = sdk::to_dl_view(t.grad_k);
+        grad_v = sdk::to_dl_view(t.grad_v);
+        call.grad_out = &grad_out;
+        call.grad_q = &grad_q;
+        call.grad_k = &grad_k;
+        call.grad_v = &grad_v;
+      }
+      check(library_->api().sequence_attention(instance_, &call), "sequence_attention");
+    };
+    return split;
+  }
   split->all_to_all = [this](int64_t layer, bool backward, torch::Tensor& send, torch::Tensor& recv) {
     if (!send.is_contiguous()) send = send.contiguous();
     const DLTensor send_view = sdk::to_dl_view(send);

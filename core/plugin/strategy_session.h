@@ -83,9 +83,12 @@ class StrategySession {
                          int64_t rows, int64_t seq_len);
   // The communication the model runs at its fixed points, or null for a plugin without any.
   std::shared_ptr<const CommHook> comm_hook();
-  // The sequence split the plan chose (ABI 1.4), its all-to-all the plugin's sequence_exchange;
-  // nullptr when the plan keeps whole sequences.
+  // The sequence split the plan chose (ABI 1.4), its all-to-all the plugin's sequence_exchange,
+  // or (1.5) its attention core the plugin's sequence_attention; nullptr when the plan keeps
+  // whole sequences.
   std::shared_ptr<const SequenceSplit> sequence_split();
+  // Whether the plan has the plugin run the attention core over split sequences (ABI 1.5).
+  bool plugin_attention() const { return sequence_ring_ && sequence_.size > 1; }
 
   // --- after ---
   // The model the host services refer to (built, weights loaded); runs the plugin's setup.
@@ -130,7 +133,8 @@ class StrategySession {
   std::unique_ptr<PluginHost> host_;
   weft_strategy* instance_ = nullptr;
   LlamaForCausalLMImpl* model_ = nullptr;
-  int sequence_rank_ = 0, sequence_size_ = 1;  // the plan's sequence split (ABI 1.4)
+  SequenceSplit sequence_;      // the plan's sequence split (ABI 1.4; layout 1.5), without callbacks
+  bool sequence_ring_ = false;  // 1.5: the plugin runs the attention core (sequence_attention)
 };
 
 }  // namespace weft

@@ -86,18 +86,32 @@ TEST(Cli, TorchProfileRecordsTheChosenStepsAsAChromeTrace) {
   EXPECT_GT(backward, 0);
 }
 
-// context_parallel.so (ABI 1.4): each rank really holds its share of every sequence (the host
-// says so), the run trains and evaluates, and a sequence length the ranks cannot split is one
-// error before compute. Parity with single: the Conformance.context_parallel.* checks.
+// context_parallel.so (ABI 1.4, ring 1.5): each rank really holds its share of every sequence
+// (the host says so: a slice for Ulysses, chunks r and 2N - 1 - r for balanced ring attention),
+// the run trains and evaluates, ring attention reports every rank's attention time, and a
+// sequence length the ranks cannot split is one error before compute. Parity with single: the
+// Conformance.context_parallel.* checks.
 TEST(Cli, ContextParallelSplitsEverySequenceAndRefusesALengthItCannotSplit) {
   const auto dir = fresh_dir("context_parallel");
   const std::string common = tiny_args(dir) + " --plugin context_parallel --nproc 2 "
                              "--set train.max_steps=2 --set log.progress=off --set train.out_dir=" + dir;
   const auto r = run_trainer(common + "/out --set data.seq_len=32");
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("plugin context_parallel splits every sequence over 2 ranks: this rank holds tokens [0, 16)"),
+  EXPECT_NE(r.output.find("plugin context_parallel splits every sequence over 2 ranks (all-to-all around attention): "
+                          "this rank holds tokens [0, 16) of each"),
             std::string::npos) << r.output;
   EXPECT_NE(r.output.find("perplexity"), std::string::npos) << r.output;
+  const auto ring = run_trainer(common + "/ring --set data.seq_len=32 --set plugin.mode=\"ring\"");
+  ASSERT_EQ(ring.exit_code, 0) << ring.output;
+  EXPECT_NE(ring.output.find("plugin context_parallel splits every sequence over 2 ranks (attention run by the plugin, "
+                             "e.g. ring): this rank holds tokens [0, 8) and [24, 32) of each"),
+            std::string::npos) << ring.output;
+  EXPECT_NE(ring.output.find("perplexity"), std::string::npos) << ring.output;
+  const std::string metrics = read_text(dir + "/ring/metrics.jsonl");
+  for (const char* name : {"plugin.ring_attention_seconds_rank0", "plugin.ring_attention_seconds_rank1",
+                           "plugin.ring_attention_seconds_max"}) {
+    EXPECT_NE(metrics.find(name), std::string::npos) << name << " missing from " << metrics;
+  }
   const auto bad = run_trainer(common + "/bad --set data.seq_len=33");
   EXPECT_EQ(bad.exit_code, 1) << bad.output;
   EXPECT_NE(bad.output.find("data.seq_len = 33 cannot be split over 2 sequence-parallel ranks"), std::string::npos)

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -82,8 +83,8 @@ TEST_F(Eval, EveryPluginReportsTheNumbersOfOneProcess) {
   const json reference = read_json(dir_ + "/reference.json");
   const auto reference_losses = reference["sequence_losses"].get<std::vector<double>>();
   for (const std::string plugin : {"ddp --nproc 2", "tensor_parallel --nproc 2", "gpipe --nproc 2",
-                                  "context_parallel --nproc 2"}) {
-    const std::string out = dir_ + "/" + plugin.substr(0, plugin.find(' ')) + ".json";
+                                  "context_parallel --nproc 2", "context_parallel --nproc 2 --set plugin.mode=\"ring\""}) {
+    const std::string out = dir_ + "/" + std::to_string(std::hash<std::string>{}(plugin)) + ".json";
     const auto r = run_trainer(args_ + weights + " --plugin " + plugin + " --json " + out + " eval");
     ASSERT_EQ(r.exit_code, 0) << plugin << "\n" << r.output;
     const json eval = read_json(out);

@@ -24,8 +24,8 @@ TEST(AbiLayout, TablesAreAppendOnlyFromVersionOne) {
   // tensor_copy, tensor_scale, tensor_add, tensor_squared_norm); ABI 1.3 appended 5 (parameter_shard,
   // parameter_grad_shard, parameter_grad_release, parameter_release, parameter_materialize,
   // stage_memory) and 4 plugin slots (flat_shard, after_optimizer_step, materialize_parameters,
-  // memory_plan).
-  EXPECT_EQ(sizeof(weft_host_api), 8 + 56 * sizeof(void*));
+  // memory_plan). ABI 1.5 appended attention_block.
+  EXPECT_EQ(sizeof(weft_host_api), 8 + 57 * sizeof(void*));
   EXPECT_EQ(offsetof(weft_host_api, status_create), 8u);
   EXPECT_EQ(offsetof(weft_host_api, activation_release), 8 + 37 * sizeof(void*));
   EXPECT_EQ(offsetof(weft_host_api, model_info), 8 + 38 * sizeof(void*));
@@ -49,16 +49,28 @@ TEST(AbiLayout, TablesAreAppendOnlyFromVersionOne) {
   EXPECT_EQ(offsetof(weft_model_info, compute_dtype), 52u);
   EXPECT_EQ(sizeof(weft_model_info), 56u);
   // ABI 1.4 appended the plugin's sequence_exchange and weft_model_plan's sequence fields.
-  EXPECT_EQ(sizeof(weft_strategy_api), 16 + 3 * sizeof(void*) + 14 * sizeof(void*));
-  EXPECT_EQ(offsetof(weft_strategy_api, sequence_exchange), sizeof(weft_strategy_api) - sizeof(void*));
+  EXPECT_EQ(offsetof(weft_strategy_api, sequence_exchange), 16 + 3 * sizeof(void*) + 13 * sizeof(void*));
   EXPECT_EQ(offsetof(weft_model_plan, data_parallel_rank), 28u);
   EXPECT_EQ(offsetof(weft_model_plan, sequence_parallel_size), 32u);
-  EXPECT_EQ(sizeof(weft_model_plan), 40u);
   EXPECT_EQ(offsetof(weft_strategy_api, comm_point), 16 + 3 * sizeof(void*) + 8 * sizeof(void*));
   EXPECT_EQ(offsetof(weft_strategy_api, flat_shard), 16 + 3 * sizeof(void*) + 9 * sizeof(void*));
-  EXPECT_EQ(offsetof(weft_strategy_api, memory_plan), sizeof(weft_strategy_api) - 2 * sizeof(void*));
+  EXPECT_EQ(offsetof(weft_strategy_api, memory_plan), 16 + 3 * sizeof(void*) + 12 * sizeof(void*));
+  // ABI 1.5 appended the plugin's sequence_attention, the host's attention_block, weft_model_plan's
+  // layout and attention fields, and the structs of the attention calls.
+  EXPECT_EQ(sizeof(weft_strategy_api), 16 + 3 * sizeof(void*) + 15 * sizeof(void*));
+  EXPECT_EQ(offsetof(weft_strategy_api, sequence_attention), sizeof(weft_strategy_api) - sizeof(void*));
+  EXPECT_EQ(offsetof(weft_host_api, attention_block), 8 + 56 * sizeof(void*));
+  EXPECT_EQ(offsetof(weft_model_plan, sequence_parallel_layout), 40u);
+  EXPECT_EQ(offsetof(weft_model_plan, sequence_parallel_attention), 44u);
+  EXPECT_EQ(sizeof(weft_model_plan), 48u);
+  EXPECT_EQ(offsetof(weft_attention_call, layer), 8u);
+  EXPECT_EQ(offsetof(weft_attention_call, q), 24u);
+  EXPECT_EQ(sizeof(weft_attention_call), 24 + 9 * sizeof(void*));
+  EXPECT_EQ(offsetof(weft_attention_block, q_position), 8u);
+  EXPECT_EQ(offsetof(weft_attention_block, q), 40u);
+  EXPECT_EQ(sizeof(weft_attention_block), 40 + 9 * sizeof(void*));
   EXPECT_EQ(WEFT_ABI_VERSION_MAJOR, 1);
-  EXPECT_EQ(WEFT_ABI_VERSION_MINOR, 4);
+  EXPECT_EQ(WEFT_ABI_VERSION_MINOR, 5);
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 /*
  * weft/strategy.h - the weft strategy plugin ABI (C99).
  *
- * STATUS: ABI 1.4, implemented by the host (core/plugin) and used by single.so, ddp.so, gpipe.so,
+ * STATUS: ABI 1.5, implemented by the host (core/plugin) and used by single.so, ddp.so, gpipe.so,
  * pipedream.so, tensor_parallel.so, zero.so and context_parallel.so (plan stage ranges: the
  * pipelines; shard_parameter and comm_point: tensor parallelism; flat shards of the training
  * state: zero; sequence parallelism: context_parallel). 1.1 appended model_info, tracing, report_metric,
@@ -14,8 +14,11 @@
  * parameter_release and parameter_materialize; and the memory plan before the model is built:
  * the plugin's memory_plan slot and the host's stage_memory. 1.4 appended sequence (context)
  * parallelism: weft_model_plan's sequence_parallel_size / sequence_parallel_rank and the
- * plugin's sequence_exchange slot (Ulysses all-to-all around the attention core). See
- * sdk/DESIGN.md.
+ * plugin's sequence_exchange slot (Ulysses all-to-all around the attention core). 1.5 appended
+ * ring attention: weft_model_plan's sequence_parallel_layout (load-balanced causal chunks) and
+ * sequence_parallel_attention, the plugin's sequence_attention slot (the attention core over this
+ * rank's queries, run by the plugin) and the host's attention_block (blockwise attention with its
+ * log-sum-exp, and its backward). See sdk/DESIGN.md.
  *
  * A strategy plugin is a shared library that exports exactly one symbol, the C function
  * `weft_strategy_entry` (WEFT_STRATEGY_ENTRY_SYMBOL). The host loads it with
@@ -73,7 +76,7 @@ extern "C" {
 /* The ABI version this header describes. Major: incompatible changes; it must match exactly.
  * Minor: append-only additions; host and plugin use min(host minor, plugin minor). */
 #define WEFT_ABI_VERSION_MAJOR 1
-#define WEFT_ABI_VERSION_MINOR 4
+#define WEFT_ABI_VERSION_MINOR 5
 
 /* The one symbol a plugin exports. */
 #define WEFT_STRATEGY_ENTRY_SYMBOL "weft_strategy_entry"
@@ -237,7 +240,86 @@ typedef struct weft_model_plan {
    * them (a 1.4 host); a size above 1 needs the sequence_exchange slot. */
   int32_t sequence_parallel_size;
   int32_t sequence_parallel_rank;
+  /* Since 1.5 (written only when plan->struct_size covers them; pre-filled 0, 0). Which tokens
+   * of each sequence this rank holds (weft_sequence_layout) and who runs the attention core over
+   * the split sequence (weft_sequence_attention). The layout applies to batch(), RoPE and the
+   * loss as above; BALANCED needs seq_len divisible by 2 x size and the PLUGIN attention. */
+  int32_t sequence_parallel_layout;
+  int32_t sequence_parallel_attention;
 } weft_model_plan;
+
+/* Which tokens of every sequence sequence-parallel rank r of N holds. Since 1.5. */
+typedef enum weft_sequence_layout {
+  /* Tokens [r L / N, (r + 1) L / N): the 1.4 layout. Under a causal mask the last rank's
+   * queries see N times the keys of the first rank's. */
+  WEFT_SEQUENCE_CONTIGUOUS = 0,
+  /* The sequence cut into 2N equal chunks; rank r holds chunk r then chunk 2N - 1 - r (local
+   * tokens [0, L / 2N) are chunk r, the rest chunk 2N - 1 - r): every rank's queries see as many
+   * keys, so ring attention's ranks do equal work (Megatron / torchtitan's load balancing). */
+  WEFT_SEQUENCE_BALANCED = 1
+} weft_sequence_layout;
+
+/* Who runs the attention core when sequences are split. Since 1.5. */
+typedef enum weft_sequence_attention {
+  /* Ulysses (1.4): the host runs the core over the whole sequence for 1/N of the heads, between
+   * the plugin's sequence_exchange all-to-alls. */
+  WEFT_SEQUENCE_ATTENTION_EXCHANGE = 0,
+  /* The plugin's sequence_attention slot computes the core's output for this rank's queries
+   * (e.g. ring attention: key/value blocks travel between the ranks), with the host's
+   * attention_block doing the arithmetic. */
+  WEFT_SEQUENCE_ATTENTION_PLUGIN = 1
+} weft_sequence_attention;
+
+/* One call of the plugin's sequence_attention slot: the attention core of decoder block `layer`
+ * over this rank's queries, in the forward or the backward direction. All tensors are host-owned,
+ * contiguous, on the rank's device and valid during the call; B rows, H query heads, Hkv key/value
+ * heads (H a multiple of Hkv: query head h uses kv head h / (H / Hkv)), s local tokens in the
+ * plan's layout, D head dim. The core is causal softmax(scale q k^T) v over the whole sequence's
+ * keys, each token at its global position. Since 1.5. */
+typedef struct weft_attention_call {
+  uint32_t struct_size;       /* set by the host */
+  int32_t direction;          /* weft_direction */
+  int64_t layer;              /* the decoder block */
+  double scale;               /* the softmax scale, 1 / sqrt(D) */
+  const DLTensor* q;          /* [B, H, s, D], compute dtype, RoPE applied */
+  const DLTensor* k;          /* [B, Hkv, s, D], compute dtype, RoPE applied */
+  const DLTensor* v;          /* [B, Hkv, s, D], compute dtype */
+  DLTensor* out;              /* fp32 [B, H, s, D]: forward: the plugin writes the output;
+                                 backward: the forward's output (read only) */
+  DLTensor* lse;              /* fp32 [B, H, s]: forward: the plugin writes each query's
+                                 log-sum-exp of its scaled scores; backward: read only */
+  const DLTensor* grad_out;   /* backward: the output's gradient [B, H, s, D], compute dtype;
+                                 NULL in the forward */
+  DLTensor* grad_q;           /* backward: fp32, zero on entry; the plugin leaves in each the */
+  DLTensor* grad_k;           /* gradient of this rank's q, k, v (k and v: summed over every */
+  DLTensor* grad_v;           /* rank's queries); NULL in the forward */
+} weft_attention_call;
+
+/* One block of blockwise attention for the host's attention_block: queries q [B, H, sq, D] at
+ * global positions q_position .. q_position + sq - 1 against keys and values k, v [B, Hkv, sk, D]
+ * at k_position .. k_position + sk - 1. Any strides (views of parts of a call's tensors or of the
+ * plugin's buffers), on the rank's device. Since 1.5. */
+typedef struct weft_attention_block {
+  uint32_t struct_size;       /* set by the caller */
+  int32_t causal;             /* 1: the key at position pk is seen by the query at pq iff
+                                 pk <= pq (a query that sees no key of the block gets nothing
+                                 from it); 0: every key is seen */
+  int64_t q_position;
+  int64_t k_position;
+  double scale;
+  int32_t accumulate;         /* forward: 0 writes out and lse with this block's; 1 merges this
+                                 block into them (online softmax over log-sum-exp) */
+  int32_t reserved;           /* 0 */
+  const DLTensor* q;          /* compute dtype (as the call's) */
+  const DLTensor* k;
+  const DLTensor* v;
+  DLTensor* out;              /* fp32 [B, H, sq, D]: forward: in/out; backward: the final output */
+  DLTensor* lse;              /* fp32 [B, H, sq]: forward: in/out; backward: the final lse */
+  const DLTensor* grad_out;   /* backward: [B, H, sq, D], any floating dtype */
+  DLTensor* grad_q;           /* backward: fp32 [B, H, sq, D]; the block's gradient is ADDED */
+  DLTensor* grad_k;           /* backward: fp32 [B, Hkv, sk, D]; added */
+  DLTensor* grad_v;           /* backward: fp32 [B, Hkv, sk, D]; added */
+} weft_attention_block;
 
 /* The step the host asks the plugin to run. Since 1.0. */
 typedef struct weft_step_info {
@@ -540,6 +622,19 @@ typedef struct weft_host_api {
    * Callable from the plugin's memory_plan on (after plan and shard_parameter, before the model is
    * built): stages this rank does not hold are estimated whole. Since 1.3. */
   weft_status* (*stage_memory)(weft_host* host, int64_t stage, weft_stage_memory* out);
+
+  /* ---------------------------------- since 1.5 ---------------------------------------- */
+  /* Blockwise attention (the arithmetic of ring attention; the plugin moves the blocks). Forward:
+   * computes the block's causal softmax(scale q k^T) v and the log-sum-exp of its scaled scores
+   * per query, in fp32, and writes them to out / lse (accumulate 0) or merges them into the
+   * running out / lse (accumulate 1: lse' = log(e^lse + e^lse_b), out' = out e^(lse - lse') +
+   * out_b e^(lse_b - lse')), so that after every block of keys has been merged, out and lse are
+   * attention over all of them. Backward: given the final out, lse and grad_out, ADDS the
+   * block's contribution to grad_q, grad_k and grad_v (FlashAttention's backward: the scores
+   * are recomputed, never stored). On the rank's device, in order with the host's other work;
+   * the caller owns every tensor. Since 1.5. */
+  weft_status* (*attention_block)(weft_host* host, weft_direction direction,
+                                  const weft_attention_block* block);
 } weft_host_api;
 
 /* ------------------------------------------------------------------------------------------
@@ -646,6 +741,17 @@ typedef struct weft_strategy_api {
    * gradients), in the same order on every rank of the group. Since 1.4. */
   weft_status* (*sequence_exchange)(weft_strategy* strategy, int64_t layer, weft_direction direction,
                                     const DLTensor* send, DLTensor* recv);
+
+  /* ---------------------------------- since 1.5 ---------------------------------------- */
+  /* Required when plan chose sequence_parallel_attention = WEFT_SEQUENCE_ATTENTION_PLUGIN with a
+   * size above 1 (the host refuses the plan otherwise). The attention core of one decoder block
+   * over this rank's queries (weft_attention_call): forward, write out and lse; backward, write
+   * grad_q, grad_k, grad_v. The host calls it once per block in the forward and once in the
+   * backward, in the same order on every rank of the sequence group; ring attention passes the
+   * k/v blocks (and, in backward, their gradients) around the group and calls the host's
+   * attention_block for every pair of query and key chunks the causal mask does not hide.
+   * Since 1.5. */
+  weft_status* (*sequence_attention)(weft_strategy* strategy, const weft_attention_call* call);
 } weft_strategy_api;
 
 /* The entry point. The host passes its ABI version; the plugin returns its table (static

@@ -21,7 +21,7 @@
 //
 // Optional slots: the generated table leaves an optional slot (plan, shard_parameter, setup,
 // eval_step, global_grad_norm_sq, comm_point; since 1.3 flat_shard, after_optimizer_step,
-// materialize_parameters, memory_plan; since 1.4 sequence_exchange) NULL unless the class, or a base between it and
+// materialize_parameters, memory_plan; since 1.4 sequence_exchange; since 1.5 sequence_attention) NULL unless the class, or a base between it and
 // Strategy, declares that method itself (checked at compile time, see detail::overrides_*), so
 // the host can skip calls that would do nothing (comm_point runs inside every layer). The base
 // class implementations still reproduce the one-process defaults documented in strategy.h, so
@@ -692,6 +692,14 @@ class Host {
     return out;
   }
 
+  // --- since ABI 1.5 ---
+  // Blockwise attention (weft_host_api.attention_block): merges a block into out / lse in the
+  // forward, adds its gradients in the backward. Throws Error(UNSUPPORTED) on an older host.
+  void attention_block(weft_direction direction, const weft_attention_block& block) const {
+    require_minor(5, "attention_block");
+    check(api_->attention_block(host_, direction, &block));
+  }
+
   // Adopts raw handles this host created.
   Activation activation(weft_activation* handle) const noexcept {
     return Activation(api_, host_, handle);
@@ -841,6 +849,13 @@ class Strategy {
     (void)recv;
     throw Error(WEFT_STATUS_UNSUPPORTED, "sequence_exchange: this plugin does not split sequences");
   }
+  // --- since ABI 1.5 (ring attention; see strategy.h) ---
+  // The attention core over this rank's queries (weft_attention_call). Default: refuses (only a
+  // plugin whose plan chose WEFT_SEQUENCE_ATTENTION_PLUGIN is asked).
+  virtual void sequence_attention(const weft_attention_call& call) {
+    (void)call;
+    throw Error(WEFT_STATUS_UNSUPPORTED, "sequence_attention: this plugin does not run the attention core");
+  }
 
  protected:
   // The one-process step: for each micro-batch m of step.micro_batches: batch(m) ->
@@ -904,6 +919,7 @@ WEFT_SDK_DETAIL_OVERRIDES(after_optimizer_step)
 WEFT_SDK_DETAIL_OVERRIDES(materialize_parameters)
 WEFT_SDK_DETAIL_OVERRIDES(memory_plan)
 WEFT_SDK_DETAIL_OVERRIDES(sequence_exchange)
+WEFT_SDK_DETAIL_OVERRIDES(sequence_attention)
 #undef WEFT_SDK_DETAIL_OVERRIDES
 
 // Runs `body`, turning every exception into a status created by `api` (NULL on success).
@@ -1003,6 +1019,9 @@ struct Slots {
                                         const DLTensor* send, DLTensor* recv) noexcept {
     return call(handle, [&] { instance(handle).sequence_exchange(layer, direction, *send, *recv); });
   }
+  static weft_status* sequence_attention(weft_strategy* handle, const weft_attention_call* attention) noexcept {
+    return call(handle, [&] { instance(handle).sequence_attention(*attention); });
+  }
 };
 
 // The table for strategy class T. Optional slots are NULL unless T overrides the method.
@@ -1035,6 +1054,7 @@ weft_strategy_api make_table(const char* name, const char* version, const char* 
       overrides_materialize_parameters<T>() ? &Slots<T>::materialize_parameters : nullptr;
   table.memory_plan = overrides_memory_plan<T>() ? &Slots<T>::memory_plan : nullptr;
   table.sequence_exchange = overrides_sequence_exchange<T>() ? &Slots<T>::sequence_exchange : nullptr;
+  table.sequence_attention = overrides_sequence_attention<T>() ? &Slots<T>::sequence_attention : nullptr;
   return table;
 }
 

@@ -95,7 +95,8 @@ TEST(MemoryPlan, TrainerPlanPrintsEveryRanksPlanWithoutBuildingAnything) {
 // gradient temporaries the plan underestimates) for these runs.
 TEST(MemoryPlan, TheEstimateIsWithinItsMarginOfTheMeasuredPeakForEveryKindOfPlugin) {
   for (const std::string plugin : {"ddp", "tensor_parallel", "gpipe", "zero --set plugin.stage=1",
-                                   "zero --set plugin.stage=3"}) {
+                                   "zero --set plugin.stage=3", "context_parallel",
+                                   "context_parallel --set plugin.mode=\"ring\""}) {
     const std::string dir = fresh_dir("memory_plan", "peak");
     const auto outcome = run_trainer(small_run(dir, plugin, 2));
     ASSERT_EQ(outcome.exit_code, 0) << plugin << "\n" << outcome.output;

@@ -67,8 +67,10 @@ def probe(args, config_json, variant, length, work):
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.time() - start
     if r.returncode != 0:
-        print(f"  {name} L={length}: run failed ({wall:.0f} s)\n{r.stdout[-2000:]}{r.stderr[-2000:]}", file=sys.stderr)
-        return None
+        errors = [line for line in (r.stdout + r.stderr).splitlines() if " error " in line]
+        reason = errors[0].split(" error ", 1)[1] if errors else "exit status %d" % r.returncode
+        print(f"  {name} L={length}: run failed ({wall:.0f} s): {reason}", flush=True)
+        return dict(seq_len=length, failed=reason)
     records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     summary = [x for x in records if x.get("type") == "summary"][-1]
     steps = [x for x in records if x.get("type") == "step"]
@@ -86,8 +88,13 @@ def search(args, config_json, variant, work):
     g = args.granularity * variant[2] * 2  # ring's balanced layout cuts 2N chunks
     probes = []
 
+    failures = []
+
     def run(length):
         result = probe(args, config_json, variant, length, work)
+        if result is not None and "failed" in result:
+            failures.append(result)
+            return None
         if result is not None:
             probes.append(result)
         return result
@@ -114,7 +121,7 @@ def search(args, config_json, variant, work):
         else:
             hi, hi_peak = length, result["peak_mib"] if result else None
     return dict(name=variant[0], plugin=variant[1], nproc=variant[2], settings=variant[3], longest=lo,
-                capped=hi is None, probes=sorted(probes, key=lambda p: p["seq_len"]))
+                capped=hi is None, probes=sorted(probes, key=lambda p: p["seq_len"]), failures=failures)
 
 
 def plot(results, args, path):
@@ -127,6 +134,8 @@ def plot(results, args, path):
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in results:
+        if not r["probes"]:
+            continue
         xs = [p["seq_len"] for p in r["probes"]]
         ys = [p["peak_mib"] for p in r["probes"]]
         ax.plot(xs, ys, marker="o", label=f"{r['name']} (longest {r['longest']})")
@@ -178,6 +187,8 @@ def main():
         peak = ", ".join(f"{x:.0f}" for x in at[0]["peak_mib_per_rank"]) if at else "-"
         step = f"{at[0]['step_s']:.2f}" if at and at[0]["step_s"] else "-"
         longest = f">= {r['longest']} (cap)" if r["capped"] else str(r["longest"])
+        if not r["probes"] and r["failures"]:
+            longest = "refused: " + r["failures"][0]["failed"]
         lines.append(f"| {r['name']} | {r['nproc']} | {longest} | {peak} | {step} |")
     with open(os.path.join(args.out, "longest.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

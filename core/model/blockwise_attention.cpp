@@ -1,5 +1,7 @@
 #include "core/model/blockwise_attention.h"
 
+#include <algorithm>
+#include <atomic>
 #include <limits>
 #include <string>
 
@@ -59,17 +61,19 @@ torch::Tensor probabilities(const torch::Tensor& scores, const torch::Tensor& ls
   return (scores - finite.unsqueeze(-1)).exp_();
 }
 
-}  // namespace
+// Queries per tile: the scores and probabilities of a block exist for one tile of queries at a
+// time (about tile_bytes each), so a block's transient memory stays bounded however long its
+// chunks are (the point of ring attention is that no [L, L] matrix is ever whole).
+std::atomic<int64_t> tile_bytes{8 << 20};
 
-void attention_block_forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                             const AttentionBlockSpan& span, torch::Tensor& out, torch::Tensor& lse, bool accumulate) {
-  torch::NoGradGuard no_grad;
+int64_t tile_rows(const torch::Tensor& q, const torch::Tensor& k) {
+  const int64_t per_row = std::max<int64_t>(1, q.size(0) * q.size(1) * k.size(2) * 4);
+  return std::max<int64_t>(1, std::min<int64_t>(q.size(2), tile_bytes.load() / per_row));
+}
+
+void forward_tile(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                  const AttentionBlockSpan& span, torch::Tensor& out, torch::Tensor& lse, bool accumulate) {
   const Grouped g = group_heads(q, k, v);
-  WEFT_CHECK(out.sizes() == q.sizes() && out.scalar_type() == torch::kFloat32 && lse.dim() == 3 &&
-                 lse.size(0) == g.batch && lse.size(1) == g.heads && lse.size(2) == g.sq &&
-                 lse.scalar_type() == torch::kFloat32,
-             "attention_block: out must be fp32 {} and lse fp32 [B, H, sq], got {} and {}", shape(q), shape(out),
-             shape(lse));
   if (nothing_visible(g, span)) {
     if (!accumulate) {
       out.zero_();
@@ -94,16 +98,10 @@ void attention_block_forward(const torch::Tensor& q, const torch::Tensor& k, con
   lse.copy_(merged);
 }
 
-void attention_block_backward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                              const AttentionBlockSpan& span, const torch::Tensor& out, const torch::Tensor& lse,
-                              const torch::Tensor& grad_out, torch::Tensor& grad_q, torch::Tensor& grad_k,
-                              torch::Tensor& grad_v) {
-  torch::NoGradGuard no_grad;
+void backward_tile(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                   const AttentionBlockSpan& span, const torch::Tensor& out, const torch::Tensor& lse,
+                   const torch::Tensor& grad_out, torch::Tensor& grad_q, torch::Tensor& grad_k, torch::Tensor& grad_v) {
   const Grouped g = group_heads(q, k, v);
-  WEFT_CHECK(out.sizes() == q.sizes() && grad_out.sizes() == q.sizes() && grad_q.sizes() == q.sizes() &&
-                 grad_k.sizes() == k.sizes() && grad_v.sizes() == v.sizes() && grad_q.scalar_type() == torch::kFloat32 &&
-                 grad_k.scalar_type() == torch::kFloat32 && grad_v.scalar_type() == torch::kFloat32,
-             "attention_block: backward needs out and grad_out like q {}, fp32 gradients like q, k, v", shape(q));
   if (nothing_visible(g, span)) return;
   const auto rows = g.batch * g.kv_heads;
   const auto dtype = g.q.scalar_type();
@@ -118,5 +116,49 @@ void attention_block_backward(const torch::Tensor& q, const torch::Tensor& k, co
   grad_q.add_(torch::bmm(ds, g.k).to(torch::kFloat32).view(grad_q.sizes()));
   grad_k.add_(torch::bmm(ds.transpose(1, 2), g.q).to(torch::kFloat32).view(grad_k.sizes()));
 }
+
+}  // namespace
+
+void attention_block_forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                             const AttentionBlockSpan& span, torch::Tensor& out, torch::Tensor& lse, bool accumulate) {
+  torch::NoGradGuard no_grad;
+  group_heads(q, k, v);  // checks the shapes
+  WEFT_CHECK(out.sizes() == q.sizes() && out.scalar_type() == torch::kFloat32 && lse.dim() == 3 &&
+                 lse.size(0) == q.size(0) && lse.size(1) == q.size(1) && lse.size(2) == q.size(2) &&
+                 lse.scalar_type() == torch::kFloat32,
+             "attention_block: out must be fp32 {} and lse fp32 [B, H, sq], got {} and {}", shape(q), shape(out),
+             shape(lse));
+  const int64_t sq = q.size(2), tile = tile_rows(q, k);
+  for (int64_t t = 0; t < sq; t += tile) {
+    const int64_t n = std::min(tile, sq - t);
+    AttentionBlockSpan part = span;
+    part.q_position += t;
+    auto o = out.narrow(2, t, n), l = lse.narrow(2, t, n);
+    forward_tile(q.narrow(2, t, n), k, v, part, o, l, accumulate);
+  }
+}
+
+void attention_block_backward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                              const AttentionBlockSpan& span, const torch::Tensor& out, const torch::Tensor& lse,
+                              const torch::Tensor& grad_out, torch::Tensor& grad_q, torch::Tensor& grad_k,
+                              torch::Tensor& grad_v) {
+  torch::NoGradGuard no_grad;
+  group_heads(q, k, v);  // checks the shapes
+  WEFT_CHECK(out.sizes() == q.sizes() && grad_out.sizes() == q.sizes() && grad_q.sizes() == q.sizes() &&
+                 grad_k.sizes() == k.sizes() && grad_v.sizes() == v.sizes() && grad_q.scalar_type() == torch::kFloat32 &&
+                 grad_k.scalar_type() == torch::kFloat32 && grad_v.scalar_type() == torch::kFloat32,
+             "attention_block: backward needs out and grad_out like q {}, fp32 gradients like q, k, v", shape(q));
+  const int64_t sq = q.size(2), tile = tile_rows(q, k);
+  for (int64_t t = 0; t < sq; t += tile) {  // grad_k and grad_v sum over the tiles
+    const int64_t n = std::min(tile, sq - t);
+    AttentionBlockSpan part = span;
+    part.q_position += t;
+    auto gq = grad_q.narrow(2, t, n);
+    backward_tile(q.narrow(2, t, n), k, v, part, out.narrow(2, t, n), lse.narrow(2, t, n), grad_out.narrow(2, t, n),
+                  gq, grad_k, grad_v);
+  }
+}
+
+int64_t set_attention_block_tile_bytes(int64_t bytes) { return tile_bytes.exchange(std::max<int64_t>(1, bytes)); }
 
 }  // namespace weft

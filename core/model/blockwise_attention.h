@@ -5,7 +5,8 @@
 // The forward merges blocks into a running fp32 output and log-sum-exp (online softmax), so that
 // after every block of keys has been merged the output is attention over all of them; the
 // backward recomputes a block's probabilities from the final log-sum-exp and adds the block's
-// gradients (never storing a [sq, sk] matrix past the call). Scores and softmax are fp32; the
+// gradients (never storing a [sq, sk] matrix past the call, and computing it a tile of queries at a
+// time). Scores and softmax are fp32; the
 // two GEMMs of each product run in q's dtype, as causal_attention's.
 #pragma once
 
@@ -35,5 +36,10 @@ void attention_block_backward(const torch::Tensor& q, const torch::Tensor& k, co
                               const AttentionBlockSpan& span, const torch::Tensor& out, const torch::Tensor& lse,
                               const torch::Tensor& grad_out, torch::Tensor& grad_q, torch::Tensor& grad_k,
                               torch::Tensor& grad_v);
+
+// The size of the fp32 scores a block computes at once (default 8 MiB): blocks are computed one
+// tile of queries at a time so that their transient memory stays bounded. Returns the previous
+// value (tests make tiles of a few rows).
+int64_t set_attention_block_tile_bytes(int64_t bytes);
 
 }  // namespace weft

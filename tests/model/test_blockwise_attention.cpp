@@ -81,6 +81,13 @@ TEST(BlockwiseAttention, FourChunksMergeToWholeAttention) { expect_blocks_match_
 TEST(BlockwiseAttention, GroupedQueryHeadsOverSixChunks) { expect_blocks_match_whole(4, 2, 6); }
 TEST(BlockwiseAttention, MultiQueryAttentionOverThreeChunks) { expect_blocks_match_whole(4, 1, 3); }
 
+TEST(BlockwiseAttention, TilesOfAFewQueriesGiveTheSameAnswer) {
+  // 2 x 4 x 12 keys x 4 bytes per query row: tiles of 3 queries, causal masks cut across them.
+  const int64_t previous = weft::set_attention_block_tile_bytes(2 * 4 * 12 * 4 * 3);
+  expect_blocks_match_whole(4, 2, 2);
+  weft::set_attention_block_tile_bytes(previous);
+}
+
 TEST(BlockwiseAttention, ABlockNoQuerySeesLeavesTheOutputAlone) {
   torch::manual_seed(4);
   const auto q = torch::randn({1, 2, 4, 8}), k = torch::randn({1, 2, 4, 8}), v = torch::randn({1, 2, 4, 8});

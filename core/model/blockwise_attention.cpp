@@ -24,15 +24,23 @@ struct Grouped {
   torch::Tensor q, k, v;
 };
 
-Grouped group_heads(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+// The shapes, and k and v grouped once per block (q: [B, H, sq, D], k, v: [B, Hkv, sk, D]).
+Grouped group_kv(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
   WEFT_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
                  q.size(3) == k.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
              "attention_block: q [B, H, sq, D] and k, v [B, Hkv, sk, D] with Hkv dividing H needed, got {}, {}, {}",
              shape(q), shape(k), shape(v));
   Grouped g{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2), k.size(2), q.size(3), {}, {}, {}};
-  g.q = q.reshape({g.batch * g.kv_heads, g.group * g.sq, g.dim});
   g.k = k.to(q.scalar_type()).reshape({g.batch * g.kv_heads, g.sk, g.dim});
   g.v = v.to(q.scalar_type()).reshape({g.batch * g.kv_heads, g.sk, g.dim});
+  return g;
+}
+
+// The block's grouped k and v with a tile of its queries q [B, H, sq_tile, D].
+Grouped with_queries(const Grouped& kv, const torch::Tensor& q) {
+  Grouped g = kv;
+  g.sq = q.size(2);
+  g.q = q.reshape({g.batch * g.kv_heads, g.group * g.sq, g.dim});
   return g;
 }
 
@@ -71,9 +79,8 @@ int64_t tile_rows(const torch::Tensor& q, const torch::Tensor& k) {
   return std::max<int64_t>(1, std::min<int64_t>(q.size(2), tile_bytes.load() / per_row));
 }
 
-void forward_tile(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                  const AttentionBlockSpan& span, torch::Tensor& out, torch::Tensor& lse, bool accumulate) {
-  const Grouped g = group_heads(q, k, v);
+void forward_tile(const Grouped& g, const AttentionBlockSpan& span, torch::Tensor& out, torch::Tensor& lse,
+                  bool accumulate) {
   if (nothing_visible(g, span)) {
     if (!accumulate) {
       out.zero_();
@@ -98,10 +105,8 @@ void forward_tile(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   lse.copy_(merged);
 }
 
-void backward_tile(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                   const AttentionBlockSpan& span, const torch::Tensor& out, const torch::Tensor& lse,
+void backward_tile(const Grouped& g, const AttentionBlockSpan& span, const torch::Tensor& out, const torch::Tensor& lse,
                    const torch::Tensor& grad_out, torch::Tensor& grad_q, torch::Tensor& grad_k, torch::Tensor& grad_v) {
-  const Grouped g = group_heads(q, k, v);
   if (nothing_visible(g, span)) return;
   const auto rows = g.batch * g.kv_heads;
   const auto dtype = g.q.scalar_type();
@@ -122,7 +127,7 @@ void backward_tile(const torch::Tensor& q, const torch::Tensor& k, const torch::
 void attention_block_forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                              const AttentionBlockSpan& span, torch::Tensor& out, torch::Tensor& lse, bool accumulate) {
   torch::NoGradGuard no_grad;
-  group_heads(q, k, v);  // checks the shapes
+  const Grouped kv = group_kv(q, k, v);
   WEFT_CHECK(out.sizes() == q.sizes() && out.scalar_type() == torch::kFloat32 && lse.dim() == 3 &&
                  lse.size(0) == q.size(0) && lse.size(1) == q.size(1) && lse.size(2) == q.size(2) &&
                  lse.scalar_type() == torch::kFloat32,
@@ -134,7 +139,7 @@ void attention_block_forward(const torch::Tensor& q, const torch::Tensor& k, con
     AttentionBlockSpan part = span;
     part.q_position += t;
     auto o = out.narrow(2, t, n), l = lse.narrow(2, t, n);
-    forward_tile(q.narrow(2, t, n), k, v, part, o, l, accumulate);
+    forward_tile(with_queries(kv, q.narrow(2, t, n)), part, o, l, accumulate);
   }
 }
 
@@ -143,7 +148,7 @@ void attention_block_backward(const torch::Tensor& q, const torch::Tensor& k, co
                               const torch::Tensor& grad_out, torch::Tensor& grad_q, torch::Tensor& grad_k,
                               torch::Tensor& grad_v) {
   torch::NoGradGuard no_grad;
-  group_heads(q, k, v);  // checks the shapes
+  const Grouped kv = group_kv(q, k, v);
   WEFT_CHECK(out.sizes() == q.sizes() && grad_out.sizes() == q.sizes() && grad_q.sizes() == q.sizes() &&
                  grad_k.sizes() == k.sizes() && grad_v.sizes() == v.sizes() && grad_q.scalar_type() == torch::kFloat32 &&
                  grad_k.scalar_type() == torch::kFloat32 && grad_v.scalar_type() == torch::kFloat32,
@@ -154,8 +159,8 @@ void attention_block_backward(const torch::Tensor& q, const torch::Tensor& k, co
     AttentionBlockSpan part = span;
     part.q_position += t;
     auto gq = grad_q.narrow(2, t, n);
-    backward_tile(q.narrow(2, t, n), k, v, part, out.narrow(2, t, n), lse.narrow(2, t, n), grad_out.narrow(2, t, n),
-                  gq, grad_k, grad_v);
+    backward_tile(with_queries(kv, q.narrow(2, t, n)), part, out.narrow(2, t, n), lse.narrow(2, t, n),
+                  grad_out.narrow(2, t, n), gq, grad_k, grad_v);
   }
 }
 

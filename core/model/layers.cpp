@@ -230,12 +230,13 @@ torch::Tensor AttentionImpl::forward_sequence_split(const torch::Tensor& x, cons
   WEFT_CHECK(sequence_->attention || num_heads_ % parts == 0,
              "sequence parallelism: {} attention heads cannot be split over {} processes", num_heads_, parts);
   auto qkv = fused_linear(x, {q_proj.get(), k_proj.get(), v_proj.get()});
-  // RoPE at the global positions of this process's tokens (one or two runs of the sequence).
+  // RoPE at the global positions of this process's tokens (one or two runs of the sequence), cut
+  // from the whole sequence's tables (cached: the same for every block and step).
+  const auto [whole_cos, whole_sin] = rope.tables(0, parts * seq, x.device());
   std::vector<torch::Tensor> cos_runs, sin_runs;
   for (const auto& [start, count] : sequence_->token_runs(parts * seq)) {
-    auto [c, s] = rope.tables(start, count, x.device());
-    cos_runs.push_back(c);
-    sin_runs.push_back(s);
+    cos_runs.push_back(whole_cos.narrow(0, start, count));
+    sin_runs.push_back(whole_sin.narrow(0, start, count));
   }
   const auto cos = cos_runs.size() == 1 ? cos_runs[0] : torch::cat(cos_runs);
   const auto sin = sin_runs.size() == 1 ? sin_runs[0] : torch::cat(sin_runs);

@@ -119,6 +119,7 @@ class ContextParallel : public weft::ddp::Ddp {
   }
 
   double train_step(const weft_step_info& step) override {
+    if (ring_) ring_->take_compute_seconds();  // this step's forward, recompute and backward only (not evaluation)
     const double loss = Ddp::train_step(step);
     if (ring_) report_attention_seconds();
     return loss;

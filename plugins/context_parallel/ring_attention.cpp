@@ -35,6 +35,7 @@ struct View {
 int64_t element_bytes(const DLTensor& t) { return (t.dtype.bits * t.dtype.lanes + 7) / 8; }
 
 View view_of(const DLTensor& base) {
+  if (base.ndim > 6) throw Error(WEFT_STATUS_INVALID_ARGUMENT, "ring attention: a view of more than 6 dimensions");
   View v;
   v.tensor = base;
   int64_t stride = 1;
@@ -84,6 +85,22 @@ void RingAttention::ensure(weft::sdk::Buffer& buffer, const std::vector<int64_t>
   if (!same) buffer = host_.buffer(shape, dtype);
 }
 
+// Posts a send of `out` to `to` and a receive into `in` from `from`, ordered so that the two ends of
+// every pair of ranks post their transfers in the same order: NCCL matches a pair's sends and
+// receives in posting order (tags are Gloo's only), and two ranks that are each other's both
+// neighbours (a ring of 2) must not both start with a send on their shared stream, so even ranks
+// send first and odd ranks receive first.
+void RingAttention::exchange(const DLTensor& out, int32_t to, DLTensor& in, int32_t from, int32_t tag, Work& send,
+                             Work& recv) const {
+  if (rank_ % 2 == 0) {
+    send = host_.send(group_, out, to, tag);
+    recv = host_.recv(group_, in, from, tag);
+  } else {
+    recv = host_.recv(group_, in, from, tag);
+    send = host_.send(group_, out, to, tag);
+  }
+}
+
 int64_t RingAttention::blocks_per_pass() const {
   int64_t n = 0;
   for (const auto& step : schedule_) n += static_cast<int64_t>(step.blocks.size());
@@ -121,10 +138,7 @@ void RingAttention::forward(const weft_attention_call& call) {
     const DLTensor held = kv_[t % 2].view();
     DLTensor incoming = kv_[(t + 1) % 2].view();
     Work send, recv;
-    if (t + 1 < size_) {  // the block held goes on while the next one arrives
-      send = host_.send(group_, held, next, kKvTag + t);
-      recv = host_.recv(group_, incoming, prev, kKvTag + t);
-    }
+    if (t + 1 < size_) exchange(held, next, incoming, prev, kKvTag + t, send, recv);  // overlaps the blocks
     const auto start = std::chrono::steady_clock::now();
     const View held_k = select(held, 0), held_v = select(held, 1);
     for (const RingBlock& b : schedule_[static_cast<size_t>(t)].blocks) {
@@ -158,6 +172,7 @@ void RingAttention::backward(const weft_attention_call& call) {
   const DLTensor &q = *call.q, &k = *call.k, &v = *call.v;
   const int32_t runs = runs_per_rank(balanced_);
   const int64_t s = q.shape[2], c = s / runs;
+  if (s % runs != 0) throw Error(WEFT_STATUS_INVALID_ARGUMENT, "ring attention: " + std::to_string(s) + " local tokens");
   const std::vector<int64_t> kv_shape{2, k.shape[0], k.shape[1], k.shape[2], k.shape[3]};
   const DLDataType f32{kDLFloat, 32, 1};
   for (auto& b : kv_) ensure(b, kv_shape, k.dtype);
@@ -170,18 +185,16 @@ void RingAttention::backward(const weft_attention_call& call) {
   }
   const int32_t next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
   DLTensor grad_in = grad_kv_in_.view();
-  Work grad_send;  // the previous step's gradients on their way to rank r + 1
   for (int32_t t = 0; t < size_; ++t) {
     const DLTensor held = kv_[t % 2].view();
     DLTensor incoming = kv_[(t + 1) % 2].view();
-    Work send, recv, grad_recv;
-    if (t + 1 < size_) {
-      send = host_.send(group_, held, next, kKvTag + t);
-      recv = host_.recv(group_, incoming, prev, kKvTag + t);
-    }
-    // What ranks r - 1, r - 2, ... computed for the block held now arrives while this rank adds its own.
-    if (t > 0) grad_recv = host_.recv(group_, grad_in, prev, kGradKvTag + t);
-    DLTensor grad = grad_kv_[t % 2].view();  // its send of step t - 2 was waited for at step t - 1
+    Work send, recv, grad_send, grad_recv;
+    // First the gradients of the block held at step t - 1 go on to rank r + 1 (which holds that
+    // block now) while those of the block held now arrive from rank r - 1; then the blocks move.
+    // Every rank posts in this order, so both ends of a pair agree (see exchange).
+    if (t > 0) exchange(grad_kv_[(t - 1) % 2].view(), next, grad_in, prev, kGradKvTag + t, grad_send, grad_recv);
+    if (t + 1 < size_) exchange(held, next, incoming, prev, kKvTag + t, send, recv);
+    DLTensor grad = grad_kv_[t % 2].view();  // its send (posted at step t - 1) was waited for there
     host_.scale(grad, 0.0);
     const auto start = std::chrono::steady_clock::now();
     const View held_k = select(held, 0), held_v = select(held, 1), grad_k = select(grad, 0), grad_v = select(grad, 1);
@@ -208,19 +221,19 @@ void RingAttention::backward(const weft_attention_call& call) {
       host_.attention_block(WEFT_BACKWARD, block);
     }
     compute_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (grad_recv) {
+    if (grad_recv) {  // what ranks r - 1, r - 2, ... computed for the block held now
       grad_recv.wait();
       host_.add(grad, grad_in, 1.0);
     }
-    if (grad_send) grad_send.wait();
-    // On to rank r + 1, which holds this block next (after the last step: its owner).
-    if (size_ > 1) grad_send = host_.send(group_, grad, next, kGradKvTag + t + 1);
+    if (grad_send) grad_send.wait();  // grad_kv_[(t - 1) % 2] is zeroed again at step t + 1
     if (send) send.wait();
     if (recv) recv.wait();
   }
   DLTensor own = grad_kv_[(size_ - 1) % 2].view();  // one process: its own gradients, no hop
-  if (size_ > 1) {
-    host_.recv(group_, grad_in, prev, kGradKvTag + size_).wait();
+  if (size_ > 1) {  // the last hop: every block's summed gradients go home to its owner
+    Work grad_send, grad_recv;
+    exchange(own, next, grad_in, prev, kGradKvTag + size_, grad_send, grad_recv);
+    grad_recv.wait();
     grad_send.wait();
     own = grad_in;
   }

@@ -9,6 +9,9 @@
 // accumulated in fp32 into a buffer that travels one step behind them (received from rank r - 1
 // while the step computes, added, sent on), and after the last step one more hop brings every
 // block's summed gradient home. grad_q stays local.
+// Transfers are posted in the same order at both ends of every pair of ranks (gradients before
+// blocks; even ranks send first, odd ranks receive first), as NCCL, which ignores tags and pairs
+// a peer's transfers in posting order, needs; Gloo matches them by tag as well.
 // Per rank, it times the blocks' arithmetic (compute_seconds): with the balanced layout every rank
 // computes the same number of blocks, with the contiguous one rank r computes r + 1.
 #ifndef WEFT_PLUGINS_CONTEXT_PARALLEL_RING_ATTENTION_HPP
@@ -41,6 +44,9 @@ class RingAttention {
   int64_t bytes_per_layer(const weft_attention_call& call) const;  // bytes sent per forward + backward
 
  private:
+  // A send to `to` and a receive from `from`, posted in the order both ends of a pair agree on.
+  void exchange(const DLTensor& out, int32_t to, DLTensor& in, int32_t from, int32_t tag, weft::sdk::Work& send,
+                weft::sdk::Work& recv) const;
   // The send/receive buffers, (re)made when the shape or dtype changes.
   void ensure(weft::sdk::Buffer& buffer, const std::vector<int64_t>& shape, DLDataType dtype);
 

@@ -258,14 +258,14 @@ TEST_F(SdkTest, PlanSlotWritesThePlanOnlyOnSuccess) {
   weft_strategy* instance = nullptr;
   ASSERT_EQ(take_status(plan_table.create(&api, &host, &instance)).first, WEFT_STATUS_OK);
 
-  weft_model_plan plan{sizeof(weft_model_plan), 0, 4, 1, 0, 1, 0};
+  weft_model_plan plan{sizeof(weft_model_plan), 0, 4, 1, 0, 1, 0, 0, 0};
   EXPECT_EQ(take_status(plan_table.plan(instance, &plan)).first, WEFT_STATUS_OK);
   EXPECT_EQ(plan.first_stage, 1);
   EXPECT_EQ(plan.last_stage, 4);
   EXPECT_EQ(plan.data_parallel_size, 2);
   EXPECT_EQ(plan.struct_size, sizeof(weft_model_plan));
 
-  weft_model_plan failing{sizeof(weft_model_plan), 0, 99, 1, 0, 1, 0};
+  weft_model_plan failing{sizeof(weft_model_plan), 0, 99, 1, 0, 1, 0, 0, 0};
   const auto status = take_status(plan_table.plan(instance, &failing));
   EXPECT_EQ(status.first, WEFT_STATUS_INTERNAL);
   EXPECT_EQ(status.second, "half-written plan");
@@ -283,7 +283,7 @@ TEST_F(SdkTest, BaseDefaultsReproduceOneProcessBehaviour) {
   EXPECT_EQ(shard.parts, 1);
   EXPECT_EQ(shard.index, 0);
 
-  weft_model_plan plan{sizeof(weft_model_plan), 0, 4, 1, 0, 1, 0};
+  weft_model_plan plan{sizeof(weft_model_plan), 0, 4, 1, 0, 1, 0, 0, 0};
   strategy.plan(plan);
   EXPECT_EQ(plan.first_stage, 0);
   EXPECT_EQ(plan.last_stage, 4);

@@ -446,6 +446,9 @@ typedef struct weft_host_api {
    * the parts received, in rank order. */
   weft_status* (*all_to_all)(weft_host* host, weft_group* group, DLTensor* output,
                              const DLTensor* input, weft_work** work);
+  /* Point-to-point. `tag` tells a pair's transfers apart over Gloo; NCCL ignores it and pairs the
+   * sends and receives between two ranks in the order they were posted, so post them in the same
+   * order at both ends (and, between two ranks that send to each other, not both send first). */
   weft_status* (*send)(weft_host* host, weft_group* group, const DLTensor* tensor,
                        int32_t peer_group_rank, int32_t tag, weft_work** work);
   weft_status* (*recv)(weft_host* host, weft_group* group, DLTensor* tensor,
@@ -746,8 +749,12 @@ typedef struct weft_strategy_api {
   /* Required when plan chose sequence_parallel_attention = WEFT_SEQUENCE_ATTENTION_PLUGIN with a
    * size above 1 (the host refuses the plan otherwise). The attention core of one decoder block
    * over this rank's queries (weft_attention_call): forward, write out and lse; backward, write
-   * grad_q, grad_k, grad_v. The host calls it once per block in the forward and once in the
-   * backward, in the same order on every rank of the sequence group; ring attention passes the
+   * grad_q, grad_k, grad_v. The host calls it in every decoder block's forward (training,
+   * evaluation, and again in the backward when activation checkpointing recomputes a block) and
+   * once in its backward, in the same order on every rank of the sequence group. The transfers
+   * this implies must pair up under NCCL too, which matches a pair of ranks' sends and receives
+   * in posting order and ignores tags: post them in the same order at both ends (context_parallel:
+   * even ranks send first). Ring attention passes the
    * k/v blocks (and, in backward, their gradients) around the group and calls the host's
    * attention_block for every pair of query and key chunks the causal mask does not hide.
    * Since 1.5. */

@@ -36,6 +36,15 @@ double median_of(std::vector<double> values) {
   return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
 }
 
+double percentile_of(std::vector<double> values, double p) {
+  if (values.empty()) return 0.0;
+  WEFT_CHECK(p >= 0 && p <= 100, "percentile {} outside [0, 100]", p);
+  std::sort(values.begin(), values.end());
+  const double rank = p / 100.0 * static_cast<double>(values.size() - 1);
+  const size_t lo = static_cast<size_t>(rank), hi = std::min(lo + 1, values.size() - 1);
+  return values[lo] + (values[hi] - values[lo]) * (rank - static_cast<double>(lo));
+}
+
 RunMeasurement read_run(const std::string& metrics_path, int64_t warmup_steps) {
   std::ifstream in(metrics_path);
   WEFT_CHECK(in.good(), "{}: cannot read the run's metrics", metrics_path);
@@ -101,6 +110,7 @@ VariantSummary summarise(const std::string& name, const std::string& plugin, int
     }
   }
   v.step_seconds = spread_of(steps);
+  v.step_percentiles = {percentile_of(steps, 50), percentile_of(steps, 95), percentile_of(steps, 99)};
   const double tokens = static_cast<double>(tokens_per_step);
   v.tokens_per_second = {tokens / v.step_seconds.median, tokens / v.step_seconds.max, tokens / v.step_seconds.min};
   const double per_epoch = static_cast<double>(runs.front().steps_per_epoch);
@@ -131,15 +141,18 @@ std::vector<PairRatio> pair_ratios(const std::vector<VariantSummary>& variants) 
 
 std::string format_bench_table(const std::vector<VariantSummary>& variants, const std::vector<PairRatio>& ratios) {
   std::string out =
-      "| variant | processes | step time median [min-max] | tokens/s median [min-max] | time per epoch median "
-      "[min-max] | peak RSS MiB per rank | waiting on comm (rank 0) | MB sent per step | bubble (formula) |\n"
-      "|---|---|---|---|---|---|---|---|---|\n";
+      "| variant | processes | step time median [min-max] | step p50 / p95 / p99 | tokens/s median [min-max] | time "
+      "per epoch median [min-max] | peak RSS MiB per rank | waiting on comm (rank 0) | MB sent per step | bubble "
+      "(formula) |\n"
+      "|---|---|---|---|---|---|---|---|---|---|\n";
   for (const auto& v : variants) {
     const std::string bubble =
         v.bubble ? fmt::format("{:.3f} ({})", *v.bubble, v.bubble_formula ? fmt::format("{:.3f}", *v.bubble_formula) : "-")
                  : "-";
-    out += fmt::format("| {} | {} | {:.3f} s [{:.3f}-{:.3f}] | {:.0f} [{:.0f}-{:.0f}] | {} [{}-{}] | {} | {} | {} | {} |\n",
+    out += fmt::format("| {} | {} | {:.3f} s [{:.3f}-{:.3f}] | {:.3f} / {:.3f} / {:.3f} s | {:.0f} [{:.0f}-{:.0f}] | {} "
+                       "[{}-{}] | {} | {} | {} | {} |\n",
                        v.name, v.nproc, v.step_seconds.median, v.step_seconds.min, v.step_seconds.max,
+                       v.step_percentiles.p50, v.step_percentiles.p95, v.step_percentiles.p99,
                        v.tokens_per_second.median, v.tokens_per_second.min, v.tokens_per_second.max,
                        format_duration(v.epoch_seconds.median), format_duration(v.epoch_seconds.min),
                        format_duration(v.epoch_seconds.max), ranks_text(v.peak_rss_mib_per_rank),
@@ -174,6 +187,8 @@ nlohmann::json to_json(const VariantSummary& v) {
           {"nproc", v.nproc},
           {"kind", v.pytorch ? "pytorch" : "weft"},
           {"step_time_s", spread(v.step_seconds)},
+          {"step_time_percentiles_s",
+           {{"p50", v.step_percentiles.p50}, {"p95", v.step_percentiles.p95}, {"p99", v.step_percentiles.p99}}},
           {"tokens_per_s", spread(v.tokens_per_second)},
           {"epoch_s", spread(v.epoch_seconds)},
           {"peak_rss_mib_per_rank", v.peak_rss_mib_per_rank},

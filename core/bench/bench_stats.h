@@ -33,12 +33,18 @@ struct Spread {
   double median = 0, min = 0, max = 0;
 };
 
+// Step latency percentiles (linear interpolation between the closest ranks, numpy's default).
+struct Percentiles {
+  double p50 = 0, p95 = 0, p99 = 0;
+};
+
 struct VariantSummary {
   std::string name, plugin;
   int nproc = 1;
   bool pytorch = false;
   int64_t tokens_per_step = 0;   // the global batch in tokens (the same for every variant)
   Spread step_seconds;           // over every measured step of every repetition
+  Percentiles step_percentiles;  // the same steps' p50 / p95 / p99
   Spread tokens_per_second;      // global tokens per step / step time (min from the slowest step)
   Spread epoch_seconds;          // steps per epoch x step time
   std::vector<double> run_step_seconds;  // each repetition's median step time, in order
@@ -50,6 +56,9 @@ struct VariantSummary {
 
 // The median of `values` (the mean of the middle two for an even count); 0 for none.
 double median_of(std::vector<double> values);
+// The p-th percentile (0 <= p <= 100) of `values`, interpolating linearly between the two closest
+// ranks (numpy.percentile's default: rank p / 100 x (n - 1)); 0 for none.
+double percentile_of(std::vector<double> values, double p);
 
 // Summarises a variant's repetitions. `tokens_per_step` is the global batch in tokens.
 VariantSummary summarise(const std::string& name, const std::string& plugin, int nproc, bool pytorch,

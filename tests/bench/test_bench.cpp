@@ -109,6 +109,12 @@ TEST(BenchStats, WarmUpIsDroppedAndEveryFigureFollowsFromTheMeasuredSteps) {
   EXPECT_DOUBLE_EQ(a.step_seconds.median, 2.25);
   EXPECT_DOUBLE_EQ(a.step_seconds.min, 1.0);
   EXPECT_DOUBLE_EQ(a.step_seconds.max, 4.0);
+  // Percentiles of the same steps, interpolated as numpy.percentile: sorted {1, 1.5, 2, 2.5, 3, 4},
+  // p95 at rank 4.75 (3 + 0.75), p99 at rank 4.95.
+  EXPECT_DOUBLE_EQ(a.step_percentiles.p50, 2.25);
+  EXPECT_DOUBLE_EQ(a.step_percentiles.p95, 3.75);
+  EXPECT_DOUBLE_EQ(a.step_percentiles.p99, 3.95);
+  EXPECT_DOUBLE_EQ(weft::to_json(a)["step_time_percentiles_s"]["p95"].get<double>(), 3.75);
   EXPECT_DOUBLE_EQ(a.tokens_per_second.median, 1000 / 2.25);
   EXPECT_DOUBLE_EQ(a.tokens_per_second.min, 250.0);  // the slowest step
   EXPECT_DOUBLE_EQ(a.epoch_seconds.median, 225.0);   // 100 steps per epoch
@@ -129,7 +135,8 @@ TEST(BenchStats, WarmUpIsDroppedAndEveryFigureFollowsFromTheMeasuredSteps) {
   EXPECT_DOUBLE_EQ(ratios[0].tokens_per_second, 2.25 / 4.5);  // b's tokens/s over a's
   EXPECT_EQ(ratios[0].per_repetition, (std::vector<double>{0.5, 0.5}));
   const std::string table = weft::format_bench_table({a, b}, ratios);
-  EXPECT_NE(table.find("| a x2 | 2 | 2.250 s [1.000-4.000] | 444 [250-1000] | 03:45 [01:40-06:40] | 300/200 | 25.0% | "
+  EXPECT_NE(table.find("| a x2 | 2 | 2.250 s [1.000-4.000] | 2.250 / 3.750 / 3.950 s | 444 [250-1000] | 03:45 "
+                       "[01:40-06:40] | 300/200 | 25.0% | "
                        "0.00 | 0.300 (0.200) |"),
             std::string::npos)
       << table;
@@ -146,6 +153,15 @@ TEST(BenchStats, WarmUpIsDroppedAndEveryFigureFollowsFromTheMeasuredSteps) {
   EXPECT_NE(long_table.find("| per repetition (each against the first variant; every pair is in bench.json) |"),
             std::string::npos)
       << long_table;
+}
+
+TEST(BenchStats, PercentilesInterpolateBetweenTheClosestRanksAsNumpyDoes) {
+  EXPECT_DOUBLE_EQ(weft::percentile_of({4, 1, 3, 2}, 95), 3.85);  // numpy.percentile([1, 2, 3, 4], 95)
+  EXPECT_DOUBLE_EQ(weft::percentile_of({4, 1, 3, 2}, 50), 2.5);
+  EXPECT_DOUBLE_EQ(weft::percentile_of({4, 1, 3, 2}, 0), 1.0);
+  EXPECT_DOUBLE_EQ(weft::percentile_of({4, 1, 3, 2}, 100), 4.0);
+  EXPECT_DOUBLE_EQ(weft::percentile_of({7}, 99), 7.0);
+  EXPECT_DOUBLE_EQ(weft::percentile_of({}, 99), 0.0);
 }
 
 TEST(BenchStats, ARunWithoutMeasuredStepsOrSummaryIsAnError) {

@@ -71,6 +71,17 @@ View select(const DLTensor& base, int64_t index) {
 // Tokens [run * c, (run + 1) * c) of a [B, heads, s, D] or [B, heads, s] tensor.
 View run_of(const DLTensor& base, int32_t run, int64_t c) { return narrow(base, 2, run * c, c); }
 
+// The host call for block `b` of chunks of `c` tokens (its tensors set by the caller).
+weft_attention_block block_of(const RingBlock& b, int64_t c, double scale) {
+  weft_attention_block block{};
+  block.struct_size = sizeof(weft_attention_block);
+  block.causal = b.causal ? 1 : 0;
+  block.q_position = b.q_chunk * c;
+  block.k_position = b.k_chunk * c;
+  block.scale = scale;
+  return block;
+}
+
 }  // namespace
 
 RingAttention::RingAttention(weft::sdk::Host host, weft::sdk::Group group, int32_t size, int32_t rank, bool balanced)
@@ -114,6 +125,19 @@ int64_t RingAttention::bytes_per_layer(const weft_attention_call& call) const {
   return (size_ - 1) * 2 * kv * element_bytes(k) + size_ * kv * 4;
 }
 
+int64_t RingAttention::start_pass(const weft_attention_call& call) {
+  const DLTensor &q = *call.q, &k = *call.k, &v = *call.v;
+  const int32_t runs = runs_per_rank(balanced_);
+  const int64_t s = q.shape[2];
+  if (s % runs != 0) throw Error(WEFT_STATUS_INVALID_ARGUMENT, "ring attention: " + std::to_string(s) + " local tokens");
+  const std::vector<int64_t> kv_shape{2, k.shape[0], k.shape[1], k.shape[2], k.shape[3]};
+  for (auto& b : kv_) ensure(b, kv_shape, k.dtype);
+  View k_dst = select(kv_[0].view(), 0), v_dst = select(kv_[0].view(), 1);
+  host_.copy(k_dst.tensor, k);
+  host_.copy(v_dst.tensor, v);
+  return s / runs;
+}
+
 double RingAttention::take_compute_seconds() {
   const double s = compute_seconds_;
   compute_seconds_ = 0.0;
@@ -121,17 +145,9 @@ double RingAttention::take_compute_seconds() {
 }
 
 void RingAttention::forward(const weft_attention_call& call) {
-  const DLTensor &q = *call.q, &k = *call.k, &v = *call.v;
+  const DLTensor& q = *call.q;
   const int32_t runs = runs_per_rank(balanced_);
-  const int64_t s = q.shape[2], c = s / runs;
-  if (s % runs != 0) throw Error(WEFT_STATUS_INVALID_ARGUMENT, "ring attention: " + std::to_string(s) + " local tokens");
-  const std::vector<int64_t> kv_shape{2, k.shape[0], k.shape[1], k.shape[2], k.shape[3]};
-  for (auto& b : kv_) ensure(b, kv_shape, k.dtype);
-  {
-    View k_dst = select(kv_[0].view(), 0), v_dst = select(kv_[0].view(), 1);
-    host_.copy(k_dst.tensor, k);
-    host_.copy(v_dst.tensor, v);
-  }
+  const int64_t c = start_pass(call);
   const int32_t next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
   std::vector<bool> written(static_cast<size_t>(runs), false);
   for (int32_t t = 0; t < size_; ++t) {
@@ -144,12 +160,7 @@ void RingAttention::forward(const weft_attention_call& call) {
     for (const RingBlock& b : schedule_[static_cast<size_t>(t)].blocks) {
       const View qv = run_of(q, b.q_run, c), kv = run_of(held_k.tensor, b.k_run, c), vv = run_of(held_v.tensor, b.k_run, c);
       View out = run_of(*call.out, b.q_run, c), lse = run_of(*call.lse, b.q_run, c);
-      weft_attention_block block{};
-      block.struct_size = sizeof(weft_attention_block);
-      block.causal = b.causal ? 1 : 0;
-      block.q_position = b.q_chunk * c;
-      block.k_position = b.k_chunk * c;
-      block.scale = call.scale;
+      weft_attention_block block = block_of(b, c, call.scale);
       block.accumulate = written[static_cast<size_t>(b.q_run)] ? 1 : 0;
       block.q = &qv.tensor;
       block.k = &kv.tensor;
@@ -169,20 +180,12 @@ void RingAttention::forward(const weft_attention_call& call) {
 }
 
 void RingAttention::backward(const weft_attention_call& call) {
-  const DLTensor &q = *call.q, &k = *call.k, &v = *call.v;
-  const int32_t runs = runs_per_rank(balanced_);
-  const int64_t s = q.shape[2], c = s / runs;
-  if (s % runs != 0) throw Error(WEFT_STATUS_INVALID_ARGUMENT, "ring attention: " + std::to_string(s) + " local tokens");
-  const std::vector<int64_t> kv_shape{2, k.shape[0], k.shape[1], k.shape[2], k.shape[3]};
+  const DLTensor& q = *call.q;
+  const int64_t c = start_pass(call);
+  const std::vector<int64_t> kv_shape(kv_[0].view().shape, kv_[0].view().shape + 5);
   const DLDataType f32{kDLFloat, 32, 1};
-  for (auto& b : kv_) ensure(b, kv_shape, k.dtype);
   for (auto& b : grad_kv_) ensure(b, kv_shape, f32);
   ensure(grad_kv_in_, kv_shape, f32);
-  {
-    View k_dst = select(kv_[0].view(), 0), v_dst = select(kv_[0].view(), 1);
-    host_.copy(k_dst.tensor, k);
-    host_.copy(v_dst.tensor, v);
-  }
   const int32_t next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
   DLTensor grad_in = grad_kv_in_.view();
   for (int32_t t = 0; t < size_; ++t) {
@@ -203,12 +206,7 @@ void RingAttention::backward(const weft_attention_call& call) {
       View out = run_of(*call.out, b.q_run, c), lse = run_of(*call.lse, b.q_run, c);
       const View grad_out = run_of(*call.grad_out, b.q_run, c);
       View gq = run_of(*call.grad_q, b.q_run, c), gk = run_of(grad_k.tensor, b.k_run, c), gv = run_of(grad_v.tensor, b.k_run, c);
-      weft_attention_block block{};
-      block.struct_size = sizeof(weft_attention_block);
-      block.causal = b.causal ? 1 : 0;
-      block.q_position = b.q_chunk * c;
-      block.k_position = b.k_chunk * c;
-      block.scale = call.scale;
+      weft_attention_block block = block_of(b, c, call.scale);
       block.q = &qv.tensor;
       block.k = &kv.tensor;
       block.v = &vv.tensor;

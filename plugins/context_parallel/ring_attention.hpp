@@ -44,6 +44,9 @@ class RingAttention {
   int64_t bytes_per_layer(const weft_attention_call& call) const;  // bytes sent per forward + backward
 
  private:
+  // Checks the call, makes the block buffers and puts this rank's k and v in the first; returns
+  // the chunk length.
+  int64_t start_pass(const weft_attention_call& call);
   // A send to `to` and a receive from `from`, posted in the order both ends of a pair agree on.
   void exchange(const DLTensor& out, int32_t to, DLTensor& in, int32_t from, int32_t tag, weft::sdk::Work& send,
                 weft::sdk::Work& recv) const;

@@ -196,6 +196,8 @@ void Job::plan_memory(const ModelConfig& config, torch::Dtype dtype) {
     s.activation_bytes_per_row = e.activation_bytes_per_row;
     s.weight_copy_bytes = e.weight_copy_bytes;
     s.output_bytes_per_row = e.output_bytes_per_row;
+    s.compute_parameter_bytes = e.compute_parameter_bytes;
+    s.compute_trainable_bytes = e.compute_trainable_bytes;
     stages.push_back(s);
   }
   const int64_t rows = options_.batch_size / std::max(placement_.data_parallel_size, 1);

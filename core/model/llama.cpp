@@ -137,7 +137,9 @@ torch::Tensor LlamaForCausalLMImpl::run_stage(int64_t stage, const torch::Tensor
     WEFT_CHECK(input.scalar_type() == torch::kLong && input.dim() == 2,
                "stage 0 expects int64 token ids [batch, seq], got {} with {} dims",
                std::string(c10::toString(input.scalar_type())), input.dim());
-    if (!vocab_parallel()) return model->embed_tokens(input);
+    // The residual stream is fp32: an embedding materialised in the compute dtype (a sharded
+    // plugin's WEFT_FLAT_SHARD_COMPUTE_DTYPE) looks up its values and widens them.
+    if (!vocab_parallel()) return model->embed_tokens(input).to(torch::kFloat32);
     // This process's rows of the vocabulary; other tokens contribute zeros, summed over shards.
     auto local = input - local_.vocab_start;
     auto mine = ((local >= 0) & (local < local_.vocab)).unsqueeze(-1).to(torch::kFloat32);

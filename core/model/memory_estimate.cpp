@@ -41,20 +41,25 @@ std::vector<StageMemory> estimate_stage_memory(const ModelConfig& c, const Shard
     const ParameterShard shard = shard_of(shards, name);
     if (!shard.whole()) local[static_cast<size_t>(shard.dim)] = shard.range(shape[static_cast<size_t>(shard.dim)]).second;
     const int64_t bytes = 4 * elements_of(local);
-    s.parameter_bytes += bytes;
     const std::string module = leaf_module(name);
     const bool matrix = local.size() == 2;
+    const int64_t compute_bytes = matrix ? cb * elements_of(local) : bytes;  // as COMPUTE_DTYPE materialises it
+    s.parameter_bytes += bytes;
+    s.compute_parameter_bytes += compute_bytes;
     // Compute-dtype copies of the weights stay saved for backward, except in checkpointed blocks,
     // which make them again one block at a time.
     const bool block = stage >= 1 && stage <= layers;
     if (matrix && compute_dtype != torch::kFloat32 && !(checkpointing && block)) s.weight_copy_bytes += cb * elements_of(local);
     if (!lora) {
       s.trainable_bytes += bytes;
+      s.compute_trainable_bytes += compute_bytes;
     } else if (matrix && std::find(lora->target_modules.begin(), lora->target_modules.end(), module) !=
                              lora->target_modules.end()) {
-      const int64_t adapter = 4 * lora->spec.r * (local[0] + local[1]);  // A [r, in] + B [out, r]
-      s.parameter_bytes += adapter;
-      s.trainable_bytes += adapter;
+      const int64_t adapter = lora->spec.r * (local[0] + local[1]);  // A [r, in] + B [out, r]
+      s.parameter_bytes += 4 * adapter;
+      s.trainable_bytes += 4 * adapter;
+      s.compute_parameter_bytes += cb * adapter;
+      s.compute_trainable_bytes += cb * adapter;
     }
     if (stage == 1 && module == "q_proj") q_width = local[0];
     if (stage == 1 && module == "k_proj") kv_width = local[0];

@@ -23,6 +23,8 @@ struct StageMemory {
   int64_t activation_bytes_per_row = 0;  // kept for backward per sequence of seq_len
   int64_t weight_copy_bytes = 0;         // compute-dtype weight copies kept for backward (0 in fp32)
   int64_t output_bytes_per_row = 0;      // fp32 hidden states, or the last stage's logits
+  int64_t compute_parameter_bytes = 0;   // parameter_bytes with the matrices in the compute dtype
+  int64_t compute_trainable_bytes = 0;   // trainable_bytes likewise
 };
 
 // One entry per model stage (embedding, each block, norm + head). `shards`: this rank's slices

@@ -107,6 +107,9 @@ class PluginHost {
   std::vector<ShardedTensor> trainable_shards() const;
   // True when some parameter's training state is sharded.
   bool sharded() const;
+  // While true (the host's materialize_parameters(1)), parameter_materialize gives fp32 whole
+  // parameters whatever WEFT_FLAT_SHARD_COMPUTE_DTYPE says (ABI 1.6).
+  void set_materialize_masters(bool masters);
   // Zeroes every gradient shard (after the optimizer step).
   void zero_grad_shards();
   // Bytes this rank's parameters and gradients hold now (between steps: what persists): whole

@@ -2,6 +2,7 @@
 // copy, scale and squared norm on views of any device the host knows (what a plugin cannot do
 // with plain C++ on a GPU's memory).
 #include "core/plugin/host_services.h"
+#include "core/util/tensor_norm.h"
 
 namespace weft {
 namespace host {
@@ -26,7 +27,9 @@ weft_status* tensor_copy(weft_host*, DLTensor* dst, const DLTensor* src) {
     WEFT_CHECK(dst && src, "tensor_copy: null view");
     auto to = sdk::from_dl_view(*dst);
     const auto from = sdk::from_dl_view(*src);
-    WEFT_CHECK(to.numel() == from.numel() && to.scalar_type() == from.scalar_type(),
+    // Since 1.6 floating-point views convert (fp32 <-> bf16 / fp16); other dtypes must match.
+    const bool converts = at::isFloatingType(to.scalar_type()) && at::isFloatingType(from.scalar_type());
+    WEFT_CHECK(to.numel() == from.numel() && (to.scalar_type() == from.scalar_type() || converts),
                "tensor_copy: {} elements of {} into {} elements of {}", from.numel(), c10::toString(from.scalar_type()),
                to.numel(), c10::toString(to.scalar_type()));
     torch::NoGradGuard no_grad;
@@ -68,7 +71,7 @@ weft_status* tensor_squared_norm(weft_host*, const DLTensor* tensor, double* out
     WEFT_CHECK(t.is_floating_point(), "tensor_squared_norm: {} is not a floating-point type",
                c10::toString(t.scalar_type()));
     torch::NoGradGuard no_grad;
-    *out = t.to(torch::kFloat64).pow(2).sum().item<double>();
+    *out = squared_sum_fp64(t).item<double>();
   });
 }
 

@@ -57,6 +57,9 @@ struct ParameterEntry {
   // when releasable); `grad_shard` (trainable only) their gradient, which `shard.grad()` refers
   // to so that the optimizer and clipping read it.
   bool sharded = false, releasable = false, released = false;
+  // ABI 1.6 (WEFT_FLAT_SHARD_COMPUTE_DTYPE): the dtype parameter_materialize gives the whole
+  // parameter outside materialize_parameters(1) (the compute dtype for a matrix, else fp32).
+  at::ScalarType materialize_dtype = at::kFloat;
   int64_t shard_begin = 0, shard_count = 0;
   at::Tensor shard, grad_shard;
 };
@@ -71,6 +74,8 @@ struct PluginHost::State {
   torch::Device device = torch::kCPU;
   double loss_scale = 1.0;  // fp16: multiplies the loss handed back for backward (set_loss_scale)  // where the model computes: batches and activations go there
   std::vector<ParameterEntry> parameters;
+  // Inside materialize_parameters(1): whole parameters are materialised in fp32 (ABI 1.6).
+  bool materialize_masters = false;
   std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators;
   weft_grad_ready_fn grad_ready = nullptr;
   void* grad_ready_user = nullptr;

@@ -57,10 +57,15 @@ weft_status* parameter_release(weft_host* host, int64_t index) {
 weft_status* parameter_materialize(weft_host* host, int64_t index, DLTensor* out) {
   return guarded([&] {
     WEFT_CHECK(out, "parameter_materialize: null output");
-    auto& p = parameter_at(state_of(host), index);
+    auto& s = state_of(host);
+    auto& p = parameter_at(s, index);
+    const at::ScalarType dtype = s.materialize_masters ? at::kFloat : p.materialize_dtype;
     if (p.released) {
-      p.tensor.set_data(at::empty(p.local_shape, p.tensor.options().requires_grad(false)));
+      p.tensor.set_data(at::empty(p.local_shape, p.tensor.options().dtype(dtype).requires_grad(false)));
       p.released = false;
+    } else if (p.tensor.scalar_type() != dtype) {
+      torch::NoGradGuard no_grad;
+      p.tensor.set_data(p.tensor.detach().to(dtype));  // whole in the other dtype: converted
     }
     *out = sdk::to_dl_view(p.tensor.detach());
   });
@@ -91,8 +96,10 @@ void PluginHost::set_flat_shard(int64_t index, const weft_flat_shard& shard) {
   WEFT_CHECK(shard.begin >= 0 && shard.count >= 0 && shard.begin + shard.count <= numel,
              "flat_shard({}) returned elements [{}, {}) of a parameter with {} elements", p.name, shard.begin,
              shard.begin + shard.count, numel);
-  WEFT_CHECK((shard.flags & ~WEFT_FLAT_SHARD_RELEASABLE) == 0, "flat_shard({}) returned unknown flags {:#x}", p.name,
-             shard.flags);
+  constexpr uint32_t known = WEFT_FLAT_SHARD_RELEASABLE | WEFT_FLAT_SHARD_COMPUTE_DTYPE;
+  WEFT_CHECK((shard.flags & ~known) == 0, "flat_shard({}) returned unknown flags {:#x}", p.name, shard.flags);
+  WEFT_CHECK(!(shard.flags & WEFT_FLAT_SHARD_COMPUTE_DTYPE) || (shard.flags & WEFT_FLAT_SHARD_RELEASABLE),
+             "flat_shard({}): WEFT_FLAT_SHARD_COMPUTE_DTYPE needs WEFT_FLAT_SHARD_RELEASABLE", p.name);
   WEFT_CHECK(!p.released, "flat_shard({}): the parameter is released", p.name);
   if (shard.begin == 0 && shard.count == numel && shard.flags == 0) return;  // whole: not sharded
   WEFT_CHECK(p.tensor.is_contiguous(), "flat_shard({}): the parameter is not contiguous", p.name);
@@ -101,6 +108,9 @@ void PluginHost::set_flat_shard(int64_t index, const weft_flat_shard& shard) {
   p.shard_begin = shard.begin;
   p.shard_count = shard.count;
   p.releasable = (shard.flags & WEFT_FLAT_SHARD_RELEASABLE) != 0;
+  if ((shard.flags & WEFT_FLAT_SHARD_COMPUTE_DTYPE) && p.local_shape.size() >= 2 && state_->has_model_info) {
+    p.materialize_dtype = sdk::from_dl_dtype(state_->model_info.compute_dtype);
+  }
   at::Tensor view = p.tensor.detach().reshape({-1}).narrow(0, shard.begin, shard.count);
   p.shard = p.releasable ? view.clone() : view;
   if (p.tensor.requires_grad()) {
@@ -151,6 +161,8 @@ bool PluginHost::sharded() const {
   }
   return false;
 }
+
+void PluginHost::set_materialize_masters(bool masters) { state_->materialize_masters = masters; }
 
 void PluginHost::zero_grad_shards() {
   torch::NoGradGuard no_grad;

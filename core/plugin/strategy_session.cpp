@@ -252,7 +252,10 @@ void StrategySession::after_optimizer_step() {
 void StrategySession::materialize_parameters(bool whole) {
   if (library_->has_slot(offsetof(weft_strategy_api, materialize_parameters), 3) &&
       library_->api().materialize_parameters) {
-    check(library_->api().materialize_parameters(instance_, whole ? 1 : 0), "materialize_parameters");
+    host_->set_materialize_masters(whole);  // whole for the host: the fp32 masters (ABI 1.6)
+    weft_status* status = library_->api().materialize_parameters(instance_, whole ? 1 : 0);
+    host_->set_materialize_masters(false);
+    check(status, "materialize_parameters");
   }
 }
 

@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include "core/util/error.h"
+#include "core/util/tensor_norm.h"
 #include "core/util/torch_compat.h"
 
 namespace weft {
@@ -131,7 +132,7 @@ double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm,
   if (cuda && !grads.empty()) {
     for (const auto& n : at::_foreach_norm(grads, 2)) squares.push_back(n.to(torch::kFloat64).pow(2));
   } else {
-    for (const auto& g : grads) squares.push_back(g.to(torch::kFloat64).pow(2).sum());
+    for (const auto& g : grads) squares.push_back(squared_sum_fp64(g));  // bounded fp64 copies
   }
   double sum_sq = squares.empty() ? 0.0 : torch::stack(squares).sum().item<double>();
   if (globalize) sum_sq = globalize(sum_sq);  // collective: every process calls it

@@ -1,7 +1,12 @@
 #include "core/util/memory.h"
 
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
+
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
@@ -57,6 +62,14 @@ class CountingCpuAllocator final : public c10::Allocator {
 void install_memory_tracker() {
   static CountingCpuAllocator allocator;
   if (installed.exchange(true)) return;
+#if defined(__GLIBC__)
+  // Blocks of 4 MiB and more come from mmap and go back to the system when freed, so a rank's
+  // resident memory follows its live tensors. glibc's default threshold rises to 32 MiB after the
+  // first large free and then keeps freed blocks below that in its heaps: measured, 0.8 GiB more
+  // resident per rank in a ZeRO-3 step of the 1B shape, whose gathered weights come and go.
+  // MALLOC_MMAP_THRESHOLD_ in the environment (glibc's own setting) wins.
+  if (std::getenv("MALLOC_MMAP_THRESHOLD_") == nullptr) mallopt(M_MMAP_THRESHOLD, 4 << 20);
+#endif
   c10::SetCPUAllocator(&allocator, /*priority=*/100);
 }
 

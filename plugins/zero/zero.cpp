@@ -1,6 +1,7 @@
 #include "zero.hpp"
 
 #include <algorithm>
+#include <cstddef>
 #include <string>
 
 #include "../common/dl_views.hpp"
@@ -30,6 +31,12 @@ Zero::Zero(weft::sdk::Host host) : Strategy(host), world_(host.world()) {
   }
   reshard_after_forward_ = host.config_bool("reshard_after_forward", true);
   bucket_mb_ = host.config_float("bucket_mb", 64.0);
+  const std::string param_dtype = host.config_string("param_dtype", "compute");
+  if (param_dtype != "compute" && param_dtype != "fp32") {
+    throw Error(WEFT_STATUS_BAD_CONFIG, "plugin.param_dtype must be \"compute\" or \"fp32\", got \"" + param_dtype + "\"");
+  }
+  // Gathered matrices in the compute dtype where the host can (ABI 1.6); a 1.3-1.5 host keeps fp32.
+  compute_dtype_ = stage_ == 3 && param_dtype == "compute" && host.negotiated_minor() >= 6;
   if (!(bucket_mb_ > 0.0)) throw Error(WEFT_STATUS_BAD_CONFIG, "plugin.bucket_mb must be > 0, got " + std::to_string(bucket_mb_));
 }
 
@@ -116,7 +123,7 @@ weft_flat_shard Zero::flat_shard(int64_t index) {
   const int64_t elements = element_count(host().parameter_data(index));
   if (stage_ == 3) {
     weft_flat_shard shard = shard_of(elements, ranks_, rank_);
-    shard.flags = WEFT_FLAT_SHARD_RELEASABLE;
+    shard.flags = WEFT_FLAT_SHARD_RELEASABLE | (compute_dtype_ ? WEFT_FLAT_SHARD_COMPUTE_DTYPE : 0u);
     return shard;
   }
   if (!host().parameter_info(index).trainable || ranks_ == 1) return weft_flat_shard{0, elements, 0u, 0u};
@@ -138,17 +145,25 @@ void Zero::memory_plan(weft_memory_plan& plan) {
   // the head's backward to the embedding's): counted once, the other stages by the largest.
   const bool pin = stage_ == 3 && host().model_info().tie_word_embeddings != 0;
   int64_t params = 0, trainable = 0, largest_params = 0, largest_trainable = 0, inputs = 0;
-  int64_t pinned = 0, pinned_trainable = 0;
+  int64_t pinned = 0, pinned_trainable = 0, whole_params = 0, whole_trainable = 0, weight_copies = 0;
   for (int64_t s = 0; s < stages; ++s) {
     const weft_stage_memory m = host().stage_memory(s);
-    params += m.parameter_bytes;
+    params += m.parameter_bytes;  // fp32 masters: the shards
     trainable += m.trainable_bytes;
+    // What a whole stage and its whole gradients take: matrices in the compute dtype when the host
+    // materialises them so (then the forward makes no weight copies of its own).
+    const bool compute = compute_dtype_ && m.struct_size >= offsetof(weft_stage_memory, compute_trainable_bytes) + 8;
+    const int64_t whole_p = compute ? m.compute_parameter_bytes : m.parameter_bytes;
+    const int64_t whole_t = compute ? m.compute_trainable_bytes : m.trainable_bytes;
+    whole_params += whole_p;
+    whole_trainable += whole_t;
+    if (compute) weight_copies += m.weight_copy_bytes;
     if (pin && s == 0) {
-      pinned = m.parameter_bytes;
-      pinned_trainable = m.trainable_bytes;
+      pinned = whole_p;
+      pinned_trainable = whole_t;
     } else {
-      largest_params = std::max(largest_params, m.parameter_bytes);
-      largest_trainable = std::max(largest_trainable, m.trainable_bytes);
+      largest_params = std::max(largest_params, whole_p);
+      largest_trainable = std::max(largest_trainable, whole_t);
     }
     if (s + 1 < stages) inputs += m.output_bytes_per_row;
   }
@@ -159,11 +174,13 @@ void Zero::memory_plan(weft_memory_plan& plan) {
   const int64_t reduce_buffers = in_flight * (reduce_group + shard(reduce_group));
   plan.optimizer_bytes = 2 * shard(trainable);
   plan.gradient_bytes = shard(trainable) + (stage_ == 1 || plan.micro_batches > 1
-                                                 ? trainable
-                                                 : std::min(trainable, pinned_trainable + in_flight * largest_trainable));
+                                                 ? whole_trainable
+                                                 : std::min(whole_trainable, pinned_trainable + in_flight * largest_trainable));
   plan.buffer_bytes += reduce_buffers;
   if (stage_ < 3) return;  // parameters whole; the gathers after the step reuse the reduce buffers' room
-  const int64_t whole = reshard_after_forward_ ? std::min(params, in_flight * largest_params + pinned) : params;
+  plan.activation_bytes = std::max<int64_t>(0, plan.activation_bytes - weight_copies);
+  const int64_t whole =
+      reshard_after_forward_ ? std::min(whole_params, in_flight * largest_params + pinned) : whole_params;
   plan.parameter_bytes = shard(params) + whole;
   plan.buffer_bytes += in_flight * (gather_group + shard(gather_group));
   plan.activation_bytes += plan.rows_per_micro_batch * inputs;  // the stage inputs copied as leaves
@@ -358,7 +375,7 @@ Zero::InFlight Zero::start_reduce(size_t group) {
       host().api()->status_release(status);  // no gradient in this step: zeros (the buffer's)
     } else {
       host().check(status);
-      if (!is_fp32(grad)) throw Error(WEFT_STATUS_UNSUPPORTED, "zero: a gradient is not fp32");
+      if (!is_fp32(grad) && !compute_dtype_) throw Error(WEFT_STATUS_UNSUPPORTED, "zero: a gradient is not fp32");
       copy_into_matrix(host(), g, k, flight.send.view(), grad);
     }
     // Its last piece copied: the whole gradient can go (stages 2 and 3).

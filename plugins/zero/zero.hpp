@@ -30,9 +30,20 @@
 // (as whole fp32 tensors; a larger parameter is cut into pieces over consecutive groups), so no
 // buffer holds more than that while the parameter itself is gathered or reduced piece by piece.
 //
+// Mixed precision (stage 3, plugin.param_dtype = "compute", the default; a host with ABI >= 1.6):
+// the gathered matrices (linear weights, embedding, LoRA factors) are materialised in the run's
+// compute dtype (bf16 / fp16) and their whole gradients come in it, as FSDP's
+// MixedPrecisionPolicy(param_dtype=bf16) does: a rank's gathered parameters and whole gradients
+// take half the memory and the forward makes no weight copies. The collectives still move fp32
+// (the masters' values, the gradients widened) and masters, shards and gradient shards stay fp32.
+// The products are the same as one process's (it casts the same fp32 values before each
+// product); what differs is rounding where whole gradients add up in the compute dtype (the tied
+// embedding's two uses, micro-batches) and the embedding lookup, which reads compute-dtype values.
+//
 // Configuration ([plugin]): stage (1, 2 or 3; default 3), reshard_after_forward (bool, default
-// true; stage 3 only), bucket_mb (float > 0, default 64). Needs a host with ABI >= 1.3. Parameters
-// and gradients must be fp32.
+// true; stage 3 only), bucket_mb (float > 0, default 64), param_dtype ("compute" or "fp32",
+// default "compute"; stage 3 only). Needs a host with ABI >= 1.3 (1.6 for param_dtype). Master
+// parameters are fp32.
 #ifndef WEFT_PLUGINS_ZERO_ZERO_HPP
 #define WEFT_PLUGINS_ZERO_ZERO_HPP
 
@@ -127,6 +138,7 @@ class Zero : public weft::sdk::Strategy {
   bool syncing_ = false;
   bool resting_ = false;  // stage 3: every unpinned stage released
   bool tied_ = false;     // tied embeddings: stage 0 pinned whole during steps
+  bool compute_dtype_ = false;  // stage 3: whole matrices in the compute dtype (plugin.param_dtype, ABI 1.6)
   std::exception_ptr callback_error_;
 };
 

@@ -1,4 +1,4 @@
-// ABI 1.2's memory services, through the real host and through the SDK's fallback for older hosts:
+// ABI 1.2's memory services (1.6: copies between floating-point dtypes), through the real host and through the SDK's fallback for older hosts:
 // buffers on the rank's device (the CPU here: the GPU kit runs this on CUDA models through the
 // plugins' conformance checks) and copy / scale / add / squared norm on views, strided ones too.
 #include <cstring>
@@ -80,6 +80,29 @@ TEST(HostMemory, BuffersAndViewOperationsWorkAlikeOnTheHostAndInTheSdkFallback) 
   const sdk::Host old_host(&older, plugin_host.handle());
   ASSERT_EQ(old_host.negotiated_minor(), 1);
   EXPECT_EQ(exercise(old_host), through_host);
+}
+
+// Since 1.6 tensor_copy converts between floating-point dtypes (zero.so widens bf16 gradients into
+// its fp32 buffers and narrows fp32 masters into bf16 parameters): rounded to nearest even, as
+// ATen's copy_; an integer view still needs the same dtype.
+TEST(HostMemory, CopyConvertsBetweenFloatingPointDtypesSinceAbi16) {
+  auto communicator = Communicator::single_process(std::chrono::seconds(5));
+  PluginHost plugin_host("memory-test", toml::table{}, *communicator);
+  const sdk::Host host(plugin_host.api(), plugin_host.handle());
+  ASSERT_GE(host.negotiated_minor(), 6);
+  // 1 + 2^-8 lies halfway between two bf16 values (ties to the even 1.0); 1 + 3 * 2^-8 rounds up
+  // to 1 + 2^-6; pi to 3.140625.
+  std::vector<float> values{1.0f + 1.0f / 256, 1.0f + 3.0f / 256, 3.14159265f}, back(3, 0.0f);
+  std::vector<int64_t> shape{3};
+  DLTensor from = view_of(values, shape), to = view_of(back, shape);
+  sdk::Buffer bf16 = host.buffer({3}, DLDataType{kDLBfloat, 16, 1});
+  DLTensor narrow = bf16.view();
+  host.copy(narrow, from);
+  host.copy(to, narrow);
+  EXPECT_EQ(back, (std::vector<float>{1.0f, 1.0f + 1.0f / 64, 3.140625f}));
+  sdk::Buffer ints = host.buffer({3}, DLDataType{kDLInt, 32, 1});
+  DLTensor int_view = ints.view();
+  EXPECT_THROW(host.copy(int_view, from), sdk::Error);
 }
 
 }  // namespace

@@ -40,7 +40,12 @@ TEST(AbiLayout, TablesAreAppendOnlyFromVersionOne) {
   EXPECT_EQ(sizeof(weft_flat_shard), 24u);
   EXPECT_EQ(offsetof(weft_flat_shard, flags), 16u);
   EXPECT_EQ(offsetof(weft_host_api, stage_memory), 8 + 55 * sizeof(void*));
-  EXPECT_EQ(sizeof(weft_stage_memory), 48u);
+  EXPECT_EQ(offsetof(weft_stage_memory, output_bytes_per_row), 40u);
+  // ABI 1.6 appended compute_parameter_bytes and compute_trainable_bytes (a 1.3 caller's
+  // struct_size of 48 still reads the old fields only).
+  EXPECT_EQ(offsetof(weft_stage_memory, compute_parameter_bytes), 48u);
+  EXPECT_EQ(sizeof(weft_stage_memory), 64u);
+  EXPECT_EQ(WEFT_FLAT_SHARD_COMPUTE_DTYPE, 2u);
   EXPECT_EQ(sizeof(weft_memory_plan), 64u);
   EXPECT_EQ(offsetof(weft_memory_plan, buffer_bytes), 56u);
   // weft_model_info (1.1): fields are only ever appended.
@@ -70,7 +75,7 @@ TEST(AbiLayout, TablesAreAppendOnlyFromVersionOne) {
   EXPECT_EQ(offsetof(weft_attention_block, q), 40u);
   EXPECT_EQ(sizeof(weft_attention_block), 40 + 9 * sizeof(void*));
   EXPECT_EQ(WEFT_ABI_VERSION_MAJOR, 1);
-  EXPECT_EQ(WEFT_ABI_VERSION_MINOR, 5);
+  EXPECT_EQ(WEFT_ABI_VERSION_MINOR, 6);
 }
 
 }  // namespace

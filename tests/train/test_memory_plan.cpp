@@ -90,12 +90,36 @@ TEST(MemoryPlan, TrainerPlanPrintsEveryRanksPlanWithoutBuildingAnything) {
   EXPECT_NE(tight.output.find("does NOT fit"), std::string::npos) << tight.output;
 }
 
+// zero.so stage 3 in bf16 (ABI 1.6): gathered matrices and their whole gradients in the compute
+// dtype, so the plan's parameters and gradients per rank fall against plugin.param_dtype = "fp32"
+// by the gathered stages' half, and its activations lose the weight copies (none are made).
+TEST(MemoryPlan, ZeroStage3PlansItsGatheredParametersInTheComputeDtype) {
+  const std::string config = std::string(WEFT_SOURCE_DIR) + "/configs/small-bench.toml";
+  const std::string base = "plan --config " + config + " --plugin zero --nproc 2 --set train.precision=bf16";
+  const auto compute = run_trainer(base);
+  const auto fp32 = run_trainer(base + " --set plugin.param_dtype=\"fp32\"");
+  ASSERT_EQ(compute.exit_code, 0) << compute.output;
+  ASSERT_EQ(fp32.exit_code, 0) << fp32.output;
+  const auto c = plan_row(compute.output, 0), f = plan_row(fp32.output, 0);
+  ASSERT_EQ(c.size(), 7u) << compute.output;
+  ASSERT_EQ(f.size(), 7u) << fp32.output;
+  EXPECT_LT(c[0], f[0]);  // parameters: fp32 shards + bf16 whole stages
+  EXPECT_LT(c[1], f[1]);  // gradients: fp32 shards + bf16 whole gradients
+  EXPECT_GT(c[0], 0.5 * f[0]);  // the shards stay fp32
+  EXPECT_NEAR(c[2], f[2], 0.01);  // optimizer state: the same fp32 moments
+  EXPECT_LE(c[3], f[3]);  // activations: no weight copies
+  const auto bad = run_trainer(base + " --set plugin.param_dtype=\"fp8\"");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("plugin.param_dtype must be \"compute\" or \"fp32\""), std::string::npos) << bad.output;
+}
+
 // The plan (made before the model existed) against the run's measured peak of tensor memory per
 // rank. The margin: 25% either way, measured at <= 19% (gpipe's first stage, whose receive and
 // gradient temporaries the plan underestimates) for these runs.
 TEST(MemoryPlan, TheEstimateIsWithinItsMarginOfTheMeasuredPeakForEveryKindOfPlugin) {
   for (const std::string plugin : {"ddp", "tensor_parallel", "gpipe", "zero --set plugin.stage=1",
-                                   "zero --set plugin.stage=3", "context_parallel",
+                                   "zero --set plugin.stage=3", "zero --set plugin.stage=3 --set train.precision=bf16",
+                                   "context_parallel",
                                    "context_parallel --set plugin.mode=\"ring\""}) {
     const std::string dir = fresh_dir("memory_plan", "peak");
     const auto outcome = run_trainer(small_run(dir, plugin, 2));

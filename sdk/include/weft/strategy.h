@@ -1,7 +1,7 @@
 /*
  * weft/strategy.h - the weft strategy plugin ABI (C99).
  *
- * STATUS: ABI 1.5, implemented by the host (core/plugin) and used by single.so, ddp.so, gpipe.so,
+ * STATUS: ABI 1.6, implemented by the host (core/plugin) and used by single.so, ddp.so, gpipe.so,
  * pipedream.so, tensor_parallel.so, zero.so and context_parallel.so (plan stage ranges: the
  * pipelines; shard_parameter and comm_point: tensor parallelism; flat shards of the training
  * state: zero; sequence parallelism: context_parallel). 1.1 appended model_info, tracing, report_metric,
@@ -18,7 +18,10 @@
  * ring attention: weft_model_plan's sequence_parallel_layout (load-balanced causal chunks) and
  * sequence_parallel_attention, the plugin's sequence_attention slot (the attention core over this
  * rank's queries, run by the plugin) and the host's attention_block (blockwise attention with its
- * log-sum-exp, and its backward). See sdk/DESIGN.md.
+ * log-sum-exp, and its backward). 1.6 appended whole parameters in the compute dtype for
+ * sharded training (WEFT_FLAT_SHARD_COMPUTE_DTYPE, FSDP's mixed-precision parameters:
+ * weft_stage_memory's compute_parameter_bytes / compute_trainable_bytes) and let tensor_copy
+ * convert between floating-point dtypes. See sdk/DESIGN.md.
  *
  * A strategy plugin is a shared library that exports exactly one symbol, the C function
  * `weft_strategy_entry` (WEFT_STRATEGY_ENTRY_SYMBOL). The host loads it with
@@ -76,7 +79,7 @@ extern "C" {
 /* The ABI version this header describes. Major: incompatible changes; it must match exactly.
  * Minor: append-only additions; host and plugin use min(host minor, plugin minor). */
 #define WEFT_ABI_VERSION_MAJOR 1
-#define WEFT_ABI_VERSION_MINOR 5
+#define WEFT_ABI_VERSION_MINOR 6
 
 /* The one symbol a plugin exports. */
 #define WEFT_STRATEGY_ENTRY_SYMBOL "weft_strategy_entry"
@@ -180,6 +183,20 @@ typedef struct weft_flat_shard {
  * written through parameter_shard) instead of as a view of the whole parameter. Allowed for
  * frozen parameters too (their shard is kept, no optimizer state). Since 1.3. */
 #define WEFT_FLAT_SHARD_RELEASABLE 1u
+/* With RELEASABLE: parameter_materialize gives the whole parameter in the run's compute dtype
+ * (weft_model_info.compute_dtype: bf16 / fp16) when it is a matrix (two or more dimensions: the
+ * linear weights, the embedding, LoRA factors), and in its master dtype (fp32) otherwise or when
+ * the compute dtype is fp32. The model casts its matrices to the compute dtype before every
+ * product anyway, so a forward sees the same values and no separate weight copy is made; whole
+ * gradients (parameter_grad) then come in that dtype too, and are accumulated in it over the
+ * micro-batches of a step. Masters, shards and gradient shards stay fp32. While the host asks
+ * the plugin to materialise every parameter (materialize_parameters(1), to save, export or
+ * generate), parameter_materialize gives fp32 whatever the flag. Halves what a rank holds of
+ * gathered parameters and their gradients, as FSDP's MixedPrecisionPolicy(param_dtype=bf16).
+ * The grad-ready callback (set_grad_ready_callback) does not follow a parameter whose dtype
+ * changed (autograd gives it a new accumulator): use the flag where the plugin drives the
+ * backward itself and reads gradients after it. Since 1.6. */
+#define WEFT_FLAT_SHARD_COMPUTE_DTYPE 2u
 
 /* What one model stage costs in memory as this rank would hold it, estimated by the host before
  * the model is built (weft_host_api.stage_memory). Bytes. Since 1.3. */
@@ -196,6 +213,10 @@ typedef struct weft_stage_memory {
                                       backward (bf16 / fp16 compute over fp32 masters; 0 in fp32) */
   int64_t output_bytes_per_row;    /* the stage's output for one sequence: fp32 hidden states, or
                                       the logits for the last stage */
+  /* Since 1.6 (present when struct_size covers them): */
+  int64_t compute_parameter_bytes; /* parameter_bytes with the matrices in the compute dtype: the
+                                      stage whole as WEFT_FLAT_SHARD_COMPUTE_DTYPE materialises it */
+  int64_t compute_trainable_bytes; /* trainable_bytes likewise: its whole gradients under that flag */
 } weft_stage_memory;
 
 /* What one rank will hold at its peak, in bytes, by kind: the memory plan the host checks against
@@ -573,7 +594,8 @@ typedef struct weft_host_api {
   void (*buffer_release)(weft_host* host, weft_buffer* buffer);
   /* dst[i] = src[i] over the elements of two views of the same element count and dtype (their
    * shapes may differ; each may be strided), on any devices the host knows, between host and
-   * device memory too. Since 1.2. */
+   * device memory too. Since 1.2. Since 1.6 the two floating-point dtypes may differ (fp32, bf16,
+   * fp16): values are converted as ATen's copy_ does (rounded to nearest even). */
   weft_status* (*tensor_copy)(weft_host* host, DLTensor* dst, const DLTensor* src);
   /* tensor *= factor, in place, for a floating-point view; factor 0 writes zeros (NaN and inf
    * included) in a view of any dtype. Since 1.2. */
@@ -618,7 +640,9 @@ typedef struct weft_host_api {
    * all-gathers the ranks' shards into it) before the model uses it. A parameter that is
    * whole already keeps its storage and values; the view is of it. Autograd sees the new
    * storage: a backward after a release and a materialisation uses the values written here.
-   * Valid until the next parameter_release of it. Since 1.3. */
+   * Valid until the next parameter_release of it. Since 1.3. Since 1.6, a shard flagged
+   * WEFT_FLAT_SHARD_COMPUTE_DTYPE materialises a matrix in the compute dtype (see the flag); a
+   * whole parameter in the other dtype is converted, keeping its values. */
   weft_status* (*parameter_materialize)(weft_host* host, int64_t index, DLTensor* out);
   /* The host's memory estimate for model stage `stage` as this rank would hold it
    * (weft_stage_memory; the caller sets out->struct_size, the host sets it to the size it wrote).

@@ -2,7 +2,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <filesystem>
+#include <fstream>
 #include <set>
+
+#include <nlohmann/json.hpp>
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -156,14 +160,72 @@ bool Communicator::moves_natively(const std::string& backend, at::ScalarType dty
 
 std::string Communicator::fault_key(int rank) { return "weft/fault/" + std::to_string(rank); }
 
-Operation Communicator::issue(ProcessGroup& group, std::string name, bool collective, int64_t bytes) {
+Operation Communicator::issue(ProcessGroup& group, std::string name, bool collective, int64_t bytes, int32_t peer) {
   WEFT_CHECK(group.backend, "this rank is not a member of process group '{}'", group.name);
   Operation operation;
   operation.name = std::move(name);
   operation.group = &group;
   operation.bytes = bytes;
+  operation.peer = peer;
   if (collective) operation.sequence = ++group.collectives;
+  FlightRecord record;
+  record.operation = operation.name;
+  record.group = group.name;
+  record.sequence = operation.sequence;
+  record.peer = peer >= 0 && static_cast<size_t>(peer) < group.world_ranks.size() ? group.world_ranks[static_cast<size_t>(peer)] : -1;
+  record.bytes = bytes;
+  record.issued_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count();
+  std::lock_guard<std::mutex> lock(flight_mutex_);
+  record.id = operation.flight_id = ++flight_issued_;
+  flight_.push_back(std::move(record));
+  if (flight_.size() > kFlightRecords) flight_.pop_front();
   return operation;
+}
+
+void Communicator::end_flight(const Operation& operation, const char* state) {
+  const double now = std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count();
+  std::lock_guard<std::mutex> lock(flight_mutex_);
+  if (flight_.empty() || operation.flight_id < flight_.front().id) return;  // no longer recorded
+  FlightRecord& record = flight_[static_cast<size_t>(operation.flight_id - flight_.front().id)];
+  record.ended_s = now;
+  record.state = state;
+}
+
+void Communicator::set_flight_record_path(std::string path) {
+  std::lock_guard<std::mutex> lock(flight_mutex_);
+  flight_path_ = std::move(path);
+}
+
+std::vector<FlightRecord> Communicator::flight_records() const {
+  std::lock_guard<std::mutex> lock(flight_mutex_);
+  return {flight_.begin(), flight_.end()};
+}
+
+std::string Communicator::flight_records_json() const {
+  nlohmann::json records = nlohmann::json::array();
+  for (const FlightRecord& r : flight_records()) {
+    records.push_back({{"id", r.id}, {"operation", r.operation}, {"group", r.group}, {"sequence", r.sequence},
+                       {"peer", r.peer}, {"bytes", r.bytes}, {"issued_s", r.issued_s}, {"ended_s", r.ended_s},
+                       {"state", r.state}});
+  }
+  return nlohmann::json{{"rank", rank_}, {"world_size", world_size_}, {"operations", records}}.dump(1) + "\n";
+}
+
+std::string Communicator::dump_flight_records() const {
+  std::string path;
+  {
+    std::lock_guard<std::mutex> lock(flight_mutex_);
+    path = flight_path_;
+  }
+  if (path.empty()) return "";
+  try {
+    std::filesystem::create_directories(std::filesystem::path(path).parent_path());
+    std::ofstream out(path, std::ios::trunc);
+    out << flight_records_json();
+    return out ? path : "";
+  } catch (const std::exception&) {
+    return "";  // the error being reported matters more than its record
+  }
 }
 
 namespace {
@@ -271,8 +333,7 @@ Operation Communicator::all_to_all(ProcessGroup& group, const at::Tensor& output
 
 Operation Communicator::send(ProcessGroup& group, const at::Tensor& tensor, int32_t peer, int32_t tag) {
   WEFT_CHECK(0 <= peer && peer < group.size && peer != group.rank, "send: invalid peer {}", peer);
-  auto operation = issue(group, "send", false, static_cast<int64_t>(tensor.nbytes()));
-  operation.peer = peer;
+  auto operation = issue(group, "send", false, static_cast<int64_t>(tensor.nbytes()), peer);
   const Route route = Communicator::route(group, tensor.device());
   std::vector<at::Tensor> tensors{on_route(route, tensor)};  // Gloo sends raw bytes: any dtype
   operation.work = route.backend->send(tensors, peer, tag);
@@ -282,8 +343,7 @@ Operation Communicator::send(ProcessGroup& group, const at::Tensor& tensor, int3
 
 Operation Communicator::recv(ProcessGroup& group, const at::Tensor& tensor, int32_t peer, int32_t tag) {
   WEFT_CHECK(0 <= peer && peer < group.size && peer != group.rank, "recv: invalid peer {}", peer);
-  auto operation = issue(group, "recv", false, static_cast<int64_t>(tensor.nbytes()));
-  operation.peer = peer;
+  auto operation = issue(group, "recv", false, static_cast<int64_t>(tensor.nbytes()), peer);
   const Route route = Communicator::route(group, tensor.device());
   const at::Tensor received = landing(route, tensor);
   std::vector<at::Tensor> tensors{received};
@@ -350,7 +410,10 @@ void Communicator::wait(Operation& operation) {
                                           operation.sequence > 0 ? fmt::format(" #{}", operation.sequence) : "",
                                           operation.group->name);
     const std::string first_line = what.substr(0, what.find('\n'));
-    if (!timed_out) throw CommError(fmt::format("{} failed: {}", where, first_line), false);
+    end_flight(operation, timed_out ? "timed out" : "failed");
+    const std::string record = dump_flight_records();
+    const std::string record_note = record.empty() ? "" : fmt::format(" (this rank's last operations: {})", record);
+    if (!timed_out) throw CommError(fmt::format("{} failed: {}{}", where, first_line, record_note), false);
     std::string who;
     if (operation.sequence > 0) {
       mark_reached(operation);
@@ -359,14 +422,15 @@ void Communicator::wait(Operation& operation) {
       who = fmt::format("rank {} did not {}", operation.group->world_ranks.at(static_cast<size_t>(operation.peer)),
                         operation.name == "send" ? "receive it" : "send it");
     }
-    const std::string message =
-        fmt::format("rank {}: {} timed out after {:.0f} s (train.collective_timeout_s): {}", rank_, where, seconds, who);
+    const std::string message = fmt::format("rank {}: {} timed out after {:.0f} s (train.collective_timeout_s): {}{}",
+                                            rank_, where, seconds, who, record_note);
     try {  // for the launcher, which names the rank that did not join rather than the one that noticed
       store_->set(fault_key(rank_), std::vector<uint8_t>(message.begin(), message.end()));
     } catch (const std::exception&) {
     }
     throw CommError(message, true);
   }
+  end_flight(operation, "completed");
   if (operation.finish) operation.finish();
 }
 

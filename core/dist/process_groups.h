@@ -11,8 +11,10 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -51,6 +53,22 @@ struct Operation {
   int64_t bytes = 0;                // what this rank contributes or receives
   std::vector<at::Tensor> tensors;  // kept alive until the operation completes
   std::function<void()> finish;     // after completion: copy a widened or staged result back
+  int64_t flight_id = 0;            // its entry in the Communicator's flight recorder
+};
+
+// One operation in the flight recorder (as PyTorch's Flight Recorder): what this rank issued, on
+// which group, and how far it got. After a timeout, the ranks' records side by side show which
+// rank was behind (the lowest sequence number reached on a group).
+struct FlightRecord {
+  int64_t id = 0;          // issue order on this rank: 1, 2, ...
+  std::string operation;   // "all_reduce", "send", ...
+  std::string group;       // "world", "group1", ...
+  int64_t sequence = 0;    // the collective's number among its group's (every member numbers alike); 0: send/recv
+  int32_t peer = -1;       // send/recv: the other side (world rank)
+  int64_t bytes = 0;       // what this rank contributes or receives
+  double issued_s = 0.0;   // seconds since the Communicator was made
+  double ended_s = -1.0;   // when a wait saw it end; -1 while it has not
+  std::string state = "issued";  // "issued" (not waited for yet), "completed", "failed", "timed out"
 };
 
 // An operation that failed, or timed out (timed_out()).
@@ -128,8 +146,19 @@ class Communicator {
   // The store key where rank `rank` leaves the description of a collective that timed out.
   static std::string fault_key(int rank);
 
+  // The flight recorder: the last kFlightRecords operations this rank issued, oldest first. When
+  // a wait fails or times out, wait() writes them as JSON to `path` (if set; the trainer uses
+  // <out_dir>/flight_recorder.rank<r>.json) before it throws, and its message names the file.
+  static constexpr size_t kFlightRecords = 64;
+  void set_flight_record_path(std::string path);
+  std::vector<FlightRecord> flight_records() const;
+  std::string flight_records_json() const;
+
  private:
-  Operation issue(ProcessGroup& group, std::string name, bool collective, int64_t bytes);
+  Operation issue(ProcessGroup& group, std::string name, bool collective, int64_t bytes, int32_t peer = -1);
+  void end_flight(const Operation& operation, const char* state);
+  // Writes the records to the flight record path; returns the path, or "" if none was written.
+  std::string dump_flight_records() const;
   // Gives `group` (this rank a member) its Gloo backend and, with "nccl", its NCCL one.
   void attach_backends(ProcessGroup& group, const std::string& prefix);
   // Which members of `operation`'s group never reached it (asked through the store).
@@ -141,6 +170,12 @@ class Communicator {
   std::chrono::milliseconds timeout_;
   std::string backend_;
   std::vector<std::unique_ptr<ProcessGroup>> groups_;
+  // The flight recorder (issue may run on the autograd thread, hence the lock).
+  mutable std::mutex flight_mutex_;
+  std::deque<FlightRecord> flight_;
+  int64_t flight_issued_ = 0;
+  std::string flight_path_;
+  std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
 };
 
 }  // namespace weft

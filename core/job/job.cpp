@@ -96,6 +96,10 @@ void Job::join() {
   // CUDA tensors travel over NCCL where this LibTorch has it and each rank has its own GPU (Gloo
   // stages them through host memory otherwise).
   communicator_ = join_world(context_.env, timeout, nccl_ ? "nccl" : "gloo");
+  // A collective that fails or times out leaves this rank's last operations here.
+  if (!options_.out_dir.empty()) {
+    communicator_->set_flight_record_path(fmt::format("{}/flight_recorder.rank{}.json", options_.out_dir, context_.rank));
+  }
   strategy_ = std::make_unique<StrategySession>(options_.plugin, options_.plugin_config, *communicator_);
   check_same_everywhere(*communicator_, "plugin and config",
                         fmt::format("{}, config {}", strategy_->fingerprint(), options_.config_hash));

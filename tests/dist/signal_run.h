@@ -14,6 +14,7 @@ struct SignalledRun {
   std::string status;      // the launcher's exit status
   std::string log;         // everything it and its ranks printed
   double seconds = 0;      // from the signal to the launcher's exit
+  std::string out_dir;     // the run's train.out_dir
 };
 
 // Starts an endless 2-rank run of `plugin` with `extra` settings, sends `signal` to its rank `rank`
@@ -37,6 +38,7 @@ inline SignalledRun signal_a_rank(const std::string& name, const std::string& si
   std::istringstream in(line);
   in >> run.status >> run.seconds;
   run.log = read_text(dir + "/log.txt");
+  run.out_dir = dir + "/out";
   return run;
 }
 

@@ -1,8 +1,10 @@
 // The local launcher (trainer --nproc) with real processes: a rank that dies, hangs or is
 // signalled, the launcher killed, a clean SIGTERM, and joining a job the torchrun way.
+#include <filesystem>
 #include <string>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "common/corpus.h"
 #include "common/process.h"
@@ -37,6 +39,19 @@ TEST(Launcher, AHungRankIsNamedAndTheRunEndsWithinTheTimeout) {
   EXPECT_NE(run.log.find("rank 1 is stopped (SIGSTOP or a debugger); killing it"), std::string::npos) << run.log;
   EXPECT_GT(run.seconds, 2.5) << run.log;
   EXPECT_LT(run.seconds, 3 + 3.5) << "the run did not end within the timeout and a small margin\n" << run.log;
+  // Rank 0's flight record (the stopped rank writes none): its last operation is the all-reduce
+  // that timed out, on the world group, after the ones that completed; the log names the file.
+  const std::string record = run.out_dir + "/flight_recorder.rank0.json";
+  EXPECT_NE(run.log.find("this rank's last operations: " + record), std::string::npos) << run.log;
+  const auto flight = nlohmann::json::parse(weft::testing::read_text(record));
+  EXPECT_EQ(flight["rank"], 0);
+  const auto& operations = flight["operations"];
+  ASSERT_GE(operations.size(), 2u) << flight.dump();
+  EXPECT_EQ(operations.back()["operation"], "all_reduce") << flight.dump();
+  EXPECT_EQ(operations.back()["group"], "world");
+  EXPECT_EQ(operations.back()["state"], "timed out");
+  EXPECT_EQ(operations[operations.size() - 2]["state"], "completed") << flight.dump();
+  EXPECT_FALSE(std::filesystem::exists(run.out_dir + "/flight_recorder.rank1.json"));
 }
 
 TEST(Launcher, KillingTheLauncherKillsItsRanks) {

@@ -1,9 +1,13 @@
 // The host's process groups: the TCPStore rendezvous with and without libuv, the Gloo world, and
 // the NCCL backend's presence in the build and its refusals.
+#include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <future>
-#include <thread>
+#include <sstream>
 #include <string>
+#include <thread>
+#include <unistd.h>
 
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
@@ -192,6 +196,9 @@ TEST(ProcessGroups, ATimedOutCollectiveNamesTheRanksThatNeverJoinedIt) {
       3,
       [](Communicator& c) {
         auto& world = c.world();
+        const std::string record = ::testing::TempDir() + "/weft_flight_" + std::to_string(::getpid()) + "_rank" +
+                                   std::to_string(world.rank) + ".json";
+        c.set_flight_record_path(record);
         auto value = torch::ones({1});
         auto first = c.all_reduce(world, value, c10d::ReduceOp::SUM);
         c.wait(first);
@@ -211,6 +218,24 @@ TEST(ProcessGroups, ATimedOutCollectiveNamesTheRanksThatNeverJoinedIt) {
                     std::string::npos)
               << e.what();
           EXPECT_TRUE(c.store().check({Communicator::fault_key(world.rank)}));
+          // The flight recorder: both all-reduces, the first completed, the second timed out, in
+          // the file the message names.
+          EXPECT_NE(std::string(e.what()).find("this rank's last operations: " + record), std::string::npos) << e.what();
+          const auto records = c.flight_records();
+          ASSERT_EQ(records.size(), 2u);
+          EXPECT_EQ(records[0].operation, "all_reduce");
+          EXPECT_EQ(records[0].sequence, 1);
+          EXPECT_EQ(records[0].state, "completed");
+          EXPECT_EQ(records[1].sequence, 2);
+          EXPECT_EQ(records[1].group, "world");
+          EXPECT_EQ(records[1].bytes, 4);
+          EXPECT_EQ(records[1].state, "timed out");
+          EXPECT_GE(records[1].ended_s, records[1].issued_s + 1.9);
+          std::ifstream in(record);
+          std::stringstream text;
+          text << in.rdbuf();
+          EXPECT_EQ(text.str(), c.flight_records_json());
+          std::remove(record.c_str());
         }
       },
       std::chrono::seconds(2));

@@ -175,6 +175,11 @@ std::vector<std::string> plugin_search_dirs() {
 
 std::string resolve_plugin_path(const std::string& path_or_name) {
   WEFT_CHECK(!path_or_name.empty(), "plugin: empty plugin name");
+  WEFT_CHECK(path_or_name.find(',') == std::string::npos || path_or_name.find('/') != std::string::npos,
+             "--plugin {}: one strategy plugin per run; composing several (e.g. zero with tensor_parallel) over a "
+             "device mesh is not supported yet: run one of them, e.g. tensor_parallel with plugin.tp below the "
+             "world size (tp x dp), or zero alone",
+             path_or_name);
   if (path_or_name.find('/') != std::string::npos) {
     WEFT_CHECK(is_file(path_or_name), "plugin {}: file not found", path_or_name);
     return path_or_name;

@@ -254,6 +254,18 @@ TEST(PluginLoader, NotFoundListsEveryPlaceSearched) {
   EXPECT_THAT(load_error("no_such_plugin"), HasSubstr("/nonexistent-weft-dir/no_such_plugin.so"));
 }
 
+// Several strategies in one --plugin (the device mesh of a later ABI) are refused by name, not
+// searched for as a file called "zero,tensor_parallel.so".
+TEST(PluginLoader, AListOfPluginsIsRefusedAsComposition) {
+  try {
+    resolve_plugin_path("zero,tensor_parallel");
+    FAIL() << "no exception";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("--plugin zero,tensor_parallel: one strategy plugin per run"));
+    EXPECT_THAT(e.what(), HasSubstr("not supported yet"));
+  }
+}
+
 TEST(PluginLoader, PathsAreUsedAsGiven) {
   ScopedEnv env("WEFT_PLUGIN_PATH", kFixtureDir);
   EXPECT_EQ(resolve_plugin_path(fixture("good")), fixture("good"));

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/process.h"
+#include "core/io/safetensors.h"
 
 namespace {
 
@@ -99,6 +100,26 @@ TEST(ShardedCheckpoint, EvaluationAndGenerationUnderZeroMatchOneProcess) {
   ASSERT_EQ(gz.exit_code, 0) << gz.output;
   ASSERT_FALSE(tokens(g1.output).empty()) << g1.output;
   EXPECT_EQ(tokens(gz.output), tokens(g1.output));
+}
+
+// Under bf16, zero.so gathers matrices into bf16 parameters for the step (ABI 1.6), but a saved
+// model is the fp32 masters: every matrix of the final model holds values bf16 cannot represent.
+TEST(ShardedCheckpoint, ABf16RunUnderZeroSavesItsFp32Masters) {
+  const std::string out = fresh_dir("sharded_checkpoint", "bf16_masters");
+  const auto run = run_trainer(run_args(out, "zero", 2) + " --set train.precision=bf16 --set train.max_steps=2"
+                                                           " --set checkpoint.save_final=true");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const auto model = weft::SafetensorsFile::open(out + "/final/model.safetensors");
+  int matrices = 0;
+  for (const auto& info : model->tensors()) {
+    const std::string& name = info.name;
+    const at::Tensor t = model->load(name);
+    ASSERT_EQ(t.scalar_type(), at::kFloat) << name;
+    if (t.dim() < 2) continue;
+    ++matrices;
+    EXPECT_FALSE(at::equal(t, t.to(at::kBFloat16).to(at::kFloat))) << name << " was saved rounded to bf16";
+  }
+  EXPECT_GE(matrices, 8);
 }
 
 }  // namespace

@@ -202,7 +202,7 @@ std::vector<std::string> parse_jsonl_documents(std::string_view content, const s
     nlohmann::json value;
     try {
       value = nlohmann::json::parse(line.begin(), line.end());
-    } catch (const nlohmann::json::parse_error& e) {
+    } catch (const nlohmann::json::exception& e) {  // syntax, and numbers out of range (406)
       fail("{}:{}: invalid JSON ({})", path, line_number, without_json_prefix(e.what()));
     }
     WEFT_CHECK(value.is_object(), "{}:{}: expected a JSON object, got {}", path, line_number,

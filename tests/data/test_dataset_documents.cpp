@@ -43,6 +43,9 @@ TEST(DatasetDocuments, JsonlErrorsNameFileAndLine) {
   const std::string good = "{\"text\": \"ok\"}\n";
   expect_error([&] { parse_jsonl_documents(good + "\n{\"text\": \"unterminated}\n", "d.jsonl", "text"); },
                "d.jsonl:3: invalid JSON");
+  // A number too large for a double (found by fuzz/jsonl.cpp: it escaped as nlohmann's out_of_range).
+  expect_error([&] { parse_jsonl_documents(good + "{\"text\": \"a\", \"n\": 1e99999}\n", "d.jsonl", "text"); },
+               "d.jsonl:2: invalid JSON");
   expect_error([&] { parse_jsonl_documents(good + "[1, 2]\n", "d.jsonl", "text"); },
                "d.jsonl:2: expected a JSON object, got array");
   expect_error([&] { parse_jsonl_documents(good + good + "{\"txt\": \"a\"}", "d.jsonl", "text"); },

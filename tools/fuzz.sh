@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Fuzzes weft's parsers of untrusted input with libFuzzer (clang, with AddressSanitizer, its leak
+# checker, and UBSan): builds fuzz/ into build-fuzz/ and runs every target from its seed corpus
+# for SECONDS each (default 60), or until WEFT_FUZZ_RUNS executions. Prints executions, corpus and
+# findings per target; exits non-zero if any target found a crash, a leak, undefined behaviour or
+# an exception other than weft::Error (bad input must get one clear error). A finding is kept as
+# build-fuzz/crash-<target>-* (replay: build-fuzz/fuzz_<target> FILE).
+#
+#   tools/fuzz.sh               every target, 60 s each
+#   tools/fuzz.sh 10            the short pass CI runs
+#   WEFT_FUZZ_RUNS=1000000 tools/fuzz.sh 3600    a long run: 10^6 executions per target
+#   tools/fuzz.sh 60 jsonl      one target
+#
+# Targets (fuzz/*.cpp): config (TOML with `extends` and overrides, validated against a schema),
+# tokenizer_json (BPE vocab/merges, pre-tokenizer regex, added tokens; then encode/decode),
+# jsonl (JSONL records, text documents), token_file (u16/u32 token files, document boundaries).
+# Seeds: configs/*.toml and fuzz/seeds/<target>/ (the shapes tests/data's fixtures use).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+seconds=${1:-60}
+shift || true
+targets=("$@")
+[[ ${#targets[@]} -gt 0 ]] || targets=(config tokenizer_json jsonl token_file)
+runs=${WEFT_FUZZ_RUNS:--1}
+
+if ! command -v clang++ >/dev/null || ! compgen -G "/usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a" >/dev/null; then
+  if [[ $(id -u) -eq 0 && "${WEFT_SKIP_APT:-0}" != 1 ]]; then
+    echo "fuzz: installing clang and its fuzzer runtime"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang libclang-rt-14-dev >/dev/null
+  else
+    echo "fuzz: needs clang and libFuzzer (apt-get install clang libclang-rt-14-dev)" >&2
+    exit 1
+  fi
+fi
+
+CC=clang CXX=clang++ cmake -S fuzz -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+cmake --build build-fuzz >/dev/null
+
+failed=0
+printf 'fuzz: %-15s %12s %8s %8s  %s\n' target executions exec/s corpus result
+for target in "${targets[@]}"; do
+  corpus=build-fuzz/corpus/$target
+  mkdir -p "$corpus"
+  seeds=()
+  if [[ $target == config ]]; then
+    seeds=(build-fuzz/seeds-config)
+    mkdir -p "${seeds[0]}" && cp configs/*.toml "${seeds[0]}/"
+  else
+    seeds=(fuzz/seeds/$target)
+  fi
+  log=build-fuzz/$target.log
+  if build-fuzz/fuzz_$target "$corpus" "${seeds[@]}" -max_total_time="$seconds" -runs="$runs" -print_final_stats=1 \
+       -artifact_prefix="build-fuzz/crash-$target-" >"$log" 2>&1; then
+    result=ok
+  else
+    result="FAILED: $(grep -m1 -E 'ERROR: |terminate called|runtime error' "$log" || echo "exit status")"
+    failed=1
+  fi
+  executions=$(awk '/stat::number_of_executed_units/ {print $2}' "$log")
+  speed=$(awk '/stat::average_exec_per_sec/ {print $2}' "$log")
+  printf 'fuzz: %-15s %12s %8s %8s  %s\n' "$target" "${executions:-?}" "${speed:-?}" "$(ls "$corpus" | wc -l)" "$result"
+done
+[[ $failed == 0 ]] || echo "fuzz: findings above; the log of each target is build-fuzz/<target>.log" >&2
+exit $failed

@@ -13,7 +13,10 @@
 #
 # Targets (fuzz/*.cpp): config (TOML with `extends` and overrides, validated against a schema),
 # tokenizer_json (BPE vocab/merges, pre-tokenizer regex, added tokens; then encode/decode),
-# jsonl (JSONL records, text documents), token_file (u16/u32 token files, document boundaries).
+# jsonl (JSONL records, text documents), token_file (u16/u32 token files, document boundaries);
+# and, linked with the LibTorch that tools/setup.sh installs: safetensors (header, tensor table,
+# metadata, data), checkpoint_state (trainer_state.json), adapter_config (PEFT's
+# adapter_config.json), shard_index (a sharded checkpoint's index.json and piece metadata).
 # Seeds: configs/*.toml and fuzz/seeds/<target>/ (the shapes tests/data's fixtures use).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +24,7 @@ cd "$(dirname "$0")/.."
 seconds=${1:-60}
 shift || true
 targets=("$@")
-[[ ${#targets[@]} -gt 0 ]] || targets=(config tokenizer_json jsonl token_file)
+all_targets=(config tokenizer_json jsonl token_file safetensors checkpoint_state adapter_config shard_index)
 runs=${WEFT_FUZZ_RUNS:--1}
 
 if ! command -v clang++ >/dev/null || ! compgen -G "/usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a" >/dev/null; then
@@ -34,8 +37,25 @@ if ! command -v clang++ >/dev/null || ! compgen -G "/usr/lib/llvm-*/lib/clang/*/
   fi
 fi
 
-CC=clang CXX=clang++ cmake -S fuzz -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-cmake --build build-fuzz >/dev/null
+# The file parsers' targets link LibTorch: the wheel tools/setup.sh installs, where it is there.
+torch_prefix=
+venv=${WEFT_VENV:-$HOME/.cache/weft/venv}
+if [[ -x $venv/bin/python ]]; then
+  torch_prefix=$("$venv/bin/python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)' 2>/dev/null || true)
+fi
+mkdir -p build-fuzz
+CC=clang CXX=clang++ cmake -S fuzz -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  ${torch_prefix:+-DCMAKE_PREFIX_PATH="$torch_prefix"} >build-fuzz/cmake.log 2>&1 || { cat build-fuzz/cmake.log >&2; exit 1; }
+cmake --build build-fuzz >build-fuzz/build.log 2>&1 || { tail -40 build-fuzz/build.log >&2; exit 1; }
+if [[ ${#targets[@]} -eq 0 ]]; then
+  for target in "${all_targets[@]}"; do
+    if [[ -x build-fuzz/fuzz_$target ]]; then
+      targets+=("$target")
+    else
+      echo "fuzz: $target not built (no LibTorch found: run tools/setup.sh first)"
+    fi
+  done
+fi
 
 failed=0
 printf 'fuzz: %-15s %12s %8s %8s  %s\n' target executions exec/s corpus result

@@ -18,6 +18,7 @@
 #endif
 
 #include "core/util/error.h"
+#include "core/util/fault_injection.h"
 
 namespace weft {
 namespace {
@@ -162,6 +163,7 @@ std::string Communicator::fault_key(int rank) { return "weft/fault/" + std::to_s
 
 Operation Communicator::issue(ProcessGroup& group, std::string name, bool collective, int64_t bytes, int32_t peer) {
   WEFT_CHECK(group.backend, "this rank is not a member of process group '{}'", group.name);
+  if (collective) fault_point("collective");
   Operation operation;
   operation.name = std::move(name);
   operation.group = &group;

@@ -8,6 +8,7 @@
 #include "core/data/loader.h"
 #include "core/job/job.h"
 #include "core/util/error.h"
+#include "core/util/fault_injection.h"
 #include "core/util/trace.h"
 
 namespace weft {
@@ -28,6 +29,7 @@ EvalResult evaluate(Job& job, const std::shared_ptr<const PackedSequences>& sequ
   try {
     torch::NoGradGuard no_grad;
     for (int64_t i = 0; i < batches; ++i) {
+      fault_point("eval");
       const EvalSums sums =
           strategy.eval_batch(loader, i, options.global_step, options.epoch, sequences->seq_len());
       loss_sum += sums.loss_sum;

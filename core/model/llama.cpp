@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include "core/util/error.h"
+#include "core/util/fault_injection.h"
 
 namespace weft {
 
@@ -165,7 +166,13 @@ torch::Tensor LlamaForCausalLMImpl::forward_stages(int64_t first, int64_t last, 
              "stages [{}, {}) requested but this model holds stages [{}, {})", first, last,
              first_stage_, last_stage_);
   torch::Tensor x = input;
-  for (int64_t stage = first; stage < last; ++stage) x = run_stage(stage, x);
+  for (int64_t stage = first; stage < last; ++stage) {
+    x = run_stage(stage, x);
+    if (fault_injection_armed() && is_training() && torch::GradMode::is_enabled()) {  // the fault tests' points
+      fault_point("forward");
+      if (x.requires_grad()) x.register_hook([](const torch::Tensor&) { fault_point("backward"); });
+    }
+  }
   return x;
 }
 

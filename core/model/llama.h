@@ -18,6 +18,8 @@
 #include <vector>
 
 #include <torch/nn/module.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
 #include <torch/types.h>
 
 #include "core/model/config.h"

@@ -14,77 +14,15 @@
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
+#include "core/model/config.h"
 #include "core/model/weights.h"
+#include "core/train/named_state.h"
 #include "core/util/error.h"
+#include "core/util/fault_injection.h"
 #include "core/util/fs.h"
 
 namespace weft {
 namespace fs = std::filesystem;
-
-nlohmann::json TrainerState::to_json() const {
-  return {
-      {"global_step", global_step},
-      {"epoch", epoch},
-      {"step_in_epoch", step_in_epoch},
-      {"best_eval_loss", std::isfinite(best_eval_loss) ? nlohmann::json(best_eval_loss) : nlohmann::json(nullptr)},
-      {"best_step", best_step},
-      {"evals_since_best", evals_since_best},
-      {"epoch_seconds", epoch_seconds},
-      {"epoch_tokens", epoch_tokens},
-      {"data_identity", data_identity},
-      {"early_stopped", early_stopped},
-      {"loss_scale", loss_scale},
-      {"loss_scale_streak", loss_scale_streak},
-  };
-}
-
-TrainerState TrainerState::from_json(const nlohmann::json& j, const std::string& origin) {
-  TrainerState s;
-  try {
-    s.global_step = j.at("global_step").get<int64_t>();
-    s.epoch = j.at("epoch").get<int64_t>();
-    s.step_in_epoch = j.at("step_in_epoch").get<int64_t>();
-    if (!j.at("best_eval_loss").is_null()) s.best_eval_loss = j.at("best_eval_loss").get<double>();
-    s.best_step = j.at("best_step").get<int64_t>();
-    s.evals_since_best = j.at("evals_since_best").get<int64_t>();
-    s.epoch_seconds = j.at("epoch_seconds").get<double>();
-    s.epoch_tokens = j.at("epoch_tokens").get<int64_t>();
-    s.data_identity = j.at("data_identity").get<std::string>();
-    s.early_stopped = j.value("early_stopped", false);
-    s.loss_scale = j.value("loss_scale", 0.0);  // absent in checkpoints before fp16
-    s.loss_scale_streak = j.value("loss_scale_streak", int64_t{0});
-  } catch (const nlohmann::json::exception& e) {
-    fail("{}: malformed trainer state ({})", origin, e.what());
-  }
-  return s;
-}
-
-void TrainerState::validate(int64_t steps_per_epoch, int64_t epochs, const std::string& origin) const {
-  WEFT_CHECK(global_step >= 0 && epoch >= 0 && step_in_epoch >= 0,
-             "{}: global_step {}, epoch {} and step_in_epoch {} must not be negative", origin, global_step, epoch,
-             step_in_epoch);
-  WEFT_CHECK(step_in_epoch <= steps_per_epoch,
-             "{}: step_in_epoch {} is past the end of an epoch of {} steps (this run's data and batch settings)",
-             origin, step_in_epoch, steps_per_epoch);
-  WEFT_CHECK(epoch <= epochs, "{}: the checkpoint is in epoch {} but train.epochs is {}", origin, epoch + 1, epochs);
-  WEFT_CHECK(epoch < epochs || step_in_epoch == 0, "{}: step_in_epoch {} in epoch {}, after the last epoch ({})",
-             origin, step_in_epoch, epoch + 1, epochs);
-  WEFT_CHECK(global_step == epoch * steps_per_epoch + step_in_epoch,
-             "{}: global_step {} is not epoch {} x {} steps per epoch + step_in_epoch {} (was the checkpoint made "
-             "with another train.batch_size or grad_accum_steps?)",
-             origin, global_step, epoch, steps_per_epoch, step_in_epoch);
-  WEFT_CHECK(best_step >= -1 && best_step <= global_step, "{}: best_step {} is not between -1 and global_step {}",
-             origin, best_step, global_step);
-  WEFT_CHECK(evals_since_best >= 0 && epoch_tokens >= 0, "{}: evals_since_best {} and epoch_tokens {} must not be "
-             "negative", origin, evals_since_best, epoch_tokens);
-  WEFT_CHECK(std::isfinite(epoch_seconds) && epoch_seconds >= 0, "{}: epoch_seconds {} is not a duration", origin,
-             epoch_seconds);
-  WEFT_CHECK(std::isinf(best_eval_loss) || (std::isfinite(best_eval_loss) && best_eval_loss >= 0),
-             "{}: best_eval_loss {} is not a loss", origin, best_eval_loss);
-  WEFT_CHECK(std::isfinite(loss_scale) && loss_scale >= 0 && loss_scale_streak >= 0,
-             "{}: loss_scale {} and loss_scale_streak {} must be finite and not negative", origin, loss_scale,
-             loss_scale_streak);
-}
 
 CheckpointStore::CheckpointStore(std::string out_dir, int64_t keep_last, std::optional<LoraConfig> lora)
     : out_dir_(std::move(out_dir)), keep_last_(keep_last), lora_(std::move(lora)) {}
@@ -191,8 +129,35 @@ void remove_leftovers_in(const fs::path& folder, const std::function<bool(const 
 
 }  // namespace
 
+// The last steps of every save: RNG and trainer state into the staged folder, which is then
+// swapped in as `name`, and `latest` pointed at it.
+void CheckpointStore::publish(const std::string& staged_dir, const std::string& name, const TrainerState& state) const {
+  const fs::path staged = staged_dir, root = checkpoints_dir();
+  save_archive((staged / "rng.pt").string(), [&](const auto& writer) {
+    torch::save(at::detail::getDefaultCPUGenerator().get_state(), writer);
+  });
+  write_file_atomically((staged / "trainer_state.json").string(), state.to_json().dump(2) + "\n");
+  sync_directory(staged.string());
+  swap_in_directory(staged, root / name);
+  write_file_atomically((root / "latest").string(), name + "\n");
+}
+
+// Removes the staged folder and throws one error naming the step, the cause and what is still the
+// latest checkpoint.
+void CheckpointStore::fail_save(const std::string& staged, int64_t step, const std::string& cause) const {
+  std::error_code ignored;
+  fs::remove_all(staged, ignored);
+  std::optional<std::string> previous;
+  try {
+    previous = latest();
+  } catch (const std::exception&) {
+  }
+  fail("checkpoint of step {} not saved in {}: {} (removed its partial copy; {})", step, checkpoints_dir(), cause,
+       previous ? fmt::format("the latest checkpoint is still {}", *previous) : std::string("no earlier checkpoint"));
+}
+
 std::string CheckpointStore::save(const TrainerState& state, LlamaForCausalLMImpl& model,
-                                  torch::optim::Optimizer& optimizer) {
+                                  torch::optim::AdamW& optimizer) {
   const fs::path root = checkpoints_dir();
   const std::string name = fmt::format("step-{:08}", state.global_step);
   const fs::path staged = root / fmt::format(".tmp-{}-{}", name, ::getpid());
@@ -201,31 +166,57 @@ std::string CheckpointStore::save(const TrainerState& state, LlamaForCausalLMImp
     fs::remove_all(staged);
     fs::create_directories(staged);
     write_model_files(model, lora_, staged.string(), "");
-    save_archive((staged / "optimizer.pt").string(), [&](const auto& writer) {
-      torch::serialize::OutputArchive archive;
-      optimizer.save(archive);
-      archive.save_to(writer);
-    });
-    save_archive((staged / "rng.pt").string(), [&](const auto& writer) {
-      torch::save(at::detail::getDefaultCPUGenerator().get_state(), writer);
-    });
-    write_file_atomically((staged / "trainer_state.json").string(), state.to_json().dump(2) + "\n");
-    sync_directory(staged.string());
-    swap_in_directory(staged, root / name);
-    write_file_atomically((root / "latest").string(), name + "\n");
+    save_optimizer_state((staged / "optimizer.safetensors").string(), model, optimizer);
+    fault_point("save");
+    publish(staged.string(), name, state);
   } catch (const std::exception& e) {
-    std::error_code ignored;
-    fs::remove_all(staged, ignored);
-    std::optional<std::string> previous;
-    try {
-      previous = latest();
-    } catch (const std::exception&) {
-    }
-    fail("checkpoint of step {} not saved in {}: {} (removed its partial copy; {})", state.global_step,
-         root.string(), e.what(),
-         previous ? fmt::format("the latest checkpoint is still {}", *previous) : std::string("no earlier checkpoint"));
+    fail_save(staged.string(), state.global_step, e.what());
   }
   prune();
+  return (root / name).string();
+}
+
+std::string CheckpointStore::save_sharded(const TrainerState& state, LlamaForCausalLMImpl& model,
+                                          torch::optim::AdamW& optimizer, int32_t rank, int32_t world_size,
+                                          const std::function<bool(const std::string&)>& writes,
+                                          const std::function<bool(bool)>& all_ok) {
+  const fs::path root = checkpoints_dir();
+  const std::string name = fmt::format("step-{:08}", state.global_step);
+  // One name every rank knows; a folder of that name left by a crash is removed first.
+  const fs::path staged = root / fmt::format(".tmp-{}-shards", name);
+  std::string cause;
+  const auto attempt = [&](const std::function<void()>& work) {
+    if (cause.empty()) {
+      try {
+        work();
+      } catch (const std::exception& e) {
+        cause = fmt::format("rank {}: {}", rank, e.what());
+      }
+    }
+    if (!all_ok(cause.empty()) && cause.empty()) cause = "another rank could not write its part";
+    return cause.empty();
+  };
+  bool ok = attempt([&] {
+    if (rank != 0) return;
+    fs::create_directories(root);
+    fs::remove_all(staged);
+    fs::create_directories(staged / "shards");
+    write_file_atomically((staged / "config.json").string(), to_hf_config_json(model.config()));
+  });
+  ok = ok && attempt([&] {
+    save_rank_shard((staged / "shards").string(), rank, model, optimizer, lora_.has_value(), writes);
+    fault_point("save");
+  });
+  ok = ok && attempt([&] {
+    if (rank != 0) return;
+    write_shard_index((staged / "shards").string(), world_size);
+    publish(staged.string(), name, state);
+  });
+  if (!ok) {
+    if (rank == 0) fail_save(staged.string(), state.global_step, cause);
+    fail("checkpoint of step {} not saved in {}: {}", state.global_step, root.string(), cause);
+  }
+  if (rank == 0) prune();
   return (root / name).string();
 }
 
@@ -243,18 +234,15 @@ TrainerState CheckpointStore::read_state(const std::string& dir) const {
   WEFT_CHECK(fs::is_directory(dir), "checkpoint '{}' is not a directory", dir);
   const std::string state_path = dir + "/trainer_state.json";
   WEFT_CHECK(fs::exists(state_path), "checkpoint '{}' has no trainer_state.json", dir);
-  nlohmann::json state_json;
-  try {
-    state_json = nlohmann::json::parse(read_file(state_path));
-  } catch (const nlohmann::json::exception& e) {
-    fail("{}: not valid JSON ({})", state_path, e.what());
-  }
-  return TrainerState::from_json(state_json, state_path);
+  return TrainerState::parse(read_file(state_path), state_path);
 }
 
 void CheckpointStore::restore(const std::string& dir, LlamaForCausalLMImpl& model,
-                              torch::optim::Optimizer& optimizer) const {
-  if (lora_) {
+                              torch::optim::AdamW& optimizer) const {
+  const NamedState state = NamedState::open(dir);
+  if (state.sharded()) {
+    state.restore_parameters(model, lora_.has_value());
+  } else if (lora_) {
     WEFT_CHECK(fs::exists(dir + "/adapter_model.safetensors"),
                "checkpoint '{}' has no LoRA adapter, but train.mode is lora", dir);
     load_lora_adapter(model, dir);
@@ -263,12 +251,16 @@ void CheckpointStore::restore(const std::string& dir, LlamaForCausalLMImpl& mode
                "checkpoint '{}' has no model weights (was it saved with train.mode = lora?)", dir);
     load_weights(model, dir);
   }
-  const std::string optimizer_path = dir + "/optimizer.pt";
-  WEFT_CHECK(fs::exists(optimizer_path), "checkpoint '{}' has no optimizer.pt", dir);
   try {
-    torch::serialize::InputArchive archive;
-    archive.load_from(optimizer_path);
-    optimizer.load(archive);
+    if (state.has_moments()) {
+      state.restore_optimizer(model, optimizer);
+    } else {  // written before optimizer.safetensors: a LibTorch archive of a whole model's AdamW
+      const std::string optimizer_path = dir + "/optimizer.pt";
+      WEFT_CHECK(fs::exists(optimizer_path), "checkpoint '{}' has no optimizer.safetensors", dir);
+      torch::serialize::InputArchive archive;
+      archive.load_from(optimizer_path);
+      optimizer.load(archive);
+    }
     torch::Tensor rng;
     torch::load(rng, dir + "/rng.pt");
     auto generator = at::detail::getDefaultCPUGenerator();

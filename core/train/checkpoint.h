@@ -4,10 +4,16 @@
 //   step-00000120/             one checkpoint (written as .tmp-..., then renamed: atomic)
 //     config.json, model.safetensors          full fine-tuning (an HF model directory)
 //     adapter_config.json, adapter_model.safetensors   LoRA (the base is re-created from its source)
-//     optimizer.pt             AdamW state (LibTorch archive)
+//     optimizer.safetensors    AdamW's moments by parameter name (core/train/named_state.h)
+//     shards/                  instead of the model and optimizer files, when a plugin splits the
+//                              model over ranks (tensor_parallel, gpipe, pipedream): every rank's
+//                              pieces, written in parallel, and index.json (named_state.h)
 //     rng.pt                   the CPU generator state
 //     trainer_state.json       step, data position, early-stopping state, data identity
 //   latest                     name of the newest complete checkpoint (replaced atomically)
+// Both layouts resume under any plugin and world size: the reader puts each tensor together and
+// cuts out the part a rank holds. (Checkpoints written before optimizer.safetensors have
+// optimizer.pt, a LibTorch archive, which resumes where every rank holds the whole model.)
 // A crash while saving leaves a .tmp directory that is ignored, and removed when the next run
 // starts (remove_leftovers). A save that fails (a full disk) removes its .tmp directory and
 // throws: the previous checkpoint and `latest` stay as they were. Old checkpoints are deleted by
@@ -15,39 +21,19 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <string>
 
 #include <nlohmann/json.hpp>
-#include <torch/optim/optimizer.h>
+#include <torch/optim/adamw.h>
 
 #include "core/model/llama.h"
 #include "core/model/lora.h"
+#include "core/train/trainer_state.h"
 
 namespace weft {
-
-struct TrainerState {
-  int64_t global_step = 0;     // optimizer steps completed
-  int64_t epoch = 0;           // epoch of the next step (0-based)
-  int64_t step_in_epoch = 0;   // index of the next step within its epoch
-  double best_eval_loss = std::numeric_limits<double>::infinity();
-  int64_t best_step = -1;
-  int64_t evals_since_best = 0;
-  double epoch_seconds = 0;    // time already spent in the current epoch
-  int64_t epoch_tokens = 0;    // tokens already processed in the current epoch
-  std::string data_identity;   // train sequences / seq_len / tokens: must match on resume
-  bool early_stopped = false;
-  double loss_scale = 0;          // fp16: the dynamic loss scale to go on with (0: none saved)
-  int64_t loss_scale_streak = 0;  // fp16: finite steps since the scale last changed
-
-  nlohmann::json to_json() const;
-  static TrainerState from_json(const nlohmann::json& j, const std::string& origin);
-  // A checkpoint's state is untrusted input: throws weft::Error naming `origin` unless every value
-  // is in range and the position is one a run with `steps_per_epoch` steps per epoch and `epochs`
-  // epochs can be at (global_step = epoch * steps_per_epoch + step_in_epoch).
-  void validate(int64_t steps_per_epoch, int64_t epochs, const std::string& origin) const;
-};
 
 class CheckpointStore {
  public:
@@ -55,8 +41,18 @@ class CheckpointStore {
   CheckpointStore(std::string out_dir, int64_t keep_last, std::optional<LoraConfig> lora);
 
   // Writes a checkpoint for state.global_step atomically, points `latest` at it, then prunes
-  // all but the newest keep_last. Returns the checkpoint directory.
-  std::string save(const TrainerState& state, LlamaForCausalLMImpl& model, torch::optim::Optimizer& optimizer);
+  // all but the newest keep_last. Returns the checkpoint directory. `model` holds every parameter
+  // whole; called on one rank.
+  std::string save(const TrainerState& state, LlamaForCausalLMImpl& model, torch::optim::AdamW& optimizer);
+
+  // The same for a model split over ranks, called on every rank: each writes the pieces for which
+  // `writes(name)` holds to shards/rank-<r>.safetensors in one staged folder, then rank 0 checks
+  // and indexes them and publishes the checkpoint. `all_ok(ok)` is collective over the world and
+  // returns whether every rank passed true: a failure on any rank (a full disk) leaves no
+  // checkpoint and throws on every rank. Returns the checkpoint directory.
+  std::string save_sharded(const TrainerState& state, LlamaForCausalLMImpl& model, torch::optim::AdamW& optimizer,
+                           int32_t rank, int32_t world_size, const std::function<bool(const std::string&)>& writes,
+                           const std::function<bool(bool)>& all_ok);
 
   // The directory `latest` names, if any.
   std::optional<std::string> latest() const;
@@ -64,9 +60,10 @@ class CheckpointStore {
   // The trainer state saved in `dir` (its trainer_state.json). Throws weft::Error naming the file
   // when it is missing or malformed.
   TrainerState read_state(const std::string& dir) const;
-  // Restores model weights (or adapters), optimizer and RNG state from `dir`. Throws weft::Error
-  // naming the file when something is missing or malformed.
-  void restore(const std::string& dir, LlamaForCausalLMImpl& model, torch::optim::Optimizer& optimizer) const;
+  // Restores model weights (or adapters), optimizer and RNG state from `dir` into this rank's
+  // model, whatever its layout (whole, tensor-parallel slices, pipeline stages) and whichever
+  // layout saved it. Throws weft::Error naming the file when something is missing or malformed.
+  void restore(const std::string& dir, LlamaForCausalLMImpl& model, torch::optim::AdamW& optimizer) const;
 
   // Removes what an interrupted save or deletion left in the run directory (.tmp folders and
   // files) and puts back a model directory that a crash left renamed aside (best, final, a
@@ -77,6 +74,8 @@ class CheckpointStore {
 
  private:
   void prune() const;
+  void publish(const std::string& staged, const std::string& name, const TrainerState& state) const;
+  [[noreturn]] void fail_save(const std::string& staged, int64_t step, const std::string& cause) const;
 
   std::string out_dir_;
   int64_t keep_last_;

@@ -62,6 +62,19 @@ ModelGather::ModelGather(LlamaForCausalLMImpl& local, Communicator& communicator
     }
   }
   split_ = staged || sliced_;
+  // The lowest rank holding a parameter's stage (and, when sliced, its slice) writes it.
+  const int64_t layers = local_.config().num_hidden_layers;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const std::string& name = params[i].key();
+    const int64_t stage = stage_of_parameter(name, layers);
+    int32_t first = -1;
+    for (int32_t r = 0; r < world.size && first < 0; ++r) {
+      if (ranges_[static_cast<size_t>(r)].first > stage || stage >= ranges_[static_cast<size_t>(r)].second) continue;
+      if (sliced_ && slices_[static_cast<size_t>(r)][i] != slices_[static_cast<size_t>(world.rank)][i]) continue;
+      first = r;
+    }
+    if (first == world.rank) writes_.insert(name);
+  }
 }
 
 LlamaForCausalLMImpl* ModelGather::gather() {

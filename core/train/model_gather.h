@@ -6,6 +6,8 @@
 
 #include <cstdint>
 #include <optional>
+#include <set>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -24,6 +26,9 @@ class ModelGather {
 
   // True when some rank does not hold every stage (then saving must gather).
   bool split() const { return split_; }
+  // Whether this rank writes parameter `name` (as it holds it) to a sharded checkpoint: it is the
+  // lowest rank holding that stage and slice, so every piece is written once.
+  bool writes(const std::string& name) const { return writes_.count(name) != 0; }
 
   // Collective over the world. On rank 0: the whole model with every rank's current values
   // (this process's model itself when nothing is split); nullptr on other ranks.
@@ -37,6 +42,7 @@ class ModelGather {
   bool split_ = false;
   bool sliced_ = false;                              // some parameter is a tensor-parallel slice
   std::vector<std::vector<std::pair<int32_t, int32_t>>> slices_;  // [rank][parameter] (parts, index)
+  std::set<std::string> writes_;
   LlamaForCausalLM full_{nullptr};  // rank 0, built on first use
 };
 

@@ -32,6 +32,21 @@ std::unique_ptr<torch::optim::AdamW> make_adamw(const std::vector<OptimizedTenso
   return std::make_unique<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(o.lr));
 }
 
+const torch::optim::AdamWParamState* adamw_state(torch::optim::AdamW& optimizer, const torch::Tensor& tensor) {
+  auto& states = optimizer.state();
+  const auto it = states.find(compat::optimizer_state_key(tensor));
+  return it == states.end() ? nullptr : static_cast<const torch::optim::AdamWParamState*>(it->second.get());
+}
+
+void set_adamw_state(torch::optim::AdamW& optimizer, const torch::Tensor& tensor, int64_t step, torch::Tensor exp_avg,
+                     torch::Tensor exp_avg_sq) {
+  auto state = std::make_unique<torch::optim::AdamWParamState>();
+  state->step(step);
+  state->exp_avg(std::move(exp_avg));
+  state->exp_avg_sq(std::move(exp_avg_sq));
+  optimizer.state()[compat::optimizer_state_key(tensor)] = std::move(state);
+}
+
 int64_t optimizer_state_bytes(torch::optim::AdamW& optimizer) {
   int64_t bytes = 0;
   for (const auto& [key, state] : optimizer.state()) {

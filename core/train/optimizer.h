@@ -26,6 +26,13 @@ struct OptimizedTensor {
 std::unique_ptr<torch::optim::AdamW> make_adamw(const std::vector<OptimizedTensor>& tensors,
                                                 const OptimOptions& options);
 
+// AdamW's state of `tensor` (keyed by the tensor, as the optimizer steps it), or nullptr before
+// its first step.
+const torch::optim::AdamWParamState* adamw_state(torch::optim::AdamW& optimizer, const torch::Tensor& tensor);
+// Replaces the state of `tensor` with these step count and moments (shaped as the tensor).
+void set_adamw_state(torch::optim::AdamW& optimizer, const torch::Tensor& tensor, int64_t step, torch::Tensor exp_avg,
+                     torch::Tensor exp_avg_sq);
+
 // Bytes of AdamW's state tensors (the moments of every tensor it has stepped).
 int64_t optimizer_state_bytes(torch::optim::AdamW& optimizer);
 

@@ -11,26 +11,8 @@
 #include "core/util/torch_compat.h"
 
 namespace weft {
-namespace {
 
 using torch::optim::AdamWParamState;
-
-const AdamWParamState* state_of(torch::optim::AdamW& optimizer, const at::Tensor& tensor) {
-  auto& states = optimizer.state();
-  const auto it = states.find(compat::optimizer_state_key(tensor));
-  return it == states.end() ? nullptr : static_cast<const AdamWParamState*>(it->second.get());
-}
-
-void put_state(torch::optim::AdamW& optimizer, const at::Tensor& tensor, int64_t step, at::Tensor exp_avg,
-               at::Tensor exp_avg_sq) {
-  auto state = std::make_unique<AdamWParamState>();
-  state->step(step);
-  state->exp_avg(std::move(exp_avg));
-  state->exp_avg_sq(std::move(exp_avg_sq));
-  optimizer.state()[compat::optimizer_state_key(tensor)] = std::move(state);
-}
-
-}  // namespace
 
 std::unique_ptr<torch::optim::AdamW> gather_sharded_optimizer(torch::optim::AdamW& sharded,
                                                               const std::vector<PluginHost::ShardedTensor>& shards,
@@ -47,7 +29,7 @@ std::unique_ptr<torch::optim::AdamW> gather_sharded_optimizer(torch::optim::Adam
     const auto& s = shards[static_cast<size_t>(i)];
     ranges[3 * i] = s.begin;
     ranges[3 * i + 1] = s.count;
-    ranges[3 * i + 2] = state_of(sharded, s.shard.defined() ? s.shard : s.whole) != nullptr ? 1 : 0;
+    ranges[3 * i + 2] = adamw_state(sharded, s.shard.defined() ? s.shard : s.whole) != nullptr ? 1 : 0;
   }
   auto all = torch::zeros({ranks * 3 * count}, torch::kLong);
   Operation exchange = communicator.all_gather(world, all, ranges);
@@ -56,9 +38,9 @@ std::unique_ptr<torch::optim::AdamW> gather_sharded_optimizer(torch::optim::Adam
   for (int64_t i = 0; i < count; ++i) {
     const auto& s = shards[static_cast<size_t>(i)];
     if (all.select(2, 2).select(1, i).min().item<int64_t>() == 0) continue;  // not stepped on some rank
-    const AdamWParamState* mine = state_of(sharded, s.shard.defined() ? s.shard : s.whole);
+    const AdamWParamState* mine = adamw_state(sharded, s.shard.defined() ? s.shard : s.whole);
     if (!s.shard.defined()) {  // whole on every rank: the same state everywhere
-      put_state(*whole, s.whole, mine->step(), mine->exp_avg().clone(), mine->exp_avg_sq().clone());
+      set_adamw_state(*whole, s.whole, mine->step(), mine->exp_avg().clone(), mine->exp_avg_sq().clone());
       continue;
     }
     const int64_t widest = all.select(2, 1).select(1, i).max().item<int64_t>();
@@ -77,7 +59,7 @@ std::unique_ptr<torch::optim::AdamW> gather_sharded_optimizer(torch::optim::Adam
       exp_avg.narrow(0, begin, n).copy_(received[r][0].narrow(0, 0, n));
       exp_avg_sq.narrow(0, begin, n).copy_(received[r][1].narrow(0, 0, n));
     }
-    put_state(*whole, s.whole, mine->step(), exp_avg.view(s.whole.sizes()), exp_avg_sq.view(s.whole.sizes()));
+    set_adamw_state(*whole, s.whole, mine->step(), exp_avg.view(s.whole.sizes()), exp_avg_sq.view(s.whole.sizes()));
   }
   return whole;
 }
@@ -87,15 +69,15 @@ void scatter_into_shards(torch::optim::AdamW& whole, torch::optim::AdamW& sharde
   torch::NoGradGuard no_grad;
   for (const auto& s : shards) {
     if (s.own_storage) s.shard.copy_(s.whole.detach().reshape({-1}).narrow(0, s.begin, s.count));
-    const AdamWParamState* state = state_of(whole, s.whole);
+    const AdamWParamState* state = adamw_state(whole, s.whole);
     if (state == nullptr) continue;  // the checkpoint's optimizer had not stepped this parameter
     WEFT_CHECK(state->exp_avg().numel() == s.whole.numel(), "checkpoint: the optimizer state of {} has {} elements, the "
                "parameter {}", s.name, state->exp_avg().numel(), s.whole.numel());
     if (!s.shard.defined()) {
-      put_state(sharded, s.whole, state->step(), state->exp_avg().clone(), state->exp_avg_sq().clone());
+      set_adamw_state(sharded, s.whole, state->step(), state->exp_avg().clone(), state->exp_avg_sq().clone());
       continue;
     }
-    put_state(sharded, s.shard, state->step(), state->exp_avg().reshape({-1}).narrow(0, s.begin, s.count).clone(),
+    set_adamw_state(sharded, s.shard, state->step(), state->exp_avg().reshape({-1}).narrow(0, s.begin, s.count).clone(),
               state->exp_avg_sq().reshape({-1}).narrow(0, s.begin, s.count).clone());
   }
 }

@@ -39,10 +39,6 @@ Trainer::Trainer(TrainOptions options, RunContext context)
   const auto& data = job_->data();
   const Placement& place = job_->placement();
   gather_ = std::make_unique<ModelGather>(job_->model(), job_->communicator(), job_->lora());
-  WEFT_CHECK(!gather_->split() || options_.checkpoint_every == 0,
-             "checkpoint.every_steps is not supported yet when plugin {} splits the model over ranks (the best "
-             "and final models are saved whole); set it to 0",
-             job_->strategy().library().name());
   train_loader_ = std::make_unique<BatchLoader>(data.train, options_.batch_size, place.data_parallel_rank,
                                                 place.data_parallel_size, options_.seed, /*shuffle=*/true);
   steps_per_epoch_ = train_loader_->batches_per_epoch() / options_.grad_accum_steps;
@@ -70,15 +66,26 @@ Trainer::Trainer(TrainOptions options, RunContext context)
 Trainer::~Trainer() = default;
 
 // Starting fresh in a run directory would replace its checkpoints and saved models: refuse
-// unless the user resumes or says train.overwrite = true.
+// unless the user resumes or says train.overwrite = true. checkpoint.resume = auto with no
+// checkpoint to resume continues a run that stopped before its first checkpoint (a crash, a kill):
+// only the best model of that attempt is there, and this run replaces it; a finished run (final/)
+// is still refused.
 void Trainer::protect_saved_work() const {
   if (options_.overwrite || state_.global_step > 0) return;
+  const bool restart = options_.resume == "auto";
   for (const char* entry : {"checkpoints/latest", "final", "best"}) {
     const fs::path path = fs::path(options_.out_dir) / entry;
-    WEFT_CHECK(!fs::exists(path),
-               "train.out_dir '{}' already holds a run ({} exists); resume it with "
-               "checkpoint.resume=auto, pick another out_dir, or set train.overwrite=true",
-               options_.out_dir, path.string());
+    if (restart && std::string(entry) == "best" && fs::exists(path)) {
+      if (job_->context().rank == 0) {
+        spdlog::warn("checkpoint.resume = auto: {} holds the best model of a run that stopped before its first "
+                     "checkpoint; this run starts it again and replaces that model",
+                     options_.out_dir);
+      }
+      continue;
+    }
+    WEFT_CHECK(!fs::exists(path), "train.out_dir '{}' already holds a run ({} exists); {}pick another out_dir, or set "
+               "train.overwrite=true", options_.out_dir, path.string(),
+               restart ? "it has no checkpoint to resume; " : "resume it with checkpoint.resume=auto, ");
   }
 }
 
@@ -93,10 +100,6 @@ void Trainer::maybe_resume() {
     }
     dir = *latest;
   }
-  WEFT_CHECK(!gather_->split(),
-             "checkpoint.resume: plugin {} splits the model over ranks and cannot resume a checkpoint yet ({}); "
-             "resume it under single, ddp or zero, or start fresh",
-             job_->strategy().library().name(), dir);
   TrainerState saved = checkpoints_->read_state(dir);
   WEFT_CHECK(saved.data_identity == state_.data_identity,
              "checkpoint '{}' was made on different data ({}), but this run has {}", dir, saved.data_identity,
@@ -378,17 +381,23 @@ bool Trainer::evaluate_and_track(RunRecords& records) {
 }
 
 bool Trainer::save_checkpoint(Progress& progress) {
-  if (gather_->split()) {
-    progress.message(fmt::format("no checkpoint: plugin {} splits the model and its optimizer state over ranks, "
-                                 "which cannot be saved as a checkpoint yet",
-                                 job_->strategy().library().name()));
-    return false;
-  }
   if (scaler_.enabled()) {
     state_.loss_scale = scaler_.scale();
     state_.loss_scale_streak = scaler_.finite_streak();
   }
   auto& strategy = job_->strategy();
+  if (gather_->split()) {  // every rank writes its own pieces, rank 0 the index (named_state.h)
+    const int32_t rank = job_->context().rank;
+    const auto dir = checkpoints_->save_sharded(
+        state_, job_->model(), *optimizer_, rank, job_->context().world,
+        [&](const std::string& name) { return gather_->writes(name); },
+        [&](bool ok) {
+          for (double value : job_->communicator().all_gather(ok ? 1.0 : 0.0)) ok = ok && value > 0;
+          return ok;
+        });
+    if (rank == 0) progress.message(fmt::format("checkpoint saved: {}", dir));
+    return true;
+  }
   if (strategy.shards_training_state()) {  // the ranks' shards put together; rank 0 writes the whole
     strategy.materialize_parameters(true);
     auto whole = gather_sharded_optimizer(*optimizer_, strategy.trainable_shards(), job_->model(), options_.optim,

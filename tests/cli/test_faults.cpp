@@ -1,5 +1,6 @@
-// The trainer under faults, end to end: a disk that fills while a checkpoint is written, a kill in
-// the middle of deleting an old checkpoint, and the refusals and output discipline of the
+// The trainer under faults, end to end: a disk that fills while a checkpoint is written (on one
+// rank of a split model too), a read-only checkpoint folder, a kill in the middle of deleting an
+// old checkpoint, and the refusals and output discipline of the
 // commands around training (generate, report, --nproc).
 #include <filesystem>
 #include <fstream>
@@ -36,7 +37,9 @@ std::vector<std::string> incomplete_checkpoints(const std::string& dir) {
   for (const auto& entry : fs::directory_iterator(dir + "/out/checkpoints")) {
     const std::string name = entry.path().filename().string();
     if (name.rfind("step-", 0) != 0) continue;
-    for (const char* file : {"config.json", "model.safetensors", "optimizer.pt", "rng.pt", "trainer_state.json"}) {
+    const bool sharded = fs::exists(entry.path() / "shards");
+    for (const char* file : {"config.json", sharded ? "shards/index.json" : "model.safetensors",
+                             sharded ? "config.json" : "optimizer.safetensors", "rng.pt", "trainer_state.json"}) {
       if (!fs::exists(entry.path() / file)) incomplete.push_back(name + " (no " + file + ")");
     }
   }
@@ -60,7 +63,7 @@ std::string latest(const std::string& dir) {
 }
 
 TEST(Faults, AFullDiskWhileSavingIsOneErrorAndKeepsThePreviousCheckpoint) {
-  // The disk fills while optimizer.pt is written (a per-file size limit: the model's 0.6 MB fit,
+  // The disk fills while optimizer.safetensors is written (a per-file size limit: the model's 0.6 MB fit,
   // the optimizer's 1.3 MB do not). Before: LibTorch's zip writer threw from a destructor and the
   // process aborted (rc 134), leaving a .tmp-step-* folder that kept the disk full.
   const auto dir = fresh_dir("full_disk");
@@ -77,7 +80,7 @@ TEST(Faults, AFullDiskWhileSavingIsOneErrorAndKeepsThePreviousCheckpoint) {
   EXPECT_EQ(full.exit_code, 1) << full.output;
   EXPECT_NE(full.output.find("error checkpoint of step 10 not saved in " + dir + "/out/checkpoints: "),
             std::string::npos) << full.output;
-  EXPECT_NE(full.output.find("optimizer.pt"), std::string::npos) << full.output;
+  EXPECT_NE(full.output.find("optimizer.safetensors"), std::string::npos) << full.output;
   EXPECT_NE(full.output.find("the latest checkpoint is still " + dir + "/out/checkpoints/step-00000005"),
             std::string::npos) << full.output;
   EXPECT_EQ(full.output.find("terminate called"), std::string::npos) << full.output;
@@ -92,12 +95,69 @@ TEST(Faults, AFullDiskWhileSavingIsOneErrorAndKeepsThePreviousCheckpoint) {
   EXPECT_EQ(latest(dir), "step-00000010");
 }
 
+TEST(Faults, AReadOnlyCheckpointFolderWhileSavingIsOneErrorAndKeepsThePreviousCheckpoint) {
+  // checkpoints/ becomes read-only (a read-only bind mount in a mount namespace of its own: root
+  // ignores permission bits) before the save of step 4.
+  if (run_command("unshare -m true").exit_code != 0) {
+    GTEST_SKIP() << "unshare -m is not permitted here: no read-only mount to test with";
+  }
+  const auto dir = fresh_dir("read_only");
+  const std::string args = tiny_args(dir) + " --set checkpoint.every_steps=2";
+  ASSERT_EQ(run_trainer(args + " --set train.max_steps=2").exit_code, 0);
+  const std::string checkpoints = dir + "/out/checkpoints";
+  const auto ro = run_command("unshare -m sh -c 'mount --bind " + checkpoints + " " + checkpoints +
+                              " && mount -o remount,ro,bind " + checkpoints + " && OMP_NUM_THREADS=1 " +
+                              WEFT_TRAINER_PATH + " " + args + " --set checkpoint.resume=auto --set train.max_steps=4'");
+  EXPECT_EQ(ro.exit_code, 1) << ro.output;
+  EXPECT_NE(ro.output.find("checkpoint of step 4 not saved in " + checkpoints + ": "), std::string::npos) << ro.output;
+  EXPECT_NE(ro.output.find("Read-only file system"), std::string::npos) << ro.output;
+  EXPECT_NE(ro.output.find("the latest checkpoint is still " + checkpoints + "/step-00000002"), std::string::npos)
+      << ro.output;
+  EXPECT_EQ(latest(dir), "step-00000002");
+  EXPECT_TRUE(temporaries(checkpoints).empty()) << testing::PrintToString(temporaries(checkpoints));
+  EXPECT_TRUE(incomplete_checkpoints(dir).empty()) << testing::PrintToString(incomplete_checkpoints(dir));
+  const auto resumed = run_trainer(args + " --set checkpoint.resume=auto --set train.max_steps=4");
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_EQ(latest(dir), "step-00000004");
+}
+
+TEST(Faults, AFullDiskOnOneRankOfASplitModelLeavesNoCheckpointAndKeepsThePreviousOne) {
+  // gpipe over 2 ranks (a 4-layer model): each writes its own stages. Files may grow to 4.8 MB:
+  // rank 0's pieces (the embedding and layers 0-1 with their moments, 5.2 MB) do not fit, rank 1's
+  // (layers 2-3 and the norm, 4.4 MB) do. Every rank must then say the checkpoint was not saved,
+  // and step 2's stays the latest.
+  const auto dir = fresh_dir("full_disk_split");
+  const std::string args = tiny_args(dir) + " --plugin gpipe --nproc 2 --set checkpoint.every_steps=2 --set model.config=" +
+                           WEFT_SOURCE_DIR + "/configs/models/austen-mini/config.json";
+  ASSERT_EQ(run_trainer(args + " --set train.max_steps=2").exit_code, 0);
+  const std::string limited = "python3 -c 'import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, "
+                              "signal.SIG_IGN); resource.setrlimit(resource.RLIMIT_FSIZE, (4800000, 4800000)); "
+                              "os.execv(sys.argv[1], sys.argv[1:])' ";
+  const auto full = run_command("OMP_NUM_THREADS=1 " + limited + WEFT_TRAINER_PATH + " " + args +
+                                " --set checkpoint.resume=auto --set train.max_steps=4");
+  const std::string checkpoints = dir + "/out/checkpoints";
+  EXPECT_NE(full.exit_code, 0) << full.output;
+  EXPECT_NE(full.output.find("checkpoint of step 4 not saved in " + checkpoints + ": rank 0: "), std::string::npos)
+      << full.output;
+  EXPECT_NE(full.output.find("rank-00000.safetensors"), std::string::npos) << full.output;
+  EXPECT_NE(full.output.find("the latest checkpoint is still " + checkpoints + "/step-00000002"), std::string::npos)
+      << full.output;
+  EXPECT_NE(full.output.find("not saved in " + checkpoints + ": another rank could not write its part"),
+            std::string::npos) << full.output;  // rank 1, whose file fitted
+  EXPECT_EQ(latest(dir), "step-00000002");
+  EXPECT_TRUE(temporaries(checkpoints).empty()) << testing::PrintToString(temporaries(checkpoints));
+  EXPECT_TRUE(fs::exists(checkpoints + "/step-00000002/shards/index.json"));
+  const auto resumed = run_trainer(args + " --set checkpoint.resume=auto --set train.max_steps=4");
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_EQ(latest(dir), "step-00000004");
+}
+
 TEST(Faults, AKillWhileDeletingAnOldCheckpointNeverLeavesAHalfDeletedOne) {
   // keep_last = 1: saving step 4 deletes step 2. The process is killed (SIGKILL) at the second
   // file the deletion removes. Before: step-00000002 stayed, one file short, as a checkpoint.
   const auto dir = fresh_dir("kill_prune");
   const std::string args = tiny_args(dir) + " --set checkpoint.every_steps=2 --set checkpoint.keep_last=1";
-  const std::string files = "config.json,model.safetensors,optimizer.pt,rng.pt,trainer_state.json";
+  const std::string files = "config.json,model.safetensors,optimizer.safetensors,rng.pt,trainer_state.json";
   const auto killed = run_command("WEFT_TEST_KILL_ON_UNLINK=2:" + files + " LD_PRELOAD=" +
                                   std::string(WEFT_KILL_ON_UNLINK_LIB) + " OMP_NUM_THREADS=1 " + WEFT_TRAINER_PATH +
                                   " " + args + " --set train.max_steps=4; echo status $?");

@@ -1,7 +1,8 @@
 // Multi-process runs under faults, with real processes: a rank cancelled while it waits at the
-// rendezvous, a peer that never comes, SIGTERM under plugins that cannot save a checkpoint, and
-// checkpoint.resume = auto on a fresh run under them.
+// rendezvous, a peer that never comes, SIGTERM under plugins that split the model over ranks (a
+// checkpoint of every rank's pieces, resumed), and checkpoint.resume = auto on a fresh run.
 #include <chrono>
+#include <filesystem>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -75,34 +76,39 @@ TEST(DistFaults, AMissingPeerIsNamedWithTheRendezvousAndTheSetting) {
             std::string::npos) << orphan.output;
 }
 
-TEST(DistFaults, SigtermUnderAPluginThatCannotCheckpointSaysNoCheckpointWasSaved) {
-  // gpipe and tensor_parallel split the model over ranks, which cannot be saved as a checkpoint
-  // yet: a SIGTERM must say so, not claim a checkpoint was saved.
+TEST(DistFaults, SigtermUnderAPluginThatSplitsTheModelSavesACheckpointThatResumes) {
+  // gpipe and tensor_parallel split the model over ranks: a SIGTERM saves every rank's pieces
+  // (core/train/named_state.h), and checkpoint.resume = auto continues from them.
   for (const std::string plugin : {"gpipe", "tensor_parallel"}) {
     const auto run = weft::testing::signal_a_rank("sigterm_" + plugin, "TERM", "", /*rank=*/-1, plugin);
     EXPECT_EQ(run.status, "143") << run.log;
-    EXPECT_NE(run.log.find("no checkpoint: plugin " + plugin + " splits the model"), std::string::npos) << run.log;
-    EXPECT_NE(run.log.find(": no checkpoint was saved, this run cannot be continued"), std::string::npos) << run.log;
-    EXPECT_EQ(run.log.find("checkpoint saved"), std::string::npos) << run.log;
+    EXPECT_NE(run.log.find("checkpoint saved; continue with checkpoint.resume=auto"), std::string::npos) << run.log;
+    const std::string latest = weft::testing::read_text(run.out_dir + "/checkpoints/latest");
+    ASSERT_FALSE(latest.empty()) << run.log;
+    const std::string checkpoint = run.out_dir + "/checkpoints/" + latest.substr(0, latest.find('\n'));
+    EXPECT_TRUE(std::filesystem::exists(checkpoint + "/shards/index.json")) << checkpoint;
+    // The run's own command line, resumed for one more step.
+    const int64_t step = std::stoll(checkpoint.substr(checkpoint.size() - 8));
+    const auto resumed = run_trainer("--config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set data.path=" +
+                                     weft::testing::write_word_corpus(run.out_dir + "/..") + " --set data.cache_dir=" +
+                                     run.out_dir + "/../cache --set data.seq_len=32 --set train.epochs=100000"
+                                     " --set log.progress=off --set train.out_dir=" + run.out_dir + " --plugin " +
+                                     plugin + " --nproc 2 --set checkpoint.resume=auto --set train.max_steps=" +
+                                     std::to_string(step + 1));
+    EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
+    EXPECT_NE(resumed.output.find("resumed from " + checkpoint + " at step " + std::to_string(step)), std::string::npos)
+        << resumed.output;
   }
 }
 
 TEST(DistFaults, ResumeAutoOnAFreshRunStartsFreshUnderEveryPlugin) {
-  // Nothing to resume means start fresh, under plugins that cannot resume a checkpoint too; what
-  // they cannot do (periodic checkpoints) is refused in one line before training.
+  // Nothing to resume means start fresh, under plugins that split the model too.
   const auto dir = fresh_dir("resume_auto");
   for (const std::string plugin : {"gpipe", "tensor_parallel"}) {
     const auto r = run_trainer(tiny_args(dir) + "_" + plugin + " --plugin " + plugin +
                                " --nproc 2 --set checkpoint.resume=auto --set train.max_steps=2");
     EXPECT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find("checkpoint.resume = auto: no checkpoint in"), std::string::npos) << r.output;
-    const auto periodic = run_trainer(tiny_args(dir) + "_" + plugin + "_periodic --plugin " + plugin +
-                                      " --nproc 2 --set checkpoint.every_steps=1 --set train.max_steps=2");
-    EXPECT_EQ(periodic.exit_code, 1) << periodic.output;
-    EXPECT_NE(periodic.output.find("checkpoint.every_steps is not supported yet when plugin " + plugin +
-                                   " splits the model over ranks"),
-              std::string::npos) << periodic.output;
-    EXPECT_EQ(periodic.output.find("training:"), std::string::npos) << periodic.output;
   }
 }
 

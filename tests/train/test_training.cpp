@@ -345,7 +345,33 @@ TEST(Training, RefusesToOverwriteASavedRunUnlessAsked) {
     EXPECT_NE(std::string(e.what()).find("already holds a run"), std::string::npos) << e.what();
   }
   EXPECT_TRUE(std::filesystem::exists(o.out_dir + "/final/model.safetensors"));
+  o.resume = "auto";  // a finished run without checkpoints: nothing to resume, and still refused
+  try {
+    Trainer again(o);
+    FAIL() << "started over a finished run";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("final exists); it has no checkpoint to resume;"), std::string::npos)
+        << e.what();
+  }
+  o.resume.clear();
   o.overwrite = true;
+  EXPECT_EQ(Trainer(o).run().steps, 2);
+}
+
+TEST(Training, ResumeAutoStartsAgainARunThatStoppedBeforeItsFirstCheckpoint) {
+  // A run killed after it saved its best model but before its first checkpoint (found by
+  // tools/fault_injection.py: a kill inside the first save) leaves best/ alone; resume = auto must
+  // start it again rather than refuse to replace that model.
+  const auto dir = testing::fresh_dir("restart");
+  auto o = testing::tiny_options(dir);
+  o.max_steps = 2;
+  o.eval_every = 1;
+  o.keep_best = true;
+  o.save_final = false;
+  Trainer(o).run();
+  ASSERT_TRUE(std::filesystem::exists(o.out_dir + "/best"));
+  ASSERT_FALSE(std::filesystem::exists(o.out_dir + "/checkpoints/latest"));
+  o.resume = "auto";
   EXPECT_EQ(Trainer(o).run().steps, 2);
 }
 

@@ -1,0 +1,114 @@
+// The model's side of named_state.h: what a rank writes from its model and optimizer, and how it
+// restores its part of a checkpoint's tensors into them.
+#include "core/train/named_state.h"
+
+#include <filesystem>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "core/io/safetensors.h"
+#include "core/model/lora.h"
+#include "core/model/parallel.h"
+#include "core/train/optimizer.h"
+#include "core/util/error.h"
+
+namespace weft {
+namespace fs = std::filesystem;
+
+using named_state_format::kPieces;
+using named_state_format::kSteps;
+using named_state_format::rank_file;
+using torch::optim::AdamWParamState;
+
+std::vector<std::pair<std::string, torch::Tensor>> checkpoint_parameters(LlamaForCausalLMImpl& model, bool lora) {
+  if (lora) return trainable_parameters(model);
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (auto& item : model.named_parameters()) out.emplace_back(item.key(), item.value());
+  return out;
+}
+
+void save_optimizer_state(const std::string& path, LlamaForCausalLMImpl& model, torch::optim::AdamW& optimizer) {
+  NamedTensors tensors;
+  nlohmann::json steps = nlohmann::json::object();
+  for (const auto& [name, parameter] : trainable_parameters(model)) {
+    const AdamWParamState* state = adamw_state(optimizer, parameter);
+    if (state == nullptr) continue;
+    tensors.emplace_back(name + ".exp_avg", state->exp_avg().to(torch::kFloat32));
+    tensors.emplace_back(name + ".exp_avg_sq", state->exp_avg_sq().to(torch::kFloat32));
+    steps[name] = state->step();
+  }
+  save_safetensors(path, tensors, {{"format", "weft-adamw"}, {kSteps, steps.dump()}});
+}
+
+void save_rank_shard(const std::string& dir, int32_t rank, LlamaForCausalLMImpl& model,
+                     torch::optim::AdamW& optimizer, bool lora, const std::function<bool(const std::string&)>& writes) {
+  NamedTensors tensors;
+  nlohmann::json pieces = nlohmann::json::object(), steps = nlohmann::json::object();
+  for (const auto& [name, parameter] : checkpoint_parameters(model, lora)) {
+    if (!writes(name)) continue;
+    const ParameterShard shard = shard_of(model.options().shards, name);
+    std::vector<int64_t> shape = parameter.sizes().vec();
+    int64_t start = 0;
+    if (!shard.whole()) {
+      shape[static_cast<size_t>(shard.dim)] *= shard.parts;  // tensor-parallel slices are equal
+      const auto [begin, length] = shard.range(shape[static_cast<size_t>(shard.dim)]);
+      WEFT_CHECK(length == parameter.size(shard.dim), "checkpoint: the slice {} of {} of '{}' is not 1/{} of it",
+                 shard.index, shard.parts, name, shard.parts);
+      start = begin;
+    }
+    const nlohmann::json piece = {{"shape", shape}, {"dim", shard.dim}, {"start", start}};
+    tensors.emplace_back(name, parameter.detach().to(torch::kFloat32));
+    pieces[name] = piece;
+    if (const AdamWParamState* state = adamw_state(optimizer, parameter)) {
+      tensors.emplace_back(name + ".exp_avg", state->exp_avg().to(torch::kFloat32));
+      tensors.emplace_back(name + ".exp_avg_sq", state->exp_avg_sq().to(torch::kFloat32));
+      pieces[name + ".exp_avg"] = piece;
+      pieces[name + ".exp_avg_sq"] = piece;
+      steps[name] = state->step();
+    }
+  }
+  save_safetensors((fs::path(dir) / rank_file(rank)).string(), tensors,
+                   {{"format", "weft-shard"}, {kPieces, pieces.dump()}, {kSteps, steps.dump()}});
+}
+
+// This rank's part (shard_of) of the whole tensor `name`, which belongs to `parameter`, shaped as
+// `like`.
+at::Tensor NamedState::part_for(LlamaForCausalLMImpl& model, const std::string& parameter, const std::string& name,
+                                const at::Tensor& like) const {
+  auto values = whole(name);
+  WEFT_CHECK(values.has_value(), "checkpoint '{}' has no tensor '{}'", dir_, name);
+  at::Tensor part = *values;
+  const ParameterShard shard = shard_of(model.options().shards, parameter);
+  if (!shard.whole()) {
+    WEFT_CHECK(shard.dim < part.dim(), "checkpoint '{}': '{}' has {} dimensions", dir_, name, part.dim());
+    const auto [start, length] = shard.range(part.size(shard.dim));
+    part = part.narrow(shard.dim, start, length);
+  }
+  WEFT_CHECK(part.sizes() == like.sizes(), "checkpoint '{}': '{}' is {} here but {} in the checkpoint{}", dir_, name,
+             fmt::join(like.sizes(), "x"), fmt::join(values->sizes(), "x"),
+             shard.whole() ? "" : fmt::format(" (this rank's slice {} of {})", shard.index, shard.parts));
+  return part.contiguous();
+}
+
+void NamedState::restore_parameters(LlamaForCausalLMImpl& model, bool lora) const {
+  WEFT_CHECK(sharded_, "checkpoint '{}': its model is an HF directory, read by load_weights", dir_);
+  torch::NoGradGuard no_grad;
+  for (auto& [name, parameter] : checkpoint_parameters(model, lora)) {
+    parameter.copy_(part_for(model, name, name, parameter));
+  }
+}
+
+void NamedState::restore_optimizer(LlamaForCausalLMImpl& model, torch::optim::AdamW& optimizer) const {
+  torch::NoGradGuard no_grad;
+  for (auto& [name, parameter] : trainable_parameters(model)) {
+    const auto count = step(name);
+    if (!count) continue;  // not stepped when the checkpoint was saved
+    set_adamw_state(optimizer, parameter, *count, part_for(model, name, name + ".exp_avg", parameter).to(parameter.options()),
+                    part_for(model, name, name + ".exp_avg_sq", parameter).to(parameter.options()));
+  }
+}
+
+}  // namespace weft

@@ -73,8 +73,11 @@ std::string did_you_mean(const std::optional<std::string>& suggestion) {
 // ---- reading files -----------------------------------------------------------------------------
 
 std::string read_text_file(const std::string& path, const std::string& context) {
-  WEFT_CHECK(fs::exists(path), "config file '{}' not found{}", path, context);
-  WEFT_CHECK(!fs::is_directory(path), "config file '{}' is a directory{}", path, context);
+  std::error_code ec;  // a name the file system refuses (too long) is an error, not an exception
+  const auto status = fs::status(path, ec);
+  WEFT_CHECK(!ec || ec == std::errc::no_such_file_or_directory, "config file '{}': {}{}", path, ec.message(), context);
+  WEFT_CHECK(fs::exists(status), "config file '{}' not found{}", path, context);
+  WEFT_CHECK(!fs::is_directory(status), "config file '{}' is a directory{}", path, context);
   std::ifstream in(path, std::ios::binary);
   WEFT_CHECK(in, "cannot read config file '{}'{}", path, context);
   std::ostringstream text;
@@ -141,7 +144,9 @@ Layered load_layer(const std::string& text, const std::string& name,
   own.table.erase("extends");
   own.origins.erase("extends");
 
-  const fs::path canonical = fs::weakly_canonical(base_name);
+  std::error_code ec;
+  const fs::path canonical = fs::weakly_canonical(base_name, ec);
+  WEFT_CHECK(!ec, "config key 'extends' names '{}': {} ({})", base_name, ec.message(), where);
   for (size_t i = 0; i < stack.size(); ++i) {
     if (stack[i].first != canonical) continue;
     std::string chain;
@@ -377,7 +382,10 @@ Config finish(const Schema& schema, Layered layered, const std::vector<std::stri
 
 Config load_config_text(const Schema& schema, const std::string& toml_text, const std::string& source_name,
                         const std::vector<std::string>& overrides) {
-  std::vector<std::pair<fs::path, std::string>> stack{{fs::weakly_canonical(source_name), source_name}};
+  std::error_code ec;
+  const fs::path canonical = fs::weakly_canonical(source_name, ec);
+  WEFT_CHECK(!ec, "config file '{}': {}", source_name, ec.message());
+  std::vector<std::pair<fs::path, std::string>> stack{{canonical, source_name}};
   return finish(schema, load_layer(toml_text, source_name, stack), overrides);
 }
 

@@ -18,6 +18,7 @@ LoraConfig read_lora_adapter_config(const std::string& dir) {
     const auto j = nlohmann::json::parse(read_file(path));
     WEFT_CHECK(j.value("peft_type", std::string("LORA")) == "LORA", "{}: peft_type is {}, not LORA", path,
                j.value("peft_type", std::string()));
+    WEFT_CHECK(j.at("r").is_number_integer(), "{}: r is not an integer", path);  // a float cast is UB
     config.spec.r = j.at("r").get<int64_t>();
     config.spec.alpha = j.at("lora_alpha").get<double>();
     config.spec.dropout = j.value("lora_dropout", 0.0);

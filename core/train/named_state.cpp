@@ -50,6 +50,21 @@ std::map<std::string, int64_t> read_steps(const SafetensorsFile& file) {
   return steps;
 }
 
+// A piece's integer field ("dim", "start", the entries of "shape"): a JSON integer within int64
+// (nlohmann's get would cast a float such as 1e30, which is undefined behaviour).
+int64_t integer(const nlohmann::json& value, const std::string& what, const std::string& origin) {
+  WEFT_CHECK(value.is_number_integer() && !(value.is_number_unsigned() && value.get<uint64_t>() > uint64_t(INT64_MAX)),
+             "{}: {} is not an integer ({})", origin, what, value.dump());
+  return value.get<int64_t>();
+}
+
+std::vector<int64_t> shape_of(const nlohmann::json& value, const std::string& what, const std::string& origin) {
+  WEFT_CHECK(value.is_array(), "{}: the shape of {} is not a list", origin, what);
+  std::vector<int64_t> shape;
+  for (const auto& size : value) shape.push_back(integer(size, "a dimension of " + what, origin));
+  return shape;
+}
+
 // Throws unless the pieces' [start, end) ranges along dimension `dim` cover [0, size) exactly once.
 void check_cover(const std::string& name, std::vector<std::pair<int64_t, int64_t>> ranges, int64_t size, int64_t dim,
                  const std::string& where) {
@@ -77,8 +92,8 @@ void write_shard_index(const std::string& dir, int32_t world_size) {
     const nlohmann::json pieces = metadata_json(*shard, kPieces);
     for (const auto& [name, piece] : pieces.items()) {
       const auto& info = shard->info(name);
-      const auto shape = piece.at("shape").get<std::vector<int64_t>>();
-      const int64_t dim = piece.at("dim").get<int64_t>(), start = piece.at("start").get<int64_t>();
+      const auto shape = shape_of(piece.at("shape"), name, file);
+      const int64_t dim = integer(piece.at("dim"), name, file), start = integer(piece.at("start"), name, file);
       auto [it, fresh] = whole.emplace(name, std::make_pair(shape, dim));
       WEFT_CHECK(it->second.first == shape && (info.shape.size() <= 1 || it->second.second == dim),
                  "checkpoint: the pieces of '{}' disagree on its shape ({} in {})", name, fmt::join(shape, "x"), file);
@@ -124,9 +139,9 @@ NamedState NamedState::open(const std::string& dir) {
       for (const auto& [name_in_file, piece] : pieces.items()) {
         Piece p;
         p.file = shard;
-        p.shape = piece.at("shape").get<std::vector<int64_t>>();
-        p.dim = piece.at("dim").get<int64_t>();
-        p.start = piece.at("start").get<int64_t>();
+        p.shape = shape_of(piece.at("shape"), name_in_file, shard->path());
+        p.dim = integer(piece.at("dim"), name_in_file, shard->path());
+        p.start = integer(piece.at("start"), name_in_file, shard->path());
         const auto& info = shard->info(name_in_file);
         WEFT_CHECK(info.shape.size() == p.shape.size() && p.dim >= 0 &&
                        (p.shape.empty() || p.dim < static_cast<int64_t>(p.shape.size())),

@@ -23,21 +23,33 @@ nlohmann::json TrainerState::to_json() const {
   };
 }
 
+namespace {
+
+// An integer field: a JSON integer (a float such as 7.8e117 would not convert; nlohmann's get would
+// cast it, which is undefined behaviour past int64's range).
+int64_t integer(const nlohmann::json& j, const char* key, const std::string& origin) {
+  const auto& value = j.at(key);
+  WEFT_CHECK(value.is_number_integer(), "{}: {} is not an integer", origin, key);
+  return value.get<int64_t>();
+}
+
+}  // namespace
+
 TrainerState TrainerState::from_json(const nlohmann::json& j, const std::string& origin) {
   TrainerState s;
   try {
-    s.global_step = j.at("global_step").get<int64_t>();
-    s.epoch = j.at("epoch").get<int64_t>();
-    s.step_in_epoch = j.at("step_in_epoch").get<int64_t>();
+    s.global_step = integer(j, "global_step", origin);
+    s.epoch = integer(j, "epoch", origin);
+    s.step_in_epoch = integer(j, "step_in_epoch", origin);
     if (!j.at("best_eval_loss").is_null()) s.best_eval_loss = j.at("best_eval_loss").get<double>();
-    s.best_step = j.at("best_step").get<int64_t>();
-    s.evals_since_best = j.at("evals_since_best").get<int64_t>();
+    s.best_step = integer(j, "best_step", origin);
+    s.evals_since_best = integer(j, "evals_since_best", origin);
     s.epoch_seconds = j.at("epoch_seconds").get<double>();
-    s.epoch_tokens = j.at("epoch_tokens").get<int64_t>();
+    s.epoch_tokens = integer(j, "epoch_tokens", origin);
     s.data_identity = j.at("data_identity").get<std::string>();
     s.early_stopped = j.value("early_stopped", false);
     s.loss_scale = j.value("loss_scale", 0.0);  // absent in checkpoints before fp16
-    s.loss_scale_streak = j.value("loss_scale_streak", int64_t{0});
+    s.loss_scale_streak = j.contains("loss_scale_streak") ? integer(j, "loss_scale_streak", origin) : 0;
   } catch (const nlohmann::json::exception& e) {
     fail("{}: malformed trainer state ({})", origin, e.what());
   }

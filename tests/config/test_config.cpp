@@ -428,3 +428,16 @@ TEST(ConfigSchema, HelpAndReferenceListEveryKey) {
 }
 
 }  // namespace
+
+namespace {
+
+// Found by fuzz_config: an `extends` name the file system refuses (longer than NAME_MAX) escaped
+// as std::filesystem_error instead of the one clear error.
+TEST(ConfigFuzzFindings, AnExtendsNameTooLongForTheFileSystemIsOneError) {
+  const std::string text = "extends = \"" + std::string(300, 'w') + ".toml\"\n";
+  const std::string message = error_of([&] { load_config_text(run_schema(), text, "/tmp/main.toml"); });
+  EXPECT_NE(message.find("config key 'extends' names '/tmp/" + std::string(300, 'w') + ".toml': File name too long"),
+            std::string::npos) << message;
+}
+
+}  // namespace

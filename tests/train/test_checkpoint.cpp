@@ -60,3 +60,23 @@ TEST(Checkpoints, SavedConfigNamesTheTokenizersSpecialTokens) {
 
 }  // namespace
 }  // namespace weft
+
+namespace weft {
+namespace {
+
+// Found by fuzz_checkpoint_state: a step count written as a float beyond int64 was cast (undefined
+// behaviour) instead of refused.
+TEST(TrainerStateFuzzFindings, AFloatWhereACountBelongsIsRefused) {
+  const std::string text = R"({"global_step": 7.8e117, "epoch": 0, "step_in_epoch": 0, "best_eval_loss": null,
+    "best_step": -1, "evals_since_best": 0, "epoch_seconds": 0, "epoch_tokens": 0, "data_identity": ""})";
+  try {
+    TrainerState::parse(text, "trainer_state.json");
+    FAIL() << "accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("trainer_state.json: global_step is not an integer"), std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace weft

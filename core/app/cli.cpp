@@ -30,7 +30,7 @@ po::options_description describe_options() {
        "run N local ranks of this command (TCPStore on 127.0.0.1); under torchrun or Slurm leave it out; "
        "trainer bench: N or a list 1,2 for every plugin, or one per --plugin")
       ("warmup", po::value<int64_t>(), "trainer bench: steps per run not counted (default 3)")
-      ("steps", po::value<int64_t>(), "trainer bench: counted steps per run (default 10)")
+      ("steps", po::value<int64_t>(), "trainer bench: counted steps per run (default 10); trainer check: steps (default 20)")
       ("repetitions", po::value<int64_t>(), "trainer bench: runs per variant, alternated (default 3)")
       ("baseline", po::value<std::string>(), "trainer bench: 'pytorch' adds PyTorch DDP (python/pytorch_baseline.py)")
       ("out,o", po::value<std::string>(), "trainer bench: output directory; trainer report: the Markdown file")
@@ -67,7 +67,10 @@ CommandLine parse_command_line(int argc, char** argv) {
   if (vm.count("out")) cli.out = vm["out"].as<std::string>();
   if (vm.count("baseline")) cli.baseline = vm["baseline"].as<std::string>();
   if (vm.count("warmup")) cli.warmup = vm["warmup"].as<int64_t>();
-  if (vm.count("steps")) cli.steps = vm["steps"].as<int64_t>();
+  if (vm.count("steps")) {
+    cli.steps = vm["steps"].as<int64_t>();
+    if (cli.steps < 1) throw Error(fmt::format("--steps {}: must be at least 1", cli.steps));
+  }
   if (vm.count("repetitions")) cli.repetitions = vm["repetitions"].as<int64_t>();
   if (!cli.target.empty() && cli.command != "report") {
     throw Error(fmt::format("unexpected argument '{}' after '{}'", cli.target, cli.command));
@@ -107,7 +110,7 @@ void print_help() {
                "  trainer eval --config FILE [--plugin NAME] [--nproc N] [--data FILE ...] [--json OUT]   held-out\n"
                "        loss and perplexity of the configured model (or of every sequence of the --data files)\n"
                "  trainer generate --config FILE [--plugin NAME] [--nproc N] --prompt TEXT   continue TEXT (generate.*)\n"
-               "  trainer check --plugin NAME [--nproc N] [--set plugin.KEY=VALUE ...]   conformance: 20 steps under NAME vs single.so\n"
+               "  trainer check --plugin NAME [--nproc N] [--steps S] [--set plugin.KEY=VALUE ...]   conformance: S (20) steps under NAME vs single.so\n"
                "  trainer plan --config FILE [--plugin NAME] [--nproc N]   the memory plan per rank (parameters,\n"
                "        gradients, optimizer, activations, buffers) and whether it fits, without building the model\n"
                "  trainer bench --config FILE --plugin A --plugin B [--nproc N] [--baseline pytorch] [--warmup W]\n"

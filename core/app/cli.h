@@ -20,7 +20,8 @@ struct CommandLine {
   // trainer bench: every --plugin and --nproc as given; trainer report: the run directory.
   std::vector<std::string> plugins, nprocs;
   std::string target, out, baseline;
-  int64_t warmup = 3, steps = 10, repetitions = 3;
+  // steps: trainer bench's counted steps per run, trainer check's steps; 0 = the command's default.
+  int64_t warmup = 3, steps = 0, repetitions = 3;
   // trainer eval: files to evaluate instead of the held-out split, and where to write the JSON.
   std::vector<std::string> data;
   std::string json;

@@ -220,6 +220,7 @@ int run_check(const CommandLine& cli) {
   options.plugin = cli.plugin;
   options.nproc = std::max(1, cli.nproc);
   options.trainer_path = std::filesystem::read_symlink("/proc/self/exe").string();
+  if (cli.steps > 0) options.steps = cli.steps;
   std::string settings;
   for (const auto& setting : cli.overrides) {
     if (setting.rfind("train.plugin=", 0) == 0) continue;  // --plugin itself
@@ -267,7 +268,7 @@ int run_bench(const CommandLine& cli) {
   options.nproc = cli.nprocs;
   options.pytorch_baseline = cli.baseline == "pytorch";
   options.warmup_steps = cli.warmup;
-  options.steps = cli.steps;
+  if (cli.steps > 0) options.steps = cli.steps;
   options.repetitions = cli.repetitions;
   options.out_dir = cli.out;
   options.trainer_path = std::filesystem::read_symlink("/proc/self/exe").string();

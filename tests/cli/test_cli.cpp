@@ -135,6 +135,7 @@ TEST(Cli, BadInputGetsOneClearErrorAndExitCodeOne) {
            Case{tiny + "--set data.tokenizer=" + dir + "/tok.json", "tok.json"},
            Case{tiny + "--set model.weights=" + dir + "/w.safetensors", "w.safetensors"},
            Case{"frobnicate", "unknown command"},
+           Case{"check --plugin ddp --steps 0", "--steps 0: must be at least 1"},
        }) {
     const auto r = run_trainer(c.args + " --set train.out_dir=" + dir + "/out");
     EXPECT_EQ(r.exit_code, 1) << c.args << "\n" << r.output;

@@ -16,7 +16,7 @@
 #include "common/process.h"
 #include "test_paths.h"
 
-namespace {
+namespace eval_test {  // named: its helpers share a unity-build unit with other files' (CMAKE_UNITY_BUILD)
 
 using nlohmann::json;
 using weft::testing::read_text;
@@ -155,4 +155,4 @@ TEST_F(Eval, NoHeldOutSplitIsOneError) {
   EXPECT_NE(r.output.find("data.heldout_fraction is 0"), std::string::npos) << r.output;
 }
 
-}  // namespace
+}  // namespace eval_test

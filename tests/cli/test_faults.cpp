@@ -13,7 +13,7 @@
 #include "common/process.h"
 #include "test_paths.h"
 
-namespace {
+namespace faults_test {  // named: its helpers share a unity-build unit with other files' (CMAKE_UNITY_BUILD)
 
 namespace fs = std::filesystem;
 using weft::testing::read_text;
@@ -253,4 +253,4 @@ TEST(Faults, ReportRefusesToOverwriteTheRunsInputsAndExplainsBadMetrics) {
   EXPECT_EQ(bad.output.find("Traceback"), std::string::npos) << bad.output;
 }
 
-}  // namespace
+}  // namespace faults_test

@@ -11,7 +11,7 @@
 #include "dist/signal_run.h"
 #include "test_paths.h"
 
-namespace {
+namespace launcher_test {  // named: its helpers share a unity-build unit with other files' (CMAKE_UNITY_BUILD)
 
 std::string fresh_dir(const std::string& name) { return weft::testing::fresh_dir("weft_test_launcher", name); }
 
@@ -103,4 +103,4 @@ TEST(Launcher, TorchrunStyleEnvironmentJoinsTheJob) {
   EXPECT_NE(log.find("2 process(es)"), std::string::npos) << log;
 }
 
-}  // namespace
+}  // namespace launcher_test

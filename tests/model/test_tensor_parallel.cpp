@@ -23,7 +23,7 @@
 #include "core/util/error.h"
 #include "core/util/hash.h"
 
-namespace {
+namespace tensor_parallel_test {  // named: its helpers share a unity-build unit with other files' (CMAKE_UNITY_BUILD)
 
 using weft::CommPoint;
 using weft::ModelConfig;
@@ -326,4 +326,4 @@ TEST(TensorParallel, RefusesLayoutsTheModelCannotRun) {
   expect_error(unknown, "'model.layers.9.mlp.up_proj.weight' is not a parameter this process holds");
 }
 
-}  // namespace
+}  // namespace tensor_parallel_test

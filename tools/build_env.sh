@@ -10,3 +10,7 @@ if [[ -z "${WEFT_BUILD_DIR:-}" ]]; then
 fi
 export WEFT_BUILD_DIR
 export WEFT_VENV=${WEFT_VENV:-${XDG_CACHE_HOME:-${HOME:-/root}/.cache}/weft/venv}
+# Parallel jobs for builds and ctest: the machine's processors. Not plain nproc, which answers
+# OMP_NUM_THREADS when it is set (tools/test.sh sets it to 1 for the tests: CI built and tested one
+# job at a time until this was found).
+export WEFT_JOBS=${WEFT_JOBS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}

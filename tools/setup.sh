@@ -13,7 +13,7 @@
 #        debian           Debian 12's libtorch-dev 1.13 (CPU only)   -> build-debian/
 #        DIR              any other LibTorch: an unzipped libtorch, or a PyTorch's torch/ folder
 #                         -> build/
-#      WEFT_BUILD_DIR names another build folder. Without a CUDA toolkit (nvcc) the wheel builds
+#      WEFT_BUILD_DIR names another build folder; WEFT_CMAKE_ARGS adds CMake settings. Without a CUDA toolkit (nvcc) the wheel builds
 #      CPU only, and the build says so.
 #
 #   tools/setup.sh                      everything
@@ -77,6 +77,9 @@ print(torch.utils.cmake_prefix_path + ";" + os.path.dirname(torch.__file__))')
     cmake_args+=(-DCMAKE_PREFIX_PATH="$(cd "$WEFT_LIBTORCH" && pwd)") ;;
 esac
 command -v ninja >/dev/null && cmake_args+=(-G Ninja)
+# More CMake settings from the caller (tools/sanitize.sh: -DWEFT_SANITIZE=ON ...); later ones win.
+read -r -a extra_cmake_args <<<"${WEFT_CMAKE_ARGS:-}"
+cmake_args+=("${extra_cmake_args[@]}")
 
 log="$WEFT_BUILD_DIR/cmake.log"
 mkdir -p "$WEFT_BUILD_DIR"
@@ -86,5 +89,5 @@ if ! cmake -S . -B "$WEFT_BUILD_DIR" "${cmake_args[@]}" > "$log" 2>&1; then
   exit 1
 fi
 sed -n 's/^-- weft: /setup: /p' "$log"   # which LibTorch, CUDA and NCCL paths compiled or not
-cmake --build "$WEFT_BUILD_DIR" -j "$(nproc)"
+cmake --build "$WEFT_BUILD_DIR" -j "$WEFT_JOBS"
 echo "setup: built $WEFT_BUILD_DIR/trainer"

@@ -15,6 +15,7 @@ cd "$(dirname "$0")/.."
 
 builds=("$@")
 [[ ${#builds[@]} -gt 0 ]] || builds=(wheel debian:short)
+source tools/build_env.sh  # WEFT_JOBS (before OMP_NUM_THREADS, which nproc would answer)
 export OMP_NUM_THREADS=1
 
 build_dir_of() { (export WEFT_LIBTORCH=$1; unset WEFT_BUILD_DIR; source tools/build_env.sh; echo "$WEFT_BUILD_DIR"); }
@@ -41,7 +42,7 @@ for spec in "${builds[@]}"; do
     export WEFT_LIBTORCH=$build WEFT_BUILD_DIR=$dir &&
     tools/setup.sh &&
     if [[ $spec == *:short ]]; then exclude=$(long_tests_regex "$dir") && ctest_args=(-E "$exclude"); fi &&
-    ctest --test-dir "$dir" --output-on-failure -j "$(nproc)" --timeout 600 "${ctest_args[@]}" 2>&1 | tee "$dir/ctest.log"
+    ctest --test-dir "$dir" --output-on-failure -j "$WEFT_JOBS" --timeout 600 "${ctest_args[@]}" 2>&1 | tee "$dir/ctest.log"
   ) && rc=0 || rc=$?
   export WEFT_SKIP_APT=1  # the packages are in after the first build's set-up
   line=$(grep -E "tests passed, [0-9]+ tests failed out of [0-9]+" "$dir/ctest.log" 2>/dev/null | tail -1 || true)

@@ -10,6 +10,13 @@
 
 #include "core/util/error.h"
 
+#ifdef WEFT_WITH_CUDA  // the CUDA backend: core/model/cuda
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "core/model/cuda/kernels.h"
+#endif
+
 // The loops below only vectorise if GCC may if-convert float comparisons (the clamp in
 // exp_approx, bf16 rounding's NaN test); this changes no results, only allows that.
 #if defined(__GNUC__) && !defined(__clang__)
@@ -129,6 +136,21 @@ WEFT_ALWAYS_INLINE float exp_approx(float x) {
 
 int64_t rows_grain(int64_t row_size) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_size)); }
 
+#ifdef WEFT_WITH_CUDA
+// Runs launch(stream) on `t`'s device and its current stream, and turns a failed launch into an
+// error naming the kernel.
+template <typename F>
+void on_cuda(const torch::Tensor& t, const char* what, F&& launch) {
+  c10::cuda::CUDAGuard guard(t.device());
+  const cudaError_t status = launch(c10::cuda::getCurrentCUDAStream(t.device().index()).stream());
+  WEFT_CHECK(status == cudaSuccess, "{}: CUDA kernel launch failed: {}", what, cudaGetErrorString(status));
+}
+
+cuda::Dtype cuda_dtype(const torch::Tensor& t) {
+  return t.scalar_type() == torch::kBFloat16 ? cuda::Dtype::kBFloat16 : cuda::Dtype::kFloat32;
+}
+#endif
+
 class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor weight, double eps,
@@ -143,6 +165,16 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
     const float* wp = data<float>(w);
     float* rp = data<float>(rstd);
     const float epsf = static_cast<float>(eps);
+#ifdef WEFT_WITH_CUDA
+    if (x.is_cuda()) {
+      on_cuda(x, "rms_norm", [&](cudaStream_t stream) {
+        return cuda::rms_norm_forward(x.data_ptr(), cuda_dtype(x), wp, y.data_ptr(), cuda_dtype(y), rp, rows, dim, epsf,
+                                      stream);
+      });
+      ctx->save_for_backward({x, w, rstd});
+      return y;
+    }
+#endif
     dispatch_float_or_bf16(x.scalar_type(), "rms_norm", [&](auto x_tag) {
       using X = decltype(x_tag);
       dispatch_float_or_bf16(y.scalar_type(), "rms_norm", [&](auto y_tag) {
@@ -172,6 +204,20 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
     const int64_t dim = x.size(-1), rows = x.numel() / dim;
     const bool want_w = ctx->needs_input_grad(1);
     auto gx = torch::empty_like(x);
+#ifdef WEFT_WITH_CUDA
+    if (x.is_cuda()) {
+      WEFT_CHECK(g.scalar_type() == torch::kFloat32 || g.scalar_type() == torch::kBFloat16,
+                 "rms_norm backward: expected an fp32 or bf16 gradient");
+      torch::Tensor parts;
+      if (want_w) parts = torch::empty({cuda::rms_norm_backward_parts(rows), dim}, x.options().dtype(torch::kFloat32));
+      on_cuda(x, "rms_norm backward", [&](cudaStream_t stream) {
+        return cuda::rms_norm_backward(g.data_ptr(), cuda_dtype(g), x.data_ptr(), cuda_dtype(x), w.data_ptr<float>(),
+                                       rstd.data_ptr<float>(), gx.data_ptr(),
+                                       want_w ? parts.data_ptr<float>() : nullptr, rows, dim, stream);
+      });
+      return {gx, want_w ? parts.sum(0) : torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    }
+#endif
     // Weight gradient: per-chunk partial sums (fp64), reduced after the parallel loop.
     const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows));
     auto partial = torch::zeros({want_w ? chunks : 0, dim}, x.options().dtype(torch::kFloat64));
@@ -271,6 +317,15 @@ class SwigluFunction : public torch::autograd::Function<SwigluFunction> {
     auto sizes = gate_up.sizes().vec();
     sizes.back() = width;
     auto out = torch::empty(sizes, gate_up.options());
+    ctx->save_for_backward({gate_up});
+#ifdef WEFT_WITH_CUDA
+    if (gate_up.is_cuda()) {
+      on_cuda(gate_up, "swiglu", [&](cudaStream_t stream) {
+        return cuda::swiglu_forward(gate_up.data_ptr(), out.data_ptr(), cuda_dtype(gate_up), rows, width, stream);
+      });
+      return out;
+    }
+#endif
     dispatch_float_or_bf16(gate_up.scalar_type(), "swiglu", [&](auto tag) {
       using T = decltype(tag);
       const T* in = data<T>(gate_up);
@@ -279,7 +334,6 @@ class SwigluFunction : public torch::autograd::Function<SwigluFunction> {
         swiglu_rows_dispatch(in, op, begin, end, width);
       });
     });
-    ctx->save_for_backward({gate_up});
     return out;
   }
 
@@ -288,6 +342,16 @@ class SwigluFunction : public torch::autograd::Function<SwigluFunction> {
     const auto go = grads[0].contiguous();
     const int64_t width = gate_up.size(-1) / 2, rows = gate_up.numel() / std::max<int64_t>(1, 2 * width);
     auto grad = torch::empty_like(gate_up);
+#ifdef WEFT_WITH_CUDA
+    if (gate_up.is_cuda()) {
+      WEFT_CHECK(go.scalar_type() == gate_up.scalar_type(), "swiglu backward: gradient dtype mismatch");
+      on_cuda(gate_up, "swiglu backward", [&](cudaStream_t stream) {
+        return cuda::swiglu_backward(gate_up.data_ptr(), go.data_ptr(), grad.data_ptr(), cuda_dtype(gate_up), rows,
+                                     width, stream);
+      });
+      return {grad};
+    }
+#endif
     dispatch_float_or_bf16(gate_up.scalar_type(), "swiglu backward", [&](auto tag) {
       using T = decltype(tag);
       WEFT_CHECK(go.scalar_type() == gate_up.scalar_type(), "swiglu backward: gradient dtype mismatch");
@@ -382,6 +446,15 @@ class QkvRopeFunction : public torch::autograd::Function<QkvRopeFunction> {
     auto q = torch::empty({s.batch, heads, s.seq, s.dim}, qkv.options());
     auto k = torch::empty({s.batch, kv_heads, s.seq, s.dim}, qkv.options());
     auto v = torch::empty({s.batch, kv_heads, s.seq, s.dim}, qkv.options());
+#ifdef WEFT_WITH_CUDA
+    if (qkv.is_cuda()) {
+      on_cuda(qkv, "split_qkv_with_rope", [&](cudaStream_t stream) {
+        return cuda::qkv_rope(qkv.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), cuda_dtype(qkv),
+                              c.data_ptr<float>(), sn.data_ptr<float>(), s.batch, s.seq, heads, kv_heads, s.dim,
+                              /*inverse=*/false, stream);
+      });
+    } else
+#endif
     dispatch_float_or_bf16(qkv.scalar_type(), "split_qkv_with_rope", [&](auto tag) {
       using T = decltype(tag);
       qkv_rope_pass<T>(s, data<T>(qkv), data<T>(q), data<T>(k), data<T>(v),
@@ -398,6 +471,19 @@ class QkvRopeFunction : public torch::autograd::Function<QkvRopeFunction> {
     const QkvShape s{dims[0], dims[1], dims[2], dims[3], dims[4]};
     const auto gq = grads[0].contiguous(), gk = grads[1].contiguous(), gv = grads[2].contiguous();
     auto gqkv = torch::empty({s.batch, s.seq, s.total_heads() * s.dim}, gq.options());
+#ifdef WEFT_WITH_CUDA
+    if (gq.is_cuda()) {
+      WEFT_CHECK(gk.scalar_type() == gq.scalar_type() && gv.scalar_type() == gq.scalar_type() &&
+                     (gq.scalar_type() == torch::kFloat32 || gq.scalar_type() == torch::kBFloat16),
+                 "split_qkv_with_rope backward: gradients of mixed dtypes");
+      on_cuda(gq, "split_qkv_with_rope backward", [&](cudaStream_t stream) {
+        return cuda::qkv_rope(gqkv.data_ptr(), gq.data_ptr(), gk.data_ptr(), gv.data_ptr(), cuda_dtype(gq),
+                              saved[0].data_ptr<float>(), saved[1].data_ptr<float>(), s.batch, s.seq, s.heads,
+                              s.kv_heads, s.dim, /*inverse=*/true, stream);
+      });
+      return {gqkv, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    }
+#endif
     dispatch_float_or_bf16(gq.scalar_type(), "split_qkv_with_rope backward", [&](auto tag) {
       using T = decltype(tag);
       WEFT_CHECK(gk.scalar_type() == gq.scalar_type() && gv.scalar_type() == gq.scalar_type(),
@@ -409,6 +495,42 @@ class QkvRopeFunction : public torch::autograd::Function<QkvRopeFunction> {
   }
 };
 
+#ifdef WEFT_WITH_CUDA
+// The sum of the per-token cross-entropy of logits [N, V] (fp32 or bf16) against targets [N], in
+// fp32; backward writes the logits' gradient in their dtype from the saved logits and per-row
+// log-sum-exp (what ATen's log_softmax + nll_loss over an fp32 copy compute, without the copy).
+class CrossEntropySumFunction : public torch::autograd::Function<CrossEntropySumFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor logits, torch::Tensor targets) {
+    logits = logits.contiguous();
+    const auto t = targets.to(logits.device(), torch::kLong).contiguous();
+    const int64_t rows = logits.size(0), vocab = logits.size(1);
+    WEFT_CHECK(t.numel() == rows, "cross_entropy: {} targets for {} rows of logits", t.numel(), rows);
+    auto loss = torch::empty({rows}, logits.options().dtype(torch::kFloat32));
+    auto lse = torch::empty({rows}, logits.options().dtype(torch::kFloat32));
+    on_cuda(logits, "cross_entropy", [&](cudaStream_t stream) {
+      return cuda::cross_entropy_forward(logits.data_ptr(), cuda_dtype(logits), t.data_ptr<int64_t>(),
+                                         loss.data_ptr<float>(), lse.data_ptr<float>(), rows, vocab, stream);
+    });
+    ctx->save_for_backward({logits, t, lse});
+    return loss.sum();
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &logits = saved[0], &t = saved[1], &lse = saved[2];
+    const auto g = grads[0].to(torch::kFloat32).contiguous();
+    auto grad = torch::empty_like(logits);
+    on_cuda(logits, "cross_entropy backward", [&](cudaStream_t stream) {
+      return cuda::cross_entropy_backward(logits.data_ptr(), cuda_dtype(logits), t.data_ptr<int64_t>(),
+                                          lse.data_ptr<float>(), g.data_ptr<float>(), grad.data_ptr(), logits.size(0),
+                                          logits.size(1), stream);
+    });
+    return {grad, torch::Tensor()};
+  }
+};
+#endif
+
 }  // namespace
 
 namespace {
@@ -416,7 +538,11 @@ namespace {
 // The hand-written kernels run on CPU tensors of fp32 or bf16; anything else (a CUDA tensor, fp16)
 // takes ATen's ops, which run on every device.
 bool fused_applies(const torch::Tensor& x) {
-  return x.device().is_cpu() && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16);
+  if (x.scalar_type() != torch::kFloat32 && x.scalar_type() != torch::kBFloat16) return false;
+#ifdef WEFT_WITH_CUDA
+  if (x.is_cuda()) return true;
+#endif
+  return x.device().is_cpu();
 }
 
 }  // namespace
@@ -449,7 +575,10 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> aten_split_qkv_with_rope
 
 torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
                              torch::Dtype out_dtype) {
-  const bool fused = fused_applies(x) && (out_dtype == torch::kFloat32 || out_dtype == torch::kBFloat16);
+  bool fused = fused_applies(x) && (out_dtype == torch::kFloat32 || out_dtype == torch::kBFloat16);
+#ifdef WEFT_WITH_CUDA
+  fused = fused && (x.device().is_cpu() || x.size(-1) <= cuda::kRmsNormMaxDim);
+#endif
   if (!fused) return aten_rms_norm(x, weight, eps, out_dtype);
   return RmsNormFunction::apply(x, weight, eps, static_cast<int64_t>(out_dtype));
 }
@@ -461,9 +590,17 @@ torch::Tensor fused_swiglu(const torch::Tensor& gate_up) {
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> split_qkv_with_rope(
     const torch::Tensor& qkv, int64_t num_heads, int64_t num_kv_heads, const torch::Tensor& cos,
     const torch::Tensor& sin) {
-  if (!fused_applies(qkv) || !cos.device().is_cpu()) return aten_split_qkv_with_rope(qkv, num_heads, num_kv_heads, cos, sin);
+  if (!fused_applies(qkv) || cos.device() != qkv.device()) return aten_split_qkv_with_rope(qkv, num_heads, num_kv_heads, cos, sin);
   auto out = QkvRopeFunction::apply(qkv, cos, sin, num_heads, num_kv_heads);
   return {out[0], out[1], out[2]};
+}
+
+torch::Tensor cross_entropy_sum_of(const torch::Tensor& logits, const torch::Tensor& targets) {
+#ifdef WEFT_WITH_CUDA
+  if (logits.is_cuda() && fused_applies(logits) && logits.dim() == 2) return CrossEntropySumFunction::apply(logits, targets);
+#endif
+  return torch::nn::functional::cross_entropy(logits.to(torch::kFloat32), targets,
+                                              torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
 }
 
 }  // namespace weft

@@ -1,8 +1,10 @@
-// Fused CPU kernels for the decoder block, each an autograd function with a hand-written
-// backward pass, and the ATen formulations they replace. The fused_* entry points run the
-// hand-written kernel on CPU tensors of fp32 or bf16 and the ATen formulation (aten_*) on anything
-// else: CUDA tensors (ATen's kernels there) and fp16. The CPU is one backend among others; the
-// kernels test checks each fused kernel against its ATen formulation, values and gradients.
+// Fused kernels for the decoder block and the loss, each an autograd function with a hand-written
+// backward pass, and the ATen formulations they replace. Two backends: the CPU loops in
+// kernels.cpp, and CUDA kernels (core/model/cuda, compiled where LibTorch and the machine have
+// CUDA). The fused_* entry points run the hand-written kernel on CPU or CUDA tensors of fp32 or
+// bf16 and the ATen formulation (aten_*) on anything else (fp16, other devices, a CPU-only build's
+// CUDA tensors). The kernels test checks each fused kernel against its ATen formulation, values
+// and gradients, on the CPU and, where a GPU is visible, on CUDA.
 //
 // The hand-written kernels read and write fp32 or bf16 tensors and always compute in fp32, so one
 // pass over memory replaces the several elementwise kernels (and dtype casts) that the
@@ -23,7 +25,7 @@ torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight
                              torch::Dtype out_dtype);
 
 // SwiGLU on a fused gate/up projection: gate_up [..., 2I] -> silu(gate) * up [..., I] with
-// gate = gate_up[..., :I], up = gate_up[..., I:], in gate_up's dtype (fp32 or bf16). exp() is a
+// gate = gate_up[..., :I], up = gate_up[..., I:], in gate_up's dtype (fp32 or bf16). On the CPU exp() is a
 // vectorisable polynomial approximation (about 1 ulp in fp32).
 torch::Tensor fused_swiglu(const torch::Tensor& gate_up);
 
@@ -34,6 +36,12 @@ torch::Tensor fused_swiglu(const torch::Tensor& gate_up);
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> split_qkv_with_rope(
     const torch::Tensor& qkv, int64_t num_heads, int64_t num_kv_heads, const torch::Tensor& cos,
     const torch::Tensor& sin);
+
+// The sum over rows of the cross-entropy of logits [N, V] against targets [N] (int64; -100, or any
+// target outside [0, V), is ignored), in fp32. On CUDA tensors of fp32 or bf16 a fused kernel pair
+// that reads the logits in their dtype (no fp32 copy of the [N, V] logits, forward or backward);
+// elsewhere ATen's cross_entropy over an fp32 copy.
+torch::Tensor cross_entropy_sum_of(const torch::Tensor& logits, const torch::Tensor& targets);
 
 // The ATen formulations: the same values up to rounding order, on every device and dtype.
 torch::Tensor aten_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, torch::Dtype out_dtype);

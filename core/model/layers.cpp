@@ -43,10 +43,10 @@ torch::Tensor fused_linear(const torch::Tensor& x, const std::vector<LinearImpl*
   bool any_lora = false;
   for (const auto* layer : layers) {
     WEFT_CHECK(layer->compute_dtype() == dtype, "fused_linear: layers with different compute dtypes");
-    weights.push_back(layer->weight);
+    weights.push_back(layer->weight.to(dtype));  // cast, then concatenate: half the bytes moved in bf16
     any_lora = any_lora || layer->has_lora();
   }
-  auto y = torch::nn::functional::linear(input, torch::cat(weights).to(dtype));
+  auto y = torch::nn::functional::linear(input, weights.size() == 1 ? weights[0] : torch::cat(weights));
   if (!any_lora) return y;
   std::vector<torch::Tensor> parts;
   int64_t offset = 0;
@@ -306,6 +306,17 @@ DecoderBlockImpl::DecoderBlockImpl(const ModelConfig& c, const BlockShape& shape
       register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
 }
 
+namespace {
+
+// x + sublayer output, in x's dtype: one kernel that promotes a bf16 output on the fly where x's
+// dtype is the wider one (fp32 residual stream), instead of a cast and an add.
+torch::Tensor residual_add(const torch::Tensor& x, const torch::Tensor& a) {
+  if (c10::promoteTypes(x.scalar_type(), a.scalar_type()) == x.scalar_type()) return x + a;
+  return x + a.to(x.scalar_type());
+}
+
+}  // namespace
+
 torch::Tensor DecoderBlockImpl::forward(const torch::Tensor& x, const RotaryEmbedding& rope) {
   // The residual stream stays fp32; sublayer outputs (compute dtype) are promoted on add.
   // Norms write their output directly in the compute dtype the projections read.
@@ -313,25 +324,25 @@ torch::Tensor DecoderBlockImpl::forward(const torch::Tensor& x, const RotaryEmbe
   // g after (all-reduce forward of the row-parallel partial sums).
   const auto dtype = self_attn->q_proj->compute_dtype();
   if (comm_ == nullptr || !*comm_) {
-    auto h = x + self_attn->forward(input_layernorm->normalize(x, dtype), rope).to(x.scalar_type());
-    return h + mlp(post_attention_layernorm->normalize(h, dtype)).to(x.scalar_type());
+    auto h = residual_add(x, self_attn->forward(input_layernorm->normalize(x, dtype), rope));
+    return residual_add(h, mlp(post_attention_layernorm->normalize(h, dtype)));
   }
   auto a = comm_point(comm_, CommPoint::kAttentionInput, layer_, input_layernorm->normalize(x, dtype));
   a = comm_point(comm_, CommPoint::kAttentionOutput, layer_, self_attn->forward(a, rope));
-  auto h = x + a.to(x.scalar_type());
+  auto h = residual_add(x, a);
   auto m = comm_point(comm_, CommPoint::kMlpInput, layer_, post_attention_layernorm->normalize(h, dtype));
   m = comm_point(comm_, CommPoint::kMlpOutput, layer_, mlp(m));
-  return h + m.to(x.scalar_type());
+  return residual_add(h, m);
 }
 
 torch::Tensor DecoderBlockImpl::forward_cached(const torch::Tensor& x, const RotaryEmbedding& rope, LayerKvCache& cache) {
   const auto dtype = self_attn->q_proj->compute_dtype();
   auto a = comm_point(comm_, CommPoint::kAttentionInput, layer_, input_layernorm->normalize(x, dtype));
   a = comm_point(comm_, CommPoint::kAttentionOutput, layer_, self_attn->forward_cached(a, rope, cache));
-  auto h = x + a.to(x.scalar_type());
+  auto h = residual_add(x, a);
   auto m = comm_point(comm_, CommPoint::kMlpInput, layer_, post_attention_layernorm->normalize(h, dtype));
   m = comm_point(comm_, CommPoint::kMlpOutput, layer_, mlp(m));
-  return h + m.to(x.scalar_type());
+  return residual_add(h, m);
 }
 
 void set_compute_dtype(torch::nn::Module& module, torch::Dtype dtype) {

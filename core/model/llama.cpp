@@ -5,6 +5,7 @@
 
 #include <torch/torch.h>
 
+#include "core/model/kernels.h"
 #include "core/util/error.h"
 #include "core/util/fault_injection.h"
 
@@ -214,10 +215,7 @@ torch::Tensor LlamaForCausalLMImpl::token_losses(const torch::Tensor& logits, co
 }
 
 torch::Tensor cross_entropy_sum(const torch::Tensor& logits, const torch::Tensor& targets) {
-  const int64_t vocab = logits.size(-1);
-  return torch::nn::functional::cross_entropy(
-      logits.reshape({-1, vocab}).to(torch::kFloat32), targets.reshape({-1}),
-      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+  return cross_entropy_sum_of(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
 }
 
 torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& targets) {

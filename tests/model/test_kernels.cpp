@@ -1,5 +1,5 @@
-// The fused kernels (RMSNorm, SwiGLU, q/k/v split with RoPE), fused linear layers and the rope
-// table cache against the plain ATen formulations they replace, values and gradients.
+// The fused kernels (RMSNorm, SwiGLU, q/k/v split with RoPE, the loss on CUDA), fused linear layers
+// and the rope table cache against the plain ATen formulations they replace, values and gradients.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -125,6 +125,71 @@ TEST(FusedKernels, TheAtenPathEqualsTheFusedKernelsItStandsInFor) {
   EXPECT_EQ(y16.scalar_type(), torch::kHalf);
   EXPECT_TRUE(torch::allclose(y16.to(torch::kFloat32), norm_fused({x, w}), 2e-3, 2e-3));
   EXPECT_EQ(fused_swiglu(gate_up.to(torch::kHalf)).scalar_type(), torch::kHalf);
+}
+
+// The CUDA backend (core/model/cuda) against the ATen formulations on the same GPU, values and
+// gradients, in fp32 and bf16, at shapes that are no multiple of a block (rows of 2050 for the
+// RMSNorm and loss, a 128k vocabulary). Needs a GPU: tools/gpu/kit.sh runs it (test_model).
+TEST(FusedKernels, OnCudaEachKernelEqualsItsAtenFormulation) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device here; tools/gpu/kit.sh runs this on a GPU";
+  torch::manual_seed(7);
+  const torch::Device gpu(torch::kCUDA, 0);
+  const auto close = [](const torch::Tensor& a, const torch::Tensor& b, double rtol, double atol) {
+    return torch::allclose(a.to(torch::kCPU, torch::kFloat32), b.to(torch::kCPU, torch::kFloat32), rtol, atol);
+  };
+  for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    const bool bf16 = dtype == torch::kBFloat16;
+    SCOPED_TRACE(bf16 ? "bf16" : "fp32");
+    // RMSNorm: the residual stream (fp32) in, the compute dtype out; and bf16 in.
+    const auto x = torch::randn({5, 410, 2048}, gpu), w = (torch::rand({2048}) + 0.5).to(gpu);
+    const auto probe = torch::randn({5, 410, 2048}, gpu);
+    for (const auto& in : {x, x.to(dtype)}) {
+      auto fused = [&](std::vector<torch::Tensor> t) { return fused_rms_norm(t[0], t[1], 1e-5, dtype); };
+      auto aten = [&](std::vector<torch::Tensor> t) { return aten_rms_norm(t[0], t[1], 1e-5, dtype); };
+      EXPECT_TRUE(close(fused({in, w}), aten({in, w}), bf16 ? 1e-2 : 1e-5, 1e-5));
+      const auto gf = grads_of(fused, {in, w}, probe), ga = grads_of(aten, {in, w}, probe);
+      EXPECT_TRUE(close(gf[0], ga[0], bf16 ? 2e-2 : 1e-4, bf16 ? 1e-2 : 1e-5));
+      EXPECT_TRUE(close(gf[1], ga[1], bf16 ? 2e-2 : 1e-3, bf16 ? 1e-1 : 1e-3));
+    }
+    // SwiGLU.
+    const auto gate_up = (torch::randn({3, 70, 2 * 1000}, gpu) * 3).to(dtype), probe_mlp = torch::randn({3, 70, 1000}, gpu);
+    auto mlp_fused = [](std::vector<torch::Tensor> t) { return fused_swiglu(t[0]); };
+    auto mlp_aten = [](std::vector<torch::Tensor> t) { return aten_swiglu(t[0]); };
+    EXPECT_TRUE(close(mlp_fused({gate_up}), mlp_aten({gate_up}), bf16 ? 1e-2 : 1e-5, 1e-5));
+    EXPECT_TRUE(close(grads_of(mlp_fused, {gate_up}, probe_mlp)[0], grads_of(mlp_aten, {gate_up}, probe_mlp)[0],
+                      bf16 ? 2e-2 : 1e-5, bf16 ? 2e-2 : 1e-5));
+    // q/k/v split with RoPE (the llama-3.2-1b heads: 32 of 64, 8 kv heads).
+    auto config = preset_config("tiny");
+    config.head_dim = 64;
+    RotaryEmbedding rope(config);
+    const int64_t h = 32, kvh = 8, d = 64, t = 100;
+    const auto [cos, sin] = rope.tables(0, t, gpu);
+    const auto qkv = torch::randn({2, t, (h + 2 * kvh) * d}, gpu).to(dtype), probe_qkv = torch::randn({qkv.numel()}, gpu);
+    auto qkv_of = [&](bool use_aten) {
+      return [&, use_aten](std::vector<torch::Tensor> in) {
+        auto [q, k, v] = use_aten ? aten_split_qkv_with_rope(in[0], h, kvh, cos, sin) : split_qkv_with_rope(in[0], h, kvh, cos, sin);
+        return torch::cat({q.flatten(), k.flatten(), v.flatten()});
+      };
+    };
+    EXPECT_TRUE(close(qkv_of(false)({qkv}), qkv_of(true)({qkv}), bf16 ? 1e-2 : 1e-6, 1e-6));
+    EXPECT_TRUE(close(grads_of(qkv_of(false), {qkv}, probe_qkv)[0], grads_of(qkv_of(true), {qkv}, probe_qkv)[0],
+                      bf16 ? 1e-2 : 1e-5, bf16 ? 1e-2 : 1e-6));
+    // The loss over a 128k vocabulary, two targets ignored (-100).
+    const auto logits = (torch::randn({2050, 128256}, gpu) * 2).to(dtype);
+    auto targets = torch::randint(0, 128256, {2050}, torch::TensorOptions().dtype(torch::kLong).device(gpu));
+    targets.index_put_({torch::tensor({3, 2000})}, -100);
+    auto loss_fused = [&](std::vector<torch::Tensor> in) { return cross_entropy_sum_of(in[0], targets); };
+    auto loss_aten = [&](std::vector<torch::Tensor> in) {
+      return torch::nn::functional::cross_entropy(in[0].to(torch::kFloat32), targets,
+                                                  torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+    };
+    EXPECT_TRUE(close(loss_fused({logits}), loss_aten({logits}), 1e-5, 1e-3));
+    const auto one = torch::full({}, 0.5, gpu);
+    const auto gl_f = grads_of(loss_fused, {logits}, one)[0], gl_a = grads_of(loss_aten, {logits}, one)[0];
+    EXPECT_EQ(gl_f.scalar_type(), dtype);
+    EXPECT_TRUE(close(gl_f, gl_a, bf16 ? 1e-2 : 1e-5, 1e-7));
+    EXPECT_EQ(gl_f[3].abs().sum().item<float>(), 0.0f);
+  }
 }
 
 TEST(FusedKernels, FusedLinearEqualsSeparateLayersWithAndWithoutLora) {

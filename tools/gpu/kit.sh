@@ -9,6 +9,8 @@
 #                                                           weft against python3's own libtorch
 #                              tools/gpu/kit.sh check        the checks below, in order
 #                              tools/gpu/kit.sh throughput   Llama 3.2 1B shape, bf16: weft vs PyTorch
+#                              tools/gpu/kit.sh quick        the CUDA kernels and single on CUDA only
+#                              tools/gpu/kit.sh zero         ZeRO-3 of the 1B shape on CUDA, 2 ranks
 #
 # Each step appends to $KIT_OUT/gpu-kit.md (default: $OUT where the device tool sets it, else
 # build-gpu/kit) and goes on after a failure; the exit status is the number of failed checks.
@@ -57,7 +59,8 @@ summary_of() {
 import json, sys
 s = [json.loads(l) for l in open(sys.argv[1]) if '"summary"' in l][-1]
 keys = ["device_name", "precision", "tokens_per_s", "mfu", "peak_tflops", "device_peak_allocated_mib",
-        "device_peak_reserved_mib", "eval_loss", "perplexity", "skipped_steps"]
+        "device_peak_reserved_mib", "device_peak_allocated_mib_per_rank", "memory_plan_mib_per_rank", "eval_loss",
+        "perplexity", "skipped_steps", "train_loss"]
 print(", ".join(f"{k} {s[k]:.4g}" if isinstance(s.get(k), float) else f"{k} {s.get(k)}" for k in keys if k in s))
 PY
 }
@@ -76,17 +79,26 @@ build_step() {
   local torch_prefix
   torch_prefix=$(python3 -c 'import os, torch, torch.utils
 print(torch.utils.cmake_prefix_path + ";" + os.path.dirname(torch.__file__))') || { say "- FAIL: python3 has no torch"; return 1; }
-  run environment 60 bash -c 'nvidia-smi -L; python3 -c "import torch; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"no GPU\")"; nvcc --version | tail -1; cmake --version | head -1; g++ --version | head -1'
+  run environment 60 bash -c 'nvidia-smi -L; python3 -c "import torch; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"no GPU\")"; nvcc --version | tail -1; cmake --version | head -1; g++ --version | head -1; env | grep -E "^(LIBRARY_PATH|COMPILER_PATH|LD_LIBRARY_PATH)=" || true'
   # The system's g++ (WEFT_KIT_CXX chooses another): a g++ of its own in /opt/gcc, first on the
   # PATH of the workplace's GPU machines, linked libtorch.so ahead of libstdc++, so libtorch's
   # static std::filesystem answered weft's calls and remove_all jumped to address 0.
+  # The C compiler and nvcc's host compiler are the same GCC: with nvcc's default (the PATH's g++,
+  # /opt/gcc's) CMake put that GCC's library folders (-L/opt/gcc/lib: its libstdc++) on the link
+  # of every binary holding CUDA code, and libstdc++ was again not first.
   local cxx=${WEFT_KIT_CXX:-/usr/bin/g++}
   [[ -x "$cxx" ]] || cxx=$(command -v g++)
-  run configure 300 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_prefix" \
-      -DCMAKE_CXX_COMPILER="$cxx" -DWEFT_DEPS_PREFIX="$prefix" -DWEFT_PYTHON="$(command -v python3)"
+  local cc=${WEFT_KIT_CC:-$(dirname "$cxx")/gcc}
+  [[ -x "$cc" ]] || cc=$(command -v gcc)
+  local gcc_first
+  gcc_first=$(mktemp -d)
+  ln -s "$cxx" "$gcc_first/g++"; ln -s "$cxx" "$gcc_first/c++"; ln -s "$cc" "$gcc_first/gcc"; ln -s "$cc" "$gcc_first/cc"
+  run configure 300 env PATH="$gcc_first:$PATH" CC="$cc" CXX="$cxx" CUDAHOSTCXX="$cxx" cmake -S . -B "$build" -G Ninja \
+      -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_prefix" -DCMAKE_C_COMPILER="$cc" -DCMAKE_CXX_COMPILER="$cxx" \
+      -DCMAKE_CUDA_HOST_COMPILER="$cxx" -DWEFT_DEPS_PREFIX="$prefix" -DWEFT_PYTHON="$(command -v python3)"
   grep -h '^-- weft: ' "$out/configure.log" | tee -a "$report"
-  run compile 560 cmake --build "$build" -j "$jobs" --target trainer single ddp gpipe pipedream tensor_parallel zero \
-      test_device test_model test_dist
+  run compile 560 env PATH="$gcc_first:$PATH" cmake --build "$build" -j "$jobs" --target trainer single ddp gpipe pipedream \
+      tensor_parallel zero test_device test_model test_dist
   # libstdc++ must come before libtorch.so in the search order (cmake/libtorch.cmake says why).
   run libstdcxx_first 10 bash -c "readelf -d $build/trainer $build/tests/test_model | grep NEEDED | head -1 | grep -q libstdc++ && readelf -d $build/tests/test_model | grep NEEDED | head -1 | grep -q libstdc++"
 }
@@ -123,6 +135,32 @@ check_step() {
   done
 }
 
+# What a short GPU session runs first: the CUDA kernels against ATen on the GPU (test_model) and
+# single on CUDA against the CPU reference in fp32 and bf16.
+quick_step() {
+  mkdir -p "$out"
+  say "## quick ($(date -u +%FT%TZ))"
+  local t=$build/trainer
+  run test_model_kernels 300 "$build/tests/test_model" --gtest_filter='FusedKernels.*'
+  run check_single_cuda_fp32 300 "$t" check --plugin single --set train.device=cuda
+  run check_single_cuda_bf16 300 "$t" check --plugin single --set train.device=cuda --set train.precision=bf16
+}
+
+# ZeRO-3 full fine-tuning of the llama-3.2-1b shape (configs/llama-3.2-1b-zero.toml) on CUDA
+# tensors, 2 ranks (sharing one GPU over Gloo where there is one): the plan, step times, peaks.
+zero_step() {
+  mkdir -p "$out"
+  say "## zero ($(date -u +%FT%TZ))"
+  local t=$build/trainer gpus share=0
+  gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+  [[ "$gpus" -lt 2 ]] && share=1
+  if WEFT_SHARE_GPUS=$share KIT_TAIL=25 run zero3_1b_cuda_2ranks 400 "$t" --config configs/llama-3.2-1b-zero.toml \
+      --plugin zero --nproc 2 --set train.device=cuda --set train.out_dir="$out/zero1b" --set train.overwrite=true \
+      --set log.progress=lines; then
+    say "  zero stage 3, llama-3.2-1b shape on CUDA: $(summary_of "$out/zero1b/metrics.jsonl")"
+  fi
+}
+
 throughput_step() {
   mkdir -p "$out"
   say "## throughput ($(date -u +%FT%TZ))"
@@ -147,6 +185,8 @@ case "${1:-}" in
   build) build_step ;;
   check) check_step ;;
   throughput) throughput_step ;;
-  *) echo "usage: tools/gpu/kit.sh fetch|build|check|throughput (see the top of this file)" >&2; exit 2 ;;
+  quick) quick_step ;;
+  zero) zero_step ;;
+  *) echo "usage: tools/gpu/kit.sh fetch|build|check|quick|throughput|zero (see the top of this file)" >&2; exit 2 ;;
 esac
 exit "$failed"

@@ -29,22 +29,6 @@ std::string ranks_text(const std::vector<double>& values) {
 
 }  // namespace
 
-double median_of(std::vector<double> values) {
-  if (values.empty()) return 0.0;
-  std::sort(values.begin(), values.end());
-  const size_t n = values.size();
-  return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
-}
-
-double percentile_of(std::vector<double> values, double p) {
-  if (values.empty()) return 0.0;
-  WEFT_CHECK(p >= 0 && p <= 100, "percentile {} outside [0, 100]", p);
-  std::sort(values.begin(), values.end());
-  const double rank = p / 100.0 * static_cast<double>(values.size() - 1);
-  const size_t lo = static_cast<size_t>(rank), hi = std::min(lo + 1, values.size() - 1);
-  return values[lo] + (values[hi] - values[lo]) * (rank - static_cast<double>(lo));
-}
-
 RunMeasurement read_run(const std::string& metrics_path, int64_t warmup_steps) {
   std::ifstream in(metrics_path);
   WEFT_CHECK(in.good(), "{}: cannot read the run's metrics", metrics_path);

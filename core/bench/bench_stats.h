@@ -9,6 +9,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/util/stats.h"  // median_of, percentile_of
+
 namespace weft {
 
 // One run's measured steps (those after the warm-up) and its summary line.
@@ -54,11 +56,6 @@ struct VariantSummary {
   std::optional<double> bubble, bubble_formula;
 };
 
-// The median of `values` (the mean of the middle two for an even count); 0 for none.
-double median_of(std::vector<double> values);
-// The p-th percentile (0 <= p <= 100) of `values`, interpolating linearly between the two closest
-// ranks (numpy.percentile's default: rank p / 100 x (n - 1)); 0 for none.
-double percentile_of(std::vector<double> values, double p);
 
 // Summarises a variant's repetitions. `tokens_per_step` is the global batch in tokens.
 VariantSummary summarise(const std::string& name, const std::string& plugin, int nproc, bool pytorch,

@@ -8,6 +8,7 @@
 #include "core/dist/process_groups.h"
 #include "core/train/flops.h"
 #include "core/util/device.h"
+#include "core/util/stats.h"
 #include "core/util/torch_compat.h"
 #include "core/util/trace.h"
 
@@ -27,6 +28,7 @@ double RunRecords::mfu(double tokens_per_second) const {
 
 void RunRecords::step(const StepRecord& s) {
   seconds_ += s.seconds;
+  step_seconds_.push_back(s.seconds);
   tokens_ += tokens_per_step_;
   activation_peak_mib_ = std::max(activation_peak_mib_, s.activation_mib);
   comm_wait_seconds_ += s.report.comm.wait_seconds;
@@ -79,7 +81,9 @@ const TrainResult& RunRecords::finish(Communicator& communicator, int rank, int6
   result.tensor_peak_mib = tensor_peak_mib;
   result.tokens_per_second = seconds_ > 0 ? tokens_ / seconds_ : 0.0;
   result.peak_rss_mib = peak_rss_mib();
-  result.mfu = mfu(result.tokens_per_second);
+  result.step_seconds_median = median_of(step_seconds_);
+  result.mfu = result.step_seconds_median > 0 ? mfu(tokens_per_step_ / result.step_seconds_median) : 0.0;
+  result.mfu_whole_run = mfu(result.tokens_per_second);
   result.skipped_steps = skipped_steps;
   const double steps = static_cast<double>(std::max<size_t>(result.step_losses.size(), 1));
   nlohmann::json summary = {{"steps", result.steps},
@@ -87,6 +91,7 @@ const TrainResult& RunRecords::finish(Communicator& communicator, int rank, int6
                             {"steps_per_epoch", steps_per_epoch},
                             {"epoch_seconds", result.epoch_seconds},
                             {"tokens_per_s", result.tokens_per_second},
+                            {"step_time_median_s", result.step_seconds_median},
                             {"peak_rss_mib", result.peak_rss_mib},
                             {"early_stopped", result.early_stopped},
                             {"interrupted", result.interrupted},
@@ -108,9 +113,13 @@ const TrainResult& RunRecords::finish(Communicator& communicator, int rank, int6
   if (setting_.peak_tflops > 0) {
     summary["peak_tflops"] = setting_.peak_tflops;
     summary["mfu"] = result.mfu;
-    spdlog::info("model FLOP utilisation {:.1f}% ({:.3g} FLOPs per token, {:.0f} tokens/s over {} device(s) of {:.1f} "
-                 "TFLOP/s peak at {})",
-                 100.0 * result.mfu, setting_.flops_per_token, result.tokens_per_second, setting_.world,
+    summary["mfu_whole_run"] = result.mfu_whole_run;
+    spdlog::info("model FLOP utilisation {:.1f}% at the median step ({:.3f} s, {:.0f} tokens/s; {:.1f}% over the whole "
+                 "run, its first steps' one-time costs included: {:.0f} tokens/s) ({:.3g} FLOPs per token over {} "
+                 "device(s) of {:.1f} TFLOP/s peak at {})",
+                 100.0 * result.mfu, result.step_seconds_median,
+                 result.step_seconds_median > 0 ? tokens_per_step_ / result.step_seconds_median : 0.0,
+                 100.0 * result.mfu_whole_run, result.tokens_per_second, setting_.flops_per_token, setting_.world,
                  setting_.peak_tflops, setting_.precision);
   }
   if (setting_.precision == "fp16") summary["skipped_steps"] = skipped_steps;

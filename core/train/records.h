@@ -33,7 +33,12 @@ struct TrainResult {
   // What this rank's training state held between steps after the last one (MiB): parameters,
   // gradients and optimizer state as they were stored (whole or sharded).
   double state_parameters_mib = 0, state_gradients_mib = 0, state_optimizer_mib = 0;
-  double mfu = 0;                      // model FLOP utilisation (0 where the device's peak is unknown)
+  // Model FLOP utilisation (0 where the device's peak is unknown) at the median step's time: the
+  // steady state, which the first steps' one-time costs (CUDA's kernel selection, the caching
+  // allocator's growth) do not move; and over the whole run (tokens_per_second).
+  double mfu = 0;
+  double mfu_whole_run = 0;
+  double step_seconds_median = 0;      // of the steps run by this process
   double device_peak_allocated_mib = 0;  // CUDA: this rank's peak tensor memory (0 on a CPU)
   double device_peak_reserved_mib = 0;   // CUDA: this rank's peak memory held by the caching allocator
   int64_t skipped_steps = 0;           // fp16: steps skipped for non-finite gradients
@@ -89,6 +94,7 @@ class RunRecords {
   int64_t tokens_per_step_ = 0;
   RunSetting setting_;
   double seconds_ = 0.0;             // of the steps run by this process
+  std::vector<double> step_seconds_;  // each of them
   int64_t tokens_ = 0;
   double activation_peak_mib_ = 0.0;
   double comm_wait_seconds_ = 0.0;   // this rank's time blocked on the plugin's communication

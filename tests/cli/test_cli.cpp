@@ -2,6 +2,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdio>
@@ -173,6 +174,31 @@ std::vector<nlohmann::json> records_of(const std::string& metrics, const std::st
     if (j["type"] == type) out.push_back(j);
   }
   return out;
+}
+
+// The summary's MFU is the median step's (the steady state, which the first steps' one-time costs
+// do not move) and mfu_whole_run the whole run's tokens/s; train.peak_tflops gives a CPU a peak.
+TEST(Cli, SummaryMfuIsTheMedianStepsWithTheWholeRunsBesideIt) {
+  const auto dir = fresh_dir("mfu");
+  const auto r = run_trainer(tiny_args(dir) + " --set train.out_dir=" + dir +
+                             "/out --set train.max_steps=5 --set data.seq_len=32 --set log.progress=off "
+                             "--set train.peak_tflops=1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto steps = records_of(dir + "/out/metrics.jsonl", "step");
+  const auto summary = records_of(dir + "/out/metrics.jsonl", "summary").back();
+  ASSERT_EQ(steps.size(), 5u);
+  std::vector<double> seconds;
+  for (const auto& step : steps) seconds.push_back(step["step_time_s"].get<double>());
+  std::sort(seconds.begin(), seconds.end());
+  const double median = seconds[2];
+  const double tokens_per_step = steps[0]["tokens_per_s"].get<double>() * steps[0]["step_time_s"].get<double>();
+  const double flops = summary["model_flops_per_token"].get<double>();
+  EXPECT_DOUBLE_EQ(summary["step_time_median_s"].get<double>(), median);
+  EXPECT_NEAR(summary["mfu"].get<double>(), tokens_per_step / median * flops / 1e12,
+              1e-9 * summary["mfu"].get<double>());
+  EXPECT_NEAR(summary["mfu_whole_run"].get<double>(), summary["tokens_per_s"].get<double>() * flops / 1e12,
+              1e-9 * summary["mfu_whole_run"].get<double>());
+  EXPECT_NE(r.output.find("at the median step"), std::string::npos) << r.output;
 }
 
 // fp16 with dynamic loss scaling, end to end on the CPU (LibTorch 2.x computes fp16 there too, so

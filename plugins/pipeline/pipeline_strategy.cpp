@@ -129,12 +129,15 @@ void PipelineStrategy::setup() {
       if (r == placement_.replica) tied_group_ = g;
     }
     if (placement_.is_first() || placement_.is_last()) {
+      bool held = false;
       for (int64_t i = 0; i < host().parameter_count(); ++i) {
-        if (std::string(host().parameter_info(i).name) == kTiedName) tied_parameter_ = i;
+        const auto parameter = host().parameter_info(i);
+        if (std::string(parameter.name) != kTiedName) continue;
+        held = true;
+        // A frozen embedding (LoRA) has no gradient for its two copies to combine.
+        if (parameter.trainable) tied_parameter_ = i;
       }
-      if (tied_parameter_ < 0) {
-        throw Error(WEFT_STATUS_INTERNAL, plugin_ + ": tied embeddings but this rank holds no " + kTiedName);
-      }
+      if (!held) throw Error(WEFT_STATUS_INTERNAL, plugin_ + ": tied embeddings but this rank holds no " + kTiedName);
     }
   }
   weft::sdk::Group replica_group;

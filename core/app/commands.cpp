@@ -234,6 +234,11 @@ int run_check(const CommandLine& cli) {
       settings += ", " + setting;
       continue;
     }
+    if (setting == "model.quantize=none" || setting == "model.quantize=int8" || setting == "model.quantize=nf4") {
+      options.quantize = setting.substr(std::string("model.quantize=").size());
+      settings += ", " + setting;
+      continue;
+    }
     if (setting == "train.device=cpu" || setting == "train.device=cuda" || setting == "train.device=auto") {
       options.device = setting.substr(std::string("train.device=").size());
       settings += ", " + setting;
@@ -241,8 +246,8 @@ int run_check(const CommandLine& cli) {
     }
     if (setting.rfind("plugin.", 0) != 0) {
       throw Error(fmt::format("trainer check takes only --set plugin.KEY=VALUE (the plugin's settings), --set "
-                              "train.mode=full|lora, --set train.precision=fp32|bf16|fp16 and --set "
-                              "train.device=cpu|cuda|auto, got '{}'",
+                              "train.mode=full|lora, --set train.precision=fp32|bf16|fp16, --set model.quantize=none|int8|nf4 and "
+                              "--set train.device=cpu|cuda|auto, got '{}'",
                               setting));
     }
     options.plugin_settings.push_back(setting.substr(std::string("plugin.").size()));

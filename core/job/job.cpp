@@ -113,6 +113,7 @@ void Job::build_model() {
   ModelOptions model_options;
   model_options.compute_dtype = compute_dtype(options_.precision);
   model_options.activation_checkpointing = options_.model.activation_checkpointing;
+  model_options.quantize = parse_quant_format(options_.model.quantize);
   placement_ = strategy_->place(config, model_options.compute_dtype, options_.data.seq_len, options_.batch_size);
   model_options.stages = placement_.stages;
   model_options.shards = strategy_->shards(config, placement_.stages);
@@ -122,6 +123,10 @@ void Job::build_model() {
     lora_ = options_.lora;
   }
   shards_ = model_options.shards;
+  WEFT_CHECK(model_options.quantize == QuantFormat::kNone || lora_,
+             "model.quantize = \"{}\" stores the base weights frozen: it needs adapter training (train.mode = \"lora\"), "
+             "not train.mode = \"{}\"", options_.model.quantize, options_.mode);
+  quantize_ = model_options.quantize;
   plan_memory(config, model_options.compute_dtype);
   if (plan_only_) return;
   WEFT_CHECK(memory_.fits, "{}", memory_.problem);
@@ -150,6 +155,19 @@ void Job::build_model() {
     trainable += param.numel();
   }
   for (auto& p : model_->parameters()) total += p.numel();
+  int64_t quantized = 0, quantized_bytes = 0;  // frozen base weights held quantized (not parameters)
+  for (auto& module : model_->modules(/*include_self=*/false)) {
+    const auto* linear = module->as<LinearImpl>();
+    if (linear == nullptr || !linear->quantized()) continue;
+    quantized += linear->in_features() * linear->out_features();
+    quantized_bytes += linear->quantized_weight().bytes();
+  }
+  total += quantized;
+  if (quantized > 0) {
+    spdlog::info("base weights: {:.2f}M of the blocks' linear weights held as {} in {:.1f} MiB ({:.2f} bytes each)",
+                 quantized / 1e6, options_.model.quantize, quantized_bytes / 1048576.0,
+                 static_cast<double>(quantized_bytes) / static_cast<double>(quantized));
+  }
   // Gradients exist from the start (zero until a backward adds to them), so a plugin can
   // communicate a stage's gradient even in a step where that stage had no backward (PipeDream's
   // warm-up, a tied embedding's second copy).
@@ -190,7 +208,8 @@ std::string describe_rank(const MemoryPlan& p, int64_t runtime) {
 // has its device's.
 void Job::plan_memory(const ModelConfig& config, torch::Dtype dtype) {
   const auto estimate = estimate_stage_memory(config, shards_, lora_, dtype, options_.data.seq_len,
-                                              options_.model.activation_checkpointing, strategy_->plugin_attention());
+                                              options_.model.activation_checkpointing, strategy_->plugin_attention(),
+                                              quantize_);
   std::vector<weft_stage_memory> stages;
   for (const auto& e : estimate) {
     weft_stage_memory s{};

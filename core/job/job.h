@@ -78,6 +78,8 @@ class Job {
   const std::vector<torch::Tensor>& trainable() const { return trainable_; }
   // The LoRA adapters the model carries (model.adapter's, or new ones with train.mode = lora).
   const std::optional<LoraConfig>& lora() const { return lora_; }
+  // How the frozen base's linear weights are stored (model.quantize).
+  QuantFormat quantize() const { return quantize_; }
   // Data::kSplits: the splits (held-out null when data.heldout_fraction = 0).
   const DatasetSplits& data() const { return data_; }
   // The memory plan of every rank (index: rank), made before the model was built.
@@ -100,6 +102,7 @@ class Job {
   bool nccl_ = false;  // NCCL groups for CUDA tensors
   std::vector<torch::Tensor> trainable_;
   std::optional<LoraConfig> lora_;
+  QuantFormat quantize_ = QuantFormat::kNone;
   DatasetSplits data_;
   ShardMap shards_;  // this rank's tensor-parallel slices (for the memory plan)
   MemoryVerdict memory_;

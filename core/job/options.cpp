@@ -98,6 +98,11 @@ const std::vector<Row>& rows() {
                  {"auto", "sdpa", "weft"}),
       bool_key("model.activation_checkpointing", WEFT_MEMBER(model.activation_checkpointing), false,
                "Recompute each decoder block in backward instead of storing its activations."),
+      string_key("model.quantize", WEFT_MEMBER(model.quantize), "none",
+                 "Store the decoder blocks' frozen linear weights quantized (adapter training only): int8 = "
+                 "LLM.int8's per-row absmax, nf4 = QLoRA's 4-bit NormalFloat (blocks of 64, double-quantized "
+                 "scales); quantized at load, one tensor at a time.",
+                 {"none", "int8", "nf4"}),
       // [data]
       list_key("data.path", WEFT_MEMBER(data.paths), {"data/austen/austen.jsonl"},
                "Training files or directories: text .txt, JSONL .jsonl, or tokens .u16/.u32/.bin."),

@@ -26,6 +26,7 @@ struct ModelSource {
   int64_t vocab_size;
   bool activation_checkpointing;
   std::string attention;    // model.attention (AttentionKernel, core/model/config.h)
+  std::string quantize;     // model.quantize (QuantFormat, core/model/quantize.h)
 };
 
 struct OptimOptions {

@@ -13,13 +13,64 @@
 
 namespace weft {
 
-LinearImpl::LinearImpl(int64_t in_features, int64_t out_features) {
-  weight = register_parameter("weight", torch::empty({out_features, in_features}));
+LinearImpl::LinearImpl(int64_t in_features, int64_t out_features, QuantFormat quantize)
+    : in_features_(in_features), out_features_(out_features), quantize_(quantize) {
+  if (!quantized()) weight = register_parameter("weight", torch::empty({out_features, in_features}));
+}
+
+void LinearImpl::set_weight(const torch::Tensor& value, const torch::Device& device) {
+  WEFT_CHECK(value.dim() == 2 && value.size(0) == out_features_ && value.size(1) == in_features_,
+             "linear layer [{}, {}]: a weight of shape {} was given", out_features_, in_features_,
+             fmt::join(value.sizes().vec(), "x"));
+  torch::NoGradGuard no_grad;
+  if (!quantized()) {
+    weight.copy_(value);
+    return;
+  }
+  store_quantized(quantize_matrix(value.to(device), quantize_));
+}
+
+void LinearImpl::set_weight_slice_of(const torch::Tensor& whole, const ParameterShard& shard, const torch::Device& device) {
+  if (shard.whole()) return set_weight(whole, device);
+  WEFT_CHECK(whole.dim() == 2 && shard.dim >= 0 && shard.dim < 2, "linear layer: a slice along dim {} of a {}-d weight",
+             shard.dim, whole.dim());
+  const auto [start, length] = shard.range(whole.size(shard.dim));
+  if (!quantized()) return set_weight(whole.narrow(shard.dim, start, length), device);
+  torch::NoGradGuard no_grad;
+  store_quantized(slice_quantized(quantize_matrix(whole.to(device), quantize_), shard.dim, start, length));
+}
+
+void LinearImpl::store_quantized(QuantizedMatrix q) {
+  WEFT_CHECK(q.rows == out_features_ && q.cols == in_features_, "linear layer [{}, {}]: a quantized weight of [{}, {}]",
+             out_features_, in_features_, q.rows, q.cols);
+  // Buffers, so that module.to() moves them; registered on the first call, replaced after.
+  const std::pair<const char*, torch::Tensor*> parts[] = {
+      {"weight_data", &q.data}, {"weight_scale", &q.scale}, {"weight_scale2", &q.scale2}, {"weight_offset", &q.offset}};
+  auto buffers = named_buffers(/*recurse=*/false);  // tensors sharing the module's
+  for (const auto& [name, tensor] : parts) {
+    if (!tensor->defined()) continue;
+    if (auto* existing = buffers.find(name)) {
+      existing->set_data(*tensor);
+      *tensor = *existing;
+    } else {
+      *tensor = register_buffer(name, *tensor);
+    }
+  }
+  quantized_ = std::move(q);
+}
+
+torch::Tensor LinearImpl::dense_weight(torch::Dtype dtype) const {
+  return quantized() ? quantized_.dequantize(dtype) : weight.to(dtype);
+}
+
+torch::Tensor LinearImpl::base_output(const torch::Tensor& input) {
+  if (quantized()) return quantized_linear(input, quantized_);
+  return torch::nn::functional::linear(input, weight.to(compute_dtype_));
 }
 
 torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
   const auto input = x.to(compute_dtype_);
-  auto y = torch::nn::functional::linear(input, weight.to(compute_dtype_));
+  auto y = base_output(input);
   if (!lora_A_.is_empty()) y = y + lora_update(input);
   return y;
 }
@@ -41,8 +92,13 @@ torch::Tensor fused_linear(const torch::Tensor& x, const std::vector<LinearImpl*
   const auto input = x.to(dtype);
   std::vector<torch::Tensor> weights;
   bool any_lora = false;
-  for (const auto* layer : layers) {
+  for (auto* layer : layers) {
     WEFT_CHECK(layer->compute_dtype() == dtype, "fused_linear: layers with different compute dtypes");
+    if (layer->quantized()) {  // one product per layer: a concatenation would dequantize them all at once
+      std::vector<torch::Tensor> outputs;
+      for (auto* l : layers) outputs.push_back(l->forward(input));
+      return torch::cat(outputs, -1);
+    }
     weights.push_back(layer->weight.to(dtype));  // cast, then concatenate: half the bytes moved in bf16
     any_lora = any_lora || layer->has_lora();
   }
@@ -51,7 +107,7 @@ torch::Tensor fused_linear(const torch::Tensor& x, const std::vector<LinearImpl*
   std::vector<torch::Tensor> parts;
   int64_t offset = 0;
   for (auto* layer : layers) {
-    const int64_t width = layer->weight.size(0);
+    const int64_t width = layer->out_features();
     auto part = y.narrow(-1, offset, width);
     parts.push_back(layer->has_lora() ? part + layer->lora_update(input) : part);
     offset += width;
@@ -63,8 +119,8 @@ void LinearImpl::add_lora(const LoraSpec& spec, uint64_t generator_seed, const P
   WEFT_CHECK(lora_A_.is_empty(), "LoRA adapters added twice to one layer");
   WEFT_CHECK(spec.r > 0, "lora.r must be positive, got {}", spec.r);
   const bool split_input = !base.whole() && base.dim == 1;
-  const int64_t out_features = weight.size(0);
-  const int64_t in_features = weight.size(1) * (split_input ? base.parts : 1);
+  const int64_t out_features = out_features_;
+  const int64_t in_features = in_features_ * (split_input ? base.parts : 1);
   auto generator = at::make_generator<at::CPUGeneratorImpl>(generator_seed);
   // PEFT: A ~ kaiming_uniform(a = sqrt(5)) => U(-1/sqrt(in), 1/sqrt(in)); B = 0.
   const double bound = 1.0 / std::sqrt(static_cast<double>(in_features));
@@ -75,13 +131,19 @@ void LinearImpl::add_lora(const LoraSpec& spec, uint64_t generator_seed, const P
   lora_B_ = register_module("lora_B", WeightHolder(torch::zeros({out_features, spec.r})));
   lora_scale_ = spec.alpha / static_cast<double>(spec.r);
   lora_dropout_ = spec.dropout;
-  weight.set_requires_grad(false);
+  if (weight.defined()) weight.set_requires_grad(false);
 }
 
 void LinearImpl::merge_lora() {
-  if (lora_A_.is_empty()) return;
   torch::NoGradGuard no_grad;
-  weight.add_(torch::matmul(lora_B_->weight, lora_A_->weight) * lora_scale_);
+  if (quantized()) {  // the base becomes its dequantized values, a plain fp32 parameter
+    weight = register_parameter("weight", quantized_.dequantize(torch::kFloat32), /*requires_grad=*/false);
+    for (auto& buffer : named_buffers(/*recurse=*/false)) buffer.value().set_data(torch::empty({0}, buffer.value().options()));
+    quantized_ = QuantizedMatrix{};
+    quantize_ = QuantFormat::kNone;
+  }
+  if (lora_A_.is_empty()) return;
+  weight.add_(torch::matmul(lora_B_->weight, lora_A_->weight).to(weight.device()) * lora_scale_);
   unregister_module("lora_A");
   unregister_module("lora_B");
   lora_A_ = nullptr;
@@ -206,12 +268,12 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, c
 
 AttentionImpl::AttentionImpl(const ModelConfig& c) : AttentionImpl(c, c.num_attention_heads, c.num_key_value_heads) {}
 
-AttentionImpl::AttentionImpl(const ModelConfig& c, int64_t heads, int64_t kv_heads)
+AttentionImpl::AttentionImpl(const ModelConfig& c, int64_t heads, int64_t kv_heads, QuantFormat quantize)
     : num_heads_(heads), num_kv_heads_(kv_heads), head_dim_(c.head_dim), kernel_(resolve_attention_kernel(c.attention)) {
-  q_proj = register_module("q_proj", Linear(c.hidden_size, num_heads_ * head_dim_));
-  k_proj = register_module("k_proj", Linear(c.hidden_size, num_kv_heads_ * head_dim_));
-  v_proj = register_module("v_proj", Linear(c.hidden_size, num_kv_heads_ * head_dim_));
-  o_proj = register_module("o_proj", Linear(num_heads_ * head_dim_, c.hidden_size));
+  q_proj = register_module("q_proj", Linear(c.hidden_size, num_heads_ * head_dim_, quantize));
+  k_proj = register_module("k_proj", Linear(c.hidden_size, num_kv_heads_ * head_dim_, quantize));
+  v_proj = register_module("v_proj", Linear(c.hidden_size, num_kv_heads_ * head_dim_, quantize));
+  o_proj = register_module("o_proj", Linear(num_heads_ * head_dim_, c.hidden_size, quantize));
 }
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const RotaryEmbedding& rope) {
@@ -283,10 +345,10 @@ torch::Tensor AttentionImpl::forward_cached(const torch::Tensor& x, const Rotary
 
 MlpImpl::MlpImpl(const ModelConfig& c) : MlpImpl(c, c.intermediate_size) {}
 
-MlpImpl::MlpImpl(const ModelConfig& c, int64_t intermediate) {
-  gate_proj = register_module("gate_proj", Linear(c.hidden_size, intermediate));
-  up_proj = register_module("up_proj", Linear(c.hidden_size, intermediate));
-  down_proj = register_module("down_proj", Linear(intermediate, c.hidden_size));
+MlpImpl::MlpImpl(const ModelConfig& c, int64_t intermediate, QuantFormat quantize) {
+  gate_proj = register_module("gate_proj", Linear(c.hidden_size, intermediate, quantize));
+  up_proj = register_module("up_proj", Linear(c.hidden_size, intermediate, quantize));
+  down_proj = register_module("down_proj", Linear(intermediate, c.hidden_size, quantize));
 }
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
@@ -299,8 +361,8 @@ DecoderBlockImpl::DecoderBlockImpl(const ModelConfig& c)
 
 DecoderBlockImpl::DecoderBlockImpl(const ModelConfig& c, const BlockShape& shape, int64_t layer, const CommHook* comm)
     : layer_(layer), comm_(comm) {
-  self_attn = register_module("self_attn", Attention(c, shape.heads, shape.kv_heads));
-  mlp = register_module("mlp", Mlp(c, shape.intermediate));
+  self_attn = register_module("self_attn", Attention(c, shape.heads, shape.kv_heads, shape.quantize));
+  mlp = register_module("mlp", Mlp(c, shape.intermediate, shape.quantize));
   input_layernorm = register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
   post_attention_layernorm =
       register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));

@@ -20,6 +20,7 @@
 
 #include "core/model/config.h"
 #include "core/model/parallel.h"
+#include "core/model/quantize.h"
 
 namespace weft {
 
@@ -38,11 +39,29 @@ class WeightHolderImpl : public torch::nn::Module {
 };
 TORCH_MODULE(WeightHolder);
 
-// y = x W^T, optionally plus a LoRA update. `weight` is [out_features, in_features].
+// y = x W^T, optionally plus a LoRA update. `weight` is [out_features, in_features]: a parameter,
+// or, for a layer built with a quantized format (model.quantize), absent: the frozen weight is
+// then held quantized (quantize.h) in the buffers weight_data, weight_scale, weight_scale2 and
+// weight_offset, and set with set_weight().
 class LinearImpl : public torch::nn::Module {
  public:
-  LinearImpl(int64_t in_features, int64_t out_features);
+  LinearImpl(int64_t in_features, int64_t out_features, QuantFormat quantize = QuantFormat::kNone);
   torch::Tensor forward(const torch::Tensor& x);
+
+  int64_t in_features() const { return in_features_; }
+  int64_t out_features() const { return out_features_; }
+  bool quantized() const { return quantize_ != QuantFormat::kNone; }
+  // Sets the base weight from `value` [out, in] (any float dtype): copied into `weight`, or
+  // quantized on `device` (the fp32 value is not kept).
+  void set_weight(const torch::Tensor& value, const torch::Device& device);
+  // The same from the whole (unsplit) layer's weight, of which this layer holds `shard`
+  // (parallel.h). A quantized layer quantizes the whole weight and keeps its slice
+  // (slice_quantized), so every split of a model holds the unsplit model's quantized values.
+  void set_weight_slice_of(const torch::Tensor& whole, const ParameterShard& shard, const torch::Device& device);
+  // The base weight in `dtype`: `weight` cast, or the quantized weight dequantized.
+  torch::Tensor dense_weight(torch::Dtype dtype) const;
+  // The quantized weight (quantized() layers only).
+  const QuantizedMatrix& quantized_weight() const { return quantized_; }
 
   // Adds LoRA adapters (A: [r, in] kaiming-uniform from `generator_seed`, B: [out, r] zeros)
   // and freezes the base weight. When `weight` is a slice of a split layer (`base`), the
@@ -50,7 +69,9 @@ class LinearImpl : public torch::nn::Module {
   // whole layer's A, so every split of a model starts from the same adapters.
   void add_lora(const LoraSpec& spec, uint64_t generator_seed, const ParameterShard& base = {});
   bool has_lora() const { return !lora_A_.is_empty(); }
-  // Folds (alpha / r) B A into the base weight and removes the adapters.
+  // Folds (alpha / r) B A into the base weight and removes the adapters. A quantized layer's
+  // weight (with or without adapters) is dequantized first into a plain fp32 `weight` parameter:
+  // the layer is no longer quantized.
   void merge_lora();
 
   // The LoRA term (alpha / r) B A dropout(input) for `input` already in the compute dtype.
@@ -60,9 +81,15 @@ class LinearImpl : public torch::nn::Module {
   void set_compute_dtype(torch::Dtype dtype) { compute_dtype_ = dtype; }
   torch::Dtype compute_dtype() const { return compute_dtype_; }
 
-  torch::Tensor weight;
+  torch::Tensor weight;  // undefined in a quantized layer
 
  private:
+  torch::Tensor base_output(const torch::Tensor& input);
+  void store_quantized(QuantizedMatrix q);
+
+  int64_t in_features_, out_features_;
+  QuantFormat quantize_;
+  QuantizedMatrix quantized_;
   WeightHolder lora_A_{nullptr};
   WeightHolder lora_B_{nullptr};
   double lora_scale_ = 0.0;
@@ -132,6 +159,7 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, c
 // parallelism).
 struct BlockShape {
   int64_t heads = 0, kv_heads = 0, intermediate = 0;
+  QuantFormat quantize = QuantFormat::kNone;  // how the block's linear weights are stored
 };
 
 // One layer's key/value cache for incremental decoding: [B, kv_heads, length, head_dim] each,
@@ -151,7 +179,8 @@ class AttentionImpl : public torch::nn::Module {
   explicit AttentionImpl(const ModelConfig& config);
   // This process's `heads` query and `kv_heads` key/value heads (column-parallel q/k/v,
   // row-parallel o: the output is a partial sum over the processes' heads).
-  AttentionImpl(const ModelConfig& config, int64_t heads, int64_t kv_heads);
+  AttentionImpl(const ModelConfig& config, int64_t heads, int64_t kv_heads,
+                QuantFormat quantize = QuantFormat::kNone);
   // x [B, T, hidden] -> [B, T, hidden]; rope gives the position tables.
   torch::Tensor forward(const torch::Tensor& x, const RotaryEmbedding& rope);
   // The same for new tokens at positions cache.length() .. + T - 1, attending to the cached
@@ -186,7 +215,7 @@ class MlpImpl : public torch::nn::Module {
  public:
   explicit MlpImpl(const ModelConfig& config);
   // `intermediate` columns of the MLP (gate/up column-parallel, down row-parallel).
-  MlpImpl(const ModelConfig& config, int64_t intermediate);
+  MlpImpl(const ModelConfig& config, int64_t intermediate, QuantFormat quantize = QuantFormat::kNone);
   torch::Tensor forward(const torch::Tensor& x);
   Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
 };

@@ -86,14 +86,14 @@ LocalShape local_shape(const ModelConfig& c, const ShardMap& shards, int64_t fir
 }
 
 LlamaBackboneImpl::LlamaBackboneImpl(const ModelConfig& c, int64_t first, int64_t last, const LocalShape& local,
-                                     const CommHook* comm) {
+                                     const CommHook* comm, QuantFormat quantize) {
   const int64_t final_stage = c.num_hidden_layers + 1;
   const bool holds_head = first <= final_stage && final_stage < last;
   if (first == 0 || (holds_head && c.tie_word_embeddings)) {
     embed_tokens = register_module("embed_tokens", torch::nn::Embedding(local.vocab, c.hidden_size));
   }
   layers = register_module("layers", std::make_shared<torch::nn::Module>());
-  const BlockShape shape{local.heads, local.kv_heads, local.intermediate};
+  const BlockShape shape{local.heads, local.kv_heads, local.intermediate, quantize};
   for (int64_t stage = std::max<int64_t>(first, 1); stage < std::min(last, final_stage); ++stage) {
     const int64_t index = stage - 1;
     blocks.emplace(index, layers->register_module(std::to_string(index), DecoderBlock(c, shape, index, comm)));
@@ -110,7 +110,7 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const ModelConfig& config, const Mode
              "stage range [{}, {}) is not within the model's {} stages", first_stage_, last_stage_,
              num_stages());
   local_ = weft::local_shape(config_, options_.shards, first_stage_, last_stage_);
-  model = register_module("model", LlamaBackbone(config_, first_stage_, last_stage_, local_, options_.comm.get()));
+  model = register_module("model", LlamaBackbone(config_, first_stage_, last_stage_, local_, options_.comm.get(), options_.quantize));
   if (options_.sequence != nullptr && options_.sequence->size > 1) {
     WEFT_CHECK(options_.sequence->rank >= 0 && options_.sequence->rank < options_.sequence->size,
                "sequence parallelism: rank {} of {}", options_.sequence->rank, options_.sequence->size);

@@ -36,7 +36,8 @@ void load_lora_adapter(LlamaForCausalLMImpl& model, const std::string& dir);
 LoraConfig read_lora_adapter_config(const std::string& dir);
 
 // Folds every adapter into its base weight (W += alpha/r B A) and removes the adapters; the
-// model then computes the same function with plain weights.
+// model then computes the same function with plain weights. Quantized layers (model.quantize)
+// become their dequantized weights, adapted or not.
 void merge_lora(LlamaForCausalLMImpl& model);
 
 // Parameters with requires_grad, in the model's (deterministic) order, with their names.

@@ -27,7 +27,7 @@ std::string leaf_module(const std::string& name) {
 std::vector<StageMemory> estimate_stage_memory(const ModelConfig& c, const ShardMap& shards,
                                                const std::optional<LoraConfig>& lora, torch::Dtype compute_dtype,
                                                int64_t seq_len, bool checkpointing,
-                                               bool blockwise_attention) {
+                                               bool blockwise_attention, QuantFormat quantize) {
   const int64_t layers = c.num_hidden_layers, stages = layers + 2;
   const int64_t cb = compute_dtype == torch::kFloat32 ? 4 : 2;  // bytes per compute element
   std::vector<StageMemory> out(static_cast<size_t>(stages));
@@ -40,16 +40,20 @@ std::vector<StageMemory> estimate_stage_memory(const ModelConfig& c, const Shard
     std::vector<int64_t> local = shape;
     const ParameterShard shard = shard_of(shards, name);
     if (!shard.whole()) local[static_cast<size_t>(shard.dim)] = shard.range(shape[static_cast<size_t>(shard.dim)]).second;
-    const int64_t bytes = 4 * elements_of(local);
     const std::string module = leaf_module(name);
     const bool matrix = local.size() == 2;
-    const int64_t compute_bytes = matrix ? cb * elements_of(local) : bytes;  // as COMPUTE_DTYPE materialises it
+    const bool block = stage >= 1 && stage <= layers;
+    const bool quantized = quantize != QuantFormat::kNone && matrix && block;
+    const int64_t bytes = quantized ? quantized_weight_bytes(local[0], local[1], quantize) : 4 * elements_of(local);
+    // as COMPUTE_DTYPE materialises it (a quantized weight stays quantized)
+    const int64_t compute_bytes = matrix && !quantized ? cb * elements_of(local) : bytes;
     s.parameter_bytes += bytes;
     s.compute_parameter_bytes += compute_bytes;
     // Compute-dtype copies of the weights stay saved for backward, except in checkpointed blocks,
-    // which make them again one block at a time.
-    const bool block = stage >= 1 && stage <= layers;
-    if (matrix && compute_dtype != torch::kFloat32 && !(checkpointing && block)) s.weight_copy_bytes += cb * elements_of(local);
+    // which make them again one block at a time, and quantized weights, dequantized again in backward.
+    if (matrix && !quantized && compute_dtype != torch::kFloat32 && !(checkpointing && block)) {
+      s.weight_copy_bytes += cb * elements_of(local);
+    }
     if (!lora) {
       s.trainable_bytes += bytes;
       s.compute_trainable_bytes += compute_bytes;

@@ -14,6 +14,7 @@
 
 #include "core/model/lora.h"
 #include "core/model/parallel.h"
+#include "core/model/quantize.h"
 
 namespace weft {
 
@@ -31,10 +32,12 @@ struct StageMemory {
 // (stages it does not hold are estimated whole when absent from the map). `lora`: adapters train,
 // the base is frozen. `checkpointing`: blocks keep only their input. `blockwise_attention`: the
 // attention core is ring attention's (SequenceSplit::attention), which keeps its fp32 output and
-// log-sum-exp instead of the probabilities.
+// log-sum-exp instead of the probabilities. `quantize`: the blocks' linear weights are stored in
+// that format (quantize.h) and dequantized for each product, never kept for backward.
 std::vector<StageMemory> estimate_stage_memory(const ModelConfig& config, const ShardMap& shards,
                                                const std::optional<LoraConfig>& lora, torch::Dtype compute_dtype,
                                                int64_t seq_len, bool checkpointing,
-                                               bool blockwise_attention = false);
+                                               bool blockwise_attention = false,
+                                               QuantFormat quantize = QuantFormat::kNone);
 
 }  // namespace weft

@@ -19,6 +19,29 @@ bool is_lora_parameter(const std::string& name) {
 
 bool is_norm_weight(const std::string& name) { return name.find("norm.weight") != std::string::npos; }
 
+// The quantized linear layers (they hold no `weight` parameter) under their weight's HF name.
+std::vector<std::pair<std::string, LinearImpl*>> quantized_layers(LlamaForCausalLMImpl& model) {
+  std::vector<std::pair<std::string, LinearImpl*>> out;
+  for (auto& item : model.named_modules("", /*include_self=*/false)) {
+    auto* linear = item.value()->as<LinearImpl>();
+    if (linear != nullptr && linear->quantized()) out.emplace_back(item.key() + ".weight", linear);
+  }
+  return out;
+}
+
+// The device the model's tensors are on (every stage holds a parameter: a norm at least).
+torch::Device model_device(LlamaForCausalLMImpl& model) {
+  const auto parameters = model.parameters();
+  return parameters.empty() ? torch::Device(torch::kCPU) : parameters.front().device();
+}
+
+// The whole-model shape of this process's [out, in] slice of a layer's weight.
+std::vector<int64_t> whole_shape(const LinearImpl& linear, const ParameterShard& shard) {
+  std::vector<int64_t> shape{linear.out_features(), linear.in_features()};
+  if (!shard.whole()) shape[static_cast<size_t>(shard.dim)] *= shard.parts;
+  return shape;
+}
+
 }  // namespace
 
 std::string module_leaf_name(const std::string& module_path) {
@@ -48,6 +71,15 @@ void init_weights(LlamaForCausalLMImpl& model, uint64_t seed, double std) {
       param.copy_(shard_slice(whole, shard));
     }
   }
+  // Quantized layers: the same values, quantized one tensor at a time on the model's device.
+  const auto device = model_device(model);
+  for (auto& [name, linear] : quantized_layers(model)) {
+    auto generator = at::make_generator<at::CPUGeneratorImpl>(hash64(name, seed));
+    const ParameterShard shard = shard_of(model.options().shards, name);
+    auto whole = torch::empty(whole_shape(*linear, shard));
+    whole.normal_(0.0, std, generator);
+    linear->set_weight_slice_of(whole, shard, device);
+  }
 }
 
 void load_weights(LlamaForCausalLMImpl& model, const std::string& path) {
@@ -75,11 +107,32 @@ void load_weights(LlamaForCausalLMImpl& model, const std::string& path) {
       param.copy_(checkpoint.load_slice(name, shard.dim, start, length, torch::kFloat32));
     }
   }
+  // Quantized layers: each tensor is quantized as it leaves the file, and this process keeps its slice.
+  const auto device = model_device(model);
+  for (auto& [name, linear] : quantized_layers(model)) {
+    if (!checkpoint.contains(name)) {
+      missing.push_back(name);
+      continue;
+    }
+    const auto& info = checkpoint.info(name);
+    const ParameterShard shard = shard_of(model.options().shards, name);
+    const auto expected = whole_shape(*linear, shard);
+    WEFT_CHECK(info.shape == expected, "{}: tensor '{}' has shape {} but the model expects {}", path, name,
+               fmt::join(info.shape, "x"), fmt::join(expected, "x"));
+    // A slice is quantized as part of its whole tensor (one at a time), so that every split holds
+    // the unsplit model's quantized values.
+    linear->set_weight_slice_of(checkpoint.load(name, torch::kFloat32), shard, device);
+  }
   WEFT_CHECK(missing.empty(), "{}: {} model tensors are missing from the checkpoint, e.g. '{}'", path,
              missing.size(), missing.empty() ? "" : missing.front());
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> hf_state(LlamaForCausalLMImpl& model, torch::Dtype dtype) {
+  const auto quantized = quantized_layers(model);
+  WEFT_CHECK(quantized.empty(),
+             "the base weights are quantized (model.quantize), so the full-precision model is not here to save ('{}' "
+             "and {} more); save the adapters, or merge them (lora.save_merged) into dequantized weights",
+             quantized.front().first, quantized.size() - 1);
   std::vector<std::pair<std::string, torch::Tensor>> tensors;
   for (auto& item : model.named_parameters()) {
     if (is_lora_parameter(item.key())) continue;

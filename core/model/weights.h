@@ -14,15 +14,18 @@ namespace weft {
 
 // Initialises every parameter deterministically from (seed, parameter name), so a parameter gets
 // the same values whichever stages a process holds: linear and embedding weights ~ N(0, std),
-// norm weights = 1. LoRA adapters are left as they are.
+// norm weights = 1. LoRA adapters are left as they are. Quantized layers (model.quantize) get the
+// same values, quantized one tensor at a time.
 void init_weights(LlamaForCausalLMImpl& model, uint64_t seed, double std);
 
 // Loads HF-named tensors from a safetensors file, directory or index into the parameters this
 // model holds (converted to fp32). Missing tensors and shape mismatches are errors naming the
-// tensor; a checkpoint's lm_head.weight is ignored when embeddings are tied.
+// tensor; a checkpoint's lm_head.weight is ignored when embeddings are tied. Quantized layers are
+// quantized tensor by tensor as they leave the file: the full-precision model is never held.
 void load_weights(LlamaForCausalLMImpl& model, const std::string& path);
 
-// The base model's tensors under HF names (LoRA adapters excluded), in `dtype`.
+// The base model's tensors under HF names (LoRA adapters excluded), in `dtype`. A model with
+// quantized layers is refused (merge_lora dequantizes them).
 std::vector<std::pair<std::string, torch::Tensor>> hf_state(LlamaForCausalLMImpl& model,
                                                             torch::Dtype dtype = torch::kFloat32);
 

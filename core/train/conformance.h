@@ -27,6 +27,9 @@ struct ConformanceOptions {
   // "full", or "lora": both runs train LoRA adapters (r 4, alpha 8, no dropout) on every
   // targetable layer with the base frozen, and the adapters are compared.
   std::string mode = "full";
+  // model.quantize for both runs ("none", "int8", "nf4"; not "none" needs mode "lora"): the frozen
+  // base held quantized, each rank quantizing the slices it holds.
+  std::string quantize = "none";
   // "fp32", or "bf16" / "fp16": both runs compute in that half precision (fp32 weights and
   // optimizer; fp16 with dynamic loss scaling), compared with the half-precision tolerances
   // (bf16_loss_rtol, bf16_param_atol) instead of fp32's.

@@ -39,6 +39,11 @@ Trainer::Trainer(TrainOptions options, RunContext context)
   const auto& data = job_->data();
   const Placement& place = job_->placement();
   gather_ = std::make_unique<ModelGather>(job_->model(), job_->communicator(), job_->lora());
+  WEFT_CHECK(!(options_.save_merged && job_->quantize() != QuantFormat::kNone && gather_->split()),
+             "lora.save_merged with model.quantize = \"{}\" merges the adapters into the dequantized base on one "
+             "process, but {} splits the model over the ranks; save the adapters (lora.save_merged = false) and merge "
+             "them under single or ddp, where the whole model is on each process",
+             quant_format_name(job_->quantize()), job_->strategy().library().name());
   train_loader_ = std::make_unique<BatchLoader>(data.train, options_.batch_size, place.data_parallel_rank,
                                                 place.data_parallel_size, options_.seed, /*shuffle=*/true);
   steps_per_epoch_ = train_loader_->batches_per_epoch() / options_.grad_accum_steps;
@@ -191,6 +196,11 @@ void Trainer::save_models(RunRecords&) {
   with_whole_model([&](LlamaForCausalLMImpl& whole) {
     save_model_atomically(whole, job_->lora(), options_.out_dir + "/final", options_.model.weights);
     if (job_->lora() && options_.save_merged) {
+      if (job_->quantize() != QuantFormat::kNone) {
+        spdlog::info("final-merged: the adapters merged into the base weights dequantized from {} (the quantized "
+                     "values, not the original full-precision weights)",
+                     quant_format_name(job_->quantize()));
+      }
       merge_lora(whole);
       save_model_atomically(whole, std::nullopt, options_.out_dir + "/final-merged", options_.model.weights);
     }

@@ -202,7 +202,7 @@ weft_status* activation_view(weft_host*, weft_activation* activation, DLTensor* 
     auto& t = activation->tensor;
     WEFT_CHECK(t.defined(), "activation_view: empty activation");
     if (!t.is_contiguous()) t = t.contiguous();
-    *out = sdk::to_dl_view(t.detach());
+    *out = sdk::to_dl_view(t);  // t, not a detached copy: the view points into its sizes and strides
   });
 }
 

@@ -67,7 +67,7 @@ weft_status* parameter_materialize(weft_host* host, int64_t index, DLTensor* out
       torch::NoGradGuard no_grad;
       p.tensor.set_data(p.tensor.detach().to(dtype));  // whole in the other dtype: converted
     }
-    *out = sdk::to_dl_view(p.tensor.detach());
+    *out = sdk::to_dl_view(p.tensor);  // not a detached copy: the view points into its sizes and strides
   });
 }
 

@@ -123,9 +123,6 @@ void Job::build_model() {
     lora_ = options_.lora;
   }
   shards_ = model_options.shards;
-  WEFT_CHECK(model_options.quantize == QuantFormat::kNone || lora_,
-             "model.quantize = \"{}\" stores the base weights frozen: it needs adapter training (train.mode = \"lora\"), "
-             "not train.mode = \"{}\"", options_.model.quantize, options_.mode);
   quantize_ = model_options.quantize;
   plan_memory(config, model_options.compute_dtype);
   if (plan_only_) return;

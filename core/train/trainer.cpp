@@ -33,6 +33,10 @@ Trainer::Trainer(TrainOptions options, RunContext context)
   WEFT_CHECK(options_.model.adapter.empty() || options_.mode == "lora",
              "model.adapter loads LoRA adapters, which train further with train.mode = \"lora\" (it is \"{}\")",
              options_.mode);
+  WEFT_CHECK(parse_quant_format(options_.model.quantize) == QuantFormat::kNone || options_.mode == "lora",
+             "model.quantize = \"{}\" stores the base weights frozen: training needs adapters (train.mode = \"lora\"), "
+             "not train.mode = \"{}\"",
+             options_.model.quantize, options_.mode);
   std::string why;
   WEFT_CHECK(options_.torch_profile.empty() || TorchProfiler::available(&why), "{}", why);
   job_ = std::make_unique<Job>(std::move(options), context, Job::Data::kSplits);

@@ -60,6 +60,10 @@ TEST(Quantize, Nf4ErrorIsWithinHalfTheCodeBooksGapOfEachBlock) {
     ASSERT_LT(code[i - 1], code[i]);
     half_gap = std::max(half_gap, (code[i] - code[i - 1]) / 2);
   }
+  const auto& dynamic = dynamic_code();  // the block scales' code: ascending, 0 and 1 exactly
+  for (size_t i = 1; i < dynamic.size(); ++i) ASSERT_LT(dynamic[i - 1], dynamic[i]);
+  EXPECT_EQ(dynamic.back(), 1.0f);
+  EXPECT_NE(std::find(dynamic.begin(), dynamic.end(), 0.0f), dynamic.end());
   // 300 x 200 = 937.5 blocks of 64 (a short last block) and 3.7 groups of 256 block scales.
   const auto w = sample_weight(300, 200, 2);
   const auto q = quantize_matrix(w, QuantFormat::kNf4);

@@ -6,7 +6,9 @@
 # with an error and fails the test; LeakSanitizer checks every process at exit, except for the
 # leaks tools/sanitize.supp suppresses in libraries weft does not build. Meant to run before landing
 # a change to memory handling, outside CI (a third build, and the suite slowed by the sanitizers).
-# Status: written, not yet run through the whole suite.
+# Status: first whole run 2026-11-26 (2-core AMD EPYC, 27 min of suite): 386 of 467 passed at
+# d437b6c, the other 81 failed on one heap-use-after-free (the host's DLPack views of temporary
+# tensors), fixed in c872046, after which they passed (tools/sanitize.sh --rerun-failed).
 #
 #   tools/sanitize.sh               build, then every test
 #   tools/sanitize.sh -R Safetensors  ctest's arguments select tests

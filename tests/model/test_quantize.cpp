@@ -2,8 +2,6 @@
 // per tensor, its stored layout, the quantized linear's gradients, and a model whose blocks are
 // quantized at load computing what the dequantized weights compute. The stored bytes against
 // bitsandbytes itself: tools/quant_reference.py (ctest Quantize.*).
-#include <filesystem>
-
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -12,17 +10,11 @@
 #include "core/model/memory_estimate.h"
 #include "core/model/quantize.h"
 #include "core/model/weights.h"
+#include "common/process.h"
 #include "core/util/error.h"
 
 namespace weft {
 namespace {
-
-std::string quantize_temp_dir(const std::string& name) {
-  auto dir = std::filesystem::temp_directory_path() / ("weft_test_quantize_" + name + "_" + std::to_string(::getpid()));
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir.string();
-}
 
 // Normal weights with a few large outliers, as trained weights have.
 torch::Tensor sample_weight(int64_t rows, int64_t cols, uint64_t seed) {
@@ -156,7 +148,7 @@ void expect_quantized_model_matches_dequantized(QuantFormat format, bool from_fi
   LlamaForCausalLM reference(config);
   init_weights(*reference, 5, 0.05);
   if (from_file) {
-    const auto dir = quantize_temp_dir(std::string("load_") + quant_format_name(format));
+    const auto dir = testing::fresh_dir("weft_test_quantize", std::string("load_") + quant_format_name(format));
     save_pretrained(*reference, dir);
     load_weights(*quantized, dir);
   } else {

@@ -139,8 +139,8 @@ TEST(Cli, BadInputGetsOneClearErrorAndExitCodeOne) {
            Case{"check --plugin ddp --steps 0", "--steps 0: must be at least 1"},
            Case{tiny + "--set model.quantize=nf4", "training needs adapters (train.mode = \"lora\")"},
            Case{tiny + "--set model.quantize=int4", "model.quantize"},
-           Case{tiny + "--plugin tensor_parallel --nproc 2 --set train.mode=lora --set model.quantize=int8 "
-                       "--set lora.save_merged=true", "merge them under single or ddp"},
+           Case{tiny + "--set data.path=" + write_corpus(dir) + " --plugin tensor_parallel --nproc 2 --set train.mode=lora "
+                       "--set model.quantize=int8 --set lora.save_merged=true", "merge them under single or ddp"},
        }) {
     const auto r = run_trainer(c.args + " --set train.out_dir=" + dir + "/out");
     EXPECT_EQ(r.exit_code, 1) << c.args << "\n" << r.output;

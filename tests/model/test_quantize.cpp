@@ -138,6 +138,42 @@ TEST(Quantize, QuantizedLinearComputesAndDifferentiatesTheDequantizedProduct) {
   }
 }
 
+// The CUDA dequantization kernels (core/model/cuda) against the CPU's ATen formulation: the same
+// values, bit for bit, for whole matrices (nf4 double-quantized, an odd element count) and slices
+// (nf4's absmaxes in fp32), in fp32 and bf16; and the quantizer on the GPU stores the CPU's codes.
+TEST(Quantize, OnCudaDequantizationEqualsTheCpusBitForBit) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device here; tools/gpu/kit.sh runs this on a GPU";
+  const torch::Device gpu(torch::kCUDA, 0);
+  const auto to_gpu = [&](QuantizedMatrix m) {
+    for (auto* t : {&m.data, &m.scale, &m.scale2, &m.offset}) {
+      if (t->defined()) *t = t->to(gpu);
+    }
+    return m;
+  };
+  for (auto format : {QuantFormat::kInt8, QuantFormat::kNf4}) {
+    const auto whole = quantize_matrix(sample_weight(512, 2048, 5), format);
+    const auto odd = quantize_matrix(sample_weight(33, 71, 6), format);
+    std::vector<std::pair<std::string, QuantizedMatrix>> cases{
+        {"whole", whole}, {"odd", odd}, {"row slice", slice_quantized(whole, 0, 128, 256)},
+        {"column slice", slice_quantized(whole, 1, 1024, 512)}};
+    for (const auto& [name, m] : cases) {
+      for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+        const auto cpu = m.dequantize(dtype);
+        const auto cuda = to_gpu(m).dequantize(dtype);
+        EXPECT_EQ(cuda.device(), gpu);
+        EXPECT_EQ(cuda.scalar_type(), dtype);
+        EXPECT_TRUE(torch::equal(cuda.cpu(), cpu))
+            << quant_format_name(format) << " " << name << " " << c10::toString(dtype) << ": largest difference "
+            << (cuda.cpu().to(torch::kFloat32) - cpu.to(torch::kFloat32)).abs().max().item<float>();
+      }
+    }
+    const auto on_gpu = quantize_matrix(sample_weight(512, 2048, 5).to(gpu), format);
+    EXPECT_TRUE(torch::equal(on_gpu.data.cpu(), whole.data)) << quant_format_name(format);
+    // nf4's offset is a mean, summed in another order on the GPU: equal up to its rounding.
+    EXPECT_TRUE(torch::allclose(on_gpu.dequantize().cpu(), whole.dequantize(), 1e-6, 0)) << quant_format_name(format);
+  }
+}
+
 // A tiny model with every block's linear weights as `format` holds them; its logits equal the
 // unquantized model's with those weights replaced by their dequantized values.
 void expect_quantized_model_matches_dequantized(QuantFormat format, bool from_file) {

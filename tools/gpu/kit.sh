@@ -11,6 +11,7 @@
 #                              tools/gpu/kit.sh throughput   Llama 3.2 1B shape, bf16: weft vs PyTorch
 #                              tools/gpu/kit.sh quick        the CUDA kernels and single on CUDA only
 #                              tools/gpu/kit.sh zero         ZeRO-3 of the 1B shape on CUDA, 2 ranks
+#                              tools/gpu/kit.sh quantized    LoRA over int8 / nf4 bases on CUDA
 #
 # Each step appends to $KIT_OUT/gpu-kit.md (default: $OUT where the device tool sets it, else
 # build-gpu/kit) and goes on after a failure; the exit status is the number of failed checks.
@@ -180,6 +181,32 @@ throughput_step() {
       --plugin single --baseline pytorch --warmup 3 --steps 10 --repetitions 2 --out "$out/bench"
 }
 
+# LoRA over a quantized base (model.quantize) on CUDA: the dequantization kernels against the CPU's
+# values (test_model's Quantize.*), single against the CPU reference for int8 and nf4, the per-GEMM
+# costs of the ways to multiply by a quantized weight (tools/gpu/quant_gemm_bench.py), and the
+# Llama 3.2 1B shape (LoRA r 16 on all seven projections, bf16, 4 x 512 tokens per step) with each
+# format: step time, tokens/s, peak device memory.
+quantized_step() {
+  mkdir -p "$out"
+  say "## quantized ($(date -u +%FT%TZ))"
+  local t=$build/trainer q
+  run test_model_quantize 300 "$build/tests/test_model" --gtest_filter='Quantize.*'
+  KIT_TAIL=20 run quant_gemm_bench 120 python3 tools/gpu/quant_gemm_bench.py --tokens 2048
+  for q in int8 nf4; do
+    run "check_single_cuda_lora_$q" 300 "$t" check --plugin single --set train.device=cuda --set train.mode=lora --set model.quantize=$q
+  done
+  for q in none int8 nf4; do
+    if run "lora_1b_cuda_$q" 300 "$t" --config configs/base.toml --set model.preset=llama-3.2-1b --set model.quantize=$q \
+        --set train.device=cuda --set train.precision=bf16 --set data.seq_len=512 --set train.batch_size=4 \
+        --set train.mode=lora --set lora.r=16 --set lora.alpha=32 \
+        --set 'lora.target_modules=["q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj"]' \
+        --set train.max_steps=15 --set eval.max_batches=2 --set checkpoint.save_final=false --set checkpoint.keep_best=false \
+        --set train.out_dir="$out/lora1b-$q" --set train.overwrite=true --set log.progress=lines --log-level info; then
+      say "  LoRA on the 1B shape, base $q: $(grep -o 'held as [a-z0-9]* in [0-9.]* MiB' "$out/lora_1b_cuda_$q.log" | head -1) $(summary_of "$out/lora1b-$q/metrics.jsonl"), step_time_median_s $(python3 -c 'import json,sys; print([json.loads(l) for l in open(sys.argv[1]) if "\"summary\"" in l][-1].get("step_time_median_s"))' "$out/lora1b-$q/metrics.jsonl")"
+    fi
+  done
+}
+
 case "${1:-}" in
   fetch) fetch ;;
   build) build_step ;;
@@ -187,6 +214,7 @@ case "${1:-}" in
   throughput) throughput_step ;;
   quick) quick_step ;;
   zero) zero_step ;;
-  *) echo "usage: tools/gpu/kit.sh fetch|build|check|quick|throughput|zero (see the top of this file)" >&2; exit 2 ;;
+  quantized) quantized_step ;;
+  *) echo "usage: tools/gpu/kit.sh fetch|build|check|quick|throughput|zero|quantized (see the top of this file)" >&2; exit 2 ;;
 esac
 exit "$failed"

@@ -200,6 +200,31 @@ __global__ void cross_entropy_backward_kernel(const T* logits, const int64_t* ta
   }
 }
 
+// One thread per element.
+template <typename T>
+__global__ void int8_dequantize_kernel(const int8_t* data, const float* scale, T* out, int64_t n, int64_t cols) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  store(out, i, __fmul_rn(static_cast<float>(data[i]), __fdiv_rn(scale[i / cols], 127.0f)));
+}
+
+// One thread per packed byte: two elements of the same block of 64.
+template <typename T>
+__global__ void nf4_dequantize_kernel(const uint8_t* packed, const float* code, const float* absmax,
+                                      const uint8_t* absmax_codes, const float* dynamic_code, const float* scale2,
+                                      const float* offset, T* out, int64_t n) {
+  const int64_t byte = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t first = 2 * byte;
+  if (first >= n) return;
+  const int64_t block = first / 64;
+  const float scale = absmax != nullptr ? absmax[block]
+                                        : __fadd_rn(__fmul_rn(dynamic_code[absmax_codes[block]], scale2[block / 256]),
+                                                    offset[0]);
+  const unsigned bits = packed[byte];
+  store(out, first, __fmul_rn(code[bits >> 4], scale));
+  if (first + 1 < n) store(out, first + 1, __fmul_rn(code[bits & 15u], scale));
+}
+
 // Calls f(T{}) with T = float or __nv_bfloat16.
 template <typename F>
 void dispatch(Dtype type, F&& f) {
@@ -299,6 +324,31 @@ cudaError_t cross_entropy_backward(const void* logits, Dtype type, const int64_t
     using T = decltype(tag);
     cross_entropy_backward_kernel<T><<<rows, kLossThreads, 0, stream>>>(
         static_cast<const T*>(logits), targets, lse, grad_sum, static_cast<T*>(grad), vocab);
+  });
+  return launched();
+}
+
+cudaError_t int8_dequantize(const int8_t* data, const float* scale, void* out, Dtype type, int64_t rows, int64_t cols,
+                            cudaStream_t stream) {
+  const int64_t n = rows * cols;
+  if (n == 0) return cudaSuccess;
+  dispatch(type, [&](auto tag) {
+    using T = decltype(tag);
+    int8_dequantize_kernel<T><<<(n + kThreads - 1) / kThreads, kThreads, 0, stream>>>(data, scale, static_cast<T*>(out),
+                                                                                       n, cols);
+  });
+  return launched();
+}
+
+cudaError_t nf4_dequantize(const uint8_t* packed, const float* code, const float* absmax, const uint8_t* absmax_codes,
+                           const float* dynamic_code, const float* scale2, const float* offset, void* out, Dtype type,
+                           int64_t n, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  const int64_t bytes = (n + 1) / 2;
+  dispatch(type, [&](auto tag) {
+    using T = decltype(tag);
+    nf4_dequantize_kernel<T><<<(bytes + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+        packed, code, absmax, absmax_codes, dynamic_code, scale2, offset, static_cast<T*>(out), n);
   });
   return launched();
 }

@@ -59,4 +59,18 @@ cudaError_t cross_entropy_backward(const void* logits, Dtype type, const int64_t
                                    const float* grad_sum, void* grad, int64_t rows, int64_t vocab,
                                    cudaStream_t stream);
 
+// Dequantization of frozen quantized weights (core/model/quantize.h's layouts), into fp32 or bf16
+// `out` [rows * cols], with the ATen formulation's fp32 arithmetic (each product and sum rounded on
+// its own, no fused multiply-add), so both give the same values.
+// int8: out[r, c] = data[r, c] * (scale[r] / 127).
+cudaError_t int8_dequantize(const int8_t* data, const float* scale, void* out, Dtype type, int64_t rows, int64_t cols,
+                            cudaStream_t stream);
+
+// nf4: element i (of n) is code[nibble i of packed, high nibble first] * absmax of block i / 64, the
+// absmax being absmax[b] where `absmax` is not null, else dynamic_code[absmax_codes[b]] *
+// scale2[b / 256] + offset[0] (double quantization). code holds 16 values, dynamic_code 256.
+cudaError_t nf4_dequantize(const uint8_t* packed, const float* code, const float* absmax, const uint8_t* absmax_codes,
+                           const float* dynamic_code, const float* scale2, const float* offset, void* out, Dtype type,
+                           int64_t n, cudaStream_t stream);
+
 }  // namespace weft::cuda

@@ -32,13 +32,13 @@ std::optional<int64_t> token_id(const json& j, const char* key) {
   return std::nullopt;
 }
 
-std::optional<RopeScaling> parse_rope_scaling(const json& j, const std::string& origin) {
-  if (!j.contains("rope_scaling") || j.at("rope_scaling").is_null()) return std::nullopt;
-  const json& rs = j.at("rope_scaling");
+// The RoPE scaling of `rs` (a rope_scaling or rope_parameters object; `key` names it in errors).
+std::optional<RopeScaling> parse_rope_scaling(const json& rs, const char* key, const std::string& origin) {
+  if (rs.is_null()) return std::nullopt;
+  WEFT_CHECK(rs.is_object(), "{}: {} must be an object, got {}", origin, key, rs.dump());
   const std::string type = rs.value("rope_type", rs.value("type", std::string("default")));
   if (type == "default") return std::nullopt;
-  WEFT_CHECK(type == "llama3", "{}: rope_scaling type '{}' is not supported (only 'llama3')", origin,
-             type);
+  WEFT_CHECK(type == "llama3", "{}: {} type '{}' is not supported (only 'llama3')", origin, key, type);
   RopeScaling s;
   s.factor = field<double>(rs, "factor", s.factor, origin);
   s.low_freq_factor = field<double>(rs, "low_freq_factor", s.low_freq_factor, origin);
@@ -112,12 +112,23 @@ ModelConfig parse_hf_config(const std::string& text, const std::string& origin) 
   c.head_dim = field<int64_t>(j, "head_dim", c.hidden_size / c.num_attention_heads, origin);
   c.max_position_embeddings = field<int64_t>(j, "max_position_embeddings", 2048, origin);
   c.rms_norm_eps = field<double>(j, "rms_norm_eps", 1e-5, origin);
-  c.rope_theta = field<double>(j, "rope_theta", 10000.0, origin);
-  c.rope_scaling = parse_rope_scaling(j, origin);
+  // transformers 5 writes rope_parameters {rope_type, rope_theta, factor, ...} in place of the
+  // top-level rope_theta and rope_scaling of earlier versions; either form is read.
+  if (j.contains("rope_parameters") && !j.at("rope_parameters").is_null()) {
+    const json& rp = j.at("rope_parameters");
+    WEFT_CHECK(rp.is_object() && rp.contains("rope_theta"),
+               "{}: rope_parameters must be an object with rope_theta (one set for every layer), got {}", origin,
+               rp.dump());
+    c.rope_theta = field<double>(rp, "rope_theta", 10000.0, origin);
+    c.rope_scaling = parse_rope_scaling(rp, "rope_parameters", origin);
+  } else {
+    c.rope_theta = field<double>(j, "rope_theta", 10000.0, origin);
+    c.rope_scaling = parse_rope_scaling(j.contains("rope_scaling") ? j.at("rope_scaling") : json(), "rope_scaling", origin);
+  }
   c.tie_word_embeddings = field<bool>(j, "tie_word_embeddings", false, origin);
   c.bos_token_id = token_id(j, "bos_token_id");
   c.eos_token_id = token_id(j, "eos_token_id");
-  c.torch_dtype = field<std::string>(j, "torch_dtype", "float32", origin);
+  c.torch_dtype = field<std::string>(j, "torch_dtype", field<std::string>(j, "dtype", "float32", origin), origin);
   try {
     c.validate();
   } catch (const Error& e) {

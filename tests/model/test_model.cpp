@@ -64,6 +64,29 @@ TEST(ModelConfig, ParsesHfConfigJsonAndRoundTrips) {
   EXPECT_EQ(again.tie_word_embeddings, true);
 }
 
+// transformers 5 writes rope_parameters in place of rope_theta and rope_scaling (and dtype in place
+// of torch_dtype): the same model as the older form.
+TEST(ModelConfig, ReadsTransformers5sRopeParameters) {
+  const std::string shape = R"("model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 160,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "dtype": "bfloat16")";
+  const auto c = parse_hf_config("{" + shape + R"(, "rope_parameters": {"factor": 8.0, "high_freq_factor": 4.0,
+    "low_freq_factor": 1.0, "original_max_position_embeddings": 64, "rope_theta": 500000.0, "rope_type": "llama3"}})",
+                                 "config.json");
+  EXPECT_EQ(c.rope_theta, 500000.0);
+  ASSERT_TRUE(c.rope_scaling.has_value());
+  EXPECT_EQ(c.rope_scaling->factor, 8.0);
+  EXPECT_EQ(c.rope_scaling->original_max_position_embeddings, 64);
+  EXPECT_EQ(c.torch_dtype, "bfloat16");
+  const auto plain =
+      parse_hf_config("{" + shape + R"(, "rope_parameters": {"rope_theta": 1000.0, "rope_type": "default"}})", "c");
+  EXPECT_EQ(plain.rope_theta, 1000.0);
+  EXPECT_FALSE(plain.rope_scaling.has_value());
+  EXPECT_THROW(parse_hf_config("{" + shape + R"(, "rope_parameters": {"rope_theta": 1.0, "rope_type": "yarn"}})", "c"),
+               Error);
+  EXPECT_THROW(parse_hf_config("{" + shape + R"(, "rope_parameters": {"full_attention": {"rope_theta": 1.0}}})", "c"),
+               Error);
+}
+
 TEST(ModelConfig, RejectsUnsupportedOrInconsistentConfigs) {
   auto expect_error = [](const std::string& json, const std::string& needle) {
     try {

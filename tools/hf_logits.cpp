@@ -1,0 +1,81 @@
+// weft's logits for a Hugging Face model directory, for the reference check against transformers'
+// LlamaForCausalLM and PEFT (tools/hf_reference.py; built with the tests, run by ctest as
+// Reference.*):
+//   hf_logits MODEL_DIR TOKENS.safetensors OUT.safetensors [--adapter DIR]
+//             [--write-adapter DIR R ALPHA SEED TARGET,TARGET,...] [--save-pretrained DIR]
+// MODEL_DIR holds config.json and safetensors weights; TOKENS holds "tokens" (int64 [B, T]). OUT
+// gets "logits" (fp32 [B, T, V]) of the model, with the LoRA adapter of DIR loaded (--adapter), or
+// with new adapters on the named targets whose A and B are seeded random values, written to DIR in
+// PEFT's layout (--write-adapter), so that PEFT can load what weft writes. --save-pretrained
+// writes the model as weft saves a checkpoint (config.json, model.safetensors), for transformers.
+#include <cstdlib>
+#include <iostream>
+#include <sstream>
+#include <string>
+
+#include <torch/torch.h>
+
+#include "core/io/safetensors.h"
+#include "core/model/config.h"
+#include "core/model/llama.h"
+#include "core/model/lora.h"
+#include "core/model/weights.h"
+#include "core/util/error.h"
+
+namespace {
+
+[[noreturn]] void usage() {
+  std::cerr << "usage: hf_logits MODEL_DIR TOKENS.safetensors OUT.safetensors [--adapter DIR]"
+               " [--write-adapter DIR R ALPHA SEED TARGET,...] [--save-pretrained DIR]\n";
+  std::exit(2);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 4) usage();
+  try {
+    torch::NoGradGuard no_grad;
+    const std::string model_dir = argv[1];
+    weft::LlamaForCausalLM model(weft::load_hf_config(model_dir + "/config.json"));
+    weft::load_weights(*model, model_dir);
+    for (int i = 4; i < argc;) {
+      const std::string option = argv[i];
+      if (option == "--adapter" && i + 1 < argc) {
+        const auto config = weft::read_lora_adapter_config(argv[i + 1]);
+        weft::apply_lora(*model, config, /*seed=*/0);
+        weft::load_lora_adapter(*model, argv[i + 1]);
+        i += 2;
+      } else if (option == "--write-adapter" && i + 5 < argc) {
+        weft::LoraConfig config;
+        config.spec.r = std::stoll(argv[i + 2]);
+        config.spec.alpha = std::stod(argv[i + 3]);
+        const uint64_t seed = std::stoull(argv[i + 4]);
+        config.target_modules.clear();
+        std::stringstream targets(argv[i + 5]);
+        for (std::string t; std::getline(targets, t, ',');) config.target_modules.push_back(t);
+        weft::apply_lora(*model, config, seed);
+        // B starts at zero (an adapter that changes nothing): give it values so the check means something.
+        torch::manual_seed(seed);
+        for (auto& item : model->named_parameters()) {
+          if (item.key().find(".lora_B.") != std::string::npos) item.value().normal_(0.0, 0.05);
+        }
+        weft::save_lora_adapter(*model, config, argv[i + 1]);
+        i += 6;
+      } else if (option == "--save-pretrained" && i + 1 < argc) {
+        weft::save_pretrained(*model, argv[i + 1]);
+        i += 2;
+      } else {
+        usage();
+      }
+    }
+    model->eval();
+    const auto tokens = weft::SafetensorsFile::open(argv[2])->load("tokens", torch::kLong);
+    const auto logits = model->forward(tokens).to(torch::kFloat32).contiguous();
+    weft::save_safetensors(argv[3], {{"logits", logits}});
+  } catch (const std::exception& e) {
+    std::cerr << "hf_logits: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

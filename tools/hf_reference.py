@@ -1,0 +1,117 @@
+"""weft's Llama and LoRA adapters against the implementations users trust: transformers'
+LlamaForCausalLM and PEFT (PyPI, tools/requirements.txt). Run by ctest as
+Reference.TransformersAndPeftComputeWeftsLogits:
+
+    python3 tools/hf_reference.py HF_LOGITS WORK_DIR
+
+For small random models (tied embeddings with Llama 3's RoPE scaling and grouped-query attention;
+untied with plain RoPE, multi-head attention and a head_dim of its own), each in fp32 with random
+norm weights:
+  1. transformers saves the model (config.json as transformers 5 writes it: rope_parameters) and
+     weft's logits for the same tokens equal transformers' (hf_logits MODEL);
+  2. weft saves it again (save_pretrained: its own config.json) and transformers' logits from
+     that equal weft's;
+  3. PEFT adds LoRA adapters to all seven projections with random A and B and saves them; weft
+     loads them (--adapter) and its logits equal PEFT's;
+  4. weft writes adapters of its own (--write-adapter, random A and B) and PEFT loads them
+     (PeftModel.from_pretrained): PEFT's logits equal weft's.
+Equal means the largest difference is at most 1e-5 of the largest logit (fp32, different
+summation orders). Exit status 0 when every comparison holds, 1 otherwise."""
+import json
+import os
+import subprocess
+import sys
+
+import torch
+from safetensors.torch import load_file, save_file
+
+import transformers
+import peft
+from transformers import LlamaConfig, LlamaForCausalLM
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TOLERANCE = 1e-5
+
+
+def main():
+    hf_logits, work = sys.argv[1], sys.argv[2]
+    os.makedirs(work, exist_ok=True)
+    print(f"transformers {transformers.__version__}, peft {peft.__version__}, torch {torch.__version__}")
+    cases = {
+        "tied-llama3-rope-gqa": dict(tie_word_embeddings=True, num_key_value_heads=2,
+                                     rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+                                     rope_theta=500000.0),
+        "untied-rope-mha-head-dim": dict(tie_word_embeddings=False, num_key_value_heads=4, head_dim=24,
+                                         rope_theta=10000.0),
+    }
+    failures = 0
+
+    def compare(what, weft_logits, reference):
+        nonlocal failures
+        diff = (weft_logits - reference).abs().max().item()
+        scale = reference.abs().max().item()
+        ok = diff <= TOLERANCE * max(1.0, scale)
+        failures += not ok
+        print(f"{'PASS' if ok else 'FAIL'} {what}: largest difference {diff:.3g} (largest logit {scale:.3g})")
+
+    def weft(model_dir, *options):
+        out = os.path.join(work, "weft-logits.safetensors")
+        subprocess.run([hf_logits, model_dir, tokens_file, out, *options], check=True)
+        return load_file(out)["logits"]
+
+    for name, shape in cases.items():
+        torch.manual_seed(hash(name) % 1000)
+        config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                             num_attention_heads=4, max_position_embeddings=128, rms_norm_eps=1e-5, **shape)
+        model = LlamaForCausalLM(config).eval()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith("norm.weight"):
+                    p.copy_(1 + 0.3 * torch.randn_like(p))
+        model_dir = os.path.join(work, name, "hf")
+        model.save_pretrained(model_dir)
+        written = json.load(open(os.path.join(model_dir, "config.json")))
+        print(f"{name}: transformers wrote {'rope_parameters' if 'rope_parameters' in written else 'rope_theta/rope_scaling'}")
+        tokens = torch.randint(0, 256, (2, 40))
+        tokens_file = os.path.join(work, "tokens.safetensors")
+        save_file({"tokens": tokens}, tokens_file)
+        with torch.no_grad():
+            reference = model(tokens).logits.float()
+
+        # 1 and 2: the base model, both ways.
+        resaved = os.path.join(work, name, "weft-saved")
+        compare(f"{name}: weft loads transformers' model", weft(model_dir, "--save-pretrained", resaved), reference)
+        reloaded = LlamaForCausalLM.from_pretrained(resaved).eval()
+        with torch.no_grad():
+            compare(f"{name}: transformers loads weft's save", reloaded(tokens).logits.float(), reference)
+
+        # 3: PEFT's adapter in weft.
+        base = LlamaForCausalLM.from_pretrained(model_dir).eval()
+        lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS, init_lora_weights=False)
+        peft_model = peft.get_peft_model(base, lora).eval()
+        peft_dir = os.path.join(work, name, "peft-adapter")
+        peft_model.save_pretrained(peft_dir)
+        with torch.no_grad():
+            peft_logits = peft_model(tokens).logits.float()
+        compare(f"{name}: weft loads PEFT's LoRA adapter", weft(model_dir, "--adapter", peft_dir), peft_logits)
+        if (peft_logits - reference).abs().max().item() < 1e-3:
+            print(f"FAIL {name}: PEFT's random adapter changes nothing; the comparison above means nothing")
+            failures += 1
+
+        # 4: weft's adapter in PEFT.
+        weft_dir = os.path.join(work, name, "weft-adapter")
+        weft_logits = weft(model_dir, "--write-adapter", weft_dir, "8", "16", "5", ",".join(TARGETS))
+        base = LlamaForCausalLM.from_pretrained(model_dir).eval()
+        loaded = peft.PeftModel.from_pretrained(base, weft_dir).eval()
+        with torch.no_grad():
+            compare(f"{name}: PEFT loads weft's LoRA adapter", loaded(tokens).logits.float(), weft_logits)
+        if (weft_logits - reference).abs().max().item() < 1e-3:
+            print(f"FAIL {name}: weft's random adapter changes nothing; the comparison above means nothing")
+            failures += 1
+    print("all comparisons hold" if failures == 0 else f"{failures} comparison(s) failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

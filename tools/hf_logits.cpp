@@ -2,20 +2,24 @@
 // LlamaForCausalLM and PEFT (tools/hf_reference.py; built with the tests, run by ctest as
 // Reference.*):
 //   hf_logits MODEL_DIR TOKENS.safetensors OUT.safetensors [--adapter DIR]
-//             [--write-adapter DIR R ALPHA SEED TARGET,TARGET,...] [--save-pretrained DIR]
+//             [--write-adapter DIR R ALPHA SEED TARGET,TARGET,...]
+//             [--write-adalora DIR INIT_R TARGET_R ALPHA SEED TARGET,...] [--save-pretrained DIR]
 // MODEL_DIR holds config.json and safetensors weights; TOKENS holds "tokens" (int64 [B, T]). OUT
-// gets "logits" (fp32 [B, T, V]) of the model, with the LoRA adapter of DIR loaded (--adapter), or
-// with new adapters on the named targets whose A and B are seeded random values, written to DIR in
-// PEFT's layout (--write-adapter), so that PEFT can load what weft writes. --save-pretrained
-// writes the model as weft saves a checkpoint (config.json, model.safetensors), for transformers.
+// gets "logits" (fp32 [B, T, V]) of the model: with the LoRA or AdaLoRA adapter of DIR loaded
+// (--adapter); or with new adapters on the named targets, seeded random values, written to DIR in
+// PEFT's layout (--write-adapter: LoRA; --write-adalora: AdaLoRA with a rank pattern), so that PEFT
+// can load what weft writes. --save-pretrained writes the model as weft saves a checkpoint
+// (config.json, model.safetensors), for transformers.
 #include <cstdlib>
 #include <iostream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include <torch/torch.h>
 
 #include "core/io/safetensors.h"
+#include "core/model/adalora.h"
 #include "core/model/config.h"
 #include "core/model/llama.h"
 #include "core/model/lora.h"
@@ -26,8 +30,16 @@ namespace {
 
 [[noreturn]] void usage() {
   std::cerr << "usage: hf_logits MODEL_DIR TOKENS.safetensors OUT.safetensors [--adapter DIR]"
-               " [--write-adapter DIR R ALPHA SEED TARGET,...] [--save-pretrained DIR]\n";
+               " [--write-adapter DIR R ALPHA SEED TARGET,...] [--write-adalora DIR INIT_R TARGET_R ALPHA SEED TARGET,...]"
+               " [--save-pretrained DIR]\n";
   std::exit(2);
+}
+
+std::vector<std::string> split(const std::string& list) {
+  std::vector<std::string> out;
+  std::stringstream items(list);
+  for (std::string item; std::getline(items, item, ',');) out.push_back(item);
+  return out;
 }
 
 }  // namespace
@@ -42,18 +54,45 @@ int main(int argc, char** argv) {
     for (int i = 4; i < argc;) {
       const std::string option = argv[i];
       if (option == "--adapter" && i + 1 < argc) {
-        const auto config = weft::read_lora_adapter_config(argv[i + 1]);
-        weft::apply_lora(*model, config, /*seed=*/0);
-        weft::load_lora_adapter(*model, argv[i + 1]);
+        if (weft::adapter_peft_type(argv[i + 1]) == "ADALORA") {
+          weft::apply_adalora(*model, weft::read_adalora_adapter_config(argv[i + 1]), /*seed=*/0);
+          weft::load_adalora_adapter(*model, argv[i + 1]);
+        } else {
+          weft::apply_lora(*model, weft::read_lora_adapter_config(argv[i + 1]), /*seed=*/0);
+          weft::load_lora_adapter(*model, argv[i + 1]);
+        }
         i += 2;
+      } else if (option == "--write-adalora" && i + 6 < argc) {
+        // AdaLoRA adapters with random P, Lambda, Q and a rank pattern masking about a third of the
+        // triplets (all of the first layer's), written as PEFT writes them (kept triplets only).
+        weft::AdaLoraConfig config;
+        config.spec.r = std::stoll(argv[i + 2]);
+        config.target_r = std::stoll(argv[i + 3]);
+        config.spec.alpha = std::stod(argv[i + 4]);
+        config.total_step = 10;
+        const uint64_t seed = std::stoull(argv[i + 5]);
+        config.target_modules = split(argv[i + 6]);
+        weft::apply_adalora(*model, config, seed);
+        torch::manual_seed(seed);
+        weft::RankPattern pattern;
+        bool first = true;
+        for (auto& item : model->named_modules("", false)) {
+          auto* linear = item.value()->as<weft::LinearImpl>();
+          if (!linear || !linear->has_adalora()) continue;
+          linear->adalora_E().normal_(0.0, 1.0);
+          auto& flags = pattern[item.key()];
+          for (int64_t r = 0; r < config.spec.r; ++r) flags.push_back(!first && (r + item.key().size()) % 3 != 0);
+          first = false;
+        }
+        weft::apply_rank_pattern(*model, pattern);
+        weft::save_adalora_adapter(*model, config, pattern, argv[i + 1]);
+        i += 7;
       } else if (option == "--write-adapter" && i + 5 < argc) {
         weft::LoraConfig config;
         config.spec.r = std::stoll(argv[i + 2]);
         config.spec.alpha = std::stod(argv[i + 3]);
         const uint64_t seed = std::stoull(argv[i + 4]);
-        config.target_modules.clear();
-        std::stringstream targets(argv[i + 5]);
-        for (std::string t; std::getline(targets, t, ',');) config.target_modules.push_back(t);
+        config.target_modules = split(argv[i + 5]);
         weft::apply_lora(*model, config, seed);
         // B starts at zero (an adapter that changes nothing): give it values so the check means something.
         torch::manual_seed(seed);

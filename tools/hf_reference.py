@@ -14,7 +14,12 @@ norm weights:
   3. PEFT adds LoRA adapters to all seven projections with random A and B and saves them; weft
      loads them (--adapter) and its logits equal PEFT's;
   4. weft writes adapters of its own (--write-adapter, random A and B) and PEFT loads them
-     (PeftModel.from_pretrained): PEFT's logits equal weft's.
+     (PeftModel.from_pretrained): PEFT's logits equal weft's;
+  5. PEFT trains AdaLoRA adapters for a few steps (its allocator masks triplets to the final
+     budget: rank_pattern, tensors truncated to the kept triplets) and saves them; weft loads them
+     and its logits equal PEFT's;
+  6. weft writes AdaLoRA adapters (random P, Lambda, Q; a rank pattern pruning one layer to rank 0)
+     and PEFT loads them: PEFT's logits equal weft's.
 Equal means the largest difference is at most 1e-5 of the largest logit (fp32, different
 summation orders). Exit status 0 when every comparison holds, 1 otherwise."""
 import json
@@ -108,6 +113,42 @@ def main():
             compare(f"{name}: PEFT loads weft's LoRA adapter", loaded(tokens).logits.float(), weft_logits)
         if (weft_logits - reference).abs().max().item() < 1e-3:
             print(f"FAIL {name}: weft's random adapter changes nothing; the comparison above means nothing")
+            failures += 1
+        # 5: PEFT's AdaLoRA adapter, trained a few steps so that its allocator masked triplets
+        # (rank_pattern, tensors truncated to the kept ones), in weft.
+        base = LlamaForCausalLM.from_pretrained(model_dir)
+        ada = peft.AdaLoraConfig(init_r=6, target_r=2, tinit=1, tfinal=2, deltaT=1, total_step=8, lora_alpha=8,
+                                 lora_dropout=0.0, target_modules=TARGETS)
+        ada_model = peft.get_peft_model(base, ada)
+        optimizer = torch.optim.Adam([p for p in ada_model.parameters() if p.requires_grad], lr=0.05)
+        for step in range(8):
+            ada_model.train()
+            ada_model(input_ids=tokens, labels=tokens).loss.backward()
+            optimizer.step()
+            ada_model.base_model.update_and_allocate(step)
+            optimizer.zero_grad()
+        ada_model.eval()
+        ranks = [sum(flags) for flags in ada_model.peft_config["default"].rank_pattern.values()]
+        ada_dir = os.path.join(work, name, "peft-adalora")
+        ada_model.save_pretrained(ada_dir)
+        with torch.no_grad():
+            ada_logits = ada_model(tokens).logits.float()
+        compare(f"{name}: weft loads PEFT's AdaLoRA adapter (ranks {ranks})", weft(model_dir, "--adapter", ada_dir),
+                ada_logits)
+        change = (ada_logits - reference).abs().max().item()
+        if change < 1e-3 or sum(ranks) != 2 * len(ranks):
+            print(f"FAIL {name}: PEFT's AdaLoRA run did not change the model ({change:.3g}) or keep its budget ({ranks})")
+            failures += 1
+
+        # 6: weft's AdaLoRA adapter (random values, a rank pattern with a layer pruned to rank 0) in PEFT.
+        weft_ada_dir = os.path.join(work, name, "weft-adalora")
+        weft_logits = weft(model_dir, "--write-adalora", weft_ada_dir, "6", "2", "8", "7", ",".join(TARGETS))
+        base = LlamaForCausalLM.from_pretrained(model_dir).eval()
+        loaded = peft.PeftModel.from_pretrained(base, weft_ada_dir).eval()
+        with torch.no_grad():
+            compare(f"{name}: PEFT loads weft's AdaLoRA adapter", loaded(tokens).logits.float(), weft_logits)
+        if (weft_logits - reference).abs().max().item() < 1e-3:
+            print(f"FAIL {name}: weft's random AdaLoRA adapter changes nothing; the comparison above means nothing")
             failures += 1
     print("all comparisons hold" if failures == 0 else f"{failures} comparison(s) failed")
     return 1 if failures else 0

@@ -71,7 +71,7 @@ torch::Tensor LinearImpl::base_output(const torch::Tensor& input) {
 torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
   const auto input = x.to(compute_dtype_);
   auto y = base_output(input);
-  if (!lora_A_.is_empty()) y = y + lora_update(input);
+  if (has_lora()) y = y + lora_update(input);
   return y;
 }
 
@@ -81,8 +81,13 @@ torch::Tensor LinearImpl::lora_update(const torch::Tensor& input) {
                ? torch::nn::functional::dropout(
                      input, torch::nn::functional::DropoutFuncOptions().p(lora_dropout_).training(is_training()))
                : input;
-  h = torch::nn::functional::linear(h, lora_A_->weight.to(compute_dtype_));
-  h = torch::nn::functional::linear(h, lora_B_->weight.to(compute_dtype_));
+  if (has_adalora()) {
+    h = torch::nn::functional::linear(h, (ada_A_ * ada_E_).to(compute_dtype_));
+    h = torch::nn::functional::linear(h, ada_B_.to(compute_dtype_));
+  } else {
+    h = torch::nn::functional::linear(h, lora_A_->weight.to(compute_dtype_));
+    h = torch::nn::functional::linear(h, lora_B_->weight.to(compute_dtype_));
+  }
   return h * lora_scale_;
 }
 
@@ -134,6 +139,23 @@ void LinearImpl::add_lora(const LoraSpec& spec, uint64_t generator_seed, const P
   if (weight.defined()) weight.set_requires_grad(false);
 }
 
+void LinearImpl::add_adalora(const LoraSpec& spec, uint64_t generator_seed) {
+  WEFT_CHECK(!has_lora(), "LoRA adapters added twice to one layer");
+  WEFT_CHECK(spec.r > 0, "adalora.init_r must be positive, got {}", spec.r);
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(generator_seed);
+  auto a = torch::empty({spec.r, in_features_});
+  a.normal_(0.0, 0.02, generator);
+  auto b = torch::empty({out_features_, spec.r});
+  b.normal_(0.0, 0.02, generator);
+  ada_A_ = register_parameter("lora_A", a);
+  ada_E_ = register_parameter("lora_E", torch::zeros({spec.r, 1}));
+  ada_B_ = register_parameter("lora_B", b);
+  // PEFT: scaling = lora_alpha, divided by ranknum + 1e-5 with ranknum the initial rank.
+  lora_scale_ = spec.alpha / (static_cast<double>(spec.r) + 1e-5);
+  lora_dropout_ = spec.dropout;
+  if (weight.defined()) weight.set_requires_grad(false);
+}
+
 void LinearImpl::merge_lora() {
   torch::NoGradGuard no_grad;
   if (quantized()) {  // the base becomes its dequantized values, a plain fp32 parameter
@@ -141,6 +163,14 @@ void LinearImpl::merge_lora() {
     for (auto& buffer : named_buffers(/*recurse=*/false)) buffer.value().set_data(torch::empty({0}, buffer.value().options()));
     quantized_ = QuantizedMatrix{};
     quantize_ = QuantFormat::kNone;
+  }
+  if (has_adalora()) {
+    weight.add_(torch::matmul(ada_B_, ada_A_ * ada_E_).to(weight.device()) * lora_scale_);
+    for (const char* name : {"lora_A", "lora_E", "lora_B"}) {
+      parameters_.erase(name);
+    }
+    ada_A_ = ada_E_ = ada_B_ = torch::Tensor();
+    return;
   }
   if (lora_A_.is_empty()) return;
   weight.add_(torch::matmul(lora_B_->weight, lora_A_->weight).to(weight.device()) * lora_scale_);

@@ -68,13 +68,25 @@ class LinearImpl : public torch::nn::Module {
   // adapters are sliced to match (parallel.h's shard_of): A's values are then those of the
   // whole layer's A, so every split of a model starts from the same adapters.
   void add_lora(const LoraSpec& spec, uint64_t generator_seed, const ParameterShard& base = {});
-  bool has_lora() const { return !lora_A_.is_empty(); }
+  // Adds AdaLoRA's SVD-form adapters, as PEFT's SVDLinear: P (lora_A [r, in]) and Q (lora_B
+  // [out, r]) ~ N(0, 0.02^2) from `generator_seed`, Lambda (lora_E [r, 1]) zeros; the update is
+  // (alpha / (r + 1e-5)) B (A * E) dropout(x), r staying the initial rank however many of the
+  // triplets a rank allocator masks (adalora.h). Freezes the base weight. Parameters are named
+  // lora_A, lora_E and lora_B, as in PEFT's adapter files. A split layer is refused.
+  void add_adalora(const LoraSpec& spec, uint64_t generator_seed);
+  bool has_lora() const { return !lora_A_.is_empty() || ada_A_.defined(); }
+  bool has_adalora() const { return ada_A_.defined(); }
+  // AdaLoRA's P, Lambda and Q (has_adalora() layers).
+  torch::Tensor& adalora_A() { return ada_A_; }
+  torch::Tensor& adalora_E() { return ada_E_; }
+  torch::Tensor& adalora_B() { return ada_B_; }
   // Folds (alpha / r) B A into the base weight and removes the adapters. A quantized layer's
   // weight (with or without adapters) is dequantized first into a plain fp32 `weight` parameter:
   // the layer is no longer quantized.
   void merge_lora();
 
-  // The LoRA term (alpha / r) B A dropout(input) for `input` already in the compute dtype.
+  // The LoRA term (alpha / r) B A dropout(input) for `input` already in the compute dtype (AdaLoRA's
+  // term for add_adalora layers).
   // Throws weft::Error if the layer has no adapters.
   torch::Tensor lora_update(const torch::Tensor& input);
 
@@ -92,6 +104,7 @@ class LinearImpl : public torch::nn::Module {
   QuantizedMatrix quantized_;
   WeightHolder lora_A_{nullptr};
   WeightHolder lora_B_{nullptr};
+  torch::Tensor ada_A_, ada_E_, ada_B_;
   double lora_scale_ = 0.0;
   double lora_dropout_ = 0.0;
   torch::Dtype compute_dtype_ = torch::kFloat32;

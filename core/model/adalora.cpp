@@ -1,0 +1,366 @@
+#include "core/model/adalora.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <limits>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "core/io/safetensors.h"
+#include "core/model/lora.h"
+#include "core/util/error.h"
+#include "core/util/fs.h"
+#include "core/util/hash.h"
+
+namespace weft {
+namespace {
+
+constexpr const char* kAdaloraFilePrefix = "base_model.model.";
+constexpr const char* kParts[] = {"lora_A", "lora_E", "lora_B"};
+
+// The model's AdaLoRA layers by name, in the model's order.
+std::vector<std::pair<std::string, LinearImpl*>> adalora_layers(LlamaForCausalLMImpl& model) {
+  std::vector<std::pair<std::string, LinearImpl*>> layers;
+  for (auto& item : model.named_modules("", /*include_self=*/false)) {
+    auto* linear = item.value()->as<LinearImpl>();
+    if (linear && linear->has_adalora()) layers.emplace_back(item.key(), linear);
+  }
+  return layers;
+}
+
+torch::Tensor& part(LinearImpl& layer, const std::string& name) {
+  if (name == "lora_A") return layer.adalora_A();
+  if (name == "lora_E") return layer.adalora_E();
+  return layer.adalora_B();
+}
+
+// Indices of the kept triplets of `layer` under `pattern` (all where it has none).
+torch::Tensor kept_indices(const RankPattern& pattern, const std::string& layer, int64_t rank) {
+  auto it = pattern.find(layer);
+  if (it == pattern.end()) return torch::arange(rank, torch::kLong);
+  WEFT_CHECK(static_cast<int64_t>(it->second.size()) == rank, "AdaLoRA rank pattern of {}: {} flags for rank {}", layer,
+             it->second.size(), rank);
+  std::vector<int64_t> kept;
+  for (int64_t i = 0; i < rank; ++i) {
+    if (it->second[static_cast<size_t>(i)]) kept.push_back(i);
+  }
+  return torch::tensor(kept, torch::kLong);
+}
+
+}  // namespace
+
+int64_t apply_adalora(LlamaForCausalLMImpl& model, const AdaLoraConfig& config, uint64_t seed) {
+  const auto valid = lora_targetable_modules();
+  for (const auto& target : config.target_modules) {
+    WEFT_CHECK(std::find(valid.begin(), valid.end(), target) != valid.end(),
+               "adalora: target module '{}' is unknown (valid: {})", target, fmt::join(valid, ", "));
+  }
+  WEFT_CHECK(model.options().shards.empty(),
+             "AdaLoRA allocates one rank budget over the whole model's layers; a model split over ranks (tensor "
+             "parallelism) is not supported");
+  WEFT_CHECK(config.target_r >= 0 && config.target_r <= config.spec.r,
+             "adalora: target_r ({}) must be between 0 and init_r ({})", config.target_r, config.spec.r);
+  for (auto& param : model.parameters()) param.set_requires_grad(false);
+  int64_t adapted = 0;
+  for (auto& item : model.named_modules("", /*include_self=*/false)) {
+    auto* linear = item.value()->as<LinearImpl>();
+    if (!linear) continue;
+    const auto leaf = item.key().substr(item.key().rfind('.') + 1);
+    if (std::find(config.target_modules.begin(), config.target_modules.end(), leaf) == config.target_modules.end()) {
+      continue;
+    }
+    linear->add_adalora(config.spec, hash64(item.key(), seed));
+    ++adapted;
+  }
+  WEFT_CHECK(adapted > 0, "adalora: target modules [{}] matched no layer of this model",
+             fmt::join(config.target_modules, ", "));
+  return adapted;
+}
+
+torch::Tensor adalora_orthogonal_regularization(LlamaForCausalLMImpl& model) {
+  torch::Tensor total;
+  int64_t count = 0;
+  for (auto& [name, layer] : adalora_layers(model)) {
+    const auto& a = layer->adalora_A();
+    const auto& b = layer->adalora_B();
+    for (const auto& cov : {torch::matmul(a, a.t()), torch::matmul(b.t(), b)}) {
+      const auto term = torch::norm(cov - torch::eye(cov.size(0), cov.options()));
+      total = total.defined() ? total + term : term;
+      ++count;
+    }
+  }
+  if (count == 0) return torch::zeros({});
+  return total / static_cast<double>(count);
+}
+
+void apply_rank_pattern(LlamaForCausalLMImpl& model, const RankPattern& pattern) {
+  torch::NoGradGuard no_grad;
+  for (auto& [name, layer] : adalora_layers(model)) {
+    auto it = pattern.find(name);
+    if (it == pattern.end()) continue;
+    auto& e = layer->adalora_E();
+    WEFT_CHECK(static_cast<int64_t>(it->second.size()) == e.size(0), "AdaLoRA rank pattern of {}: {} flags for rank {}",
+               name, it->second.size(), e.size(0));
+    std::vector<uint8_t> keep(it->second.begin(), it->second.end());
+    const auto mask = torch::tensor(keep, torch::kUInt8).to(torch::kBool).to(e.device()).unsqueeze(1);
+    e.masked_fill_(mask.logical_not(), 0.0);
+  }
+}
+
+std::string adapter_peft_type(const std::string& dir) {
+  const std::string path = dir + "/adapter_config.json";
+  WEFT_CHECK(std::filesystem::is_regular_file(path), "{}: no adapter config (is {} an adapter directory?)", path, dir);
+  try {
+    return nlohmann::json::parse(read_file(path)).value("peft_type", std::string("LORA"));
+  } catch (const nlohmann::json::exception& e) {
+    fail("{}: not an adapter config ({})", path, e.what());
+  }
+}
+
+void save_adalora_adapter(LlamaForCausalLMImpl& model, const AdaLoraConfig& config, const RankPattern& pattern,
+                          const std::string& dir, const std::string& base_model) {
+  std::filesystem::create_directories(dir);
+  NamedTensors tensors;
+  nlohmann::json rank_pattern = nlohmann::json::object();
+  for (auto& [name, layer] : adalora_layers(model)) {
+    const auto kept = kept_indices(pattern, name, layer->adalora_E().size(0));
+    const auto on = [&](const torch::Tensor& t) { return kept.to(t.device()); };
+    const auto& a = layer->adalora_A();
+    const auto& e = layer->adalora_E();
+    const auto& b = layer->adalora_B();
+    tensors.emplace_back(kAdaloraFilePrefix + name + ".lora_A", a.detach().index_select(0, on(a)).contiguous());
+    tensors.emplace_back(kAdaloraFilePrefix + name + ".lora_E", e.detach().index_select(0, on(e)).contiguous());
+    tensors.emplace_back(kAdaloraFilePrefix + name + ".lora_B", b.detach().index_select(1, on(b)).contiguous());
+    if (auto it = pattern.find(name); it != pattern.end()) rank_pattern[name + ".lora_E"] = it->second;
+  }
+  WEFT_CHECK(!tensors.empty(), "save_adalora_adapter: the model has no AdaLoRA adapters");
+  save_safetensors(dir + "/adapter_model.safetensors", tensors);
+  const nlohmann::json adapter_config = {
+      {"peft_type", "ADALORA"},
+      {"task_type", "CAUSAL_LM"},
+      {"base_model_name_or_path", base_model},
+      {"r", config.spec.r},
+      {"init_r", config.spec.r},
+      {"target_r", config.target_r},
+      {"tinit", config.tinit},
+      {"tfinal", config.tfinal},
+      {"deltaT", config.delta_t},
+      {"beta1", config.beta1},
+      {"beta2", config.beta2},
+      {"orth_reg_weight", config.orth_reg_weight},
+      {"total_step", std::max<int64_t>(config.total_step, 1)},
+      {"lora_alpha", config.spec.alpha},
+      {"lora_dropout", config.spec.dropout},
+      {"target_modules", config.target_modules},
+      {"rank_pattern", rank_pattern.empty() ? nlohmann::json(nullptr) : rank_pattern},
+      {"bias", "none"},
+      {"fan_in_fan_out", false},
+      {"init_lora_weights", true},
+      {"inference_mode", true},
+  };
+  write_file_atomically(dir + "/adapter_config.json", adapter_config.dump(2) + "\n");
+}
+
+AdaLoraConfig read_adalora_adapter_config(const std::string& dir, RankPattern* pattern) {
+  const std::string path = dir + "/adapter_config.json";
+  WEFT_CHECK(std::filesystem::is_regular_file(path), "{}: no adapter config (is {} an AdaLoRA adapter directory?)",
+             path, dir);
+  AdaLoraConfig config;
+  RankPattern read;
+  try {
+    const auto j = nlohmann::json::parse(read_file(path));
+    WEFT_CHECK(j.value("peft_type", std::string()) == "ADALORA", "{}: peft_type is {}, not ADALORA", path,
+               j.value("peft_type", std::string("LORA")));
+    WEFT_CHECK(j.at("init_r").is_number_integer() && j.at("target_r").is_number_integer(),
+               "{}: init_r and target_r must be integers", path);
+    config.spec.r = j.at("init_r").get<int64_t>();
+    config.target_r = j.at("target_r").get<int64_t>();
+    config.spec.alpha = j.at("lora_alpha").get<double>();
+    config.spec.dropout = j.value("lora_dropout", 0.0);
+    config.target_modules = j.at("target_modules").get<std::vector<std::string>>();
+    config.tinit = j.value("tinit", int64_t{0});
+    config.tfinal = j.value("tfinal", int64_t{0});
+    config.delta_t = j.value("deltaT", int64_t{1});
+    config.beta1 = j.value("beta1", 0.85);
+    config.beta2 = j.value("beta2", 0.85);
+    config.orth_reg_weight = j.value("orth_reg_weight", 0.5);
+    config.total_step = j.contains("total_step") && !j.at("total_step").is_null() ? j.at("total_step").get<int64_t>() : 0;
+    if (j.contains("rank_pattern") && !j.at("rank_pattern").is_null()) {
+      for (const auto& [key, flags] : j.at("rank_pattern").items()) {
+        std::string layer = key;
+        for (const std::string suffix : {".default", ".lora_E"}) {
+          if (layer.size() > suffix.size() && layer.compare(layer.size() - suffix.size(), suffix.size(), suffix) == 0) {
+            layer.resize(layer.size() - suffix.size());
+          }
+        }
+        read[layer] = flags.get<std::vector<bool>>();
+        WEFT_CHECK(static_cast<int64_t>(read[layer].size()) == config.spec.r,
+                   "{}: rank_pattern of {} has {} flags, init_r is {}", path, key, read[layer].size(), config.spec.r);
+      }
+    }
+  } catch (const nlohmann::json::exception& e) {
+    fail("{}: not an AdaLoRA adapter config ({})", path, e.what());
+  }
+  WEFT_CHECK(config.spec.r >= 1 && config.spec.alpha > 0 && !config.target_modules.empty(),
+             "{}: init_r must be >= 1, lora_alpha > 0 and target_modules not empty", path);
+  if (pattern) *pattern = std::move(read);
+  return config;
+}
+
+void load_adalora_adapter(LlamaForCausalLMImpl& model, const std::string& dir) {
+  RankPattern pattern;
+  read_adalora_adapter_config(dir, &pattern);
+  auto file = SafetensorsFile::open(dir + "/adapter_model.safetensors");
+  torch::NoGradGuard no_grad;
+  const auto layers = adalora_layers(model);
+  WEFT_CHECK(!layers.empty(), "load_adalora_adapter: the model has no AdaLoRA adapters");
+  for (const auto& [name, layer] : layers) {
+    const int64_t rank = layer->adalora_E().size(0);
+    const auto kept = kept_indices(pattern, name, rank);
+    for (const std::string p : kParts) {
+      const std::string key = kAdaloraFilePrefix + name + "." + p;
+      WEFT_CHECK(file->contains(key), "{}/adapter_model.safetensors: adapter tensor '{}' is missing", dir, key);
+      auto& target = part(*layer, p);
+      const int64_t dim = p == "lora_B" ? 1 : 0;
+      std::vector<int64_t> expected = target.sizes().vec();
+      expected[static_cast<size_t>(dim)] = kept.numel();
+      const auto& info = file->info(key);
+      WEFT_CHECK(info.shape == expected, "{}/adapter_model.safetensors: '{}' has shape {} but the model expects {}",
+                 dir, key, fmt::join(info.shape, "x"), fmt::join(expected, "x"));
+      target.zero_();
+      if (kept.numel() > 0) {
+        target.index_copy_(dim, kept.to(target.device()), file->load(key, torch::kFloat32).to(target.device()));
+      }
+    }
+  }
+}
+
+RankAllocator::RankAllocator(LlamaForCausalLMImpl& model, AdaLoraConfig config)
+    : model_(model), config_(std::move(config)), layers_(adalora_layers(model)) {
+  WEFT_CHECK(!layers_.empty(), "the AdaLoRA rank allocator needs a model with AdaLoRA adapters");
+  WEFT_CHECK(config_.beta1 > 0 && config_.beta1 < 1 && config_.beta2 > 0 && config_.beta2 < 1,
+             "adalora.beta1 and adalora.beta2 must lie in (0, 1), got {} and {}", config_.beta1, config_.beta2);
+  WEFT_CHECK(config_.delta_t >= 1, "adalora.deltaT must be >= 1, got {}", config_.delta_t);
+  WEFT_CHECK(config_.tinit >= 0 && config_.tfinal >= 0 && config_.tinit < config_.total_step - config_.tfinal,
+             "adalora: the budget schedule needs tinit ({}) < total_step ({}) - tfinal ({})", config_.tinit,
+             config_.total_step, config_.tfinal);
+  for (const auto& [name, layer] : layers_) initial_budget_ += layer->adalora_E().size(0);
+  target_budget_ = config_.target_r * static_cast<int64_t>(layers_.size());
+}
+
+RankAllocator::Budget RankAllocator::budget_schedule(int64_t step) const {
+  if (step <= config_.tinit) return {initial_budget_, false};
+  if (step > config_.total_step - config_.tfinal) return {target_budget_, true};
+  const double coefficient = 1.0 - static_cast<double>(step - config_.tinit) /
+                                       static_cast<double>(config_.total_step - config_.tfinal - config_.tinit);
+  const auto budget = static_cast<int64_t>(static_cast<double>(initial_budget_ - target_budget_) *
+                                               std::pow(coefficient, 3.0) +
+                                           static_cast<double>(target_budget_));
+  return {budget, step % config_.delta_t == 0};
+}
+
+void RankAllocator::update_importance() {
+  torch::NoGradGuard no_grad;
+  for (const auto& [name, layer] : layers_) {
+    for (const std::string p : kParts) {
+      const auto& param = part(*layer, p);
+      const auto grad = param.grad().defined() ? param.grad() : torch::zeros_like(param);
+      const auto ipt = (param * grad).abs();
+      const std::string key = name + "." + p;
+      auto& ema = exp_avg_ipt_[key];
+      auto& unc = exp_avg_unc_[key];
+      if (!ema.defined()) {
+        ema = torch::zeros_like(param);
+        unc = torch::zeros_like(param);
+      }
+      ema = config_.beta1 * ema + (1 - config_.beta1) * ipt;  // PEFT's order of operations, for equal rounding
+      unc = config_.beta2 * unc + (1 - config_.beta2) * (ipt - ema).abs();
+    }
+  }
+}
+
+RankPattern RankAllocator::mask_to_budget(int64_t budget) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> scores, all;
+  for (const auto& [name, layer] : layers_) {
+    const auto score = [&](const char* p) {
+      const auto& ema = exp_avg_ipt_[name + "." + p];
+      return ema.defined() ? ema * exp_avg_unc_[name + "." + p] : torch::zeros_like(part(*layer, p));
+    };
+    const auto a = score("lora_A").mean(1, /*keepdim=*/true);      // [r, 1]
+    const auto b = score("lora_B").mean(0).view({-1, 1});           // [r, 1]
+    const auto triplet = score("lora_E").view(-1) + torch::cat({a, b}, 1).sum(1);  // [r]
+    scores.push_back(triplet);
+    all.push_back(triplet.view(-1));
+  }
+  const int64_t k = initial_budget_ - budget;
+  const double threshold =
+      k >= 1 ? std::get<0>(torch::kthvalue(torch::cat(all).cpu(), k)).item<double>() : -std::numeric_limits<double>::infinity();
+  RankPattern pattern;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const auto masked = scores[i] <= threshold;
+    layers_[i].second->adalora_E().masked_fill_(masked.view({-1, 1}), 0.0);
+    const auto keep = masked.logical_not().to(torch::kUInt8).cpu();
+    pattern[layers_[i].first] = std::vector<bool>(keep.data_ptr<uint8_t>(), keep.data_ptr<uint8_t>() + keep.numel());
+  }
+  return pattern;
+}
+
+void RankAllocator::update_and_allocate(int64_t step) {
+  const int64_t final_start = config_.total_step - config_.tfinal;
+  if (step < final_start) {
+    update_importance();
+    const auto b = budget_schedule(step);
+    if (b.mask) pattern_ = mask_to_budget(b.budget);
+  } else if (step == final_start) {
+    pattern_ = mask_to_budget(budget_schedule(step).budget);
+    exp_avg_ipt_.clear();
+    exp_avg_unc_.clear();
+  } else if (!pattern_.empty()) {
+    apply_rank_pattern(model_, pattern_);
+  }
+}
+
+std::map<std::string, int64_t> RankAllocator::ranks() const {
+  std::map<std::string, int64_t> out;
+  for (const auto& [name, layer] : layers_) {
+    auto it = pattern_.find(name);
+    out[name] = it == pattern_.end() ? layer->adalora_E().size(0)
+                                     : static_cast<int64_t>(std::count(it->second.begin(), it->second.end(), true));
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> RankAllocator::state() const {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (const auto& [key, t] : exp_avg_ipt_) out.emplace_back("adalora.exp_avg_ipt." + key, t.detach().cpu());
+  for (const auto& [key, t] : exp_avg_unc_) out.emplace_back("adalora.exp_avg_unc." + key, t.detach().cpu());
+  for (const auto& [layer, flags] : pattern_) {
+    std::vector<uint8_t> bytes(flags.begin(), flags.end());
+    out.emplace_back("adalora.rank_pattern." + layer, torch::tensor(bytes, torch::kUInt8));
+  }
+  return out;
+}
+
+void RankAllocator::load_state(const std::vector<std::pair<std::string, torch::Tensor>>& state) {
+  exp_avg_ipt_.clear();
+  exp_avg_unc_.clear();
+  pattern_.clear();
+  const auto device = layers_.front().second->adalora_E().device();
+  for (const auto& [name, t] : state) {
+    const auto rest = [&](const std::string& prefix) { return name.substr(prefix.size()); };
+    if (name.rfind("adalora.exp_avg_ipt.", 0) == 0) {
+      exp_avg_ipt_[rest("adalora.exp_avg_ipt.")] = t.to(device);
+    } else if (name.rfind("adalora.exp_avg_unc.", 0) == 0) {
+      exp_avg_unc_[rest("adalora.exp_avg_unc.")] = t.to(device);
+    } else if (name.rfind("adalora.rank_pattern.", 0) == 0) {
+      const auto bytes = t.to(torch::kUInt8).contiguous();
+      pattern_[rest("adalora.rank_pattern.")] =
+          std::vector<bool>(bytes.data_ptr<uint8_t>(), bytes.data_ptr<uint8_t>() + bytes.numel());
+    }
+  }
+}
+
+}  // namespace weft

@@ -192,7 +192,7 @@ int run_plan(const CommandLine& cli) {
                            "seq_len {}{}\n",
                            job.strategy().library().name(), v.ranks.size(), run.options.precision, run.options.batch_size,
                            run.options.grad_accum_steps, run.options.data.seq_len,
-                           run.options.mode == "lora" ? ", LoRA" : "");
+                           run.options.mode == "lora" ? ", LoRA" : run.options.mode == "adalora" ? ", AdaLoRA" : "");
   std::cout << fmt::format("{:>5} {:>8} {:>11} {:>10} {:>10} {:>12} {:>8} {:>8} {:>8}\n", "rank", "machine", "parameters",
                            "gradients", "optimizer", "activations", "buffers", "runtime", "total");
   for (size_t r = 0; r < v.ranks.size(); ++r) {
@@ -224,7 +224,7 @@ int run_check(const CommandLine& cli) {
   std::string settings;
   for (const auto& setting : cli.overrides) {
     if (setting.rfind("train.plugin=", 0) == 0) continue;  // --plugin itself
-    if (setting == "train.mode=lora" || setting == "train.mode=full") {
+    if (setting == "train.mode=lora" || setting == "train.mode=full" || setting == "train.mode=adalora") {
       options.mode = setting.substr(std::string("train.mode=").size());
       settings += ", " + setting;
       continue;

@@ -59,8 +59,8 @@ ModelConfig resolve_model_config(const TrainOptions& options, const Tokenizer& t
 }
 
 Job::Job(TrainOptions options, RunContext context, Data data) : options_(std::move(options)), context_(context) {
-  WEFT_CHECK(options_.mode == "full" || options_.mode == "lora", "train.mode must be full or lora, got '{}'",
-             options_.mode);
+  WEFT_CHECK(options_.mode == "full" || options_.mode == "lora" || options_.mode == "adalora",
+             "train.mode must be full, lora or adalora, got '{}'", options_.mode);
   WEFT_CHECK(options_.precision == "fp32" || options_.precision == "bf16" || options_.precision == "fp16",
              "train.precision must be fp32, bf16 or fp16, got '{}'", options_.precision);
   const DeviceInventory devices = this_process_devices();
@@ -121,6 +121,14 @@ void Job::build_model() {
     lora_ = read_lora_adapter_config(options_.model.adapter);
   } else if (options_.mode == "lora") {
     lora_ = options_.lora;
+  } else if (options_.mode == "adalora") {  // lora.*'s alpha, dropout and targets, adalora.*'s budget
+    lora_ = options_.lora;
+    AdaLoraConfig adalora = options_.adalora;
+    adalora.spec.alpha = options_.lora.spec.alpha;
+    adalora.spec.dropout = options_.lora.spec.dropout;
+    adalora.target_modules = options_.lora.target_modules;
+    lora_->spec = adalora.spec;
+    lora_->adalora = adalora;
   }
   shards_ = model_options.shards;
   quantize_ = model_options.quantize;
@@ -143,8 +151,13 @@ void Job::build_model() {
     const int64_t adapted = apply_lora(*model_, *lora_, options_.seed);
     model_->to(device_);  // the new adapters
     if (!options_.model.adapter.empty()) load_lora_adapter(*model_, options_.model.adapter);
-    spdlog::info("LoRA: {} layers adapted (r={}, alpha={}){}", adapted, lora_->spec.r, lora_->spec.alpha,
-                 options_.model.adapter.empty() ? "" : ", adapters from " + options_.model.adapter);
+    if (lora_->adalora) {
+      spdlog::info("AdaLoRA: {} layers adapted (init_r={}, target_r={}, alpha={})", adapted, lora_->spec.r,
+                   lora_->adalora->target_r, lora_->spec.alpha);
+    } else {
+      spdlog::info("LoRA: {} layers adapted (r={}, alpha={}){}", adapted, lora_->spec.r, lora_->spec.alpha,
+                   options_.model.adapter.empty() ? "" : ", adapters from " + options_.model.adapter);
+    }
   }
   int64_t total = 0, trainable = 0;
   for (auto& [name, param] : trainable_parameters(*model_)) {

@@ -44,8 +44,9 @@ struct TrainOptions {
   DatasetOptions data;
   std::string tokenizer;      // data.tokenizer
   OptimOptions optim;
-  std::string mode;           // train.mode: full | lora
-  LoraConfig lora;
+  std::string mode;           // train.mode: full | lora | adalora
+  LoraConfig lora;            // lora.*: also AdaLoRA's alpha, dropout and target modules
+  AdaLoraConfig adalora;      // adalora.* (its spec and target_modules unused: lora's)
   uint64_t seed;
   int64_t epochs, max_steps, batch_size, grad_accum_steps, threads;
   std::string precision;

@@ -95,27 +95,28 @@ torch::Tensor adalora_orthogonal_regularization(LlamaForCausalLMImpl& model) {
   return total / static_cast<double>(count);
 }
 
+bool has_adalora(LlamaForCausalLMImpl& model) { return !adalora_layers(model).empty(); }
+
+RankPattern rank_pattern_of(LlamaForCausalLMImpl& model) {
+  RankPattern pattern;
+  for (auto& [name, layer] : adalora_layers(model)) {
+    if (!layer->adalora_keep().empty()) pattern[name] = layer->adalora_keep();
+  }
+  return pattern;
+}
+
 void apply_rank_pattern(LlamaForCausalLMImpl& model, const RankPattern& pattern) {
   torch::NoGradGuard no_grad;
   for (auto& [name, layer] : adalora_layers(model)) {
     auto it = pattern.find(name);
     if (it == pattern.end()) continue;
+    layer->adalora_keep() = it->second;
     auto& e = layer->adalora_E();
     WEFT_CHECK(static_cast<int64_t>(it->second.size()) == e.size(0), "AdaLoRA rank pattern of {}: {} flags for rank {}",
                name, it->second.size(), e.size(0));
     std::vector<uint8_t> keep(it->second.begin(), it->second.end());
     const auto mask = torch::tensor(keep, torch::kUInt8).to(torch::kBool).to(e.device()).unsqueeze(1);
     e.masked_fill_(mask.logical_not(), 0.0);
-  }
-}
-
-std::string adapter_peft_type(const std::string& dir) {
-  const std::string path = dir + "/adapter_config.json";
-  WEFT_CHECK(std::filesystem::is_regular_file(path), "{}: no adapter config (is {} an adapter directory?)", path, dir);
-  try {
-    return nlohmann::json::parse(read_file(path)).value("peft_type", std::string("LORA"));
-  } catch (const nlohmann::json::exception& e) {
-    fail("{}: not an adapter config ({})", path, e.what());
   }
 }
 
@@ -163,52 +164,6 @@ void save_adalora_adapter(LlamaForCausalLMImpl& model, const AdaLoraConfig& conf
   write_file_atomically(dir + "/adapter_config.json", adapter_config.dump(2) + "\n");
 }
 
-AdaLoraConfig read_adalora_adapter_config(const std::string& dir, RankPattern* pattern) {
-  const std::string path = dir + "/adapter_config.json";
-  WEFT_CHECK(std::filesystem::is_regular_file(path), "{}: no adapter config (is {} an AdaLoRA adapter directory?)",
-             path, dir);
-  AdaLoraConfig config;
-  RankPattern read;
-  try {
-    const auto j = nlohmann::json::parse(read_file(path));
-    WEFT_CHECK(j.value("peft_type", std::string()) == "ADALORA", "{}: peft_type is {}, not ADALORA", path,
-               j.value("peft_type", std::string("LORA")));
-    WEFT_CHECK(j.at("init_r").is_number_integer() && j.at("target_r").is_number_integer(),
-               "{}: init_r and target_r must be integers", path);
-    config.spec.r = j.at("init_r").get<int64_t>();
-    config.target_r = j.at("target_r").get<int64_t>();
-    config.spec.alpha = j.at("lora_alpha").get<double>();
-    config.spec.dropout = j.value("lora_dropout", 0.0);
-    config.target_modules = j.at("target_modules").get<std::vector<std::string>>();
-    config.tinit = j.value("tinit", int64_t{0});
-    config.tfinal = j.value("tfinal", int64_t{0});
-    config.delta_t = j.value("deltaT", int64_t{1});
-    config.beta1 = j.value("beta1", 0.85);
-    config.beta2 = j.value("beta2", 0.85);
-    config.orth_reg_weight = j.value("orth_reg_weight", 0.5);
-    config.total_step = j.contains("total_step") && !j.at("total_step").is_null() ? j.at("total_step").get<int64_t>() : 0;
-    if (j.contains("rank_pattern") && !j.at("rank_pattern").is_null()) {
-      for (const auto& [key, flags] : j.at("rank_pattern").items()) {
-        std::string layer = key;
-        for (const std::string suffix : {".default", ".lora_E"}) {
-          if (layer.size() > suffix.size() && layer.compare(layer.size() - suffix.size(), suffix.size(), suffix) == 0) {
-            layer.resize(layer.size() - suffix.size());
-          }
-        }
-        read[layer] = flags.get<std::vector<bool>>();
-        WEFT_CHECK(static_cast<int64_t>(read[layer].size()) == config.spec.r,
-                   "{}: rank_pattern of {} has {} flags, init_r is {}", path, key, read[layer].size(), config.spec.r);
-      }
-    }
-  } catch (const nlohmann::json::exception& e) {
-    fail("{}: not an AdaLoRA adapter config ({})", path, e.what());
-  }
-  WEFT_CHECK(config.spec.r >= 1 && config.spec.alpha > 0 && !config.target_modules.empty(),
-             "{}: init_r must be >= 1, lora_alpha > 0 and target_modules not empty", path);
-  if (pattern) *pattern = std::move(read);
-  return config;
-}
-
 void load_adalora_adapter(LlamaForCausalLMImpl& model, const std::string& dir) {
   RankPattern pattern;
   read_adalora_adapter_config(dir, &pattern);
@@ -219,6 +174,7 @@ void load_adalora_adapter(LlamaForCausalLMImpl& model, const std::string& dir) {
   for (const auto& [name, layer] : layers) {
     const int64_t rank = layer->adalora_E().size(0);
     const auto kept = kept_indices(pattern, name, rank);
+    if (auto it = pattern.find(name); it != pattern.end()) layer->adalora_keep() = it->second;
     for (const std::string p : kParts) {
       const std::string key = kAdaloraFilePrefix + name + "." + p;
       WEFT_CHECK(file->contains(key), "{}/adapter_model.safetensors: adapter tensor '{}' is missing", dir, key);
@@ -304,6 +260,7 @@ RankPattern RankAllocator::mask_to_budget(int64_t budget) {
     layers_[i].second->adalora_E().masked_fill_(masked.view({-1, 1}), 0.0);
     const auto keep = masked.logical_not().to(torch::kUInt8).cpu();
     pattern[layers_[i].first] = std::vector<bool>(keep.data_ptr<uint8_t>(), keep.data_ptr<uint8_t>() + keep.numel());
+    layers_[i].second->adalora_keep() = pattern[layers_[i].first];
   }
   return pattern;
 }
@@ -341,6 +298,9 @@ std::vector<std::pair<std::string, torch::Tensor>> RankAllocator::state() const 
     std::vector<uint8_t> bytes(flags.begin(), flags.end());
     out.emplace_back("adalora.rank_pattern." + layer, torch::tensor(bytes, torch::kUInt8));
   }
+  for (const auto& [name, layer] : layers_) {
+    for (const std::string p : kParts) out.emplace_back("adalora.param." + name + "." + p, part(*layer, p).detach().cpu());
+  }
   return out;
 }
 
@@ -348,6 +308,7 @@ void RankAllocator::load_state(const std::vector<std::pair<std::string, torch::T
   exp_avg_ipt_.clear();
   exp_avg_unc_.clear();
   pattern_.clear();
+  std::map<std::string, torch::Tensor> params;
   const auto device = layers_.front().second->adalora_E().device();
   for (const auto& [name, t] : state) {
     const auto rest = [&](const std::string& prefix) { return name.substr(prefix.size()); };
@@ -359,7 +320,22 @@ void RankAllocator::load_state(const std::vector<std::pair<std::string, torch::T
       const auto bytes = t.to(torch::kUInt8).contiguous();
       pattern_[rest("adalora.rank_pattern.")] =
           std::vector<bool>(bytes.data_ptr<uint8_t>(), bytes.data_ptr<uint8_t>() + bytes.numel());
+    } else if (name.rfind("adalora.param.", 0) == 0) {
+      params[rest("adalora.param.")] = t;
     }
+  }
+  torch::NoGradGuard no_grad;
+  for (const auto& [name, layer] : layers_) {
+    for (const std::string p : kParts) {
+      auto it = params.find(name + "." + p);
+      WEFT_CHECK(it != params.end(), "AdaLoRA state: no values for {}.{}", name, p);
+      auto& target = part(*layer, p);
+      WEFT_CHECK(it->second.sizes() == target.sizes(), "AdaLoRA state: {}.{} has shape {}, the model {}", name, p,
+                 fmt::join(it->second.sizes(), "x"), fmt::join(target.sizes(), "x"));
+      target.copy_(it->second);
+    }
+    auto flags = pattern_.find(name);
+    layer->adalora_keep() = flags == pattern_.end() ? std::vector<bool>{} : flags->second;
   }
 }
 

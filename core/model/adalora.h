@@ -45,12 +45,20 @@ int64_t apply_adalora(LlamaForCausalLMImpl& model, const AdaLoraConfig& config, 
 // orth_reg_weight). Zero for a model without AdaLoRA adapters.
 torch::Tensor adalora_orthogonal_regularization(LlamaForCausalLMImpl& model);
 
-// Zeroes Lambda of every masked triplet of `pattern`.
+// Whether the model has AdaLoRA adapters.
+bool has_adalora(LlamaForCausalLMImpl& model);
+
+// Zeroes Lambda of every masked triplet of `pattern` and records the pattern in the layers.
 void apply_rank_pattern(LlamaForCausalLMImpl& model, const RankPattern& pattern);
+
+// The pattern the layers record (the last reallocation's); layers without one are absent.
+RankPattern rank_pattern_of(LlamaForCausalLMImpl& model);
 
 // Writes PEFT's adapter_config.json (peft_type ADALORA, init_r, target_r, ..., rank_pattern keyed
 // "<layer>.lora_E") and adapter_model.safetensors ("base_model.model.<layer>.lora_A" [kept, in],
-// ".lora_E" [kept, 1], ".lora_B" [out, kept]: only the kept triplets, as PEFT saves them).
+// ".lora_E" [kept, 1], ".lora_B" [out, kept]: only the kept triplets of `pattern`, as PEFT saves
+// them; between two reallocations a masked triplet's Lambda may have moved again, and the file
+// drops it, as PEFT's does).
 void save_adalora_adapter(LlamaForCausalLMImpl& model, const AdaLoraConfig& config, const RankPattern& pattern,
                           const std::string& dir, const std::string& base_model = "");
 
@@ -94,7 +102,9 @@ class RankAllocator {
   // Kept triplets per layer (the current pattern; init_r where none is set yet).
   std::map<std::string, int64_t> ranks() const;
 
-  // The state a resume needs (EMAs per adapter parameter, the pattern), as named tensors, and back.
+  // The state a resume needs, as named tensors: the EMAs per adapter parameter, the pattern, and
+  // every adapter parameter whole (the masked triplets' too, which the adapter files drop). And
+  // back: load_state also sets the parameters and the layers' pattern.
   std::vector<std::pair<std::string, torch::Tensor>> state() const;
   void load_state(const std::vector<std::pair<std::string, torch::Tensor>>& state);
 

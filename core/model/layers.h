@@ -80,6 +80,8 @@ class LinearImpl : public torch::nn::Module {
   torch::Tensor& adalora_A() { return ada_A_; }
   torch::Tensor& adalora_E() { return ada_E_; }
   torch::Tensor& adalora_B() { return ada_B_; }
+  // Which of the triplets the last reallocation kept (empty: all), as the rank allocator set it.
+  std::vector<bool>& adalora_keep() { return ada_keep_; }
   // Folds (alpha / r) B A into the base weight and removes the adapters. A quantized layer's
   // weight (with or without adapters) is dequantized first into a plain fp32 `weight` parameter:
   // the layer is no longer quantized.
@@ -105,6 +107,7 @@ class LinearImpl : public torch::nn::Module {
   WeightHolder lora_A_{nullptr};
   WeightHolder lora_B_{nullptr};
   torch::Tensor ada_A_, ada_E_, ada_B_;
+  std::vector<bool> ada_keep_;
   double lora_scale_ = 0.0;
   double lora_dropout_ = 0.0;
   torch::Dtype compute_dtype_ = torch::kFloat32;

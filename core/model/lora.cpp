@@ -28,6 +28,7 @@ std::vector<std::string> lora_targetable_modules() {
 }
 
 int64_t apply_lora(LlamaForCausalLMImpl& model, const LoraConfig& config, uint64_t seed) {
+  if (config.adalora) return apply_adalora(model, *config.adalora, seed);
   const auto valid = lora_targetable_modules();
   for (const auto& target : config.target_modules) {
     WEFT_CHECK(std::find(valid.begin(), valid.end(), target) != valid.end(),
@@ -53,6 +54,7 @@ int64_t apply_lora(LlamaForCausalLMImpl& model, const LoraConfig& config, uint64
 
 void save_lora_adapter(LlamaForCausalLMImpl& model, const LoraConfig& config, const std::string& dir,
                        const std::string& base_model) {
+  if (config.adalora) return save_adalora_adapter(model, *config.adalora, rank_pattern_of(model), dir, base_model);
   std::filesystem::create_directories(dir);
   std::vector<std::pair<std::string, torch::Tensor>> tensors;
   for (auto& item : model.named_parameters()) {
@@ -77,6 +79,7 @@ void save_lora_adapter(LlamaForCausalLMImpl& model, const LoraConfig& config, co
 }
 
 void load_lora_adapter(LlamaForCausalLMImpl& model, const std::string& dir) {
+  if (has_adalora(model)) return load_adalora_adapter(model, dir);
   auto file = SafetensorsFile::open(dir + "/adapter_model.safetensors");
   torch::NoGradGuard no_grad;
   for (auto& item : model.named_parameters()) {

@@ -2,9 +2,11 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "core/model/adalora.h"
 #include "core/model/llama.h"
 
 namespace weft {
@@ -12,6 +14,10 @@ namespace weft {
 struct LoraConfig {
   LoraSpec spec;
   std::vector<std::string> target_modules{"q_proj", "k_proj", "v_proj", "o_proj"};
+  // AdaLoRA (train.mode = "adalora"): set, the adapters are AdaLoRA's SVD-form ones (adalora.h)
+  // with these settings (its spec and target_modules equal the ones above), and every function
+  // below works on them; unset, plain LoRA.
+  std::optional<AdaLoraConfig> adalora;
 };
 
 // Linear layers LoRA can target.
@@ -23,11 +29,13 @@ std::vector<std::string> lora_targetable_modules();
 int64_t apply_lora(LlamaForCausalLMImpl& model, const LoraConfig& config, uint64_t seed);
 
 // Writes PEFT's adapter_model.safetensors (names "base_model.model.<layer>.lora_A.weight") and
-// adapter_config.json into `dir`.
+// adapter_config.json into `dir` (AdaLoRA's files for an AdaLoRA config: save_adalora_adapter with
+// the layers' rank pattern).
 void save_lora_adapter(LlamaForCausalLMImpl& model, const LoraConfig& config, const std::string& dir,
                        const std::string& base_model = "");
 
-// Loads adapter weights saved by save_lora_adapter (or PEFT) into a model with matching adapters.
+// Loads adapter weights saved by save_lora_adapter (or PEFT) into a model with matching adapters
+// (AdaLoRA's, load_adalora_adapter, where the model has AdaLoRA adapters).
 void load_lora_adapter(LlamaForCausalLMImpl& model, const std::string& dir);
 
 // The adapters' shape from dir/adapter_config.json (PEFT's: r, lora_alpha, lora_dropout,

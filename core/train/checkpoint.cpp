@@ -167,6 +167,7 @@ std::string CheckpointStore::save(const TrainerState& state, LlamaForCausalLMImp
     fs::create_directories(staged);
     write_model_files(model, lora_, staged.string(), "");
     save_optimizer_state((staged / "optimizer.safetensors").string(), model, optimizer);
+    for (const auto& extra : state_files_) save_safetensors((staged / extra.file).string(), extra.collect());
     fault_point("save");
     publish(staged.string(), name, state);
   } catch (const std::exception& e) {
@@ -268,6 +269,19 @@ void CheckpointStore::restore(const std::string& dir, LlamaForCausalLMImpl& mode
   } catch (const c10::Error& e) {
     fail("checkpoint '{}': cannot restore optimizer/RNG state ({})", dir, e.what_without_backtrace());
   }
+  for (const auto& extra : state_files_) {
+    const std::string path = dir + "/" + extra.file;
+    WEFT_CHECK(fs::exists(path), "checkpoint '{}' has no {}, which this run's training state needs", dir, extra.file);
+    auto file = SafetensorsFile::open(path);
+    NamedTensors tensors;
+    for (const auto& info : file->tensors()) tensors.emplace_back(info.name, file->load(info.name));
+    extra.restore(tensors);
+  }
+}
+
+void CheckpointStore::add_state_file(std::string file, std::function<NamedTensors()> collect,
+                                     std::function<void(const NamedTensors&)> restore) {
+  state_files_.push_back({std::move(file), std::move(collect), std::move(restore)});
 }
 
 void CheckpointStore::remove_leftovers() const {

@@ -25,10 +25,12 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 #include <torch/optim/adamw.h>
 
+#include "core/io/safetensors.h"
 #include "core/model/llama.h"
 #include "core/model/lora.h"
 #include "core/train/trainer_state.h"
@@ -72,7 +74,20 @@ class CheckpointStore {
 
   std::string checkpoints_dir() const { return out_dir_ + "/checkpoints"; }
 
+  // Training state beyond the model, the optimizer and the trainer's counters that every
+  // checkpoint written by save() carries as its own safetensors file `file` (AdaLoRA's rank
+  // allocator): `collect` gives it at each save, `restore` takes it back, and a checkpoint
+  // without the file is refused by name.
+  void add_state_file(std::string file, std::function<NamedTensors()> collect,
+                      std::function<void(const NamedTensors&)> restore);
+
  private:
+  struct StateFile {
+    std::string file;
+    std::function<NamedTensors()> collect;
+    std::function<void(const NamedTensors&)> restore;
+  };
+
   void prune() const;
   void publish(const std::string& staged, const std::string& name, const TrainerState& state) const;
   [[noreturn]] void fail_save(const std::string& staged, int64_t step, const std::string& cause) const;
@@ -80,6 +95,7 @@ class CheckpointStore {
   std::string out_dir_;
   int64_t keep_last_;
   std::optional<LoraConfig> lora_;
+  std::vector<StateFile> state_files_;
 };
 
 // Saves a model for use elsewhere: an HF model directory (full) or a PEFT adapter (LoRA),

@@ -80,10 +80,15 @@ std::string run_arguments(const ConformanceOptions& c, const std::string& corpus
                           const std::string& out_dir) {
   std::string plugin_settings;
   for (const auto& setting : c.plugin_settings) plugin_settings += " --set 'plugin." + setting + "'";
-  if (c.mode == "lora") {
-    plugin_settings += fmt::format(" --set train.mode=lora --set lora.r=4 --set lora.alpha=8 --set lora.dropout=0"
+  if (c.mode == "lora" || c.mode == "adalora") {
+    plugin_settings += fmt::format(" --set train.mode={} --set lora.r=4 --set lora.alpha=8 --set lora.dropout=0"
                                    " --set 'lora.target_modules=[\"{}\"]'",
-                                   fmt::join(lora_targetable_modules(), "\", \""));
+                                   c.mode, fmt::join(lora_targetable_modules(), "\", \""));
+  }
+  if (c.mode == "adalora") {  // and a checkpoint at the end: its allocator state holds every triplet whole
+    plugin_settings += fmt::format(" --set adalora.init_r=4 --set adalora.target_r=2 --set adalora.tinit=2"
+                                   " --set adalora.tfinal=4 --set adalora.deltaT=2 --set checkpoint.every_steps={}",
+                                   c.steps);
   }
   if (c.quantize != "none") plugin_settings += " --set model.quantize=" + c.quantize;
   return fmt::format(
@@ -146,12 +151,19 @@ TrainOptions run_options(const ConformanceOptions& c, const std::string& corpus,
   o.keep_best = false;
   o.overwrite = true;
   o.plugin = plugin;
-  if (c.mode == "lora") {
-    o.mode = "lora";
+  if (c.mode == "lora" || c.mode == "adalora") {
+    o.mode = c.mode;
     o.lora.spec.r = 4;
     o.lora.spec.alpha = 8;
     o.lora.spec.dropout = 0;
     o.lora.target_modules = lora_targetable_modules();
+  }
+  if (c.mode == "adalora") {
+    o.adalora.spec.r = 4;
+    o.adalora.target_r = 2;
+    o.adalora.tinit = 2;
+    o.adalora.tfinal = 4;
+    o.adalora.delta_t = 2;
   }
   o.model.quantize = c.quantize;
   return o;
@@ -205,7 +217,14 @@ ConformanceReport check_conformance(const ConformanceOptions& c) {
     WEFT_CHECK(status == 0, "the {}-rank run of {} failed{} (see {}/candidate.log)", c.nproc, c.plugin,
                first_error(dir + "/candidate.log"), dir);
     candidate_losses = logged_losses(out + "/metrics.jsonl");
-    if (c.mode == "lora") {  // PEFT's adapter file: "base_model.model." + the parameter name
+    if (c.mode == "adalora") {  // the last checkpoint's allocator state: "adalora.param." + the parameter name
+      const auto state = SafetensorsFile::open(out + "/checkpoints/step-" + fmt::format("{:08}", c.steps) +
+                                               "/adalora_state.safetensors");
+      const std::string prefix = "adalora.param.";
+      for (const auto& info : state->tensors()) {
+        if (info.name.rfind(prefix, 0) == 0) candidate_params[info.name.substr(prefix.size())] = state->load(info.name);
+      }
+    } else if (c.mode == "lora") {  // PEFT's adapter file: "base_model.model." + the parameter name
       const auto adapter = SafetensorsFile::open(out + "/final/adapter_model.safetensors");
       const std::string prefix = "base_model.model.";
       for (const auto& info : adapter->tensors()) candidate_params[info.name.substr(prefix.size())] = adapter->load(info.name);

@@ -25,7 +25,10 @@ struct ConformanceOptions {
   // "stages=2", "balance=[3, 1]", "mode=\"flush\"").
   std::vector<std::string> plugin_settings;
   // "full", or "lora": both runs train LoRA adapters (r 4, alpha 8, no dropout) on every
-  // targetable layer with the base frozen, and the adapters are compared.
+  // targetable layer with the base frozen, and the adapters are compared; or "adalora": AdaLoRA's
+  // adapters (init_r 4, target_r 2, tinit 2, tfinal 4, deltaT 2 over the run's steps, alpha 8,
+  // no dropout) on the same layers, every triplet's P, Lambda and Q compared whole (a different
+  // mask on any rank shows as a Lambda that is zero on one side only).
   std::string mode = "full";
   // model.quantize for both runs ("none", "int8", "nf4"; not "none" needs mode "lora"): the frozen
   // base held quantized, each rank quantizing the slices it holds.

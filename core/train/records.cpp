@@ -123,6 +123,7 @@ const TrainResult& RunRecords::finish(Communicator& communicator, int rank, int6
                  setting_.peak_tflops, setting_.precision);
   }
   if (setting_.precision == "fp16") summary["skipped_steps"] = skipped_steps;
+  if (!result.adalora_ranks.empty()) summary["adalora_ranks"] = result.adalora_ranks;
   summary["peak_rss_mib_per_rank"] = communicator.all_gather(result.peak_rss_mib);  // collective
   // The memory plan made before the model was built, next to what the ranks' tensors peaked at.
   summary["memory_plan_mib_per_rank"] = communicator.all_gather(setting_.memory_plan_mib);  // collective

@@ -42,6 +42,7 @@ struct TrainResult {
   double device_peak_allocated_mib = 0;  // CUDA: this rank's peak tensor memory (0 on a CPU)
   double device_peak_reserved_mib = 0;   // CUDA: this rank's peak memory held by the caching allocator
   int64_t skipped_steps = 0;           // fp16: steps skipped for non-finite gradients
+  std::map<std::string, int64_t> adalora_ranks;  // AdaLoRA: each adapted layer's kept rank at the end
 };
 
 // Where and how the run computes, for the records: the summary's device, precision and MFU.

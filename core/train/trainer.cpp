@@ -33,9 +33,9 @@ Trainer::Trainer(TrainOptions options, RunContext context)
   WEFT_CHECK(options_.model.adapter.empty() || options_.mode == "lora",
              "model.adapter loads LoRA adapters, which train further with train.mode = \"lora\" (it is \"{}\")",
              options_.mode);
-  WEFT_CHECK(parse_quant_format(options_.model.quantize) == QuantFormat::kNone || options_.mode == "lora",
-             "model.quantize = \"{}\" stores the base weights frozen: training needs adapters (train.mode = \"lora\"), "
-             "not train.mode = \"{}\"",
+  WEFT_CHECK(parse_quant_format(options_.model.quantize) == QuantFormat::kNone || options_.mode != "full",
+             "model.quantize = \"{}\" stores the base weights frozen: training needs adapters (train.mode = \"lora\" "
+             "or \"adalora\"), not train.mode = \"{}\"",
              options_.model.quantize, options_.mode);
   std::string why;
   WEFT_CHECK(options_.torch_profile.empty() || TorchProfiler::available(&why), "{}", why);
@@ -67,6 +67,21 @@ Trainer::Trainer(TrainOptions options, RunContext context)
   schedule_.total_steps = total_steps_;
   schedule_.kind = options_.optim.schedule;
   checkpoints_ = std::make_unique<CheckpointStore>(options_.out_dir, options_.keep_last, job_->lora());
+  if (job_->lora() && job_->lora()->adalora) {
+    // One budget over the whole model's adapters, from the gradients every rank holds whole: the
+    // model and its training state must not be split over the ranks.
+    WEFT_CHECK(!gather_->split() && !job_->strategy().shards_training_state(),
+               "train.mode = \"adalora\" allocates one rank budget over the whole model's adapters from their "
+               "gradients, but {} splits the model or its training state over the ranks; use single, ddp or "
+               "context_parallel",
+               job_->strategy().library().name());
+    AdaLoraConfig adalora = *job_->lora()->adalora;
+    if (adalora.total_step == 0) adalora.total_step = total_steps_;
+    allocator_ = std::make_unique<RankAllocator>(job_->model(), adalora);
+    checkpoints_->add_state_file(
+        "adalora_state.safetensors", [this] { return allocator_->state(); },
+        [this](const NamedTensors& state) { allocator_->load_state(state); });
+  }
   if (job_->context().rank == 0) checkpoints_->remove_leftovers();
   maybe_resume();
   protect_saved_work();
@@ -135,7 +150,7 @@ TrainResult Trainer::run() {
                      run_setting());
   spdlog::info("training: {} epochs x {} steps (total {}), {} tokens per step, lr {:.2e}, {}", options_.epochs,
                steps_per_epoch_, total_steps_, records.tokens_per_step(), options_.optim.lr,
-               options_.mode == "lora" ? "LoRA" : "full fine-tuning");
+               options_.mode == "lora" ? "LoRA" : options_.mode == "adalora" ? "AdaLoRA" : "full fine-tuning");
   bool stop = state_.early_stopped || state_.global_step >= total_steps_;
   while (!stop && state_.epoch < options_.epochs) {
     stop = run_epoch_steps(records);
@@ -153,6 +168,17 @@ TrainResult Trainer::run() {
   }
   if (job_->data().heldout && !result.step_losses.empty()) evaluate_and_track(records);
   result.final_eval = last_eval_;
+  if (allocator_) {
+    result.adalora_ranks = allocator_->ranks();
+    int64_t kept = 0;
+    std::string ranks;
+    for (const auto& [name, rank] : result.adalora_ranks) {
+      kept += rank;
+      ranks += fmt::format("{}{} {}", ranks.empty() ? "" : ", ", name, rank);
+    }
+    spdlog::info("AdaLoRA: {} of {} triplets kept (target {}); ranks: {}", kept, allocator_->initial_budget(),
+                 allocator_->target_budget(), ranks);
+  }
   if (options_.save_final && !result.interrupted) save_models(records);
   result.steps = state_.global_step;
   result.epochs_completed = state_.epoch;
@@ -253,6 +279,13 @@ StepReport Trainer::train_step(int64_t epoch, int64_t step_in_epoch) {
                                           static_cast<int32_t>(options_.grad_accum_steps), options_.data.seq_len);
   strategy.set_loss_scale(1.0);
   last_loss_scale_ = scaler_.scale();
+  if (allocator_ && allocator_->config().orth_reg_weight > 0) {
+    // AdaLoRA's orthogonal regularisation (PEFT adds it to the loss): its gradient once per step,
+    // after the plugin's backward, at the loss scale the plugin's gradients carry. The same on
+    // every data-parallel rank, so adding it after their average equals adding it before.
+    const double weight = allocator_->config().orth_reg_weight * scaler_.scale();
+    (adalora_orthogonal_regularization(job_->model()) * weight).backward();
+  }
   // The global norm of the unscaled gradients decides on every rank alike whether they are finite.
   // The optimizer's tensors: the parameters, or this rank's shards of them (their gradients the
   // plugin's reduced shards), so the norm is the plugin's sum over the ranks' shares.
@@ -263,6 +296,9 @@ StepReport Trainer::train_step(int64_t epoch, int64_t step_in_epoch) {
                                    scaler_.scale());
   last_step_skipped_ = !scaler_.update(std::isfinite(last_grad_norm_));
   if (!last_step_skipped_) adamw_step(*optimizer_);
+  // AdaLoRA: importance from the gradients (averaged over data-parallel ranks, so every rank masks
+  // the same triplets), then the budget's masks, as PEFT's update_and_allocate after the step.
+  if (allocator_ && !last_step_skipped_) allocator_->update_and_allocate(state_.global_step);
   zero_gradients(job_->trainable());
   strategy.after_optimizer_step();  // zeroes the gradient shards; ZeRO gathers the updated shards
   return report;

@@ -22,6 +22,7 @@
 #include "core/util/torch_profiler.h"
 #include "core/job/evaluate.h"
 #include "core/job/job.h"
+#include "core/model/adalora.h"
 #include "core/train/checkpoint.h"
 #include "core/train/loss_scaler.h"
 #include "core/train/model_gather.h"
@@ -79,6 +80,7 @@ class Trainer {
   std::vector<OptimizedTensor> optimized_;  // what optimizer_ updates (parameters or their shards)
   std::unique_ptr<torch::optim::AdamW> optimizer_;
   std::unique_ptr<CheckpointStore> checkpoints_;
+  std::unique_ptr<RankAllocator> allocator_;  // train.mode = adalora: the adapters' rank budget
   LrSchedule schedule_;
   TrainerState state_;
   int64_t steps_per_epoch_ = 0;

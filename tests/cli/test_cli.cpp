@@ -137,7 +137,14 @@ TEST(Cli, BadInputGetsOneClearErrorAndExitCodeOne) {
            Case{tiny + "--set model.weights=" + dir + "/w.safetensors", "w.safetensors"},
            Case{"frobnicate", "unknown command"},
            Case{"check --plugin ddp --steps 0", "--steps 0: must be at least 1"},
-           Case{tiny + "--set model.quantize=nf4", "training needs adapters (train.mode = \"lora\")"},
+           Case{tiny + "--set model.quantize=nf4", "training needs adapters (train.mode = \"lora\""},
+           Case{tiny + "--set data.path=" + write_corpus(dir) + " --plugin tensor_parallel --nproc 2 --set train.mode=adalora",
+                "a model split over ranks (tensor parallelism) is not supported"},
+           Case{tiny + "--set data.path=" + write_corpus(dir) + " --plugin gpipe --nproc 2 --set train.mode=adalora",
+                "splits the model or its training state over the ranks"},
+           Case{tiny + "--set data.path=" + write_corpus(dir) + " --set train.mode=adalora --set train.max_steps=4 "
+                       "--set adalora.tinit=5",
+                "the budget schedule needs tinit (5) < total_step (4) - tfinal (0)"},
            Case{tiny + "--set model.quantize=int4", "model.quantize"},
            Case{tiny + "--set data.path=" + write_corpus(dir) + " --plugin tensor_parallel --nproc 2 --set train.mode=lora "
                        "--set model.quantize=int8 --set lora.save_merged=true", "merge them under single or ddp"},

@@ -8,6 +8,8 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include "core/io/safetensors.h"
+#include "core/model/adalora.h"
 #include "core/model/lora.h"
 #include "core/model/weights.h"
 #include "core/train/optimizer.h"
@@ -324,6 +326,53 @@ TEST(Training, ResumeOnDifferentDataIsRefused) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("different data"), std::string::npos) << e.what();
   }
+}
+
+// train.mode = "adalora": the allocator prunes to its budget by the end, a resume from a checkpoint
+// in the middle of the schedule (EMAs, soft masks and all) continues bit for bit, and the final
+// adapter is PEFT's AdaLoRA layout with the final rank pattern.
+TEST(Training, AdaLoraPrunesToItsBudgetAndResumesExactly) {
+  const auto dir = testing::fresh_dir("adalora");
+  auto o = testing::tiny_options(dir);
+  o.mode = "adalora";
+  o.lora.spec.alpha = 8;
+  o.lora.spec.dropout = 0;
+  o.lora.target_modules = {"q_proj", "v_proj", "down_proj"};
+  o.adalora.spec.r = 4;
+  o.adalora.target_r = 1;
+  o.adalora.tinit = 2;
+  o.adalora.tfinal = 3;
+  o.adalora.delta_t = 2;
+  o.max_steps = 12;
+  o.checkpoint_every = 5;
+  o.keep_last = 3;
+  o.save_final = true;
+  Trainer trainer(o);
+  const auto uninterrupted = trainer.run();
+  ASSERT_EQ(uninterrupted.step_losses.size(), 12u);
+  int64_t kept = 0;
+  for (const auto& [name, rank] : uninterrupted.adalora_ranks) kept += rank;
+  const int64_t layers = static_cast<int64_t>(uninterrupted.adalora_ranks.size());
+  EXPECT_EQ(layers, 3 * preset_config("tiny").num_hidden_layers);
+  EXPECT_EQ(kept, layers);  // target_r 1 per layer on average
+  RankPattern pattern;
+  const auto saved = read_adalora_adapter_config(o.out_dir + "/final", &pattern);
+  EXPECT_EQ(saved.target_r, 1);
+  EXPECT_EQ(static_cast<int64_t>(pattern.size()), layers);
+  EXPECT_TRUE(std::filesystem::exists(o.out_dir + "/checkpoints/step-00000005/adalora_state.safetensors"));
+
+  auto resumed_options = o;
+  resumed_options.out_dir = dir + "/resumed";
+  resumed_options.metrics_file = dir + "/resumed/metrics.jsonl";
+  resumed_options.resume = o.out_dir + "/checkpoints/step-00000005";
+  const auto resumed = Trainer(resumed_options).run();
+  ASSERT_EQ(resumed.step_losses.size(), 7u);
+  for (size_t i = 0; i < 7; ++i) EXPECT_EQ(resumed.step_losses[i], uninterrupted.step_losses[5 + i]) << "step " << 6 + i;
+  EXPECT_EQ(resumed.adalora_ranks, uninterrupted.adalora_ranks);
+  auto a = SafetensorsFile::open(o.out_dir + "/final/adapter_model.safetensors");
+  auto b = SafetensorsFile::open(resumed_options.out_dir + "/final/adapter_model.safetensors");
+  ASSERT_EQ(a->tensors().size(), b->tensors().size());
+  for (const auto& info : a->tensors()) EXPECT_TRUE(torch::equal(a->load(info.name), b->load(info.name))) << info.name;
 }
 
 }  // namespace

@@ -426,6 +426,14 @@ def render(run, plots, report_dir):
     out += ["## Summary", "", "| | |", "|---|---|"]
     out += [f"| {md_escape(k)} | {v} |" for k, v in summary_rows(run)]
     out.append("")
+    ranks = (run.summary or {}).get("adalora_ranks")
+    if isinstance(ranks, dict) and ranks:
+        kept = sum(v for v in ranks.values() if isinstance(v, (int, float)))
+        out += ["## AdaLoRA ranks", "",
+                f"Each adapted layer's rank at the end (kept triplets): {kept:g} over {len(ranks)} layers "
+                f"(mean {kept / len(ranks):.2f}).", "", "| layer | rank |", "|---|---|"]
+        out += [f"| `{md_escape(name)}` | {md_plain(rank)} |" for name, rank in ranks.items()]
+        out.append("")
     if plots:
         out += ["## Plots", ""]
         for title, path in plots:

@@ -96,7 +96,8 @@ def fake_run(folder, steps=30, eval_every=10, command=True, resumed=True):
     records.append({"type": "summary", "steps": steps, "epochs": steps // 15, "steps_per_epoch": 15,
                     "epoch_seconds": [7.5] * (steps // 15), "tokens_per_s": 505.0, "peak_rss_mib": 321.5,
                     "comm_wait_fraction": 0.1, "comm_bytes_per_step": 2000000, "plugin.bubble": 0.25,
-                    "interrupted": False, "early_stopped": False, "time": t0 + 200})
+                    "interrupted": False, "early_stopped": False, "time": t0 + 200,
+                    "adalora_ranks": {"model.layers.0.self_attn.q_proj": 3, "model.layers.0.self_attn.v_proj": 0}})
     write_lines(os.path.join(folder, "metrics.jsonl"), records, tail='{"type": "step", "st')  # torn last line
     with open(os.path.join(folder, "config.toml"), "w") as f:
         f.write(CONFIG)
@@ -140,6 +141,9 @@ class ReportTest(unittest.TestCase):
         self.assertIn("321.5 MiB", text)
         self.assertIn("0:00:08", text)  # 7.5 s per epoch as h:mm:ss
         self.assertIn("9.5000 (step 30)", text)  # the resumed segment's last occurrence wins
+        self.assertIn("## AdaLoRA ranks", text)  # train.mode = adalora: each layer's final rank
+        self.assertIn("| `model.layers.0.self_attn.q_proj` | 3 |", text)
+        self.assertIn("3 over 2 layers", text)
         links = re.findall(r"!\[[^]]*\]\(([^)]+)\)", text)
         self.assertEqual(sorted(os.path.basename(p) for p in links),
                          ["epoch_time.png", "loss.png", "perplexity.png", "throughput.png"])

@@ -4,12 +4,14 @@
 //   hf_logits MODEL_DIR TOKENS.safetensors OUT.safetensors [--adapter DIR]
 //             [--write-adapter DIR R ALPHA SEED TARGET,TARGET,...]
 //             [--write-adalora DIR INIT_R TARGET_R ALPHA SEED TARGET,...] [--save-pretrained DIR]
+//             [--replay-adalora TRACE.safetensors OUT2.safetensors]
 // MODEL_DIR holds config.json and safetensors weights; TOKENS holds "tokens" (int64 [B, T]). OUT
 // gets "logits" (fp32 [B, T, V]) of the model: with the LoRA or AdaLoRA adapter of DIR loaded
 // (--adapter); or with new adapters on the named targets, seeded random values, written to DIR in
 // PEFT's layout (--write-adapter: LoRA; --write-adalora: AdaLoRA with a rank pattern), so that PEFT
 // can load what weft writes. --save-pretrained writes the model as weft saves a checkpoint
-// (config.json, model.safetensors), for transformers.
+// (config.json, model.safetensors), for transformers. --replay-adalora runs weft's rank allocator
+// on the parameters and gradients PEFT's saw (replay_adalora below).
 #include <cstdlib>
 #include <iostream>
 #include <sstream>
@@ -31,7 +33,7 @@ namespace {
 [[noreturn]] void usage() {
   std::cerr << "usage: hf_logits MODEL_DIR TOKENS.safetensors OUT.safetensors [--adapter DIR]"
                " [--write-adapter DIR R ALPHA SEED TARGET,...] [--write-adalora DIR INIT_R TARGET_R ALPHA SEED TARGET,...]"
-               " [--save-pretrained DIR]\n";
+               " [--save-pretrained DIR] [--replay-adalora TRACE OUT2]\n";
   std::exit(2);
 }
 
@@ -40,6 +42,52 @@ std::vector<std::string> split(const std::string& list) {
   std::stringstream items(list);
   for (std::string item; std::getline(items, item, ',');) out.push_back(item);
   return out;
+}
+
+// TRACE holds "config" (int64: init_r, target_r, tinit, tfinal, deltaT, total_step, steps),
+// "betas" (fp64: beta1, beta2), "lora_alpha" (fp64), "targets" (uint8: the target module names,
+// comma-separated), and for each step s and adapted layer L "s.L.lora_A" etc. and "s.L.lora_A.grad"
+// etc. as PEFT's parameters and gradients were when it called update_and_allocate(s). OUT gets
+// "s.L.lora_E" after weft's allocator ran on them, and "L.pattern" (uint8) at the end.
+void replay_adalora(weft::LlamaForCausalLMImpl& model, const std::string& trace_path, const std::string& out_path) {
+  auto trace = weft::SafetensorsFile::open(trace_path);
+  const auto config = trace->load("config", torch::kLong);
+  const auto betas = trace->load("betas", torch::kDouble);
+  const auto names = trace->load("targets", torch::kUInt8);
+  weft::AdaLoraConfig c;
+  c.spec.r = config[0].item<int64_t>();
+  c.target_r = config[1].item<int64_t>();
+  c.tinit = config[2].item<int64_t>();
+  c.tfinal = config[3].item<int64_t>();
+  c.delta_t = config[4].item<int64_t>();
+  c.total_step = config[5].item<int64_t>();
+  const int64_t steps = config[6].item<int64_t>();
+  c.beta1 = betas[0].item<double>();
+  c.beta2 = betas[1].item<double>();
+  c.spec.alpha = trace->load("lora_alpha", torch::kDouble).item<double>();
+  c.target_modules = split(std::string(names.data_ptr<uint8_t>(), names.data_ptr<uint8_t>() + names.numel()));
+  weft::apply_adalora(model, c, 0);
+  weft::RankAllocator allocator(model, c);
+  weft::NamedTensors out;
+  for (int64_t step = 0; step < steps; ++step) {
+    for (auto& item : model.named_parameters()) {
+      const std::string key = std::to_string(step) + "." + item.key();
+      if (!trace->contains(key)) continue;
+      item.value().set_data(trace->load(key, torch::kFloat32));
+      item.value().mutable_grad() = trace->load(key + ".grad", torch::kFloat32);
+    }
+    allocator.update_and_allocate(step);
+    for (auto& item : model.named_parameters()) {
+      if (item.key().size() > 7 && item.key().compare(item.key().size() - 7, 7, ".lora_E") == 0) {
+        out.emplace_back(std::to_string(step) + "." + item.key(), item.value().detach().clone());
+      }
+    }
+  }
+  for (const auto& [layer, flags] : allocator.rank_pattern()) {
+    std::vector<uint8_t> bytes(flags.begin(), flags.end());
+    out.emplace_back(layer + ".pattern", torch::tensor(bytes, torch::kUInt8));
+  }
+  weft::save_safetensors(out_path, out);
 }
 
 }  // namespace
@@ -101,6 +149,11 @@ int main(int argc, char** argv) {
         }
         weft::save_lora_adapter(*model, config, argv[i + 1]);
         i += 6;
+      } else if (option == "--replay-adalora" && i + 2 < argc) {
+        // PEFT's allocator inputs, step by step (tools/hf_reference.py writes them): weft's
+        // RankAllocator takes the same parameters and gradients and its masks go to OUT2.
+        replay_adalora(*model, argv[i + 1], argv[i + 2]);
+        i += 3;
       } else if (option == "--save-pretrained" && i + 1 < argc) {
         weft::save_pretrained(*model, argv[i + 1]);
         i += 2;

@@ -16,8 +16,10 @@ norm weights:
   4. weft writes adapters of its own (--write-adapter, random A and B) and PEFT loads them
      (PeftModel.from_pretrained): PEFT's logits equal weft's;
   5. PEFT trains AdaLoRA adapters for a few steps (its allocator masks triplets to the final
-     budget: rank_pattern, tensors truncated to the kept triplets) and saves them; weft loads them
-     and its logits equal PEFT's;
+     budget: rank_pattern, tensors truncated to the kept triplets) and saves them; weft's rank
+     allocator, given the parameters and gradients PEFT's saw at each step, leaves the same Lambda
+     (the same masks) after every step and ends with the same pattern; weft loads the saved
+     adapter and its logits equal PEFT's;
   6. weft writes AdaLoRA adapters (random P, Lambda, Q; a rank pattern pruning one layer to rank 0)
      and PEFT loads them: PEFT's logits equal weft's.
 Equal means the largest difference is at most 1e-5 of the largest logit (fp32, different
@@ -121,12 +123,44 @@ def main():
                                  lora_dropout=0.0, target_modules=TARGETS)
         ada_model = peft.get_peft_model(base, ada)
         optimizer = torch.optim.Adam([p for p in ada_model.parameters() if p.requires_grad], lr=0.05)
+        inner = ada_model.base_model.model
+        trace, masked = {}, {}
         for step in range(8):
             ada_model.train()
             ada_model(input_ids=tokens, labels=tokens).loss.backward()
             optimizer.step()
+            for n, p in inner.named_parameters():  # what PEFT's allocator is about to see
+                if "lora_" in n and p.requires_grad:
+                    key = f"{step}.{n.replace('.default', '')}"
+                    trace[key], trace[key + ".grad"] = p.detach().clone(), p.grad.detach().clone()
             ada_model.base_model.update_and_allocate(step)
+            for n, p in inner.named_parameters():
+                if n.endswith("lora_E.default"):
+                    masked[f"{step}.{n.replace('.default', '')}"] = p.detach().clone()
             optimizer.zero_grad()
+        # 5a: weft's RankAllocator on the same parameters and gradients masks the same triplets at
+        # every step (Lambda after each update_and_allocate equal) and ends with PEFT's pattern.
+        trace["config"] = torch.tensor([6, 2, 1, 2, 1, 8, 8], dtype=torch.int64)
+        trace["betas"] = torch.tensor([ada.beta1, ada.beta2], dtype=torch.float64)
+        trace["lora_alpha"] = torch.tensor([8.0], dtype=torch.float64)
+        trace["targets"] = torch.tensor(list(",".join(TARGETS).encode()), dtype=torch.uint8)
+        trace_file = os.path.join(work, name, "adalora-trace.safetensors")
+        replay_file = os.path.join(work, name, "adalora-replay.safetensors")
+        save_file({k: v.contiguous() for k, v in trace.items()}, trace_file)
+        subprocess.run([hf_logits, model_dir, tokens_file, os.path.join(work, "unused.safetensors"), "--replay-adalora",
+                        trace_file, replay_file], check=True)
+        replayed = load_file(replay_file)
+        differing = [k for k, v in masked.items() if not torch.equal(replayed[k], v)]
+        peft_pattern = {k.replace(".default", "")[: -len(".lora_E")]: v
+                        for k, v in ada_model.peft_config["default"].rank_pattern.items()}
+        weft_pattern = {k[: -len(".pattern")]: [bool(x) for x in v.tolist()] for k, v in replayed.items()
+                        if k.endswith(".pattern")}
+        ok = not differing and weft_pattern == peft_pattern
+        failures += not ok
+        print(f"{'PASS' if ok else 'FAIL'} {name}: weft's rank allocator on PEFT's gradients: Lambda after "
+              f"{len(masked)} layer-steps of update_and_allocate {'equal' if not differing else 'differs: ' + str(differing[:3])}, "
+              f"final rank pattern {'equal' if weft_pattern == peft_pattern else 'differs'} "
+              f"({sum(sum(f) for f in peft_pattern.values())} of {6 * len(peft_pattern)} triplets kept)")
         ada_model.eval()
         ranks = [sum(flags) for flags in ada_model.peft_config["default"].rank_pattern.values()]
         ada_dir = os.path.join(work, name, "peft-adalora")

@@ -117,7 +117,10 @@ void Job::build_model() {
   placement_ = strategy_->place(config, model_options.compute_dtype, options_.data.seq_len, options_.batch_size);
   model_options.stages = placement_.stages;
   model_options.shards = strategy_->shards(config, placement_.stages);
-  if (!options_.model.adapter.empty()) {
+  if (!options_.model.adapter.empty() && adapter_peft_type(options_.model.adapter) == "ADALORA") {
+    const AdaLoraConfig adalora = read_adalora_adapter_config(options_.model.adapter);
+    lora_ = LoraConfig{adalora.spec, adalora.target_modules, adalora};
+  } else if (!options_.model.adapter.empty()) {
     lora_ = read_lora_adapter_config(options_.model.adapter);
   } else if (options_.mode == "lora") {
     lora_ = options_.lora;
@@ -152,8 +155,9 @@ void Job::build_model() {
     model_->to(device_);  // the new adapters
     if (!options_.model.adapter.empty()) load_lora_adapter(*model_, options_.model.adapter);
     if (lora_->adalora) {
-      spdlog::info("AdaLoRA: {} layers adapted (init_r={}, target_r={}, alpha={})", adapted, lora_->spec.r,
-                   lora_->adalora->target_r, lora_->spec.alpha);
+      spdlog::info("AdaLoRA: {} layers adapted (init_r={}, target_r={}, alpha={}){}", adapted, lora_->spec.r,
+                   lora_->adalora->target_r, lora_->spec.alpha,
+                   options_.model.adapter.empty() ? "" : ", adapters from " + options_.model.adapter);
     } else {
       spdlog::info("LoRA: {} layers adapted (r={}, alpha={}){}", adapted, lora_->spec.r, lora_->spec.alpha,
                    options_.model.adapter.empty() ? "" : ", adapters from " + options_.model.adapter);

@@ -40,6 +40,10 @@ Trainer::Trainer(TrainOptions options, RunContext context)
   std::string why;
   WEFT_CHECK(options_.torch_profile.empty() || TorchProfiler::available(&why), "{}", why);
   job_ = std::make_unique<Job>(std::move(options), context, Job::Data::kSplits);
+  WEFT_CHECK(options_.model.adapter.empty() || !job_->lora()->adalora,
+             "model.adapter '{}' is an AdaLoRA adapter: continuing one in training is not supported yet (trainer eval "
+             "and generate take it; train.mode = \"adalora\" starts new adapters)",
+             options_.model.adapter);
   const auto& data = job_->data();
   const Placement& place = job_->placement();
   gather_ = std::make_unique<ModelGather>(job_->model(), job_->communicator(), job_->lora());

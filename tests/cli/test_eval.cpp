@@ -149,6 +149,28 @@ TEST_F(Eval, ALoraAdapterIsEvaluatedOnItsBase) {
   EXPECT_NE(bad.output.find(dir_ + "/adapter_config.json"), std::string::npos) << bad.output;
 }
 
+TEST_F(Eval, AnAdaLoraAdapterIsEvaluatedOnItsBase) {
+  // AdaLoRA adapters pruned to their final pattern: evaluating base + model.adapter (PEFT's layout,
+  // the kept triplets only) gives the held-out loss the run reported; training from it is refused.
+  const std::string ada_dir = dir_ + "/adalora";
+  std::filesystem::create_directories(ada_dir);
+  const auto trained = run_trainer(tiny_args(ada_dir) + " --set train.mode=adalora --set model.weights=" + dir_ +
+                                   "/out/final --set train.max_steps=6 --set lora.dropout=0 --set adalora.init_r=4"
+                                   " --set adalora.target_r=2 --set adalora.tinit=1 --set adalora.tfinal=2");
+  ASSERT_EQ(trained.exit_code, 0) << trained.output;
+  EXPECT_NE(trained.output.find("AdaLoRA: 16 of 32 triplets kept"), std::string::npos) << trained.output;
+  const auto r = run_trainer(args_ + " --set model.weights=" + dir_ + "/out/final --set model.adapter=" + ada_dir +
+                             "/out/final --json " + dir_ + "/adalora.json eval");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const double trained_loss = last_eval(ada_dir + "/out/metrics.jsonl")["loss"].get<double>();
+  EXPECT_NEAR(read_json(dir_ + "/adalora.json")["loss"].get<double>(), trained_loss, 1e-6 * trained_loss);
+  std::filesystem::create_directories(ada_dir + "/again");
+  const auto again = run_trainer(tiny_args(ada_dir + "/again") + " --set train.mode=lora --set model.weights=" + dir_ +
+                                 "/out/final --set model.adapter=" + ada_dir + "/out/final");
+  EXPECT_EQ(again.exit_code, 1) << again.output;
+  EXPECT_NE(again.output.find("is an AdaLoRA adapter"), std::string::npos) << again.output;
+}
+
 TEST_F(Eval, NoHeldOutSplitIsOneError) {
   const auto r = run_trainer(args_ + " --set data.heldout_fraction=0 eval");
   EXPECT_EQ(r.exit_code, 1) << r.output;

@@ -12,7 +12,6 @@
 #include "core/model/lora.h"
 #include "core/util/error.h"
 #include "core/util/fs.h"
-#include "core/util/hash.h"
 
 namespace weft {
 namespace {
@@ -52,31 +51,7 @@ torch::Tensor kept_indices(const RankPattern& pattern, const std::string& layer,
 }  // namespace
 
 int64_t apply_adalora(LlamaForCausalLMImpl& model, const AdaLoraConfig& config, uint64_t seed) {
-  const auto valid = lora_targetable_modules();
-  for (const auto& target : config.target_modules) {
-    WEFT_CHECK(std::find(valid.begin(), valid.end(), target) != valid.end(),
-               "adalora: target module '{}' is unknown (valid: {})", target, fmt::join(valid, ", "));
-  }
-  WEFT_CHECK(model.options().shards.empty(),
-             "AdaLoRA allocates one rank budget over the whole model's layers; a model split over ranks (tensor "
-             "parallelism) is not supported");
-  WEFT_CHECK(config.target_r >= 0 && config.target_r <= config.spec.r,
-             "adalora: target_r ({}) must be between 0 and init_r ({})", config.target_r, config.spec.r);
-  for (auto& param : model.parameters()) param.set_requires_grad(false);
-  int64_t adapted = 0;
-  for (auto& item : model.named_modules("", /*include_self=*/false)) {
-    auto* linear = item.value()->as<LinearImpl>();
-    if (!linear) continue;
-    const auto leaf = item.key().substr(item.key().rfind('.') + 1);
-    if (std::find(config.target_modules.begin(), config.target_modules.end(), leaf) == config.target_modules.end()) {
-      continue;
-    }
-    linear->add_adalora(config.spec, hash64(item.key(), seed));
-    ++adapted;
-  }
-  WEFT_CHECK(adapted > 0, "adalora: target modules [{}] matched no layer of this model",
-             fmt::join(config.target_modules, ", "));
-  return adapted;
+  return apply_lora(model, LoraConfig{config.spec, config.target_modules, config}, seed);
 }
 
 torch::Tensor adalora_orthogonal_regularization(LlamaForCausalLMImpl& model) {

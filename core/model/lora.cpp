@@ -28,11 +28,17 @@ std::vector<std::string> lora_targetable_modules() {
 }
 
 int64_t apply_lora(LlamaForCausalLMImpl& model, const LoraConfig& config, uint64_t seed) {
-  if (config.adalora) return apply_adalora(model, *config.adalora, seed);
   const auto valid = lora_targetable_modules();
   for (const auto& target : config.target_modules) {
     WEFT_CHECK(std::find(valid.begin(), valid.end(), target) != valid.end(),
                "lora.target_modules: unknown module '{}' (valid: {})", target, fmt::join(valid, ", "));
+  }
+  if (config.adalora) {
+    WEFT_CHECK(model.options().shards.empty(),
+               "AdaLoRA allocates one rank budget over the whole model's layers; a model split over ranks (tensor "
+               "parallelism) is not supported");
+    WEFT_CHECK(config.adalora->target_r >= 0 && config.adalora->target_r <= config.spec.r,
+               "adalora: target_r ({}) must be between 0 and init_r ({})", config.adalora->target_r, config.spec.r);
   }
   for (auto& param : model.parameters()) param.set_requires_grad(false);
   int64_t adapted = 0;
@@ -44,7 +50,11 @@ int64_t apply_lora(LlamaForCausalLMImpl& model, const LoraConfig& config, uint64
         config.target_modules.end()) {
       continue;
     }
-    linear->add_lora(config.spec, hash64(item.key(), seed), shard_of(model.options().shards, item.key() + ".weight"));
+    if (config.adalora) {
+      linear->add_adalora(config.spec, hash64(item.key(), seed));
+    } else {
+      linear->add_lora(config.spec, hash64(item.key(), seed), shard_of(model.options().shards, item.key() + ".weight"));
+    }
     ++adapted;
   }
   WEFT_CHECK(adapted > 0,

@@ -30,6 +30,7 @@ packages=(
   libboost-dev libboost-program-options-dev libgtest-dev
   libdlpack-dev                          # DLPack: tensors across the plugin ABI (sdk/)
   libgloo-dev                            # c10d's ProcessGroupGloo.hpp includes gloo's headers (no LibTorch ships them)
+  libcurl4-openssl-dev libssl-dev        # checkpoint backup to S3: libcurl's SigV4 signing, OpenSSL's SHA-256
 )
 
 if [[ "${WEFT_SKIP_APT:-0}" != 1 ]]; then

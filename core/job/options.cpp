@@ -68,6 +68,8 @@ const std::vector<SchemaSection>& sections() {
       {"adalora", "AdaLoRA's rank budget (used when train.mode = \"adalora\"; PEFT's AdaLoraConfig).", false},
       {"eval", "Held-out evaluation and early stopping.", false},
       {"checkpoint", "Checkpoint saving and resuming.", false},
+      {"backup", "Checkpoints backed up to S3-compatible storage (AWS S3, MinIO, Ceph RGW) while training; "
+                 "credentials only from the AWS environment variables or ~/.aws/credentials.", false},
       {"generate", "Text generation (trainer generate --prompt ...).", false},
       {"log", "Console logging and the metrics file.", false},
       {"plugin", "Free-form settings for a strategy plugin (any keys, not validated here).", true},
@@ -217,6 +219,22 @@ const std::vector<Row>& rows() {
       bool_key("checkpoint.save_final", WEFT_MEMBER(save_final), true, "Save a checkpoint when training ends."),
       bool_key("checkpoint.keep_best", WEFT_MEMBER(keep_best), true,
                "Keep the checkpoint with the best held-out loss as well."),
+      // [backup]
+      string_key("backup.url", WEFT_MEMBER(backup.url), "",
+                 "\"s3://bucket/prefix\": upload every checkpoint there in the background; \"\" = no backup."),
+      string_key("backup.endpoint", WEFT_MEMBER(backup.endpoint), "",
+                 "S3 endpoint URL (MinIO, Ceph RGW: \"http(s)://host:port\", path-style); \"\" = AWS."),
+      string_key("backup.region", WEFT_MEMBER(backup.region), "",
+                 "Region that signs the requests; \"\" = AWS_REGION, AWS_DEFAULT_REGION, else us-east-1."),
+      int_key("backup.keep_last", WEFT_MEMBER(backup.keep_last), 0,
+              "Complete checkpoints to keep in the bucket (older ones are deleted); 0 = checkpoint.keep_last.", 0),
+      int_key("backup.part_size_mb", WEFT_MEMBER(backup.part_size_mb), 64,
+              "Files larger than this go as multipart uploads of parts this size (MiB; S3's minimum is 5).", 5, 5120),
+      float_key("backup.max_mb_per_s", WEFT_MEMBER(backup.max_mb_per_second), 0.0,
+                "Upload rate cap in MB/s, so the backup leaves the network to training; 0 = unlimited.", 0.0),
+      int_key("backup.retries", WEFT_MEMBER(backup.retries), 5,
+              "Retries of each failed request (exponential backoff from 0.5 s, at most 30 s) before the "
+              "checkpoint's backup is given up with a warning.", 0, 20),
       // [generate]
       int_key("generate.max_new_tokens", WEFT_MEMBER(max_new_tokens), 64, "Tokens to generate after the prompt (trainer generate).", 1),
       float_key("generate.temperature", WEFT_MEMBER(temperature), 0.0, "Sampling temperature; 0 = greedy (the most likely token).", 0.0),

@@ -13,6 +13,7 @@
 
 #include "core/config/config.h"
 #include "core/data/dataset.h"
+#include "core/io/checkpoint_backup.h"
 #include "core/model/lora.h"
 
 namespace weft {
@@ -63,6 +64,7 @@ struct TrainOptions {
   int64_t checkpoint_every, keep_last;
   std::string resume;
   bool save_final, keep_best;
+  BackupOptions backup;       // backup.*: checkpoints uploaded to S3-compatible storage
   std::string log_level, progress;
   int64_t log_every;
   std::string metrics_file;   // log.metrics_file, or <out_dir>/metrics.jsonl

@@ -124,6 +124,7 @@ const TrainResult& RunRecords::finish(Communicator& communicator, int rank, int6
   }
   if (setting_.precision == "fp16") summary["skipped_steps"] = skipped_steps;
   if (!result.adalora_ranks.empty()) summary["adalora_ranks"] = result.adalora_ranks;
+  if (result.backup_failures > 0) summary["backup_failures"] = result.backup_failures;
   summary["peak_rss_mib_per_rank"] = communicator.all_gather(result.peak_rss_mib);  // collective
   // The memory plan made before the model was built, next to what the ranks' tensors peaked at.
   summary["memory_plan_mib_per_rank"] = communicator.all_gather(setting_.memory_plan_mib);  // collective

@@ -28,6 +28,7 @@ struct TrainResult {
   bool early_stopped = false;
   bool interrupted = false;            // stopped by SIGINT/SIGTERM (after saving a checkpoint if it could)
   int interrupt_signal = 0;            // that signal (the same on every rank)
+  int64_t backup_failures = 0;         // backup.url: checkpoints whose upload failed (rank 0)
   double peak_rss_mib = 0;
   double tensor_peak_mib = 0;  // the most CPU tensor memory this rank held at once (memory.h), 0 untracked
   // What this rank's training state held between steps after the last one (MiB): parameters,

@@ -86,7 +86,10 @@ Trainer::Trainer(TrainOptions options, RunContext context)
         "adalora_state.safetensors", [this] { return allocator_->state(); },
         [this](const NamedTensors& state) { allocator_->load_state(state); });
   }
-  if (job_->context().rank == 0) checkpoints_->remove_leftovers();
+  if (job_->context().rank == 0) {
+    checkpoints_->remove_leftovers();
+    if (!options_.backup.url.empty()) backup_ = std::make_unique<CheckpointBackup>(options_.backup, options_.keep_last);
+  }
   maybe_resume();
   protect_saved_work();
 }
@@ -117,11 +120,30 @@ void Trainer::protect_saved_work() const {
   }
 }
 
+// checkpoint.resume = auto on an out_dir without checkpoints (a new machine): rank 0 downloads the
+// newest complete checkpoint from the bucket, then every rank opens it. Collective.
+std::optional<std::string> Trainer::restore_from_backup() {
+  std::string error;
+  if (backup_) {
+    try {
+      backup_->restore_latest(checkpoints_->checkpoints_dir());
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  bool ok = true;
+  for (double value : job_->communicator().all_gather(error.empty() ? 1.0 : 0.0)) ok = ok && value > 0;  // and a barrier
+  if (!error.empty()) throw Error(error);
+  WEFT_CHECK(ok, "checkpoint.resume = auto: rank 0 could not restore the checkpoint from {}", options_.backup.url);
+  return checkpoints_->latest();
+}
+
 void Trainer::maybe_resume() {
   if (options_.resume.empty()) return;
   std::string dir = options_.resume;
   if (dir == "auto") {
-    const auto latest = checkpoints_->latest();
+    auto latest = checkpoints_->latest();
+    if (!latest && !options_.backup.url.empty()) latest = restore_from_backup();
     if (!latest) {
       spdlog::info("checkpoint.resume = auto: no checkpoint in {}, starting fresh", checkpoints_->checkpoints_dir());
       return;
@@ -184,6 +206,7 @@ TrainResult Trainer::run() {
                  allocator_->target_budget(), ranks);
   }
   if (options_.save_final && !result.interrupted) save_models(records);
+  if (backup_) result.backup_failures = backup_->drain() ? 0 : backup_->failed();  // the last upload finishes
   result.steps = state_.global_step;
   result.epochs_completed = state_.epoch;
   result.best_eval_loss = state_.best_eval_loss;
@@ -450,6 +473,7 @@ bool Trainer::save_checkpoint(Progress& progress) {
           return ok;
         });
     if (rank == 0) progress.message(fmt::format("checkpoint saved: {}", dir));
+    if (backup_) backup_->submit(dir);
     return true;
   }
   if (strategy.shards_training_state()) {  // the ranks' shards put together; rank 0 writes the whole
@@ -460,11 +484,13 @@ bool Trainer::save_checkpoint(Progress& progress) {
     if (job_->context().rank == 0) dir = checkpoints_->save(state_, job_->model(), *whole);
     strategy.materialize_parameters(false);
     if (job_->context().rank == 0) progress.message(fmt::format("checkpoint saved: {}", dir));
+    if (backup_) backup_->submit(dir);
     return true;
   }
   if (job_->context().rank != 0) return true;  // replicas hold the same state; rank 0 writes it
   const auto dir = checkpoints_->save(state_, job_->model(), *optimizer_);
   progress.message(fmt::format("checkpoint saved: {}", dir));
+  if (backup_) backup_->submit(dir);
   return true;
 }
 

@@ -23,6 +23,7 @@
 #include "core/job/evaluate.h"
 #include "core/job/job.h"
 #include "core/model/adalora.h"
+#include "core/io/checkpoint_backup.h"
 #include "core/train/checkpoint.h"
 #include "core/train/loss_scaler.h"
 #include "core/train/model_gather.h"
@@ -58,6 +59,7 @@ class Trainer {
 
  private:
   void maybe_resume();
+  std::optional<std::string> restore_from_backup();  // collective
   void protect_saved_work() const;
   bool run_epoch_steps(RunRecords& records);
   bool complete_epoch(RunRecords& records);
@@ -80,6 +82,7 @@ class Trainer {
   std::vector<OptimizedTensor> optimized_;  // what optimizer_ updates (parameters or their shards)
   std::unique_ptr<torch::optim::AdamW> optimizer_;
   std::unique_ptr<CheckpointStore> checkpoints_;
+  std::unique_ptr<CheckpointBackup> backup_;  // backup.url set: rank 0's uploader
   std::unique_ptr<RankAllocator> allocator_;  // train.mode = adalora: the adapters' rank budget
   LrSchedule schedule_;
   TrainerState state_;

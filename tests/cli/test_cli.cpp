@@ -146,6 +146,11 @@ TEST(Cli, BadInputGetsOneClearErrorAndExitCodeOne) {
                        "--set adalora.tinit=5",
                 "the budget schedule needs tinit (5) < total_step (4) - tfinal (0)"},
            Case{tiny + "--set model.quantize=int4", "model.quantize"},
+           Case{tiny + "--set data.path=" + write_corpus(dir) + " --set backup.url=https://bucket/x",
+                "backup.url = 'https://bucket/x' is not an s3://bucket/prefix URL"},
+           Case{tiny + "--set data.path=" + write_corpus(dir) + " --set backup.url=s3://Bad_Bucket/x",
+                "'Bad_Bucket' is not an S3 bucket name"},
+           Case{tiny + "--set backup.part_size_mb=1", "backup.part_size_mb"},
            Case{tiny + "--set data.path=" + write_corpus(dir) + " --plugin tensor_parallel --nproc 2 --set train.mode=lora "
                        "--set model.quantize=int8 --set lora.save_merged=true", "merge them under single or ddp"},
        }) {

@@ -18,7 +18,9 @@ client:
                 5 MiB parts, the upload rate capped so the kill lands mid-file) and started again
                 empty: the uploader retries, starts the forgotten upload again, sends the files the
                 server lost, then the manifest; everything matches the local checkpoint
-  no-bucket     the bucket missing: one warning naming it, training finishes, checkpoints intact
+  no-bucket     the bucket missing: one warning naming it, training finishes, checkpoints intact;
+                a server that cannot be reached on a resume=auto with no local checkpoint: one
+                error (never a silent fresh start)
   no-keys       no credentials: one error naming the problem before compute, exit non-zero
 
   tools/s3_backup_test.py build/trainer [--only signed,resume]
@@ -134,7 +136,8 @@ def bucket_checkpoints(s3, bucket, prefix):
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
         for obj in page.get("Contents", []):
             name, _, rel = obj["Key"][len(prefix):].partition("/")
-            found.setdefault(name, {})[rel] = obj["Size"]
+            if name.startswith("step-"):
+                found.setdefault(name, {})[rel] = obj["Size"]
     return found
 
 
@@ -179,7 +182,9 @@ def scenario_signed(trainer, work):
         sent = [line.split("backup: ")[1].split()[0] for line in text.splitlines() if " uploaded to s3://" in line]
         check(len(sent) >= 2 and sent[-1] == "step-00000006" and sorted(found) == sent[-2:],
               f"backup.keep_last = 2: the bucket holds the newest two of those sent {sent} (found {sorted(found)})")
-        check(all("manifest.json" in files for files in found.values()), "each has its manifest")
+        check(found and all("manifest.json" in files for files in found.values()), "each has its manifest")
+        latest = s3.get_object(Bucket="ckpt", Key="runs/signed/latest")["Body"].read().decode().strip()
+        check(latest == "step-00000006", f"the bucket's latest names the last one uploaded ({latest})")
         if "step-00000006" in found:
             check_against(s3, "ckpt", "runs/signed/", "step-00000006", os.path.join(out, "checkpoints", "step-00000006"))
         secret = moto.keys["aws_secret_access_key"]
@@ -287,6 +292,18 @@ def scenario_no_bucket(trainer, work):
         latest = open(os.path.join(out, "checkpoints", "latest")).read().strip()
         check(latest == "step-00000004" and os.path.exists(os.path.join(out, "checkpoints", latest, "trainer_state.json")),
               "the local checkpoints are intact")
+        # A server that cannot be reached must not pass for an empty bucket when a new machine resumes.
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            closed = s.getsockname()[1]
+        fresh = os.path.join(work, "unreachable")
+        code, text = run(trainer_args(trainer, fresh, "train.max_steps=4", "checkpoint.resume=auto",
+                                      "backup.url=s3://ckpt/x", f"backup.endpoint=http://127.0.0.1:{closed}",
+                                      "backup.retries=1"), moto.env())
+        errors = [line for line in text.splitlines() if " error " in line]
+        check(code != 0 and len(errors) == 1 and "cannot be reached" in errors[0] and "not starting from scratch" in errors[0]
+              and not os.path.exists(os.path.join(fresh, "metrics.jsonl")),
+              f"resume=auto with the server unreachable: one error, no fresh start: {errors}")
     finally:
         moto.kill()
 

@@ -71,12 +71,13 @@ CheckpointBackup::CheckpointBackup(const BackupOptions& options, int64_t keep_la
   s3.max_send_bytes_per_second = static_cast<int64_t>(options_.max_mb_per_second * 1e6);
   client_ = std::make_unique<S3Client>(s3, location_.bucket);
   try {
-    enabled_ = client_->bucket_exists();
+    enabled_ = retry("checking the bucket", [&] { return client_->bucket_exists(); });
     if (!enabled_) {
       spdlog::warn("backup: bucket '{}' does not exist at {}; checkpoints are kept locally only in this run",
                    location_.bucket, options_.endpoint.empty() ? "AWS" : options_.endpoint);
     }
   } catch (const S3Error& e) {
+    unreachable_ = e.what();
     spdlog::warn("backup: cannot reach bucket '{}' ({}); checkpoints are kept locally only in this run",
                  location_.bucket, e.what());
   }
@@ -111,7 +112,8 @@ void CheckpointBackup::submit(const std::string& checkpoint_dir) {
   if (!enabled_) return;
   const fs::path source = checkpoint_dir;
   const std::string name = source.filename().string();
-  const fs::path snapshot = source.parent_path() / fmt::format(".tmp-backup-{}-{}", name, ::getpid());
+  // A name of its own: the same step can be saved twice (an epoch's end on a checkpoint step).
+  const fs::path snapshot = source.parent_path() / fmt::format(".tmp-backup-{}-{}-{}", name, ::getpid(), ++snapshots_);
   try {
     fs::remove_all(snapshot);
     for (const std::string& file : files_under(source)) {
@@ -196,26 +198,13 @@ void CheckpointBackup::worker() {
 
 void CheckpointBackup::upload(const std::string& snapshot, const std::string& name) {
   S3Client& s3 = *client_;
-  const int64_t part_size = options_.part_size_mb * 1024 * 1024;
-  // Runs `request`, retrying every failure but a cancellation and a forgotten multipart upload
-  // (which the caller restarts) with exponential backoff: 0.5 s, 1 s, 2 s, ... (at most 30 s).
-  const auto with_retries = [&](const std::string& what, const auto& request) {
-    for (int64_t attempt = 0;; ++attempt) {
-      try {
-        return request();
-      } catch (const S3Error& e) {
-        if (e.code == "cancelled" || e.code == "NoSuchUpload" || attempt >= options_.retries) throw;
-        const double wait = std::min(30.0, 0.5 * static_cast<double>(int64_t{1} << std::min<int64_t>(attempt, 6)));
-        spdlog::warn("backup: {}: {} (attempt {} of {}; again in {:.1f} s)", what, e.what(), attempt + 1,
-                     options_.retries + 1, wait);
-        std::unique_lock lock(mutex_);
-        if (changed_.wait_for(lock, std::chrono::duration<double>(wait), [&] { return stopping_; })) throw;
-      }
-    }
-  };
+  const auto with_retries = [&](const std::string& what, const auto& request) { return retry(what, request); };
   // One file: a single PUT, or a multipart upload started again when the server forgot it.
   const auto send = [&](const std::string& file, const std::string& path, int64_t size) {
     const std::string key = location_.prefix + name + "/" + file;
+    // S3 takes at most 10,000 parts: larger parts for a file that would need more.
+    const int64_t mib = 1024 * 1024;
+    const int64_t part_size = std::max(options_.part_size_mb * mib, (size + 10000 * mib - 1) / (10000 * mib) * mib);
     if (size <= part_size) {
       with_retries(key, [&] { s3.put_file(key, path, 0, size); });
       return;
@@ -298,6 +287,32 @@ void CheckpointBackup::upload(const std::string& snapshot, const std::string& na
   const nlohmann::json manifest = {{"format", kFormat}, {"checkpoint", name}, {"files", files}};
   const std::string key = location_.prefix + name + "/" + kManifest;
   with_retries(key, [&] { s3.put_object(key, manifest.dump(2) + "\n"); });
+  // The bucket's `latest` names the checkpoint this run uploaded last (a prefix that also holds an
+  // older run's higher steps resumes from this run's).
+  with_retries(location_.prefix + "latest", [&] { s3.put_object(location_.prefix + "latest", name + "\n"); });
+}
+
+// Runs `request`, retrying what is worth retrying (S3Error::transient(), and a bucket that is
+// briefly missing: a server restarting) with exponential backoff 0.5 s, 1 s, 2 s, ... (at most
+// 30 s), backup.retries times; expired temporary credentials are read again first.
+template <typename Request>
+auto CheckpointBackup::retry(const std::string& what, const Request& request) -> decltype(request()) {
+  for (int64_t attempt = 0;; ++attempt) {
+    try {
+      return request();
+    } catch (const S3Error& e) {
+      const bool expired = e.code == "ExpiredToken" || e.code == "TokenRefreshRequired";
+      if ((!e.transient() && e.code != "NoSuchBucket" && !expired) || attempt >= options_.retries) throw;
+      if (expired) {
+        if (const auto credentials = S3Credentials::from_environment()) client_->set_credentials(*credentials);
+      }
+      const double wait = std::min(30.0, 0.5 * static_cast<double>(int64_t{1} << std::min<int64_t>(attempt, 6)));
+      spdlog::warn("backup: {}: {} (attempt {} of {}; again in {:.1f} s)", what, e.what(), attempt + 1,
+                   options_.retries + 1, wait);
+      std::unique_lock lock(mutex_);
+      if (changed_.wait_for(lock, std::chrono::duration<double>(wait), [&] { return stopping_; })) throw;
+    }
+  }
 }
 
 // Keeps the newest keep_last complete checkpoints in the bucket; deletes the older ones (manifest
@@ -316,7 +331,7 @@ void CheckpointBackup::prune_bucket(const std::string& newest) {
   }
   for (const auto& [checkpoint, objects] : keys) {
     const auto at = std::find(complete.begin(), complete.end(), checkpoint);
-    const bool keep = at != complete.end() ? complete.end() - at <= keep_last_ : checkpoint >= newest;
+    const bool keep = checkpoint == newest || (at != complete.end() ? complete.end() - at <= keep_last_ : checkpoint >= newest);
     if (keep) continue;
     const std::string manifest = location_.prefix + checkpoint + "/" + kManifest;
     if (at != complete.end()) client_->delete_object(manifest);
@@ -325,32 +340,66 @@ void CheckpointBackup::prune_bucket(const std::string& newest) {
     }
     spdlog::info("backup: deleted {} from the bucket (backup.keep_last = {})", checkpoint, keep_last_);
   }
+  // Parts of multipart uploads that never completed (a run killed mid-file) are stored, and billed,
+  // until aborted; this run's own are all complete or aborted by now.
+  for (const auto& [key, id] : client_->list_multipart_uploads(location_.prefix)) {
+    client_->abort_multipart_upload(key, id);
+    spdlog::info("backup: aborted an unfinished multipart upload of {}", key);
+  }
 }
 
 std::optional<std::string> CheckpointBackup::restore_latest(const std::string& checkpoints_dir) {
+  // A bucket that could not be reached must not pass for an empty one: the run would start over.
+  WEFT_CHECK(unreachable_.empty(), "checkpoint.resume = auto: no checkpoint in {} and the backup in {} cannot be "
+             "reached ({}); not starting from scratch", checkpoints_dir, describe(), unreachable_);
   if (!enabled_) return std::nullopt;
   std::vector<std::string> complete;
+  std::string pointed;
   try {
-    for (const S3Object& object : client_->list(location_.prefix)) {
+    for (const S3Object& object : retry("listing the backup", [&] { return client_->list(location_.prefix); })) {
       const std::string checkpoint = checkpoint_of(object.key, location_.prefix);
       if (!checkpoint.empty() && object.key == location_.prefix + checkpoint + "/" + kManifest) {
         complete.push_back(checkpoint);
+      } else if (object.key == location_.prefix + "latest") {
+        pointed = retry("reading latest", [&] { return client_->get_object(object.key); });
+        pointed.erase(std::remove_if(pointed.begin(), pointed.end(), ::isspace), pointed.end());
       }
     }
   } catch (const S3Error& e) {
     fail("checkpoint.resume = auto: cannot list the backup in {}: {}", describe(), e.what());
   }
   if (complete.empty()) return std::nullopt;
-  std::sort(complete.begin(), complete.end());
-  const std::string name = complete.back();
+  // The one `latest` names first, then the others from the highest step down.
+  std::sort(complete.rbegin(), complete.rend());
+  if (const auto at = std::find(complete.begin(), complete.end(), pointed); at != complete.end()) {
+    std::rotate(complete.begin(), at, at + 1);
+  }
+  std::string problems;
+  for (const std::string& name : complete) {
+    try {
+      download(name, checkpoints_dir);
+      spdlog::info("checkpoint.resume = auto: {} restored from the bucket", name);
+      return (fs::path(checkpoints_dir) / name).string();
+    } catch (const std::exception& e) {
+      spdlog::warn("checkpoint.resume = auto: cannot restore {} from {}: {}", name, describe(), e.what());
+      problems += fmt::format("{}{}: {}", problems.empty() ? "" : "; ", name, e.what());
+    }
+  }
+  fail("checkpoint.resume = auto: no checkpoint in {} could be restored ({})", describe(), problems);
+}
+
+// Downloads the complete checkpoint `name` into checkpoints_dir/name, checked against its
+// manifest, and points `latest` at it; on failure nothing is left behind.
+void CheckpointBackup::download(const std::string& name, const std::string& checkpoints_dir) {
   const fs::path root = checkpoints_dir, target = root / name;
   const fs::path staged = root / fmt::format(".tmp-download-{}-{}", name, ::getpid());
   spdlog::info("checkpoint.resume = auto: no checkpoint in {}; downloading {} from {}", checkpoints_dir, name,
                describe());
   try {
     const std::string manifest_key = location_.prefix + name + "/" + kManifest;
-    const auto manifest = nlohmann::json::parse(client_->get_object(manifest_key));
-    WEFT_CHECK(manifest.value("format", "") == kFormat && manifest.contains("files") && manifest["files"].is_array(),
+    const auto manifest = nlohmann::json::parse(retry(manifest_key, [&] { return client_->get_object(manifest_key); }));
+    WEFT_CHECK(manifest.is_object() && manifest.value("format", "") == kFormat && manifest.contains("files") &&
+                   manifest["files"].is_array(),
                "s3://{}/{} is not a weft backup manifest ({})", location_.bucket, manifest_key, kFormat);
     fs::create_directories(staged);
     for (const auto& file : manifest["files"]) {
@@ -360,10 +409,10 @@ std::optional<std::string> CheckpointBackup::restore_latest(const std::string& c
       const fs::path local = staged / path;
       fs::create_directories(local.parent_path());
       const std::string key = location_.prefix + name + "/" + path;
-      client_->get_to_file(key, local.string());
+      retry(key, [&] { client_->get_to_file(key, local.string()); });
       const auto size = static_cast<int64_t>(fs::file_size(local));
       WEFT_CHECK(size == file.at("size").get<int64_t>() && sha256_file_hex(local.string()) == file.at("sha256"),
-                 "s3://{}/{} does not match its manifest ({} bytes, SHA-256 differs or size {} expected)",
+                 "s3://{}/{} does not match its manifest (size {}, {} expected, or its SHA-256 differs)",
                  location_.bucket, key, size, file.at("size").get<int64_t>());
     }
     sync_directory(staged.string());
@@ -371,13 +420,11 @@ std::optional<std::string> CheckpointBackup::restore_latest(const std::string& c
     fs::rename(staged, target);
     sync_directory(root.string());
     write_file_atomically((root / "latest").string(), name + "\n");
-  } catch (const std::exception& e) {
+  } catch (...) {
     std::error_code ignored;
     fs::remove_all(staged, ignored);
-    fail("checkpoint.resume = auto: cannot restore {} from {}: {}", name, describe(), e.what());
+    throw;
   }
-  spdlog::info("checkpoint.resume = auto: {} restored from the bucket", name);
-  return target.string();
 }
 
 }  // namespace weft

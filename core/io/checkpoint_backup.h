@@ -3,7 +3,8 @@
 //
 // Layout in the bucket, under backup.url's prefix:
 //   step-00000120/<every file of the checkpoint, same relative paths>
-//   step-00000120/manifest.json   uploaded last: the files' names, sizes and SHA-256
+//   step-00000120/manifest.json   uploaded after the files: their names, sizes and SHA-256
+//   latest                        the checkpoint this run uploaded last (after its manifest)
 // A checkpoint without its manifest is an upload that did not finish, and is never taken for one.
 // Files larger than backup.part_size_mb go as multipart uploads; every request is retried with
 // exponential backoff (backup.retries), a multipart upload the server forgot (NoSuchUpload: the
@@ -11,7 +12,8 @@
 // in the bucket at its size (a server that lost objects gets them again). A backup that still
 // fails is a warning: the local
 // checkpoint is never touched. backup.keep_last (default checkpoint.keep_last) applies to the
-// bucket: older complete checkpoints are deleted there, manifest first.
+// bucket: older complete checkpoints are deleted there, manifest first, and multipart uploads left
+// unfinished (a run killed mid-file) are aborted. A prefix is meant to hold one run.
 // checkpoint.resume = "auto" on an out_dir without checkpoints takes the newest complete
 // checkpoint from the bucket (restore_latest), each file checked against the manifest.
 #pragma once
@@ -58,10 +60,13 @@ class CheckpointBackup {
   // Waits for the queued uploads; returns false when one of this run's uploads failed.
   bool drain();
 
-  // Downloads the newest complete checkpoint of the bucket into `checkpoints_dir` as step-N and
-  // points `latest` at it; every file's size and SHA-256 are checked against the manifest.
-  // Returns its directory, or nullopt when the bucket holds none. Throws weft::Error when the
-  // download fails or does not match its manifest (nothing is left in `checkpoints_dir` then).
+  // Downloads the newest complete checkpoint of the bucket (the one the bucket's `latest` names,
+  // else the highest step) into `checkpoints_dir` as step-N and points `latest` at it; every
+  // file's size and SHA-256 are checked against the manifest, and one that fails gives way to the
+  // next older complete checkpoint. Returns its directory, or nullopt when the bucket is missing or
+  // holds none. Throws weft::Error when the bucket could not be reached at start (so that a
+  // network fault never passes for an empty bucket) or no checkpoint could be restored (nothing
+  // is left in `checkpoints_dir` then).
   std::optional<std::string> restore_latest(const std::string& checkpoints_dir);
 
   int64_t uploaded() const { return uploaded_; }
@@ -71,11 +76,16 @@ class CheckpointBackup {
   void worker();
   void upload(const std::string& snapshot, const std::string& name);
   void prune_bucket(const std::string& newest);
+  void download(const std::string& name, const std::string& checkpoints_dir);
+  template <typename Request>
+  auto retry(const std::string& what, const Request& request) -> decltype(request());
 
   BackupOptions options_;
   S3Url location_;
   std::unique_ptr<S3Client> client_;  // used by the worker thread, or by restore_latest before it has work
   bool enabled_ = false;
+  std::string unreachable_;  // why the bucket could not be reached at start ("" = it could, or it is missing)
+  int64_t snapshots_ = 0;
   int64_t keep_last_ = 0;
 
   std::mutex mutex_;

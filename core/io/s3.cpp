@@ -134,8 +134,9 @@ std::optional<S3Credentials> S3Credentials::from_environment() {
 }
 
 bool S3Error::transient() const {
+  if (code == "cancelled" || code == "io") return false;
   return http_status == 0 || http_status >= 500 || http_status == 408 || http_status == 429 ||
-         code == "RequestTimeout" || code == "SlowDown" || code == "InternalError";
+         code == "RequestTimeout" || code == "SlowDown" || code == "InternalError" || code == "ServiceUnavailable";
 }
 
 struct S3Client::Request {
@@ -165,9 +166,11 @@ S3Client::S3Client(S3Options options, std::string bucket) : options_(std::move(o
 S3Client::~S3Client() { curl_easy_cleanup(static_cast<CURL*>(curl_)); }
 
 std::string S3Client::url(const std::string& key, const std::string& query) const {
-  std::string base = options_.endpoint.empty()
-                         ? fmt::format("https://{}.s3.{}.amazonaws.com/", bucket_, region_)
-                         : fmt::format("{}/{}/", options_.endpoint, bucket_);
+  // AWS: virtual-hosted style, but path style for a bucket name with dots (TLS's *.s3 wildcard
+  // certificate does not cover a.b.s3...); any other endpoint: path style.
+  std::string base = !options_.endpoint.empty()             ? fmt::format("{}/{}/", options_.endpoint, bucket_)
+                     : bucket_.find('.') != std::string::npos ? fmt::format("https://s3.{}.amazonaws.com/{}/", region_, bucket_)
+                                                              : fmt::format("https://{}.s3.{}.amazonaws.com/", bucket_, region_);
   base += uri_encode(key, /*path=*/true);
   if (!query.empty()) base += "?" + query;
   return base;
@@ -295,7 +298,7 @@ S3Client::Response S3Client::perform(Request& request) {
     if (s3_code.empty() && response.status == 404) s3_code = "NotFound";
     throw S3Error(fmt::format("{}: HTTP {}{}{}", what, response.status, s3_code.empty() ? "" : " " + s3_code,
                               message.empty() ? "" : " (" + message + ")"),
-                  error_body && response.status == 200 ? 500 : response.status, s3_code);
+                  response.status, s3_code);
   }
   return response;
 }
@@ -396,6 +399,19 @@ bool S3Client::multipart_upload_exists(const std::string& key, const std::string
   }
   return true;
 }
+
+std::vector<std::pair<std::string, std::string>> S3Client::list_multipart_uploads(const std::string& prefix) {
+  Request request;
+  request.method = "GET";
+  request.query = "prefix=" + uri_encode(prefix, false) + "&uploads=";
+  std::vector<std::pair<std::string, std::string>> uploads;
+  for (const std::string& upload : xml_values(perform(request).body, "Upload")) {
+    uploads.emplace_back(xml_value(upload, "Key"), xml_value(upload, "UploadId"));
+  }
+  return uploads;
+}
+
+void S3Client::set_credentials(const S3Credentials& credentials) { options_.credentials = credentials; }
 
 std::vector<S3Object> S3Client::list(const std::string& prefix) {
   std::vector<S3Object> objects;

@@ -11,6 +11,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/util/error.h"
@@ -48,7 +49,8 @@ class S3Error : public Error {
  public:
   S3Error(const std::string& message, long http_status, std::string code)
       : Error(message), http_status(http_status), code(std::move(code)) {}
-  // Worth retrying: no response, 5xx, 408, 429, RequestTimeout, SlowDown.
+  // Worth retrying: no response, 5xx, 408, 429, RequestTimeout, SlowDown, InternalError,
+  // ServiceUnavailable (also in a 200 answer's body, as CompleteMultipartUpload gives them).
   bool transient() const;
   long http_status;
   std::string code;
@@ -87,6 +89,8 @@ class S3Client {
   // Whether the server still knows the multipart upload (ListParts; false on NoSuchUpload). Some
   // servers answer a part sent to a forgotten upload with a bare 500 rather than NoSuchUpload.
   bool multipart_upload_exists(const std::string& key, const std::string& upload_id);
+  // The multipart uploads in progress under `prefix` (key, upload id; the first 1000).
+  std::vector<std::pair<std::string, std::string>> list_multipart_uploads(const std::string& prefix);
   // Every object whose key starts with `prefix` (ListObjectsV2, all pages), in key order.
   std::vector<S3Object> list(const std::string& prefix);
   // GET into `path` (replaced), or into a string.
@@ -94,6 +98,8 @@ class S3Client {
   std::string get_object(const std::string& key);
   void delete_object(const std::string& key);
 
+  // Replaces the keys (temporary credentials renewed in the environment or the credentials file).
+  void set_credentials(const S3Credentials& credentials);
   // Set from another thread to abort the request in flight (it then throws S3Error "cancelled").
   void cancel() { cancelled_ = true; }
 

@@ -55,6 +55,8 @@ bool safe_relative_path(const std::string& path) {
 CheckpointBackup::CheckpointBackup(const BackupOptions& options, int64_t keep_last)
     : options_(options), keep_last_(options.keep_last > 0 ? options.keep_last : keep_last) {
   location_ = S3Url::parse(options_.url, "backup.url");
+  WEFT_CHECK(s3_supported(), "backup.url = '{}', but this build of weft has no S3 client (it needs libcurl >= 7.87 "
+             "and OpenSSL at build time: install libcurl4-openssl-dev and libssl-dev, then build again)", options_.url);
   const auto credentials = S3Credentials::from_environment();
   WEFT_CHECK(credentials.has_value(),
              "backup.url = '{}' but no AWS credentials were found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "

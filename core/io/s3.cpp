@@ -9,8 +9,11 @@
 #include <map>
 #include <mutex>
 
+#include "core/io/s3_build.h"
+#if WEFT_WITH_S3
 #include <curl/curl.h>
 #include <openssl/evp.h>
+#endif
 
 namespace weft {
 
@@ -74,10 +77,12 @@ std::string xml_value(const std::string& xml, const std::string& tag) {
   return values.empty() ? "" : values.front();
 }
 
+#if WEFT_WITH_S3
 void global_init() {
   static std::once_flag once;
   std::call_once(once, [] { curl_global_init(CURL_GLOBAL_DEFAULT); });
 }
+#endif
 
 }  // namespace
 
@@ -138,6 +143,8 @@ bool S3Error::transient() const {
   return http_status == 0 || http_status >= 500 || http_status == 408 || http_status == 429 ||
          code == "RequestTimeout" || code == "SlowDown" || code == "InternalError" || code == "ServiceUnavailable";
 }
+
+#if WEFT_WITH_S3
 
 struct S3Client::Request {
   const char* method = "GET";
@@ -513,5 +520,40 @@ std::string sha256_file_hex(const std::string& path, int64_t offset, int64_t len
   WEFT_CHECK(length < 0 || done == length, "{}: expected {} bytes from offset {}, read {}", path, length, offset, done);
   return digest.hex();
 }
+
+#else  // !WEFT_WITH_S3: the client's functions exist, and refuse by name
+
+namespace {
+[[noreturn]] void no_s3() {
+  fail("this build of weft has no S3 client (it needs libcurl >= 7.87 and OpenSSL at build time: install "
+       "libcurl4-openssl-dev and libssl-dev, then build again)");
+}
+}  // namespace
+
+struct S3Client::Request {};
+S3Client::S3Client(S3Options options, std::string bucket) : options_(std::move(options)), bucket_(std::move(bucket)) { no_s3(); }
+S3Client::~S3Client() = default;
+S3Client::Response S3Client::perform(Request&) { no_s3(); }
+std::string S3Client::url(const std::string&, const std::string&) const { no_s3(); }
+bool S3Client::bucket_exists() { no_s3(); }
+void S3Client::put_object(const std::string&, const std::string&) { no_s3(); }
+void S3Client::put_file(const std::string&, const std::string&, int64_t, int64_t) { no_s3(); }
+std::string S3Client::create_multipart_upload(const std::string&) { no_s3(); }
+std::string S3Client::upload_part(const std::string&, const std::string&, int, const std::string&, int64_t, int64_t) { no_s3(); }
+void S3Client::complete_multipart_upload(const std::string&, const std::string&, const std::vector<std::string>&) { no_s3(); }
+void S3Client::abort_multipart_upload(const std::string&, const std::string&) { no_s3(); }
+bool S3Client::multipart_upload_exists(const std::string&, const std::string&) { no_s3(); }
+std::vector<std::pair<std::string, std::string>> S3Client::list_multipart_uploads(const std::string&) { no_s3(); }
+void S3Client::set_credentials(const S3Credentials&) { no_s3(); }
+std::vector<S3Object> S3Client::list(const std::string&) { no_s3(); }
+void S3Client::get_to_file(const std::string&, const std::string&) { no_s3(); }
+std::string S3Client::get_object(const std::string&) { no_s3(); }
+void S3Client::delete_object(const std::string&) { no_s3(); }
+std::string sha256_hex(const std::string&) { no_s3(); }
+std::string sha256_file_hex(const std::string&, int64_t, int64_t) { no_s3(); }
+
+#endif
+
+bool s3_supported() { return WEFT_WITH_S3 != 0; }
 
 }  // namespace weft

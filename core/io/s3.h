@@ -18,6 +18,10 @@
 
 namespace weft {
 
+// Whether this build has the client (libcurl >= 7.87 and OpenSSL at build time). Without it every
+// S3Client constructor throws weft::Error saying what the build lacks.
+bool s3_supported();
+
 // "s3://bucket/prefix/..." split into the bucket and the key prefix ("" or ending in '/').
 // Throws weft::Error naming `key` when `url` is not of that form.
 struct S3Url {

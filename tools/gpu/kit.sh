@@ -12,6 +12,7 @@
 #                              tools/gpu/kit.sh quick        the CUDA kernels and single on CUDA only
 #                              tools/gpu/kit.sh zero         ZeRO-3 of the 1B shape on CUDA, 2 ranks
 #                              tools/gpu/kit.sh quantized    LoRA over int8 / nf4 bases on CUDA
+#                              tools/gpu/kit.sh adalora      AdaLoRA on CUDA: conformance, the 1B shape
 #
 # Each step appends to $KIT_OUT/gpu-kit.md (default: $OUT where the device tool sets it, else
 # build-gpu/kit) and goes on after a failure; the exit status is the number of failed checks.
@@ -207,6 +208,30 @@ quantized_step() {
   done
 }
 
+# AdaLoRA on CUDA: the conformance check against the CPU reference (single, and ddp's 2 ranks
+# sharing the GPU), then the 1B shape in bf16 (rank allocator, orthogonal regulariser on the device).
+adalora_step() {
+  mkdir -p "$out"
+  say "## adalora ($(date -u +%FT%TZ))"
+  local t=$build/trainer
+  run check_single_cuda_adalora 300 "$t" check --plugin single --set train.device=cuda --set train.mode=adalora
+  run check_single_cuda_adalora_nf4 300 "$t" check --plugin single --set train.device=cuda --set train.mode=adalora \
+      --set model.quantize=nf4
+  local gpus share=0
+  gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+  [[ "$gpus" -lt 2 ]] && share=1
+  WEFT_SHARE_GPUS=$share run check_ddp_cuda_adalora 300 "$t" check --plugin ddp --nproc 2 --set train.device=cuda \
+      --set train.mode=adalora
+  if run adalora_1b_cuda 300 "$t" --config configs/base.toml --set model.preset=llama-3.2-1b \
+      --set train.device=cuda --set train.precision=bf16 --set data.seq_len=512 --set train.batch_size=4 \
+      --set train.mode=adalora --set adalora.init_r=12 --set adalora.target_r=8 --set adalora.tinit=3 \
+      --set adalora.tfinal=3 --set 'lora.target_modules=["q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj"]' \
+      --set train.max_steps=15 --set eval.max_batches=2 --set checkpoint.save_final=false --set checkpoint.keep_best=false \
+      --set train.out_dir="$out/adalora1b" --set train.overwrite=true --set log.progress=lines --log-level info; then
+    say "  AdaLoRA on the 1B shape: $(summary_of "$out/adalora1b/metrics.jsonl"), $(grep -o 'AdaLoRA: [0-9]* of [0-9]* triplets kept (target [0-9]*)' "$out/adalora_1b_cuda.log" | head -1)"
+  fi
+}
+
 case "${1:-}" in
   fetch) fetch ;;
   build) build_step ;;
@@ -215,6 +240,7 @@ case "${1:-}" in
   quick) quick_step ;;
   zero) zero_step ;;
   quantized) quantized_step ;;
-  *) echo "usage: tools/gpu/kit.sh fetch|build|check|quick|throughput|zero|quantized (see the top of this file)" >&2; exit 2 ;;
+  adalora) adalora_step ;;
+  *) echo "usage: tools/gpu/kit.sh fetch|build|check|quick|throughput|zero|quantized|adalora (see the top of this file)" >&2; exit 2 ;;
 esac
 exit "$failed"

@@ -14,6 +14,8 @@ client:
                 checkpoint from the bucket (the newest one's manifest is deleted first, as if its
                 upload had not finished) and continues bit for bit: the same losses at every later
                 step and the same final model and optimizer bytes as the uninterrupted run
+  sharded       the same under tensor_parallel with 2 ranks (every rank's pieces in shards/; rank 0
+                downloads on the new machine while rank 1 waits)
   killed        the server killed (SIGKILL) in the middle of a multipart upload (small preset,
                 5 MiB parts, the upload rate capped so the kill lands mid-file) and started again
                 empty: the uploader retries, starts the forgotten upload again, sends the files the
@@ -197,32 +199,32 @@ def scenario_signed(trainer, work):
         moto.kill()
 
 
-def scenario_resume(trainer, work):
+def scenario_resume(trainer, work, plugin=(), tag="resume"):
     moto = Moto(work)
     try:
         s3 = moto.s3()
         s3.create_bucket(Bucket="ckpt")
         sets = ["train.max_steps=8", "checkpoint.every_steps=2", "checkpoint.keep_last=8",
-                "backup.url=s3://ckpt/resume", f"backup.endpoint={moto.endpoint}", "backup.keep_last=8"]
-        first = os.path.join(work, "resume-first")
-        code, text = run(trainer_args(trainer, first, *sets), moto.env())
+                f"backup.url=s3://ckpt/{tag}", f"backup.endpoint={moto.endpoint}", "backup.keep_last=8"]
+        first = os.path.join(work, f"{tag}-first")
+        code, text = run(trainer_args(trainer, first, *sets) + list(plugin), moto.env())
         check(code == 0, f"the uninterrupted run finished (exit {code})")
         # The newest checkpoint's upload "did not finish": its manifest is gone, its files are there.
-        s3.delete_object(Bucket="ckpt", Key="resume/step-00000008/manifest.json")
+        s3.delete_object(Bucket="ckpt", Key=f"{tag}/step-00000008/manifest.json")
         # The newest complete one left (a checkpoint queued when the next came was superseded, so
         # which ones were sent varies).
-        complete = sorted(n for n, files in bucket_checkpoints(s3, "ckpt", "resume/").items() if "manifest.json" in files)
+        complete = sorted(n for n, files in bucket_checkpoints(s3, "ckpt", f"{tag}/").items() if "manifest.json" in files)
         check(bool(complete), f"the bucket holds complete checkpoints before step 8: {complete}")
         newest = complete[-1] if complete else "step-00000000"
         at = int(newest.split("-")[1])
-        second = os.path.join(work, "resume-second")
+        second = os.path.join(work, f"{tag}-second")
         # The new machine has its keys in a shared credentials file, under a named profile.
         credentials = os.path.join(work, "credentials")
         with open(credentials, "w") as f:
             f.write("[default]\naws_access_key_id = wrong\naws_secret_access_key = wrong\n\n[weft]\n"
                     f"aws_access_key_id = {moto.keys['aws_access_key_id']}\n"
                     f"aws_secret_access_key = {moto.keys['aws_secret_access_key']}\n")
-        code, text = run(trainer_args(trainer, second, *sets, "checkpoint.resume=auto"),
+        code, text = run(trainer_args(trainer, second, *sets, "checkpoint.resume=auto") + list(plugin),
                          {"AWS_SHARED_CREDENTIALS_FILE": credentials, "AWS_PROFILE": "weft"})
         check(code == 0, f"the run on a fresh out_dir finished (exit {code})")
         check(f"credentials from {credentials} [weft]" in text, "it took the keys from the credentials file's profile")
@@ -232,12 +234,20 @@ def scenario_resume(trainer, work):
         later = [s for s in a if s > at]
         check(later and all(a[s] == b.get(s) for s in later) and min(b) == at + 1,
               f"steps {later} have the uninterrupted run's losses, bit for bit")
-        for f in ("model.safetensors", "optimizer.safetensors"):
-            check(sha256(f"{first}/checkpoints/step-00000008/{f}") == sha256(f"{second}/checkpoints/step-00000008/{f}"),
-                  f"step 8's {f} equals the uninterrupted run's, byte for byte")
-        check_against(s3, "ckpt", "resume/", "step-00000008", f"{second}/checkpoints/step-00000008")
+        step8 = "checkpoints/step-00000008"
+        files = sorted(os.path.relpath(os.path.join(d, f), f"{first}/{step8}") for d, _, fs in os.walk(f"{first}/{step8}")
+                       for f in fs if f.endswith(".safetensors"))
+        check(files and all(sha256(f"{first}/{step8}/{f}") == sha256(f"{second}/{step8}/{f}") for f in files),
+              f"step 8's {files} equal the uninterrupted run's, byte for byte")
+        check_against(s3, "ckpt", f"{tag}/", "step-00000008", f"{second}/{step8}")
     finally:
         moto.kill()
+
+
+def scenario_sharded(trainer, work):
+    """The same with tensor_parallel's 2 ranks: each rank's pieces (shards/) go up, and on the new
+    machine rank 0 downloads while rank 1 waits, then both resume."""
+    scenario_resume(trainer, work, ("--plugin", "tensor_parallel", "--nproc", "2"), "sharded")
 
 
 def scenario_killed(trainer, work):
@@ -318,7 +328,7 @@ def scenario_no_keys(trainer, work):
     check(not os.path.exists(os.path.join(out, "metrics.jsonl")), "before any step ran")
 
 
-SCENARIOS = {"signed": scenario_signed, "resume": scenario_resume, "killed": scenario_killed,
+SCENARIOS = {"signed": scenario_signed, "resume": scenario_resume, "sharded": scenario_sharded, "killed": scenario_killed,
              "no-bucket": scenario_no_bucket, "no-keys": scenario_no_keys}
 
 

@@ -1,9 +1,11 @@
 // The host's process groups: the TCPStore rendezvous with and without libuv, the Gloo world, and
 // the NCCL backend's presence in the build and its refusals.
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <future>
+#include <mutex>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -131,6 +133,11 @@ TEST(ProcessGroups, EachOperationRoutesByItsTensorsDevice) {
 template <typename Body>
 void on_ranks(int world, Body body, std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
   const int port = free_local_port();
+  // Every rank's communicator lives until every body has returned: rank 0's hosts the store, and
+  // a rank still checking it after rank 0 left got "Connection reset by peer" (CI, under load).
+  std::mutex mutex;
+  std::condition_variable all_done;
+  int finished = 0;
   auto join = [&](int rank) {
     DistributedEnv e;
     e.source = "torchrun";
@@ -139,7 +146,18 @@ void on_ranks(int world, Body body, std::chrono::milliseconds timeout = std::chr
     e.master_addr = "127.0.0.1";
     e.master_port = port;
     auto communicator = join_world(e, timeout);
-    body(*communicator);
+    try {
+      body(*communicator);
+    } catch (...) {
+      std::lock_guard lock(mutex);
+      ++finished;
+      all_done.notify_all();
+      throw;
+    }
+    std::unique_lock lock(mutex);
+    ++finished;
+    all_done.notify_all();
+    all_done.wait(lock, [&] { return finished == world; });
   };
   std::vector<std::future<void>> others;
   for (int r = 1; r < world; ++r) others.push_back(std::async(std::launch::async, join, r));

@@ -69,7 +69,7 @@ class CheckpointBackup {
   // is left in `checkpoints_dir` then).
   std::optional<std::string> restore_latest(const std::string& checkpoints_dir);
 
-  int64_t uploaded() const { return uploaded_; }
+  // Checkpoints of this run whose backup failed (drain() first for the final count).
   int64_t failed() const { return failed_; }
 
  private:

@@ -72,8 +72,6 @@ class S3Client {
   S3Client(const S3Client&) = delete;
   S3Client& operator=(const S3Client&) = delete;
 
-  const std::string& bucket() const { return bucket_; }
-  const std::string& region() const { return region_; }
 
   // Whether the bucket exists and these credentials reach it (HEAD bucket: false on 404; throws
   // S3Error on anything else that is not a 2xx).

@@ -415,7 +415,16 @@ void Communicator::wait(Operation& operation) {
     end_flight(operation, timed_out ? "timed out" : "failed");
     const std::string record = dump_flight_records();
     const std::string record_note = record.empty() ? "" : fmt::format(" (this rank's last operations: {})", record);
-    if (!timed_out) throw CommError(fmt::format("{} failed: {}{}", where, first_line, record_note), false);
+    if (!timed_out) {
+      // A member that timed out closes its connections, so the others' collective fails instead of
+      // timing out; the ranks that never joined are still the cause worth naming.
+      std::string absent;
+      if (operation.sequence > 0) {
+        const std::string who = who_did_not_arrive(operation);
+        if (who.find("did not join") != std::string::npos) absent = " (" + who + ")";
+      }
+      throw CommError(fmt::format("{} failed: {}{}{}", where, first_line, absent, record_note), false);
+    }
     std::string who;
     if (operation.sequence > 0) {
       mark_reached(operation);

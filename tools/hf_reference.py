@@ -21,7 +21,10 @@ norm weights:
      (the same masks) after every step and ends with the same pattern; weft loads the saved
      adapter and its logits equal PEFT's;
   6. weft writes AdaLoRA adapters (random P, Lambda, Q; a rank pattern pruning one layer to rank 0)
-     and PEFT loads them: PEFT's logits equal weft's.
+     and PEFT loads them: PEFT's logits equal weft's;
+  7. LlamaForSequenceClassification (3 classes, and a 1-output regression head) on right-padded
+     rows of different lengths: weft's head outputs at each row's last token equal transformers'
+     pooled logits, and transformers loads weft's save of the classifier to the same logits.
 Equal means the largest difference is at most 1e-5 of the largest logit (fp32, different
 summation orders). Exit status 0 when every comparison holds, 1 otherwise."""
 import json
@@ -184,6 +187,45 @@ def main():
         if (weft_logits - reference).abs().max().item() < 1e-3:
             print(f"FAIL {name}: weft's random AdaLoRA adapter changes nothing; the comparison above means nothing")
             failures += 1
+
+        # 7: sequence classification (LlamaForSequenceClassification: score.weight, no bias, pooled
+        # at each row's last non-pad token) on right-padded rows of different lengths, 3 classes and
+        # a regression head: weft's head outputs at each row's last token equal transformers'
+        # pooled logits, and transformers loads weft's save of the classifier.
+        for labels in (3, 1):
+            torch.manual_seed(labels)
+            pad = 255  # never drawn below
+            id2label = {i: f"class{i}" for i in range(labels)} if labels > 1 else {0: "score"}
+            cls_config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                     num_attention_heads=4, max_position_embeddings=128, rms_norm_eps=1e-5,
+                                     pad_token_id=pad, num_labels=labels, id2label=id2label,
+                                     label2id={v: k for k, v in id2label.items()}, **shape)
+            classifier = transformers.LlamaForSequenceClassification(cls_config).eval()
+            with torch.no_grad():
+                for n, p in classifier.named_parameters():
+                    if n.endswith("norm.weight"):
+                        p.copy_(1 + 0.3 * torch.randn_like(p))
+            cls_dir = os.path.join(work, name, f"hf-classifier-{labels}")
+            classifier.save_pretrained(cls_dir)
+            lengths = [40, 23, 7, 1]
+            rows = torch.full((len(lengths), 40), pad, dtype=torch.int64)
+            for r, n in enumerate(lengths):
+                rows[r, :n] = torch.randint(0, 250, (n,))
+            tokens_file = os.path.join(work, "tokens.safetensors")
+            save_file({"tokens": rows}, tokens_file)
+            with torch.no_grad():
+                pooled = classifier(rows).logits.float()
+            cls_saved = os.path.join(work, name, f"weft-classifier-{labels}")
+            weft_all = weft(cls_dir, "--save-pretrained", cls_saved)
+            weft_pooled = torch.stack([weft_all[r, n - 1] for r, n in enumerate(lengths)])
+            kind = f"{labels} classes" if labels > 1 else "regression"
+            compare(f"{name}: weft's classification head ({kind}) at each row's last token", weft_pooled, pooled)
+            reloaded = transformers.LlamaForSequenceClassification.from_pretrained(cls_saved).eval()
+            ok = reloaded.config.num_labels == labels and reloaded.config.id2label == id2label
+            failures += not ok
+            print(f"{'PASS' if ok else 'FAIL'} {name}: weft's classifier config.json keeps num_labels {labels} and id2label")
+            with torch.no_grad():
+                compare(f"{name}: transformers loads weft's classifier ({kind})", reloaded(rows).logits.float(), pooled)
     print("all comparisons hold" if failures == 0 else f"{failures} comparison(s) failed")
     return 1 if failures else 0
 

@@ -64,6 +64,10 @@ if [[ ! -x "$WEFT_VENV/bin/python" || "$(cat "$stamp" 2>/dev/null)" != "$want" ]
 fi
 
 tools/fetch_austen.sh data/austen
+# The bundled classification tasks (configs/austen-novel.toml, configs/fortunes-topic.toml): passages
+# of the same novels, and Debian's fortunes packages (apt-get download; nothing installed).
+/usr/bin/python3 tools/classification_data.py austen-novel
+/usr/bin/python3 tools/classification_data.py fortunes
 
 cmake_args=(-DCMAKE_BUILD_TYPE=Release -DWEFT_PYTHON="$WEFT_VENV/bin/python")
 case "$WEFT_LIBTORCH" in

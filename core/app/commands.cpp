@@ -20,6 +20,7 @@
 #include "core/job/generate.h"
 #include "core/job/job.h"
 #include "core/plugin/library.h"
+#include "core/train/classification_eval.h"
 #include "core/train/conformance.h"
 #include "core/train/trainer.h"
 #include "core/util/error.h"
@@ -42,7 +43,10 @@ void print_summary(const TrainResult& r) {
                  format_duration(total / r.epoch_seconds.size()));
   }
   spdlog::info("steps: {}, throughput: {:.0f} tokens/s", r.steps, r.tokens_per_second);
-  if (r.final_eval) {
+  if (r.final_eval && !r.final_eval->metrics.empty()) {
+    spdlog::info("held-out loss {:.4f}, {} (best loss {:.4f})", r.final_eval->loss,
+                 describe_task_metrics(*r.final_eval), r.best_eval_loss);
+  } else if (r.final_eval) {
     spdlog::info("held-out loss {:.4f}, perplexity {:.2f} (best loss {:.4f})", r.final_eval->loss,
                  r.final_eval->perplexity, r.best_eval_loss);
   }
@@ -157,13 +161,23 @@ int run_eval(const CommandLine& cli) {
   eval.batch_size = options.eval_batch_size > 0 ? options.eval_batch_size : options.batch_size;
   eval.max_batches = cli.data.empty() ? options.eval_max_batches : 0;
   eval.per_sequence = !cli.json.empty();
-  const EvalResult result = evaluate(job, sequences, eval);
+  EvalResult result = evaluate(job, sequences, eval);
+  const ClassificationData* classes = job.classification();
+  if (classes) add_task_metrics(result, *classes, *sequences);
   if (run.context.rank != 0) return 0;
-  std::cout << fmt::format("{}: {} sequences, {} tokens, loss {:.6f}, perplexity {:.4f}\n",
-                           cli.data.empty() ? "held-out" : "data", result.sequences, result.tokens, result.loss,
-                           result.perplexity);
+  if (classes) {  // a classifier: its task's metrics, beside always predicting the majority class
+    std::cout << fmt::format("{}: {} examples, loss {:.6f}, {}\n", cli.data.empty() ? "held-out" : "data",
+                             result.sequences, result.loss, describe_task_metrics(result));
+    if (const std::string baseline = describe_majority_baseline(*classes, *sequences); !baseline.empty()) {
+      std::cout << fmt::format("majority-class baseline: {}\n", baseline);
+    }
+  } else {
+    std::cout << fmt::format("{}: {} sequences, {} tokens, loss {:.6f}, perplexity {:.4f}\n",
+                             cli.data.empty() ? "held-out" : "data", result.sequences, result.tokens, result.loss,
+                             result.perplexity);
+  }
   if (!cli.json.empty()) {
-    const nlohmann::json json = {{"data", cli.data.empty() ? nlohmann::json("held-out") : nlohmann::json(cli.data)},
+    nlohmann::json json = {{"data", cli.data.empty() ? nlohmann::json("held-out") : nlohmann::json(cli.data)},
                                  {"sequences", result.sequences},
                                  {"seq_len", sequences->seq_len()},
                                  {"tokens", result.tokens},
@@ -173,6 +187,7 @@ int run_eval(const CommandLine& cli) {
                                  {"plugin", job.strategy().library().name()},
                                  {"processes", run.context.world},
                                  {"sequence_losses", result.sequence_losses}};
+    for (const auto& [name, value] : result.metrics) json[name] = value;
     write_file_atomically(cli.json, json.dump(2) + "\n");
     spdlog::info("wrote {}", cli.json);
   }
@@ -239,6 +254,11 @@ int run_check(const CommandLine& cli) {
       settings += ", " + setting;
       continue;
     }
+    if (setting == "train.task=causal_lm" || setting == "train.task=classification") {
+      options.task = setting.substr(std::string("train.task=").size());
+      settings += ", " + setting;
+      continue;
+    }
     if (setting == "train.device=cpu" || setting == "train.device=cuda" || setting == "train.device=auto") {
       options.device = setting.substr(std::string("train.device=").size());
       settings += ", " + setting;
@@ -246,7 +266,8 @@ int run_check(const CommandLine& cli) {
     }
     if (setting.rfind("plugin.", 0) != 0) {
       throw Error(fmt::format("trainer check takes only --set plugin.KEY=VALUE (the plugin's settings), --set "
-                              "train.mode=full|lora, --set train.precision=fp32|bf16|fp16, --set model.quantize=none|int8|nf4 and "
+                              "train.mode=full|lora|adalora, --set train.precision=fp32|bf16|fp16, --set model.quantize=none|int8|nf4, "
+                              "--set train.task=causal_lm|classification and "
                               "--set train.device=cpu|cuda|auto, got '{}'",
                               setting));
     }

@@ -82,7 +82,45 @@ PackedSequences::PackedSequences(std::string name, std::vector<uint32_t> tokens,
   n_sequences_ = (n_tokens() - 1) / seq_len;
 }
 
+PackedSequences PackedSequences::examples(std::string name, const std::vector<std::vector<uint32_t>>& examples,
+                                          std::vector<int64_t> targets, int64_t seq_len, uint32_t pad) {
+  WEFT_CHECK(seq_len > 0, "seq_len must be positive, got {}", seq_len);
+  WEFT_CHECK(examples.size() == targets.size(), "{} split: {} examples but {} targets", name, examples.size(),
+             targets.size());
+  WEFT_CHECK(!examples.empty(), "{} split has no examples", name);
+  PackedSequences s;
+  s.name_ = std::move(name);
+  s.seq_len_ = seq_len;
+  s.pad_ = pad;
+  s.offsets_.reserve(examples.size() + 1);
+  s.offsets_.push_back(0);
+  for (size_t i = 0; i < examples.size(); ++i) {
+    const auto n = static_cast<int64_t>(examples[i].size());
+    WEFT_CHECK(n >= 1 && n <= seq_len, "{} split: example {} has {} tokens (1 to seq_len = {} allowed)", s.name_, i, n,
+               seq_len);
+    s.tokens_.insert(s.tokens_.end(), examples[i].begin(), examples[i].end());
+    s.offsets_.push_back(static_cast<int64_t>(s.tokens_.size()));
+  }
+  s.targets_ = std::move(targets);
+  s.n_documents_ = s.n_sequences_ = static_cast<int64_t>(examples.size());
+  return s;
+}
+
+int64_t PackedSequences::length(int64_t i) const {
+  WEFT_CHECK(labeled(), "{} split: not labeled examples", name_);
+  return offsets_.at(static_cast<size_t>(i) + 1) - offsets_.at(static_cast<size_t>(i));
+}
+
 void PackedSequences::copy_sequence(int64_t i, int64_t* inputs, int64_t* targets) const {
+  if (labeled()) {
+    const int64_t begin = offsets_[static_cast<size_t>(i)], n = length(i);
+    for (int64_t t = 0; t < seq_len_; ++t) {
+      inputs[t] = t < n ? tokens_[static_cast<size_t>(begin + t)] : pad_;
+      targets[t] = kUnlabeledTarget;
+    }
+    targets[n - 1] = targets_[static_cast<size_t>(i)];
+    return;
+  }
   const uint32_t* window = tokens_.data() + i * seq_len_;
   for (int64_t t = 0; t < seq_len_; ++t) {
     inputs[t] = window[t];

@@ -72,16 +72,37 @@ class PackedSequences {
   int64_t n_sequences() const { return n_sequences_; }
   const std::vector<uint32_t>& tokens() const { return tokens_; }
 
+  // Labeled examples (sequence classification): sequence i is example i's tokens (1 to seq_len of
+  // them), padded to seq_len with `pad`; its targets are kUnlabeledTarget everywhere but at the
+  // example's last token, which holds targets[i] (a class id, or a regression score's double
+  // bits). Throws weft::Error when the counts differ, an example is empty or longer than seq_len.
+  static PackedSequences examples(std::string name, const std::vector<std::vector<uint32_t>>& examples,
+                                  std::vector<int64_t> targets, int64_t seq_len, uint32_t pad);
+  bool labeled() const { return !offsets_.empty(); }
+  // Labeled: example i's target and its token count.
+  int64_t target(int64_t i) const { return targets_.at(static_cast<size_t>(i)); }
+  int64_t length(int64_t i) const;
+
   // Writes sequence i's L inputs and L targets. Precondition: 0 <= i < n_sequences().
   void copy_sequence(int64_t i, int64_t* inputs, int64_t* targets) const;
 
  private:
+  PackedSequences() = default;
+
   std::string name_;
   std::vector<uint32_t> tokens_;
-  int64_t seq_len_;
-  int64_t n_documents_;
-  int64_t n_sequences_;
+  int64_t seq_len_ = 0;
+  int64_t n_documents_ = 0;
+  int64_t n_sequences_ = 0;
+  // Labeled examples: example i is tokens_[offsets_[i], offsets_[i + 1]).
+  std::vector<int64_t> offsets_;
+  std::vector<int64_t> targets_;
+  uint32_t pad_ = 0;
 };
+
+// The target of a position that carries no label in a classification batch (the model's
+// kIgnoreTarget, and PyTorch's cross_entropy ignore_index default).
+constexpr int64_t kUnlabeledTarget = -100;
 
 // Concatenates `documents` of `corpus` (in the given order) and packs them; throws like the
 // PackedSequences constructor.

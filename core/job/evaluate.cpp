@@ -22,7 +22,9 @@ EvalResult evaluate(Job& job, const std::shared_ptr<const PackedSequences>& sequ
   int64_t batches = loader.num_batches();
   if (options.max_batches > 0) batches = std::min(batches, options.max_batches);
   auto& strategy = job.strategy();
-  if (options.per_sequence) strategy.record_sequence_losses(sequences->n_sequences());
+  const int64_t outputs = job.model().config().num_labels;  // > 0: a classifier, whose outputs are the result
+  const bool record = options.per_sequence || outputs > 0;
+  if (record) strategy.record_sequence_losses(sequences->n_sequences(), outputs);
   job.model().eval();
   double loss_sum = 0.0;
   int64_t tokens = 0;
@@ -45,7 +47,7 @@ EvalResult evaluate(Job& job, const std::shared_ptr<const PackedSequences>& sequ
   result.sequences = std::min(sequences->n_sequences(), batches * options.batch_size);
   result.loss = tokens > 0 ? loss_sum / static_cast<double>(tokens) : 0.0;
   result.perplexity = std::exp(result.loss);
-  if (options.per_sequence) {
+  if (record) {
     // Each rank holds the sums of the sequences it computed a loss for (several ranks may hold the
     // same ones: tensor-parallel ranks, or none: pipeline stages before the last); summed over the
     // world, each divided by the number of ranks that computed it (a rank that holds 1/N of every
@@ -56,11 +58,17 @@ EvalResult evaluate(Job& job, const std::shared_ptr<const PackedSequences>& sequ
     job.communicator().wait(add);
     auto count = job.communicator().all_reduce(world, counts, c10d::ReduceOp::SUM);
     job.communicator().wait(count);
-    const double per_sequence_tokens = static_cast<double>(sequences->seq_len());
+    const double per_sequence_tokens = sequences->labeled() ? 1.0 : static_cast<double>(sequences->seq_len());
     for (int64_t s = 0; s < result.sequences; ++s) {
       const double n = counts[s].item<double>();
       WEFT_CHECK(n > 0, "evaluation: no rank computed the loss of sequence {}", s);
-      result.sequence_losses.push_back(sums[s].item<double>() / n / per_sequence_tokens);
+      if (options.per_sequence) result.sequence_losses.push_back(sums[s].item<double>() / n / per_sequence_tokens);
+    }
+    if (outputs > 0) {
+      auto summed = strategy.take_sequence_outputs();
+      auto reduce = job.communicator().all_reduce(world, summed, c10d::ReduceOp::SUM);
+      job.communicator().wait(reduce);
+      result.outputs = summed.narrow(0, 0, result.sequences) / counts.narrow(0, 0, result.sequences).unsqueeze(1);
     }
   }
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

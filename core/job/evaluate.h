@@ -7,6 +7,8 @@
 #include <memory>
 #include <vector>
 
+#include <torch/types.h>
+
 #include "core/data/dataset.h"
 
 namespace weft {
@@ -21,6 +23,17 @@ struct EvalResult {
   double seconds = 0;
   // With per_sequence: every sequence's mean loss, in the order of `sequences` (rank 0 only).
   std::vector<double> sequence_losses;
+  // A classification model: every evaluated sequence's head outputs [sequences, num_labels]
+  // (float64, the logits at its pooled position; on every rank). `loss` is then the mean over
+  // sequences and `tokens` counts sequences.
+  at::Tensor outputs;
+  // The task's metrics (train.task = "classification", core/train/classification_eval.h), by
+  // name in the order GLUE reports them, and the confusion matrix (row = true class, column =
+  // predicted; classes x classes, row-major; empty for regression). A further held-out set's
+  // (MNLI's mismatched) come prefixed with its name: "mismatched_accuracy".
+  std::vector<std::pair<std::string, double>> metrics;
+  std::vector<int64_t> confusion;
+  std::vector<std::string> classes;
 };
 
 struct EvalOptions {

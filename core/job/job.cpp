@@ -80,8 +80,30 @@ Job::Job(TrainOptions options, RunContext context, Data data) : options_(std::mo
     Tracer::instance().enable(Tracer::rank_path(options_.trace_file, context_.rank, context_.world), context_.rank);
   }
   plan_only_ = data == Data::kPlanOnly;
+  const bool classify = options_.task == "classification";
+  WEFT_CHECK(classify || (options_.data.format != "glue" && options_.classification.glue_task.empty()),
+             "data.format = \"glue\" and data.glue_task are for train.task = \"classification\"");
+  WEFT_CHECK(!classify || (options_.data.format == "glue") == !options_.classification.glue_task.empty(),
+             "train.task = \"classification\": data.format = \"glue\" needs data.glue_task, and data.glue_task "
+             "needs data.format = \"glue\"");
+  WEFT_CHECK(!classify || options_.classification.glue_task.empty() || !options_.classification.regression,
+             "data.regression is for JSONL data; a GLUE task says itself whether it is a regression (stsb)");
+  if (classify && data != Data::kNone) {  // the classes size the model's head
+    classification_ = prepare_classification(options_.data, options_.classification, *tokenizer_);
+    const auto& c = *classification_;
+    spdlog::info("classification data{}: {} train and {} held-out examples{}, {} ({} examples cut to seq_len {}) in "
+                 "{:.2f}s",
+                 c.glue_task.empty() ? "" : " (GLUE " + c.glue_task + ")", c.splits.summary.train_sequences,
+                 c.splits.summary.heldout_sequences,
+                 c.extra_heldout.empty() ? "" : fmt::format(" (+ {} {})", c.extra_heldout.front().second->n_sequences(),
+                                                            c.extra_heldout.front().first),
+                 c.regression ? "regression" : fmt::format("{} classes", c.labels.size()), c.truncated,
+                 options_.data.seq_len, c.splits.summary.seconds);
+  }
   build_model();
-  if (data == Data::kSplits) {
+  if (classification_) {
+    data_ = classification_->splits;
+  } else if (data == Data::kSplits) {
     data_ = prepare_dataset(options_.data, *tokenizer_);
     spdlog::info("{}", data_.summary.describe());
   }
@@ -109,13 +131,31 @@ void Job::join() {
 }
 
 void Job::build_model() {
-  const ModelConfig config = resolve_model_config(options_, *tokenizer_);
+  ModelConfig config = resolve_model_config(options_, *tokenizer_);
+  if (classification_) {  // the head's classes: the data's, which a saved classifier must have too
+    const auto& c = *classification_;
+    const int64_t labels = c.regression ? 1 : static_cast<int64_t>(c.labels.size());
+    WEFT_CHECK(!config.classification() || (config.num_labels == labels && (c.regression || config.labels == c.labels)),
+               "the model's config.json classifies into {} labels ({}) but the data has {} ({})", config.num_labels,
+               fmt::join(config.labels, ", "), labels, c.regression ? "a regression score" : fmt::format("{}", fmt::join(c.labels, ", ")));
+    config.num_labels = labels;
+    config.labels = c.regression ? std::vector<std::string>{"score"} : c.labels;
+    config.pad_token_id = static_cast<int64_t>(c.pad);
+  } else {
+    WEFT_CHECK(!config.classification() || plan_only_ || options_.task == "classification",
+               "the model is a sequence classifier (its config.json has {} labels): set train.task = \"classification\"",
+               config.num_labels);
+  }
   ModelOptions model_options;
   model_options.compute_dtype = compute_dtype(options_.precision);
   model_options.activation_checkpointing = options_.model.activation_checkpointing;
   model_options.quantize = parse_quant_format(options_.model.quantize);
   placement_ = strategy_->place(config, model_options.compute_dtype, options_.data.seq_len, options_.batch_size);
   model_options.stages = placement_.stages;
+  WEFT_CHECK(!config.classification() || placement_.sequence_parallel_size == 1,
+             "train.task = \"classification\" pools each sequence at its last token, which one rank holds when "
+             "plugin {} splits sequences over {} ranks: not supported (use ddp, tensor_parallel or a pipeline)",
+             strategy_->library().name(), placement_.sequence_parallel_size);
   model_options.shards = strategy_->shards(config, placement_.stages);
   if (!options_.model.adapter.empty() && adapter_peft_type(options_.model.adapter) == "ADALORA") {
     const AdaLoraConfig adalora = read_adalora_adapter_config(options_.model.adapter);
@@ -148,7 +188,7 @@ void Job::build_model() {
     model_->to(device_);
   } else {  // every base weight is in the file (load_weights refuses it otherwise)
     model_->to(device_);
-    load_weights(*model_, options_.model.weights);
+    load_weights(*model_, options_.model.weights, options_.seed, options_.model.init_std);
   }
   if (lora_) {
     const int64_t adapted = apply_lora(*model_, *lora_, options_.seed);

@@ -13,6 +13,7 @@
 
 #include <torch/types.h>
 
+#include "core/data/classification.h"
 #include "core/data/dataset.h"
 #include "core/data/tokenizer.h"
 #include "core/dist/process_groups.h"
@@ -82,6 +83,9 @@ class Job {
   QuantFormat quantize() const { return quantize_; }
   // Data::kSplits: the splits (held-out null when data.heldout_fraction = 0).
   const DatasetSplits& data() const { return data_; }
+  // train.task = "classification" (with Data::kSplits or kPlanOnly): the labeled data, its classes
+  // and its further held-out sets; null for causal language modelling.
+  const ClassificationData* classification() const { return classification_ ? &*classification_ : nullptr; }
   // The memory plan of every rank (index: rank), made before the model was built.
   const MemoryVerdict& memory() const { return memory_; }
 
@@ -104,6 +108,7 @@ class Job {
   std::optional<LoraConfig> lora_;
   QuantFormat quantize_ = QuantFormat::kNone;
   DatasetSplits data_;
+  std::optional<ClassificationData> classification_;
   ShardMap shards_;  // this rank's tensor-parallel slices (for the memory plan)
   MemoryVerdict memory_;
   bool plan_only_ = false;

@@ -109,9 +109,26 @@ const std::vector<Row>& rows() {
       // [data]
       list_key("data.path", WEFT_MEMBER(data.paths), {"data/austen/austen.jsonl"},
                "Training files or directories: text .txt, JSONL .jsonl, or tokens .u16/.u32/.bin."),
-      string_key("data.format", WEFT_MEMBER(data.format), "auto", "Input format; auto = by file extension.",
-                 {"auto", "text", "jsonl", "tokens-u16", "tokens-u32"}),
+      string_key("data.format", WEFT_MEMBER(data.format), "auto",
+                 "Input format; auto = by file extension; glue = a GLUE task's directory of TSV files as "
+                 "distributed (train.task = \"classification\", with data.glue_task).",
+                 {"auto", "text", "jsonl", "tokens-u16", "tokens-u32", "glue"}),
       string_key("data.text_field", WEFT_MEMBER(data.text_field), "text", "Field of each JSONL record that holds the text."),
+      string_key("data.glue_task", WEFT_MEMBER(classification.glue_task), "",
+                 "data.format = \"glue\": the task whose files data.path holds (train.tsv, dev.tsv; MNLI also "
+                 "dev_matched.tsv and dev_mismatched.tsv).",
+                 {"", "cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "qnli", "rte", "wnli"}),
+      string_key("data.pair_field", WEFT_MEMBER(classification.pair_field), "text_pair",
+                 "Classification from JSONL: the field holding an optional second text (a sentence pair)."),
+      string_key("data.label_field", WEFT_MEMBER(classification.label_field), "label",
+                 "Classification from JSONL: the field holding the label (a class name, an integer id, or a score "
+                 "with data.regression)."),
+      list_key("data.labels", WEFT_MEMBER(classification.labels), {},
+               "Classification from JSONL: the class names in id order; empty = 0..max for integer labels, else "
+               "the distinct labels sorted."),
+      bool_key("data.regression", WEFT_MEMBER(classification.regression), false,
+               "Classification from JSONL: the labels are scores (one output, mean squared error, Pearson and "
+               "Spearman), as GLUE's STS-B."),
       string_key("data.text_document", WEFT_MEMBER(data.text_document), "paragraph", "How plain text is cut into documents.",
                  {"file", "paragraph", "line"}),
       string_key("data.tokenizer", WEFT_MEMBER(tokenizer), "byte",
@@ -120,7 +137,7 @@ const std::vector<Row>& rows() {
       float_key("data.heldout_fraction", WEFT_MEMBER(data.heldout_fraction), 0.1, "Fraction of documents held out for evaluation.", 0,
                 0.9),
       int_key("data.split_seed", WEFT_MEMBER(data.split_seed), 1234, "Seed of the train/held-out document split."),
-      int_key("data.max_documents", WEFT_MEMBER(data.max_documents), 0, "Use at most this many documents; 0 = all.", 0),
+      int_key("data.max_documents", WEFT_MEMBER(data.max_documents), 0, "Use at most this many documents (classification: examples, drawn by data.split_seed); 0 = all.", 0),
       string_key("data.cache_dir", WEFT_MEMBER(data.cache_dir), ".cache/weft", "Directory for cached tokenized data."),
       bool_key("data.add_bos", WEFT_MEMBER(data.add_bos), true, "Prepend the BOS token to each document."),
       bool_key("data.add_eos", WEFT_MEMBER(data.add_eos), true, "Append the EOS token to each document."),
@@ -128,6 +145,11 @@ const std::vector<Row>& rows() {
       string_key("train.mode", WEFT_MEMBER(mode), "full",
                  "Train all weights (full), LoRA adapters only (lora) or AdaLoRA's adapters with their rank budget (adalora).",
                  {"full", "lora", "adalora"}),
+      string_key("train.task", WEFT_MEMBER(task), "causal_lm",
+                 "causal_lm = next-token prediction on text; classification = LlamaForSequenceClassification's head "
+                 "on labeled examples (data.format = \"glue\", or JSONL with data.label_field), with the task's "
+                 "metrics at each evaluation.",
+                 {"causal_lm", "classification"}),
       int_key("train.seed", WEFT_MEMBER(seed), 1234, "Seed for initialisation, shuffling and dropout."),
       int_key("train.epochs", WEFT_MEMBER(epochs), 1, "Passes over the training set.", 1),
       int_key("train.max_steps", WEFT_MEMBER(max_steps), 0, "Stop after this many optimizer steps; 0 = no limit.", 0),

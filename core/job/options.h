@@ -12,6 +12,7 @@
 #include <toml++/toml.h>
 
 #include "core/config/config.h"
+#include "core/data/classification.h"
 #include "core/data/dataset.h"
 #include "core/io/checkpoint_backup.h"
 #include "core/model/lora.h"
@@ -44,6 +45,8 @@ struct TrainOptions {
   ModelSource model;
   DatasetOptions data;
   std::string tokenizer;      // data.tokenizer
+  std::string task;           // train.task: causal_lm | classification
+  ClassificationOptions classification;  // data.glue_task, data.pair_field, data.label_field, data.labels, data.regression
   OptimOptions optim;
   std::string mode;           // train.mode: full | lora | adalora
   LoraConfig lora;            // lora.*: also AdaLoRA's alpha, dropout and target modules

@@ -112,10 +112,11 @@ void save_adalora_adapter(LlamaForCausalLMImpl& model, const AdaLoraConfig& conf
     if (auto it = pattern.find(name); it != pattern.end()) rank_pattern[name + ".lora_E"] = it->second;
   }
   WEFT_CHECK(!tensors.empty(), "save_adalora_adapter: the model has no AdaLoRA adapters");
+  add_classification_head(model, tensors);
   save_safetensors(dir + "/adapter_model.safetensors", tensors);
-  const nlohmann::json adapter_config = {
+  nlohmann::json adapter_config = {
       {"peft_type", "ADALORA"},
-      {"task_type", "CAUSAL_LM"},
+      {"task_type", model.score.is_empty() ? "CAUSAL_LM" : "SEQ_CLS"},
       {"base_model_name_or_path", base_model},
       {"r", config.spec.r},
       {"init_r", config.spec.r},
@@ -136,6 +137,7 @@ void save_adalora_adapter(LlamaForCausalLMImpl& model, const AdaLoraConfig& conf
       {"init_lora_weights", true},
       {"inference_mode", true},
   };
+  if (!model.score.is_empty()) adapter_config["modules_to_save"] = {"score"};
   write_file_atomically(dir + "/adapter_config.json", adapter_config.dump(2) + "\n");
 }
 

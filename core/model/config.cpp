@@ -79,7 +79,8 @@ int64_t ModelConfig::parameter_count() const {
   const int64_t mlp = 3 * hidden_size * intermediate_size;
   const int64_t block = attn + mlp + 2 * hidden_size;
   const int64_t embed = vocab_size * hidden_size;
-  return embed + (tie_word_embeddings ? 0 : embed) + num_hidden_layers * block + hidden_size;
+  const int64_t head = num_labels > 0 ? num_labels * hidden_size : (tie_word_embeddings ? 0 : embed);
+  return embed + head + num_hidden_layers * block + hidden_size;
 }
 
 ModelConfig parse_hf_config(const std::string& text, const std::string& origin) {
@@ -129,6 +130,23 @@ ModelConfig parse_hf_config(const std::string& text, const std::string& origin) 
   c.bos_token_id = token_id(j, "bos_token_id");
   c.eos_token_id = token_id(j, "eos_token_id");
   c.torch_dtype = field<std::string>(j, "torch_dtype", field<std::string>(j, "dtype", "float32", origin), origin);
+  c.pad_token_id = token_id(j, "pad_token_id");
+  // LlamaForSequenceClassification: its head's size from id2label (as PretrainedConfig's num_labels).
+  bool sequence_classification = false;
+  if (j.contains("architectures") && j.at("architectures").is_array()) {
+    for (const auto& a : j.at("architectures")) sequence_classification |= a == "LlamaForSequenceClassification";
+  }
+  if (sequence_classification) {
+    WEFT_CHECK(j.contains("id2label") && j.at("id2label").is_object() && !j.at("id2label").empty(),
+               "{}: LlamaForSequenceClassification needs id2label (its classes)", origin);
+    const json& id2label = j.at("id2label");
+    c.num_labels = static_cast<int64_t>(id2label.size());
+    for (int64_t i = 0; i < c.num_labels; ++i) {
+      const std::string key = std::to_string(i);
+      WEFT_CHECK(id2label.contains(key) && id2label.at(key).is_string(), "{}: id2label has no label for id {}", origin, i);
+      c.labels.push_back(id2label.at(key).get<std::string>());
+    }
+  }
   try {
     c.validate();
   } catch (const Error& e) {
@@ -147,7 +165,7 @@ ModelConfig load_hf_config(const std::string& path) {
 
 std::string to_hf_config_json(const ModelConfig& c) {
   json j = {
-      {"architectures", {"LlamaForCausalLM"}},
+      {"architectures", {c.classification() ? "LlamaForSequenceClassification" : "LlamaForCausalLM"}},
       {"model_type", "llama"},
       {"hidden_act", "silu"},
       {"attention_bias", false},
@@ -177,6 +195,20 @@ std::string to_hf_config_json(const ModelConfig& c) {
   }
   j["bos_token_id"] = c.bos_token_id ? json(*c.bos_token_id) : json(nullptr);
   j["eos_token_id"] = c.eos_token_id ? json(*c.eos_token_id) : json(nullptr);
+  if (c.pad_token_id) j["pad_token_id"] = *c.pad_token_id;
+  if (c.classification()) {
+    json id2label = json::object(), label2id = json::object();
+    for (int64_t i = 0; i < c.num_labels; ++i) {
+      const std::string name = i < static_cast<int64_t>(c.labels.size()) ? c.labels[static_cast<size_t>(i)]
+                                                                          : "LABEL_" + std::to_string(i);
+      id2label[std::to_string(i)] = name;
+      label2id[name] = i;
+    }
+    j["id2label"] = id2label;
+    j["label2id"] = label2id;
+    if (c.regression()) j["problem_type"] = "regression";
+    else j["problem_type"] = "single_label_classification";
+  }
   return j.dump(2) + "\n";
 }
 

@@ -44,6 +44,15 @@ struct ModelConfig {
   std::optional<int64_t> bos_token_id;
   std::optional<int64_t> eos_token_id;
   std::string torch_dtype = "float32";  // dtype recorded in config.json; training keeps fp32 masters
+  // Sequence classification (LlamaForSequenceClassification): num_labels > 0 replaces the LM head
+  // by `score` [num_labels, hidden] (no bias), applied to every position; the loss pools the
+  // position of each row's last token. num_labels = 1 is regression (mean squared error), as HF
+  // infers problem_type. labels: the class names in id order (config.json's id2label).
+  int64_t num_labels = 0;
+  std::vector<std::string> labels;
+  std::optional<int64_t> pad_token_id;
+  bool classification() const { return num_labels > 0; }
+  bool regression() const { return num_labels == 1; }
   AttentionKernel attention = AttentionKernel::kAuto;  // run-time choice, not read from or written to config.json
 
   // Throws weft::Error naming the first inconsistent field (e.g. heads not divisible by kv heads).

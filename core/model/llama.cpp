@@ -89,7 +89,7 @@ LlamaBackboneImpl::LlamaBackboneImpl(const ModelConfig& c, int64_t first, int64_
                                      const CommHook* comm, QuantFormat quantize) {
   const int64_t final_stage = c.num_hidden_layers + 1;
   const bool holds_head = first <= final_stage && final_stage < last;
-  if (first == 0 || (holds_head && c.tie_word_embeddings)) {
+  if (first == 0 || (holds_head && c.tie_word_embeddings && !c.classification())) {
     embed_tokens = register_module("embed_tokens", torch::nn::Embedding(local.vocab, c.hidden_size));
   }
   layers = register_module("layers", std::make_shared<torch::nn::Module>());
@@ -116,7 +116,9 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const ModelConfig& config, const Mode
                "sequence parallelism: rank {} of {}", options_.sequence->rank, options_.sequence->size);
     for (auto& [index, block] : model->blocks) block->self_attn->set_sequence_split(options_.sequence.get(), index);
   }
-  if (last_stage_ == num_stages() && !config_.tie_word_embeddings) {
+  if (last_stage_ == num_stages() && config_.classification()) {
+    score = register_module("score", Linear(config_.hidden_size, config_.num_labels));
+  } else if (last_stage_ == num_stages() && !config_.tie_word_embeddings) {
     lm_head = register_module("lm_head", Linear(config_.hidden_size, local_.vocab));
   }
   set_compute_dtype(options_.compute_dtype);
@@ -156,6 +158,7 @@ torch::Tensor LlamaForCausalLMImpl::run_stage(int64_t stage, const torch::Tensor
     return block->forward(input, rope_);
   }
   auto h = model->norm(input);
+  if (!score.is_empty()) return score(h);  // whole on every rank: no communication
   if (vocab_parallel()) h = comm_point(options_.comm.get(), CommPoint::kHeadInput, -1, h);
   if (!lm_head.is_empty()) return lm_head(h);
   return torch::nn::functional::linear(h.to(options_.compute_dtype),
@@ -199,12 +202,46 @@ int64_t stage_of_parameter(const std::string& name, int64_t num_layers) {
   return num_layers + 1;
 }
 
+std::pair<torch::Tensor, torch::Tensor> LlamaForCausalLMImpl::labeled_rows(const torch::Tensor& logits,
+                                                                        const torch::Tensor& targets) const {
+  WEFT_CHECK(config_.classification(), "labeled_rows: the model has no classification head");
+  WEFT_CHECK(logits.dim() == 3 && logits.size(-1) == config_.num_labels && targets.sizes() == logits.sizes().slice(0, 2),
+             "classification: logits [rows, seq, {}] and targets [rows, seq] expected", config_.num_labels);
+  const auto flat = targets.reshape({-1});
+  const auto positions = (flat != kIgnoreTarget).nonzero().reshape({-1});
+  return {logits.reshape({-1, config_.num_labels}).index_select(0, positions), flat.index_select(0, positions)};
+}
+
+namespace {
+
+// Each labeled position's loss, fp32: cross-entropy, or the squared error of a regression head.
+torch::Tensor classification_losses(const torch::Tensor& rows, const torch::Tensor& targets, bool regression) {
+  if (regression) {
+    const auto scores = targets.contiguous().view(torch::kFloat64).to(torch::kFloat32);
+    return (rows.select(1, 0).to(torch::kFloat32) - scores).pow(2);
+  }
+  return torch::nn::functional::cross_entropy(rows.to(torch::kFloat32), targets,
+                                              torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
+}
+
+}  // namespace
+
 torch::Tensor LlamaForCausalLMImpl::loss(const torch::Tensor& logits, const torch::Tensor& targets) const {
+  if (config_.classification()) {
+    auto [rows, labels] = labeled_rows(logits, targets);
+    // A rank with no labeled row (an empty evaluation share) still returns a loss joined to the graph.
+    if (rows.size(0) == 0) return logits.sum().to(torch::kFloat32) * 0.0;
+    return classification_losses(rows, labels, config_.regression()).mean();
+  }
   if (!vocab_parallel()) return cross_entropy(logits, targets);
   return vocab_parallel_cross_entropy(logits, targets, local_.vocab_start, options_.comm.get());
 }
 
 torch::Tensor LlamaForCausalLMImpl::token_losses(const torch::Tensor& logits, const torch::Tensor& targets) const {
+  if (config_.classification()) {
+    auto [rows, labels] = labeled_rows(logits, targets);
+    return classification_losses(rows, labels, config_.regression());
+  }
   if (vocab_parallel()) {
     return vocab_parallel_token_losses(logits, targets, local_.vocab_start, options_.comm.get());
   }

@@ -104,13 +104,20 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   const LocalShape& local_shape() const { return local_; }
   bool vocab_parallel() const { return local_.vocab != config_.vocab_size; }
   // Mean cross-entropy of this model's logits (the last stage's output) against targets:
-  // cross_entropy, or vocab_parallel_cross_entropy when the vocabulary is split.
+  // cross_entropy, or vocab_parallel_cross_entropy when the vocabulary is split. Classification:
+  // the mean over the labeled positions of cross-entropy, or of the squared error (regression).
   torch::Tensor loss(const torch::Tensor& logits, const torch::Tensor& targets) const;
-  // Each target token's cross-entropy (fp32, flattened), the vocabulary's shards combined too.
+  // Each target token's cross-entropy (fp32, flattened), the vocabulary's shards combined too;
+  // classification: each labeled position's loss, in row order.
   torch::Tensor token_losses(const torch::Tensor& logits, const torch::Tensor& targets) const;
 
+  // Sequence classification (config.num_labels > 0): the logits of every position, the rows whose
+  // target is not kIgnoreTarget (each sequence's last token), and those targets.
+  std::pair<torch::Tensor, torch::Tensor> labeled_rows(const torch::Tensor& logits, const torch::Tensor& targets) const;
+
   LlamaBackbone model{nullptr};
-  Linear lm_head{nullptr};  // absent when tie_word_embeddings
+  Linear lm_head{nullptr};  // absent when tie_word_embeddings or classifying
+  Linear score{nullptr};    // sequence classification's head [num_labels, hidden] (HF "score.weight")
 
  private:
   torch::Tensor run_stage(int64_t stage, const torch::Tensor& input);
@@ -122,6 +129,12 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   RotaryEmbedding rope_;
 };
 TORCH_MODULE(LlamaForCausalLM);
+
+// Targets of a classification batch: every position holds kIgnoreTarget but the one the head is
+// pooled at (the sequence's last token), which holds the class id, or for regression
+// (num_labels = 1) the bits of the score as a double (targets.view(kFloat64)); -100's bits are a
+// NaN, so no score is mistaken for it.
+constexpr int64_t kIgnoreTarget = -100;
 
 // Mean cross-entropy over all target tokens (fp32 math). logits [B, T, V], targets [B, T].
 torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& targets);

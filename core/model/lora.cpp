@@ -41,6 +41,9 @@ int64_t apply_lora(LlamaForCausalLMImpl& model, const LoraConfig& config, uint64
                "adalora: target_r ({}) must be between 0 and init_r ({})", config.adalora->target_r, config.spec.r);
   }
   for (auto& param : model.parameters()) param.set_requires_grad(false);
+  // A classification head is new: it trains whole beside the adapters (PEFT's modules_to_save for
+  // task_type SEQ_CLS).
+  if (!model.score.is_empty()) model.score->weight.set_requires_grad(true);
   int64_t adapted = 0;
   for (auto& item : model.named_modules("", /*include_self=*/false)) {
     auto* linear = item.value()->as<LinearImpl>();
@@ -72,10 +75,11 @@ void save_lora_adapter(LlamaForCausalLMImpl& model, const LoraConfig& config, co
     tensors.emplace_back(kPeftPrefix + item.key(), item.value().detach().contiguous());
   }
   WEFT_CHECK(!tensors.empty(), "save_lora_adapter: the model has no LoRA adapters");
+  add_classification_head(model, tensors);
   save_safetensors(dir + "/adapter_model.safetensors", tensors);
-  const nlohmann::json adapter_config = {
+  nlohmann::json adapter_config = {
       {"peft_type", "LORA"},
-      {"task_type", "CAUSAL_LM"},
+      {"task_type", model.score.is_empty() ? "CAUSAL_LM" : "SEQ_CLS"},
       {"base_model_name_or_path", base_model},
       {"r", config.spec.r},
       {"lora_alpha", config.spec.alpha},
@@ -85,10 +89,29 @@ void save_lora_adapter(LlamaForCausalLMImpl& model, const LoraConfig& config, co
       {"fan_in_fan_out", false},
       {"inference_mode", true},
   };
+  if (!model.score.is_empty()) adapter_config["modules_to_save"] = {"score"};
   write_file_atomically(dir + "/adapter_config.json", adapter_config.dump(2) + "\n");
 }
 
+void add_classification_head(LlamaForCausalLMImpl& model, std::vector<std::pair<std::string, torch::Tensor>>& tensors) {
+  if (!model.score.is_empty()) tensors.emplace_back(std::string(kPeftPrefix) + "score.weight", model.score->weight.detach().contiguous());
+}
+
+void load_classification_head(LlamaForCausalLMImpl& model, const std::string& dir) {
+  if (model.score.is_empty()) return;
+  auto file = SafetensorsFile::open(dir + "/adapter_model.safetensors");
+  const std::string name = std::string(kPeftPrefix) + "score.weight";
+  if (!file->contains(name)) return;
+  const auto& info = file->info(name);
+  WEFT_CHECK(info.shape == model.score->weight.sizes().vec(),
+             "{}/adapter_model.safetensors: the classification head '{}' has shape {} but the model's has {}", dir, name,
+             fmt::join(info.shape, "x"), fmt::join(model.score->weight.sizes().vec(), "x"));
+  torch::NoGradGuard no_grad;
+  model.score->weight.copy_(file->load(name, torch::kFloat32));
+}
+
 void load_lora_adapter(LlamaForCausalLMImpl& model, const std::string& dir) {
+  load_classification_head(model, dir);
   if (has_adalora(model)) return load_adalora_adapter(model, dir);
   auto file = SafetensorsFile::open(dir + "/adapter_model.safetensors");
   torch::NoGradGuard no_grad;

@@ -43,6 +43,13 @@ void load_lora_adapter(LlamaForCausalLMImpl& model, const std::string& dir);
 // a LoRA adapter.
 LoraConfig read_lora_adapter_config(const std::string& dir);
 
+// Sequence classification (a model with a `score` head, trained whole beside the adapters): the head
+// is saved with them as PEFT saves modules_to_save ("base_model.model.score.weight", task_type
+// "SEQ_CLS", modules_to_save ["score"]) and loaded back from `dir`'s adapter_model.safetensors
+// (an adapter without it leaves the head as it is). Nothing for a causal LM.
+void add_classification_head(LlamaForCausalLMImpl& model, std::vector<std::pair<std::string, torch::Tensor>>& tensors);
+void load_classification_head(LlamaForCausalLMImpl& model, const std::string& dir);
+
 // Folds every adapter into its base weight (W += alpha/r B A) and removes the adapters; the
 // model then computes the same function with plain weights. Quantized layers (model.quantize)
 // become their dequantized weights, adapted or not.

@@ -54,7 +54,7 @@ std::vector<StageMemory> estimate_stage_memory(const ModelConfig& c, const Shard
     if (matrix && !quantized && compute_dtype != torch::kFloat32 && !(checkpointing && block)) {
       s.weight_copy_bytes += cb * elements_of(local);
     }
-    if (!lora) {
+    if (!lora || module == "score") {  // the classification head trains with the adapters (PEFT's modules_to_save)
       s.trainable_bytes += bytes;
       s.compute_trainable_bytes += compute_bytes;
     } else if (matrix && std::find(lora->target_modules.begin(), lora->target_modules.end(), module) !=
@@ -68,7 +68,7 @@ std::vector<StageMemory> estimate_stage_memory(const ModelConfig& c, const Shard
     if (stage == 1 && module == "q_proj") q_width = local[0];
     if (stage == 1 && module == "k_proj") kv_width = local[0];
     if (stage == 1 && module == "gate_proj") inter = local[0];
-    if (module == "lm_head" || (c.tie_word_embeddings && module == "embed_tokens" && stage == 0)) vocab = local[0];
+    if (module == "lm_head" || module == "score" || (c.tie_word_embeddings && !c.classification() && module == "embed_tokens" && stage == 0)) vocab = local[0];
   }
   heads = c.head_dim > 0 ? q_width / c.head_dim : heads;
   const int64_t H = c.hidden_size, S = seq_len;

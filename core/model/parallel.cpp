@@ -156,7 +156,7 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_specs(const 
   const int64_t final_stage = c.num_hidden_layers + 1;
   const bool head = first <= final_stage && final_stage < last;
   const int64_t q = c.num_attention_heads * c.head_dim, kv = c.num_key_value_heads * c.head_dim;
-  if (first == 0 || (head && c.tie_word_embeddings)) specs.push_back({"model.embed_tokens.weight", {c.vocab_size, c.hidden_size}});
+  if (first == 0 || (head && c.tie_word_embeddings && !c.classification())) specs.push_back({"model.embed_tokens.weight", {c.vocab_size, c.hidden_size}});
   for (int64_t stage = std::max<int64_t>(first, 1); stage < std::min(last, final_stage); ++stage) {
     const std::string p = "model.layers." + std::to_string(stage - 1) + ".";
     specs.push_back({p + "self_attn.q_proj.weight", {q, c.hidden_size}});
@@ -171,7 +171,11 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_specs(const 
   }
   if (head) {
     specs.push_back({"model.norm.weight", {c.hidden_size}});
-    if (!c.tie_word_embeddings) specs.push_back({"lm_head.weight", {c.vocab_size, c.hidden_size}});
+    if (c.classification()) {
+      specs.push_back({"score.weight", {c.num_labels, c.hidden_size}});
+    } else if (!c.tie_word_embeddings) {
+      specs.push_back({"lm_head.weight", {c.vocab_size, c.hidden_size}});
+    }
   }
   return specs;
 }

@@ -82,13 +82,18 @@ void init_weights(LlamaForCausalLMImpl& model, uint64_t seed, double std) {
   }
 }
 
-void load_weights(LlamaForCausalLMImpl& model, const std::string& path) {
+void load_weights(LlamaForCausalLMImpl& model, const std::string& path, uint64_t seed, double init_std) {
   const auto checkpoint = SafetensorsCheckpoint::open(path);
   torch::NoGradGuard no_grad;
   std::vector<std::string> missing;
   for (auto& item : model.named_parameters()) {
     const std::string& name = item.key();
     if (is_lora_parameter(name)) continue;
+    if (name == "score.weight" && !checkpoint.contains(name)) {  // a causal LM's checkpoint: a new head
+      auto generator = at::make_generator<at::CPUGeneratorImpl>(hash64(name, seed));
+      item.value().copy_(torch::empty(item.value().sizes()).normal_(0.0, init_std, generator));
+      continue;
+    }
     if (!checkpoint.contains(name)) {
       missing.push_back(name);
       continue;

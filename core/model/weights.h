@@ -22,7 +22,10 @@ void init_weights(LlamaForCausalLMImpl& model, uint64_t seed, double std);
 // model holds (converted to fp32). Missing tensors and shape mismatches are errors naming the
 // tensor; a checkpoint's lm_head.weight is ignored when embeddings are tied. Quantized layers are
 // quantized tensor by tensor as they leave the file: the full-precision model is never held.
-void load_weights(LlamaForCausalLMImpl& model, const std::string& path);
+// A classification head (score.weight) the file lacks (a causal LM's checkpoint, whose lm_head is
+// then unused) is initialised as init_weights(model, seed, init_std) would, as transformers does
+// for LlamaForSequenceClassification from a causal LM.
+void load_weights(LlamaForCausalLMImpl& model, const std::string& path, uint64_t seed = 0, double init_std = 0.02);
 
 // The base model's tensors under HF names (LoRA adapters excluded), in `dtype`. A model with
 // quantized layers is refused (merge_lora dequantizes them).

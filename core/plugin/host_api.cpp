@@ -5,6 +5,8 @@
 
 #include "core/plugin/host_services.h"
 
+#include <utility>
+
 namespace weft {
 namespace {
 
@@ -112,7 +114,9 @@ void PluginHost::set_model_info(const ModelConfig& config, torch::Dtype compute_
   i.num_key_value_heads = static_cast<int32_t>(config.num_key_value_heads);
   i.head_dim = config.head_dim;
   i.vocab_size = config.vocab_size;
-  i.tie_word_embeddings = config.tie_word_embeddings ? 1 : 0;
+  // A classifier's head is `score`, never the embedding: nothing is shared between the first and
+  // last stages then.
+  i.tie_word_embeddings = config.tie_word_embeddings && !config.classification() ? 1 : 0;
   i.compute_dtype = sdk::to_dl_dtype(compute_dtype);
   state_->has_model_info = true;
 }
@@ -190,9 +194,15 @@ std::pair<double, int64_t> PluginHost::default_eval_step() {
   return {value * static_cast<double>(tokens), tokens};
 }
 
-void PluginHost::record_sequence_losses(int64_t sequences) {
+void PluginHost::record_sequence_losses(int64_t sequences, int64_t outputs) {
   state_->sequence_loss_sums = torch::zeros({sequences}, torch::kFloat64);
   state_->sequence_counts = torch::zeros({sequences}, torch::kFloat64);
+  state_->sequence_outputs = outputs > 0 ? torch::zeros({sequences, outputs}, torch::kFloat64) : at::Tensor();
+}
+
+at::Tensor PluginHost::take_sequence_outputs() {
+  WEFT_CHECK(state_->sequence_outputs.defined(), "take_sequence_outputs: no head outputs were recorded");
+  return std::exchange(state_->sequence_outputs, at::Tensor());
 }
 
 std::pair<at::Tensor, at::Tensor> PluginHost::take_sequence_losses() {

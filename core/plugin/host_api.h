@@ -73,10 +73,15 @@ class PluginHost {
   void set_loss_scale(double scale);
   // Per-sequence evaluation: from now on, the loss of every evaluation row whose sequence index
   // is known (the targets batch() handed out) is also summed by sequence, out of `sequences`.
-  void record_sequence_losses(int64_t sequences);
+  // A classification model also sums each sequence's head outputs (its `outputs` logits at the
+  // pooled position; take_sequence_outputs).
+  void record_sequence_losses(int64_t sequences, int64_t outputs = 0);
   // Stops recording and returns, by sequence index, the summed token losses this rank computed
   // and how many times it computed each (float64 tensors of `sequences` entries).
   std::pair<at::Tensor, at::Tensor> take_sequence_losses();
+  // After take_sequence_losses, with outputs > 0: the summed head outputs [sequences, outputs]
+  // (float64), counted as the losses are.
+  at::Tensor take_sequence_outputs();
   // Calls the registered grad-ready callback machinery's bookkeeping (tests).
   int64_t parameter_count() const;
 

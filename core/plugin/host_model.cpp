@@ -7,6 +7,7 @@
 #include "core/model/profile.h"
 
 namespace weft {
+static_assert(kIgnoreTarget == kUnlabeledTarget, "the model ignores the targets the data leaves unlabeled");
 namespace host {
 
 
@@ -166,9 +167,16 @@ weft_status* loss(weft_host* host, weft_activation* logits, weft_activation* tar
     at::Tensor mean;
     if (s.sequence_loss_sums.defined() && !targets->sequences.empty()) {
       // Evaluation that records each sequence's loss: per-token losses once, summed per row.
-      const auto tokens = s.model->token_losses(tensor_of(logits), t).reshape({t.size(0), -1}).to(torch::kCPU, torch::kFloat64);
+      // (classification: one labeled position per row, whose head outputs are recorded too)
+      const bool classify = s.model->config().classification();
+      const auto tokens = s.model->token_losses(tensor_of(logits), t)
+                              .reshape({t.size(0), classify ? 1 : -1})
+                              .to(torch::kCPU, torch::kFloat64);
       const auto rows = torch::tensor(targets->sequences, torch::kLong);
       s.sequence_loss_sums.index_add_(0, rows, tokens.sum(1));
+      if (classify && s.sequence_outputs.defined()) {
+        s.sequence_outputs.index_add_(0, rows, s.model->labeled_rows(tensor_of(logits), t).first.to(torch::kCPU, torch::kFloat64));
+      }
       // Sequence parallelism: this rank summed 1/size of each sequence's tokens, so it counts as
       // 1/size of a computation (the world's sums then hold each sequence once).
       s.sequence_counts.index_add_(0, rows, torch::full({rows.size(0)}, 1.0 / static_cast<double>(s.sequence.size),
@@ -180,7 +188,8 @@ weft_status* loss(weft_host* host, weft_activation* logits, weft_activation* tar
     const double value = mean.item<double>();
     if (loss_out) *loss_out = new_activation(mean * (scale * s.loss_scale));
     if (value_out) *value_out = value;
-    if (tokens_out) *tokens_out = t.numel();
+    // Classification counts its labeled positions (one per sequence), language modelling its tokens.
+    if (tokens_out) *tokens_out = s.model->config().classification() ? (t != kIgnoreTarget).sum().item<int64_t>() : t.numel();
   });
 }
 

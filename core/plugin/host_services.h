@@ -103,6 +103,7 @@ struct PluginHost::State {
   // Per-sequence evaluation (record_sequence_losses): each sequence's summed token losses and
   // how many times this rank computed them, by sequence index; undefined when not recording.
   at::Tensor sequence_loss_sums, sequence_counts;
+  at::Tensor sequence_outputs;  // classification: each sequence's summed head outputs [sequences, labels]
 };
 
 

@@ -320,7 +320,11 @@ double StrategySession::global_grad_norm_sq(double local_sq) {
 
 PluginHost::CommStats StrategySession::take_comm_stats() { return host_->take_comm_stats(); }
 
-void StrategySession::record_sequence_losses(int64_t sequences) { host_->record_sequence_losses(sequences); }
+void StrategySession::record_sequence_losses(int64_t sequences, int64_t outputs) {
+  host_->record_sequence_losses(sequences, outputs);
+}
+
+at::Tensor StrategySession::take_sequence_outputs() { return host_->take_sequence_outputs(); }
 
 std::pair<at::Tensor, at::Tensor> StrategySession::take_sequence_losses() { return host_->take_sequence_losses(); }
 

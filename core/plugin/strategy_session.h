@@ -123,8 +123,9 @@ class StrategySession {
   // This rank's communication through the plugin since the last call (which resets it).
   PluginHost::CommStats take_comm_stats();
   // Per-sequence evaluation (PluginHost::record_sequence_losses / take_sequence_losses).
-  void record_sequence_losses(int64_t sequences);
+  void record_sequence_losses(int64_t sequences, int64_t outputs = 0);
   std::pair<at::Tensor, at::Tensor> take_sequence_losses();
+  at::Tensor take_sequence_outputs();
 
  private:
   void check(weft_status* status, const char* what) const;

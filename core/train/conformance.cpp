@@ -23,17 +23,27 @@
 namespace weft {
 namespace {
 
-// A deterministic pseudo-English JSONL corpus, so the check needs no data files.
-std::string write_corpus(const std::string& dir) {
+// A deterministic pseudo-English JSONL corpus, so the check needs no data files. Classification:
+// 1100 texts of 1 to 12 words (rows of different lengths, some cut to seq_len), each labeled by how
+// many animals it names, modulo 3.
+std::string write_corpus(const std::string& dir, bool classification) {
   static const char* words[] = {"the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "and",
                                 "runs", "away", "from", "her", "sister", "at", "noon", "with", "grace"};
   std::mt19937 rng(7);
   const std::string path = dir + "/corpus.jsonl";
   std::ofstream out(path);
-  for (int d = 0; d < 96; ++d) {
+  for (int d = 0; d < (classification ? 1100 : 96); ++d) {
     std::string text;
-    for (int w = 0; w < 80; ++w) text += std::string(w ? " " : "") + words[rng() % 19];
-    out << "{\"text\": \"" << text << ".\"}\n";
+    int animals = 0;
+    const int n = classification ? 1 + static_cast<int>(rng() % 12) : 80;
+    for (int w = 0; w < n; ++w) {
+      const int word = static_cast<int>(rng() % 19);
+      animals += word == 3 || word == 8;
+      text += std::string(w ? " " : "") + words[word];
+    }
+    out << "{\"text\": \"" << text << ".\"";
+    if (classification) out << ", \"label\": " << animals % 3;
+    out << "}\n";
   }
   return path;
 }
@@ -91,6 +101,7 @@ std::string run_arguments(const ConformanceOptions& c, const std::string& corpus
                                    c.steps);
   }
   if (c.quantize != "none") plugin_settings += " --set model.quantize=" + c.quantize;
+  if (c.task != "causal_lm") plugin_settings += " --set train.task=" + c.task;
   return fmt::format(
       "train --plugin {} --nproc {} --set model.config={} --set data.path={} --set data.seq_len=32"
       " --set data.heldout_fraction=0.1 --set data.split_seed=1 --set data.tokenizer=byte --set data.cache_dir="
@@ -166,6 +177,7 @@ TrainOptions run_options(const ConformanceOptions& c, const std::string& corpus,
     o.adalora.delta_t = 2;
   }
   o.model.quantize = c.quantize;
+  o.task = c.task;
   return o;
 }
 
@@ -199,7 +211,9 @@ ConformanceReport check_conformance(const ConformanceOptions& c) {
                               ? (std::filesystem::temp_directory_path() / ("weft-check-" + std::to_string(::getpid()))).string()
                               : c.work_dir;
   std::filesystem::create_directories(dir);
-  const std::string corpus = write_corpus(dir);
+  WEFT_CHECK(c.task == "causal_lm" || c.task == "classification",
+             "conformance check: task must be causal_lm or classification, got '{}'", c.task);
+  const std::string corpus = write_corpus(dir, c.task == "classification");
   const std::string model_config = write_model_config(dir, c.quantize);
   TrainOptions reference_options = run_options(c, corpus, model_config, c.reference, dir + "/reference");
   reference_options.device = "cpu";  // the reference computes on the CPU whatever the candidate's device
@@ -223,6 +237,10 @@ ConformanceReport check_conformance(const ConformanceOptions& c) {
       const std::string prefix = "adalora.param.";
       for (const auto& info : state->tensors()) {
         if (info.name.rfind(prefix, 0) == 0) candidate_params[info.name.substr(prefix.size())] = state->load(info.name);
+      }
+      if (c.task == "classification") {  // the head, saved beside the adapters
+        const auto adapter = SafetensorsFile::open(out + "/final/adapter_model.safetensors");
+        candidate_params["score.weight"] = adapter->load("base_model.model.score.weight");
       }
     } else if (c.mode == "lora") {  // PEFT's adapter file: "base_model.model." + the parameter name
       const auto adapter = SafetensorsFile::open(out + "/final/adapter_model.safetensors");

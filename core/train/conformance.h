@@ -33,6 +33,9 @@ struct ConformanceOptions {
   // model.quantize for both runs ("none", "int8", "nf4"; not "none" needs mode "lora"): the frozen
   // base held quantized, each rank quantizing the slices it holds.
   std::string quantize = "none";
+  // train.task for both runs: "causal_lm", or "classification": a labeled corpus of rows of
+  // different lengths (3 classes), the classification head pooled at each row's last token.
+  std::string task = "causal_lm";
   // "fp32", or "bf16" / "fp16": both runs compute in that half precision (fp32 weights and
   // optimizer; fp16 with dynamic loss scaling), compared with the half-precision tolerances
   // (bf16_loss_rtol, bf16_param_atol) instead of fp32's.

@@ -59,8 +59,18 @@ void RunRecords::step(const StepRecord& s) {
 }
 
 void RunRecords::eval(const EvalResult& e, int64_t step, int64_t epoch, bool improved) {
-  metrics_.write("eval", {{"step", step}, {"epoch", epoch + 1}, {"loss", e.loss}, {"perplexity", e.perplexity},
-                          {"tokens", e.tokens}, {"seconds", e.seconds}, {"best", improved}});
+  nlohmann::json record = {{"step", step}, {"epoch", epoch + 1}, {"loss", e.loss}, {"perplexity", e.perplexity},
+                           {"tokens", e.tokens}, {"seconds", e.seconds}, {"best", improved}};
+  // A classifier's task metrics, and its confusion matrix (rows: true class, columns: predicted).
+  for (const auto& [name, value] : e.metrics) record[name] = value;
+  if (!e.confusion.empty()) {
+    const size_t k = e.classes.size();
+    nlohmann::json rows = nlohmann::json::array();
+    for (size_t r = 0; r < k; ++r) rows.push_back(std::vector<int64_t>(e.confusion.begin() + r * k, e.confusion.begin() + (r + 1) * k));
+    record["confusion"] = rows;
+    record["classes"] = e.classes;
+  }
+  metrics_.write("eval", record);
 }
 
 void RunRecords::epoch(int64_t epoch, int64_t step, double seconds, int64_t tokens,
@@ -70,6 +80,7 @@ void RunRecords::epoch(int64_t epoch, int64_t step, double seconds, int64_t toke
   if (eval) {
     record["eval_loss"] = eval->loss;
     record["perplexity"] = eval->perplexity;
+    for (const auto& [name, value] : eval->metrics) record["eval_" + name] = value;
   }
   metrics_.write("epoch", record);
   result_.epoch_seconds.push_back(seconds);
@@ -169,6 +180,7 @@ const TrainResult& RunRecords::finish(Communicator& communicator, int rank, int6
   if (result.final_eval) {
     summary["eval_loss"] = result.final_eval->loss;
     summary["perplexity"] = result.final_eval->perplexity;
+    for (const auto& [name, value] : result.final_eval->metrics) summary["eval_" + name] = value;
   }
   metrics_.write("summary", summary);
   return result;

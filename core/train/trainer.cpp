@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include "core/model/lora.h"
+#include "core/train/classification_eval.h"
 #include "core/train/interrupt.h"
 #include "core/train/optimizer.h"
 #include "core/train/sharded_state.h"
@@ -402,7 +403,7 @@ bool Trainer::complete_epoch(RunRecords& records) {
   if (job_->data().heldout) {
     stop = evaluate_and_track(records);
     eval = last_eval_;
-    eval_text = fmt::format(", held-out loss {:.4f}, perplexity {:.2f}", eval->loss, eval->perplexity);
+    eval_text = describe_eval(*eval);
   }
   records.epoch(state_.epoch, state_.global_step, state_.epoch_seconds, state_.epoch_tokens, eval);
   records.progress().message(fmt::format("epoch {}/{} done in {}{}", state_.epoch + 1, options_.epochs,
@@ -422,7 +423,24 @@ EvalResult Trainer::evaluate() {
   eval.max_batches = options_.eval_max_batches;
   eval.global_step = state_.global_step;
   eval.epoch = state_.epoch;
-  return weft::evaluate(*job_, job_->data().heldout, eval);
+  EvalResult result = weft::evaluate(*job_, job_->data().heldout, eval);
+  if (const ClassificationData* data = job_->classification()) {  // the task's metrics, each held-out set's
+    add_task_metrics(result, *data, *job_->data().heldout);
+    for (const auto& [name, split] : data->extra_heldout) {
+      EvalResult extra = weft::evaluate(*job_, split, eval);
+      add_task_metrics(extra, *data, *split, name + "_");
+      result.metrics.emplace_back(name + "_loss", extra.loss);
+      result.metrics.insert(result.metrics.end(), extra.metrics.begin(), extra.metrics.end());
+      result.seconds += extra.seconds;
+    }
+  }
+  return result;
+}
+
+// ", held-out loss 0.1234, perplexity 3.43", or a classifier's loss and metrics.
+std::string Trainer::describe_eval(const EvalResult& eval) const {
+  if (job_->classification()) return fmt::format(", held-out loss {:.4f}, {}", eval.loss, describe_task_metrics(eval));
+  return fmt::format(", held-out loss {:.4f}, perplexity {:.2f}", eval.loss, eval.perplexity);
 }
 
 // Evaluates (once per optimizer step: an epoch end that coincides with eval.every_steps reuses
@@ -446,8 +464,8 @@ bool Trainer::evaluate_and_track(RunRecords& records) {
     ++state_.evals_since_best;
   }
   records.eval(eval, state_.global_step, state_.epoch, improved);
-  records.progress().message(fmt::format("eval @ step {}: held-out loss {:.4f}, perplexity {:.2f}{}",
-                                         state_.global_step, eval.loss, eval.perplexity, improved ? " (best)" : ""));
+  records.progress().message(fmt::format("eval @ step {}:{}{}", state_.global_step, describe_eval(eval).substr(1),
+                                         improved ? " (best)" : ""));
   if (options_.patience > 0 && state_.evals_since_best >= options_.patience) {
     records.progress().message(fmt::format("early stopping: no improvement in {} evaluations (best {:.4f} at step {})",
                                            state_.evals_since_best, state_.best_eval_loss, state_.best_step));

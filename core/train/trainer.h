@@ -47,6 +47,7 @@ class Trainer {
   TrainResult run();
   // The held-out split's loss (the whole split, or eval.max_batches batches).
   EvalResult evaluate();
+  std::string describe_eval(const EvalResult& eval) const;
 
   Job& job() { return *job_; }
   LlamaForCausalLMImpl& model() { return job_->model(); }

@@ -314,3 +314,66 @@ TEST(Attention, ModelLossAndGradientsAgreeAcrossKernels) {
 }
 
 }  // namespace weft
+
+namespace weft {
+namespace {
+
+// LlamaForSequenceClassification: `score` replaces the LM head and the loss pools each row at its
+// labeled position (its last token); cross-entropy, or squared error for one output (regression).
+TEST(Model, ClassificationHeadPoolsAtTheLabeledPosition) {
+  auto config = preset_config("tiny");
+  config.num_labels = 3;
+  LlamaForCausalLM model(config);
+  init_weights(*model, 5, 0.05);
+  EXPECT_TRUE(model->lm_head.is_empty());
+  ASSERT_FALSE(model->score.is_empty());
+  EXPECT_EQ(model->score->weight.sizes(), (std::vector<int64_t>{3, config.hidden_size}));
+  EXPECT_EQ(config.parameter_count(), [&] {
+    int64_t n = 0;
+    for (const auto& p : model->parameters()) n += p.numel();
+    return n;
+  }());
+  const auto tokens = torch::randint(0, 256, {2, 6}, torch::kLong);
+  const auto logits = model->forward(tokens);
+  ASSERT_EQ(logits.sizes(), (std::vector<int64_t>{2, 6, 3}));
+  const int64_t u = kIgnoreTarget;
+  const auto targets = torch::tensor(std::vector<int64_t>{u, u, u, 2, u, u, u, u, u, u, u, 0}, torch::kLong).reshape({2, 6});
+  const auto pooled = torch::stack({logits[0][3], logits[1][5]});
+  const auto expected = torch::nn::functional::cross_entropy(pooled, torch::tensor({2, 0}, torch::kLong));
+  EXPECT_NEAR(model->loss(logits, targets).item<double>(), expected.item<double>(), 1e-6);
+  EXPECT_TRUE(torch::allclose(model->labeled_rows(logits, targets).first, pooled));
+  // A position after the labeled one does not change the row's output (causal attention: padding is harmless).
+  auto padded = tokens.clone();
+  padded[0][4] = 1;
+  padded[0][5] = 1;
+  EXPECT_TRUE(torch::allclose(model->forward(padded)[0][3], logits[0][3], 1e-6, 1e-6));
+
+  config.num_labels = 1;  // regression: the score's bits as a double
+  LlamaForCausalLM regression(config);
+  init_weights(*regression, 5, 0.05);
+  const auto out = regression->forward(tokens);
+  auto bits = torch::full({2, 6}, u, torch::kLong);
+  const auto scores = torch::tensor({1.5, -0.25}, torch::kFloat64);
+  bits[0][3] = scores.view(torch::kLong)[0];
+  bits[1][5] = scores.view(torch::kLong)[1];
+  const double mse = (std::pow(out[0][3][0].item<double>() - 1.5, 2) + std::pow(out[1][5][0].item<double>() + 0.25, 2)) / 2;
+  EXPECT_NEAR(regression->loss(out, bits).item<double>(), mse, 1e-5);
+}
+
+// A classifier's config.json is transformers' LlamaForSequenceClassification's, and reads back.
+TEST(ModelConfig, ClassifierConfigRoundTrips) {
+  auto config = preset_config("tiny");
+  config.num_labels = 2;
+  config.labels = {"negative", "positive"};
+  config.pad_token_id = 257;
+  const auto text = to_hf_config_json(config);
+  EXPECT_NE(text.find("LlamaForSequenceClassification"), std::string::npos);
+  const auto back = parse_hf_config(text, "config.json");
+  EXPECT_EQ(back.num_labels, 2);
+  EXPECT_EQ(back.labels, config.labels);
+  EXPECT_EQ(back.pad_token_id, std::optional<int64_t>(257));
+  EXPECT_EQ(parse_hf_config(to_hf_config_json(preset_config("tiny")), "c").num_labels, 0);
+}
+
+}  // namespace
+}  // namespace weft

@@ -387,7 +387,8 @@ typedef struct weft_model_info {
   int32_t tie_word_embeddings; /* 1: the LM head is the embedding (a rank holding the last
                                   stage but not stage 0 holds its own copy, named
                                   "model.embed_tokens.weight", whose gradient the plugin must
-                                  combine with stage 0's) */
+                                  combine with stage 0's); 0 for a sequence classifier,
+                                  whose head is its own "score.weight" */
   DLDataType compute_dtype;    /* of matrix multiplications: fp32 or bf16 */
 } weft_model_info;
 
@@ -501,7 +502,12 @@ typedef struct weft_host_api {
   /* --- the step: data, forward and backward over stage ranges --- */
   /* This rank's rows of micro-batch `micro_batch` of the current step, split further into
    * `splits` equal pipeline micro-batches of which `split` is returned (splits = 1 for the
-   * whole micro-batch). inputs: int64 token ids [rows, seq_len]; targets likewise. */
+   * whole micro-batch). inputs: int64 token ids [rows, seq_len]; targets likewise. A plugin
+   * hands targets to loss unchanged and never reads them: in a sequence-classification run
+   * (the host's train.task = "classification", any 1.x host) every target is -100 but the one at
+   * each row's last token, which holds the row's class (or a regression score's bits), the rows
+   * are padded after that token, and loss's tokens_out counts those labeled positions (one per
+   * row). Such a run does not start under a plan with sequence_parallel_size > 1. */
   weft_status* (*batch)(weft_host* host, int32_t micro_batch, int32_t split, int32_t splits,
                         weft_activation** inputs, weft_activation** targets);
   /* Runs stages [first_stage, last_stage) on `input` (token ids when first_stage == 0, hidden

@@ -77,7 +77,8 @@ LocalShape local_shape(const ModelConfig& c, const ShardMap& shards, int64_t fir
   const bool head_held = first <= final_stage && final_stage < last;
   const ParameterShard vocab = !embed.whole() ? embed : head;
   WEFT_CHECK(vocab.whole() || vocab.dim == 0, "tensor parallel: the embedding and LM head split along the vocabulary (dim 0)");
-  WEFT_CHECK(embed.whole() || !head_held || c.tie_word_embeddings || (head.parts == embed.parts && head.index == embed.index),
+  WEFT_CHECK(embed.whole() || !head_held || c.tie_word_embeddings || c.classification() ||
+                 (head.parts == embed.parts && head.index == embed.index),
              "tensor parallel: the embedding and LM head must be split alike");
   WEFT_CHECK(c.vocab_size % vocab.parts == 0, "tensor parallel: vocabulary {} cannot be split into {} parts", c.vocab_size,
              vocab.parts);

@@ -211,3 +211,28 @@ def line_chart(path, title, series, x_label, y_label, x_ticks=None, log_y=False,
         ax.legend(loc="best", fontsize=9, frameon=True)
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     return _save(fig, path)
+
+
+def confusion_chart(path, title, classes, counts, subtitle=None, width=WIDTH, height=HEIGHT):
+    """A confusion matrix as a heat map: row = true class, column = predicted, each cell shaded by
+    its share of its row (so small classes read as well as large ones) and labeled with its count
+    when there are at most 12 classes."""
+    k = len(classes)
+    side = max(width, height) if k > 12 else None
+    fig, ax = _figure(title, subtitle, side or width, side or height)
+    ax.grid(False)
+    shares = [[c / max(sum(row), 1) for c in row] for row in counts]
+    ax.imshow(shares, cmap="Blues", vmin=0, vmax=1, aspect="auto")
+    ticks = range(k)
+    size = 8 if k <= 12 else max(4, 9 - k // 8)
+    ax.set_xticks(list(ticks), classes, rotation=45 if k > 4 else 0, ha="right" if k > 4 else "center", fontsize=size)
+    ax.set_yticks(list(ticks), classes, fontsize=size)
+    ax.set_xlabel("predicted", color=rgb(MUTED))
+    ax.set_ylabel("true", color=rgb(MUTED))
+    if k <= 12:
+        for t in ticks:
+            for p in ticks:
+                ax.text(p, t, str(counts[t][p]), ha="center", va="center", fontsize=8,
+                        color="white" if shares[t][p] > 0.6 else rgb(INK))
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
+    return _save(fig, path)

@@ -20,7 +20,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from charts import PALETTE, bar_chart, finite, fmt3, lighten, line_chart, time_unit  # noqa: E402
+from charts import PALETTE, bar_chart, confusion_chart, finite, fmt3, lighten, line_chart, time_unit  # noqa: E402
 
 try:
     import tomllib
@@ -283,7 +283,12 @@ def summary_rows(run):
     final_eval = run.evals[-1] if run.evals else None
     final_loss = final_eval.get("loss") if final_eval else s.get("eval_loss")
     final_ppl = final_eval.get("perplexity") if final_eval else s.get("perplexity")
-    if finite(final_loss) is not None or finite(final_ppl) is not None:
+    metrics = task_metrics(final_eval)
+    if metrics:  # a classifier (train.task = "classification"): its task's metrics, not a perplexity
+        where = f" (step {final_eval['step']})"
+        add("Final held-out loss", fmt_loss(final_loss) + where)
+        add("Final held-out metrics", ", ".join(f"{k} {v:.4f}" for k, v in metrics) + where)
+    elif finite(final_loss) is not None or finite(final_ppl) is not None:
         where = f" (step {final_eval['step']})" if final_eval else ""
         add("Final held-out loss", fmt_loss(final_loss) + where)
         add("Final held-out perplexity", fmt_ppl(final_ppl) + where)
@@ -355,6 +360,18 @@ def epoch_seconds(run):
     return out
 
 
+# A classifier's evaluation metrics (core/train/task_metrics.h), as metrics.jsonl names them.
+TASK_METRICS = ("accuracy", "macro_f1", "f1", "matthews_correlation", "pearson", "spearmanr", "mse")
+
+
+def task_metrics(record):
+    """[(name, value)] of an eval record's task metrics (MNLI's "mismatched_" ones too), in order."""
+    if not record:
+        return []
+    return [(k, record[k]) for k in record if finite(record.get(k)) is not None and
+            (k in TASK_METRICS or (k.endswith(TASK_METRICS) and k.startswith("mismatched_") and k != "mismatched_loss"))]
+
+
 def draw_plots(run, image_dir):
     """Writes the charts; returns [(title, path)]."""
     os.makedirs(image_dir, exist_ok=True)
@@ -380,8 +397,22 @@ def draw_plots(run, image_dir):
         sub = f"median {fmt3(statistics.median(y for _, y in tps))} tokens/s over {len(tps)} steps"
         plots.append(("Throughput", line_chart(os.path.join(image_dir, "throughput.png"), f"Throughput: {run.name}",
                                                series, "step", "tokens/s", subtitle=sub, y_from_zero=True)))
+    classifier = bool(run.evals and task_metrics(run.evals[-1]))
+    if classifier:
+        names = [k for k, _ in task_metrics(run.evals[-1])]
+        series = [(name, [(e["step"], finite(e.get(name))) for e in run.evals if finite(e.get(name)) is not None],
+                   {"color": PALETTE[i % len(PALETTE)], "markers": True}) for i, name in enumerate(names)]
+        plots.append(("Held-out metrics", line_chart(os.path.join(image_dir, "task_metrics.png"),
+                                                     f"Held-out metrics: {run.name}", series, "step", "value")))
+        last = run.evals[-1]
+        if isinstance(last.get("confusion"), list) and isinstance(last.get("classes"), list):
+            total = sum(sum(row) for row in last["confusion"])
+            plots.append(("Confusion matrix", confusion_chart(
+                os.path.join(image_dir, "confusion.png"), f"Confusion matrix: {run.name}", last["classes"],
+                last["confusion"], subtitle=f"held-out, step {last['step']}, {total} examples; "
+                                            f"shade = share of the true class")))
     ppl = [(e["step"], finite(e.get("perplexity"))) for e in run.evals if finite(e.get("perplexity")) is not None]
-    if ppl:
+    if ppl and not classifier:
         ys = [y for _, y in ppl]
         log_y = min(ys) > 0 and max(ys) / min(ys) > 20
         plots.append(("Held-out perplexity", line_chart(

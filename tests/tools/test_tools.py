@@ -154,6 +154,28 @@ class ReportTest(unittest.TestCase):
             self.assertGreaterEqual(png_size(path)[0], 200)
         self.assertFalse(os.path.exists(os.path.join(run_dir, "report.md")))  # -o: nothing in the run dir
 
+    def test_classifier_run(self):
+        """A classifier's evaluations (train.task = "classification"): its task metrics in the summary
+        instead of a perplexity, their chart, and the last evaluation's confusion matrix."""
+        run_dir = os.path.join(self.dir, "run-cls")
+        os.makedirs(run_dir)
+        records = [{"type": "step", "step": s, "epoch": 1, "loss": 1.0 / s, "lr": 0.001, "tokens_per_s": 500.0,
+                    "time": 1795384972.0 + s} for s in range(1, 11)]
+        for s, acc in ((5, 0.5), (10, 0.75)):
+            records.append({"type": "eval", "step": s, "epoch": 1, "loss": 0.6, "perplexity": 1.8, "tokens": 8,
+                            "seconds": 0.1, "best": True, "accuracy": acc, "macro_f1": acc - 0.1,
+                            "confusion": [[3, 1], [1, 3]], "classes": ["no", "yes"], "time": 1795384972.0 + s})
+        records.append({"type": "summary", "steps": 10, "eval_accuracy": 0.75, "time": 1795384990.0})
+        write_lines(os.path.join(run_dir, "metrics.jsonl"), records)
+        self.report(run_dir)
+        with open(os.path.join(run_dir, "report.md")) as f:
+            text = f.read()
+        self.assertIn("| Final held-out metrics | accuracy 0.7500, macro_f1 0.6500 (step 10) |", text)
+        self.assertNotIn("perplexity", text.split("## Configuration")[0].lower())
+        for image in ("task_metrics.png", "confusion.png"):
+            self.assertIn(f"report/{image}", text)
+            png_size(os.path.join(run_dir, "report", image))
+
     def test_default_output_in_run_dir(self):
         run_dir = os.path.join(self.dir, "run-b")
         fake_run(run_dir)

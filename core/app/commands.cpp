@@ -121,6 +121,7 @@ int run_train(const CommandLine& cli) {
 int run_generate(const CommandLine& cli) {
   if (cli.prompt.empty()) throw Error("trainer generate needs --prompt TEXT");
   RunSetup run = prepare_run(cli);
+  if (run.options.task == "classification") throw Error("trainer generate continues text: train.task = \"classification\" has no LM head");
   Job job(run.options, run.context, Job::Data::kNone);
   const auto result = generate(job, cli.prompt);
   if (run.context.rank == 0) {

@@ -13,6 +13,7 @@
 #                              tools/gpu/kit.sh zero         ZeRO-3 of the 1B shape on CUDA, 2 ranks
 #                              tools/gpu/kit.sh quantized    LoRA over int8 / nf4 bases on CUDA
 #                              tools/gpu/kit.sh adalora      AdaLoRA on CUDA: conformance, the 1B shape
+#                              tools/gpu/kit.sh classification  sequence classification on CUDA: conformance
 #
 # Each step appends to $KIT_OUT/gpu-kit.md (default: $OUT where the device tool sets it, else
 # build-gpu/kit) and goes on after a failure; the exit status is the number of failed checks.
@@ -232,6 +233,19 @@ adalora_step() {
   fi
 }
 
+classification_step() {
+  mkdir -p "$out"
+  say "## classification ($(date -u +%FT%TZ))"
+  local t=$build/trainer
+  run check_single_cuda_classification 300 "$t" check --plugin single --set train.device=cuda \
+      --set train.task=classification
+  local gpus share=0
+  gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+  [[ "$gpus" -lt 2 ]] && share=1
+  WEFT_SHARE_GPUS=$share run check_ddp_cuda_classification_lora 300 "$t" check --plugin ddp --nproc 2 \
+      --set train.device=cuda --set train.task=classification --set train.mode=lora
+}
+
 case "${1:-}" in
   fetch) fetch ;;
   build) build_step ;;
@@ -241,6 +255,7 @@ case "${1:-}" in
   zero) zero_step ;;
   quantized) quantized_step ;;
   adalora) adalora_step ;;
-  *) echo "usage: tools/gpu/kit.sh fetch|build|check|quick|throughput|zero|quantized|adalora (see the top of this file)" >&2; exit 2 ;;
+  classification) classification_step ;;
+  *) echo "usage: tools/gpu/kit.sh fetch|build|check|quick|throughput|zero|quantized|adalora|classification (see the top of this file)" >&2; exit 2 ;;
 esac
 exit "$failed"

@@ -24,7 +24,7 @@ cd "$(dirname "$0")/.."
 seconds=${1:-60}
 shift || true
 targets=("$@")
-all_targets=(config tokenizer_json jsonl token_file safetensors checkpoint_state adapter_config shard_index)
+all_targets=(config tokenizer_json jsonl token_file labeled safetensors checkpoint_state adapter_config shard_index)
 runs=${WEFT_FUZZ_RUNS:--1}
 
 if ! command -v clang++ >/dev/null || ! compgen -G "/usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a" >/dev/null; then

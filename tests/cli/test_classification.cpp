@@ -101,6 +101,22 @@ TEST(Classification, GlueTrainsAClassifierThatEveryPluginEvaluatesAlike) {
   }
 }
 
+// LoRA with the head: a run stopped at a checkpoint and resumed ends with the uninterrupted run's
+// adapter file byte for byte (the head is saved with the adapters, its AdamW state with the rest).
+TEST(Classification, ALoraClassifierResumesExactly) {
+  const std::string dir = weft::testing::fresh_dir("weft_test_classification", "resume");
+  const std::string glue = write_mrpc(dir + "/MRPC");
+  const std::string lora = args(dir, glue) + " --set train.mode=lora --set checkpoint.every_steps=3 --set train.max_steps=6";
+  ASSERT_EQ(run_trainer(lora + " --set train.out_dir=" + dir + "/whole").exit_code, 0);
+  ASSERT_EQ(run_trainer(lora + " --set train.out_dir=" + dir + "/parts --set train.max_steps=3").exit_code, 0);
+  const auto resumed = run_trainer(lora + " --set train.out_dir=" + dir + "/parts --set checkpoint.resume=auto");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resum"), std::string::npos) << resumed.output;
+  const std::string whole = read_text(dir + "/whole/final/adapter_model.safetensors");
+  EXPECT_NE(whole.find("base_model.model.score.weight"), std::string::npos);
+  EXPECT_TRUE(whole == read_text(dir + "/parts/final/adapter_model.safetensors"));
+}
+
 TEST(Classification, MnliEvaluatesItsMatchedAndMismatchedDevSets) {
   const std::string dir = weft::testing::fresh_dir("weft_test_classification", "mnli");
   const std::string glue = dir + "/MNLI";

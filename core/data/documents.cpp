@@ -191,9 +191,8 @@ std::vector<std::string> split_text_documents(std::string_view text, TextDocumen
   return documents;
 }
 
-std::vector<std::string> parse_jsonl_documents(std::string_view content, const std::string& path,
-                                               const std::string& text_field) {
-  std::vector<std::string> documents;
+void for_each_jsonl_object(std::string_view content, const std::string& path,
+                           const std::function<void(int64_t line, const nlohmann::json& object)>& on_object) {
   int64_t line_number = 0;
   for_each_line(content, [&](size_t start, size_t end) {
     ++line_number;
@@ -207,12 +206,23 @@ std::vector<std::string> parse_jsonl_documents(std::string_view content, const s
     }
     WEFT_CHECK(value.is_object(), "{}:{}: expected a JSON object, got {}", path, line_number,
                json_type_name(value));
-    const auto field = value.find(text_field);
-    WEFT_CHECK(field != value.end(), "{}:{}: object has no field '{}'", path, line_number,
-               text_field);
-    WEFT_CHECK(field->is_string(), "{}:{}: field '{}' is {}, expected a string", path, line_number,
-               text_field, json_type_name(*field));
-    auto text = field->get<std::string>();
+    on_object(line_number, value);
+  });
+}
+
+std::string jsonl_string_field(const nlohmann::json& object, const std::string& field, const std::string& path,
+                               int64_t line) {
+  const auto it = object.find(field);
+  WEFT_CHECK(it != object.end(), "{}:{}: object has no field '{}'", path, line, field);
+  WEFT_CHECK(it->is_string(), "{}:{}: field '{}' is {}, expected a string", path, line, field, json_type_name(*it));
+  return it->get<std::string>();
+}
+
+std::vector<std::string> parse_jsonl_documents(std::string_view content, const std::string& path,
+                                               const std::string& text_field) {
+  std::vector<std::string> documents;
+  for_each_jsonl_object(content, path, [&](int64_t line, const nlohmann::json& object) {
+    auto text = jsonl_string_field(object, text_field, path, line);
     if (!text.empty()) documents.push_back(std::move(text));
   });
   return documents;

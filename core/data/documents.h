@@ -9,6 +9,10 @@
 // paragraphs/lines/files and empty JSONL texts produce no document.
 #pragma once
 
+#include <functional>
+
+#include <nlohmann/json_fwd.hpp>
+
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -53,6 +57,17 @@ std::vector<InputFile> resolve_inputs(const std::vector<std::string>& paths, Dat
 //    breaks kept verbatim, the final terminator excluded).
 //  - kLine: each non-blank line is a document, without its terminator.
 std::vector<std::string> split_text_documents(std::string_view text, TextDocumentMode mode);
+
+// Walks JSONL content: calls on_object(line, object) for every non-blank line (numbered from 1,
+// "\r\n" endings allowed), which must hold one JSON object; otherwise weft::Error "path:line:
+// invalid JSON (...)" or "path:line: expected a JSON object, got ...". The JSONL readers (documents
+// here, labeled examples in labeled.h) share it.
+void for_each_jsonl_object(std::string_view content, const std::string& path,
+                           const std::function<void(int64_t line, const nlohmann::json& object)>& on_object);
+// The string field `field` of a JSONL object; weft::Error "path:line: object has no field 'x'" or
+// "path:line: field 'x' is <type>, expected a string".
+std::string jsonl_string_field(const nlohmann::json& object, const std::string& field, const std::string& path,
+                               int64_t line);
 
 // Parses JSONL content: one JSON object per line, the document is the string `text_field`.
 // Blank lines and empty texts produce no document. A line that is not valid JSON, not an

@@ -120,9 +120,6 @@ std::vector<std::string_view> split_tabs(std::string_view line) {
   }
 }
 
-bool is_blank_line(std::string_view line) {
-  return std::all_of(line.begin(), line.end(), [](unsigned char c) { return std::isspace(c); });
-}
 
 // A finite decimal number with an optional sign and exponent; nullopt otherwise.
 std::optional<double> parse_finite(std::string_view text) {
@@ -160,11 +157,6 @@ std::unordered_map<std::string, int64_t> index_names(const std::vector<std::stri
   return index;
 }
 
-// "[json.exception.parse_error.101] parse error at ..." -> "parse error at ...".
-std::string json_error_text(const std::string& what) {
-  const size_t end = what.find("] ");
-  return end == std::string::npos ? what : what.substr(end + 2);
-}
 
 }  // namespace
 
@@ -260,24 +252,9 @@ std::vector<LabeledExample> read_labeled_jsonl(const std::string& path,
   const std::string_view content = without_bom(bytes);
   std::vector<LabeledExample> examples;
 
-  for_each_numbered_line(content, [&](int64_t line_number, std::string_view line) {
-    if (is_blank_line(line)) return;
-    nlohmann::json value;
-    try {
-      value = nlohmann::json::parse(line.begin(), line.end());
-    } catch (const nlohmann::json::exception& e) {  // syntax, and numbers out of range (406)
-      fail("{}:{}: invalid JSON ({})", path, line_number, json_error_text(e.what()));
-    }
-    WEFT_CHECK(value.is_object(), "{}:{}: expected a JSON object, got {}", path, line_number,
-               value.type_name());
+  for_each_jsonl_object(content, path, [&](int64_t line_number, const nlohmann::json& value) {
     LabeledExample example;
-
-    const auto text = value.find(text_field);
-    WEFT_CHECK(text != value.end(), "{}:{}: object has no field '{}'", path, line_number,
-               text_field);
-    WEFT_CHECK(text->is_string(), "{}:{}: field '{}' is {}, expected a string", path,
-               line_number, text_field, text->type_name());
-    example.text = text->get<std::string>();
+    example.text = jsonl_string_field(value, text_field, path, line_number);
 
     const auto pair = value.find(pair_field);
     if (pair != value.end() && !pair->is_null()) {

@@ -255,6 +255,18 @@ int run_check(const CommandLine& cli) {
       settings += ", " + setting;
       continue;
     }
+    if (setting.rfind("model.int8_threshold=", 0) == 0) {
+      const auto value = setting.substr(std::string("model.int8_threshold=").size());
+      try {
+        size_t used = 0;
+        options.int8_threshold = std::stod(value, &used);
+        if (used != value.size() || !(options.int8_threshold >= 0)) throw std::invalid_argument(value);
+      } catch (const std::logic_error&) {
+        throw Error(fmt::format("trainer check: model.int8_threshold must be a number >= 0, got '{}'", value));
+      }
+      settings += ", " + setting;
+      continue;
+    }
     if (setting == "train.task=causal_lm" || setting == "train.task=classification") {
       options.task = setting.substr(std::string("train.task=").size());
       settings += ", " + setting;
@@ -268,7 +280,7 @@ int run_check(const CommandLine& cli) {
     if (setting.rfind("plugin.", 0) != 0) {
       throw Error(fmt::format("trainer check takes only --set plugin.KEY=VALUE (the plugin's settings), --set "
                               "train.mode=full|lora|adalora, --set train.precision=fp32|bf16|fp16, --set model.quantize=none|int8|nf4, "
-                              "--set train.task=causal_lm|classification and "
+                              "--set model.int8_threshold=X, --set train.task=causal_lm|classification and "
                               "--set train.device=cpu|cuda|auto, got '{}'",
                               setting));
     }

@@ -149,7 +149,8 @@ void Job::build_model() {
   ModelOptions model_options;
   model_options.compute_dtype = compute_dtype(options_.precision);
   model_options.activation_checkpointing = options_.model.activation_checkpointing;
-  model_options.quantize = parse_quant_format(options_.model.quantize);
+  model_options.quantize = QuantConfig(parse_quant_format(options_.model.quantize), options_.model.int8_threshold,
+                                       options_.model.int8_gemm);
   placement_ = strategy_->place(config, model_options.compute_dtype, options_.data.seq_len, options_.batch_size);
   model_options.stages = placement_.stages;
   WEFT_CHECK(!config.classification() || placement_.sequence_parallel_size == 1,
@@ -174,11 +175,23 @@ void Job::build_model() {
     lora_->adalora = adalora;
   }
   shards_ = model_options.shards;
-  quantize_ = model_options.quantize;
+  quantize_ = model_options.quantize.format;
   plan_memory(config, model_options.compute_dtype);
   if (plan_only_) return;
   WEFT_CHECK(memory_.fits, "{}", memory_.problem);
   model_options.comm = strategy_->comm_hook();
+  if (model_options.quantize.format == QuantFormat::kInt8 && model_options.quantize.int8_gemm &&
+      strategy_->library().negotiated_abi().minor < 7) {
+    // A row-split int8 layer quantizes each token over the whole row: the plugin all-reduces the
+    // rows' absmax at WEFT_COMM_ROW_ABSMAX, which a plugin built before ABI 1.7 does not know.
+    for (const auto& [name, shard] : model_options.shards) {
+      WEFT_CHECK(shard.dim != 1 || shard.whole() || !device_.is_cpu() || !cpu_int8_gemm_available(),
+                 "plugin {} (ABI 1.{}) splits {} along its input columns, and model.quantize = \"int8\" on the "
+                 "CPU multiplies it in the int8 GEMM, whose per-token scales need the plugin to all-reduce them "
+                 "(WEFT_COMM_ROW_ABSMAX, ABI 1.7): rebuild the plugin against this SDK",
+                 strategy_->library().name(), strategy_->library().negotiated_abi().minor, name);
+    }
+  }
   model_options.sequence = strategy_->sequence_split();
   model_ = LlamaForCausalLM(config, model_options);
   // On the device before the weights arrive, so that each tensor goes from the memory-mapped file

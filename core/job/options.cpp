@@ -106,6 +106,15 @@ const std::vector<Row>& rows() {
                  "LLM.int8's per-row absmax, nf4 = QLoRA's 4-bit NormalFloat (blocks of 64, double-quantized "
                  "scales); quantized at load, one tensor at a time.",
                  {"none", "int8", "nf4"}),
+      float_key("model.int8_threshold", WEFT_MEMBER(model.int8_threshold), 6.0,
+                "int8 on the CPU's int8 GEMM (model.int8_gemm): input elements of magnitude >= this are "
+                "LLM.int8's outliers, multiplied in fp32; the rest are quantized per token to 7 bits. 0 = no "
+                "outliers.",
+                0),
+      bool_key("model.int8_gemm", WEFT_MEMBER(model.int8_gemm), true,
+               "int8 on the CPU: multiply in LibTorch's int8 GEMM (quantized::linear_dynamic, onednn/x86/fbgemm), "
+               "LLM.int8's scheme; false = dequantize each layer for a float GEMM (the int8 weights' exact "
+               "function). CUDA, and a LibTorch without an exact CPU int8 GEMM, always dequantize."),
       // [data]
       list_key("data.path", WEFT_MEMBER(data.paths), {"data/austen/austen.jsonl"},
                "Training files or directories: text .txt, JSONL .jsonl, or tokens .u16/.u32/.bin."),

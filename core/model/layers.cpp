@@ -13,8 +13,9 @@
 
 namespace weft {
 
-LinearImpl::LinearImpl(int64_t in_features, int64_t out_features, QuantFormat quantize)
+LinearImpl::LinearImpl(int64_t in_features, int64_t out_features, QuantConfig quantize)
     : in_features_(in_features), out_features_(out_features), quantize_(quantize) {
+  int8_.threshold = quantize_.int8_threshold;
   if (!quantized()) weight = register_parameter("weight", torch::empty({out_features, in_features}));
 }
 
@@ -27,7 +28,7 @@ void LinearImpl::set_weight(const torch::Tensor& value, const torch::Device& dev
     weight.copy_(value);
     return;
   }
-  store_quantized(quantize_matrix(value.to(device), quantize_));
+  store_quantized(quantize_matrix(value.to(device), quantize_.format));
 }
 
 void LinearImpl::set_weight_slice_of(const torch::Tensor& whole, const ParameterShard& shard, const torch::Device& device) {
@@ -37,19 +38,28 @@ void LinearImpl::set_weight_slice_of(const torch::Tensor& whole, const Parameter
   const auto [start, length] = shard.range(whole.size(shard.dim));
   if (!quantized()) return set_weight(whole.narrow(shard.dim, start, length), device);
   torch::NoGradGuard no_grad;
-  store_quantized(slice_quantized(quantize_matrix(whole.to(device), quantize_), shard.dim, start, length));
+  if (shard.dim == 1) int8_.row_absmax = row_absmax_sync_;  // a row-parallel slice
+  store_quantized(slice_quantized(quantize_matrix(whole.to(device), quantize_.format), shard.dim, start, length));
 }
 
 void LinearImpl::store_quantized(QuantizedMatrix q) {
   WEFT_CHECK(q.rows == out_features_ && q.cols == in_features_, "linear layer [{}, {}]: a quantized weight of [{}, {}]",
              out_features_, in_features_, q.rows, q.cols);
+  // int8 on the CPU: packed for the int8 GEMM, whose packed copy then holds the int8 values.
+  if (q.format == QuantFormat::kInt8 && quantize_.int8_gemm && q.data.device().is_cpu() && cpu_int8_gemm_available()) {
+    pack_for_int8_gemm(q);
+  }
   // Buffers, so that module.to() moves them; registered on the first call, replaced after.
   const std::pair<const char*, torch::Tensor*> parts[] = {
       {"weight_data", &q.data}, {"weight_scale", &q.scale}, {"weight_scale2", &q.scale2}, {"weight_offset", &q.offset}};
   auto buffers = named_buffers(/*recurse=*/false);  // tensors sharing the module's
   for (const auto& [name, tensor] : parts) {
-    if (!tensor->defined()) continue;
-    if (auto* existing = buffers.find(name)) {
+    auto* existing = buffers.find(name);
+    if (!tensor->defined()) {  // (the int8 values of a packed matrix): an earlier one's is released
+      if (existing) existing->set_data(torch::empty({0}, existing->options()));
+      continue;
+    }
+    if (existing) {
       existing->set_data(*tensor);
       *tensor = *existing;
     } else {
@@ -64,7 +74,7 @@ torch::Tensor LinearImpl::dense_weight(torch::Dtype dtype) const {
 }
 
 torch::Tensor LinearImpl::base_output(const torch::Tensor& input) {
-  if (quantized()) return quantized_linear(input, quantized_);
+  if (quantized()) return quantized_linear(input, quantized_, &int8_);
   return torch::nn::functional::linear(input, weight.to(compute_dtype_));
 }
 
@@ -298,7 +308,7 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, c
 
 AttentionImpl::AttentionImpl(const ModelConfig& c) : AttentionImpl(c, c.num_attention_heads, c.num_key_value_heads) {}
 
-AttentionImpl::AttentionImpl(const ModelConfig& c, int64_t heads, int64_t kv_heads, QuantFormat quantize)
+AttentionImpl::AttentionImpl(const ModelConfig& c, int64_t heads, int64_t kv_heads, QuantConfig quantize)
     : num_heads_(heads), num_kv_heads_(kv_heads), head_dim_(c.head_dim), kernel_(resolve_attention_kernel(c.attention)) {
   q_proj = register_module("q_proj", Linear(c.hidden_size, num_heads_ * head_dim_, quantize));
   k_proj = register_module("k_proj", Linear(c.hidden_size, num_kv_heads_ * head_dim_, quantize));
@@ -375,7 +385,7 @@ torch::Tensor AttentionImpl::forward_cached(const torch::Tensor& x, const Rotary
 
 MlpImpl::MlpImpl(const ModelConfig& c) : MlpImpl(c, c.intermediate_size) {}
 
-MlpImpl::MlpImpl(const ModelConfig& c, int64_t intermediate, QuantFormat quantize) {
+MlpImpl::MlpImpl(const ModelConfig& c, int64_t intermediate, QuantConfig quantize) {
   gate_proj = register_module("gate_proj", Linear(c.hidden_size, intermediate, quantize));
   up_proj = register_module("up_proj", Linear(c.hidden_size, intermediate, quantize));
   down_proj = register_module("down_proj", Linear(intermediate, c.hidden_size, quantize));
@@ -387,7 +397,7 @@ torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
 }
 
 DecoderBlockImpl::DecoderBlockImpl(const ModelConfig& c)
-    : DecoderBlockImpl(c, BlockShape{c.num_attention_heads, c.num_key_value_heads, c.intermediate_size}, -1, nullptr) {}
+    : DecoderBlockImpl(c, BlockShape{c.num_attention_heads, c.num_key_value_heads, c.intermediate_size, {}}, -1, nullptr) {}
 
 DecoderBlockImpl::DecoderBlockImpl(const ModelConfig& c, const BlockShape& shape, int64_t layer, const CommHook* comm)
     : layer_(layer), comm_(comm) {
@@ -396,6 +406,11 @@ DecoderBlockImpl::DecoderBlockImpl(const ModelConfig& c, const BlockShape& shape
   input_layernorm = register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
   post_attention_layernorm =
       register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+  if (comm_ != nullptr) {  // row-parallel int8 layers: each token's absmax over the whole row
+    auto sync = [comm, layer](torch::Tensor& absmax) { (*comm)(CommPoint::kRowAbsMax, false, layer, absmax); };
+    self_attn->o_proj->set_row_absmax_sync(sync);
+    mlp->down_proj->set_row_absmax_sync(sync);
+  }
 }
 
 namespace {

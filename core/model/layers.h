@@ -45,12 +45,12 @@ TORCH_MODULE(WeightHolder);
 // weight_offset, and set with set_weight().
 class LinearImpl : public torch::nn::Module {
  public:
-  LinearImpl(int64_t in_features, int64_t out_features, QuantFormat quantize = QuantFormat::kNone);
+  LinearImpl(int64_t in_features, int64_t out_features, QuantConfig quantize = {});
   torch::Tensor forward(const torch::Tensor& x);
 
   int64_t in_features() const { return in_features_; }
   int64_t out_features() const { return out_features_; }
-  bool quantized() const { return quantize_ != QuantFormat::kNone; }
+  bool quantized() const { return quantize_.enabled(); }
   // Sets the base weight from `value` [out, in] (any float dtype): copied into `weight`, or
   // quantized on `device` (the fp32 value is not kept).
   void set_weight(const torch::Tensor& value, const torch::Device& device);
@@ -60,8 +60,14 @@ class LinearImpl : public torch::nn::Module {
   void set_weight_slice_of(const torch::Tensor& whole, const ParameterShard& shard, const torch::Device& device);
   // The base weight in `dtype`: `weight` cast, or the quantized weight dequantized.
   torch::Tensor dense_weight(torch::Dtype dtype) const;
-  // The quantized weight (quantized() layers only).
+  // The quantized weight (quantized() layers only). An int8 layer on the CPU holds it packed for
+  // the int8 GEMM when this LibTorch has one (cpu_int8_gemm_available()) and computes its forward
+  // with LLM.int8's int8_linear (model.int8_threshold).
   const QuantizedMatrix& quantized_weight() const { return quantized_; }
+  // For a row-parallel layer (a slice along dim 1) computing with int8_linear: how the rows'
+  // absmax over this process's input columns becomes the whole row's (CommPoint::kRowAbsMax).
+  // Set before the weight; used only once a dim-1 slice is set.
+  void set_row_absmax_sync(RowAbsmaxSync sync) { row_absmax_sync_ = std::move(sync); }
 
   // Adds LoRA adapters (A: [r, in] kaiming-uniform from `generator_seed`, B: [out, r] zeros)
   // and freezes the base weight. When `weight` is a slice of a split layer (`base`), the
@@ -102,8 +108,10 @@ class LinearImpl : public torch::nn::Module {
   void store_quantized(QuantizedMatrix q);
 
   int64_t in_features_, out_features_;
-  QuantFormat quantize_;
+  QuantConfig quantize_;
   QuantizedMatrix quantized_;
+  Int8LinearOptions int8_;          // int8_linear's threshold, and the row sync once row-split
+  RowAbsmaxSync row_absmax_sync_;
   WeightHolder lora_A_{nullptr};
   WeightHolder lora_B_{nullptr};
   torch::Tensor ada_A_, ada_E_, ada_B_;
@@ -175,7 +183,7 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, c
 // parallelism).
 struct BlockShape {
   int64_t heads = 0, kv_heads = 0, intermediate = 0;
-  QuantFormat quantize = QuantFormat::kNone;  // how the block's linear weights are stored
+  QuantConfig quantize;  // how the block's linear weights are stored
 };
 
 // One layer's key/value cache for incremental decoding: [B, kv_heads, length, head_dim] each,
@@ -195,8 +203,7 @@ class AttentionImpl : public torch::nn::Module {
   explicit AttentionImpl(const ModelConfig& config);
   // This process's `heads` query and `kv_heads` key/value heads (column-parallel q/k/v,
   // row-parallel o: the output is a partial sum over the processes' heads).
-  AttentionImpl(const ModelConfig& config, int64_t heads, int64_t kv_heads,
-                QuantFormat quantize = QuantFormat::kNone);
+  AttentionImpl(const ModelConfig& config, int64_t heads, int64_t kv_heads, QuantConfig quantize = {});
   // x [B, T, hidden] -> [B, T, hidden]; rope gives the position tables.
   torch::Tensor forward(const torch::Tensor& x, const RotaryEmbedding& rope);
   // The same for new tokens at positions cache.length() .. + T - 1, attending to the cached
@@ -231,7 +238,7 @@ class MlpImpl : public torch::nn::Module {
  public:
   explicit MlpImpl(const ModelConfig& config);
   // `intermediate` columns of the MLP (gate/up column-parallel, down row-parallel).
-  MlpImpl(const ModelConfig& config, int64_t intermediate, QuantFormat quantize = QuantFormat::kNone);
+  MlpImpl(const ModelConfig& config, int64_t intermediate, QuantConfig quantize = {});
   torch::Tensor forward(const torch::Tensor& x);
   Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
 };
@@ -242,7 +249,8 @@ class DecoderBlockImpl : public torch::nn::Module {
  public:
   explicit DecoderBlockImpl(const ModelConfig& config);
   // Block `layer` holding `shape` of it; `comm` (may be null; must outlive the block) is called
-  // at the four Megatron points around attention and MLP.
+  // at the four Megatron points around attention and MLP, and at kRowAbsMax by o_proj and
+  // down_proj when they are row-split int8 layers computing with int8_linear.
   DecoderBlockImpl(const ModelConfig& config, const BlockShape& shape, int64_t layer, const CommHook* comm);
   torch::Tensor forward(const torch::Tensor& x, const RotaryEmbedding& rope);
   // Incremental decoding with this block's cache (see AttentionImpl::forward_cached).

@@ -87,7 +87,7 @@ LocalShape local_shape(const ModelConfig& c, const ShardMap& shards, int64_t fir
 }
 
 LlamaBackboneImpl::LlamaBackboneImpl(const ModelConfig& c, int64_t first, int64_t last, const LocalShape& local,
-                                     const CommHook* comm, QuantFormat quantize) {
+                                     const CommHook* comm, QuantConfig quantize) {
   const int64_t final_stage = c.num_hidden_layers + 1;
   const bool holds_head = first <= final_stage && final_stage < last;
   if (first == 0 || (holds_head && c.tie_word_embeddings && !c.classification())) {

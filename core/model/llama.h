@@ -44,9 +44,10 @@ struct ModelOptions {
   // Sequence parallelism (parallel.h): forward() takes this process's tokens of each sequence
   // and the attention core exchanges them (none, or size 1: whole sequences).
   std::shared_ptr<const SequenceSplit> sequence;
-  // How the decoder blocks' linear weights are stored (quantize.h; model.quantize): quantized
-  // layers are frozen and hold no `weight` parameter (set them with load_weights / init_weights).
-  QuantFormat quantize = QuantFormat::kNone;
+  // How the decoder blocks' linear weights are stored (quantize.h; model.quantize and
+  // model.int8_threshold): quantized layers are frozen and hold no `weight` parameter (set them
+  // with load_weights / init_weights).
+  QuantConfig quantize;
 };
 
 // What a process's slices amount to, checked against the Megatron layout: local head counts,
@@ -62,7 +63,7 @@ LocalShape local_shape(const ModelConfig& config, const ShardMap& shards, int64_
 class LlamaBackboneImpl : public torch::nn::Module {
  public:
   LlamaBackboneImpl(const ModelConfig& config, int64_t first_stage, int64_t last_stage, const LocalShape& local,
-                    const CommHook* comm, QuantFormat quantize = QuantFormat::kNone);
+                    const CommHook* comm, QuantConfig quantize = {});
   torch::nn::Embedding embed_tokens{nullptr};  // present when stage 0 (or a tied head) is held
   std::shared_ptr<torch::nn::Module> layers;   // children "i" -> DecoderBlock for held blocks
   RMSNorm norm{nullptr};                       // present when the last stage is held

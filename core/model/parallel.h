@@ -56,6 +56,8 @@ enum class CommPoint {
   kLossSum = 6,          // per-token sums of the local logits' terms: all-reduce forward
   kHeadInput = 7,        // before a vocabulary-parallel LM head: identity forward, all-reduce
                          // backward (the hidden state's gradient sums over the vocabulary)
+  kRowAbsMax = 8,        // per-token absmax of a row-parallel int8 layer's input columns
+                         // (int8_linear): all-reduce(max) forward; never backward (ABI 1.7)
 };
 
 // Communicates in place on `tensor` at `point` of decoder block `layer` (-1 outside blocks),

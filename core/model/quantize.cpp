@@ -75,22 +75,62 @@ torch::Tensor nf4_absmax(const QuantizedMatrix& m) {
   return scale_blocks(code.index_select(0, m.scale.to(torch::kInt)), m.scale2, kNf4ScaleBlockSize) + m.offset;
 }
 
-// y = x W^T with W dequantized in x's dtype for the product only; backward gives x's gradient
-// from W dequantized again.
+// y = x W^T with W dequantized in x's dtype for the product only (or LLM.int8's int8 product for
+// a packed W); backward gives x's gradient from W dequantized again.
 class QuantizedLinearFunction : public torch::autograd::Function<QuantizedLinearFunction> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
-                               const QuantizedMatrix* weight) {
+                               const QuantizedMatrix* weight, const Int8LinearOptions* int8) {
     ctx->saved_data["weight"] = reinterpret_cast<int64_t>(weight);
+    if (weight->is_packed() && x.device().is_cpu()) {
+      static const Int8LinearOptions defaults;
+      const auto& options = int8 ? *int8 : defaults;
+      return int8_linear(x, *weight, options.threshold, options.row_absmax);
+    }
     return torch::matmul(x, weight->dequantize(x.scalar_type()).t());
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto* weight = reinterpret_cast<const QuantizedMatrix*>(ctx->saved_data["weight"].toInt());
     const auto& grad = grads[0];
-    return {torch::matmul(grad, weight->dequantize(grad.scalar_type())), torch::Tensor()};
+    return {torch::matmul(grad, weight->dequantize(grad.scalar_type())), torch::Tensor(), torch::Tensor()};
   }
 };
+
+// LibTorch's quantized ops through the dispatcher by name: their C++ declarations and the packed
+// parameters' class live in version-specific internal headers, the schemas are the same in 1.13
+// and 2.x.
+c10::IValue call_quantized_op(const char* name, std::vector<c10::IValue> args) {
+  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+  torch::jit::Stack stack(std::make_move_iterator(args.begin()), std::make_move_iterator(args.end()));
+  op.callBoxed(&stack);
+  return stack.empty() ? c10::IValue() : stack.front();  // the first result
+}
+
+// 7-bit activations: x86's u8 x s8 GEMM without VNNI sums pairs of products in int16, which
+// 127 x 255 x 2 overflows and 127 x 127 x 2 does not.
+constexpr double kActivationLevels = 63.0;
+
+// The int8 values [rows, cols] packed with per-channel scales 1, zero points 0.
+c10::IValue prepack_int8(const torch::Tensor& values) {
+  const auto rows = values.size(0);
+  const auto q = at::_make_per_channel_quantized_tensor(
+      values.contiguous(), torch::ones({rows}, torch::kDouble), torch::zeros({rows}, torch::kLong), 0);
+  return call_quantized_op("quantized::linear_prepack", {q, c10::IValue()});
+}
+
+// The int8 GEMM on activations already quantized to integers in [-63, 63] (fp32 [M, cols]): the
+// exact int32 sums, as fp32. linear_dynamic quantizes its input per tensor from its range; two
+// extra rows holding -64 and 63 fix that range, so that its scale is exactly 1 and its zero point
+// 64, and each row's integers go through unchanged (reduce_range: the 7-bit quint8 range).
+torch::Tensor int8_gemm(const torch::Tensor& integers, const c10::IValue& packed) {
+  const auto m = integers.size(0), k = integers.size(1);
+  auto range = torch::empty({2, k}, integers.options());
+  range[0].fill_(-kActivationLevels - 1);
+  range[1].fill_(kActivationLevels);
+  const auto out = call_quantized_op("quantized::linear_dynamic", {torch::cat({integers, range}), packed, true});
+  return out.toTensor().narrow(0, 0, m);
+}
 
 // nf4's code indices, one uint8 per element [n], from the packed nibbles.
 torch::Tensor nf4_indices(const QuantizedMatrix& m) {
@@ -280,6 +320,7 @@ QuantizedMatrix slice_quantized(const QuantizedMatrix& whole, int64_t dim, int64
 
 torch::Tensor QuantizedMatrix::dequantize(torch::Dtype dtype) const {
   torch::NoGradGuard no_grad;
+  if (is_packed()) return (int8_values().to(torch::kFloat32) * (scale / 127.0).unsqueeze(1)).to(dtype);
   WEFT_CHECK(data.defined(), "dequantize: the matrix holds no data");
 #ifdef WEFT_WITH_CUDA
   // On a GPU one kernel (core/model/cuda) instead of ATen's chain of indexing and elementwise
@@ -296,17 +337,93 @@ torch::Tensor QuantizedMatrix::dequantize(torch::Dtype dtype) const {
   return values.reshape({rows, cols}).to(dtype);
 }
 
+torch::Tensor QuantizedMatrix::int8_values() const {
+  WEFT_CHECK(format == QuantFormat::kInt8, "int8_values of a {} matrix", quant_format_name(format));
+  if (!is_packed()) return data;
+  torch::NoGradGuard no_grad;
+  // (linear_unpack returns the weight and the bias; the first is the per-channel qint8 weight.)
+  return call_quantized_op("quantized::linear_unpack", {packed}).toTensor().int_repr();
+}
+
 int64_t QuantizedMatrix::bytes() const {
-  int64_t total = 0;
+  int64_t total = is_packed() ? rows * cols : 0;
   for (const auto* t : {&data, &scale, &scale2, &offset}) {
     if (t->defined()) total += t->numel() * static_cast<int64_t>(t->element_size());
   }
   return total;
 }
 
-torch::Tensor quantized_linear(const torch::Tensor& x, const QuantizedMatrix& weight) {
+bool cpu_int8_gemm_available() {
+  static const bool available = [] {
+    try {
+      auto& context = at::globalContext();
+      const auto engines = context.supportedQEngines();
+      const auto has = [&](at::QEngine e) { return std::find(engines.begin(), engines.end(), e) != engines.end(); };
+      const at::QEngine current = context.qEngine();
+      if (current != at::kONEDNN && current != at::kX86 && current != at::kFBGEMM) {
+        if (has(at::kONEDNN)) context.setQEngine(at::kONEDNN);
+        else if (has(at::kX86)) context.setQEngine(at::kX86);
+        else if (has(at::kFBGEMM)) context.setQEngine(at::kFBGEMM);
+        else return false;
+      }
+      // Every extreme: rows of -64 and 63 against rows of -127 and 127, then mixed signs.
+      torch::NoGradGuard no_grad;
+      const int64_t m = 8, n = 8, k = 512;
+      auto x = torch::full({m, k}, kActivationLevels);
+      x.slice(0, 0, m, 2).fill_(-kActivationLevels);
+      x[2] = torch::arange(k, torch::kFloat32).remainder(2 * kActivationLevels + 1) - kActivationLevels;
+      auto w = torch::full({n, k}, 127, torch::kInt8);
+      w.slice(0, 1, n, 2).fill_(-127);
+      w[3] = (torch::arange(k, torch::kInt32).remainder(255) - 127).to(torch::kInt8);
+      const auto got = int8_gemm(x, prepack_int8(w)).to(torch::kDouble);
+      const auto want = torch::matmul(x.to(torch::kDouble), w.to(torch::kDouble).t());
+      return torch::equal(got, want);
+    } catch (const std::exception&) {
+      return false;  // no quantized engine in this LibTorch
+    }
+  }();
+  return available;
+}
+
+void pack_for_int8_gemm(QuantizedMatrix& m) {
+  WEFT_CHECK(m.format == QuantFormat::kInt8 && m.data.defined() && m.data.device().is_cpu(),
+             "pack_for_int8_gemm: an int8 matrix on the CPU is needed");
+  WEFT_CHECK(cpu_int8_gemm_available(), "pack_for_int8_gemm: this LibTorch has no exact CPU int8 GEMM");
+  m.packed = prepack_int8(m.data);
+  m.data = torch::Tensor();
+}
+
+torch::Tensor int8_linear(const torch::Tensor& x, const QuantizedMatrix& weight, double threshold,
+                          const RowAbsmaxSync& row_absmax) {
+  WEFT_CHECK(weight.is_packed(), "int8_linear: the weight is not packed for the int8 GEMM");
+  WEFT_CHECK(x.size(-1) == weight.cols, "int8 linear: input has {} features, the weight {}", x.size(-1), weight.cols);
+  torch::NoGradGuard no_grad;
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = weight.rows;
+  const auto a = x.reshape({-1, weight.cols}).to(torch::kFloat32);
+  torch::Tensor outlier;  // |a| >= threshold, where any
+  if (threshold > 0) {
+    outlier = a.abs() >= threshold;
+    if (!outlier.any().item<bool>()) outlier = torch::Tensor();
+  }
+  const auto inliers = outlier.defined() ? a.masked_fill(outlier, 0.0) : a;
+  auto absmax = a.size(0) == 0 ? torch::zeros({0}) : std::get<0>(inliers.abs().max(1));
+  if (row_absmax) row_absmax(absmax);
+  const auto row_scale = absmax.clamp_min(1e-30) / kActivationLevels;
+  const auto integers = torch::round(inliers / row_scale.unsqueeze(1)).clamp_(-kActivationLevels, kActivationLevels);
+  auto y = int8_gemm(integers, weight.packed) * row_scale.unsqueeze(1) * (weight.scale / 127.0).unsqueeze(0);
+  if (outlier.defined()) {  // outliers' columns in fp32
+    const auto columns = outlier.any(0).nonzero().squeeze(1);
+    const auto values = a.index_select(1, columns) * outlier.index_select(1, columns);
+    const auto w = weight.int8_values().index_select(1, columns).to(torch::kFloat32) * (weight.scale / 127.0).unsqueeze(1);
+    y.add_(torch::matmul(values, w.t()));
+  }
+  return y.to(x.scalar_type()).reshape(out_shape);
+}
+
+torch::Tensor quantized_linear(const torch::Tensor& x, const QuantizedMatrix& weight, const Int8LinearOptions* int8) {
   WEFT_CHECK(x.size(-1) == weight.cols, "quantized linear: input has {} features, the weight {}", x.size(-1), weight.cols);
-  return QuantizedLinearFunction::apply(x, &weight);
+  return QuantizedLinearFunction::apply(x, &weight, int8);
 }
 
 }  // namespace weft

@@ -5,6 +5,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include <torch/types.h>
@@ -17,10 +18,21 @@ enum class QuantFormat { kNone, kInt8, kNf4 };
 QuantFormat parse_quant_format(const std::string& name);
 const char* quant_format_name(QuantFormat format);
 
-// How the decoder blocks' linear weights (q/k/v/o, gate/up/down) are stored. Embeddings, norms,
-// the LM head and LoRA adapters are never quantized.
+constexpr double kDefaultInt8Threshold = 6.0;  // LLM.int8's outlier threshold (bitsandbytes' default)
+
+// How the decoder blocks' linear weights (q/k/v/o, gate/up/down) are stored and multiplied.
+// Embeddings, norms, the LM head and LoRA adapters are never quantized.
 struct QuantConfig {
-  QuantFormat format = QuantFormat::kNone;
+  QuantConfig(QuantFormat format_ = QuantFormat::kNone, double int8_threshold_ = kDefaultInt8Threshold,
+              bool int8_gemm_ = true)
+      : format(format_), int8_threshold(int8_threshold_), int8_gemm(int8_gemm_) {}
+  QuantFormat format;
+  // int8 with the CPU's int8 GEMM (int8_linear): input elements of magnitude >= this are outliers,
+  // multiplied in fp32 (model.int8_threshold); 0 = none.
+  double int8_threshold;
+  // int8 on the CPU where cpu_int8_gemm_available(): multiply in the int8 GEMM (int8_linear);
+  // false: dequantize each layer for a float GEMM, as everywhere else (model.int8_gemm).
+  bool int8_gemm;
   bool enabled() const { return format != QuantFormat::kNone; }
 };
 
@@ -46,13 +58,21 @@ constexpr int64_t kNf4ScaleBlockSize = 256;   // absmaxes per second-level scale
 //         + offset, offset = the mean absmax), as bitsandbytes' quantize_4bit(compress_statistics).
 //         A slice of a quantized matrix (slice_quantized) keeps each block's absmax in fp32 instead:
 //         scale fp32 [blocks], no scale2 or offset.
+//   An int8 matrix packed for the CPU's int8 GEMM (pack_for_int8_gemm) holds its values in
+//   `packed` (LibTorch's quantized::linear_prepack of data, per-channel scales 1) and no `data`:
+//   the int8 bytes are held once.
 struct QuantizedMatrix {
   QuantFormat format = QuantFormat::kNone;
   int64_t rows = 0, cols = 0;
   torch::Tensor data, scale, scale2, offset;
+  c10::IValue packed;  // int8 packed for int8_linear, or None
 
+  bool is_packed() const { return !packed.isNone(); }
+  // int8: data, or (packed) the int8 values unpacked into a new tensor.
+  torch::Tensor int8_values() const;
   // The matrix in `dtype` (fp32 math, then cast), on the data's device.
   torch::Tensor dequantize(torch::Dtype dtype = torch::kFloat32) const;
+  // Bytes held; a packed matrix counts its int8 values once (rows x cols) plus its scales.
   int64_t bytes() const;
 };
 
@@ -66,9 +86,43 @@ QuantizedMatrix quantize_matrix(const torch::Tensor& weight, QuantFormat format)
 // keeps their absmaxes in fp32. Throws weft::Error for a slice that splits nf4 blocks.
 QuantizedMatrix slice_quantized(const QuantizedMatrix& whole, int64_t dim, int64_t start, int64_t length);
 
+// Whether int8_linear runs here: LibTorch's CPU int8 GEMM (quantized::linear_dynamic on the
+// onednn, x86 or fbgemm engine) exists and, checked once per process on a product with every
+// extreme value, computes 7-bit x 8-bit integer products exactly (x86 without VNNI saturates
+// 8-bit x 8-bit pairs, hence 7-bit activations). Selects that engine (at::globalContext).
+bool cpu_int8_gemm_available();
+
+// Packs an int8 matrix on the CPU for int8_linear (the int8 values move into `packed`, `data` is
+// released). Requires cpu_int8_gemm_available().
+void pack_for_int8_gemm(QuantizedMatrix& m);
+
+// LLM.int8's forward, for a packed int8 W [rows, cols] and x [..., cols] (any float dtype; result in
+// x's dtype): elements of x with |x| >= threshold (threshold > 0) are outliers, multiplied in fp32
+// with their columns of W dequantized; the others are quantized per row (token) to 7 bits,
+// round(63 x / absmax(row)), and multiplied by W's int8 values in the int8 GEMM, the int32 sums
+// scaled back by absmax(row) / 63 x scale(out row) / 127. Outliers are elements rather than whole
+// columns (bitsandbytes takes a column out for every row once any row exceeds the threshold), so
+// that a token's result never depends on the other tokens of its batch: a batch split over ranks
+// computes what one process computes. `row_absmax` (may be empty) receives the rows' absmax of
+// this process's columns [tokens] and must leave the maximum over every process holding the
+// input's other columns (a row-parallel tensor-parallel layer: CommPoint::kRowAbsMax), so that
+// every split quantizes as the whole does.
+using RowAbsmaxSync = std::function<void(torch::Tensor& row_absmax)>;
+torch::Tensor int8_linear(const torch::Tensor& x, const QuantizedMatrix& weight, double threshold,
+                          const RowAbsmaxSync& row_absmax = {});
+
+// How quantized_linear multiplies a packed int8 weight (int8_linear's threshold and row sync).
+struct Int8LinearOptions {
+  double threshold = kDefaultInt8Threshold;
+  RowAbsmaxSync row_absmax;
+};
+
 // x [..., cols] @ W^T in x's dtype, for a frozen quantized W: autograd gives x's gradient only,
 // and neither pass keeps a dequantized copy of W beyond its own GEMM (backward dequantizes again),
-// so at most one layer's weight is ever held in the compute precision.
-torch::Tensor quantized_linear(const torch::Tensor& x, const QuantizedMatrix& weight);
+// so at most one layer's weight is ever held in the compute precision. A packed int8 W on the
+// CPU computes the forward with int8_linear (`int8`; default options when null); backward is
+// always the gradient of x W^T with W dequantized (the straight-through gradient LLM.int8 uses).
+torch::Tensor quantized_linear(const torch::Tensor& x, const QuantizedMatrix& weight,
+                               const Int8LinearOptions* int8 = nullptr);
 
 }  // namespace weft

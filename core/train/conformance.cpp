@@ -16,6 +16,7 @@
 #include "core/io/safetensors.h"
 #include "core/model/config.h"
 #include "core/model/lora.h"
+#include "core/model/quantize.h"
 #include "core/train/trainer.h"
 #include "core/util/device.h"
 #include "core/util/error.h"
@@ -101,6 +102,8 @@ std::string run_arguments(const ConformanceOptions& c, const std::string& corpus
                                    c.steps);
   }
   if (c.quantize != "none") plugin_settings += " --set model.quantize=" + c.quantize;
+  if (c.int8_threshold != 6.0) plugin_settings += fmt::format(" --set model.int8_threshold={}", c.int8_threshold);
+  if (c.quantize == "int8" && c.device != "cpu") plugin_settings += " --set model.int8_gemm=false";
   if (c.task != "causal_lm") plugin_settings += " --set train.task=" + c.task;
   return fmt::format(
       "train --plugin {} --nproc {} --set model.config={} --set data.path={} --set data.seq_len=32"
@@ -177,6 +180,8 @@ TrainOptions run_options(const ConformanceOptions& c, const std::string& corpus,
     o.adalora.delta_t = 2;
   }
   o.model.quantize = c.quantize;
+  o.model.int8_threshold = c.int8_threshold;
+  o.model.int8_gemm = c.device == "cpu";  // the reference computes as the plugin's run does (see int8_gemm_loss_rtol)
   o.task = c.task;
   return o;
 }
@@ -286,6 +291,11 @@ ConformanceReport check_conformance(const ConformanceOptions& c) {
   report.precision = c.precision;
   report.loss_rtol = c.precision == "fp32" ? c.loss_rtol : c.bf16_loss_rtol;
   report.param_atol = c.precision == "fp32" ? c.param_atol : c.bf16_param_atol;
+  if (c.precision == "fp32" && c.quantize == "int8" && c.device == "cpu" && cpu_int8_gemm_available()) {
+    report.loss_rtol = c.int8_gemm_loss_rtol;
+    report.param_atol = c.int8_gemm_param_atol;
+    report.note = "int8 in the CPU's int8 GEMM rounds activations to 7 bits, so the int8 tolerances apply";
+  }
   if (c.precision == "bf16" && c.device == "cpu" && !cpu_bf16_matmul_sums_in_fp32()) {
     report.loss_rtol = c.bf16_sums_loss_rtol;
     report.param_atol = c.bf16_sums_param_atol;

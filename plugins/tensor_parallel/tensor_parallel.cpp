@@ -158,6 +158,7 @@ class TensorParallel : public weft::sdk::Strategy {
         if (forward) host().all_reduce(tp_group_, tensor).wait();
         break;
       case WEFT_COMM_LOSS_MAX:
+      case WEFT_COMM_ROW_ABSMAX:  // per-token scales of a row-parallel int8 layer (ABI 1.7)
         if (forward) host().all_reduce(tp_group_, tensor, WEFT_REDUCE_MAX).wait();
         break;
     }

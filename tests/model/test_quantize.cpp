@@ -138,6 +138,112 @@ TEST(Quantize, QuantizedLinearComputesAndDifferentiatesTheDequantizedProduct) {
   }
 }
 
+// LLM.int8's forward (int8_linear), written out in double precision: outlier elements times their
+// dequantized columns, the others rounded per row to 63 levels and multiplied by the int8 values.
+torch::Tensor int8_linear_reference(const torch::Tensor& x, const torch::Tensor& values, const torch::Tensor& scale,
+                                    double threshold, const torch::Tensor& row_absmax = {}) {
+  const auto a = x.to(torch::kDouble);
+  const auto outlier = threshold > 0 ? (a.abs() >= threshold) : torch::zeros_like(a, torch::kBool);
+  const auto inliers = a.masked_fill(outlier, 0.0);
+  const auto absmax = row_absmax.defined() ? row_absmax.to(torch::kDouble) : std::get<0>(inliers.abs().max(1));
+  const auto row_scale = absmax.clamp_min(1e-30) / 63.0;
+  // Rounded in fp32 as the product is, so a value at a rounding boundary goes the same way.
+  const auto integers =
+      torch::round(inliers.to(torch::kFloat32) / row_scale.to(torch::kFloat32).unsqueeze(1)).to(torch::kDouble);
+  const auto w = values.to(torch::kDouble);
+  const auto column_scale = (scale.to(torch::kDouble) / 127.0).unsqueeze(0);
+  auto y = torch::matmul(integers, w.t()) * row_scale.unsqueeze(1) * column_scale;
+  return y + torch::matmul(a * outlier, (w * column_scale.t()).t());
+}
+
+torch::Tensor relative_error(const torch::Tensor& got, const torch::Tensor& want) {
+  return (got.to(torch::kDouble) - want.to(torch::kDouble)).abs().max() / want.to(torch::kDouble).abs().max();
+}
+
+// Activations with LLM.int8's outlier features: a few columns far above the threshold in most
+// rows, one row of zeros.
+torch::Tensor sample_activations(int64_t rows, int64_t cols, uint64_t seed) {
+  torch::manual_seed(seed);
+  auto x = torch::randn({rows, cols});
+  x.index_put_({torch::indexing::Slice(), 3}, 20.0 * torch::rand({rows}) - 10.0);
+  x.index_put_({torch::indexing::Slice(), cols - 5}, 9.0);
+  x[1].zero_();
+  return x;
+}
+
+TEST(Quantize, Int8LinearIsLlmInt8sDecomposition) {
+  if (!cpu_int8_gemm_available()) GTEST_SKIP() << "this LibTorch has no exact CPU int8 GEMM (quantized::linear_dynamic)";
+  auto q = quantize_matrix(sample_weight(96, 256, 11), QuantFormat::kInt8);
+  const auto values = q.data.clone();
+  const auto dense = q.dequantize();
+  pack_for_int8_gemm(q);
+  EXPECT_FALSE(q.data.defined());  // the packed copy holds the int8 values, once
+  EXPECT_TRUE(torch::equal(q.int8_values(), values));
+  EXPECT_TRUE(torch::equal(q.dequantize(), dense));
+  EXPECT_EQ(q.bytes(), 96 * 256 + 4 * 96);
+  const auto x = sample_activations(40, 256, 12);
+  for (double threshold : {6.0, 0.0, 1.5}) {
+    const auto got = int8_linear(x, q, threshold);
+    EXPECT_LT(relative_error(got, int8_linear_reference(x, values, q.scale, threshold)).item<double>(), 2e-6)
+        << "threshold " << threshold;
+  }
+  // Outliers taken out keep the error of the quantized product small; without them, each row's
+  // scale is set by its outlier and the other features lose their bits.
+  const auto exact = torch::matmul(x, dense.t());
+  const double with = relative_error(int8_linear(x, q, 6.0), exact).item<double>();
+  const double without = relative_error(int8_linear(x, q, 0.0), exact).item<double>();
+  EXPECT_LT(with, 0.03);  // 7-bit activations: about 1.7% of the largest output here
+  EXPECT_GT(without, 2 * with);
+  // Any leading shape, any float dtype in and out.
+  const auto y3 = int8_linear(x.reshape({4, 10, 256}).to(torch::kBFloat16), q, 6.0);
+  EXPECT_EQ(y3.sizes(), (std::vector<int64_t>{4, 10, 96}));
+  EXPECT_EQ(y3.scalar_type(), torch::kBFloat16);
+}
+
+// A token's result never depends on the rest of its batch (data parallelism computes what one
+// process computes), and a row-parallel split with its absmax all-reduced sums to the whole.
+TEST(Quantize, Int8LinearSplitsOverTokensAndOverColumnsAsTheWholeComputes) {
+  if (!cpu_int8_gemm_available()) GTEST_SKIP() << "this LibTorch has no exact CPU int8 GEMM (quantized::linear_dynamic)";
+  const auto whole = quantize_matrix(sample_weight(64, 256, 13), QuantFormat::kInt8);
+  auto packed = whole;
+  pack_for_int8_gemm(packed);
+  const auto x = sample_activations(24, 256, 14);
+  const auto y = int8_linear(x, packed, 6.0);
+  const auto halves = torch::cat({int8_linear(x.slice(0, 0, 7), packed, 6.0), int8_linear(x.slice(0, 7), packed, 6.0)});
+  EXPECT_TRUE(torch::equal(halves, y));
+  QuantizedMatrix left = slice_quantized(whole, 1, 0, 128), right = slice_quantized(whole, 1, 128, 128);
+  pack_for_int8_gemm(left);
+  pack_for_int8_gemm(right);
+  const auto x_left = x.slice(1, 0, 128), x_right = x.slice(1, 128);
+  // What the tensor-parallel plugin's all-reduce(max) at WEFT_COMM_ROW_ABSMAX leaves.
+  const auto inlier_absmax = [](const torch::Tensor& part) {
+    return std::get<0>(part.masked_fill(part.abs() >= 6.0, 0.0).abs().max(1));
+  };
+  const auto global = torch::maximum(inlier_absmax(x_left), inlier_absmax(x_right));
+  const RowAbsmaxSync sync = [&](torch::Tensor& absmax) { absmax = torch::maximum(absmax, global); };
+  const auto split = int8_linear(x_left, left, 6.0, sync) + int8_linear(x_right, right, 6.0, sync);
+  EXPECT_LT(relative_error(split, y).item<double>(), 1e-6);
+  // Without the all-reduce, each half quantizes on its own scale: a visibly different product.
+  const auto unsynced = int8_linear(x_left, left, 6.0) + int8_linear(x_right, right, 6.0);
+  EXPECT_GT(relative_error(unsynced, y).item<double>(), 1e-4);
+}
+
+TEST(Quantize, PackedInt8LinearDifferentiatesTheDequantizedProduct) {
+  if (!cpu_int8_gemm_available()) GTEST_SKIP() << "this LibTorch has no exact CPU int8 GEMM (quantized::linear_dynamic)";
+  auto q = quantize_matrix(sample_weight(48, 64, 3), QuantFormat::kInt8);
+  const auto dense = q.dequantize();
+  pack_for_int8_gemm(q);
+  torch::manual_seed(4);
+  auto x = torch::randn({2, 5, 64}, torch::requires_grad());
+  Int8LinearOptions options;
+  options.threshold = 1.0;
+  auto y = quantized_linear(x, q, &options);
+  EXPECT_TRUE(torch::allclose(y, int8_linear(x.detach(), q, 1.0)));
+  const auto g = torch::randn_like(y);
+  y.backward(g);
+  EXPECT_TRUE(torch::allclose(x.grad(), torch::matmul(g, dense), 1e-5, 1e-6));
+}
+
 // The CUDA dequantization kernels (core/model/cuda) against the CPU's ATen formulation: the same
 // values, bit for bit, for whole matrices (nf4 double-quantized, an odd element count) and slices
 // (nf4's absmaxes in fp32), in fp32 and bf16; and the quantizer on the GPU stores the CPU's codes.
@@ -207,8 +313,21 @@ void expect_quantized_model_matches_dequantized(QuantFormat format, bool from_fi
   }
   torch::manual_seed(6);
   const auto tokens = torch::randint(0, config.vocab_size, {2, 16}, torch::kLong);
-  EXPECT_TRUE(torch::allclose(quantized->forward(tokens), reference->forward(tokens), 1e-4, 1e-5))
-      << quant_format_name(format) << (from_file ? " loaded" : " initialised");
+  const auto logits = quantized->forward(tokens), want = reference->forward(tokens);
+  if (format == QuantFormat::kInt8 && cpu_int8_gemm_available()) {
+    // The int8 GEMM also rounds the activations (7 bits per token): close to, not equal to, the
+    // dequantized weights' function (int8_linear's own test checks its arithmetic exactly).
+    for (auto& item : quantized->named_modules("", false)) {
+      if (auto* linear = item.value()->as<LinearImpl>(); linear && linear->quantized()) {
+        EXPECT_TRUE(linear->quantized_weight().is_packed()) << item.key();
+      }
+    }
+    const double error = ((logits - want).abs().max() / want.abs().max()).item<double>();
+    EXPECT_LT(error, 0.05) << (from_file ? " loaded" : " initialised");
+    EXPECT_GT(error, 0.0);
+  } else {
+    EXPECT_TRUE(torch::allclose(logits, want, 1e-4, 1e-5)) << quant_format_name(format) << (from_file ? " loaded" : " initialised");
+  }
 }
 
 TEST(Quantize, ModelQuantizedAtInitComputesItsDequantizedWeightsFunction) {

@@ -75,6 +75,7 @@ weft::CommHook megatron_hook(ThreadAllReduce& reduce, int rank) {
         if (!backward) reduce.run(rank, t, false);
         break;
       case CommPoint::kLossMax:
+      case CommPoint::kRowAbsMax:
         if (!backward) reduce.run(rank, t, true);
         break;
     }

@@ -74,8 +74,11 @@ TEST(AbiLayout, TablesAreAppendOnlyFromVersionOne) {
   EXPECT_EQ(offsetof(weft_attention_block, q_position), 8u);
   EXPECT_EQ(offsetof(weft_attention_block, q), 40u);
   EXPECT_EQ(sizeof(weft_attention_block), 40 + 9 * sizeof(void*));
+  // ABI 1.7 appended a comm point; the earlier ones keep their values.
+  EXPECT_EQ(WEFT_COMM_HEAD_INPUT, 7);
+  EXPECT_EQ(WEFT_COMM_ROW_ABSMAX, 8);
   EXPECT_EQ(WEFT_ABI_VERSION_MAJOR, 1);
-  EXPECT_EQ(WEFT_ABI_VERSION_MINOR, 6);
+  EXPECT_EQ(WEFT_ABI_VERSION_MINOR, 7);
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 /*
  * weft/strategy.h - the weft strategy plugin ABI (C99).
  *
- * STATUS: ABI 1.6, implemented by the host (core/plugin) and used by single.so, ddp.so, gpipe.so,
+ * STATUS: ABI 1.7, implemented by the host (core/plugin) and used by single.so, ddp.so, gpipe.so,
  * pipedream.so, tensor_parallel.so, zero.so and context_parallel.so (plan stage ranges: the
  * pipelines; shard_parameter and comm_point: tensor parallelism; flat shards of the training
  * state: zero; sequence parallelism: context_parallel). 1.1 appended model_info, tracing, report_metric,
@@ -21,7 +21,8 @@
  * log-sum-exp, and its backward). 1.6 appended whole parameters in the compute dtype for
  * sharded training (WEFT_FLAT_SHARD_COMPUTE_DTYPE, FSDP's mixed-precision parameters:
  * weft_stage_memory's compute_parameter_bytes / compute_trainable_bytes) and let tensor_copy
- * convert between floating-point dtypes. See sdk/DESIGN.md.
+ * convert between floating-point dtypes. 1.7 appended WEFT_COMM_ROW_ABSMAX (per-token scales of a
+ * row-parallel layer over an int8 base, all-reduced MAX). See sdk/DESIGN.md.
  *
  * A strategy plugin is a shared library that exports exactly one symbol, the C function
  * `weft_strategy_entry` (WEFT_STRATEGY_ENTRY_SYMBOL). The host loads it with
@@ -79,7 +80,7 @@ extern "C" {
 /* The ABI version this header describes. Major: incompatible changes; it must match exactly.
  * Minor: append-only additions; host and plugin use min(host minor, plugin minor). */
 #define WEFT_ABI_VERSION_MAJOR 1
-#define WEFT_ABI_VERSION_MINOR 6
+#define WEFT_ABI_VERSION_MINOR 7
 
 /* The one symbol a plugin exports. */
 #define WEFT_STRATEGY_ENTRY_SYMBOL "weft_strategy_entry"
@@ -363,7 +364,8 @@ typedef enum weft_comm_point {
   WEFT_COMM_EMBEDDING_OUTPUT = 4,/* after a vocabulary-sharded embedding lookup */
   WEFT_COMM_LOSS_MAX = 5,        /* per-token max of sharded logits (vocab-parallel loss) */
   WEFT_COMM_LOSS_SUM = 6,        /* per-token sums of sharded logits (vocab-parallel loss) */
-  WEFT_COMM_HEAD_INPUT = 7       /* before a vocabulary-parallel LM head (since 1.1) */
+  WEFT_COMM_HEAD_INPUT = 7,      /* before a vocabulary-parallel LM head (since 1.1) */
+  WEFT_COMM_ROW_ABSMAX = 8       /* per-token absmax of a row-parallel int8 layer's input (since 1.7) */
 } weft_comm_point;
 
 typedef enum weft_direction {
@@ -732,7 +734,14 @@ typedef struct weft_strategy_api {
    * over the tensor-parallel group in the backward of the *_INPUT points and in the forward of
    * *_OUTPUT, EMBEDDING_OUTPUT and LOSS_SUM; all-reduce MAX in the forward of LOSS_MAX;
    * nothing otherwise. Every rank of the group calls the same points in the same order. Default:
-   * nothing. */
+   * nothing.
+   * Since 1.7, ROW_ABSMAX (forward only, never backward): `tensor` is fp32 [tokens], each token's
+   * absmax over this rank's input columns of a row-parallel layer (o_proj, down_proj, `layer` its
+   * block) held as int8 and multiplied in the CPU's int8 GEMM (model.quantize = "int8"); the
+   * plugin leaves the maximum over the ranks holding the layer's other columns (all-reduce MAX
+   * over the tensor-parallel group), so that every split quantizes each token as one process
+   * does. The host calls it only for a plugin of ABI >= 1.7 and refuses, before the model is
+   * built, an older plugin that splits such a layer along its input columns. */
   weft_status* (*comm_point)(weft_strategy* strategy, weft_comm_point point,
                              weft_direction direction, int64_t layer, DLTensor* tensor);
 

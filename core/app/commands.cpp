@@ -255,6 +255,11 @@ int run_check(const CommandLine& cli) {
       settings += ", " + setting;
       continue;
     }
+    if (setting == "model.frozen_dtype=fp32" || setting == "model.frozen_dtype=bf16") {
+      options.frozen_dtype = setting.substr(std::string("model.frozen_dtype=").size());
+      settings += ", " + setting;
+      continue;
+    }
     if (setting.rfind("model.int8_threshold=", 0) == 0) {
       const auto value = setting.substr(std::string("model.int8_threshold=").size());
       try {
@@ -280,7 +285,7 @@ int run_check(const CommandLine& cli) {
     if (setting.rfind("plugin.", 0) != 0) {
       throw Error(fmt::format("trainer check takes only --set plugin.KEY=VALUE (the plugin's settings), --set "
                               "train.mode=full|lora|adalora, --set train.precision=fp32|bf16|fp16, --set model.quantize=none|int8|nf4, "
-                              "--set model.int8_threshold=X, --set train.task=causal_lm|classification and "
+                              "--set model.int8_threshold=X, --set model.frozen_dtype=fp32|bf16, --set train.task=causal_lm|classification and "
                               "--set train.device=cpu|cuda|auto, got '{}'",
                               setting));
     }

@@ -194,6 +194,14 @@ void Job::build_model() {
   }
   model_options.sequence = strategy_->sequence_split();
   model_ = LlamaForCausalLM(config, model_options);
+  if (lora_ && options_.model.frozen_dtype == "bf16") {  // before the values arrive: never held in fp32
+    torch::NoGradGuard no_grad;
+    for (auto& item : model_->named_parameters()) {  // the base's (adapters come later)
+      auto& p = item.value();
+      if (p.dim() < 2 || item.key().rfind("score.", 0) == 0) continue;  // norms; the trained head
+      p.set_data(torch::empty(p.sizes(), p.options().dtype(torch::kBFloat16)));
+    }
+  }
   // On the device before the weights arrive, so that each tensor goes from the memory-mapped file
   // (or its seeded initialisation) to the device on its own: no whole-model copy in host memory.
   if (options_.model.weights.empty()) {
@@ -230,6 +238,14 @@ void Job::build_model() {
     quantized_bytes += linear->quantized_weight().bytes();
   }
   total += quantized;
+  int64_t frozen_bf16 = 0;
+  for (auto& p : model_->parameters()) {
+    if (p.scalar_type() == torch::kBFloat16 && !p.requires_grad()) frozen_bf16 += p.numel();
+  }
+  if (frozen_bf16 > 0) {
+    spdlog::info("frozen base: {:.2f}M weights stored as bf16 in {:.1f} MiB (model.frozen_dtype)", frozen_bf16 / 1e6,
+                 2.0 * static_cast<double>(frozen_bf16) / 1048576.0);
+  }
   if (quantized > 0) {
     spdlog::info("base weights: {:.2f}M of the blocks' linear weights held as {} in {:.1f} MiB ({:.2f} bytes each)",
                  quantized / 1e6, options_.model.quantize, quantized_bytes / 1048576.0,

@@ -115,6 +115,12 @@ const std::vector<Row>& rows() {
                "int8 on the CPU: multiply in LibTorch's int8 GEMM (quantized::linear_dynamic, onednn/x86/fbgemm), "
                "LLM.int8's scheme; false = dequantize each layer for a float GEMM (the int8 weights' exact "
                "function). CUDA, and a LibTorch without an exact CPU int8 GEMM, always dequantize."),
+      string_key("model.frozen_dtype", WEFT_MEMBER(model.frozen_dtype), "fp32",
+                 "Adapter training (lora, adalora): how the frozen base's matrices that are not quantized "
+                 "(embedding, LM head, unquantized block weights) are stored; bf16 halves them, as a PEFT user "
+                 "loads the base in bf16. Each product casts its layer to the compute dtype; norms, adapters and "
+                 "a classifier's head stay fp32.",
+                 {"fp32", "bf16"}),
       // [data]
       list_key("data.path", WEFT_MEMBER(data.paths), {"data/austen/austen.jsonl"},
                "Training files or directories: text .txt, JSONL .jsonl, or tokens .u16/.u32/.bin."),

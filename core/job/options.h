@@ -31,6 +31,7 @@ struct ModelSource {
   std::string quantize;     // model.quantize (QuantFormat, core/model/quantize.h)
   double int8_threshold = 6.0;  // model.int8_threshold (QuantConfig)
   bool int8_gemm = true;        // model.int8_gemm
+  std::string frozen_dtype = "fp32";  // model.frozen_dtype
 };
 
 struct OptimOptions {

@@ -106,10 +106,10 @@ void load_weights(LlamaForCausalLMImpl& model, const std::string& path, uint64_t
     WEFT_CHECK(info.shape == expected, "{}: tensor '{}' has shape {} but the model expects {}", path, name,
                fmt::join(info.shape, "x"), fmt::join(expected, "x"));
     if (shard.whole()) {
-      param.copy_(checkpoint.load(name, torch::kFloat32));
+      param.copy_(checkpoint.load(name, param.scalar_type()));  // fp32, or a bf16-stored frozen matrix
     } else {  // only this process's slice leaves the memory-mapped file
       const auto [start, length] = shard.range(info.shape[static_cast<size_t>(shard.dim)]);
-      param.copy_(checkpoint.load_slice(name, shard.dim, start, length, torch::kFloat32));
+      param.copy_(checkpoint.load_slice(name, shard.dim, start, length, param.scalar_type()));
     }
   }
   // Quantized layers: each tensor is quantized as it leaves the file, and this process keeps its slice.

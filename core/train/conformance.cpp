@@ -102,6 +102,7 @@ std::string run_arguments(const ConformanceOptions& c, const std::string& corpus
                                    c.steps);
   }
   if (c.quantize != "none") plugin_settings += " --set model.quantize=" + c.quantize;
+  if (c.frozen_dtype != "fp32") plugin_settings += " --set model.frozen_dtype=" + c.frozen_dtype;
   if (c.int8_threshold != 6.0) plugin_settings += fmt::format(" --set model.int8_threshold={}", c.int8_threshold);
   if (c.quantize == "int8" && c.device != "cpu") plugin_settings += " --set model.int8_gemm=false";
   if (c.task != "causal_lm") plugin_settings += " --set train.task=" + c.task;
@@ -181,6 +182,7 @@ TrainOptions run_options(const ConformanceOptions& c, const std::string& corpus,
   }
   o.model.quantize = c.quantize;
   o.model.int8_threshold = c.int8_threshold;
+  o.model.frozen_dtype = c.frozen_dtype;
   o.model.int8_gemm = c.device == "cpu";  // the reference computes as the plugin's run does (see int8_gemm_loss_rtol)
   o.task = c.task;
   return o;

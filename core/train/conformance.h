@@ -35,14 +35,17 @@ struct ConformanceOptions {
   std::string quantize = "none";
   // model.int8_threshold for both runs (int8 on the CPU's int8 GEMM: LLM.int8's outliers).
   double int8_threshold = 6.0;
+  // model.frozen_dtype for both runs ("fp32", "bf16": the frozen base's matrices stored in bf16;
+  // needs mode "lora" or "adalora").
+  std::string frozen_dtype = "fp32";
   // int8 multiplied in the CPU's int8 GEMM (LLM.int8, activations rounded to 7 bits per token):
   // a rounding step in the forward, so the inputs' last-bit differences between two runs that
   // split the work differently move some values by a whole step. Measured on LibTorch 2.11 (AMD
-  // EPYC, 20 steps): ddp, tensor_parallel and gpipe within 7.6e-06 (loss) and 2.4e-04
+  // EPYC, 20 steps): ddp, tensor_parallel and gpipe within 7.6e-06 (loss; 1.1e-05 on 1.13) and 2.4e-04
   // (parameters); tensor_parallel without WEFT_COMM_ROW_ABSMAX's all-reduce: 2.9e-05 and 2.8e-03.
   // A check on CUDA (train.device = "cuda", which dequantizes) runs the CPU reference dequantizing
   // too (model.int8_gemm = false) with the fp32 tolerances.
-  double int8_gemm_loss_rtol = 2e-5;
+  double int8_gemm_loss_rtol = 3e-5;
   double int8_gemm_param_atol = 1e-3;
   // train.task for both runs: "causal_lm", or "classification": a labeled corpus of rows of
   // different lengths (3 classes), the classification head pooled at each row's last token.

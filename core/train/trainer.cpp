@@ -38,6 +38,10 @@ Trainer::Trainer(TrainOptions options, RunContext context)
              "model.quantize = \"{}\" stores the base weights frozen: training needs adapters (train.mode = \"lora\" "
              "or \"adalora\"), not train.mode = \"{}\"",
              options_.model.quantize, options_.mode);
+  WEFT_CHECK(options_.model.frozen_dtype == "fp32" || options_.mode != "full",
+             "model.frozen_dtype = \"{}\" stores the frozen base weights of adapter training (train.mode = \"lora\" "
+             "or \"adalora\"); train.mode = \"full\" trains them in fp32",
+             options_.model.frozen_dtype);
   std::string why;
   WEFT_CHECK(options_.torch_profile.empty() || TorchProfiler::available(&why), "{}", why);
   job_ = std::make_unique<Job>(std::move(options), context, Job::Data::kSplits);

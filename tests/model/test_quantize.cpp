@@ -374,6 +374,61 @@ TEST(Quantize, LoraTrainsOnAQuantizedBaseAndMergesIntoItsDequantizedWeights) {
   EXPECT_EQ(hf_state(*model).size(), model->parameters().size());
 }
 
+// model.frozen_dtype = "bf16": the base's matrices stored in bf16 compute what their values in fp32
+// compute (each product casts its layer), with LoRA over them, bit for bit.
+TEST(Quantize, Bf16FrozenBaseComputesWhatTheSameValuesInFp32Compute) {
+  const auto config = preset_config("tiny");
+  LlamaForCausalLM source(config);
+  init_weights(*source, 5, 0.05);
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : source->parameters()) p.copy_(p.to(torch::kBFloat16).to(torch::kFloat32));  // bf16's values
+  }
+  const auto dir = testing::fresh_dir("weft_test_quantize", "bf16_frozen");
+  save_pretrained(*source, dir);
+  LlamaForCausalLM fp32(config), bf16(config);
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : bf16->parameters()) {
+      if (p.dim() >= 2) p.set_data(torch::empty(p.sizes(), p.options().dtype(torch::kBFloat16)));
+    }
+  }
+  load_weights(*fp32, dir);
+  load_weights(*bf16, dir);
+  int64_t bf16_bytes = 0;
+  for (auto& p : bf16->parameters()) {
+    if (p.scalar_type() == torch::kBFloat16) bf16_bytes += p.numel() * 2;
+  }
+  EXPECT_GT(bf16_bytes, 0);
+  LoraConfig lora;
+  lora.spec.r = 4;
+  lora.target_modules = {"q_proj", "v_proj", "down_proj"};
+  apply_lora(*fp32, lora, 1);
+  apply_lora(*bf16, lora, 1);
+  torch::manual_seed(8);
+  const auto tokens = torch::randint(0, config.vocab_size, {2, 16}, torch::kLong);
+  const auto as_map = [](LlamaForCausalLM& m) {
+    std::map<std::string, torch::Tensor> out;
+    for (auto& [name, p] : trainable_parameters(*m)) out[name] = p;
+    return out;
+  };
+  auto b = as_map(bf16);
+  ASSERT_EQ(b.size(), as_map(fp32).size());
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& [name, p] : as_map(fp32)) b.at(name).copy_(p.normal_(0.0, 0.05));
+  }
+  auto loss32 = fp32->loss(fp32->forward(tokens.slice(1, 0, -1)), tokens.slice(1, 1));
+  auto loss16 = bf16->loss(bf16->forward(tokens.slice(1, 0, -1)), tokens.slice(1, 1));
+  EXPECT_TRUE(torch::equal(loss32, loss16));
+  loss32.backward();
+  loss16.backward();
+  for (auto& [name, p] : as_map(fp32)) {
+    EXPECT_EQ(b.at(name).scalar_type(), torch::kFloat32) << name;  // adapters stay fp32
+    EXPECT_TRUE(torch::equal(p.grad(), b.at(name).grad())) << name;
+  }
+}
+
 TEST(Quantize, MemoryPlanCountsTheQuantizedBytes) {
   const auto config = preset_config("llama-3.2-1b");
   LoraConfig lora;

@@ -75,7 +75,59 @@ torch::Tensor LinearImpl::dense_weight(torch::Dtype dtype) const {
 
 torch::Tensor LinearImpl::base_output(const torch::Tensor& input) {
   if (quantized()) return quantized_linear(input, quantized_, &int8_);
+  if (!weight.requires_grad() && weight.scalar_type() != compute_dtype_) {
+    return frozen_cast_linear(input, weight, compute_dtype_);
+  }
   return torch::nn::functional::linear(input, weight.to(compute_dtype_));
+}
+
+namespace {
+
+int64_t frozen_cast_rows(const torch::Tensor& w, torch::Dtype dtype, int64_t chunk_rows) {
+  if (chunk_rows > 0) return chunk_rows;
+  const int64_t row_bytes = std::max<int64_t>(1, w.size(1) * static_cast<int64_t>(c10::elementSize(dtype)));
+  return std::max<int64_t>(1, (int64_t{64} << 20) / row_bytes);
+}
+
+class FrozenCastLinearFunction : public torch::autograd::Function<FrozenCastLinearFunction> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
+                               torch::Dtype dtype, int64_t chunk_rows) {
+    ctx->saved_data["w"] = w;  // the stored (frozen, narrow) weight itself: no copy
+    ctx->saved_data["rows"] = chunk_rows;
+    const auto x2 = x.reshape({-1, x.size(-1)}).to(dtype);
+    auto y = torch::empty({x2.size(0), w.size(0)}, x2.options());
+    for (int64_t r = 0; r < w.size(0); r += chunk_rows) {
+      const int64_t n = std::min(chunk_rows, w.size(0) - r);
+      y.narrow(1, r, n).copy_(torch::mm(x2, w.narrow(0, r, n).to(dtype).t()));
+    }
+    auto shape = x.sizes().vec();
+    shape.back() = w.size(0);
+    return y.view(shape);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto w = ctx->saved_data["w"].toTensor();
+    const int64_t chunk_rows = ctx->saved_data["rows"].toInt();
+    const auto g = grads[0].reshape({-1, w.size(0)});
+    auto gx = torch::zeros({g.size(0), w.size(1)}, g.options());
+    for (int64_t r = 0; r < w.size(0); r += chunk_rows) {
+      const int64_t n = std::min(chunk_rows, w.size(0) - r);
+      gx.addmm_(g.narrow(1, r, n), w.narrow(0, r, n).to(g.scalar_type()));
+    }
+    auto shape = grads[0].sizes().vec();
+    shape.back() = w.size(1);
+    return {gx.view(shape), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor frozen_cast_linear(const torch::Tensor& x, const torch::Tensor& w, torch::Dtype dtype, int64_t chunk_rows) {
+  WEFT_CHECK(w.dim() == 2 && x.size(-1) == w.size(1), "frozen_cast_linear: input has {} features, the weight is {}",
+             x.size(-1), fmt::join(w.sizes().vec(), "x"));
+  WEFT_CHECK(!w.requires_grad(), "frozen_cast_linear: the weight is trained (its gradient would be lost)");
+  return FrozenCastLinearFunction::apply(x, w, dtype, frozen_cast_rows(w, dtype, chunk_rows));
 }
 
 torch::Tensor LinearImpl::forward(const torch::Tensor& x) {

@@ -127,6 +127,13 @@ TORCH_MODULE(Linear);
 // cat({layer(x) ...}, -1) up to rounding order. The layers must share a compute dtype.
 torch::Tensor fused_linear(const torch::Tensor& x, const std::vector<LinearImpl*>& layers);
 
+// x [..., in] @ w^T in `dtype` for a frozen w [out, in] stored in another dtype (model.frozen_dtype
+// = "bf16" under fp32 compute): w is cast `chunk_rows` rows at a time (0: blocks of at most 64 MiB
+// in `dtype`), in the forward and again in the backward, which gives x's gradient only. No whole
+// cast copy of w is held or saved for backward: for a 128k-vocabulary head that is 1 GiB in fp32.
+torch::Tensor frozen_cast_linear(const torch::Tensor& x, const torch::Tensor& w, torch::Dtype dtype,
+                                 int64_t chunk_rows = 0);
+
 // RMSNorm (fp32 math, one fused kernel): y = w * x / sqrt(mean(x^2) + eps), returned in the
 // input's dtype.
 class RMSNormImpl : public torch::nn::Module {

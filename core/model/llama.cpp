@@ -162,8 +162,11 @@ torch::Tensor LlamaForCausalLMImpl::run_stage(int64_t stage, const torch::Tensor
   if (!score.is_empty()) return score(h);  // whole on every rank: no communication
   if (vocab_parallel()) h = comm_point(options_.comm.get(), CommPoint::kHeadInput, -1, h);
   if (!lm_head.is_empty()) return lm_head(h);
-  return torch::nn::functional::linear(h.to(options_.compute_dtype),
-                                       head_weight().to(options_.compute_dtype));
+  const auto head = head_weight();
+  if (!head.requires_grad() && head.scalar_type() != options_.compute_dtype) {  // a bf16-stored frozen head
+    return frozen_cast_linear(h, head, options_.compute_dtype);
+  }
+  return torch::nn::functional::linear(h.to(options_.compute_dtype), head.to(options_.compute_dtype));
 }
 
 torch::Tensor LlamaForCausalLMImpl::forward_stages(int64_t first, int64_t last, const torch::Tensor& input) {

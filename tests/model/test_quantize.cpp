@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "core/model/layers.h"
 #include "core/model/llama.h"
 #include "core/model/lora.h"
 #include "core/model/memory_estimate.h"
@@ -427,6 +428,24 @@ TEST(Quantize, Bf16FrozenBaseComputesWhatTheSameValuesInFp32Compute) {
     EXPECT_EQ(b.at(name).scalar_type(), torch::kFloat32) << name;  // adapters stay fp32
     EXPECT_TRUE(torch::equal(p.grad(), b.at(name).grad())) << name;
   }
+}
+
+// The product behind a bf16-stored frozen layer or head: cast in blocks of rows, forward and backward.
+TEST(Quantize, FrozenCastLinearEqualsTheCastWeightsProductInBlocks) {
+  torch::manual_seed(21);
+  const auto w = torch::randn({50, 24}).to(torch::kBFloat16);
+  auto x = torch::randn({3, 4, 24}, torch::requires_grad());
+  auto x_ref = x.detach().clone().requires_grad_(true);
+  auto y = frozen_cast_linear(x, w, torch::kFloat32, /*chunk_rows=*/7);  // 8 blocks, the last of 1 row
+  auto y_ref = torch::nn::functional::linear(x_ref, w.to(torch::kFloat32));
+  EXPECT_EQ(y.sizes(), y_ref.sizes());
+  EXPECT_LT((y - y_ref).abs().max().item<double>(), 1e-5);
+  const auto g = torch::randn_like(y);
+  y.backward(g);
+  y_ref.backward(g);
+  EXPECT_TRUE(torch::allclose(x.grad(), x_ref.grad(), 1e-5, 1e-6));
+  auto trained = torch::randn({5, 24}, torch::requires_grad());
+  EXPECT_THROW(frozen_cast_linear(x, trained, torch::kFloat32), Error);
 }
 
 TEST(Quantize, MemoryPlanCountsTheQuantizedBytes) {

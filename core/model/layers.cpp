@@ -45,21 +45,17 @@ void LinearImpl::set_weight_slice_of(const torch::Tensor& whole, const Parameter
 void LinearImpl::store_quantized(QuantizedMatrix q) {
   WEFT_CHECK(q.rows == out_features_ && q.cols == in_features_, "linear layer [{}, {}]: a quantized weight of [{}, {}]",
              out_features_, in_features_, q.rows, q.cols);
-  // int8 on the CPU: packed for the int8 GEMM, whose packed copy then holds the int8 values.
+  // int8 on the CPU: the forward multiplies in the int8 GEMM where this LibTorch has an exact one.
   if (q.format == QuantFormat::kInt8 && quantize_.int8_gemm && q.data.device().is_cpu() && cpu_int8_gemm_available()) {
-    pack_for_int8_gemm(q);
+    use_int8_gemm(q);
   }
   // Buffers, so that module.to() moves them; registered on the first call, replaced after.
   const std::pair<const char*, torch::Tensor*> parts[] = {
       {"weight_data", &q.data}, {"weight_scale", &q.scale}, {"weight_scale2", &q.scale2}, {"weight_offset", &q.offset}};
   auto buffers = named_buffers(/*recurse=*/false);  // tensors sharing the module's
   for (const auto& [name, tensor] : parts) {
-    auto* existing = buffers.find(name);
-    if (!tensor->defined()) {  // (the int8 values of a packed matrix): an earlier one's is released
-      if (existing) existing->set_data(torch::empty({0}, existing->options()));
-      continue;
-    }
-    if (existing) {
+    if (!tensor->defined()) continue;
+    if (auto* existing = buffers.find(name)) {
       existing->set_data(*tensor);
       *tensor = *existing;
     } else {

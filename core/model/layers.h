@@ -60,9 +60,9 @@ class LinearImpl : public torch::nn::Module {
   void set_weight_slice_of(const torch::Tensor& whole, const ParameterShard& shard, const torch::Device& device);
   // The base weight in `dtype`: `weight` cast, or the quantized weight dequantized.
   torch::Tensor dense_weight(torch::Dtype dtype) const;
-  // The quantized weight (quantized() layers only). An int8 layer on the CPU holds it packed for
-  // the int8 GEMM when this LibTorch has one (cpu_int8_gemm_available()) and computes its forward
-  // with LLM.int8's int8_linear (model.int8_threshold).
+  // The quantized weight (quantized() layers only). An int8 layer on the CPU computes its forward
+  // with LLM.int8's int8_linear (model.int8_threshold) where this LibTorch has an exact int8 GEMM
+  // (cpu_int8_gemm_available()) and model.int8_gemm is on.
   const QuantizedMatrix& quantized_weight() const { return quantized_; }
   // For a row-parallel layer (a slice along dim 1) computing with int8_linear: how the rows'
   // absmax over this process's input columns becomes the whole row's (CommPoint::kRowAbsMax).

@@ -76,13 +76,13 @@ torch::Tensor nf4_absmax(const QuantizedMatrix& m) {
 }
 
 // y = x W^T with W dequantized in x's dtype for the product only (or LLM.int8's int8 product for
-// a packed W); backward gives x's gradient from W dequantized again.
+// an int8_gemm W); backward gives x's gradient from W dequantized again.
 class QuantizedLinearFunction : public torch::autograd::Function<QuantizedLinearFunction> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
                                const QuantizedMatrix* weight, const Int8LinearOptions* int8) {
     ctx->saved_data["weight"] = reinterpret_cast<int64_t>(weight);
-    if (weight->is_packed() && x.device().is_cpu()) {
+    if (weight->int8_gemm && x.device().is_cpu()) {
       static const Int8LinearOptions defaults;
       const auto& options = int8 ? *int8 : defaults;
       return int8_linear(x, *weight, options.threshold, options.row_absmax);
@@ -93,9 +93,11 @@ class QuantizedLinearFunction : public torch::autograd::Function<QuantizedLinear
                                                  torch::autograd::variable_list grads) {
     const auto* weight = reinterpret_cast<const QuantizedMatrix*>(ctx->saved_data["weight"].toInt());
     const auto& grad = grads[0];
-    if (weight->is_packed()) {  // the row scales on the gradient's columns: one pass over W fewer
+    if (weight->format == QuantFormat::kInt8 && grad.device().is_cpu()) {
+      // The row scales on the gradient's columns: the int8 values are only cast, one pass over W
+      // fewer than dequantizing them.
       const auto scaled = grad * (weight->scale / 127.0).to(grad.scalar_type());
-      return {torch::matmul(scaled, weight->int8_values().to(grad.scalar_type())), torch::Tensor(), torch::Tensor()};
+      return {torch::matmul(scaled, weight->data.to(grad.scalar_type())), torch::Tensor(), torch::Tensor()};
     }
     return {torch::matmul(grad, weight->dequantize(grad.scalar_type())), torch::Tensor(), torch::Tensor()};
   }
@@ -324,8 +326,6 @@ QuantizedMatrix slice_quantized(const QuantizedMatrix& whole, int64_t dim, int64
 
 torch::Tensor QuantizedMatrix::dequantize(torch::Dtype dtype) const {
   torch::NoGradGuard no_grad;
-  // int8 x fp32 promotes in the one multiplication: no fp32 copy of the int8 values first.
-  if (is_packed()) return (int8_values() * (scale / 127.0).unsqueeze(1)).to(dtype);
   WEFT_CHECK(data.defined(), "dequantize: the matrix holds no data");
 #ifdef WEFT_WITH_CUDA
   // On a GPU one kernel (core/model/cuda) instead of ATen's chain of indexing and elementwise
@@ -340,16 +340,8 @@ torch::Tensor QuantizedMatrix::dequantize(torch::Dtype dtype) const {
   return values.reshape({rows, cols}).to(dtype);
 }
 
-torch::Tensor QuantizedMatrix::int8_values() const {
-  WEFT_CHECK(format == QuantFormat::kInt8, "int8_values of a {} matrix", quant_format_name(format));
-  if (!is_packed()) return data;
-  torch::NoGradGuard no_grad;
-  // (linear_unpack returns the weight and the bias; the first is the per-channel qint8 weight.)
-  return call_quantized_op("quantized::linear_unpack", {packed}).toTensor().int_repr();
-}
-
 int64_t QuantizedMatrix::bytes() const {
-  int64_t total = is_packed() ? rows * cols : 0;
+  int64_t total = 0;
   for (const auto* t : {&data, &scale, &scale2, &offset}) {
     if (t->defined()) total += t->numel() * static_cast<int64_t>(t->element_size());
   }
@@ -362,8 +354,8 @@ bool cpu_int8_gemm_available() {
       auto& context = at::globalContext();
       const auto engines = context.supportedQEngines();
       const auto has = [&](at::QEngine e) { return std::find(engines.begin(), engines.end(), e) != engines.end(); };
-      // onednn first: its GEMM is as fast as x86's (fbgemm's) here, and its unpack, which every
-      // backward does, took 10 ms for a 2048 x 8192 matrix where x86's took 90 (AMD EPYC, 2.11).
+      // onednn first: its GEMM is as fast as x86's (fbgemm's) here and its prepack, which every
+      // product does, twice as fast (9 ms against 19 for 2048 x 2048, AMD EPYC, 2.11).
       if (has(at::kONEDNN)) context.setQEngine(at::kONEDNN);
       else if (has(at::kX86)) context.setQEngine(at::kX86);
       else if (has(at::kFBGEMM)) context.setQEngine(at::kFBGEMM);
@@ -387,37 +379,40 @@ bool cpu_int8_gemm_available() {
   return available;
 }
 
-void pack_for_int8_gemm(QuantizedMatrix& m) {
+void use_int8_gemm(QuantizedMatrix& m) {
   WEFT_CHECK(m.format == QuantFormat::kInt8 && m.data.defined() && m.data.device().is_cpu(),
-             "pack_for_int8_gemm: an int8 matrix on the CPU is needed");
-  WEFT_CHECK(cpu_int8_gemm_available(), "pack_for_int8_gemm: this LibTorch has no exact CPU int8 GEMM");
-  m.packed = prepack_int8(m.data);
-  m.data = torch::Tensor();
+             "use_int8_gemm: an int8 matrix on the CPU is needed");
+  WEFT_CHECK(cpu_int8_gemm_available(), "use_int8_gemm: this LibTorch has no exact CPU int8 GEMM");
+  m.int8_gemm = true;
 }
 
 torch::Tensor int8_linear(const torch::Tensor& x, const QuantizedMatrix& weight, double threshold,
                           const RowAbsmaxSync& row_absmax) {
-  WEFT_CHECK(weight.is_packed(), "int8_linear: the weight is not packed for the int8 GEMM");
+  WEFT_CHECK(weight.format == QuantFormat::kInt8 && weight.data.device().is_cpu() && cpu_int8_gemm_available(),
+             "int8_linear: an int8 weight on the CPU and an exact int8 GEMM are needed");
   WEFT_CHECK(x.size(-1) == weight.cols, "int8 linear: input has {} features, the weight {}", x.size(-1), weight.cols);
   torch::NoGradGuard no_grad;
   auto out_shape = x.sizes().vec();
   out_shape.back() = weight.rows;
   const auto a = x.reshape({-1, weight.cols}).to(torch::kFloat32);
+  const auto magnitude = a.abs();
   torch::Tensor outlier;  // |a| >= threshold, where any
   if (threshold > 0) {
-    outlier = a.abs() >= threshold;
+    outlier = magnitude >= threshold;
     if (!outlier.any().item<bool>()) outlier = torch::Tensor();
   }
   const auto inliers = outlier.defined() ? a.masked_fill(outlier, 0.0) : a;
-  auto absmax = a.size(0) == 0 ? torch::zeros({0}) : std::get<0>(inliers.abs().max(1));
+  auto absmax = a.size(0) == 0 ? torch::zeros({0})
+                               : std::get<0>((outlier.defined() ? magnitude.masked_fill(outlier, 0.0) : magnitude).max(1));
   if (row_absmax) row_absmax(absmax);
   const auto row_scale = absmax.clamp_min(1e-30) / kActivationLevels;
   const auto integers = torch::round(inliers / row_scale.unsqueeze(1)).clamp_(-kActivationLevels, kActivationLevels);
-  auto y = int8_gemm(integers, weight.packed) * row_scale.unsqueeze(1) * (weight.scale / 127.0).unsqueeze(0);
+  auto y = int8_gemm(integers, prepack_int8(weight.data));  // the packed copy lives for this product only
+  y.mul_(row_scale.unsqueeze(1)).mul_((weight.scale / 127.0).unsqueeze(0));
   if (outlier.defined()) {  // outliers' columns in fp32
     const auto columns = outlier.any(0).nonzero().squeeze(1);
     const auto values = a.index_select(1, columns) * outlier.index_select(1, columns);
-    const auto w = weight.int8_values().index_select(1, columns).to(torch::kFloat32) * (weight.scale / 127.0).unsqueeze(1);
+    const auto w = weight.data.index_select(1, columns) * (weight.scale / 127.0).unsqueeze(1);
     y.add_(torch::matmul(values, w.t()));
   }
   return y.to(x.scalar_type()).reshape(out_shape);

@@ -58,21 +58,15 @@ constexpr int64_t kNf4ScaleBlockSize = 256;   // absmaxes per second-level scale
 //         + offset, offset = the mean absmax), as bitsandbytes' quantize_4bit(compress_statistics).
 //         A slice of a quantized matrix (slice_quantized) keeps each block's absmax in fp32 instead:
 //         scale fp32 [blocks], no scale2 or offset.
-//   An int8 matrix packed for the CPU's int8 GEMM (pack_for_int8_gemm) holds its values in
-//   `packed` (LibTorch's quantized::linear_prepack of data, per-channel scales 1) and no `data`:
-//   the int8 bytes are held once.
 struct QuantizedMatrix {
   QuantFormat format = QuantFormat::kNone;
   int64_t rows = 0, cols = 0;
   torch::Tensor data, scale, scale2, offset;
-  c10::IValue packed;  // int8 packed for int8_linear, or None
+  // int8 on the CPU: the forward multiplies in the int8 GEMM (int8_linear; use_int8_gemm).
+  bool int8_gemm = false;
 
-  bool is_packed() const { return !packed.isNone(); }
-  // int8: data, or (packed) the int8 values unpacked into a new tensor.
-  torch::Tensor int8_values() const;
   // The matrix in `dtype` (fp32 math, then cast), on the data's device.
   torch::Tensor dequantize(torch::Dtype dtype = torch::kFloat32) const;
-  // Bytes held; a packed matrix counts its int8 values once (rows x cols) plus its scales.
   int64_t bytes() const;
 };
 
@@ -92,12 +86,14 @@ QuantizedMatrix slice_quantized(const QuantizedMatrix& whole, int64_t dim, int64
 // 8-bit x 8-bit pairs, hence 7-bit activations). Selects that engine (at::globalContext).
 bool cpu_int8_gemm_available();
 
-// Packs an int8 matrix on the CPU for int8_linear (the int8 values move into `packed`, `data` is
-// released). Requires cpu_int8_gemm_available().
-void pack_for_int8_gemm(QuantizedMatrix& m);
+// Marks an int8 matrix on the CPU for int8_linear. Requires cpu_int8_gemm_available().
+void use_int8_gemm(QuantizedMatrix& m);
 
-// LLM.int8's forward, for a packed int8 W [rows, cols] and x [..., cols] (any float dtype; result in
-// x's dtype): elements of x with |x| >= threshold (threshold > 0) are outliers, multiplied in fp32
+// LLM.int8's forward, for an int8 W [rows, cols] on the CPU and x [..., cols] (any float dtype;
+// result in x's dtype). W is prepacked for LibTorch's GEMM for this product only and the packed
+// copy dropped after it (a persistent one would hold the int8 bytes twice: onednn's packed weight
+// keeps the original beside its reordered copy, and x86's unpack, which backward would need, took
+// as long as the product): elements of x with |x| >= threshold (threshold > 0) are outliers, multiplied in fp32
 // with their columns of W dequantized; the others are quantized per row (token) to 7 bits,
 // round(63 x / absmax(row)), and multiplied by W's int8 values in the int8 GEMM, the int32 sums
 // scaled back by absmax(row) / 63 x scale(out row) / 127. Outliers are elements rather than whole
@@ -111,7 +107,7 @@ using RowAbsmaxSync = std::function<void(torch::Tensor& row_absmax)>;
 torch::Tensor int8_linear(const torch::Tensor& x, const QuantizedMatrix& weight, double threshold,
                           const RowAbsmaxSync& row_absmax = {});
 
-// How quantized_linear multiplies a packed int8 weight (int8_linear's threshold and row sync).
+// How quantized_linear multiplies an int8_gemm weight (int8_linear's threshold and row sync).
 struct Int8LinearOptions {
   double threshold = kDefaultInt8Threshold;
   RowAbsmaxSync row_absmax;
@@ -119,7 +115,7 @@ struct Int8LinearOptions {
 
 // x [..., cols] @ W^T in x's dtype, for a frozen quantized W: autograd gives x's gradient only,
 // and neither pass keeps a dequantized copy of W beyond its own GEMM (backward dequantizes again),
-// so at most one layer's weight is ever held in the compute precision. A packed int8 W on the
+// so at most one layer's weight is ever held in the compute precision. An int8_gemm W on the
 // CPU computes the forward with int8_linear (`int8`; default options when null); backward is
 // always the gradient of x W^T with W dequantized (the straight-through gradient LLM.int8 uses).
 torch::Tensor quantized_linear(const torch::Tensor& x, const QuantizedMatrix& weight,

@@ -177,10 +177,8 @@ TEST(Quantize, Int8LinearIsLlmInt8sDecomposition) {
   auto q = quantize_matrix(sample_weight(96, 256, 11), QuantFormat::kInt8);
   const auto values = q.data.clone();
   const auto dense = q.dequantize();
-  pack_for_int8_gemm(q);
-  EXPECT_FALSE(q.data.defined());  // the packed copy holds the int8 values, once
-  EXPECT_TRUE(torch::equal(q.int8_values(), values));
-  EXPECT_TRUE(torch::equal(q.dequantize(), dense));
+  use_int8_gemm(q);
+  EXPECT_TRUE(torch::equal(q.data, values));  // held once: the packed copy is the product's own
   EXPECT_EQ(q.bytes(), 96 * 256 + 4 * 96);
   const auto x = sample_activations(40, 256, 12);
   for (double threshold : {6.0, 0.0, 1.5}) {
@@ -206,15 +204,15 @@ TEST(Quantize, Int8LinearIsLlmInt8sDecomposition) {
 TEST(Quantize, Int8LinearSplitsOverTokensAndOverColumnsAsTheWholeComputes) {
   if (!cpu_int8_gemm_available()) GTEST_SKIP() << "this LibTorch has no exact CPU int8 GEMM (quantized::linear_dynamic)";
   const auto whole = quantize_matrix(sample_weight(64, 256, 13), QuantFormat::kInt8);
-  auto packed = whole;
-  pack_for_int8_gemm(packed);
+  auto marked = whole;
+  use_int8_gemm(marked);
   const auto x = sample_activations(24, 256, 14);
-  const auto y = int8_linear(x, packed, 6.0);
-  const auto halves = torch::cat({int8_linear(x.slice(0, 0, 7), packed, 6.0), int8_linear(x.slice(0, 7), packed, 6.0)});
+  const auto y = int8_linear(x, marked, 6.0);
+  const auto halves = torch::cat({int8_linear(x.slice(0, 0, 7), marked, 6.0), int8_linear(x.slice(0, 7), marked, 6.0)});
   EXPECT_TRUE(torch::equal(halves, y));
   QuantizedMatrix left = slice_quantized(whole, 1, 0, 128), right = slice_quantized(whole, 1, 128, 128);
-  pack_for_int8_gemm(left);
-  pack_for_int8_gemm(right);
+  use_int8_gemm(left);
+  use_int8_gemm(right);
   const auto x_left = x.slice(1, 0, 128), x_right = x.slice(1, 128);
   // What the tensor-parallel plugin's all-reduce(max) at WEFT_COMM_ROW_ABSMAX leaves.
   const auto inlier_absmax = [](const torch::Tensor& part) {
@@ -229,11 +227,11 @@ TEST(Quantize, Int8LinearSplitsOverTokensAndOverColumnsAsTheWholeComputes) {
   EXPECT_GT(relative_error(unsynced, y).item<double>(), 1e-4);
 }
 
-TEST(Quantize, PackedInt8LinearDifferentiatesTheDequantizedProduct) {
+TEST(Quantize, Int8GemmLinearDifferentiatesTheDequantizedProduct) {
   if (!cpu_int8_gemm_available()) GTEST_SKIP() << "this LibTorch has no exact CPU int8 GEMM (quantized::linear_dynamic)";
   auto q = quantize_matrix(sample_weight(48, 64, 3), QuantFormat::kInt8);
   const auto dense = q.dequantize();
-  pack_for_int8_gemm(q);
+  use_int8_gemm(q);
   torch::manual_seed(4);
   auto x = torch::randn({2, 5, 64}, torch::requires_grad());
   Int8LinearOptions options;
@@ -320,7 +318,7 @@ void expect_quantized_model_matches_dequantized(QuantFormat format, bool from_fi
     // dequantized weights' function (int8_linear's own test checks its arithmetic exactly).
     for (auto& item : quantized->named_modules("", false)) {
       if (auto* linear = item.value()->as<LinearImpl>(); linear && linear->quantized()) {
-        EXPECT_TRUE(linear->quantized_weight().is_packed()) << item.key();
+        EXPECT_TRUE(linear->quantized_weight().int8_gemm) << item.key();
       }
     }
     const double error = ((logits - want).abs().max() / want.abs().max()).item<double>();

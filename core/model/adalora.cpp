@@ -10,6 +10,7 @@
 
 #include "core/io/safetensors.h"
 #include "core/model/lora.h"
+#include "core/model/parallel.h"
 #include "core/util/error.h"
 #include "core/util/fs.h"
 
@@ -55,19 +56,34 @@ int64_t apply_adalora(LlamaForCausalLMImpl& model, const AdaLoraConfig& config, 
 }
 
 torch::Tensor adalora_orthogonal_regularization(LlamaForCausalLMImpl& model) {
-  torch::Tensor total;
-  int64_t count = 0;
+  // P P^T and Q^T Q of every layer; on a split layer the split factor's Gram matrix is a sum over
+  // the slices (all of them summed in one sum_over_slices), the whole factor's is local.
+  std::vector<torch::Tensor> grams;
+  std::vector<SliceSum> split;
+  std::vector<size_t> split_at;
   for (auto& [name, layer] : adalora_layers(model)) {
     const auto& a = layer->adalora_A();
     const auto& b = layer->adalora_B();
-    for (const auto& cov : {torch::matmul(a, a.t()), torch::matmul(b.t(), b)}) {
-      const auto term = torch::norm(cov - torch::eye(cov.size(0), cov.options()));
-      total = total.defined() ? total + term : term;
-      ++count;
+    const ParameterShard& base = layer->adapter_base_shard();
+    for (const int32_t dim : {1, 0}) {  // P [r, in]: split along its input columns; Q [out, r]: its rows
+      const auto gram = dim == 1 ? torch::matmul(a, a.t()) : torch::matmul(b.t(), b);
+      if (!base.whole() && base.dim == dim) {
+        const int64_t local = dim == 1 ? a.size(1) : b.size(0);
+        split_at.push_back(grams.size());
+        split.push_back({gram, local, local * base.parts});
+      }
+      grams.push_back(gram);
     }
   }
-  if (count == 0) return torch::zeros({});
-  return total / static_cast<double>(count);
+  if (grams.empty()) return torch::zeros({});
+  const auto sums = sum_over_slices(model.options().comm.get(), split);
+  for (size_t i = 0; i < split_at.size(); ++i) grams[split_at[i]] = sums[i];
+  torch::Tensor total;
+  for (const auto& cov : grams) {
+    const auto term = torch::norm(cov - torch::eye(cov.size(0), cov.options()));
+    total = total.defined() ? total + term : term;
+  }
+  return total / static_cast<double>(grams.size());
 }
 
 bool has_adalora(LlamaForCausalLMImpl& model) { return !adalora_layers(model).empty(); }
@@ -156,16 +172,19 @@ void load_adalora_adapter(LlamaForCausalLMImpl& model, const std::string& dir) {
       const std::string key = kAdaloraFilePrefix + name + "." + p;
       WEFT_CHECK(file->contains(key), "{}/adapter_model.safetensors: adapter tensor '{}' is missing", dir, key);
       auto& target = part(*layer, p);
+      // The file holds the whole factor's kept triplets; a split layer keeps its slice of them.
+      const ParameterShard shard = shard_of(model.options().shards, name + "." + p);
+      std::vector<int64_t> whole = target.sizes().vec();
+      if (!shard.whole()) whole[static_cast<size_t>(shard.dim)] *= shard.parts;
       const int64_t dim = p == "lora_B" ? 1 : 0;
-      std::vector<int64_t> expected = target.sizes().vec();
+      std::vector<int64_t> expected = whole;
       expected[static_cast<size_t>(dim)] = kept.numel();
       const auto& info = file->info(key);
       WEFT_CHECK(info.shape == expected, "{}/adapter_model.safetensors: '{}' has shape {} but the model expects {}",
                  dir, key, fmt::join(info.shape, "x"), fmt::join(expected, "x"));
-      target.zero_();
-      if (kept.numel() > 0) {
-        target.index_copy_(dim, kept.to(target.device()), file->load(key, torch::kFloat32).to(target.device()));
-      }
+      auto values = torch::zeros(whole, torch::kFloat32);
+      if (kept.numel() > 0) values.index_copy_(dim, kept, file->load(key, torch::kFloat32));
+      target.copy_(shard_slice(values, shard));
     }
   }
 }
@@ -216,15 +235,39 @@ void RankAllocator::update_importance() {
 
 RankPattern RankAllocator::mask_to_budget(int64_t budget) {
   torch::NoGradGuard no_grad;
-  std::vector<torch::Tensor> scores, all;
-  for (const auto& [name, layer] : layers_) {
+  // Each triplet's score: its Lambda's, plus the means of its P row's and its Q column's. On a
+  // split layer the split factor's means are sums over the slices (one sum_over_slices for all
+  // layers) over the whole length, so every process scores every triplet as one process does.
+  std::vector<torch::Tensor> a_means, b_means, e_scores;
+  std::vector<SliceSum> split;
+  std::vector<std::pair<size_t, int32_t>> split_at;  // (layer, dim 1: P / dim 0: Q)
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const auto& [name, layer] = layers_[i];
     const auto score = [&](const char* p) {
       const auto& ema = exp_avg_ipt_[name + "." + p];
       return ema.defined() ? ema * exp_avg_unc_[name + "." + p] : torch::zeros_like(part(*layer, p));
     };
-    const auto a = score("lora_A").mean(1, /*keepdim=*/true);      // [r, 1]
-    const auto b = score("lora_B").mean(0).view({-1, 1});           // [r, 1]
-    const auto triplet = score("lora_E").view(-1) + torch::cat({a, b}, 1).sum(1);  // [r]
+    const ParameterShard& base = layer->adapter_base_shard();
+    const auto a = score("lora_A"), b = score("lora_B");
+    a_means.push_back(a.mean(1, /*keepdim=*/true));   // [r, 1]
+    b_means.push_back(b.mean(0).view({-1, 1}));        // [r, 1]
+    e_scores.push_back(score("lora_E").view(-1));      // [r]
+    if (!base.whole() && base.dim == 1) {
+      split_at.emplace_back(i, 1);
+      split.push_back({a.sum(1, /*keepdim=*/true), a.size(1), a.size(1) * base.parts});
+    } else if (!base.whole() && base.dim == 0) {
+      split_at.emplace_back(i, 0);
+      split.push_back({b.sum(0).view({-1, 1}), b.size(0), b.size(0) * base.parts});
+    }
+  }
+  const auto sums = sum_over_slices(model_.options().comm.get(), split);
+  for (size_t j = 0; j < split_at.size(); ++j) {
+    const auto [i, dim] = split_at[j];
+    (dim == 1 ? a_means : b_means)[i] = sums[j] / static_cast<double>(split[j].whole);
+  }
+  std::vector<torch::Tensor> scores, all;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const auto triplet = e_scores[i] + torch::cat({a_means[i], b_means[i]}, 1).sum(1);  // [r]
     scores.push_back(triplet);
     all.push_back(triplet.view(-1));
   }
@@ -279,6 +322,14 @@ std::vector<std::pair<std::string, torch::Tensor>> RankAllocator::state() const 
     for (const std::string p : kParts) out.emplace_back("adalora.param." + name + "." + p, part(*layer, p).detach().cpu());
   }
   return out;
+}
+
+std::optional<std::string> RankAllocator::state_parameter(const std::string& name) {
+  for (const char* prefix : {"adalora.exp_avg_ipt.", "adalora.exp_avg_unc.", "adalora.param."}) {
+    if (name.rfind(prefix, 0) == 0) return name.substr(std::string(prefix).size());
+  }
+  if (name.rfind("adalora.rank_pattern.", 0) == 0) return "";
+  return std::nullopt;
 }
 
 void RankAllocator::load_state(const std::vector<std::pair<std::string, torch::Tensor>>& state) {

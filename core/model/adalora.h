@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -37,12 +38,16 @@ using RankPattern = std::map<std::string, std::vector<bool>>;
 
 // Adds AdaLoRA adapters of rank config.spec.r to every linear layer named in target_modules and
 // freezes everything else; P and Q of each layer are seeded by (seed, layer name). Returns the
-// number of adapted layers; unknown targets and a model split over ranks are errors.
+// number of adapted layers; unknown targets are errors. On a model split by tensor parallelism
+// the adapters follow their layer's split (LinearImpl::add_adalora).
 int64_t apply_adalora(LlamaForCausalLMImpl& model, const AdaLoraConfig& config, uint64_t seed);
 
 // PEFT's orthogonal regularisation: the mean over the adapted layers' P and Q of
 // ||P P^T - I||_F and ||Q^T Q - I||_F (differentiable; to be added to the loss times
-// orth_reg_weight). Zero for a model without AdaLoRA adapters.
+// orth_reg_weight). Zero for a model without AdaLoRA adapters. On a tensor-parallel model the
+// Gram matrix of a split factor is summed over its slices through the model's comm hook
+// (sum_over_slices): collective over the processes holding them, and each gets the gradient of
+// its own slice.
 torch::Tensor adalora_orthogonal_regularization(LlamaForCausalLMImpl& model);
 
 // Whether the model has AdaLoRA adapters.
@@ -92,6 +97,8 @@ class RankAllocator {
   // Before total_step - tfinal: updates the importance EMAs from the gradients and, on the
   // schedule's reallocation steps, masks the least important triplets to the budget; at
   // total_step - tfinal: masks to the final budget and fixes the pattern; after: re-applies it.
+  // On a tensor-parallel model, collective over the processes holding the layers' slices (the
+  // scores of split factors are summed over them), so all mask the same triplets.
   void update_and_allocate(int64_t step);
 
   const RankPattern& rank_pattern() const { return pattern_; }
@@ -107,6 +114,11 @@ class RankAllocator {
   // back: load_state also sets the parameters and the layers' pattern.
   std::vector<std::pair<std::string, torch::Tensor>> state() const;
   void load_state(const std::vector<std::pair<std::string, torch::Tensor>>& state);
+  // The adapter parameter whose split a state tensor of state() shares (an EMA or a parameter's
+  // values: "<layer>.lora_A" ...), or "" for one every process holds whole and alike (the rank
+  // pattern); nullopt for a name state() never gives. A checkpoint of a split model stores the
+  // state in pieces like the parameters'.
+  static std::optional<std::string> state_parameter(const std::string& name);
 
  private:
   void update_importance();

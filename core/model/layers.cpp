@@ -197,14 +197,18 @@ void LinearImpl::add_lora(const LoraSpec& spec, uint64_t generator_seed, const P
   if (weight.defined()) weight.set_requires_grad(false);
 }
 
-void LinearImpl::add_adalora(const LoraSpec& spec, uint64_t generator_seed) {
+void LinearImpl::add_adalora(const LoraSpec& spec, uint64_t generator_seed, const ParameterShard& base) {
   WEFT_CHECK(!has_lora(), "LoRA adapters added twice to one layer");
   WEFT_CHECK(spec.r > 0, "adalora.init_r must be positive, got {}", spec.r);
+  const bool split_input = !base.whole() && base.dim == 1, split_output = !base.whole() && base.dim == 0;
   auto generator = at::make_generator<at::CPUGeneratorImpl>(generator_seed);
-  auto a = torch::empty({spec.r, in_features_});
+  auto a = torch::empty({spec.r, in_features_ * (split_input ? base.parts : 1)});
   a.normal_(0.0, 0.02, generator);
-  auto b = torch::empty({out_features_, spec.r});
+  auto b = torch::empty({out_features_ * (split_output ? base.parts : 1), spec.r});
   b.normal_(0.0, 0.02, generator);
+  if (split_input) a = shard_slice(a, base).contiguous();
+  if (split_output) b = shard_slice(b, base).contiguous();
+  adapter_base_ = base;
   ada_A_ = register_parameter("lora_A", a);
   ada_E_ = register_parameter("lora_E", torch::zeros({spec.r, 1}));
   ada_B_ = register_parameter("lora_B", b);

@@ -78,8 +78,13 @@ class LinearImpl : public torch::nn::Module {
   // [out, r]) ~ N(0, 0.02^2) from `generator_seed`, Lambda (lora_E [r, 1]) zeros; the update is
   // (alpha / (r + 1e-5)) B (A * E) dropout(x), r staying the initial rank however many of the
   // triplets a rank allocator masks (adalora.h). Freezes the base weight. Parameters are named
-  // lora_A, lora_E and lora_B, as in PEFT's adapter files. A split layer is refused.
-  void add_adalora(const LoraSpec& spec, uint64_t generator_seed);
+  // lora_A, lora_E and lora_B, as in PEFT's adapter files. When `weight` is a slice of a split
+  // layer (`base`), P and Q are drawn whole and sliced like LoRA's factors (parallel.h's shard_of:
+  // a column-parallel base splits Q's rows, a row-parallel one P's columns; Lambda stays whole), so
+  // every split of a model starts from the same adapters.
+  void add_adalora(const LoraSpec& spec, uint64_t generator_seed, const ParameterShard& base = {});
+  // The split of the layer the adapters were added to (whole when it is not split).
+  const ParameterShard& adapter_base_shard() const { return adapter_base_; }
   bool has_lora() const { return !lora_A_.is_empty() || ada_A_.defined(); }
   bool has_adalora() const { return ada_A_.defined(); }
   // AdaLoRA's P, Lambda and Q (has_adalora() layers).
@@ -116,6 +121,7 @@ class LinearImpl : public torch::nn::Module {
   WeightHolder lora_B_{nullptr};
   torch::Tensor ada_A_, ada_E_, ada_B_;
   std::vector<bool> ada_keep_;
+  ParameterShard adapter_base_;
   double lora_scale_ = 0.0;
   double lora_dropout_ = 0.0;
   torch::Dtype compute_dtype_ = torch::kFloat32;

@@ -34,9 +34,6 @@ int64_t apply_lora(LlamaForCausalLMImpl& model, const LoraConfig& config, uint64
                "lora.target_modules: unknown module '{}' (valid: {})", target, fmt::join(valid, ", "));
   }
   if (config.adalora) {
-    WEFT_CHECK(model.options().shards.empty(),
-               "AdaLoRA allocates one rank budget over the whole model's layers; a model split over ranks (tensor "
-               "parallelism) is not supported");
     WEFT_CHECK(config.adalora->target_r >= 0 && config.adalora->target_r <= config.spec.r,
                "adalora: target_r ({}) must be between 0 and init_r ({})", config.adalora->target_r, config.spec.r);
   }
@@ -53,10 +50,11 @@ int64_t apply_lora(LlamaForCausalLMImpl& model, const LoraConfig& config, uint64
         config.target_modules.end()) {
       continue;
     }
+    const ParameterShard base = shard_of(model.options().shards, item.key() + ".weight");
     if (config.adalora) {
-      linear->add_adalora(config.spec, hash64(item.key(), seed));
+      linear->add_adalora(config.spec, hash64(item.key(), seed), base);
     } else {
-      linear->add_lora(config.spec, hash64(item.key(), seed), shard_of(model.options().shards, item.key() + ".weight"));
+      linear->add_lora(config.spec, hash64(item.key(), seed), base);
     }
     ++adapted;
   }

@@ -1,5 +1,7 @@
 #include "core/model/parallel.h"
 
+#include <cmath>
+
 #include <torch/torch.h>
 
 #include "core/util/error.h"
@@ -26,6 +28,36 @@ struct CommFunction : public torch::autograd::Function<CommFunction> {
     (*hook)(static_cast<CommPoint>(ctx->saved_data["point"].toInt()), /*backward=*/true,
             ctx->saved_data["layer"].toInt(), g);
     return {g, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+// sum_over_slices' sum: `flat` is the segments' values one after the other; the hook sums them
+// with the slices' lengths appended, and each segment is divided by its repetition.
+struct SliceSumFunction : public torch::autograd::Function<SliceSumFunction> {
+  static torch::Tensor forward(AutogradContext*, const torch::Tensor& flat, const CommHook* hook,
+                               const std::vector<int64_t>& sizes, const std::vector<int64_t>& locals,
+                               const std::vector<int64_t>& wholes) {
+    const int64_t segments = static_cast<int64_t>(sizes.size());
+    auto buffer = torch::cat({flat.detach().to(torch::kFloat32),
+                              torch::tensor(locals, torch::kLong).to(torch::kFloat32).to(flat.device())})
+                      .contiguous();
+    (*hook)(CommPoint::kAdapterSum, /*backward=*/false, -1, buffer);
+    const auto counts = buffer.narrow(0, flat.numel(), segments).cpu();
+    auto out = buffer.narrow(0, 0, flat.numel()).clone();
+    int64_t offset = 0;
+    for (int64_t i = 0; i < segments; ++i) {
+      const double repeat = counts[i].item<double>() / static_cast<double>(wholes[static_cast<size_t>(i)]);
+      WEFT_CHECK(repeat >= 1.0 && repeat == std::round(repeat),
+                 "adapter sums over split layers: the slices add up to {} of {} rows; the strategy's group holds "
+                 "another split",
+                 counts[i].item<double>(), wholes[static_cast<size_t>(i)]);
+      if (repeat > 1.0) out.narrow(0, offset, sizes[static_cast<size_t>(i)]).div_(repeat);
+      offset += sizes[static_cast<size_t>(i)];
+    }
+    return out.to(flat.scalar_type());
+  }
+  static variable_list backward(AutogradContext*, variable_list grads) {
+    return {grads[0], torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -133,16 +165,44 @@ torch::Tensor heads_to_sequence(const torch::Tensor& x, const SequenceSplit& spl
 }
 
 ParameterShard shard_of(const ShardMap& shards, const std::string& name) {
-  for (const std::string factor : {".lora_A.weight", ".lora_B.weight"}) {
+  // LoRA's factors (".lora_A.weight", ".lora_B.weight") and AdaLoRA's P and Q (".lora_A",
+  // ".lora_B"; its Lambda ".lora_E" is whole).
+  for (const std::string factor : {".lora_A.weight", ".lora_B.weight", ".lora_A", ".lora_B"}) {
     const auto at = name.rfind(factor);
     if (at == std::string::npos || at + factor.size() != name.size()) continue;
     // An adapter follows its base layer: B [out, r] takes a dim-0 split, A [r, in] a dim-1 split.
     const ParameterShard base = shard_of(shards, name.substr(0, at) + ".weight");
-    const int32_t split_dim = factor == ".lora_B.weight" ? 0 : 1;
+    const int32_t split_dim = factor.rfind(".lora_B", 0) == 0 ? 0 : 1;
     return base.dim == split_dim ? base : ParameterShard{};
   }
   const auto it = shards.find(name);
   return it == shards.end() ? ParameterShard{} : it->second;
+}
+
+std::vector<torch::Tensor> sum_over_slices(const CommHook* hook, const std::vector<SliceSum>& parts) {
+  std::vector<torch::Tensor> out;
+  if (parts.empty()) return out;
+  if (hook == nullptr || !*hook) {
+    for (const auto& part : parts) out.push_back(part.values);
+    return out;
+  }
+  std::vector<torch::Tensor> flat;
+  std::vector<int64_t> sizes, locals, wholes;
+  for (const auto& part : parts) {
+    WEFT_CHECK(part.local > 0 && part.whole >= part.local, "sum_over_slices: a slice of {} of {} rows", part.local,
+               part.whole);
+    flat.push_back(part.values.reshape(-1));
+    sizes.push_back(part.values.numel());
+    locals.push_back(part.local);
+    wholes.push_back(part.whole);
+  }
+  const auto sums = SliceSumFunction::apply(torch::cat(flat), hook, sizes, locals, wholes);
+  int64_t offset = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    out.push_back(sums.narrow(0, offset, sizes[i]).view(parts[i].values.sizes()));
+    offset += sizes[i];
+  }
+  return out;
 }
 
 torch::Tensor comm_point(const CommHook* hook, CommPoint point, int64_t layer, const torch::Tensor& x) {

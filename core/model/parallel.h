@@ -39,10 +39,11 @@ struct ParameterShard {
 // By HF parameter name; names not present are whole.
 using ShardMap = std::map<std::string, ParameterShard>;
 // The shard of parameter `name`. LoRA adapters ("<base>.lora_A.weight" [r, in],
-// "<base>.lora_B.weight" [out, r]) follow their base layer: a column-parallel base (dim 0)
-// splits lora_B along dim 0 and keeps lora_A whole; a row-parallel base (dim 1) splits lora_A
-// along dim 1 and keeps lora_B whole. The whole factor's gradient is then a partial sum (this
-// rank's share), which the strategy sums over the ranks holding the base's other slices.
+// "<base>.lora_B.weight" [out, r]; AdaLoRA's "<base>.lora_A", "<base>.lora_B" alike) follow their
+// base layer: a column-parallel base (dim 0) splits lora_B along dim 0 and keeps lora_A whole; a
+// row-parallel base (dim 1) splits lora_A along dim 1 and keeps lora_B whole; AdaLoRA's
+// "<base>.lora_E" [r, 1] is whole. The whole factor's gradient is then a partial sum (this rank's
+// share), which the strategy sums over the ranks holding the base's other slices.
 ParameterShard shard_of(const ShardMap& shards, const std::string& name);
 
 // Where the model calls the communication hook (the C ABI's weft_comm_point, same order).
@@ -58,6 +59,8 @@ enum class CommPoint {
                          // backward (the hidden state's gradient sums over the vocabulary)
   kRowAbsMax = 8,        // per-token absmax of a row-parallel int8 layer's input columns
                          // (int8_linear): all-reduce(max) forward; never backward (ABI 1.7)
+  kAdapterSum = 9,       // sums over the slices of split layers' AdaLoRA factors (sum_over_slices):
+                         // all-reduce forward; never backward (ABI 1.8)
 };
 
 // Communicates in place on `tensor` at `point` of decoder block `layer` (-1 outside blocks),
@@ -67,6 +70,23 @@ using CommHook = std::function<void(CommPoint point, bool backward, int64_t laye
 // y = x with the hook applied to (a copy of) x in the forward pass and to the incoming
 // gradient in the backward pass. Without a hook, x itself.
 torch::Tensor comm_point(const CommHook* hook, CommPoint point, int64_t layer, const torch::Tensor& x);
+
+// One sum over a split factor's slices: `values` (any shape) sums over this process's `local` of
+// the `whole` rows or columns the factor has along its split dimension.
+struct SliceSum {
+  torch::Tensor values;
+  int64_t local = 0;
+  int64_t whole = 0;
+};
+
+// The sums over all slices, in one hook call at CommPoint::kAdapterSum (layer -1): every process
+// holding a slice of these layers must call it with the same segments in the same order. The hook
+// sums over a group in which a slice may repeat (kv heads shared by several processes): the
+// slices' lengths travel with the values, and each segment is divided by how often its slices were
+// counted. Differentiable: the gradient reaches each process's values unchanged, the gradient of
+// its own slice (the hook is not called in the backward). Without parts, nothing; without a hook,
+// the values themselves.
+std::vector<torch::Tensor> sum_over_slices(const CommHook* hook, const std::vector<SliceSum>& parts);
 
 // Sequence (context) parallelism, Ulysses style: each of `size` processes holds tokens
 // [rank * s, (rank + 1) * s) of every sequence. Everything but the attention core runs on those

@@ -173,7 +173,8 @@ MemoryPlan StrategySession::memory_plan(const std::vector<weft_stage_memory>& st
 std::shared_ptr<const CommHook> StrategySession::comm_hook() {
   if (library_->api().comm_point == nullptr) return nullptr;
   static_assert(static_cast<int>(CommPoint::kHeadInput) == WEFT_COMM_HEAD_INPUT &&
-                    static_cast<int>(CommPoint::kRowAbsMax) == WEFT_COMM_ROW_ABSMAX,
+                    static_cast<int>(CommPoint::kRowAbsMax) == WEFT_COMM_ROW_ABSMAX &&
+                    static_cast<int>(CommPoint::kAdapterSum) == WEFT_COMM_ADAPTER_SUM,
                 "the model's comm points are the ABI's");
   return std::make_shared<const CommHook>([this](CommPoint point, bool backward, int64_t layer, torch::Tensor& tensor) {
     // Job refuses a plugin below 1.7 that splits an int8 layer's input columns before the model
@@ -181,6 +182,9 @@ std::shared_ptr<const CommHook> StrategySession::comm_hook() {
     WEFT_CHECK(point != CommPoint::kRowAbsMax || library_->negotiated_abi().minor >= 7,
                "plugin {} (ABI 1.{}) cannot all-reduce int8 scales (WEFT_COMM_ROW_ABSMAX, ABI 1.7)", library_->name(),
                library_->negotiated_abi().minor);
+    WEFT_CHECK(point != CommPoint::kAdapterSum || library_->negotiated_abi().minor >= 8,
+               "plugin {} (ABI 1.{}) cannot sum AdaLoRA's scores over adapter slices (WEFT_COMM_ADAPTER_SUM, ABI 1.8)",
+               library_->name(), library_->negotiated_abi().minor);
     if (!tensor.is_contiguous()) tensor = tensor.contiguous();
     DLTensor view = sdk::to_dl_view(tensor);
     check(library_->api().comm_point(instance_, static_cast<weft_comm_point>(point),

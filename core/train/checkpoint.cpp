@@ -15,6 +15,7 @@
 #include <torch/torch.h>
 
 #include "core/model/config.h"
+#include "core/model/parallel.h"
 #include "core/model/weights.h"
 #include "core/train/named_state.h"
 #include "core/util/error.h"
@@ -205,7 +206,16 @@ std::string CheckpointStore::save_sharded(const TrainerState& state, LlamaForCau
     write_file_atomically((staged / "config.json").string(), to_hf_config_json(model.config()));
   });
   ok = ok && attempt([&] {
-    save_rank_shard((staged / "shards").string(), rank, model, optimizer, lora_.has_value(), writes);
+    std::vector<StatePiece> extra;
+    for (const auto& state_file : state_files_) {
+      WEFT_CHECK(state_file.follows, "checkpoint: the training state of {} cannot be saved in pieces", state_file.file);
+      for (auto& [name, tensor] : state_file.collect()) {
+        const auto parameter = state_file.follows(name);
+        WEFT_CHECK(parameter.has_value(), "checkpoint: {}'s tensor '{}' belongs to no parameter", state_file.file, name);
+        extra.push_back({name, tensor, *parameter});
+      }
+    }
+    save_rank_shard((staged / "shards").string(), rank, model, optimizer, lora_.has_value(), writes, extra);
     fault_point("save");
   });
   ok = ok && attempt([&] {
@@ -270,18 +280,39 @@ void CheckpointStore::restore(const std::string& dir, LlamaForCausalLMImpl& mode
     fail("checkpoint '{}': cannot restore optimizer/RNG state ({})", dir, e.what_without_backtrace());
   }
   for (const auto& extra : state_files_) {
-    const std::string path = dir + "/" + extra.file;
-    WEFT_CHECK(fs::exists(path), "checkpoint '{}' has no {}, which this run's training state needs", dir, extra.file);
-    auto file = SafetensorsFile::open(path);
     NamedTensors tensors;
-    for (const auto& info : file->tensors()) tensors.emplace_back(info.name, file->load(info.name));
+    if (state.sharded()) {  // pieces of the rank files: this rank's part of each
+      for (const auto& name : state.names()) {
+        const auto parameter = extra.follows ? extra.follows(name) : std::nullopt;
+        if (parameter) tensors.emplace_back(name, state.part_like(model, *parameter, name));
+      }
+      WEFT_CHECK(!tensors.empty(), "checkpoint '{}' holds none of the {} state, which this run's training needs", dir,
+                 extra.file);
+    } else {
+      const std::string path = dir + "/" + extra.file;
+      WEFT_CHECK(fs::exists(path), "checkpoint '{}' has no {}, which this run's training state needs", dir, extra.file);
+      auto file = SafetensorsFile::open(path);
+      for (const auto& info : file->tensors()) {
+        auto values = file->load(info.name);
+        const auto parameter = extra.follows ? extra.follows(info.name) : std::nullopt;
+        if (parameter && !parameter->empty()) {  // the whole tensor; this rank may hold a slice
+          const ParameterShard shard = shard_of(model.options().shards, *parameter);
+          if (!shard.whole()) {
+            WEFT_CHECK(shard.dim < values.dim(), "checkpoint '{}': {}'s '{}' has {} dimensions", dir, extra.file,
+                       info.name, values.dim());
+            values = shard_slice(values, shard).contiguous();
+          }
+        }
+        tensors.emplace_back(info.name, values);
+      }
+    }
     extra.restore(tensors);
   }
 }
 
 void CheckpointStore::add_state_file(std::string file, std::function<NamedTensors()> collect,
-                                     std::function<void(const NamedTensors&)> restore) {
-  state_files_.push_back({std::move(file), std::move(collect), std::move(restore)});
+                                     std::function<void(const NamedTensors&)> restore, StateFollows follows) {
+  state_files_.push_back({std::move(file), std::move(collect), std::move(restore), std::move(follows)});
 }
 
 void CheckpointStore::remove_leftovers() const {

@@ -77,15 +77,21 @@ class CheckpointStore {
   // Training state beyond the model, the optimizer and the trainer's counters that every
   // checkpoint written by save() carries as its own safetensors file `file` (AdaLoRA's rank
   // allocator): `collect` gives it at each save, `restore` takes it back, and a checkpoint
-  // without the file is refused by name.
+  // without the file is refused by name. `follows(name)` says which parameter a tensor of the
+  // state is split like ("" for one every rank holds whole and alike; nullopt for a name not of
+  // this state): then save_sharded writes the state as pieces of the rank files, like the
+  // parameters', and restore gives this rank's part of it from either layout. Without
+  // `follows`, save_sharded refuses the state.
+  using StateFollows = std::function<std::optional<std::string>(const std::string&)>;
   void add_state_file(std::string file, std::function<NamedTensors()> collect,
-                      std::function<void(const NamedTensors&)> restore);
+                      std::function<void(const NamedTensors&)> restore, StateFollows follows = nullptr);
 
  private:
   struct StateFile {
     std::string file;
     std::function<NamedTensors()> collect;
     std::function<void(const NamedTensors&)> restore;
+    StateFollows follows;
   };
 
   void prune() const;

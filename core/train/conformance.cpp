@@ -17,6 +17,7 @@
 #include "core/model/config.h"
 #include "core/model/lora.h"
 #include "core/model/quantize.h"
+#include "core/train/named_state.h"
 #include "core/train/trainer.h"
 #include "core/util/device.h"
 #include "core/util/error.h"
@@ -239,11 +240,19 @@ ConformanceReport check_conformance(const ConformanceOptions& c) {
                first_error(dir + "/candidate.log"), dir);
     candidate_losses = logged_losses(out + "/metrics.jsonl");
     if (c.mode == "adalora") {  // the last checkpoint's allocator state: "adalora.param." + the parameter name
-      const auto state = SafetensorsFile::open(out + "/checkpoints/step-" + fmt::format("{:08}", c.steps) +
-                                               "/adalora_state.safetensors");
+      // (in pieces of the rank files when the plugin splits the model)
+      const std::string checkpoint = out + "/checkpoints/step-" + fmt::format("{:08}", c.steps);
       const std::string prefix = "adalora.param.";
-      for (const auto& info : state->tensors()) {
-        if (info.name.rfind(prefix, 0) == 0) candidate_params[info.name.substr(prefix.size())] = state->load(info.name);
+      const NamedState pieces = NamedState::open(checkpoint);
+      if (pieces.sharded()) {
+        for (const auto& name : pieces.names()) {
+          if (name.rfind(prefix, 0) == 0) candidate_params[name.substr(prefix.size())] = *pieces.whole(name);
+        }
+      } else {
+        const auto state = SafetensorsFile::open(checkpoint + "/adalora_state.safetensors");
+        for (const auto& info : state->tensors()) {
+          if (info.name.rfind(prefix, 0) == 0) candidate_params[info.name.substr(prefix.size())] = state->load(info.name);
+        }
       }
       if (c.task == "classification") {  // the head, saved beside the adapters
         const auto adapter = SafetensorsFile::open(out + "/final/adapter_model.safetensors");

@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include "core/dist/process_groups.h"
+#include "core/model/adalora.h"
 #include "core/util/error.h"
 
 namespace weft {
@@ -61,7 +62,8 @@ ModelGather::ModelGather(LlamaForCausalLMImpl& local, Communicator& communicator
       }
     }
   }
-  split_ = staged || sliced_;
+  staged_ = flag[1].item<int64_t>() > 0;
+  split_ = staged_ || sliced_;
   // The lowest rank holding a parameter's stage (and, when sliced, its slice) writes it.
   const int64_t layers = local_.config().num_hidden_layers;
   for (size_t i = 0; i < params.size(); ++i) {
@@ -115,6 +117,7 @@ LlamaForCausalLMImpl* ModelGather::gather() {
       for (const auto& part : parts) WEFT_CHECK(part.defined(), "saving: a slice of '{}' is held by no rank", name);
       target.copy_(torch::cat(parts, mine.dim));
     }
+    if (world.rank == 0 && lora_ && lora_->adalora) apply_rank_pattern(*full_, rank_pattern_of(local_));
     return world.rank == 0 ? full_.get() : nullptr;
   }
   const int64_t stages = local_.num_stages();

@@ -26,6 +26,8 @@ class ModelGather {
 
   // True when some rank does not hold every stage (then saving must gather).
   bool split() const { return split_; }
+  // True when some rank holds only some of the model stages (a pipeline).
+  bool staged() const { return staged_; }
   // Whether this rank writes parameter `name` (as it holds it) to a sharded checkpoint: it is the
   // lowest rank holding that stage and slice, so every piece is written once.
   bool writes(const std::string& name) const { return writes_.count(name) != 0; }
@@ -40,6 +42,7 @@ class ModelGather {
   std::optional<LoraConfig> lora_;
   std::vector<std::pair<int64_t, int64_t>> ranges_;  // per rank: model stages [first, last)
   bool split_ = false;
+  bool staged_ = false;
   bool sliced_ = false;                              // some parameter is a tensor-parallel slice
   std::vector<std::vector<std::pair<int32_t, int32_t>>> slices_;  // [rank][parameter] (parts, index)
   std::set<std::string> writes_;

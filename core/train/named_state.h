@@ -50,11 +50,21 @@ std::vector<std::pair<std::string, torch::Tensor>> checkpoint_parameters(LlamaFo
 // parameters, which must be whole. Parameters the optimizer has not stepped yet are left out.
 void save_optimizer_state(const std::string& path, LlamaForCausalLMImpl& model, torch::optim::AdamW& optimizer);
 
+// A tensor of training state beyond the optimizer's (AdaLoRA's EMAs) split like parameter
+// `parameter` of the model, or held whole and alike by every rank where `parameter` is empty.
+struct StatePiece {
+  std::string name;
+  torch::Tensor tensor;
+  std::string parameter;
+};
+
 // Writes this rank's pieces to <dir>/rank-<rank>.safetensors: the parameters (and their moments)
 // for which `writes(name)` holds, as this rank holds them (a tensor-parallel slice: the whole
-// shape and offset from shard_of). Throws weft::Error on I/O failure.
+// shape and offset from shard_of), and the `extra` pieces whose parameter it writes (the whole
+// ones on rank 0). Throws weft::Error on I/O failure.
 void save_rank_shard(const std::string& dir, int32_t rank, LlamaForCausalLMImpl& model,
-                     torch::optim::AdamW& optimizer, bool lora, const std::function<bool(const std::string&)>& writes);
+                     torch::optim::AdamW& optimizer, bool lora, const std::function<bool(const std::string&)>& writes,
+                     const std::vector<StatePiece>& extra = {});
 
 // After every rank's save_rank_shard: checks that every tensor the files hold is covered exactly
 // once by its pieces, then writes <dir>/index.json atomically. Throws weft::Error naming the
@@ -87,6 +97,9 @@ class NamedState {
   // Puts this rank's part of the saved moments of every parameter of `model` into `optimizer`
   // (keyed by the parameter tensors, as the optimizer steps them).
   void restore_optimizer(LlamaForCausalLMImpl& model, torch::optim::AdamW& optimizer) const;
+  // This rank's part of tensor `name` of a sharded checkpoint, split as `model`'s parameter
+  // `parameter` is (and of its shape), or the whole tensor where `parameter` is empty.
+  at::Tensor part_like(LlamaForCausalLMImpl& model, const std::string& parameter, const std::string& name) const;
 
  private:
   struct Piece {

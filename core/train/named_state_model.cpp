@@ -44,22 +44,32 @@ void save_optimizer_state(const std::string& path, LlamaForCausalLMImpl& model, 
 }
 
 void save_rank_shard(const std::string& dir, int32_t rank, LlamaForCausalLMImpl& model,
-                     torch::optim::AdamW& optimizer, bool lora, const std::function<bool(const std::string&)>& writes) {
+                     torch::optim::AdamW& optimizer, bool lora, const std::function<bool(const std::string&)>& writes,
+                     const std::vector<StatePiece>& extra) {
   NamedTensors tensors;
   nlohmann::json pieces = nlohmann::json::object(), steps = nlohmann::json::object();
-  for (const auto& [name, parameter] : checkpoint_parameters(model, lora)) {
-    if (!writes(name)) continue;
-    const ParameterShard shard = shard_of(model.options().shards, name);
-    std::vector<int64_t> shape = parameter.sizes().vec();
+  // Where this rank's `local` part of a tensor split like parameter `name` lies in the whole.
+  const auto piece_of = [&](const std::string& name, const torch::Tensor& local) {
+    const ParameterShard shard = name.empty() ? ParameterShard{} : shard_of(model.options().shards, name);
+    std::vector<int64_t> shape = local.sizes().vec();
     int64_t start = 0;
     if (!shard.whole()) {
       shape[static_cast<size_t>(shard.dim)] *= shard.parts;  // tensor-parallel slices are equal
       const auto [begin, length] = shard.range(shape[static_cast<size_t>(shard.dim)]);
-      WEFT_CHECK(length == parameter.size(shard.dim), "checkpoint: the slice {} of {} of '{}' is not 1/{} of it",
+      WEFT_CHECK(length == local.size(shard.dim), "checkpoint: the slice {} of {} of '{}' is not 1/{} of it",
                  shard.index, shard.parts, name, shard.parts);
       start = begin;
     }
-    const nlohmann::json piece = {{"shape", shape}, {"dim", shard.dim}, {"start", start}};
+    return nlohmann::json{{"shape", shape}, {"dim", shard.dim}, {"start", start}};
+  };
+  for (const auto& piece : extra) {
+    if (piece.parameter.empty() ? rank != 0 : !writes(piece.parameter)) continue;
+    tensors.emplace_back(piece.name, piece.tensor.detach().cpu().contiguous());
+    pieces[piece.name] = piece_of(piece.parameter, piece.tensor);
+  }
+  for (const auto& [name, parameter] : checkpoint_parameters(model, lora)) {
+    if (!writes(name)) continue;
+    const nlohmann::json piece = piece_of(name, parameter);
     tensors.emplace_back(name, parameter.detach().to(torch::kFloat32));
     pieces[name] = piece;
     if (const AdamWParamState* state = adamw_state(optimizer, parameter)) {
@@ -91,6 +101,20 @@ at::Tensor NamedState::part_for(LlamaForCausalLMImpl& model, const std::string& 
              fmt::join(like.sizes(), "x"), fmt::join(values->sizes(), "x"),
              shard.whole() ? "" : fmt::format(" (this rank's slice {} of {})", shard.index, shard.parts));
   return part.contiguous();
+}
+
+at::Tensor NamedState::part_like(LlamaForCausalLMImpl& model, const std::string& parameter,
+                                const std::string& name) const {
+  if (parameter.empty()) {
+    auto values = whole(name);
+    WEFT_CHECK(values.has_value(), "checkpoint '{}' has no tensor '{}'", dir_, name);
+    return *values;
+  }
+  const auto parameters = model.named_parameters();
+  const auto* like = parameters.find(parameter);
+  WEFT_CHECK(like != nullptr, "checkpoint '{}': '{}' belongs to parameter '{}', which this model does not have", dir_,
+             name, parameter);
+  return part_for(model, parameter, name, *like);
 }
 
 void NamedState::restore_parameters(LlamaForCausalLMImpl& model, bool lora) const {

@@ -13,9 +13,10 @@
 // vocabulary-parallel embedding (all-reduce forward), and the vocabulary-parallel loss's
 // per-token max (all-reduce MAX) and sums (all-reduce SUM) - the full logits are never
 // gathered. Tensor-parallel ranks see the same rows; dp replicas average gradients in buckets.
-// LoRA (train.mode = lora): adapters follow their base layer's split (the host's layout, see
-// weft_parameter_info); the whole factor of a split layer's adapter holds this rank's share of
-// its gradient, summed here over the tp group.
+// LoRA and AdaLoRA (train.mode = lora, adalora): adapters follow their base layer's split (the
+// host's layout, see weft_parameter_info); the whole factor of a split layer's adapter (and
+// AdaLoRA's Lambda) holds this rank's share of its gradient, summed here over the tp group, and
+// AdaLoRA's scores over the slices are summed at WEFT_COMM_ADAPTER_SUM (ABI 1.8).
 // Configuration ([plugin]): tp (int >= 1, default: the world size), bucket_mb (float > 0,
 // default 25: dp gradient buckets).
 #include <cmath>
@@ -155,6 +156,7 @@ class TensorParallel : public weft::sdk::Strategy {
       case WEFT_COMM_MLP_OUTPUT:
       case WEFT_COMM_EMBEDDING_OUTPUT:
       case WEFT_COMM_LOSS_SUM:  // g: all-reduce forward, identity backward
+      case WEFT_COMM_ADAPTER_SUM:  // AdaLoRA's sums over adapter slices (ABI 1.8; forward only)
         if (forward) host().all_reduce(tp_group_, tensor).wait();
         break;
       case WEFT_COMM_LOSS_MAX:
@@ -180,14 +182,17 @@ class TensorParallel : public weft::sdk::Strategy {
       int64_t full = 1;
       for (int32_t d = 0; d < info.ndim; ++d) full *= info.shape[d];
       const bool sliced = weft::plugins::element_count(host().parameter_data(i)) < full;
-      const bool lora_a = ends_with(name, ".lora_A.weight"), lora_b = ends_with(name, ".lora_B.weight");
+      // LoRA's factors and AdaLoRA's (P "lora_A", Lambda "lora_E", Q "lora_B").
+      const bool lora_a = ends_with(name, ".lora_A.weight") || ends_with(name, ".lora_A");
+      const bool lora_b = ends_with(name, ".lora_B.weight") || ends_with(name, ".lora_B");
+      const bool lora_e = ends_with(name, ".lora_E");
       const bool kv = name.find("self_attn.k_proj.") != std::string::npos ||
                       name.find("self_attn.v_proj.") != std::string::npos;
       double copies = 1.0;
-      if (kv && !lora_a && sharing > 1) {  // k/v weight or its lora_B: laid out like the kv heads
+      if (kv && !lora_a && !lora_e && sharing > 1) {  // k/v weight or its lora_B: laid out like the kv heads
         kv_partial.push_back(i);
         copies = sharing;
-      } else if ((lora_a || lora_b) && !sliced && tp_ > 1) {
+      } else if ((lora_a || lora_b || lora_e) && !sliced && tp_ > 1) {
         tp_partial.push_back(i);
         copies = tp_;
       } else if (!sliced) {

@@ -138,10 +138,11 @@ TEST(Cli, BadInputGetsOneClearErrorAndExitCodeOne) {
            Case{"frobnicate", "unknown command"},
            Case{"check --plugin ddp --steps 0", "--steps 0: must be at least 1"},
            Case{tiny + "--set model.quantize=nf4", "training needs adapters (train.mode = \"lora\""},
-           Case{tiny + "--set data.path=" + write_corpus(dir) + " --plugin tensor_parallel --nproc 2 --set train.mode=adalora",
-                "a model split over ranks (tensor parallelism) is not supported"},
            Case{tiny + "--set data.path=" + write_corpus(dir) + " --plugin gpipe --nproc 2 --set train.mode=adalora",
-                "splits the model or its training state over the ranks"},
+                "splits the model into pipeline stages or its training state over the ranks"},
+           Case{tiny + "--set data.path=" + write_corpus(dir) + " --plugin zero --nproc 2 --set plugin.stage=3 "
+                       "--set train.mode=lora --set model.frozen_dtype=bf16",
+                "stage 3 shards every parameter in fp32, but the frozen parameter"},
            Case{tiny + "--set data.path=" + write_corpus(dir) + " --set train.mode=adalora --set train.max_steps=4 "
                        "--set adalora.tinit=5",
                 "the budget schedule needs tinit (5) < total_step (4) - tfinal (0)"},

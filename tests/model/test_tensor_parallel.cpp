@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "core/model/adalora.h"
 #include "core/model/llama.h"
 #include "core/model/lora.h"
 #include "core/model/parallel.h"
@@ -72,6 +73,7 @@ weft::CommHook megatron_hook(ThreadAllReduce& reduce, int rank) {
       case CommPoint::kMlpOutput:
       case CommPoint::kEmbeddingOutput:
       case CommPoint::kLossSum:
+      case CommPoint::kAdapterSum:
         if (!backward) reduce.run(rank, t, false);
         break;
       case CommPoint::kLossMax:
@@ -233,6 +235,78 @@ TEST(TensorParallel, LoraAdaptersFollowTheirBaseLayersSplit) { expect_matches_wh
 TEST(TensorParallel, LoraAdaptersWithKvHeadsSharedInPairs) { expect_matches_whole_model(false, 4, 2, true); }
 // Multi-query attention: the one kv head is whole on both ranks, each with a share of its gradient.
 TEST(TensorParallel, LoraAdaptersWithOneKvHeadOnEveryRank) { expect_matches_whole_model(false, 2, 1, true, 1); }
+
+// AdaLoRA on 4 ranks whose kv slices repeat in pairs: P and Q are the whole model's, sliced with
+// their layer (Lambda whole), and the orthogonal regulariser, whose split Gram matrices are summed
+// at CommPoint::kAdapterSum, is the whole model's on every rank, with each slice's gradient the
+// whole gradient's slice (no sum over ranks: the point's backward is the identity).
+TEST(TensorParallel, AdaLoraSlicesAndTheirOrthogonalRegularizerAreTheWholeModels) {
+  const int32_t parts = 4, kv_parts = 2;
+  at::set_num_threads(1);
+  const ModelConfig config = small_config(false);
+  weft::AdaLoraConfig adalora;
+  adalora.spec.r = 4;
+  adalora.target_r = 2;
+  adalora.target_modules = weft::lora_targetable_modules();
+  weft::LlamaForCausalLM whole(config);
+  weft::apply_adalora(*whole, adalora, 5);
+  {
+    torch::NoGradGuard no_grad;  // Lambda starts at 0; give it values so that every term depends on it
+    for (auto& item : whole->named_parameters()) {
+      if (item.key().find(".lora_E") != std::string::npos) item.value().uniform_(-1, 1);
+    }
+  }
+  const auto expected = weft::adalora_orthogonal_regularization(*whole);
+  expected.backward();
+
+  ThreadAllReduce reduce(parts);
+  std::vector<weft::LlamaForCausalLM> shards;
+  for (int32_t rank = 0; rank < parts; ++rank) {
+    weft::ModelOptions options;
+    options.shards = megatron_shards(config, parts, rank, kv_parts);
+    options.comm = std::make_shared<const weft::CommHook>(megatron_hook(reduce, rank));
+    shards.emplace_back(config, options);
+    weft::apply_adalora(*shards.back(), adalora, 5);
+    torch::NoGradGuard no_grad;
+    int64_t checked = 0;
+    for (auto& item : shards.back()->named_parameters()) {
+      if (item.key().find(".lora_") == std::string::npos) continue;
+      const ParameterShard shard = weft::shard_of(options.shards, item.key());
+      if (item.key().find(".lora_E") != std::string::npos) EXPECT_TRUE(shard.whole()) << item.key();
+      const auto want = weft::shard_slice(whole->named_parameters()[item.key()], shard);
+      if (item.key().find(".lora_E") != std::string::npos) item.value().copy_(want);
+      ASSERT_EQ(item.value().sizes(), want.sizes()) << item.key();
+      EXPECT_TRUE(torch::equal(item.value(), want)) << item.key() << " rank " << rank;
+      checked += shard.whole() ? 0 : 1;
+    }
+    EXPECT_EQ(checked, 2 * 7 + 1) << "one split factor per adapted layer (7 per block, 2 blocks, the head)";
+  }
+  std::vector<torch::Tensor> values(static_cast<size_t>(parts));
+  std::vector<std::string> errors(static_cast<size_t>(parts));
+  std::vector<std::thread> threads;
+  for (int32_t rank = 0; rank < parts; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        values[rank] = weft::adalora_orthogonal_regularization(*shards[rank]);
+        values[rank].backward();
+      } catch (const std::exception& e) {
+        errors[rank] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& e : errors) ASSERT_TRUE(e.empty()) << e;
+  for (int32_t rank = 0; rank < parts; ++rank) {
+    EXPECT_NEAR(values[rank].item<double>(), expected.item<double>(), 1e-6) << "rank " << rank;
+    for (auto& item : shards[rank]->named_parameters()) {
+      if (item.key().find(".lora_A") == std::string::npos && item.key().find(".lora_B") == std::string::npos) continue;
+      ASSERT_TRUE(item.value().grad().defined()) << item.key();
+      const auto want = weft::shard_slice(whole->named_parameters()[item.key()].grad(),
+                                          weft::shard_of(shards[rank]->options().shards, item.key()));
+      EXPECT_LT((item.value().grad() - want).abs().max().item<double>(), 1e-6) << item.key() << " rank " << rank;
+    }
+  }
+}
 
 TEST(TensorParallel, EachShardLoadsItsSliceOfACheckpoint) {
   const ModelConfig config = small_config(false);

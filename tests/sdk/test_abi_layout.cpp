@@ -74,11 +74,12 @@ TEST(AbiLayout, TablesAreAppendOnlyFromVersionOne) {
   EXPECT_EQ(offsetof(weft_attention_block, q_position), 8u);
   EXPECT_EQ(offsetof(weft_attention_block, q), 40u);
   EXPECT_EQ(sizeof(weft_attention_block), 40 + 9 * sizeof(void*));
-  // ABI 1.7 appended a comm point; the earlier ones keep their values.
+  // ABI 1.7 and 1.8 appended comm points; the earlier ones keep their values.
   EXPECT_EQ(WEFT_COMM_HEAD_INPUT, 7);
   EXPECT_EQ(WEFT_COMM_ROW_ABSMAX, 8);
+  EXPECT_EQ(WEFT_COMM_ADAPTER_SUM, 9);  // 1.8
   EXPECT_EQ(WEFT_ABI_VERSION_MAJOR, 1);
-  EXPECT_EQ(WEFT_ABI_VERSION_MINOR, 7);
+  EXPECT_EQ(WEFT_ABI_VERSION_MINOR, 8);
 }
 
 }  // namespace

@@ -363,7 +363,7 @@ TEST_F(SdkTest, GroupsAreNonOwningViews) {
 }
 
 TEST_F(SdkTest, NegotiatedMinorIsTheSmallerOfBoth) {
-  weft_host_api newer = make_fake_host_api(7);
+  weft_host_api newer = make_fake_host_api(WEFT_ABI_VERSION_MINOR + 1);
   EXPECT_EQ(Host(&newer, &host).negotiated_minor(), WEFT_ABI_VERSION_MINOR);
   EXPECT_EQ(sdk_host.negotiated_minor(), kFakeHostMinor);  // the fake host's own minor is older
 }

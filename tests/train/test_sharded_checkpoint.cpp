@@ -151,6 +151,53 @@ TEST(ShardedCheckpoint, AWholeCheckpointResumesSlicedUnderTensorParallelism) {
   expect_continues(lora_whole, resume(root + "/lora_ddp", lora_checkpoint, "ddp", 2, lora), "LoRA tp 2 -> ddp 2", 2e-4);
 }
 
+// AdaLoRA under tensor_parallel (tp 2): the allocator's EMAs are pieces of the rank files split
+// like their parameters, the rank pattern one whole piece on rank 0. Saved at step 3, between two
+// reallocations, the checkpoint resumes under tp 2 exactly and as one process; one process's
+// checkpoint resumes under tp 2. The final adapter tp 2 gathers is one process's: the same kept
+// triplets (rank_pattern) and values.
+TEST(ShardedCheckpoint, AdaLoraUnderTensorParallelismResumesAcrossLayoutsAndSavesOneProcesssAdapter) {
+  const std::string root = fresh_dir("sharded_checkpoint", "adalora_tp");
+  const std::string adalora =
+      " --set train.mode=adalora --set adalora.init_r=4 --set adalora.target_r=2 --set adalora.tinit=1"
+      " --set adalora.tfinal=2 --set adalora.deltaT=1 --set checkpoint.save_final=true --set lora.dropout=0"
+      " --set 'lora.target_modules=[\"q_proj\", \"k_proj\", \"o_proj\", \"gate_proj\", \"down_proj\"]'";
+  const auto tp = run_saving_at_step_3(root + "/tp", "tensor_parallel", 2, "--set plugin.tp=2" + adalora);
+  const std::string checkpoint = root + "/tp/checkpoints/step-00000003";
+  const auto files = pieces_of(checkpoint);
+  ASSERT_EQ(files.size(), 2u);
+  const std::string o = "model.layers.0.self_attn.o_proj.lora_A";  // P of a row-parallel layer: split
+  const std::string pattern = "adalora.rank_pattern.model.layers.0.self_attn.q_proj";
+  for (const auto& [file, names] : files) {
+    EXPECT_TRUE(names.count("adalora.exp_avg_ipt." + o) && names.count("adalora.exp_avg_unc." + o)) << file;
+    EXPECT_EQ(names.count(pattern), file == "rank-00000.safetensors" ? 1u : 0u) << file;
+  }
+  expect_continues(tp, resume(root + "/tp_again", checkpoint, "tensor_parallel", 2, "--set plugin.tp=2" + adalora),
+                   "AdaLoRA tp 2", /*tolerance=*/0);
+  expect_continues(tp, resume(root + "/tp_single", checkpoint, "single", 1, adalora), "AdaLoRA tp 2 -> one process");
+  const auto one = run_saving_at_step_3(root + "/one", "single", 1, adalora);
+  expect_continues(one, resume(root + "/one_tp", root + "/one/checkpoints/step-00000003", "tensor_parallel", 2,
+                               "--set plugin.tp=2" + adalora),
+                   "AdaLoRA one process -> tp 2");
+  ASSERT_EQ(one.size(), tp.size());
+  for (size_t i = 0; i < one.size(); ++i) {
+    EXPECT_LE(std::abs(tp[i].second - one[i].second) / one[i].second, 1e-5) << "AdaLoRA tp 2 vs one process, step " << i + 1;
+  }
+  const auto tp_config = nlohmann::json::parse(read_text(root + "/tp/final/adapter_config.json"));
+  const auto one_config = nlohmann::json::parse(read_text(root + "/one/final/adapter_config.json"));
+  ASSERT_TRUE(one_config["rank_pattern"].is_object()) << one_config.dump();
+  EXPECT_EQ(tp_config["rank_pattern"], one_config["rank_pattern"]);
+  const auto tp_adapter = weft::SafetensorsFile::open(root + "/tp/final/adapter_model.safetensors");
+  const auto one_adapter = weft::SafetensorsFile::open(root + "/one/final/adapter_model.safetensors");
+  ASSERT_EQ(tp_adapter->tensors().size(), one_adapter->tensors().size());
+  for (const auto& info : one_adapter->tensors()) {
+    ASSERT_TRUE(tp_adapter->contains(info.name)) << info.name;
+    const auto a = tp_adapter->load(info.name), b = one_adapter->load(info.name);
+    ASSERT_EQ(a.sizes(), b.sizes()) << info.name;
+    EXPECT_LE((a - b).abs().max().item<double>(), 1e-5) << info.name;
+  }
+}
+
 // Pipelines (a 4-layer model): 2 gpipe stages resume as 2 and as 4 stages; pipedream's 2 stages x
 // 2 replicas (whose replicas write each piece once) resume as one process.
 TEST(ShardedCheckpoint, PipelineStagesResumeUnderAnotherNumberOfStages) {

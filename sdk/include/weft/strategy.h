@@ -1,7 +1,7 @@
 /*
  * weft/strategy.h - the weft strategy plugin ABI (C99).
  *
- * STATUS: ABI 1.7, implemented by the host (core/plugin) and used by single.so, ddp.so, gpipe.so,
+ * STATUS: ABI 1.8, implemented by the host (core/plugin) and used by single.so, ddp.so, gpipe.so,
  * pipedream.so, tensor_parallel.so, zero.so and context_parallel.so (plan stage ranges: the
  * pipelines; shard_parameter and comm_point: tensor parallelism; flat shards of the training
  * state: zero; sequence parallelism: context_parallel). 1.1 appended model_info, tracing, report_metric,
@@ -22,7 +22,8 @@
  * sharded training (WEFT_FLAT_SHARD_COMPUTE_DTYPE, FSDP's mixed-precision parameters:
  * weft_stage_memory's compute_parameter_bytes / compute_trainable_bytes) and let tensor_copy
  * convert between floating-point dtypes. 1.7 appended WEFT_COMM_ROW_ABSMAX (per-token scales of a
- * row-parallel layer over an int8 base, all-reduced MAX). See sdk/DESIGN.md.
+ * row-parallel layer over an int8 base, all-reduced MAX). 1.8 appended WEFT_COMM_ADAPTER_SUM (AdaLoRA's
+ * scores and Gram matrices of tensor-parallel adapter slices, all-reduced SUM). See sdk/DESIGN.md.
  *
  * A strategy plugin is a shared library that exports exactly one symbol, the C function
  * `weft_strategy_entry` (WEFT_STRATEGY_ENTRY_SYMBOL). The host loads it with
@@ -80,7 +81,7 @@ extern "C" {
 /* The ABI version this header describes. Major: incompatible changes; it must match exactly.
  * Minor: append-only additions; host and plugin use min(host minor, plugin minor). */
 #define WEFT_ABI_VERSION_MAJOR 1
-#define WEFT_ABI_VERSION_MINOR 7
+#define WEFT_ABI_VERSION_MINOR 8
 
 /* The one symbol a plugin exports. */
 #define WEFT_STRATEGY_ENTRY_SYMBOL "weft_strategy_entry"
@@ -365,7 +366,8 @@ typedef enum weft_comm_point {
   WEFT_COMM_LOSS_MAX = 5,        /* per-token max of sharded logits (vocab-parallel loss) */
   WEFT_COMM_LOSS_SUM = 6,        /* per-token sums of sharded logits (vocab-parallel loss) */
   WEFT_COMM_HEAD_INPUT = 7,      /* before a vocabulary-parallel LM head (since 1.1) */
-  WEFT_COMM_ROW_ABSMAX = 8       /* per-token absmax of a row-parallel int8 layer's input (since 1.7) */
+  WEFT_COMM_ROW_ABSMAX = 8,      /* per-token absmax of a row-parallel int8 layer's input (since 1.7) */
+  WEFT_COMM_ADAPTER_SUM = 9      /* sums over the slices of split AdaLoRA adapters (since 1.8) */
 } weft_comm_point;
 
 typedef enum weft_direction {
@@ -741,7 +743,16 @@ typedef struct weft_strategy_api {
    * plugin leaves the maximum over the ranks holding the layer's other columns (all-reduce MAX
    * over the tensor-parallel group), so that every split quantizes each token as one process
    * does. The host calls it only for a plugin of ABI >= 1.7 and refuses, before the model is
-   * built, an older plugin that splits such a layer along its input columns. */
+   * built, an older plugin that splits such a layer along its input columns.
+   * Since 1.8, ADAPTER_SUM (forward only, never backward; `layer` -1): `tensor` is fp32 [n], sums
+   * over this rank's slices of the AdaLoRA adapters of the layers it splits (P's input columns on
+   * a row-parallel layer, Q's output rows on a column-parallel one: the rows of AdaLoRA's
+   * importance scores, the factors' Gram matrices), with the slices' lengths at its end. The
+   * plugin leaves the sum over the ranks holding the layers' other slices (all-reduce SUM over the
+   * tensor-parallel group); where several of them hold the same slice (kv heads shared by a group
+   * of ranks) each adds its copy, and the host divides by the lengths' sum. Called only in
+   * train.mode = "adalora" when a layer is split, the same number of times on every rank of the
+   * group; the host refuses AdaLoRA on a split model with a plugin below 1.8. */
   weft_status* (*comm_point)(weft_strategy* strategy, weft_comm_point point,
                              weft_direction direction, int64_t layer, DLTensor* tensor);
 

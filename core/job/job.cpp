@@ -292,7 +292,9 @@ std::string describe_rank(const MemoryPlan& p, int64_t runtime) {
 void Job::plan_memory(const ModelConfig& config, torch::Dtype dtype) {
   const auto estimate = estimate_stage_memory(config, shards_, lora_, dtype, options_.data.seq_len,
                                               options_.model.activation_checkpointing, strategy_->plugin_attention(),
-                                              quantize_);
+                                              quantize_,
+                                              lora_ && options_.model.frozen_dtype == "bf16" ? torch::kBFloat16
+                                                                                             : torch::kFloat32);
   std::vector<weft_stage_memory> stages;
   for (const auto& e : estimate) {
     weft_stage_memory s{};

@@ -27,7 +27,7 @@ std::string leaf_module(const std::string& name) {
 std::vector<StageMemory> estimate_stage_memory(const ModelConfig& c, const ShardMap& shards,
                                                const std::optional<LoraConfig>& lora, torch::Dtype compute_dtype,
                                                int64_t seq_len, bool checkpointing,
-                                               bool blockwise_attention, QuantFormat quantize) {
+                                               bool blockwise_attention, QuantFormat quantize, torch::Dtype frozen_dtype) {
   const int64_t layers = c.num_hidden_layers, stages = layers + 2;
   const int64_t cb = compute_dtype == torch::kFloat32 ? 4 : 2;  // bytes per compute element
   std::vector<StageMemory> out(static_cast<size_t>(stages));
@@ -44,7 +44,10 @@ std::vector<StageMemory> estimate_stage_memory(const ModelConfig& c, const Shard
     const bool matrix = local.size() == 2;
     const bool block = stage >= 1 && stage <= layers;
     const bool quantized = quantize != QuantFormat::kNone && matrix && block;
-    const int64_t bytes = quantized ? quantized_weight_bytes(local[0], local[1], quantize) : 4 * elements_of(local);
+    const bool frozen_narrow = lora && module != "score" && matrix && !quantized && frozen_dtype != torch::kFloat32;
+    const int64_t bytes = quantized       ? quantized_weight_bytes(local[0], local[1], quantize)
+                          : frozen_narrow ? static_cast<int64_t>(c10::elementSize(frozen_dtype)) * elements_of(local)
+                                          : 4 * elements_of(local);
     // as COMPUTE_DTYPE materialises it (a quantized weight stays quantized)
     const int64_t compute_bytes = matrix && !quantized ? cb * elements_of(local) : bytes;
     s.parameter_bytes += bytes;

@@ -34,10 +34,14 @@ struct StageMemory {
 // attention core is ring attention's (SequenceSplit::attention), which keeps its fp32 output and
 // log-sum-exp instead of the probabilities. `quantize`: the blocks' linear weights are stored in
 // that format (quantize.h) and dequantized for each product, never kept for backward.
+// `frozen_dtype` (adapter training, model.frozen_dtype): the dtype the frozen base's matrices that
+// are not quantized are stored in (the embedding, the head, the blocks' weights; not a
+// classification head, which trains).
 std::vector<StageMemory> estimate_stage_memory(const ModelConfig& config, const ShardMap& shards,
                                                const std::optional<LoraConfig>& lora, torch::Dtype compute_dtype,
                                                int64_t seq_len, bool checkpointing,
                                                bool blockwise_attention = false,
-                                               QuantFormat quantize = QuantFormat::kNone);
+                                               QuantFormat quantize = QuantFormat::kNone,
+                                               torch::Dtype frozen_dtype = torch::kFloat32);
 
 }  // namespace weft

@@ -61,7 +61,18 @@ void Zero::setup() {
     DLTensor data = host().parameter_data(i);
     if (ranks_ > 1) broadcasts.push_back(host().broadcast(world_, data, 0));  // replicas start identical
     const weft_parameter_info info = host().parameter_info(i);
-    if (!is_fp32(data)) throw Error(WEFT_STATUS_UNSUPPORTED, std::string("zero: parameter ") + info.name + " is not fp32");
+    // Frozen parameters of another dtype (a bf16 frozen base) stay whole on every rank under stages
+    // 1 and 2; stage 3 shards them too, in fp32.
+    if (!is_fp32(data) && info.trainable) {
+      throw Error(WEFT_STATUS_UNSUPPORTED, std::string("zero: parameter ") + info.name + " is not fp32");
+    }
+    if (!is_fp32(data) && stage_ == 3) {
+      throw Error(WEFT_STATUS_UNSUPPORTED, std::string("zero: stage 3 shards every parameter in fp32, but the frozen "
+                                                       "parameter ") +
+                                               info.name +
+                                               " is not fp32 (model.frozen_dtype = \"bf16\"): use plugin.stage = 1 or "
+                                               "2, or model.frozen_dtype = \"fp32\"");
+    }
     const auto stage = static_cast<size_t>(info.stage);
     if (stage >= gather_params.size()) throw Error(WEFT_STATUS_INTERNAL, "zero: parameter stage out of range");
     if (info.trainable) {

@@ -459,6 +459,14 @@ TEST(Quantize, MemoryPlanCountsTheQuantizedBytes) {
   EXPECT_EQ(stage_bytes(QuantFormat::kInt8) - rest,
             block_weights + 4 * (2048 + 512 + 512 + 2048 + 8192 + 8192 + 2048));
   EXPECT_LT(static_cast<double>(stage_bytes(QuantFormat::kNf4) - rest) / (2.0 * block_weights), 0.28);
+  // model.frozen_dtype = bf16: the frozen matrices at 2 bytes (the block's and the embedding's);
+  // quantized ones as they are.
+  const auto bf16 = [&](QuantFormat format) {
+    return estimate_stage_memory(config, {}, lora, torch::kFloat32, 512, true, false, format, torch::kBFloat16);
+  };
+  EXPECT_EQ(bf16(QuantFormat::kNone)[1].parameter_bytes - rest, 2 * block_weights);
+  EXPECT_EQ(bf16(QuantFormat::kNone)[0].parameter_bytes, 2 * config.vocab_size * config.hidden_size);
+  EXPECT_EQ(bf16(QuantFormat::kInt8)[1].parameter_bytes, stage_bytes(QuantFormat::kInt8));
 }
 
 }  // namespace

@@ -87,6 +87,10 @@ toml::table plugin_table(const std::vector<std::string>& settings) {
   return table;
 }
 
+// Whether both runs multiply int8 layers in the CPU's int8 GEMM (see int8_gemm_loss_rtol): on the
+// CPU, for a causal LM.
+bool int8_gemm_checked(const ConformanceOptions& c) { return c.device == "cpu" && c.task == "causal_lm"; }
+
 // The same settings as run_options, as command-line overrides for a multi-process run.
 std::string run_arguments(const ConformanceOptions& c, const std::string& corpus, const std::string& model_config,
                           const std::string& out_dir) {
@@ -105,7 +109,7 @@ std::string run_arguments(const ConformanceOptions& c, const std::string& corpus
   if (c.quantize != "none") plugin_settings += " --set model.quantize=" + c.quantize;
   if (c.frozen_dtype != "fp32") plugin_settings += " --set model.frozen_dtype=" + c.frozen_dtype;
   if (c.int8_threshold != 6.0) plugin_settings += fmt::format(" --set model.int8_threshold={}", c.int8_threshold);
-  if (c.quantize == "int8" && c.device != "cpu") plugin_settings += " --set model.int8_gemm=false";
+  if (c.quantize == "int8" && !int8_gemm_checked(c)) plugin_settings += " --set model.int8_gemm=false";
   if (c.task != "causal_lm") plugin_settings += " --set train.task=" + c.task;
   return fmt::format(
       "train --plugin {} --nproc {} --set model.config={} --set data.path={} --set data.seq_len=32"
@@ -184,7 +188,7 @@ TrainOptions run_options(const ConformanceOptions& c, const std::string& corpus,
   o.model.quantize = c.quantize;
   o.model.int8_threshold = c.int8_threshold;
   o.model.frozen_dtype = c.frozen_dtype;
-  o.model.int8_gemm = c.device == "cpu";  // the reference computes as the plugin's run does (see int8_gemm_loss_rtol)
+  o.model.int8_gemm = int8_gemm_checked(c);  // the reference computes as the plugin's run does (see int8_gemm_loss_rtol)
   o.task = c.task;
   return o;
 }
@@ -302,7 +306,7 @@ ConformanceReport check_conformance(const ConformanceOptions& c) {
   report.precision = c.precision;
   report.loss_rtol = c.precision == "fp32" ? c.loss_rtol : c.bf16_loss_rtol;
   report.param_atol = c.precision == "fp32" ? c.param_atol : c.bf16_param_atol;
-  if (c.precision == "fp32" && c.quantize == "int8" && c.device == "cpu" && cpu_int8_gemm_available()) {
+  if (c.precision == "fp32" && c.quantize == "int8" && int8_gemm_checked(c) && cpu_int8_gemm_available()) {
     report.loss_rtol = c.int8_gemm_loss_rtol;
     report.param_atol = c.int8_gemm_param_atol;
     report.note = "int8 in the CPU's int8 GEMM rounds activations to 7 bits, so the int8 tolerances apply";

@@ -151,7 +151,8 @@ TEST_F(Eval, ALoraAdapterIsEvaluatedOnItsBase) {
 
 TEST_F(Eval, AnAdaLoraAdapterIsEvaluatedOnItsBase) {
   // AdaLoRA adapters pruned to their final pattern: evaluating base + model.adapter (PEFT's layout,
-  // the kept triplets only) gives the held-out loss the run reported; training from it is refused.
+  // the kept triplets only) gives the held-out loss the run reported, in one process and under
+  // tensor_parallel; training from it is refused.
   const std::string ada_dir = dir_ + "/adalora";
   std::filesystem::create_directories(ada_dir);
   const auto trained = run_trainer(tiny_args(ada_dir) + " --set train.mode=adalora --set model.weights=" + dir_ +
@@ -164,6 +165,11 @@ TEST_F(Eval, AnAdaLoraAdapterIsEvaluatedOnItsBase) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const double trained_loss = last_eval(ada_dir + "/out/metrics.jsonl")["loss"].get<double>();
   EXPECT_NEAR(read_json(dir_ + "/adalora.json")["loss"].get<double>(), trained_loss, 1e-6 * trained_loss);
+  // The same under tensor_parallel: each rank loads its slices of the kept triplets.
+  const auto tp = run_trainer(args_ + " --set model.weights=" + dir_ + "/out/final --set model.adapter=" + ada_dir +
+                              "/out/final --plugin tensor_parallel --nproc 2 --json " + dir_ + "/adalora_tp.json eval");
+  ASSERT_EQ(tp.exit_code, 0) << tp.output;
+  EXPECT_NEAR(read_json(dir_ + "/adalora_tp.json")["loss"].get<double>(), trained_loss, 1e-6 * trained_loss);
   std::filesystem::create_directories(ada_dir + "/again");
   const auto again = run_trainer(tiny_args(ada_dir + "/again") + " --set train.mode=lora --set model.weights=" + dir_ +
                                  "/out/final --set model.adapter=" + ada_dir + "/out/final");

@@ -1,15 +1,21 @@
 #!/usr/bin/env python3
-"""PyTorch DistributedDataParallel baseline for `trainer bench --baseline pytorch`.
+"""PyTorch baselines for `trainer bench --baseline pytorch`: DistributedDataParallel and DTensor
+tensor parallelism.
 
 Trains the same LLaMA 3 model (same configuration, data and global batch) that weft trains, in
 plain PyTorch: DDP over Gloo on the CPU, or over NCCL with rank r on cuda:r when run.json's device
 is "cuda" (autocast on that device, step times measured after torch.cuda.synchronize), so weft's
-throughput can be compared with what a user would otherwise run. Standard library + torch only; trainer bench runs it with the Python of
+throughput can be compared with what a user would otherwise run. With --parallel tp the model is
+split instead by PyTorch's own tensor parallelism (torch.distributed.tensor.parallel, PyTorch >=
+2.4): parallelize_module with ColwiseParallel on q/k/v/gate/up, RowwiseParallel on o/down, the
+embedding split by vocabulary (RowwiseParallel) and the LM head's logits left sharded for
+loss_parallel, every rank on the whole global batch (Megatron's layout, as tensor_parallel.so). Standard library + torch only; trainer bench runs it with the Python of
 tools/setup.sh's virtual environment (PyTorch's wheel; WEFT_PYTHON chooses another). On PyTorch
 2.x attention is F.scaled_dot_product_attention, as transformers' default; 1.13 has the explicit
 softmax.
 
   ~/.cache/weft/venv/bin/python python/pytorch_baseline.py --data DIR --nproc N --out RUN_DIR [--steps K]
+      [--parallel ddp|tp]
 
 Inputs (DIR, written by trainer bench):
   config.json  a Hugging Face LLaMA config.json (head_dim, rope_scaling optional)
@@ -22,7 +28,9 @@ Inputs (DIR, written by trainer bench):
                "cuda")
 
 Output: RUN_DIR/metrics.jsonl in weft's format: one {"type": "step", ...} line per optimizer step
-(loss averaged over the global batch, step_time_s and tokens_per_s measured on rank 0) and one
+(loss averaged over the global batch, step_time_s and tokens_per_s measured on rank 0, and the
+step's forward_s and backward_s: the time in the forward passes, loss included, and in the backward
+passes, summed over its micro-batches) and one
 {"type": "summary", ...} line with overall tokens/s and peak resident memory of every rank (and,
 on CUDA, peak device memory allocated and reserved).
 Exit status 0 on success; otherwise 1 with a one-line message on stderr.
@@ -146,6 +154,10 @@ class Llama(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg, head_dim), persistent=False)
 
     def forward(self, tokens, targets):
+        logits = self.logits(tokens)
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def logits(self, tokens):
         t = tokens.shape[1]
         freqs = torch.outer(torch.arange(t, dtype=torch.float32, device=tokens.device), self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -154,8 +166,72 @@ class Llama(nn.Module):
         x = self.embed_tokens(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin, mask)
-        logits = self.lm_head(self.norm(x))
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        return self.lm_head(self.norm(x))
+
+
+def tensor_parallel(model, cfg, world):
+    """Splits `model` over all `world` processes with PyTorch's DTensor tensor parallelism:
+    Megatron's layout (column-parallel q/k/v/gate/up, row-parallel o/down, a vocabulary-parallel
+    embedding and LM head whose logits stay sharded for loss_parallel). Returns the loss function
+    for (model, tokens, targets). Raises BaselineError where this PyTorch or the model cannot."""
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
+                                                       parallelize_module)
+    except ImportError as e:
+        raise BaselineError(f"--parallel tp needs PyTorch >= 2.4 (torch.distributed.tensor.parallel with "
+                            f"loss_parallel); this is PyTorch {torch.__version__} ({e})")
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    for key, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
+                       ("intermediate_size", cfg["intermediate_size"]), ("vocab_size", cfg["vocab_size"])):
+        if value % world:
+            raise BaselineError(f"--parallel tp over {world} processes: {key} = {value} does not divide")
+    mesh = init_device_mesh(next(model.parameters()).device.type, (world,))
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    if tied:  # split each, then tie the two vocabulary-sharded weights again
+        model.lm_head.weight = nn.Parameter(model.embed_tokens.weight.detach().clone())
+    for layer in model.layers:
+        layer.n_heads, layer.n_kv = heads // world, kv_heads // world  # each rank's heads
+        parallelize_module(layer, mesh, {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
+                                         "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel(),
+                                         "gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
+                                         "down_proj": RowwiseParallel()})
+    parallelize_module(model, mesh, {"embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+                                     "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
+    if tied:
+        model.lm_head.weight = model.embed_tokens.weight
+
+    def loss(model, tokens, targets):
+        logits = model.logits(tokens)
+        with loss_parallel():
+            return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+    return loss, loss_parallel
+
+
+def clip_split_grad_norm(parameters, clip):
+    """clip_grad_norm_ for a model that DTensor splits only partly (its norms stay plain tensors,
+    which PyTorch's foreach norm refuses to mix with DTensors): the squares of the sharded
+    gradients summed over the processes, the replicated ones' counted once. Returns the norm."""
+    sharded, plain = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    for g in grads:
+        if hasattr(g, "to_local") and any(placement.is_shard() for placement in g.placements):
+            sharded += g.to_local().double().pow(2).sum().cpu()
+        else:  # a plain tensor, or a replicated DTensor (the embedding's gradient), whole on every rank
+            plain += (g.full_tensor() if hasattr(g, "full_tensor") else g).double().pow(2).sum().cpu()
+    dist.all_reduce(sharded)
+    norm = math.sqrt(float(sharded + plain))
+    if norm > clip:
+        for g in grads:
+            g.mul_(clip / (norm + 1e-6))
+    return norm
+
+
+def local_value(t):
+    """A plain tensor's, or a replicated DTensor's, value as a Python float."""
+    return float(t.full_tensor() if hasattr(t, "full_tensor") else t)
 
 
 # ----------------------------------------------------------------------------- data
@@ -214,7 +290,7 @@ def peak_rss_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def worker(rank, world, port, cfg, run, data_dir, out_dir):
+def worker(rank, world, port, cfg, run, data_dir, out_dir, parallel="ddp"):
     torch.set_num_threads(run["threads"])
     torch.manual_seed(run["seed"])
     cuda = run.get("device", "cpu") == "cuda"
@@ -228,10 +304,14 @@ def worker(rank, world, port, cfg, run, data_dir, out_dir):
                                 world_size=world)
     model = Llama(cfg).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    if world > 1:
+    split = parallel == "tp" and world > 1
+    loss_of, backward_context = (lambda m, x, y: m(x, y)), contextlib.nullcontext
+    if split:
+        loss_of, backward_context = tensor_parallel(model, cfg, world)
+    elif world > 1:
         model = DDP(model, device_ids=[rank] if cuda else None)
     L, B, G = run["seq_len"], run["batch_size"], run["grad_accum_steps"]
-    local_b = B // world
+    local_b = B if split else B // world  # tensor parallelism: every rank runs the whole batch
     batches = Batches(load_tokens(os.path.join(data_dir, "tokens.u32")), L, run["seed"])
     opt = torch.optim.AdamW(model.parameters(), lr=run["lr"], betas=(run["beta1"], run["beta2"]),
                             eps=run["eps"], weight_decay=run["weight_decay"])
@@ -242,7 +322,8 @@ def worker(rank, world, port, cfg, run, data_dir, out_dir):
     tokens_per_step, warmup = B * G * L, run["warmup_steps"]
     metrics = open(os.path.join(out_dir, "metrics.jsonl"), "w") if rank == 0 else None
     if rank == 0:
-        print(f"pytorch baseline: {n_params:,} parameters, {world} process(es), {run['threads']} thread(s) "
+        print(f"pytorch baseline ({'DTensor tensor parallelism' if split else 'DDP'}): {n_params:,} parameters, "
+              f"{world} process(es), {run['threads']} thread(s) "
               f"each, {batches.n} sequences of {L}, {tokens_per_step} tokens per step, {run['precision']}",
               flush=True)
     times = []
@@ -252,32 +333,43 @@ def worker(rank, world, port, cfg, run, data_dir, out_dir):
         lr = run["lr"] * min(1.0, (step + 1) / warmup) if warmup > 0 else run["lr"]
         for group in opt.param_groups:
             group["lr"] = lr
-        local_loss = 0.0
+        local_loss = forward_s = backward_s = 0.0
         for m in range(G):
-            inputs, targets = batches.rows((step * G + m) * B + rank * local_b, local_b)
+            first = (step * G + m) * B + (0 if split else rank * local_b)
+            inputs, targets = batches.rows(first, local_b)
             inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-            sync = world == 1 or m == G - 1
+            sync = split or world == 1 or m == G - 1
             with (contextlib.nullcontext() if sync else model.no_sync()):
+                synchronize()
+                t0 = time.perf_counter()
                 with autocast():
-                    loss = model(inputs, targets) / G
-                scaler.scale(loss).backward()
-            local_loss += loss.item()
+                    loss = loss_of(model, inputs, targets) / G
+                synchronize()
+                t1 = time.perf_counter()
+                with backward_context():
+                    scaler.scale(loss).backward()
+                synchronize()
+                forward_s, backward_s = forward_s + t1 - t0, backward_s + time.perf_counter() - t1
+            local_loss += local_value(loss.detach())
         clip = run["grad_clip"] if run["grad_clip"] > 0 else float("inf")
         scaler.unscale_(opt)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        if split:
+            grad_norm = clip_split_grad_norm(list(model.parameters()), clip)
+        else:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
         synchronize()
         elapsed = time.perf_counter() - start
-        if world > 1:  # the global-batch mean, outside the timed region
+        if world > 1 and not split:  # the global-batch mean, outside the timed region (tp: every rank's)
             t = torch.tensor([local_loss], dtype=torch.float64, device=device)
             dist.all_reduce(t)
             local_loss = t.item() / world
         if rank == 0:
             times.append(elapsed)
             record = {"type": "step", "step": step + 1, "epoch": 1, "loss": local_loss, "lr": lr,
-                      "grad_norm": grad_norm, "step_time_s": elapsed,
+                      "grad_norm": grad_norm, "step_time_s": elapsed, "forward_s": forward_s, "backward_s": backward_s,
                       "tokens_per_s": tokens_per_step / elapsed, "time": time.time()}
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
@@ -295,7 +387,7 @@ def worker(rank, world, port, cfg, run, data_dir, out_dir):
                    "tokens_per_s": tokens_per_step * len(times) / total if total > 0 else 0.0,
                    "peak_rss_mib": rss[0], "peak_rss_mib_per_rank": rss, "world_size": world,
                    "parameters": n_params, "torch_version": torch.__version__, "device": str(device),
-                   "precision": run["precision"], "time": time.time()}
+                   "precision": run["precision"], "parallel": "tp" if split else "ddp", "time": time.time()}
         if cuda:
             summary["device_name"] = torch.cuda.get_device_name(device)
             summary["device_peak_allocated_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
@@ -309,13 +401,13 @@ def worker(rank, world, port, cfg, run, data_dir, out_dir):
         dist.barrier()
 
 
-def spawned(rank, world, port, cfg, run, data_dir, out_dir, errors):
+def spawned(rank, world, port, cfg, run, data_dir, out_dir, errors, parallel="ddp"):
     """mp.spawn entry point. Leaves with os._exit: with Python 3.11 and torch 1.13, tearing down
     DDP's Gloo process group at interpreter exit can deadlock (its worker thread waits for the GIL
     that the joining main thread holds). A failure goes to the parent through `errors`."""
     code = 0
     try:
-        worker(rank, world, port, cfg, run, data_dir, out_dir)
+        worker(rank, world, port, cfg, run, data_dir, out_dir, parallel)
     except BaseException as e:  # noqa: BLE001 - reported by the parent as one line
         first = (str(e).strip().splitlines() or [""])[0]
         errors.put(f"rank {rank}: {first}" if isinstance(e, BaselineError) else
@@ -336,7 +428,7 @@ def read_json(path):
         raise BaselineError(f"cannot read {path}: {e}")
 
 
-def load_inputs(data_dir, nproc, steps):
+def load_inputs(data_dir, nproc, steps, parallel="ddp"):
     cfg, run = read_json(os.path.join(data_dir, "config.json")), read_json(os.path.join(data_dir, "run.json"))
     missing = [k for k in RUN_KEYS if k not in run]
     if missing:
@@ -353,7 +445,7 @@ def load_inputs(data_dir, nproc, steps):
         run["steps"] = steps
     if run["precision"] not in ("fp32", "bf16"):
         raise BaselineError(f"precision must be fp32 or bf16, got {run['precision']!r}")
-    if nproc < 1 or run["batch_size"] % nproc:
+    if nproc < 1 or (parallel == "ddp" and run["batch_size"] % nproc):
         raise BaselineError(f"batch_size {run['batch_size']} is not divisible by nproc {nproc}")
     if run["steps"] < 1 or run["grad_accum_steps"] < 1 or run["seq_len"] < 1 or run["threads"] < 1:
         raise BaselineError("steps, grad_accum_steps, seq_len and threads must be positive")
@@ -375,16 +467,18 @@ def main():
     parser.add_argument("--nproc", type=int, default=1, help="number of DDP processes")
     parser.add_argument("--out", required=True, help="run directory for metrics.jsonl")
     parser.add_argument("--steps", type=int, help="optimizer steps (overrides run.json)")
+    parser.add_argument("--parallel", choices=("ddp", "tp"), default="ddp",
+                        help="DistributedDataParallel (ddp) or DTensor tensor parallelism over all processes (tp)")
     args = parser.parse_args()
     try:
-        cfg, run = load_inputs(args.data, args.nproc, args.steps)
+        cfg, run = load_inputs(args.data, args.nproc, args.steps, args.parallel)
         os.makedirs(args.out, exist_ok=True)
         if args.nproc == 1:
-            worker(0, 1, 0, cfg, run, args.data, args.out)
+            worker(0, 1, 0, cfg, run, args.data, args.out, args.parallel)
         else:
             errors = mp.get_context("spawn").SimpleQueue()
             try:
-                mp.spawn(spawned, args=(args.nproc, free_port(), cfg, run, args.data, args.out, errors),
+                mp.spawn(spawned, args=(args.nproc, free_port(), cfg, run, args.data, args.out, errors, args.parallel),
                          nprocs=args.nproc, join=True)
             except Exception as e:  # a child failed: prefer its own message to "exited with code 1"
                 raise BaselineError(errors.get() if not errors.empty() else str(e)) from e

@@ -32,7 +32,7 @@ po::options_description describe_options() {
       ("warmup", po::value<int64_t>(), "trainer bench: steps per run not counted (default 3)")
       ("steps", po::value<int64_t>(), "trainer bench: counted steps per run (default 10); trainer check: steps (default 20)")
       ("repetitions", po::value<int64_t>(), "trainer bench: runs per variant, alternated (default 3)")
-      ("baseline", po::value<std::string>(), "trainer bench: 'pytorch' adds PyTorch DDP (python/pytorch_baseline.py)")
+      ("baseline", po::value<std::string>(), "trainer bench: 'pytorch' adds PyTorch DDP, and DTensor tensor parallelism beside tensor_parallel (python/pytorch_baseline.py)")
       ("out,o", po::value<std::string>(), "trainer bench: output directory; trainer report: the Markdown file")
       ("log-level", po::value<std::string>(), "trace, debug, info, warn or error (default: log.level)")
       ("prompt", po::value<std::string>(), "trainer generate: the text to continue")

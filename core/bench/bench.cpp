@@ -77,7 +77,7 @@ BenchVariant parse_plugin_spec(const std::string& spec) {
 std::string variant_name(const BenchVariant& v) {
   // The baseline keeps one name at every size (one process runs without the DDP wrapper), so
   // that it is one line in the scaling plots.
-  std::string name = v.pytorch ? "pytorch-ddp" : short_plugin_name(v.plugin);
+  std::string name = v.pytorch ? "pytorch-" + v.pytorch_parallel : short_plugin_name(v.plugin);
   for (const auto& s : v.settings) name += " " + (s.rfind("plugin.", 0) == 0 ? s.substr(7) : s);
   return name + " x" + std::to_string(v.nproc);
 }
@@ -134,8 +134,8 @@ std::vector<std::string> weft_run_command(const BenchOptions& o, const BenchVari
 
 std::vector<std::string> pytorch_run_command(const BenchOptions& o, const BenchVariant& v,
                                              const std::string& job_dir, const std::string& run_dir) {
-  return {o.python, o.python_dir + "/pytorch_baseline.py", "--data", job_dir, "--nproc", std::to_string(v.nproc),
-          "--out", run_dir};
+  return {o.python,  o.python_dir + "/pytorch_baseline.py", "--data", job_dir, "--nproc", std::to_string(v.nproc),
+          "--out",   run_dir, "--parallel", v.pytorch_parallel};
 }
 
 // The job as files for the baseline (same data, model, batch and optimiser).
@@ -185,12 +185,19 @@ std::vector<BenchVariant> plan_bench(const BenchOptions& o) {
   }
   if (o.plugins.empty()) sizes.insert(counts[0].begin(), counts[0].end());
   if (o.pytorch_baseline) {
-    for (int n : sizes) {
-      BenchVariant v;
-      v.pytorch = true;
-      v.nproc = n;
-      v.name = variant_name(v);
-      variants.push_back(v);
+    std::set<int> tensor_parallel_sizes;  // where tensor_parallel runs split, DTensor's beside it
+    for (const auto& v : variants) {
+      if (short_plugin_name(v.plugin) == "tensor_parallel" && v.nproc >= 2) tensor_parallel_sizes.insert(v.nproc);
+    }
+    for (const auto& [parallel, counts] : {std::pair{std::string("ddp"), sizes}, {"tp", tensor_parallel_sizes}}) {
+      for (int n : counts) {
+        BenchVariant v;
+        v.pytorch = true;
+        v.pytorch_parallel = parallel;
+        v.nproc = n;
+        v.name = variant_name(v);
+        variants.push_back(v);
+      }
     }
   }
   for (size_t i = 0; i < variants.size(); ++i) {

@@ -1,7 +1,7 @@
 // trainer bench: A/B timing of strategy plugins on one job, made fair.
 //
-// Every variant (a plugin, its settings and a process count; optionally the PyTorch DDP
-// baseline) trains the same configuration - same data, seed, global batch and model - for
+// Every variant (a plugin, its settings and a process count; optionally PyTorch's DDP and DTensor
+// tensor-parallel baselines) trains the same configuration - same data, seed, global batch and model - for
 // warm-up + measured steps, in alternation (A B C A B C ...) so that slow drifts of the machine
 // hit every variant alike, R repetitions each. Only steps after the warm-up count. Each run is
 // a child `trainer train` (or tools/pytorch_baseline.py) whose metrics.jsonl is read back; the
@@ -21,7 +21,9 @@ struct BenchVariant {
   std::string plugin;                 // plugin name or path; empty for the PyTorch baseline
   int nproc = 1;
   std::vector<std::string> settings;  // extra "--set key=value" for this variant only
-  bool pytorch = false;               // the PyTorch DistributedDataParallel baseline
+  bool pytorch = false;               // a PyTorch baseline (python/pytorch_baseline.py)
+  std::string pytorch_parallel;       // its parallelism: "ddp" (DistributedDataParallel) or "tp"
+                                      // (DTensor tensor parallelism over all processes)
 };
 
 struct BenchOptions {
@@ -40,8 +42,9 @@ struct BenchOptions {
   std::string plot_python;                 // interpreter with matplotlib, for the plots
 };
 
-// The variants in run order: each plugin at each of its process counts, then the baseline at
-// every process count used. Throws weft::Error for a malformed --plugin or --nproc, a count
+// The variants in run order: each plugin at each of its process counts, then the PyTorch DDP
+// baseline at every process count used, and PyTorch's DTensor tensor parallelism ("pytorch-tp")
+// at every count of 2 or more at which tensor_parallel runs. Throws weft::Error for a malformed --plugin or --nproc, a count
 // list that matches neither one nor every plugin, or no plugin at all.
 std::vector<BenchVariant> plan_bench(const BenchOptions& options);
 

@@ -49,6 +49,10 @@ RunMeasurement read_run(const std::string& metrics_path, int64_t warmup_steps) {
         run.comm_bytes.push_back(j.value("comm_bytes", 0.0));
       }
       if (j.contains("plugin.bubble")) run.bubble.push_back(j["plugin.bubble"].get<double>());
+      if (j.contains("forward_s") && j.contains("backward_s")) {
+        run.forward_seconds.push_back(j["forward_s"].get<double>());
+        run.backward_seconds.push_back(j["backward_s"].get<double>());
+      }
       if (j.contains("plugin.bubble_formula")) run.bubble_formula = j["plugin.bubble_formula"].get<double>();
     } else if (type == "summary") {
       summary = true;
@@ -74,7 +78,7 @@ VariantSummary summarise(const std::string& name, const std::string& plugin, int
   v.nproc = nproc;
   v.pytorch = pytorch;
   v.tokens_per_step = tokens_per_step;
-  std::vector<double> steps, bytes, bubble;
+  std::vector<double> steps, bytes, bubble, forward, backward;
   double wait = 0, busy = 0;
   bool comm = false;
   for (const auto& run : runs) {
@@ -82,6 +86,8 @@ VariantSummary summarise(const std::string& name, const std::string& plugin, int
     v.run_step_seconds.push_back(median_of(run.step_seconds));
     bytes.insert(bytes.end(), run.comm_bytes.begin(), run.comm_bytes.end());
     bubble.insert(bubble.end(), run.bubble.begin(), run.bubble.end());
+    forward.insert(forward.end(), run.forward_seconds.begin(), run.forward_seconds.end());
+    backward.insert(backward.end(), run.backward_seconds.begin(), run.backward_seconds.end());
     if (run.bubble_formula) v.bubble_formula = run.bubble_formula;
     comm = comm || run.has_comm;
     wait += run.comm_wait_seconds;
@@ -105,6 +111,10 @@ VariantSummary summarise(const std::string& name, const std::string& plugin, int
     v.comm_bytes_per_step = median_of(bytes);
   }
   if (!bubble.empty()) v.bubble = median_of(bubble);
+  if (!forward.empty()) {
+    v.forward_seconds = median_of(forward);
+    v.backward_seconds = median_of(backward);
+  }
   return v;
 }
 
@@ -126,20 +136,22 @@ std::vector<PairRatio> pair_ratios(const std::vector<VariantSummary>& variants) 
 std::string format_bench_table(const std::vector<VariantSummary>& variants, const std::vector<PairRatio>& ratios) {
   std::string out =
       "| variant | processes | step time median [min-max] | step p50 / p95 / p99 | tokens/s median [min-max] | time "
-      "per epoch median [min-max] | peak RSS MiB per rank | waiting on comm (rank 0) | MB sent per step | bubble "
-      "(formula) |\n"
-      "|---|---|---|---|---|---|---|---|---|---|\n";
+      "per epoch median [min-max] | forward / backward per step (rank 0) | peak RSS MiB per rank | waiting on comm "
+      "(rank 0) | MB sent per step | bubble (formula) |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const auto& v : variants) {
     const std::string bubble =
         v.bubble ? fmt::format("{:.3f} ({})", *v.bubble, v.bubble_formula ? fmt::format("{:.3f}", *v.bubble_formula) : "-")
                  : "-";
+    const std::string compute =
+        v.forward_seconds ? fmt::format("{:.3f} / {:.3f} s", *v.forward_seconds, *v.backward_seconds) : "-";
     out += fmt::format("| {} | {} | {:.3f} s [{:.3f}-{:.3f}] | {:.3f} / {:.3f} / {:.3f} s | {:.0f} [{:.0f}-{:.0f}] | {} "
-                       "[{}-{}] | {} | {} | {} | {} |\n",
+                       "[{}-{}] | {} | {} | {} | {} | {} |\n",
                        v.name, v.nproc, v.step_seconds.median, v.step_seconds.min, v.step_seconds.max,
                        v.step_percentiles.p50, v.step_percentiles.p95, v.step_percentiles.p99,
                        v.tokens_per_second.median, v.tokens_per_second.min, v.tokens_per_second.max,
                        format_duration(v.epoch_seconds.median), format_duration(v.epoch_seconds.min),
-                       format_duration(v.epoch_seconds.max), ranks_text(v.peak_rss_mib_per_rank),
+                       format_duration(v.epoch_seconds.max), compute, ranks_text(v.peak_rss_mib_per_rank),
                        v.pytorch ? "n/a" : optional_percent(v.comm_wait_fraction),
                        v.comm_bytes_per_step ? fmt::format("{:.2f}", *v.comm_bytes_per_step / 1e6) : "-", bubble);
   }
@@ -180,6 +192,8 @@ nlohmann::json to_json(const VariantSummary& v) {
           {"comm_bytes_per_step", optional(v.comm_bytes_per_step)},
           {"bubble", optional(v.bubble)},
           {"bubble_formula", optional(v.bubble_formula)},
+          {"forward_s", optional(v.forward_seconds)},
+          {"backward_s", optional(v.backward_seconds)},
           {"runs", runs}};
 }
 

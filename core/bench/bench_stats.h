@@ -20,6 +20,8 @@ struct RunMeasurement {
   double comm_wait_seconds = 0;           // rank 0, over the measured steps
   std::vector<double> comm_bytes;         // rank 0, per measured step
   std::vector<double> bubble;             // plugin.bubble per measured step (pipelines)
+  std::vector<double> forward_seconds;    // rank 0, per measured step, where the run timed them
+  std::vector<double> backward_seconds;   // (forward_s, backward_s: weft on the CPU, the baselines)
   std::optional<double> bubble_formula;
   bool has_comm = false;
   int64_t steps_per_epoch = 0;
@@ -54,6 +56,7 @@ struct VariantSummary {
   std::optional<double> comm_wait_fraction;   // rank 0's time blocked on communication / step time
   std::optional<double> comm_bytes_per_step;  // median
   std::optional<double> bubble, bubble_formula;
+  std::optional<double> forward_seconds, backward_seconds;  // medians per step (rank 0), where timed
 };
 
 

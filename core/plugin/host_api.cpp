@@ -178,6 +178,13 @@ PluginHost::CommStats PluginHost::take_comm_stats() {
   return taken;
 }
 
+PluginHost::ComputeStats PluginHost::take_compute_stats() {
+  std::lock_guard<std::mutex> lock(state_->compute_mutex);
+  const ComputeStats taken = state_->compute;
+  state_->compute = ComputeStats{};
+  return taken;
+}
+
 std::pair<double, int64_t> PluginHost::default_eval_step() {
   weft_host* h = handle();
   weft_activation *inputs = nullptr, *targets = nullptr, *logits = nullptr;

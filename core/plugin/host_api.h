@@ -67,6 +67,16 @@ class PluginHost {
     double wait_seconds = 0.0;
   };
   CommStats take_comm_stats();
+  // The wall time this rank's plugin spent inside the host's forward and loss services
+  // (forward_seconds) and its backward service (backward_seconds) since the last call (which
+  // resets them). Timed only where the model computes on the CPU (`timed`): on a GPU the services
+  // return once the work is queued.
+  struct ComputeStats {
+    double forward_seconds = 0.0;
+    double backward_seconds = 0.0;
+    bool timed = false;
+  };
+  ComputeStats take_compute_stats();
   // The values the plugin reported with report_metric since the last call (which clears them).
   std::map<std::string, double> take_step_metrics();
   // The loss service's extra factor on the loss it returns for backward (fp16 loss scaling).

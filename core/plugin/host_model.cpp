@@ -1,6 +1,9 @@
 // The host services for the model and the step: parameters and their gradients, batches, forward, loss, backward and activations, the model's shape and stage timings.
 #include "core/plugin/host_services.h"
 
+#include <chrono>
+#include <mutex>
+
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
 #include "core/data/loader.h"
@@ -9,6 +12,28 @@
 namespace weft {
 static_assert(kIgnoreTarget == kUnlabeledTarget, "the model ignores the targets the data leaves unlabeled");
 namespace host {
+namespace {
+
+// Adds the wall time of its scope to the forward or backward seconds of `s` (on the CPU only).
+class ComputeTimer {
+ public:
+  ComputeTimer(State& s, bool backward)
+      : s_(s), backward_(backward), timed_(s.device.is_cpu()), start_(std::chrono::steady_clock::now()) {}
+  ~ComputeTimer() {
+    if (!timed_) return;
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    std::lock_guard<std::mutex> lock(s_.compute_mutex);
+    (backward_ ? s_.compute.backward_seconds : s_.compute.forward_seconds) += seconds;
+    s_.compute.timed = true;
+  }
+
+ private:
+  State& s_;
+  bool backward_, timed_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+}  // namespace
 
 
 int64_t model_num_stages(weft_host* host) {
@@ -138,6 +163,7 @@ weft_status* forward(weft_host* host, int64_t first, int64_t last, weft_activati
     auto& s = state_of(host);
     WEFT_CHECK(s.model != nullptr, "forward: the model is not built yet");
     WEFT_CHECK((flags & ~(WEFT_FORWARD_NO_GRAD | WEFT_FORWARD_RECOMPUTE)) == 0, "forward: unknown flags {:#x}", flags);
+    const ComputeTimer timer(s, /*backward=*/false);
     const auto& x = tensor_of(input);
     if (flags & WEFT_FORWARD_NO_GRAD) {
       torch::NoGradGuard no_grad;
@@ -164,6 +190,7 @@ weft_status* loss(weft_host* host, weft_activation* logits, weft_activation* tar
     const auto& t = tensor_of(targets);
     auto& s = state_of(host);
     WEFT_CHECK(s.model != nullptr, "loss: the model is not built yet");
+    const ComputeTimer timer(s, /*backward=*/false);
     at::Tensor mean;
     if (s.sequence_loss_sums.defined() && !targets->sequences.empty()) {
       // Evaluation that records each sequence's loss: per-token losses once, summed per row.
@@ -193,8 +220,9 @@ weft_status* loss(weft_host* host, weft_activation* logits, weft_activation* tar
   });
 }
 
-weft_status* backward(weft_host*, weft_activation* output, weft_activation* grad_output) {
+weft_status* backward(weft_host* host, weft_activation* output, weft_activation* grad_output) {
   return guarded([&] {
+    const ComputeTimer timer(state_of(host), /*backward=*/true);
     const auto& out = tensor_of(output);
     if (grad_output == nullptr) {
       WEFT_CHECK(out.numel() == 1, "backward without a gradient needs a scalar output");

@@ -88,6 +88,9 @@ struct PluginHost::State {
   // from the autograd thread, hence the lock).
   std::mutex comm_mutex;
   PluginHost::CommStats comm;
+  // Time in the forward/loss and backward services since the last take_compute_stats.
+  std::mutex compute_mutex;
+  PluginHost::ComputeStats compute;
   // The model's shape (from set_model_info, before the model is built).
   bool has_model_info = false;
   weft_model_info model_info{};

@@ -274,6 +274,7 @@ void StrategySession::materialize_parameters(bool whole) {
 StepReport StrategySession::train_step(const BatchLoader& loader, int64_t global_step, int64_t epoch,
                                        int64_t step_in_epoch, int32_t micro_batches, int64_t seq_len) {
   host_->take_comm_stats();  // not the evaluation's or set-up's
+  host_->take_compute_stats();
   host_->take_step_metrics();
   weft_step_info info{};
   info.struct_size = sizeof(weft_step_info);
@@ -292,6 +293,7 @@ StepReport StrategySession::train_step(const BatchLoader& loader, int64_t global
   }
   host_->end_step();
   report.comm = host_->take_comm_stats();
+  report.compute = host_->take_compute_stats();
   report.metrics = host_->take_step_metrics();
   return report;
 }

@@ -45,6 +45,7 @@ struct MemoryPlan {
 struct StepReport {
   double loss = 0.0;                      // the step's mean loss (the same on every rank)
   PluginHost::CommStats comm;             // this rank's communication during the step
+  PluginHost::ComputeStats compute;       // its time in the host's forward/loss and backward
   std::map<std::string, double> metrics;  // what the plugin reported (report_metric)
 };
 

@@ -44,6 +44,10 @@ void RunRecords::step(const StepRecord& s) {
                            {"activation_peak_mib", s.activation_mib},
                            {"comm_wait_s", s.report.comm.wait_seconds},
                            {"comm_bytes", s.report.comm.bytes}};
+  if (s.report.compute.timed) {  // this rank's time in the host's forward (loss included) and backward
+    record["forward_s"] = s.report.compute.forward_seconds;
+    record["backward_s"] = s.report.compute.backward_seconds;
+  }
   if (setting_.peak_tflops > 0) record["mfu"] = mfu(tokens_per_step_ / s.seconds);
   if (s.loss_scale > 0) {
     record["loss_scale"] = s.loss_scale;

@@ -50,6 +50,17 @@ TEST(BenchPlan, OneCountForAllPluginsOrOnePerPluginAndTheBaselineAtEveryCount) {
   EXPECT_TRUE(variants[5].pytorch);
   EXPECT_EQ(variants[5].nproc, 2);
 
+  // Beside tensor_parallel, PyTorch's DTensor tensor parallelism at each of its split counts.
+  weft::BenchOptions tp;
+  tp.plugins = {"tensor_parallel"};
+  tp.nproc = {"1,2"};
+  tp.pytorch_baseline = true;
+  const auto with_tp = weft::plan_bench(tp);
+  EXPECT_EQ(names(with_tp), (std::vector<std::string>{"tensor_parallel x1", "tensor_parallel x2", "pytorch-ddp x1",
+                                                      "pytorch-ddp x2", "pytorch-tp x2"}));
+  EXPECT_EQ(with_tp[4].pytorch_parallel, "tp");
+  EXPECT_EQ(with_tp[3].pytorch_parallel, "ddp");
+
   weft::BenchOptions all;
   all.plugins = {"single", "ddp"};
   all.nproc = {"2"};
@@ -90,6 +101,8 @@ std::string write_metrics(const std::string& dir, const std::string& name, const
       j["comm_bytes"] = 1000.0 * static_cast<double>(i + 1);
       j["plugin.bubble"] = 0.1 * static_cast<double>(i + 1);
       j["plugin.bubble_formula"] = 0.2;
+      j["forward_s"] = 0.4 * steps[i];
+      j["backward_s"] = 0.5 * steps[i];
     }
     out << j.dump() << "\n";
   }
@@ -125,18 +138,21 @@ TEST(BenchStats, WarmUpIsDroppedAndEveryFigureFollowsFromTheMeasuredSteps) {
   EXPECT_DOUBLE_EQ(*a.bubble, 0.3);
   EXPECT_DOUBLE_EQ(*a.bubble_formula, 0.2);
   EXPECT_EQ(a.peak_rss_mib_per_rank, (std::vector<double>{300.0, 200.0}));
+  EXPECT_DOUBLE_EQ(*a.forward_seconds, 0.4 * 2.25);  // medians of the measured steps' times
+  EXPECT_DOUBLE_EQ(*a.backward_seconds, 0.5 * 2.25);
 
   const auto b1 = weft::read_run(write_metrics(dir, "b1", {9.0, 4.0, 4.0, 4.0}, false), 1);
   const auto b2 = weft::read_run(write_metrics(dir, "b2", {9.0, 5.0, 5.0, 5.0}, false), 1);
   const auto b = weft::summarise("b x1", "b", 1, false, {b1, b2}, 1000);
   EXPECT_FALSE(b.comm_wait_fraction.has_value());
+  EXPECT_FALSE(b.forward_seconds.has_value());
   const auto ratios = weft::pair_ratios({a, b});
   ASSERT_EQ(ratios.size(), 1u);
   EXPECT_DOUBLE_EQ(ratios[0].tokens_per_second, 2.25 / 4.5);  // b's tokens/s over a's
   EXPECT_EQ(ratios[0].per_repetition, (std::vector<double>{0.5, 0.5}));
   const std::string table = weft::format_bench_table({a, b}, ratios);
   EXPECT_NE(table.find("| a x2 | 2 | 2.250 s [1.000-4.000] | 2.250 / 3.750 / 3.950 s | 444 [250-1000] | 03:45 "
-                       "[01:40-06:40] | 300/200 | 25.0% | "
+                       "[01:40-06:40] | 0.900 / 1.125 s | 300/200 | 25.0% | "
                        "0.00 | 0.300 (0.200) |"),
             std::string::npos)
       << table;
@@ -263,6 +279,57 @@ TEST(BenchCommand, ThePytorchBaselineTrainsTheSameModelInTheAlternation) {
   const auto model = weft::load_hf_config(out + "/job/config.json");
   EXPECT_EQ(summary["parameters"].get<int64_t>(), model.parameter_count());
   EXPECT_EQ(summary["world_size"], 2);
+}
+
+// PyTorch's DTensor tensor parallelism (--parallel tp) trains the same job as its DDP baseline:
+// the same losses and gradient norms step by step, with the forward and backward times apart. On a
+// PyTorch older than 2.4 (Debian's 1.13) it cannot run, and the bench names it failed with why.
+TEST(BenchCommand, ThePytorchTensorParallelBaselineTrainsWhatItsDdpBaselineTrains) {
+  const auto dir = fresh_dir("weft_bench", "pytorch_tp");
+  const std::string out = dir + "/bench";
+  const auto result = run_tiny_bench(dir, "--plugin tensor_parallel --nproc 2 --baseline pytorch --repetitions 1");
+  const auto json = nlohmann::json::parse(read_text(out + "/bench.json"));
+  const auto records = [&](const std::string& variant) {
+    std::vector<nlohmann::json> steps;
+    nlohmann::json summary;
+    std::ifstream metrics(out + "/runs/" + variant + "/rep1/metrics.jsonl");
+    for (std::string line; std::getline(metrics, line);) {
+      const auto j = nlohmann::json::parse(line);
+      (j["type"] == "step" ? steps.emplace_back(j) : summary) = j;
+    }
+    return std::pair{steps, summary};
+  };
+  const auto [ddp_steps, ddp_summary] = records("pytorch-ddp_x2");
+  ASSERT_EQ(ddp_steps.size(), 3u) << result.output;
+  // weft's side: rank 0's time in the host's forward and backward, per step, on the CPU
+  ASSERT_EQ(json["variants"][0]["name"], "tensor_parallel x2");
+  EXPECT_GT(json["variants"][0]["forward_s"].get<double>(), 0.0);
+  EXPECT_GT(json["variants"][0]["backward_s"].get<double>(), 0.0);
+  const std::string version = ddp_summary["torch_version"];
+  const bool has_dtensor = std::stoi(version.substr(0, version.find('.'))) >= 2 &&
+                           std::stoi(version.substr(version.find('.') + 1)) >= 4;
+  if (!has_dtensor) {
+    EXPECT_EQ(result.exit_code, 1) << result.output;
+    ASSERT_EQ(json["failed"].size(), 1u) << json.dump(2);
+    EXPECT_EQ(json["failed"][0]["name"], "pytorch-tp x2");
+    EXPECT_NE(json["failed"][0]["error"].get<std::string>().find("needs PyTorch >= 2.4"), std::string::npos);
+    return;
+  }
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  ASSERT_EQ(json["variants"].size(), 3u) << json.dump(2);
+  EXPECT_EQ(json["variants"][2]["name"], "pytorch-tp x2");
+  const auto [tp_steps, tp_summary] = records("pytorch-tp_x2");
+  EXPECT_EQ(tp_summary["parallel"], "tp");
+  EXPECT_EQ(tp_summary["parameters"], ddp_summary["parameters"]);
+  ASSERT_EQ(tp_steps.size(), ddp_steps.size());
+  for (size_t i = 0; i < tp_steps.size(); ++i) {
+    EXPECT_NEAR(tp_steps[i]["loss"].get<double>(), ddp_steps[i]["loss"].get<double>(), 1e-5) << "step " << i + 1;
+    EXPECT_NEAR(tp_steps[i]["grad_norm"].get<double>(), ddp_steps[i]["grad_norm"].get<double>(), 1e-4) << "step " << i + 1;
+    EXPECT_GT(tp_steps[i]["forward_s"].get<double>(), 0.0);
+    EXPECT_GT(tp_steps[i]["backward_s"].get<double>(), 0.0);
+    EXPECT_LE(tp_steps[i]["forward_s"].get<double>() + tp_steps[i]["backward_s"].get<double>(),
+              tp_steps[i]["step_time_s"].get<double>());
+  }
 }
 
 }  // namespace

@@ -484,7 +484,7 @@ def main():
                 raise BaselineError(errors.get() if not errors.empty() else str(e)) from e
     except Exception as e:  # noqa: BLE001 - one line for the caller, whatever failed
         lines = [l.strip() for l in str(e).splitlines() if l.strip()]
-        print(f"pytorch_baseline: {lines[0] if lines else type(e).__name__}", file=sys.stderr)
+        print(f"pytorch_baseline: error: {lines[0] if lines else type(e).__name__}", file=sys.stderr)
         return 1
     return 0
 

@@ -9,13 +9,18 @@ throughput can be compared with what a user would otherwise run. With --parallel
 split instead by PyTorch's own tensor parallelism (torch.distributed.tensor.parallel, PyTorch >=
 2.4): parallelize_module with ColwiseParallel on q/k/v/gate/up, RowwiseParallel on o/down, the
 embedding split by vocabulary (RowwiseParallel) and the LM head's logits left sharded for
-loss_parallel, every rank on the whole global batch (Megatron's layout, as tensor_parallel.so). Standard library + torch only; trainer bench runs it with the Python of
+loss_parallel, every rank on the whole global batch (Megatron's layout, as tensor_parallel.so).
+With --parallel pp the processes are the stages of one pipeline run by torch.distributed.pipelining
+(PyTorch >= 2.4): --schedule gpipe (ScheduleGPipe), 1f1b (Schedule1F1B) or interleaved1f1b
+(ScheduleInterleaved1F1B, two stages per process), each step's rows cut into --microbatches
+micro-batches; the layers are split as evenly as their count allows, the first stage holding the embedding and the last the
+norm and head (tied embeddings: the two copies' gradients summed). Standard library + torch only; trainer bench runs it with the Python of
 tools/setup.sh's virtual environment (PyTorch's wheel; WEFT_PYTHON chooses another). On PyTorch
 2.x attention is F.scaled_dot_product_attention, as transformers' default; 1.13 has the explicit
 softmax.
 
   ~/.cache/weft/venv/bin/python python/pytorch_baseline.py --data DIR --nproc N --out RUN_DIR [--steps K]
-      [--parallel ddp|tp]
+      [--parallel ddp|tp|pp] [--schedule gpipe|1f1b|interleaved1f1b] [--microbatches M]
 
 Inputs (DIR, written by trainer bench):
   config.json  a Hugging Face LLaMA config.json (head_dim, rope_scaling optional)
@@ -30,7 +35,7 @@ Inputs (DIR, written by trainer bench):
 Output: RUN_DIR/metrics.jsonl in weft's format: one {"type": "step", ...} line per optimizer step
 (loss averaged over the global batch, step_time_s and tokens_per_s measured on rank 0, and the
 step's forward_s and backward_s: the time in the forward passes, loss included, and in the backward
-passes, summed over its micro-batches) and one
+passes, summed over its micro-batches; not for a pipeline, whose schedule interleaves them) and one
 {"type": "summary", ...} line with overall tokens/s and peak resident memory of every rank (and,
 on CUDA, peak device memory allocated and reserved).
 Exit status 0 on success; otherwise 1 with a one-line message on stderr.
@@ -229,6 +234,101 @@ def clip_split_grad_norm(parameters, clip):
     return norm
 
 
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
+
+
+class StagePart(nn.Module):
+    """Layers `layers` of `model` (and its embedding on the first stage, its norm and head on the
+    last): one pipeline stage, hidden states in and out between stages."""
+
+    def __init__(self, model, first, last, layers):
+        super().__init__()
+        self.embed_tokens = model.embed_tokens if first else None
+        self.layers = nn.ModuleList(model.layers[i] for i in layers)
+        self.norm = model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+        self.register_buffer("inv_freq", model.inv_freq, persistent=False)
+
+    def forward(self, x):
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(x)
+        freqs = torch.outer(torch.arange(x.shape[1], dtype=torch.float32, device=x.device), self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        for layer in self.layers:
+            x = layer(x, cos, sin, None)
+        return self.lm_head(self.norm(x)) if self.lm_head is not None else x
+
+
+class Pipeline:
+    """This process's stages of one pipeline over all `world` processes, run by PyTorch's own
+    schedule. `step(inputs, targets)` runs one accumulation micro-batch (forward and backward of
+    its micro-batches; the loss divided by `accumulation`) and returns its loss on the last
+    process (0 elsewhere); after the last, `finish()` sums tied embeddings' gradients and returns
+    the squared gradient norm over all processes."""
+
+    def __init__(self, model, cfg, world, rank, schedule, microbatches, accumulation, device):
+        try:
+            from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                                      ScheduleInterleaved1F1B)
+        except ImportError as e:
+            raise BaselineError(f"--parallel pp needs PyTorch >= 2.4 (torch.distributed.pipelining); this is "
+                                f"PyTorch {torch.__version__} ({e})")
+        if schedule not in PIPELINE_SCHEDULES:
+            raise BaselineError(f"--schedule {schedule!r}: expected one of {', '.join(PIPELINE_SCHEDULES)}")
+        virtual = 2 if schedule == "interleaved1f1b" else 1
+        stages, layers = world * virtual, cfg["num_hidden_layers"]
+        if layers < stages:
+            raise BaselineError(f"--parallel pp: {layers} layers cannot fill {stages} stages ({world} processes x "
+                                f"{virtual})")
+        self.rank, self.world = rank, world
+        self.tied = model.lm_head.weight is model.embed_tokens.weight
+        self.parts, pipeline_stages = [], []
+        for v in range(virtual):
+            index = v * world + rank  # Megatron's interleaving: process r holds stages r, r + world, ...
+            span = range(index * layers // stages, (index + 1) * layers // stages)  # as even as the count allows
+            part = StagePart(model, index == 0, index == stages - 1, span).to(device)
+            self.parts.append(part)
+            pipeline_stages.append(PipelineStage(part, index, stages, device))
+        self.module = nn.ModuleList(self.parts)  # what this process trains
+        self.tie_group = dist.new_group([0, world - 1]) if self.tied and world > 1 else None
+
+        def loss_fn(output, targets):
+            return F.cross_entropy(output.float().reshape(-1, output.shape[-1]), targets.reshape(-1)) / accumulation
+
+        if virtual > 1:
+            self.schedule = ScheduleInterleaved1F1B(pipeline_stages, microbatches, loss_fn=loss_fn)
+        else:
+            kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+            self.schedule = kind(pipeline_stages[0], microbatches, loss_fn=loss_fn)
+
+    def step(self, inputs, targets):
+        last = self.rank == self.world - 1
+        losses = [] if last else None
+        if self.rank == 0:
+            self.schedule.step(inputs, target=targets if last else None, losses=losses)
+        elif last:
+            self.schedule.step(target=targets, losses=losses)
+        else:
+            self.schedule.step()
+        return float(torch.stack(losses).sum() / len(losses)) if last else 0.0  # each is 1/accumulation of a mean
+
+    def finish(self):
+        tied_weight = None
+        if self.tied and self.rank in (0, self.world - 1):
+            tied_weight = self.parts[0].embed_tokens.weight if self.rank == 0 else self.parts[-1].lm_head.weight
+            if tied_weight.grad is None:
+                tied_weight.grad = torch.zeros_like(tied_weight)
+            if self.tie_group is not None:
+                dist.all_reduce(tied_weight.grad, group=self.tie_group)
+        square = torch.zeros((), dtype=torch.float64)
+        for p in self.module.parameters():
+            if p.grad is not None and not (p is tied_weight and self.rank != 0):  # the tied copy counted once
+                square += p.grad.double().pow(2).sum().cpu()
+        dist.all_reduce(square)
+        return float(square)
+
+
 def local_value(t):
     """A plain tensor's, or a replicated DTensor's, value as a Python float."""
     return float(t.full_tensor() if hasattr(t, "full_tensor") else t)
@@ -265,7 +365,7 @@ class Batches:
 
     def rows(self, first, count):
         seqs = torch.stack([self.sequence(first + j) for j in range(count)]).long()
-        return seqs[:, :-1], seqs[:, 1:]
+        return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
 
 
 # ----------------------------------------------------------------------------- training
@@ -290,7 +390,7 @@ def peak_rss_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def worker(rank, world, port, cfg, run, data_dir, out_dir, parallel="ddp"):
+def worker(rank, world, port, cfg, run, data_dir, out_dir, parallel="ddp", schedule="1f1b", microbatches=4):
     torch.set_num_threads(run["threads"])
     torch.manual_seed(run["seed"])
     cuda = run.get("device", "cpu") == "cuda"
@@ -305,13 +405,21 @@ def worker(rank, world, port, cfg, run, data_dir, out_dir, parallel="ddp"):
     model = Llama(cfg).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     split = parallel == "tp" and world > 1
-    loss_of, backward_context = (lambda m, x, y: m(x, y)), contextlib.nullcontext
-    if split:
+    L, B, G = run["seq_len"], run["batch_size"], run["grad_accum_steps"]
+    loss_of, backward_context, pipeline = (lambda m, x, y: m(x, y)), contextlib.nullcontext, None
+    if parallel == "pp":
+        if world < 2:
+            raise BaselineError("--parallel pp needs 2 or more processes (the pipeline's stages)")
+        if B % microbatches:
+            raise BaselineError(f"--microbatches {microbatches} does not divide the batch of {B} rows")
+        pipeline = Pipeline(model, cfg, world, rank, schedule, microbatches, G, device)
+        model = pipeline.module
+    elif split:
         loss_of, backward_context = tensor_parallel(model, cfg, world)
     elif world > 1:
         model = DDP(model, device_ids=[rank] if cuda else None)
-    L, B, G = run["seq_len"], run["batch_size"], run["grad_accum_steps"]
-    local_b = B if split else B // world  # tensor parallelism: every rank runs the whole batch
+    whole_batch = split or pipeline is not None  # every rank (every stage) sees the whole batch
+    local_b = B if whole_batch else B // world
     batches = Batches(load_tokens(os.path.join(data_dir, "tokens.u32")), L, run["seed"])
     opt = torch.optim.AdamW(model.parameters(), lr=run["lr"], betas=(run["beta1"], run["beta2"]),
                             eps=run["eps"], weight_decay=run["weight_decay"])
@@ -322,7 +430,9 @@ def worker(rank, world, port, cfg, run, data_dir, out_dir, parallel="ddp"):
     tokens_per_step, warmup = B * G * L, run["warmup_steps"]
     metrics = open(os.path.join(out_dir, "metrics.jsonl"), "w") if rank == 0 else None
     if rank == 0:
-        print(f"pytorch baseline ({'DTensor tensor parallelism' if split else 'DDP'}): {n_params:,} parameters, "
+        kind = (f"torch.distributed.pipelining {schedule}, {microbatches} micro-batches" if pipeline else
+                "DTensor tensor parallelism" if split else "DDP")
+        print(f"pytorch baseline ({kind}): {n_params:,} parameters, "
               f"{world} process(es), {run['threads']} thread(s) "
               f"each, {batches.n} sequences of {L}, {tokens_per_step} tokens per step, {run['precision']}",
               flush=True)
@@ -335,9 +445,13 @@ def worker(rank, world, port, cfg, run, data_dir, out_dir, parallel="ddp"):
             group["lr"] = lr
         local_loss = forward_s = backward_s = 0.0
         for m in range(G):
-            first = (step * G + m) * B + (0 if split else rank * local_b)
+            first = (step * G + m) * B + (0 if whole_batch else rank * local_b)
             inputs, targets = batches.rows(first, local_b)
             inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            if pipeline is not None:
+                with autocast():
+                    local_loss += pipeline.step(inputs, targets)
+                continue
             sync = split or world == 1 or m == G - 1
             with (contextlib.nullcontext() if sync else model.no_sync()):
                 synchronize()
@@ -353,7 +467,13 @@ def worker(rank, world, port, cfg, run, data_dir, out_dir, parallel="ddp"):
             local_loss += local_value(loss.detach())
         clip = run["grad_clip"] if run["grad_clip"] > 0 else float("inf")
         scaler.unscale_(opt)
-        if split:
+        if pipeline is not None:
+            grad_norm = math.sqrt(pipeline.finish())
+            if grad_norm > clip:
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(clip / (grad_norm + 1e-6))
+        elif split:
             grad_norm = clip_split_grad_norm(list(model.parameters()), clip)
         else:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
@@ -365,12 +485,14 @@ def worker(rank, world, port, cfg, run, data_dir, out_dir, parallel="ddp"):
         if world > 1 and not split:  # the global-batch mean, outside the timed region (tp: every rank's)
             t = torch.tensor([local_loss], dtype=torch.float64, device=device)
             dist.all_reduce(t)
-            local_loss = t.item() / world
+            local_loss = t.item() / (1 if pipeline else world)  # a pipeline: the last stage's alone
         if rank == 0:
             times.append(elapsed)
             record = {"type": "step", "step": step + 1, "epoch": 1, "loss": local_loss, "lr": lr,
-                      "grad_norm": grad_norm, "step_time_s": elapsed, "forward_s": forward_s, "backward_s": backward_s,
-                      "tokens_per_s": tokens_per_step / elapsed, "time": time.time()}
+                      "grad_norm": grad_norm, "step_time_s": elapsed, "tokens_per_s": tokens_per_step / elapsed,
+                      "time": time.time()}
+            if pipeline is None:
+                record.update(forward_s=forward_s, backward_s=backward_s)
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
             if not math.isfinite(local_loss):
@@ -387,7 +509,9 @@ def worker(rank, world, port, cfg, run, data_dir, out_dir, parallel="ddp"):
                    "tokens_per_s": tokens_per_step * len(times) / total if total > 0 else 0.0,
                    "peak_rss_mib": rss[0], "peak_rss_mib_per_rank": rss, "world_size": world,
                    "parameters": n_params, "torch_version": torch.__version__, "device": str(device),
-                   "precision": run["precision"], "parallel": "tp" if split else "ddp", "time": time.time()}
+                   "precision": run["precision"], "parallel": parallel if world > 1 else "ddp", "time": time.time()}
+        if pipeline is not None:
+            summary.update(schedule=schedule, microbatches=microbatches)
         if cuda:
             summary["device_name"] = torch.cuda.get_device_name(device)
             summary["device_peak_allocated_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
@@ -401,13 +525,13 @@ def worker(rank, world, port, cfg, run, data_dir, out_dir, parallel="ddp"):
         dist.barrier()
 
 
-def spawned(rank, world, port, cfg, run, data_dir, out_dir, errors, parallel="ddp"):
+def spawned(rank, world, port, cfg, run, data_dir, out_dir, errors, parallel="ddp", schedule="1f1b", microbatches=4):
     """mp.spawn entry point. Leaves with os._exit: with Python 3.11 and torch 1.13, tearing down
     DDP's Gloo process group at interpreter exit can deadlock (its worker thread waits for the GIL
     that the joining main thread holds). A failure goes to the parent through `errors`."""
     code = 0
     try:
-        worker(rank, world, port, cfg, run, data_dir, out_dir, parallel)
+        worker(rank, world, port, cfg, run, data_dir, out_dir, parallel, schedule, microbatches)
     except BaseException as e:  # noqa: BLE001 - reported by the parent as one line
         first = (str(e).strip().splitlines() or [""])[0]
         errors.put(f"rank {rank}: {first}" if isinstance(e, BaselineError) else
@@ -445,7 +569,7 @@ def load_inputs(data_dir, nproc, steps, parallel="ddp"):
         run["steps"] = steps
     if run["precision"] not in ("fp32", "bf16"):
         raise BaselineError(f"precision must be fp32 or bf16, got {run['precision']!r}")
-    if nproc < 1 or (parallel == "ddp" and run["batch_size"] % nproc):
+    if nproc < 1 or (parallel == "ddp" and run["batch_size"] % nproc):  # tp and pp: every rank the whole batch
         raise BaselineError(f"batch_size {run['batch_size']} is not divisible by nproc {nproc}")
     if run["steps"] < 1 or run["grad_accum_steps"] < 1 or run["seq_len"] < 1 or run["threads"] < 1:
         raise BaselineError("steps, grad_accum_steps, seq_len and threads must be positive")
@@ -467,18 +591,24 @@ def main():
     parser.add_argument("--nproc", type=int, default=1, help="number of DDP processes")
     parser.add_argument("--out", required=True, help="run directory for metrics.jsonl")
     parser.add_argument("--steps", type=int, help="optimizer steps (overrides run.json)")
-    parser.add_argument("--parallel", choices=("ddp", "tp"), default="ddp",
-                        help="DistributedDataParallel (ddp) or DTensor tensor parallelism over all processes (tp)")
+    parser.add_argument("--parallel", choices=("ddp", "tp", "pp"), default="ddp",
+                        help="DistributedDataParallel (ddp), DTensor tensor parallelism over all processes (tp), or "
+                             "one pipeline whose stages are the processes (pp)")
+    parser.add_argument("--schedule", choices=PIPELINE_SCHEDULES, default="1f1b", help="the pipeline's schedule (pp)")
+    parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per pipeline step (pp)")
     args = parser.parse_args()
     try:
         cfg, run = load_inputs(args.data, args.nproc, args.steps, args.parallel)
         os.makedirs(args.out, exist_ok=True)
+        if args.microbatches < 1:
+            raise BaselineError(f"--microbatches {args.microbatches}: must be >= 1")
         if args.nproc == 1:
-            worker(0, 1, 0, cfg, run, args.data, args.out, args.parallel)
+            worker(0, 1, 0, cfg, run, args.data, args.out, args.parallel, args.schedule, args.microbatches)
         else:
             errors = mp.get_context("spawn").SimpleQueue()
             try:
-                mp.spawn(spawned, args=(args.nproc, free_port(), cfg, run, args.data, args.out, errors, args.parallel),
+                mp.spawn(spawned, args=(args.nproc, free_port(), cfg, run, args.data, args.out, errors, args.parallel,
+                                        args.schedule, args.microbatches),
                          nprocs=args.nproc, join=True)
             except Exception as e:  # a child failed: prefer its own message to "exited with code 1"
                 raise BaselineError(errors.get() if not errors.empty() else str(e)) from e

@@ -8,6 +8,7 @@
 #include <iostream>
 #include <optional>
 #include <set>
+#include <tuple>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -77,7 +78,9 @@ BenchVariant parse_plugin_spec(const std::string& spec) {
 std::string variant_name(const BenchVariant& v) {
   // The baseline keeps one name at every size (one process runs without the DDP wrapper), so
   // that it is one line in the scaling plots.
-  std::string name = v.pytorch ? "pytorch-" + v.pytorch_parallel : short_plugin_name(v.plugin);
+  std::string name = !v.pytorch                  ? short_plugin_name(v.plugin)
+                     : v.pytorch_parallel == "pp" ? "pytorch-" + v.pytorch_schedule
+                                                  : "pytorch-" + v.pytorch_parallel;
   for (const auto& s : v.settings) name += " " + (s.rfind("plugin.", 0) == 0 ? s.substr(7) : s);
   return name + " x" + std::to_string(v.nproc);
 }
@@ -134,8 +137,12 @@ std::vector<std::string> weft_run_command(const BenchOptions& o, const BenchVari
 
 std::vector<std::string> pytorch_run_command(const BenchOptions& o, const BenchVariant& v,
                                              const std::string& job_dir, const std::string& run_dir) {
-  return {o.python,  o.python_dir + "/pytorch_baseline.py", "--data", job_dir, "--nproc", std::to_string(v.nproc),
-          "--out",   run_dir, "--parallel", v.pytorch_parallel};
+  std::vector<std::string> args{o.python,  o.python_dir + "/pytorch_baseline.py", "--data", job_dir, "--nproc",
+                                std::to_string(v.nproc), "--out", run_dir, "--parallel", v.pytorch_parallel};
+  if (v.pytorch_parallel == "pp") {
+    args.insert(args.end(), {"--schedule", v.pytorch_schedule, "--microbatches", std::to_string(v.pytorch_microbatches)});
+  }
+  return args;
 }
 
 // The job as files for the baseline (same data, model, batch and optimiser).
@@ -189,11 +196,38 @@ std::vector<BenchVariant> plan_bench(const BenchOptions& o) {
     for (const auto& v : variants) {
       if (short_plugin_name(v.plugin) == "tensor_parallel" && v.nproc >= 2) tensor_parallel_sizes.insert(v.nproc);
     }
+    // Pipelines: (process count, micro-batches, whether the plugin's settings named them).
+    std::set<std::tuple<int, int, bool>> pipelines;
+    for (const auto& v : variants) {
+      const std::string plugin = short_plugin_name(v.plugin);
+      if ((plugin != "gpipe" && plugin != "pipedream") || v.nproc < 2 || v.pytorch) continue;
+      int microbatches = 4;  // the pipelines' default
+      bool named = false;
+      for (const auto& s : v.settings) {
+        if (s.rfind("plugin.microbatches=", 0) != 0) continue;
+        microbatches = parse_counts(s.substr(std::string("plugin.microbatches=").size())).front();
+        named = true;
+      }
+      pipelines.insert({v.nproc, microbatches, named});
+    }
     for (const auto& [parallel, counts] : {std::pair{std::string("ddp"), sizes}, {"tp", tensor_parallel_sizes}}) {
       for (int n : counts) {
         BenchVariant v;
         v.pytorch = true;
         v.pytorch_parallel = parallel;
+        v.nproc = n;
+        v.name = variant_name(v);
+        variants.push_back(v);
+      }
+    }
+    for (const auto& [n, microbatches, named] : pipelines) {
+      for (const char* schedule : {"gpipe", "1f1b", "interleaved1f1b"}) {
+        BenchVariant v;
+        v.pytorch = true;
+        v.pytorch_parallel = "pp";
+        v.pytorch_schedule = schedule;
+        v.pytorch_microbatches = microbatches;
+        if (named) v.settings.push_back("plugin.microbatches=" + std::to_string(microbatches));
         v.nproc = n;
         v.name = variant_name(v);
         variants.push_back(v);

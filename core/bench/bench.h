@@ -22,8 +22,11 @@ struct BenchVariant {
   int nproc = 1;
   std::vector<std::string> settings;  // extra "--set key=value" for this variant only
   bool pytorch = false;               // a PyTorch baseline (python/pytorch_baseline.py)
-  std::string pytorch_parallel;       // its parallelism: "ddp" (DistributedDataParallel) or "tp"
-                                      // (DTensor tensor parallelism over all processes)
+  std::string pytorch_parallel;       // its parallelism: "ddp" (DistributedDataParallel), "tp"
+                                      // (DTensor tensor parallelism over all processes) or "pp" (one
+                                      // torch.distributed.pipelining pipeline over all processes)
+  std::string pytorch_schedule;       // pp: "gpipe", "1f1b" or "interleaved1f1b"
+  int pytorch_microbatches = 4;       // pp: micro-batches per pipeline step
 };
 
 struct BenchOptions {
@@ -43,8 +46,10 @@ struct BenchOptions {
 };
 
 // The variants in run order: each plugin at each of its process counts, then the PyTorch DDP
-// baseline at every process count used, and PyTorch's DTensor tensor parallelism ("pytorch-tp")
-// at every count of 2 or more at which tensor_parallel runs. Throws weft::Error for a malformed --plugin or --nproc, a count
+// baseline at every process count used, PyTorch's DTensor tensor parallelism ("pytorch-tp") at
+// every count of 2 or more at which tensor_parallel runs, and PyTorch's pipeline schedules
+// ("pytorch-gpipe", "pytorch-1f1b", "pytorch-interleaved1f1b") at every count of 2 or more and
+// plugin.microbatches at which gpipe or pipedream runs. Throws weft::Error for a malformed --plugin or --nproc, a count
 // list that matches neither one nor every plugin, or no plugin at all.
 std::vector<BenchVariant> plan_bench(const BenchOptions& options);
 

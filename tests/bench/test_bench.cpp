@@ -43,8 +43,14 @@ TEST(BenchPlan, OneCountForAllPluginsOrOnePerPluginAndTheBaselineAtEveryCount) {
   o.nproc = {"1", "1,2", "2"};
   o.pytorch_baseline = true;
   const auto variants = weft::plan_bench(o);
-  EXPECT_EQ(names(variants), (std::vector<std::string>{"single x1", "ddp x1", "ddp x2", "gpipe microbatches=8 x2",
-                                                       "pytorch-ddp x1", "pytorch-ddp x2"}));
+  // Beside a pipeline, PyTorch's three pipeline schedules with its micro-batches.
+  EXPECT_EQ(names(variants),
+            (std::vector<std::string>{"single x1", "ddp x1", "ddp x2", "gpipe microbatches=8 x2", "pytorch-ddp x1",
+                                      "pytorch-ddp x2", "pytorch-gpipe microbatches=8 x2",
+                                      "pytorch-1f1b microbatches=8 x2", "pytorch-interleaved1f1b microbatches=8 x2"}));
+  EXPECT_EQ(variants[7].pytorch_parallel, "pp");
+  EXPECT_EQ(variants[7].pytorch_schedule, "1f1b");
+  EXPECT_EQ(variants[7].pytorch_microbatches, 8);
   EXPECT_EQ(variants[1].plugin, "build/plugins/ddp.so");
   EXPECT_EQ(variants[3].settings, (std::vector<std::string>{"plugin.microbatches=8"}));
   EXPECT_TRUE(variants[5].pytorch);
@@ -330,6 +336,51 @@ TEST(BenchCommand, ThePytorchTensorParallelBaselineTrainsWhatItsDdpBaselineTrain
     EXPECT_LE(tp_steps[i]["forward_s"].get<double>() + tp_steps[i]["backward_s"].get<double>(),
               tp_steps[i]["step_time_s"].get<double>());
   }
+}
+
+// PyTorch's pipeline schedules (torch.distributed.pipelining: ScheduleGPipe, Schedule1F1B,
+// ScheduleInterleaved1F1B) train what its DDP baseline trains on a 4-layer model: the same losses
+// and gradient norms at every step. On the 2-layer tiny model the interleaved schedule (4 stages
+// over 2 processes) cannot run: the bench names it failed with why and reports the rest.
+TEST(BenchCommand, ThePytorchPipelineBaselinesTrainWhatItsDdpBaselineTrains) {
+  const auto dir = fresh_dir("weft_bench", "pytorch_pp");
+  const std::string out = dir + "/bench";
+  const std::string model = " --set model.config=" + std::string(WEFT_SOURCE_DIR) + "/configs/models/austen-mini/config.json";
+  const auto result = run_tiny_bench(dir, "--plugin gpipe --nproc 2 --baseline pytorch --repetitions 1" + model);
+  const auto losses = [&](const std::string& variant) {
+    std::vector<std::pair<double, double>> steps;
+    std::string version;
+    std::ifstream metrics(out + "/runs/" + variant + "/rep1/metrics.jsonl");
+    for (std::string line; std::getline(metrics, line);) {
+      const auto j = nlohmann::json::parse(line);
+      if (j["type"] == "step") steps.emplace_back(j["loss"].get<double>(), j["grad_norm"].get<double>());
+      if (j["type"] == "summary") version = j["torch_version"];
+    }
+    return std::pair{steps, version};
+  };
+  const auto [ddp, version] = losses("pytorch-ddp_x2");
+  ASSERT_EQ(ddp.size(), 3u) << result.output;
+  if (std::stoi(version.substr(0, version.find('.'))) < 2 || std::stoi(version.substr(version.find('.') + 1)) < 4) {
+    EXPECT_EQ(result.exit_code, 1) << result.output;  // PyTorch < 2.4: no torch.distributed.pipelining
+    EXPECT_NE(read_text(out + "/bench.md").find("needs PyTorch >= 2.4"), std::string::npos);
+    return;
+  }
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  for (const std::string schedule : {"gpipe", "1f1b", "interleaved1f1b"}) {
+    const auto [steps, unused] = losses("pytorch-" + schedule + "_x2");
+    ASSERT_EQ(steps.size(), ddp.size()) << schedule;
+    for (size_t i = 0; i < steps.size(); ++i) {
+      EXPECT_NEAR(steps[i].first, ddp[i].first, 1e-5) << schedule << " step " << i + 1;
+      EXPECT_NEAR(steps[i].second, ddp[i].second, 1e-4) << schedule << " step " << i + 1;
+    }
+  }
+  std::filesystem::create_directories(dir + "/tiny");
+  const auto tiny = run_tiny_bench(dir + "/tiny", "--plugin gpipe --nproc 2 --baseline pytorch --repetitions 1");
+  EXPECT_EQ(tiny.exit_code, 1) << tiny.output;
+  const std::string table = read_text(dir + "/tiny/bench/bench.md");
+  EXPECT_NE(table.find("**pytorch-interleaved1f1b x2 failed**"), std::string::npos) << table;
+  EXPECT_NE(table.find("2 layers cannot fill 4 stages"), std::string::npos) << table;
+  EXPECT_NE(table.find("| pytorch-1f1b x2 |"), std::string::npos) << table;
 }
 
 }  // namespace

@@ -2,6 +2,8 @@
 // per tensor, its stored layout, the quantized linear's gradients, and a model whose blocks are
 // quantized at load computing what the dequantized weights compute. The stored bytes against
 // bitsandbytes itself: tools/quant_reference.py (ctest Quantize.*).
+#include <map>
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -337,6 +339,45 @@ TEST(Quantize, ModelQuantizedAtInitComputesItsDequantizedWeightsFunction) {
 TEST(Quantize, ModelQuantizedAsItLoadsComputesItsDequantizedWeightsFunction) {
   expect_quantized_model_matches_dequantized(QuantFormat::kInt8, true);
   expect_quantized_model_matches_dequantized(QuantFormat::kNf4, true);
+}
+
+// Activation checkpointing recomputes each block in backward: over an int8 base (in the CPU's int8
+// GEMM where there is one) and an nf4 base, the loss and every adapter gradient are the
+// non-checkpointed run's.
+TEST(Quantize, ActivationCheckpointingGivesTheSameAdapterGradientsOverEachFormat) {
+  const auto config = preset_config("tiny");
+  for (const QuantFormat format : {QuantFormat::kInt8, QuantFormat::kNf4}) {
+    std::map<std::string, torch::Tensor> grads[2];
+    double losses[2] = {0, 0};
+    for (const bool checkpointing : {false, true}) {
+      ModelOptions options;
+      options.quantize = format;
+      options.activation_checkpointing = checkpointing;
+      LlamaForCausalLM model(config, options);
+      init_weights(*model, 5, 0.05);
+      LoraConfig lora;
+      lora.spec.r = 4;
+      lora.target_modules = lora_targetable_modules();
+      apply_lora(*model, lora, 1);
+      {
+        torch::NoGradGuard no_grad;
+        auto generator = at::make_generator<at::CPUGeneratorImpl>(3);
+        for (auto& [name, p] : trainable_parameters(*model)) p.normal_(0.0, 0.05, generator);
+      }
+      model->train();
+      auto generator = at::make_generator<at::CPUGeneratorImpl>(8);
+      const auto tokens = torch::randint(0, config.vocab_size, {2, 16}, generator, torch::kLong);
+      auto loss = model->loss(model->forward(tokens.slice(1, 0, -1)), tokens.slice(1, 1));
+      loss.backward();
+      losses[checkpointing] = loss.item<double>();
+      for (auto& [name, p] : trainable_parameters(*model)) grads[checkpointing][name] = p.grad().clone();
+    }
+    EXPECT_EQ(losses[0], losses[1]) << quant_format_name(format);
+    ASSERT_EQ(grads[0].size(), grads[1].size());
+    for (const auto& [name, g] : grads[0]) {
+      EXPECT_TRUE(torch::allclose(grads[1].at(name), g, 1e-5, 1e-7)) << quant_format_name(format) << " " << name;
+    }
+  }
 }
 
 TEST(Quantize, LoraTrainsOnAQuantizedBaseAndMergesIntoItsDequantizedWeights) {

@@ -154,6 +154,15 @@ void add_adapters(weft::LlamaForCausalLMImpl& model, weft::LlamaForCausalLMImpl*
   }
 }
 
+// Rank `rank`'s model options among `parts` thread ranks: Megatron's slices, the hook over `reduce`.
+weft::ModelOptions megatron_options(const ModelConfig& config, int32_t parts, int32_t rank, int32_t kv_parts,
+                                    ThreadAllReduce& reduce) {
+  weft::ModelOptions options;
+  options.shards = megatron_shards(config, parts, rank, kv_parts);
+  options.comm = std::make_shared<const weft::CommHook>(megatron_hook(reduce, rank));
+  return options;
+}
+
 bool is_norm(const std::string& name) { return name.find("norm.weight") != std::string::npos; }
 
 // kv_heads: 0 keeps the preset's 2.
@@ -173,9 +182,7 @@ void expect_matches_whole_model(bool tied, int32_t parts, int32_t kv_parts, bool
   std::vector<Result> results(static_cast<size_t>(parts));
   std::vector<weft::LlamaForCausalLM> shards;
   for (int32_t rank = 0; rank < parts; ++rank) {
-    weft::ModelOptions options;
-    options.shards = megatron_shards(config, parts, rank, kv_parts);
-    options.comm = std::make_shared<const weft::CommHook>(megatron_hook(reduce, rank));
+    const weft::ModelOptions options = megatron_options(config, parts, rank, kv_parts, reduce);
     shards.emplace_back(config, options);
     weft::init_weights(*shards.back(), 11, 0.05);  // the whole model's values, sliced
     if (!lora) continue;
@@ -262,9 +269,7 @@ TEST(TensorParallel, AdaLoraSlicesAndTheirOrthogonalRegularizerAreTheWholeModels
   ThreadAllReduce reduce(parts);
   std::vector<weft::LlamaForCausalLM> shards;
   for (int32_t rank = 0; rank < parts; ++rank) {
-    weft::ModelOptions options;
-    options.shards = megatron_shards(config, parts, rank, kv_parts);
-    options.comm = std::make_shared<const weft::CommHook>(megatron_hook(reduce, rank));
+    const weft::ModelOptions options = megatron_options(config, parts, rank, kv_parts, reduce);
     shards.emplace_back(config, options);
     weft::apply_adalora(*shards.back(), adalora, 5);
     torch::NoGradGuard no_grad;

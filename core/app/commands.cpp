@@ -260,6 +260,11 @@ int run_check(const CommandLine& cli) {
       settings += ", " + setting;
       continue;
     }
+    if (setting == "model.activation_checkpointing=true" || setting == "model.activation_checkpointing=false") {
+      options.activation_checkpointing = setting == "model.activation_checkpointing=true";
+      settings += ", " + setting;
+      continue;
+    }
     if (setting.rfind("model.int8_threshold=", 0) == 0) {
       const auto value = setting.substr(std::string("model.int8_threshold=").size());
       try {
@@ -285,7 +290,8 @@ int run_check(const CommandLine& cli) {
     if (setting.rfind("plugin.", 0) != 0) {
       throw Error(fmt::format("trainer check takes only --set plugin.KEY=VALUE (the plugin's settings), --set "
                               "train.mode=full|lora|adalora, --set train.precision=fp32|bf16|fp16, --set model.quantize=none|int8|nf4, "
-                              "--set model.int8_threshold=X, --set model.frozen_dtype=fp32|bf16, --set train.task=causal_lm|classification and "
+                              "--set model.int8_threshold=X, --set model.frozen_dtype=fp32|bf16, --set "
+                              "model.activation_checkpointing=true|false, --set train.task=causal_lm|classification and "
                               "--set train.device=cpu|cuda|auto, got '{}'",
                               setting));
     }

@@ -62,6 +62,9 @@ RunMeasurement read_run(const std::string& metrics_path, int64_t warmup_steps) {
       } else {
         run.peak_rss_mib_per_rank = {j.value("peak_rss_mib", 0.0)};
       }
+      if (j.contains("activation_peak_mib_per_rank")) {
+        run.activation_peak_mib_per_rank = j["activation_peak_mib_per_rank"].get<std::vector<double>>();
+      }
     }
   }
   WEFT_CHECK(!run.step_seconds.empty(), "{}: no step after the {} warm-up steps", metrics_path, warmup_steps);
@@ -97,6 +100,13 @@ VariantSummary summarise(const std::string& name, const std::string& plugin, int
     }
     for (size_t r = 0; r < run.peak_rss_mib_per_rank.size(); ++r) {
       v.peak_rss_mib_per_rank[r] = std::max(v.peak_rss_mib_per_rank[r], run.peak_rss_mib_per_rank[r]);
+    }
+    auto& activations = v.activation_peak_mib_per_rank;
+    if (activations.size() < run.activation_peak_mib_per_rank.size()) {
+      activations.resize(run.activation_peak_mib_per_rank.size(), 0.0);
+    }
+    for (size_t r = 0; r < run.activation_peak_mib_per_rank.size(); ++r) {
+      activations[r] = std::max(activations[r], run.activation_peak_mib_per_rank[r]);
     }
   }
   v.step_seconds = spread_of(steps);
@@ -136,9 +146,9 @@ std::vector<PairRatio> pair_ratios(const std::vector<VariantSummary>& variants) 
 std::string format_bench_table(const std::vector<VariantSummary>& variants, const std::vector<PairRatio>& ratios) {
   std::string out =
       "| variant | processes | step time median [min-max] | step p50 / p95 / p99 | tokens/s median [min-max] | time "
-      "per epoch median [min-max] | forward / backward per step (rank 0) | peak RSS MiB per rank | waiting on comm "
-      "(rank 0) | MB sent per step | bubble (formula) |\n"
-      "|---|---|---|---|---|---|---|---|---|---|---|\n";
+      "per epoch median [min-max] | forward / backward per step (rank 0) | peak RSS MiB per rank | activation peak MiB "
+      "per rank | waiting on comm (rank 0) | MB sent per step | bubble (formula) |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const auto& v : variants) {
     const std::string bubble =
         v.bubble ? fmt::format("{:.3f} ({})", *v.bubble, v.bubble_formula ? fmt::format("{:.3f}", *v.bubble_formula) : "-")
@@ -146,12 +156,13 @@ std::string format_bench_table(const std::vector<VariantSummary>& variants, cons
     const std::string compute =
         v.forward_seconds ? fmt::format("{:.3f} / {:.3f} s", *v.forward_seconds, *v.backward_seconds) : "-";
     out += fmt::format("| {} | {} | {:.3f} s [{:.3f}-{:.3f}] | {:.3f} / {:.3f} / {:.3f} s | {:.0f} [{:.0f}-{:.0f}] | {} "
-                       "[{}-{}] | {} | {} | {} | {} | {} |\n",
+                       "[{}-{}] | {} | {} | {} | {} | {} | {} |\n",
                        v.name, v.nproc, v.step_seconds.median, v.step_seconds.min, v.step_seconds.max,
                        v.step_percentiles.p50, v.step_percentiles.p95, v.step_percentiles.p99,
                        v.tokens_per_second.median, v.tokens_per_second.min, v.tokens_per_second.max,
                        format_duration(v.epoch_seconds.median), format_duration(v.epoch_seconds.min),
                        format_duration(v.epoch_seconds.max), compute, ranks_text(v.peak_rss_mib_per_rank),
+                       ranks_text(v.activation_peak_mib_per_rank),
                        v.pytorch ? "n/a" : optional_percent(v.comm_wait_fraction),
                        v.comm_bytes_per_step ? fmt::format("{:.2f}", *v.comm_bytes_per_step / 1e6) : "-", bubble);
   }
@@ -188,6 +199,7 @@ nlohmann::json to_json(const VariantSummary& v) {
           {"tokens_per_s", spread(v.tokens_per_second)},
           {"epoch_s", spread(v.epoch_seconds)},
           {"peak_rss_mib_per_rank", v.peak_rss_mib_per_rank},
+          {"activation_peak_mib_per_rank", v.activation_peak_mib_per_rank},
           {"comm_wait_fraction", optional(v.comm_wait_fraction)},
           {"comm_bytes_per_step", optional(v.comm_bytes_per_step)},
           {"bubble", optional(v.bubble)},

@@ -26,6 +26,7 @@ struct RunMeasurement {
   bool has_comm = false;
   int64_t steps_per_epoch = 0;
   std::vector<double> peak_rss_mib_per_rank;
+  std::vector<double> activation_peak_mib_per_rank;  // tensor bytes a step added at its peak (weft)
 };
 
 // Reads `metrics_path` (weft's metrics.jsonl, or the PyTorch baseline's in the same format),
@@ -53,6 +54,7 @@ struct VariantSummary {
   Spread epoch_seconds;          // steps per epoch x step time
   std::vector<double> run_step_seconds;  // each repetition's median step time, in order
   std::vector<double> peak_rss_mib_per_rank;  // the largest over repetitions, per rank
+  std::vector<double> activation_peak_mib_per_rank;  // the largest over repetitions, per rank (weft)
   std::optional<double> comm_wait_fraction;   // rank 0's time blocked on communication / step time
   std::optional<double> comm_bytes_per_step;  // median
   std::optional<double> bubble, bubble_formula;

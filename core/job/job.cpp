@@ -193,6 +193,7 @@ void Job::build_model() {
     }
   }
   model_options.sequence = strategy_->sequence_split();
+  model_options.tensor_sequence = strategy_->tensor_sequence();
   model_ = LlamaForCausalLM(config, model_options);
   if (lora_ && options_.model.frozen_dtype == "bf16") {  // before the values arrive: never held in fp32
     torch::NoGradGuard no_grad;

@@ -482,6 +482,14 @@ torch::Tensor DecoderBlockImpl::forward(const torch::Tensor& x, const RotaryEmbe
   // With tensor parallelism, comm points wrap each sublayer: f before (all-reduce backward),
   // g after (all-reduce forward of the row-parallel partial sums).
   const auto dtype = self_attn->q_proj->compute_dtype();
+  if (shards_ != nullptr && shards_->size > 1) {  // x holds this process's tokens
+    auto a = sequence_gather(*shards_, CommPoint::kAttentionInput, layer_, input_layernorm->normalize(x, dtype));
+    a = sequence_reduce_scatter(*shards_, CommPoint::kAttentionOutput, layer_, self_attn->forward(a, rope));
+    auto h = residual_add(x, a);
+    auto m = sequence_gather(*shards_, CommPoint::kMlpInput, layer_, post_attention_layernorm->normalize(h, dtype));
+    m = sequence_reduce_scatter(*shards_, CommPoint::kMlpOutput, layer_, mlp(m));
+    return residual_add(h, m);
+  }
   if (comm_ == nullptr || !*comm_) {
     auto h = residual_add(x, self_attn->forward(input_layernorm->normalize(x, dtype), rope));
     return residual_add(h, mlp(post_attention_layernorm->normalize(h, dtype)));

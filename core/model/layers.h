@@ -268,6 +268,10 @@ class DecoderBlockImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x, const RotaryEmbedding& rope);
   // Incremental decoding with this block's cache (see AttentionImpl::forward_cached).
   torch::Tensor forward_cached(const torch::Tensor& x, const RotaryEmbedding& rope, LayerKvCache& cache);
+  // Megatron sequence parallelism (must outlive the block; null: off): forward() then takes and
+  // returns this process's tokens, all-gathering them into attention and the MLP and
+  // reduce-scattering their outputs. forward_cached keeps whole sequences and the comm points.
+  void set_sequence_shards(const SequenceShards* shards) { shards_ = shards; }
   Attention self_attn{nullptr};
   Mlp mlp{nullptr};
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
@@ -275,6 +279,7 @@ class DecoderBlockImpl : public torch::nn::Module {
  private:
   int64_t layer_ = -1;
   const CommHook* comm_ = nullptr;
+  const SequenceShards* shards_ = nullptr;
 };
 TORCH_MODULE(DecoderBlock);
 

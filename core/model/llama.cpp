@@ -117,6 +117,18 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const ModelConfig& config, const Mode
                "sequence parallelism: rank {} of {}", options_.sequence->rank, options_.sequence->size);
     for (auto& [index, block] : model->blocks) block->self_attn->set_sequence_split(options_.sequence.get(), index);
   }
+  if (options_.tensor_sequence != nullptr && options_.tensor_sequence->size > 1) {
+    const auto& shards = *options_.tensor_sequence;
+    WEFT_CHECK(shards.rank >= 0 && shards.rank < shards.size && shards.collective,
+               "tensor sequence parallelism: rank {} of {}", shards.rank, shards.size);
+    WEFT_CHECK(options_.sequence == nullptr || options_.sequence->size == 1,
+               "tensor sequence parallelism cannot be combined with context parallelism's sequence split");
+    WEFT_CHECK(first_stage_ == 0 && last_stage_ == num_stages(),
+               "tensor sequence parallelism needs every stage of the model on this process");
+    WEFT_CHECK(vocab_parallel(), "tensor sequence parallelism needs a vocabulary-parallel embedding (its all-reduce "
+               "becomes the reduce-scatter into the sequence shards)");
+    for (auto& [index, block] : model->blocks) block->set_sequence_shards(&shards);
+  }
   if (last_stage_ == num_stages() && config_.classification()) {
     score = register_module("score", Linear(config_.hidden_size, config_.num_labels));
   } else if (last_stage_ == num_stages() && !config_.tie_word_embeddings) {
@@ -136,8 +148,12 @@ torch::Tensor LlamaForCausalLMImpl::head_weight() const {
   return lm_head.is_empty() ? model->embed_tokens->weight : lm_head->weight;
 }
 
-torch::Tensor LlamaForCausalLMImpl::run_stage(int64_t stage, const torch::Tensor& input) {
+torch::Tensor LlamaForCausalLMImpl::run_stage(int64_t stage, const torch::Tensor& input, bool shard_tokens) {
   const int64_t final_stage = num_stages() - 1;
+  const SequenceShards* tokens =
+      shard_tokens && options_.tensor_sequence != nullptr && options_.tensor_sequence->size > 1
+          ? options_.tensor_sequence.get()
+          : nullptr;
   if (stage == 0) {
     WEFT_CHECK(input.scalar_type() == torch::kLong && input.dim() == 2,
                "stage 0 expects int64 token ids [batch, seq], got {} with {} dims",
@@ -149,6 +165,7 @@ torch::Tensor LlamaForCausalLMImpl::run_stage(int64_t stage, const torch::Tensor
     auto local = input - local_.vocab_start;
     auto mine = ((local >= 0) & (local < local_.vocab)).unsqueeze(-1).to(torch::kFloat32);
     auto rows = model->embed_tokens(local.clamp(0, local_.vocab - 1)) * mine;
+    if (tokens != nullptr) return sequence_reduce_scatter(*tokens, CommPoint::kEmbeddingOutput, -1, rows);
     return comm_point(options_.comm.get(), CommPoint::kEmbeddingOutput, -1, rows);
   }
   if (stage < final_stage) {
@@ -159,8 +176,15 @@ torch::Tensor LlamaForCausalLMImpl::run_stage(int64_t stage, const torch::Tensor
     return block->forward(input, rope_);
   }
   auto h = model->norm(input);
-  if (!score.is_empty()) return score(h);  // whole on every rank: no communication
-  if (vocab_parallel()) h = comm_point(options_.comm.get(), CommPoint::kHeadInput, -1, h);
+  if (!score.is_empty()) {  // whole on every rank: no communication but the tokens' all-gather
+    if (tokens != nullptr) h = sequence_gather(*tokens, CommPoint::kHeadInput, -1, h, /*replicated=*/true);
+    return score(h);
+  }
+  if (tokens != nullptr) {
+    h = sequence_gather(*tokens, CommPoint::kHeadInput, -1, h);
+  } else if (vocab_parallel()) {
+    h = comm_point(options_.comm.get(), CommPoint::kHeadInput, -1, h);
+  }
   if (!lm_head.is_empty()) return lm_head(h);
   const auto head = head_weight();
   if (!head.requires_grad() && head.scalar_type() != options_.compute_dtype) {  // a bf16-stored frozen head
@@ -192,11 +216,11 @@ torch::Tensor LlamaForCausalLMImpl::forward_cached(const torch::Tensor& tokens, 
   WEFT_CHECK(first_stage_ == 0 && last_stage_ == num_stages(), "cached decoding needs every stage of the model");
   torch::NoGradGuard no_grad;
   if (cache.empty()) cache.resize(static_cast<size_t>(config_.num_hidden_layers));
-  torch::Tensor x = run_stage(0, tokens);
+  torch::Tensor x = run_stage(0, tokens, /*shard_tokens=*/false);
   for (int64_t layer = 0; layer < config_.num_hidden_layers; ++layer) {
     x = model->blocks.at(layer)->forward_cached(x, rope_, cache[static_cast<size_t>(layer)]);
   }
-  return run_stage(num_stages() - 1, x);
+  return run_stage(num_stages() - 1, x, /*shard_tokens=*/false);
 }
 
 int64_t stage_of_parameter(const std::string& name, int64_t num_layers) {

@@ -44,6 +44,12 @@ struct ModelOptions {
   // Sequence parallelism (parallel.h): forward() takes this process's tokens of each sequence
   // and the attention core exchanges them (none, or size 1: whole sequences).
   std::shared_ptr<const SequenceSplit> sequence;
+  // Megatron sequence parallelism inside the tensor-parallel group (parallel.h SequenceShards,
+  // ABI 1.9): between the regions the residual stream holds this process's tokens; the regions'
+  // entries all-gather and their exits reduce-scatter through it instead of `comm` (none, or size
+  // 1: whole sequences). Needs a vocabulary-parallel embedding and whole sequences otherwise;
+  // cached decoding ignores it.
+  std::shared_ptr<const SequenceShards> tensor_sequence;
   // How the decoder blocks' linear weights are stored (quantize.h; model.quantize and
   // model.int8_threshold): quantized layers are frozen and hold no `weight` parameter (set them
   // with load_weights / init_weights).
@@ -121,7 +127,9 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   Linear score{nullptr};    // sequence classification's head [num_labels, hidden] (HF "score.weight")
 
  private:
-  torch::Tensor run_stage(int64_t stage, const torch::Tensor& input);
+  // `shard_tokens`: with options().tensor_sequence, stage 0 returns this process's tokens and the
+  // last stage takes them (false: whole sequences, for cached decoding).
+  torch::Tensor run_stage(int64_t stage, const torch::Tensor& input, bool shard_tokens = true);
 
   ModelConfig config_;
   ModelOptions options_;

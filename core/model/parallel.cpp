@@ -61,6 +61,75 @@ struct SliceSumFunction : public torch::autograd::Function<SliceSumFunction> {
   }
 };
 
+// Megatron sequence parallelism's two collectives along dim 1 of [B, s, ...], through the
+// [size, B, s, ...] layout the hook takes.
+torch::Tensor gather_tokens(const SequenceShards& shards, CommPoint point, int64_t layer, const torch::Tensor& x,
+                            bool backward) {
+  auto sizes = x.sizes().vec();
+  sizes.insert(sizes.begin(), shards.size);
+  torch::Tensor gathered = torch::empty(sizes, x.options());
+  shards.collective(point, backward, layer, x.contiguous(), gathered);
+  auto out = gathered.transpose(0, 1);  // [B, size, s, ...]
+  auto merged = x.sizes().vec();
+  merged[1] *= shards.size;
+  return out.reshape(merged);
+}
+
+torch::Tensor scatter_tokens(const SequenceShards& shards, CommPoint point, int64_t layer, const torch::Tensor& x,
+                             bool backward) {
+  WEFT_CHECK(x.dim() >= 2 && x.size(1) % shards.size == 0,
+             "sequence parallelism: {} tokens cannot be split over {} processes", x.dim() >= 2 ? x.size(1) : 0,
+             shards.size);
+  auto split = x.sizes().vec();
+  split[1] /= shards.size;
+  split.insert(split.begin() + 1, shards.size);  // [B, size, s, ...]
+  torch::Tensor input = x.reshape(split).transpose(0, 1).contiguous();
+  auto local = x.sizes().vec();
+  local[1] /= shards.size;
+  torch::Tensor out = torch::empty(local, x.options());
+  shards.collective(point, backward, layer, input, out);
+  return out;
+}
+
+struct SequenceGather : public torch::autograd::Function<SequenceGather> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const SequenceShards* shards,
+                               int64_t point, int64_t layer, bool replicated) {
+    ctx->saved_data["shards"] = reinterpret_cast<int64_t>(shards);
+    ctx->saved_data["point"] = point;
+    ctx->saved_data["layer"] = layer;
+    ctx->saved_data["replicated"] = replicated;
+    return gather_tokens(*shards, static_cast<CommPoint>(point), layer, x, /*backward=*/false);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto* shards = reinterpret_cast<const SequenceShards*>(ctx->saved_data["shards"].toInt());
+    torch::Tensor g;
+    if (ctx->saved_data["replicated"].toBool()) {
+      const int64_t local = grads[0].size(1) / shards->size;
+      g = grads[0].narrow(1, shards->rank * local, local).contiguous();
+    } else {
+      g = scatter_tokens(*shards, static_cast<CommPoint>(ctx->saved_data["point"].toInt()),
+                         ctx->saved_data["layer"].toInt(), grads[0], /*backward=*/true);
+    }
+    return {g, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+struct SequenceReduceScatter : public torch::autograd::Function<SequenceReduceScatter> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const SequenceShards* shards,
+                               int64_t point, int64_t layer) {
+    ctx->saved_data["shards"] = reinterpret_cast<int64_t>(shards);
+    ctx->saved_data["point"] = point;
+    ctx->saved_data["layer"] = layer;
+    return scatter_tokens(*shards, static_cast<CommPoint>(point), layer, x, /*backward=*/false);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto* shards = reinterpret_cast<const SequenceShards*>(ctx->saved_data["shards"].toInt());
+    return {gather_tokens(*shards, static_cast<CommPoint>(ctx->saved_data["point"].toInt()),
+                          ctx->saved_data["layer"].toInt(), grads[0], /*backward=*/true),
+            torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
 // The Ulysses all-to-all: to_heads maps [B, Hx, s, D] -> [B, Hx / n, n * s, D], otherwise the
 // inverse. `backward` is passed to the hook (which direction autograd is in).
 torch::Tensor exchange(const torch::Tensor& x, const SequenceSplit& split, int64_t layer, bool to_heads,
@@ -208,6 +277,18 @@ std::vector<torch::Tensor> sum_over_slices(const CommHook* hook, const std::vect
 torch::Tensor comm_point(const CommHook* hook, CommPoint point, int64_t layer, const torch::Tensor& x) {
   if (hook == nullptr || !*hook) return x;
   return CommFunction::apply(x.contiguous(), hook, static_cast<int64_t>(point), layer);
+}
+
+torch::Tensor sequence_gather(const SequenceShards& shards, CommPoint point, int64_t layer, const torch::Tensor& x,
+                              bool replicated) {
+  if (shards.size <= 1) return x;
+  return SequenceGather::apply(x, &shards, static_cast<int64_t>(point), layer, replicated);
+}
+
+torch::Tensor sequence_reduce_scatter(const SequenceShards& shards, CommPoint point, int64_t layer,
+                                      const torch::Tensor& x) {
+  if (shards.size <= 1) return x;
+  return SequenceReduceScatter::apply(x, &shards, static_cast<int64_t>(point), layer);
 }
 
 std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_specs(const ModelConfig& c, int64_t first,

@@ -71,6 +71,32 @@ using CommHook = std::function<void(CommPoint point, bool backward, int64_t laye
 // gradient in the backward pass. Without a hook, x itself.
 torch::Tensor comm_point(const CommHook* hook, CommPoint point, int64_t layer, const torch::Tensor& x);
 
+// Megatron sequence parallelism (Korthikanti et al. 2022) inside a tensor-parallel group of
+// `size` processes: between the tensor-parallel regions (embedding output, residual stream, norms)
+// process `rank` holds tokens [rank * L / size, (rank + 1) * L / size) of every sequence; an
+// all-gather along the sequence enters each region (in place of f) and a reduce-scatter leaves it
+// (in place of g's all-reduce). `collective(point, backward, layer, input, output)`: all-gather
+// when output is [size, ...input] (slice i from process i), reduce-scatter (sum of every process's
+// slice `rank`) when input is [size, ...output]; every process of the group calls it in the same
+// order (ABI 1.9 sequence_region).
+struct SequenceShards {
+  int64_t rank = 0;
+  int64_t size = 1;
+  std::function<void(CommPoint point, bool backward, int64_t layer, const torch::Tensor& input, torch::Tensor& output)>
+      collective;
+};
+
+// x [B, s, ...] (this process's tokens) -> [B, size * s, ...] (every token), with autograd: the
+// backward reduce-scatters the gradient, the partial sums of the region's column-parallel layers.
+// `replicated` (a whole head after the region, computing the same on every process): the backward
+// takes this process's slice of the gradient instead, with no communication.
+torch::Tensor sequence_gather(const SequenceShards& shards, CommPoint point, int64_t layer, const torch::Tensor& x,
+                              bool replicated = false);
+// x [B, L, ...] (a region's partial sums over every token) -> [B, L / size, ...]: the sum over the
+// group of this process's tokens, with autograd (the backward all-gathers the gradient).
+torch::Tensor sequence_reduce_scatter(const SequenceShards& shards, CommPoint point, int64_t layer,
+                                      const torch::Tensor& x);
+
 // One sum over a split factor's slices: `values` (any shape) sums over this process's `local` of
 // the `whole` rows or columns the factor has along its split dimension.
 struct SliceSum {

@@ -55,6 +55,8 @@ Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute
   plan.sequence_parallel_rank = 0;
   plan.sequence_parallel_layout = WEFT_SEQUENCE_CONTIGUOUS;
   plan.sequence_parallel_attention = WEFT_SEQUENCE_ATTENTION_EXCHANGE;
+  plan.tensor_sequence_size = 1;
+  plan.tensor_sequence_rank = 0;
   if (library_->api().plan) check(library_->api().plan(instance_, &plan), "plan");
   WEFT_CHECK(0 <= plan.first_stage && plan.first_stage < plan.last_stage && plan.last_stage <= num_stages,
              "plugin {}: plan chose stages [{}, {}) of a {}-stage model", library_->name(), plan.first_stage,
@@ -119,6 +121,35 @@ Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute
     placement.sequence_parallel_rank = rank;
     placement.sequence_parallel_size = size;
     host_->set_sequence_split(rank, size, sequence_.layout);
+  }
+  if (library_->negotiated_abi().minor >= 9) {  // Megatron sequence parallelism
+    const int32_t size = plan.tensor_sequence_size, rank = plan.tensor_sequence_rank;
+    WEFT_CHECK(size >= 1 && 0 <= rank && rank < size, "plugin {}: plan chose tensor-sequence rank {} of {}",
+               library_->name(), rank, size);
+    if (size > 1) {
+      WEFT_CHECK(library_->has_slot(offsetof(weft_strategy_api, sequence_region), 9) &&
+                     library_->api().sequence_region != nullptr,
+                 "plugin {}: plan shards the residual stream's tokens over {} ranks (tensor_sequence_size) but the "
+                 "plugin has no sequence_region",
+                 library_->name(), size);
+      WEFT_CHECK(placement.sequence_parallel_size == 1,
+                 "plugin {}: plan splits sequences both between ranks (sequence_parallel_size {}) and between "
+                 "tensor-parallel regions (tensor_sequence_size {}): choose one",
+                 library_->name(), placement.sequence_parallel_size, size);
+      WEFT_CHECK(seq_len % size == 0, "data.seq_len = {} cannot be split over {} tensor-parallel ranks (plugin {}, "
+                 "sequence parallelism): choose a multiple of {}", seq_len, size, library_->name(), size);
+      WEFT_CHECK(plan.first_stage == 0 && plan.last_stage == num_stages,
+                 "plugin {}: tensor sequence parallelism with a split of the model's stages is not supported",
+                 library_->name());
+      spdlog::info("plugin {} shards the residual stream between tensor-parallel regions over {} ranks (Megatron "
+                   "sequence parallelism): this rank holds tokens [{}, {}) of each sequence there",
+                   library_->name(), size, rank * seq_len / size, (rank + 1) * seq_len / size);
+    }
+    tensor_sequence_ = SequenceShards{};
+    tensor_sequence_.rank = rank;
+    tensor_sequence_.size = size;
+    placement.tensor_sequence_rank = rank;
+    placement.tensor_sequence_size = size;
   }
   return placement;
 }
@@ -191,6 +222,20 @@ std::shared_ptr<const CommHook> StrategySession::comm_hook() {
                                      backward ? WEFT_BACKWARD : WEFT_FORWARD, layer, &view),
           "comm_point");
   });
+}
+
+std::shared_ptr<const SequenceShards> StrategySession::tensor_sequence() {
+  if (tensor_sequence_.size <= 1) return nullptr;
+  auto shards = std::make_shared<SequenceShards>(tensor_sequence_);
+  shards->collective = [this](CommPoint point, bool backward, int64_t layer, const torch::Tensor& input,
+                              torch::Tensor& output) {
+    const DLTensor in = sdk::to_dl_view(input);
+    DLTensor out = sdk::to_dl_view(output);
+    check(library_->api().sequence_region(instance_, static_cast<weft_comm_point>(point),
+                                          backward ? WEFT_BACKWARD : WEFT_FORWARD, layer, &in, &out),
+          "sequence_region");
+  };
+  return shards;
 }
 
 std::shared_ptr<const SequenceSplit> StrategySession::sequence_split() {

@@ -32,6 +32,8 @@ struct Placement {
   int data_parallel_size = 1;
   int sequence_parallel_rank = 0;  // ABI 1.4: this rank's share of every sequence
   int sequence_parallel_size = 1;
+  int tensor_sequence_rank = 0;  // ABI 1.9: this rank's tokens between tensor-parallel regions
+  int tensor_sequence_size = 1;
 };
 
 // Bytes one rank will hold at its peak, by kind: the host's one-process estimate of the stages and
@@ -88,6 +90,9 @@ class StrategySession {
   // or (1.5) its attention core the plugin's sequence_attention; nullptr when the plan keeps
   // whole sequences.
   std::shared_ptr<const SequenceSplit> sequence_split();
+  // Megatron sequence parallelism the plan chose (ABI 1.9), its collectives the plugin's
+  // sequence_region; nullptr when the residual stream keeps whole sequences.
+  std::shared_ptr<const SequenceShards> tensor_sequence();
   // Whether the plan has the plugin run the attention core over split sequences (ABI 1.5).
   bool plugin_attention() const { return sequence_ring_ && sequence_.size > 1; }
 
@@ -137,6 +142,7 @@ class StrategySession {
   LlamaForCausalLMImpl* model_ = nullptr;
   SequenceSplit sequence_;      // the plan's sequence split (ABI 1.4; layout 1.5), without callbacks
   bool sequence_ring_ = false;  // 1.5: the plugin runs the attention core (sequence_attention)
+  SequenceShards tensor_sequence_;  // 1.9: Megatron sequence parallelism, without its collective
 };
 
 }  // namespace weft

@@ -108,6 +108,7 @@ std::string run_arguments(const ConformanceOptions& c, const std::string& corpus
   }
   if (c.quantize != "none") plugin_settings += " --set model.quantize=" + c.quantize;
   if (c.frozen_dtype != "fp32") plugin_settings += " --set model.frozen_dtype=" + c.frozen_dtype;
+  if (c.activation_checkpointing) plugin_settings += " --set model.activation_checkpointing=true";
   if (c.int8_threshold != 6.0) plugin_settings += fmt::format(" --set model.int8_threshold={}", c.int8_threshold);
   if (c.quantize == "int8" && !int8_gemm_checked(c)) plugin_settings += " --set model.int8_gemm=false";
   if (c.task != "causal_lm") plugin_settings += " --set train.task=" + c.task;
@@ -188,6 +189,7 @@ TrainOptions run_options(const ConformanceOptions& c, const std::string& corpus,
   o.model.quantize = c.quantize;
   o.model.int8_threshold = c.int8_threshold;
   o.model.frozen_dtype = c.frozen_dtype;
+  o.model.activation_checkpointing = c.activation_checkpointing;
   o.model.int8_gemm = int8_gemm_checked(c);  // the reference computes as the plugin's run does (see int8_gemm_loss_rtol)
   o.task = c.task;
   return o;

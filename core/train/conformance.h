@@ -38,6 +38,9 @@ struct ConformanceOptions {
   // model.frozen_dtype for both runs ("fp32", "bf16": the frozen base's matrices stored in bf16;
   // needs mode "lora" or "adalora").
   std::string frozen_dtype = "fp32";
+  // model.activation_checkpointing for both runs: each decoder block recomputed in the backward (so
+  // the plugin's communication inside a block runs again there, in the same order on every rank).
+  bool activation_checkpointing = false;
   // int8 multiplied in the CPU's int8 GEMM (LLM.int8, activations rounded to 7 bits per token):
   // a rounding step in the forward, so the inputs' last-bit differences between two runs that
   // split the work differently move some values by a whole step. Measured on LibTorch 2.11 (AMD

@@ -43,6 +43,19 @@ DLTensor flat_view(std::vector<T>& buffer, int64_t (&shape_and_stride)[2]) {
   return view;
 }
 
+// A 1-D view of every element of a contiguous `tensor` (any dtype, any device), e.g. to hand a
+// [parts, ...] tensor to the host's dim-0 collectives as parts equal runs of elements.
+// `shape_and_stride` must outlive the view; so must the tensor.
+inline DLTensor flat_contiguous_view(const DLTensor& tensor, int64_t (&shape_and_stride)[2]) {
+  shape_and_stride[0] = element_count(tensor);
+  shape_and_stride[1] = 1;
+  DLTensor view = tensor;
+  view.ndim = 1;
+  view.shape = &shape_and_stride[0];
+  view.strides = &shape_and_stride[1];
+  return view;
+}
+
 }  // namespace plugins
 }  // namespace weft
 

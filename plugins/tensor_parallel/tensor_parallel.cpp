@@ -17,9 +17,16 @@
 // host's layout, see weft_parameter_info); the whole factor of a split layer's adapter (and
 // AdaLoRA's Lambda) holds this rank's share of its gradient, summed here over the tp group, and
 // AdaLoRA's scores over the slices are summed at WEFT_COMM_ADAPTER_SUM (ABI 1.8).
+// Sequence parallelism (Korthikanti et al. 2022; plugin.sequence_parallel, ABI 1.9): between the
+// tensor-parallel regions each tp rank holds 1/tp of every sequence's tokens (the embedding's
+// output, the residual stream, the norms); the host calls sequence_region where f and g would be,
+// and this plugin all-gathers the tokens into a region and reduce-scatters its partial sums out of
+// it, the same bytes as g's all-reduce in two halves, with the activations between the regions
+// divided by tp. The norms' gradients then come from this rank's tokens only: summed over the group.
 // Configuration ([plugin]): tp (int >= 1, default: the world size), bucket_mb (float > 0,
-// default 25: dp gradient buckets).
+// default 25: dp gradient buckets), sequence_parallel (bool, default false).
 #include <cmath>
+#include <cstddef>
 #include <memory>
 #include <string>
 #include <vector>
@@ -54,6 +61,7 @@ class TensorParallel : public weft::sdk::Strategy {
     dp_rank_ = world_.rank() / tp_;
     bucket_mb_ = host.config_float("bucket_mb", 25.0);
     if (!(bucket_mb_ > 0.0)) throw Error(WEFT_STATUS_BAD_CONFIG, "tensor_parallel: plugin.bucket_mb must be > 0");
+    sequence_parallel_ = host.config_bool("sequence_parallel", false) && tp_ > 1;
   }
 
   void plan(weft_model_plan& plan) override {
@@ -71,6 +79,13 @@ class TensorParallel : public weft::sdk::Strategy {
     kv_parts_ = info.num_key_value_heads % tp_ == 0 ? tp_ : info.num_key_value_heads;
     plan.data_parallel_size = dp_;
     plan.data_parallel_rank = dp_rank_;
+    if (sequence_parallel_) {
+      if (plan.struct_size < offsetof(weft_model_plan, tensor_sequence_rank) + sizeof(int32_t)) {
+        throw Error(WEFT_STATUS_BAD_CONFIG, "tensor_parallel: plugin.sequence_parallel needs a host of ABI >= 1.9");
+      }
+      plan.tensor_sequence_size = tp_;
+      plan.tensor_sequence_rank = tp_rank_;
+    }
   }
 
   weft_shard shard_parameter(const weft_parameter_info& info) override {
@@ -166,12 +181,31 @@ class TensorParallel : public weft::sdk::Strategy {
     }
   }
 
+  // Sequence parallelism (ABI 1.9): the shapes say which collective; the tp group is in tp-rank
+  // order. The [tp, ...] side is contiguous, so the host's dim-0 collectives over flat views move
+  // slice r to or from tp rank r.
+  void sequence_region(weft_comm_point point, weft_direction direction, int64_t layer, const DLTensor& input,
+                       DLTensor& output) override {
+    (void)point;
+    (void)direction;
+    (void)layer;
+    int64_t in_shape[2], out_shape[2];
+    const DLTensor in = weft::plugins::flat_contiguous_view(input, in_shape);
+    DLTensor out = weft::plugins::flat_contiguous_view(output, out_shape);
+    if (output.ndim == input.ndim + 1) {
+      host().all_gather(tp_group_, out, in).wait();
+    } else {
+      host().reduce_scatter(tp_group_, out, in, WEFT_REDUCE_SUM).wait();
+    }
+  }
+
  private:
   // After backward, a gradient on this rank is one of: a slice only this tp rank holds
   // (complete); a norm's (whole, complete and equal on every tp rank); a kv slice shared by
   // tp / kv_parts ranks (each holds the part from its own query heads: summed over the kv
   // group); or the whole factor of a LoRA adapter on a split layer (this rank's share: summed
-  // over the tp group). `copies_` is how many tp ranks then hold each identical gradient.
+  // over the tp group); under sequence parallelism, a norm's (this rank's tokens' share: summed over
+  // the tp group). `copies_` is how many tp ranks then hold each identical gradient.
   void classify_gradients() {
     std::vector<int64_t> tp_partial, kv_partial;
     const int32_t sharing = tp_ / kv_parts_;
@@ -196,7 +230,8 @@ class TensorParallel : public weft::sdk::Strategy {
         tp_partial.push_back(i);
         copies = tp_;
       } else if (!sliced) {
-        copies = tp_;  // norms
+        copies = tp_;  // norms (and a classifier's score head)
+        if (sequence_parallel_ && name.find("norm.weight") != std::string::npos) tp_partial.push_back(i);
       }
       trainable_.push_back(i);
       copies_.push_back(copies);
@@ -219,6 +254,7 @@ class TensorParallel : public weft::sdk::Strategy {
   weft::sdk::Group world_, tp_group_, kv_group_;
   int32_t tp_ = 1, dp_ = 1, tp_rank_ = 0, dp_rank_ = 0, kv_parts_ = 1;
   double bucket_mb_ = 25.0;
+  bool sequence_parallel_ = false;
   std::unique_ptr<weft::plugins::GradientAverager> average_, sum_over_tp_, sum_over_kv_;
   std::vector<int64_t> trainable_;
   std::vector<double> copies_;

@@ -112,8 +112,10 @@ std::string write_metrics(const std::string& dir, const std::string& name, const
     }
     out << j.dump() << "\n";
   }
-  out << nlohmann::json{{"type", "summary"}, {"steps_per_epoch", 100}, {"peak_rss_mib_per_rank", {300.0, 200.0}}}.dump()
-      << "\n";
+  nlohmann::json summary = {{"type", "summary"}, {"steps_per_epoch", 100}, {"peak_rss_mib_per_rank", {300.0, 200.0}}};
+  // The tensor bytes a step added at its peak (weft's runs): rank 0 grows with the run's first step.
+  if (comm) summary["activation_peak_mib_per_rank"] = {40.0 + steps.front(), 30.0};
+  out << summary.dump() << "\n";
   return path;
 }
 
@@ -144,6 +146,7 @@ TEST(BenchStats, WarmUpIsDroppedAndEveryFigureFollowsFromTheMeasuredSteps) {
   EXPECT_DOUBLE_EQ(*a.bubble, 0.3);
   EXPECT_DOUBLE_EQ(*a.bubble_formula, 0.2);
   EXPECT_EQ(a.peak_rss_mib_per_rank, (std::vector<double>{300.0, 200.0}));
+  EXPECT_EQ(a.activation_peak_mib_per_rank, (std::vector<double>{49.0, 30.0}));  // the largest per rank
   EXPECT_DOUBLE_EQ(*a.forward_seconds, 0.4 * 2.25);  // medians of the measured steps' times
   EXPECT_DOUBLE_EQ(*a.backward_seconds, 0.5 * 2.25);
 
@@ -152,13 +155,14 @@ TEST(BenchStats, WarmUpIsDroppedAndEveryFigureFollowsFromTheMeasuredSteps) {
   const auto b = weft::summarise("b x1", "b", 1, false, {b1, b2}, 1000);
   EXPECT_FALSE(b.comm_wait_fraction.has_value());
   EXPECT_FALSE(b.forward_seconds.has_value());
+  EXPECT_TRUE(b.activation_peak_mib_per_rank.empty());
   const auto ratios = weft::pair_ratios({a, b});
   ASSERT_EQ(ratios.size(), 1u);
   EXPECT_DOUBLE_EQ(ratios[0].tokens_per_second, 2.25 / 4.5);  // b's tokens/s over a's
   EXPECT_EQ(ratios[0].per_repetition, (std::vector<double>{0.5, 0.5}));
   const std::string table = weft::format_bench_table({a, b}, ratios);
   EXPECT_NE(table.find("| a x2 | 2 | 2.250 s [1.000-4.000] | 2.250 / 3.750 / 3.950 s | 444 [250-1000] | 03:45 "
-                       "[01:40-06:40] | 0.900 / 1.125 s | 300/200 | 25.0% | "
+                       "[01:40-06:40] | 0.900 / 1.125 s | 300/200 | 49/30 | 25.0% | "
                        "0.00 | 0.300 (0.200) |"),
             std::string::npos)
       << table;

@@ -193,6 +193,46 @@ std::vector<nlohmann::json> records_of(const std::string& metrics, const std::st
   return out;
 }
 
+// tensor_parallel.so with plugin.sequence_parallel (Megatron, ABI 1.9): each rank really holds
+// half of every sequence between the tensor-parallel regions (the host says which), the run
+// trains and evaluates, the step's activations take less memory on every rank than the same run's
+// without it (the norms' inputs and the residual stream are halved; the regions' gathered inputs
+// are not), and a sequence length the group cannot split is one error before compute. Parity
+// with single: the Conformance.tensor_parallel.*.sequence_parallel* checks.
+TEST(Cli, SequenceParallelismHalvesTheTokensBetweenRegionsAndTheirActivations) {
+  const auto dir = fresh_dir("sequence_parallel");
+  const std::string common = tiny_args(dir) + " --plugin tensor_parallel --nproc 2 --set train.max_steps=3 "
+                             "--set log.progress=off --set train.out_dir=" + dir;
+  const auto whole = run_trainer(common + "/whole");
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  const auto split = run_trainer(common + "/split --set plugin.sequence_parallel=true");
+  ASSERT_EQ(split.exit_code, 0) << split.output;
+  EXPECT_NE(split.output.find("plugin tensor_parallel shards the residual stream between tensor-parallel regions "
+                              "over 2 ranks (Megatron sequence parallelism): this rank holds tokens [0, 32) of each"),
+            std::string::npos) << split.output;
+  EXPECT_NE(split.output.find("perplexity"), std::string::npos) << split.output;
+  const auto whole_summary = records_of(dir + "/whole/metrics.jsonl", "summary");
+  const auto split_summary = records_of(dir + "/split/metrics.jsonl", "summary");
+  ASSERT_EQ(whole_summary.size(), 1u);
+  ASSERT_EQ(split_summary.size(), 1u);
+  const auto whole_mib = whole_summary[0]["activation_peak_mib_per_rank"].get<std::vector<double>>();
+  const auto split_mib = split_summary[0]["activation_peak_mib_per_rank"].get<std::vector<double>>();
+  ASSERT_EQ(whole_mib.size(), 2u);
+  ASSERT_EQ(split_mib.size(), 2u);
+  for (size_t r = 0; r < 2; ++r) EXPECT_LT(split_mib[r], whole_mib[r]) << "rank " << r;
+  // The same data and seed: the first step's loss is the same (the model is the same function).
+  const auto whole_steps = records_of(dir + "/whole/metrics.jsonl", "step");
+  const auto split_steps = records_of(dir + "/split/metrics.jsonl", "step");
+  ASSERT_FALSE(whole_steps.empty());
+  ASSERT_FALSE(split_steps.empty());
+  EXPECT_NEAR(split_steps[0]["loss"].get<double>(), whole_steps[0]["loss"].get<double>(), 1e-5);
+  const auto bad = run_trainer(common + "/bad --set plugin.sequence_parallel=true --set data.seq_len=33");
+  EXPECT_EQ(bad.exit_code, 1) << bad.output;
+  EXPECT_NE(bad.output.find("data.seq_len = 33 cannot be split over 2 tensor-parallel ranks"), std::string::npos)
+      << bad.output;
+  EXPECT_FALSE(std::filesystem::exists(dir + "/bad/metrics.jsonl")) << "refused after compute started";
+}
+
 // The summary's MFU is the median step's (the steady state, which the first steps' one-time costs
 // do not move) and mfu_whole_run the whole run's tokens/s; train.peak_tflops gives a CPU a peak.
 TEST(Cli, SummaryMfuIsTheMedianStepsWithTheWholeRunsBesideIt) {

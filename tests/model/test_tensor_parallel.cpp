@@ -154,19 +154,45 @@ void add_adapters(weft::LlamaForCausalLMImpl& model, weft::LlamaForCausalLMImpl*
   }
 }
 
-// Rank `rank`'s model options among `parts` thread ranks: Megatron's slices, the hook over `reduce`.
+// Megatron sequence parallelism's all-gather and reduce-scatter over `reduce` for thread `rank`
+// (a sum in which the other threads' slices are zeros, exact).
+std::shared_ptr<const weft::SequenceShards> thread_sequence_shards(ThreadAllReduce& reduce, int32_t rank, int32_t parts) {
+  auto shards = std::make_shared<weft::SequenceShards>();
+  shards->rank = rank;
+  shards->size = parts;
+  shards->collective = [&reduce, rank](CommPoint, bool, int64_t, const torch::Tensor& input, torch::Tensor& output) {
+    if (output.dim() == input.dim() + 1) {  // all-gather: slice r from rank r
+      torch::Tensor gathered = torch::zeros_like(output);
+      gathered[rank].copy_(input);
+      reduce.run(rank, gathered, false);
+      output.copy_(gathered);
+    } else {  // reduce-scatter: this rank's slice of the sum
+      torch::Tensor sum = input.clone();
+      reduce.run(rank, sum, false);
+      output.copy_(sum[rank]);
+    }
+  };
+  return shards;
+}
+
+// Rank `rank`'s model options among `parts` thread ranks: Megatron's slices, the hook over
+// `reduce`, and with `sequence_parallel` the residual stream's tokens split between the threads.
 weft::ModelOptions megatron_options(const ModelConfig& config, int32_t parts, int32_t rank, int32_t kv_parts,
-                                    ThreadAllReduce& reduce) {
+                                    ThreadAllReduce& reduce, bool sequence_parallel = false) {
   weft::ModelOptions options;
   options.shards = megatron_shards(config, parts, rank, kv_parts);
   options.comm = std::make_shared<const weft::CommHook>(megatron_hook(reduce, rank));
+  if (sequence_parallel) options.tensor_sequence = thread_sequence_shards(reduce, rank, parts);
   return options;
 }
 
 bool is_norm(const std::string& name) { return name.find("norm.weight") != std::string::npos; }
 
 // kv_heads: 0 keeps the preset's 2.
-void expect_matches_whole_model(bool tied, int32_t parts, int32_t kv_parts, bool lora = false, int64_t kv_heads = 0) {
+// sequence_parallel: the stage-0 output (and so hidden_grad) holds this rank's tokens, and the norms'
+// gradients are each rank's tokens' share, summed over the ranks.
+void expect_matches_whole_model(bool tied, int32_t parts, int32_t kv_parts, bool lora = false, int64_t kv_heads = 0,
+                                bool sequence_parallel = false) {
   torch::manual_seed(3);
   at::set_num_threads(1);
   ModelConfig config = small_config(tied);
@@ -182,7 +208,7 @@ void expect_matches_whole_model(bool tied, int32_t parts, int32_t kv_parts, bool
   std::vector<Result> results(static_cast<size_t>(parts));
   std::vector<weft::LlamaForCausalLM> shards;
   for (int32_t rank = 0; rank < parts; ++rank) {
-    const weft::ModelOptions options = megatron_options(config, parts, rank, kv_parts, reduce);
+    const weft::ModelOptions options = megatron_options(config, parts, rank, kv_parts, reduce, sequence_parallel);
     shards.emplace_back(config, options);
     weft::init_weights(*shards.back(), 11, 0.05);  // the whole model's values, sliced
     if (!lora) continue;
@@ -215,7 +241,10 @@ void expect_matches_whole_model(bool tied, int32_t parts, int32_t kv_parts, bool
   for (int32_t rank = 0; rank < parts; ++rank) {
     const Result& r = results[rank];
     EXPECT_NEAR(r.loss.item<double>(), expected.loss.item<double>(), 1e-6);
-    EXPECT_LT((r.hidden_grad - expected.hidden_grad).abs().max().item<double>(), 1e-6) << "rank " << rank;
+    const int64_t tokens_here = tokens.size(1) / (sequence_parallel ? parts : 1);
+    const auto hidden_grad = expected.hidden_grad.narrow(1, sequence_parallel ? rank * tokens_here : 0, tokens_here);
+    ASSERT_EQ(r.hidden_grad.sizes(), hidden_grad.sizes());
+    EXPECT_LT((r.hidden_grad - hidden_grad).abs().max().item<double>(), 1e-6) << "rank " << rank;
     ASSERT_EQ(r.grads.size(), expected.grads.size());
     for (const auto& [name, grad] : r.grads) {
       const ParameterShard shard = weft::shard_of(shards[rank]->options().shards, name);
@@ -224,7 +253,7 @@ void expect_matches_whole_model(bool tied, int32_t parts, int32_t kv_parts, bool
       // LoRA adapter on a split layer. Summed over the ranks that hold the same slice (what a
       // plugin all-reduces), it is the slice's gradient; a slice held once is complete as is.
       torch::Tensor total = grad.clone();
-      for (int32_t other = 0; other < parts && !is_norm(name); ++other) {
+      for (int32_t other = 0; other < parts && (!is_norm(name) || sequence_parallel); ++other) {
         const ParameterShard theirs = weft::shard_of(shards[other]->options().shards, name);
         if (other != rank && theirs.parts == shard.parts && theirs.index == shard.index) total += results[other].grads.at(name);
       }
@@ -242,6 +271,13 @@ TEST(TensorParallel, LoraAdaptersFollowTheirBaseLayersSplit) { expect_matches_wh
 TEST(TensorParallel, LoraAdaptersWithKvHeadsSharedInPairs) { expect_matches_whole_model(false, 4, 2, true); }
 // Multi-query attention: the one kv head is whole on both ranks, each with a share of its gradient.
 TEST(TensorParallel, LoraAdaptersWithOneKvHeadOnEveryRank) { expect_matches_whole_model(false, 2, 1, true, 1); }
+// Megatron sequence parallelism: between the regions each rank holds its tokens (the embedding's
+// reduce-scatter, the norms, the residual stream), the regions all-gather them; the same logits,
+// loss and gradients, the norms' summed over the ranks.
+TEST(TensorParallel, SequenceParallelTwoShardsMatchTheWholeModel) { expect_matches_whole_model(false, 2, 2, false, 0, true); }
+TEST(TensorParallel, SequenceParallelFourShardsWithTiedEmbeddingsAndLora) {
+  expect_matches_whole_model(true, 4, 2, true, 0, true);
+}
 
 // AdaLoRA on 4 ranks whose kv slices repeat in pairs: P and Q are the whole model's, sliced with
 // their layer (Lambda whole), and the orthogonal regulariser, whose split Gram matrices are summed

@@ -190,7 +190,8 @@ struct Refusal {
 
 TEST(PluginLoader, BrokenPluginsAreRefusedWithOneLineNamingTheProblem) {
   const std::vector<Refusal> refusals{
-      {"needs_newer_host", "needs host ABI >= 1.9 (min_host_minor), this host is " + kHostAbi},
+      {"needs_newer_host", fmt::format("needs host ABI >= 1.{} (min_host_minor), this host is ", WEFT_ABI_VERSION_MINOR + 1) +
+                               kHostAbi},
       {"wrong_major", "is built for weft ABI 2.x, this host speaks " + kHostAbi},
       {"entry_null", "weft_strategy_entry returned NULL (the plugin refuses this host's ABI " + kHostAbi + ")"},
       {"no_entry", "exports no weft_strategy_entry"},

@@ -62,12 +62,10 @@ TEST(AbiLayout, TablesAreAppendOnlyFromVersionOne) {
   EXPECT_EQ(offsetof(weft_strategy_api, memory_plan), 16 + 3 * sizeof(void*) + 12 * sizeof(void*));
   // ABI 1.5 appended the plugin's sequence_attention, the host's attention_block, weft_model_plan's
   // layout and attention fields, and the structs of the attention calls.
-  EXPECT_EQ(sizeof(weft_strategy_api), 16 + 3 * sizeof(void*) + 15 * sizeof(void*));
-  EXPECT_EQ(offsetof(weft_strategy_api, sequence_attention), sizeof(weft_strategy_api) - sizeof(void*));
+  EXPECT_EQ(offsetof(weft_strategy_api, sequence_attention), 16 + 3 * sizeof(void*) + 14 * sizeof(void*));
   EXPECT_EQ(offsetof(weft_host_api, attention_block), 8 + 56 * sizeof(void*));
   EXPECT_EQ(offsetof(weft_model_plan, sequence_parallel_layout), 40u);
   EXPECT_EQ(offsetof(weft_model_plan, sequence_parallel_attention), 44u);
-  EXPECT_EQ(sizeof(weft_model_plan), 48u);
   EXPECT_EQ(offsetof(weft_attention_call, layer), 8u);
   EXPECT_EQ(offsetof(weft_attention_call, q), 24u);
   EXPECT_EQ(sizeof(weft_attention_call), 24 + 9 * sizeof(void*));
@@ -78,8 +76,16 @@ TEST(AbiLayout, TablesAreAppendOnlyFromVersionOne) {
   EXPECT_EQ(WEFT_COMM_HEAD_INPUT, 7);
   EXPECT_EQ(WEFT_COMM_ROW_ABSMAX, 8);
   EXPECT_EQ(WEFT_COMM_ADAPTER_SUM, 9);  // 1.8
+  // ABI 1.9 appended the plugin's sequence_region and weft_model_plan's tensor_sequence fields
+  // (the 1.5 fields keep their offsets: a 1.5 host's struct_size of 48 covers them only).
+  EXPECT_EQ(offsetof(weft_strategy_api, sequence_attention), 16 + 3 * sizeof(void*) + 14 * sizeof(void*));
+  EXPECT_EQ(offsetof(weft_strategy_api, sequence_region), 16 + 3 * sizeof(void*) + 15 * sizeof(void*));
+  EXPECT_EQ(sizeof(weft_strategy_api), 16 + 3 * sizeof(void*) + 16 * sizeof(void*));
+  EXPECT_EQ(offsetof(weft_model_plan, tensor_sequence_size), 48u);
+  EXPECT_EQ(offsetof(weft_model_plan, tensor_sequence_rank), 52u);
+  EXPECT_EQ(sizeof(weft_model_plan), 56u);
   EXPECT_EQ(WEFT_ABI_VERSION_MAJOR, 1);
-  EXPECT_EQ(WEFT_ABI_VERSION_MINOR, 8);
+  EXPECT_EQ(WEFT_ABI_VERSION_MINOR, 9);
 }
 
 }  // namespace

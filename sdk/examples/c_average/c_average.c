@@ -242,7 +242,8 @@ static const weft_strategy_api table = {
     NULL, /* materialize_parameters (1.3) */
     NULL, /* memory_plan (1.3): the host's one-process plan holds */
     NULL, /* sequence_exchange (1.4): whole sequences */
-    NULL  /* sequence_attention (1.5) */
+    NULL, /* sequence_attention (1.5) */
+    NULL  /* sequence_region (1.9): whole sequences between tensor-parallel regions */
 };
 
 WEFT_EXPORT const weft_strategy_api* weft_strategy_entry(uint16_t host_abi_major,

@@ -1,7 +1,7 @@
 /*
  * weft/strategy.h - the weft strategy plugin ABI (C99).
  *
- * STATUS: ABI 1.8, implemented by the host (core/plugin) and used by single.so, ddp.so, gpipe.so,
+ * STATUS: ABI 1.9, implemented by the host (core/plugin) and used by single.so, ddp.so, gpipe.so,
  * pipedream.so, tensor_parallel.so, zero.so and context_parallel.so (plan stage ranges: the
  * pipelines; shard_parameter and comm_point: tensor parallelism; flat shards of the training
  * state: zero; sequence parallelism: context_parallel). 1.1 appended model_info, tracing, report_metric,
@@ -23,7 +23,10 @@
  * weft_stage_memory's compute_parameter_bytes / compute_trainable_bytes) and let tensor_copy
  * convert between floating-point dtypes. 1.7 appended WEFT_COMM_ROW_ABSMAX (per-token scales of a
  * row-parallel layer over an int8 base, all-reduced MAX). 1.8 appended WEFT_COMM_ADAPTER_SUM (AdaLoRA's
- * scores and Gram matrices of tensor-parallel adapter slices, all-reduced SUM). See sdk/DESIGN.md.
+ * scores and Gram matrices of tensor-parallel adapter slices, all-reduced SUM). 1.9 appended Megatron
+ * sequence parallelism inside the tensor-parallel group: weft_model_plan's tensor_sequence_size /
+ * tensor_sequence_rank and the plugin's sequence_region slot (the all-gather into and the
+ * reduce-scatter out of each tensor-parallel region). See sdk/DESIGN.md.
  *
  * A strategy plugin is a shared library that exports exactly one symbol, the C function
  * `weft_strategy_entry` (WEFT_STRATEGY_ENTRY_SYMBOL). The host loads it with
@@ -81,7 +84,7 @@ extern "C" {
 /* The ABI version this header describes. Major: incompatible changes; it must match exactly.
  * Minor: append-only additions; host and plugin use min(host minor, plugin minor). */
 #define WEFT_ABI_VERSION_MAJOR 1
-#define WEFT_ABI_VERSION_MINOR 8
+#define WEFT_ABI_VERSION_MINOR 9
 
 /* The one symbol a plugin exports. */
 #define WEFT_STRATEGY_ENTRY_SYMBOL "weft_strategy_entry"
@@ -269,6 +272,24 @@ typedef struct weft_model_plan {
    * loss as above; BALANCED needs seq_len divisible by 2 x size and the PLUGIN attention. */
   int32_t sequence_parallel_layout;
   int32_t sequence_parallel_attention;
+  /* Since 1.9 (written only when plan->struct_size covers them; pre-filled 1, 0): Megatron
+   * sequence parallelism (Korthikanti et al. 2022) inside a tensor-parallel group of
+   * tensor_sequence_size ranks, this rank number tensor_sequence_rank in it. Between the
+   * tensor-parallel regions (the embedding's output, the residual stream, the RMSNorms and the
+   * final norm) each rank holds tokens [r L / size, (r + 1) L / size) of every sequence; inside
+   * them (attention with RoPE at global positions, the MLP, the LM head and the loss) every
+   * token. The host calls the plugin's sequence_region where the whole-model comm points
+   * ATTENTION_INPUT, MLP_INPUT, HEAD_INPUT (all-gather forward) and ATTENTION_OUTPUT, MLP_OUTPUT,
+   * EMBEDDING_OUTPUT (reduce-scatter forward) would be, instead of comm_point; LOSS_*, ROW_ABSMAX
+   * and ADAPTER_SUM stay comm points, and cached decoding (generation) keeps whole sequences and
+   * the 1.0 comm points. batch() still returns whole sequences (the group's ranks see the same
+   * rows). The RMSNorm weights' gradients then hold this rank's tokens' share: the plugin sums
+   * them over the group. Needs: size > 1 only with every stage held, a vocabulary-parallel
+   * embedding (its all-reduce becomes the reduce-scatter), seq_len divisible by size, whole
+   * sequences otherwise (sequence_parallel_size 1), and the sequence_region slot; the host
+   * refuses the plan before the model is built otherwise. */
+  int32_t tensor_sequence_size;
+  int32_t tensor_sequence_rank;
 } weft_model_plan;
 
 /* Which tokens of every sequence sequence-parallel rank r of N holds. Since 1.5. */
@@ -809,6 +830,26 @@ typedef struct weft_strategy_api {
    * attention_block for every pair of query and key chunks the causal mask does not hide.
    * Since 1.5. */
   weft_status* (*sequence_attention)(weft_strategy* strategy, const weft_attention_call* call);
+
+  /* ---------------------------------- since 1.9 ---------------------------------------- */
+  /* Required when plan chose tensor_sequence_size > 1 (the host refuses the plan otherwise);
+   * unused otherwise. Megatron sequence parallelism's collectives over the tensor_sequence_size
+   * ranks of the group, in tensor_sequence_rank order, at comm point `point` of decoder block
+   * `layer` (-1 outside blocks), in `direction`. `input` and `output` are contiguous tensors of one
+   * dtype on the rank's device, owned by the host and valid during the call; the shapes say which
+   * collective the host wants:
+   *  - all-gather: input [...], output [size, ...]: slice i of output receives the input of rank i
+   *    (forward of ATTENTION_INPUT, MLP_INPUT, HEAD_INPUT; backward of ATTENTION_OUTPUT,
+   *    MLP_OUTPUT, EMBEDDING_OUTPUT);
+   *  - reduce-scatter: input [size, ...], output [...]: output is the sum over the ranks of their
+   *    input's slice number tensor_sequence_rank (the other cases; but a sequence classifier's
+   *    score head is whole, so the gradient of its gathered input is the same on every rank and
+   *    the host takes its own slice in the backward of HEAD_INPUT without a call).
+   * The host service all_gather / reduce_scatter (SUM) over a group of those ranks in that order
+   * does exactly that. Every rank of the group calls the same points in the same order (again in
+   * the backward when activation checkpointing recomputes a block). Since 1.9. */
+  weft_status* (*sequence_region)(weft_strategy* strategy, weft_comm_point point, weft_direction direction,
+                                  int64_t layer, const DLTensor* input, DLTensor* output);
 } weft_strategy_api;
 
 /* The entry point. The host passes its ABI version; the plugin returns its table (static

@@ -856,6 +856,19 @@ class Strategy {
     (void)call;
     throw Error(WEFT_STATUS_UNSUPPORTED, "sequence_attention: this plugin does not run the attention core");
   }
+  // --- since ABI 1.9 (Megatron sequence parallelism; see strategy.h) ---
+  // The all-gather (output has one more dimension than input) or reduce-scatter (input has one
+  // more) over the tensor-sequence group at `point`. Default: refuses (only a plugin whose plan
+  // chose tensor_sequence_size > 1 is asked).
+  virtual void sequence_region(weft_comm_point point, weft_direction direction, int64_t layer, const DLTensor& input,
+                               DLTensor& output) {
+    (void)point;
+    (void)direction;
+    (void)layer;
+    (void)input;
+    (void)output;
+    throw Error(WEFT_STATUS_UNSUPPORTED, "sequence_region: this plugin does not split sequences between regions");
+  }
 
  protected:
   // The one-process step: for each micro-batch m of step.micro_batches: batch(m) ->
@@ -920,6 +933,7 @@ WEFT_SDK_DETAIL_OVERRIDES(materialize_parameters)
 WEFT_SDK_DETAIL_OVERRIDES(memory_plan)
 WEFT_SDK_DETAIL_OVERRIDES(sequence_exchange)
 WEFT_SDK_DETAIL_OVERRIDES(sequence_attention)
+WEFT_SDK_DETAIL_OVERRIDES(sequence_region)
 #undef WEFT_SDK_DETAIL_OVERRIDES
 
 // Runs `body`, turning every exception into a status created by `api` (NULL on success).
@@ -1022,6 +1036,10 @@ struct Slots {
   static weft_status* sequence_attention(weft_strategy* handle, const weft_attention_call* attention) noexcept {
     return call(handle, [&] { instance(handle).sequence_attention(*attention); });
   }
+  static weft_status* sequence_region(weft_strategy* handle, weft_comm_point point, weft_direction direction,
+                                      int64_t layer, const DLTensor* input, DLTensor* output) noexcept {
+    return call(handle, [&] { instance(handle).sequence_region(point, direction, layer, *input, *output); });
+  }
 };
 
 // The table for strategy class T. Optional slots are NULL unless T overrides the method.
@@ -1055,6 +1073,7 @@ weft_strategy_api make_table(const char* name, const char* version, const char* 
   table.memory_plan = overrides_memory_plan<T>() ? &Slots<T>::memory_plan : nullptr;
   table.sequence_exchange = overrides_sequence_exchange<T>() ? &Slots<T>::sequence_exchange : nullptr;
   table.sequence_attention = overrides_sequence_attention<T>() ? &Slots<T>::sequence_attention : nullptr;
+  table.sequence_region = overrides_sequence_region<T>() ? &Slots<T>::sequence_region : nullptr;
   return table;
 }
 

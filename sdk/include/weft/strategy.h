@@ -3,8 +3,8 @@
  *
  * STATUS: ABI 1.9, implemented by the host (core/plugin) and used by single.so, ddp.so, gpipe.so,
  * pipedream.so, tensor_parallel.so, zero.so and context_parallel.so (plan stage ranges: the
- * pipelines; shard_parameter and comm_point: tensor parallelism; flat shards of the training
- * state: zero; sequence parallelism: context_parallel). 1.1 appended model_info, tracing, report_metric,
+ * pipelines; shard_parameter, comm_point and sequence_region: tensor parallelism; flat shards of
+ * the training state: zero; sequence parallelism: context_parallel). 1.1 appended model_info, tracing, report_metric,
  * config_int_list and profile_stages to the host table, WEFT_FORWARD_RECOMPUTE and
  * WEFT_COMM_HEAD_INPUT. 1.2 appended memory on the rank's device for plugins (buffer_create,
  * buffer_release) and the operations on views a plugin cannot do on a GPU's memory itself

@@ -167,7 +167,8 @@ def _series_parts(entry):
 def line_chart(path, title, series, x_label, y_label, x_ticks=None, log_y=False, subtitle=None,
                width=WIDTH, height=HEIGHT, y_from_zero=False, dodge=0):
     """`series`: [(name, [(x, y), ...]), ...], optionally (name, points, style) with style keys
-    color (RGB), width (1-3, default 2), markers (True/False; default: fewer than 40 points).
+    color (RGB), width (1-3, default 2), markers (True/False; default: fewer than 40 points),
+    dashed (True/False, default False: e.g. a formula beside the measured line).
     Points with a None/NaN coordinate (or y <= 0 on a log axis) are skipped and break the line.
     `x_ticks`: explicit tick positions (e.g. world sizes 1, 2, 4, 8). `y_from_zero`: the y axis
     starts at 0. `dodge`: shift series k by (k - (n-1)/2) x dodge thousandths of the x range, so
@@ -191,7 +192,7 @@ def line_chart(path, title, series, x_label, y_label, x_ticks=None, log_y=False,
         markers = style.get("markers", count < MARKER_LIMIT)
         ax.plot([x + shift for x in xs], ys, label=name or None,
                 color=rgb(style.get("color", PALETTE[k % len(PALETTE)])), linewidth=style.get("width", 2),
-                marker="o" if markers else None, markersize=4)
+                linestyle="--" if style.get("dashed") else "-", marker="o" if markers else None, markersize=4)
     if log_y:
         ax.set_yscale("log")
     elif y_from_zero:

@@ -5,9 +5,11 @@ plugin tokens/s and time per epoch against world size.
 
   python/plot_bench.py BENCH_JSON [-o OUT_DIR]
 
-Writes OUT_DIR/tokens_per_s.png, epoch_time.png, scaling.png and scaling_epoch.png (OUT_DIR
-defaults to the JSON's folder) and prints each path written. Plots with matplotlib
-(python/charts.py).
+Writes OUT_DIR/tokens_per_s.png, epoch_time.png, scaling.png and scaling_epoch.png, and where
+pipeline variants measured their bubble ("gpipe microbatches=8 x2"), bubble.png: the measured
+bubble against micro-batches per step, one line per schedule and world size, each world size's
+formula dashed (OUT_DIR defaults to the JSON's folder). Prints each path written. Plots with
+matplotlib (python/charts.py).
 """
 import argparse
 import json
@@ -19,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from charts import BASELINE, PALETTE, bar_chart, finite, line_chart, time_unit  # noqa: E402
 
 WORLD_SUFFIX = re.compile(r"\s*[x\u00d7]\s*\d+\s*$")
+MICROBATCHES = re.compile(r"\s*\bmicrobatches=(\d+)")
 
 
 def fail(message):
@@ -112,6 +115,34 @@ def scaling(path, title, variants, key, divisor, y_label, sub):
                       y_from_zero=True, dodge=5)
 
 
+def bubble(path, variants, sub):
+    """The pipeline variants' measured bubble (median over steps) against their micro-batches per
+    step, one line per schedule and world size, and the formula each reported, dashed, one line per
+    world size; None when no variant names its micro-batches and measured a bubble."""
+    measured, formula = {}, {}
+    for v in variants:
+        value = finite(v.get("bubble"))
+        found = MICROBATCHES.search(str(v.get("name", "")))
+        if value is None or not found:
+            continue
+        micro, nproc = int(found.group(1)), int(v.get("nproc") or 1)
+        schedule = MICROBATCHES.sub("", series_key(v)).strip()
+        measured.setdefault(f"{schedule} x{nproc}", []).append((micro, value))
+        if finite(v.get("bubble_formula")) is not None:
+            formula.setdefault(nproc, {})[micro] = finite(v.get("bubble_formula"))
+    if not measured:
+        return None
+    series = []
+    for k, (name, points) in enumerate(sorted(measured.items())):
+        series.append((name, sorted(points), {"color": PALETTE[k % len(PALETTE)]}))
+    for nproc, points in sorted(formula.items()):
+        series.append((f"formula (S - 1) / (M + S - 1), x{nproc}", sorted(points.items()),
+                       {"color": BASELINE, "dashed": True, "width": 1}))
+    ticks = sorted({m for _, points, _ in series for m, _ in points})
+    return line_chart(path, "Pipeline bubble against micro-batches", series, "micro-batches per step (M)",
+                      "bubble (idle share of the step)", x_ticks=ticks, subtitle=sub, y_from_zero=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("bench_json")
@@ -152,6 +183,9 @@ def main():
         div, unit = time_unit(max(known))
         written.append(scaling(os.path.join(out, "scaling_epoch.png"), "Time per epoch against world size",
                                variants, "epoch_s", div, unit, subtitle(bench, False)))
+    bubble_png = bubble(os.path.join(out, "bubble.png"), variants, subtitle(bench, False))
+    if bubble_png:
+        written.append(bubble_png)
     for path in written:
         print(path)
 

@@ -31,6 +31,8 @@ po::options_description describe_options() {
        "trainer bench: N or a list 1,2 for every plugin, or one per --plugin")
       ("warmup", po::value<int64_t>(), "trainer bench: steps per run not counted (default 3)")
       ("steps", po::value<int64_t>(), "trainer bench: counted steps per run (default 10); trainer check: steps (default 20)")
+      ("all", po::bool_switch(), "trainer check: every shipped strategy and layout against single, as a table (--nproc N: "
+       "only cases of at most N ranks; --set applies to every case)")
       ("repetitions", po::value<int64_t>(), "trainer bench: runs per variant, alternated (default 3)")
       ("baseline", po::value<std::string>(), "trainer bench: 'pytorch' adds PyTorch DDP, and DTensor tensor parallelism beside tensor_parallel (python/pytorch_baseline.py)")
       ("out,o", po::value<std::string>(), "trainer bench: output directory; trainer report: the Markdown file")
@@ -72,6 +74,8 @@ CommandLine parse_command_line(int argc, char** argv) {
     if (cli.steps < 1) throw Error(fmt::format("--steps {}: must be at least 1", cli.steps));
   }
   if (vm.count("repetitions")) cli.repetitions = vm["repetitions"].as<int64_t>();
+  cli.all = vm.count("all") > 0 && vm["all"].as<bool>();
+  if (cli.all && cli.command != "check") throw Error(fmt::format("--all is an option of trainer check, not of '{}'", cli.command));
   if (!cli.target.empty() && cli.command != "report") {
     throw Error(fmt::format("unexpected argument '{}' after '{}'", cli.target, cli.command));
   }

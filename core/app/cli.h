@@ -25,6 +25,8 @@ struct CommandLine {
   // trainer eval: files to evaluate instead of the held-out split, and where to write the JSON.
   std::vector<std::string> data;
   std::string json;
+  // trainer check: the whole conformance matrix (conformance_matrix()) instead of one --plugin.
+  bool all = false;
 };
 
 // Parses argv; throws weft::Error (or boost::program_options::error) for a malformed command line.

@@ -1,6 +1,8 @@
 // The trainer's commands, one function each: train, eval, generate, check, bench, report, plugins.
 #include "core/app/commands.h"
 
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -228,9 +230,76 @@ int run_plan(const CommandLine& cli) {
   return v.fits ? 0 : 1;
 }
 
+namespace {
+
+// `trainer check --all`: every case of conformance_matrix() this machine is asked for (at most
+// --nproc ranks when given), each with the --set settings added, as one Markdown table. A case whose
+// run fails is an error row; the others still run. Exit status 1 unless every case that ran passed.
+int run_check_all(const CommandLine& cli) {
+  if (!cli.plugin.empty()) throw Error("trainer check --all checks every shipped plugin: leave out --plugin");
+  std::vector<std::string> common;
+  for (const auto& setting : cli.overrides) {
+    ConformanceOptions probe;
+    apply_check_setting(probe, setting);  // refuses what check does not take, before any run
+    common.push_back(setting);
+  }
+  const auto cases = conformance_matrix();
+  const std::string trainer = std::filesystem::read_symlink("/proc/self/exe").string();
+  const std::string root = (std::filesystem::temp_directory_path() / ("weft-check-all-" + std::to_string(::getpid()))).string();
+  std::cout << "conformance matrix against single (" << cases.size() << " cases"
+            << (cli.nproc > 0 ? fmt::format(", at most {} ranks", cli.nproc) : "")
+            << (common.empty() ? "" : fmt::format(", every case with {}", fmt::join(common, ", "))) << "):\n\n"
+            << "| strategy | ranks | settings | largest loss difference (relative; tolerance) | largest parameter "
+               "difference (tolerance) | result |\n|---|---|---|---|---|---|\n"
+            << std::flush;
+  int passed = 0, failed = 0, skipped = 0;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const auto& c = cases[i];
+    const std::string settings = c.settings.empty() ? "-" : fmt::format("{}", fmt::join(c.settings, ", "));
+    std::string row = fmt::format("| {} | {} | {} | ", c.plugin, c.nproc, settings);
+    if (cli.nproc > 0 && c.nproc > cli.nproc) {
+      ++skipped;
+      std::cout << row << "- | - | skipped: needs " << c.nproc << " ranks (--nproc " << cli.nproc << ") |\n" << std::flush;
+      continue;
+    }
+    ConformanceOptions options;
+    options.plugin = c.plugin;
+    options.nproc = c.nproc;
+    options.trainer_path = trainer;
+    options.work_dir = fmt::format("{}/{}", root, i);
+    if (cli.steps > 0) options.steps = cli.steps;
+    for (const auto& setting : c.settings) apply_check_setting(options, setting);
+    for (const auto& setting : common) apply_check_setting(options, setting);
+    try {
+      const auto report = check_conformance(options);
+      (report.passed ? passed : failed) += 1;
+      row += fmt::format("{:.2g} ({:.2g}) | {:.2g} ({:.2g}) | {} |", report.max_loss_rel_diff, report.loss_rtol,
+                         report.max_param_abs_diff, report.param_atol, report.passed ? "pass" : "FAIL");
+    } catch (const std::exception& e) {
+      ++failed;
+      std::string message = e.what();
+      message = message.substr(0, message.find('\n'));
+      for (auto& ch : message) ch = ch == '|' ? '/' : ch;
+      row += "- | - | error: " + message + " |";
+    }
+    std::cout << row << "\n" << std::flush;
+  }
+  std::error_code ignored;
+  std::filesystem::remove_all(root, ignored);
+  std::cout << "\n" << passed << " passed, " << failed << " failed" << (skipped ? fmt::format(", {} skipped", skipped) : "")
+            << " (" << (cli.steps > 0 ? cli.steps : ConformanceOptions{}.steps) << " steps each)\n";
+  return failed == 0 && passed > 0 ? 0 : 1;
+}
+
+}  // namespace
+
 // `trainer check --plugin X`: the conformance check against single.so.
 int run_check(const CommandLine& cli) {
-  if (cli.plugin.empty()) throw Error("trainer check needs --plugin NAME_OR_PATH");
+  if (cli.all) {
+    set_log_level(cli.log_level.empty() ? "warn" : cli.log_level);
+    return run_check_all(cli);
+  }
+  if (cli.plugin.empty()) throw Error("trainer check needs --plugin NAME_OR_PATH (or --all)");
   set_log_level(cli.log_level.empty() ? "warn" : cli.log_level);
   ConformanceOptions options;
   options.plugin = cli.plugin;
@@ -240,62 +309,8 @@ int run_check(const CommandLine& cli) {
   std::string settings;
   for (const auto& setting : cli.overrides) {
     if (setting.rfind("train.plugin=", 0) == 0) continue;  // --plugin itself
-    if (setting == "train.mode=lora" || setting == "train.mode=full" || setting == "train.mode=adalora") {
-      options.mode = setting.substr(std::string("train.mode=").size());
-      settings += ", " + setting;
-      continue;
-    }
-    if (setting == "train.precision=fp32" || setting == "train.precision=bf16" || setting == "train.precision=fp16") {
-      options.precision = setting.substr(std::string("train.precision=").size());
-      settings += ", " + setting;
-      continue;
-    }
-    if (setting == "model.quantize=none" || setting == "model.quantize=int8" || setting == "model.quantize=nf4") {
-      options.quantize = setting.substr(std::string("model.quantize=").size());
-      settings += ", " + setting;
-      continue;
-    }
-    if (setting == "model.frozen_dtype=fp32" || setting == "model.frozen_dtype=bf16") {
-      options.frozen_dtype = setting.substr(std::string("model.frozen_dtype=").size());
-      settings += ", " + setting;
-      continue;
-    }
-    if (setting == "model.activation_checkpointing=true" || setting == "model.activation_checkpointing=false") {
-      options.activation_checkpointing = setting == "model.activation_checkpointing=true";
-      settings += ", " + setting;
-      continue;
-    }
-    if (setting.rfind("model.int8_threshold=", 0) == 0) {
-      const auto value = setting.substr(std::string("model.int8_threshold=").size());
-      try {
-        size_t used = 0;
-        options.int8_threshold = std::stod(value, &used);
-        if (used != value.size() || !(options.int8_threshold >= 0)) throw std::invalid_argument(value);
-      } catch (const std::logic_error&) {
-        throw Error(fmt::format("trainer check: model.int8_threshold must be a number >= 0, got '{}'", value));
-      }
-      settings += ", " + setting;
-      continue;
-    }
-    if (setting == "train.task=causal_lm" || setting == "train.task=classification") {
-      options.task = setting.substr(std::string("train.task=").size());
-      settings += ", " + setting;
-      continue;
-    }
-    if (setting == "train.device=cpu" || setting == "train.device=cuda" || setting == "train.device=auto") {
-      options.device = setting.substr(std::string("train.device=").size());
-      settings += ", " + setting;
-      continue;
-    }
-    if (setting.rfind("plugin.", 0) != 0) {
-      throw Error(fmt::format("trainer check takes only --set plugin.KEY=VALUE (the plugin's settings), --set "
-                              "train.mode=full|lora|adalora, --set train.precision=fp32|bf16|fp16, --set model.quantize=none|int8|nf4, "
-                              "--set model.int8_threshold=X, --set model.frozen_dtype=fp32|bf16, --set "
-                              "model.activation_checkpointing=true|false, --set train.task=causal_lm|classification and "
-                              "--set train.device=cpu|cuda|auto, got '{}'",
-                              setting));
-    }
-    options.plugin_settings.push_back(setting.substr(std::string("plugin.").size()));
+    apply_check_setting(options, setting);
+    if (setting.rfind("plugin.", 0) != 0) settings += ", " + setting;
   }
   const auto report = check_conformance(options);
   for (const auto& s : options.plugin_settings) settings += ", plugin." + s;

@@ -216,6 +216,89 @@ bool cpu_bf16_matmul_sums_in_fp32() {
   return fp32;
 }
 
+void apply_check_setting(ConformanceOptions& o, const std::string& setting) {
+  if (setting == "train.mode=lora" || setting == "train.mode=full" || setting == "train.mode=adalora") {
+    o.mode = setting.substr(std::string("train.mode=").size());
+    return;
+  }
+  if (setting == "train.precision=fp32" || setting == "train.precision=bf16" || setting == "train.precision=fp16") {
+    o.precision = setting.substr(std::string("train.precision=").size());
+    return;
+  }
+  if (setting == "model.quantize=none" || setting == "model.quantize=int8" || setting == "model.quantize=nf4") {
+    o.quantize = setting.substr(std::string("model.quantize=").size());
+    return;
+  }
+  if (setting == "model.frozen_dtype=fp32" || setting == "model.frozen_dtype=bf16") {
+    o.frozen_dtype = setting.substr(std::string("model.frozen_dtype=").size());
+    return;
+  }
+  if (setting == "model.activation_checkpointing=true" || setting == "model.activation_checkpointing=false") {
+    o.activation_checkpointing = setting == "model.activation_checkpointing=true";
+    return;
+  }
+  if (setting.rfind("model.int8_threshold=", 0) == 0) {
+    const auto value = setting.substr(std::string("model.int8_threshold=").size());
+    try {
+      size_t used = 0;
+      o.int8_threshold = std::stod(value, &used);
+      if (used != value.size() || !(o.int8_threshold >= 0)) throw std::invalid_argument(value);
+    } catch (const std::logic_error&) {
+      throw Error(fmt::format("trainer check: model.int8_threshold must be a number >= 0, got '{}'", value));
+    }
+    return;
+  }
+  if (setting == "train.task=causal_lm" || setting == "train.task=classification") {
+    o.task = setting.substr(std::string("train.task=").size());
+    return;
+  }
+  if (setting == "train.device=cpu" || setting == "train.device=cuda" || setting == "train.device=auto") {
+    o.device = setting.substr(std::string("train.device=").size());
+    return;
+  }
+  if (setting.rfind("plugin.", 0) != 0) {
+    throw Error(fmt::format("trainer check takes only --set plugin.KEY=VALUE (the plugin's settings), --set "
+                            "train.mode=full|lora|adalora, --set train.precision=fp32|bf16|fp16, --set model.quantize=none|int8|nf4, "
+                            "--set model.int8_threshold=X, --set model.frozen_dtype=fp32|bf16, --set "
+                            "model.activation_checkpointing=true|false, --set train.task=causal_lm|classification and "
+                            "--set train.device=cpu|cuda|auto, got '{}'",
+                            setting));
+  }
+  o.plugin_settings.push_back(setting.substr(std::string("plugin.").size()));
+}
+
+std::string ConformanceCase::label() const {
+  return fmt::format("{} x{}{}{}", plugin, nproc, settings.empty() ? "" : " ", fmt::join(settings, ", "));
+}
+
+std::vector<ConformanceCase> conformance_matrix() {
+  const std::vector<std::string> lora{"train.mode=lora"};
+  auto with = [](std::vector<std::string> a, const std::vector<std::string>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  };
+  std::vector<ConformanceCase> cases;
+  auto both = [&](const std::string& plugin, int nproc, const std::vector<std::string>& settings) {
+    cases.push_back({plugin, nproc, settings});
+    cases.push_back({plugin, nproc, with(settings, lora)});
+  };
+  both("ddp", 2, {});
+  both("ddp", 4, {});
+  for (const char* stage : {"plugin.stage=1", "plugin.stage=2", "plugin.stage=3"}) both("zero", 2, {stage});
+  both("tensor_parallel", 2, {});
+  both("tensor_parallel", 4, {});                         // the check model's 2 kv heads shared by pairs
+  both("tensor_parallel", 4, {"plugin.tp=2"});            // tp 2 x dp 2
+  both("tensor_parallel", 2, {"plugin.sequence_parallel=true"});
+  both("gpipe", 2, {});
+  both("gpipe", 4, {});
+  both("gpipe", 4, {"plugin.stages=2"});                  // pp 2 x dp 2
+  both("pipedream", 2, {});
+  both("pipedream", 4, {});
+  both("context_parallel", 2, {});                        // Ulysses all-to-all
+  both("context_parallel", 2, {"plugin.mode=\"ring\""});  // ring attention
+  return cases;
+}
+
 ConformanceReport check_conformance(const ConformanceOptions& c) {
   WEFT_CHECK(!c.plugin.empty(), "conformance check: no plugin given");
   WEFT_CHECK(c.precision == "fp32" || c.precision == "bf16" || c.precision == "fp16",

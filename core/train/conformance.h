@@ -92,6 +92,23 @@ struct ConformanceReport {
 // final parameters are compared. Throws weft::Error if either run fails or refuses the setup.
 ConformanceReport check_conformance(const ConformanceOptions& options);
 
+// Applies one `trainer check --set` setting ("train.mode=lora", "plugin.tp=2", ...) to `options`.
+// Throws weft::Error naming what check takes for a setting it does not.
+void apply_check_setting(ConformanceOptions& options, const std::string& setting);
+
+// One case of `trainer check --all`: a shipped strategy on `nproc` ranks with `settings` (what
+// apply_check_setting takes).
+struct ConformanceCase {
+  std::string plugin;
+  int nproc = 2;
+  std::vector<std::string> settings;
+  std::string label() const;  // "tensor_parallel x4 plugin.tp=2, train.mode=lora"
+};
+// The matrix `trainer check --all` runs: every shipped strategy with its main layouts (data,
+// tensor, pipeline, sequence and sharded parallelism at 2 and 4 ranks), full fine-tuning and LoRA,
+// each case a plain conformance check. The ctest Conformance.* checks cover more settings.
+std::vector<ConformanceCase> conformance_matrix();
+
 // Whether this LibTorch sums a bf16 matrix product on the CPU in fp32: the product of an 8 x 4096
 // and a 4096 x 8 matrix of ones (both contiguous) holds 4096 (fp32 sums; LibTorch 2.x, and 1.13 where its AVX-512
 // kernels run) or 256 (bf16 sums: 256 + 1 rounds back to 256; measured on Debian's 1.13 on an AMD

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -15,6 +16,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "core/train/conformance.h"
 #include "core/util/torch_compat.h"
 
 #include "common/corpus.h"
@@ -118,6 +120,48 @@ TEST(Cli, ContextParallelSplitsEverySequenceAndRefusesALengthItCannotSplit) {
   EXPECT_NE(bad.output.find("data.seq_len = 33 cannot be split over 2 sequence-parallel ranks"), std::string::npos)
       << bad.output;
   EXPECT_FALSE(std::filesystem::exists(dir + "/bad/metrics.jsonl")) << "refused after compute started";
+}
+
+// trainer check --all: every case of the matrix (each shipped strategy, its main layouts, full and
+// LoRA) runs the conformance check against single and gets one row of the table; cases above
+// --nproc ranks are listed as skipped; the exit status says whether every case that ran passed.
+TEST(Cli, CheckAllRunsTheConformanceMatrixAndTabulatesEveryCase) {
+  const auto cases = weft::conformance_matrix();
+  std::set<std::string> labels, plugins;
+  int small = 0;
+  for (const auto& c : cases) {
+    EXPECT_TRUE(labels.insert(c.label()).second) << "listed twice: " << c.label();
+    plugins.insert(c.plugin);
+    weft::ConformanceOptions options;
+    for (const auto& setting : c.settings) EXPECT_NO_THROW(weft::apply_check_setting(options, setting)) << setting;
+    small += c.nproc <= 2 ? 1 : 0;
+  }
+  EXPECT_EQ(plugins, (std::set<std::string>{"ddp", "zero", "tensor_parallel", "gpipe", "pipedream", "context_parallel"}));
+  const auto r = run_trainer("check --all --nproc 2 --steps 2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const auto& c : cases) {
+    const std::string row = "| " + c.plugin + " | " + std::to_string(c.nproc) + " | " +
+                            (c.settings.empty() ? std::string("-") : [&] {
+                              std::string joined;
+                              for (const auto& setting : c.settings) joined += (joined.empty() ? "" : ", ") + setting;
+                              return joined;
+                            }()) + " | ";
+    const auto at = r.output.find(row);
+    ASSERT_NE(at, std::string::npos) << row << "\n" << r.output;
+    const std::string line = r.output.substr(at, r.output.find('\n', at) - at);
+    if (c.nproc <= 2) {
+      EXPECT_NE(line.find("| pass |"), std::string::npos) << line;
+    } else {
+      EXPECT_NE(line.find("skipped: needs 4 ranks (--nproc 2)"), std::string::npos) << line;
+    }
+  }
+  EXPECT_NE(r.output.find(std::to_string(small) + " passed, 0 failed, " + std::to_string(cases.size() - small) +
+                          " skipped (2 steps each)"),
+            std::string::npos) << r.output;
+  const auto both = run_trainer("check --all --plugin ddp");
+  EXPECT_EQ(both.exit_code, 1);
+  EXPECT_NE(both.output.find("trainer check --all checks every shipped plugin: leave out --plugin"), std::string::npos)
+      << both.output;
 }
 
 TEST(Cli, BadInputGetsOneClearErrorAndExitCodeOne) {

@@ -251,6 +251,38 @@ class PlotBenchTest(unittest.TestCase):
         result = run(PLOT_BENCH, path)
         self.assertEqual(result.returncode, 0, result.stderr)
         png_size(os.path.join(self.dir, "tokens_per_s.png"))
+        self.assertFalse(os.path.exists(os.path.join(out, "bubble.png")))  # no pipeline variant
+
+    def test_bubble_plot(self):
+        variants = []
+        for plugin in ("gpipe", "pipedream"):
+            for nproc in (2, 4):
+                for micro in (4, 8, 16):
+                    v = self.variant(f"{plugin} microbatches={micro} x{nproc}", plugin, nproc, "weft", 1500.0)
+                    v["bubble_formula"] = (nproc - 1) / (micro + nproc - 1)
+                    v["bubble"] = v["bubble_formula"] * 1.2
+                    variants.append(v)
+        variants.append(self.variant("gpipe x2", "gpipe", 2, "weft", 1500.0))  # no micro-batches named: not drawn
+        bench = {"config": "configs/small-bench.toml", "steps": 6, "repetitions": 3, "variants": variants}
+        path = os.path.join(self.dir, "bench.json")
+        with open(path, "w") as f:
+            json.dump(bench, f)
+        result = run(PLOT_BENCH, path)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn(os.path.join(self.dir, "bubble.png"), result.stdout)
+        self.assertGreaterEqual(png_size(os.path.join(self.dir, "bubble.png"))[0], 200)
+        sys.path.insert(0, os.path.join(ROOT, "python"))
+        import plot_bench
+        drawn = []
+        plot_bench.line_chart = lambda path, title, series, *a, **k: drawn.append(series) or path
+        plot_bench.bubble(os.path.join(self.dir, "b.png"), variants, "")
+        names = [name for name, _, _ in drawn[0]]
+        self.assertEqual(names[:4], ["gpipe x2", "gpipe x4", "pipedream x2", "pipedream x4"])
+        self.assertEqual(dict(drawn[0][0][1]), {4: 1.2 / 5, 8: 1.2 / 9, 16: 1.2 / 17})
+        formulas = [(name, dict(points)) for name, points, style in drawn[0] if style.get("dashed")]
+        self.assertEqual([name for name, _ in formulas], ["formula (S - 1) / (M + S - 1), x2",
+                                                          "formula (S - 1) / (M + S - 1), x4"])
+        self.assertAlmostEqual(formulas[1][1][4], 3 / 7)
 
     def test_missing_json_is_one_line_error(self):
         result = run(PLOT_BENCH, os.path.join(self.dir, "nope.json"))

@@ -135,9 +135,10 @@ def bubble(path, variants, sub):
     series = []
     for k, (name, points) in enumerate(sorted(measured.items())):
         series.append((name, sorted(points), {"color": PALETTE[k % len(PALETTE)]}))
-    for nproc, points in sorted(formula.items()):
+    greys = [BASELINE, (70, 70, 70), (190, 190, 190)]  # one shade per world size
+    for k, (nproc, points) in enumerate(sorted(formula.items())):
         series.append((f"formula (S - 1) / (M + S - 1), x{nproc}", sorted(points.items()),
-                       {"color": BASELINE, "dashed": True, "width": 1}))
+                       {"color": greys[k % len(greys)], "dashed": True, "width": 1}))
     ticks = sorted({m for _, points, _ in series for m, _ in points})
     return line_chart(path, "Pipeline bubble against micro-batches", series, "micro-batches per step (M)",
                       "bubble (idle share of the step)", x_ticks=ticks, subtitle=sub, y_from_zero=True)

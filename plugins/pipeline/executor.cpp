@@ -125,6 +125,11 @@ RunStats Executor::run(const Schedule& schedule, int32_t splits, int64_t rows, i
     throw Error(WEFT_STATUS_INVALID_ARGUMENT, "pipeline: " + std::to_string(rows) + " rows per micro-batch cannot be split into " +
                                                   std::to_string(splits) + " equal pipeline micro-batches");
   }
+  if (schedule.chunks != 1) {  // virtual stages need a rank to hold non-contiguous model stages
+    throw Error(WEFT_STATUS_UNSUPPORTED, "pipeline: schedule '" + schedule.name + "' has " +
+                                             std::to_string(schedule.chunks) +
+                                             " virtual stages per rank, which this executor cannot run yet");
+  }
   std::vector<Slot> slots(static_cast<size_t>(schedule.micro_batches));
   std::vector<Work> pending_sends;
   slots_ = &slots;

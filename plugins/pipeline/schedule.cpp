@@ -16,29 +16,33 @@ namespace {
 struct Compute {
   bool forward;
   int32_t micro_batch;
+  int32_t chunk = 0;
 };
 
-// The receive that `compute` on `stage` needs first, if any.
-bool needs_receive(const Compute& compute, int32_t stage, int32_t stages, Action* receive) {
-  if (compute.forward && stage > 0) {
-    *receive = {ActionKind::kRecvActivation, compute.micro_batch};
+// The receive that `compute` on `stage` needs first, if any (`virtual_stages` = stages x chunks;
+// chunk c of stage p is virtual stage c x stages + p).
+bool needs_receive(const Compute& compute, int32_t stage, int32_t stages, int32_t virtual_stages, Action* receive) {
+  const int32_t u = compute.chunk * stages + stage;
+  if (compute.forward && u > 0) {
+    *receive = {ActionKind::kRecvActivation, compute.micro_batch, compute.chunk};
     return true;
   }
-  if (!compute.forward && stage < stages - 1) {
-    *receive = {ActionKind::kRecvGradient, compute.micro_batch};
+  if (!compute.forward && u < virtual_stages - 1) {
+    *receive = {ActionKind::kRecvGradient, compute.micro_batch, compute.chunk};
     return true;
   }
   return false;
 }
 
 // The send that follows `compute` on `stage`, if any.
-bool makes_send(const Compute& compute, int32_t stage, int32_t stages, Action* send) {
-  if (compute.forward && stage < stages - 1) {
-    *send = {ActionKind::kSendActivation, compute.micro_batch};
+bool makes_send(const Compute& compute, int32_t stage, int32_t stages, int32_t virtual_stages, Action* send) {
+  const int32_t u = compute.chunk * stages + stage;
+  if (compute.forward && u < virtual_stages - 1) {
+    *send = {ActionKind::kSendActivation, compute.micro_batch, compute.chunk};
     return true;
   }
-  if (!compute.forward && stage > 0) {
-    *send = {ActionKind::kSendGradient, compute.micro_batch};
+  if (!compute.forward && u > 0) {
+    *send = {ActionKind::kSendGradient, compute.micro_batch, compute.chunk};
     return true;
   }
   return false;
@@ -46,16 +50,18 @@ bool makes_send(const Compute& compute, int32_t stage, int32_t stages, Action* s
 
 // Compute order -> full action list (receives posted one compute early, sends right after).
 std::vector<Action> with_transfers(const std::vector<Compute>& order, int32_t stage, int32_t stages,
-                                   bool optimizer_step) {
+                                   bool optimizer_step, int32_t chunks = 1) {
+  const int32_t virtual_stages = stages * chunks;
   std::vector<Action> actions;
   Action transfer{ActionKind::kOptimizerStep, -1};
-  if (!order.empty() && needs_receive(order[0], stage, stages, &transfer)) actions.push_back(transfer);
+  if (!order.empty() && needs_receive(order[0], stage, stages, virtual_stages, &transfer)) actions.push_back(transfer);
   for (size_t i = 0; i < order.size(); ++i) {
-    if (i + 1 < order.size() && needs_receive(order[i + 1], stage, stages, &transfer)) {
+    if (i + 1 < order.size() && needs_receive(order[i + 1], stage, stages, virtual_stages, &transfer)) {
       actions.push_back(transfer);
     }
-    actions.push_back({order[i].forward ? ActionKind::kForward : ActionKind::kBackward, order[i].micro_batch});
-    if (makes_send(order[i], stage, stages, &transfer)) actions.push_back(transfer);
+    actions.push_back(
+        {order[i].forward ? ActionKind::kForward : ActionKind::kBackward, order[i].micro_batch, order[i].chunk});
+    if (makes_send(order[i], stage, stages, virtual_stages, &transfer)) actions.push_back(transfer);
   }
   if (optimizer_step) actions.push_back({ActionKind::kOptimizerStep, -1});
   return actions;
@@ -109,6 +115,38 @@ Schedule one_f_one_b_schedule(int32_t stages, int32_t micro_batches) {
   return s;
 }
 
+Schedule interleaved_one_f_one_b_schedule(int32_t stages, int32_t micro_batches, int32_t chunks) {
+  if (chunks < 1) throw std::invalid_argument("an interleaved pipeline needs at least 1 chunk per stage, got " +
+                                              std::to_string(chunks));
+  Schedule s = empty_schedule("interleaved1f1b", stages, micro_batches);
+  if (micro_batches % stages != 0) {
+    throw std::invalid_argument("interleaved 1F1B needs the micro-batches (" + std::to_string(micro_batches) +
+                                ") to be a multiple of the stages (" + std::to_string(stages) + ")");
+  }
+  s.chunks = chunks;
+  const int32_t total = micro_batches * chunks;  // compute units of each kind per stage
+  const bool all_warmup = micro_batches == stages;
+  s.max_in_flight = all_warmup ? total : std::min(total, 2 * (stages - 1) + (chunks - 1) * stages + 1);
+  // The k-th forward (backward) of a stage: micro-batch and chunk, in groups of `stages`.
+  const auto unit = [&](int32_t k, bool forward) {
+    const int32_t group = k / stages;
+    const int32_t chunk = forward ? group % chunks : chunks - 1 - group % chunks;
+    return Compute{forward, (k / (stages * chunks)) * stages + k % stages, chunk};
+  };
+  for (int32_t p = 0; p < stages; ++p) {
+    const int32_t warmup = all_warmup ? total : std::min(2 * (stages - p - 1) + (chunks - 1) * stages, total);
+    std::vector<Compute> order;
+    for (int32_t k = 0; k < warmup; ++k) order.push_back(unit(k, true));
+    for (int32_t i = 0; i < total - warmup; ++i) {
+      order.push_back(unit(warmup + i, true));
+      order.push_back(unit(i, false));
+    }
+    for (int32_t k = total - warmup; k < total; ++k) order.push_back(unit(k, false));
+    s.actions[p] = with_transfers(order, p, stages, true, chunks);
+  }
+  return s;
+}
+
 Schedule forward_only_schedule(int32_t stages, int32_t micro_batches) {
   Schedule s = empty_schedule("forward", stages, micro_batches);
   s.trains = false;
@@ -129,7 +167,7 @@ Schedule make_schedule(const std::string& name, int32_t stages, int32_t micro_ba
 }
 
 std::string to_string(const Action& action) {
-  const std::string m = std::to_string(action.micro_batch);
+  const std::string m = std::to_string(action.micro_batch) + (action.chunk != 0 ? "." + std::to_string(action.chunk) : "");
   switch (action.kind) {
     case ActionKind::kRecvActivation: return "rA" + m;
     case ActionKind::kForward: return "F" + m;

@@ -3,11 +3,15 @@
 // A schedule is, for each pipeline stage (one rank of the pipeline), the ordered list of actions
 // that rank performs in one training step over M micro-batches. It is produced by a pure
 // function of (stages, micro-batches), checked by the verifier (verify.hpp) before it runs, and
-// executed action by action (executor.hpp). New schedules (interleaved 1F1B, zero-bubble) are
-// new generator functions; the verifier and the executor do not change.
+// executed action by action (executor.hpp). New schedules are new generator functions.
 //
 // Conventions:
 //  - Pipeline stage p receives activations from p - 1 and gradients from p + 1.
+//  - Virtual stages (interleaved schedules): with `chunks` = v > 1, the model is cut into S x v
+//    virtual stages and stage (rank) p holds chunks c = 0..v-1, virtual stage c x S + p. Virtual
+//    stage u receives activations from u - 1 and gradients from u + 1, wherever those live (the
+//    last stage's chunk c sends to stage 0's chunk c + 1). Actions name their chunk; with v = 1
+//    every chunk is 0 and the rule above is the plain one. The executor runs v = 1 only, so far.
 //  - RECV_* actions post an asynchronous receive; the matching FORWARD/BACKWARD waits for it.
 //    Because receives are posted ahead (the executor posts every receive as early as it may),
 //    the position of a RECV in the list is where it is posted, not where it completes.
@@ -38,8 +42,9 @@ enum class ActionKind {
 struct Action {
   ActionKind kind;
   int32_t micro_batch;  // -1 for kOptimizerStep
+  int32_t chunk = 0;    // which of the stage's virtual stages (0 unless Schedule::chunks > 1)
   bool operator==(const Action& other) const {
-    return kind == other.kind && micro_batch == other.micro_batch;
+    return kind == other.kind && micro_batch == other.micro_batch && chunk == other.chunk;
   }
 };
 
@@ -48,6 +53,7 @@ struct Schedule {
   std::string name;                       // e.g. "gpipe", "1f1b"
   int32_t stages = 0;
   int32_t micro_batches = 0;
+  int32_t chunks = 1;  // virtual stages per stage (interleaved schedules); see the conventions
   bool trains = true;  // false: forward only (evaluation): no backward, no optimizer step
   // The most micro-batches whose forward has run but whose backward has not, on any stage, that
   // the schedule promises (GPipe: M; 1F1B: min(stages, M)). The verifier enforces it.
@@ -63,6 +69,14 @@ Schedule gpipe_schedule(int32_t stages, int32_t micro_batches);
 // Same gradients as GPipe; at most min(stages - p, M) micro-batches in flight on stage p.
 Schedule one_f_one_b_schedule(int32_t stages, int32_t micro_batches);
 
+// Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM's virtual pipeline): each stage holds
+// `chunks` virtual stages; micro-batches go through the chunks in groups of S (forward k on stage p
+// is chunk (k / S) mod v of micro-batch (k / (S v)) S + k mod S; backwards walk the chunks in
+// reverse), after min(2 (S - p - 1) + (v - 1) S, M v) warm-up forwards (all of them when M = S),
+// one forward and one backward alternate. The bubble shrinks by v against 1F1B's for the same M;
+// stage 0 keeps up to 2 (S - 1) + (v - 1) S + 1 chunk activations. Needs M divisible by S.
+Schedule interleaved_one_f_one_b_schedule(int32_t stages, int32_t micro_batches, int32_t chunks);
+
 // Forward-only (evaluation): every stage forwards every micro-batch in order; no backward.
 Schedule forward_only_schedule(int32_t stages, int32_t micro_batches);
 
@@ -70,7 +84,8 @@ Schedule forward_only_schedule(int32_t stages, int32_t micro_batches);
 // another name or stages < 1 or micro_batches < 1.
 Schedule make_schedule(const std::string& name, int32_t stages, int32_t micro_batches);
 
-// "F3", "B0", "rA2" (receive activation), "sA2", "rG1", "sG1", "step".
+// "F3", "B0", "rA2" (receive activation), "sA2", "rG1", "sG1", "step"; a chunk other than 0 is
+// appended: "F3.1" (micro-batch 3 on chunk 1).
 std::string to_string(const Action& action);
 // One line per stage: "stage 0: F0 sA0 F1 sA1 ... step".
 std::string to_string(const Schedule& schedule);

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <map>
+#include <tuple>
 #include <utility>
 
 namespace weft {
@@ -11,9 +12,13 @@ namespace {
 
 bool is_compute(ActionKind kind) { return kind == ActionKind::kForward || kind == ActionKind::kBackward; }
 
-// The stage a transfer action talks to.
-int32_t peer_of(ActionKind kind, int32_t stage) {
-  return (kind == ActionKind::kRecvActivation || kind == ActionKind::kSendGradient) ? stage - 1 : stage + 1;
+// Where a transfer action on chunk `chunk` of `stage` goes or comes from: the neighbouring virtual
+// stage (chunk c of stage p is virtual stage c x stages + p), as (stage, chunk); stage -1 if none.
+std::pair<int32_t, int32_t> peer_of(const Schedule& s, ActionKind kind, int32_t stage, int32_t chunk) {
+  const int32_t u = chunk * s.stages + stage;
+  const int32_t other = (kind == ActionKind::kRecvActivation || kind == ActionKind::kSendGradient) ? u - 1 : u + 1;
+  if (other < 0 || other >= s.stages * s.chunks) return {-1, -1};
+  return {other % s.stages, other / s.stages};
 }
 
 // The action on the peer that matches `kind` (a send's receive or a receive's send).
@@ -31,25 +36,31 @@ std::string at(int32_t stage, const Action& action) {
   return "stage " + std::to_string(stage) + " " + to_string(action);
 }
 
-// Counts of each (kind, micro-batch) on one stage.
-using Counts = std::map<std::pair<int, int32_t>, int>;
+// (kind, micro-batch, chunk): one action of a stage.
+using Key = std::tuple<int, int32_t, int32_t>;
+Key key_of(ActionKind kind, int32_t micro_batch, int32_t chunk) { return {static_cast<int>(kind), micro_batch, chunk}; }
 
-int count(const Counts& counts, ActionKind kind, int32_t micro_batch) {
-  const auto it = counts.find({static_cast<int>(kind), micro_batch});
+// Counts of each (kind, micro-batch, chunk) on one stage.
+using Counts = std::map<Key, int>;
+
+int count(const Counts& counts, ActionKind kind, int32_t micro_batch, int32_t chunk) {
+  const auto it = counts.find(key_of(kind, micro_batch, chunk));
   return it == counts.end() ? 0 : it->second;
 }
 
 // Checks 1-3 of verify.hpp. Returns the first problem, or "".
 std::string check_structure(const Schedule& s) {
   if (s.stages < 1 || s.micro_batches < 1) return "a schedule needs at least 1 stage and 1 micro-batch";
+  if (s.chunks < 1) return "a schedule needs at least 1 chunk per stage";
   if (static_cast<int32_t>(s.actions.size()) != s.stages) {
     return "the schedule has " + std::to_string(s.actions.size()) + " action lists for " +
            std::to_string(s.stages) + " stages";
   }
+  const int32_t virtual_stages = s.stages * s.chunks;
   std::vector<Counts> counts(s.actions.size());
   for (int32_t p = 0; p < s.stages; ++p) {
     const auto& list = s.actions[p];
-    std::map<std::pair<int, int32_t>, size_t> first_index;
+    std::map<Key, size_t> first_index;
     for (size_t i = 0; i < list.size(); ++i) {
       const Action& a = list[i];
       if (a.kind == ActionKind::kOptimizerStep) {
@@ -58,49 +69,55 @@ std::string check_structure(const Schedule& s) {
         continue;
       }
       if (a.micro_batch < 0 || a.micro_batch >= s.micro_batches) return at(p, a) + ": no such micro-batch";
+      if (a.chunk < 0 || a.chunk >= s.chunks) return at(p, a) + ": no such chunk";
       if (!is_compute(a.kind)) {
-        const int32_t peer = peer_of(a.kind, p);
-        if (peer < 0 || peer >= s.stages) return at(p, a) + ": there is no stage " + std::to_string(peer);
+        const int32_t peer = peer_of(s, a.kind, p, a.chunk).first;
+        if (peer < 0) {
+          return at(p, a) + ": there is no stage " +
+                 std::to_string((a.kind == ActionKind::kRecvActivation || a.kind == ActionKind::kSendGradient) ? p - 1
+                                                                                                                 : p + 1);
+        }
       }
       if (a.kind == ActionKind::kBackward && !s.trains) return at(p, a) + ": backward in a forward-only schedule";
-      const auto key = std::make_pair(static_cast<int>(a.kind), a.micro_batch);
+      const Key key = key_of(a.kind, a.micro_batch, a.chunk);
       if (++counts[p][key] > 1) return at(p, a) + " appears twice";
       first_index[key] = i;
     }
-    const auto index_of = [&](ActionKind kind, int32_t m) {
-      return first_index.at({static_cast<int>(kind), m});
-    };
-    for (int32_t m = 0; m < s.micro_batches; ++m) {
-      const Action forward{ActionKind::kForward, m}, backward{ActionKind::kBackward, m};
-      if (count(counts[p], ActionKind::kForward, m) != 1) return at(p, forward) + " is missing";
-      if (s.trains) {
-        if (count(counts[p], ActionKind::kBackward, m) != 1) return at(p, backward) + " is missing";
-        if (index_of(ActionKind::kBackward, m) < index_of(ActionKind::kForward, m)) {
-          return at(p, backward) + " comes before its forward";
+    const auto index_of = [&](ActionKind kind, int32_t m, int32_t c) { return first_index.at(key_of(kind, m, c)); };
+    for (int32_t c = 0; c < s.chunks; ++c) {
+      const int32_t u = c * s.stages + p;
+      for (int32_t m = 0; m < s.micro_batches; ++m) {
+        const Action forward{ActionKind::kForward, m, c}, backward{ActionKind::kBackward, m, c};
+        if (count(counts[p], ActionKind::kForward, m, c) != 1) return at(p, forward) + " is missing";
+        if (s.trains) {
+          if (count(counts[p], ActionKind::kBackward, m, c) != 1) return at(p, backward) + " is missing";
+          if (index_of(ActionKind::kBackward, m, c) < index_of(ActionKind::kForward, m, c)) {
+            return at(p, backward) + " comes before its forward";
+          }
         }
-      }
-      // Where each transfer must sit relative to the compute it serves.
-      struct Rule {
-        ActionKind transfer;
-        ActionKind compute;
-        bool before;  // the transfer precedes the compute (receives) or follows it (sends)
-        bool required;
-      };
-      const Rule rules[] = {
-          {ActionKind::kRecvActivation, ActionKind::kForward, true, p > 0},
-          {ActionKind::kSendActivation, ActionKind::kForward, false, p < s.stages - 1},
-          {ActionKind::kRecvGradient, ActionKind::kBackward, true, s.trains && p < s.stages - 1},
-          {ActionKind::kSendGradient, ActionKind::kBackward, false, s.trains && p > 0},
-      };
-      for (const Rule& r : rules) {
-        const Action transfer{r.transfer, m};
-        const int n = count(counts[p], r.transfer, m);
-        if (r.required && n == 0) return at(p, transfer) + " is missing";
-        if (!r.required && n > 0) return at(p, transfer) + " has no use on this stage";
-        if (n == 0) continue;
-        const bool before = index_of(r.transfer, m) < index_of(r.compute, m);
-        if (before != r.before) {
-          return at(p, transfer) + (r.before ? " is posted after " : " comes before ") + to_string(Action{r.compute, m});
+        // Where each transfer must sit relative to the compute it serves.
+        struct Rule {
+          ActionKind transfer;
+          ActionKind compute;
+          bool before;  // the transfer precedes the compute (receives) or follows it (sends)
+          bool required;
+        };
+        const Rule rules[] = {
+            {ActionKind::kRecvActivation, ActionKind::kForward, true, u > 0},
+            {ActionKind::kSendActivation, ActionKind::kForward, false, u < virtual_stages - 1},
+            {ActionKind::kRecvGradient, ActionKind::kBackward, true, s.trains && u < virtual_stages - 1},
+            {ActionKind::kSendGradient, ActionKind::kBackward, false, s.trains && u > 0},
+        };
+        for (const Rule& r : rules) {
+          const Action transfer{r.transfer, m, c};
+          const int n = count(counts[p], r.transfer, m, c);
+          if (r.required && n == 0) return at(p, transfer) + " is missing";
+          if (!r.required && n > 0) return at(p, transfer) + " has no use on this stage";
+          if (n == 0) continue;
+          const bool before = index_of(r.transfer, m, c) < index_of(r.compute, m, c);
+          if (before != r.before) {
+            return at(p, transfer) + (r.before ? " is posted after " : " comes before ") + to_string(Action{r.compute, m, c});
+          }
         }
       }
     }
@@ -111,11 +128,12 @@ std::string check_structure(const Schedule& s) {
   // Every send has one matching receive on the peer, and vice versa.
   for (int32_t p = 0; p < s.stages; ++p) {
     for (const auto& [key, n] : counts[p]) {
-      const auto kind = static_cast<ActionKind>(key.first);
+      const auto kind = static_cast<ActionKind>(std::get<0>(key));
       if (is_compute(kind) || kind == ActionKind::kOptimizerStep) continue;
-      const int32_t peer = peer_of(kind, p);
-      if (count(counts[peer], matching(kind), key.second) != n) {
-        return at(p, Action{kind, key.second}) + " has no matching " + to_string(Action{matching(kind), key.second}) +
+      const int32_t m = std::get<1>(key), c = std::get<2>(key);
+      const auto [peer, peer_chunk] = peer_of(s, kind, p, c);
+      if (count(counts[peer], matching(kind), m, peer_chunk) != n) {
+        return at(p, Action{kind, m, c}) + " has no matching " + to_string(Action{matching(kind), m, peer_chunk}) +
                " on stage " + std::to_string(peer);
       }
     }
@@ -130,11 +148,13 @@ Verification verify(const Schedule& s, const CostModel& costs) {
   v.error = check_structure(s);
   if (!v.error.empty()) return v;
 
-  // Dataflow simulation. sent[(kind, m)] on stage p = the time the data is usable by the peer.
+  // Dataflow simulation. arrived[p][(kind, m, chunk)] = when the data of that receive is usable
+  // on stage p. A chunk's compute costs 1 / chunks of the stage's (the stage's work is the same).
   const size_t stages = s.actions.size();
+  const int32_t virtual_stages = s.stages * s.chunks;
   std::vector<size_t> pc(stages, 0);
   std::vector<double> clock(stages, 0.0), busy(stages, 0.0);
-  std::vector<std::map<std::pair<int, int32_t>, double>> arrived(stages);  // at the receiver
+  std::vector<std::map<Key, double>> arrived(stages);
   std::vector<int32_t> in_flight(stages, 0);
   v.peak_in_flight.assign(stages, 0);
   bool progressed = true;
@@ -145,14 +165,15 @@ Verification verify(const Schedule& s, const CostModel& costs) {
         const Action& a = s.actions[p][pc[p]];
         double start = clock[p];
         if (is_compute(a.kind)) {
-          const bool needs = a.kind == ActionKind::kForward ? p > 0 : (p + 1 < stages);
+          const int32_t u = a.chunk * s.stages + static_cast<int32_t>(p);
+          const bool needs = a.kind == ActionKind::kForward ? u > 0 : u + 1 < virtual_stages;
           if (needs) {
             const ActionKind data = a.kind == ActionKind::kForward ? ActionKind::kRecvActivation : ActionKind::kRecvGradient;
-            const auto it = arrived[p].find({static_cast<int>(data), a.micro_batch});
+            const auto it = arrived[p].find(key_of(data, a.micro_batch, a.chunk));
             if (it == arrived[p].end()) break;  // waits for the peer's send
             start = std::max(start, it->second);
           }
-          const double cost = a.kind == ActionKind::kForward ? costs.forward : costs.backward;
+          const double cost = (a.kind == ActionKind::kForward ? costs.forward : costs.backward) / s.chunks;
           clock[p] = start + cost;
           busy[p] += cost;
           if (s.trains) {
@@ -168,8 +189,9 @@ Verification verify(const Schedule& s, const CostModel& costs) {
             v.peak_in_flight[p] = 1;
           }
         } else if (a.kind == ActionKind::kSendActivation || a.kind == ActionKind::kSendGradient) {
-          const size_t peer = static_cast<size_t>(peer_of(a.kind, static_cast<int32_t>(p)));
-          arrived[peer][{static_cast<int>(matching(a.kind)), a.micro_batch}] = clock[p] + costs.transfer;
+          const auto [peer, peer_chunk] = peer_of(s, a.kind, static_cast<int32_t>(p), a.chunk);
+          arrived[static_cast<size_t>(peer)][key_of(matching(a.kind), a.micro_batch, peer_chunk)] =
+              clock[p] + costs.transfer;
         }
         ++pc[p];
         progressed = true;

@@ -12,7 +12,9 @@
 //     of its receive runs every stage to its end (no rank waits forever); a stall is reported
 //     with what each stuck stage waits for.
 //  5. Memory: the number of micro-batches forwarded but not yet back-propagated on a stage never
-//     exceeds Schedule::max_in_flight.
+//     exceeds Schedule::max_in_flight (counted per chunk with virtual stages).
+// With virtual stages (Schedule::chunks > 1) every check is per chunk and transfers go to the
+// neighbouring virtual stage; a chunk's compute costs 1 / chunks of the stage's.
 // The same simulation, with per-action costs, yields the schedule's makespan and bubble.
 #ifndef WEFT_PLUGINS_PIPELINE_VERIFY_HPP
 #define WEFT_PLUGINS_PIPELINE_VERIFY_HPP

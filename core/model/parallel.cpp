@@ -91,42 +91,35 @@ torch::Tensor scatter_tokens(const SequenceShards& shards, CommPoint point, int6
   return out;
 }
 
-struct SequenceGather : public torch::autograd::Function<SequenceGather> {
+// Into a region (gather: all-gather forward; backward reduce-scatter, or this process's slice
+// where the region computes the same on every process) or out of one (reduce-scatter forward,
+// all-gather backward).
+struct SequenceRegion : public torch::autograd::Function<SequenceRegion> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const SequenceShards* shards,
-                               int64_t point, int64_t layer, bool replicated) {
+                               int64_t point, int64_t layer, bool gather, bool replicated) {
     ctx->saved_data["shards"] = reinterpret_cast<int64_t>(shards);
     ctx->saved_data["point"] = point;
     ctx->saved_data["layer"] = layer;
+    ctx->saved_data["gather"] = gather;
     ctx->saved_data["replicated"] = replicated;
-    return gather_tokens(*shards, static_cast<CommPoint>(point), layer, x, /*backward=*/false);
+    const auto at = static_cast<CommPoint>(point);
+    return gather ? gather_tokens(*shards, at, layer, x, /*backward=*/false)
+                  : scatter_tokens(*shards, at, layer, x, /*backward=*/false);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto* shards = reinterpret_cast<const SequenceShards*>(ctx->saved_data["shards"].toInt());
+    const auto point = static_cast<CommPoint>(ctx->saved_data["point"].toInt());
+    const int64_t layer = ctx->saved_data["layer"].toInt();
     torch::Tensor g;
-    if (ctx->saved_data["replicated"].toBool()) {
+    if (!ctx->saved_data["gather"].toBool()) {
+      g = gather_tokens(*shards, point, layer, grads[0], /*backward=*/true);
+    } else if (ctx->saved_data["replicated"].toBool()) {
       const int64_t local = grads[0].size(1) / shards->size;
       g = grads[0].narrow(1, shards->rank * local, local).contiguous();
     } else {
-      g = scatter_tokens(*shards, static_cast<CommPoint>(ctx->saved_data["point"].toInt()),
-                         ctx->saved_data["layer"].toInt(), grads[0], /*backward=*/true);
+      g = scatter_tokens(*shards, point, layer, grads[0], /*backward=*/true);
     }
-    return {g, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
-  }
-};
-
-struct SequenceReduceScatter : public torch::autograd::Function<SequenceReduceScatter> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const SequenceShards* shards,
-                               int64_t point, int64_t layer) {
-    ctx->saved_data["shards"] = reinterpret_cast<int64_t>(shards);
-    ctx->saved_data["point"] = point;
-    ctx->saved_data["layer"] = layer;
-    return scatter_tokens(*shards, static_cast<CommPoint>(point), layer, x, /*backward=*/false);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto* shards = reinterpret_cast<const SequenceShards*>(ctx->saved_data["shards"].toInt());
-    return {gather_tokens(*shards, static_cast<CommPoint>(ctx->saved_data["point"].toInt()),
-                          ctx->saved_data["layer"].toInt(), grads[0], /*backward=*/true),
-            torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    return {g, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -282,13 +275,13 @@ torch::Tensor comm_point(const CommHook* hook, CommPoint point, int64_t layer, c
 torch::Tensor sequence_gather(const SequenceShards& shards, CommPoint point, int64_t layer, const torch::Tensor& x,
                               bool replicated) {
   if (shards.size <= 1) return x;
-  return SequenceGather::apply(x, &shards, static_cast<int64_t>(point), layer, replicated);
+  return SequenceRegion::apply(x, &shards, static_cast<int64_t>(point), layer, /*gather=*/true, replicated);
 }
 
 torch::Tensor sequence_reduce_scatter(const SequenceShards& shards, CommPoint point, int64_t layer,
                                       const torch::Tensor& x) {
   if (shards.size <= 1) return x;
-  return SequenceReduceScatter::apply(x, &shards, static_cast<int64_t>(point), layer);
+  return SequenceRegion::apply(x, &shards, static_cast<int64_t>(point), layer, /*gather=*/false, /*replicated=*/false);
 }
 
 std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_specs(const ModelConfig& c, int64_t first,

@@ -148,8 +148,6 @@ Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute
     tensor_sequence_ = SequenceShards{};
     tensor_sequence_.rank = rank;
     tensor_sequence_.size = size;
-    placement.tensor_sequence_rank = rank;
-    placement.tensor_sequence_size = size;
   }
   return placement;
 }

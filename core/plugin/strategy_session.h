@@ -32,8 +32,6 @@ struct Placement {
   int data_parallel_size = 1;
   int sequence_parallel_rank = 0;  // ABI 1.4: this rank's share of every sequence
   int sequence_parallel_size = 1;
-  int tensor_sequence_rank = 0;  // ABI 1.9: this rank's tokens between tensor-parallel regions
-  int tensor_sequence_size = 1;
 };
 
 // Bytes one rank will hold at its peak, by kind: the host's one-process estimate of the stages and

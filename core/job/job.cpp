@@ -295,7 +295,8 @@ void Job::plan_memory(const ModelConfig& config, torch::Dtype dtype) {
                                               options_.model.activation_checkpointing, strategy_->plugin_attention(),
                                               quantize_,
                                               lora_ && options_.model.frozen_dtype == "bf16" ? torch::kBFloat16
-                                                                                             : torch::kFloat32);
+                                                                                             : torch::kFloat32,
+                                              strategy_->tensor_sequence_size());
   std::vector<weft_stage_memory> stages;
   for (const auto& e : estimate) {
     weft_stage_memory s{};

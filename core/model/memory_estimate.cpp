@@ -27,7 +27,8 @@ std::string leaf_module(const std::string& name) {
 std::vector<StageMemory> estimate_stage_memory(const ModelConfig& c, const ShardMap& shards,
                                                const std::optional<LoraConfig>& lora, torch::Dtype compute_dtype,
                                                int64_t seq_len, bool checkpointing,
-                                               bool blockwise_attention, QuantFormat quantize, torch::Dtype frozen_dtype) {
+                                               bool blockwise_attention, QuantFormat quantize, torch::Dtype frozen_dtype,
+                                               int64_t sequence_shards) {
   const int64_t layers = c.num_hidden_layers, stages = layers + 2;
   const int64_t cb = compute_dtype == torch::kFloat32 ? 4 : 2;  // bytes per compute element
   std::vector<StageMemory> out(static_cast<size_t>(stages));
@@ -75,10 +76,12 @@ std::vector<StageMemory> estimate_stage_memory(const ModelConfig& c, const Shard
   }
   heads = c.head_dim > 0 ? q_width / c.head_dim : heads;
   const int64_t H = c.hidden_size, S = seq_len;
-  // A decoder block, per token (layers.cpp): the fp32 residual at each norm (2 x 4H), the norms'
-  // outputs (2 x cb H), q, k, v after RoPE, the attention output and o_proj's input (cb (q + 2 kv)
+  // A decoder block, per token (layers.cpp): the fp32 residual at each norm (2 x 4H; 1 / T of the
+  // tokens under sequence parallelism over T ranks), the norms' outputs (2 x cb H, gathered whole
+  // into the regions), q, k, v after RoPE, the attention output and o_proj's input (cb (q + 2 kv)
   // + 2 cb q), gate/up and SwiGLU's output (3 cb I); the math attention kernel also keeps the
-  int64_t block = 8 * H + 2 * cb * H + cb * (q_width + 2 * kv_width) + 2 * cb * q_width + 3 * cb * inter;
+  const int64_t T = std::max<int64_t>(1, sequence_shards);
+  int64_t block = 8 * H / T + 2 * cb * H + cb * (q_width + 2 * kv_width) + 2 * cb * q_width + 3 * cb * inter;
   // probabilities (heads x S per token, fp32 scores and compute-dtype probabilities). Blockwise
   // (ring) attention keeps an fp32 output (instead of a compute-dtype one) and an fp32
   // log-sum-exp per head, never the probabilities.
@@ -87,7 +90,7 @@ std::vector<StageMemory> estimate_stage_memory(const ModelConfig& c, const Shard
   } else if (resolve_attention_kernel(c.attention) == AttentionKernel::kWeft) {
     block += heads * S * (4 + cb);
   }
-  if (checkpointing) block = 4 * H;  // the block's input; its activations come back one block at a time
+  if (checkpointing) block = 4 * H / T;  // the block's input; its activations come back one block at a time
   for (int64_t l = 1; l <= layers; ++l) {
     out[static_cast<size_t>(l)].activation_bytes_per_row = block * S;
     out[static_cast<size_t>(l)].output_bytes_per_row = 4 * H * S;
@@ -97,7 +100,7 @@ std::vector<StageMemory> estimate_stage_memory(const ModelConfig& c, const Shard
   out[0].activation_bytes_per_row = 8 * S;
   out[0].output_bytes_per_row = 4 * H * S;
   auto& head = out[static_cast<size_t>(stages - 1)];
-  head.activation_bytes_per_row = (4 * H + cb * H + (cb + 4) * vocab) * S;
+  head.activation_bytes_per_row = (4 * H / T + cb * H + (cb + 4) * vocab) * S;
   head.output_bytes_per_row = cb * vocab * S;
   return out;
 }

@@ -36,12 +36,15 @@ struct StageMemory {
 // that format (quantize.h) and dequantized for each product, never kept for backward.
 // `frozen_dtype` (adapter training, model.frozen_dtype): the dtype the frozen base's matrices that
 // are not quantized are stored in (the embedding, the head, the blocks' weights; not a
-// classification head, which trains).
+// classification head, which trains). `sequence_shards` (Megatron sequence parallelism,
+// SequenceShards::size): the fp32 residual stream between the tensor-parallel regions holds 1 / that
+// of each sequence's tokens.
 std::vector<StageMemory> estimate_stage_memory(const ModelConfig& config, const ShardMap& shards,
                                                const std::optional<LoraConfig>& lora, torch::Dtype compute_dtype,
                                                int64_t seq_len, bool checkpointing,
                                                bool blockwise_attention = false,
                                                QuantFormat quantize = QuantFormat::kNone,
-                                               torch::Dtype frozen_dtype = torch::kFloat32);
+                                               torch::Dtype frozen_dtype = torch::kFloat32,
+                                               int64_t sequence_shards = 1);
 
 }  // namespace weft

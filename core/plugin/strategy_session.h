@@ -91,6 +91,7 @@ class StrategySession {
   // Megatron sequence parallelism the plan chose (ABI 1.9), its collectives the plugin's
   // sequence_region; nullptr when the residual stream keeps whole sequences.
   std::shared_ptr<const SequenceShards> tensor_sequence();
+  int64_t tensor_sequence_size() const { return tensor_sequence_.size; }
   // Whether the plan has the plugin run the attention core over split sequences (ABI 1.5).
   bool plugin_attention() const { return sequence_ring_ && sequence_.size > 1; }
 

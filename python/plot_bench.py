@@ -118,7 +118,8 @@ def scaling(path, title, variants, key, divisor, y_label, sub):
 def bubble(path, variants, sub):
     """The pipeline variants' measured bubble (median over steps) against their micro-batches per
     step, one line per schedule and world size, and the formula each reported, dashed, one line per
-    world size; None when no variant names its micro-batches and measured a bubble."""
+    world size (and one more for interleaved schedules, whose formula divides M's share by the
+    chunks); None when no variant names its micro-batches and measured a bubble."""
     measured, formula = {}, {}
     for v in variants:
         value = finite(v.get("bubble"))
@@ -128,17 +129,19 @@ def bubble(path, variants, sub):
         micro, nproc = int(found.group(1)), int(v.get("nproc") or 1)
         schedule = MICROBATCHES.sub("", series_key(v)).strip()
         measured.setdefault(f"{schedule} x{nproc}", []).append((micro, value))
-        if finite(v.get("bubble_formula")) is not None:
-            formula.setdefault(nproc, {})[micro] = finite(v.get("bubble_formula"))
+        if finite(v.get("bubble_formula")) is not None:  # interleaved schedules have their own
+            kind = "interleaved" if "interleaved" in str(v.get("name", "")) else "plain"
+            formula.setdefault((nproc, kind), {})[micro] = finite(v.get("bubble_formula"))
     if not measured:
         return None
     series = []
     for k, (name, points) in enumerate(sorted(measured.items())):
         series.append((name, sorted(points), {"color": PALETTE[k % len(PALETTE)]}))
-    greys = [BASELINE, (70, 70, 70), (190, 190, 190)]  # one shade per world size
-    for k, (nproc, points) in enumerate(sorted(formula.items())):
-        series.append((f"formula (S - 1) / (M + S - 1), x{nproc}", sorted(points.items()),
-                       {"color": greys[k % len(greys)], "dashed": True, "width": 1}))
+    greys = [BASELINE, (70, 70, 70), (190, 190, 190)]  # one shade per world size and kind
+    for k, ((nproc, kind), points) in enumerate(sorted(formula.items())):
+        label = (f"formula (S - 1) / (vM + S - 1), interleaved x{nproc}" if kind == "interleaved"
+                 else f"formula (S - 1) / (M + S - 1), x{nproc}")
+        series.append((label, sorted(points.items()), {"color": greys[k % len(greys)], "dashed": True, "width": 1}))
     ticks = sorted({m for _, points, _ in series for m, _ in points})
     return line_chart(path, "Pipeline bubble against micro-batches", series, "micro-batches per step (M)",
                       "bubble (idle share of the step)", x_ticks=ticks, subtitle=sub, y_from_zero=True)

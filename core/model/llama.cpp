@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <tuple>
 
+#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include "core/model/kernels.h"
@@ -11,9 +12,52 @@
 
 namespace weft {
 
-LocalShape local_shape(const ModelConfig& c, const ShardMap& shards, int64_t first, int64_t last) {
+std::vector<StageRange> StageSet::resolved(int64_t num_stages) const {
+  WEFT_CHECK(!ranges.empty(), "a model must hold at least one stage");
+  std::vector<StageRange> out;
+  for (const StageRange& r : ranges) {
+    const StageRange range{r.first, r.last < 0 ? num_stages : r.last};
+    WEFT_CHECK(0 <= range.first && range.first < range.last && range.last <= num_stages,
+               "stage range [{}, {}) is not within the model's {} stages", range.first, range.last, num_stages);
+    WEFT_CHECK(out.empty() || out.back().last < range.first,
+               "stage ranges must ascend with a gap between them: [{}, {}) after [{}, {})", range.first, range.last,
+               out.back().first, out.back().last);
+    out.push_back(range);
+  }
+  return out;
+}
+
+bool StageSet::holds(int64_t stage, int64_t num_stages) const {
+  for (const StageRange& r : ranges) {
+    if (r.first <= stage && stage < (r.last < 0 ? num_stages : r.last)) return true;
+  }
+  return false;
+}
+
+std::string StageSet::describe(int64_t num_stages) const {
+  std::string out;
+  for (const StageRange& r : ranges) {
+    out += fmt::format("{}[{}, {})", out.empty() ? "" : " + ", r.first, r.last < 0 ? num_stages : r.last);
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_specs(const ModelConfig& c,
+                                                                          const std::vector<StageRange>& held) {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> specs;
+  for (const StageRange& range : held) {
+    for (auto& spec : parameter_specs(c, range.first, range.last)) {
+      // A tied embedding is one parameter, whether stage 0 or the head asks for it.
+      const bool seen = std::any_of(specs.begin(), specs.end(), [&](const auto& s) { return s.first == spec.first; });
+      if (!seen) specs.push_back(std::move(spec));
+    }
+  }
+  return specs;
+}
+
+LocalShape local_shape(const ModelConfig& c, const ShardMap& shards, const std::vector<StageRange>& held) {
   LocalShape local{c.num_attention_heads, c.num_key_value_heads, c.intermediate_size, 0, c.vocab_size};
-  const auto specs = parameter_specs(c, first, last);
+  const auto specs = parameter_specs(c, held);
   for (const auto& [name, shard] : shards) {
     const auto spec = std::find_if(specs.begin(), specs.end(), [&](const auto& s) { return s.first == name; });
     WEFT_CHECK(spec != specs.end(), "tensor parallel: '{}' is not a parameter this process holds", name);
@@ -27,8 +71,12 @@ LocalShape local_shape(const ModelConfig& c, const ShardMap& shards, int64_t fir
     return shard_of(shards, "model.layers." + std::to_string(layer) + "." + suffix);
   };
   const int64_t final_stage = c.num_hidden_layers + 1;
+  auto held_stage = [&](int64_t stage) {
+    return std::any_of(held.begin(), held.end(), [&](const StageRange& r) { return r.first <= stage && stage < r.last; });
+  };
   bool first_block = true;
-  for (int64_t stage = std::max<int64_t>(first, 1); stage < std::min(last, final_stage); ++stage) {
+  for (int64_t stage = 1; stage < final_stage; ++stage) {
+    if (!held_stage(stage)) continue;
     const int64_t layer = stage - 1;
     const auto q = shard_for("self_attn.q_proj.weight", layer), k = shard_for("self_attn.k_proj.weight", layer),
                v = shard_for("self_attn.v_proj.weight", layer), o = shard_for("self_attn.o_proj.weight", layer);
@@ -74,7 +122,7 @@ LocalShape local_shape(const ModelConfig& c, const ShardMap& shards, int64_t fir
   }
   WEFT_CHECK(shard_of(shards, "model.norm.weight").whole(), "tensor parallel: the final norm is not split");
   const auto embed = shard_of(shards, "model.embed_tokens.weight"), head = shard_of(shards, "lm_head.weight");
-  const bool head_held = first <= final_stage && final_stage < last;
+  const bool head_held = held_stage(final_stage);
   const ParameterShard vocab = !embed.whole() ? embed : head;
   WEFT_CHECK(vocab.whole() || vocab.dim == 0, "tensor parallel: the embedding and LM head split along the vocabulary (dim 0)");
   WEFT_CHECK(embed.whole() || !head_held || c.tie_word_embeddings || c.classification() ||
@@ -86,16 +134,18 @@ LocalShape local_shape(const ModelConfig& c, const ShardMap& shards, int64_t fir
   return local;
 }
 
-LlamaBackboneImpl::LlamaBackboneImpl(const ModelConfig& c, int64_t first, int64_t last, const LocalShape& local,
+LlamaBackboneImpl::LlamaBackboneImpl(const ModelConfig& c, const StageSet& held, const LocalShape& local,
                                      const CommHook* comm, QuantConfig quantize) {
   const int64_t final_stage = c.num_hidden_layers + 1;
-  const bool holds_head = first <= final_stage && final_stage < last;
-  if (first == 0 || (holds_head && c.tie_word_embeddings && !c.classification())) {
+  const int64_t num_stages = final_stage + 1;
+  const bool holds_head = held.holds(final_stage, num_stages);
+  if (held.holds(0, num_stages) || (holds_head && c.tie_word_embeddings && !c.classification())) {
     embed_tokens = register_module("embed_tokens", torch::nn::Embedding(local.vocab, c.hidden_size));
   }
   layers = register_module("layers", std::make_shared<torch::nn::Module>());
   const BlockShape shape{local.heads, local.kv_heads, local.intermediate, quantize};
-  for (int64_t stage = std::max<int64_t>(first, 1); stage < std::min(last, final_stage); ++stage) {
+  for (int64_t stage = 1; stage < final_stage; ++stage) {
+    if (!held.holds(stage, num_stages)) continue;
     const int64_t index = stage - 1;
     blocks.emplace(index, layers->register_module(std::to_string(index), DecoderBlock(c, shape, index, comm)));
   }
@@ -105,13 +155,9 @@ LlamaBackboneImpl::LlamaBackboneImpl(const ModelConfig& c, int64_t first, int64_
 LlamaForCausalLMImpl::LlamaForCausalLMImpl(const ModelConfig& config, const ModelOptions& options)
     : config_(config), options_(options), rope_(config) {
   config_.validate();
-  first_stage_ = options.stages.first;
-  last_stage_ = options.stages.last < 0 ? num_stages() : options.stages.last;
-  WEFT_CHECK(0 <= first_stage_ && first_stage_ < last_stage_ && last_stage_ <= num_stages(),
-             "stage range [{}, {}) is not within the model's {} stages", first_stage_, last_stage_,
-             num_stages());
-  local_ = weft::local_shape(config_, options_.shards, first_stage_, last_stage_);
-  model = register_module("model", LlamaBackbone(config_, first_stage_, last_stage_, local_, options_.comm.get(), options_.quantize));
+  held_ = options.stages.resolved(num_stages());
+  local_ = weft::local_shape(config_, options_.shards, held_);
+  model = register_module("model", LlamaBackbone(config_, StageSet(held_), local_, options_.comm.get(), options_.quantize));
   if (options_.sequence != nullptr && options_.sequence->size > 1) {
     WEFT_CHECK(options_.sequence->rank >= 0 && options_.sequence->rank < options_.sequence->size,
                "sequence parallelism: rank {} of {}", options_.sequence->rank, options_.sequence->size);
@@ -123,15 +169,15 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const ModelConfig& config, const Mode
                "tensor sequence parallelism: rank {} of {}", shards.rank, shards.size);
     WEFT_CHECK(options_.sequence == nullptr || options_.sequence->size == 1,
                "tensor sequence parallelism cannot be combined with context parallelism's sequence split");
-    WEFT_CHECK(first_stage_ == 0 && last_stage_ == num_stages(),
-               "tensor sequence parallelism needs every stage of the model on this process");
+    WEFT_CHECK(holds_every_stage(), "tensor sequence parallelism needs every stage of the model on this process");
     WEFT_CHECK(vocab_parallel(), "tensor sequence parallelism needs a vocabulary-parallel embedding (its all-reduce "
                "becomes the reduce-scatter into the sequence shards)");
     for (auto& [index, block] : model->blocks) block->set_sequence_shards(&shards);
   }
-  if (last_stage_ == num_stages() && config_.classification()) {
+  const bool holds_head = holds_stage(num_stages() - 1);
+  if (holds_head && config_.classification()) {
     score = register_module("score", Linear(config_.hidden_size, config_.num_labels));
-  } else if (last_stage_ == num_stages() && !config_.tie_word_embeddings) {
+  } else if (holds_head && !config_.tie_word_embeddings) {
     lm_head = register_module("lm_head", Linear(config_.hidden_size, local_.vocab));
   }
   set_compute_dtype(options_.compute_dtype);
@@ -193,10 +239,15 @@ torch::Tensor LlamaForCausalLMImpl::run_stage(int64_t stage, const torch::Tensor
   return torch::nn::functional::linear(h.to(options_.compute_dtype), head.to(options_.compute_dtype));
 }
 
+bool LlamaForCausalLMImpl::holds_stage(int64_t stage) const {
+  return std::any_of(held_.begin(), held_.end(), [&](const StageRange& r) { return r.first <= stage && stage < r.last; });
+}
+
 torch::Tensor LlamaForCausalLMImpl::forward_stages(int64_t first, int64_t last, const torch::Tensor& input) {
-  WEFT_CHECK(first_stage_ <= first && first <= last && last <= last_stage_,
-             "stages [{}, {}) requested but this model holds stages [{}, {})", first, last,
-             first_stage_, last_stage_);
+  const bool held = std::any_of(held_.begin(), held_.end(),
+                                [&](const StageRange& r) { return r.first <= first && first <= last && last <= r.last; });
+  WEFT_CHECK(held, "stages [{}, {}) requested but this model holds stages {}", first, last,
+             StageSet(held_).describe(num_stages()));
   torch::Tensor x = input;
   for (int64_t stage = first; stage < last; ++stage) {
     x = run_stage(stage, x);
@@ -213,7 +264,7 @@ torch::Tensor LlamaForCausalLMImpl::forward(const torch::Tensor& tokens) {
 }
 
 torch::Tensor LlamaForCausalLMImpl::forward_cached(const torch::Tensor& tokens, std::vector<LayerKvCache>& cache) {
-  WEFT_CHECK(first_stage_ == 0 && last_stage_ == num_stages(), "cached decoding needs every stage of the model");
+  WEFT_CHECK(holds_every_stage(), "cached decoding needs every stage of the model");
   torch::NoGradGuard no_grad;
   if (cache.empty()) cache.resize(static_cast<size_t>(config_.num_hidden_layers));
   torch::Tensor x = run_stage(0, tokens, /*shard_tokens=*/false);

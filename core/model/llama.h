@@ -6,8 +6,8 @@
 //   stage L + 1      final norm + LM head        hidden -> logits [B, T, V] (compute dtype)
 // The loss is separate (cross_entropy), computed from the last stage's logits.
 //
-// A model may be built with only a range of stages materialised (a pipeline rank builds only
-// its own); parameter names are always the full model's HF names, e.g. "model.layers.7.mlp.up_proj.weight",
+// A model may be built with only some stages materialised (a pipeline rank builds only its own:
+// one range, or several with virtual stages); parameter names are always the full model's HF names, e.g. "model.layers.7.mlp.up_proj.weight",
 // so checkpoints and initialisation do not depend on which stages a process holds.
 #pragma once
 
@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <torch/nn/module.h>
@@ -33,10 +34,26 @@ struct StageRange {
   int64_t last = -1;  // one past the last stage held; -1 = through the end
 };
 
+// The stages a process holds: one range, or several disjoint ones in ascending order (a
+// pipeline rank's virtual stages, ABI 1.10 stage_chunks). Default: every stage.
+struct StageSet {
+  std::vector<StageRange> ranges{StageRange{}};
+  StageSet() = default;
+  StageSet(StageRange range) : ranges{range} {}  // NOLINT(google-explicit-constructor): one range is a set
+  explicit StageSet(std::vector<StageRange> r) : ranges(std::move(r)) {}
+  // The ranges with -1 resolved against `num_stages`; throws weft::Error unless they are
+  // non-empty, ascending, disjoint, not adjacent and within [0, num_stages).
+  std::vector<StageRange> resolved(int64_t num_stages) const;
+  // Whether `stage` is in one of the ranges (resolved against num_stages).
+  bool holds(int64_t stage, int64_t num_stages) const;
+  // "[0, 3)" or "[0, 2) + [5, 7)".
+  std::string describe(int64_t num_stages) const;
+};
+
 struct ModelOptions {
   torch::Dtype compute_dtype = torch::kFloat32;  // kFloat32 or kBFloat16
   bool activation_checkpointing = false;         // recompute each decoder block in backward
-  StageRange stages;                             // which stages this process materialises
+  StageSet stages;                               // which stages this process materialises
   // Tensor parallelism: the slice of each weight this process holds (parallel.h) and the hook
   // the model calls at Megatron's communication points (none: a whole model).
   ShardMap shards;
@@ -64,12 +81,15 @@ struct LocalShape {
 };
 // Throws weft::Error naming the parameter and the problem when `shards` is not a layout the
 // model can run (a split that does not divide the heads, a norm split, a transposed split...).
-LocalShape local_shape(const ModelConfig& config, const ShardMap& shards, int64_t first_stage, int64_t last_stage);
+LocalShape local_shape(const ModelConfig& config, const ShardMap& shards, const std::vector<StageRange>& held);
+// The parameters (HF names and shapes) of the stages in `held` (parallel.h parameter_specs per range).
+std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_specs(const ModelConfig& config,
+                                                                          const std::vector<StageRange>& held);
 
 class LlamaBackboneImpl : public torch::nn::Module {
  public:
-  LlamaBackboneImpl(const ModelConfig& config, int64_t first_stage, int64_t last_stage, const LocalShape& local,
-                    const CommHook* comm, QuantConfig quantize = {});
+  LlamaBackboneImpl(const ModelConfig& config, const StageSet& held, const LocalShape& local, const CommHook* comm,
+                    QuantConfig quantize = {});
   torch::nn::Embedding embed_tokens{nullptr};  // present when stage 0 (or a tied head) is held
   std::shared_ptr<torch::nn::Module> layers;   // children "i" -> DecoderBlock for held blocks
   RMSNorm norm{nullptr};                       // present when the last stage is held
@@ -88,8 +108,10 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   const ModelConfig& config() const { return config_; }
   const ModelOptions& options() const { return options_; }
   int64_t num_stages() const { return config_.num_hidden_layers + 2; }
-  int64_t first_stage() const { return first_stage_; }
-  int64_t last_stage() const { return last_stage_; }  // one past the last held stage
+  // The stages this model holds (resolved: ascending, disjoint ranges).
+  const std::vector<StageRange>& held_stages() const { return held_; }
+  bool holds_stage(int64_t stage) const;
+  bool holds_every_stage() const { return held_.size() == 1 && held_[0].first == 0 && held_[0].last == num_stages(); }
 
   // Runs stages [first, last) on `input` (tokens if first == 0, else hidden states).
   // Throws weft::Error if a stage in the range is not held by this model.
@@ -133,7 +155,7 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
 
   ModelConfig config_;
   ModelOptions options_;
-  int64_t first_stage_, last_stage_;
+  std::vector<StageRange> held_;
   LocalShape local_;
   RotaryEmbedding rope_;
 };

@@ -57,6 +57,7 @@ Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute
   plan.sequence_parallel_attention = WEFT_SEQUENCE_ATTENTION_EXCHANGE;
   plan.tensor_sequence_size = 1;
   plan.tensor_sequence_rank = 0;
+  plan.stage_chunks = 1;
   if (library_->api().plan) check(library_->api().plan(instance_, &plan), "plan");
   WEFT_CHECK(0 <= plan.first_stage && plan.first_stage < plan.last_stage && plan.last_stage <= num_stages,
              "plugin {}: plan chose stages [{}, {}) of a {}-stage model", library_->name(), plan.first_stage,
@@ -65,7 +66,24 @@ Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute
                  plan.data_parallel_rank < plan.data_parallel_size,
              "plugin {}: plan chose data-parallel rank {} of {}", library_->name(), plan.data_parallel_rank,
              plan.data_parallel_size);
-  Placement placement{{plan.first_stage, plan.last_stage}, plan.data_parallel_rank, plan.data_parallel_size};
+  Placement placement{StageRange{plan.first_stage, plan.last_stage}, plan.data_parallel_rank, plan.data_parallel_size};
+  if (library_->negotiated_abi().minor >= 10 && plan.stage_chunks != 1) {  // virtual pipeline stages
+    const int32_t chunks = plan.stage_chunks;
+    WEFT_CHECK(chunks >= 1 && chunks <= WEFT_MAX_STAGE_CHUNKS, "plugin {}: plan chose {} stage chunks (1 to {})",
+               library_->name(), chunks, WEFT_MAX_STAGE_CHUNKS);
+    std::vector<StageRange> ranges;
+    for (int32_t i = 0; i < chunks; ++i) ranges.push_back({plan.chunk_stages[2 * i], plan.chunk_stages[2 * i + 1]});
+    try {
+      StageSet(ranges).resolved(num_stages);
+    } catch (const Error& e) {
+      throw Error(fmt::format("plugin {}: plan's stage chunks: {}", library_->name(), e.what()));
+    }
+    WEFT_CHECK(ranges.front().first == plan.first_stage && ranges.back().last == plan.last_stage,
+               "plugin {}: plan's stage chunks span [{}, {}) but first_stage/last_stage say [{}, {})", library_->name(),
+               ranges.front().first, ranges.back().last, plan.first_stage, plan.last_stage);
+    placement.stages = StageSet(std::move(ranges));
+  }
+  const bool every_stage = placement.stages.ranges.size() == 1 && plan.first_stage == 0 && plan.last_stage == num_stages;
   if (library_->negotiated_abi().minor >= 4) {
     const int32_t size = plan.sequence_parallel_size, rank = plan.sequence_parallel_rank;
     WEFT_CHECK(size >= 1 && 0 <= rank && rank < size, "plugin {}: plan chose sequence-parallel rank {} of {}",
@@ -101,7 +119,7 @@ Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute
       WEFT_CHECK(seq_len % parts == 0, "data.seq_len = {} cannot be split over {} sequence-parallel ranks (plugin {}{}): "
                  "choose a multiple of {}", seq_len, size, library_->name(),
                  layout == WEFT_SEQUENCE_BALANCED ? ", balanced layout: 2 chunks per rank" : "", parts);
-      WEFT_CHECK(plan.first_stage == 0 && plan.last_stage == num_stages,
+      WEFT_CHECK(every_stage,
                  "plugin {}: sequence parallelism with a split of the model's stages is not supported", library_->name());
     }
     sequence_ = SequenceSplit{};
@@ -138,7 +156,7 @@ Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute
                  library_->name(), placement.sequence_parallel_size, size);
       WEFT_CHECK(seq_len % size == 0, "data.seq_len = {} cannot be split over {} tensor-parallel ranks (plugin {}, "
                  "sequence parallelism): choose a multiple of {}", seq_len, size, library_->name(), size);
-      WEFT_CHECK(plan.first_stage == 0 && plan.last_stage == num_stages,
+      WEFT_CHECK(every_stage,
                  "plugin {}: tensor sequence parallelism with a split of the model's stages is not supported",
                  library_->name());
       spdlog::info("plugin {} shards the residual stream between tensor-parallel regions over {} ranks (Megatron "
@@ -152,10 +170,10 @@ Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute
   return placement;
 }
 
-ShardMap StrategySession::shards(const ModelConfig& config, const StageRange& stages) {
+ShardMap StrategySession::shards(const ModelConfig& config, const StageSet& stages) {
   ShardMap shards;
   if (library_->api().shard_parameter == nullptr) return shards;
-  for (const auto& [name, shape] : parameter_specs(config, stages.first, stages.last)) {
+  for (const auto& [name, shape] : parameter_specs(config, stages.resolved(config.num_hidden_layers + 2))) {
     weft_parameter_info info{};
     info.name = name.c_str();
     info.stage = stage_of_parameter(name, config.num_hidden_layers);
@@ -174,7 +192,7 @@ ShardMap StrategySession::shards(const ModelConfig& config, const StageRange& st
   return shards;
 }
 
-MemoryPlan StrategySession::memory_plan(const std::vector<weft_stage_memory>& stages, const StageRange& held,
+MemoryPlan StrategySession::memory_plan(const std::vector<weft_stage_memory>& stages, const StageSet& held,
                                         int32_t micro_batches, int64_t rows, int64_t seq_len) {
   host_->set_stage_memory(stages);
   weft_memory_plan plan{};
@@ -182,7 +200,8 @@ MemoryPlan StrategySession::memory_plan(const std::vector<weft_stage_memory>& st
   plan.micro_batches = micro_batches;
   plan.rows_per_micro_batch = rows;
   plan.seq_len = seq_len;
-  for (int64_t s = held.first; s < held.last; ++s) {  // the one-process layout of what this rank holds
+  for (int64_t s = 0; s < static_cast<int64_t>(stages.size()); ++s) {  // the one-process layout of what this rank holds
+    if (!held.holds(s, static_cast<int64_t>(stages.size()))) continue;
     const auto& stage = stages[static_cast<size_t>(s)];
     plan.parameter_bytes += stage.parameter_bytes;
     plan.gradient_bytes += stage.trainable_bytes;

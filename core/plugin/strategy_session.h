@@ -27,7 +27,7 @@ class Communicator;
 
 // Where the plugin puts this rank: the model stages it holds and its data-parallel coordinates.
 struct Placement {
-  StageRange stages;
+  StageSet stages;  // one range, or a pipeline rank's virtual stages (ABI 1.10)
   int data_parallel_rank = 0;
   int data_parallel_size = 1;
   int sequence_parallel_rank = 0;  // ABI 1.4: this rank's share of every sequence
@@ -76,11 +76,11 @@ class StrategySession {
   // stands (the one-process layout for a plugin without a plan).
   Placement place(const ModelConfig& config, torch::Dtype compute_dtype, int64_t seq_len, int64_t batch_rows);
   // How this rank holds each parameter of `stages` (empty: every tensor whole).
-  ShardMap shards(const ModelConfig& config, const StageRange& stages);
+  ShardMap shards(const ModelConfig& config, const StageSet& stages);
   // This rank's memory plan for `stages` (the host's estimate of each model stage as this rank
-  // holds it) over [held.first, held.last), micro-batches of `rows` sequences of seq_len; the
+  // holds it) over the stages in `held`, micro-batches of `rows` sequences of seq_len; the
   // plugin adjusts it (memory_plan). No communication.
-  MemoryPlan memory_plan(const std::vector<weft_stage_memory>& stages, const StageRange& held, int32_t micro_batches,
+  MemoryPlan memory_plan(const std::vector<weft_stage_memory>& stages, const StageSet& held, int32_t micro_batches,
                          int64_t rows, int64_t seq_len);
   // The communication the model runs at its fixed points, or null for a plugin without any.
   std::shared_ptr<const CommHook> comm_hook();

@@ -292,6 +292,8 @@ std::vector<ConformanceCase> conformance_matrix() {
   both("gpipe", 2, {});
   both("gpipe", 4, {});
   both("gpipe", 4, {"plugin.stages=2"});                  // pp 2 x dp 2
+  both("gpipe", 2, {"plugin.schedule=\"interleaved1f1b\""});  // 2 stages x 2 chunks (virtual stages)
+  both("gpipe", 4, {"plugin.stages=2", "plugin.schedule=\"interleaved1f1b\""});
   both("pipedream", 2, {});
   both("pipedream", 4, {});
   both("context_parallel", 2, {});                        // Ulysses all-to-all

@@ -25,15 +25,18 @@ std::vector<torch::Tensor> stage_parameters(LlamaForCausalLMImpl& model, int64_t
 ModelGather::ModelGather(LlamaForCausalLMImpl& local, Communicator& communicator, std::optional<LoraConfig> lora)
     : local_(local), communicator_(communicator), lora_(std::move(lora)) {
   auto& world = communicator_.world();
-  auto ranges = torch::zeros({world.size, 2}, torch::kLong);
-  ranges[world.rank][0] = local_.first_stage();
-  ranges[world.rank][1] = local_.last_stage();
-  auto ranges_sum = communicator_.all_reduce(world, ranges, c10d::ReduceOp::SUM);
-  communicator_.wait(ranges_sum);
+  const int64_t num_stages = local_.num_stages();
+  auto held = torch::zeros({world.size, num_stages}, torch::kLong);  // which model stages each rank holds
+  for (int64_t s = 0; s < num_stages; ++s) held[world.rank][s] = local_.holds_stage(s) ? 1 : 0;
+  auto held_sum = communicator_.all_reduce(world, held, c10d::ReduceOp::SUM);
+  communicator_.wait(held_sum);
   bool staged = false;
   for (int32_t r = 0; r < world.size; ++r) {
-    ranges_.emplace_back(ranges[r][0].item<int64_t>(), ranges[r][1].item<int64_t>());
-    staged = staged || ranges_.back().first != 0 || ranges_.back().second != local_.num_stages();
+    held_.emplace_back();
+    for (int64_t s = 0; s < num_stages; ++s) {
+      held_.back().push_back(held[r][s].item<int64_t>() != 0);
+      staged = staged || !held_.back().back();
+    }
   }
   // Every rank's (parts, index) of each of its parameters (same list on every rank when no
   // stage is split).
@@ -71,7 +74,7 @@ ModelGather::ModelGather(LlamaForCausalLMImpl& local, Communicator& communicator
     const int64_t stage = stage_of_parameter(name, layers);
     int32_t first = -1;
     for (int32_t r = 0; r < world.size && first < 0; ++r) {
-      if (ranges_[static_cast<size_t>(r)].first > stage || stage >= ranges_[static_cast<size_t>(r)].second) continue;
+      if (!held_[static_cast<size_t>(r)][static_cast<size_t>(stage)]) continue;
       if (sliced_ && slices_[static_cast<size_t>(r)][i] != slices_[static_cast<size_t>(world.rank)][i]) continue;
       first = r;
     }
@@ -127,7 +130,7 @@ LlamaForCausalLMImpl* ModelGather::gather() {
   std::vector<int32_t> owner(static_cast<size_t>(stages), -1);
   for (int64_t s = 0; s < stages; ++s) {
     for (int32_t r = 0; r < world.size && owner[s] < 0; ++r) {
-      if (ranges_[r].first <= s && s < ranges_[r].second) owner[s] = r;
+      if (held_[static_cast<size_t>(r)][static_cast<size_t>(s)]) owner[s] = r;
     }
     WEFT_CHECK(owner[s] >= 0, "no rank holds model stage {}; cannot save the model", s);
   }

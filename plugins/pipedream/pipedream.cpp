@@ -8,7 +8,8 @@
 //          (semantics in async_pipeline.hpp). Needs train.grad_accum_steps = 1; ignores
 //          plugin.microbatches. Not equal to the one-process run by design (stale weights), so
 //          it is checked by its own tests, not by the conformance check.
-// Everything else is plugins/pipeline (see pipeline_strategy.hpp).
+// Everything else is plugins/pipeline (see pipeline_strategy.hpp), including plugin.schedule:
+// "interleaved1f1b" (with plugin.chunks) runs Megatron's virtual pipeline in flush mode.
 #include <memory>
 #include <string>
 
@@ -31,7 +32,12 @@ std::string checked_mode(const weft::sdk::Host& host) {
 
 class PipeDream : public weft::pipeline::PipelineStrategy {
  public:
-  explicit PipeDream(weft::sdk::Host host) : PipelineStrategy(host, "pipedream", "1f1b"), mode_(checked_mode(host)) {}
+  explicit PipeDream(weft::sdk::Host host) : PipelineStrategy(host, "pipedream", "1f1b"), mode_(checked_mode(host)) {
+    if (mode_ == "async" && schedule_name() != "1f1b") {
+      throw Error(WEFT_STATUS_BAD_CONFIG, "pipedream: mode \"async\" runs its own 1F1B schedule without a flush; "
+                                          "plugin.schedule = \"" + schedule_name() + "\" needs mode \"flush\"");
+    }
+  }
 
   void setup() override {
     PipelineStrategy::setup();

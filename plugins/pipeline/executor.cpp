@@ -37,31 +37,39 @@ struct Executor::Slot {
 Executor::Executor(const weft::sdk::Host& host, weft::sdk::Group world, const Placement& placement, bool recompute)
     : host_(host), world_(world), placement_(placement), recompute_(recompute) {}
 
-int32_t Executor::peer(bool to_next) const {
+int32_t Executor::peer(bool to_next) const {  // virtual stage u +- 1 lives on stage p +- 1 (mod S)
   const int32_t base = placement_.replica * placement_.stages;
-  return base + placement_.stage + (to_next ? 1 : -1);
+  return base + (placement_.stage + (to_next ? 1 : placement_.stages - 1)) % placement_.stages;
 }
 
-void Executor::receive(Slot& slot, bool gradient, int32_t micro_batch) {
+int32_t Executor::tag(const Action& action, bool gradient, bool to_next) const {
+  const int32_t u = action.chunk * placement_.stages + placement_.stage;
+  return transfer_tag(action.micro_batch, to_next ? u : u - 1, placement_.stages * placement_.chunks(), gradient);
+}
+
+void Executor::receive(Slot& slot, bool gradient, const Action& action) {
   weft::sdk::Buffer& buffer = gradient ? slot.gradient_buffer : slot.activation_buffer;
   buffer = host_.buffer({rows_ / splits_, seq_len_, placement_.hidden_size}, DLDataType{kDLFloat, 32, 1});
   DLTensor view = buffer.view();
-  Work work = host_.recv(world_, view, peer(/*to_next=*/gradient), transfer_tag(micro_batch, gradient));
+  // Activations come from the previous virtual stage, gradients from the next.
+  Work work = host_.recv(world_, view, peer(/*to_next=*/gradient), tag(action, gradient, /*to_next=*/gradient));
   (gradient ? slot.gradient_work : slot.activation_work) = std::move(work);
 }
 
-void Executor::forward(Slot& slot, int32_t micro_batch, const Schedule& schedule, RunStats& stats) {
-  const std::string name = "F" + std::to_string(micro_batch);
+void Executor::forward(Slot& slot, const Action& action, const Schedule& schedule, RunStats& stats) {
+  const int32_t micro_batch = action.micro_batch, chunk = action.chunk;
+  const std::string name = to_string(action);
   const int32_t host_micro_batch = micro_batch / splits_;
   const int32_t split = micro_batch % splits_;
-  if (placement_.is_first() || placement_.is_last()) {
+  const bool first = placement_.is_first_virtual(chunk), last = placement_.is_last_virtual(chunk);
+  if (first || last) {
     weft::sdk::Batch batch = host_.batch(host_micro_batch, split, splits_);
-    if (placement_.is_first()) slot.input = std::move(batch.inputs);
-    if (placement_.is_last()) slot.targets = std::move(batch.targets);
+    if (first) slot.input = std::move(batch.inputs);
+    if (last) slot.targets = std::move(batch.targets);
   }
-  if (!placement_.is_first()) {
+  if (!first) {
     {
-      TraceSpan wait(host_, "recv", "recv A" + std::to_string(micro_batch));
+      TraceSpan wait(host_, "recv", "recv A" + name.substr(1));
       slot.activation_work.wait();
     }
     slot.activation_work = Work();
@@ -71,8 +79,9 @@ void Executor::forward(Slot& slot, int32_t micro_batch, const Schedule& schedule
   const auto start = Clock::now();
   TraceSpan span(host_, "forward", name);
   uint32_t flags = train_ ? (recompute_ ? WEFT_FORWARD_RECOMPUTE : 0u) : WEFT_FORWARD_NO_GRAD;
-  Activation out = host_.forward(placement_.first_model_stage, placement_.last_model_stage, slot.input, flags);
-  if (placement_.is_last()) {
+  const auto& stages = placement_.chunk_stages.at(static_cast<size_t>(chunk));
+  Activation out = host_.forward(stages.first, stages.second, slot.input, flags);
+  if (last) {
     weft::sdk::Loss loss = host_.loss(out, slot.targets, train_ ? 1.0 / schedule.micro_batches : 1.0);
     stats.loss_sum += loss.value;
     stats.token_loss_sum += loss.value * static_cast<double>(loss.tokens);
@@ -82,22 +91,23 @@ void Executor::forward(Slot& slot, int32_t micro_batch, const Schedule& schedule
   } else {
     slot.output = std::move(out);
   }
-  if (!train_ && placement_.is_first()) slot.input = Activation();
+  if (!train_ && first) slot.input = Activation();
   stats.compute_seconds += seconds_since(start);
 }
 
-void Executor::send(Slot& slot, bool gradient, int32_t micro_batch) {
+void Executor::send(Slot& slot, bool gradient, const Action& action) {
   const Activation& data = gradient ? slot.input_grad : slot.output;
-  if (!data) throw Error(WEFT_STATUS_INTERNAL, "pipeline: nothing to send for micro-batch " + std::to_string(micro_batch));
+  if (!data) throw Error(WEFT_STATUS_INTERNAL, "pipeline: nothing to send for " + to_string(action));
   DLTensor view = host_.activation_view(data);
-  pending_sends_->push_back(host_.send(world_, view, peer(/*to_next=*/!gradient), transfer_tag(micro_batch, gradient)));
+  pending_sends_->push_back(host_.send(world_, view, peer(/*to_next=*/!gradient), tag(action, gradient, !gradient)));
 }
 
-void Executor::backward(Slot& slot, int32_t micro_batch, RunStats& stats) {
+void Executor::backward(Slot& slot, const Action& action, RunStats& stats) {
+  const bool first = placement_.is_first_virtual(action.chunk), last = placement_.is_last_virtual(action.chunk);
   Activation grad;
-  if (!placement_.is_last()) {
+  if (!last) {
     {
-      TraceSpan wait(host_, "recv", "recv G" + std::to_string(micro_batch));
+      TraceSpan wait(host_, "recv", "recv G" + to_string(action).substr(1));
       slot.gradient_work.wait();
     }
     slot.gradient_work = Work();
@@ -106,14 +116,14 @@ void Executor::backward(Slot& slot, int32_t micro_batch, RunStats& stats) {
   }
   const auto start = Clock::now();
   {
-    TraceSpan span(host_, "backward", "B" + std::to_string(micro_batch));
-    if (placement_.is_last()) {
+    TraceSpan span(host_, "backward", to_string(action));
+    if (last) {
       host_.backward(slot.output);
     } else {
       host_.backward(slot.output, grad);
     }
   }
-  if (!placement_.is_first()) {
+  if (!first) {
     slot.input_grad = host_.activation_grad(slot.input);
     slot.input = Activation();  // the gradient tensor lives on in input_grad until it is sent
   }
@@ -125,12 +135,13 @@ RunStats Executor::run(const Schedule& schedule, int32_t splits, int64_t rows, i
     throw Error(WEFT_STATUS_INVALID_ARGUMENT, "pipeline: " + std::to_string(rows) + " rows per micro-batch cannot be split into " +
                                                   std::to_string(splits) + " equal pipeline micro-batches");
   }
-  if (schedule.chunks != 1) {  // virtual stages need a rank to hold non-contiguous model stages
-    throw Error(WEFT_STATUS_UNSUPPORTED, "pipeline: schedule '" + schedule.name + "' has " +
-                                             std::to_string(schedule.chunks) +
-                                             " virtual stages per rank, which this executor cannot run yet");
+  const int32_t chunks = placement_.chunks();
+  if (schedule.chunks != chunks) {
+    throw Error(WEFT_STATUS_INTERNAL, "pipeline: schedule '" + schedule.name + "' has " +
+                                          std::to_string(schedule.chunks) + " virtual stages per rank, this rank holds " +
+                                          std::to_string(chunks));
   }
-  std::vector<Slot> slots(static_cast<size_t>(schedule.micro_batches));
+  std::vector<Slot> slots(static_cast<size_t>(schedule.micro_batches) * static_cast<size_t>(chunks));
   std::vector<Work> pending_sends;
   slots_ = &slots;
   pending_sends_ = &pending_sends;
@@ -143,23 +154,23 @@ RunStats Executor::run(const Schedule& schedule, int32_t splits, int64_t rows, i
   const auto start = Clock::now();
   const auto& actions = schedule.actions.at(static_cast<size_t>(placement_.stage));
   for (const Action& a : actions) {
-    Slot* slot = a.micro_batch >= 0 ? &slots.at(static_cast<size_t>(a.micro_batch)) : nullptr;
+    Slot* slot = a.micro_batch >= 0 ? &slots.at(static_cast<size_t>(a.micro_batch) * chunks + a.chunk) : nullptr;
     switch (a.kind) {
-      case ActionKind::kRecvActivation: receive(*slot, false, a.micro_batch); break;
-      case ActionKind::kRecvGradient: receive(*slot, true, a.micro_batch); break;
+      case ActionKind::kRecvActivation: receive(*slot, false, a); break;
+      case ActionKind::kRecvGradient: receive(*slot, true, a); break;
       case ActionKind::kForward:
-        forward(*slot, a.micro_batch, schedule, stats);
+        forward(*slot, a, schedule, stats);
         if (train_) stats.peak_in_flight = std::max(stats.peak_in_flight, ++in_flight);
         break;
-      case ActionKind::kSendActivation: send(*slot, false, a.micro_batch); break;
+      case ActionKind::kSendActivation: send(*slot, false, a); break;
       case ActionKind::kBackward: {
-        backward(*slot, a.micro_batch, stats);
+        backward(*slot, a, stats);
         --in_flight;
         slot->output = Activation();  // frees the micro-batch's graph; the input stays until its
-        if (placement_.is_first()) slot->input = Activation();  // gradient is sent
+        if (placement_.is_first_virtual(a.chunk)) slot->input = Activation();  // gradient is sent
         break;
       }
-      case ActionKind::kSendGradient: send(*slot, true, a.micro_batch); break;
+      case ActionKind::kSendGradient: send(*slot, true, a); break;
       case ActionKind::kOptimizerStep: break;
     }
   }

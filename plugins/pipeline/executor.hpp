@@ -1,7 +1,9 @@
 // executor.hpp - runs a verified pipeline schedule on this rank through the host's services.
 //
-// This rank is pipeline stage `stage` of `stages`, holding model stages [first, last). For each
-// action of its list:
+// This rank is pipeline stage `stage` of `stages`, holding model stages [first, last), or with
+// virtual stages (Schedule::chunks = v > 1) one range per chunk: chunk c is virtual stage
+// c x stages + stage; virtual stage 0 takes the token ids, virtual stage stages x v - 1 runs the
+// loss. For each action of its list (per micro-batch and chunk):
 //  - RECV_ACTIVATION / RECV_GRADIENT post an asynchronous receive into a plugin-owned fp32
 //    buffer [rows, seq_len, hidden] (hidden states and their gradients are fp32 in every
 //    precision, see weft_model_info);
@@ -19,6 +21,7 @@
 #define WEFT_PLUGINS_PIPELINE_EXECUTOR_HPP
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include <weft/strategy.hpp>
@@ -35,11 +38,17 @@ struct Placement {
   int32_t stage = 0;
   int32_t replicas = 1;
   int32_t replica = 0;
-  int64_t first_model_stage = 0;  // model stages [first, last) held by this rank
+  int64_t first_model_stage = 0;  // model stages [first, last) held by this rank (chunk 0's)
   int64_t last_model_stage = 0;
+  // Virtual stages: chunk c holds model stages [chunk_stages[c].first, chunk_stages[c].second)
+  // (one entry, equal to the range above, without them).
+  std::vector<std::pair<int64_t, int64_t>> chunk_stages;
   int64_t hidden_size = 0;
-  bool is_first() const { return stage == 0; }
-  bool is_last() const { return stage == stages - 1; }
+  int32_t chunks() const { return chunk_stages.empty() ? 1 : static_cast<int32_t>(chunk_stages.size()); }
+  bool is_first() const { return stage == 0; }            // holds the embedding (virtual stage 0)
+  bool is_last() const { return stage == stages - 1; }   // holds the head (the last virtual stage)
+  bool is_first_virtual(int32_t chunk) const { return is_first() && chunk == 0; }
+  bool is_last_virtual(int32_t chunk) const { return is_last() && chunk == chunks() - 1; }
 };
 
 // What one run of a schedule measured on this rank.
@@ -47,7 +56,7 @@ struct RunStats {
   double loss_sum = 0.0;        // last stage: sum over micro-batches of the unscaled mean loss
   double token_loss_sum = 0.0;  // last stage: sum of value * tokens
   int64_t tokens = 0;           // last stage: target tokens
-  int32_t peak_in_flight = 0;   // micro-batches forwarded and not yet back-propagated
+  int32_t peak_in_flight = 0;   // micro-batches forwarded and not yet back-propagated (per chunk)
   double compute_seconds = 0.0; // inside FORWARD / BACKWARD
   double wall_seconds = 0.0;    // from the first action to the end of the flush
 };
@@ -66,12 +75,14 @@ class Executor {
   RunStats run(const Schedule& schedule, int32_t splits, int64_t rows, int64_t seq_len);
 
  private:
-  struct Slot;  // one micro-batch's handles and buffers on this rank
-  void receive(Slot& slot, bool gradient, int32_t micro_batch);
-  void forward(Slot& slot, int32_t micro_batch, const Schedule& schedule, RunStats& stats);
-  void backward(Slot& slot, int32_t micro_batch, RunStats& stats);
-  void send(Slot& slot, bool gradient, int32_t micro_batch);
+  struct Slot;  // one micro-batch's handles and buffers on one chunk of this rank
+  void receive(Slot& slot, bool gradient, const Action& action);
+  void forward(Slot& slot, const Action& action, const Schedule& schedule, RunStats& stats);
+  void backward(Slot& slot, const Action& action, RunStats& stats);
+  void send(Slot& slot, bool gradient, const Action& action);
   int32_t peer(bool to_next) const;
+  // The tag of a transfer between this rank's chunk `chunk` and its neighbour in that direction.
+  int32_t tag(const Action& action, bool gradient, bool to_next) const;
 
   weft::sdk::Host host_;
   weft::sdk::Group world_;
@@ -85,8 +96,11 @@ class Executor {
   bool train_ = true;
 };
 
-// The tag of a transfer: micro-batch k's activation (2k) or gradient (2k + 1).
-inline int32_t transfer_tag(int32_t micro_batch, bool gradient) { return 2 * micro_batch + (gradient ? 1 : 0); }
+// The tag of a transfer across the edge from virtual stage `edge` to `edge` + 1 (of
+// `virtual_stages`): micro-batch k's activation (even) or the gradient sent back across it (odd).
+inline int32_t transfer_tag(int32_t micro_batch, int32_t edge, int32_t virtual_stages, bool gradient) {
+  return 2 * (micro_batch * virtual_stages + edge) + (gradient ? 1 : 0);
+}
 
 }  // namespace pipeline
 }  // namespace weft

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cinttypes>
+#include <cstddef>
 #include <stdexcept>
 #include <utility>
 
@@ -34,10 +35,29 @@ PipelineStrategy::PipelineStrategy(weft::sdk::Host host, std::string plugin, std
                 plugin_ + ": plugin.microbatches must be in [1, 4096], got " + std::to_string(microbatches));
   }
   microbatches_ = static_cast<int32_t>(microbatches);
+  schedule_name_ = host.config_string("schedule", schedule_name_);
+  if (schedule_name_ != "gpipe" && schedule_name_ != "1f1b" && schedule_name_ != "interleaved1f1b") {
+    throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": plugin.schedule must be \"gpipe\", \"1f1b\" or \"interleaved1f1b\", got \"" +
+                                            schedule_name_ + "\"");
+  }
+  const bool interleaved = schedule_name_ == "interleaved1f1b";
+  const int64_t chunks = host.config_int("chunks", interleaved ? 2 : 1);
+  if (chunks < 1 || chunks > WEFT_MAX_STAGE_CHUNKS || (!interleaved && chunks != 1)) {
+    throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": plugin.chunks = " + std::to_string(chunks) +
+                                            (interleaved ? " must be in [1, " + std::to_string(WEFT_MAX_STAGE_CHUNKS) + "]"
+                                                         : ": virtual stages need plugin.schedule = \"interleaved1f1b\""));
+  }
+  chunks_ = static_cast<int32_t>(chunks);
+  if (interleaved && microbatches_ % stages != 0) {
+    throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": interleaved 1F1B sends micro-batches through the chunks in groups "
+                                            "of the stages: plugin.microbatches = " + std::to_string(microbatches_) +
+                                            " must be a multiple of plugin.stages = " + std::to_string(stages));
+  }
   balance_ = host.config_int_list("balance");
-  if (!balance_.empty() && static_cast<int64_t>(balance_.size()) != stages) {
+  if (!balance_.empty() && static_cast<int64_t>(balance_.size()) != stages * chunks_) {
     throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": plugin.balance has " + std::to_string(balance_.size()) +
-                                            " entries for " + std::to_string(stages) + " stages");
+                                            " entries for " + std::to_string(stages * chunks_) +
+                                            (chunks_ > 1 ? " virtual stages (stages x chunks)" : " stages"));
   }
   partition_by_ = host.config_string("partition", "parameters");
   if (partition_by_ != "parameters" && partition_by_ != "time") {
@@ -52,7 +72,11 @@ PipelineStrategy::PipelineStrategy(weft::sdk::Host host, std::string plugin, std
   placement_.replicas = world / placement_.stages;
   placement_.stage = world_.rank() % placement_.stages;
   placement_.replica = world_.rank() / placement_.stages;
-  make_schedule(schedule_name_, placement_.stages, microbatches_);  // a bad name fails here
+  try {
+    make_schedule(schedule_name_, placement_.stages, microbatches_, chunks_);
+  } catch (const std::invalid_argument& e) {
+    throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": " + e.what());
+  }
 }
 
 std::vector<double> PipelineStrategy::parameter_costs(const weft_model_info& info) const {
@@ -83,27 +107,50 @@ std::vector<double> PipelineStrategy::profiled_costs(int64_t model_stages) const
 void PipelineStrategy::plan(weft_model_plan& plan) {
   const weft_model_info info = host().model_info();
   const int64_t layers = info.num_layers;
+  const int32_t parts = placement_.stages * chunks_;  // virtual stages
+  if (chunks_ > 1 && (host().negotiated_minor() < 10 ||
+                      plan.struct_size < offsetof(weft_model_plan, chunk_stages) + sizeof(plan.chunk_stages))) {
+    throw Error(WEFT_STATUS_UNSUPPORTED, plugin_ + ": plugin.chunks = " + std::to_string(chunks_) +
+                                             " needs a host with ABI >= 1.10 (virtual pipeline stages)");
+  }
   try {
     if (!balance_.empty()) {
       partition_ = partition_from_balance(balance_, layers);
     } else if (partition_by_ == "time") {
-      partition_ = balanced_partition(profiled_costs(layers + 2), placement_.stages);
+      partition_ = balanced_partition(profiled_costs(layers + 2), parts);
     } else {
-      partition_ = balanced_partition(parameter_costs(info), placement_.stages);
+      partition_ = balanced_partition(parameter_costs(info), parts);
     }
   } catch (const std::invalid_argument& e) {
-    throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": " + e.what());
+    throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": " + e.what() +
+                                            (chunks_ > 1 ? " (" + std::to_string(placement_.stages) + " stages x " +
+                                                               std::to_string(chunks_) + " chunks)"
+                                                         : ""));
   }
-  placement_.first_model_stage = partition_[static_cast<size_t>(placement_.stage)];
-  placement_.last_model_stage = partition_[static_cast<size_t>(placement_.stage) + 1];
+  placement_.chunk_stages.clear();
+  for (int32_t c = 0; c < chunks_; ++c) {  // chunk c is virtual stage c x S + p
+    const auto u = static_cast<size_t>(c * placement_.stages + placement_.stage);
+    placement_.chunk_stages.emplace_back(partition_[u], partition_[u + 1]);
+  }
+  placement_.first_model_stage = placement_.chunk_stages.front().first;
+  placement_.last_model_stage = placement_.chunk_stages.front().second;
   placement_.hidden_size = info.hidden_size;
-  plan.first_stage = placement_.first_model_stage;
-  plan.last_stage = placement_.last_model_stage;
+  plan.first_stage = placement_.chunk_stages.front().first;
+  plan.last_stage = placement_.chunk_stages.back().second;
   plan.data_parallel_size = placement_.replicas;
   plan.data_parallel_rank = placement_.replica;
+  if (chunks_ > 1) {
+    plan.stage_chunks = chunks_;
+    for (int32_t c = 0; c < chunks_; ++c) {
+      plan.chunk_stages[2 * c] = placement_.chunk_stages[static_cast<size_t>(c)].first;
+      plan.chunk_stages[2 * c + 1] = placement_.chunk_stages[static_cast<size_t>(c)].second;
+    }
+  }
   if (world_.rank() == 0) {
-    WEFT_LOG_INFO(host(), "%s: %d stages x %d replicas, %d micro-batches, partition %s (layers per stage:%s)",
-                  plugin_.c_str(), placement_.stages, placement_.replicas, microbatches_, describe(partition_).c_str(),
+    WEFT_LOG_INFO(host(), "%s: %d stages x %d replicas, %d micro-batches, schedule %s%s, partition %s (layers per %s:%s)",
+                  plugin_.c_str(), placement_.stages, placement_.replicas, microbatches_, schedule_name_.c_str(),
+                  chunks_ > 1 ? (" with " + std::to_string(chunks_) + " chunks per stage (stage p holds parts p, p + S, ...)").c_str() : "",
+                  describe(partition_).c_str(), chunks_ > 1 ? "part" : "stage",
                   [&] {
                     std::string s;
                     for (int64_t b : balance_of(partition_)) s += " " + std::to_string(b);
@@ -155,7 +202,7 @@ const Schedule& PipelineStrategy::verified_schedule(const std::string& name, int
   const auto key = std::make_pair(name, micro_batches);
   auto it = schedules_.find(key);
   if (it != schedules_.end()) return it->second;
-  Schedule schedule = make_schedule(name, placement_.stages, micro_batches);
+  Schedule schedule = make_schedule(name, placement_.stages, micro_batches, chunks_);
   const Verification v = verify(schedule);
   if (!v.ok) {
     throw Error(WEFT_STATUS_INTERNAL, plugin_ + ": schedule " + name + " (" + std::to_string(placement_.stages) +
@@ -173,24 +220,36 @@ const Schedule& PipelineStrategy::verified_schedule(const std::string& name, int
 void PipelineStrategy::memory_plan(weft_memory_plan& plan) {
   const int32_t M = plan.rows_per_micro_batch % microbatches_ == 0 ? microbatches_ : 1;
   const int64_t rows = plan.rows_per_micro_batch / M;  // per pipeline micro-batch
-  const Verification v = verify(make_schedule(schedule_name_, placement_.stages, M));
+  Verification v;
+  try {
+    v = verify(make_schedule(schedule_name_, placement_.stages, M, chunks_));
+  } catch (const std::invalid_argument&) {  // M not a multiple of the stages: the step refuses it
+  }
+  // Micro-batch activations in flight (chunk activations with virtual stages).
   const int64_t in_flight = v.ok && placement_.stage < static_cast<int32_t>(v.peak_in_flight.size())
                                 ? v.peak_in_flight[static_cast<size_t>(placement_.stage)]
-                                : M;
-  int64_t per_row = 0, copies = 0, inputs = 0, outputs = 0;
-  for (int64_t s = placement_.first_model_stage; s < placement_.last_model_stage; ++s) {
-    const weft_stage_memory m = host().stage_memory(s);
-    per_row += m.activation_bytes_per_row;
-    copies += m.weight_copy_bytes;
-    if (s == placement_.first_model_stage && s > 0) inputs = host().stage_memory(s - 1).output_bytes_per_row;
-    if (s + 1 == placement_.last_model_stage) outputs = m.output_bytes_per_row;
+                                : static_cast<int64_t>(M) * chunks_;
+  // Per chunk: activations per row and the boundary's input and output per row.
+  int64_t per_row = 0, largest_per_row = 0, copies = 0, inputs = 0, outputs = 0;
+  for (const auto& [first, last] : placement_.chunk_stages) {
+    int64_t chunk_per_row = 0;
+    for (int64_t s = first; s < last; ++s) {
+      const weft_stage_memory m = host().stage_memory(s);
+      chunk_per_row += m.activation_bytes_per_row;
+      copies += m.weight_copy_bytes;
+      if (s == first && s > 0) inputs += host().stage_memory(s - 1).output_bytes_per_row;
+      if (s + 1 == last) outputs += m.output_bytes_per_row;
+    }
+    per_row += chunk_per_row;
+    largest_per_row = std::max(largest_per_row, chunk_per_row);
   }
-  if (recompute_) {  // every micro-batch keeps its stage input; one is re-materialised at a time
-    plan.activation_bytes = copies + rows * (in_flight * inputs + per_row);
+  const int64_t chunks = chunks_;  // an activation in flight is one chunk's: the mean chunk's size
+  if (recompute_) {  // every micro-batch keeps its chunk input; one chunk is re-materialised at a time
+    plan.activation_bytes = copies + rows * (in_flight * inputs / chunks + largest_per_row);
   } else {
-    plan.activation_bytes = copies + rows * in_flight * (per_row + inputs);
+    plan.activation_bytes = copies + rows * in_flight * (per_row + inputs) / chunks;
   }
-  plan.buffer_bytes += rows * (inputs + outputs) * 2;  // receive buffers and gradients of the boundary
+  plan.buffer_bytes += rows * (inputs + outputs) * 2;  // receive buffers and gradients of the boundaries
   if (placement_.is_last() && !placement_.is_first() && host().model_info().tie_word_embeddings) {
     const weft_stage_memory embedding = host().stage_memory(0);
     plan.parameter_bytes += embedding.parameter_bytes;
@@ -247,7 +306,7 @@ double PipelineStrategy::train_step(const weft_step_info& step) {
   const double loss = sums[0] / (static_cast<double>(total) * placement_.replicas);
   const double window = *std::max_element(sums.begin() + 2, sums.end());
   const double bubble = window > 0 ? 1.0 - sums[1] / (world * window) : 0.0;
-  const double formula = gpipe_bubble_formula(placement_.stages, total);
+  const double formula = interleaved_bubble_formula(placement_.stages, total, chunks_);  // GPipe's when chunks = 1
   host().report_metric("bubble", bubble);
   host().report_metric("bubble_formula", formula);
   host().report_metric("peak_in_flight", last_stats_.peak_in_flight);

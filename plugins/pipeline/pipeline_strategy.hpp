@@ -10,8 +10,14 @@
 // Configuration ([plugin]):
 //   stages        int >= 1, default: the world size (then replicas = 1). world % stages == 0.
 //   microbatches  int >= 1, default 4: pipeline micro-batches per host micro-batch; this
-//                 replica's rows per micro-batch must divide by it.
-//   balance       [int, ...]: decoder layers per stage (sums to the model's layers).
+//                 replica's rows per micro-batch must divide by it (and, interleaved, it must
+//                 be a multiple of the stages).
+//   schedule      "gpipe" (gpipe.so's default), "1f1b" (pipedream.so's) or "interleaved1f1b"
+//                 (Megatron's virtual pipeline: each rank holds `chunks` non-contiguous parts
+//                 of the model, ABI 1.10; stage p holds parts p, p + S, ...).
+//   chunks        int in [1, 16], default 2 with interleaved1f1b (1 otherwise, and only 1).
+//   balance       [int, ...]: decoder layers per stage, or per part with chunks (stages x
+//                 chunks entries; sums to the model's layers).
 //   partition     "parameters" (default) or "time": without balance, the min-max split of the
 //                 per-stage parameter counts, or of forward+backward times the host profiles
 //                 on a few real-shaped micro-batches before the model is built (embedding on
@@ -20,8 +26,9 @@
 //   log_every     int >= 0, default 0: log step statistics at info level every N steps.
 // Per step it reports (metrics.jsonl): plugin.bubble (the ranks' idle share of the step window:
 // 1 - forward/backward time summed over ranks / (ranks x the longest rank's schedule time)),
-// plugin.bubble_formula ((S - 1) / (M + S - 1)), plugin.peak_in_flight (this rank's most
-// micro-batches between forward and backward; rank 0 is stage 0, the fullest).
+// plugin.bubble_formula ((S - 1) / (v M + S - 1), v = chunks: GPipe's for v = 1), plugin.peak_in_flight
+// (this rank's most micro-batches between forward and backward, counted per chunk; rank 0 is
+// stage 0, the fullest).
 #ifndef WEFT_PLUGINS_PIPELINE_PIPELINE_STRATEGY_HPP
 #define WEFT_PLUGINS_PIPELINE_PIPELINE_STRATEGY_HPP
 
@@ -45,7 +52,7 @@ class PipelineStrategy : public weft::sdk::Strategy {
  public:
   static constexpr uint16_t min_host_minor = 1;  // model_info, config_int_list, tracing (memory_plan: 1.3)
 
-  // `plugin` names the plugin in messages; `schedule_name` is a make_schedule name.
+  // `plugin` names the plugin in messages; `schedule_name` is the default of plugin.schedule.
   PipelineStrategy(weft::sdk::Host host, std::string plugin, std::string schedule_name);
 
   void plan(weft_model_plan& plan) override;
@@ -57,6 +64,7 @@ class PipelineStrategy : public weft::sdk::Strategy {
 
   // --- introspection (tests) ---
   const Placement& placement() const { return placement_; }
+  const std::string& schedule_name() const { return schedule_name_; }
   const Partition& partition() const { return partition_; }
   const RunStats& last_stats() const { return last_stats_; }
 
@@ -79,6 +87,7 @@ class PipelineStrategy : public weft::sdk::Strategy {
 
   std::string plugin_;
   std::string schedule_name_;
+  int32_t chunks_ = 1;  // virtual stages per rank (interleaved1f1b)
   weft::sdk::Group world_;
   int32_t microbatches_ = 4;
   std::vector<int64_t> balance_;

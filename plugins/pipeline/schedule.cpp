@@ -1,4 +1,4 @@
-// schedule.cpp - the GPipe, 1F1B and forward-only schedule generators.
+// schedule.cpp - the GPipe, 1F1B, interleaved 1F1B and forward-only schedule generators.
 //
 // Each generator first decides a stage's compute order (forwards and backwards), then adds the
 // transfers around it: a send right after the compute that produced the data, and each receive
@@ -147,23 +147,33 @@ Schedule interleaved_one_f_one_b_schedule(int32_t stages, int32_t micro_batches,
   return s;
 }
 
-Schedule forward_only_schedule(int32_t stages, int32_t micro_batches) {
+Schedule forward_only_schedule(int32_t stages, int32_t micro_batches, int32_t chunks) {
+  if (chunks < 1) throw std::invalid_argument("a pipeline needs at least 1 chunk per stage, got " + std::to_string(chunks));
   Schedule s = empty_schedule("forward", stages, micro_batches);
   s.trains = false;
+  s.chunks = chunks;
   s.max_in_flight = 1;
   for (int32_t p = 0; p < stages; ++p) {
     std::vector<Compute> order;
-    for (int32_t m = 0; m < micro_batches; ++m) order.push_back({true, m});
-    s.actions[p] = with_transfers(order, p, stages, false);
+    for (int32_t c = 0; c < chunks; ++c) {
+      for (int32_t m = 0; m < micro_batches; ++m) order.push_back({true, m, c});
+    }
+    s.actions[p] = with_transfers(order, p, stages, false, chunks);
   }
   return s;
 }
 
-Schedule make_schedule(const std::string& name, int32_t stages, int32_t micro_batches) {
-  if (name == "gpipe") return gpipe_schedule(stages, micro_batches);
-  if (name == "1f1b") return one_f_one_b_schedule(stages, micro_batches);
-  if (name == "forward") return forward_only_schedule(stages, micro_batches);
-  throw std::invalid_argument("unknown pipeline schedule '" + name + "' (known: gpipe, 1f1b, forward)");
+Schedule make_schedule(const std::string& name, int32_t stages, int32_t micro_batches, int32_t chunks) {
+  if (name == "interleaved1f1b") return interleaved_one_f_one_b_schedule(stages, micro_batches, chunks);
+  if (name == "forward") return forward_only_schedule(stages, micro_batches, chunks);
+  if (name != "gpipe" && name != "1f1b") {
+    throw std::invalid_argument("unknown pipeline schedule '" + name + "' (known: gpipe, 1f1b, interleaved1f1b, forward)");
+  }
+  if (chunks != 1) {
+    throw std::invalid_argument("schedule " + name + " runs one chunk per stage; " + std::to_string(chunks) +
+                                " virtual stages per rank need interleaved1f1b");
+  }
+  return name == "gpipe" ? gpipe_schedule(stages, micro_batches) : one_f_one_b_schedule(stages, micro_batches);
 }
 
 std::string to_string(const Action& action) {

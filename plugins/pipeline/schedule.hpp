@@ -11,7 +11,7 @@
 //    virtual stages and stage (rank) p holds chunks c = 0..v-1, virtual stage c x S + p. Virtual
 //    stage u receives activations from u - 1 and gradients from u + 1, wherever those live (the
 //    last stage's chunk c sends to stage 0's chunk c + 1). Actions name their chunk; with v = 1
-//    every chunk is 0 and the rule above is the plain one. The executor runs v = 1 only, so far.
+//    every chunk is 0 and the rule above is the plain one.
 //  - RECV_* actions post an asynchronous receive; the matching FORWARD/BACKWARD waits for it.
 //    Because receives are posted ahead (the executor posts every receive as early as it may),
 //    the position of a RECV in the list is where it is posted, not where it completes.
@@ -77,12 +77,14 @@ Schedule one_f_one_b_schedule(int32_t stages, int32_t micro_batches);
 // stage 0 keeps up to 2 (S - 1) + (v - 1) S + 1 chunk activations. Needs M divisible by S.
 Schedule interleaved_one_f_one_b_schedule(int32_t stages, int32_t micro_batches, int32_t chunks);
 
-// Forward-only (evaluation): every stage forwards every micro-batch in order; no backward.
-Schedule forward_only_schedule(int32_t stages, int32_t micro_batches);
+// Forward-only (evaluation): every stage forwards every micro-batch in order, chunk by chunk
+// (chunk 0 of every micro-batch, then chunk 1, ...); no backward.
+Schedule forward_only_schedule(int32_t stages, int32_t micro_batches, int32_t chunks = 1);
 
-// The schedule called `name` ("gpipe", "1f1b", "forward"); throws std::invalid_argument for
-// another name or stages < 1 or micro_batches < 1.
-Schedule make_schedule(const std::string& name, int32_t stages, int32_t micro_batches);
+// The schedule called `name` ("gpipe", "1f1b", "interleaved1f1b", "forward") with `chunks`
+// virtual stages per stage (1 for gpipe and 1f1b); throws std::invalid_argument for another
+// name, stages < 1, micro_batches < 1, chunks < 1, or chunks > 1 with gpipe or 1f1b.
+Schedule make_schedule(const std::string& name, int32_t stages, int32_t micro_batches, int32_t chunks = 1);
 
 // "F3", "B0", "rA2" (receive activation), "sA2", "rG1", "sG1", "step"; a chunk other than 0 is
 // appended: "F3.1" (micro-batch 3 on chunk 1).

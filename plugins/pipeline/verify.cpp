@@ -220,5 +220,9 @@ double gpipe_bubble_formula(int32_t stages, int32_t micro_batches) {
   return static_cast<double>(stages - 1) / static_cast<double>(micro_batches + stages - 1);
 }
 
+double interleaved_bubble_formula(int32_t stages, int32_t micro_batches, int32_t chunks) {
+  return static_cast<double>(stages - 1) / static_cast<double>(chunks * micro_batches + stages - 1);
+}
+
 }  // namespace pipeline
 }  // namespace weft

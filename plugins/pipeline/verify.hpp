@@ -49,6 +49,9 @@ Verification verify(const Schedule& schedule, const CostModel& costs = {});
 
 // GPipe's bubble for uniform stages and free transfers: (S - 1) / (M + S - 1).
 double gpipe_bubble_formula(int32_t stages, int32_t micro_batches);
+// Interleaved 1F1B's with `chunks` virtual stages per stage: (S - 1) / (v M + S - 1) (the
+// chunks' work is 1 / v of a stage's, so the fill and drain shrink by v).
+double interleaved_bubble_formula(int32_t stages, int32_t micro_batches, int32_t chunks);
 
 }  // namespace pipeline
 }  // namespace weft

@@ -1,5 +1,6 @@
 // The staged LLaMA model: configs and presets, stage ranges, checkpointing, precision, weights, LoRA.
 #include <filesystem>
+#include <set>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -118,7 +119,7 @@ TEST(Model, StageRangesComposeToTheFullForward) {
 TEST(Model, PartialModelHoldsOnlyItsStagesWithTheSameInit) {
   auto full = tiny_model(11);
   ModelOptions options;
-  options.stages = {2, 4};  // block 1 and the head
+  options.stages = StageRange{2, 4};  // block 1 and the head
   LlamaForCausalLM part(preset_config("tiny"), options);
   init_weights(*part, 11, 0.05);
   auto full_params = full->named_parameters();
@@ -132,6 +133,57 @@ TEST(Model, PartialModelHoldsOnlyItsStagesWithTheSameInit) {
   auto h = full->forward_stages(0, 2, tokens(1, 8));
   EXPECT_TRUE(torch::allclose(part->forward_stages(2, 4, h), full->forward_stages(2, 4, h)));
   EXPECT_THROW(part->forward_stages(0, 2, tokens(1, 8)), Error);
+}
+
+// A pipeline rank with virtual stages (ABI 1.10) holds several ranges: only their parameters,
+// initialised as in the whole model, and each range runs as the whole model's.
+TEST(Model, AModelHoldingTwoChunksHoldsOnlyTheirStagesAndRunsEachAsTheWholeModel) {
+  auto config = preset_config("tiny");
+  config.num_hidden_layers = 4;  // stages: embed, blocks 0-3 (1-4), head (5)
+  ModelOptions whole_options;
+  LlamaForCausalLM full(config, whole_options);
+  init_weights(*full, 13, 0.05);
+  ModelOptions options;
+  options.stages = StageSet({StageRange{0, 2}, StageRange{3, 4}});  // embed + block 0, block 2
+  LlamaForCausalLM part(config, options);
+  init_weights(*part, 13, 0.05);
+  EXPECT_TRUE(part->holds_stage(1));
+  EXPECT_FALSE(part->holds_stage(2));
+  EXPECT_TRUE(part->holds_stage(3));
+  EXPECT_FALSE(part->holds_stage(5));
+  EXPECT_EQ(part->held_stages().size(), 2u);
+  std::set<std::string> names;
+  auto full_params = full->named_parameters();
+  for (auto& item : part->named_parameters()) {
+    EXPECT_TRUE(torch::equal(item.value(), full_params[item.key()])) << item.key();
+    names.insert(item.key());
+  }
+  EXPECT_TRUE(names.count("model.embed_tokens.weight"));
+  EXPECT_TRUE(names.count("model.layers.0.mlp.up_proj.weight"));
+  EXPECT_TRUE(names.count("model.layers.2.mlp.up_proj.weight"));
+  EXPECT_FALSE(names.count("model.layers.1.mlp.up_proj.weight"));
+  EXPECT_FALSE(names.count("model.layers.3.mlp.up_proj.weight"));
+  EXPECT_FALSE(names.count("model.norm.weight"));
+  EXPECT_EQ(parameter_specs(config, part->held_stages()).size(), names.size());
+  const auto x = tokens(1, 8);
+  EXPECT_TRUE(torch::equal(part->forward_stages(0, 2, x), full->forward_stages(0, 2, x)));
+  const auto h = full->forward_stages(0, 3, x);
+  EXPECT_TRUE(torch::equal(part->forward_stages(3, 4, h), full->forward_stages(3, 4, h)));
+  EXPECT_THROW(part->forward_stages(1, 4, full->forward_stages(0, 1, x)), Error);  // spans the gap
+  EXPECT_THROW(part->forward_stages(4, 5, h), Error);
+  // Ranges must ascend with a gap: adjacent ones are one range, overlapping ones no layout at all.
+  options.stages = StageSet({StageRange{0, 2}, StageRange{2, 4}});
+  EXPECT_THROW(LlamaForCausalLM(config, options), Error);
+  options.stages = StageSet({StageRange{3, 4}, StageRange{0, 2}});
+  EXPECT_THROW(LlamaForCausalLM(config, options), Error);
+  // A tied embedding held by stage 0 and the head is one parameter.
+  config.tie_word_embeddings = true;
+  options.stages = StageSet({StageRange{0, 1}, StageRange{5, 6}});
+  LlamaForCausalLM ends(config, options);
+  int64_t embeddings = 0;
+  for (auto& item : ends->named_parameters()) embeddings += item.key() == "model.embed_tokens.weight" ? 1 : 0;
+  EXPECT_EQ(embeddings, 1);
+  EXPECT_EQ(parameter_specs(config, ends->held_stages()).size(), 2u);  // the embedding and the final norm
 }
 
 TEST(Model, ActivationCheckpointingGivesIdenticalGradients) {

@@ -83,9 +83,13 @@ TEST(AbiLayout, TablesAreAppendOnlyFromVersionOne) {
   EXPECT_EQ(sizeof(weft_strategy_api), 16 + 3 * sizeof(void*) + 16 * sizeof(void*));
   EXPECT_EQ(offsetof(weft_model_plan, tensor_sequence_size), 48u);
   EXPECT_EQ(offsetof(weft_model_plan, tensor_sequence_rank), 52u);
-  EXPECT_EQ(sizeof(weft_model_plan), 56u);
+  // ABI 1.10 appended virtual pipeline stages: stage_chunks and the chunks' ranges.
+  EXPECT_EQ(offsetof(weft_model_plan, stage_chunks), 56u);
+  EXPECT_EQ(offsetof(weft_model_plan, chunk_stages), 64u);
+  EXPECT_EQ(WEFT_MAX_STAGE_CHUNKS, 16);
+  EXPECT_EQ(sizeof(weft_model_plan), 64u + 2 * 16 * 8);
   EXPECT_EQ(WEFT_ABI_VERSION_MAJOR, 1);
-  EXPECT_EQ(WEFT_ABI_VERSION_MINOR, 9);
+  EXPECT_EQ(WEFT_ABI_VERSION_MINOR, 10);
 }
 
 }  // namespace

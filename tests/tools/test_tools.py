@@ -262,6 +262,11 @@ class PlotBenchTest(unittest.TestCase):
                     v["bubble_formula"] = (nproc - 1) / (micro + nproc - 1)
                     v["bubble"] = v["bubble_formula"] * 1.2
                     variants.append(v)
+        for micro in (4, 8, 16):  # interleaved 1F1B, 2 chunks: its own formula
+            v = self.variant(f'gpipe schedule="interleaved1f1b" microbatches={micro} x2', "gpipe", 2, "weft", 1500.0)
+            v["bubble_formula"] = 1 / (2 * micro + 1)
+            v["bubble"] = v["bubble_formula"] * 1.5
+            variants.append(v)
         variants.append(self.variant("gpipe x2", "gpipe", 2, "weft", 1500.0))  # no micro-batches named: not drawn
         bench = {"config": "configs/small-bench.toml", "steps": 6, "repetitions": 3, "variants": variants}
         path = os.path.join(self.dir, "bench.json")
@@ -277,12 +282,15 @@ class PlotBenchTest(unittest.TestCase):
         plot_bench.line_chart = lambda path, title, series, *a, **k: drawn.append(series) or path
         plot_bench.bubble(os.path.join(self.dir, "b.png"), variants, "")
         names = [name for name, _, _ in drawn[0]]
-        self.assertEqual(names[:4], ["gpipe x2", "gpipe x4", "pipedream x2", "pipedream x4"])
-        self.assertEqual(dict(drawn[0][0][1]), {4: 1.2 / 5, 8: 1.2 / 9, 16: 1.2 / 17})
+        self.assertEqual(names[:5], ['gpipe schedule="interleaved1f1b" x2', "gpipe x2", "gpipe x4", "pipedream x2",
+                                     "pipedream x4"])
+        self.assertEqual(dict(drawn[0][1][1]), {4: 1.2 / 5, 8: 1.2 / 9, 16: 1.2 / 17})
         formulas = [(name, dict(points)) for name, points, style in drawn[0] if style.get("dashed")]
-        self.assertEqual([name for name, _ in formulas], ["formula (S - 1) / (M + S - 1), x2",
+        self.assertEqual([name for name, _ in formulas], ["formula (S - 1) / (vM + S - 1), interleaved x2",
+                                                          "formula (S - 1) / (M + S - 1), x2",
                                                           "formula (S - 1) / (M + S - 1), x4"])
-        self.assertAlmostEqual(formulas[1][1][4], 3 / 7)
+        self.assertAlmostEqual(formulas[0][1][4], 1 / 9)
+        self.assertAlmostEqual(formulas[2][1][4], 3 / 7)
 
     def test_missing_json_is_one_line_error(self):
         result = run(PLOT_BENCH, os.path.join(self.dir, "nope.json"))

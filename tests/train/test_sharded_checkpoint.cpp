@@ -224,6 +224,31 @@ TEST(ShardedCheckpoint, PipelineStagesResumeUnderAnotherNumberOfStages) {
                    "pipedream 2 stages x 2 -> one process");
 }
 
+// Interleaved 1F1B (ABI 1.10 virtual stages): the 4-layer model as 2 stages x 2 chunks, so rank 0
+// holds the embedding, layer 0 and layer 2, rank 1 layers 1 and 3 with the head. Each rank's piece
+// holds just those; the checkpoint resumes under plain 2-stage GPipe and as one process.
+TEST(ShardedCheckpoint, InterleavedChunksSaveTheirLayersAndResumeAsPlainStagesAndOneProcess) {
+  const std::string root = fresh_dir("sharded_checkpoint", "interleaved");
+  const std::string model = "--set model.config=" + std::string(WEFT_SOURCE_DIR) +
+                            "/configs/models/austen-mini/config.json --set plugin.microbatches=2";
+  const auto whole = run_saving_at_step_3(root + "/first", "gpipe", 2, model + " --set plugin.schedule=\"interleaved1f1b\"");
+  const std::string checkpoint = root + "/first/checkpoints/step-00000003";
+  const auto files = pieces_of(checkpoint);
+  ASSERT_EQ(files.size(), 2u);
+  const auto& rank0 = files.at("rank-00000.safetensors");
+  const auto& rank1 = files.at("rank-00001.safetensors");
+  for (const char* name : {"model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.layers.2.mlp.up_proj.weight"}) {
+    EXPECT_TRUE(rank0.count(name)) << name;
+    EXPECT_FALSE(rank1.count(name)) << name;  // the tied copy on rank 1 is rank 0's to write
+  }
+  for (const char* name : {"model.layers.1.mlp.up_proj.weight", "model.layers.3.mlp.up_proj.weight", "model.norm.weight"}) {
+    EXPECT_TRUE(rank1.count(name)) << name;
+    EXPECT_FALSE(rank0.count(name)) << name;
+  }
+  expect_continues(whole, resume(root + "/gpipe2", checkpoint, "gpipe", 2, model), "interleaved -> gpipe 2 stages");
+  expect_continues(whole, resume(root + "/single", checkpoint, "single", 1, model), "interleaved -> one process");
+}
+
 // Evaluation and generation through zero.so's job (stage 3 gathers each stage for evaluation;
 // generation reads the whole model) give one process's numbers and tokens.
 TEST(ShardedCheckpoint, EvaluationAndGenerationUnderZeroMatchOneProcess) {

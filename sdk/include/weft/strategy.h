@@ -26,7 +26,9 @@
  * scores and Gram matrices of tensor-parallel adapter slices, all-reduced SUM). 1.9 appended Megatron
  * sequence parallelism inside the tensor-parallel group: weft_model_plan's tensor_sequence_size /
  * tensor_sequence_rank and the plugin's sequence_region slot (the all-gather into and the
- * reduce-scatter out of each tensor-parallel region). See sdk/DESIGN.md.
+ * reduce-scatter out of each tensor-parallel region). 1.10 appended virtual pipeline stages:
+ * weft_model_plan's stage_chunks / chunk_stages (a rank holding several non-contiguous ranges of
+ * model stages, for the interleaved 1F1B schedule). See sdk/DESIGN.md.
  *
  * A strategy plugin is a shared library that exports exactly one symbol, the C function
  * `weft_strategy_entry` (WEFT_STRATEGY_ENTRY_SYMBOL). The host loads it with
@@ -84,7 +86,7 @@ extern "C" {
 /* The ABI version this header describes. Major: incompatible changes; it must match exactly.
  * Minor: append-only additions; host and plugin use min(host minor, plugin minor). */
 #define WEFT_ABI_VERSION_MAJOR 1
-#define WEFT_ABI_VERSION_MINOR 9
+#define WEFT_ABI_VERSION_MINOR 10
 
 /* The one symbol a plugin exports. */
 #define WEFT_STRATEGY_ENTRY_SYMBOL "weft_strategy_entry"
@@ -290,7 +292,23 @@ typedef struct weft_model_plan {
    * refuses the plan before the model is built otherwise. */
   int32_t tensor_sequence_size;
   int32_t tensor_sequence_rank;
+  /* Since 1.10 (written only when plan->struct_size covers them; pre-filled 1, 0 and zeros):
+   * virtual pipeline stages (Megatron's interleaved schedule). stage_chunks > 1 says this rank
+   * holds stage_chunks disjoint ranges of model stages: chunk i is stages
+   * [chunk_stages[2 i], chunk_stages[2 i + 1]), ascending, non-empty and not adjacent
+   * (first_stage and last_stage must then be the first chunk's first and the last chunk's last
+   * stage: the hull). The host builds only those stages; forward() runs any range within one
+   * chunk; parameters, shards, the memory plan and checkpoints cover the chunks' stages. At most
+   * WEFT_MAX_STAGE_CHUNKS chunks. 1 (the pre-filled value): [first_stage, last_stage) alone;
+   * chunk_stages is then ignored. The sequence splits above need every stage held, so they
+   * do not combine with chunks. */
+  int32_t stage_chunks;
+  int32_t reserved_1_10;  /* 0; alignment */
+  int64_t chunk_stages[2 * 16];
 } weft_model_plan;
+
+/* The most chunks weft_model_plan.stage_chunks may name (the length of chunk_stages / 2). Since 1.10. */
+#define WEFT_MAX_STAGE_CHUNKS 16
 
 /* Which tokens of every sequence sequence-parallel rank r of N holds. Since 1.5. */
 typedef enum weft_sequence_layout {

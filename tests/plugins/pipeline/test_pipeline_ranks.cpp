@@ -82,10 +82,57 @@ TEST(Pipeline, ReportsTheBubbleNextToTheFormulaAndPrintsTheSplit) {
     EXPECT_LT(s["plugin.bubble"].get<double>(), 1.0) << s;
   }
   EXPECT_GT(run.summary["plugin.bubble"].get<double>(), 0.0);
-  EXPECT_NE(run.output.find("gpipe: 2 stages x 1 replicas, 4 micro-batches, partition [embed + layer 0 | layer 1 + head]"),
+  EXPECT_NE(run.output.find("gpipe: 2 stages x 1 replicas, 4 micro-batches, schedule gpipe, partition [embed + layer 0 | layer 1 + head]"),
             std::string::npos)
       << run.output;
   EXPECT_NE(run.output.find("plugin metrics (mean over steps): bubble"), std::string::npos) << run.output;
+}
+
+// Interleaved 1F1B (plugin.schedule = "interleaved1f1b", 2 chunks) on a 4-layer model: each rank
+// holds two non-contiguous parts, the formula's bubble shrinks by the chunks, stage 0 keeps at most
+// 2 (S - 1) + (v - 1) S + 1 chunk activations, and the losses are 1F1B's.
+TEST(Pipeline, InterleavedRanksHoldTwoChunksAndShrinkTheBubbleFormula) {
+  const std::string model = " --set model.config=" + std::string(WEFT_SOURCE_DIR) + "/configs/models/austen-mini/config.json";
+  const PipelineRun plain = train("plain1f1b", "--plugin pipedream --nproc 2 --set plugin.microbatches=4" + model);
+  const PipelineRun interleaved = train("interleaved", "--plugin pipedream --nproc 2 --set plugin.microbatches=4"
+                                                       " --set plugin.schedule=\"interleaved1f1b\"" + model);
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  ASSERT_EQ(interleaved.exit_code, 0) << interleaved.output;
+  EXPECT_NE(interleaved.output.find("schedule interleaved1f1b with 2 chunks per stage (stage p holds parts p, p + S, ...), "
+                                    "partition [embed + layer 0 | layer 1 | layer 2 | layer 3 + head]"),
+            std::string::npos)
+      << interleaved.output;
+  ASSERT_EQ(interleaved.steps.size(), 4u);
+  ASSERT_EQ(plain.steps.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    const auto& s = interleaved.steps[i];
+    EXPECT_DOUBLE_EQ(s["plugin.bubble_formula"].get<double>(), 1.0 / 9.0) << s;  // (S-1)/(vM+S-1)
+    EXPECT_DOUBLE_EQ(plain.steps[i]["plugin.bubble_formula"].get<double>(), 1.0 / 5.0);
+    EXPECT_EQ(s["plugin.peak_in_flight"].get<double>(), 5.0) << s;  // rank 0: 2 + 2 + 1 chunk activations
+    EXPECT_NEAR(s["loss"].get<double>(), plain.steps[i]["loss"].get<double>(), 1e-5 * plain.steps[i]["loss"].get<double>());
+  }
+  // A plan the model cannot hold, and settings that do not go together, fail before compute.
+  const PipelineRun deep = train("deepchunks", "--plugin gpipe --nproc 2 --set plugin.schedule=\"interleaved1f1b\""
+                                               " --set plugin.chunks=3" + model);
+  EXPECT_NE(deep.exit_code, 0);
+  EXPECT_NE(deep.output.find("6 pipeline stages need at least as many decoder layers, the model has 4 (2 stages x 3 chunks)"),
+            std::string::npos)
+      << deep.output;
+  const PipelineRun chunks = train("chunks", "--plugin gpipe --nproc 2 --set plugin.chunks=2" + model);
+  EXPECT_NE(chunks.exit_code, 0);
+  EXPECT_NE(chunks.output.find("plugin.chunks = 2: virtual stages need plugin.schedule = \"interleaved1f1b\""),
+            std::string::npos)
+      << chunks.output;
+  const PipelineRun groups = train("groups", "--plugin gpipe --nproc 2 --set plugin.schedule=\"interleaved1f1b\""
+                                             " --set plugin.microbatches=1" + model);
+  EXPECT_NE(groups.exit_code, 0);
+  EXPECT_NE(groups.output.find("plugin.microbatches = 1 must be a multiple of plugin.stages = 2"), std::string::npos)
+      << groups.output;
+  const PipelineRun async = train("asyncinterleaved", "--plugin pipedream --nproc 2 --set plugin.mode=async"
+                                                      " --set plugin.schedule=\"interleaved1f1b\"" + model);
+  EXPECT_NE(async.exit_code, 0);
+  EXPECT_NE(async.output.find("plugin.schedule = \"interleaved1f1b\" needs mode \"flush\""), std::string::npos)
+      << async.output;
 }
 
 TEST(Pipeline, PartitionsByProfiledTime) {

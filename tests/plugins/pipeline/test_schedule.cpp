@@ -125,6 +125,14 @@ TEST(Verifier, AcceptsInterleavedSchedulesAndTheirBubbleShrinksWithTheChunks) {
         EXPECT_LE(v.peak_in_flight[0], s.max_in_flight);
         const double formula = static_cast<double>(stages - 1) / (chunks * m + stages - 1);
         EXPECT_NEAR(v.bubble, formula, 1e-9) << "S=" << stages << " v=" << chunks << " M=" << m;
+        EXPECT_DOUBLE_EQ(weft::pipeline::interleaved_bubble_formula(stages, m, chunks), formula);
+        // By name, as the plugins ask for it; and its evaluation, chunk by chunk.
+        EXPECT_EQ(weft::pipeline::make_schedule("interleaved1f1b", stages, m, chunks).actions, s.actions);
+        const Schedule eval = weft::pipeline::make_schedule("forward", stages, m, chunks);
+        const auto ve = weft::pipeline::verify(eval);
+        ASSERT_TRUE(ve.ok) << "forward S=" << stages << " v=" << chunks << " M=" << m << ": " << ve.error;
+        EXPECT_EQ(eval.chunks, chunks);
+        EXPECT_EQ(ve.peak_in_flight[0], 1);  // forward only: one micro-batch at a time
       }
     }
   }
@@ -217,6 +225,24 @@ TEST(Schedule, RefusesImpossibleShapesAndNames) {
   EXPECT_THROW(weft::pipeline::make_schedule("gpipe", 0, 4), std::invalid_argument);
   EXPECT_THROW(weft::pipeline::make_schedule("1f1b", 2, 0), std::invalid_argument);
   EXPECT_THROW(weft::pipeline::make_schedule("zb", 2, 2), std::invalid_argument);
+  // Virtual stages run only under the interleaved schedule (and evaluation's forward-only one).
+  EXPECT_THROW(weft::pipeline::make_schedule("gpipe", 2, 4, 2), std::invalid_argument);
+  EXPECT_THROW(weft::pipeline::make_schedule("1f1b", 2, 4, 2), std::invalid_argument);
+  EXPECT_THROW(weft::pipeline::make_schedule("interleaved1f1b", 2, 3, 2), std::invalid_argument);
+  EXPECT_THROW(weft::pipeline::make_schedule("forward", 2, 4, 0), std::invalid_argument);
+}
+
+TEST(Schedule, ForwardOnlyWithChunksRunsEveryMicroBatchThroughEachChunkInTurn) {
+  const Schedule s = weft::pipeline::forward_only_schedule(2, 2, 2);
+  EXPECT_FALSE(s.trains);
+  std::vector<std::string> compute;
+  for (const auto& n : names(s.actions[1])) {
+    if (n[0] == 'F' || n[0] == 'B') compute.push_back(n);
+  }
+  EXPECT_EQ(compute, (std::vector<std::string>{"F0", "F1", "F0.1", "F1.1"}));
+  const auto last = names(s.actions[1]);
+  EXPECT_NE(std::find(last.begin(), last.end(), "sA1"), last.end());     // chunk 0's output to stage 0's chunk 1
+  EXPECT_EQ(std::find(last.begin(), last.end(), "sA1.1"), last.end());   // the last virtual stage sends nothing
 }
 
 }  // namespace

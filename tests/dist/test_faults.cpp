@@ -123,4 +123,16 @@ TEST(DistFaults, APluginWithoutEvalStepIsRefusedOnSeveralRanks) {
   EXPECT_EQ(r.output.find("training:"), std::string::npos) << r.output;
 }
 
+TEST(DistFaults, APlanWhoseStageChunksOverlapIsRefusedBeforeTheModelIsBuilt) {
+  // ABI 1.10: a plan's stage chunks must ascend with gaps and span first_stage..last_stage.
+  const auto dir = fresh_dir("bad_chunks");
+  const auto r = run_trainer(tiny_args(dir) + " --plugin " + std::string(WEFT_PLUGIN_FIXTURE_DIR) + "/bad_chunks.so");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("plugin bad_chunks: plan's stage chunks: stage ranges must ascend with a gap between them: "
+                          "[1, 3) after [0, 2)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("training:"), std::string::npos) << r.output;
+}
+
 }  // namespace

@@ -153,6 +153,7 @@ void Job::build_model() {
                                        options_.model.int8_gemm);
   placement_ = strategy_->place(config, model_options.compute_dtype, options_.data.seq_len, options_.batch_size);
   model_options.stages = placement_.stages;
+  model_options.deferrable_weight_grads = placement_.split_backward;
   WEFT_CHECK(!config.classification() || placement_.sequence_parallel_size == 1,
              "train.task = \"classification\" pools each sequence at its last token, which one rank holds when "
              "plugin {} splits sequences over {} ranks: not supported (use ddp, tensor_parallel or a pipeline)",

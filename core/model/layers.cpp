@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include "core/model/kernels.h"
+#include "core/model/weight_grad.h"
 #include "core/util/error.h"
 #include "core/util/torch_compat.h"
 
@@ -74,6 +75,7 @@ torch::Tensor LinearImpl::base_output(const torch::Tensor& input) {
   if (!weight.requires_grad() && weight.scalar_type() != compute_dtype_) {
     return frozen_cast_linear(input, weight, compute_dtype_);
   }
+  if (weight_grad_deferrable()) return deferrable_linear(input, {weight}, compute_dtype_);
   return torch::nn::functional::linear(input, weight.to(compute_dtype_));
 }
 
@@ -153,8 +155,8 @@ torch::Tensor fused_linear(const torch::Tensor& x, const std::vector<LinearImpl*
   WEFT_CHECK(!layers.empty(), "fused_linear needs at least one layer");
   const auto dtype = layers.front()->compute_dtype();
   const auto input = x.to(dtype);
-  std::vector<torch::Tensor> weights;
-  bool any_lora = false;
+  std::vector<torch::Tensor> weights, params;
+  bool any_lora = false, deferrable = true;
   for (auto* layer : layers) {
     WEFT_CHECK(layer->compute_dtype() == dtype, "fused_linear: layers with different compute dtypes");
     if (layer->quantized()) {  // one product per layer: a concatenation would dequantize them all at once
@@ -163,9 +165,12 @@ torch::Tensor fused_linear(const torch::Tensor& x, const std::vector<LinearImpl*
       return torch::cat(outputs, -1);
     }
     weights.push_back(layer->weight.to(dtype));  // cast, then concatenate: half the bytes moved in bf16
+    params.push_back(layer->weight);
     any_lora = any_lora || layer->has_lora();
+    deferrable = deferrable && layer->weight_grad_deferrable();
   }
-  auto y = torch::nn::functional::linear(input, weights.size() == 1 ? weights[0] : torch::cat(weights));
+  auto y = deferrable ? deferrable_linear(input, params, dtype)
+                      : torch::nn::functional::linear(input, weights.size() == 1 ? weights[0] : torch::cat(weights));
   if (!any_lora) return y;
   std::vector<torch::Tensor> parts;
   int64_t offset = 0;
@@ -510,6 +515,13 @@ torch::Tensor DecoderBlockImpl::forward_cached(const torch::Tensor& x, const Rot
   auto m = comm_point(comm_, CommPoint::kMlpInput, layer_, post_attention_layernorm->normalize(h, dtype));
   m = comm_point(comm_, CommPoint::kMlpOutput, layer_, mlp(m));
   return residual_add(h, m);
+}
+
+void set_weight_grads_deferrable(torch::nn::Module& module, bool deferrable) {
+  if (auto* self = module.as<LinearImpl>()) self->set_weight_grad_deferrable(deferrable);
+  for (auto& child : module.modules(/*include_self=*/false)) {
+    if (auto* linear = child->as<LinearImpl>()) linear->set_weight_grad_deferrable(deferrable);
+  }
 }
 
 void set_compute_dtype(torch::nn::Module& module, torch::Dtype dtype) {

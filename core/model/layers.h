@@ -105,6 +105,10 @@ class LinearImpl : public torch::nn::Module {
 
   void set_compute_dtype(torch::Dtype dtype) { compute_dtype_ = dtype; }
   torch::Dtype compute_dtype() const { return compute_dtype_; }
+  // Whether a trainable weight's gradient may be deferred (weight_grad.h: the layer computes
+  // through deferrable_linear, which a DeferWeightGradients scope turns into a deferral).
+  void set_weight_grad_deferrable(bool deferrable) { deferrable_ = deferrable; }
+  bool weight_grad_deferrable() const { return deferrable_ && weight.defined() && weight.requires_grad(); }
 
   torch::Tensor weight;  // undefined in a quantized layer
 
@@ -125,6 +129,7 @@ class LinearImpl : public torch::nn::Module {
   double lora_scale_ = 0.0;
   double lora_dropout_ = 0.0;
   torch::Dtype compute_dtype_ = torch::kFloat32;
+  bool deferrable_ = false;
 };
 TORCH_MODULE(Linear);
 
@@ -285,5 +290,8 @@ TORCH_MODULE(DecoderBlock);
 
 // Sets the compute dtype of every weft::Linear under `module`.
 void set_compute_dtype(torch::nn::Module& module, torch::Dtype dtype);
+// Lets (or stops) every weft::Linear under `module` defer its trainable weight's gradient
+// (weight_grad.h; a split backward, ABI 1.11).
+void set_weight_grads_deferrable(torch::nn::Module& module, bool deferrable);
 
 }  // namespace weft

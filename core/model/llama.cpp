@@ -181,6 +181,7 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const ModelConfig& config, const Mode
     lm_head = register_module("lm_head", Linear(config_.hidden_size, local_.vocab));
   }
   set_compute_dtype(options_.compute_dtype);
+  if (options_.deferrable_weight_grads) set_weight_grads_deferrable(*this, true);
 }
 
 void LlamaForCausalLMImpl::set_compute_dtype(torch::Dtype dtype) {

@@ -71,6 +71,9 @@ struct ModelOptions {
   // model.int8_threshold): quantized layers are frozen and hold no `weight` parameter (set them
   // with load_weights / init_weights).
   QuantConfig quantize;
+  // The linear layers' trainable weights may have their gradients deferred (weight_grad.h): a
+  // plugin that splits backward passes (ABI 1.11 split_backward, zero-bubble schedules).
+  bool deferrable_weight_grads = false;
 };
 
 // What a process's slices amount to, checked against the Megatron layout: local head counts,

@@ -72,6 +72,9 @@ weft_host_api make_table() {
   t.parameter_materialize = host::parameter_materialize;
   t.stage_memory = host::stage_memory;
   t.attention_block = host::attention_block;
+  t.backward_input = host::backward_input;
+  t.backward_weight = host::backward_weight;
+  t.weight_pass_release = host::weight_pass_release;
   return t;
 }
 

@@ -111,7 +111,9 @@ void install_grad_hooks(State& s) {
     const auto index = static_cast<int64_t>(i);
     State* state = &s;
     accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-        [state, index](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+        [state, index](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list& inputs) {
+          // A split backward's input pass reaches a deferred weight with no gradient: ready later.
+          if (inputs.empty() || !inputs[0].defined()) return outputs;
           if (state->grad_ready) state->grad_ready(state->grad_ready_user, index);
           return outputs;
         }));
@@ -232,6 +234,40 @@ weft_status* backward(weft_host* host, weft_activation* output, weft_activation*
     }
   });
 }
+
+weft_status* backward_input(weft_host* host, weft_activation* output, weft_activation* grad_output,
+                            weft_weight_pass** pass_out) {
+  return guarded([&] {
+    WEFT_CHECK(pass_out != nullptr, "backward_input: null pass_out");
+    auto& s = state_of(host);
+    WEFT_CHECK(s.model != nullptr && s.model->options().deferrable_weight_grads,
+               "backward_input: the plan did not ask for a split backward (weft_model_plan.split_backward = 1)");
+    auto pass = std::make_unique<weft_weight_pass>();
+    {
+      const DeferWeightGradients defer(pass->queue);
+      const ComputeTimer timer(s, /*backward=*/true);
+      const auto& out = tensor_of(output);
+      if (grad_output == nullptr) {
+        WEFT_CHECK(out.numel() == 1, "backward_input without a gradient needs a scalar output");
+        out.backward();
+      } else {
+        torch::autograd::backward({out}, {tensor_of(grad_output)});
+      }
+    }
+    *pass_out = pass.release();
+  });
+}
+
+weft_status* backward_weight(weft_host* host, weft_weight_pass* pass) {
+  std::unique_ptr<weft_weight_pass> owned(pass);
+  return guarded([&] {
+    WEFT_CHECK(owned != nullptr, "backward_weight: null pass");
+    const ComputeTimer timer(state_of(host), /*backward=*/true);
+    owned->queue.run();
+  });
+}
+
+void weight_pass_release(weft_host*, weft_weight_pass* pass) { delete pass; }
 
 weft_status* activation_view(weft_host*, weft_activation* activation, DLTensor* out) {
   return guarded([&] {

@@ -19,6 +19,7 @@
 
 #include "core/dist/process_groups.h"
 #include "core/model/llama.h"
+#include "core/model/weight_grad.h"
 #include "core/plugin/host_api.h"
 #include "core/plugin/status.h"
 #include "core/util/error.h"
@@ -40,6 +41,9 @@ struct weft_activation {
 };
 struct weft_buffer {
   at::Tensor tensor;  // contiguous, on the rank's device; its sizes and strides back the view
+};
+struct weft_weight_pass {
+  weft::WeightGradQueue queue;  // the linear layers' inputs and output gradients (weight_grad.h)
 };
 
 namespace weft {
@@ -244,6 +248,10 @@ weft_status* forward(weft_host* host, int64_t first, int64_t last, weft_activati
 weft_status* loss(weft_host* host, weft_activation* logits, weft_activation* targets, double scale,
                   weft_activation** loss_out, double* value_out, int64_t* tokens_out);
 weft_status* backward(weft_host*, weft_activation* output, weft_activation* grad_output);
+weft_status* backward_input(weft_host* host, weft_activation* output, weft_activation* grad_output,
+                            weft_weight_pass** pass_out);
+weft_status* backward_weight(weft_host* host, weft_weight_pass* pass);
+void weight_pass_release(weft_host* host, weft_weight_pass* pass);
 weft_status* activation_view(weft_host*, weft_activation* activation, DLTensor* out);
 weft_status* activation_grad(weft_host*, weft_activation* input, weft_activation** out);
 weft_status* activation_empty(weft_host*, int32_t ndim, const int64_t* shape, DLDataType dtype, weft_activation** out);

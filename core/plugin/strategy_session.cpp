@@ -58,6 +58,7 @@ Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute
   plan.tensor_sequence_size = 1;
   plan.tensor_sequence_rank = 0;
   plan.stage_chunks = 1;
+  plan.split_backward = 0;
   if (library_->api().plan) check(library_->api().plan(instance_, &plan), "plan");
   WEFT_CHECK(0 <= plan.first_stage && plan.first_stage < plan.last_stage && plan.last_stage <= num_stages,
              "plugin {}: plan chose stages [{}, {}) of a {}-stage model", library_->name(), plan.first_stage,
@@ -82,6 +83,11 @@ Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute
                "plugin {}: plan's stage chunks span [{}, {}) but first_stage/last_stage say [{}, {})", library_->name(),
                ranges.front().first, ranges.back().last, plan.first_stage, plan.last_stage);
     placement.stages = StageSet(std::move(ranges));
+  }
+  if (library_->negotiated_abi().minor >= 11) {  // zero-bubble schedules' split backward
+    WEFT_CHECK(plan.split_backward == 0 || plan.split_backward == 1, "plugin {}: plan chose split_backward = {} (0 or 1)",
+               library_->name(), plan.split_backward);
+    placement.split_backward = plan.split_backward == 1;
   }
   const bool every_stage = placement.stages.ranges.size() == 1 && plan.first_stage == 0 && plan.last_stage == num_stages;
   if (library_->negotiated_abi().minor >= 4) {

@@ -32,6 +32,7 @@ struct Placement {
   int data_parallel_size = 1;
   int sequence_parallel_rank = 0;  // ABI 1.4: this rank's share of every sequence
   int sequence_parallel_size = 1;
+  bool split_backward = false;  // ABI 1.11: the plugin splits backward passes (input, then weight gradients)
 };
 
 // Bytes one rank will hold at its peak, by kind: the host's one-process estimate of the stages and

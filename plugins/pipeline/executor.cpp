@@ -30,6 +30,7 @@ struct Executor::Slot {
   Activation targets;  // last stage
   Activation output;   // stage output (to send, and to back-propagate from) or the scaled loss
   Activation input_grad;  // what SEND_GRADIENT sends
+  weft::sdk::WeightPass weight_pass;  // a split backward's deferred weight gradients, until its W
   weft::sdk::Buffer activation_buffer, gradient_buffer;  // receive buffers, on the rank's device
   Work activation_work, gradient_work;  // outstanding receives
 };
@@ -117,7 +118,9 @@ void Executor::backward(Slot& slot, const Action& action, RunStats& stats) {
   const auto start = Clock::now();
   {
     TraceSpan span(host_, "backward", to_string(action));
-    if (last) {
+    if (split_backward_) {  // B: the input gradients now, the weights' at this micro-batch's W
+      slot.weight_pass = last ? host_.backward_input(slot.output) : host_.backward_input(slot.output, grad);
+    } else if (last) {
       host_.backward(slot.output);
     } else {
       host_.backward(slot.output, grad);
@@ -149,6 +152,7 @@ RunStats Executor::run(const Schedule& schedule, int32_t splits, int64_t rows, i
   rows_ = rows;
   seq_len_ = seq_len;
   train_ = schedule.trains;
+  split_backward_ = schedule.split_backward;
   RunStats stats;
   int32_t in_flight = 0;
   const auto start = Clock::now();
@@ -171,6 +175,13 @@ RunStats Executor::run(const Schedule& schedule, int32_t splits, int64_t rows, i
         break;
       }
       case ActionKind::kSendGradient: send(*slot, true, a); break;
+      case ActionKind::kBackwardWeight: {
+        const auto start_w = Clock::now();
+        TraceSpan span(host_, "backward", to_string(a));
+        host_.backward_weight(slot->weight_pass);
+        stats.compute_seconds += seconds_since(start_w);
+        break;
+      }
       case ActionKind::kOptimizerStep: break;
     }
   }

@@ -14,6 +14,8 @@
 //    gradient; the data stays alive until the send is waited for, at the end of the step;
 //  - BACKWARD back-propagates from the scaled loss (last stage) or from the output with the
 //    received gradient, then releases the micro-batch's activations (its autograd graph);
+//  - with a split backward (zero-bubble schedules), BACKWARD is the host's backward_input and
+//    BACKWARD_WEIGHT its backward_weight on the pass that BACKWARD kept (ABI 1.11);
 //  - OPTIMIZER_STEP waits for every outstanding send (the flush).
 // Pipeline micro-batch k of a step is the host's micro-batch k / splits, split k % splits, so
 // gradient accumulation and pipeline micro-batches compose.
@@ -94,6 +96,7 @@ class Executor {
   int32_t splits_ = 1;
   int64_t rows_ = 0, seq_len_ = 0;
   bool train_ = true;
+  bool split_backward_ = false;  // BACKWARD computes input gradients only; BACKWARD_WEIGHT the weights'
 };
 
 // The tag of a transfer across the edge from virtual stage `edge` to `edge` + 1 (of

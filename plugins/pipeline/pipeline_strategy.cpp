@@ -36,9 +36,14 @@ PipelineStrategy::PipelineStrategy(weft::sdk::Host host, std::string plugin, std
   }
   microbatches_ = static_cast<int32_t>(microbatches);
   schedule_name_ = host.config_string("schedule", schedule_name_);
-  if (schedule_name_ != "gpipe" && schedule_name_ != "1f1b" && schedule_name_ != "interleaved1f1b") {
-    throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": plugin.schedule must be \"gpipe\", \"1f1b\" or \"interleaved1f1b\", got \"" +
-                                            schedule_name_ + "\"");
+  if (schedule_name_ != "gpipe" && schedule_name_ != "1f1b" && schedule_name_ != "interleaved1f1b" &&
+      schedule_name_ != "zbh1") {
+    throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": plugin.schedule must be \"gpipe\", \"1f1b\", \"interleaved1f1b\" or "
+                                                  "\"zbh1\", got \"" + schedule_name_ + "\"");
+  }
+  if (schedule_name_ == "zbh1" && host.negotiated_minor() < 11) {
+    throw Error(WEFT_STATUS_UNSUPPORTED, plugin_ + ": plugin.schedule = \"zbh1\" splits the backward, which needs a host "
+                                                   "with ABI >= 1.11 (backward_input, backward_weight)");
   }
   const bool interleaved = schedule_name_ == "interleaved1f1b";
   const int64_t chunks = host.config_int("chunks", interleaved ? 2 : 1);
@@ -139,6 +144,12 @@ void PipelineStrategy::plan(weft_model_plan& plan) {
   plan.last_stage = placement_.chunk_stages.back().second;
   plan.data_parallel_size = placement_.replicas;
   plan.data_parallel_rank = placement_.replica;
+  if (schedule_name_ == "zbh1") {
+    if (plan.struct_size < offsetof(weft_model_plan, split_backward) + sizeof(plan.split_backward)) {
+      throw Error(WEFT_STATUS_UNSUPPORTED, plugin_ + ": plugin.schedule = \"zbh1\" needs a host with ABI >= 1.11");
+    }
+    plan.split_backward = 1;
+  }
   if (chunks_ > 1) {
     plan.stage_chunks = chunks_;
     for (int32_t c = 0; c < chunks_; ++c) {
@@ -249,6 +260,10 @@ void PipelineStrategy::memory_plan(weft_memory_plan& plan) {
   } else {
     plan.activation_bytes = copies + rows * in_flight * (per_row + inputs) / chunks;
   }
+  if (v.ok && !v.peak_pending_weights.empty()) {  // a split backward keeps each linear's input and output gradient until W
+    const int64_t pending = v.peak_pending_weights[static_cast<size_t>(placement_.stage)];
+    plan.activation_bytes += rows * pending * deferred_weight_bytes_per_row(plan.seq_len);
+  }
   plan.buffer_bytes += rows * (inputs + outputs) * 2;  // receive buffers and gradients of the boundaries
   if (placement_.is_last() && !placement_.is_first() && host().model_info().tie_word_embeddings) {
     const weft_stage_memory embedding = host().stage_memory(0);
@@ -257,6 +272,25 @@ void PipelineStrategy::memory_plan(weft_memory_plan& plan) {
     plan.optimizer_bytes += 2 * embedding.trainable_bytes;
   }
   if (placement_.replicas > 1) plan.buffer_bytes += plan.gradient_bytes;  // the replicas' averaging buckets
+}
+
+// Per sequence of seq_len tokens, what a split backward keeps for one micro-batch's W on this rank: for each held
+// decoder block with trainable projections, the inputs and output gradients of q/k/v, o, gate/up
+// and down, in the compute dtype (fp32 for fp32 runs, 2 bytes otherwise).
+int64_t PipelineStrategy::deferred_weight_bytes_per_row(int64_t seq_len) const {
+  const weft_model_info info = host().model_info();
+  const int64_t h = info.hidden_size, q = info.num_attention_heads * info.head_dim,
+                kv = info.num_key_value_heads * info.head_dim, i = info.intermediate_size;
+  const int64_t per_token = (h + q + 2 * kv) + (q + h) + (h + 2 * i) + (i + h);
+  const int64_t bytes = info.compute_dtype.bits == 32 ? 4 : 2;
+  int64_t blocks = 0;
+  for (const auto& [first, last] : placement_.chunk_stages) {
+    for (int64_t s = std::max<int64_t>(first, 1); s < std::min<int64_t>(last, info.num_layers + 1); ++s) {
+      const weft_stage_memory m = host().stage_memory(s);
+      if (2 * m.trainable_bytes >= m.parameter_bytes) ++blocks;  // full fine-tuning (LoRA's base is frozen)
+    }
+  }
+  return blocks * per_token * bytes * seq_len;
 }
 
 std::vector<double> PipelineStrategy::sum_over(weft::sdk::Group group, std::vector<double> values) const {
@@ -306,7 +340,8 @@ double PipelineStrategy::train_step(const weft_step_info& step) {
   const double loss = sums[0] / (static_cast<double>(total) * placement_.replicas);
   const double window = *std::max_element(sums.begin() + 2, sums.end());
   const double bubble = window > 0 ? 1.0 - sums[1] / (world * window) : 0.0;
-  const double formula = interleaved_bubble_formula(placement_.stages, total, chunks_);  // GPipe's when chunks = 1
+  const double formula = schedule_name_ == "zbh1" ? zero_bubble_h1_bubble_formula(placement_.stages, total)
+                                                  : interleaved_bubble_formula(placement_.stages, total, chunks_);  // GPipe's when chunks = 1
   host().report_metric("bubble", bubble);
   host().report_metric("bubble_formula", formula);
   host().report_metric("peak_in_flight", last_stats_.peak_in_flight);

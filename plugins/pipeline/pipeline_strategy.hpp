@@ -12,9 +12,10 @@
 //   microbatches  int >= 1, default 4: pipeline micro-batches per host micro-batch; this
 //                 replica's rows per micro-batch must divide by it (and, interleaved, it must
 //                 be a multiple of the stages).
-//   schedule      "gpipe" (gpipe.so's default), "1f1b" (pipedream.so's) or "interleaved1f1b"
+//   schedule      "gpipe" (gpipe.so's default), "1f1b" (pipedream.so's), "interleaved1f1b"
 //                 (Megatron's virtual pipeline: each rank holds `chunks` non-contiguous parts
-//                 of the model, ABI 1.10; stage p holds parts p, p + S, ...).
+//                 of the model, ABI 1.10; stage p holds parts p, p + S, ...) or "zbh1" (ZB-H1:
+//                 the backward split into input- and weight-gradient passes, ABI 1.11).
 //   chunks        int in [1, 16], default 2 with interleaved1f1b (1 otherwise, and only 1).
 //   balance       [int, ...]: decoder layers per stage, or per part with chunks (stages x
 //                 chunks entries; sums to the model's layers).
@@ -26,7 +27,8 @@
 //   log_every     int >= 0, default 0: log step statistics at info level every N steps.
 // Per step it reports (metrics.jsonl): plugin.bubble (the ranks' idle share of the step window:
 // 1 - forward/backward time summed over ranks / (ranks x the longest rank's schedule time)),
-// plugin.bubble_formula ((S - 1) / (v M + S - 1), v = chunks: GPipe's for v = 1), plugin.peak_in_flight
+// plugin.bubble_formula ((S - 1) / (v M + S - 1), v = chunks: GPipe's for v = 1; ZB-H1's
+// (S - 1) / (3 M + S - 1)), plugin.peak_in_flight
 // (this rank's most micro-batches between forward and backward, counted per chunk; rank 0 is
 // stage 0, the fullest).
 #ifndef WEFT_PLUGINS_PIPELINE_PIPELINE_STRATEGY_HPP
@@ -81,6 +83,7 @@ class PipelineStrategy : public weft::sdk::Strategy {
  private:
   const Schedule& verified_schedule(const std::string& name, int32_t micro_batches);
   std::vector<double> parameter_costs(const weft_model_info& info) const;
+  int64_t deferred_weight_bytes_per_row(int64_t seq_len) const;
   std::vector<double> profiled_costs(int64_t model_stages) const;
   void combine_tied_embedding_gradients();
   double tied_copy_norm_sq() const;

@@ -1,4 +1,4 @@
-// schedule.cpp - the GPipe, 1F1B, interleaved 1F1B and forward-only schedule generators.
+// schedule.cpp - the GPipe, 1F1B, interleaved 1F1B, ZB-H1 and forward-only schedule generators.
 //
 // Each generator first decides a stage's compute order (forwards and backwards), then adds the
 // transfers around it: a send right after the compute that produced the data, and each receive
@@ -17,11 +17,13 @@ struct Compute {
   bool forward;
   int32_t micro_batch;
   int32_t chunk = 0;
+  bool weight = false;  // the weight-gradient half of a split backward (no transfers)
 };
 
 // The receive that `compute` on `stage` needs first, if any (`virtual_stages` = stages x chunks;
 // chunk c of stage p is virtual stage c x stages + p).
 bool needs_receive(const Compute& compute, int32_t stage, int32_t stages, int32_t virtual_stages, Action* receive) {
+  if (compute.weight) return false;
   const int32_t u = compute.chunk * stages + stage;
   if (compute.forward && u > 0) {
     *receive = {ActionKind::kRecvActivation, compute.micro_batch, compute.chunk};
@@ -36,6 +38,7 @@ bool needs_receive(const Compute& compute, int32_t stage, int32_t stages, int32_
 
 // The send that follows `compute` on `stage`, if any.
 bool makes_send(const Compute& compute, int32_t stage, int32_t stages, int32_t virtual_stages, Action* send) {
+  if (compute.weight) return false;
   const int32_t u = compute.chunk * stages + stage;
   if (compute.forward && u < virtual_stages - 1) {
     *send = {ActionKind::kSendActivation, compute.micro_batch, compute.chunk};
@@ -59,8 +62,10 @@ std::vector<Action> with_transfers(const std::vector<Compute>& order, int32_t st
     if (i + 1 < order.size() && needs_receive(order[i + 1], stage, stages, virtual_stages, &transfer)) {
       actions.push_back(transfer);
     }
-    actions.push_back(
-        {order[i].forward ? ActionKind::kForward : ActionKind::kBackward, order[i].micro_batch, order[i].chunk});
+    const ActionKind kind = order[i].weight ? ActionKind::kBackwardWeight
+                            : order[i].forward ? ActionKind::kForward
+                                               : ActionKind::kBackward;
+    actions.push_back({kind, order[i].micro_batch, order[i].chunk});
     if (makes_send(order[i], stage, stages, virtual_stages, &transfer)) actions.push_back(transfer);
   }
   if (optimizer_step) actions.push_back({ActionKind::kOptimizerStep, -1});
@@ -147,6 +152,52 @@ Schedule interleaved_one_f_one_b_schedule(int32_t stages, int32_t micro_batches,
   return s;
 }
 
+Schedule zero_bubble_h1_schedule(int32_t stages, int32_t micro_batches) {
+  Schedule s = empty_schedule("zbh1", stages, micro_batches);
+  const int32_t S = stages, M = micro_batches;
+  s.split_backward = true;
+  s.max_in_flight = std::min(S, M);
+  s.max_pending_weights = std::min(S, M);
+  // List scheduling in unit time steps: every F, B and W takes one step; a B on stage p needs
+  // its F here and (but on the last stage) the B of stage p + 1 finished; an F on stage p > 0
+  // the F of stage p - 1 finished.
+  std::vector<std::vector<Compute>> order(static_cast<size_t>(S));
+  std::vector<std::vector<int64_t>> forward_done(S, std::vector<int64_t>(M, -1)), backward_done = forward_done;
+  std::vector<int32_t> next_forward(S, 0), next_backward(S, 0), in_flight(S, 0);
+  std::vector<std::vector<int32_t>> pending(S);  // micro-batches waiting for their W, oldest first
+  int64_t remaining = 3 * static_cast<int64_t>(S) * M;
+  for (int64_t t = 0; remaining > 0; ++t) {
+    for (int32_t p = 0; p < S; ++p) {
+      const int32_t b = next_backward[p], f = next_forward[p];
+      const bool b_ready = b < M && forward_done[p][b] >= 0 && forward_done[p][b] <= t &&
+                           (p == S - 1 || (backward_done[p + 1][b] >= 0 && backward_done[p + 1][b] <= t));
+      const bool f_ready = f < M && in_flight[p] < std::min(S - p, M) &&
+                           static_cast<int32_t>(pending[p].size()) < s.max_pending_weights &&
+                           (p == 0 || (forward_done[p - 1][f] >= 0 && forward_done[p - 1][f] <= t));
+      if (b_ready) {
+        order[p].push_back({false, b});
+        backward_done[p][b] = t + 1;
+        ++next_backward[p];
+        --in_flight[p];
+        pending[p].push_back(b);
+      } else if (f_ready) {
+        order[p].push_back({true, f});
+        forward_done[p][f] = t + 1;
+        ++next_forward[p];
+        ++in_flight[p];
+      } else if (!pending[p].empty()) {
+        order[p].push_back({false, pending[p].front(), 0, /*weight=*/true});
+        pending[p].erase(pending[p].begin());
+      } else {
+        continue;  // idle this step
+      }
+      --remaining;
+    }
+  }
+  for (int32_t p = 0; p < S; ++p) s.actions[p] = with_transfers(order[p], p, S, true);
+  return s;
+}
+
 Schedule forward_only_schedule(int32_t stages, int32_t micro_batches, int32_t chunks) {
   if (chunks < 1) throw std::invalid_argument("a pipeline needs at least 1 chunk per stage, got " + std::to_string(chunks));
   Schedule s = empty_schedule("forward", stages, micro_batches);
@@ -166,13 +217,15 @@ Schedule forward_only_schedule(int32_t stages, int32_t micro_batches, int32_t ch
 Schedule make_schedule(const std::string& name, int32_t stages, int32_t micro_batches, int32_t chunks) {
   if (name == "interleaved1f1b") return interleaved_one_f_one_b_schedule(stages, micro_batches, chunks);
   if (name == "forward") return forward_only_schedule(stages, micro_batches, chunks);
-  if (name != "gpipe" && name != "1f1b") {
-    throw std::invalid_argument("unknown pipeline schedule '" + name + "' (known: gpipe, 1f1b, interleaved1f1b, forward)");
+  if (name != "gpipe" && name != "1f1b" && name != "zbh1") {
+    throw std::invalid_argument("unknown pipeline schedule '" + name +
+                                "' (known: gpipe, 1f1b, interleaved1f1b, zbh1, forward)");
   }
   if (chunks != 1) {
     throw std::invalid_argument("schedule " + name + " runs one chunk per stage; " + std::to_string(chunks) +
                                 " virtual stages per rank need interleaved1f1b");
   }
+  if (name == "zbh1") return zero_bubble_h1_schedule(stages, micro_batches);
   return name == "gpipe" ? gpipe_schedule(stages, micro_batches) : one_f_one_b_schedule(stages, micro_batches);
 }
 
@@ -186,6 +239,7 @@ std::string to_string(const Action& action) {
     case ActionKind::kBackward: return "B" + m;
     case ActionKind::kSendGradient: return "sG" + m;
     case ActionKind::kOptimizerStep: return "step";
+    case ActionKind::kBackwardWeight: return "W" + m;
   }
   return "?";
 }

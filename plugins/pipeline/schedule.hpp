@@ -37,6 +37,10 @@ enum class ActionKind {
   kBackward,        // back-propagate micro_batch through this stage's layers
   kSendGradient,    // to stage - 1: the gradient of this stage's input for micro_batch
   kOptimizerStep,   // end of the step (gradients complete on this stage)
+  // The weight-gradient half of a split backward (Schedule::split_backward, zero-bubble
+  // schedules): the linear weights' gradients of micro_batch, deferred by its kBackward, which
+  // then computes the input gradients only (ZB's B and W passes).
+  kBackwardWeight,
 };
 
 struct Action {
@@ -58,6 +62,11 @@ struct Schedule {
   // The most micro-batches whose forward has run but whose backward has not, on any stage, that
   // the schedule promises (GPipe: M; 1F1B: min(stages, M)). The verifier enforces it.
   int32_t max_in_flight = 0;
+  // Split backward (zero-bubble schedules): every kBackward is followed, later, by the
+  // micro-batch's kBackwardWeight; at most max_pending_weights of them wait on a stage (each
+  // keeps its layers' inputs and output gradients). The verifier enforces both.
+  bool split_backward = false;
+  int32_t max_pending_weights = 0;
   std::vector<std::vector<Action>> actions;  // [stage] -> that stage's actions in order
 };
 
@@ -77,16 +86,26 @@ Schedule one_f_one_b_schedule(int32_t stages, int32_t micro_batches);
 // stage 0 keeps up to 2 (S - 1) + (v - 1) S + 1 chunk activations. Needs M divisible by S.
 Schedule interleaved_one_f_one_b_schedule(int32_t stages, int32_t micro_batches, int32_t chunks);
 
+// ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): 1F1B with the backward split into
+// B (input gradients, on the critical path) and W (weight gradients, deferred to fill the bubbles).
+// The order is a list schedule of the textbook cost model (F = B = W, free transfers): a free
+// stage runs a ready B first, else the next F while fewer than min(S - p, M) micro-batches are
+// between F and B (1F1B's bound) and fewer than S wait for their W, else its oldest W. Its
+// simulated bubble is (S - 1) / (3 M + S - 1) for M >= S, a third of 1F1B's (S - 1) / (M + S - 1) in
+// the same time units, at 1F1B's activations plus at most S micro-batches' weight-gradient inputs.
+Schedule zero_bubble_h1_schedule(int32_t stages, int32_t micro_batches);
+
 // Forward-only (evaluation): every stage forwards every micro-batch in order, chunk by chunk
 // (chunk 0 of every micro-batch, then chunk 1, ...); no backward.
 Schedule forward_only_schedule(int32_t stages, int32_t micro_batches, int32_t chunks = 1);
 
-// The schedule called `name` ("gpipe", "1f1b", "interleaved1f1b", "forward") with `chunks`
-// virtual stages per stage (1 for gpipe and 1f1b); throws std::invalid_argument for another
-// name, stages < 1, micro_batches < 1, chunks < 1, or chunks > 1 with gpipe or 1f1b.
+// The schedule called `name` ("gpipe", "1f1b", "interleaved1f1b", "zbh1", "forward") with
+// `chunks` virtual stages per stage (1 for all but interleaved1f1b and forward); throws
+// std::invalid_argument for another name, stages < 1, micro_batches < 1, chunks < 1, or chunks > 1
+// with a schedule of one chunk.
 Schedule make_schedule(const std::string& name, int32_t stages, int32_t micro_batches, int32_t chunks = 1);
 
-// "F3", "B0", "rA2" (receive activation), "sA2", "rG1", "sG1", "step"; a chunk other than 0 is
+// "F3", "B0", "W0" (weight gradients), "rA2" (receive activation), "sA2", "rG1", "sG1", "step"; a chunk other than 0 is
 // appended: "F3.1" (micro-batch 3 on chunk 1).
 std::string to_string(const Action& action);
 // One line per stage: "stage 0: F0 sA0 F1 sA1 ... step".

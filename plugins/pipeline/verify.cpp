@@ -10,7 +10,9 @@ namespace weft {
 namespace pipeline {
 namespace {
 
-bool is_compute(ActionKind kind) { return kind == ActionKind::kForward || kind == ActionKind::kBackward; }
+bool is_compute(ActionKind kind) {
+  return kind == ActionKind::kForward || kind == ActionKind::kBackward || kind == ActionKind::kBackwardWeight;
+}
 
 // Where a transfer action on chunk `chunk` of `stage` goes or comes from: the neighbouring virtual
 // stage (chunk c of stage p is virtual stage c x stages + p), as (stage, chunk); stage -1 if none.
@@ -78,7 +80,12 @@ std::string check_structure(const Schedule& s) {
                                                                                                                  : p + 1);
         }
       }
-      if (a.kind == ActionKind::kBackward && !s.trains) return at(p, a) + ": backward in a forward-only schedule";
+      if ((a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardWeight) && !s.trains) {
+        return at(p, a) + ": backward in a forward-only schedule";
+      }
+      if (a.kind == ActionKind::kBackwardWeight && !s.split_backward) {
+        return at(p, a) + ": a weight-gradient pass in a schedule whose backward is not split";
+      }
       const Key key = key_of(a.kind, a.micro_batch, a.chunk);
       if (++counts[p][key] > 1) return at(p, a) + " appears twice";
       first_index[key] = i;
@@ -93,6 +100,13 @@ std::string check_structure(const Schedule& s) {
           if (count(counts[p], ActionKind::kBackward, m, c) != 1) return at(p, backward) + " is missing";
           if (index_of(ActionKind::kBackward, m, c) < index_of(ActionKind::kForward, m, c)) {
             return at(p, backward) + " comes before its forward";
+          }
+          if (s.split_backward) {
+            const Action weight{ActionKind::kBackwardWeight, m, c};
+            if (count(counts[p], ActionKind::kBackwardWeight, m, c) != 1) return at(p, weight) + " is missing";
+            if (index_of(ActionKind::kBackwardWeight, m, c) < index_of(ActionKind::kBackward, m, c)) {
+              return at(p, weight) + " comes before its backward " + to_string(backward);
+            }
           }
         }
         // Where each transfer must sit relative to the compute it serves.
@@ -125,6 +139,30 @@ std::string check_structure(const Schedule& s) {
       return "stage " + std::to_string(p) + " does not end with the optimizer step";
     }
   }
+  // Each direction between two stages carries its transfers in one order at both ends: the order
+  // the sender starts them is the order the receiver posts them. Gloo matches by tag and would not
+  // need it; NCCL's send/recv have no tags and match by order.
+  std::map<std::pair<int32_t, int32_t>, std::vector<std::pair<Key, std::string>>> sent, posted;
+  for (int32_t p = 0; p < s.stages; ++p) {
+    for (const Action& a : s.actions[p]) {
+      if (is_compute(a.kind) || a.kind == ActionKind::kOptimizerStep) continue;
+      const auto [peer, peer_chunk] = peer_of(s, a.kind, p, a.chunk);
+      const bool sends = a.kind == ActionKind::kSendActivation || a.kind == ActionKind::kSendGradient;
+      // The transfer named by its send: (kind, micro-batch, the sender's chunk).
+      const Key transfer = sends ? key_of(a.kind, a.micro_batch, a.chunk) : key_of(matching(a.kind), a.micro_batch, peer_chunk);
+      (sends ? sent[{p, peer}] : posted[{peer, p}]).push_back({transfer, at(p, a)});
+    }
+  }
+  for (const auto& [pair, sends] : sent) {
+    const auto& receives = posted[pair];
+    for (size_t i = 0; i < sends.size() && i < receives.size(); ++i) {
+      if (sends[i].first != receives[i].first) {
+        return "transfers from stage " + std::to_string(pair.first) + " to stage " + std::to_string(pair.second) +
+               " are out of order: the sender's transfer " + std::to_string(i + 1) + " is " + sends[i].second +
+               " but the receiver's is " + receives[i].second;
+      }
+    }
+  }
   // Every send has one matching receive on the peer, and vice versa.
   for (int32_t p = 0; p < s.stages; ++p) {
     for (const auto& [key, n] : counts[p]) {
@@ -155,8 +193,9 @@ Verification verify(const Schedule& s, const CostModel& costs) {
   std::vector<size_t> pc(stages, 0);
   std::vector<double> clock(stages, 0.0), busy(stages, 0.0);
   std::vector<std::map<Key, double>> arrived(stages);
-  std::vector<int32_t> in_flight(stages, 0);
+  std::vector<int32_t> in_flight(stages, 0), pending(stages, 0);
   v.peak_in_flight.assign(stages, 0);
+  v.peak_pending_weights.assign(stages, 0);
   bool progressed = true;
   while (progressed) {
     progressed = false;
@@ -166,17 +205,35 @@ Verification verify(const Schedule& s, const CostModel& costs) {
         double start = clock[p];
         if (is_compute(a.kind)) {
           const int32_t u = a.chunk * s.stages + static_cast<int32_t>(p);
-          const bool needs = a.kind == ActionKind::kForward ? u > 0 : u + 1 < virtual_stages;
+          const bool needs = a.kind == ActionKind::kForward    ? u > 0
+                             : a.kind == ActionKind::kBackward ? u + 1 < virtual_stages
+                                                               : false;  // W: its own B, earlier in the list
           if (needs) {
             const ActionKind data = a.kind == ActionKind::kForward ? ActionKind::kRecvActivation : ActionKind::kRecvGradient;
             const auto it = arrived[p].find(key_of(data, a.micro_batch, a.chunk));
             if (it == arrived[p].end()) break;  // waits for the peer's send
             start = std::max(start, it->second);
           }
-          const double cost = (a.kind == ActionKind::kForward ? costs.forward : costs.backward) / s.chunks;
+          const double backward = s.split_backward ? costs.backward - costs.weight : costs.backward;
+          const double cost = (a.kind == ActionKind::kForward    ? costs.forward
+                               : a.kind == ActionKind::kBackward ? backward
+                                                                 : costs.weight) /
+                              s.chunks;
           clock[p] = start + cost;
           busy[p] += cost;
-          if (s.trains) {
+          if (s.split_backward && a.kind != ActionKind::kForward) {
+            pending[p] += a.kind == ActionKind::kBackward ? 1 : -1;
+            v.peak_pending_weights[p] = std::max(v.peak_pending_weights[p], pending[p]);
+            if (pending[p] > s.max_pending_weights) {
+              v.error = at(static_cast<int32_t>(p), a) + " leaves " + std::to_string(pending[p]) +
+                        " weight-gradient passes waiting, above the schedule's bound of " +
+                        std::to_string(s.max_pending_weights);
+              return v;
+            }
+          }
+          if (a.kind == ActionKind::kBackwardWeight) {
+            // frees no activations: the micro-batch left the in-flight count at its B
+          } else if (s.trains) {
             in_flight[p] += a.kind == ActionKind::kForward ? 1 : -1;
             v.peak_in_flight[p] = std::max(v.peak_in_flight[p], in_flight[p]);
             if (in_flight[p] > s.max_in_flight) {
@@ -222,6 +279,10 @@ double gpipe_bubble_formula(int32_t stages, int32_t micro_batches) {
 
 double interleaved_bubble_formula(int32_t stages, int32_t micro_batches, int32_t chunks) {
   return static_cast<double>(stages - 1) / static_cast<double>(chunks * micro_batches + stages - 1);
+}
+
+double zero_bubble_h1_bubble_formula(int32_t stages, int32_t micro_batches) {
+  return static_cast<double>(stages - 1) / static_cast<double>(3 * micro_batches + stages - 1);
 }
 
 }  // namespace pipeline

@@ -8,6 +8,7 @@
 #include "core/io/safetensors.h"
 #include "core/model/llama.h"
 #include "core/model/lora.h"
+#include "core/model/weight_grad.h"
 #include "core/model/weights.h"
 #include "core/util/error.h"
 #include "core/util/fs.h"
@@ -184,6 +185,59 @@ TEST(Model, AModelHoldingTwoChunksHoldsOnlyTheirStagesAndRunsEachAsTheWholeModel
   for (auto& item : ends->named_parameters()) embeddings += item.key() == "model.embed_tokens.weight" ? 1 : 0;
   EXPECT_EQ(embeddings, 1);
   EXPECT_EQ(parameter_specs(config, ends->held_stages()).size(), 2u);  // the embedding and the final norm
+}
+
+// The split backward of zero-bubble schedules (weight_grad.h): under DeferWeightGradients the
+// backward leaves the linear weights without gradients and everything else with its usual one;
+// the queue's run() then gives the linear weights theirs. Together: the plain backward's gradients,
+// in fp32 and with activation checkpointing, and with LoRA (whose frozen base defers nothing).
+TEST(Model, ASplitBackwardGivesThePlainBackwardsGradients) {
+  for (const bool checkpointing : {false, true}) {
+    ModelOptions options;
+    options.deferrable_weight_grads = true;
+    options.activation_checkpointing = checkpointing;
+    auto plain = tiny_model(5), split = tiny_model(5, options);
+    const auto x = tokens(2, 16), y = tokens(2, 16, 2);
+    plain->loss(plain->forward(x), y).backward();
+    const auto loss = split->loss(split->forward(x), y);
+    WeightGradQueue queue;
+    {
+      const DeferWeightGradients defer(queue);
+      loss.backward();
+    }
+    EXPECT_GT(queue.size(), 0u);
+    EXPECT_GT(queue.bytes(), 0);
+    for (auto& item : split->named_parameters()) {
+      const bool linear = item.key().find("_proj.weight") != std::string::npos || item.key() == "lm_head.weight";
+      EXPECT_EQ(item.value().grad().defined(), !linear) << item.key() << " checkpointing " << checkpointing;
+    }
+    queue.run();
+    EXPECT_TRUE(queue.empty());
+    auto reference = plain->named_parameters();
+    for (auto& item : split->named_parameters()) {
+      ASSERT_TRUE(item.value().grad().defined()) << item.key();
+      EXPECT_TRUE(torch::allclose(item.value().grad(), reference[item.key()].grad(), 1e-5, 1e-6))
+          << item.key() << " checkpointing " << checkpointing;
+    }
+  }
+  // LoRA: the base weights are frozen, so nothing is deferred and the adapters get their gradients at once.
+  ModelOptions options;
+  options.deferrable_weight_grads = true;
+  auto lora = tiny_model(5, options);
+  LoraConfig config;
+  config.spec.r = 4;
+  config.spec.alpha = 8;
+  config.target_modules = {"q_proj", "v_proj"};
+  apply_lora(*lora, config, 3);
+  WeightGradQueue queue;
+  {
+    const DeferWeightGradients defer(queue);
+    lora->loss(lora->forward(tokens(2, 16)), tokens(2, 16, 2)).backward();
+  }
+  EXPECT_TRUE(queue.empty());
+  for (auto& item : lora->named_parameters()) {
+    if (item.value().requires_grad()) EXPECT_TRUE(item.value().grad().defined()) << item.key();
+  }
 }
 
 TEST(Model, ActivationCheckpointingGivesIdenticalGradients) {

@@ -24,8 +24,12 @@ TEST(AbiLayout, TablesAreAppendOnlyFromVersionOne) {
   // tensor_copy, tensor_scale, tensor_add, tensor_squared_norm); ABI 1.3 appended 5 (parameter_shard,
   // parameter_grad_shard, parameter_grad_release, parameter_release, parameter_materialize,
   // stage_memory) and 4 plugin slots (flat_shard, after_optimizer_step, materialize_parameters,
-  // memory_plan). ABI 1.5 appended attention_block.
-  EXPECT_EQ(sizeof(weft_host_api), 8 + 57 * sizeof(void*));
+  // memory_plan). ABI 1.5 appended attention_block; ABI 1.11 backward_input, backward_weight and
+  // weight_pass_release.
+  EXPECT_EQ(sizeof(weft_host_api), 8 + 60 * sizeof(void*));
+  EXPECT_EQ(offsetof(weft_host_api, attention_block), 8 + 56 * sizeof(void*));
+  EXPECT_EQ(offsetof(weft_host_api, backward_input), 8 + 57 * sizeof(void*));
+  EXPECT_EQ(offsetof(weft_host_api, weight_pass_release), 8 + 59 * sizeof(void*));
   EXPECT_EQ(offsetof(weft_host_api, status_create), 8u);
   EXPECT_EQ(offsetof(weft_host_api, activation_release), 8 + 37 * sizeof(void*));
   EXPECT_EQ(offsetof(weft_host_api, model_info), 8 + 38 * sizeof(void*));
@@ -87,9 +91,11 @@ TEST(AbiLayout, TablesAreAppendOnlyFromVersionOne) {
   EXPECT_EQ(offsetof(weft_model_plan, stage_chunks), 56u);
   EXPECT_EQ(offsetof(weft_model_plan, chunk_stages), 64u);
   EXPECT_EQ(WEFT_MAX_STAGE_CHUNKS, 16);
-  EXPECT_EQ(sizeof(weft_model_plan), 64u + 2 * 16 * 8);
+  // ABI 1.11 appended split_backward (zero-bubble schedules).
+  EXPECT_EQ(offsetof(weft_model_plan, split_backward), 64u + 2 * 16 * 8);
+  EXPECT_EQ(sizeof(weft_model_plan), 64u + 2 * 16 * 8 + 8);
   EXPECT_EQ(WEFT_ABI_VERSION_MAJOR, 1);
-  EXPECT_EQ(WEFT_ABI_VERSION_MINOR, 10);
+  EXPECT_EQ(WEFT_ABI_VERSION_MINOR, 11);
 }
 
 }  // namespace

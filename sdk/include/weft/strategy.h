@@ -28,7 +28,9 @@
  * tensor_sequence_rank and the plugin's sequence_region slot (the all-gather into and the
  * reduce-scatter out of each tensor-parallel region). 1.10 appended virtual pipeline stages:
  * weft_model_plan's stage_chunks / chunk_stages (a rank holding several non-contiguous ranges of
- * model stages, for the interleaved 1F1B schedule). See sdk/DESIGN.md.
+ * model stages, for the interleaved 1F1B schedule). 1.11 appended the split backward of
+ * zero-bubble schedules: weft_model_plan's split_backward and the host's backward_input,
+ * backward_weight and weight_pass_release. See sdk/DESIGN.md.
  *
  * A strategy plugin is a shared library that exports exactly one symbol, the C function
  * `weft_strategy_entry` (WEFT_STRATEGY_ENTRY_SYMBOL). The host loads it with
@@ -86,7 +88,7 @@ extern "C" {
 /* The ABI version this header describes. Major: incompatible changes; it must match exactly.
  * Minor: append-only additions; host and plugin use min(host minor, plugin minor). */
 #define WEFT_ABI_VERSION_MAJOR 1
-#define WEFT_ABI_VERSION_MINOR 10
+#define WEFT_ABI_VERSION_MINOR 11
 
 /* The one symbol a plugin exports. */
 #define WEFT_STRATEGY_ENTRY_SYMBOL "weft_strategy_entry"
@@ -116,6 +118,7 @@ typedef struct weft_group weft_group;           /* a process group; lives until 
 typedef struct weft_work weft_work;             /* an asynchronous communication in flight */
 typedef struct weft_activation weft_activation; /* a host tensor, possibly with autograd history */
 typedef struct weft_buffer weft_buffer;         /* memory on the rank's device owned by a plugin (since 1.2) */
+typedef struct weft_weight_pass weft_weight_pass; /* weight gradients deferred by backward_input (since 1.11) */
 typedef struct weft_strategy weft_strategy;     /* the plugin's instance; opaque to the host */
 
 typedef enum weft_status_code {
@@ -305,6 +308,12 @@ typedef struct weft_model_plan {
   int32_t stage_chunks;
   int32_t reserved_1_10;  /* 0; alignment */
   int64_t chunk_stages[2 * 16];
+  /* Since 1.11 (written only when plan->struct_size covers it; pre-filled 0): 1 = this plugin
+   * splits backward passes (zero-bubble schedules, Qi et al. 2023) with backward_input and
+   * backward_weight; the host then builds its linear layers so that their trainable weights'
+   * gradients can be computed apart. 0: backward_input is refused. */
+  int32_t split_backward;
+  int32_t reserved_1_11;  /* 0; alignment */
 } weft_model_plan;
 
 /* The most chunks weft_model_plan.stage_chunks may name (the length of chunk_stages / 2). Since 1.10. */
@@ -711,6 +720,23 @@ typedef struct weft_host_api {
    * the caller owns every tensor. Since 1.5. */
   weft_status* (*attention_block)(weft_host* host, weft_direction direction,
                                   const weft_attention_block* block);
+
+  /* ---------------------------------- since 1.11 --------------------------------------- */
+  /* The input-gradient half of a split backward (ZB-H1's B pass; needs plan.split_backward = 1):
+   * back-propagates like backward, giving every input and parameter its gradient except the
+   * trainable weights of the model's linear layers (attention and MLP projections, an untied
+   * LM head), whose inputs and output gradients are kept in *pass_out instead. Frozen weights
+   * (LoRA's base, quantized layers) defer nothing; adapters, norms and the embedding get their
+   * gradients here. The plugin owns *pass_out and hands it to backward_weight (or
+   * weight_pass_release) exactly once, before the optimizer step. Since 1.11. */
+  weft_status* (*backward_input)(weft_host* host, weft_activation* output, weft_activation* grad_output,
+                                 weft_weight_pass** pass_out);
+  /* The weight-gradient half (ZB-H1's W pass): computes dW = dY^T x for every weight `pass`
+   * deferred and accumulates it into the parameter's gradient, then (as backward would have)
+   * calls the grad-ready callback for it. Consumes `pass`, also when it fails. Since 1.11. */
+  weft_status* (*backward_weight)(weft_host* host, weft_weight_pass* pass);
+  /* Frees `pass` without computing its gradients (an abandoned step). Since 1.11. */
+  void (*weight_pass_release)(weft_host* host, weft_weight_pass* pass);
 } weft_host_api;
 
 /* ------------------------------------------------------------------------------------------

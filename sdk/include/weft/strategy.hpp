@@ -123,6 +123,44 @@ class Activation {
   weft_activation* handle_ = nullptr;
 };
 
+// Owns one weft_weight_pass (the weight gradients a split backward deferred, since ABI 1.11):
+// Host::backward_weight consumes it; the destructor frees one never consumed without computing
+// its gradients. Move-only.
+class WeightPass {
+ public:
+  WeightPass() noexcept = default;
+  // Adopts `handle` (may be NULL), which `host` created.
+  WeightPass(const weft_host_api* api, weft_host* host, weft_weight_pass* handle) noexcept
+      : api_(api), host_(host), handle_(handle) {}
+  WeightPass(WeightPass&& other) noexcept
+      : api_(other.api_), host_(other.host_), handle_(std::exchange(other.handle_, nullptr)) {}
+  WeightPass& operator=(WeightPass&& other) noexcept {
+    if (this != &other) {
+      reset();
+      api_ = other.api_;
+      host_ = other.host_;
+      handle_ = std::exchange(other.handle_, nullptr);
+    }
+    return *this;
+  }
+  WeightPass(const WeightPass&) = delete;
+  WeightPass& operator=(const WeightPass&) = delete;
+  ~WeightPass() { reset(); }
+
+  explicit operator bool() const noexcept { return handle_ != nullptr; }
+  // Gives up ownership: the caller must consume or release the returned handle.
+  weft_weight_pass* release() noexcept { return std::exchange(handle_, nullptr); }
+  // Frees the pass without computing its gradients (if any).
+  void reset() noexcept {
+    if (handle_ != nullptr) api_->weight_pass_release(host_, std::exchange(handle_, nullptr));
+  }
+
+ private:
+  const weft_host_api* api_ = nullptr;
+  weft_host* host_ = nullptr;
+  weft_weight_pass* handle_ = nullptr;
+};
+
 // Owns one weft_work (an asynchronous communication). wait() blocks until it completes and
 // throws Error if it failed; the destructor releases the handle (the host waits first if it was
 // never waited for, ignoring the outcome: call wait() to see errors). Move-only.
@@ -698,6 +736,29 @@ class Host {
   void attention_block(weft_direction direction, const weft_attention_block& block) const {
     require_minor(5, "attention_block");
     check(api_->attention_block(host_, direction, &block));
+  }
+
+  // --- since ABI 1.11 ---
+  // The split backward of zero-bubble schedules (needs plan.split_backward = 1): the input
+  // gradients now (from a scalar loss, or from a stage output with its received gradient), the
+  // linear weights' gradients later, from the returned pass. Throw Error(UNSUPPORTED) on an
+  // older host.
+  WeightPass backward_input(const Activation& loss) const {
+    require_minor(11, "backward_input");
+    weft_weight_pass* pass = nullptr;
+    check(api_->backward_input(host_, loss.get(), nullptr, &pass));
+    return WeightPass(api_, host_, pass);
+  }
+  WeightPass backward_input(const Activation& output, const Activation& grad_output) const {
+    require_minor(11, "backward_input");
+    weft_weight_pass* pass = nullptr;
+    check(api_->backward_input(host_, output.get(), grad_output.get(), &pass));
+    return WeightPass(api_, host_, pass);
+  }
+  // Computes and accumulates the pass's weight gradients; consumes it.
+  void backward_weight(WeightPass& pass) const {
+    require_minor(11, "backward_weight");
+    check(api_->backward_weight(host_, pass.release()));
   }
 
   // Adopts raw handles this host created.

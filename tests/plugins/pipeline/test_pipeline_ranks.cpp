@@ -135,6 +135,35 @@ TEST(Pipeline, InterleavedRanksHoldTwoChunksAndShrinkTheBubbleFormula) {
       << async.output;
 }
 
+// ZB-H1 (plugin.schedule = "zbh1"): the backward split into B and W passes (ABI 1.11). The rank
+// traces hold both, the formula's bubble is (S - 1) / (3 M + S - 1), stage 0 keeps 1F1B's two
+// micro-batches between F and B, and the losses are 1F1B's.
+TEST(Pipeline, ZeroBubbleH1SplitsTheBackwardAndKeeps1F1BsLosses) {
+  const std::string dir = weft::testing::fresh_dir("weft_test_pipeline", "zbtrace");
+  const PipelineRun plain = train("zbplain", "--plugin pipedream --nproc 2 --set plugin.microbatches=4");
+  const PipelineRun zb = train("zbh1", "--plugin pipedream --nproc 2 --set plugin.microbatches=4 --set plugin.schedule=\"zbh1\""
+                                       " --trace " + dir + "/t.json");
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  ASSERT_EQ(zb.exit_code, 0) << zb.output;
+  ASSERT_EQ(zb.steps.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    const auto& s = zb.steps[i];
+    EXPECT_DOUBLE_EQ(s["plugin.bubble_formula"].get<double>(), 1.0 / 13.0) << s;
+    EXPECT_EQ(s["plugin.peak_in_flight"].get<double>(), 2.0) << s;
+    EXPECT_NEAR(s["loss"].get<double>(), plain.steps[i]["loss"].get<double>(), 1e-5 * plain.steps[i]["loss"].get<double>());
+  }
+  for (int rank = 0; rank < 2; ++rank) {
+    std::ifstream in(dir + "/t.rank" + std::to_string(rank) + ".json");
+    ASSERT_TRUE(in.good()) << rank;
+    std::set<std::string> names;
+    const auto trace = nlohmann::json::parse(in);  // named: a temporary's member would die before the loop
+    for (const auto& e : trace["traceEvents"]) {
+      if (e["ph"] == "X") names.insert(e["name"].get<std::string>());
+    }
+    for (const char* name : {"F0", "B0", "W0", "W3"}) EXPECT_TRUE(names.count(name)) << rank << " " << name;
+  }
+}
+
 TEST(Pipeline, PartitionsByProfiledTime) {
   const PipelineRun run = train("profile", "--plugin pipedream --nproc 2 --set plugin.partition=time");
   ASSERT_EQ(run.exit_code, 0) << run.output;

@@ -138,6 +138,63 @@ TEST(Verifier, AcceptsInterleavedSchedulesAndTheirBubbleShrinksWithTheChunks) {
   }
 }
 
+// ZB-H1: the backward split into B (input gradients) and W (weight gradients). Every schedule
+// verifies; with B = W = F its simulated bubble is (S - 1) / (3 M + S - 1) once M >= S (a third of
+// 1F1B's in the same units) and never above 1F1B's; it holds 1F1B's activations (S - p micro-batches
+// between F and B on stage p) plus at most min(S, M) micro-batches waiting for their W.
+TEST(Verifier, AcceptsZeroBubbleH1AndItsBubbleIsAThirdOf1F1Bs) {
+  for (int32_t stages = 1; stages <= 8; ++stages) {
+    for (int32_t m = 1; m <= 32; ++m) {
+      const Schedule s = weft::pipeline::make_schedule("zbh1", stages, m);
+      EXPECT_TRUE(s.split_backward);
+      const auto v = weft::pipeline::verify(s);
+      ASSERT_TRUE(v.ok) << "S=" << stages << " M=" << m << ": " << v.error << "\n" << weft::pipeline::to_string(s);
+      const auto plain = weft::pipeline::verify(weft::pipeline::make_schedule("1f1b", stages, m));
+      EXPECT_LE(v.bubble, plain.bubble + 1e-12) << "S=" << stages << " M=" << m;
+      if (m >= stages) {
+        EXPECT_NEAR(v.bubble, weft::pipeline::zero_bubble_h1_bubble_formula(stages, m), 1e-9)
+            << "S=" << stages << " M=" << m << "\n" << weft::pipeline::to_string(s);
+      }
+      for (int32_t p = 0; p < stages; ++p) {
+        EXPECT_EQ(v.peak_in_flight[p], std::min(stages - p, m)) << "S=" << stages << " M=" << m << " p=" << p;
+        EXPECT_LE(v.peak_pending_weights[p], std::min(stages, m));
+      }
+    }
+  }
+  // The last stage runs F B W in turn; stage 0 of 2 defers its W to fill the drain.
+  const Schedule s = weft::pipeline::zero_bubble_h1_schedule(2, 4);
+  std::vector<std::string> compute;
+  for (const auto& n : names(s.actions[1])) {
+    if (n[0] == 'F' || n[0] == 'B' || n[0] == 'W') compute.push_back(n);
+  }
+  EXPECT_EQ(compute, (std::vector<std::string>{"F0", "B0", "F1", "B1", "W0", "F2", "B2", "W1", "F3", "B3", "W2", "W3"}));
+}
+
+TEST(Verifier, CatchesAWeightPassBeforeItsBackwardOrMissingOrInAScheduleWithoutOne) {
+  Schedule s = weft::pipeline::zero_bubble_h1_schedule(2, 2);
+  auto& last = s.actions[1];
+  const auto b0 = std::find(last.begin(), last.end(), Action{ActionKind::kBackward, 0});
+  const auto w0 = std::find(last.begin(), last.end(), Action{ActionKind::kBackwardWeight, 0});
+  ASSERT_TRUE(b0 != last.end() && w0 != last.end());
+  std::iter_swap(b0, w0);
+  auto v = weft::pipeline::verify(s);
+  EXPECT_FALSE(v.ok);
+  EXPECT_NE(v.error.find("stage 1 W0 comes before its backward B0"), std::string::npos) << v.error;
+  v = weft::pipeline::verify(without(weft::pipeline::zero_bubble_h1_schedule(2, 2), 0, {ActionKind::kBackwardWeight, 1}));
+  EXPECT_FALSE(v.ok);
+  EXPECT_NE(v.error.find("stage 0 W1 is missing"), std::string::npos) << v.error;
+  Schedule plain = weft::pipeline::one_f_one_b_schedule(2, 2);
+  plain.actions[0].insert(plain.actions[0].end() - 1, Action{ActionKind::kBackwardWeight, 0});
+  v = weft::pipeline::verify(plain);
+  EXPECT_FALSE(v.ok);
+  EXPECT_NE(v.error.find("a weight-gradient pass in a schedule whose backward is not split"), std::string::npos) << v.error;
+  Schedule tight = weft::pipeline::zero_bubble_h1_schedule(4, 8);
+  tight.max_pending_weights = 1;
+  v = weft::pipeline::verify(tight);
+  EXPECT_FALSE(v.ok);
+  EXPECT_NE(v.error.find("weight-gradient passes waiting, above the schedule's bound of 1"), std::string::npos) << v.error;
+}
+
 TEST(Verifier, CatchesAMissingReceiveBetweenChunks) {
   const auto v = weft::pipeline::verify(
       without(weft::pipeline::interleaved_one_f_one_b_schedule(2, 2, 2), 0, {ActionKind::kRecvActivation, 1, 1}));
@@ -203,6 +260,20 @@ TEST(Verifier, CatchesMoreInFlightThanTheBound) {
   const auto v = weft::pipeline::verify(s);
   EXPECT_FALSE(v.ok);
   EXPECT_NE(v.error.find("3 micro-batches in flight, above the schedule's bound of 2"), std::string::npos) << v.error;
+}
+
+// NCCL matches sends and receives by order: receives posted in another order than the sends
+// started would pair micro-batch 0's data with micro-batch 1's buffer. (Every shipped schedule,
+// interleaved ones included, keeps one order per direction: the Accepts* tests above.)
+TEST(Verifier, CatchesReceivesPostedInAnotherOrderThanTheSends) {
+  Schedule s = weft::pipeline::gpipe_schedule(2, 2);  // stage 1: rA0 rA1 F0 F1 B1 sG1 B0 sG0 step
+  std::swap(s.actions[1][0], s.actions[1][1]);
+  const auto v = weft::pipeline::verify(s);
+  EXPECT_FALSE(v.ok);
+  EXPECT_NE(v.error.find("transfers from stage 0 to stage 1 are out of order: the sender's transfer 1 is stage 0 sA0 "
+                         "but the receiver's is stage 1 rA1"),
+            std::string::npos)
+      << v.error;
 }
 
 TEST(Verifier, CatchesAReceivePostedAfterItsConsumer) {

@@ -118,8 +118,8 @@ def scaling(path, title, variants, key, divisor, y_label, sub):
 def bubble(path, variants, sub):
     """The pipeline variants' measured bubble (median over steps) against their micro-batches per
     step, one line per schedule and world size, and the formula each reported, dashed, one line per
-    world size (and one more for interleaved schedules, whose formula divides M's share by the
-    chunks); None when no variant names its micro-batches and measured a bubble."""
+    world size (and one more each for interleaved schedules, whose formula divides M's share by
+    the chunks, and for ZB-H1); None when no variant names its micro-batches and measured a bubble."""
     measured, formula = {}, {}
     for v in variants:
         value = finite(v.get("bubble"))
@@ -130,7 +130,8 @@ def bubble(path, variants, sub):
         schedule = MICROBATCHES.sub("", series_key(v)).strip()
         measured.setdefault(f"{schedule} x{nproc}", []).append((micro, value))
         if finite(v.get("bubble_formula")) is not None:  # interleaved schedules have their own
-            kind = "interleaved" if "interleaved" in str(v.get("name", "")) else "plain"
+            name = str(v.get("name", ""))
+            kind = "interleaved" if "interleaved" in name else "zbh1" if "zbh1" in name else "plain"
             formula.setdefault((nproc, kind), {})[micro] = finite(v.get("bubble_formula"))
     if not measured:
         return None
@@ -139,8 +140,9 @@ def bubble(path, variants, sub):
         series.append((name, sorted(points), {"color": PALETTE[k % len(PALETTE)]}))
     greys = [BASELINE, (70, 70, 70), (190, 190, 190)]  # one shade per world size and kind
     for k, ((nproc, kind), points) in enumerate(sorted(formula.items())):
-        label = (f"formula (S - 1) / (vM + S - 1), interleaved x{nproc}" if kind == "interleaved"
-                 else f"formula (S - 1) / (M + S - 1), x{nproc}")
+        label = {"interleaved": f"formula (S - 1) / (vM + S - 1), interleaved x{nproc}",
+                 "zbh1": f"formula (S - 1) / (3M + S - 1), ZB-H1 x{nproc}"}.get(
+                     kind, f"formula (S - 1) / (M + S - 1), x{nproc}")
         series.append((label, sorted(points.items()), {"color": greys[k % len(greys)], "dashed": True, "width": 1}))
     ticks = sorted({m for _, points, _ in series for m, _ in points})
     return line_chart(path, "Pipeline bubble against micro-batches", series, "micro-batches per step (M)",

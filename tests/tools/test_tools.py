@@ -267,6 +267,11 @@ class PlotBenchTest(unittest.TestCase):
             v["bubble_formula"] = 1 / (2 * micro + 1)
             v["bubble"] = v["bubble_formula"] * 1.5
             variants.append(v)
+        for micro in (4, 8):  # ZB-H1: its own formula too
+            v = self.variant(f'pipedream schedule="zbh1" microbatches={micro} x2', "pipedream", 2, "weft", 1500.0)
+            v["bubble_formula"] = 1 / (3 * micro + 1)
+            v["bubble"] = v["bubble_formula"] * 2
+            variants.append(v)
         variants.append(self.variant("gpipe x2", "gpipe", 2, "weft", 1500.0))  # no micro-batches named: not drawn
         bench = {"config": "configs/small-bench.toml", "steps": 6, "repetitions": 3, "variants": variants}
         path = os.path.join(self.dir, "bench.json")
@@ -282,15 +287,17 @@ class PlotBenchTest(unittest.TestCase):
         plot_bench.line_chart = lambda path, title, series, *a, **k: drawn.append(series) or path
         plot_bench.bubble(os.path.join(self.dir, "b.png"), variants, "")
         names = [name for name, _, _ in drawn[0]]
-        self.assertEqual(names[:5], ['gpipe schedule="interleaved1f1b" x2', "gpipe x2", "gpipe x4", "pipedream x2",
-                                     "pipedream x4"])
+        self.assertEqual(names[:6], ['gpipe schedule="interleaved1f1b" x2', "gpipe x2", "gpipe x4",
+                                     'pipedream schedule="zbh1" x2', "pipedream x2", "pipedream x4"])
         self.assertEqual(dict(drawn[0][1][1]), {4: 1.2 / 5, 8: 1.2 / 9, 16: 1.2 / 17})
         formulas = [(name, dict(points)) for name, points, style in drawn[0] if style.get("dashed")]
         self.assertEqual([name for name, _ in formulas], ["formula (S - 1) / (vM + S - 1), interleaved x2",
                                                           "formula (S - 1) / (M + S - 1), x2",
+                                                          "formula (S - 1) / (3M + S - 1), ZB-H1 x2",
                                                           "formula (S - 1) / (M + S - 1), x4"])
         self.assertAlmostEqual(formulas[0][1][4], 1 / 9)
-        self.assertAlmostEqual(formulas[2][1][4], 3 / 7)
+        self.assertAlmostEqual(formulas[2][1][4], 1 / 13)
+        self.assertAlmostEqual(formulas[3][1][4], 3 / 7)
 
     def test_missing_json_is_one_line_error(self):
         result = run(PLOT_BENCH, os.path.join(self.dir, "nope.json"))

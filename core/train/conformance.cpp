@@ -296,6 +296,8 @@ std::vector<ConformanceCase> conformance_matrix() {
   both("gpipe", 4, {"plugin.stages=2", "plugin.schedule=\"interleaved1f1b\""});
   both("pipedream", 2, {});
   both("pipedream", 4, {});
+  both("pipedream", 2, {"plugin.schedule=\"zbh1\""});  // ZB-H1: backward split into B and W passes
+  both("pipedream", 4, {"plugin.schedule=\"zbh1\""});
   both("context_parallel", 2, {});                        // Ulysses all-to-all
   both("context_parallel", 2, {"plugin.mode=\"ring\""});  // ring attention
   return cases;

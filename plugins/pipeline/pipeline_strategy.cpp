@@ -53,6 +53,10 @@ PipelineStrategy::PipelineStrategy(weft::sdk::Host host, std::string plugin, std
                                                          : ": virtual stages need plugin.schedule = \"interleaved1f1b\""));
   }
   chunks_ = static_cast<int32_t>(chunks);
+  if (chunks_ > 1 && stages < 2) {  // its chunks would pass activations to themselves
+    throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": interleaved 1F1B with " + std::to_string(chunks_) +
+                                            " chunks needs at least 2 stages (plugin.stages = 1)");
+  }
   if (interleaved && microbatches_ % stages != 0) {
     throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": interleaved 1F1B sends micro-batches through the chunks in groups "
                                             "of the stages: plugin.microbatches = " + std::to_string(microbatches_) +

@@ -128,6 +128,10 @@ TEST(Pipeline, InterleavedRanksHoldTwoChunksAndShrinkTheBubbleFormula) {
   EXPECT_NE(groups.exit_code, 0);
   EXPECT_NE(groups.output.find("plugin.microbatches = 1 must be a multiple of plugin.stages = 2"), std::string::npos)
       << groups.output;
+  const PipelineRun alone = train("alonechunks", "--plugin gpipe --nproc 2 --set plugin.schedule=\"interleaved1f1b\""
+                                               " --set plugin.stages=1" + model);
+  EXPECT_NE(alone.exit_code, 0);
+  EXPECT_NE(alone.output.find("interleaved 1F1B with 2 chunks needs at least 2 stages"), std::string::npos) << alone.output;
   const PipelineRun async = train("asyncinterleaved", "--plugin pipedream --nproc 2 --set plugin.mode=async"
                                                       " --set plugin.schedule=\"interleaved1f1b\"" + model);
   EXPECT_NE(async.exit_code, 0);

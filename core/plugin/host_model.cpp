@@ -222,17 +222,25 @@ weft_status* loss(weft_host* host, weft_activation* logits, weft_activation* tar
   });
 }
 
+namespace {
+
+// Back-propagates from a scalar `output` (no gradient) or from `output` with `grad_output`,
+// timed as this rank's backward compute.
+void run_backward(State& s, weft_activation* output, weft_activation* grad_output, const char* what) {
+  const ComputeTimer timer(s, /*backward=*/true);
+  const auto& out = tensor_of(output);
+  if (grad_output == nullptr) {
+    WEFT_CHECK(out.numel() == 1, "{} without a gradient needs a scalar output", what);
+    out.backward();
+  } else {
+    torch::autograd::backward({out}, {tensor_of(grad_output)});
+  }
+}
+
+}  // namespace
+
 weft_status* backward(weft_host* host, weft_activation* output, weft_activation* grad_output) {
-  return guarded([&] {
-    const ComputeTimer timer(state_of(host), /*backward=*/true);
-    const auto& out = tensor_of(output);
-    if (grad_output == nullptr) {
-      WEFT_CHECK(out.numel() == 1, "backward without a gradient needs a scalar output");
-      out.backward();
-    } else {
-      torch::autograd::backward({out}, {tensor_of(grad_output)});
-    }
-  });
+  return guarded([&] { run_backward(state_of(host), output, grad_output, "backward"); });
 }
 
 weft_status* backward_input(weft_host* host, weft_activation* output, weft_activation* grad_output,
@@ -245,14 +253,7 @@ weft_status* backward_input(weft_host* host, weft_activation* output, weft_activ
     auto pass = std::make_unique<weft_weight_pass>();
     {
       const DeferWeightGradients defer(pass->queue);
-      const ComputeTimer timer(s, /*backward=*/true);
-      const auto& out = tensor_of(output);
-      if (grad_output == nullptr) {
-        WEFT_CHECK(out.numel() == 1, "backward_input without a gradient needs a scalar output");
-        out.backward();
-      } else {
-        torch::autograd::backward({out}, {tensor_of(grad_output)});
-      }
+      run_backward(s, output, grad_output, "backward_input");
     }
     *pass_out = pass.release();
   });

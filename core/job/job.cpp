@@ -122,7 +122,10 @@ void Job::join() {
   if (!options_.out_dir.empty()) {
     communicator_->set_flight_record_path(fmt::format("{}/flight_recorder.rank{}.json", options_.out_dir, context_.rank));
   }
-  strategy_ = std::make_unique<StrategySession>(options_.plugin, options_.plugin_config, *communicator_);
+  strategy_ = std::make_unique<StrategySession>(
+      options_.plugin, options_.plugin_config, *communicator_,
+      std::array<int32_t, 4>{static_cast<int32_t>(options_.mesh_pp), static_cast<int32_t>(options_.mesh_dp),
+                             static_cast<int32_t>(options_.mesh_cp), static_cast<int32_t>(options_.mesh_tp)});
   check_same_everywhere(*communicator_, "plugin and config",
                         fmt::format("{}, config {}", strategy_->fingerprint(), options_.config_hash));
   spdlog::info("strategy: {}, {} process(es)", strategy_->describe(), context_.world);
@@ -182,7 +185,7 @@ void Job::build_model() {
   WEFT_CHECK(memory_.fits, "{}", memory_.problem);
   model_options.comm = strategy_->comm_hook();
   if (model_options.quantize.format == QuantFormat::kInt8 && model_options.quantize.int8_gemm &&
-      strategy_->library().negotiated_abi().minor < 7) {
+      strategy_->min_negotiated_minor() < 7) {
     // A row-split int8 layer quantizes each token over the whole row: the plugin all-reduces the
     // rows' absmax at WEFT_COMM_ROW_ABSMAX, which a plugin built before ABI 1.7 does not know.
     for (const auto& [name, shard] : model_options.shards) {
@@ -190,7 +193,7 @@ void Job::build_model() {
                  "plugin {} (ABI 1.{}) splits {} along its input columns, and model.quantize = \"int8\" on the "
                  "CPU multiplies it in the int8 GEMM, whose per-token scales need the plugin to all-reduce them "
                  "(WEFT_COMM_ROW_ABSMAX, ABI 1.7): rebuild the plugin against this SDK",
-                 strategy_->library().name(), strategy_->library().negotiated_abi().minor, name);
+                 strategy_->names(), strategy_->min_negotiated_minor(), name);
     }
   }
   model_options.sequence = strategy_->sequence_split();

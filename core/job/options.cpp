@@ -72,6 +72,8 @@ const std::vector<SchemaSection>& sections() {
                  "credentials only from the AWS environment variables or ~/.aws/credentials.", false},
       {"generate", "Text generation (trainer generate --prompt ...).", false},
       {"log", "Console logging and the metrics file.", false},
+      {"mesh", "The device mesh of a run that composes several plugins (train.plugin = \"tensor_parallel,gpipe\"): "
+               "ranks along each dimension, world rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i.", false},
       {"plugin", "Free-form settings for a strategy plugin (any keys, not validated here).", true},
   };
   return sections;
@@ -203,7 +205,8 @@ const std::vector<Row>& rows() {
                  "Run directory for checkpoints, metrics and the effective config."),
       string_key("train.plugin", WEFT_MEMBER(plugin), "",
                  "Strategy plugin: a path or a name found in the build's plugins/ or WEFT_PLUGIN_PATH (e.g. ddp); empty = single, "
-                 "built into the host (one process, the reference step)."),
+                 "built into the host (one process, the reference step). Several, comma-separated "
+                 "(\"tensor_parallel,gpipe,ddp\"), compose over the device mesh ([mesh]), one per dimension."),
       float_key("train.collective_timeout_s", WEFT_MEMBER(collective_timeout_s), 300.0,
                 "Seconds a collective or the start-up rendezvous may take before the run stops with an error naming it.",
                 1.0),
@@ -299,6 +302,13 @@ const std::vector<Row>& rows() {
               "log.torch_profile: the optimizer steps done before recording starts (warm-up).", 0),
       int_key("log.torch_profile_steps", WEFT_MEMBER(torch_profile_steps), 3,
               "log.torch_profile: how many optimizer steps are recorded.", 1),
+      // [mesh]
+      int_key("mesh.pp", WEFT_MEMBER(mesh_pp), 0,
+              "Pipeline stages (the plugin owning pp: gpipe, pipedream); 0 = what is left when it is the one size "
+              "not given.", 0),
+      int_key("mesh.dp", WEFT_MEMBER(mesh_dp), 0, "Data-parallel replicas (ddp); 0 = what the other sizes leave.", 0),
+      int_key("mesh.cp", WEFT_MEMBER(mesh_cp), 0, "Context-parallel ranks (context_parallel); 0 = as mesh.pp.", 0),
+      int_key("mesh.tp", WEFT_MEMBER(mesh_tp), 0, "Tensor-parallel ranks (tensor_parallel); 0 = as mesh.pp.", 0),
   };
   return rows;
 }

@@ -63,6 +63,7 @@ struct TrainOptions {
   std::string out_dir;
   bool overwrite;
   std::string plugin;         // train.plugin: a path or name; empty = single, built into the host
+  int64_t mesh_pp, mesh_dp, mesh_cp, mesh_tp;  // [mesh]: 0 = unset (Mesh::resolve)
   double collective_timeout_s;
   double memory_limit_gib;    // train.memory_limit_gib: 0 = the machine's memory (CPU) / the device's (CUDA)
   bool save_merged;           // lora.save_merged

@@ -75,6 +75,11 @@ weft_host_api make_table() {
   t.backward_input = host::backward_input;
   t.backward_weight = host::backward_weight;
   t.weight_pass_release = host::weight_pass_release;
+  t.mesh_info = host::mesh_info;
+  t.group_mesh = host::group_mesh;
+  static_assert(Mesh::kPP == WEFT_MESH_PP && Mesh::kDP == WEFT_MESH_DP && Mesh::kCP == WEFT_MESH_CP &&
+                    Mesh::kTP == WEFT_MESH_TP && Mesh::kDims == WEFT_MESH_DIMS,
+                "the host's mesh dimensions are the ABI's");
   return t;
 }
 
@@ -131,6 +136,17 @@ std::map<std::string, double> PluginHost::take_step_metrics() {
 }
 
 void PluginHost::set_loss_scale(double scale) { state_->loss_scale = scale; }
+
+void PluginHost::set_mesh(const Mesh* mesh, int dimension, bool driver, int plugins,
+                          const std::array<ProcessGroup*, 4>& groups) {
+  WEFT_CHECK(mesh == nullptr || (0 <= dimension && dimension < Mesh::kDims && groups[static_cast<size_t>(dimension)]),
+             "set_mesh: the plugin's dimension has no group");
+  state_->mesh = mesh;
+  state_->mesh_dimension = mesh ? dimension : -1;
+  state_->mesh_driver = driver;
+  state_->mesh_plugins = plugins;
+  state_->mesh_groups = groups;
+}
 
 void PluginHost::set_model(LlamaForCausalLMImpl* model) {
   auto& s = *state_;

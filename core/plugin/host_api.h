@@ -3,6 +3,7 @@
 // and tells it, as the run proceeds, which model and which step the services refer to.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -22,6 +23,8 @@ class BatchLoader;
 class EvalLoader;
 class LlamaForCausalLMImpl;
 class Communicator;
+class Mesh;
+struct ProcessGroup;
 struct ModelConfig;
 
 class PluginHost {
@@ -81,6 +84,11 @@ class PluginHost {
   std::map<std::string, double> take_step_metrics();
   // The loss service's extra factor on the loss it returns for backward (fp16 loss scaling).
   void set_loss_scale(double scale);
+  // ABI 1.12: this plugin is one of `plugins` composed over `mesh` (which must outlive this
+  // object) and owns `dimension` (Mesh::kPP...): its group_world is groups[dimension], its
+  // group_create numbers the ranks of that slice, mesh_info and group_mesh describe the mesh.
+  // `driver`: the host runs its train_step and eval_step. Call before the plugin's create.
+  void set_mesh(const Mesh* mesh, int dimension, bool driver, int plugins, const std::array<ProcessGroup*, 4>& groups);
   // Per-sequence evaluation: from now on, the loss of every evaluation row whose sequence index
   // is known (the targets batch() handed out) is also summed by sequence, out of `sequences`.
   // A classification model also sums each sequence's head outputs (its `outputs` logits at the

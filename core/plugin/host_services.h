@@ -5,6 +5,7 @@
 // accounting); host_api.cpp assembles the table. Internal to core/plugin.
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <map>
@@ -17,6 +18,7 @@
 #include <weft/strategy.h>
 #include <weft/strategy_torch.hpp>
 
+#include "core/dist/mesh.h"
 #include "core/dist/process_groups.h"
 #include "core/model/llama.h"
 #include "core/model/weight_grad.h"
@@ -111,6 +113,14 @@ struct PluginHost::State {
   // how many times this rank computed them, by sequence index; undefined when not recording.
   at::Tensor sequence_loss_sums, sequence_counts;
   at::Tensor sequence_outputs;  // classification: each sequence's summed head outputs [sequences, labels]
+  // ABI 1.12: the mesh of a composed run (null when the plugin runs alone), the dimension this
+  // plugin owns, whether it drives the step, how many plugins the run composes, and this rank's
+  // group along each dimension (null where none was made).
+  const Mesh* mesh = nullptr;
+  int mesh_dimension = -1;
+  bool mesh_driver = true;
+  int mesh_plugins = 1;
+  std::array<ProcessGroup*, Mesh::kDims> mesh_groups{};
 };
 
 
@@ -221,6 +231,8 @@ weft_group* group_world(weft_host* host);
 int32_t group_rank(const weft_group* group);
 int32_t group_size(const weft_group* group);
 weft_status* group_create(weft_host* host, const int32_t* ranks, int32_t count, weft_group** out);
+weft_status* mesh_info(weft_host* host, weft_mesh_info* out);
+weft_group* group_mesh(weft_host* host, int32_t dimension);
 weft_status* all_reduce(weft_host* host, weft_group* group, DLTensor* tensor, weft_reduce_op op, weft_work** work);
 weft_status* reduce_scatter(weft_host* host, weft_group* group, DLTensor* output, const DLTensor* input,
                             weft_reduce_op op, weft_work** work);

@@ -1,49 +1,273 @@
 #include "core/plugin/strategy_session.h"
 
 #include <cmath>
+#include <algorithm>
 #include <cstddef>
+#include <cstring>
 
 #include <fmt/format.h>
 #include <torch/torch.h>
 #include <weft/strategy_torch.hpp>
 
 #include "core/data/loader.h"
+#include "core/dist/process_groups.h"
 #include "core/plugin/status.h"
 #include "core/util/error.h"
 
 namespace weft {
 
+namespace {
+
+std::vector<std::string> split_names(const std::string& list) {
+  std::vector<std::string> names;
+  size_t start = 0;
+  while (true) {
+    const size_t comma = list.find(',', start);
+    std::string name = list.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    const auto first = name.find_first_not_of(" \t"), last = name.find_last_not_of(" \t");
+    names.push_back(first == std::string::npos ? "" : name.substr(first, last - first + 1));
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  return names;
+}
+
+}  // namespace
+
 StrategySession::StrategySession(const std::string& path_or_name, toml::table plugin_config,
-                                 Communicator& communicator)
-    : library_(PluginLibrary::load(path_or_name.empty() ? kBuiltinStrategy : path_or_name)) {
-  host_ = std::make_unique<PluginHost>(library_->name(), std::move(plugin_config), communicator);
-  weft_strategy* instance = nullptr;
-  check(library_->api().create(host_->api(), host_->handle(), &instance), "create");
-  WEFT_CHECK(instance != nullptr, "plugin {}: create returned no instance", library_->name());
-  instance_ = instance;
+                                 Communicator& communicator, std::array<int32_t, 4> mesh)
+    : communicator_(&communicator) {
+  const std::vector<std::string> names = split_names(path_or_name);
+  if (names.size() == 1) {
+    for (int d = 0; d < Mesh::kDims; ++d) {
+      WEFT_CHECK(mesh[static_cast<size_t>(d)] <= 1 || (d == Mesh::kDP && mesh[d] == communicator.world().size),
+                 "[mesh] {} = {} lays the ranks on a device mesh, which needs several plugins (train.plugin = "
+                 "\"tensor_parallel,gpipe\", one per dimension); {} runs alone over all {} ranks",
+                 Mesh::name(d), mesh[static_cast<size_t>(d)], names.front().empty() ? kBuiltinStrategy : names.front(),
+                 communicator.world().size);
+    }
+    Member member;
+    member.library = PluginLibrary::load(names.front().empty() ? kBuiltinStrategy : names.front());
+    member.host = std::make_unique<PluginHost>(member.library->name(), std::move(plugin_config), communicator);
+    members_.push_back(std::move(member));
+  } else {
+    compose(names, plugin_config, communicator, mesh);
+  }
+  library_ = members_.front().library;
+  host_ = members_.front().host.get();
+  for (auto& member : members_) {  // in order: the driver, then tp, cp, dp (each collective over the world)
+    weft_strategy* instance = nullptr;
+    check(member, member.library->api().create(member.host->api(), member.host->handle(), &instance), "create");
+    WEFT_CHECK(instance != nullptr, "plugin {}: create returned no instance", member.library->name());
+    member.instance = instance;
+  }
+  instance_ = members_.front().instance;
+}
+
+void StrategySession::compose(const std::vector<std::string>& names, const toml::table& plugin_config,
+                              Communicator& communicator, std::array<int32_t, 4> requested) {
+  // Which plugin owns which dimension: the first its table offers that no earlier plugin took.
+  std::array<int, Mesh::kDims> owner{-1, -1, -1, -1};
+  std::vector<Member> loaded;
+  for (const std::string& name : names) {
+    WEFT_CHECK(!name.empty(), "train.plugin = \"{}\" names an empty plugin", fmt::join(names, ","));
+    Member member;
+    member.library = PluginLibrary::load(name);
+    const auto& lib = *member.library;
+    WEFT_CHECK(lib.negotiated_abi().minor >= 12 && lib.has_slot(offsetof(weft_strategy_api, mesh_dimensions), 12),
+               "plugin {} (ABI 1.{}) cannot compose with others on a device mesh (ABI 1.12): run it alone or rebuild it "
+               "against this SDK",
+               lib.name(), lib.negotiated_abi().minor);
+    WEFT_CHECK(!(lib.has_slot(offsetof(weft_strategy_api, flat_shard), 3) && lib.api().flat_shard),
+               "plugin {} shards the training state (flat_shard), which a composed run does not combine with other "
+               "plugins yet: compose ddp instead, or run {} alone",
+               lib.name(), lib.name());
+    const uint32_t offered = lib.api().mesh_dimensions;
+    WEFT_CHECK(offered != 0, "plugin {} runs alone only (its table offers no mesh dimension)", lib.name());
+    for (int d : {Mesh::kPP, Mesh::kTP, Mesh::kCP, Mesh::kDP}) {
+      if ((offered & (1u << d)) != 0 && owner[static_cast<size_t>(d)] < 0) {
+        member.dimension = d;
+        break;
+      }
+    }
+    if (member.dimension < 0) {
+      std::string taken;
+      for (int d = 0; d < Mesh::kDims; ++d) {
+        if ((offered & (1u << d)) != 0) {
+          taken += fmt::format("{}{} ({})", taken.empty() ? "" : ", ", Mesh::name(d),
+                               loaded[static_cast<size_t>(owner[static_cast<size_t>(d)])].library->name());
+        }
+      }
+      fail("plugins {}: {} owns the same mesh dimension as another: {}", fmt::join(names, ", "), lib.name(), taken);
+    }
+    owner[static_cast<size_t>(member.dimension)] = static_cast<int>(loaded.size());
+    loaded.push_back(std::move(member));
+  }
+  std::array<bool, Mesh::kDims> owned{};
+  for (int d = 0; d < Mesh::kDims; ++d) owned[static_cast<size_t>(d)] = owner[static_cast<size_t>(d)] >= 0;
+  mesh_ = Mesh::resolve(requested, owned, communicator.world().size);
+  for (int d = 0; d < Mesh::kDims; ++d) {
+    WEFT_CHECK(mesh_->size(d) == 1 || owned[static_cast<size_t>(d)],
+               "the device mesh {} has {} = {} but no plugin of train.plugin = \"{}\" owns it{}", mesh_->describe(),
+               Mesh::name(d), mesh_->size(d), fmt::join(names, ","),
+               d == Mesh::kDP ? ": add ddp" : d == Mesh::kPP ? ": add gpipe or pipedream"
+                               : d == Mesh::kTP ? ": add tensor_parallel" : ": add context_parallel");
+  }
+  // Every slice's group along every dimension a plugin owns (collective: all ranks, same order).
+  const int32_t rank = communicator.world().rank;
+  std::array<ProcessGroup*, 4> groups{};
+  for (int d = 0; d < Mesh::kDims; ++d) {
+    if (!owned[static_cast<size_t>(d)] && mesh_->size(d) == 1) continue;
+    const auto slices = mesh_->slices(d);
+    const int32_t mine = mesh_->slice_of(rank, d);
+    for (size_t j = 0; j < slices.size(); ++j) {
+      auto& group = communicator.create_group(slices[j]);
+      if (static_cast<int32_t>(j) == mine) groups[static_cast<size_t>(d)] = &group;
+    }
+  }
+  // The driver first (pp, else tp, cp, dp), then the others innermost first: tp, cp, dp.
+  const int driver_dim = owned[Mesh::kPP] ? Mesh::kPP : owned[Mesh::kTP] ? Mesh::kTP
+                       : owned[Mesh::kCP] ? Mesh::kCP : Mesh::kDP;
+  std::vector<int> order{driver_dim};
+  for (int d : {Mesh::kTP, Mesh::kCP, Mesh::kDP}) {
+    if (d != driver_dim && owned[static_cast<size_t>(d)]) order.push_back(d);
+  }
+  for (int d : order) {
+    Member member = std::move(loaded[static_cast<size_t>(owner[static_cast<size_t>(d)])]);
+    const bool driver = d == driver_dim;
+    if (!driver) {
+      WEFT_CHECK(member.library->api().finish_step && member.library->api().finish_eval,
+                 "plugin {} owns mesh dimension {} but cannot finish another plugin's step (no finish_step / "
+                 "finish_eval): it can only drive a composed run",
+                 member.library->name(), Mesh::name(d));
+    }
+    member.host = std::make_unique<PluginHost>(member.library->name(), plugin_config, communicator);
+    member.host->set_mesh(&*mesh_, d, driver, static_cast<int>(names.size()), groups);
+    members_.push_back(std::move(member));
+  }
+  spdlog::info("device mesh {} ({} ranks): {} drives the step{}", mesh_->describe(), mesh_->world(),
+               members_.front().library->name(), [&] {
+                 std::string rest;
+                 for (size_t i = 0; i < members_.size(); ++i) {
+                   rest += fmt::format("{}{} owns {} ({})", i == 0 ? "; " : ", ", members_[i].library->name(),
+                                       Mesh::name(members_[i].dimension), mesh_->size(members_[i].dimension));
+                 }
+                 return rest;
+               }());
 }
 
 StrategySession::~StrategySession() {
-  if (instance_) library_->api().destroy(instance_);
+  for (auto it = members_.rbegin(); it != members_.rend(); ++it) {
+    if (it->instance) it->library->api().destroy(it->instance);
+  }
 }
 
-void StrategySession::check(weft_status* status, const char* what) const {
-  throw_if_error(status, fmt::format("plugin {} ({}): {}", library_->name(), library_->path(), what));
+void StrategySession::check(weft_status* status, const char* what) const { check(members_.front(), status, what); }
+
+void StrategySession::check(const Member& member, weft_status* status, const char* what) const {
+  throw_if_error(status, fmt::format("plugin {} ({}): {}", member.library->name(), member.library->path(), what));
+}
+
+std::string StrategySession::names() const {
+  std::string out;
+  for (const auto& m : members_) out += (out.empty() ? "" : "+") + m.library->name();
+  return out;
+}
+
+uint16_t StrategySession::min_negotiated_minor() const {
+  uint16_t minor = members_.front().library->negotiated_abi().minor;
+  for (const auto& m : members_) minor = std::min<uint16_t>(minor, m.library->negotiated_abi().minor);
+  return minor;
 }
 
 std::string StrategySession::describe() const {
-  return fmt::format("{} {} (ABI {}.{}) from {}", library_->name(), library_->version(),
-                     library_->negotiated_abi().major, library_->negotiated_abi().minor, library_->path());
+  std::string out;
+  for (const auto& m : members_) {
+    out += fmt::format("{}{} {} (ABI {}.{}) from {}{}", out.empty() ? "" : "; ", m.library->name(), m.library->version(),
+                       m.library->negotiated_abi().major, m.library->negotiated_abi().minor, m.library->path(),
+                       mesh_ ? fmt::format(" on {} {}", Mesh::name(m.dimension), mesh_->size(m.dimension)) : "");
+  }
+  return out;
 }
 
 std::string StrategySession::fingerprint() const {
-  return fmt::format("plugin {} {} ABI {}.{}", library_->name(), library_->version(), library_->negotiated_abi().major,
-                     library_->negotiated_abi().minor);
+  std::string out;
+  for (const auto& m : members_) {
+    out += fmt::format("{}plugin {} {} ABI {}.{}", out.empty() ? "" : "; ", m.library->name(), m.library->version(),
+                       m.library->negotiated_abi().major, m.library->negotiated_abi().minor);
+  }
+  if (mesh_) out += "; mesh " + mesh_->describe();
+  return out;
+}
+
+weft_model_plan StrategySession::merged_plan(const weft_model_plan& prefilled) {
+  stages_owner_ = sequence_owner_ = tensor_sequence_owner_ = 0;
+  if (!mesh_) {
+    weft_model_plan plan = prefilled;
+    if (library_->api().plan) check(library_->api().plan(instance_, &plan), "plan");
+    return plan;
+  }
+  // Composed: each plugin plans on the one-process layout; its changes are merged field by field.
+  weft_model_plan merged = prefilled;
+  int stages = -1, sequence = -1, tensor_sequence = -1;
+  int64_t dp_size = 1, dp_rank = 0;
+  for (size_t i = 0; i < members_.size(); ++i) {
+    const Member& m = members_[i];
+    weft_model_plan plan = prefilled;
+    if (m.library->api().plan) check(m, m.library->api().plan(m.instance, &plan), "plan");
+    auto take = [&](bool changed, int& owner, const char* what) {
+      if (!changed) return false;
+      WEFT_CHECK(owner < 0, "plugins {} and {} both set {} in their plans: one plugin per part of the plan",
+                 members_[static_cast<size_t>(owner)].library->name(), m.library->name(), what);
+      owner = static_cast<int>(i);
+      return true;
+    };
+    const bool staged = plan.first_stage != prefilled.first_stage || plan.last_stage != prefilled.last_stage ||
+                        plan.stage_chunks != prefilled.stage_chunks || plan.split_backward != prefilled.split_backward;
+    if (take(staged, stages, "the model stages")) {
+      merged.first_stage = plan.first_stage;
+      merged.last_stage = plan.last_stage;
+      merged.stage_chunks = plan.stage_chunks;
+      std::memcpy(merged.chunk_stages, plan.chunk_stages, sizeof merged.chunk_stages);
+      merged.split_backward = plan.split_backward;
+    }
+    const bool split = plan.sequence_parallel_size != prefilled.sequence_parallel_size ||
+                       plan.sequence_parallel_rank != prefilled.sequence_parallel_rank ||
+                       plan.sequence_parallel_layout != prefilled.sequence_parallel_layout ||
+                       plan.sequence_parallel_attention != prefilled.sequence_parallel_attention;
+    if (take(split, sequence, "the sequence split")) {
+      merged.sequence_parallel_size = plan.sequence_parallel_size;
+      merged.sequence_parallel_rank = plan.sequence_parallel_rank;
+      merged.sequence_parallel_layout = plan.sequence_parallel_layout;
+      merged.sequence_parallel_attention = plan.sequence_parallel_attention;
+    }
+    const bool regions = plan.tensor_sequence_size != prefilled.tensor_sequence_size ||
+                         plan.tensor_sequence_rank != prefilled.tensor_sequence_rank;
+    if (take(regions, tensor_sequence, "the tensor-sequence split")) {
+      merged.tensor_sequence_size = plan.tensor_sequence_size;
+      merged.tensor_sequence_rank = plan.tensor_sequence_rank;
+    }
+    WEFT_CHECK(plan.data_parallel_size >= 1 && 0 <= plan.data_parallel_rank &&
+                   plan.data_parallel_rank < plan.data_parallel_size,
+               "plugin {}: plan chose data-parallel rank {} of {}", m.library->name(), plan.data_parallel_rank,
+               plan.data_parallel_size);
+    dp_rank = dp_rank * plan.data_parallel_size + plan.data_parallel_rank;
+    dp_size *= plan.data_parallel_size;
+  }
+  WEFT_CHECK(dp_size == mesh_->size(Mesh::kDP),
+             "plugins {}: their plans split every global batch {} ways, but the device mesh {} has dp = {}", names(),
+             dp_size, mesh_->describe(), mesh_->size(Mesh::kDP));
+  merged.data_parallel_size = static_cast<int32_t>(dp_size);
+  merged.data_parallel_rank = static_cast<int32_t>(dp_rank);
+  stages_owner_ = std::max(stages, 0);
+  sequence_owner_ = std::max(sequence, 0);
+  tensor_sequence_owner_ = std::max(tensor_sequence, 0);
+  return merged;
 }
 
 Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute_dtype, int64_t seq_len,
                                  int64_t batch_rows) {
-  host_->set_model_info(config, compute_dtype, seq_len, batch_rows);
+  for (auto& m : members_) m.host->set_model_info(config, compute_dtype, seq_len, batch_rows);
   const int64_t num_stages = config.num_hidden_layers + 2;
   weft_model_plan plan{};
   plan.struct_size = sizeof(weft_model_plan);
@@ -59,74 +283,78 @@ Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute
   plan.tensor_sequence_rank = 0;
   plan.stage_chunks = 1;
   plan.split_backward = 0;
-  if (library_->api().plan) check(library_->api().plan(instance_, &plan), "plan");
+  plan = merged_plan(plan);
+  // Each check below names the plugin whose plan set the fields it checks.
+  const PluginLibrary& stages_lib = *members_[static_cast<size_t>(stages_owner_)].library;
+  const PluginLibrary& sequence_lib = *members_[static_cast<size_t>(sequence_owner_)].library;
+  const PluginLibrary& tensor_sequence_lib = *members_[static_cast<size_t>(tensor_sequence_owner_)].library;
   WEFT_CHECK(0 <= plan.first_stage && plan.first_stage < plan.last_stage && plan.last_stage <= num_stages,
-             "plugin {}: plan chose stages [{}, {}) of a {}-stage model", library_->name(), plan.first_stage,
+             "plugin {}: plan chose stages [{}, {}) of a {}-stage model", stages_lib.name(), plan.first_stage,
              plan.last_stage, num_stages);
   WEFT_CHECK(plan.data_parallel_size >= 1 && 0 <= plan.data_parallel_rank &&
                  plan.data_parallel_rank < plan.data_parallel_size,
-             "plugin {}: plan chose data-parallel rank {} of {}", library_->name(), plan.data_parallel_rank,
+             "plugin {}: plan chose data-parallel rank {} of {}", stages_lib.name(), plan.data_parallel_rank,
              plan.data_parallel_size);
   Placement placement{StageRange{plan.first_stage, plan.last_stage}, plan.data_parallel_rank, plan.data_parallel_size};
-  if (library_->negotiated_abi().minor >= 10 && plan.stage_chunks != 1) {  // virtual pipeline stages
+  if (stages_lib.negotiated_abi().minor >= 10 && plan.stage_chunks != 1) {  // virtual pipeline stages
     const int32_t chunks = plan.stage_chunks;
     WEFT_CHECK(chunks >= 1 && chunks <= WEFT_MAX_STAGE_CHUNKS, "plugin {}: plan chose {} stage chunks (1 to {})",
-               library_->name(), chunks, WEFT_MAX_STAGE_CHUNKS);
+               stages_lib.name(), chunks, WEFT_MAX_STAGE_CHUNKS);
     std::vector<StageRange> ranges;
     for (int32_t i = 0; i < chunks; ++i) ranges.push_back({plan.chunk_stages[2 * i], plan.chunk_stages[2 * i + 1]});
     try {
       StageSet(ranges).resolved(num_stages);
     } catch (const Error& e) {
-      throw Error(fmt::format("plugin {}: plan's stage chunks: {}", library_->name(), e.what()));
+      throw Error(fmt::format("plugin {}: plan's stage chunks: {}", stages_lib.name(), e.what()));
     }
     WEFT_CHECK(ranges.front().first == plan.first_stage && ranges.back().last == plan.last_stage,
-               "plugin {}: plan's stage chunks span [{}, {}) but first_stage/last_stage say [{}, {})", library_->name(),
+               "plugin {}: plan's stage chunks span [{}, {}) but first_stage/last_stage say [{}, {})", stages_lib.name(),
                ranges.front().first, ranges.back().last, plan.first_stage, plan.last_stage);
     placement.stages = StageSet(std::move(ranges));
   }
-  if (library_->negotiated_abi().minor >= 11) {  // zero-bubble schedules' split backward
+  if (stages_lib.negotiated_abi().minor >= 11) {  // zero-bubble schedules' split backward
     WEFT_CHECK(plan.split_backward == 0 || plan.split_backward == 1, "plugin {}: plan chose split_backward = {} (0 or 1)",
-               library_->name(), plan.split_backward);
+               stages_lib.name(), plan.split_backward);
     placement.split_backward = plan.split_backward == 1;
   }
   const bool every_stage = placement.stages.ranges.size() == 1 && plan.first_stage == 0 && plan.last_stage == num_stages;
-  if (library_->negotiated_abi().minor >= 4) {
+  if (sequence_lib.negotiated_abi().minor >= 4) {
     const int32_t size = plan.sequence_parallel_size, rank = plan.sequence_parallel_rank;
     WEFT_CHECK(size >= 1 && 0 <= rank && rank < size, "plugin {}: plan chose sequence-parallel rank {} of {}",
-               library_->name(), rank, size);
+               sequence_lib.name(), rank, size);
     // 1.5: the layout and who runs the attention core (a 1.4 plugin leaves the pre-filled 0, 0).
-    const bool v15 = library_->negotiated_abi().minor >= 5;
+    const bool v15 = sequence_lib.negotiated_abi().minor >= 5;
     const int32_t layout = v15 ? plan.sequence_parallel_layout : WEFT_SEQUENCE_CONTIGUOUS;
     const bool ring = v15 && plan.sequence_parallel_attention == WEFT_SEQUENCE_ATTENTION_PLUGIN;
     WEFT_CHECK(layout == WEFT_SEQUENCE_CONTIGUOUS || layout == WEFT_SEQUENCE_BALANCED,
                "plugin {}: plan chose sequence layout {}, which is neither contiguous (0) nor balanced (1)",
-               library_->name(), layout);
+               sequence_lib.name(), layout);
     WEFT_CHECK(!v15 || plan.sequence_parallel_attention == WEFT_SEQUENCE_ATTENTION_EXCHANGE || ring,
                "plugin {}: plan chose sequence attention {}, which is neither the exchange (0) nor the plugin's (1)",
-               library_->name(), plan.sequence_parallel_attention);
+               sequence_lib.name(), plan.sequence_parallel_attention);
     if (size > 1) {
       if (ring) {
-        WEFT_CHECK(library_->has_slot(offsetof(weft_strategy_api, sequence_attention), 5) &&
-                       library_->api().sequence_attention != nullptr,
+        WEFT_CHECK(sequence_lib.has_slot(offsetof(weft_strategy_api, sequence_attention), 5) &&
+                       sequence_lib.api().sequence_attention != nullptr,
                    "plugin {}: plan runs the attention core in the plugin but the plugin has no sequence_attention",
-                   library_->name());
+                   sequence_lib.name());
       } else {
-        WEFT_CHECK(library_->has_slot(offsetof(weft_strategy_api, sequence_exchange), 4) &&
-                       library_->api().sequence_exchange != nullptr,
+        WEFT_CHECK(sequence_lib.has_slot(offsetof(weft_strategy_api, sequence_exchange), 4) &&
+                       sequence_lib.api().sequence_exchange != nullptr,
                    "plugin {}: plan splits sequences over {} ranks but the plugin has no sequence_exchange",
-                   library_->name(), size);
+                   sequence_lib.name(), size);
         WEFT_CHECK(layout == WEFT_SEQUENCE_CONTIGUOUS,
                    "plugin {}: the balanced sequence layout needs the plugin's attention (sequence_attention)",
-                   library_->name());
+                   sequence_lib.name());
         WEFT_CHECK(config.num_attention_heads % size == 0, "the model's {} attention heads cannot be split over {} "
-                   "sequence-parallel ranks (plugin {})", config.num_attention_heads, size, library_->name());
+                   "sequence-parallel ranks (plugin {})", config.num_attention_heads, size, sequence_lib.name());
       }
       const int64_t parts = layout == WEFT_SEQUENCE_BALANCED ? 2 * size : size;
       WEFT_CHECK(seq_len % parts == 0, "data.seq_len = {} cannot be split over {} sequence-parallel ranks (plugin {}{}): "
-                 "choose a multiple of {}", seq_len, size, library_->name(),
+                 "choose a multiple of {}", seq_len, size, sequence_lib.name(),
                  layout == WEFT_SEQUENCE_BALANCED ? ", balanced layout: 2 chunks per rank" : "", parts);
       WEFT_CHECK(every_stage,
-                 "plugin {}: sequence parallelism with a split of the model's stages is not supported", library_->name());
+                 "plugin {}: sequence parallelism with a split of the model's stages is not supported", sequence_lib.name());
     }
     sequence_ = SequenceSplit{};
     sequence_.rank = rank;
@@ -139,35 +367,35 @@ Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute
         runs += fmt::format("{}[{}, {})", runs.empty() ? "" : " and ", start, start + count);
       }
       spdlog::info("plugin {} splits every sequence over {} ranks ({}): this rank holds tokens {} of each",
-                   library_->name(), size, ring ? "attention run by the plugin, e.g. ring" : "all-to-all around attention",
+                   sequence_lib.name(), size, ring ? "attention run by the plugin, e.g. ring" : "all-to-all around attention",
                    runs);
     }
     placement.sequence_parallel_rank = rank;
     placement.sequence_parallel_size = size;
-    host_->set_sequence_split(rank, size, sequence_.layout);
+    for (auto& m : members_) m.host->set_sequence_split(rank, size, sequence_.layout);
   }
-  if (library_->negotiated_abi().minor >= 9) {  // Megatron sequence parallelism
+  if (tensor_sequence_lib.negotiated_abi().minor >= 9) {  // Megatron sequence parallelism
     const int32_t size = plan.tensor_sequence_size, rank = plan.tensor_sequence_rank;
     WEFT_CHECK(size >= 1 && 0 <= rank && rank < size, "plugin {}: plan chose tensor-sequence rank {} of {}",
-               library_->name(), rank, size);
+               tensor_sequence_lib.name(), rank, size);
     if (size > 1) {
-      WEFT_CHECK(library_->has_slot(offsetof(weft_strategy_api, sequence_region), 9) &&
-                     library_->api().sequence_region != nullptr,
+      WEFT_CHECK(tensor_sequence_lib.has_slot(offsetof(weft_strategy_api, sequence_region), 9) &&
+                     tensor_sequence_lib.api().sequence_region != nullptr,
                  "plugin {}: plan shards the residual stream's tokens over {} ranks (tensor_sequence_size) but the "
                  "plugin has no sequence_region",
-                 library_->name(), size);
+                 tensor_sequence_lib.name(), size);
       WEFT_CHECK(placement.sequence_parallel_size == 1,
                  "plugin {}: plan splits sequences both between ranks (sequence_parallel_size {}) and between "
                  "tensor-parallel regions (tensor_sequence_size {}): choose one",
-                 library_->name(), placement.sequence_parallel_size, size);
+                 tensor_sequence_lib.name(), placement.sequence_parallel_size, size);
       WEFT_CHECK(seq_len % size == 0, "data.seq_len = {} cannot be split over {} tensor-parallel ranks (plugin {}, "
-                 "sequence parallelism): choose a multiple of {}", seq_len, size, library_->name(), size);
+                 "sequence parallelism): choose a multiple of {}", seq_len, size, tensor_sequence_lib.name(), size);
       WEFT_CHECK(every_stage,
                  "plugin {}: tensor sequence parallelism with a split of the model's stages is not supported",
-                 library_->name());
+                 tensor_sequence_lib.name());
       spdlog::info("plugin {} shards the residual stream between tensor-parallel regions over {} ranks (Megatron "
                    "sequence parallelism): this rank holds tokens [{}, {}) of each sequence there",
-                   library_->name(), size, rank * seq_len / size, (rank + 1) * seq_len / size);
+                   tensor_sequence_lib.name(), size, rank * seq_len / size, (rank + 1) * seq_len / size);
     }
     tensor_sequence_ = SequenceShards{};
     tensor_sequence_.rank = rank;
@@ -178,7 +406,8 @@ Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute
 
 ShardMap StrategySession::shards(const ModelConfig& config, const StageSet& stages) {
   ShardMap shards;
-  if (library_->api().shard_parameter == nullptr) return shards;
+  for (const Member& m : members_) {  // composed: at most one plugin slices any parameter
+  if (m.library->api().shard_parameter == nullptr) continue;
   for (const auto& [name, shape] : parameter_specs(config, stages.resolved(config.num_hidden_layers + 2))) {
     weft_parameter_info info{};
     info.name = name.c_str();
@@ -188,19 +417,23 @@ ShardMap StrategySession::shards(const ModelConfig& config, const StageSet& stag
     info.shape = shape.data();
     info.dtype = DLDataType{kDLFloat, 32, 1};
     weft_shard shard{0, 1, 0};
-    check(library_->api().shard_parameter(instance_, &info, &shard), "shard_parameter");
+    check(m, m.library->api().shard_parameter(m.instance, &info, &shard), "shard_parameter");
     WEFT_CHECK(shard.parts >= 1 && 0 <= shard.index && shard.index < shard.parts && 0 <= shard.dim &&
                    shard.dim < info.ndim,
-               "plugin {}: shard_parameter({}) returned dim {}, part {} of {}", library_->name(), name, shard.dim,
+               "plugin {}: shard_parameter({}) returned dim {}, part {} of {}", m.library->name(), name, shard.dim,
                shard.index, shard.parts);
-    if (shard.parts > 1) shards[name] = ParameterShard{shard.dim, shard.parts, shard.index};
+    if (shard.parts == 1) continue;
+    WEFT_CHECK(shards.count(name) == 0, "plugins {}: two of them slice {}: one plugin per parameter's slices", names(),
+               name);
+    shards[name] = ParameterShard{shard.dim, shard.parts, shard.index};
+  }
   }
   return shards;
 }
 
 MemoryPlan StrategySession::memory_plan(const std::vector<weft_stage_memory>& stages, const StageSet& held,
                                         int32_t micro_batches, int64_t rows, int64_t seq_len) {
-  host_->set_stage_memory(stages);
+  for (auto& m : members_) m.host->set_stage_memory(stages);
   weft_memory_plan plan{};
   plan.struct_size = sizeof(weft_memory_plan);
   plan.micro_batches = micro_batches;
@@ -214,47 +447,58 @@ MemoryPlan StrategySession::memory_plan(const std::vector<weft_stage_memory>& st
     plan.optimizer_bytes += 2 * stage.trainable_bytes;  // AdamW's two fp32 moments
     plan.activation_bytes += rows * stage.activation_bytes_per_row + stage.weight_copy_bytes;
   }
-  if (library_->has_slot(offsetof(weft_strategy_api, memory_plan), 3) && library_->api().memory_plan) {
-    check(library_->api().memory_plan(instance_, &plan), "memory_plan");
+  for (const Member& m : members_) {  // composed: each adjusts it for what it does
+    if (m.has(offsetof(weft_strategy_api, memory_plan), 3) && m.library->api().memory_plan) {
+      check(m, m.library->api().memory_plan(m.instance, &plan), "memory_plan");
+    }
   }
   MemoryPlan out{plan.parameter_bytes, plan.gradient_bytes, plan.optimizer_bytes, plan.activation_bytes,
                  plan.buffer_bytes};
   WEFT_CHECK(out.parameters >= 0 && out.gradients >= 0 && out.optimizer >= 0 && out.activations >= 0 && out.buffers >= 0,
-             "plugin {}: memory_plan returned a negative size", library_->name());
+             "plugin {}: memory_plan returned a negative size", names());
   return out;
 }
 
 std::shared_ptr<const CommHook> StrategySession::comm_hook() {
-  if (library_->api().comm_point == nullptr) return nullptr;
+  std::vector<const Member*> hooked;  // composed: every plugin with comm points, in order
+  for (const Member& m : members_) {
+    if (m.library->api().comm_point != nullptr) hooked.push_back(&m);
+  }
+  if (hooked.empty()) return nullptr;
   static_assert(static_cast<int>(CommPoint::kHeadInput) == WEFT_COMM_HEAD_INPUT &&
                     static_cast<int>(CommPoint::kRowAbsMax) == WEFT_COMM_ROW_ABSMAX &&
                     static_cast<int>(CommPoint::kAdapterSum) == WEFT_COMM_ADAPTER_SUM,
                 "the model's comm points are the ABI's");
-  return std::make_shared<const CommHook>([this](CommPoint point, bool backward, int64_t layer, torch::Tensor& tensor) {
-    // Job refuses a plugin below 1.7 that splits an int8 layer's input columns before the model
-    // is built; a point the plugin cannot know never reaches it.
-    WEFT_CHECK(point != CommPoint::kRowAbsMax || library_->negotiated_abi().minor >= 7,
-               "plugin {} (ABI 1.{}) cannot all-reduce int8 scales (WEFT_COMM_ROW_ABSMAX, ABI 1.7)", library_->name(),
-               library_->negotiated_abi().minor);
-    WEFT_CHECK(point != CommPoint::kAdapterSum || library_->negotiated_abi().minor >= 8,
-               "plugin {} (ABI 1.{}) cannot sum AdaLoRA's scores over adapter slices (WEFT_COMM_ADAPTER_SUM, ABI 1.8)",
-               library_->name(), library_->negotiated_abi().minor);
-    if (!tensor.is_contiguous()) tensor = tensor.contiguous();
-    DLTensor view = sdk::to_dl_view(tensor);
-    check(library_->api().comm_point(instance_, static_cast<weft_comm_point>(point),
+  return std::make_shared<const CommHook>([this, hooked](CommPoint point, bool backward, int64_t layer,
+                                                         torch::Tensor& tensor) {
+    for (const Member* m : hooked) {
+      const PluginLibrary& lib = *m->library;
+      // Job refuses a plugin below 1.7 that splits an int8 layer's input columns before the model
+      // is built; a point the plugin cannot know never reaches it.
+      WEFT_CHECK(point != CommPoint::kRowAbsMax || lib.negotiated_abi().minor >= 7,
+                 "plugin {} (ABI 1.{}) cannot all-reduce int8 scales (WEFT_COMM_ROW_ABSMAX, ABI 1.7)", lib.name(),
+                 lib.negotiated_abi().minor);
+      WEFT_CHECK(point != CommPoint::kAdapterSum || lib.negotiated_abi().minor >= 8,
+                 "plugin {} (ABI 1.{}) cannot sum AdaLoRA's scores over adapter slices (WEFT_COMM_ADAPTER_SUM, ABI 1.8)",
+                 lib.name(), lib.negotiated_abi().minor);
+      if (!tensor.is_contiguous()) tensor = tensor.contiguous();
+      DLTensor view = sdk::to_dl_view(tensor);
+      check(*m, lib.api().comm_point(m->instance, static_cast<weft_comm_point>(point),
                                      backward ? WEFT_BACKWARD : WEFT_FORWARD, layer, &view),
-          "comm_point");
+            "comm_point");
+    }
   });
 }
 
 std::shared_ptr<const SequenceShards> StrategySession::tensor_sequence() {
   if (tensor_sequence_.size <= 1) return nullptr;
   auto shards = std::make_shared<SequenceShards>(tensor_sequence_);
-  shards->collective = [this](CommPoint point, bool backward, int64_t layer, const torch::Tensor& input,
+  const Member* owner = &members_[static_cast<size_t>(tensor_sequence_owner_)];
+  shards->collective = [this, owner](CommPoint point, bool backward, int64_t layer, const torch::Tensor& input,
                               torch::Tensor& output) {
     const DLTensor in = sdk::to_dl_view(input);
     DLTensor out = sdk::to_dl_view(output);
-    check(library_->api().sequence_region(instance_, static_cast<weft_comm_point>(point),
+    check(*owner, owner->library->api().sequence_region(owner->instance, static_cast<weft_comm_point>(point),
                                           backward ? WEFT_BACKWARD : WEFT_FORWARD, layer, &in, &out),
           "sequence_region");
   };
@@ -264,8 +508,9 @@ std::shared_ptr<const SequenceShards> StrategySession::tensor_sequence() {
 std::shared_ptr<const SequenceSplit> StrategySession::sequence_split() {
   if (sequence_.size <= 1) return nullptr;
   auto split = std::make_shared<SequenceSplit>(sequence_);
+  const Member* owner = &members_[static_cast<size_t>(sequence_owner_)];
   if (sequence_ring_) {
-    split->attention = [this](int64_t layer, bool backward, SequenceAttentionTensors& t) {
+    split->attention = [this, owner](int64_t layer, bool backward, SequenceAttentionTensors& t) {
       const DLTensor q = sdk::to_dl_view(t.q), k = sdk::to_dl_view(t.k), v = sdk::to_dl_view(t.v);
       DLTensor out = sdk::to_dl_view(t.out), lse = sdk::to_dl_view(t.lse);
       DLTensor grad_out{}, grad_q{}, grad_k{}, grad_v{};
@@ -289,15 +534,15 @@ std::shared_ptr<const SequenceSplit> StrategySession::sequence_split() {
         call.grad_k = &grad_k;
         call.grad_v = &grad_v;
       }
-      check(library_->api().sequence_attention(instance_, &call), "sequence_attention");
+      check(*owner, owner->library->api().sequence_attention(owner->instance, &call), "sequence_attention");
     };
     return split;
   }
-  split->all_to_all = [this](int64_t layer, bool backward, torch::Tensor& send, torch::Tensor& recv) {
+  split->all_to_all = [this, owner](int64_t layer, bool backward, torch::Tensor& send, torch::Tensor& recv) {
     if (!send.is_contiguous()) send = send.contiguous();
     const DLTensor send_view = sdk::to_dl_view(send);
     DLTensor recv_view = sdk::to_dl_view(recv);
-    check(library_->api().sequence_exchange(instance_, layer, backward ? WEFT_BACKWARD : WEFT_FORWARD, &send_view,
+    check(*owner, owner->library->api().sequence_exchange(owner->instance, layer, backward ? WEFT_BACKWARD : WEFT_FORWARD, &send_view,
                                             &recv_view),
           "sequence_exchange");
   };
@@ -306,8 +551,10 @@ std::shared_ptr<const SequenceSplit> StrategySession::sequence_split() {
 
 void StrategySession::attach(LlamaForCausalLMImpl& model) {
   model_ = &model;
-  host_->set_model(&model);
-  if (library_->api().setup) check(library_->api().setup(instance_), "setup");
+  for (auto& m : members_) m.host->set_model(&model);
+  for (const Member& m : members_) {
+    if (m.library->api().setup) check(m, m.library->api().setup(m.instance), "setup");
+  }
   if (library_->has_slot(offsetof(weft_strategy_api, flat_shard), 3) && library_->api().flat_shard) {
     for (int64_t i = 0; i < host_->parameter_count(); ++i) {
       weft_flat_shard shard{};
@@ -319,31 +566,58 @@ void StrategySession::attach(LlamaForCausalLMImpl& model) {
       }
     }
   }
+  if (!mesh_) return;
+  // Composed: each training tensor's weight in the gradient norm, 1 / its copies over the plugins.
+  norm_weights_.clear();
+  const weft_host_api* api = host_->api();
+  for (int64_t i = 0; i < host_->parameter_count(); ++i) {
+    weft_parameter_info info{};
+    check(api->parameter_info(host_->handle(), i, &info), "parameter_info");
+    if (!info.trainable) continue;
+    double copies = 1.0;
+    for (const Member& m : members_) {
+      if (!m.library->api().gradient_copies) continue;
+      int32_t c = 1;
+      check(m, m.library->api().gradient_copies(m.instance, i, &c), "gradient_copies");
+      WEFT_CHECK(c >= 1 && c <= mesh_->size(m.dimension),
+                 "plugin {}: gradient_copies({}) = {}, but its mesh dimension {} has {} ranks", m.library->name(),
+                 info.name, c, Mesh::name(m.dimension), mesh_->size(m.dimension));
+      copies *= c;
+    }
+    norm_weights_.push_back(1.0 / copies);
+  }
+  WEFT_CHECK(norm_weights_.size() == host_->training_tensors().size(),
+             "composed run: {} trainable parameters but {} training tensors", norm_weights_.size(),
+             host_->training_tensors().size());
 }
 
 void StrategySession::after_optimizer_step() {
   host_->zero_grad_shards();
-  if (library_->has_slot(offsetof(weft_strategy_api, after_optimizer_step), 3) &&
-      library_->api().after_optimizer_step) {
-    check(library_->api().after_optimizer_step(instance_), "after_optimizer_step");
+  for (const Member& m : members_) {
+    if (m.has(offsetof(weft_strategy_api, after_optimizer_step), 3) && m.library->api().after_optimizer_step) {
+      check(m, m.library->api().after_optimizer_step(m.instance), "after_optimizer_step");
+    }
   }
 }
 
 void StrategySession::materialize_parameters(bool whole) {
-  if (library_->has_slot(offsetof(weft_strategy_api, materialize_parameters), 3) &&
-      library_->api().materialize_parameters) {
-    host_->set_materialize_masters(whole);  // whole for the host: the fp32 masters (ABI 1.6)
-    weft_status* status = library_->api().materialize_parameters(instance_, whole ? 1 : 0);
-    host_->set_materialize_masters(false);
-    check(status, "materialize_parameters");
+  for (const Member& m : members_) {
+    if (m.has(offsetof(weft_strategy_api, materialize_parameters), 3) && m.library->api().materialize_parameters) {
+      m.host->set_materialize_masters(whole);  // whole for the host: the fp32 masters (ABI 1.6)
+      weft_status* status = m.library->api().materialize_parameters(m.instance, whole ? 1 : 0);
+      m.host->set_materialize_masters(false);
+      check(m, status, "materialize_parameters");
+    }
   }
 }
 
 StepReport StrategySession::train_step(const BatchLoader& loader, int64_t global_step, int64_t epoch,
                                        int64_t step_in_epoch, int32_t micro_batches, int64_t seq_len) {
-  host_->take_comm_stats();  // not the evaluation's or set-up's
-  host_->take_compute_stats();
-  host_->take_step_metrics();
+  for (auto& m : members_) {  // not the evaluation's or set-up's
+    m.host->take_comm_stats();
+    m.host->take_compute_stats();
+    m.host->take_step_metrics();
+  }
   weft_step_info info{};
   info.struct_size = sizeof(weft_step_info);
   info.step = global_step;
@@ -352,17 +626,27 @@ StepReport StrategySession::train_step(const BatchLoader& loader, int64_t global
   info.rows_per_micro_batch = loader.local_batch();
   info.seq_len = seq_len;
   StepReport report;
-  host_->begin_train_step(&loader, epoch, step_in_epoch, micro_batches);
+  for (auto& m : members_) m.host->begin_train_step(&loader, epoch, step_in_epoch, micro_batches);
   try {
     check(library_->api().train_step(instance_, &info, &report.loss), "train_step");
+    // Composed: the others finish the step along their dimensions, innermost first.
+    for (size_t i = 1; i < members_.size(); ++i) {
+      const Member& m = members_[i];
+      check(m, m.library->api().finish_step(m.instance, &info, &report.loss), "finish_step");
+    }
   } catch (...) {
-    host_->end_step();
+    for (auto& m : members_) m.host->end_step();
     throw;
   }
-  host_->end_step();
-  report.comm = host_->take_comm_stats();
+  for (auto& m : members_) m.host->end_step();
   report.compute = host_->take_compute_stats();
-  report.metrics = host_->take_step_metrics();
+  for (auto& m : members_) {
+    const auto comm = m.host->take_comm_stats();
+    report.comm.operations += comm.operations;
+    report.comm.bytes += comm.bytes;
+    report.comm.wait_seconds += comm.wait_seconds;
+    for (const auto& [name, value] : m.host->take_step_metrics()) report.metrics[name] = value;
+  }
   return report;
 }
 
@@ -378,29 +662,64 @@ EvalSums StrategySession::eval_batch(const EvalLoader& loader, int64_t index, in
   info.micro_batches = 1;
   info.seq_len = seq_len;
   EvalSums sums;
-  host_->begin_eval_step(&loader, index);
+  for (auto& m : members_) m.host->begin_eval_step(&loader, index);
   try {
     if (library_->api().eval_step == nullptr) {  // the ABI's default (one rank)
       std::tie(sums.loss_sum, sums.tokens) = host_->default_eval_step();
     } else {
       check(library_->api().eval_step(instance_, &info, &sums.loss_sum, &sums.tokens), "eval_step");
     }
+    for (size_t i = 1; i < members_.size(); ++i) {
+      const Member& m = members_[i];
+      check(m, m.library->api().finish_eval(m.instance, &info, &sums.loss_sum, &sums.tokens), "finish_eval");
+    }
   } catch (...) {
-    host_->end_step();
+    for (auto& m : members_) m.host->end_step();
     throw;
   }
-  host_->end_step();
+  for (auto& m : members_) m.host->end_step();
   return sums;
 }
 
 double StrategySession::global_grad_norm_sq(double local_sq) {
+  if (mesh_) {
+    // Composed: every gradient once, however many ranks hold it (gradient_copies), over the world.
+    auto total = torch::tensor({weighted_grad_norm_sq()}, torch::kDouble);
+    auto op = communicator_->all_reduce(communicator_->world(), total, c10d::ReduceOp::SUM);
+    communicator_->wait(op);
+    return total.item<double>();
+  }
   if (!library_->api().global_grad_norm_sq) return local_sq;
   double global = local_sq;
   check(library_->api().global_grad_norm_sq(instance_, local_sq, &global), "global_grad_norm_sq");
   return global;
 }
 
-PluginHost::CommStats StrategySession::take_comm_stats() { return host_->take_comm_stats(); }
+double StrategySession::weighted_grad_norm_sq() const {
+  const auto tensors = host_->training_tensors();
+  double share = 0.0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& grad = tensors[i].tensor.grad();
+    if (!grad.defined()) continue;
+    share += grad.to(torch::kDouble).pow(2).sum().item<double>() * norm_weights_[i];
+  }
+  return share;
+}
+
+void StrategySession::set_loss_scale(double scale) {
+  for (auto& m : members_) m.host->set_loss_scale(scale);
+}
+
+PluginHost::CommStats StrategySession::take_comm_stats() {
+  PluginHost::CommStats total;
+  for (auto& m : members_) {
+    const auto comm = m.host->take_comm_stats();
+    total.operations += comm.operations;
+    total.bytes += comm.bytes;
+    total.wait_seconds += comm.wait_seconds;
+  }
+  return total;
+}
 
 void StrategySession::record_sequence_losses(int64_t sequences, int64_t outputs) {
   host_->record_sequence_losses(sequences, outputs);

@@ -6,7 +6,9 @@
 #pragma once
 
 #include <cstdint>
+#include <array>
 #include <map>
+#include <optional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -14,6 +16,7 @@
 #include <toml++/toml.h>
 #include <weft/strategy.h>
 
+#include "core/dist/mesh.h"
 #include "core/model/llama.h"
 #include "core/model/parallel.h"
 #include "core/plugin/host_api.h"
@@ -61,12 +64,27 @@ class StrategySession {
   // Loads the plugin (`path_or_name`; "" means single, which is built into the host) and creates
   // its instance, which validates its [plugin] settings and the world size. Throws weft::Error on
   // any refusal, before the model is built. `communicator` must outlive the session.
-  StrategySession(const std::string& path_or_name, toml::table plugin_config, Communicator& communicator);
+  //
+  // Composition (ABI 1.12): `path_or_name` may name several plugins, comma-separated
+  // ("tensor_parallel,gpipe"); each owns one dimension of the device mesh (its table's
+  // mesh_dimensions), sized by `mesh` ([mesh] pp, dp, cp, tp in Mesh's order; 0 = unset, see
+  // Mesh::resolve), and gets the same [plugin] settings. The host makes every slice's process group
+  // (collective), picks the driver (the plugin owning pp, else tp, cp, dp) and orders the others
+  // tp, cp, dp; every method below then calls each plugin in that order where each has a part.
+  StrategySession(const std::string& path_or_name, toml::table plugin_config, Communicator& communicator,
+                  std::array<int32_t, 4> mesh = {0, 0, 0, 0});
   ~StrategySession();  // destroys the instance; the library stays loaded
   StrategySession(const StrategySession&) = delete;
   StrategySession& operator=(const StrategySession&) = delete;
 
+  // The driver's library (the one plugin when alone).
   const PluginLibrary& library() const { return *library_; }
+  // The plugins' names, driver first ("tensor_parallel" alone, "gpipe+tensor_parallel" composed).
+  std::string names() const;
+  // The lowest negotiated ABI minor over the plugins.
+  uint16_t min_negotiated_minor() const;
+  // The mesh of a composed run; null alone.
+  const Mesh* mesh() const { return mesh_ ? &*mesh_ : nullptr; }
   // "ddp 1.0.0 (ABI 1.1) from /path/ddp.so"
   std::string describe() const;
   // What every rank must agree on: the plugin's name, version and negotiated ABI.
@@ -125,7 +143,7 @@ class StrategySession {
   void materialize_parameters(bool whole);
   // fp16: the factor the host's loss service multiplies every training loss by before the
   // plugin's backward (1: none). The plugin sees the scaled gradients; the trainer unscales them.
-  void set_loss_scale(double scale) { host_->set_loss_scale(scale); }
+  void set_loss_scale(double scale);
   // This rank's communication through the plugin since the last call (which resets it).
   PluginHost::CommStats take_comm_stats();
   // Per-sequence evaluation (PluginHost::record_sequence_losses / take_sequence_losses).
@@ -134,11 +152,35 @@ class StrategySession {
   at::Tensor take_sequence_outputs();
 
  private:
+  // One plugin of the run: its library, the PluginHost serving it, its instance and, composed, the
+  // mesh dimension it owns.
+  struct Member {
+    std::shared_ptr<PluginLibrary> library;
+    std::unique_ptr<PluginHost> host;
+    weft_strategy* instance = nullptr;
+    int dimension = -1;
+    bool has(size_t slot_offset, uint16_t since_minor) const { return library->has_slot(slot_offset, since_minor); }
+  };
   void check(weft_status* status, const char* what) const;
+  void check(const Member& member, weft_status* status, const char* what) const;
+  // Composed runs: loads and orders the plugins, resolves the mesh, makes its groups.
+  void compose(const std::vector<std::string>& names, const toml::table& plugin_config, Communicator& communicator,
+               std::array<int32_t, 4> requested);
+  // The plan every plugin wrote, merged (composed) or the one plugin's.
+  weft_model_plan merged_plan(const weft_model_plan& prefilled);
+  // composed: the squared norm of this rank's share of the gradients (each divided by its copies)
+  double weighted_grad_norm_sq() const;
 
-  std::shared_ptr<PluginLibrary> library_;
-  std::unique_ptr<PluginHost> host_;
-  weft_strategy* instance_ = nullptr;
+  std::vector<Member> members_;  // the driver first, then the others in finishing order (tp, cp, dp)
+  std::optional<Mesh> mesh_;     // composed runs only
+  Communicator* communicator_ = nullptr;
+  std::vector<double> norm_weights_;  // composed: per training tensor, 1 / (its copies over the plugins)
+  // Which member's plan set the stages, the sequence split and the tensor-sequence split (whose
+  // sequence_* slots the model calls).
+  int stages_owner_ = 0, sequence_owner_ = 0, tensor_sequence_owner_ = 0;
+  std::shared_ptr<PluginLibrary> library_;  // the driver's
+  PluginHost* host_ = nullptr;              // the driver's
+  weft_strategy* instance_ = nullptr;       // the driver's
   LlamaForCausalLMImpl* model_ = nullptr;
   SequenceSplit sequence_;      // the plan's sequence split (ABI 1.4; layout 1.5), without callbacks
   bool sequence_ring_ = false;  // 1.5: the plugin runs the attention core (sequence_attention)

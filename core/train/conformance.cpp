@@ -96,6 +96,7 @@ std::string run_arguments(const ConformanceOptions& c, const std::string& corpus
                           const std::string& out_dir) {
   std::string plugin_settings;
   for (const auto& setting : c.plugin_settings) plugin_settings += " --set 'plugin." + setting + "'";
+  for (const auto& setting : c.mesh_settings) plugin_settings += " --set 'mesh." + setting + "'";
   if (c.mode == "lora" || c.mode == "adalora") {
     plugin_settings += fmt::format(" --set train.mode={} --set lora.r=4 --set lora.alpha=8 --set lora.dropout=0"
                                    " --set 'lora.target_modules=[\"{}\"]'",
@@ -256,8 +257,12 @@ void apply_check_setting(ConformanceOptions& o, const std::string& setting) {
     o.device = setting.substr(std::string("train.device=").size());
     return;
   }
+  if (setting.rfind("mesh.", 0) == 0) {  // the composed candidate's device mesh
+    o.mesh_settings.push_back(setting.substr(std::string("mesh.").size()));
+    return;
+  }
   if (setting.rfind("plugin.", 0) != 0) {
-    throw Error(fmt::format("trainer check takes only --set plugin.KEY=VALUE (the plugin's settings), --set "
+    throw Error(fmt::format("trainer check takes only --set plugin.KEY=VALUE (the plugin's settings), --set mesh.DIM=N, --set "
                             "train.mode=full|lora|adalora, --set train.precision=fp32|bf16|fp16, --set model.quantize=none|int8|nf4, "
                             "--set model.int8_threshold=X, --set model.frozen_dtype=fp32|bf16, --set "
                             "model.activation_checkpointing=true|false, --set train.task=causal_lm|classification and "
@@ -300,6 +305,11 @@ std::vector<ConformanceCase> conformance_matrix() {
   both("pipedream", 4, {"plugin.schedule=\"zbh1\""});
   both("context_parallel", 2, {});                        // Ulysses all-to-all
   both("context_parallel", 2, {"plugin.mode=\"ring\""});  // ring attention
+  // Composed over a device mesh (ABI 1.12): tp x pp, pp x dp, tp x dp, tp x pp x dp.
+  both("tensor_parallel,gpipe", 4, {"mesh.tp=2", "mesh.pp=2"});
+  both("gpipe,ddp", 4, {"mesh.pp=2", "mesh.dp=2"});
+  both("tensor_parallel,ddp", 4, {"mesh.tp=2", "mesh.dp=2"});
+  both("tensor_parallel,pipedream,ddp", 8, {"mesh.tp=2", "mesh.pp=2", "mesh.dp=2"});
   return cases;
 }
 

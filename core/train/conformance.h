@@ -24,6 +24,9 @@ struct ConformanceOptions {
   // The plugin's settings for the run under test, "key=value" with a TOML value (e.g.
   // "stages=2", "balance=[3, 1]", "mode=\"flush\"").
   std::vector<std::string> plugin_settings;
+  // The device mesh of a composed candidate (plugin "tensor_parallel,gpipe"): "tp=2" for mesh.tp
+  // and so on (the reference runs alone).
+  std::vector<std::string> mesh_settings;
   // "full", or "lora": both runs train LoRA adapters (r 4, alpha 8, no dropout) on every
   // targetable layer with the base frozen, and the adapters are compared; or "adalora": AdaLoRA's
   // adapters (init_r 4, target_r 2, tinit 2, tfinal 4, deltaT 2 over the run's steps, alpha 8,

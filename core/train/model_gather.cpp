@@ -1,5 +1,7 @@
 #include "core/train/model_gather.h"
 
+#include <algorithm>
+
 #include <torch/torch.h>
 
 #include "core/dist/process_groups.h"
@@ -52,8 +54,54 @@ ModelGather::ModelGather(LlamaForCausalLMImpl& local, Communicator& communicator
   auto flag_sum = communicator_.all_reduce(world, flag, c10d::ReduceOp::SUM);
   communicator_.wait(flag_sum);
   sliced_ = flag[0].item<int64_t>() > 0;
-  WEFT_CHECK(!(sliced_ && flag[1].item<int64_t>() > 0),
-             "saving a model split into pipeline stages and tensor-parallel slices at once is not supported yet");
+  staged_ = flag[1].item<int64_t>() > 0;
+  split_ = staged_ || sliced_;
+  const int64_t layers = local_.config().num_hidden_layers;
+  if (staged_) {
+    // Each stage's parameters are listed in the same order by every rank that holds the stage:
+    // share how each rank holds them (with slices: which), then every slice has one owner.
+    int64_t most = 0;
+    for (int64_t s = 0; s < num_stages; ++s) {
+      if (local_.holds_stage(s)) most = std::max<int64_t>(most, static_cast<int64_t>(stage_parameters(local_, s).size()));
+    }
+    auto most_all = torch::tensor({most}, torch::kLong);
+    auto max_op = communicator_.all_reduce(world, most_all, c10d::ReduceOp::MAX);
+    communicator_.wait(max_op);
+    most = std::max<int64_t>(most_all.item<int64_t>(), 1);
+    auto table = torch::zeros({world.size, num_stages, most, 3}, torch::kLong);
+    for (int64_t s = 0; s < num_stages; ++s) {
+      if (!local_.holds_stage(s)) continue;
+      int64_t j = 0;
+      for (auto& item : local_.named_parameters()) {
+        if (stage_of_parameter(item.key(), layers) != s) continue;
+        const ParameterShard shard = shard_of(local_.options().shards, item.key());
+        table[world.rank][s][j][0] = shard.parts;
+        table[world.rank][s][j][1] = shard.index;
+        table[world.rank][s][j][2] = shard.dim;
+        ++j;
+      }
+    }
+    auto table_sum = communicator_.all_reduce(world, table, c10d::ReduceOp::SUM);
+    communicator_.wait(table_sum);
+    const auto t = table.accessor<int64_t, 4>();
+    stage_slices_.assign(static_cast<size_t>(world.size), {});
+    for (int32_t r = 0; r < world.size; ++r) {
+      stage_slices_[r].assign(static_cast<size_t>(num_stages), std::vector<std::array<int64_t, 3>>(static_cast<size_t>(most)));
+      for (int64_t s = 0; s < num_stages; ++s) {
+        for (int64_t j = 0; j < most; ++j) stage_slices_[r][s][j] = {t[r][s][j][0], t[r][s][j][1], t[r][s][j][2]};
+      }
+    }
+    for (int64_t s = 0; s < num_stages; ++s) {
+      if (!local_.holds_stage(s)) continue;
+      size_t j = 0;
+      for (auto& item : local_.named_parameters()) {
+        if (stage_of_parameter(item.key(), layers) != s) continue;
+        if (slice_owner(s, j, stage_slices_[world.rank][s][j][1]) == world.rank) writes_.insert(item.key());
+        ++j;
+      }
+    }
+    return;
+  }
   if (sliced_) {
     auto slices_sum = communicator_.all_reduce(world, slices, c10d::ReduceOp::SUM);
     communicator_.wait(slices_sum);
@@ -65,21 +113,24 @@ ModelGather::ModelGather(LlamaForCausalLMImpl& local, Communicator& communicator
       }
     }
   }
-  staged_ = flag[1].item<int64_t>() > 0;
-  split_ = staged_ || sliced_;
-  // The lowest rank holding a parameter's stage (and, when sliced, its slice) writes it.
-  const int64_t layers = local_.config().num_hidden_layers;
+  // The lowest rank holding a parameter's slice writes it.
   for (size_t i = 0; i < params.size(); ++i) {
     const std::string& name = params[i].key();
-    const int64_t stage = stage_of_parameter(name, layers);
     int32_t first = -1;
     for (int32_t r = 0; r < world.size && first < 0; ++r) {
-      if (!held_[static_cast<size_t>(r)][static_cast<size_t>(stage)]) continue;
       if (sliced_ && slices_[static_cast<size_t>(r)][i] != slices_[static_cast<size_t>(world.rank)][i]) continue;
       first = r;
     }
     if (first == world.rank) writes_.insert(name);
   }
+}
+
+int32_t ModelGather::slice_owner(int64_t stage, size_t j, int64_t index) const {
+  for (size_t r = 0; r < stage_slices_.size(); ++r) {
+    const auto& entry = stage_slices_[r][static_cast<size_t>(stage)][j];
+    if (entry[0] > 0 && entry[1] == index) return static_cast<int32_t>(r);
+  }
+  return -1;
 }
 
 LlamaForCausalLMImpl* ModelGather::gather() {
@@ -96,7 +147,7 @@ LlamaForCausalLMImpl* ModelGather::gather() {
     full_ = LlamaForCausalLM(local_.config(), options);
     if (lora_) apply_lora(*full_, *lora_, 0);
   }
-  if (sliced_) {
+  if (sliced_ && !staged_) {
     // Every parameter, in the same order everywhere: all-gather the slices, keep one per index.
     const auto params = local_.named_parameters();
     for (size_t i = 0; i < params.size(); ++i) {
@@ -125,40 +176,53 @@ LlamaForCausalLMImpl* ModelGather::gather() {
     if (world.rank == 0 && lora_ && lora_->adalora) apply_rank_pattern(*full_, rank_pattern_of(local_));
     return world.rank == 0 ? full_.get() : nullptr;
   }
+  // Staged (and perhaps sliced): every slice of every stage's parameters from its owner to rank 0,
+  // in the same (stage, parameter, slice) order on both ends.
   const int64_t stages = local_.num_stages();
-  // The owner of each model stage: the lowest rank that holds it.
-  std::vector<int32_t> owner(static_cast<size_t>(stages), -1);
-  for (int64_t s = 0; s < stages; ++s) {
-    for (int32_t r = 0; r < world.size && owner[s] < 0; ++r) {
-      if (held_[static_cast<size_t>(r)][static_cast<size_t>(s)]) owner[s] = r;
+  const auto& table = stage_slices_;
+  auto parts_of = [&](int64_t s, size_t j) -> std::array<int64_t, 3> {
+    for (const auto& rank_table : table) {
+      if (rank_table[static_cast<size_t>(s)][j][0] > 0) return rank_table[static_cast<size_t>(s)][j];
     }
-    WEFT_CHECK(owner[s] >= 0, "no rank holds model stage {}; cannot save the model", s);
-  }
-  if (world.rank != 0) {
-    for (int64_t s = 0; s < stages; ++s) {
-      if (owner[s] != world.rank) continue;
-      for (auto& p : stage_parameters(local_, s)) {
-        auto sent = communicator_.send(world, p.detach().contiguous(), 0, static_cast<int32_t>(s));
-        communicator_.wait(sent);
+    fail("no rank holds model stage {}; cannot save the model", s);
+  };
+  for (int64_t s = 0; s < stages; ++s) {
+    const auto sources = local_.holds_stage(s) ? stage_parameters(local_, s) : std::vector<torch::Tensor>{};
+    const size_t count = world.rank == 0 ? stage_parameters(*full_, s).size() : sources.size();
+    std::vector<torch::Tensor> targets = world.rank == 0 ? stage_parameters(*full_, s) : std::vector<torch::Tensor>{};
+    // Non-zero ranks only know their own stages' parameter counts; rank 0 the whole model's.
+    for (size_t j = 0; j < count || (world.rank != 0 && j < sources.size()); ++j) {
+      const auto [parts, index_unused, dim] = parts_of(s, j);
+      (void)index_unused;
+      std::vector<torch::Tensor> pieces(static_cast<size_t>(parts));
+      for (int64_t k = 0; k < parts; ++k) {
+        const int32_t owner = slice_owner(s, j, k);
+        WEFT_CHECK(owner >= 0, "saving: slice {} of parameter {} of stage {} is held by no rank", k, j, s);
+        if (world.rank == 0) {
+          if (owner == 0) {
+            pieces[static_cast<size_t>(k)] = sources.at(j).detach();
+            continue;
+          }
+          const torch::Tensor& whole = targets.at(j);
+          std::vector<int64_t> shape = whole.sizes().vec();
+          const int64_t size = shape[static_cast<size_t>(dim)];
+          shape[static_cast<size_t>(dim)] = (k + 1) * size / parts - k * size / parts;
+          pieces[static_cast<size_t>(k)] = torch::empty(shape, whole.options());
+          auto received = communicator_.recv(world, pieces[static_cast<size_t>(k)], owner, static_cast<int32_t>(s));
+          communicator_.wait(received);
+        } else if (owner == world.rank) {
+          auto sent = communicator_.send(world, sources.at(j).detach().contiguous(), 0, static_cast<int32_t>(s));
+          communicator_.wait(sent);
+        }
+      }
+      if (world.rank == 0) {
+        WEFT_CHECK(j < targets.size(), "stage {}: more parameters held than the whole model has", s);
+        targets[j].copy_(parts == 1 ? pieces[0] : torch::cat(pieces, dim));
       }
     }
-    return nullptr;
   }
-  for (int64_t s = 0; s < stages; ++s) {
-    auto targets = stage_parameters(*full_, s);
-    if (owner[s] == 0) {
-      auto sources = stage_parameters(local_, s);
-      WEFT_CHECK(sources.size() == targets.size(), "stage {}: {} parameters here, {} in the whole model", s,
-                 sources.size(), targets.size());
-      for (size_t i = 0; i < targets.size(); ++i) targets[i].copy_(sources[i]);
-      continue;
-    }
-    for (auto& p : targets) {
-      auto received = communicator_.recv(world, p.detach(), owner[s], static_cast<int32_t>(s));
-      communicator_.wait(received);
-    }
-  }
-  return full_.get();
+  if (world.rank == 0 && lora_ && lora_->adalora) apply_rank_pattern(*full_, rank_pattern_of(local_));
+  return world.rank == 0 ? full_.get() : nullptr;
 }
 
 }  // namespace weft

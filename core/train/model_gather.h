@@ -1,9 +1,12 @@
 // Saving a model that is split over ranks: pipeline stages (every rank sends the stages it owns
 // to rank 0) or tensor-parallel slices (rank 0 gathers every slice and concatenates them), so
 // rank 0 saves the whole model in the standard HF layout and a run under any plugin resumes
-// under any other. (Stages and slices split at once: refused for now.)
+// under any other. Stages and slices at once (tensor x pipeline parallelism over a device mesh):
+// each slice of each stage's parameters goes from the lowest rank holding it to rank 0, which
+// concatenates them.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <set>
@@ -44,7 +47,11 @@ class ModelGather {
   bool split_ = false;
   bool staged_ = false;
   bool sliced_ = false;                              // some parameter is a tensor-parallel slice
-  std::vector<std::vector<std::pair<int32_t, int32_t>>> slices_;  // [rank][parameter] (parts, index)
+  std::vector<std::vector<std::pair<int32_t, int32_t>>> slices_;  // [rank][parameter] (parts, index); not staged
+  // Staged: [rank][stage][j] = {parts, index, dim} of the stage's j-th parameter as the rank holds
+  // it (parts 0: the rank does not hold the stage). The owner of slice k is the lowest such rank.
+  std::vector<std::vector<std::vector<std::array<int64_t, 3>>>> stage_slices_;
+  int32_t slice_owner(int64_t stage, size_t j, int64_t index) const;
   std::set<std::string> writes_;
   LlamaForCausalLM full_{nullptr};  // rank 0, built on first use
 };

@@ -85,11 +85,11 @@ Trainer::Trainer(TrainOptions options, RunContext context)
                "gradients, but {} splits the model into pipeline stages or its training state over the ranks; use "
                "single, ddp, tensor_parallel or context_parallel",
                job_->strategy().library().name());
-    WEFT_CHECK(!gather_->split() || job_->strategy().library().negotiated_abi().minor >= 8,
+    WEFT_CHECK(!gather_->split() || job_->strategy().min_negotiated_minor() >= 8,
                "train.mode = \"adalora\": plugin {} (ABI 1.{}) splits the adapted layers over the ranks but cannot sum "
                "the adapters' scores over the slices (WEFT_COMM_ADAPTER_SUM, ABI 1.8): rebuild the plugin against "
                "this SDK",
-               job_->strategy().library().name(), job_->strategy().library().negotiated_abi().minor);
+               job_->strategy().names(), job_->strategy().min_negotiated_minor());
     AdaLoraConfig adalora = *job_->lora()->adalora;
     if (adalora.total_step == 0) adalora.total_step = total_steps_;
     allocator_ = std::make_unique<RankAllocator>(job_->model(), adalora);

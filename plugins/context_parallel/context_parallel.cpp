@@ -41,6 +41,9 @@ using weft::sdk::Error;
 class ContextParallel : public weft::ddp::Ddp {
  public:
   static constexpr uint16_t min_host_minor = 4;
+  // ABI 1.12: the context-parallel dimension of a composed run (finish_step, finish_eval and
+  // gradient_copies are ddp's: gradients averaged and losses summed over the sequence group).
+  static constexpr uint32_t mesh_dimensions = 1u << WEFT_MESH_CP;
 
   explicit ContextParallel(weft::sdk::Host host) : Ddp(host) {
     const auto world = host.world();

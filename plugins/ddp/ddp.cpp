@@ -141,6 +141,38 @@ weft::sdk::EvalResult Ddp::eval_step(const weft_step_info& step) {
   return result;
 }
 
+double Ddp::finish_step(const weft_step_info& step, double loss) {
+  stats_ = StepStats{};
+  stats_.step = step.step;
+  try {
+    begin_sync();
+    syncing_ = false;  // every bucket starts now, in order
+    finish_sync();
+  } catch (...) {
+    abandon_sync();
+    throw;
+  }
+  std::vector<double> sum{loss};
+  all_reduce_doubles(sum);
+  maybe_log(step);
+  return sum[0] / world_.size();
+}
+
+weft::sdk::EvalResult Ddp::finish_eval(const weft_step_info& step, const weft::sdk::EvalResult& sums) {
+  (void)step;
+  std::vector<double> values{sums.loss_sum, static_cast<double>(sums.tokens)};
+  all_reduce_doubles(values);
+  weft::sdk::EvalResult result;
+  result.loss_sum = values[0];
+  result.tokens = static_cast<int64_t>(values[1] + 0.5);
+  return result;
+}
+
+int32_t Ddp::gradient_copies(int64_t index) {
+  (void)index;
+  return world_.size();
+}
+
 // --- gradient synchronisation ---
 
 void Ddp::grad_ready_trampoline(void* user_data, int64_t parameter_index) noexcept {

@@ -49,6 +49,9 @@ struct StepStats {
 // plugin.bucket_mb / plugin.log_every); methods throw weft::sdk::Error on failure.
 class Ddp : public weft::sdk::Strategy {
  public:
+  // ABI 1.12: ddp owns the data-parallel dimension of a composed run.
+  static constexpr uint32_t mesh_dimensions = 1u << WEFT_MESH_DP;
+
   explicit Ddp(weft::sdk::Host host);
   ~Ddp() override;
 
@@ -58,6 +61,14 @@ class Ddp : public weft::sdk::Strategy {
   weft::sdk::EvalResult eval_step(const weft_step_info& step) override;
   // The host's plan plus the buckets: a flat fp32 copy of every trainable gradient.
   void memory_plan(weft_memory_plan& plan) override;
+  // Composed (ABI 1.12), after the driver's step: averages every trainable gradient over this
+  // plugin's world (its mesh dimension) in the same buckets, after backward (no overlap: the
+  // driver's backward does not say when its last micro-batch starts), and the loss with them.
+  double finish_step(const weft_step_info& step, double loss) override;
+  // Sums the held-out loss and tokens over the world (its ranks see different rows).
+  weft::sdk::EvalResult finish_eval(const weft_step_info& step, const weft::sdk::EvalResult& sums) override;
+  // Every rank of the world holds the same averaged gradient.
+  int32_t gradient_copies(int64_t index) override;
 
   // --- introspection (tests, logging) ---
   double bucket_mb() const noexcept { return bucket_mb_; }

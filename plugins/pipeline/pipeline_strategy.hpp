@@ -53,6 +53,8 @@ namespace pipeline {
 class PipelineStrategy : public weft::sdk::Strategy {
  public:
   static constexpr uint16_t min_host_minor = 1;  // model_info, config_int_list, tracing (memory_plan: 1.3)
+  // ABI 1.12: the pipeline dimension of a composed run, whose step it drives (world = the pp group).
+  static constexpr uint32_t mesh_dimensions = 1u << WEFT_MESH_PP;
 
   // `plugin` names the plugin in messages; `schedule_name` is the default of plugin.schedule.
   PipelineStrategy(weft::sdk::Host host, std::string plugin, std::string schedule_name);
@@ -62,6 +64,8 @@ class PipelineStrategy : public weft::sdk::Strategy {
   double train_step(const weft_step_info& step) override;
   weft::sdk::EvalResult eval_step(const weft_step_info& step) override;
   double global_grad_norm_sq(double local_sq) override;
+  // The tied embedding's two copies (first and last stage) hold the same gradient (ABI 1.12).
+  int32_t gradient_copies(int64_t index) override { return index == tied_parameter_ ? 2 : 1; }
   void memory_plan(weft_memory_plan& plan) override;
 
   // --- introspection (tests) ---

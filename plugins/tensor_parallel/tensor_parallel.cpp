@@ -48,6 +48,8 @@ bool ends_with(const std::string& s, const std::string& suffix) {
 class TensorParallel : public weft::sdk::Strategy {
  public:
   static constexpr uint16_t min_host_minor = 1;  // model_info, WEFT_COMM_HEAD_INPUT
+  // ABI 1.12: the tensor-parallel dimension of a composed run (world = the tp group; dp = 1 here).
+  static constexpr uint32_t mesh_dimensions = 1u << WEFT_MESH_TP;
 
   explicit TensorParallel(weft::sdk::Host host) : Strategy(host), world_(host.world()) {
     const int64_t tp = host.config_int("tp", world_.size());
@@ -137,6 +139,28 @@ class TensorParallel : public weft::sdk::Strategy {
     if (sum_over_kv_) sum_over_kv_->sum();
     if (average_) average_->average();
     return mean_over_replicas(loss);
+  }
+
+  // Composed (ABI 1.12), after the driver's step (e.g. a pipeline's): the partial gradients of
+  // replicated weights summed over the tp group; the loss is already the same on every tp rank.
+  double finish_step(const weft_step_info& step, double loss) override {
+    (void)step;
+    if (sum_over_tp_) sum_over_tp_->sum();
+    if (sum_over_kv_) sum_over_kv_->sum();
+    if (average_) average_->average();
+    return loss;
+  }
+  // The tp ranks evaluated the same rows: nothing to add.
+  weft::sdk::EvalResult finish_eval(const weft_step_info& step, const weft::sdk::EvalResult& sums) override {
+    (void)step;
+    return sums;
+  }
+  // How many tp ranks hold each gradient after the step (classify_gradients).
+  int32_t gradient_copies(int64_t index) override {
+    for (size_t i = 0; i < trainable_.size(); ++i) {
+      if (trainable_[i] == index) return static_cast<int32_t>(copies_[i] + 0.5);
+    }
+    return 1;
   }
 
   weft::sdk::EvalResult eval_step(const weft_step_info& step) override {

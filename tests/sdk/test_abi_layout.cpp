@@ -26,7 +26,7 @@ TEST(AbiLayout, TablesAreAppendOnlyFromVersionOne) {
   // stage_memory) and 4 plugin slots (flat_shard, after_optimizer_step, materialize_parameters,
   // memory_plan). ABI 1.5 appended attention_block; ABI 1.11 backward_input, backward_weight and
   // weight_pass_release.
-  EXPECT_EQ(sizeof(weft_host_api), 8 + 60 * sizeof(void*));
+  EXPECT_EQ(sizeof(weft_host_api), 8 + 62 * sizeof(void*));  // + 1.12's mesh_info, group_mesh
   EXPECT_EQ(offsetof(weft_host_api, attention_block), 8 + 56 * sizeof(void*));
   EXPECT_EQ(offsetof(weft_host_api, backward_input), 8 + 57 * sizeof(void*));
   EXPECT_EQ(offsetof(weft_host_api, weight_pass_release), 8 + 59 * sizeof(void*));
@@ -84,7 +84,11 @@ TEST(AbiLayout, TablesAreAppendOnlyFromVersionOne) {
   // (the 1.5 fields keep their offsets: a 1.5 host's struct_size of 48 covers them only).
   EXPECT_EQ(offsetof(weft_strategy_api, sequence_attention), 16 + 3 * sizeof(void*) + 14 * sizeof(void*));
   EXPECT_EQ(offsetof(weft_strategy_api, sequence_region), 16 + 3 * sizeof(void*) + 15 * sizeof(void*));
-  EXPECT_EQ(sizeof(weft_strategy_api), 16 + 3 * sizeof(void*) + 16 * sizeof(void*));
+  // ABI 1.12 appended mesh_dimensions (data: 2 x uint32) and finish_step, finish_eval,
+  // gradient_copies.
+  EXPECT_EQ(offsetof(weft_strategy_api, mesh_dimensions), 16 + 3 * sizeof(void*) + 16 * sizeof(void*));
+  EXPECT_EQ(offsetof(weft_strategy_api, finish_step), 16 + 3 * sizeof(void*) + 16 * sizeof(void*) + 8);
+  EXPECT_EQ(sizeof(weft_strategy_api), 16 + 3 * sizeof(void*) + 19 * sizeof(void*) + 8);
   EXPECT_EQ(offsetof(weft_model_plan, tensor_sequence_size), 48u);
   EXPECT_EQ(offsetof(weft_model_plan, tensor_sequence_rank), 52u);
   // ABI 1.10 appended virtual pipeline stages: stage_chunks and the chunks' ranges.
@@ -95,7 +99,13 @@ TEST(AbiLayout, TablesAreAppendOnlyFromVersionOne) {
   EXPECT_EQ(offsetof(weft_model_plan, split_backward), 64u + 2 * 16 * 8);
   EXPECT_EQ(sizeof(weft_model_plan), 64u + 2 * 16 * 8 + 8);
   EXPECT_EQ(WEFT_ABI_VERSION_MAJOR, 1);
-  EXPECT_EQ(WEFT_ABI_VERSION_MINOR, 11);
+  // ABI 1.12: the host's mesh_info and group_mesh, weft_mesh_info, weft_mesh_dim.
+  EXPECT_EQ(offsetof(weft_host_api, mesh_info), 8 + 60 * sizeof(void*));
+  EXPECT_EQ(offsetof(weft_host_api, group_mesh), 8 + 61 * sizeof(void*));
+  EXPECT_EQ(sizeof(weft_mesh_info), 48u);
+  EXPECT_EQ(WEFT_MESH_PP, 0);
+  EXPECT_EQ(WEFT_MESH_TP, 3);
+  EXPECT_EQ(WEFT_ABI_VERSION_MINOR, 12);
 }
 
 }  // namespace

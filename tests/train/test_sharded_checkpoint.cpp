@@ -249,6 +249,35 @@ TEST(ShardedCheckpoint, InterleavedChunksSaveTheirLayersAndResumeAsPlainStagesAn
   expect_continues(whole, resume(root + "/single", checkpoint, "single", 1, model), "interleaved -> one process");
 }
 
+// A device mesh of tensor x pipeline parallelism (ABI 1.12: tensor_parallel,gpipe, tp 2 x pp 2): each
+// rank holds one tp slice of one stage's layers, and each slice of each stage is written once, by
+// its rank. The checkpoint resumes on the same mesh, at dp 4 under ddp and as one process.
+TEST(ShardedCheckpoint, ATensorTimesPipelineMeshWritesEachSliceOfEachStageOnceAndResumesAsDataParallelAndOneProcess) {
+  const std::string root = fresh_dir("sharded_checkpoint", "mesh");
+  const std::string mesh = "--set mesh.tp=2 --set mesh.pp=2 --set plugin.microbatches=2";
+  const auto whole = run_saving_at_step_3(root + "/first", "tensor_parallel,gpipe", 4, mesh);
+  const std::string checkpoint = root + "/first/checkpoints/step-00000003";
+  const auto files = pieces_of(checkpoint);
+  ASSERT_EQ(files.size(), 4u);
+  // World rank = pp * 2 + tp: ranks 0 and 1 hold the first stage's slices, ranks 2 and 3 the last's.
+  for (const char* name : {"model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight"}) {
+    EXPECT_TRUE(files.at("rank-00000.safetensors").count(name)) << name;
+    EXPECT_TRUE(files.at("rank-00001.safetensors").count(name)) << name;  // the other tp slice
+    EXPECT_FALSE(files.at("rank-00002.safetensors").count(name)) << name;
+    EXPECT_FALSE(files.at("rank-00003.safetensors").count(name)) << name;
+  }
+  const std::string last = "model.layers.1.mlp.up_proj.weight";
+  EXPECT_TRUE(files.at("rank-00002.safetensors").count(last));
+  EXPECT_TRUE(files.at("rank-00003.safetensors").count(last));
+  EXPECT_FALSE(files.at("rank-00000.safetensors").count(last));
+  // A norm is whole on both tp ranks of its stage: written once, by the lower.
+  EXPECT_TRUE(files.at("rank-00002.safetensors").count("model.norm.weight"));
+  EXPECT_FALSE(files.at("rank-00003.safetensors").count("model.norm.weight"));
+  expect_continues(whole, resume(root + "/mesh", checkpoint, "tensor_parallel,gpipe", 4, mesh), "tp2 x pp2 -> tp2 x pp2");
+  expect_continues(whole, resume(root + "/dp4", checkpoint, "ddp", 4), "tp2 x pp2 -> dp 4");
+  expect_continues(whole, resume(root + "/single", checkpoint, "single", 1), "tp2 x pp2 -> one process");
+}
+
 // Evaluation and generation through zero.so's job (stage 3 gathers each stage for evaluation;
 // generation reads the whole model) give one process's numbers and tokens.
 TEST(ShardedCheckpoint, EvaluationAndGenerationUnderZeroMatchOneProcess) {

@@ -1,7 +1,7 @@
 /*
  * weft/strategy.h - the weft strategy plugin ABI (C99).
  *
- * STATUS: ABI 1.9, implemented by the host (core/plugin) and used by single.so, ddp.so, gpipe.so,
+ * STATUS: ABI 1.12, implemented by the host (core/plugin) and used by single.so, ddp.so, gpipe.so,
  * pipedream.so, tensor_parallel.so, zero.so and context_parallel.so (plan stage ranges: the
  * pipelines; shard_parameter, comm_point and sequence_region: tensor parallelism; flat shards of
  * the training state: zero; sequence parallelism: context_parallel). 1.1 appended model_info, tracing, report_metric,
@@ -30,7 +30,9 @@
  * weft_model_plan's stage_chunks / chunk_stages (a rank holding several non-contiguous ranges of
  * model stages, for the interleaved 1F1B schedule). 1.11 appended the split backward of
  * zero-bubble schedules: weft_model_plan's split_backward and the host's backward_input,
- * backward_weight and weight_pass_release. See sdk/DESIGN.md.
+ * backward_weight and weight_pass_release. 1.12 appended composition over a device mesh: several plugins
+ * in one run, each owning one mesh dimension (weft_mesh_dim): the host's mesh_info and group_mesh,
+ * the plugin's mesh_dimensions, finish_step, finish_eval and gradient_copies. See sdk/DESIGN.md.
  *
  * A strategy plugin is a shared library that exports exactly one symbol, the C function
  * `weft_strategy_entry` (WEFT_STRATEGY_ENTRY_SYMBOL). The host loads it with
@@ -88,7 +90,7 @@ extern "C" {
 /* The ABI version this header describes. Major: incompatible changes; it must match exactly.
  * Minor: append-only additions; host and plugin use min(host minor, plugin minor). */
 #define WEFT_ABI_VERSION_MAJOR 1
-#define WEFT_ABI_VERSION_MINOR 11
+#define WEFT_ABI_VERSION_MINOR 12
 
 /* The one symbol a plugin exports. */
 #define WEFT_STRATEGY_ENTRY_SYMBOL "weft_strategy_entry"
@@ -423,6 +425,31 @@ typedef enum weft_direction {
   WEFT_BACKWARD = 1
 } weft_direction;
 
+/* The dimensions of the device mesh a composed run lays its ranks on (train.plugin names several
+ * plugins, [mesh] sizes them). World rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i: tensor
+ * parallelism varies fastest (neighbouring ranks, e.g. one machine's GPUs), pipeline stages
+ * slowest, as torchtitan's and Megatron's meshes. Since 1.12. */
+typedef enum weft_mesh_dim {
+  WEFT_MESH_PP = 0, /* pipeline stages: the plugin drives the step (train_step, eval_step) */
+  WEFT_MESH_DP = 1, /* data-parallel replicas: different rows of every global batch */
+  WEFT_MESH_CP = 2, /* context parallelism: different tokens of every sequence */
+  WEFT_MESH_TP = 3  /* tensor parallelism: slices of the weights, the same rows and tokens */
+} weft_mesh_dim;
+#define WEFT_MESH_DIMS 4
+
+/* Where this rank stands in the run's device mesh and which dimension the calling plugin owns
+ * (weft_host_api.mesh_info). Since 1.12. */
+typedef struct weft_mesh_info {
+  uint32_t struct_size;   /* set by the CALLER to sizeof its struct (as model_info) */
+  int32_t dimension;      /* the weft_mesh_dim this plugin owns; -1 when it runs alone (no mesh) */
+  int32_t driver;         /* 1: the host calls this plugin's train_step and eval_step; 0: its
+                             finish_step and finish_eval after the driver's */
+  int32_t plugins;        /* how many plugins the run composes (1 when alone) */
+  int32_t size[WEFT_MESH_DIMS];  /* ranks along each dimension (indexed by weft_mesh_dim); their
+                                    product is the world size */
+  int32_t coord[WEFT_MESH_DIMS]; /* this rank's coordinate along each */
+} weft_mesh_info;
+
 /* The model's shape, known from `plan` on (before the model is built), e.g. to size
  * receive buffers or check that heads divide by a tensor-parallel degree. Hidden states
  * between stages are always fp32 [rows, seq_len, hidden_size] (the residual stream stays fp32
@@ -737,6 +764,22 @@ typedef struct weft_host_api {
   weft_status* (*backward_weight)(weft_host* host, weft_weight_pass* pass);
   /* Frees `pass` without computing its gradients (an abandoned step). Since 1.11. */
   void (*weight_pass_release)(weft_host* host, weft_weight_pass* pass);
+
+  /* ---------------------------------- since 1.12 --------------------------------------- */
+  /* Composition over a device mesh. When the run names several plugins (train.plugin =
+   * "tensor_parallel,gpipe", [mesh] tp = 2, pp = 2), each owns one dimension, and for it
+   * group_world returns the group of the ranks that differ from this one only along that
+   * dimension (its "world", in coordinate order), and group_create numbers ranks within that group
+   * (the host creates the same group in every parallel slice, so the call stays collective over
+   * the world). A plugin written for a world of N ranks thus runs unchanged over its dimension. */
+  /* This rank's place in the mesh (weft_mesh_info). The caller sets out->struct_size to
+   * sizeof(weft_mesh_info) as it was compiled; the host fills what both know. Alone: dimension -1,
+   * driver 1, plugins 1, every size 1 but the world's dp (coord: the rank). Since 1.12. */
+  weft_status* (*mesh_info)(weft_host* host, weft_mesh_info* out);
+  /* The group of the ranks that differ from this rank only along `dimension` (weft_mesh_dim), in
+   * coordinate order; made once by the host, host-owned. NULL for a bad dimension. Alone: the
+   * world for WEFT_MESH_DP, else a group of this rank alone. Since 1.12. */
+  weft_group* (*group_mesh)(weft_host* host, int32_t dimension);
 } weft_host_api;
 
 /* ------------------------------------------------------------------------------------------
@@ -894,6 +937,43 @@ typedef struct weft_strategy_api {
    * the backward when activation checkpointing recomputes a block). Since 1.9. */
   weft_status* (*sequence_region)(weft_strategy* strategy, weft_comm_point point, weft_direction direction,
                                   int64_t layer, const DLTensor* input, DLTensor* output);
+
+  /* ---------------------------------- since 1.12 ---------------------------------------- */
+  /* Composition over a device mesh (see weft_mesh_dim and the host's mesh_info). The host, not a
+   * plugin, orders the roles: the DRIVER (the plugin owning pp; else tp, else cp, else dp) runs
+   * train_step and eval_step; every other plugin sees the driver's forward and backward through
+   * its comm_point / sequence_* slots (as it would its own), then finishes the step with
+   * finish_step / finish_eval, innermost dimension first (tp, cp, dp). create, plan,
+   * shard_parameter, memory_plan and setup are called on every plugin in the order driver, tp, cp,
+   * dp; each plugin's plan sees the one-process layout and writes only its own fields (the host
+   * merges them: stages from one plugin, data_parallel_* combined over the plugins, a field that two
+   * plugins change is refused). The gradient norm for clipping is the host's: the sum over the
+   * world of each gradient's squared norm divided by its copies (gradient_copies) in every plugin.
+   * A plugin below 1.12, or one whose mesh_dimensions lacks the dimension it is given, is refused
+   * in a composed run; alone, nothing here is used. */
+  /* Bit mask of the weft_mesh_dim values this plugin can own (1u << WEFT_MESH_TP, ...); 0: the
+   * plugin runs alone only. Data, not a function. Since 1.12. */
+  uint32_t mesh_dimensions;
+  uint32_t reserved_1_12;  /* 0 */
+  /* Required of every plugin but the driver in a composed run. After the driver's train_step:
+   * finish this rank's gradients along the plugin's dimension (e.g. average them over the
+   * data-parallel group, sum the partial gradients of replicated weights over the tensor-parallel
+   * group) and turn *loss_inout, the mean loss over the ranks before this dimension, into the mean
+   * over this dimension too (every rank of the group then holds the same value). Collective over
+   * the plugin's dimension. Since 1.12. */
+  weft_status* (*finish_step)(weft_strategy* strategy, const weft_step_info* step, double* loss_inout);
+  /* Required of every plugin but the driver in a composed run. After the driver's eval_step: turn
+   * the held-out batch's token-loss sum and token count over the ranks before this dimension into
+   * those over this dimension too (a sum over ranks that see different rows or tokens; unchanged
+   * where they see the same). Collective over the plugin's dimension. Since 1.12. */
+  weft_status* (*finish_eval)(weft_strategy* strategy, const weft_step_info* step, double* loss_sum_inout,
+                              int64_t* tokens_inout);
+  /* Optional (NULL: 1 everywhere). How many ranks of this plugin's dimension hold, after the step,
+   * the same gradient as this rank for parameter `parameter_index` (weft_host_api.parameter_*):
+   * the data-parallel size for ddp, the tensor-parallel size for a replicated norm, 2 for a tied
+   * embedding held by the first and the last pipeline stage, 1 for a slice only this rank holds.
+   * Called once per trainable parameter after setup, in a composed run only. Since 1.12. */
+  weft_status* (*gradient_copies)(weft_strategy* strategy, int64_t parameter_index, int32_t* copies_out);
 } weft_strategy_api;
 
 /* The entry point. The host passes its ABI version; the plugin returns its table (static

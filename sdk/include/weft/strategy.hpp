@@ -21,7 +21,8 @@
 //
 // Optional slots: the generated table leaves an optional slot (plan, shard_parameter, setup,
 // eval_step, global_grad_norm_sq, comm_point; since 1.3 flat_shard, after_optimizer_step,
-// materialize_parameters, memory_plan; since 1.4 sequence_exchange; since 1.5 sequence_attention) NULL unless the class, or a base between it and
+// materialize_parameters, memory_plan; since 1.4 sequence_exchange; since 1.5 sequence_attention; since 1.9
+// sequence_region; since 1.12 finish_step, finish_eval, gradient_copies) NULL unless the class, or a base between it and
 // Strategy, declares that method itself (checked at compile time, see detail::overrides_*), so
 // the host can skip calls that would do nothing (comm_point runs inside every layer). The base
 // class implementations still reproduce the one-process defaults documented in strategy.h, so
@@ -761,6 +762,35 @@ class Host {
     check(api_->backward_weight(host_, pass.release()));
   }
 
+  // --- since ABI 1.12 (composition over a device mesh; see strategy.h) ---
+  // This rank's place in the mesh and the dimension this plugin owns. On an older host: the
+  // plugin runs alone (dimension -1, driver, the world as data-parallel ranks).
+  weft_mesh_info mesh_info() const {
+    weft_mesh_info out{};
+    out.struct_size = sizeof(weft_mesh_info);
+    if (negotiated_minor() < 12) {
+      const Group w = world();
+      out.dimension = -1;
+      out.driver = 1;
+      out.plugins = 1;
+      for (int32_t d = 0; d < WEFT_MESH_DIMS; ++d) out.size[d] = 1;
+      out.size[WEFT_MESH_DP] = w.size();
+      out.coord[WEFT_MESH_DP] = w.rank();
+      return out;
+    }
+    check(api_->mesh_info(host_, &out));
+    return out;
+  }
+  // Whether this plugin is one of several in a composed run (1.12).
+  bool composed() const { return negotiated_minor() >= 12 && mesh_info().plugins > 1; }
+  // The group of the ranks that differ from this one only along `dimension` (weft_mesh_dim).
+  Group mesh_group(int32_t dimension) const {
+    require_minor(12, "group_mesh");
+    weft_group* group = api_->group_mesh(host_, dimension);
+    if (group == nullptr) throw Error(WEFT_STATUS_INVALID_ARGUMENT, "group_mesh: no mesh dimension " + std::to_string(dimension));
+    return Group(api_, group);
+  }
+
   // Adopts raw handles this host created.
   Activation activation(weft_activation* handle) const noexcept {
     return Activation(api_, host_, handle);
@@ -855,6 +885,10 @@ class Strategy {
   // The oldest host ABI minor this plugin needs; hide it in a subclass to raise it
   // (static constexpr uint16_t min_host_minor = 1;).
   static constexpr uint16_t min_host_minor = 0;
+  // The mesh dimensions (bit mask of 1u << weft_mesh_dim) this plugin can own in a composed run
+  // (ABI 1.12); hide it in a subclass (static constexpr uint32_t mesh_dimensions = 1u << WEFT_MESH_TP;).
+  // 0: the plugin runs alone only.
+  static constexpr uint32_t mesh_dimensions = 0;
 
   explicit Strategy(Host host) noexcept : host_(host) {}
   virtual ~Strategy() = default;
@@ -930,6 +964,27 @@ class Strategy {
     (void)output;
     throw Error(WEFT_STATUS_UNSUPPORTED, "sequence_region: this plugin does not split sequences between regions");
   }
+  // --- since ABI 1.12 (composition over a device mesh; see strategy.h) ---
+  // After the driver's train_step, this plugin not driving: finish the gradients along its
+  // dimension and return the mean loss over it (`loss`: the mean over the ranks before it).
+  // Default: refuses (a plugin that composes overrides it).
+  virtual double finish_step(const weft_step_info& step, double loss) {
+    (void)step;
+    (void)loss;
+    throw Error(WEFT_STATUS_UNSUPPORTED, "finish_step: this plugin does not compose with others");
+  }
+  // After the driver's eval_step: the sums over this dimension too. Default: refuses.
+  virtual EvalResult finish_eval(const weft_step_info& step, const EvalResult& sums) {
+    (void)step;
+    (void)sums;
+    throw Error(WEFT_STATUS_UNSUPPORTED, "finish_eval: this plugin does not compose with others");
+  }
+  // How many ranks of this plugin's dimension hold the same gradient of parameter `index`.
+  // Default: 1.
+  virtual int32_t gradient_copies(int64_t index) {
+    (void)index;
+    return 1;
+  }
 
  protected:
   // The one-process step: for each micro-batch m of step.micro_batches: batch(m) ->
@@ -995,6 +1050,9 @@ WEFT_SDK_DETAIL_OVERRIDES(memory_plan)
 WEFT_SDK_DETAIL_OVERRIDES(sequence_exchange)
 WEFT_SDK_DETAIL_OVERRIDES(sequence_attention)
 WEFT_SDK_DETAIL_OVERRIDES(sequence_region)
+WEFT_SDK_DETAIL_OVERRIDES(finish_step)
+WEFT_SDK_DETAIL_OVERRIDES(finish_eval)
+WEFT_SDK_DETAIL_OVERRIDES(gradient_copies)
 #undef WEFT_SDK_DETAIL_OVERRIDES
 
 // Runs `body`, turning every exception into a status created by `api` (NULL on success).
@@ -1101,6 +1159,23 @@ struct Slots {
                                       int64_t layer, const DLTensor* input, DLTensor* output) noexcept {
     return call(handle, [&] { instance(handle).sequence_region(point, direction, layer, *input, *output); });
   }
+  static weft_status* finish_step(weft_strategy* handle, const weft_step_info* step, double* loss_inout) noexcept {
+    return call(handle, [&] { *loss_inout = instance(handle).finish_step(*step, *loss_inout); });
+  }
+  static weft_status* finish_eval(weft_strategy* handle, const weft_step_info* step, double* loss_sum_inout,
+                                  int64_t* tokens_inout) noexcept {
+    return call(handle, [&] {
+      EvalResult sums;
+      sums.loss_sum = *loss_sum_inout;
+      sums.tokens = *tokens_inout;
+      const EvalResult result = instance(handle).finish_eval(*step, sums);
+      *loss_sum_inout = result.loss_sum;
+      *tokens_inout = result.tokens;
+    });
+  }
+  static weft_status* gradient_copies(weft_strategy* handle, int64_t index, int32_t* copies_out) noexcept {
+    return call(handle, [&] { *copies_out = instance(handle).gradient_copies(index); });
+  }
 };
 
 // The table for strategy class T. Optional slots are NULL unless T overrides the method.
@@ -1135,6 +1210,10 @@ weft_strategy_api make_table(const char* name, const char* version, const char* 
   table.sequence_exchange = overrides_sequence_exchange<T>() ? &Slots<T>::sequence_exchange : nullptr;
   table.sequence_attention = overrides_sequence_attention<T>() ? &Slots<T>::sequence_attention : nullptr;
   table.sequence_region = overrides_sequence_region<T>() ? &Slots<T>::sequence_region : nullptr;
+  table.mesh_dimensions = T::mesh_dimensions;
+  table.finish_step = overrides_finish_step<T>() ? &Slots<T>::finish_step : nullptr;
+  table.finish_eval = overrides_finish_eval<T>() ? &Slots<T>::finish_eval : nullptr;
+  table.gradient_copies = overrides_gradient_copies<T>() ? &Slots<T>::gradient_copies : nullptr;
   return table;
 }
 

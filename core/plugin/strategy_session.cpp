@@ -55,6 +55,7 @@ StrategySession::StrategySession(const std::string& path_or_name, toml::table pl
   }
   library_ = members_.front().library;
   host_ = members_.front().host.get();
+  state_host_ = host_;
   for (auto& member : members_) {  // in order: the driver, then tp, cp, dp (each collective over the world)
     weft_strategy* instance = nullptr;
     check(member, member.library->api().create(member.host->api(), member.host->handle(), &instance), "create");
@@ -78,10 +79,6 @@ void StrategySession::compose(const std::vector<std::string>& names, const toml:
                "plugin {} (ABI 1.{}) cannot compose with others on a device mesh (ABI 1.12): run it alone or rebuild it "
                "against this SDK",
                lib.name(), lib.negotiated_abi().minor);
-    WEFT_CHECK(!(lib.has_slot(offsetof(weft_strategy_api, flat_shard), 3) && lib.api().flat_shard),
-               "plugin {} shards the training state (flat_shard), which a composed run does not combine with other "
-               "plugins yet: compose ddp instead, or run {} alone",
-               lib.name(), lib.name());
     const uint32_t offered = lib.api().mesh_dimensions;
     WEFT_CHECK(offered != 0, "plugin {} runs alone only (its table offers no mesh dimension)", lib.name());
     for (int d : {Mesh::kPP, Mesh::kTP, Mesh::kCP, Mesh::kDP}) {
@@ -125,6 +122,7 @@ void StrategySession::compose(const std::vector<std::string>& names, const toml:
       if (static_cast<int32_t>(j) == mine) groups[static_cast<size_t>(d)] = &group;
     }
   }
+  groups_ = groups;
   // The driver first (pp, else tp, cp, dp), then the others innermost first: tp, cp, dp.
   const int driver_dim = owned[Mesh::kPP] ? Mesh::kPP : owned[Mesh::kTP] ? Mesh::kTP
                        : owned[Mesh::kCP] ? Mesh::kCP : Mesh::kDP;
@@ -555,16 +553,21 @@ void StrategySession::attach(LlamaForCausalLMImpl& model) {
   for (const Member& m : members_) {
     if (m.library->api().setup) check(m, m.library->api().setup(m.instance), "setup");
   }
-  if (library_->has_slot(offsetof(weft_strategy_api, flat_shard), 3) && library_->api().flat_shard) {
-    for (int64_t i = 0; i < host_->parameter_count(); ++i) {
+  for (const Member& m : members_) {  // composed: one plugin at most shards the training state
+    if (!(m.has(offsetof(weft_strategy_api, flat_shard), 3) && m.library->api().flat_shard)) continue;
+    WEFT_CHECK(state_host_ == host_ || state_host_ == m.host.get(), "plugins {}: two of them shard the training state",
+               names());
+    for (int64_t i = 0; i < m.host->parameter_count(); ++i) {
       weft_flat_shard shard{};
-      check(library_->api().flat_shard(instance_, i, &shard), "flat_shard");
+      check(m, m.library->api().flat_shard(m.instance, i, &shard), "flat_shard");
       try {
-        host_->set_flat_shard(i, shard);
+        m.host->set_flat_shard(i, shard);
       } catch (const Error& e) {
-        fail("plugin {}: {}", library_->name(), e.what());
+        fail("plugin {}: {}", m.library->name(), e.what());
       }
     }
+    state_host_ = m.host.get();
+    if (mesh_) state_group_ = groups_[static_cast<size_t>(m.dimension)];
   }
   if (!mesh_) return;
   // Composed: each training tensor's weight in the gradient norm, 1 / its copies over the plugins.
@@ -586,13 +589,13 @@ void StrategySession::attach(LlamaForCausalLMImpl& model) {
     }
     norm_weights_.push_back(1.0 / copies);
   }
-  WEFT_CHECK(norm_weights_.size() == host_->training_tensors().size(),
+  WEFT_CHECK(norm_weights_.size() == state_host_->training_tensors().size(),
              "composed run: {} trainable parameters but {} training tensors", norm_weights_.size(),
-             host_->training_tensors().size());
+             state_host_->training_tensors().size());
 }
 
 void StrategySession::after_optimizer_step() {
-  host_->zero_grad_shards();
+  state_host_->zero_grad_shards();
   for (const Member& m : members_) {
     if (m.has(offsetof(weft_strategy_api, after_optimizer_step), 3) && m.library->api().after_optimizer_step) {
       check(m, m.library->api().after_optimizer_step(m.instance), "after_optimizer_step");
@@ -696,7 +699,7 @@ double StrategySession::global_grad_norm_sq(double local_sq) {
 }
 
 double StrategySession::weighted_grad_norm_sq() const {
-  const auto tensors = host_->training_tensors();
+  const auto tensors = state_host_->training_tensors();
   double share = 0.0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const auto& grad = tensors[i].tensor.grad();

@@ -130,11 +130,14 @@ class StrategySession {
   double global_grad_norm_sq(double local_sq);
   // What the optimizer updates (the parameters, or their shards under a plugin that shards the
   // training state: ABI 1.3 flat_shard, asked in attach), and whether anything is sharded.
-  std::vector<PluginHost::TrainingTensor> training_tensors() const { return host_->training_tensors(); }
-  bool shards_training_state() const { return host_->sharded(); }
-  std::vector<PluginHost::ShardedTensor> trainable_shards() const { return host_->trainable_shards(); }
+  std::vector<PluginHost::TrainingTensor> training_tensors() const { return state_host_->training_tensors(); }
+  bool shards_training_state() const { return state_host_->sharded(); }
+  // The process group the training state is sharded over: the sharding plugin's mesh dimension in a
+  // composed run, null (the world) alone.
+  ProcessGroup* state_group() const { return state_group_; }
+  std::vector<PluginHost::ShardedTensor> trainable_shards() const { return state_host_->trainable_shards(); }
   // Bytes of this rank's parameters and gradients now (PluginHost::parameter_and_gradient_bytes).
-  std::pair<int64_t, int64_t> parameter_and_gradient_bytes() const { return host_->parameter_and_gradient_bytes(); }
+  std::pair<int64_t, int64_t> parameter_and_gradient_bytes() const { return state_host_->parameter_and_gradient_bytes(); }
   // After the optimizer step (whether it ran or fp16 skipped it): zeroes the gradient shards and
   // lets the plugin act (e.g. all-gather the updated shards). Collective.
   void after_optimizer_step();
@@ -180,6 +183,11 @@ class StrategySession {
   int stages_owner_ = 0, sequence_owner_ = 0, tensor_sequence_owner_ = 0;
   std::shared_ptr<PluginLibrary> library_;  // the driver's
   PluginHost* host_ = nullptr;              // the driver's
+  // The host of the plugin that shards the training state (flat_shard: zero, composed or alone),
+  // else the driver's: it serves the optimizer's tensors.
+  PluginHost* state_host_ = nullptr;
+  ProcessGroup* state_group_ = nullptr;
+  std::array<ProcessGroup*, 4> groups_{};  // composed: this rank's slice along each dimension
   weft_strategy* instance_ = nullptr;       // the driver's
   LlamaForCausalLMImpl* model_ = nullptr;
   SequenceSplit sequence_;      // the plan's sequence split (ABI 1.4; layout 1.5), without callbacks

@@ -17,10 +17,10 @@ using torch::optim::AdamWParamState;
 std::unique_ptr<torch::optim::AdamW> gather_sharded_optimizer(torch::optim::AdamW& sharded,
                                                               const std::vector<PluginHost::ShardedTensor>& shards,
                                                               LlamaForCausalLMImpl& model, const OptimOptions& options,
-                                                              Communicator& communicator) {
+                                                              Communicator& communicator, ProcessGroup* group) {
   torch::NoGradGuard no_grad;
   auto whole = make_adamw(trainable_parameters(model), options);
-  ProcessGroup& world = communicator.world();
+  ProcessGroup& world = group ? *group : communicator.world();
   const int64_t ranks = world.size, count = static_cast<int64_t>(shards.size());
   // Every rank's range of every parameter, and whether it has stepped yet (no state before the
   // first step: then nothing is saved, as for an unsharded optimizer).

@@ -17,15 +17,17 @@
 namespace weft {
 
 class Communicator;
+struct ProcessGroup;
 
 // An AdamW over the model's whole trainable parameters (make_adamw(trainable_parameters(model)),
 // the layout single and ddp save) holding the state of every rank's shards of `sharded`.
-// Collective over the world, which must be the group the shards split over (zero.so's). Every
-// rank gets the whole state (all-gathered); the parameters must be whole on the ranks that save.
+// Collective over `group` (the world when null), which must be the group the shards split over
+// (zero.so's world: the data-parallel slice of a composed run). Every rank of it gets the whole
+// state (all-gathered); the parameters must be whole on the ranks that save.
 std::unique_ptr<torch::optim::AdamW> gather_sharded_optimizer(torch::optim::AdamW& sharded,
                                                               const std::vector<PluginHost::ShardedTensor>& shards,
                                                               LlamaForCausalLMImpl& model, const OptimOptions& options,
-                                                              Communicator& communicator);
+                                                              Communicator& communicator, ProcessGroup* group = nullptr);
 
 // The reverse, after a checkpoint was restored into `whole` (an AdamW as above) and into the whole
 // parameters: each shard's slice of the state goes into `sharded`, and shards with storage of their

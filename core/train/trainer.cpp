@@ -493,13 +493,22 @@ bool Trainer::save_checkpoint(Progress& progress) {
   auto& strategy = job_->strategy();
   if (gather_->split()) {  // every rank writes its own pieces, rank 0 the index (named_state.h)
     const int32_t rank = job_->context().rank;
+    // Composed with zero (a device mesh): the optimizer state of this rank's stages and slices put
+    // together over the data-parallel group first; its lowest rank (the writer) saves it.
+    std::unique_ptr<torch::optim::AdamW> whole;
+    if (strategy.shards_training_state()) {
+      strategy.materialize_parameters(true);
+      whole = gather_sharded_optimizer(*optimizer_, strategy.trainable_shards(), job_->model(), options_.optim,
+                                       job_->communicator(), strategy.state_group());  // collective
+    }
     const auto dir = checkpoints_->save_sharded(
-        state_, job_->model(), *optimizer_, rank, job_->context().world,
+        state_, job_->model(), whole ? *whole : *optimizer_, rank, job_->context().world,
         [&](const std::string& name) { return gather_->writes(name); },
         [&](bool ok) {
           for (double value : job_->communicator().all_gather(ok ? 1.0 : 0.0)) ok = ok && value > 0;
           return ok;
         });
+    if (whole) strategy.materialize_parameters(false);
     if (rank == 0) progress.message(fmt::format("checkpoint saved: {}", dir));
     if (backup_) backup_->submit(dir);
     return true;

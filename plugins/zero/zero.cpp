@@ -38,6 +38,12 @@ Zero::Zero(weft::sdk::Host host) : Strategy(host), world_(host.world()) {
   // Gathered matrices in the compute dtype where the host can (ABI 1.6); a 1.3-1.5 host keeps fp32.
   compute_dtype_ = stage_ == 3 && param_dtype == "compute" && host.negotiated_minor() >= 6;
   if (!(bucket_mb_ > 0.0)) throw Error(WEFT_STATUS_BAD_CONFIG, "plugin.bucket_mb must be > 0, got " + std::to_string(bucket_mb_));
+  if (stage_ == 3 && host.composed()) {
+    throw Error(WEFT_STATUS_BAD_CONFIG,
+                "zero: plugin.stage = 3 gathers each model stage's parameters around its own forward and backward, "
+                "but in a run composed with other plugins another plugin runs them (and a pipeline keeps several "
+                "micro-batches of a stage in flight): use plugin.stage = 1 or 2 there");
+  }
 }
 
 Zero::~Zero() {
@@ -297,6 +303,35 @@ double Zero::staged_train_step(const weft_step_info& step) {
   finish_reduces();
   release_stage(0, /*even_pinned=*/true);
   return loss_sum;
+}
+
+// Composed (ABI 1.12), after the driver's step: every stage's gradients reduce-scattered into the
+// shards, after backward, in the same order as hooked_train_step's.
+double Zero::finish_step(const weft_step_info& step, double loss) {
+  (void)step;
+  if (ranks_ > 1) {
+    try {
+      pieces_left_ = pieces_;
+      next_reduce_ = 0;
+      syncing_ = false;
+      finish_reduces();
+    } catch (...) {
+      abandon();
+      throw;
+    }
+  }
+  std::vector<double> sum{loss};
+  return all_reduce_sum(sum) / ranks_;
+}
+
+weft::sdk::EvalResult Zero::finish_eval(const weft_step_info& step, const weft::sdk::EvalResult& sums) {
+  (void)step;
+  std::vector<double> values{sums.loss_sum, static_cast<double>(sums.tokens)};
+  all_reduce_sum(values);
+  weft::sdk::EvalResult result;
+  result.loss_sum = values[0];
+  result.tokens = static_cast<int64_t>(values[1] + 0.5);
+  return result;
 }
 
 weft::sdk::EvalResult Zero::eval_step(const weft_step_info& step) {

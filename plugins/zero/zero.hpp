@@ -40,6 +40,10 @@
 // product); what differs is rounding where whole gradients add up in the compute dtype (the tied
 // embedding's two uses, micro-batches) and the embedding lookup, which reads compute-dtype values.
 //
+// Composed over a device mesh (ABI 1.12: "gpipe,zero", "tensor_parallel,zero"): zero owns dp and
+// stages 1 and 2 reduce-scatter the gradients after the driver's backward (finish_step); stage 3 is
+// refused there (the driver runs the forward and backward that it would gather around).
+//
 // Configuration ([plugin]): stage (1, 2 or 3; default 3), reshard_after_forward (bool, default
 // true; stage 3 only), bucket_mb (float > 0, default 64), param_dtype ("compute" or "fp32",
 // default "compute"; stage 3 only). Needs a host with ABI >= 1.3 (1.6 for param_dtype). Master
@@ -62,6 +66,8 @@ namespace zero {
 class Zero : public weft::sdk::Strategy {
  public:
   static constexpr uint16_t min_host_minor = 3;
+  // ABI 1.12: the data-parallel dimension of a composed run (stages 1 and 2; stage 3 runs alone).
+  static constexpr uint32_t mesh_dimensions = 1u << WEFT_MESH_DP;
 
   explicit Zero(weft::sdk::Host host);
   ~Zero() override;
@@ -75,6 +81,11 @@ class Zero : public weft::sdk::Strategy {
   void after_optimizer_step() override;
   void materialize_parameters(bool whole) override;
   void memory_plan(weft_memory_plan& plan) override;
+  // Composed (ABI 1.12): the gradients reduce-scattered after the driver's backward (stage 2 frees
+  // each whole gradient once copied), the loss averaged; held-out sums added over the world.
+  // gradient_copies stays 1: the ranks' shards are disjoint.
+  double finish_step(const weft_step_info& step, double loss) override;
+  weft::sdk::EvalResult finish_eval(const weft_step_info& step, const weft::sdk::EvalResult& sums) override;
 
  private:
   // A collective of one group in flight, with the buffers it uses.

@@ -278,6 +278,24 @@ TEST(ShardedCheckpoint, ATensorTimesPipelineMeshWritesEachSliceOfEachStageOnceAn
   expect_continues(whole, resume(root + "/single", checkpoint, "single", 1), "tp2 x pp2 -> one process");
 }
 
+// Pipeline x ZeRO (gpipe,zero at pp 2 x dp 2, stage 2): each stage's optimizer state is sharded over
+// its data-parallel pair; the checkpoint puts each stage's together (over that pair) before its
+// rank writes it, so it resumes on the same mesh with the state resharded, and as one process.
+TEST(ShardedCheckpoint, APipelineTimesZeroMeshSavesEachStagesWholeStateAndResumesOnTheMeshAndAsOneProcess) {
+  const std::string root = fresh_dir("sharded_checkpoint", "mesh_zero");
+  const std::string mesh = "--set mesh.pp=2 --set mesh.dp=2 --set plugin.stage=2 --set plugin.microbatches=2";
+  const auto whole = run_saving_at_step_3(root + "/first", "gpipe,zero", 4, mesh);
+  const std::string checkpoint = root + "/first/checkpoints/step-00000003";
+  const auto files = pieces_of(checkpoint);
+  // World rank = pp * 2 + dp: ranks 0 and 2 (dp rank 0 of each stage) write; 1 and 3 hold replicas.
+  ASSERT_EQ(files.size(), 2u);
+  EXPECT_TRUE(files.at("rank-00000.safetensors").count("model.layers.0.mlp.up_proj.weight"));
+  EXPECT_TRUE(files.at("rank-00002.safetensors").count("model.layers.1.mlp.up_proj.weight"));
+  EXPECT_FALSE(files.at("rank-00002.safetensors").count("model.layers.0.mlp.up_proj.weight"));
+  expect_continues(whole, resume(root + "/mesh", checkpoint, "gpipe,zero", 4, mesh), "pp2 x zero2 -> pp2 x zero2");
+  expect_continues(whole, resume(root + "/single", checkpoint, "single", 1), "pp2 x zero2 -> one process");
+}
+
 // Evaluation and generation through zero.so's job (stage 3 gathers each stage for evaluation;
 // generation reads the whole model) give one process's numbers and tokens.
 TEST(ShardedCheckpoint, EvaluationAndGenerationUnderZeroMatchOneProcess) {

@@ -30,7 +30,11 @@ TEST(MeshRun, CompositionsThatCannotWorkAreRefusedBeforeCompute) {
       {"--plugin tensor_parallel,gpipe --nproc 4 --set mesh.tp=2 --set mesh.pp=1",
        "has dp = 2 but no plugin of train.plugin = \"tensor_parallel,gpipe\" owns it: add ddp"},
       {"--plugin gpipe,pipedream --nproc 2", "pipedream owns the same mesh dimension as another: pp (gpipe)"},
-      {"--plugin gpipe,zero --nproc 2", "plugin zero shards the training state (flat_shard), which a composed run"},
+      {"--plugin gpipe,zero --nproc 4 --set mesh.pp=2 --set plugin.stage=3",
+       "zero: plugin.stage = 3 gathers each model stage's parameters around its own forward and backward"},
+      // A plugin built before ABI 1.12 still runs alone (PluginLoader.*) but does not compose.
+      {"--plugin " + std::string(WEFT_PLUGIN_FIXTURE_DIR) + "/good.so,gpipe --nproc 2",
+       "plugin good (ABI 1.0) cannot compose with others on a device mesh (ABI 1.12)"},
       {"--plugin single,ddp --nproc 2", "plugin single runs alone only"},
       {"--plugin gpipe --nproc 2 --set mesh.tp=2", "[mesh] tp = 2 lays the ranks on a device mesh, which needs several plugins"},
       {"--plugin tensor_parallel,gpipe --nproc 4 --set mesh.tp=3", "multiply to 3, which does not divide the world size 4"},

@@ -4,7 +4,9 @@
 # are errors) and checks each plugin: named <example>.so, exporting exactly weft_strategy_entry,
 # whose table answers ABI major 1 (with the example's name) and refuses major 2, and which passes
 # the conformance check against single.so (`trainer check`) in one process and, when its table
-# has an eval_step (needed for more than one rank), with 2 and 3 real ranks.
+# has an eval_step (needed for more than one rank), with 2 and 3 real ranks; a plugin that owns the
+# data-parallel mesh dimension (ABI 1.12: mesh_dimensions, finish_step) also composed with
+# tensor_parallel and with gpipe at 4 ranks (tp 2 x dp 2, pp 2 x dp 2).
 #   usage: tools/check_sdk_examples.sh <main build dir> <source dir>
 # Exits non-zero on the first failure. Needs cmake, a C/C++ compiler, nm, python3 and the built
 # trainer (<main build dir>/trainer).
@@ -71,16 +73,29 @@ table_name = ctypes.c_char_p.from_address(table + 16).value.decode()
 assert table_name == name, f"table name {table_name!r}, expected {name!r}"
 assert not entry(2, 0), f"{name}: entry(2, 0) must return NULL"
 # eval_step: the 10th pointer after the 16-byte {header, min_host_minor, reserved} prefix.
-print("yes" if ctypes.c_void_p.from_address(table + 16 + 9 * ctypes.sizeof(ctypes.c_void_p)).value
-      else "no")
+eval_step = ctypes.c_void_p.from_address(table + 16 + 9 * ctypes.sizeof(ctypes.c_void_p)).value
+# ABI 1.12: mesh_dimensions (uint32) after the 3 strings and 16 slots; finish_step 8 bytes on.
+p = ctypes.sizeof(ctypes.c_void_p)
+composes = (minor >= 12 and struct_size >= 16 + 19 * p + 8 and
+            ctypes.c_uint32.from_address(table + 16 + 19 * p).value & (1 << 1) and
+            ctypes.c_void_p.from_address(table + 16 + 19 * p + 8).value)
+print(("yes" if eval_step else "no") + (" dp" if composes else ""))
 PY
 )
   ranks=(1)
-  [[ "$multi_rank" == yes ]] && ranks=(1 2 3)
+  [[ "$multi_rank" == yes* ]] && ranks=(1 2 3)
   for n in "${ranks[@]}"; do
     echo "check_sdk_examples: trainer check --plugin $example.so --nproc $n"
     OMP_NUM_THREADS=1 "$build_dir/trainer" check --plugin "$plugin" --nproc "$n"
   done
+  # A plugin that owns the data-parallel dimension (ABI 1.12) composes with the shipped ones.
+  if [[ "$multi_rank" == *dp ]]; then
+    for composed in "tensor_parallel,$plugin --set mesh.tp=2" "gpipe,$plugin --set mesh.pp=2"; do
+      echo "check_sdk_examples: trainer check --plugin ${composed//$plugin/$example.so} --set mesh.dp=2 --nproc 4"
+      # shellcheck disable=SC2086
+      OMP_NUM_THREADS=1 "$build_dir/trainer" check --plugin $composed --set mesh.dp=2 --nproc 4
+    done
+  fi
   examples=$((examples + 1))
 done
 [[ $examples -ge 2 ]] || { echo "check_sdk_examples: found only $examples examples" >&2; exit 1; }

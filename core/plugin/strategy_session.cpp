@@ -252,11 +252,16 @@ weft_model_plan StrategySession::merged_plan(const weft_model_plan& prefilled) {
     dp_rank = dp_rank * plan.data_parallel_size + plan.data_parallel_rank;
     dp_size *= plan.data_parallel_size;
   }
-  WEFT_CHECK(dp_size == mesh_->size(Mesh::kDP),
-             "plugins {}: their plans split every global batch {} ways, but the device mesh {} has dp = {}", names(),
-             dp_size, mesh_->describe(), mesh_->size(Mesh::kDP));
-  merged.data_parallel_size = static_cast<int32_t>(dp_size);
-  merged.data_parallel_rank = static_cast<int32_t>(dp_rank);
+  // The rows of every global batch split along dp, which is the host's: a plan may leave
+  // data_parallel_* as pre-filled or write the same (the dp slice is the dp owner's world).
+  const int32_t mesh_dp = mesh_->size(Mesh::kDP);
+  const int32_t dp_coord = mesh_->coords(communicator_->world().rank)[Mesh::kDP];
+  WEFT_CHECK((dp_size == 1 && dp_rank == 0) || (dp_size == mesh_dp && dp_rank == dp_coord),
+             "plugins {}: their plans make this rank data-parallel rank {} of {}, but the device mesh {} makes it "
+             "{} of {}",
+             names(), dp_rank, dp_size, mesh_->describe(), dp_coord, mesh_dp);
+  merged.data_parallel_size = mesh_dp;
+  merged.data_parallel_rank = dp_coord;
   stages_owner_ = std::max(stages, 0);
   sequence_owner_ = std::max(sequence, 0);
   tensor_sequence_owner_ = std::max(tensor_sequence, 0);

@@ -7,7 +7,14 @@
  * The step's loss is averaged over the world the same way, so every rank returns the same value.
  * eval_step: forward only (no autograd history) over this rank's held-out rows, then the sum of
  * token losses and the token count are summed over the world, so every rank returns the totals.
- * Every rank must hold the whole model (no plan/shard_parameter: the host's defaults). */
+ * Alone, every rank must hold the whole model (no plan/shard_parameter: the host's defaults).
+ *
+ * Composition (ABI 1.12): the table offers the data-parallel mesh dimension, so a run can name it
+ * with shipped plugins, e.g. train.plugin = "tensor_parallel,/path/c_average.so" with [mesh] tp = 2,
+ * dp = 2. There the host hands it the data-parallel slice as its world (group_world) and another
+ * plugin drives the step; finish_step then averages the gradients and the loss over that world,
+ * finish_eval sums the held-out loss and tokens, and gradient_copies says every rank of the world
+ * holds the same averaged gradient. The same code serves both: it only ever talks to its world. */
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -143,12 +150,24 @@ static DLTensor double_view(double* values, int64_t* count, int64_t* unit_stride
   return view;
 }
 
-static weft_status* train_step(weft_strategy* s, const weft_step_info* step, double* loss_out) {
+/* The gradients and `*loss` (this rank's value) averaged over the world. */
+static weft_status* average_over_world(weft_strategy* s, double* loss) {
   weft_group* world = s->api->group_world(s->host);
   const int32_t world_size = s->api->group_size(world);
-  double loss_sum = 0.0;
   int64_t one = 1;
   DLTensor loss_view;
+  weft_status* status = average_gradients(s, world, world_size);
+  if (status != NULL) return status;
+  /* The loss too, so that every rank reports the global mean. */
+  loss_view = double_view(loss, &one, &one);
+  status = all_reduce_sum(s, world, &loss_view);
+  if (status != NULL) return status;
+  *loss /= world_size;
+  return NULL;
+}
+
+static weft_status* train_step(weft_strategy* s, const weft_step_info* step, double* loss_out) {
+  double loss_sum = 0.0;
   int32_t m;
   weft_status* status;
   if (step->micro_batches < 1) {
@@ -159,15 +178,16 @@ static weft_status* train_step(weft_strategy* s, const weft_step_info* step, dou
     status = micro_batch_step(s, m, 1.0 / step->micro_batches, &loss_sum);
     if (status != NULL) return status;
   }
-  status = average_gradients(s, world, world_size);
-  if (status != NULL) return status;
+  status = average_over_world(s, &loss_sum);
+  if (status == NULL) *loss_out = loss_sum / step->micro_batches;
+  return status;
+}
 
-  /* The loss too, so that every rank reports the global mean. */
-  loss_view = double_view(&loss_sum, &one, &one);
-  status = all_reduce_sum(s, world, &loss_view);
-  if (status != NULL) return status;
-  *loss_out = loss_sum / step->micro_batches / world_size;
-  return NULL;
+/* Composed (1.12): after the driver's step, the same averaging over this plugin's world (the
+ * data-parallel slice of the mesh). */
+static weft_status* finish_step(weft_strategy* s, const weft_step_info* step, double* loss_inout) {
+  (void)step;
+  return average_over_world(s, loss_inout);
 }
 
 /* One held-out micro-batch, forward only: adds its token-loss sum and token count. A rank may
@@ -221,6 +241,32 @@ static weft_status* eval_step(weft_strategy* s, const weft_step_info* step, doub
   return NULL;
 }
 
+/* Composed (1.12): the held-out sums over this plugin's world (its ranks saw different rows). */
+static weft_status* finish_eval(weft_strategy* s, const weft_step_info* step, double* loss_sum_inout,
+                                int64_t* tokens_inout) {
+  double sums[2];
+  int64_t two = 2;
+  int64_t one = 1;
+  DLTensor view;
+  weft_status* status;
+  (void)step;
+  sums[0] = *loss_sum_inout;
+  sums[1] = (double)*tokens_inout;
+  view = double_view(sums, &two, &one);
+  status = all_reduce_sum(s, s->api->group_world(s->host), &view);
+  if (status != NULL) return status;
+  *loss_sum_inout = sums[0];
+  *tokens_inout = (int64_t)(sums[1] + 0.5);
+  return NULL;
+}
+
+/* Composed (1.12): every rank of the world holds the same averaged gradient. */
+static weft_status* gradient_copies(weft_strategy* s, int64_t parameter_index, int32_t* copies_out) {
+  (void)parameter_index;
+  *copies_out = s->api->group_size(s->api->group_world(s->host));
+  return NULL;
+}
+
 static const weft_strategy_api table = {
     {(uint32_t)sizeof(weft_strategy_api), WEFT_ABI_VERSION_MAJOR, WEFT_ABI_VERSION_MINOR},
     0, /* min_host_minor */
@@ -243,7 +289,12 @@ static const weft_strategy_api table = {
     NULL, /* memory_plan (1.3): the host's one-process plan holds */
     NULL, /* sequence_exchange (1.4): whole sequences */
     NULL, /* sequence_attention (1.5) */
-    NULL  /* sequence_region (1.9): whole sequences between tensor-parallel regions */
+    NULL, /* sequence_region (1.9): whole sequences between tensor-parallel regions */
+    1u << WEFT_MESH_DP, /* mesh_dimensions (1.12): the data-parallel dimension of a composed run */
+    0,                  /* reserved_1_12 */
+    finish_step,        /* (1.12) */
+    finish_eval,        /* (1.12) */
+    gradient_copies     /* (1.12) */
 };
 
 WEFT_EXPORT const weft_strategy_api* weft_strategy_entry(uint16_t host_abi_major,

@@ -946,8 +946,9 @@ typedef struct weft_strategy_api {
    * finish_step / finish_eval, innermost dimension first (tp, cp, dp). create, plan,
    * shard_parameter, memory_plan and setup are called on every plugin in the order driver, tp, cp,
    * dp; each plugin's plan sees the one-process layout and writes only its own fields (the host
-   * merges them: stages from one plugin, data_parallel_* combined over the plugins, a field that two
-   * plugins change is refused). The gradient norm for clipping is the host's: the sum over the
+   * merges them: the stages from one plugin, the sequence splits from one, a field that two plugins
+   * change is refused; data_parallel_* are the mesh's dp size and this rank's dp coordinate, which a
+   * plan may leave pre-filled or write alike). The gradient norm for clipping is the host's: the sum over the
    * world of each gradient's squared norm divided by its copies (gradient_copies) in every plugin.
    * A plugin below 1.12, or one whose mesh_dimensions lacks the dimension it is given, is refused
    * in a composed run; alone, nothing here is used. */

@@ -251,7 +251,7 @@ int run_bench(const BenchOptions& options) {
   const TrainOptions job = train_options_from_config(load_run_config(o.config, o.overrides));
   const int64_t tokens_per_step = job.batch_size * job.grad_accum_steps * job.data.seq_len;
   for (const auto& v : variants) {
-    if (!v.pytorch) resolve_plugin_path(v.plugin);  // throws naming a plugin that is not found
+    if (!v.pytorch) resolve_plugin_paths(v.plugin);  // throws naming a plugin that is not found
   }
   if (o.out_dir.empty()) o.out_dir = "runs/bench-" + timestamp();
   fs::create_directories(o.out_dir);

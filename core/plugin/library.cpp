@@ -173,12 +173,22 @@ std::vector<std::string> plugin_search_dirs() {
   return dirs;
 }
 
+std::vector<std::string> resolve_plugin_paths(const std::string& list) {
+  std::vector<std::string> paths;
+  std::stringstream names(list);
+  for (std::string name; std::getline(names, name, ',');) {
+    const auto first = name.find_first_not_of(" \t"), last = name.find_last_not_of(" \t");
+    WEFT_CHECK(first != std::string::npos, "--plugin {}: an empty plugin name in the list", list);
+    paths.push_back(resolve_plugin_path(name.substr(first, last - first + 1)));
+  }
+  return paths;
+}
+
 std::string resolve_plugin_path(const std::string& path_or_name) {
   WEFT_CHECK(!path_or_name.empty(), "plugin: empty plugin name");
   WEFT_CHECK(path_or_name.find(',') == std::string::npos || path_or_name.find('/') != std::string::npos,
-             "--plugin {}: one strategy plugin per run; composing several (e.g. zero with tensor_parallel) over a "
-             "device mesh is not supported yet: run one of them, e.g. tensor_parallel with plugin.tp below the "
-             "world size (tp x dp), or zero alone",
+             "--plugin {} names several plugins (a run composed over a device mesh): each is loaded on its own "
+             "(resolve_plugin_paths)",
              path_or_name);
   if (path_or_name.find('/') != std::string::npos) {
     WEFT_CHECK(is_file(path_or_name), "plugin {}: file not found", path_or_name);

@@ -96,6 +96,9 @@ std::vector<std::string> plugin_search_dirs();
 // Throws weft::Error if there is no such file; for a bare name the message lists every
 // place searched.
 std::string resolve_plugin_path(const std::string& path_or_name);
+// A comma-separated list of plugins (train.plugin of a run composed over a device mesh, ABI
+// 1.12): each resolved as above, in order. resolve_plugin_path itself refuses a list.
+std::vector<std::string> resolve_plugin_paths(const std::string& list);
 
 // One library found by list_plugins.
 struct PluginListing {

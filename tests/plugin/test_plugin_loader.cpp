@@ -255,15 +255,18 @@ TEST(PluginLoader, NotFoundListsEveryPlaceSearched) {
   EXPECT_THAT(load_error("no_such_plugin"), HasSubstr("/nonexistent-weft-dir/no_such_plugin.so"));
 }
 
-// Several strategies in one --plugin (the device mesh of a later ABI) are refused by name, not
-// searched for as a file called "zero,tensor_parallel.so".
-TEST(PluginLoader, AListOfPluginsIsRefusedAsComposition) {
+// Several strategies in one --plugin (a run composed over a device mesh, ABI 1.12) are each
+// resolved on their own, never searched for as a file called "zero,tensor_parallel.so".
+TEST(PluginLoader, AListOfPluginsResolvesEachAndASinglePathRefusesIt) {
+  ScopedEnv env("WEFT_PLUGIN_PATH", kFixtureDir);
+  EXPECT_EQ(resolve_plugin_paths("good, needs_newer_host"),
+            (std::vector<std::string>{fixture("good"), fixture("needs_newer_host")}));
+  EXPECT_THAT(load_error("good,"), HasSubstr("names several plugins"));
   try {
-    resolve_plugin_path("zero,tensor_parallel");
+    resolve_plugin_paths("good,,needs_newer_host");
     FAIL() << "no exception";
   } catch (const Error& e) {
-    EXPECT_THAT(e.what(), HasSubstr("--plugin zero,tensor_parallel: one strategy plugin per run"));
-    EXPECT_THAT(e.what(), HasSubstr("not supported yet"));
+    EXPECT_THAT(e.what(), HasSubstr("an empty plugin name in the list"));
   }
 }
 

@@ -187,7 +187,7 @@ int run_eval(const CommandLine& cli) {
                                  {"loss", result.loss},
                                  {"perplexity", result.perplexity},
                                  {"seconds", result.seconds},
-                                 {"plugin", job.strategy().library().name()},
+                                 {"plugin", job.strategy().names()},
                                  {"processes", run.context.world},
                                  {"sequence_losses", result.sequence_losses}};
     for (const auto& [name, value] : result.metrics) json[name] = value;
@@ -208,7 +208,7 @@ int run_plan(const CommandLine& cli) {
   const auto mib = [](int64_t bytes) { return fmt::format("{:.1f}", static_cast<double>(bytes) / (1024.0 * 1024.0)); };
   std::cout << fmt::format("memory plan: plugin {}, {} rank(s), precision {}, train.batch_size {} x {} micro-batch(es), "
                            "seq_len {}{}\n",
-                           job.strategy().library().name(), v.ranks.size(), run.options.precision, run.options.batch_size,
+                           job.strategy().names(), v.ranks.size(), run.options.precision, run.options.batch_size,
                            run.options.grad_accum_steps, run.options.data.seq_len,
                            run.options.mode == "lora" ? ", LoRA" : run.options.mode == "adalora" ? ", AdaLoRA" : "");
   std::cout << fmt::format("{:>5} {:>8} {:>11} {:>10} {:>10} {:>12} {:>8} {:>8} {:>8}\n", "rank", "machine", "parameters",

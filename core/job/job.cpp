@@ -160,7 +160,7 @@ void Job::build_model() {
   WEFT_CHECK(!config.classification() || placement_.sequence_parallel_size == 1,
              "train.task = \"classification\" pools each sequence at its last token, which one rank holds when "
              "plugin {} splits sequences over {} ranks: not supported (use ddp, tensor_parallel or a pipeline)",
-             strategy_->library().name(), placement_.sequence_parallel_size);
+             strategy_->names(), placement_.sequence_parallel_size);
   model_options.shards = strategy_->shards(config, placement_.stages);
   if (!options_.model.adapter.empty() && adapter_peft_type(options_.model.adapter) == "ADALORA") {
     const AdaLoraConfig adalora = read_adalora_adapter_config(options_.model.adapter);
@@ -372,7 +372,7 @@ void Job::check_memory_limit() {
       "model.activation_checkpointing may fit",
       gib(need), v.per_device ? fmt::format("on rank {}'s device", context_.rank)
                               : fmt::format("for the {} rank(s) on this machine", ranks_here),
-      detail, v.limit_source, gib(v.limit_bytes), strategy_->library().name(), context_.world);
+      detail, v.limit_source, gib(v.limit_bytes), strategy_->names(), context_.world);
 }
 
 }  // namespace weft

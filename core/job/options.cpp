@@ -203,10 +203,17 @@ const std::vector<Row>& rows() {
       int_key("train.threads", WEFT_MEMBER(threads), 1, "Intra-op threads per process.", 1),
       string_key("train.out_dir", WEFT_MEMBER(out_dir), "runs/default",
                  "Run directory for checkpoints, metrics and the effective config."),
-      string_key("train.plugin", WEFT_MEMBER(plugin), "",
-                 "Strategy plugin: a path or a name found in the build's plugins/ or WEFT_PLUGIN_PATH (e.g. ddp); empty = single, "
-                 "built into the host (one process, the reference step). Several, comma-separated "
-                 "(\"tensor_parallel,gpipe,ddp\"), compose over the device mesh ([mesh]), one per dimension."),
+      // A string or a list of strings: the list's names joined with commas (TrainOptions::plugin).
+      Row{{"train.plugin", ValueType::StringList, std::vector<std::string>{},
+           "Strategy plugin: a path or a name found in the build's plugins/ or WEFT_PLUGIN_PATH (e.g. \"ddp\"); empty = "
+           "single, built into the host (one process, the reference step). Several, as a list ([\"tensor_parallel\", "
+           "\"gpipe\"]) or comma-separated (\"tensor_parallel,gpipe\", as --plugin takes them), compose over the "
+           "device mesh ([mesh]), one per dimension.",
+           {}, none, none},
+          [](TrainOptions& o, const ConfigValue& v) {
+            o.plugin.clear();
+            for (const auto& name : std::get<std::vector<std::string>>(v)) o.plugin += (o.plugin.empty() ? "" : ",") + name;
+          }},
       float_key("train.collective_timeout_s", WEFT_MEMBER(collective_timeout_s), 300.0,
                 "Seconds a collective or the start-up rendezvous may take before the run stops with an error naming it.",
                 1.0),

@@ -56,7 +56,7 @@ Trainer::Trainer(TrainOptions options, RunContext context)
              "lora.save_merged with model.quantize = \"{}\" merges the adapters into the dequantized base on one "
              "process, but {} splits the model over the ranks; save the adapters (lora.save_merged = false) and merge "
              "them under single or ddp, where the whole model is on each process",
-             quant_format_name(job_->quantize()), job_->strategy().library().name());
+             quant_format_name(job_->quantize()), job_->strategy().names());
   train_loader_ = std::make_unique<BatchLoader>(data.train, options_.batch_size, place.data_parallel_rank,
                                                 place.data_parallel_size, options_.seed, /*shuffle=*/true);
   steps_per_epoch_ = train_loader_->batches_per_epoch() / options_.grad_accum_steps;
@@ -84,7 +84,7 @@ Trainer::Trainer(TrainOptions options, RunContext context)
                "train.mode = \"adalora\" allocates one rank budget over the whole model's adapters from their "
                "gradients, but {} splits the model into pipeline stages or its training state over the ranks; use "
                "single, ddp, tensor_parallel or context_parallel",
-               job_->strategy().library().name());
+               job_->strategy().names());
     WEFT_CHECK(!gather_->split() || job_->strategy().min_negotiated_minor() >= 8,
                "train.mode = \"adalora\": plugin {} (ABI 1.{}) splits the adapted layers over the ranks but cannot sum "
                "the adapters' scores over the slices (WEFT_COMM_ADAPTER_SUM, ABI 1.8): rebuild the plugin against "

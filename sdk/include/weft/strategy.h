@@ -777,8 +777,9 @@ typedef struct weft_host_api {
    * driver 1, plugins 1, every size 1 but the world's dp (coord: the rank). Since 1.12. */
   weft_status* (*mesh_info)(weft_host* host, weft_mesh_info* out);
   /* The group of the ranks that differ from this rank only along `dimension` (weft_mesh_dim), in
-   * coordinate order; made once by the host, host-owned. NULL for a bad dimension. Alone: the
-   * world for WEFT_MESH_DP, else a group of this rank alone. Since 1.12. */
+   * coordinate order; made once by the host, host-owned. NULL for a bad dimension, or one of size 1
+   * that no plugin of the run owns (the host makes no group for it). Alone: the world for
+   * WEFT_MESH_DP, NULL for the others. Since 1.12. */
   weft_group* (*group_mesh)(weft_host* host, int32_t dimension);
 } weft_host_api;
 

@@ -50,7 +50,9 @@ TEST(MeshRun, CompositionsThatCannotWorkAreRefusedBeforeCompute) {
 TEST(MeshRun, AComposedRunSaysHowItLaysTheRanksOutAndWhoDrivesTheStep) {
   const auto dir = weft::testing::fresh_dir("weft_test_mesh", "describe");
   const auto corpus = weft::testing::write_word_corpus(dir);
-  const auto r = run_trainer(tiny_args(dir, corpus) + " --plugin ddp,tensor_parallel,gpipe --nproc 8 --set mesh.tp=2"
+  // The plugins as a TOML list (train.plugin = ["ddp", ...]; --plugin takes them comma-separated).
+  const auto r = run_trainer(tiny_args(dir, corpus) + " --set 'train.plugin=[\"ddp\", \"tensor_parallel\", \"gpipe\"]' "
+                             "--nproc 8 --set mesh.tp=2"
                              " --set mesh.pp=2 --set plugin.microbatches=2 --log-level info");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   // Listed in any order; the host orders them: the pipeline drives, then tp, then dp.

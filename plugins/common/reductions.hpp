@@ -21,6 +21,17 @@ inline std::vector<double> sum_over(const weft::sdk::Host& host, weft::sdk::Grou
   return values;
 }
 
+// A held-out batch's sums added over `group` (ABI 1.12 finish_eval of a plugin whose ranks see
+// different rows or tokens). Collective.
+inline weft::sdk::EvalResult eval_sums_over(const weft::sdk::Host& host, weft::sdk::Group group,
+                                            const weft::sdk::EvalResult& sums) {
+  const std::vector<double> total = sum_over(host, group, {sums.loss_sum, static_cast<double>(sums.tokens)});
+  weft::sdk::EvalResult result;
+  result.loss_sum = total[0];
+  result.tokens = static_cast<int64_t>(total[1] + 0.5);
+  return result;
+}
+
 }  // namespace plugins
 }  // namespace weft
 

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "../common/dl_views.hpp"
+#include "../common/reductions.hpp"
 
 namespace weft {
 namespace ddp {
@@ -160,12 +161,7 @@ double Ddp::finish_step(const weft_step_info& step, double loss) {
 
 weft::sdk::EvalResult Ddp::finish_eval(const weft_step_info& step, const weft::sdk::EvalResult& sums) {
   (void)step;
-  std::vector<double> values{sums.loss_sum, static_cast<double>(sums.tokens)};
-  all_reduce_doubles(values);
-  weft::sdk::EvalResult result;
-  result.loss_sum = values[0];
-  result.tokens = static_cast<int64_t>(values[1] + 0.5);
-  return result;
+  return weft::plugins::eval_sums_over(host(), world_, sums);
 }
 
 int32_t Ddp::gradient_copies(int64_t index) {

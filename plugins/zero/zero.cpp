@@ -326,12 +326,7 @@ double Zero::finish_step(const weft_step_info& step, double loss) {
 
 weft::sdk::EvalResult Zero::finish_eval(const weft_step_info& step, const weft::sdk::EvalResult& sums) {
   (void)step;
-  std::vector<double> values{sums.loss_sum, static_cast<double>(sums.tokens)};
-  all_reduce_sum(values);
-  weft::sdk::EvalResult result;
-  result.loss_sum = values[0];
-  result.tokens = static_cast<int64_t>(values[1] + 0.5);
-  return result;
+  return weft::plugins::eval_sums_over(host(), world_, sums);
 }
 
 weft::sdk::EvalResult Zero::eval_step(const weft_step_info& step) {

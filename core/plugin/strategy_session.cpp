@@ -56,11 +56,18 @@ StrategySession::StrategySession(const std::string& path_or_name, toml::table pl
   library_ = members_.front().library;
   host_ = members_.front().host.get();
   state_host_ = host_;
-  for (auto& member : members_) {  // in order: the driver, then tp, cp, dp (each collective over the world)
-    weft_strategy* instance = nullptr;
-    check(member, member.library->api().create(member.host->api(), member.host->handle(), &instance), "create");
-    WEFT_CHECK(instance != nullptr, "plugin {}: create returned no instance", member.library->name());
-    member.instance = instance;
+  try {
+    for (auto& member : members_) {  // in order: the driver, then tp, cp, dp (each collective over the world)
+      weft_strategy* instance = nullptr;
+      check(member, member.library->api().create(member.host->api(), member.host->handle(), &instance), "create");
+      WEFT_CHECK(instance != nullptr, "plugin {}: create returned no instance", member.library->name());
+      member.instance = instance;
+    }
+  } catch (...) {  // the destructor does not run: destroy the instances already made
+    for (auto it = members_.rbegin(); it != members_.rend(); ++it) {
+      if (it->instance) it->library->api().destroy(it->instance);
+    }
+    throw;
   }
   instance_ = members_.front().instance;
 }

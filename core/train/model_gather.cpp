@@ -32,14 +32,7 @@ ModelGather::ModelGather(LlamaForCausalLMImpl& local, Communicator& communicator
   for (int64_t s = 0; s < num_stages; ++s) held[world.rank][s] = local_.holds_stage(s) ? 1 : 0;
   auto held_sum = communicator_.all_reduce(world, held, c10d::ReduceOp::SUM);
   communicator_.wait(held_sum);
-  bool staged = false;
-  for (int32_t r = 0; r < world.size; ++r) {
-    held_.emplace_back();
-    for (int64_t s = 0; s < num_stages; ++s) {
-      held_.back().push_back(held[r][s].item<int64_t>() != 0);
-      staged = staged || !held_.back().back();
-    }
-  }
+  const bool staged = held.min().item<int64_t>() == 0;  // some rank lacks some stage
   // Every rank's (parts, index) of each of its parameters (same list on every rank when no
   // stage is split).
   const auto params = local_.named_parameters();

@@ -43,7 +43,6 @@ class ModelGather {
   LlamaForCausalLMImpl& local_;
   Communicator& communicator_;
   std::optional<LoraConfig> lora_;
-  std::vector<std::vector<bool>> held_;  // per rank, per model stage: whether the rank holds it
   bool split_ = false;
   bool staged_ = false;
   bool sliced_ = false;                              // some parameter is a tensor-parallel slice

@@ -126,14 +126,24 @@ std::string run_arguments(const ConformanceOptions& c, const std::string& corpus
 }
 
 // ": <the first error line of a run's log>", or "" when it has none.
+// The error that stopped a run: the first rank error that is not another rank's going away
+// (a peer closing its connection, the launcher stopping the others), else the first error.
 std::string first_error(const std::string& log) {
   std::ifstream in(log);
-  std::string line;
+  std::string line, first;
   while (std::getline(in, line)) {
     const auto at = line.find(" error ");
-    if (at != std::string::npos) return ": " + line.substr(at + 7);
+    if (at == std::string::npos) continue;
+    const std::string error = line.substr(at + 7);
+    if (first.empty()) first = error;
+    bool consequence = false;
+    for (const char* echo : {"Connection closed by peer", "Connection reset by peer", "did not join",
+                             "stopping the other ranks"}) {
+      consequence = consequence || error.find(echo) != std::string::npos;
+    }
+    if (!consequence) return ": " + error;
   }
-  return "";
+  return first.empty() ? "" : ": " + first;
 }
 
 std::vector<double> logged_losses(const std::string& metrics) {

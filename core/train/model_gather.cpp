@@ -179,6 +179,8 @@ LlamaForCausalLMImpl* ModelGather::gather() {
     }
     fail("no rank holds model stage {}; cannot save the model", s);
   };
+  // Where this process computes (where its parameters are); rank 0 gathers there, then copies.
+  const torch::Device device = local_.parameters().empty() ? torch::Device(torch::kCPU) : local_.parameters()[0].device();
   for (int64_t s = 0; s < stages; ++s) {
     const auto sources = local_.holds_stage(s) ? stage_parameters(local_, s) : std::vector<torch::Tensor>{};
     const size_t count = world.rank == 0 ? stage_parameters(*full_, s).size() : sources.size();
@@ -200,7 +202,9 @@ LlamaForCausalLMImpl* ModelGather::gather() {
           std::vector<int64_t> shape = whole.sizes().vec();
           const int64_t size = shape[static_cast<size_t>(dim)];
           shape[static_cast<size_t>(dim)] = (k + 1) * size / parts - k * size / parts;
-          pieces[static_cast<size_t>(k)] = torch::empty(shape, whole.options());
+          // On the device the owner sends from (the whole model is on the CPU): both ends of the
+          // pair take the same route (NCCL for CUDA tensors), and rank 0's own slice joins them.
+          pieces[static_cast<size_t>(k)] = torch::empty(shape, whole.options().device(device));
           auto received = communicator_.recv(world, pieces[static_cast<size_t>(k)], owner, static_cast<int32_t>(s));
           communicator_.wait(received);
         } else if (owner == world.rank) {

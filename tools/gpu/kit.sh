@@ -14,12 +14,14 @@
 #                              tools/gpu/kit.sh quantized    LoRA over int8 / nf4 bases on CUDA
 #                              tools/gpu/kit.sh adalora      AdaLoRA on CUDA: conformance, the 1B shape
 #                              tools/gpu/kit.sh classification  sequence classification on CUDA: conformance
+#                              tools/gpu/kit.sh mesh         plugins composed over a device mesh on CUDA
 #
 # Each step appends to $KIT_OUT/gpu-kit.md (default: $OUT where the device tool sets it, else
 # build-gpu/kit) and goes on after a failure; the exit status is the number of failed checks.
 # With the workplace's device tool: carry [".gpu-kit", "data", "build-gpu"] and run one step per
 # call (each call has 10 minutes). Settings: WEFT_KIT_BUILD (build-gpu), WEFT_KIT_PREFIX
-# (/tmp/weft-deps), WEFT_KIT_JOBS (nproc).
+# (/tmp/weft-deps), WEFT_KIT_JOBS (nproc), WEFT_KIT_TARGETS (what `build` compiles: the trainer,
+# the plugins and the three test executables `check` runs; a short session names fewer).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -100,10 +102,13 @@ print(torch.utils.cmake_prefix_path + ";" + os.path.dirname(torch.__file__))') |
       -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_prefix" -DCMAKE_C_COMPILER="$cc" -DCMAKE_CXX_COMPILER="$cxx" \
       -DCMAKE_CUDA_HOST_COMPILER="$cxx" -DWEFT_DEPS_PREFIX="$prefix" -DWEFT_PYTHON="$(command -v python3)"
   grep -h '^-- weft: ' "$out/configure.log" | tee -a "$report"
-  run compile 560 env PATH="$gcc_first:$PATH" cmake --build "$build" -j "$jobs" --target trainer single ddp gpipe pipedream \
-      tensor_parallel zero test_device test_model test_dist
+  local targets=${WEFT_KIT_TARGETS:-trainer single ddp gpipe pipedream tensor_parallel zero context_parallel test_device test_model test_dist}
+  # shellcheck disable=SC2086  # a list of targets
+  run compile 560 env PATH="$gcc_first:$PATH" cmake --build "$build" -j "$jobs" --target $targets
   # libstdc++ must come before libtorch.so in the search order (cmake/libtorch.cmake says why).
-  run libstdcxx_first 10 bash -c "readelf -d $build/trainer $build/tests/test_model | grep NEEDED | head -1 | grep -q libstdc++ && readelf -d $build/tests/test_model | grep NEEDED | head -1 | grep -q libstdc++"
+  local binary checked=""
+  for binary in "$build/trainer" "$build/tests/test_model"; do [[ -f "$binary" ]] && checked+=" $binary"; done
+  run libstdcxx_first 10 bash -c "for b in$checked; do readelf -d \$b | grep NEEDED | head -1 | grep -q libstdc++ || exit 1; done"
 }
 
 check_step() {
@@ -246,6 +251,39 @@ classification_step() {
       --set train.device=cuda --set train.task=classification --set train.mode=lora
 }
 
+# Plugins composed over a device mesh (ABI 1.12) on CUDA tensors against the CPU reference
+# (single.so), as Conformance.mesh.* checks them on the CPU: every rank on the one GPU where there
+# is one (WEFT_SHARE_GPUS=1: the mesh's slice groups over Gloo through host memory), one GPU per
+# rank over NCCL where there are enough. fp32, and tp x pp once in bf16.
+mesh_step() {
+  mkdir -p "$out"
+  say "## mesh ($(date -u +%FT%TZ))"
+  local t=$build/trainer gpus share=0
+  gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+  local cases=(
+    "tp2xpp2 4 tensor_parallel,gpipe --set mesh.tp=2 --set mesh.pp=2"
+    "pp2xdp2_lora 4 gpipe,ddp --set mesh.pp=2 --set mesh.dp=2 --set train.mode=lora"
+    "tp2xdp2 4 tensor_parallel,ddp --set mesh.tp=2 --set mesh.dp=2"
+    "cp2xtp2 4 context_parallel,tensor_parallel --set mesh.cp=2 --set mesh.tp=2"
+    "cp2xdp2_ring 4 context_parallel,ddp --set mesh.cp=2 --set mesh.dp=2 --set plugin.mode=ring"
+    "pp2xzero1 4 gpipe,zero --set mesh.pp=2 --set plugin.stage=1"
+    "tp2xpp2_bf16 4 tensor_parallel,gpipe --set mesh.tp=2 --set mesh.pp=2 --set train.precision=bf16 --steps 10"
+    "tp2xpp2xdp2 8 tensor_parallel,pipedream,ddp --set mesh.tp=2 --set mesh.pp=2 --set mesh.dp=2"
+  )
+  local case name ranks plugins
+  for case in "${cases[@]}"; do
+    # shellcheck disable=SC2086  # a case is its name, its ranks, its plugins and its settings
+    set -- $case
+    name=$1 ranks=$2 plugins=$3
+    shift 3
+    share=0
+    [[ "$gpus" -lt "$ranks" ]] && share=1
+    WEFT_SHARE_GPUS=$share run "check_mesh_${name}_cuda" "${WEFT_KIT_MESH_TIMEOUT:-150}" "$t" check --plugin "$plugins" \
+        --nproc "$ranks" --set train.device=cuda "$@"
+  done
+  say "- $gpus GPU(s): ranks $([[ "$gpus" -lt 4 ]] && echo 'share one GPU (WEFT_SHARE_GPUS=1, Gloo)' || echo 'on their own GPUs where there are enough (NCCL)')"
+}
+
 case "${1:-}" in
   fetch) fetch ;;
   build) build_step ;;
@@ -256,6 +294,7 @@ case "${1:-}" in
   quantized) quantized_step ;;
   adalora) adalora_step ;;
   classification) classification_step ;;
-  *) echo "usage: tools/gpu/kit.sh fetch|build|check|quick|throughput|zero|quantized|adalora|classification (see the top of this file)" >&2; exit 2 ;;
+  mesh) mesh_step ;;
+  *) echo "usage: tools/gpu/kit.sh fetch|build|check|quick|throughput|zero|quantized|adalora|classification|mesh (see the top of this file)" >&2; exit 2 ;;
 esac
 exit "$failed"

@@ -225,10 +225,12 @@ weft_status* loss(weft_host* host, weft_activation* logits, weft_activation* tar
 namespace {
 
 // Back-propagates from a scalar `output` (no gradient) or from `output` with `grad_output`,
-// timed as this rank's backward compute.
+// timed as this rank's backward compute; an `output` that needs no gradient takes none.
 void run_backward(State& s, weft_activation* output, weft_activation* grad_output, const char* what) {
   const ComputeTimer timer(s, /*backward=*/true);
   const auto& out = tensor_of(output);
+  // Nothing before it trains (a pipeline part holding a frozen embedding alone): nothing to do.
+  if (grad_output != nullptr && !out.requires_grad()) return;
   if (grad_output == nullptr) {
     WEFT_CHECK(out.numel() == 1, "{} without a gradient needs a scalar output", what);
     out.backward();

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <limits>
 #include <stdexcept>
+#include <string>
 
 namespace weft {
 namespace pipeline {
@@ -33,32 +34,40 @@ Partition balanced_partition(const std::vector<double>& costs, int32_t stages) {
   const int64_t layers = n - 2;
   if (n < 3) throw std::invalid_argument("a model needs an embedding, at least one layer and a head");
   if (stages < 1) throw std::invalid_argument("a pipeline needs at least 1 stage");
-  if (stages > layers) {
-    throw std::invalid_argument(std::to_string(stages) + " pipeline stages need at least as many decoder layers, the model has " +
+  if (stages > layers + 2) {
+    throw std::invalid_argument(std::to_string(stages) + " pipeline stages need at least " + std::to_string(stages - 2) +
+                                " decoder layers (one or more per stage, the embedding and the head alone at the "
+                                "ends), the model has " +
                                 std::to_string(layers));
   }
   for (double c : costs) {
     if (c < 0) throw std::invalid_argument("a stage cost is negative");
   }
+  // More stages than blocks: the first may hold the embedding alone and the last the head alone
+  // (as Megatron's account-for-embedding / account-for-loss splits); otherwise every stage keeps
+  // at least one block.
+  const bool bare_ends = stages > layers;
   // prefix[i] = cost of model stages [0, i).
   std::vector<double> prefix(n + 1, 0.0);
   for (int64_t i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + costs[i];
-  // Pipeline stage boundaries are model stages b_1 < ... < b_{S-1} in [2, n - 1] (each stage keeps
-  // at least one block). best[k][b] = the smallest possible max cost of the first k stages when
-  // they cover model stages [0, b); choice[k][b] = the start of the k-th stage.
+  // Pipeline stage boundaries are model stages b_1 < ... < b_{S-1} in [2, n - 1] ([1, n - 1] with
+  // bare ends). best[k][b] = the smallest possible max cost of the first k stages when they cover
+  // model stages [0, b); choice[k][b] = the start of the k-th stage.
   const double inf = std::numeric_limits<double>::infinity();
+  const int64_t lowest = bare_ends ? 1 : 2;
   std::vector<std::vector<double>> best(stages + 1, std::vector<double>(n + 1, inf));
   std::vector<std::vector<int64_t>> choice(stages + 1, std::vector<int64_t>(n + 1, -1));
   best[0][0] = 0.0;
   for (int32_t k = 1; k <= stages; ++k) {
     for (int64_t b = 1; b <= n; ++b) {
       const bool last = k == stages;
-      if (last != (b == n)) continue;            // only the last stage reaches the head
-      if (!last && (b < 2 || b > n - 1)) continue;
-      for (int64_t a = (k == 1 ? 0 : 2); a < b; ++a) {
+      if (last != (b == n)) continue;  // only the last stage reaches the head
+      if (!last && (b < lowest || b > n - 1)) continue;
+      for (int64_t a = (k == 1 ? 0 : lowest); a < b; ++a) {
         if ((k == 1) != (a == 0) || best[k - 1][a] == inf) continue;
         const int64_t blocks = std::min(b, n - 1) - std::max<int64_t>(a, 1);
-        if (blocks < 1) continue;
+        const bool bare_end = bare_ends && ((k == 1 && b == 1) || (last && a == n - 1));
+        if (blocks < 1 && !bare_end) continue;
         const double cost = std::max(best[k - 1][a], prefix[b] - prefix[a]);
         if (cost < best[k][b]) {
           best[k][b] = cost;
@@ -99,10 +108,14 @@ std::string describe(const Partition& partition) {
     const int64_t first_block = std::max<int64_t>(partition[p], 1) - 1;
     const int64_t last_block = std::min(partition[p + 1], n - 1) - 2;
     if (p > 0) out += " | ";
-    if (partition[p] == 0) out += "embed + ";
-    out += first_block == last_block ? "layer " + std::to_string(first_block)
-                                     : "layers " + std::to_string(first_block) + "-" + std::to_string(last_block);
-    if (partition[p + 1] == n) out += " + head";
+    std::vector<std::string> held;
+    if (partition[p] == 0) held.push_back("embed");
+    if (first_block <= last_block) {
+      held.push_back(first_block == last_block ? "layer " + std::to_string(first_block)
+                                               : "layers " + std::to_string(first_block) + "-" + std::to_string(last_block));
+    }
+    if (partition[p + 1] == n) held.push_back("head");
+    for (size_t i = 0; i < held.size(); ++i) out += (i > 0 ? " + " : "") + held[i];
   }
   return out + "]";
 }

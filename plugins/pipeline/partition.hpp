@@ -3,7 +3,9 @@
 // The host's model is a sequence of N = L + 2 model stages: 0 the embedding, 1..L the decoder
 // blocks, L + 1 the final norm and LM head (the loss is computed there too). A pipeline of S
 // stages splits the decoder blocks into S contiguous, non-empty groups; pipeline stage 0 also
-// holds the embedding and stage S - 1 the norm and head.
+// holds the embedding and stage S - 1 the norm and head. With more stages than blocks (S <= L + 2,
+// e.g. interleaved virtual stages), the first stage may hold the embedding alone and the last the
+// head alone.
 #ifndef WEFT_PLUGINS_PIPELINE_PARTITION_HPP
 #define WEFT_PLUGINS_PIPELINE_PARTITION_HPP
 
@@ -26,7 +28,7 @@ Partition partition_from_balance(const std::vector<int64_t>& balance, int64_t nu
 // where `costs` has one entry per model stage (N = num_layers + 2 entries: embedding, blocks,
 // head) and a pipeline stage costs the sum of its model stages. Exact (dynamic programming);
 // ties go to the split with the earliest boundaries. Throws std::invalid_argument if
-// stages < 1, stages > num_layers or a cost is negative.
+// stages < 1, stages > num_layers + 2 or a cost is negative.
 Partition balanced_partition(const std::vector<double>& costs, int32_t stages);
 
 // The decoder blocks per pipeline stage of `partition` (the inverse of partition_from_balance).

@@ -604,7 +604,9 @@ typedef struct weft_host_api {
                        int64_t* tokens_out);
   /* Back-propagates from `output`: a scalar loss (grad_output NULL) or a stage output with the
    * gradient received for it. Parameter gradients accumulate; inputs created with
-   * activation_from_tensor(requires_grad = 1) receive a gradient (activation_grad). */
+   * activation_from_tensor(requires_grad = 1) receive a gradient (activation_grad). A stage
+   * output that depends on nothing trainable (a frozen embedding alone, under LoRA) takes its
+   * gradient and does nothing (host behaviour since 2026-11-27; before, an error). */
   weft_status* (*backward)(weft_host* host, weft_activation* output,
                            weft_activation* grad_output);
   /* A read-only view of the activation's data (e.g. to send it). Valid until it is released. */

@@ -113,9 +113,10 @@ TEST(Pipeline, InterleavedRanksHoldTwoChunksAndShrinkTheBubbleFormula) {
   }
   // A plan the model cannot hold, and settings that do not go together, fail before compute.
   const PipelineRun deep = train("deepchunks", "--plugin gpipe --nproc 2 --set plugin.schedule=\"interleaved1f1b\""
-                                               " --set plugin.chunks=3" + model);
+                                               " --set plugin.chunks=4" + model);
   EXPECT_NE(deep.exit_code, 0);
-  EXPECT_NE(deep.output.find("6 pipeline stages need at least as many decoder layers, the model has 4 (2 stages x 3 chunks)"),
+  EXPECT_NE(deep.output.find("8 pipeline stages need at least 6 decoder layers (one or more per stage, the embedding and "
+                             "the head alone at the ends), the model has 4 (2 stages x 4 chunks)"),
             std::string::npos)
       << deep.output;
   const PipelineRun chunks = train("chunks", "--plugin gpipe --nproc 2 --set plugin.chunks=2" + model);
@@ -257,9 +258,11 @@ TEST(Pipeline, RefusesPlansThatCannotWorkInOneLine) {
   const PipelineRun balance = train("balance", "--plugin gpipe --nproc 2 --set plugin.balance=[2,1]");
   EXPECT_NE(balance.exit_code, 0);
   EXPECT_NE(balance.output.find("balance sums to 3 layers but the model has 2"), std::string::npos) << balance.output;
-  const PipelineRun deep = train("deep", "--plugin pipedream --nproc 3");
+  const PipelineRun deep = train("deep", "--plugin gpipe --nproc 2 --set plugin.schedule=\"interleaved1f1b\" --set plugin.chunks=3");
   EXPECT_NE(deep.exit_code, 0);
-  EXPECT_NE(deep.output.find("3 pipeline stages need at least as many decoder layers, the model has 2"), std::string::npos)
+  EXPECT_NE(deep.output.find("6 pipeline stages need at least 4 decoder layers (one or more per stage, the embedding and "
+                             "the head alone at the ends), the model has 2 (2 stages x 3 chunks)"),
+            std::string::npos)
       << deep.output;
   const PipelineRun mode = train("mode", "--plugin pipedream --nproc 2 --set plugin.mode=eager");
   EXPECT_NE(mode.exit_code, 0);

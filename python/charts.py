@@ -208,7 +208,9 @@ def line_chart(path, title, series, x_label, y_label, x_ticks=None, log_y=False,
     if not all_x:
         ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", fontsize=14,
                 color=rgb(MUTED))
-    if any(name for name, _, _, _, _ in parsed):
+    if sum(1 for name, _, _, _, _ in parsed if name) > 6:  # many lines: the legend beside the plot, not over it
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=True)
+    elif any(name for name, _, _, _, _ in parsed):
         ax.legend(loc="best", fontsize=9, frameon=True)
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     return _save(fig, path)

@@ -488,11 +488,17 @@ torch::Tensor DecoderBlockImpl::forward(const torch::Tensor& x, const RotaryEmbe
   // g after (all-reduce forward of the row-parallel partial sums).
   const auto dtype = self_attn->q_proj->compute_dtype();
   if (shards_ != nullptr && shards_->size > 1) {  // x holds this process's tokens
-    auto a = sequence_gather(*shards_, CommPoint::kAttentionInput, layer_, input_layernorm->normalize(x, dtype));
-    a = sequence_reduce_scatter(*shards_, CommPoint::kAttentionOutput, layer_, self_attn->forward(a, rope));
+    // Each region's gathered input is released after its forward and gathered again in its
+    // backward (release_gathered): between the two only this process's tokens are kept.
+    const auto a_local = input_layernorm->normalize(x, dtype);
+    const auto a_all = sequence_gather(*shards_, CommPoint::kAttentionInput, layer_, a_local);
+    auto a = release_gathered(*shards_, CommPoint::kAttentionInput, layer_, self_attn->forward(a_all, rope), a_local, a_all);
+    a = sequence_reduce_scatter(*shards_, CommPoint::kAttentionOutput, layer_, a);
     auto h = residual_add(x, a);
-    auto m = sequence_gather(*shards_, CommPoint::kMlpInput, layer_, post_attention_layernorm->normalize(h, dtype));
-    m = sequence_reduce_scatter(*shards_, CommPoint::kMlpOutput, layer_, mlp(m));
+    const auto m_local = post_attention_layernorm->normalize(h, dtype);
+    const auto m_all = sequence_gather(*shards_, CommPoint::kMlpInput, layer_, m_local);
+    auto m = release_gathered(*shards_, CommPoint::kMlpInput, layer_, mlp(m_all), m_local, m_all);
+    m = sequence_reduce_scatter(*shards_, CommPoint::kMlpOutput, layer_, m);
     return residual_add(h, m);
   }
   if (comm_ == nullptr || !*comm_) {

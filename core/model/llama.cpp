@@ -222,22 +222,27 @@ torch::Tensor LlamaForCausalLMImpl::run_stage(int64_t stage, const torch::Tensor
     }
     return block->forward(input, rope_);
   }
-  auto h = model->norm(input);
+  const auto local = model->norm(input);
+  auto h = local;
   if (!score.is_empty()) {  // whole on every rank: no communication but the tokens' all-gather
-    if (tokens != nullptr) h = sequence_gather(*tokens, CommPoint::kHeadInput, -1, h, /*replicated=*/true);
-    return score(h);
+    if (tokens == nullptr) return score(h);
+    h = sequence_gather(*tokens, CommPoint::kHeadInput, -1, h, /*replicated=*/true);
+    return release_gathered(*tokens, CommPoint::kHeadInput, -1, score(h), local, h);  // Megatron's saved shard
   }
   if (tokens != nullptr) {
     h = sequence_gather(*tokens, CommPoint::kHeadInput, -1, h);
   } else if (vocab_parallel()) {
     h = comm_point(options_.comm.get(), CommPoint::kHeadInput, -1, h);
   }
-  if (!lm_head.is_empty()) return lm_head(h);
-  const auto head = head_weight();
-  if (!head.requires_grad() && head.scalar_type() != options_.compute_dtype) {  // a bf16-stored frozen head
-    return frozen_cast_linear(h, head, options_.compute_dtype);
-  }
-  return torch::nn::functional::linear(h.to(options_.compute_dtype), head.to(options_.compute_dtype));
+  const auto logits = [&] {
+    if (!lm_head.is_empty()) return lm_head(h);
+    const auto head = head_weight();
+    if (!head.requires_grad() && head.scalar_type() != options_.compute_dtype) {  // a bf16-stored frozen head
+      return frozen_cast_linear(h, head, options_.compute_dtype);
+    }
+    return torch::nn::functional::linear(h.to(options_.compute_dtype), head.to(options_.compute_dtype));
+  }();
+  return tokens != nullptr ? release_gathered(*tokens, CommPoint::kHeadInput, -1, logits, local, h) : logits;
 }
 
 bool LlamaForCausalLMImpl::holds_stage(int64_t stage) const {

@@ -123,6 +123,46 @@ struct SequenceRegion : public torch::autograd::Function<SequenceRegion> {
   }
 };
 
+// release_gathered's autograd node: the forward frees the gathered input's memory (its storage
+// keeps its size, dtype and device and holds no bytes); the backward allocates it again from the
+// same allocator and fills it with the all-gather of the kept local shard.
+struct RegatherFence : public torch::autograd::Function<RegatherFence> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& output, const torch::Tensor& local,
+                               const torch::Tensor& gathered, const SequenceShards* shards, int64_t point,
+                               int64_t layer) {
+    ctx->saved_data["shards"] = reinterpret_cast<int64_t>(shards);
+    ctx->saved_data["point"] = point;
+    ctx->saved_data["layer"] = layer;
+    ctx->saved_data["local"] = local;
+    ctx->saved_data["gathered"] = gathered;  // the storage handle: its bytes go below
+    const auto nbytes = static_cast<int64_t>(gathered.storage().nbytes());
+    ctx->saved_data["nbytes"] = nbytes;
+    c10::StorageImpl* storage = gathered.storage().unsafeGetStorageImpl();
+    storage->set_data_ptr_noswap(at::DataPtr(nullptr, gathered.device()));
+    storage->set_nbytes(0);
+    return output;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto* shards = reinterpret_cast<const SequenceShards*>(ctx->saved_data["shards"].toInt());
+    const auto point = static_cast<CommPoint>(ctx->saved_data["point"].toInt());
+    const torch::Tensor local = ctx->saved_data["local"].toTensor();
+    const torch::Tensor gathered = ctx->saved_data["gathered"].toTensor();
+    const auto nbytes = static_cast<size_t>(ctx->saved_data["nbytes"].toInt());
+    {
+      torch::NoGradGuard no_grad;
+      c10::StorageImpl* storage = gathered.storage().unsafeGetStorageImpl();
+      storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
+      storage->set_nbytes(nbytes);
+      // A tensor of its own over the same bytes: writing through it leaves the saved tensors'
+      // version counters alone (autograd sees the values it saved).
+      torch::Tensor alias = torch::empty({0}, gathered.options());
+      alias.set_(gathered.storage(), gathered.storage_offset(), gathered.sizes(), gathered.strides());
+      alias.copy_(gather_tokens(*shards, point, ctx->saved_data["layer"].toInt(), local, /*backward=*/false));
+    }
+    return {grads[0], torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
 // The Ulysses all-to-all: to_heads maps [B, Hx, s, D] -> [B, Hx / n, n * s, D], otherwise the
 // inverse. `backward` is passed to the hook (which direction autograd is in).
 torch::Tensor exchange(const torch::Tensor& x, const SequenceSplit& split, int64_t layer, bool to_heads,
@@ -282,6 +322,14 @@ torch::Tensor sequence_reduce_scatter(const SequenceShards& shards, CommPoint po
                                       const torch::Tensor& x) {
   if (shards.size <= 1) return x;
   return SequenceRegion::apply(x, &shards, static_cast<int64_t>(point), layer, /*gather=*/false, /*replicated=*/false);
+}
+
+torch::Tensor release_gathered(const SequenceShards& shards, CommPoint point, int64_t layer, const torch::Tensor& output,
+                               const torch::Tensor& local, const torch::Tensor& gathered) {
+  if (shards.size <= 1 || !torch::GradMode::is_enabled() || !gathered.requires_grad() || !output.requires_grad()) {
+    return output;
+  }
+  return RegatherFence::apply(output, local.detach(), gathered.detach(), &shards, static_cast<int64_t>(point), layer);
 }
 
 std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_specs(const ModelConfig& c, int64_t first,

@@ -97,6 +97,16 @@ torch::Tensor sequence_gather(const SequenceShards& shards, CommPoint point, int
 torch::Tensor sequence_reduce_scatter(const SequenceShards& shards, CommPoint point, int64_t layer,
                                       const torch::Tensor& x);
 
+// Megatron's saved local shard: `gathered` is sequence_gather(shards, point, layer, local) and
+// `output` what the region computed from it (whose backward nodes saved `gathered` for their
+// weight gradients). Returns `output`, with autograd; until the backward reaches it the memory of
+// `gathered` is released (every tensor sharing it sees none) and only `local` is kept; the backward
+// gathers `local` again into that memory (the region's all-gather, FORWARD direction, called a
+// second time) before the region's own backward nodes run. Outside training (no grad, or
+// `gathered` needs none) returns `output` unchanged. Saves (size - 1) / size of a region input.
+torch::Tensor release_gathered(const SequenceShards& shards, CommPoint point, int64_t layer, const torch::Tensor& output,
+                               const torch::Tensor& local, const torch::Tensor& gathered);
+
 // One sum over a split factor's slices: `values` (any shape) sums over this process's `local` of
 // the `whole` rows or columns the factor has along its split dimension.
 struct SliceSum {

@@ -442,4 +442,58 @@ TEST(TensorParallel, RefusesLayoutsTheModelCannotRun) {
   expect_error(unknown, "'model.layers.9.mlp.up_proj.weight' is not a parameter this process holds");
 }
 
+// Megatron's saved local shard (release_gathered): after a region's forward its gathered input
+// holds no memory (also not the view the matmul saved), the backward gathers it again (the
+// region's all-gather once more, FORWARD direction) before the region's own backward, and the
+// gradients are those of keeping the gathered input. One process standing in for rank 0 of 2: the
+// fake all-gather repeats this rank's tokens, the fake reduce-scatter sums the slices.
+TEST(TensorParallel, SequenceParallelKeepsOnlyTheLocalTokensOfARegionsInputUntilItsBackward) {
+  std::vector<std::pair<bool, bool>> calls;  // {all-gather, backward}
+  weft::SequenceShards shards;
+  shards.rank = 0;
+  shards.size = 2;
+  shards.collective = [&calls](CommPoint, bool backward, int64_t, const torch::Tensor& input, torch::Tensor& output) {
+    const bool gather = output.dim() == input.dim() + 1;
+    calls.emplace_back(gather, backward);
+    if (gather) {
+      output.copy_(input.unsqueeze(0).expand_as(output));
+    } else {
+      output.copy_(input.sum(0));
+    }
+  };
+  const auto run = [&](bool release) {
+    calls.clear();
+    torch::manual_seed(5);
+    const auto x = torch::randn({2, 4, 8}).requires_grad_(true);  // [B, s, H]: this rank's tokens
+    const auto w = torch::randn({8, 6}).requires_grad_(true);
+    const auto local = x * 2.0;  // the norm's output
+    const auto gathered = weft::sequence_gather(shards, CommPoint::kAttentionInput, 0, local);
+    EXPECT_EQ(gathered.sizes(), (std::vector<int64_t>{2, 8, 8}));
+    auto y = torch::matmul(torch::tanh(gathered), w) + torch::matmul(gathered, w);  // saves gathered (and a view of it)
+    if (release) {
+      y = weft::release_gathered(shards, CommPoint::kAttentionInput, 0, y, local, gathered);
+      EXPECT_EQ(gathered.storage().nbytes(), 0u);
+    }
+    const auto out = weft::sequence_reduce_scatter(shards, CommPoint::kAttentionOutput, 0, y);
+    out.pow(2).sum().backward();
+    return std::pair{x.grad().clone(), w.grad().clone()};
+  };
+  const auto [x_kept, w_kept] = run(false);
+  EXPECT_EQ(calls, (std::vector<std::pair<bool, bool>>{{true, false}, {false, false}, {true, true}, {false, true}}));
+  const auto [x_released, w_released] = run(true);
+  // Forward: gather, reduce-scatter; backward: the reduce-scatter's all-gather, the input gathered
+  // again (forward direction), the gather's reduce-scatter.
+  EXPECT_EQ(calls, (std::vector<std::pair<bool, bool>>{
+                       {true, false}, {false, false}, {true, true}, {true, false}, {false, true}}));
+  EXPECT_TRUE(torch::equal(x_released, x_kept));
+  EXPECT_TRUE(torch::equal(w_released, w_kept));
+  // Outside training nothing is released.
+  torch::NoGradGuard no_grad;
+  const auto local = torch::randn({2, 4, 8});
+  const auto gathered = weft::sequence_gather(shards, CommPoint::kAttentionInput, 0, local);
+  const auto y = weft::release_gathered(shards, CommPoint::kAttentionInput, 0, gathered * 2.0, local, gathered);
+  EXPECT_GT(gathered.storage().nbytes(), 0u);
+  EXPECT_TRUE(torch::equal(y, gathered * 2.0));
+}
+
 }  // namespace tensor_parallel_test

@@ -937,7 +937,11 @@ typedef struct weft_strategy_api {
    *    the host takes its own slice in the backward of HEAD_INPUT without a call).
    * The host service all_gather / reduce_scatter (SUM) over a group of those ranks in that order
    * does exactly that. Every rank of the group calls the same points in the same order (again in
-   * the backward when activation checkpointing recomputes a block). Since 1.9. */
+   * the backward when activation checkpointing recomputes a block). In training, the host calls
+   * the all-gather of ATTENTION_INPUT, MLP_INPUT and HEAD_INPUT a second time during the backward,
+   * with direction FORWARD and the same input, to gather a region's input again: as Megatron, it
+   * keeps only this rank's tokens between a region's forward and backward (hosts of 1.12 from
+   * 2026-11-27 on; no layout change). Since 1.9. */
   weft_status* (*sequence_region)(weft_strategy* strategy, weft_comm_point point, weft_direction direction,
                                   int64_t layer, const DLTensor* input, DLTensor* output);
 

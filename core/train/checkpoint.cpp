@@ -13,6 +13,9 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
+#ifdef WEFT_WITH_CUDA
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#endif
 
 #include "core/model/config.h"
 #include "core/model/parallel.h"
@@ -128,6 +131,39 @@ void remove_leftovers_in(const fs::path& folder, const std::function<bool(const 
   }
 }
 
+// This process's random generators: the CPU's, and the CUDA device's where the model computes
+// there (dropout draws from the generator of the tensors' device).
+std::vector<torch::Tensor> generator_states(const c10::Device& device) {
+  std::vector<torch::Tensor> states{at::detail::getDefaultCPUGenerator().get_state()};
+#ifdef WEFT_WITH_CUDA
+  if (device.is_cuda()) states.push_back(at::cuda::detail::getDefaultCUDAGenerator(device.index()).get_state());
+#else
+  (void)device;
+#endif
+  return states;
+}
+
+void set_generator_states(const std::vector<torch::Tensor>& states, const c10::Device& device) {
+  WEFT_CHECK(!states.empty(), "no generator state");
+  auto cpu = at::detail::getDefaultCPUGenerator();
+  cpu.set_state(states[0]);
+#ifdef WEFT_WITH_CUDA
+  if (device.is_cuda() && states.size() > 1) {
+    auto cuda = at::cuda::detail::getDefaultCUDAGenerator(device.index());
+    cuda.set_state(states[1]);
+  }
+#else
+  (void)device;
+#endif
+}
+
+c10::Device device_of(LlamaForCausalLMImpl& model) {
+  const auto parameters = model.parameters();
+  return parameters.empty() ? c10::Device(c10::kCPU) : parameters.front().device();
+}
+
+std::string rank_rng_file(int32_t rank) { return fmt::format("rng-rank-{:05}.pt", rank); }
+
 }  // namespace
 
 // The last steps of every save: RNG and trainer state into the staged folder, which is then
@@ -216,6 +252,10 @@ std::string CheckpointStore::save_sharded(const TrainerState& state, LlamaForCau
       }
     }
     save_rank_shard((staged / "shards").string(), rank, model, optimizer, lora_.has_value(), writes, extra);
+    // Each rank's generators: a pipeline's stages (and the ranks of any split) draw dropout masks
+    // of their own layers, so their generators differ.
+    const auto states = generator_states(device_of(model));
+    save_archive((staged / "shards" / rank_rng_file(rank)).string(), [&](const auto& writer) { torch::save(states, writer); });
     fault_point("save");
   });
   ok = ok && attempt([&] {
@@ -248,8 +288,8 @@ TrainerState CheckpointStore::read_state(const std::string& dir) const {
   return TrainerState::parse(read_file(state_path), state_path);
 }
 
-void CheckpointStore::restore(const std::string& dir, LlamaForCausalLMImpl& model,
-                              torch::optim::AdamW& optimizer) const {
+void CheckpointStore::restore(const std::string& dir, LlamaForCausalLMImpl& model, torch::optim::AdamW& optimizer,
+                              int32_t rank, int32_t world_size) const {
   const NamedState state = NamedState::open(dir);
   if (state.sharded()) {
     state.restore_parameters(model, lora_.has_value());
@@ -272,10 +312,19 @@ void CheckpointStore::restore(const std::string& dir, LlamaForCausalLMImpl& mode
       archive.load_from(optimizer_path);
       optimizer.load(archive);
     }
-    torch::Tensor rng;
-    torch::load(rng, dir + "/rng.pt");
-    auto generator = at::detail::getDefaultCPUGenerator();
-    generator.set_state(rng);
+    // This rank's own generators where as many ranks saved theirs; else rank 0's CPU generator.
+    const fs::path shards = fs::path(dir) / "shards";
+    const bool same_world = fs::exists(shards / rank_rng_file(world_size - 1)) && !fs::exists(shards / rank_rng_file(world_size));
+    if (same_world && fs::exists(shards / rank_rng_file(rank))) {
+      std::vector<torch::Tensor> states;
+      torch::load(states, (shards / rank_rng_file(rank)).string());
+      set_generator_states(states, device_of(model));
+    } else {
+      torch::Tensor rng;
+      torch::load(rng, dir + "/rng.pt");
+      auto generator = at::detail::getDefaultCPUGenerator();
+      generator.set_state(rng);
+    }
   } catch (const c10::Error& e) {
     fail("checkpoint '{}': cannot restore optimizer/RNG state ({})", dir, e.what_without_backtrace());
   }

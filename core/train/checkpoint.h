@@ -64,8 +64,11 @@ class CheckpointStore {
   TrainerState read_state(const std::string& dir) const;
   // Restores model weights (or adapters), optimizer and RNG state from `dir` into this rank's
   // model, whatever its layout (whole, tensor-parallel slices, pipeline stages) and whichever
-  // layout saved it. Throws weft::Error naming the file when something is missing or malformed.
-  void restore(const std::string& dir, LlamaForCausalLMImpl& model, torch::optim::AdamW& optimizer) const;
+  // layout saved it. The RNG state (dropout's) is this rank's own where the checkpoint was saved in
+  // pieces by as many ranks (each rank's generators, CPU and CUDA, are in shards/), else rank 0's
+  // CPU generator. Throws weft::Error naming the file when something is missing or malformed.
+  void restore(const std::string& dir, LlamaForCausalLMImpl& model, torch::optim::AdamW& optimizer, int32_t rank = 0,
+               int32_t world_size = 1) const;
 
   // Removes what an interrupted save or deletion left in the run directory (.tmp folders and
   // files) and puts back a model directory that a crash left renamed aside (best, final, a

@@ -168,10 +168,10 @@ void Trainer::maybe_resume() {
   saved.validate(steps_per_epoch_, options_.epochs, dir + "/trainer_state.json");
   if (job_->strategy().shards_training_state()) {  // the whole state, sliced into this rank's shards
     auto whole = make_adamw(trainable_parameters(job_->model()), options_.optim);
-    checkpoints_->restore(dir, job_->model(), *whole);
+    checkpoints_->restore(dir, job_->model(), *whole, job_->context().rank, job_->context().world);
     scatter_into_shards(*whole, *optimizer_, job_->strategy().trainable_shards());
   } else {
-    checkpoints_->restore(dir, job_->model(), *optimizer_);
+    checkpoints_->restore(dir, job_->model(), *optimizer_, job_->context().rank, job_->context().world);
   }
   state_ = saved;
   if (scaler_.enabled() && state_.loss_scale > 0) scaler_.restore(state_.loss_scale, state_.loss_scale_streak);

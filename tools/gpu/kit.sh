@@ -15,6 +15,7 @@
 #                              tools/gpu/kit.sh adalora      AdaLoRA on CUDA: conformance, the 1B shape
 #                              tools/gpu/kit.sh classification  sequence classification on CUDA: conformance
 #                              tools/gpu/kit.sh mesh         plugins composed over a device mesh on CUDA
+#                              tools/gpu/kit.sh resume       a LoRA run with dropout resumes bit-exactly on CUDA
 #
 # Each step appends to $KIT_OUT/gpu-kit.md (default: $OUT where the device tool sets it, else
 # build-gpu/kit) and goes on after a failure; the exit status is the number of failed checks.
@@ -254,7 +255,10 @@ classification_step() {
 # Plugins composed over a device mesh (ABI 1.12) on CUDA tensors against the CPU reference
 # (single.so), as Conformance.mesh.* checks them on the CPU: every rank on the one GPU where there
 # is one (WEFT_SHARE_GPUS=1: the mesh's slice groups over Gloo through host memory), one GPU per
-# rank over NCCL where there are enough. fp32, and tp x pp once in bf16.
+# rank over NCCL where there are enough. fp32, and tp x pp once in bf16; with them tensor parallelism
+# with sequence parallelism (each region's gathered input released after its forward and gathered
+# again in its backward: storage swapped on the device) and interleaved chunks with the embedding and
+# the head alone (LoRA: a part with nothing to train).
 mesh_step() {
   mkdir -p "$out"
   say "## mesh ($(date -u +%FT%TZ))"
@@ -269,6 +273,9 @@ mesh_step() {
     "pp2xzero1 4 gpipe,zero --set mesh.pp=2 --set plugin.stage=1"
     "tp2xpp2_bf16 4 tensor_parallel,gpipe --set mesh.tp=2 --set mesh.pp=2 --set train.precision=bf16 --steps 10"
     "tp2xpp2xdp2 8 tensor_parallel,pipedream,ddp --set mesh.tp=2 --set mesh.pp=2 --set mesh.dp=2"
+    "tp2_sequence_parallel 2 tensor_parallel --set plugin.sequence_parallel=true"
+    "tp2_sequence_parallel_lora 2 tensor_parallel --set plugin.sequence_parallel=true --set train.mode=lora"
+    "interleaved_3chunks_lora 2 gpipe --set plugin.schedule=\"interleaved1f1b\" --set plugin.chunks=3 --set train.mode=lora"
   )
   local case name ranks plugins
   for case in "${cases[@]}"; do
@@ -284,6 +291,28 @@ mesh_step() {
   say "- $gpus GPU(s): ranks $([[ "$gpus" -lt 4 ]] && echo 'share one GPU (WEFT_SHARE_GPUS=1, Gloo)' || echo 'on their own GPUs where there are enough (NCCL)')"
 }
 
+# A LoRA run with dropout under gpipe on CUDA saves at step 3 and resumes on its layout: the
+# resumed losses equal the uninterrupted run's to the bit (each rank's CUDA generator restored).
+resume_step() {
+  mkdir -p "$out"
+  say "## resume ($(date -u +%FT%TZ))"
+  local t=$build/trainer gpus share=0 dir=$out/resume
+  gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+  [[ "$gpus" -lt 2 ]] && share=1
+  local common=(--config configs/tiny.toml --plugin gpipe --nproc 2 --set train.device=cuda --set train.mode=lora
+                --set plugin.microbatches=2 --set train.batch_size=12 --set train.max_steps=6 --set eval.every_steps=0
+                --set checkpoint.keep_best=false --set checkpoint.save_final=false --set log.progress=off)
+  rm -rf "$dir"
+  WEFT_SHARE_GPUS=$share run resume_first_cuda 300 "$t" "${common[@]}" --set train.out_dir="$dir/first" --set checkpoint.every_steps=3
+  WEFT_SHARE_GPUS=$share run resume_again_cuda 300 "$t" "${common[@]}" --set train.out_dir="$dir/again" \
+      --set checkpoint.resume="$dir/first/checkpoints/step-00000003"
+  run resume_losses_equal 30 python3 -c 'import json, sys
+losses = lambda d: {j["step"]: j["loss"] for j in map(json.loads, open(d + "/metrics.jsonl")) if j.get("type") == "step"}
+a, b = losses(sys.argv[1]), losses(sys.argv[2])
+print("uninterrupted", [a[s] for s in sorted(b)], "resumed", [b[s] for s in sorted(b)])
+sys.exit(0 if sorted(b) == [4, 5, 6] and all(a[s] == b[s] for s in b) else 1)' "$dir/first" "$dir/again"
+}
+
 case "${1:-}" in
   fetch) fetch ;;
   build) build_step ;;
@@ -295,6 +324,7 @@ case "${1:-}" in
   adalora) adalora_step ;;
   classification) classification_step ;;
   mesh) mesh_step ;;
-  *) echo "usage: tools/gpu/kit.sh fetch|build|check|quick|throughput|zero|quantized|adalora|classification|mesh (see the top of this file)" >&2; exit 2 ;;
+  resume) resume_step ;;
+  *) echo "usage: tools/gpu/kit.sh fetch|build|check|quick|throughput|zero|quantized|adalora|classification|mesh|resume (see the top of this file)" >&2; exit 2 ;;
 esac
 exit "$failed"

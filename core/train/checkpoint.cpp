@@ -163,6 +163,7 @@ c10::Device device_of(LlamaForCausalLMImpl& model) {
 }
 
 std::string rank_rng_file(int32_t rank) { return fmt::format("rng-rank-{:05}.pt", rank); }
+constexpr const char* kGeneratorsFile = "rng-generators.pt";  // a whole checkpoint's: CPU (+ CUDA)
 
 }  // namespace
 
@@ -205,6 +206,10 @@ std::string CheckpointStore::save(const TrainerState& state, LlamaForCausalLMImp
     write_model_files(model, lora_, staged.string(), "");
     save_optimizer_state((staged / "optimizer.safetensors").string(), model, optimizer);
     for (const auto& extra : state_files_) save_safetensors((staged / extra.file).string(), extra.collect());
+    // The generators of the device too (rng.pt holds the CPU's alone, as before): on CUDA dropout
+    // draws from the device's.
+    const auto generators = generator_states(device_of(model));
+    save_archive((staged / kGeneratorsFile).string(), [&](const auto& writer) { torch::save(generators, writer); });
     fault_point("save");
     publish(staged.string(), name, state);
   } catch (const std::exception& e) {
@@ -312,14 +317,16 @@ void CheckpointStore::restore(const std::string& dir, LlamaForCausalLMImpl& mode
       archive.load_from(optimizer_path);
       optimizer.load(archive);
     }
-    // This rank's own generators where as many ranks saved theirs; else rank 0's CPU generator.
+    // This rank's own generators where as many ranks saved theirs; else a whole checkpoint's (its
+    // ranks' were the same), else rank 0's CPU generator.
     const fs::path shards = fs::path(dir) / "shards";
     const bool same_world = fs::exists(shards / rank_rng_file(world_size - 1)) && !fs::exists(shards / rank_rng_file(world_size));
-    if (same_world && fs::exists(shards / rank_rng_file(rank))) {
+    const fs::path own = shards / rank_rng_file(rank), whole = fs::path(dir) / kGeneratorsFile;
+    if ((same_world && fs::exists(own)) || fs::exists(whole)) {
       std::vector<torch::Tensor> states;
-      torch::load(states, (shards / rank_rng_file(rank)).string());
+      torch::load(states, (same_world && fs::exists(own) ? own : whole).string());
       set_generator_states(states, device_of(model));
-    } else {
+    } else {  // saved before the generator files
       torch::Tensor rng;
       torch::load(rng, dir + "/rng.pt");
       auto generator = at::detail::getDefaultCPUGenerator();

@@ -66,7 +66,7 @@ class CheckpointStore {
   // model, whatever its layout (whole, tensor-parallel slices, pipeline stages) and whichever
   // layout saved it. The RNG state (dropout's) is this rank's own where the checkpoint was saved in
   // pieces by as many ranks (each rank's generators, CPU and CUDA, are in shards/), else rank 0's
-  // CPU generator. Throws weft::Error naming the file when something is missing or malformed.
+  // (a whole checkpoint's rng-generators.pt: CPU and CUDA; else its rng.pt: CPU). Throws weft::Error naming the file when something is missing or malformed.
   void restore(const std::string& dir, LlamaForCausalLMImpl& model, torch::optim::AdamW& optimizer, int32_t rank = 0,
                int32_t world_size = 1) const;
 

@@ -74,7 +74,9 @@ const std::vector<SchemaSection>& sections() {
       {"log", "Console logging and the metrics file.", false},
       {"mesh", "The device mesh of a run that composes several plugins (train.plugin = \"tensor_parallel,gpipe\"): "
                "ranks along each dimension, world rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i.", false},
-      {"plugin", "Free-form settings for a strategy plugin (any keys, not validated here).", true},
+      {"plugin", "Free-form settings for a strategy plugin (any keys, not validated here). A sub-table named after a "
+       "plugin overrides them for that plugin alone, e.g. in a composed run `[plugin.context_parallel] mode = "
+       "\"ring\"` beside pipedream's `mode` (`--set plugin.context_parallel.mode=\"ring\"`).", true},
   };
   return sections;
 }

@@ -89,6 +89,13 @@ const weft_host_api kHostApi = make_table();
 
 PluginHost::PluginHost(std::string plugin_name, toml::table plugin_config, Communicator& communicator)
     : state_(std::make_unique<State>()) {
+  // [plugin.<name>] overrides [plugin] for this plugin alone: plugins composed in one run may share a
+  // key (context_parallel's and pipedream's `mode`).
+  if (const auto* own = plugin_config.get_as<toml::table>(plugin_name)) {
+    const toml::table overrides = *own;
+    plugin_config.erase(plugin_name);
+    for (const auto& [key, value] : overrides) plugin_config.insert_or_assign(key, value);
+  }
   state_->plugin_name = std::move(plugin_name);
   state_->config = std::move(plugin_config);
   state_->communicator = &communicator;

@@ -29,7 +29,8 @@ struct ModelConfig;
 
 class PluginHost {
  public:
-  // plugin_name prefixes log lines; plugin_config is the [plugin] section of the run's config;
+  // plugin_name prefixes log lines; plugin_config is the [plugin] section of the run's config, its
+  // sub-table [plugin.<plugin_name>], where present, overriding it key by key for this plugin;
   // communicator provides the world group (it must outlive this object).
   PluginHost(std::string plugin_name, toml::table plugin_config, Communicator& communicator);
   ~PluginHost();

@@ -169,9 +169,11 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const ModelConfig& config, const Mode
                "tensor sequence parallelism: rank {} of {}", shards.rank, shards.size);
     WEFT_CHECK(options_.sequence == nullptr || options_.sequence->size == 1,
                "tensor sequence parallelism cannot be combined with context parallelism's sequence split");
-    WEFT_CHECK(holds_every_stage(), "tensor sequence parallelism needs every stage of the model on this process");
-    WEFT_CHECK(vocab_parallel(), "tensor sequence parallelism needs a vocabulary-parallel embedding (its all-reduce "
-               "becomes the reduce-scatter into the sequence shards)");
+    // Stages may be split (a pipeline passes this process's tokens between them); where the embedding or
+    // the LM head is held, it is a vocabulary slice.
+    const bool vocab_held = holds_stage(0) || (holds_stage(num_stages() - 1) && !config_.classification());
+    WEFT_CHECK(!vocab_held || vocab_parallel(), "tensor sequence parallelism needs a vocabulary-parallel embedding (its "
+               "all-reduce becomes the reduce-scatter into the sequence shards)");
     for (auto& [index, block] : model->blocks) block->set_sequence_shards(&shards);
   }
   const bool holds_head = holds_stage(num_stages() - 1);

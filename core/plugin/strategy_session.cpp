@@ -327,7 +327,10 @@ Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute
                stages_lib.name(), plan.split_backward);
     placement.split_backward = plan.split_backward == 1;
   }
+  // A sequence split across a split of the stages needs the stage-splitting plugin to pass this rank's
+  // tokens between them (ABI 1.13 stage_tokens); an older one sizes its buffers for whole sequences.
   const bool every_stage = placement.stages.ranges.size() == 1 && plan.first_stage == 0 && plan.last_stage == num_stages;
+  const bool split_stages_ok = every_stage || stages_lib.negotiated_abi().minor >= 13;
   if (sequence_lib.negotiated_abi().minor >= 4) {
     const int32_t size = plan.sequence_parallel_size, rank = plan.sequence_parallel_rank;
     WEFT_CHECK(size >= 1 && 0 <= rank && rank < size, "plugin {}: plan chose sequence-parallel rank {} of {}",
@@ -363,8 +366,11 @@ Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute
       WEFT_CHECK(seq_len % parts == 0, "data.seq_len = {} cannot be split over {} sequence-parallel ranks (plugin {}{}): "
                  "choose a multiple of {}", seq_len, size, sequence_lib.name(),
                  layout == WEFT_SEQUENCE_BALANCED ? ", balanced layout: 2 chunks per rank" : "", parts);
-      WEFT_CHECK(every_stage,
-                 "plugin {}: sequence parallelism with a split of the model's stages is not supported", sequence_lib.name());
+      WEFT_CHECK(split_stages_ok,
+                 "plugin {} splits every sequence over {} ranks, but plugin {} (ABI 1.{}) splits the model's stages and "
+                 "passes whole sequences between them: a sequence split across stages needs ABI 1.13 (rebuild it "
+                 "against this SDK)",
+                 sequence_lib.name(), size, stages_lib.name(), stages_lib.negotiated_abi().minor);
     }
     sequence_ = SequenceSplit{};
     sequence_.rank = rank;
@@ -400,9 +406,11 @@ Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute
                  tensor_sequence_lib.name(), placement.sequence_parallel_size, size);
       WEFT_CHECK(seq_len % size == 0, "data.seq_len = {} cannot be split over {} tensor-parallel ranks (plugin {}, "
                  "sequence parallelism): choose a multiple of {}", seq_len, size, tensor_sequence_lib.name(), size);
-      WEFT_CHECK(every_stage,
-                 "plugin {}: tensor sequence parallelism with a split of the model's stages is not supported",
-                 tensor_sequence_lib.name());
+      WEFT_CHECK(split_stages_ok,
+                 "plugin {} shards the residual stream's tokens over {} ranks, but plugin {} (ABI 1.{}) splits the "
+                 "model's stages and passes whole sequences between them: sequence parallelism across stages needs "
+                 "ABI 1.13 (rebuild it against this SDK)",
+                 tensor_sequence_lib.name(), size, stages_lib.name(), stages_lib.negotiated_abi().minor);
       spdlog::info("plugin {} shards the residual stream between tensor-parallel regions over {} ranks (Megatron "
                    "sequence parallelism): this rank holds tokens [{}, {}) of each sequence there",
                    tensor_sequence_lib.name(), size, rank * seq_len / size, (rank + 1) * seq_len / size);
@@ -449,6 +457,7 @@ MemoryPlan StrategySession::memory_plan(const std::vector<weft_stage_memory>& st
   plan.micro_batches = micro_batches;
   plan.rows_per_micro_batch = rows;
   plan.seq_len = seq_len;
+  plan.stage_tokens = stage_tokens(seq_len);
   for (int64_t s = 0; s < static_cast<int64_t>(stages.size()); ++s) {  // the one-process layout of what this rank holds
     if (!held.holds(s, static_cast<int64_t>(stages.size()))) continue;
     const auto& stage = stages[static_cast<size_t>(s)];
@@ -640,6 +649,7 @@ StepReport StrategySession::train_step(const BatchLoader& loader, int64_t global
   info.micro_batches = micro_batches;
   info.rows_per_micro_batch = loader.local_batch();
   info.seq_len = seq_len;
+  info.stage_tokens = stage_tokens(seq_len);
   StepReport report;
   for (auto& m : members_) m.host->begin_train_step(&loader, epoch, step_in_epoch, micro_batches);
   try {
@@ -676,6 +686,7 @@ EvalSums StrategySession::eval_batch(const EvalLoader& loader, int64_t index, in
   info.epoch = epoch;
   info.micro_batches = 1;
   info.seq_len = seq_len;
+  info.stage_tokens = stage_tokens(seq_len);
   EvalSums sums;
   for (auto& m : members_) m.host->begin_eval_step(&loader, index);
   try {

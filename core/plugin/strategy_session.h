@@ -5,6 +5,7 @@
 // naming the plugin when the plugin fails.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <array>
 #include <map>
@@ -111,6 +112,11 @@ class StrategySession {
   // sequence_region; nullptr when the residual stream keeps whole sequences.
   std::shared_ptr<const SequenceShards> tensor_sequence();
   int64_t tensor_sequence_size() const { return tensor_sequence_.size; }
+  // Tokens per row of the hidden states between stages on this rank (ABI 1.13 stage_tokens):
+  // seq_len over the plan's sequence splits.
+  int64_t stage_tokens(int64_t seq_len) const {
+    return seq_len / std::max<int64_t>(1, sequence_.size) / std::max<int64_t>(1, tensor_sequence_.size);
+  }
   // Whether the plan has the plugin run the attention core over split sequences (ABI 1.5).
   bool plugin_attention() const { return sequence_ring_ && sequence_.size > 1; }
 

@@ -326,6 +326,11 @@ std::vector<ConformanceCase> conformance_matrix() {
   both("tensor_parallel,gpipe,zero", 8, {"mesh.tp=2", "mesh.pp=2", "plugin.stage=1"});
   both("context_parallel,tensor_parallel", 4, {"mesh.cp=2", "mesh.tp=2"});
   both("context_parallel,ddp", 4, {"mesh.cp=2", "mesh.dp=2"});
+  // Sequence splits across pipeline stages (ABI 1.13).
+  both("context_parallel,gpipe", 4, {"mesh.cp=2", "mesh.pp=2"});
+  both("context_parallel,pipedream", 4,
+       {"mesh.cp=2", "mesh.pp=2", "plugin.context_parallel.mode=\"ring\"", "plugin.schedule=\"zbh1\""});
+  both("tensor_parallel,gpipe", 4, {"mesh.tp=2", "mesh.pp=2", "plugin.sequence_parallel=true"});
   return cases;
 }
 

@@ -70,8 +70,8 @@ double AsyncPipeline::distance(const std::vector<weft::sdk::Buffer>& a, const st
   return std::sqrt(squares);
 }
 
-void AsyncPipeline::post_gradient_receive(int64_t minibatch, int64_t rows, int64_t seq_len) {
-  gradient_buffer_ = host_.buffer({rows, seq_len, placement_.hidden_size}, DLDataType{kDLFloat, 32, 1});
+void AsyncPipeline::post_gradient_receive(int64_t minibatch, int64_t rows, int64_t stage_tokens) {
+  gradient_buffer_ = host_.buffer({rows, stage_tokens, placement_.hidden_size}, DLDataType{kDLFloat, 32, 1});
   DLTensor view = gradient_buffer_.view();
   gradient_work_ = host_.recv(world_, view, peer(/*next=*/true), async_tag(minibatch, true));
   gradient_minibatch_ = minibatch;
@@ -112,7 +112,7 @@ void AsyncPipeline::backward(int64_t minibatch, std::vector<Work>& sends) {
   stash_.erase(it);
 }
 
-double AsyncPipeline::step(int64_t t, int64_t rows, int64_t seq_len) {
+double AsyncPipeline::step(int64_t t, int64_t rows, int64_t stage_tokens) {
   last_staleness_ = 0.0;
   last_recompute_difference_ = 0.0;
   std::vector<Work> sends;
@@ -124,7 +124,7 @@ double AsyncPipeline::step(int64_t t, int64_t rows, int64_t seq_len) {
   if (placement_.is_first()) {
     input = std::move(batch.inputs);
   } else {
-    received = host_.buffer({rows, seq_len, placement_.hidden_size}, DLDataType{kDLFloat, 32, 1});
+    received = host_.buffer({rows, stage_tokens, placement_.hidden_size}, DLDataType{kDLFloat, 32, 1});
     DLTensor view = received.view();
     TraceSpan wait(host_, "recv", "recv A" + std::to_string(t));
     host_.recv(world_, view, peer(/*next=*/false), async_tag(t, false)).wait();
@@ -162,7 +162,7 @@ double AsyncPipeline::step(int64_t t, int64_t rows, int64_t seq_len) {
     // Backward of minibatch t - delay, whose gradient arrived from the next stage last step.
     if (t - delay() >= 0) backward(t - delay(), sends);
     // Post the receive of next step's gradient (minibatch t + 1 - delay).
-    if (t + 1 - delay() >= 0) post_gradient_receive(t + 1 - delay(), rows, seq_len);
+    if (t + 1 - delay() >= 0) post_gradient_receive(t + 1 - delay(), rows, stage_tokens);
     TraceSpan flush(host_, "send", "flush sends");
     for (const Work& w : sends) w.wait();
     return 0.0;

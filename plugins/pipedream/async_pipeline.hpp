@@ -41,7 +41,7 @@ class AsyncPipeline {
   // Step `step` (the host's 0-based step counter must advance by one per call). Returns this
   // rank's contribution to the loss: the last stage's unscaled mean loss of minibatch `step`,
   // 0 elsewhere.
-  double step(int64_t step, int64_t rows, int64_t seq_len);
+  double step(int64_t step, int64_t rows, int64_t stage_tokens);
 
   // Minibatches forwarded and not yet back-propagated on this stage (weight versions stashed).
   size_t stashed() const { return stash_.size(); }
@@ -67,7 +67,7 @@ class AsyncPipeline {
   std::vector<weft::sdk::Buffer> read_weights() const;
   void write_weights(const std::vector<weft::sdk::Buffer>& weights) const;
   double distance(const std::vector<weft::sdk::Buffer>& a, const std::vector<weft::sdk::Buffer>& b) const;
-  void post_gradient_receive(int64_t minibatch, int64_t rows, int64_t seq_len);
+  void post_gradient_receive(int64_t minibatch, int64_t rows, int64_t stage_tokens);
   void backward(int64_t minibatch, std::vector<weft::sdk::Work>& sends);
 
   weft::sdk::Host host_;

@@ -50,7 +50,7 @@ class PipeDream : public weft::pipeline::PipelineStrategy {
       throw Error(WEFT_STATUS_BAD_CONFIG, "pipedream: mode \"async\" runs one minibatch per step; set "
                                           "train.grad_accum_steps = 1 (it is " + std::to_string(step.micro_batches) + ")");
     }
-    const double local = async_->step(step.step, step.rows_per_micro_batch, step.seq_len);
+    const double local = async_->step(step.step, step.rows_per_micro_batch, step.stage_tokens);
     finish_gradients();
     const double loss = sum_over(world(), {placement().is_last() ? local : 0.0})[0] / placement().replicas;
     host().report_metric("stashed_versions", static_cast<double>(async_->peak_stashed()));

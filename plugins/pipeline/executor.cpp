@@ -50,7 +50,7 @@ int32_t Executor::tag(const Action& action, bool gradient, bool to_next) const {
 
 void Executor::receive(Slot& slot, bool gradient, const Action& action) {
   weft::sdk::Buffer& buffer = gradient ? slot.gradient_buffer : slot.activation_buffer;
-  buffer = host_.buffer({rows_ / splits_, seq_len_, placement_.hidden_size}, DLDataType{kDLFloat, 32, 1});
+  buffer = host_.buffer({rows_ / splits_, stage_tokens_, placement_.hidden_size}, DLDataType{kDLFloat, 32, 1});
   DLTensor view = buffer.view();
   // Activations come from the previous virtual stage, gradients from the next.
   Work work = host_.recv(world_, view, peer(/*to_next=*/gradient), tag(action, gradient, /*to_next=*/gradient));
@@ -133,7 +133,7 @@ void Executor::backward(Slot& slot, const Action& action, RunStats& stats) {
   stats.compute_seconds += seconds_since(start);
 }
 
-RunStats Executor::run(const Schedule& schedule, int32_t splits, int64_t rows, int64_t seq_len) {
+RunStats Executor::run(const Schedule& schedule, int32_t splits, int64_t rows, int64_t stage_tokens) {
   if (splits < 1 || rows % splits != 0) {
     throw Error(WEFT_STATUS_INVALID_ARGUMENT, "pipeline: " + std::to_string(rows) + " rows per micro-batch cannot be split into " +
                                                   std::to_string(splits) + " equal pipeline micro-batches");
@@ -150,7 +150,7 @@ RunStats Executor::run(const Schedule& schedule, int32_t splits, int64_t rows, i
   pending_sends_ = &pending_sends;
   splits_ = splits;
   rows_ = rows;
-  seq_len_ = seq_len;
+  stage_tokens_ = stage_tokens;
   train_ = schedule.trains;
   split_backward_ = schedule.split_backward;
   RunStats stats;

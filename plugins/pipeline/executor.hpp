@@ -5,8 +5,8 @@
 // c x stages + stage; virtual stage 0 takes the token ids, virtual stage stages x v - 1 runs the
 // loss. For each action of its list (per micro-batch and chunk):
 //  - RECV_ACTIVATION / RECV_GRADIENT post an asynchronous receive into a plugin-owned fp32
-//    buffer [rows, seq_len, hidden] (hidden states and their gradients are fp32 in every
-//    precision, see weft_model_info);
+//    buffer [rows, stage_tokens, hidden] (hidden states and their gradients are fp32 in every
+//    precision, see weft_model_info; stage_tokens < seq_len when the plan splits sequences, ABI 1.13);
 //  - FORWARD takes the micro-batch's token ids (stage 0) or waits for its received activation
 //    and makes it a leaf that requires grad, runs the stage's layers (and the loss, scaled by
 //    1 / micro-batches, on the last stage) and keeps input and output for the backward;
@@ -71,10 +71,11 @@ class Executor {
 
   // Runs `schedule` (verified beforehand) for one step whose host micro-batches are each split
   // into `splits` pipeline micro-batches (schedule.micro_batches = host micro-batches x splits).
-  // `rows` is this replica's rows per host micro-batch, `seq_len` the sequence length.
+  // `rows` is this replica's rows per host micro-batch, `stage_tokens` the tokens per row of the
+  // hidden states between stages (weft_step_info.stage_tokens: this rank's share of a split sequence).
   // Training schedules scale each loss by 1 / schedule.micro_batches; forward-only ones run
   // without autograd history.
-  RunStats run(const Schedule& schedule, int32_t splits, int64_t rows, int64_t seq_len);
+  RunStats run(const Schedule& schedule, int32_t splits, int64_t rows, int64_t stage_tokens);
 
  private:
   struct Slot;  // one micro-batch's handles and buffers on one chunk of this rank
@@ -94,7 +95,7 @@ class Executor {
   std::vector<Slot>* slots_ = nullptr;
   std::vector<weft::sdk::Work>* pending_sends_ = nullptr;
   int32_t splits_ = 1;
-  int64_t rows_ = 0, seq_len_ = 0;
+  int64_t rows_ = 0, stage_tokens_ = 0;
   bool train_ = true;
   bool split_backward_ = false;  // BACKWARD computes input gradients only; BACKWARD_WEIGHT the weights'
 };

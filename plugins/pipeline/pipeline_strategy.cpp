@@ -268,7 +268,8 @@ void PipelineStrategy::memory_plan(weft_memory_plan& plan) {
     const int64_t pending = v.peak_pending_weights[static_cast<size_t>(placement_.stage)];
     plan.activation_bytes += rows * pending * deferred_weight_bytes_per_row(plan.seq_len);
   }
-  plan.buffer_bytes += rows * (inputs + outputs) * 2;  // receive buffers and gradients of the boundaries
+  // Receive buffers and gradients of the boundaries: this rank's tokens of a split sequence (ABI 1.13).
+  plan.buffer_bytes += rows * (inputs + outputs) * 2 * plan.stage_tokens / std::max<int64_t>(1, plan.seq_len);
   if (placement_.is_last() && !placement_.is_first() && host().model_info().tie_word_embeddings) {
     const weft_stage_memory embedding = host().stage_memory(0);
     plan.parameter_bytes += embedding.parameter_bytes;
@@ -330,7 +331,7 @@ double PipelineStrategy::train_step(const weft_step_info& step) {
   }
   const int32_t total = step.micro_batches * microbatches_;
   const Schedule& schedule = verified_schedule(schedule_name_, total);
-  last_stats_ = executor_->run(schedule, microbatches_, step.rows_per_micro_batch, step.seq_len);
+  last_stats_ = executor_->run(schedule, microbatches_, step.rows_per_micro_batch, step.stage_tokens);
   finish_gradients();
   // Loss (last stages), compute time (all ranks) and every rank's wall time, over the world.
   // The bubble is the idle share of the ranks over the step's window: the longest rank's run
@@ -367,7 +368,7 @@ weft::sdk::EvalResult PipelineStrategy::eval_step(const weft_step_info& step) {
   RunStats stats;
   if (rows > 0) {
     const int32_t splits = rows % microbatches_ == 0 ? microbatches_ : 1;
-    stats = executor_->run(verified_schedule("forward", splits), splits, rows, step.seq_len);
+    stats = executor_->run(verified_schedule("forward", splits), splits, rows, step.stage_tokens);
   }
   const std::vector<double> sums =
       sum_over(world_, {placement_.is_last() ? stats.token_loss_sum : 0.0,

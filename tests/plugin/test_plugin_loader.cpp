@@ -108,7 +108,7 @@ TEST(PluginLoader, CreateTrainStepAndDestroyThroughTheTable) {
   ASSERT_NE(first, nullptr);
   ASSERT_NE(first, second);
 
-  weft_step_info step{sizeof(weft_step_info), 0, 0, 4, 0, 2, 16};
+  weft_step_info step{sizeof(weft_step_info), 0, 0, 4, 0, 2, 16, 16};
   double loss = 0;
   // The fixture's loss is 100 * (its calls on this instance) + micro_batches / 2.
   throw_if_error(api.train_step(first, &step, &loss), "train_step");
@@ -289,7 +289,7 @@ TEST(PluginLoader, ListsEveryLibraryInTheSearchPathWithItsProblem) {
   EXPECT_EQ(listings[0].problem, "");
   EXPECT_EQ(files, (std::vector<std::string>{"(built in)", "bad_chunks.so", "entry_null.so", "error_create.so", "good.so", "missing_create.so",
                                              "missing_name.so", "needs_newer_host.so", "newer_minor.so",
-                                             "no_entry.so", "not_a_library.so", "too_small.so",
+                                             "no_entry.so", "not_a_library.so", "stages_1_12.so", "too_small.so",
                                              "undefined_symbol.so", "wrong_major.so"}));
   const auto find = [&](const std::string& file) {
     for (const auto& l : listings) {

@@ -50,7 +50,6 @@ TEST(AbiLayout, TablesAreAppendOnlyFromVersionOne) {
   EXPECT_EQ(offsetof(weft_stage_memory, compute_parameter_bytes), 48u);
   EXPECT_EQ(sizeof(weft_stage_memory), 64u);
   EXPECT_EQ(WEFT_FLAT_SHARD_COMPUTE_DTYPE, 2u);
-  EXPECT_EQ(sizeof(weft_memory_plan), 64u);
   EXPECT_EQ(offsetof(weft_memory_plan, buffer_bytes), 56u);
   // weft_model_info (1.1): fields are only ever appended.
   EXPECT_EQ(offsetof(weft_model_info, num_layers), 4u);
@@ -105,7 +104,14 @@ TEST(AbiLayout, TablesAreAppendOnlyFromVersionOne) {
   EXPECT_EQ(sizeof(weft_mesh_info), 48u);
   EXPECT_EQ(WEFT_MESH_PP, 0);
   EXPECT_EQ(WEFT_MESH_TP, 3);
-  EXPECT_EQ(WEFT_ABI_VERSION_MINOR, 12);
+  // ABI 1.13 appended stage_tokens to weft_step_info and weft_memory_plan (a 1.12 host's struct_size
+  // of 48 / 64 stops before it: the SDK then reads seq_len).
+  EXPECT_EQ(offsetof(weft_step_info, seq_len), 40u);
+  EXPECT_EQ(offsetof(weft_step_info, stage_tokens), 48u);
+  EXPECT_EQ(sizeof(weft_step_info), 56u);
+  EXPECT_EQ(offsetof(weft_memory_plan, stage_tokens), 64u);
+  EXPECT_EQ(sizeof(weft_memory_plan), 72u);
+  EXPECT_EQ(WEFT_ABI_VERSION_MINOR, 13);
 }
 
 }  // namespace

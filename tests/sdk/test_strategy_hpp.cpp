@@ -368,6 +368,22 @@ TEST_F(SdkTest, NegotiatedMinorIsTheSmallerOfBoth) {
   EXPECT_EQ(sdk_host.negotiated_minor(), kFakeHostMinor);  // the fake host's own minor is older
 }
 
+// ABI 1.13 appended weft_step_info.stage_tokens: a plugin reads the host's step through the SDK's
+// copy, which stops at the host's struct_size and says seq_len for a host that predates the field.
+TEST(SdkStep, AStepFromAHostBefore113PassesWholeSequencesBetweenStages) {
+  weft_step_info step{};
+  step.struct_size = sizeof step;
+  step.seq_len = 64;
+  step.stage_tokens = 16;  // this rank's quarter of a split sequence
+  EXPECT_EQ(weft::sdk::detail::step_of(&step).stage_tokens, 16);
+  step.struct_size = offsetof(weft_step_info, stage_tokens);  // a 1.12 host's struct, whatever lies after it
+  step.stage_tokens = 12345;
+  const weft_step_info old = weft::sdk::detail::step_of(&step);
+  EXPECT_EQ(old.stage_tokens, 64);
+  EXPECT_EQ(old.seq_len, 64);
+  EXPECT_EQ(old.struct_size, sizeof(weft_step_info));
+}
+
 TEST_F(SdkTest, Abi13ServicesRefuseAnOlderHostInOneLine) {
   ASSERT_LT(sdk_host.negotiated_minor(), 3);
   try {

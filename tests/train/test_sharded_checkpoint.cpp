@@ -297,7 +297,7 @@ TEST(ShardedCheckpoint, APipelineTimesZeroMeshSavesEachStagesWholeStateAndResume
 }
 
 // The other compositions the conformance matrix verifies (tp x dp, cp x tp, cp x dp, tp x zero
-// stage 1, pp x dp with LoRA): each saves at step 3, resumes on its own mesh and as one process,
+// stage 1, pp x dp with LoRA, cp x pp, tp with sequence parallelism x pp): each saves at step 3, resumes on its own mesh and as one process,
 // and both continue the uninterrupted run. LoRA's dropout (0.05 by default) draws other masks in
 // another layout, so the LoRA case resumes as one process without it; on its own mesh, with it,
 // each rank takes back its own generators and the resumed losses are the same to the bit.
@@ -315,6 +315,10 @@ TEST(ShardedCheckpoint, EveryOtherCompositionResumesOnItsMeshAndAsOneProcess) {
       {"tp2xzero1", "tensor_parallel,zero", "--set mesh.tp=2 --set plugin.stage=1", true, 1e-5},
       {"pp2xdp2.lora", "gpipe,ddp", "--set mesh.pp=2 --set mesh.dp=2 --set lora.dropout=0" + lora, true, 1e-5},
       {"pp2xdp2.lora.dropout", "gpipe,ddp", "--set mesh.pp=2 --set mesh.dp=2" + lora, false, 0.0},
+      // Sequence splits across pipeline stages (ABI 1.13).
+      {"cp2xpp2", "context_parallel,gpipe", "--set mesh.cp=2 --set mesh.pp=2 --set plugin.microbatches=2", true, 1e-5},
+      {"tp2spxpp2", "tensor_parallel,gpipe",
+       "--set mesh.tp=2 --set mesh.pp=2 --set plugin.sequence_parallel=true --set plugin.microbatches=2", true, 1e-5},
   };
   const std::string root = fresh_dir("sharded_checkpoint", "compositions");
   for (const auto& c : compositions) {

@@ -252,7 +252,7 @@ classification_step() {
       --set train.device=cuda --set train.task=classification --set train.mode=lora
 }
 
-# Plugins composed over a device mesh (ABI 1.12) on CUDA tensors against the CPU reference
+# Plugins composed over a device mesh (ABI 1.12; sequence splits across stages 1.13) on CUDA tensors against the CPU reference
 # (single.so), as Conformance.mesh.* checks them on the CPU: every rank on the one GPU where there
 # is one (WEFT_SHARE_GPUS=1: the mesh's slice groups over Gloo through host memory), one GPU per
 # rank over NCCL where there are enough. fp32, and tp x pp once in bf16; with them tensor parallelism
@@ -273,6 +273,8 @@ mesh_step() {
     "pp2xzero1 4 gpipe,zero --set mesh.pp=2 --set plugin.stage=1"
     "tp2xpp2_bf16 4 tensor_parallel,gpipe --set mesh.tp=2 --set mesh.pp=2 --set train.precision=bf16 --steps 10"
     "tp2xpp2xdp2 8 tensor_parallel,pipedream,ddp --set mesh.tp=2 --set mesh.pp=2 --set mesh.dp=2"
+    "cp2xpp2 4 context_parallel,gpipe --set mesh.cp=2 --set mesh.pp=2"
+    "tp2spxpp2 4 tensor_parallel,gpipe --set mesh.tp=2 --set mesh.pp=2 --set plugin.sequence_parallel=true"
     "tp2_sequence_parallel 2 tensor_parallel --set plugin.sequence_parallel=true"
     "tp2_sequence_parallel_lora 2 tensor_parallel --set plugin.sequence_parallel=true --set train.mode=lora"
     "interleaved_3chunks_lora 2 gpipe --set plugin.schedule=\"interleaved1f1b\" --set plugin.chunks=3 --set train.mode=lora"

@@ -1,7 +1,7 @@
 /*
  * weft/strategy.h - the weft strategy plugin ABI (C99).
  *
- * STATUS: ABI 1.12, implemented by the host (core/plugin) and used by single.so, ddp.so, gpipe.so,
+ * STATUS: ABI 1.13, implemented by the host (core/plugin) and used by single.so, ddp.so, gpipe.so,
  * pipedream.so, tensor_parallel.so, zero.so and context_parallel.so (plan stage ranges: the
  * pipelines; shard_parameter, comm_point and sequence_region: tensor parallelism; flat shards of
  * the training state: zero; sequence parallelism: context_parallel). 1.1 appended model_info, tracing, report_metric,
@@ -32,7 +32,10 @@
  * zero-bubble schedules: weft_model_plan's split_backward and the host's backward_input,
  * backward_weight and weight_pass_release. 1.12 appended composition over a device mesh: several plugins
  * in one run, each owning one mesh dimension (weft_mesh_dim): the host's mesh_info and group_mesh,
- * the plugin's mesh_dimensions, finish_step, finish_eval and gradient_copies. See sdk/DESIGN.md.
+ * the plugin's mesh_dimensions, finish_step, finish_eval and gradient_copies. 1.13 appended sequence
+ * splits across a split of the model's stages (context parallelism or Megatron sequence parallelism
+ * with a pipeline): weft_step_info's and weft_memory_plan's stage_tokens, the tokens per row of the
+ * hidden states passed between stages. See sdk/DESIGN.md.
  *
  * A strategy plugin is a shared library that exports exactly one symbol, the C function
  * `weft_strategy_entry` (WEFT_STRATEGY_ENTRY_SYMBOL). The host loads it with
@@ -90,7 +93,7 @@ extern "C" {
 /* The ABI version this header describes. Major: incompatible changes; it must match exactly.
  * Minor: append-only additions; host and plugin use min(host minor, plugin minor). */
 #define WEFT_ABI_VERSION_MAJOR 1
-#define WEFT_ABI_VERSION_MINOR 12
+#define WEFT_ABI_VERSION_MINOR 13
 
 /* The one symbol a plugin exports. */
 #define WEFT_STRATEGY_ENTRY_SYMBOL "weft_strategy_entry"
@@ -249,6 +252,8 @@ typedef struct weft_memory_plan {
   int64_t activation_bytes;        /* in/out: activations (and weight copies) kept for backward */
   int64_t buffer_bytes;            /* in/out: the plugin's own memory at the peak (gradient buckets,
                                       receive buffers, gathered parameters) */
+  int64_t stage_tokens;            /* in, since 1.13 (present when struct_size covers it): tokens per
+                                      row of the hidden states between stages, as weft_step_info's */
 } weft_memory_plan;
 
 /* What this rank materialises; filled by the plugin in `plan` before the model is built.
@@ -270,7 +275,9 @@ typedef struct weft_model_plan {
    * rank's tokens: with every rank holding as many target tokens, the mean of the ranks' losses
    * and gradients is the whole sequence's. Everything else (embeddings, norms, MLP, head) runs
    * on this rank's tokens. A plugin writes these fields only when plan->struct_size covers
-   * them (a 1.4 host); a size above 1 needs the sequence_exchange slot. */
+   * them (a 1.4 host); a size above 1 needs the sequence_exchange slot, and every stage held
+   * unless the plugin that splits the stages negotiated 1.13: each rank of a split sequence then
+   * passes its tokens to the same rank of the next stage (weft_step_info.stage_tokens). */
   int32_t sequence_parallel_size;
   int32_t sequence_parallel_rank;
   /* Since 1.5 (written only when plan->struct_size covers them; pre-filled 0, 0). Which tokens
@@ -291,10 +298,12 @@ typedef struct weft_model_plan {
    * and ADAPTER_SUM stay comm points, and cached decoding (generation) keeps whole sequences and
    * the 1.0 comm points. batch() still returns whole sequences (the group's ranks see the same
    * rows). The RMSNorm weights' gradients then hold this rank's tokens' share: the plugin sums
-   * them over the group. Needs: size > 1 only with every stage held, a vocabulary-parallel
+   * them over the group. Needs: a vocabulary-parallel
    * embedding (its all-reduce becomes the reduce-scatter), seq_len divisible by size, whole
-   * sequences otherwise (sequence_parallel_size 1), and the sequence_region slot; the host
-   * refuses the plan before the model is built otherwise. */
+   * sequences otherwise (sequence_parallel_size 1), the sequence_region slot, and every stage held
+   * unless the plugin that splits the stages negotiated 1.13 (the stages then pass this rank's
+   * tokens: weft_step_info.stage_tokens); the host refuses the plan before the model is built
+   * otherwise. */
   int32_t tensor_sequence_size;
   int32_t tensor_sequence_rank;
   /* Since 1.10 (written only when plan->struct_size covers them; pre-filled 1, 0 and zeros):
@@ -305,8 +314,8 @@ typedef struct weft_model_plan {
    * stage: the hull). The host builds only those stages; forward() runs any range within one
    * chunk; parameters, shards, the memory plan and checkpoints cover the chunks' stages. At most
    * WEFT_MAX_STAGE_CHUNKS chunks. 1 (the pre-filled value): [first_stage, last_stage) alone;
-   * chunk_stages is then ignored. The sequence splits above need every stage held, so they
-   * do not combine with chunks. */
+   * chunk_stages is then ignored. The sequence splits above combine with chunks as with any
+   * split of the stages (1.13). */
   int32_t stage_chunks;
   int32_t reserved_1_10;  /* 0; alignment */
   int64_t chunk_stages[2 * 16];
@@ -402,7 +411,15 @@ typedef struct weft_step_info {
   int32_t micro_batches;     /* gradient-accumulation micro-batches of this step (>= 1) */
   int32_t reserved;          /* 0 */
   int64_t rows_per_micro_batch;     /* this rank's sequences per micro-batch */
-  int64_t seq_len;
+  int64_t seq_len;                  /* tokens per sequence (batch() returns fewer under a
+                                       sequence_parallel_size > 1 plan: see weft_model_plan) */
+  /* Since 1.13 (present when struct_size covers it): tokens per row of the hidden states this
+   * rank's forward() takes and returns between model stages, and of their gradients - seq_len
+   * divided by the plan's sequence_parallel_size and tensor_sequence_size (each rank of a split
+   * sequence passes its own tokens to the same rank of the next stage). A reader whose host's
+   * struct_size stops before it uses seq_len: a pre-1.13 host never splits sequences across a
+   * split of the stages. */
+  int64_t stage_tokens;
 } weft_step_info;
 
 /* Places inside the model where the host calls the plugin (Megatron's f and g, vocabulary-
@@ -452,8 +469,8 @@ typedef struct weft_mesh_info {
 
 /* The model's shape, known from `plan` on (before the model is built), e.g. to size
  * receive buffers or check that heads divide by a tensor-parallel degree. Hidden states
- * between stages are always fp32 [rows, seq_len, hidden_size] (the residual stream stays fp32
- * in every precision), as are their gradients. Filled by weft_host_api.model_info. Since 1.1. */
+ * between stages are always fp32 [rows, stage_tokens, hidden_size] (weft_step_info; seq_len
+ * before 1.13 - the residual stream stays fp32 in every precision), as are their gradients. Filled by weft_host_api.model_info. Since 1.1. */
 typedef struct weft_model_info {
   uint32_t struct_size;        /* set by the CALLER to sizeof its struct; see model_info */
   int32_t num_layers;          /* decoder blocks (the model has num_layers + 2 stages) */

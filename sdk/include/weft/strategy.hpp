@@ -1070,6 +1070,18 @@ weft_status* guarded(const weft_host_api* api, Body&& body) noexcept {
   }
 }
 
+// The host's step as this SDK's struct: the fields its struct_size covers, the rest as an older
+// host means them (stage_tokens, 1.13: seq_len - such a host passes whole sequences between stages).
+inline weft_step_info step_of(const weft_step_info* step) noexcept {
+  weft_step_info local{};
+  std::memcpy(&local, step, std::min<size_t>(step->struct_size, sizeof local));
+  if (step->struct_size < offsetof(weft_step_info, stage_tokens) + sizeof(local.stage_tokens)) {
+    local.stage_tokens = local.seq_len;
+  }
+  local.struct_size = static_cast<uint32_t>(sizeof local);
+  return local;
+}
+
 // The instance behind the opaque handle (create stores a Strategy*).
 inline Strategy& instance(weft_strategy* handle) noexcept {
   return *reinterpret_cast<Strategy*>(handle);
@@ -1111,12 +1123,12 @@ struct Slots {
   }
   static weft_status* train_step(weft_strategy* handle, const weft_step_info* step,
                                  double* loss_out) noexcept {
-    return call(handle, [&] { *loss_out = instance(handle).train_step(*step); });
+    return call(handle, [&] { *loss_out = instance(handle).train_step(step_of(step)); });
   }
   static weft_status* eval_step(weft_strategy* handle, const weft_step_info* step,
                                 double* loss_sum_out, int64_t* tokens_out) noexcept {
     return call(handle, [&] {
-      const EvalResult result = instance(handle).eval_step(*step);
+      const EvalResult result = instance(handle).eval_step(step_of(step));
       *loss_sum_out = result.loss_sum;
       *tokens_out = result.tokens;
     });
@@ -1143,6 +1155,9 @@ struct Slots {
       weft_memory_plan local{};  // as plan: untouched on error, only the host's struct_size copied
       const size_t bytes = std::min<size_t>(plan->struct_size, sizeof local);
       std::memcpy(&local, plan, bytes);
+      if (bytes < offsetof(weft_memory_plan, stage_tokens) + sizeof(local.stage_tokens)) {
+        local.stage_tokens = local.seq_len;  // a pre-1.13 host: whole sequences between stages
+      }
       instance(handle).memory_plan(local);
       local.struct_size = plan->struct_size;
       std::memcpy(plan, &local, bytes);
@@ -1160,7 +1175,7 @@ struct Slots {
     return call(handle, [&] { instance(handle).sequence_region(point, direction, layer, *input, *output); });
   }
   static weft_status* finish_step(weft_strategy* handle, const weft_step_info* step, double* loss_inout) noexcept {
-    return call(handle, [&] { *loss_inout = instance(handle).finish_step(*step, *loss_inout); });
+    return call(handle, [&] { *loss_inout = instance(handle).finish_step(step_of(step), *loss_inout); });
   }
   static weft_status* finish_eval(weft_strategy* handle, const weft_step_info* step, double* loss_sum_inout,
                                   int64_t* tokens_inout) noexcept {
@@ -1168,7 +1183,7 @@ struct Slots {
       EvalResult sums;
       sums.loss_sum = *loss_sum_inout;
       sums.tokens = *tokens_inout;
-      const EvalResult result = instance(handle).finish_eval(*step, sums);
+      const EvalResult result = instance(handle).finish_eval(step_of(step), sums);
       *loss_sum_inout = result.loss_sum;
       *tokens_inout = result.tokens;
     });

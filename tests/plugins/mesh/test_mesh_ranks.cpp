@@ -1,7 +1,8 @@
 // Plugins composed over a device mesh (ABI 1.12) with real processes: compositions that cannot
 // work are refused in one line naming the problem, before compute; a composed run says how it laid
 // the ranks out. (Loss and parameter parity: Conformance.mesh.*; checkpoints that reshard between
-// meshes: ShardedCheckpoint.ATensorTimesPipelineMesh*.)
+// meshes: ShardedCheckpoint.ATensorTimesPipelineMesh*.) Settings a plugin alone would read from
+// [plugin] come from [plugin.<name>] first in a composed run.
 #include <string>
 
 #include <gtest/gtest.h>
@@ -38,6 +39,18 @@ TEST(MeshRun, CompositionsThatCannotWorkAreRefusedBeforeCompute) {
       {"--plugin single,ddp --nproc 2", "plugin single runs alone only"},
       {"--plugin gpipe --nproc 2 --set mesh.tp=2", "[mesh] tp = 2 lays the ranks on a device mesh, which needs several plugins"},
       {"--plugin tensor_parallel,gpipe --nproc 4 --set mesh.tp=3", "multiply to 3, which does not divide the world size 4"},
+      // A stage-splitting plugin built before ABI 1.13 passes whole sequences between stages.
+      {"--plugin context_parallel," + std::string(WEFT_PLUGIN_FIXTURE_DIR) + "/stages_1_12.so --nproc 4 --set mesh.cp=2"
+       " --set mesh.pp=2",
+       "plugin context_parallel splits every sequence over 2 ranks, but plugin stages_1_12 (ABI 1.12) splits the model's "
+       "stages and passes whole sequences between them: a sequence split across stages needs ABI 1.13"},
+      {"--plugin tensor_parallel," + std::string(WEFT_PLUGIN_FIXTURE_DIR) + "/stages_1_12.so --nproc 4 --set mesh.tp=2"
+       " --set mesh.pp=2 --set plugin.sequence_parallel=true",
+       "plugin tensor_parallel shards the residual stream's tokens over 2 ranks, but plugin stages_1_12 (ABI 1.12) splits "
+       "the model's stages and passes whole sequences between them"},
+      // Context and Megatron sequence parallelism each split the tokens: one of them per run.
+      {"--plugin context_parallel,tensor_parallel --nproc 4 --set mesh.cp=2 --set mesh.tp=2 --set plugin.sequence_parallel=true",
+       "plan splits sequences both between ranks (sequence_parallel_size 2) and between tensor-parallel regions"},
   };
   for (const auto& c : cases) {
     const auto r = run_trainer(tiny_args(dir, corpus) + " " + c.args);
@@ -58,6 +71,22 @@ TEST(MeshRun, AComposedRunSaysHowItLaysTheRanksOutAndWhoDrivesTheStep) {
   // Listed in any order; the host orders them: the pipeline drives, then tp, then dp.
   EXPECT_NE(r.output.find("device mesh pp 2 x dp 2 x tp 2 (8 ranks): gpipe drives the step; gpipe owns pp (2), "
                           "tensor_parallel owns tp (2), ddp owns dp (2)"),
+            std::string::npos)
+      << r.output;
+}
+
+// [plugin.<name>] settings reach that plugin alone: context_parallel's and pipedream's `mode` differ in one run.
+TEST(MeshRun, EachPluginReadsItsOwnSubTableOverTheSharedPluginSettings) {
+  const auto dir = weft::testing::fresh_dir("weft_test_mesh", "subtable");
+  const auto corpus = weft::testing::write_word_corpus(dir);
+  const auto r = run_trainer(tiny_args(dir, corpus) + " --plugin context_parallel,pipedream --nproc 4 --set mesh.cp=2"
+                             " --set mesh.pp=2 --set 'plugin.mode=\"flush\"' --set 'plugin.context_parallel.mode=\"ring\"'"
+                             " --set plugin.microbatches=2 --log-level info");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("device mesh pp 2 x cp 2 (4 ranks): pipedream drives the step"), std::string::npos) << r.output;
+  // Ring attention (the sub-table's mode), balanced layout, under a pipeline of 2 stages.
+  EXPECT_NE(r.output.find("plugin context_parallel splits every sequence over 2 ranks (attention run by the plugin, "
+                          "e.g. ring): this rank holds tokens [0, 8) and [24, 32) of each"),
             std::string::npos)
       << r.output;
 }

@@ -70,18 +70,27 @@ std::string write_model_config(const std::string& dir, const std::string& quanti
   return path;
 }
 
-// "key=value" (a TOML value) -> the plugin's table; a value that is not TOML is a string.
+// "key=value" (a TOML value) -> the plugin's table; a value that is not TOML is a string. A dotted
+// key ("gpipe.schedule=...") goes into the sub-table named by its first part, as --set puts it.
 toml::table plugin_table(const std::vector<std::string>& settings) {
   toml::table table;
   for (const auto& setting : settings) {
     const auto eq = setting.find('=');
     WEFT_CHECK(eq != std::string::npos && eq > 0, "plugin setting '{}' is not key=value", setting);
-    const std::string key = setting.substr(0, eq), value = setting.substr(eq + 1);
+    std::string key = setting.substr(0, eq);
+    const std::string value = setting.substr(eq + 1);
+    toml::table* into = &table;
+    for (auto dot = key.find('.'); dot != std::string::npos; dot = key.find('.')) {
+      const std::string part = key.substr(0, dot);
+      if (!into->get_as<toml::table>(part)) into->insert_or_assign(part, toml::table{});
+      into = into->get_as<toml::table>(part);
+      key = key.substr(dot + 1);
+    }
     try {
       toml::table parsed = toml::parse("v = " + value);
-      table.insert_or_assign(key, *parsed.get("v"));
+      into->insert_or_assign(key, *parsed.get("v"));
     } catch (const toml::parse_error&) {
-      table.insert_or_assign(key, value);
+      into->insert_or_assign(key, value);
     }
   }
   return table;

@@ -195,6 +195,10 @@ TEST(Cli, BadInputGetsOneClearErrorAndExitCodeOne) {
                        "--set adalora.tinit=5",
                 "the budget schedule needs tinit (5) < total_step (4) - tfinal (0)"},
            Case{tiny + "--set model.quantize=int4", "model.quantize"},
+           // [plugin.<name>] reaches the plugin of that name, over [plugin].
+           Case{tiny + "--set data.path=" + write_corpus(dir) + " --plugin zero --nproc 2 --set plugin.stage=1 "
+                       "--set plugin.zero.stage=7",
+                "plugin.stage must be 1, 2 or 3 (ZeRO's stages), got 7"},
            Case{tiny + "--set data.path=" + write_corpus(dir) + " --set backup.url=https://bucket/x",
                 "backup.url = 'https://bucket/x' is not an s3://bucket/prefix URL"},
            Case{tiny + "--set data.path=" + write_corpus(dir) + " --set backup.url=s3://Bad_Bucket/x",
@@ -208,6 +212,14 @@ TEST(Cli, BadInputGetsOneClearErrorAndExitCodeOne) {
     EXPECT_NE(r.output.find(c.needle), std::string::npos) << c.args << "\n" << r.output;
     EXPECT_EQ(r.output.find("epoch 1"), std::string::npos) << "training started: " << c.args;
   }
+}
+
+// trainer check's plugin settings keep their sub-tables in one process too: zero reads stage 7 from
+// [plugin.zero] (a flat key "zero.stage" would go unread and the check would pass at stage 3).
+TEST(Cli, CheckPassesAPluginsOwnSubTableInOneProcess) {
+  const auto r = run_trainer("check --plugin zero --steps 1 --set plugin.zero.stage=7");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("plugin.stage must be 1, 2 or 3 (ZeRO's stages), got 7"), std::string::npos) << r.output;
 }
 
 // train.device = "cuda" on a rank that sees no GPU (none here; hidden with CUDA_VISIBLE_DEVICES on a

@@ -82,13 +82,20 @@ TEST_F(Eval, EveryPluginReportsTheNumbersOfOneProcess) {
   ASSERT_EQ(run_trainer(args_ + weights + " --json " + dir_ + "/reference.json eval").exit_code, 0);
   const json reference = read_json(dir_ + "/reference.json");
   const auto reference_losses = reference["sequence_losses"].get<std::vector<double>>();
-  for (const std::string plugin : {"ddp --nproc 2", "tensor_parallel --nproc 2", "gpipe --nproc 2",
-                                  "context_parallel --nproc 2", "context_parallel --nproc 2 --set plugin.mode=\"ring\""}) {
+  const struct {
+    std::string plugin;
+    int processes;
+  } cases[] = {{"ddp --nproc 2", 2}, {"tensor_parallel --nproc 2", 2}, {"gpipe --nproc 2", 2},
+               {"context_parallel --nproc 2", 2}, {"context_parallel --nproc 2 --set plugin.mode=\"ring\"", 2},
+               // Sequence splits across pipeline stages (ABI 1.13).
+               {"context_parallel,gpipe --nproc 4 --set mesh.cp=2 --set mesh.pp=2", 4},
+               {"tensor_parallel,pipedream --nproc 4 --set mesh.tp=2 --set mesh.pp=2 --set plugin.sequence_parallel=true", 4}};
+  for (const auto& [plugin, processes] : cases) {
     const std::string out = dir_ + "/" + std::to_string(std::hash<std::string>{}(plugin)) + ".json";
     const auto r = run_trainer(args_ + weights + " --plugin " + plugin + " --json " + out + " eval");
     ASSERT_EQ(r.exit_code, 0) << plugin << "\n" << r.output;
     const json eval = read_json(out);
-    EXPECT_EQ(eval["processes"], 2) << plugin;
+    EXPECT_EQ(eval["processes"], processes) << plugin;
     EXPECT_EQ(eval["tokens"], reference["tokens"]) << plugin;
     EXPECT_NEAR(eval["loss"].get<double>(), reference["loss"].get<double>(), 1e-5 * reference["loss"].get<double>())
         << plugin;

@@ -77,6 +77,7 @@ weft_host_api make_table() {
   t.weight_pass_release = host::weight_pass_release;
   t.mesh_info = host::mesh_info;
   t.group_mesh = host::group_mesh;
+  t.parameter_grad_step = host::parameter_grad_step;
   static_assert(Mesh::kPP == WEFT_MESH_PP && Mesh::kDP == WEFT_MESH_DP && Mesh::kCP == WEFT_MESH_CP &&
                     Mesh::kTP == WEFT_MESH_TP && Mesh::kDims == WEFT_MESH_DIMS,
                 "the host's mesh dimensions are the ABI's");
@@ -153,6 +154,12 @@ void PluginHost::set_mesh(const Mesh* mesh, int dimension, bool driver, int plug
   state_->mesh_driver = driver;
   state_->mesh_plugins = plugins;
   state_->mesh_groups = groups;
+}
+
+void PluginHost::set_driver(bool driver) { state_->mesh_driver = driver; }
+
+void PluginHost::set_step_gradients(const PluginHost* sharding) {
+  state_->step_gradients = sharding ? sharding->state_.get() : nullptr;
 }
 
 void PluginHost::set_model(LlamaForCausalLMImpl* model) {

@@ -121,6 +121,9 @@ struct PluginHost::State {
   bool mesh_driver = true;
   int mesh_plugins = 1;
   std::array<ProcessGroup*, Mesh::kDims> mesh_groups{};
+  // ABI 1.14: where the driver runs the stages itself and shards the training state (ZeRO-3),
+  // its state, whose flat shards' gradients parameter_grad_step hands out; null otherwise.
+  State* step_gradients = nullptr;
 };
 
 
@@ -251,6 +254,7 @@ int64_t parameter_count(weft_host* host);
 weft_status* parameter_info(weft_host* host, int64_t index, weft_parameter_info* out);
 weft_status* parameter_data(weft_host* host, int64_t index, DLTensor* out);
 weft_status* parameter_grad(weft_host* host, int64_t index, DLTensor* out);
+weft_status* parameter_grad_step(weft_host* host, int64_t index, DLTensor* out);
 weft_status* set_grad_ready_callback(weft_host* host, weft_grad_ready_fn callback, void* user_data);
 void install_grad_hooks(State& s);
 weft_status* batch(weft_host* host, int32_t micro_batch, int32_t split, int32_t splits, weft_activation** inputs,

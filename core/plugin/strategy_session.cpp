@@ -214,7 +214,7 @@ weft_model_plan StrategySession::merged_plan(const weft_model_plan& prefilled) {
   }
   // Composed: each plugin plans on the one-process layout; its changes are merged field by field.
   weft_model_plan merged = prefilled;
-  int stages = -1, sequence = -1, tensor_sequence = -1;
+  int stages = -1, sequence = -1, tensor_sequence = -1, drives = -1;
   int64_t dp_size = 1, dp_rank = 0;
   for (size_t i = 0; i < members_.size(); ++i) {
     const Member& m = members_[i];
@@ -252,6 +252,11 @@ weft_model_plan StrategySession::merged_plan(const weft_model_plan& prefilled) {
       merged.tensor_sequence_size = plan.tensor_sequence_size;
       merged.tensor_sequence_rank = plan.tensor_sequence_rank;
     }
+    if (m.library->negotiated_abi().minor >= 14 && plan.drives_stages != prefilled.drives_stages) {
+      WEFT_CHECK(plan.drives_stages == 1, "plugin {}: plan chose drives_stages = {} (0 or 1)", m.library->name(),
+                 plan.drives_stages);
+      take(true, drives, "drives_stages");
+    }
     WEFT_CHECK(plan.data_parallel_size >= 1 && 0 <= plan.data_parallel_rank &&
                    plan.data_parallel_rank < plan.data_parallel_size,
                "plugin {}: plan chose data-parallel rank {} of {}", m.library->name(), plan.data_parallel_rank,
@@ -269,10 +274,59 @@ weft_model_plan StrategySession::merged_plan(const weft_model_plan& prefilled) {
              names(), dp_rank, dp_size, mesh_->describe(), dp_coord, mesh_dp);
   merged.data_parallel_size = mesh_dp;
   merged.data_parallel_rank = dp_coord;
+  if (drives > 0) {  // ABI 1.14: the stage-driving plugin drives; the others finish in their order
+    drive_from(static_cast<size_t>(drives), stages);
+    const auto moved = [drives](int i) { return i < 0 ? i : i == drives ? 0 : i < drives ? i + 1 : i; };
+    stages = moved(stages);
+    sequence = moved(sequence);
+    tensor_sequence = moved(tensor_sequence);
+  } else if (drives == 0) {
+    drive_from(0, stages);
+  }
   stages_owner_ = std::max(stages, 0);
   sequence_owner_ = std::max(sequence, 0);
   tensor_sequence_owner_ = std::max(tensor_sequence, 0);
   return merged;
+}
+
+// ABI 1.14: members_[index]'s plan said it runs the model stage by stage itself (drives_stages):
+// it becomes the driver unless a pipeline splits the stages (`stages`: the member whose plan did).
+void StrategySession::drive_from(size_t index, int stages) {
+  const Member& runner = members_[index];
+  for (const Member& m : members_) {
+    WEFT_CHECK(m.dimension != Mesh::kPP && (stages < 0 || stages == static_cast<int>(index)),
+               "plugin {} runs the model stage by stage itself (its plan's drives_stages: ZeRO-3 gathers each stage's "
+               "parameters around that stage's forward and backward), but plugin {} splits the stages over pipeline "
+               "ranks and drives the step with several micro-batches of a stage in flight: a run has one driver "
+               "(zero's plugin.stage = 1 or 2 composes with a pipeline)",
+               runner.library->name(),
+               stages >= 0 ? members_[static_cast<size_t>(stages)].library->name() : m.library->name());
+  }
+  WEFT_CHECK(runner.library->api().train_step != nullptr,
+             "plugin {}: its plan drives the stages (drives_stages) but it has no train_step", runner.library->name());
+  if (index > 0) {
+    Member moved = std::move(members_[index]);
+    members_.erase(members_.begin() + static_cast<std::ptrdiff_t>(index));
+    members_.insert(members_.begin(), std::move(moved));
+    for (const Member& m : members_) {
+      WEFT_CHECK(&m == &members_.front() || (m.library->api().finish_step && m.library->api().finish_eval),
+                 "plugin {} would drive the step, but plugin {} drives the stages (drives_stages), and {} cannot finish "
+                 "another plugin's step (no finish_step / finish_eval)",
+                 m.library->name(), members_.front().library->name(), m.library->name());
+    }
+    for (size_t i = 0; i < members_.size(); ++i) members_[i].host->set_driver(i == 0);
+    library_ = members_.front().library;
+    host_ = members_.front().host.get();
+    state_host_ = host_;
+    instance_ = members_.front().instance;
+    spdlog::info("plugin {} runs the model stage by stage, so it drives the step; {} finish it", library_->name(),
+                 [&] {
+                   std::string rest;
+                   for (size_t i = 1; i < members_.size(); ++i) rest += (i > 1 ? ", " : "") + members_[i].library->name();
+                   return rest;
+                 }());
+  }
+  drives_stages_ = true;
 }
 
 Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute_dtype, int64_t seq_len,
@@ -591,6 +645,9 @@ void StrategySession::attach(LlamaForCausalLMImpl& model) {
     if (mesh_) state_group_ = groups_[static_cast<size_t>(m.dimension)];
   }
   if (!mesh_) return;
+  if (drives_stages_ && state_host_ == host_) {  // ABI 1.14: the others finish the driver's shards
+    for (size_t i = 1; i < members_.size(); ++i) members_[i].host->set_step_gradients(host_);
+  }
   // Composed: each training tensor's weight in the gradient norm, 1 / its copies over the plugins.
   norm_weights_.clear();
   const weft_host_api* api = host_->api();

@@ -180,7 +180,11 @@ class StrategySession {
   // composed: the squared norm of this rank's share of the gradients (each divided by its copies)
   double weighted_grad_norm_sq() const;
 
+  // ABI 1.14: members_[index] drives the stages itself (drives_stages): the driver from now on.
+  void drive_from(size_t index, int stages);
+
   std::vector<Member> members_;  // the driver first, then the others in finishing order (tp, cp, dp)
+  bool drives_stages_ = false;   // the driver runs the stages itself (a drives_stages plan, 1.14)
   std::optional<Mesh> mesh_;     // composed runs only
   Communicator* communicator_ = nullptr;
   std::vector<double> norm_weights_;  // composed: per training tensor, 1 / (its copies over the plugins)

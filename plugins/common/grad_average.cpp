@@ -27,9 +27,21 @@ GradientAverager::GradientAverager(const weft::sdk::Host& host, weft::sdk::Group
 }
 
 void GradientAverager::build(const std::vector<int64_t>& parameters, double bucket_mb) {
+  parameters_ = parameters;
+  bucket_mb_ = bucket_mb;
+  std::vector<int64_t> sizes;
+  for (int64_t i : parameters) sizes.push_back(element_count(host_.parameter_data(i)));  // local slice under TP
+  lay_out(sizes);
+}
+
+void GradientAverager::lay_out(const std::vector<int64_t>& sizes) {
   std::vector<BucketInput> inputs;
-  for (int64_t i : parameters) inputs.push_back({i, element_count(host_.parameter_data(i))});  // local slice under TP
-  const auto limit = static_cast<int64_t>(bucket_mb * 1024.0 * 1024.0);
+  for (size_t k = 0; k < parameters_.size(); ++k) inputs.push_back({parameters_[k], sizes[k]});
+  const auto limit = static_cast<int64_t>(bucket_mb_ * 1024.0 * 1024.0);
+  buckets_.clear();
+  position_.clear();
+  sizes_ = sizes;
+  for (size_t k = 0; k < parameters_.size(); ++k) position_[parameters_[k]] = k;
   for (BucketLayout& layout : build_buckets(inputs, limit > 0 ? limit : 1)) {
     Bucket bucket;
     bucket.layout = std::move(layout);
@@ -43,18 +55,25 @@ void GradientAverager::average() { reduce(1.0f / static_cast<float>(group_.size(
 void GradientAverager::sum() { reduce(1.0f); }
 
 void GradientAverager::reduce(float scale) {
+  // The gradients as the step left them: whole, or (ABI 1.14) the flat shards a stage-driving
+  // ZeRO-3 driver reduce-scattered them into; the buckets follow their sizes.
+  std::vector<DLTensor> grads(parameters_.size());
+  std::vector<int64_t> sizes(parameters_.size());
+  for (size_t k = 0; k < parameters_.size(); ++k) {
+    if (!host_.step_gradient(parameters_[k], grads[k]) || !is_fp32(grads[k])) {
+      throw Error(WEFT_STATUS_UNSUPPORTED, "gradient of parameter " + std::to_string(parameters_[k]) +
+                                               " is missing or not an fp32 tensor");
+    }
+    sizes[k] = element_count(grads[k]);
+  }
+  if (sizes != sizes_) lay_out(sizes);
   std::vector<weft::sdk::Work> works;
   for (Bucket& bucket : buckets_) {
     const BucketLayout& layout = bucket.layout;
     for (size_t k = 0; k < layout.parameters.size(); ++k) {
-      const DLTensor grad = host_.parameter_grad(layout.parameters[k]);
-      if (!is_fp32(grad) || element_count(grad) != layout.sizes[k]) {
-        throw Error(WEFT_STATUS_UNSUPPORTED, "gradient of parameter " + std::to_string(layout.parameters[k]) +
-                                                 " is not an fp32 tensor of the expected size");
-      }
       int64_t part_shape[2];
       DLTensor part = bucket.buffer.part(layout.offsets[k], layout.sizes[k], part_shape);
-      host_.copy(part, grad);
+      host_.copy(part, grads[position_.at(layout.parameters[k])]);
     }
     DLTensor view = bucket.buffer.view();
     works.push_back(host_.all_reduce(group_, view));
@@ -68,10 +87,9 @@ void GradientAverager::reduce(float scale) {
     }
     const BucketLayout& layout = bucket.layout;
     for (size_t k = 0; k < layout.parameters.size(); ++k) {
-      DLTensor grad = host_.parameter_grad(layout.parameters[k]);
       int64_t part_shape[2];
       const DLTensor part = bucket.buffer.part(layout.offsets[k], layout.sizes[k], part_shape);
-      host_.copy(grad, part);
+      host_.copy(grads[position_.at(layout.parameters[k])], part);
     }
   }
 }

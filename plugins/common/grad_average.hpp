@@ -8,6 +8,7 @@
 #define WEFT_PLUGINS_COMMON_GRAD_AVERAGE_HPP
 
 #include <cstdint>
+#include <map>
 #include <vector>
 
 #include <weft/strategy.hpp>
@@ -26,7 +27,9 @@ class GradientAverager {
   GradientAverager(const weft::sdk::Host& host, weft::sdk::Group group, double bucket_mb,
                    const std::vector<int64_t>& parameters);
 
-  // Replaces every gradient by its mean over the group. Collective over the group.
+  // Replaces every gradient by its mean over the group. Collective over the group. The gradient
+  // is the step's (Host::step_gradient): whole, or the flat shard a stage-driving ZeRO-3 driver
+  // already reduce-scattered it into (ABI 1.14; tp x zero-3), the buckets then laid out anew.
   void average();
   // Replaces every gradient by its sum over the group (gradients that are partial sums, e.g.
   // the replicated factor of a LoRA adapter on a tensor-parallel layer). Collective.
@@ -40,10 +43,14 @@ class GradientAverager {
     weft::sdk::Buffer buffer;  // fp32, on the rank's device
   };
   void build(const std::vector<int64_t>& parameters, double bucket_mb);
+  void lay_out(const std::vector<int64_t>& sizes);
   void reduce(float scale);
 
   weft::sdk::Host host_;
   weft::sdk::Group group_;
+  std::vector<int64_t> parameters_, sizes_;  // host indices and their gradients' element counts
+  std::map<int64_t, size_t> position_;        // host index -> its place in parameters_
+  double bucket_mb_ = 25.0;
   std::vector<Bucket> buckets_;
 };
 

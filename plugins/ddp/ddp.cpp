@@ -61,11 +61,17 @@ void Ddp::setup() {
     trainable.push_back({i, element_count(data)});  // this rank's tensor (a slice under TP)
   }
   for (const weft::sdk::Work& work : broadcasts) work.wait();
+  lay_out_buckets(trainable);
+  host().set_grad_ready_callback(&Ddp::grad_ready_trampoline, this);
+  WEFT_LOG_DEBUG(host(), "ddp: %zu trainable parameters in %zu buckets of <= %.3f MiB",
+                 trainable.size(), buckets_.size(), bucket_mb_);
+}
 
+void Ddp::lay_out_buckets(const std::vector<BucketInput>& trainable) {
   const auto limit = static_cast<int64_t>(bucket_mb_ * kBytesPerMiB);
   buckets_.clear();
-  bucket_of_.assign(static_cast<size_t>(count), -1);
-  ready_.assign(static_cast<size_t>(count), 0);
+  bucket_of_.assign(static_cast<size_t>(host().parameter_count()), -1);
+  ready_.assign(static_cast<size_t>(host().parameter_count()), 0);
   for (BucketLayout& layout : build_buckets(trainable, limit > 0 ? limit : 1)) {
     buckets_.emplace_back();
     Bucket& bucket = buckets_.back();
@@ -75,9 +81,26 @@ void Ddp::setup() {
       bucket_of_[static_cast<size_t>(parameter)] = static_cast<int64_t>(buckets_.size() - 1);
     }
   }
-  host().set_grad_ready_callback(&Ddp::grad_ready_trampoline, this);
-  WEFT_LOG_DEBUG(host(), "ddp: %zu trainable parameters in %zu buckets of <= %.3f MiB",
-                 trainable.size(), buckets_.size(), bucket_mb_);
+}
+
+// ABI 1.14: after a driver that reduce-scattered the gradients into its flat shards during its step
+// (a stage-driving ZeRO-3: cp x zero-3), the gradients to average are those shards; the buckets
+// are laid out again for their sizes (once: a shard keeps its size).
+void Ddp::match_step_gradients() {
+  std::vector<BucketInput> inputs;
+  bool same = true;
+  for (int64_t i = 0; i < static_cast<int64_t>(bucket_of_.size()); ++i) {
+    const int64_t b = bucket_of_[static_cast<size_t>(i)];
+    if (b < 0) continue;
+    const BucketLayout& layout = buckets_[static_cast<size_t>(b)].layout;
+    const auto k = static_cast<size_t>(
+        std::find(layout.parameters.begin(), layout.parameters.end(), i) - layout.parameters.begin());
+    DLTensor grad{};
+    const int64_t elements = host().step_gradient(i, grad) ? element_count(grad) : layout.sizes[k];
+    same = same && elements == layout.sizes[k];
+    inputs.push_back({i, elements});
+  }
+  if (!same) lay_out_buckets(inputs);
 }
 
 void Ddp::memory_plan(weft_memory_plan& plan) {
@@ -146,6 +169,7 @@ double Ddp::finish_step(const weft_step_info& step, double loss) {
   stats_ = StepStats{};
   stats_.step = step.step;
   try {
+    match_step_gradients();
     begin_sync();
     syncing_ = false;  // every bucket starts now, in order
     finish_sync();
@@ -233,14 +257,11 @@ void Ddp::fill_bucket(Bucket& bucket) {
     int64_t part_shape[2];
     DLTensor target = bucket.buffer.part(layout.offsets[k], layout.sizes[k], part_shape);
     DLTensor grad{};
-    weft_status* status = host().api()->parameter_grad(host().handle(), layout.parameters[k], &grad);
-    if (status != nullptr && host().api()->status_code(status) == WEFT_STATUS_INVALID_ARGUMENT) {
-      host().api()->status_release(status);  // no gradient yet: contributes zeros
+    if (!host().step_gradient(layout.parameters[k], grad)) {  // no gradient yet: contributes zeros
       ++stats_.missing_grads;
       host().scale(target, 0.0);
       continue;
     }
-    host().check(status);
     if (!is_fp32(grad) || element_count(grad) != layout.sizes[k]) {
       throw Error(WEFT_STATUS_UNSUPPORTED, "ddp: the gradient of parameter " + std::to_string(layout.parameters[k]) +
                                                " is not an fp32 tensor of its parameter's size");
@@ -266,15 +287,12 @@ void Ddp::scatter_bucket(Bucket& bucket) {
   const BucketLayout& layout = bucket.layout;
   for (size_t k = 0; k < layout.parameters.size(); ++k) {
     DLTensor grad{};
-    weft_status* status = host().api()->parameter_grad(host().handle(), layout.parameters[k], &grad);
-    if (status != nullptr && host().api()->status_code(status) == WEFT_STATUS_INVALID_ARGUMENT) {
+    if (!host().step_gradient(layout.parameters[k], grad)) {
       // Still no gradient after backward: nowhere to write the average (see the report).
-      host().api()->status_release(status);
       WEFT_LOG_WARN(host(), "ddp: parameter %" PRId64 " has no gradient to receive the average",
                     layout.parameters[k]);
       continue;
     }
-    host().check(status);
     int64_t part_shape[2];
     const DLTensor part = bucket.buffer.part(layout.offsets[k], layout.sizes[k], part_shape);
     host().copy(grad, part);

@@ -86,6 +86,11 @@ class Ddp : public weft::sdk::Strategy {
     weft::sdk::Work work;
   };
 
+  // The buckets for these trainable parameters and gradient sizes (setup; match_step_gradients).
+  void lay_out_buckets(const std::vector<BucketInput>& trainable);
+  // ABI 1.14: lays the buckets out again if the step's gradients (Host::step_gradient) are a
+  // stage-driving driver's flat shards rather than whole gradients.
+  void match_step_gradients();
   static void grad_ready_trampoline(void* user_data, int64_t parameter_index) noexcept;
   void on_grad_ready(int64_t parameter_index);
   void begin_sync();

@@ -38,11 +38,12 @@ Zero::Zero(weft::sdk::Host host) : Strategy(host), world_(host.world()) {
   // Gathered matrices in the compute dtype where the host can (ABI 1.6); a 1.3-1.5 host keeps fp32.
   compute_dtype_ = stage_ == 3 && param_dtype == "compute" && host.negotiated_minor() >= 6;
   if (!(bucket_mb_ > 0.0)) throw Error(WEFT_STATUS_BAD_CONFIG, "plugin.bucket_mb must be > 0, got " + std::to_string(bucket_mb_));
-  if (stage_ == 3 && host.composed()) {
+  // Composed, stage 3 drives the step itself (ABI 1.14 drives_stages): the host refuses it beside a pipeline.
+  if (stage_ == 3 && host.composed() && host.negotiated_minor() < 14) {
     throw Error(WEFT_STATUS_BAD_CONFIG,
                 "zero: plugin.stage = 3 gathers each model stage's parameters around its own forward and backward, "
-                "but in a run composed with other plugins another plugin runs them (and a pipeline keeps several "
-                "micro-batches of a stage in flight): use plugin.stage = 1 or 2 there");
+                "so in a run composed with other plugins it must drive the step, which needs a host of ABI 1.14 "
+                "(this one speaks 1." + std::to_string(host.negotiated_minor()) + "): use plugin.stage = 1 or 2 there");
   }
 }
 
@@ -54,6 +55,12 @@ Zero::~Zero() {
 void Zero::plan(weft_model_plan& plan) {
   plan.data_parallel_size = ranks_;
   plan.data_parallel_rank = rank_;
+  // Stage 3 runs the model stage by stage (staged_train_step): composed, it drives the step and
+  // the other plugins (tp, cp) finish the gradient shards it reduce-scattered (ABI 1.14).
+  if (stage_ == 3 && plan.struct_size >= offsetof(weft_model_plan, drives_stages) + sizeof(int32_t) &&
+      host().composed()) {
+    plan.drives_stages = 1;
+  }
 }
 
 void Zero::setup() {

@@ -89,7 +89,10 @@ TEST_F(Eval, EveryPluginReportsTheNumbersOfOneProcess) {
                {"context_parallel --nproc 2", 2}, {"context_parallel --nproc 2 --set plugin.mode=\"ring\"", 2},
                // Sequence splits across pipeline stages (ABI 1.13).
                {"context_parallel,gpipe --nproc 4 --set mesh.cp=2 --set mesh.pp=2", 4},
-               {"tensor_parallel,pipedream --nproc 4 --set mesh.tp=2 --set mesh.pp=2 --set plugin.sequence_parallel=true", 4}};
+               {"tensor_parallel,pipedream --nproc 4 --set mesh.tp=2 --set mesh.pp=2 --set plugin.sequence_parallel=true", 4},
+               // ZeRO-3 driving tp (sequence parallelism) and cp: each stage gathered for evaluation (ABI 1.14).
+               {"tensor_parallel,zero --nproc 4 --set mesh.tp=2 --set plugin.stage=3 --set plugin.sequence_parallel=true", 4},
+               {"context_parallel,zero --nproc 4 --set mesh.cp=2 --set plugin.stage=3", 4}};
   for (const auto& [plugin, processes] : cases) {
     const std::string out = dir_ + "/" + std::to_string(std::hash<std::string>{}(plugin)) + ".json";
     const auto r = run_trainer(args_ + weights + " --plugin " + plugin + " --json " + out + " eval");

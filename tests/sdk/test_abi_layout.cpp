@@ -26,7 +26,7 @@ TEST(AbiLayout, TablesAreAppendOnlyFromVersionOne) {
   // stage_memory) and 4 plugin slots (flat_shard, after_optimizer_step, materialize_parameters,
   // memory_plan). ABI 1.5 appended attention_block; ABI 1.11 backward_input, backward_weight and
   // weight_pass_release.
-  EXPECT_EQ(sizeof(weft_host_api), 8 + 62 * sizeof(void*));  // + 1.12's mesh_info, group_mesh
+  EXPECT_EQ(sizeof(weft_host_api), 8 + 63 * sizeof(void*));  // + 1.12's mesh_info, group_mesh, 1.14's parameter_grad_step
   EXPECT_EQ(offsetof(weft_host_api, attention_block), 8 + 56 * sizeof(void*));
   EXPECT_EQ(offsetof(weft_host_api, backward_input), 8 + 57 * sizeof(void*));
   EXPECT_EQ(offsetof(weft_host_api, weight_pass_release), 8 + 59 * sizeof(void*));
@@ -96,7 +96,9 @@ TEST(AbiLayout, TablesAreAppendOnlyFromVersionOne) {
   EXPECT_EQ(WEFT_MAX_STAGE_CHUNKS, 16);
   // ABI 1.11 appended split_backward (zero-bubble schedules).
   EXPECT_EQ(offsetof(weft_model_plan, split_backward), 64u + 2 * 16 * 8);
-  EXPECT_EQ(sizeof(weft_model_plan), 64u + 2 * 16 * 8 + 8);
+  // ABI 1.14 appended drives_stages (a 1.13 host's struct_size of 328 stops before it).
+  EXPECT_EQ(offsetof(weft_model_plan, drives_stages), 64u + 2 * 16 * 8 + 8);
+  EXPECT_EQ(sizeof(weft_model_plan), 64u + 2 * 16 * 8 + 16);
   EXPECT_EQ(WEFT_ABI_VERSION_MAJOR, 1);
   // ABI 1.12: the host's mesh_info and group_mesh, weft_mesh_info, weft_mesh_dim.
   EXPECT_EQ(offsetof(weft_host_api, mesh_info), 8 + 60 * sizeof(void*));
@@ -111,7 +113,9 @@ TEST(AbiLayout, TablesAreAppendOnlyFromVersionOne) {
   EXPECT_EQ(sizeof(weft_step_info), 56u);
   EXPECT_EQ(offsetof(weft_memory_plan, stage_tokens), 64u);
   EXPECT_EQ(sizeof(weft_memory_plan), 72u);
-  EXPECT_EQ(WEFT_ABI_VERSION_MINOR, 13);
+  // ABI 1.14 appended the host's parameter_grad_step.
+  EXPECT_EQ(offsetof(weft_host_api, parameter_grad_step), 8 + 62 * sizeof(void*));
+  EXPECT_EQ(WEFT_ABI_VERSION_MINOR, 14);
 }
 
 }  // namespace

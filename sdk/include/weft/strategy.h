@@ -1,7 +1,7 @@
 /*
  * weft/strategy.h - the weft strategy plugin ABI (C99).
  *
- * STATUS: ABI 1.13, implemented by the host (core/plugin) and used by single.so, ddp.so, gpipe.so,
+ * STATUS: ABI 1.14, implemented by the host (core/plugin) and used by single.so, ddp.so, gpipe.so,
  * pipedream.so, tensor_parallel.so, zero.so and context_parallel.so (plan stage ranges: the
  * pipelines; shard_parameter, comm_point and sequence_region: tensor parallelism; flat shards of
  * the training state: zero; sequence parallelism: context_parallel). 1.1 appended model_info, tracing, report_metric,
@@ -35,7 +35,10 @@
  * the plugin's mesh_dimensions, finish_step, finish_eval and gradient_copies. 1.13 appended sequence
  * splits across a split of the model's stages (context parallelism or Megatron sequence parallelism
  * with a pipeline): weft_step_info's and weft_memory_plan's stage_tokens, the tokens per row of the
- * hidden states passed between stages. See sdk/DESIGN.md.
+ * hidden states passed between stages. 1.14 appended a data-parallel plugin that runs the model stage
+ * by stage driving a composition without a pipeline (ZeRO-3 x TP, torchtitan's FSDP x TP, and x CP):
+ * weft_model_plan's drives_stages and the host's parameter_grad_step (the gradient a finishing plugin
+ * combines, a shard where the driver already reduce-scattered it). See sdk/DESIGN.md.
  *
  * A strategy plugin is a shared library that exports exactly one symbol, the C function
  * `weft_strategy_entry` (WEFT_STRATEGY_ENTRY_SYMBOL). The host loads it with
@@ -93,7 +96,7 @@ extern "C" {
 /* The ABI version this header describes. Major: incompatible changes; it must match exactly.
  * Minor: append-only additions; host and plugin use min(host minor, plugin minor). */
 #define WEFT_ABI_VERSION_MAJOR 1
-#define WEFT_ABI_VERSION_MINOR 13
+#define WEFT_ABI_VERSION_MINOR 14
 
 /* The one symbol a plugin exports. */
 #define WEFT_STRATEGY_ENTRY_SYMBOL "weft_strategy_entry"
@@ -325,6 +328,19 @@ typedef struct weft_model_plan {
    * gradients can be computed apart. 0: backward_input is refused. */
   int32_t split_backward;
   int32_t reserved_1_11;  /* 0; alignment */
+  /* Since 1.14 (written only when plan->struct_size covers it; pre-filled 0; read in a composed
+   * run only): 1 = this plugin runs the model stage by stage itself in train_step and eval_step
+   * (ZeRO-3 / FSDP gathering each stage's parameters before its forward and backward and
+   * reduce-scattering its gradients right after its backward), so it must drive the step. Where
+   * no plugin of the run splits the stages, the host makes it the driver: the plugin that would
+   * have driven (tp, else cp) finishes instead, and the others keep their order (tp, cp, dp);
+   * every plugin's weft_mesh_info.driver says so from setup on. The finishing plugins then find
+   * the gradients the driver sharded already reduced into its flat shards: they combine them
+   * through parameter_grad_step. With a plugin owning pp (which runs several micro-batches of a
+   * stage in flight) the host refuses the plan before the model is built. At most one plugin per
+   * run sets it. */
+  int32_t drives_stages;
+  int32_t reserved_1_14;  /* 0; alignment */
 } weft_model_plan;
 
 /* The most chunks weft_model_plan.stage_chunks may name (the length of chunk_stages / 2). Since 1.10. */
@@ -460,7 +476,9 @@ typedef struct weft_mesh_info {
   uint32_t struct_size;   /* set by the CALLER to sizeof its struct (as model_info) */
   int32_t dimension;      /* the weft_mesh_dim this plugin owns; -1 when it runs alone (no mesh) */
   int32_t driver;         /* 1: the host calls this plugin's train_step and eval_step; 0: its
-                             finish_step and finish_eval after the driver's */
+                             finish_step and finish_eval after the driver's. Fixed from setup
+                             on; until the plans are merged it is the mesh's guess (pp, else tp,
+                             cp, dp), which a drives_stages plan changes (1.14) */
   int32_t plugins;        /* how many plugins the run composes (1 when alone) */
   int32_t size[WEFT_MESH_DIMS];  /* ranks along each dimension (indexed by weft_mesh_dim); their
                                     product is the world size */
@@ -800,6 +818,19 @@ typedef struct weft_host_api {
    * that no plugin of the run owns (the host makes no group for it). Alone: the world for
    * WEFT_MESH_DP, NULL for the others. Since 1.12. */
   weft_group* (*group_mesh)(weft_host* host, int32_t dimension);
+
+  /* ---------------------------------- since 1.14 --------------------------------------- */
+  /* The gradient of parameter `index` as the driver's train_step left it, for a plugin finishing
+   * the step along its dimension (finish_step) to combine: the whole gradient (parameter_grad),
+   * except where the driver runs the model stage by stage and shards the training state
+   * (weft_model_plan.drives_stages, ZeRO-3), which reduce-scatters every trainable gradient into
+   * its flat shard during the step and frees the whole one: then that shard's gradient (1-D,
+   * fp32, the view parameter_grad_shard gives the sharding plugin). Every rank of another
+   * dimension holds the same local parameter and so the same flat range, and sums and means are
+   * linear: combining the shards over tp or cp gives the shards of the combined gradient. A
+   * writable view, valid until the next backward or optimizer step; WEFT_STATUS_INVALID_ARGUMENT
+   * where the parameter has no gradient this step (frozen, or unused). Since 1.14. */
+  weft_status* (*parameter_grad_step)(weft_host* host, int64_t index, DLTensor* out);
 } weft_host_api;
 
 /* ------------------------------------------------------------------------------------------
@@ -975,7 +1006,9 @@ typedef struct weft_strategy_api {
    * plan may leave pre-filled or write alike). The gradient norm for clipping is the host's: the sum over the
    * world of each gradient's squared norm divided by its copies (gradient_copies) in every plugin.
    * A plugin below 1.12, or one whose mesh_dimensions lacks the dimension it is given, is refused
-   * in a composed run; alone, nothing here is used. */
+   * in a composed run; alone, nothing here is used. Since 1.14 a data-parallel plugin whose plan
+   * sets drives_stages (ZeRO-3) drives instead where no plugin owns pp; the finishing plugins read
+   * the gradients with the host's parameter_grad_step. */
   /* Bit mask of the weft_mesh_dim values this plugin can own (1u << WEFT_MESH_TP, ...); 0: the
    * plugin runs alone only. Data, not a function. Since 1.12. */
   uint32_t mesh_dimensions;
@@ -985,7 +1018,8 @@ typedef struct weft_strategy_api {
    * data-parallel group, sum the partial gradients of replicated weights over the tensor-parallel
    * group) and turn *loss_inout, the mean loss over the ranks before this dimension, into the mean
    * over this dimension too (every rank of the group then holds the same value). Collective over
-   * the plugin's dimension. Since 1.12. */
+   * the plugin's dimension. Since 1.12. Since 1.14 the gradient to finish is parameter_grad_step's
+   * (a flat shard where a stage-driving ZeRO-3 reduce-scattered it already; see drives_stages). */
   weft_status* (*finish_step)(weft_strategy* strategy, const weft_step_info* step, double* loss_inout);
   /* Required of every plugin but the driver in a composed run. After the driver's eval_step: turn
    * the held-out batch's token-loss sum and token count over the ranks before this dimension into

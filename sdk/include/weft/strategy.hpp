@@ -791,6 +791,24 @@ class Host {
     return Group(api_, group);
   }
 
+  // --- since ABI 1.14 ---
+  // The gradient of parameter `index` that a finishing plugin combines after the driver's step
+  // (strategy.h parameter_grad_step): the whole gradient, or the flat shard's where a stage-driving
+  // ZeRO-3 already reduce-scattered it. False (out untouched) where the parameter has no gradient
+  // this step. On an older host: parameter_grad (drivers there never shard before finish_step).
+  bool step_gradient(int64_t index, DLTensor& out) const {
+    DLTensor view{};
+    weft_status* status = negotiated_minor() >= 14 ? api_->parameter_grad_step(host_, index, &view)
+                                                   : api_->parameter_grad(host_, index, &view);
+    if (status != nullptr && api_->status_code(status) == WEFT_STATUS_INVALID_ARGUMENT) {
+      api_->status_release(status);
+      return false;
+    }
+    check(status);
+    out = view;
+    return true;
+  }
+
   // Adopts raw handles this host created.
   Activation activation(weft_activation* handle) const noexcept {
     return Activation(api_, host_, handle);

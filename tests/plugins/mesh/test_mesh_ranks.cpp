@@ -31,8 +31,12 @@ TEST(MeshRun, CompositionsThatCannotWorkAreRefusedBeforeCompute) {
       {"--plugin tensor_parallel,gpipe --nproc 4 --set mesh.tp=2 --set mesh.pp=1",
        "has dp = 2 but no plugin of train.plugin = \"tensor_parallel,gpipe\" owns it: add ddp"},
       {"--plugin gpipe,pipedream --nproc 2", "pipedream owns the same mesh dimension as another: pp (gpipe)"},
+      // ZeRO-3 drives the step itself (ABI 1.14 drives_stages), which a pipeline also does.
       {"--plugin gpipe,zero --nproc 4 --set mesh.pp=2 --set plugin.stage=3",
-       "zero: plugin.stage = 3 gathers each model stage's parameters around its own forward and backward"},
+       "plugin zero runs the model stage by stage itself (its plan's drives_stages: ZeRO-3 gathers each stage's "
+       "parameters around that stage's forward and backward), but plugin gpipe splits the stages over pipeline ranks"},
+      {"--plugin tensor_parallel,pipedream,zero --nproc 8 --set mesh.tp=2 --set mesh.pp=2 --set plugin.stage=3",
+       "plugin zero runs the model stage by stage itself"},
       // A plugin built before ABI 1.12 still runs alone (PluginLoader.*) but does not compose.
       {"--plugin " + std::string(WEFT_PLUGIN_FIXTURE_DIR) + "/good.so,gpipe --nproc 2",
        "plugin good (ABI 1.0) cannot compose with others on a device mesh (ABI 1.12)"},
@@ -73,6 +77,16 @@ TEST(MeshRun, AComposedRunSaysHowItLaysTheRanksOutAndWhoDrivesTheStep) {
                           "tensor_parallel owns tp (2), ddp owns dp (2)"),
             std::string::npos)
       << r.output;
+  // ZeRO-3 runs the stages itself (ABI 1.14 drives_stages): it takes the step over from tensor_parallel
+  // and context_parallel, which finish it, and every plugin's mesh_info says who drives.
+  const auto fsdp = run_trainer(tiny_args(dir, corpus) + " --plugin context_parallel,zero,tensor_parallel --nproc 8"
+                                " --set mesh.tp=2 --set mesh.cp=2 --set plugin.stage=3 --set train.overwrite=true --log-level info");
+  ASSERT_EQ(fsdp.exit_code, 0) << fsdp.output;
+  EXPECT_NE(fsdp.output.find("device mesh dp 2 x cp 2 x tp 2 (8 ranks): tensor_parallel drives the step"),
+            std::string::npos) << fsdp.output;
+  EXPECT_NE(fsdp.output.find("plugin zero runs the model stage by stage, so it drives the step; tensor_parallel, "
+                             "context_parallel finish it"),
+            std::string::npos) << fsdp.output;
 }
 
 // [plugin.<name>] settings reach that plugin alone: context_parallel's and pipedream's `mode` differ in one run.

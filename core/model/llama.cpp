@@ -167,8 +167,8 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const ModelConfig& config, const Mode
     const auto& shards = *options_.tensor_sequence;
     WEFT_CHECK(shards.rank >= 0 && shards.rank < shards.size && shards.collective,
                "tensor sequence parallelism: rank {} of {}", shards.rank, shards.size);
-    WEFT_CHECK(options_.sequence == nullptr || options_.sequence->size == 1,
-               "tensor sequence parallelism cannot be combined with context parallelism's sequence split");
+    // Beside context parallelism's split the regions gather this process's share of each sequence, on
+    // which the attention's all-to-all or ring works as without sequence parallelism.
     // Stages may be split (a pipeline passes this process's tokens between them); where the embedding or
     // the LM head is held, it is a vocabulary slice.
     const bool vocab_held = holds_stage(0) || (holds_stage(num_stages() - 1) && !config_.classification());

@@ -454,20 +454,23 @@ Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute
                  "plugin {}: plan shards the residual stream's tokens over {} ranks (tensor_sequence_size) but the "
                  "plugin has no sequence_region",
                  tensor_sequence_lib.name(), size);
-      WEFT_CHECK(placement.sequence_parallel_size == 1,
-                 "plugin {}: plan splits sequences both between ranks (sequence_parallel_size {}) and between "
-                 "tensor-parallel regions (tensor_sequence_size {}): choose one",
-                 tensor_sequence_lib.name(), placement.sequence_parallel_size, size);
-      WEFT_CHECK(seq_len % size == 0, "data.seq_len = {} cannot be split over {} tensor-parallel ranks (plugin {}, "
-                 "sequence parallelism): choose a multiple of {}", seq_len, size, tensor_sequence_lib.name(), size);
+      // Beside context parallelism (1.14 hosts) the regions gather this rank's share of each sequence
+      // (seq_len / sequence_parallel_size tokens), which the tensor-parallel ranks then split.
+      const int64_t share = seq_len / std::max<int64_t>(1, placement.sequence_parallel_size);
+      WEFT_CHECK(share % size == 0, "data.seq_len = {}{} cannot be split over {} tensor-parallel ranks (plugin {}, "
+                 "sequence parallelism): choose a multiple of {}", seq_len,
+                 placement.sequence_parallel_size > 1
+                     ? fmt::format(" ({} tokens per context-parallel rank)", share) : std::string(),
+                 size, tensor_sequence_lib.name(), size * std::max<int64_t>(1, placement.sequence_parallel_size));
       WEFT_CHECK(split_stages_ok,
                  "plugin {} shards the residual stream's tokens over {} ranks, but plugin {} (ABI 1.{}) splits the "
                  "model's stages and passes whole sequences between them: sequence parallelism across stages needs "
                  "ABI 1.13 (rebuild it against this SDK)",
                  tensor_sequence_lib.name(), size, stages_lib.name(), stages_lib.negotiated_abi().minor);
       spdlog::info("plugin {} shards the residual stream between tensor-parallel regions over {} ranks (Megatron "
-                   "sequence parallelism): this rank holds tokens [{}, {}) of each sequence there",
-                   tensor_sequence_lib.name(), size, rank * seq_len / size, (rank + 1) * seq_len / size);
+                   "sequence parallelism): this rank holds tokens [{}, {}) of each sequence{} there",
+                   tensor_sequence_lib.name(), size, rank * share / size, (rank + 1) * share / size,
+                   placement.sequence_parallel_size > 1 ? "'s context-parallel share" : "");
     }
     tensor_sequence_ = SequenceShards{};
     tensor_sequence_.rank = rank;

@@ -340,6 +340,8 @@ std::vector<ConformanceCase> conformance_matrix() {
   both("context_parallel,pipedream", 4,
        {"mesh.cp=2", "mesh.pp=2", "plugin.context_parallel.mode=\"ring\"", "plugin.schedule=\"zbh1\""});
   both("tensor_parallel,gpipe", 4, {"mesh.tp=2", "mesh.pp=2", "plugin.sequence_parallel=true"});
+  // Context parallelism x tensor parallelism with sequence parallelism (1.14 hosts).
+  both("context_parallel,tensor_parallel", 4, {"mesh.cp=2", "mesh.tp=2", "plugin.sequence_parallel=true"});
   // ZeRO-3 driving tp (with sequence parallelism too) and cp (ABI 1.14: FSDP x TP, FSDP x CP).
   both("tensor_parallel,zero", 4, {"mesh.tp=2", "plugin.stage=3"});
   both("tensor_parallel,zero", 4, {"mesh.tp=2", "plugin.stage=3", "plugin.sequence_parallel=true"});

@@ -92,7 +92,10 @@ TEST_F(Eval, EveryPluginReportsTheNumbersOfOneProcess) {
                {"tensor_parallel,pipedream --nproc 4 --set mesh.tp=2 --set mesh.pp=2 --set plugin.sequence_parallel=true", 4},
                // ZeRO-3 driving tp (sequence parallelism) and cp: each stage gathered for evaluation (ABI 1.14).
                {"tensor_parallel,zero --nproc 4 --set mesh.tp=2 --set plugin.stage=3 --set plugin.sequence_parallel=true", 4},
-               {"context_parallel,zero --nproc 4 --set mesh.cp=2 --set plugin.stage=3", 4}};
+               {"context_parallel,zero --nproc 4 --set mesh.cp=2 --set plugin.stage=3", 4},
+               // Context parallelism (ring) with Megatron sequence parallelism.
+               {"context_parallel,tensor_parallel --nproc 4 --set mesh.cp=2 --set mesh.tp=2 --set plugin.sequence_parallel=true"
+                " --set plugin.mode=\"ring\"", 4}};
   for (const auto& [plugin, processes] : cases) {
     const std::string out = dir_ + "/" + std::to_string(std::hash<std::string>{}(plugin)) + ".json";
     const auto r = run_trainer(args_ + weights + " --plugin " + plugin + " --json " + out + " eval");

@@ -297,7 +297,8 @@ TEST(ShardedCheckpoint, APipelineTimesZeroMeshSavesEachStagesWholeStateAndResume
 }
 
 // The other compositions the conformance matrix verifies (tp x dp, cp x tp, cp x dp, tp x zero
-// stage 1, pp x dp with LoRA, cp x pp, tp with sequence parallelism x pp, tp x zero-3, cp x zero-3): each saves at step 3, resumes on its own mesh and as one process,
+// stage 1, pp x dp with LoRA, cp x pp, tp with sequence parallelism x pp, tp x zero-3, cp x zero-3,
+// cp x tp with sequence parallelism): each saves at step 3, resumes on its own mesh and as one process,
 // and both continue the uninterrupted run. LoRA's dropout (0.05 by default) draws other masks in
 // another layout, so the LoRA case resumes as one process without it; on its own mesh, with it,
 // each rank takes back its own generators and the resumed losses are the same to the bit.
@@ -322,6 +323,9 @@ TEST(ShardedCheckpoint, EveryOtherCompositionResumesOnItsMeshAndAsOneProcess) {
       // ZeRO-3 driving tp and cp (ABI 1.14): parameters, gradients and optimizer state sharded over dp.
       {"tp2xzero3", "tensor_parallel,zero", "--set mesh.tp=2 --set plugin.stage=3", true, 1e-5},
       {"cp2xzero3", "context_parallel,zero", "--set mesh.cp=2 --set plugin.stage=3", true, 1e-5},
+      // Context parallelism with Megatron sequence parallelism.
+      {"cp2xtp2sp", "context_parallel,tensor_parallel", "--set mesh.cp=2 --set mesh.tp=2 --set plugin.sequence_parallel=true",
+       true, 1e-5},
   };
   const std::string root = fresh_dir("sharded_checkpoint", "compositions");
   for (const auto& c : compositions) {

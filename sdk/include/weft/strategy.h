@@ -303,7 +303,9 @@ typedef struct weft_model_plan {
    * rows). The RMSNorm weights' gradients then hold this rank's tokens' share: the plugin sums
    * them over the group. Needs: a vocabulary-parallel
    * embedding (its all-reduce becomes the reduce-scatter), seq_len divisible by size, whole
-   * sequences otherwise (sequence_parallel_size 1), the sequence_region slot, and every stage held
+   * sequences otherwise (sequence_parallel_size 1; hosts of 1.14 also take a context-parallel
+   * split: the regions then gather this rank's seq_len / sequence_parallel_size tokens, which size
+   * must divide), the sequence_region slot, and every stage held
    * unless the plugin that splits the stages negotiated 1.13 (the stages then pass this rank's
    * tokens: weft_step_info.stage_tokens); the host refuses the plan before the model is built
    * otherwise. */

@@ -52,9 +52,11 @@ TEST(MeshRun, CompositionsThatCannotWorkAreRefusedBeforeCompute) {
        " --set mesh.pp=2 --set plugin.sequence_parallel=true",
        "plugin tensor_parallel shards the residual stream's tokens over 2 ranks, but plugin stages_1_12 (ABI 1.12) splits "
        "the model's stages and passes whole sequences between them"},
-      // Context and Megatron sequence parallelism each split the tokens: one of them per run.
-      {"--plugin context_parallel,tensor_parallel --nproc 4 --set mesh.cp=2 --set mesh.tp=2 --set plugin.sequence_parallel=true",
-       "plan splits sequences both between ranks (sequence_parallel_size 2) and between tensor-parallel regions"},
+      // Context parallelism and Megatron sequence parallelism together: the tensor-parallel ranks split each
+      // context-parallel rank's share of the tokens, which must divide.
+      {"--plugin context_parallel,tensor_parallel --nproc 4 --set mesh.cp=2 --set mesh.tp=2 --set plugin.sequence_parallel=true"
+       " --set data.seq_len=34",
+       "data.seq_len = 34 (17 tokens per context-parallel rank) cannot be split over 2 tensor-parallel ranks"},
   };
   for (const auto& c : cases) {
     const auto r = run_trainer(tiny_args(dir, corpus) + " " + c.args);

@@ -503,6 +503,20 @@ ShardMap StrategySession::shards(const ModelConfig& config, const StageSet& stag
     shards[name] = ParameterShard{shard.dim, shard.parts, shard.index};
   }
   }
+  // Ulysses moves heads: this rank's heads (after a tensor-parallel split of q_proj) must divide
+  // over the sequence-parallel ranks, or the first forward would refuse it after compute started.
+  if (sequence_.size > 1 && !sequence_ring_) {
+    int64_t parts = 1;
+    for (const auto& [name, shard] : shards) {
+      if (name.find("self_attn.q_proj.weight") != std::string::npos) parts = shard.parts;
+    }
+    const int64_t local = config.num_attention_heads / parts;
+    WEFT_CHECK(local % sequence_.size == 0,
+               "the model's {} attention heads, {} per tensor-parallel rank, cannot be split over {} sequence-parallel "
+               "ranks (plugin {}, all-to-all around attention): choose sizes that divide the heads, or ring attention "
+               "(plugin.mode = \"ring\")",
+               config.num_attention_heads, local, sequence_.size, members_[static_cast<size_t>(sequence_owner_)].library->name());
+  }
   return shards;
 }
 

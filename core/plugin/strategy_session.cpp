@@ -304,6 +304,14 @@ void StrategySession::drive_from(size_t index, int stages) {
   }
   WEFT_CHECK(runner.library->api().train_step != nullptr,
              "plugin {}: its plan drives the stages (drives_stages) but it has no train_step", runner.library->name());
+  for (const Member& m : members_) {  // a finisher built before 1.14 would look for whole gradients
+    WEFT_CHECK(&m == &runner || m.library->negotiated_abi().minor >= 14,
+               "plugin {} (ABI 1.{}) finishes the step on whole gradients, but plugin {} drives the stages and leaves "
+               "them reduce-scattered into its shards (ABI 1.14 parameter_grad_step): rebuild {} against this SDK, "
+               "or use a stage of {} that does not drive (zero: plugin.stage = 1 or 2)",
+               m.library->name(), m.library->negotiated_abi().minor, runner.library->name(), m.library->name(),
+               runner.library->name());
+  }
   if (index > 0) {
     Member moved = std::move(members_[index]);
     members_.erase(members_.begin() + static_cast<std::ptrdiff_t>(index));

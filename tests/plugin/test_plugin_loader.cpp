@@ -287,7 +287,7 @@ TEST(PluginLoader, ListsEveryLibraryInTheSearchPathWithItsProblem) {
   EXPECT_EQ(listings[0].path, "(built in)");
   EXPECT_EQ(listings[0].name, "single");
   EXPECT_EQ(listings[0].problem, "");
-  EXPECT_EQ(files, (std::vector<std::string>{"(built in)", "bad_chunks.so", "entry_null.so", "error_create.so", "good.so", "missing_create.so",
+  EXPECT_EQ(files, (std::vector<std::string>{"(built in)", "bad_chunks.so", "entry_null.so", "error_create.so", "finish_1_13.so", "good.so", "missing_create.so",
                                              "missing_name.so", "needs_newer_host.so", "newer_minor.so",
                                              "no_entry.so", "not_a_library.so", "stages_1_12.so", "too_small.so",
                                              "undefined_symbol.so", "wrong_major.so"}));

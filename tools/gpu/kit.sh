@@ -275,6 +275,8 @@ mesh_step() {
     "tp2xpp2xdp2 8 tensor_parallel,pipedream,ddp --set mesh.tp=2 --set mesh.pp=2 --set mesh.dp=2"
     "cp2xpp2 4 context_parallel,gpipe --set mesh.cp=2 --set mesh.pp=2"
     "tp2spxpp2 4 tensor_parallel,gpipe --set mesh.tp=2 --set mesh.pp=2 --set plugin.sequence_parallel=true"
+    "tp2xzero3 4 tensor_parallel,zero --set mesh.tp=2 --set plugin.stage=3"
+    "cp2xtp2sp_ring 4 context_parallel,tensor_parallel --set mesh.cp=2 --set mesh.tp=2 --set plugin.sequence_parallel=true --set plugin.mode=ring"
     "tp2_sequence_parallel 2 tensor_parallel --set plugin.sequence_parallel=true"
     "tp2_sequence_parallel_lora 2 tensor_parallel --set plugin.sequence_parallel=true --set train.mode=lora"
     "interleaved_3chunks_lora 2 gpipe --set plugin.schedule=\"interleaved1f1b\" --set plugin.chunks=3 --set train.mode=lora"

@@ -339,8 +339,9 @@ typedef struct weft_model_plan {
    * every plugin's weft_mesh_info.driver says so from setup on. The finishing plugins then find
    * the gradients the driver sharded already reduced into its flat shards: they combine them
    * through parameter_grad_step. With a plugin owning pp (which runs several micro-batches of a
-   * stage in flight) the host refuses the plan before the model is built. At most one plugin per
-   * run sets it. */
+   * stage in flight), or beside a finishing plugin negotiated below 1.14 (it would look for whole
+   * gradients), the host refuses the plan before the model is built. At most one plugin per run
+   * sets it. */
   int32_t drives_stages;
   int32_t reserved_1_14;  /* 0; alignment */
 } weft_model_plan;

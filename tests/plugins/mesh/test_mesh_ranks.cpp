@@ -37,6 +37,10 @@ TEST(MeshRun, CompositionsThatCannotWorkAreRefusedBeforeCompute) {
        "parameters around that stage's forward and backward), but plugin gpipe splits the stages over pipeline ranks"},
       {"--plugin tensor_parallel,pipedream,zero --nproc 8 --set mesh.tp=2 --set mesh.pp=2 --set plugin.stage=3",
        "plugin zero runs the model stage by stage itself"},
+      // A finishing plugin built before ABI 1.14 combines whole gradients, which ZeRO-3 driving has sharded.
+      {"--plugin " + std::string(WEFT_PLUGIN_FIXTURE_DIR) + "/finish_1_13.so,zero --nproc 4 --set mesh.tp=2 --set plugin.stage=3",
+       "plugin finish_1_13 (ABI 1.13) finishes the step on whole gradients, but plugin zero drives the stages and leaves "
+       "them reduce-scattered into its shards"},
       // A plugin built before ABI 1.12 still runs alone (PluginLoader.*) but does not compose.
       {"--plugin " + std::string(WEFT_PLUGIN_FIXTURE_DIR) + "/good.so,gpipe --nproc 2",
        "plugin good (ABI 1.0) cannot compose with others on a device mesh (ABI 1.12)"},

@@ -1,7 +1,12 @@
 # LibTorch for weft, found in one place. tools/setup.sh points CMAKE_PREFIX_PATH at PyTorch's
-# wheel (WEFT_LIBTORCH=wheel, the default: the LibTorch users install with `pip install torch`)
-# or at /usr for Debian 12's libtorch-dev 1.13 (WEFT_LIBTORCH=debian); any other LibTorch (a
-# libtorch zip, another wheel) works the same way through CMAKE_PREFIX_PATH or Torch_DIR.
+# wheel (WEFT_LIBTORCH=wheel, the default: the LibTorch users install with `pip install torch`);
+# any other LibTorch 2.x (an unzipped libtorch, a conda or pip torch/ folder) works the same way
+# through WEFT_LIBTORCH=DIR, CMAKE_PREFIX_PATH or Torch_DIR.
+#
+# weft needs LibTorch WEFT_LIBTORCH_MIN (2.5) or newer, the oldest whose APIs it uses:
+# at::scaled_dot_product_attention's enable_gqa (2.5), TCPStoreOptions::useLibUV and
+# c10d::Backend::shutdown (2.4), aten::_fused_adamw_ on the CPU (2.4). An older one is refused
+# here, before anything compiles.
 #
 # Sets TORCH_LIBRARIES (link it), WEFT_TORCH_CUDA and WEFT_TORCH_NCCL (ON when LibTorch's CUDA
 # and NCCL paths are compiled into weft), and prints one line saying what was found.
@@ -10,6 +15,7 @@
 # on a machine without one weft builds CPU only against the same LibTorch's CPU libraries
 # (libtorch_cpu, libc10), saying so. WEFT_CUDA=OFF asks for that CPU build explicitly.
 
+set(WEFT_LIBTORCH_MIN 2.5)
 option(WEFT_CUDA "Compile LibTorch's CUDA and NCCL paths when LibTorch and the machine have them" ON)
 
 # Where is TorchConfig.cmake (as find_package would look), and was that LibTorch built with CUDA?
@@ -27,6 +33,15 @@ if(NOT WEFT_TORCH_CMAKE_DIR)
     "print(torch.utils.cmake_prefix_path)')")
 endif()
 get_filename_component(_weft_torch_prefix "${WEFT_TORCH_CMAKE_DIR}/../../.." ABSOLUTE)
+# The version, before TorchConfig.cmake (which would fail on an old LibTorch in other ways).
+set(PACKAGE_FIND_VERSION ${WEFT_LIBTORCH_MIN})
+include("${WEFT_TORCH_CMAKE_DIR}/TorchConfigVersion.cmake")
+set(_weft_found_version ${PACKAGE_VERSION})
+unset(PACKAGE_FIND_VERSION)
+if(_weft_found_version VERSION_LESS WEFT_LIBTORCH_MIN)
+  message(FATAL_ERROR "weft: LibTorch ${_weft_found_version} found at ${_weft_torch_prefix}; weft needs LibTorch "
+    "${WEFT_LIBTORCH_MIN} or newer (tools/setup.sh installs PyTorch's wheel; WEFT_LIBTORCH=DIR names another 2.x)")
+endif()
 set(_weft_torch_is_cuda OFF)
 if(EXISTS "${WEFT_TORCH_CMAKE_DIR}/../Caffe2/Caffe2Config.cmake")
   file(STRINGS "${WEFT_TORCH_CMAKE_DIR}/../Caffe2/Caffe2Config.cmake" _weft_cuda_line
@@ -52,8 +67,7 @@ if(_weft_torch_is_cuda AND NOT _weft_have_toolkit)
   else()
     message(STATUS "weft: WEFT_CUDA=OFF: building CPU only against ${_weft_torch_prefix}")
   endif()
-  include("${WEFT_TORCH_CMAKE_DIR}/TorchConfigVersion.cmake")
-  set(Torch_VERSION ${PACKAGE_VERSION})
+  set(Torch_VERSION ${_weft_found_version})
   set(TORCH_INSTALL_PREFIX ${_weft_torch_prefix})
   add_library(weft_torch_cpu INTERFACE)
   target_include_directories(weft_torch_cpu SYSTEM INTERFACE
@@ -72,7 +86,7 @@ else()
 endif()
 
 # A LibTorch's headers with another LibTorch's libraries link and then crash: TorchConfig.cmake's
-# find_library also searches the system's directories, where Debian's libtorch-dev may be.
+# find_library also searches the system's directories, where a system LibTorch may be.
 get_filename_component(_weft_torch_lib "${TORCH_LIBRARY}" REALPATH)
 get_filename_component(_weft_torch_root "${TORCH_INSTALL_PREFIX}" REALPATH)
 if(NOT _weft_torch_lib MATCHES "^${_weft_torch_root}/")

@@ -15,9 +15,8 @@ With --parallel pp the processes are the stages of one pipeline run by torch.dis
 (ScheduleInterleaved1F1B, two stages per process), each step's rows cut into --microbatches
 micro-batches; the layers are split as evenly as their count allows, the first stage holding the embedding and the last the
 norm and head (tied embeddings: the two copies' gradients summed). Standard library + torch only; trainer bench runs it with the Python of
-tools/setup.sh's virtual environment (PyTorch's wheel; WEFT_PYTHON chooses another). On PyTorch
-2.x attention is F.scaled_dot_product_attention, as transformers' default; 1.13 has the explicit
-softmax.
+tools/setup.sh's virtual environment (PyTorch's wheel; WEFT_PYTHON chooses another). Attention is
+F.scaled_dot_product_attention, as transformers' default.
 
   ~/.cache/weft/venv/bin/python python/pytorch_baseline.py --data DIR --nproc N --out RUN_DIR [--steps K]
       [--parallel ddp|tp|pp] [--schedule gpipe|1f1b|interleaved1f1b] [--microbatches M]
@@ -58,8 +57,6 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-HAS_SDPA = hasattr(F, "scaled_dot_product_attention")  # PyTorch 2.0+
 
 RUN_KEYS = ("seq_len", "batch_size", "grad_accum_steps", "lr", "weight_decay", "beta1", "beta2",
             "eps", "warmup_steps", "grad_clip", "seed", "steps", "threads", "precision")
@@ -119,7 +116,7 @@ class Block(nn.Module):
         self.up_proj = nn.Linear(c, i, bias=False)
         self.down_proj = nn.Linear(i, c, bias=False)
 
-    def attention(self, x, cos, sin, mask):
+    def attention(self, x, cos, sin):
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
@@ -129,15 +126,12 @@ class Block(nn.Module):
         if self.n_heads != self.n_kv:  # grouped-query attention: HF repeat_kv
             k = k.repeat_interleave(self.n_heads // self.n_kv, dim=1)
             v = v.repeat_interleave(self.n_heads // self.n_kv, dim=1)
-        if HAS_SDPA:  # PyTorch 2.x: the fused kernel (transformers' default attn_implementation "sdpa")
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim) + mask
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-        return self.o_proj((probs @ v).transpose(1, 2).reshape(b, t, -1))
+        # the fused kernel (transformers' default attn_implementation "sdpa")
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
-    def forward(self, x, cos, sin, mask):
-        x = x + self.attention(self.input_layernorm(x), cos, sin, mask)
+    def forward(self, x, cos, sin):
+        x = x + self.attention(self.input_layernorm(x), cos, sin)
         h = self.post_attention_layernorm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
@@ -167,10 +161,9 @@ class Llama(nn.Module):
         freqs = torch.outer(torch.arange(t, dtype=torch.float32, device=tokens.device), self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
-        mask = None if HAS_SDPA else torch.full((t, t), float("-inf"), device=tokens.device).triu(1)
         x = self.embed_tokens(tokens)
         for layer in self.layers:
-            x = layer(x, cos, sin, mask)
+            x = layer(x, cos, sin)
         return self.lm_head(self.norm(x))
 
 
@@ -256,7 +249,7 @@ class StagePart(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
         for layer in self.layers:
-            x = layer(x, cos, sin, None)
+            x = layer(x, cos, sin)
         return self.lm_head(self.norm(x)) if self.lm_head is not None else x
 
 
@@ -371,7 +364,7 @@ class Batches:
 # ----------------------------------------------------------------------------- training
 
 class NoScaler:
-    """GradScaler's interface doing nothing (fp32, bf16; and torch 1.13, which has no torch.amp.GradScaler)."""
+    """GradScaler's interface doing nothing (fp32, bf16)."""
 
     def scale(self, loss):
         return loss
@@ -526,9 +519,10 @@ def worker(rank, world, port, cfg, run, data_dir, out_dir, parallel="ddp", sched
 
 
 def spawned(rank, world, port, cfg, run, data_dir, out_dir, errors, parallel="ddp", schedule="1f1b", microbatches=4):
-    """mp.spawn entry point. Leaves with os._exit: with Python 3.11 and torch 1.13, tearing down
-    DDP's Gloo process group at interpreter exit can deadlock (its worker thread waits for the GIL
-    that the joining main thread holds). A failure goes to the parent through `errors`."""
+    """mp.spawn entry point. Leaves with os._exit, so that tearing down DDP's Gloo process group at
+    interpreter exit cannot hang the parent (an older torch deadlocked there: its worker thread
+    waited for the GIL that the joining main thread held). A failure goes to the parent through
+    `errors`."""
     code = 0
     try:
         worker(rank, world, port, cfg, run, data_dir, out_dir, parallel, schedule, microbatches)

@@ -9,7 +9,7 @@
 #   usage: tools/measure_plugins.sh [CONFIG] [STEPS] [REPETITIONS] -- VARIANT...
 #   VARIANT: "NAME:PLUGIN[@TRAINER]:NPROC[:--set k=v ...]", e.g. "ddp-b4:ddp:2:--set plugin.bucket_mb=4";
 #   @TRAINER runs that variant with another build's trainer (default build/trainer), e.g.
-#   "ddp-1.13:ddp@build-debian/trainer:2" against "ddp-2.11:ddp:2" to A/B two LibTorch builds.
+#   "ddp-2.12:ddp@build-2.12/trainer:2" against "ddp-2.11:ddp:2" to A/B two LibTorch builds.
 # `trainer bench` is the user-facing A/B tool (one trainer); this script also alternates builds.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -6,7 +6,7 @@
 # (WEFT_QUICKSTART_NPROC=1 runs it in one process with single.so instead).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source tools/build_env.sh   # PyTorch's wheel by default (WEFT_LIBTORCH=debian: Debian's 1.13)
+source tools/build_env.sh   # PyTorch's wheel by default (WEFT_LIBTORCH=DIR: another LibTorch 2.5+)
 tools/setup.sh
 # Each run gets its own directory, so earlier runs are never overwritten.
 nproc=${WEFT_QUICKSTART_NPROC:-2}

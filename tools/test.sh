@@ -1,61 +1,43 @@
 #!/usr/bin/env bash
-# Runs the test suite against both LibTorch builds: PyTorch's wheel (2.x with CUDA + NCCL
-# compiled in; the tests run on the CPU) and Debian 12's libtorch-dev 1.13. For each: set up
-# (install, corpus, build: tools/setup.sh), then the tests through ctest. Exits non-zero if any
-# test fails; the last line sums both.
+# Runs the test suite: set up and build (tools/setup.sh: packages, the Python environment with
+# PyTorch's wheel, the corpus, the build against the LibTorch WEFT_LIBTORCH names, by default the
+# wheel), then every test through ctest, then the 15 slowest tests with their times. Exits
+# non-zero if the set-up, the build or any test fails; the last line counts the tests.
 #
-#   tools/test.sh                 what CI runs (.ci/run): every test against the wheel, and against
-#                                 Debian's 1.13 every test but the long ones (debian:short)
-#   tools/test.sh wheel debian    every test against both (before landing a change to the LibTorch
-#                                 compatibility layer, core/util/torch_compat.h)
-#   tools/test.sh BUILD[:short]   one build: wheel, debian, or a LibTorch folder (WEFT_LIBTORCH in
-#                                 setup.sh); :short leaves out the tests tests/long_tests.txt names
+#   tools/test.sh                 what CI runs (.ci/run): every test
+#   tools/test.sh -R Conformance  ctest's arguments select tests (the set-up and build still run)
+#
+# With WEFT_PHASE_LOG=FILE each phase appends "NAME SECONDS" to FILE (.ci/run's phase table).
+# The budget (docs/testing.md): the whole .ci/run within 45 minutes on a 2-core machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-builds=("$@")
-[[ ${#builds[@]} -gt 0 ]] || builds=(wheel debian:short)
 source tools/build_env.sh  # WEFT_JOBS (before OMP_NUM_THREADS, which nproc would answer)
 export OMP_NUM_THREADS=1
+dir=$WEFT_BUILD_DIR
+log="$dir/ctest.log"
 
-build_dir_of() { (export WEFT_LIBTORCH=$1; unset WEFT_BUILD_DIR; source tools/build_env.sh; echo "$WEFT_BUILD_DIR"); }
+status=0
+tools/setup.sh || { echo "test: set-up or build failed" >&2; echo "test: 0 passed, 0 failed"; exit 1; }
 
-passed=0 failed=0 status=0 summary=()
-# tests/long_tests.txt as one ctest regex (exact names), after checking each is a registered test.
-long_tests_regex() {
-  local dir=$1 names name registered
-  names=$(grep -v -e '^#' -e '^[[:space:]]*$' tests/long_tests.txt)
-  registered=$(ctest --test-dir "$dir" -N | sed -n 's/^ *Test *#[0-9]*: //p')
-  for name in $names; do
-    grep -qxF "$name" <<<"$registered" || { echo "test: tests/long_tests.txt names $name, which is no test of $dir" >&2; return 1; }
-  done
-  echo "^($(tr '\n' '|' <<<"$names" | sed 's/[.]/\\./g; s/|$//'))\$"
-}
+rm -f "$log"
+started=$(date +%s)
+ctest --test-dir "$dir" --output-on-failure -j "$WEFT_JOBS" --timeout 600 "$@" 2>&1 | tee "$log" || status=$?
+seconds=$(( $(date +%s) - started ))
+[[ -n "${WEFT_PHASE_LOG:-}" ]] && echo "tests $seconds" >> "$WEFT_PHASE_LOG"
 
-for spec in "${builds[@]}"; do
-  build=${spec%:short}
-  ctest_args=()
-  dir=$(build_dir_of "$build")
-  rm -f "$dir/ctest.log"
-  # (set -e does not apply inside a subshell tested by ||: the steps are chained with &&.)
-  (
-    export WEFT_LIBTORCH=$build WEFT_BUILD_DIR=$dir &&
-    tools/setup.sh &&
-    if [[ $spec == *:short ]]; then exclude=$(long_tests_regex "$dir") && ctest_args=(-E "$exclude"); fi &&
-    ctest --test-dir "$dir" --output-on-failure -j "$WEFT_JOBS" --timeout 600 "${ctest_args[@]}" 2>&1 | tee "$dir/ctest.log"
-  ) && rc=0 || rc=$?
-  export WEFT_SKIP_APT=1  # the packages are in after the first build's set-up
-  line=$(grep -E "tests passed, [0-9]+ tests failed out of [0-9]+" "$dir/ctest.log" 2>/dev/null | tail -1 || true)
-  if [[ -n "$line" ]]; then
-    total=$(sed -E 's/.* out of ([0-9]+).*/\1/' <<<"$line")
-    bad=$(sed -E 's/.* ([0-9]+) tests failed.*/\1/' <<<"$line")
-    passed=$((passed + total - bad)) failed=$((failed + bad))
-    summary+=("$spec: $((total - bad)) passed, $bad failed")
-  else
-    summary+=("$spec: no test ran (set-up or build failed, exit $rc)")
-  fi
-  [[ $rc == 0 ]] || status=1
-done
-printf 'test: %s\n' "${summary[@]}"
-echo "test: $passed passed, $failed failed"
+# ctest's lines "  12/640 Test #301: NAME ......   Passed   41.20 sec": the slowest 15.
+echo "test: the 15 slowest tests (of ${seconds} s of ctest on $WEFT_JOBS parallel jobs)"
+sed -nE 's/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: ([^ ]+) [ .*]*(Passed|\*\*\*Failed|\*\*\*Timeout|Failed).* ([0-9.]+) sec$/\3 \1 \2/p' "$log" |
+  sort -rn | head -15 | awk '{ printf "test: %8.1f s  %s%s\n", $1, $2, ($3 == "Passed" ? "" : "  (" $3 ")") }'
+
+line=$(grep -E "tests passed, [0-9]+ tests failed out of [0-9]+" "$log" | tail -1 || true)
+if [[ -n "$line" ]]; then
+  total=$(sed -E 's/.* out of ([0-9]+).*/\1/' <<<"$line")
+  bad=$(sed -E 's/.* ([0-9]+) tests failed.*/\1/' <<<"$line")
+  echo "test: $((total - bad)) passed, $bad failed"
+else
+  echo "test: no test ran (ctest exit $status)"
+  status=1
+fi
 exit $status

@@ -29,7 +29,7 @@
 #include "core/util/fs.h"
 #include "core/util/log.h"
 #include "core/util/shell.h"
-#include "core/util/torch_compat.h"
+#include "core/util/libtorch.h"
 
 namespace weft::app {
 namespace {
@@ -359,7 +359,7 @@ int run_report(const CommandLine& cli) {
 // `trainer plugins`: every strategy plugin in the search path, described, failures marked.
 int run_plugins() {
   // Plugins that link LibTorch must be built against this one (sdk/include/weft/strategy_torch.hpp).
-  std::cout << fmt::format("host: LibTorch {}, NCCL {}, CUDA devices {}\n", compat::libtorch_version(),
+  std::cout << fmt::format("host: LibTorch {}, NCCL {}, CUDA devices {}\n", libtorch_version(),
                            Communicator::nccl_compiled() ? "compiled in" : "not in this build",
                            torch::cuda::device_count());
   std::cout << format_plugin_table(list_plugins());

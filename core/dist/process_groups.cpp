@@ -19,11 +19,12 @@
 
 #include "core/util/error.h"
 #include "core/util/fault_injection.h"
+#include "core/util/libtorch.h"
 
 namespace weft {
 namespace {
 
-c10::intrusive_ptr<compat::Backend> make_backend(const std::string& backend,
+c10::intrusive_ptr<c10d::Backend> make_backend(const std::string& backend,
                                                  const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                                  std::chrono::milliseconds timeout) {
   if (backend == "gloo") {
@@ -44,7 +45,7 @@ c10::intrusive_ptr<compat::Backend> make_backend(const std::string& backend,
   return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
 #else
   fail("the nccl backend is not in this build: weft was built against LibTorch {} without NCCL (build against "
-       "PyTorch's CUDA wheel: tools/setup.sh)", compat::libtorch_version());
+       "PyTorch's CUDA wheel: tools/setup.sh)", libtorch_version());
 #endif
 }
 
@@ -80,7 +81,7 @@ Communicator::~Communicator() {
   for (auto& group : groups_) {
     if (!group || !group->nccl) continue;
     try {
-      compat::shutdown_backend(*group->nccl);
+      group->nccl->shutdown();
     } catch (const std::exception& e) {
       spdlog::warn("shutting down the NCCL group of {}: {}", group->name, e.what());
     }
@@ -117,8 +118,8 @@ std::vector<double> Communicator::all_gather(double value) {
 
 namespace {
 
-// The types Gloo's kernels are instantiated for in every LibTorch weft builds against (1.13's
-// GENERATE_ALL_TYPES; later versions add more).
+// The types weft hands Gloo's kernels as they are (c10d's GENERATE_ALL_TYPES; bf16, which Gloo sums in
+// bf16, is reduced in fp32: reduces_natively).
 bool gloo_type(at::ScalarType dtype) {
   switch (dtype) {
     case at::kFloat: case at::kDouble: case at::kHalf: case at::kChar: case at::kByte: case at::kInt: case at::kLong:

@@ -24,17 +24,17 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "core/util/error.h"
-#include "core/util/torch_compat.h"
 
 namespace c10d {
+class Backend;
 class Store;
 }  // namespace c10d
 
 namespace weft {
 
 struct ProcessGroup {
-  c10::intrusive_ptr<compat::Backend> backend;      // c10d's Gloo group (CPU tensors); null on ranks outside
-  c10::intrusive_ptr<compat::Backend> nccl;         // c10d's NCCL group (CUDA tensors), or null: see route()
+  c10::intrusive_ptr<c10d::Backend> backend;      // c10d's Gloo group (CPU tensors); null on ranks outside
+  c10::intrusive_ptr<c10d::Backend> nccl;         // c10d's NCCL group (CUDA tensors), or null: see route()
   std::vector<int32_t> world_ranks;                 // members, in group-rank order
   int32_t rank = -1;                                // this process's rank in the group, or -1
   int32_t size = 0;
@@ -83,7 +83,7 @@ class CommError : public Error {
 
 // Which backend carries an operation on tensors of one device (Communicator::route).
 struct Route {
-  compat::Backend* backend = nullptr;
+  c10d::Backend* backend = nullptr;
   std::string name;     // "gloo" or "nccl"
   bool staged = false;  // a CUDA tensor through Gloo: copied to host memory and back
 };
@@ -139,8 +139,8 @@ class Communicator {
   static Route route(const ProcessGroup& group, const c10::Device& device);
 
   // What a backend can do with a dtype: reduce it, and move it (broadcast, gather, all-to-all,
-  // send) without reinterpreting its bytes. Gloo reduces fp16/bf16 in fp32 here: LibTorch 1.13's
-  // Gloo has no bf16 at all, and where later Gloo has it, it sums in bf16 rank after rank.
+  // send) without reinterpreting its bytes. Gloo reduces fp16/bf16 in fp32 here: Gloo's own
+  // bf16 sum adds in bf16 rank after rank.
   static bool reduces_natively(const std::string& backend, at::ScalarType dtype);
   static bool moves_natively(const std::string& backend, at::ScalarType dtype);
   // The store key where rank `rank` leaves the description of a collective that timed out.

@@ -13,7 +13,6 @@
 
 #include "core/dist/process_groups.h"
 #include "core/util/error.h"
-#include "core/util/torch_compat.h"
 
 namespace weft {
 namespace {
@@ -34,19 +33,19 @@ int env_int(const char* name, int fallback, int min_value) {
 }
 
 // The job's TCPStore. Its server uses libuv where this LibTorch was built with it (PyTorch's wheels)
-// and the classic one where not (Debian 13's 2.6 refuses libuv; 1.13 has no choice to make);
+// and the classic one where not (Debian 13's 2.6 refuses libuv);
 // USE_LIBUV=0, torchrun's switch, asks for the classic one.
 c10::intrusive_ptr<c10d::Store> make_tcp_store(const std::string& host, c10d::TCPStoreOptions options) {
   const char* use_libuv = env("USE_LIBUV");
-  const bool libuv = compat::kStoreHasLibuvOption && !(use_libuv && std::string(use_libuv) == "0");
-  compat::set_store_libuv(options, libuv);
+  const bool libuv = !(use_libuv && std::string(use_libuv) == "0");
+  options.useLibUV = libuv;
   try {
     return c10::make_intrusive<c10d::TCPStore>(host, options);
   } catch (const std::exception& ex) {
     if (!libuv || std::string(ex.what()).find("libuv") == std::string::npos) throw;
     spdlog::debug("TCPStore: this LibTorch was built without libuv; using the classic server ({})", ex.what());
   }
-  compat::set_store_libuv(options, false);
+  options.useLibUV = false;
   return c10::make_intrusive<c10d::TCPStore>(host, options);
 }
 

@@ -15,7 +15,7 @@
 #include "core/util/device.h"
 #include "core/util/memory.h"
 #include "core/util/error.h"
-#include "core/util/torch_compat.h"
+#include "core/util/libtorch.h"
 #include "core/util/trace.h"
 
 namespace weft {
@@ -48,7 +48,6 @@ ModelConfig resolve_model_config(const TrainOptions& options, const Tokenizer& t
   if (!config.eos_token_id) {
     if (const auto eos = tokenizer.eos_id()) config.eos_token_id = *eos;
   }
-  config.attention = resolve_attention_kernel(parse_attention_kernel(m.attention));  // kSdpa or kWeft
   WEFT_CHECK(tokenizer.vocab_size() <= config.vocab_size,
              "tokenizer '{}' has {} tokens but the model's vocab_size is {} (set model.vocab_size)",
              options.tokenizer, tokenizer.vocab_size(), config.vocab_size);
@@ -67,10 +66,6 @@ Job::Job(TrainOptions options, RunContext context, Data data) : options_(std::mo
   device_ = resolve_device(options_.device, context_.env.local_rank, context_.rank, devices);
   nccl_ = device_.is_cuda() && Communicator::nccl_compiled() && !devices.share;
   bind_device(device_);
-  WEFT_CHECK(options_.precision != "fp16" || device_.is_cuda() || compat::kCpuComputesFp16,
-             "train.precision = fp16 on the CPU needs LibTorch 2.2 or later (this weft is built against {}); use bf16 "
-             "or fp32 here, or fp16 on a CUDA device",
-             compat::libtorch_version());
   install_memory_tracker();
   at::set_num_threads(static_cast<int>(options_.threads));
   torch::manual_seed(options_.seed);
@@ -267,11 +262,11 @@ void Job::build_model() {
   }
   strategy_->attach(*model_);
   spdlog::info("model: {} layers, hidden {}, {} heads ({} kv), vocab {}: {:.2f}M parameters, {:.2f}M trainable, {}, "
-               "attention {} on {} (LibTorch {})",
+               "on {} (LibTorch {})",
                model_->config().num_hidden_layers, model_->config().hidden_size,
                model_->config().num_attention_heads, model_->config().num_key_value_heads,
                model_->config().vocab_size, total / 1e6, trainable / 1e6, options_.precision,
-               attention_kernel_name(model_->config().attention), device_.str(), compat::libtorch_version());
+               device_.str(), libtorch_version());
 }
 
 namespace {

@@ -99,10 +99,6 @@ const std::vector<Row>& rows() {
       int_key("model.vocab_size", WEFT_MEMBER(model.vocab_size), 0,
               "Vocabulary size override; 0 = the preset's or config's value (must cover the tokenizer).",
               0),
-      string_key("model.attention", WEFT_MEMBER(model.attention), "auto",
-                 "Causal attention kernel: sdpa = at::scaled_dot_product_attention (LibTorch 2.x), weft = weft's "
-                 "own; auto = sdpa where LibTorch has it, weft on 1.13.",
-                 {"auto", "sdpa", "weft"}),
       bool_key("model.activation_checkpointing", WEFT_MEMBER(model.activation_checkpointing), false,
                "Recompute each decoder block in backward instead of storing its activations."),
       string_key("model.quantize", WEFT_MEMBER(model.quantize), "none",
@@ -305,8 +301,7 @@ const std::vector<Row>& rows() {
       string_key("log.torch_profile", WEFT_MEMBER(torch_profile), "",
                  "PyTorch's profiler (Kineto) over a few training steps: every operator, and every CUDA "
                  "kernel on a GPU, as a Chrome trace (ranks of a multi-process run write "
-                 "FILE.rank<r>.json; tools/gpu/profile_summary.py sums it by kernel); empty = off. "
-                 "LibTorch 2.x."),
+                 "FILE.rank<r>.json; tools/gpu/profile_summary.py sums it by kernel); empty = off."),
       int_key("log.torch_profile_from", WEFT_MEMBER(torch_profile_from), 5,
               "log.torch_profile: the optimizer steps done before recording starts (warm-up).", 0),
       int_key("log.torch_profile_steps", WEFT_MEMBER(torch_profile_steps), 3,

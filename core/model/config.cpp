@@ -6,7 +6,6 @@
 #include <nlohmann/json.hpp>
 
 #include "core/util/error.h"
-#include "core/util/torch_compat.h"
 
 namespace weft {
 namespace {
@@ -255,30 +254,6 @@ ModelConfig preset_config(const std::string& name) {
   c.head_dim = c.hidden_size / c.num_attention_heads;
   c.validate();
   return c;
-}
-
-AttentionKernel parse_attention_kernel(const std::string& name) {
-  if (name == "auto") return AttentionKernel::kAuto;
-  if (name == "weft") return AttentionKernel::kWeft;
-  WEFT_CHECK(name == "sdpa", "unknown attention kernel '{}' (auto, weft or sdpa)", name);
-  WEFT_CHECK(compat::kHasScaledDotProductAttention,
-             "attention kernel 'sdpa' needs LibTorch 2.0 or later (at::scaled_dot_product_attention); this weft was "
-             "built against LibTorch {} (use auto or weft)", compat::libtorch_version());
-  return AttentionKernel::kSdpa;
-}
-
-AttentionKernel resolve_attention_kernel(AttentionKernel kernel) {
-  if (kernel != AttentionKernel::kAuto) return kernel;
-  return compat::kHasScaledDotProductAttention ? AttentionKernel::kSdpa : AttentionKernel::kWeft;
-}
-
-const char* attention_kernel_name(AttentionKernel kernel) {
-  switch (kernel) {
-    case AttentionKernel::kAuto: return "auto";
-    case AttentionKernel::kWeft: return "weft";
-    case AttentionKernel::kSdpa: return "sdpa";
-  }
-  return "?";
 }
 
 }  // namespace weft

@@ -16,18 +16,6 @@ struct RopeScaling {
   int64_t original_max_position_embeddings = 8192;
 };
 
-// Which kernel computes causal self-attention in training (a run-time choice, like HF's
-// attn_implementation; not part of config.json). kAuto: at::scaled_dot_product_attention where
-// LibTorch has it (2.x: fused flash-attention on CPU and CUDA, measured faster than weft's own on
-// CPU in fp32 and bf16), weft's own grouped-GEMM kernel on 1.13.
-enum class AttentionKernel { kAuto, kWeft, kSdpa };
-// Parses "auto", "weft" or "sdpa"; throws weft::Error for anything else, and for "sdpa" on a
-// LibTorch without it (1.13).
-AttentionKernel parse_attention_kernel(const std::string& name);
-// kAuto resolved for this LibTorch: kSdpa or kWeft.
-AttentionKernel resolve_attention_kernel(AttentionKernel kernel);
-const char* attention_kernel_name(AttentionKernel kernel);
-
 struct ModelConfig {
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
@@ -53,7 +41,6 @@ struct ModelConfig {
   std::optional<int64_t> pad_token_id;
   bool classification() const { return num_labels > 0; }
   bool regression() const { return num_labels == 1; }
-  AttentionKernel attention = AttentionKernel::kAuto;  // run-time choice, not read from or written to config.json
 
   // Throws weft::Error naming the first inconsistent field (e.g. heads not divisible by kv heads).
   void validate() const;

@@ -10,7 +10,6 @@
 #include "core/model/kernels.h"
 #include "core/model/weight_grad.h"
 #include "core/util/error.h"
-#include "core/util/torch_compat.h"
 
 namespace weft {
 
@@ -316,57 +315,15 @@ torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& cos, con
   return (xf * cos + rotated * sin).to(x.scalar_type());
 }
 
-namespace {
-
-// Additive causal mask [group * seq, seq] (0 on and below the diagonal, -inf above), repeated
-// for the `group` query heads that share a kv head; cached per thread for the last shape.
-const torch::Tensor& causal_bias(int64_t seq, int64_t group, torch::Dtype dtype, const torch::Device& device) {
-  thread_local struct {
-    int64_t seq = -1, group = -1;
-    torch::Dtype dtype = torch::kFloat32;
-    torch::Device device = torch::kCPU;
-    torch::Tensor bias;
-  } cache;
-  if (!cache.bias.defined() || cache.seq != seq || cache.group != group || cache.dtype != dtype ||
-      cache.device != device) {
-    torch::NoGradGuard no_grad;
-    auto future = torch::ones({seq, seq}, torch::TensorOptions().dtype(torch::kBool).device(device)).triu(1);
-    cache.bias = torch::zeros({seq, seq}, torch::TensorOptions().dtype(dtype).device(device))
-                     .masked_fill(future, -std::numeric_limits<float>::infinity())
-                     .repeat({group, 1});
-    cache.seq = seq;
-    cache.group = group;
-    cache.dtype = dtype;
-    cache.device = device;
-  }
-  return cache.bias;
-}
-
-}  // namespace
-
-torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                               AttentionKernel kernel) {
-  if (resolve_attention_kernel(kernel) == AttentionKernel::kSdpa) {
-    return compat::scaled_dot_product_attention_causal(q, k, v);
-  }
-  const int64_t batch = q.size(0), heads = q.size(1), seq = q.size(2), dim = q.size(3);
-  const int64_t kv_heads = k.size(1);
-  WEFT_CHECK(heads % kv_heads == 0, "attention: {} query heads over {} kv heads", heads, kv_heads);
-  const int64_t group = heads / kv_heads;
-  // Group the query heads that share a kv head: [B*KVH, group*T, D] @ [B*KVH, D, T]; the scale
-  // and the causal mask are applied by the batched GEMM (scale * q k^T + bias).
-  auto qg = q.reshape({batch * kv_heads, group * seq, dim});
-  auto kt = k.reshape({batch * kv_heads, seq, dim}).transpose(1, 2);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
-  auto scores = torch::baddbmm(causal_bias(seq, group, q.scalar_type(), q.device()), qg, kt, /*beta=*/1.0, /*alpha=*/scale);
-  auto probs = scores.to(torch::kFloat32).softmax(-1).to(v.scalar_type());
-  return torch::bmm(probs, v.reshape({batch * kv_heads, seq, dim})).view({batch, heads, seq, dim});
+torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+  return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true,
+                                          /*scale=*/std::nullopt, /*enable_gqa=*/q.size(1) != k.size(1));
 }
 
 AttentionImpl::AttentionImpl(const ModelConfig& c) : AttentionImpl(c, c.num_attention_heads, c.num_key_value_heads) {}
 
 AttentionImpl::AttentionImpl(const ModelConfig& c, int64_t heads, int64_t kv_heads, QuantConfig quantize)
-    : num_heads_(heads), num_kv_heads_(kv_heads), head_dim_(c.head_dim), kernel_(resolve_attention_kernel(c.attention)) {
+    : num_heads_(heads), num_kv_heads_(kv_heads), head_dim_(c.head_dim) {
   q_proj = register_module("q_proj", Linear(c.hidden_size, num_heads_ * head_dim_, quantize));
   k_proj = register_module("k_proj", Linear(c.hidden_size, num_kv_heads_ * head_dim_, quantize));
   v_proj = register_module("v_proj", Linear(c.hidden_size, num_kv_heads_ * head_dim_, quantize));
@@ -380,7 +337,7 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const RotaryEmbeddi
   auto qkv = fused_linear(x, {q_proj.get(), k_proj.get(), v_proj.get()});
   auto [cos, sin] = rope.tables(0, seq, x.device());
   auto [q, k, v] = split_qkv_with_rope(qkv, num_heads_, num_kv_heads_, cos, sin);
-  auto out = causal_attention(q, k, v, kernel_);
+  auto out = causal_attention(q, k, v);
   return o_proj(out.transpose(1, 2).reshape({batch, seq, num_heads_ * head_dim_}));
 }
 
@@ -413,7 +370,7 @@ torch::Tensor AttentionImpl::forward_sequence_split(const torch::Tensor& x, cons
   q = sequence_to_heads(q, *sequence_, layer_);
   k = sequence_to_heads(k, *sequence_, layer_);
   v = sequence_to_heads(v, *sequence_, layer_);
-  auto out = heads_to_sequence(causal_attention(q, k, v, kernel_), *sequence_, layer_);  // [B, H, s, D]
+  auto out = heads_to_sequence(causal_attention(q, k, v), *sequence_, layer_);  // [B, H, s, D]
   return o_proj(out.transpose(1, 2).reshape({batch, seq, num_heads_ * head_dim_}));
 }
 

@@ -191,11 +191,9 @@ torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& cos, con
 
 // Causal scaled-dot-product attention with grouped-query heads:
 // q [B, H, T, D], k/v [B, KVH, T, D] with H % KVH == 0; query head h uses kv head h / (H / KVH).
-// Returns [B, H, T, D] in q's dtype. `kernel` (config.h): weft's own (one batched GEMM per head
-// group with the scale and mask fused, softmax in fp32) or at::scaled_dot_product_attention
-// (LibTorch 2.x; its fused kernel keeps the softmax statistics in fp32); kAuto resolves per build.
-torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                               AttentionKernel kernel = AttentionKernel::kWeft);
+// Returns [B, H, T, D] in q's dtype: at::scaled_dot_product_attention (fused flash-attention
+// kernels on CPU and CUDA that keep the softmax statistics in fp32).
+torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
 
 // The heads and MLP width a process holds of each block (all of them without tensor
 // parallelism).
@@ -247,7 +245,6 @@ class AttentionImpl : public torch::nn::Module {
   int64_t num_heads_, num_kv_heads_, head_dim_;
   const SequenceSplit* sequence_ = nullptr;
   int64_t layer_ = -1;
-  AttentionKernel kernel_;  // resolved (kWeft or kSdpa)
 };
 TORCH_MODULE(Attention);
 

@@ -79,17 +79,11 @@ std::vector<StageMemory> estimate_stage_memory(const ModelConfig& c, const Shard
   // A decoder block, per token (layers.cpp): the fp32 residual at each norm (2 x 4H; 1 / T of the
   // tokens under sequence parallelism over T ranks), the norms' outputs (2 x cb H, gathered whole
   // into the regions), q, k, v after RoPE, the attention output and o_proj's input (cb (q + 2 kv)
-  // + 2 cb q), gate/up and SwiGLU's output (3 cb I); the math attention kernel also keeps the
+  // + 2 cb q), gate/up and SwiGLU's output (3 cb I). Blockwise (ring) attention keeps an fp32
+  // output (instead of a compute-dtype one) and an fp32 log-sum-exp per head.
   const int64_t T = std::max<int64_t>(1, sequence_shards);
   int64_t block = 8 * H / T + 2 * cb * H + cb * (q_width + 2 * kv_width) + 2 * cb * q_width + 3 * cb * inter;
-  // probabilities (heads x S per token, fp32 scores and compute-dtype probabilities). Blockwise
-  // (ring) attention keeps an fp32 output (instead of a compute-dtype one) and an fp32
-  // log-sum-exp per head, never the probabilities.
-  if (blockwise_attention) {
-    block += (4 - cb) * q_width + 4 * heads;
-  } else if (resolve_attention_kernel(c.attention) == AttentionKernel::kWeft) {
-    block += heads * S * (4 + cb);
-  }
+  if (blockwise_attention) block += (4 - cb) * q_width + 4 * heads;
   if (checkpointing) block = 4 * H / T;  // the block's input; its activations come back one block at a time
   for (int64_t l = 1; l <= layers; ++l) {
     out[static_cast<size_t>(l)].activation_bytes_per_row = block * S;

@@ -104,8 +104,8 @@ class QuantizedLinearFunction : public torch::autograd::Function<QuantizedLinear
 };
 
 // LibTorch's quantized ops through the dispatcher by name: their C++ declarations and the packed
-// parameters' class live in version-specific internal headers, the schemas are the same in 1.13
-// and 2.x.
+// parameters' class live in version-specific internal headers, the schemas are stable across
+// versions.
 c10::IValue call_quantized_op(const char* name, std::vector<c10::IValue> args) {
   const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
   torch::jit::Stack stack(std::make_move_iterator(args.begin()), std::make_move_iterator(args.end()));

@@ -65,7 +65,7 @@ void swap_in_directory(const fs::path& staged, const fs::path& target) {
 }
 
 // Writes what `save_to(writer)` produces (a LibTorch archive) to `path` atomically. LibTorch's zip
-// writer must never see a failed write: 1.13 then throws from a destructor and the process aborts.
+// writer must never see a failed write: it may throw from a destructor, and the process aborts.
 // So the writer takes every byte, keeps the first error (a full disk) and drops what follows, and
 // the error is thrown once the archive is complete.
 template <typename SaveTo>

@@ -225,17 +225,6 @@ std::string ConformanceReport::describe() const {
       worst_parameter.empty() ? "-" : worst_parameter) + (note.empty() ? "" : "; " + note);
 }
 
-bool cpu_bf16_matmul_sums_in_fp32() {
-  static const bool fp32 = [] {
-    torch::NoGradGuard no_grad;
-    // Both contiguous and 8 columns: 1.13's matrix-vector and transposed products take other
-    // kernels, which sum in fp32 (a backward's products take this one).
-    const auto a = torch::ones({8, 4096}, torch::kBFloat16), b = torch::ones({4096, 8}, torch::kBFloat16);
-    return a.mm(b)[0][0].item<float>() == 4096.0f;
-  }();
-  return fp32;
-}
-
 void apply_check_setting(ConformanceOptions& o, const std::string& setting) {
   if (setting == "train.mode=lora" || setting == "train.mode=full" || setting == "train.mode=adalora") {
     o.mode = setting.substr(std::string("train.mode=").size());
@@ -445,12 +434,6 @@ ConformanceReport check_conformance(const ConformanceOptions& c) {
     report.loss_rtol = c.int8_gemm_loss_rtol;
     report.param_atol = c.int8_gemm_param_atol;
     report.note = "int8 in the CPU's int8 GEMM rounds activations to 7 bits, so the int8 tolerances apply";
-  }
-  if (c.precision == "bf16" && c.device == "cpu" && !cpu_bf16_matmul_sums_in_fp32()) {
-    report.loss_rtol = c.bf16_sums_loss_rtol;
-    report.param_atol = c.bf16_sums_param_atol;
-    report.note = "this LibTorch sums bf16 matrix products on the CPU in bf16 (no AVX-512 kernels), so the wider "
-                  "bf16 tolerances apply";
   }
   report.passed = same_steps && all_parameters && report.steps == c.steps &&
                   report.max_loss_rel_diff <= report.loss_rtol && report.max_param_abs_diff <= report.param_atol;

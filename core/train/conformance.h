@@ -47,7 +47,7 @@ struct ConformanceOptions {
   // int8 multiplied in the CPU's int8 GEMM (LLM.int8, activations rounded to 7 bits per token):
   // a rounding step in the forward, so the inputs' last-bit differences between two runs that
   // split the work differently move some values by a whole step. Measured on LibTorch 2.11 (AMD
-  // EPYC, 20 steps): ddp, tensor_parallel and gpipe within 7.6e-06 (loss; 1.1e-05 on 1.13) and 2.4e-04
+  // EPYC, 20 steps): ddp, tensor_parallel and gpipe within 7.6e-06 (loss) and 2.4e-04
   // (parameters); tensor_parallel without WEFT_COMM_ROW_ABSMAX's all-reduce: 2.9e-05 and 2.8e-03.
   // A check on CUDA (train.device = "cuda", which dequantizes) runs the CPU reference dequantizing
   // too (model.int8_gemm = false) with the fp32 tolerances, and so does a classification check:
@@ -65,13 +65,6 @@ struct ConformanceOptions {
   std::string precision = "fp32";
   double bf16_loss_rtol = 1e-4;     // measured: <= 3e-5 for ddp, tensor_parallel and the pipelines
   double bf16_param_atol = 5e-3;    // measured: <= 2.2e-3 (20 steps at lr 1e-3)
-  // Where this LibTorch's bf16 matrix product on the CPU sums in bf16 rather than fp32
-  // (cpu_bf16_matmul_sums_in_fp32() false: Debian's 1.13 on a CPU without AVX-512), rounding grows
-  // with the number of terms summed, so two runs that split the batch differently drift further
-  // apart. Measured there (AMD EPYC without AVX-512, 20 steps): up to 1.4e-3 (loss, tp 4) and
-  // 1.1e-2 (parameters); every bf16 check passed within the tolerances above on LibTorch 2.11.
-  double bf16_sums_loss_rtol = 3e-3;
-  double bf16_sums_param_atol = 2e-2;
   // Where the plugin under test computes (train.device: "cpu", "cuda", "auto"); the reference
   // always computes on the CPU, so "cuda" checks the CUDA path against the CPU's.
   std::string device = "cpu";
@@ -111,11 +104,5 @@ struct ConformanceCase {
 // tensor, pipeline, sequence and sharded parallelism at 2 and 4 ranks), full fine-tuning and LoRA,
 // each case a plain conformance check. The ctest Conformance.* checks cover more settings.
 std::vector<ConformanceCase> conformance_matrix();
-
-// Whether this LibTorch sums a bf16 matrix product on the CPU in fp32: the product of an 8 x 4096
-// and a 4096 x 8 matrix of ones (both contiguous) holds 4096 (fp32 sums; LibTorch 2.x, and 1.13 where its AVX-512
-// kernels run) or 256 (bf16 sums: 256 + 1 rounds back to 256; measured on Debian's 1.13 on an AMD
-// EPYC without AVX-512, where a 64 x 256 x 256 bf16 product is 3.2% off its fp32 value).
-bool cpu_bf16_matmul_sums_in_fp32();
 
 }  // namespace weft

@@ -8,7 +8,6 @@
 
 #include "core/util/error.h"
 #include "core/util/tensor_norm.h"
-#include "core/util/torch_compat.h"
 
 namespace weft {
 
@@ -34,7 +33,7 @@ std::unique_ptr<torch::optim::AdamW> make_adamw(const std::vector<OptimizedTenso
 
 const torch::optim::AdamWParamState* adamw_state(torch::optim::AdamW& optimizer, const torch::Tensor& tensor) {
   auto& states = optimizer.state();
-  const auto it = states.find(compat::optimizer_state_key(tensor));
+  const auto it = states.find(tensor.unsafeGetTensorImpl());
   return it == states.end() ? nullptr : static_cast<const torch::optim::AdamWParamState*>(it->second.get());
 }
 
@@ -44,7 +43,7 @@ void set_adamw_state(torch::optim::AdamW& optimizer, const torch::Tensor& tensor
   state->step(step);
   state->exp_avg(std::move(exp_avg));
   state->exp_avg_sq(std::move(exp_avg_sq));
-  optimizer.state()[compat::optimizer_state_key(tensor)] = std::move(state);
+  optimizer.state()[tensor.unsafeGetTensorImpl()] = std::move(state);
 }
 
 int64_t optimizer_state_bytes(torch::optim::AdamW& optimizer) {
@@ -67,13 +66,12 @@ void set_learning_rate(torch::optim::AdamW& optimizer, double lr) {
 namespace {
 
 // Whether every tensor of `group` with a gradient can take the fused kernel: fp32, dense, on CUDA
-// (or on the CPU where `cpu` and the LibTorch has the CPU kernel).
+// (or on the CPU where `cpu`).
 bool fusable(const torch::optim::OptimizerParamGroup& group, bool cpu) {
-  if (!compat::kHasFusedAdamW) return false;
   bool any = false;
   for (const auto& p : group.params()) {
     if (!p.grad().defined()) continue;
-    const bool device_ok = p.is_cuda() || (cpu && compat::kHasFusedAdamWOnCpu && p.is_cpu());
+    const bool device_ok = p.is_cuda() || (cpu && p.is_cpu());
     if (!device_ok || p.scalar_type() != torch::kFloat32 || p.grad().scalar_type() != torch::kFloat32 ||
         p.is_sparse() || p.grad().is_sparse()) {
       return false;
@@ -91,7 +89,7 @@ void fused_group_step(torch::optim::AdamW& optimizer, torch::optim::OptimizerPar
   std::map<int64_t, torch::Tensor> step_tensors;  // one per distinct step count (usually one)
   for (const auto& p : group.params()) {
     if (!p.grad().defined()) continue;
-    auto& slot = optimizer.state()[compat::optimizer_state_key(p)];
+    auto& slot = optimizer.state()[p.unsafeGetTensorImpl()];
     if (!slot) {
       auto state = std::make_unique<torch::optim::AdamWParamState>();
       state->step(0);
@@ -110,7 +108,10 @@ void fused_group_step(torch::optim::AdamW& optimizer, torch::optim::OptimizerPar
     steps.push_back(step);
   }
   const auto [beta1, beta2] = o.betas();
-  compat::fused_adamw(params, grads, exp_avgs, exp_avg_sqs, steps, o.lr(), beta1, beta2, o.weight_decay(), o.eps());
+  // `steps` holds each tensor's step count after this step: the kernel reads it, as torch.optim
+  // increments it first.
+  at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, /*max_exp_avg_sqs=*/{}, steps, o.lr(), beta1, beta2,
+                    o.weight_decay(), o.eps(), /*amsgrad=*/false, /*maximize=*/false);
 }
 
 }  // namespace
@@ -124,7 +125,7 @@ void adamw_step(torch::optim::AdamW& optimizer, AdamWKernel kernel) {
     all_fusable = all_fusable && fusable(group, kernel == AdamWKernel::kFused);
   }
   WEFT_CHECK(all_fusable || kernel != AdamWKernel::kFused,
-             "adamw_step: no fused AdamW kernel for these tensors in LibTorch {}", compat::libtorch_version());
+             "adamw_step: no fused AdamW kernel for these tensors (fp32 and dense, on CUDA or the CPU)");
   if (!all_fusable) {
     optimizer.step();
     return;

@@ -37,11 +37,11 @@ void set_adamw_state(torch::optim::AdamW& optimizer, const torch::Tensor& tensor
 int64_t optimizer_state_bytes(torch::optim::AdamW& optimizer);
 
 // One AdamW step of `optimizer` (the update torch::optim::AdamW::step makes). When every tensor
-// with a gradient is fp32 on a CUDA device (LibTorch 2.x), the whole step is aten::_fused_adamw_,
+// with a gradient is fp32 on a CUDA device, the whole step is aten::_fused_adamw_,
 // one multi-tensor kernel per parameter group, instead of ~10 kernels per tensor; the state it
 // leaves (step counts, moments) is the optimizer's own, as the unfused step leaves it.
-// `kernel`: kAuto as above; kFused also on the CPU (LibTorch 2.4+; tests compare the two there),
-// throwing weft::Error where this LibTorch has no fused kernel for the tensors' device.
+// `kernel`: kAuto as above; kFused also on the CPU (tests compare the two there), throwing
+// weft::Error where a tensor is not fp32 and dense.
 enum class AdamWKernel { kAuto, kFused };
 void adamw_step(torch::optim::AdamW& optimizer, AdamWKernel kernel = AdamWKernel::kAuto);
 
@@ -49,7 +49,7 @@ void adamw_step(torch::optim::AdamW& optimizer, AdamWKernel kernel = AdamWKernel
 void set_learning_rate(torch::optim::AdamW& optimizer, double lr);
 
 // Zeroes the gradients in place (keeping them defined). Optimizer::zero_grad() sets them to
-// undefined in LibTorch 2.x, which would leave strategies without a gradient to reduce.
+// undefined, which would leave strategies without a gradient to reduce.
 void zero_gradients(const std::vector<torch::Tensor>& params);
 
 // Global L2 norm of the gradients of `params` (missing grads count as zero), divided by

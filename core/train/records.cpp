@@ -9,7 +9,7 @@
 #include "core/train/flops.h"
 #include "core/util/device.h"
 #include "core/util/stats.h"
-#include "core/util/torch_compat.h"
+#include "core/util/libtorch.h"
 #include "core/util/trace.h"
 
 namespace weft {
@@ -110,8 +110,7 @@ const TrainResult& RunRecords::finish(Communicator& communicator, int rank, int6
                             {"peak_rss_mib", result.peak_rss_mib},
                             {"early_stopped", result.early_stopped},
                             {"interrupted", result.interrupted},
-                            {"libtorch", compat::libtorch_version()},
-                            {"attention", setting_.attention},
+                            {"libtorch", libtorch_version()},
                             {"device", setting_.device},
                             {"device_name", setting_.device_name},
                             {"precision", setting_.precision},

@@ -48,7 +48,6 @@ struct TrainResult {
 
 // Where and how the run computes, for the records: the summary's device, precision and MFU.
 struct RunSetting {
-  std::string attention;       // the attention kernel
   std::string device;          // "cpu", "cuda:0"
   std::string device_name;     // "cpu", "NVIDIA H100 80GB HBM3"
   std::string precision;       // train.precision

@@ -8,7 +8,6 @@
 #include "core/model/lora.h"
 #include "core/train/optimizer.h"
 #include "core/util/error.h"
-#include "core/util/torch_compat.h"
 
 namespace weft {
 

@@ -42,8 +42,6 @@ Trainer::Trainer(TrainOptions options, RunContext context)
              "model.frozen_dtype = \"{}\" stores the frozen base weights of adapter training (train.mode = \"lora\" "
              "or \"adalora\"); train.mode = \"full\" trains them in fp32",
              options_.model.frozen_dtype);
-  std::string why;
-  WEFT_CHECK(options_.torch_profile.empty() || TorchProfiler::available(&why), "{}", why);
   job_ = std::make_unique<Job>(std::move(options), context, Job::Data::kSplits);
   WEFT_CHECK(options_.model.adapter.empty() || !job_->lora()->adalora,
              "model.adapter '{}' is an AdaLoRA adapter: continuing one in training is not supported yet (trainer eval "
@@ -237,7 +235,6 @@ TrainResult Trainer::run() {
 RunSetting Trainer::run_setting() {
   RunSetting setting;
   const ModelConfig& config = job_->model().config();
-  setting.attention = attention_kernel_name(config.attention);
   setting.device = job_->device().str();
   setting.device_name = device_name(job_->device());
   setting.precision = options_.precision;

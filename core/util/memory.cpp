@@ -37,14 +37,11 @@ void raise_peak(int64_t now) {
   }
 }
 
-// No `override`: LibTorch 1.13 declares allocate() const, 2.3+ non-const; both are provided so
-// the class is concrete under either. copy_data is pure virtual from 2.2 on.
 class CountingCpuAllocator final : public c10::Allocator {
  public:
-  c10::DataPtr allocate(size_t n) const { return allocate_counted(n); }
-  c10::DataPtr allocate(size_t n) { return allocate_counted(n); }
-  c10::DeleterFnPtr raw_deleter() const { return &release; }
-  void copy_data(void* dest, const void* src, std::size_t count) const { std::memcpy(dest, src, count); }
+  c10::DataPtr allocate(size_t n) override { return allocate_counted(n); }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
 
  private:
   static c10::DataPtr allocate_counted(size_t n) {

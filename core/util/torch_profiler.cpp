@@ -2,18 +2,11 @@
 
 #include <set>
 
-#include "core/util/error.h"
-#include "core/util/torch_compat.h"
-
-#if WEFT_TORCH_AT_LEAST(2, 0)  // compat::kHasTorchProfiler
 #include <torch/csrc/autograd/profiler_kineto.h>
-#endif
+
+#include "core/util/error.h"
 
 namespace weft {
-
-#if WEFT_TORCH_AT_LEAST(2, 0)
-
-bool TorchProfiler::available(std::string*) { return true; }
 
 void TorchProfiler::start(bool cuda) {
   WEFT_CHECK(!running_, "log.torch_profile: a profile is already being recorded");
@@ -35,20 +28,5 @@ void TorchProfiler::stop_and_save(const std::string& path) {
   WEFT_CHECK(result != nullptr, "log.torch_profile: the profiler returned no result");
   result->save(path);
 }
-
-#else
-
-bool TorchProfiler::available(std::string* why) {
-  if (why != nullptr) *why = fmt::format("log.torch_profile needs LibTorch 2.x (this build has {})", compat::libtorch_version());
-  return false;
-}
-
-void TorchProfiler::start(bool) {
-  throw Error(fmt::format("log.torch_profile needs LibTorch 2.x (this build has {})", compat::libtorch_version()));
-}
-
-void TorchProfiler::stop_and_save(const std::string&) {}
-
-#endif
 
 }  // namespace weft

@@ -1,8 +1,7 @@
 // PyTorch's own profiler (Kineto) around a few training steps: every ATen operator on the CPU and
 // every CUDA kernel and copy on the GPU, written as a Chrome/Perfetto trace (what
 // torch.profiler.profile(...).export_chrome_trace writes). `log.torch_profile` turns it on;
-// tools/gpu/profile_summary.py sums a trace's kernels by name. Needs LibTorch 2.x: with 1.13
-// start() throws weft::Error naming the version.
+// tools/gpu/profile_summary.py sums a trace's kernels by name.
 #pragma once
 
 #include <string>
@@ -11,11 +10,8 @@ namespace weft {
 
 class TorchProfiler {
  public:
-  // Whether this LibTorch can profile (2.x); the reason it cannot otherwise.
-  static bool available(std::string* why = nullptr);
-
-  // Starts recording CPU operators, and CUDA kernels when `cuda`. Throws weft::Error if this
-  // LibTorch cannot profile or a profile is already being recorded.
+  // Starts recording CPU operators, and CUDA kernels when `cuda`. Throws weft::Error if a
+  // profile is already being recorded.
   void start(bool cuda);
   // Stops recording and writes the trace to `path` (replacing it). No-op if not started.
   void stop_and_save(const std::string& path);

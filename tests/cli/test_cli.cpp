@@ -17,7 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/train/conformance.h"
-#include "core/util/torch_compat.h"
+#include "core/util/libtorch.h"
 
 #include "common/corpus.h"
 #include "common/process.h"
@@ -60,19 +60,13 @@ TEST(Cli, ShortRunPrintsLossTimePerEpochAndPerplexity) {
 }
 
 // log.torch_profile: PyTorch's profiler records the chosen steps (the steps' operators, nothing
-// from before them) into a Chrome trace; a 1.13 build refuses the key before compute.
+// from before them) into a Chrome trace.
 TEST(Cli, TorchProfileRecordsTheChosenStepsAsAChromeTrace) {
   const auto dir = fresh_dir("torch_profile");
   const auto r = run_trainer(tiny_args(dir) + " --set train.out_dir=" + dir +
                              "/out --set train.max_steps=4 --set data.seq_len=32 --set log.progress=off "
                              "--set log.torch_profile=" + dir + "/p.json --set log.torch_profile_from=1 "
                              "--set log.torch_profile_steps=2");
-  if (!weft::compat::kHasTorchProfiler) {  // LibTorch 1.13: no profiler
-    EXPECT_EQ(r.exit_code, 1) << r.output;
-    EXPECT_NE(r.output.find("log.torch_profile needs LibTorch 2.x"), std::string::npos) << r.output;
-    EXPECT_FALSE(std::filesystem::exists(dir + "/out/metrics.jsonl")) << "refused after compute started";
-    return;
-  }
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("torch profile of steps 2-3 written to"), std::string::npos) << r.output;
   std::ifstream in(dir + "/p.json");
@@ -318,19 +312,13 @@ TEST(Cli, SummaryMfuIsTheMedianStepsWithTheWholeRunsBesideIt) {
   EXPECT_NE(r.output.find("at the median step"), std::string::npos) << r.output;
 }
 
-// fp16 with dynamic loss scaling, end to end on the CPU (LibTorch 2.x computes fp16 there too, so
+// fp16 with dynamic loss scaling, end to end on the CPU (LibTorch computes fp16 there too, so
 // the scaler's path through the host's loss service, the unscaling and the skipping is exercised
 // without a GPU): at the default scale it learns what fp32 learns; from a scale that overflows
 // fp16's gradients it skips steps, halving the scale each time, until they are finite.
 TEST(Cli, Fp16TrainsWithDynamicLossScalingAndSkipsTheStepsThatOverflow) {
   const auto dir = fresh_dir("fp16");
   const std::string args = tiny_args(dir) + " --set train.max_steps=16 --set data.seq_len=32";
-  if (!weft::compat::kCpuComputesFp16) {  // LibTorch 1.13 has no fp16 matmul on the CPU: refused up front
-    const auto r = run_trainer(args + " --set train.device=cpu --set train.precision=fp16 --set train.out_dir=" + dir + "/x");
-    EXPECT_EQ(r.exit_code, 1) << r.output;
-    EXPECT_NE(r.output.find("fp16 on the CPU needs LibTorch 2"), std::string::npos) << r.output;
-    return;
-  }
   const auto fp32 = run_trainer(args + " --set train.device=cpu --set train.out_dir=" + dir + "/fp32");
   ASSERT_EQ(fp32.exit_code, 0) << fp32.output;
   const auto fp16 = run_trainer(args + " --set train.device=cpu --set train.precision=fp16 --set train.out_dir=" + dir +

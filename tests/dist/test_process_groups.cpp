@@ -57,7 +57,7 @@ TEST(Rendezvous, TwoRanksJoinWithTheDefaultStoreAndWithUseLibuvOff) {
 
 // CMake's finding (WEFT_TORCH_NCCL: LibTorch's torch_cuda carries USE_C10D_NCCL) and the code's
 // (compiled with USE_C10D_NCCL) agree: against PyTorch's CUDA wheel the NCCL path is compiled
-// and linked, against Debian's 1.13 it is not.
+// and linked, against a CPU-only LibTorch it is not.
 TEST(ProcessGroups, TheNcclPathIsCompiledExactlyWhereLibTorchHasIt) {
   EXPECT_EQ(Communicator::nccl_compiled(), WEFT_TEST_TORCH_NCCL);
 }
@@ -166,9 +166,8 @@ void on_ranks(int world, Body body, std::chrono::milliseconds timeout = std::chr
   for (auto& other : others) other.get();
 }
 
-// Gloo has no bf16 in LibTorch 1.13 ("Invalid scalar type" from the first tensor-parallel comm
-// point), and where later Gloo has it, it adds rank after rank in bf16. Communicator reduces bf16
-// in fp32 and moves it as raw bytes, on every LibTorch: 1 + 2^-8 + 2^-8 is exactly 1 + 2^-7 in
+// Gloo adds bf16 rank after rank in bf16. Communicator reduces bf16 in fp32 and moves it as raw
+// bytes: 1 + 2^-8 + 2^-8 is exactly 1 + 2^-7 in
 // fp32 (a bf16 number), where a bf16 running sum stays at 1.
 TEST(ProcessGroups, Bf16IsReducedInFp32AndMovedAsBytes) {
   EXPECT_FALSE(Communicator::reduces_natively("gloo", torch::kBFloat16));

@@ -5,7 +5,6 @@
 
 #include "core/model/kernels.h"
 #include "core/model/layers.h"
-#include "core/util/torch_compat.h"
 
 namespace weft {
 namespace {
@@ -118,9 +117,7 @@ TEST(FusedKernels, TheAtenPathEqualsTheFusedKernelsItStandsInFor) {
   EXPECT_TRUE(torch::allclose(grads_of(qkv_of(true), {qkv}, probe_qkv)[0], grads_of(qkv_of(false), {qkv}, probe_qkv)[0],
                               1e-5, 1e-6));
 
-  // fp16 (CUDA's other half-precision) is not a dtype of the fused kernels: ATen's path runs
-  // (on the CPU where LibTorch computes fp16 there: 2.x; 1.13 has no fp16 silu or matmul on the CPU).
-  if (!compat::kCpuComputesFp16) return;
+  // fp16 (CUDA's other half-precision) is not a dtype of the fused kernels: ATen's path runs.
   const auto y16 = fused_rms_norm(x.to(torch::kHalf), w, 1e-5, torch::kHalf);
   EXPECT_EQ(y16.scalar_type(), torch::kHalf);
   EXPECT_TRUE(torch::allclose(y16.to(torch::kFloat32), norm_fused({x, w}), 2e-3, 2e-3));

@@ -6,7 +6,6 @@
 
 #include "core/model/layers.h"
 #include "core/util/error.h"
-#include "core/util/torch_compat.h"
 
 namespace weft {
 namespace {
@@ -111,85 +110,47 @@ torch::Tensor naive_attention(const torch::Tensor& q, const torch::Tensor& k, co
   return out;
 }
 
-// The attention kernels this build has: weft's own everywhere, at::scaled_dot_product_attention
-// on LibTorch 2.x. Every kernel passes the same parity tests.
-std::vector<AttentionKernel> built_kernels() {
-  std::vector<AttentionKernel> kernels{AttentionKernel::kWeft};
-  if (compat::kHasScaledDotProductAttention) kernels.push_back(AttentionKernel::kSdpa);
-  return kernels;
-}
-
-TEST(Attention, EveryKernelMatchesTheNaiveReferenceWithGroupedAndFullHeads) {
-  for (const auto kernel : built_kernels()) {
-    for (const int64_t kv_heads : {2, 6}) {
-      SCOPED_TRACE(std::string(attention_kernel_name(kernel)) + ", kv heads " + std::to_string(kv_heads));
-      auto q = torch::randn({1, 6, 5, 8});
-      auto k = torch::randn({1, kv_heads, 5, 8});
-      auto v = torch::randn({1, kv_heads, 5, 8});
-      EXPECT_TRUE(torch::allclose(causal_attention(q, k, v, kernel), naive_attention(q, k, v), 1e-5, 1e-5));
-    }
+TEST(Attention, MatchesTheNaiveReferenceWithGroupedAndFullHeads) {
+  for (const int64_t kv_heads : {2, 6}) {
+    SCOPED_TRACE("kv heads " + std::to_string(kv_heads));
+    auto q = torch::randn({1, 6, 5, 8});
+    auto k = torch::randn({1, kv_heads, 5, 8});
+    auto v = torch::randn({1, kv_heads, 5, 8});
+    EXPECT_TRUE(torch::allclose(causal_attention(q, k, v), naive_attention(q, k, v), 1e-5, 1e-5));
   }
 }
 
-TEST(Attention, EveryKernelsGradientsMatchTheNaiveReference) {
-  for (const auto kernel : built_kernels()) {
-    SCOPED_TRACE(attention_kernel_name(kernel));
-    torch::manual_seed(3);
-    const auto q0 = torch::randn({1, 6, 7, 8}), k0 = torch::randn({1, 2, 7, 8}), v0 = torch::randn({1, 2, 7, 8});
-    const auto upstream = torch::randn({1, 6, 7, 8});
-    std::vector<torch::Tensor> grads[2];
-    for (int reference = 0; reference < 2; ++reference) {
-      auto q = q0.clone().requires_grad_(), k = k0.clone().requires_grad_(), v = v0.clone().requires_grad_();
-      auto out = reference ? naive_attention(q, k, v) : causal_attention(q, k, v, kernel);
-      (out * upstream).sum().backward();
-      grads[reference] = {q.grad(), k.grad(), v.grad()};
-    }
-    for (size_t i = 0; i < 3; ++i) {
-      EXPECT_TRUE(torch::allclose(grads[0][i], grads[1][i], 1e-5, 1e-5)) << "gradient of " << "qkv"[i];
-    }
+TEST(Attention, GradientsMatchTheNaiveReference) {
+  torch::manual_seed(3);
+  const auto q0 = torch::randn({1, 6, 7, 8}), k0 = torch::randn({1, 2, 7, 8}), v0 = torch::randn({1, 2, 7, 8});
+  const auto upstream = torch::randn({1, 6, 7, 8});
+  std::vector<torch::Tensor> grads[2];
+  for (int reference = 0; reference < 2; ++reference) {
+    auto q = q0.clone().requires_grad_(), k = k0.clone().requires_grad_(), v = v0.clone().requires_grad_();
+    auto out = reference ? naive_attention(q, k, v) : causal_attention(q, k, v);
+    (out * upstream).sum().backward();
+    grads[reference] = {q.grad(), k.grad(), v.grad()};
+  }
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_TRUE(torch::allclose(grads[0][i], grads[1][i], 1e-5, 1e-5)) << "gradient of " << "qkv"[i];
   }
 }
 
-// bf16 inputs: each kernel stays within bf16's rounding of the fp32 result.
-TEST(Attention, EveryKernelInBf16StaysNearTheFp32Result) {
-  for (const auto kernel : built_kernels()) {
-    SCOPED_TRACE(attention_kernel_name(kernel));
-    auto q = torch::randn({2, 4, 33, 16}), k = torch::randn({2, 2, 33, 16}), v = torch::randn({2, 2, 33, 16});
-    const auto exact = causal_attention(q, k, v, AttentionKernel::kWeft);
-    const auto bf16 = causal_attention(q.to(torch::kBFloat16), k.to(torch::kBFloat16), v.to(torch::kBFloat16), kernel);
-    EXPECT_EQ(bf16.scalar_type(), torch::kBFloat16);
-    EXPECT_LT((bf16.to(torch::kFloat32) - exact).abs().max().item<double>(), 0.05);
-  }
+// bf16 inputs stay within bf16's rounding of the fp32 result.
+TEST(Attention, Bf16StaysNearTheFp32Result) {
+  auto q = torch::randn({2, 4, 33, 16}), k = torch::randn({2, 2, 33, 16}), v = torch::randn({2, 2, 33, 16});
+  const auto exact = causal_attention(q, k, v);
+  const auto bf16 = causal_attention(q.to(torch::kBFloat16), k.to(torch::kBFloat16), v.to(torch::kBFloat16));
+  EXPECT_EQ(bf16.scalar_type(), torch::kBFloat16);
+  EXPECT_LT((bf16.to(torch::kFloat32) - exact).abs().max().item<double>(), 0.05);
 }
 
 TEST(Attention, FirstPositionAttendsOnlyToItself) {
-  for (const auto kernel : built_kernels()) {
-    SCOPED_TRACE(attention_kernel_name(kernel));
-    auto q = torch::randn({2, 4, 3, 8});
-    auto k = torch::randn({2, 4, 3, 8});
-    auto v = torch::randn({2, 4, 3, 8});
-    auto out = causal_attention(q, k, v, kernel);
-    EXPECT_TRUE(torch::allclose(out.select(2, 0), v.select(2, 0), 1e-6, 1e-6));
-  }
-}
-
-// model.attention: auto is SDPA exactly where LibTorch has it; asking for SDPA on 1.13 is one
-// clear error naming the version.
-TEST(Attention, AutoPicksSdpaWhereLibTorchHasItAndSdpaIsRefusedWhereNot) {
-  EXPECT_EQ(parse_attention_kernel("weft"), AttentionKernel::kWeft);
-  EXPECT_EQ(resolve_attention_kernel(parse_attention_kernel("auto")),
-            compat::kHasScaledDotProductAttention ? AttentionKernel::kSdpa : AttentionKernel::kWeft);
-  if (compat::kHasScaledDotProductAttention) {
-    EXPECT_EQ(parse_attention_kernel("sdpa"), AttentionKernel::kSdpa);
-  } else {
-    try {
-      parse_attention_kernel("sdpa");
-      ADD_FAILURE() << "sdpa accepted on LibTorch " << compat::libtorch_version();
-    } catch (const weft::Error& e) {
-      EXPECT_NE(std::string(e.what()).find("needs LibTorch 2.0"), std::string::npos) << e.what();
-    }
-  }
-  EXPECT_THROW(parse_attention_kernel("flash"), weft::Error);
+  auto q = torch::randn({2, 4, 3, 8});
+  auto k = torch::randn({2, 4, 3, 8});
+  auto v = torch::randn({2, 4, 3, 8});
+  auto out = causal_attention(q, k, v);
+  EXPECT_TRUE(torch::allclose(out.select(2, 0), v.select(2, 0), 1e-6, 1e-6));
 }
 
 

@@ -18,7 +18,7 @@
 #include "core/plugin/library.h"
 #include "core/plugin/status.h"
 #include "core/util/error.h"
-#include "core/util/torch_compat.h"
+#include "core/util/libtorch.h"
 #include "test_paths.h"
 
 namespace weft {
@@ -332,7 +332,7 @@ TEST(PluginLoader, TrainerPluginsCommandPrintsTheTable) {
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << output;
   EXPECT_THAT(output, HasSubstr("NAME"));
   // The host's LibTorch first: plugins that link LibTorch must be built against the same one.
-  EXPECT_THAT(output, HasSubstr("host: LibTorch " + compat::libtorch_version() + ", NCCL "));
+  EXPECT_THAT(output, HasSubstr("host: LibTorch " + libtorch_version() + ", NCCL "));
   EXPECT_THAT(output, HasSubstr("test fixture good"));
   EXPECT_THAT(output, HasSubstr(fs::canonical(fixture("good")).string()));
   EXPECT_THAT(output, HasSubstr("PROBLEM: plugin " + fs::canonical(fixture("wrong_major")).string()));

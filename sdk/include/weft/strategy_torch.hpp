@@ -1,13 +1,13 @@
 // weft/strategy_torch.hpp - optional: non-owning views between at::Tensor and DLTensor for
 // strategy plugins that use LibTorch themselves (e.g. to do arithmetic on a gradient view).
-// Needs LibTorch (1.13 or 2.x) in the plugin; everything else in the SDK does not. A plugin that
+// Needs LibTorch (2.5 or newer, as the host) in the plugin; everything else in the SDK does not. A plugin that
 // links LibTorch must be built against the host's own LibTorch (same version and build; `trainer
 // plugins` prints the host's), since both load into one process; a plugin that uses only
 // weft/strategy.h(pp) works with any host of its ABI major.
 //
 // Supported dtypes: float32, float64, float16, bfloat16, int64, int32, uint8, bool; devices:
 // CPU and CUDA. Under DLPack < 0.8 (no kDLBool, e.g. Debian's 0.6) bool is described as
-// {kDLUInt, 8, 1} - the same bits as uint8, as LibTorch 1.13 and weft's host do - so a bool
+// {kDLUInt, 8, 1} - the same bits as uint8, as weft's host does - so a bool
 // tensor comes back from from_dl_view as uint8 there. Unsupported dtypes and devices throw
 // weft::sdk::Error(WEFT_STATUS_UNSUPPORTED).
 #ifndef WEFT_STRATEGY_TORCH_HPP

@@ -119,7 +119,7 @@ TEST(Training, OverfitsOneBatch) {
   LlamaForCausalLM model(preset_config("tiny"));
   init_weights(*model, 1, 0.02);
   OptimOptions o;
-  o.lr = 1e-2;
+  o.lr = 3e-3;  // at 1e-2 Adam memorised the batch by step 50, then spiked back to 0.5 (Intel Xeon with AMX)
   o.weight_decay = 0.0;
   auto optimizer = make_adamw(trainable_parameters(*model), o);
   auto inputs = torch::randint(0, 512, {2, 16}, torch::kLong);

@@ -32,7 +32,7 @@ po::options_description describe_options() {
       ("warmup", po::value<int64_t>(), "trainer bench: steps per run not counted (default 3)")
       ("steps", po::value<int64_t>(), "trainer bench: counted steps per run (default 10); trainer check: steps (default 20)")
       ("all", po::bool_switch(), "trainer check: every shipped strategy and layout against single, as a table (--nproc N: "
-       "only cases of at most N ranks; --set applies to every case)")
+       "only cases of at most N ranks; --plugin NAME: only the cases that run NAME; --set applies to every case)")
       ("repetitions", po::value<int64_t>(), "trainer bench: runs per variant, alternated (default 3)")
       ("baseline", po::value<std::string>(), "trainer bench: 'pytorch' adds PyTorch DDP, and DTensor tensor parallelism beside tensor_parallel (python/pytorch_baseline.py)")
       ("out,o", po::value<std::string>(), "trainer bench: output directory; trainer report: the Markdown file")

@@ -25,7 +25,7 @@ struct CommandLine {
   // trainer eval: files to evaluate instead of the held-out split, and where to write the JSON.
   std::vector<std::string> data;
   std::string json;
-  // trainer check: the whole conformance matrix (conformance_matrix()) instead of one --plugin.
+  // trainer check: the conformance matrix (conformance_matrix()); with --plugin, its cases that run it.
   bool all = false;
 };
 

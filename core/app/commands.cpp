@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -232,21 +233,42 @@ int run_plan(const CommandLine& cli) {
 
 namespace {
 
+// Whether a case of the matrix runs `plugin` (alone or composed: "tensor_parallel,gpipe").
+bool case_uses(const ConformanceCase& c, const std::string& plugin) {
+  for (size_t start = 0, comma = 0; comma != std::string::npos; start = comma + 1) {
+    comma = c.plugin.find(',', start);
+    if (c.plugin.compare(start, comma == std::string::npos ? std::string::npos : comma - start, plugin) == 0) return true;
+  }
+  return false;
+}
+
 // `trainer check --all`: every case of conformance_matrix() this machine is asked for (at most
-// --nproc ranks when given), each with the --set settings added, as one Markdown table. A case whose
-// run fails is an error row; the others still run. Exit status 1 unless every case that ran passed.
+// --nproc ranks when given; with --plugin NAME only the cases that run NAME, alone or composed),
+// each with the --set settings added, as one Markdown table. A case whose run fails is an error
+// row; the others still run. Exit status 1 unless every case that ran passed.
 int run_check_all(const CommandLine& cli) {
-  if (!cli.plugin.empty()) throw Error("trainer check --all checks every shipped plugin: leave out --plugin");
+  std::vector<ConformanceCase> cases;
+  std::set<std::string> shipped;
+  for (const auto& c : conformance_matrix()) {
+    for (size_t start = 0, comma = 0; comma != std::string::npos; start = comma + 1) {
+      comma = c.plugin.find(',', start);
+      shipped.insert(c.plugin.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
+    }
+    if (cli.plugin.empty() || case_uses(c, cli.plugin)) cases.push_back(c);
+  }
+  WEFT_CHECK(!cases.empty(), "trainer check --all --plugin {}: no case of the matrix runs it (its plugins: {})",
+             cli.plugin, fmt::join(shipped, ", "));
   std::vector<std::string> common;
   for (const auto& setting : cli.overrides) {
+    if (setting.rfind("train.plugin=", 0) == 0) continue;  // --plugin itself
     ConformanceOptions probe;
     apply_check_setting(probe, setting);  // refuses what check does not take, before any run
     common.push_back(setting);
   }
-  const auto cases = conformance_matrix();
   const std::string trainer = std::filesystem::read_symlink("/proc/self/exe").string();
   const std::string root = (std::filesystem::temp_directory_path() / ("weft-check-all-" + std::to_string(::getpid()))).string();
   std::cout << "conformance matrix against single (" << cases.size() << " cases"
+            << (cli.plugin.empty() ? "" : " that run " + cli.plugin)
             << (cli.nproc > 0 ? fmt::format(", at most {} ranks", cli.nproc) : "")
             << (common.empty() ? "" : fmt::format(", every case with {}", fmt::join(common, ", "))) << "):\n\n"
             << "| strategy | ranks | settings | largest loss difference (relative; tolerance) | largest parameter "

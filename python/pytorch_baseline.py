@@ -253,6 +253,19 @@ class StagePart(nn.Module):
         return self.lm_head(self.norm(x)) if self.lm_head is not None else x
 
 
+def pipeline_virtual_stages(schedule):
+    """Stages per process of a pipeline schedule (interleaved 1F1B: two)."""
+    return 2 if schedule == "interleaved1f1b" else 1
+
+
+def check_pipeline(cfg, world, schedule):
+    """A pipeline the model cannot fill, refused before any process starts."""
+    virtual, layers = pipeline_virtual_stages(schedule), cfg["num_hidden_layers"]
+    if layers < world * virtual:
+        raise BaselineError(f"--parallel pp: {layers} layers cannot fill {world * virtual} stages ({world} processes x "
+                            f"{virtual})")
+
+
 class Pipeline:
     """This process's stages of one pipeline over all `world` processes, run by PyTorch's own
     schedule. `step(inputs, targets)` runs one accumulation micro-batch (forward and backward of
@@ -267,13 +280,8 @@ class Pipeline:
         except ImportError as e:
             raise BaselineError(f"--parallel pp needs PyTorch >= 2.4 (torch.distributed.pipelining); this is "
                                 f"PyTorch {torch.__version__} ({e})")
-        if schedule not in PIPELINE_SCHEDULES:
-            raise BaselineError(f"--schedule {schedule!r}: expected one of {', '.join(PIPELINE_SCHEDULES)}")
-        virtual = 2 if schedule == "interleaved1f1b" else 1
+        virtual = pipeline_virtual_stages(schedule)
         stages, layers = world * virtual, cfg["num_hidden_layers"]
-        if layers < stages:
-            raise BaselineError(f"--parallel pp: {layers} layers cannot fill {stages} stages ({world} processes x "
-                                f"{virtual})")
         self.rank, self.world = rank, world
         self.tied = model.lm_head.weight is model.embed_tokens.weight
         self.parts, pipeline_stages = [], []
@@ -596,6 +604,8 @@ def main():
         os.makedirs(args.out, exist_ok=True)
         if args.microbatches < 1:
             raise BaselineError(f"--microbatches {args.microbatches}: must be >= 1")
+        if args.parallel == "pp":
+            check_pipeline(cfg, args.nproc, args.schedule)
         if args.nproc == 1:
             worker(0, 1, 0, cfg, run, args.data, args.out, args.parallel, args.schedule, args.microbatches)
         else:

@@ -84,16 +84,20 @@ PY
 )
   ranks=(1)
   [[ "$multi_rank" == yes* ]] && ranks=(1 2 3)
+  # One process: trainer check's default 20 steps; several: 8, as ctest's Conformance.* checks
+  # (tests/CMakeLists.txt says why).
   for n in "${ranks[@]}"; do
-    echo "check_sdk_examples: trainer check --plugin $example.so --nproc $n"
-    OMP_NUM_THREADS=1 "$build_dir/trainer" check --plugin "$plugin" --nproc "$n"
+    steps=20
+    [[ $n -gt 1 ]] && steps=8
+    echo "check_sdk_examples: trainer check --plugin $example.so --nproc $n --steps $steps"
+    OMP_NUM_THREADS=1 "$build_dir/trainer" check --plugin "$plugin" --nproc "$n" --steps "$steps"
   done
   # A plugin that owns the data-parallel dimension (ABI 1.12) composes with the shipped ones.
   if [[ "$multi_rank" == *dp ]]; then
     for composed in "tensor_parallel,$plugin --set mesh.tp=2" "gpipe,$plugin --set mesh.pp=2"; do
-      echo "check_sdk_examples: trainer check --plugin ${composed//$plugin/$example.so} --set mesh.dp=2 --nproc 4"
+      echo "check_sdk_examples: trainer check --plugin ${composed//$plugin/$example.so} --set mesh.dp=2 --nproc 4 --steps 8"
       # shellcheck disable=SC2086
-      OMP_NUM_THREADS=1 "$build_dir/trainer" check --plugin $composed --set mesh.dp=2 --nproc 4
+      OMP_NUM_THREADS=1 "$build_dir/trainer" check --plugin $composed --set mesh.dp=2 --nproc 4 --steps 8
     done
   fi
   examples=$((examples + 1))

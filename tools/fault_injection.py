@@ -13,7 +13,8 @@ counts as
                 is incomplete
   exact         checkpoint.resume = auto then finished the run, and every step after the one it
                 resumed from has exactly the reference run's loss (fp32, bit for bit)
-Trials whose point is never reached (n past the last visit) are drawn again.
+Trials whose point is never reached (n past the last visit) are drawn again, below that n; one
+process has no collective, so single skips that point.
 
   tools/fault_injection.py build/trainer                      5 trials per plugin and point
   tools/fault_injection.py build/trainer --trials 1 --json out.json
@@ -130,16 +131,20 @@ def main():
                 sys.exit(f"fault_injection: the reference run of {plugin} failed (exit {status})")
             counts = dict(tried=0, stopped=0, intact=0, exact=0)
             for point in a.points.split(","):
+                if point == "collective" and nproc == 1:
+                    continue  # one process issues no collective: every draw would run to the end
                 done, draws = 0, 0
-                while done < a.trials and draws < 10 * a.trials:
+                limit = 24 if point != "save" else 4  # the largest n not yet seen to be past the last visit
+                while done < a.trials and draws < 10 * a.trials and limit >= 1:
                     draws += 1
-                    rank, nth = rng.randrange(nproc), rng.randint(1, 24 if point != "save" else 4)
+                    rank, nth = rng.randrange(nproc), rng.randint(1, limit)
                     out = os.path.join(base, f"{point}-{draws}")
                     args = run_args(a.trainer, plugin, nproc, out)
                     status, output, after = run(args, {"WEFT_FAULT_INJECT": f"{rank}:{point}:{nth}"})
                     if after is None:
                         shutil.rmtree(out, ignore_errors=True)
-                        continue  # the point was not reached n times: draw again
+                        limit = nth - 1  # the point was not reached n times: draw again, below n
+                        continue
                     done += 1
                     named = nproc == 1 or f"rank {rank} failed (signal" in output
                     stopped = status != 0 and named and after <= TIMEOUT + 5

@@ -302,6 +302,8 @@ TEST(ShardedCheckpoint, APipelineTimesZeroMeshSavesEachStagesWholeStateAndResume
 // and both continue the uninterrupted run. LoRA's dropout (0.05 by default) draws other masks in
 // another layout, so the LoRA case resumes as one process without it; on its own mesh, with it,
 // each rank takes back its own generators and the resumed losses are the same to the bit.
+// ~80 s (ctest -j2, 2-core Xeon): 11 compositions x 3 runs, two of them on 4 ranks; each composition
+// lays its checkpoint out its own way (who writes which slice of which stage), so each is run.
 TEST(ShardedCheckpoint, EveryOtherCompositionResumesOnItsMeshAndAsOneProcess) {
   struct Composition {
     std::string name, plugins, settings;

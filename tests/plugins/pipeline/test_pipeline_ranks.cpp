@@ -224,6 +224,8 @@ TEST(PipeDreamAsync, EachBackwardUsesTheWeightsItsForwardUsed) {
   EXPECT_LT(run.steps.back()["loss"].get<double>(), run.steps.front()["loss"].get<double>() - 0.3);
 }
 
+// ~45 s (ctest -j2, 2-core Xeon): convergence takes steps. At 60 steps the held-out loss (2.90) is
+// what byte frequencies alone give; at 120 (2.60) the model has learnt more than that.
 TEST(PipeDreamAsync, ConvergesOnTheBundledCorpus) {
   const std::string corpus = std::string(WEFT_SOURCE_DIR) + "/data/austen/austen.jsonl";
   ASSERT_TRUE(std::ifstream(corpus).good()) << corpus << " is missing: tools/setup.sh fetches it";

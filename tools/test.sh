@@ -26,10 +26,11 @@ ctest --test-dir "$dir" --output-on-failure -j "$WEFT_JOBS" --timeout 600 "$@" 2
 seconds=$(( $(date +%s) - started ))
 [[ -n "${WEFT_PHASE_LOG:-}" ]] && echo "tests $seconds" >> "$WEFT_PHASE_LOG"
 
-# ctest's lines "  12/640 Test #301: NAME ......   Passed   41.20 sec": the slowest 15.
+# ctest's lines "  12/640 Test #301: NAME ......   Passed   41.20 sec": the slowest 15. (No `head`
+# in the pipe: under pipefail the writer it cuts off fails the script with SIGPIPE.)
 echo "test: the 15 slowest tests (of ${seconds} s of ctest on $WEFT_JOBS parallel jobs)"
 sed -nE 's/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: ([^ ]+) [ .*]*(Passed|\*\*\*Failed|\*\*\*Timeout|Failed).* ([0-9.]+) sec$/\3 \1 \2/p' "$log" |
-  sort -rn | head -15 | awk '{ printf "test: %8.1f s  %s%s\n", $1, $2, ($3 == "Passed" ? "" : "  (" $3 ")") }'
+  sort -rn | awk 'NR <= 15 { printf "test: %8.1f s  %s%s\n", $1, $2, ($3 == "Passed" ? "" : "  (" $3 ")") }'
 
 line=$(grep -E "tests passed, [0-9]+ tests failed out of [0-9]+" "$log" | tail -1 || true)
 if [[ -n "$line" ]]; then

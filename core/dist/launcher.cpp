@@ -26,7 +26,7 @@ namespace weft {
 namespace {
 
 std::vector<pid_t> children;
-std::atomic<int> forwarded_signal{0};  // SIGTERM or SIGINT that the launcher passed on to its ranks
+std::atomic<int> forwarded_signal{0};  // the last SIGTERM or SIGINT that the launcher passed on to its ranks
 
 extern "C" void forward_signal(int signal) {
   forwarded_signal.store(signal);
@@ -93,6 +93,10 @@ pid_t spawn_rank(int rank, int nproc, int port, const std::vector<std::string>& 
   // before the request took effect.
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (::getppid() != launcher) ::_exit(1);
+  // A process group of its own: a signal to the launcher's group (a terminal's Ctrl-C, `timeout`, a
+  // scheduler's kill) reaches the launcher alone, which passes it on once. In the launcher's group a
+  // rank got Ctrl-C twice, from the terminal and from the launcher, and took the second for "stop now".
+  ::setpgid(0, 0);
   ::execve("/proc/self/exe", argv.data(), envp.data());
   static const char message[] = "launcher: a rank could not exec the trainer\n";
   [[maybe_unused]] auto ignored = ::write(STDERR_FILENO, message, sizeof(message) - 1);
@@ -181,7 +185,7 @@ int launch_local_ranks(int nproc, int argc, char** argv) {
   const auto args = rank_arguments(argc, argv);
   spdlog::info("launching {} local ranks (rendezvous 127.0.0.1:{})", nproc, port);
   children.assign(static_cast<size_t>(nproc), -1);
-  ::signal(SIGINT, SIG_IGN);  // Ctrl-C reaches the ranks directly (same process group)
+  ::signal(SIGINT, forward_signal);  // the ranks are in process groups of their own (spawn_rank)
   ::signal(SIGTERM, forward_signal);
   for (int r = 0; r < nproc; ++r) children[static_cast<size_t>(r)] = spawn_rank(r, nproc, port, args);
 

@@ -85,6 +85,32 @@ TEST(Launcher, ASigtermIsACleanStopNotAFailure) {
   EXPECT_EQ(run.log.find("error"), std::string::npos) << run.log;
 }
 
+// SIGINT to the launcher (a scheduler, `kill -INT`), or to its whole process group (a terminal's
+// Ctrl-C, `timeout -s INT`): each rank gets it once, from the launcher, and stops as on SIGTERM after
+// the same step: a checkpoint is saved, the summary says interrupted, the launcher exits 128 + 2.
+// Before, the launcher ignored SIGINT (the run trained on to its end), and a group's SIGINT reached
+// each rank twice, whose second "stop now" lost the checkpoint.
+TEST(Launcher, ASigintToTheLauncherOrItsGroupStopsEachRankOnceWithACheckpoint) {
+  for (const int target : {-1, -2}) {
+    const auto run = weft::testing::signal_a_rank(target == -1 ? "sigint" : "sigint_group", "INT", "", target);
+    SCOPED_TRACE(target == -1 ? "the launcher" : "its process group");
+    EXPECT_EQ(run.status, "130") << run.log;
+    const std::string latest = run.out_dir + "/checkpoints/latest";
+    ASSERT_TRUE(std::filesystem::exists(latest)) << run.log;
+    EXPECT_TRUE(std::filesystem::is_directory(run.out_dir + "/checkpoints/" + weft::testing::last_line(weft::testing::read_text(latest))))
+        << run.log;
+    nlohmann::json summary;
+    std::istringstream metrics(weft::testing::read_text(run.out_dir + "/metrics.jsonl"));
+    for (std::string line; std::getline(metrics, line);) {
+      if (line.empty()) continue;
+      const auto record = nlohmann::json::parse(line);
+      if (record.value("type", "") == "summary") summary = record;
+    }
+    ASSERT_FALSE(summary.is_null()) << run.log;
+    EXPECT_EQ(summary["interrupted"], true) << summary.dump();
+  }
+}
+
 TEST(Launcher, TorchrunStyleEnvironmentJoinsTheJob) {
   const auto dir = fresh_dir("torchrun");
   const auto corpus = write_corpus(dir);

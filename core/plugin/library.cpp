@@ -21,6 +21,7 @@
 #include <fmt/format.h>
 
 #include "core/util/error.h"
+#include "core/util/suggest.h"
 
 // The strategy compiled into the host (builtin_single.cpp).
 extern "C" const weft_strategy_api* weft_builtin_single_entry(uint16_t host_abi_major, uint16_t host_abi_minor);
@@ -201,7 +202,19 @@ std::string resolve_plugin_path(const std::string& path_or_name) {
     if (is_file(candidate)) return candidate;
     searched.push_back(candidate);
   }
-  fail("plugin '{}' not found (searched: {}; set WEFT_PLUGIN_PATH or pass a path)", path_or_name,
+  // The plugins that are there, and the one the name probably meant ("dpp", "zer0").
+  std::vector<std::string> names{kBuiltinStrategy};
+  for (const std::string& dir : plugin_search_dirs()) {
+    std::error_code ec;
+    for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+      if (it->path().extension() == ".so" && is_file(it->path())) names.push_back(it->path().stem().string());
+    }
+  }
+  std::sort(names.begin(), names.end());
+  names.erase(std::unique(names.begin(), names.end()), names.end());
+  const auto meant = closest(fs::path(file).stem().string(), names);
+  fail("plugin '{}' not found{} (plugins here: {}; searched: {}; set WEFT_PLUGIN_PATH or pass a path)", path_or_name,
+       meant ? fmt::format(": did you mean '{}'?", *meant) : "", fmt::join(names, ", "),
        searched.empty() ? "nothing" : fmt::format("{}", fmt::join(searched, ", ")));
 }
 

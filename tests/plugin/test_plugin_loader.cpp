@@ -246,11 +246,15 @@ TEST(PluginLoader, NotFoundListsEveryPlaceSearched) {
     resolve_plugin_path("no_such_plugin");
     FAIL() << "no exception";
   } catch (const Error& e) {
-    EXPECT_STREQ(e.what(), fmt::format("plugin 'no_such_plugin' not found (searched: {0}/tests/plugins/no_such_plugin.so, "
-                                       "/nonexistent-weft-dir/no_such_plugin.so, {1}/no_such_plugin.so; "
-                                       "set WEFT_PLUGIN_PATH or pass a path)",
-                                       fs::canonical(WEFT_BINARY_DIR).string(), kFixtureDir)
-                               .c_str());
+    // The plugins there (the fixtures' and the built-in single), then every place searched.
+    EXPECT_THAT(e.what(), HasSubstr("plugin 'no_such_plugin' not found (plugins here: bad_chunks, "));
+    EXPECT_THAT(e.what(), HasSubstr(", good, "));
+    EXPECT_THAT(e.what(), HasSubstr(", single, "));
+    EXPECT_THAT(e.what(), HasSubstr(fmt::format("; searched: {0}/tests/plugins/no_such_plugin.so, "
+                                                "/nonexistent-weft-dir/no_such_plugin.so, {1}/no_such_plugin.so; "
+                                                "set WEFT_PLUGIN_PATH or pass a path)",
+                                                fs::canonical(WEFT_BINARY_DIR).string(), kFixtureDir)));
+    EXPECT_THAT(load_error("goood"), HasSubstr("plugin 'goood' not found: did you mean 'good'?"));
   }
   EXPECT_THAT(load_error("no_such_plugin"), HasSubstr("/nonexistent-weft-dir/no_such_plugin.so"));
 }

@@ -105,6 +105,8 @@ PluginHost::PluginHost(std::string plugin_name, toml::table plugin_config, Commu
 
 PluginHost::~PluginHost() = default;
 
+const std::vector<std::pair<std::string, std::string>>& PluginHost::settings_read() const { return state_->settings; }
+
 const weft_host_api* PluginHost::api() const { return &kHostApi; }
 
 weft_host* PluginHost::handle() { return &state_->handle; }

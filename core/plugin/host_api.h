@@ -41,6 +41,10 @@ class PluginHost {
   const weft_host_api* api() const;
   weft_host* handle();
 
+  // The [plugin] keys the plugin has asked for, in order, each with the value it got (configured,
+  // or the plugin's default): its effective settings.
+  const std::vector<std::pair<std::string, std::string>>& settings_read() const;
+
   // The model's shape for model_info and profile_stages (before plan; bf16: the compute dtype;
   // seq_len and batch_rows: the run's sequence length and train.batch_size).
   void set_model_info(const ModelConfig& config, torch::Dtype compute_dtype, int64_t seq_len, int64_t batch_rows);

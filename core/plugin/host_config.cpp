@@ -6,28 +6,41 @@ namespace host {
 
 
 template <typename T>
+std::string setting_text(T value) {
+  if constexpr (std::is_same_v<T, int32_t>) {
+    return value ? "true" : "false";
+  } else {
+    return fmt::format("{}", value);
+  }
+}
+
+template <typename T>
 weft_status* config_value(weft_host* host, const char* key, T fallback, T* out, const char* type_name) {
   return guarded([&] {
     WEFT_CHECK(key && out, "config: null key or output");
-    const auto& s = state_of(host);
+    auto& s = state_of(host);
     const auto* node = s.config.get(key);
     if (!node) {
       *out = fallback;
+      s.record_setting(key, setting_text(*out));
       return;
     }
     if constexpr (std::is_same_v<T, double>) {
       if (auto v = node->value<double>()) {
         *out = *v;
+        s.record_setting(key, setting_text(*out));
         return;
       }
     } else if constexpr (std::is_same_v<T, int32_t>) {
       if (auto v = node->value<bool>()) {
         *out = *v ? 1 : 0;
+        s.record_setting(key, setting_text(*out));
         return;
       }
     } else {
       if (auto v = node->value<int64_t>()) {
         *out = *v;
+        s.record_setting(key, setting_text(*out));
         return;
       }
     }
@@ -51,11 +64,13 @@ weft_status* config_string(weft_host* host, const char* key, const char* fallbac
     auto* node = s.config.get(key);
     if (!node) {
       *out = fallback;
+      s.record_setting(key, fallback ? fmt::format("\"{}\"", fallback) : "none");
       return;
     }
     const auto* str = node->as_string();
     WEFT_CHECK(str != nullptr, "config key 'plugin.{}' must be a string", key);
     *out = str->get().c_str();  // lives in the config table for the run
+    s.record_setting(key, fmt::format("\"{}\"", str->get()));
   });
 }
 
@@ -66,6 +81,7 @@ weft_status* config_int_list(weft_host* host, const char* key, int64_t* out, int
     auto* node = s.config.get(key);
     if (!node) {
       *count_out = 0;
+      s.record_setting(key, "[]");
       return;
     }
     const auto* array = node->as_array();
@@ -78,6 +94,7 @@ weft_status* config_int_list(weft_host* host, const char* key, int64_t* out, int
     }
     for (int32_t i = 0; i < capacity && i < static_cast<int32_t>(values.size()); ++i) out[i] = values[i];
     *count_out = static_cast<int32_t>(values.size());
+    s.record_setting(key, fmt::format("[{}]", fmt::join(values, ", ")));
   });
 }
 

@@ -73,6 +73,18 @@ struct ParameterEntry {
 struct PluginHost::State {
   std::string plugin_name;
   toml::table config;
+  // The [plugin] keys the plugin asked for, in order, with the value it got (the configured one or
+  // its own default): its effective settings (settings_read()).
+  std::vector<std::pair<std::string, std::string>> settings;
+  void record_setting(const std::string& key, const std::string& value) {
+    for (auto& [k, v] : settings) {
+      if (k == key) {
+        v = value;
+        return;
+      }
+    }
+    settings.emplace_back(key, value);
+  }
   Communicator* communicator = nullptr;
   weft_host handle{};
   std::vector<std::unique_ptr<weft_group>> groups;

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstring>
+#include <set>
 
 #include <fmt/format.h>
 #include <torch/torch.h>
@@ -48,7 +49,7 @@ StrategySession::StrategySession(const std::string& path_or_name, toml::table pl
     }
     Member member;
     member.library = PluginLibrary::load(names.front().empty() ? kBuiltinStrategy : names.front());
-    member.host = std::make_unique<PluginHost>(member.library->name(), std::move(plugin_config), communicator);
+    member.host = std::make_unique<PluginHost>(member.library->name(), plugin_config, communicator);
     members_.push_back(std::move(member));
   } else {
     compose(names, plugin_config, communicator, mesh);
@@ -63,6 +64,7 @@ StrategySession::StrategySession(const std::string& path_or_name, toml::table pl
       WEFT_CHECK(instance != nullptr, "plugin {}: create returned no instance", member.library->name());
       member.instance = instance;
     }
+    check_settings_read(plugin_config);
   } catch (...) {  // the destructor does not run: destroy the instances already made
     for (auto it = members_.rbegin(); it != members_.rend(); ++it) {
       if (it->instance) it->library->api().destroy(it->instance);
@@ -70,6 +72,54 @@ StrategySession::StrategySession(const std::string& path_or_name, toml::table pl
     throw;
   }
   instance_ = members_.front().instance;
+}
+
+// Each plugin's effective settings, logged; and every [plugin] key read by a plugin of the run (a
+// [plugin.<name>] key by plugin <name>): a misspelt key would otherwise leave the plugin at its
+// default without a word. Plugins read their settings in create(). A [plugin.<name>] table of a
+// plugin this run does not load is left alone (one config may serve several plugins).
+void StrategySession::check_settings_read(const toml::table& plugin_config) const {
+  std::set<std::string> loaded, read_by_any;
+  for (const auto& member : members_) {
+    const auto& settings = member.host->settings_read();
+    loaded.insert(member.library->name());
+    std::string text;
+    for (const auto& [key, value] : settings) {
+      text += fmt::format("{}{} = {}", text.empty() ? "" : ", ", key, value);
+      read_by_any.insert(key);
+    }
+    if (!text.empty()) spdlog::info("plugin {} settings: {}", member.library->name(), text);
+  }
+  const auto keys_of = [&](const PluginHost& host) {
+    std::string keys;
+    for (const auto& [key, value] : host.settings_read()) keys += (keys.empty() ? "" : ", ") + key;
+    return keys.empty() ? std::string("none") : keys;
+  };
+  const auto all_keys = [&] {
+    std::string text;
+    for (const auto& member : members_) {
+      text += fmt::format("{}{} reads {}", text.empty() ? "" : "; ", member.library->name(), keys_of(*member.host));
+    }
+    return text;
+  };
+  for (const auto& [key, value] : plugin_config) {
+    const std::string name(key.str());
+    if (value.is_table()) {
+      if (!loaded.count(name)) continue;
+      for (const auto& member : members_) {
+        if (member.library->name() != name) continue;
+        for (const auto& [sub, unused] : *value.as_table()) {
+          const std::string sub_key(sub.str());
+          bool read = false;
+          for (const auto& [k, v] : member.host->settings_read()) read = read || k == sub_key;
+          WEFT_CHECK(read, "plugin.{}.{} is not a setting of plugin {} (it reads {})", name, sub_key, name,
+                     keys_of(*member.host));
+        }
+      }
+      continue;
+    }
+    WEFT_CHECK(read_by_any.count(name), "plugin.{} is not a setting of any plugin of this run ({})", name, all_keys());
+  }
 }
 
 void StrategySession::compose(const std::vector<std::string>& names, const toml::table& plugin_config,

@@ -173,6 +173,7 @@ class StrategySession {
   void check(weft_status* status, const char* what) const;
   void check(const Member& member, weft_status* status, const char* what) const;
   // Composed runs: loads and orders the plugins, resolves the mesh, makes its groups.
+  void check_settings_read(const toml::table& plugin_config) const;
   void compose(const std::vector<std::string>& names, const toml::table& plugin_config, Communicator& communicator,
                std::array<int32_t, 4> requested);
   // The plan every plugin wrote, merged (composed) or the one plugin's.

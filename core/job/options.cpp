@@ -261,7 +261,10 @@ const std::vector<Row>& rows() {
       string_key("checkpoint.resume", WEFT_MEMBER(resume), "",
                  "\"\" = start fresh, \"auto\" = latest in train.out_dir if any, or a checkpoint "
                  "directory."),
-      bool_key("checkpoint.save_final", WEFT_MEMBER(save_final), true, "Save a checkpoint when training ends."),
+      bool_key("checkpoint.save_final", WEFT_MEMBER(save_final), true,
+               "Save the final model when training ends (train.out_dir/final/, an HF model folder, or the adapters "
+               "under LoRA): a model to evaluate or start from (model.weights), not a checkpoint to resume "
+               "(checkpoint.every_steps writes those)."),
       bool_key("checkpoint.keep_best", WEFT_MEMBER(keep_best), true,
                "Keep the checkpoint with the best held-out loss as well."),
       // [backup]

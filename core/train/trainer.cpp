@@ -123,9 +123,19 @@ void Trainer::protect_saved_work() const {
       }
       continue;
     }
-    WEFT_CHECK(!fs::exists(path), "train.out_dir '{}' already holds a run ({} exists); {}pick another out_dir, or set "
-               "train.overwrite=true", options_.out_dir, path.string(),
-               restart ? "it has no checkpoint to resume; " : "resume it with checkpoint.resume=auto, ");
+    if (!fs::exists(path)) continue;
+    // The advice follows from what is there: a checkpoint resumes; a finished run without one does not.
+    const bool resumable = fs::exists(fs::path(options_.out_dir) / "checkpoints/latest");
+    const std::string finished = fs::exists(fs::path(options_.out_dir) / "final")
+                                     ? fmt::format("to train its final model further, start a new run from it "
+                                                   "(model.weights={}/final, another out_dir); ",
+                                                   options_.out_dir)
+                                     : "";
+    fail("train.out_dir '{}' already holds a run ({} exists); {}{}pick another out_dir, or set train.overwrite=true",
+         options_.out_dir, path.string(),
+         resumable ? (restart ? "" : "resume it with checkpoint.resume=auto, ")
+                   : (restart ? "it has no checkpoint to resume (it finished, or stopped before its first): " : ""),
+         finished);
   }
 }
 

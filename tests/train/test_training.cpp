@@ -387,6 +387,13 @@ TEST(Training, RefusesToOverwriteASavedRunUnlessAsked) {
     FAIL() << "started over a saved run";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("already holds a run"), std::string::npos) << e.what();
+    // A finished run without a checkpoint: the advice is what works (before, it advised
+    // checkpoint.resume=auto, which then refused the run for having no checkpoint).
+    EXPECT_EQ(std::string(e.what()).find("checkpoint.resume=auto"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("to train its final model further, start a new run from it (model.weights=" +
+                                         o.out_dir + "/final, another out_dir)"),
+              std::string::npos)
+        << e.what();
   }
   EXPECT_TRUE(std::filesystem::exists(o.out_dir + "/final/model.safetensors"));
   o.resume = "auto";  // a finished run without checkpoints: nothing to resume, and still refused
@@ -394,7 +401,9 @@ TEST(Training, RefusesToOverwriteASavedRunUnlessAsked) {
     Trainer again(o);
     FAIL() << "started over a finished run";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("final exists); it has no checkpoint to resume;"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("final exists); it has no checkpoint to resume (it finished, or stopped "
+                                         "before its first): to train its final model further"),
+              std::string::npos)
         << e.what();
   }
   o.resume.clear();

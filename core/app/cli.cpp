@@ -1,7 +1,11 @@
 #include "core/app/cli.h"
 
 #include <iostream>
+#include <map>
+#include <set>
 #include <stdexcept>
+#include <string>
+#include <vector>
 
 #include <boost/program_options.hpp>
 #include <fmt/format.h>
@@ -46,6 +50,43 @@ po::options_description describe_options() {
   return options;
 }
 
+// The flags each command takes (besides --help); a flag of another command is an error naming the
+// commands that take it and, where one exists, the setting the user may have meant.
+void check_flags_of_command(const po::variables_map& vm, const std::string& command) {
+  static const std::map<std::string, std::set<std::string>> takes{
+      {"train", {"config", "plugin", "set", "nproc", "trace", "log-level"}},
+      {"eval", {"config", "plugin", "set", "nproc", "trace", "log-level", "data", "json"}},
+      {"generate", {"config", "plugin", "set", "nproc", "trace", "log-level", "prompt"}},
+      {"plan", {"config", "plugin", "set", "nproc", "log-level"}},
+      {"check", {"plugin", "set", "nproc", "steps", "all", "log-level"}},
+      {"bench", {"config", "plugin", "set", "nproc", "warmup", "steps", "repetitions", "baseline", "out", "log-level"}},
+      {"report", {"out", "log-level"}},
+      {"plugins", {"log-level"}},
+      {"config-reference", {}},
+  };
+  static const std::map<std::string, std::string> meant{
+      {"steps", "the training's steps: --set train.max_steps=N"},
+      {"warmup", "the learning rate's warm-up: --set train.warmup_steps=N"},
+      {"data", "the training data: --set data.path=FILE"},
+      {"config", "trainer check builds its own tiny model and data"},
+  };
+  const auto allowed = takes.find(command);
+  if (allowed == takes.end()) return;  // an unknown command is refused as such (main)
+  for (const auto& [flag, value] : vm) {
+    if (value.defaulted() || flag == "help" || flag == "command" || flag == "target" || allowed->second.count(flag)) {
+      continue;
+    }
+    std::vector<std::string> others;
+    for (const auto& [other, flags] : takes) {
+      if (flags.count(flag)) others.push_back("trainer " + other);
+    }
+    const auto hint = meant.find(flag);
+    throw Error(fmt::format("trainer {} does not take --{}{}{}", command, flag,
+                            others.empty() ? "" : fmt::format(" (an option of {})", fmt::join(others, ", ")),
+                            hint == meant.end() ? "" : "; " + hint->second));
+  }
+}
+
 }  // namespace
 
 CommandLine parse_command_line(int argc, char** argv) {
@@ -56,11 +97,18 @@ CommandLine parse_command_line(int argc, char** argv) {
   po::positional_options_description positional;
   positional.add("command", 1).add("target", 1);
   po::variables_map vm;
-  po::store(po::command_line_parser(argc, argv).options(all).positional(positional).run(), vm);
+  // No abbreviations: --step is not --steps (boost's default guesses a unique prefix).
+  po::store(po::command_line_parser(argc, argv)
+                .options(all)
+                .positional(positional)
+                .style(po::command_line_style::default_style & ~po::command_line_style::allow_guessing)
+                .run(),
+            vm);
   po::notify(vm);
   CommandLine cli;
   cli.help = vm.count("help") > 0;
   if (vm.count("command")) cli.command = vm["command"].as<std::string>();
+  if (!cli.help) check_flags_of_command(vm, cli.command);
   if (vm.count("config")) cli.config = vm["config"].as<std::string>();
   if (vm.count("set")) cli.overrides = vm["set"].as<std::vector<std::string>>();
   if (vm.count("plugin")) cli.plugins = vm["plugin"].as<std::vector<std::string>>();
@@ -75,7 +123,6 @@ CommandLine parse_command_line(int argc, char** argv) {
   }
   if (vm.count("repetitions")) cli.repetitions = vm["repetitions"].as<int64_t>();
   cli.all = vm.count("all") > 0 && vm["all"].as<bool>();
-  if (cli.all && cli.command != "check") throw Error(fmt::format("--all is an option of trainer check, not of '{}'", cli.command));
   if (!cli.target.empty() && cli.command != "report") {
     throw Error(fmt::format("unexpected argument '{}' after '{}'", cli.target, cli.command));
   }

@@ -3,6 +3,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -126,6 +127,7 @@ int run_generate(const CommandLine& cli) {
   RunSetup run = prepare_run(cli);
   if (run.options.task == "classification") throw Error("trainer generate continues text: train.task = \"classification\" has no LM head");
   Job job(run.options, run.context, Job::Data::kNone);
+  if (run.context.rank == 0) job.warn_if_random_weights("generate");
   const auto result = generate(job, cli.prompt);
   if (run.context.rank == 0) {
     std::string ids;
@@ -158,6 +160,7 @@ int run_eval(const CommandLine& cli) {
     options.data.max_documents = 0;
   }
   Job job(options, run.context, Job::Data::kSplits);
+  if (run.context.rank == 0) job.warn_if_random_weights("eval");
   const auto& sequences = cli.data.empty() ? job.data().heldout : job.data().train;
   WEFT_CHECK(sequences != nullptr,
              "trainer eval: data.heldout_fraction is 0, so data.path has no held-out split (pass --data FILE)");
@@ -189,6 +192,7 @@ int run_eval(const CommandLine& cli) {
                                  {"perplexity", result.perplexity},
                                  {"seconds", result.seconds},
                                  {"plugin", job.strategy().names()},
+                                 {"weights", job.weights_source()},
                                  {"processes", run.context.world},
                                  {"sequence_losses", result.sequence_losses}};
     for (const auto& [name, value] : result.metrics) json[name] = value;
@@ -233,13 +237,14 @@ int run_plan(const CommandLine& cli) {
 
 namespace {
 
-// Whether a case of the matrix runs `plugin` (alone or composed: "tensor_parallel,gpipe").
-bool case_uses(const ConformanceCase& c, const std::string& plugin) {
+// The plugins a case of the matrix runs ("tensor_parallel,gpipe": both).
+std::vector<std::string> plugins_of(const ConformanceCase& c) {
+  std::vector<std::string> names;
   for (size_t start = 0, comma = 0; comma != std::string::npos; start = comma + 1) {
     comma = c.plugin.find(',', start);
-    if (c.plugin.compare(start, comma == std::string::npos ? std::string::npos : comma - start, plugin) == 0) return true;
+    names.push_back(c.plugin.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
   }
-  return false;
+  return names;
 }
 
 // `trainer check --all`: every case of conformance_matrix() this machine is asked for (at most
@@ -250,11 +255,9 @@ int run_check_all(const CommandLine& cli) {
   std::vector<ConformanceCase> cases;
   std::set<std::string> shipped;
   for (const auto& c : conformance_matrix()) {
-    for (size_t start = 0, comma = 0; comma != std::string::npos; start = comma + 1) {
-      comma = c.plugin.find(',', start);
-      shipped.insert(c.plugin.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
-    }
-    if (cli.plugin.empty() || case_uses(c, cli.plugin)) cases.push_back(c);
+    const auto names = plugins_of(c);
+    shipped.insert(names.begin(), names.end());
+    if (cli.plugin.empty() || std::find(names.begin(), names.end(), cli.plugin) != names.end()) cases.push_back(c);
   }
   WEFT_CHECK(!cases.empty(), "trainer check --all --plugin {}: no case of the matrix runs it (its plugins: {})",
              cli.plugin, fmt::join(shipped, ", "));

@@ -10,8 +10,10 @@
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
+#include "core/data/documents.h"
 #include "core/model/memory_estimate.h"
 #include "core/model/weights.h"
+#include "core/plugin/library.h"
 #include "core/util/device.h"
 #include "core/util/memory.h"
 #include "core/util/error.h"
@@ -57,7 +59,37 @@ ModelConfig resolve_model_config(const TrainOptions& options, const Tokenizer& t
   return config;
 }
 
+namespace {
+
+// Every file the run will read, checked before anything is built: a wrong path is one error at once,
+// not one after the model was built (23 s for a 1B model before a missing data file was found).
+void check_input_paths(const TrainOptions& o, bool reads_data) {
+  const auto exists = [](const std::string& path) {
+    std::error_code ec;
+    return fs::exists(path, ec);
+  };
+  if (!o.plugin.empty()) resolve_plugin_paths(o.plugin);  // an unknown name: the plugins there, the closest
+  WEFT_CHECK(o.tokenizer == "byte" || exists(o.tokenizer),
+             "data.tokenizer = '{}' does not exist (\"byte\", a tokenizer.json, or a folder holding one)", o.tokenizer);
+  WEFT_CHECK(o.model.weights.empty() || exists(o.model.weights),
+             "model.weights = '{}' does not exist: it names the weights to start from (an HF model folder, a "
+             ".safetensors or .gguf file, or a finished run's final/ or best/ folder); run the training that writes "
+             "it first, or leave model.weights empty for a random initialisation",
+             o.model.weights);
+  WEFT_CHECK(o.model.adapter.empty() || exists(o.model.adapter),
+             "model.adapter = '{}' does not exist: it names a LoRA adapter folder (adapter_config.json, "
+             "adapter_model.safetensors), e.g. a LoRA run's final/", o.model.adapter);
+  WEFT_CHECK(o.model.config_path.empty() || exists(o.model.config_path),
+             "model.config = '{}' does not exist: it names a Hugging Face config.json", o.model.config_path);
+  // Text and token data (a classification task's labeled files and GLUE folders have their own reader,
+  // which runs before the model is built too).
+  if (reads_data && o.task != "classification" && o.data.format != "glue") resolve_inputs(o.data.paths, parse_data_format(o.data.format));
+}
+
+}  // namespace
+
 Job::Job(TrainOptions options, RunContext context, Data data) : options_(std::move(options)), context_(context) {
+  if (data != Data::kPlanOnly) check_input_paths(options_, data == Data::kSplits);
   WEFT_CHECK(options_.mode == "full" || options_.mode == "lora" || options_.mode == "adalora",
              "train.mode must be full, lora or adalora, got '{}'", options_.mode);
   WEFT_CHECK(options_.precision == "fp32" || options_.precision == "bf16" || options_.precision == "fp16",
@@ -211,6 +243,10 @@ void Job::build_model() {
     model_->to(device_);
     load_weights(*model_, options_.model.weights, options_.seed, options_.model.init_std);
   }
+  weights_source_ = options_.model.weights.empty() ? fmt::format("random init (seed {})", options_.seed)
+                                                  : options_.model.weights;
+  if (!options_.model.adapter.empty()) weights_source_ += ", adapter " + options_.model.adapter;
+  spdlog::info("weights: {}", weights_source_);
   if (lora_) {
     const int64_t adapted = apply_lora(*model_, *lora_, options_.seed);
     model_->to(device_);  // the new adapters
@@ -261,12 +297,28 @@ void Job::build_model() {
     }
   }
   strategy_->attach(*model_);
-  spdlog::info("model: {} layers, hidden {}, {} heads ({} kv), vocab {}: {:.2f}M parameters, {:.2f}M trainable, {}, "
-               "on {} (LibTorch {})",
+  // The model's size, and this rank's share beside it where the plugin splits the model (tensor
+  // slices, pipeline stages): the base's parameters held here against the whole base's.
+  int64_t local_base = quantized;
+  for (auto& item : model_->named_parameters()) {
+    if (item.key().find("lora_") == std::string::npos) local_base += item.value().numel();
+  }
+  const int64_t whole = model_->config().parameter_count();
+  const std::string size =
+      local_base == whole ? fmt::format("{:.2f}M parameters, {:.2f}M trainable", total / 1e6, trainable / 1e6)
+                          : fmt::format("{:.2f}M parameters, this rank holds {:.2f}M ({:.2f}M trainable)", whole / 1e6,
+                                        total / 1e6, trainable / 1e6);
+  spdlog::info("model: {} layers, hidden {}, {} heads ({} kv), vocab {}: {}, {}, on {} (LibTorch {})",
                model_->config().num_hidden_layers, model_->config().hidden_size,
                model_->config().num_attention_heads, model_->config().num_key_value_heads,
-               model_->config().vocab_size, total / 1e6, trainable / 1e6, options_.precision,
-               device_.str(), libtorch_version());
+               model_->config().vocab_size, size, options_.precision, device_.str(), libtorch_version());
+}
+
+void Job::warn_if_random_weights(const std::string& command) const {
+  if (!random_weights()) return;
+  spdlog::warn("trainer {}: the model has random weights (model.weights names none; seed {}), so its numbers are "
+               "chance's: point model.weights at a trained model, e.g. a run's final/ or best/ folder",
+               command, options_.seed);
 }
 
 namespace {

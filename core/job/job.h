@@ -88,6 +88,14 @@ class Job {
   const ClassificationData* classification() const { return classification_ ? &*classification_ : nullptr; }
   // The memory plan of every rank (index: rank), made before the model was built.
   const MemoryVerdict& memory() const { return memory_; }
+  // Where the model's weights came from: "<model.weights>" (and ", adapter <model.adapter>"), or
+  // "random init (seed S)" when model.weights names none. Logged when the model is built.
+  const std::string& weights_source() const { return weights_source_; }
+  // Whether the base weights are a seeded random initialisation (no model.weights).
+  bool random_weights() const { return options_.model.weights.empty(); }
+  // Warns that `command` (eval, generate) runs on random weights, when it does: its numbers are
+  // chance's, not a model's.
+  void warn_if_random_weights(const std::string& command) const;
 
  private:
   void join();
@@ -112,6 +120,7 @@ class Job {
   ShardMap shards_;  // this rank's tensor-parallel slices (for the memory plan)
   MemoryVerdict memory_;
   bool plan_only_ = false;
+  std::string weights_source_;
 };
 
 }  // namespace weft

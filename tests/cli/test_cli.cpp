@@ -10,6 +10,7 @@
 #include <fstream>
 #include <set>
 #include <sstream>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -194,6 +195,11 @@ TEST(Cli, BadInputGetsOneClearErrorAndExitCodeOne) {
            Case{tiny + "--set data.tokenizer=" + dir + "/tok.json", "tok.json"},
            Case{tiny + "--set model.weights=" + dir + "/w.safetensors", "w.safetensors"},
            Case{"frobnicate", "unknown command"},
+           // An unknown plugin name: the closest one and every plugin there.
+           Case{tiny + "--set data.path=" + write_corpus(dir) + " --plugin dpp",
+                "plugin 'dpp' not found: did you mean 'ddp'? (plugins here: context_parallel, ddp, "},
+           Case{tiny + "--set data.path=" + write_corpus(dir) + " --plugin fsdp",
+                "(plugins here: context_parallel, ddp, gpipe, pipedream, single, tensor_parallel, zero"},
            Case{"check --plugin ddp --steps 0", "--steps 0: must be at least 1"},
            Case{tiny + "--set model.quantize=nf4", "training needs adapters (train.mode = \"lora\""},
            Case{tiny + "--set data.path=" + write_corpus(dir) + " --plugin gpipe --nproc 2 --set train.mode=adalora",
@@ -221,6 +227,95 @@ TEST(Cli, BadInputGetsOneClearErrorAndExitCodeOne) {
     EXPECT_EQ(r.exit_code, 1) << c.args << "\n" << r.output;
     EXPECT_NE(r.output.find(c.needle), std::string::npos) << c.args << "\n" << r.output;
     EXPECT_EQ(r.output.find("epoch 1"), std::string::npos) << "training started: " << c.args;
+  }
+}
+
+// A flag that the command does not take is one error naming the commands that take it and the
+// setting meant, and no flag is taken as an abbreviation of another (before, `--steps 3` trained the
+// configured 20 steps, `--step 5` was read as --steps, and eval ran with --prompt and --warmup).
+TEST(Cli, AFlagOfAnotherCommandOrAnAbbreviationIsOneError) {
+  const auto dir = fresh_dir("flags");
+  const std::string tiny = "--config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set train.out_dir=" + dir;
+  for (const auto& [args, needle] : std::vector<std::pair<std::string, std::string>>{
+           {tiny + " --steps 3",
+            "trainer train does not take --steps (an option of trainer bench, trainer check); the training's steps: "
+            "--set train.max_steps=N"},
+           {tiny + " --step 5", "unrecognised option '--step'"},
+           {"eval " + tiny + " --prompt hello", "trainer eval does not take --prompt (an option of trainer generate)"},
+           {"eval " + tiny + " --warmup 3", "trainer eval does not take --warmup (an option of trainer bench); the learning "
+                                            "rate's warm-up: --set train.warmup_steps=N"},
+           {"generate " + tiny + " --prompt hi --data x.jsonl", "trainer generate does not take --data (an option of trainer eval)"},
+           {"check --plugin ddp " + tiny, "trainer check does not take --config"},
+           {tiny + " --all", "trainer train does not take --all (an option of trainer check)"}}) {
+    const auto r = run_trainer(args);
+    EXPECT_EQ(r.exit_code, 1) << args << "\n" << r.output;
+    EXPECT_NE(r.output.find(needle), std::string::npos) << args << "\n" << r.output;
+    EXPECT_FALSE(std::filesystem::exists(dir + "/metrics.jsonl")) << args;
+  }
+}
+
+// A [plugin] key that no plugin of the run reads (a typo) is one error naming the keys the plugins
+// read, before the model is built; each plugin's effective settings are logged (before, `--set
+// plugin.stag=3` trained at zero's default stage, and zero never said which stage it ran).
+TEST(Cli, APluginSettingNoPluginReadsIsOneErrorAndEachPluginLogsItsSettings) {
+  const auto dir = fresh_dir("plugin_settings");
+  const std::string run = tiny_args(dir) + " --plugin zero --nproc 2 --set train.max_steps=1 --set data.seq_len=32"
+                          " --set log.progress=off";
+  const auto typo = run_trainer(run + " --set plugin.stag=3 --set train.out_dir=" + dir + "/typo");
+  EXPECT_EQ(typo.exit_code, 1) << typo.output;
+  EXPECT_NE(typo.output.find("plugin.stag is not a setting of any plugin of this run (zero reads stage, "
+                             "reshard_after_forward, bucket_mb, param_dtype)"),
+            std::string::npos)
+      << typo.output;
+  EXPECT_EQ(typo.output.find("info model:"), std::string::npos) << typo.output;
+  const auto own = run_trainer(run + " --set plugin.zero.stag=1 --set train.out_dir=" + dir + "/own");
+  EXPECT_EQ(own.exit_code, 1) << own.output;
+  EXPECT_NE(own.output.find("plugin.zero.stag is not a setting of plugin zero (it reads stage,"), std::string::npos)
+      << own.output;
+  const auto good = run_trainer(run + " --set plugin.stage=2 --set train.out_dir=" + dir + "/good");
+  ASSERT_EQ(good.exit_code, 0) << good.output;
+  EXPECT_NE(good.output.find("plugin zero settings: stage = 2, reshard_after_forward = true, bucket_mb = 64, "
+                             "param_dtype = \"compute\""),
+            std::string::npos)
+      << good.output;
+}
+
+// The logged parameter count is the model's size; a rank that holds a share of the model (tensor
+// slices) logs its share beside it (before, tensor_parallel logged its half as the model's size).
+TEST(Cli, TheModelsSizeIsLoggedWithThisRanksShareBesideIt) {
+  const auto dir = fresh_dir("model_size");
+  const std::string run = tiny_args(dir) + " generate --prompt hi --set generate.max_new_tokens=1";
+  const auto one = run_trainer(run);
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const auto tp = run_trainer(run + " --plugin tensor_parallel --nproc 2 --log-level info");
+  ASSERT_EQ(tp.exit_code, 0) << tp.output;
+  std::smatch whole, share;
+  ASSERT_TRUE(std::regex_search(one.output, whole, std::regex(R"(: ([0-9.]+)M parameters, ([0-9.]+)M trainable)")))
+      << one.output;
+  ASSERT_TRUE(std::regex_search(tp.output, share, std::regex(R"(: ([0-9.]+)M parameters, this rank holds ([0-9.]+)M)")))
+      << tp.output;
+  EXPECT_EQ(share[1].str(), whole[1].str()) << tp.output;  // the whole model, as one process logs it
+  EXPECT_LT(std::stod(share[2].str()), std::stod(whole[1].str())) << tp.output;
+}
+
+// Every path a run reads is checked before the model is built: a missing data file, weights folder,
+// adapter or config.json is one error naming the setting, with no model built (before, a 1B model
+// was built for 23 s before a missing data file was found).
+TEST(Cli, MissingInputPathsAreRefusedBeforeTheModelIsBuilt) {
+  const auto dir = fresh_dir("missing_paths");
+  const std::string small = "--config " + std::string(WEFT_SOURCE_DIR) + "/configs/small-bench.toml ";
+  for (const auto& [args, needle] : std::vector<std::pair<std::string, std::string>>{
+           {small + "--set data.path=" + dir + "/nope.jsonl", "dataset path '" + dir + "/nope.jsonl' does not exist"},
+           {small + "--set model.weights=" + dir + "/run/final", "model.weights = '" + dir + "/run/final' does not exist"},
+           {small + "--set train.mode=lora --set model.adapter=" + dir + "/adapter",
+            "model.adapter = '" + dir + "/adapter' does not exist"},
+           {small + "--set model.config=" + dir + "/config.json", "model.config = '" + dir + "/config.json' does not exist"},
+           {"eval " + small + "--data " + dir + "/more.jsonl", "dataset path '" + dir + "/more.jsonl' does not exist"}}) {
+    const auto r = run_trainer(args + " --set train.out_dir=" + dir + "/out");
+    EXPECT_EQ(r.exit_code, 1) << args << "\n" << r.output;
+    EXPECT_NE(r.output.find(needle), std::string::npos) << args << "\n" << r.output;
+    EXPECT_EQ(r.output.find("info model:"), std::string::npos) << "the model was built first: " << args << "\n" << r.output;
+    EXPECT_FALSE(std::filesystem::exists(dir + "/out/metrics.jsonl")) << args;
   }
 }
 

@@ -68,6 +68,8 @@ TEST_F(Eval, TheHeldOutLossIsTheOneTrainingReported) {
       << r.output;
   EXPECT_NEAR(eval["perplexity"].get<double>(), std::exp(eval["loss"].get<double>()), 1e-9);
   EXPECT_NE(r.output.find("held-out: "), std::string::npos) << r.output;
+  EXPECT_EQ(eval["weights"], dir_ + "/out/final");  // where the weights came from
+  EXPECT_EQ(r.output.find("random weights"), std::string::npos) << r.output;
   // Every sequence holds seq_len targets: the token-weighted loss is the mean of the sequences'.
   const auto losses = eval["sequence_losses"].get<std::vector<double>>();
   ASSERT_EQ(static_cast<int64_t>(losses.size()), eval["sequences"].get<int64_t>());
@@ -75,6 +77,24 @@ TEST_F(Eval, TheHeldOutLossIsTheOneTrainingReported) {
   double sum = 0;
   for (double l : losses) sum += l;
   EXPECT_NEAR(sum / losses.size(), eval["loss"].get<double>(), 1e-9);
+}
+
+// A config that names no weights evaluates and generates from the seeded random initialisation:
+// the JSON says so, and both commands warn that their numbers are chance's (before, the log read the
+// same with and without weights, and the README's examples evaluated random weights).
+TEST_F(Eval, RandomWeightsAreNamedAndWarnedOf) {
+  const auto r = run_trainer(args_ + " --json " + dir_ + "/random.json eval");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(read_json(dir_ + "/random.json")["weights"].get<std::string>().rfind("random init (seed ", 0), 0u);
+  EXPECT_NE(r.output.find("trainer eval: the model has random weights"), std::string::npos) << r.output;
+  const auto g = run_trainer(args_ + " generate --prompt \"It is\" --set generate.max_new_tokens=2");
+  ASSERT_EQ(g.exit_code, 0) << g.output;
+  EXPECT_NE(g.output.find("trainer generate: the model has random weights"), std::string::npos) << g.output;
+  const auto trained = run_trainer(args_ + " --set model.weights=" + dir_ + "/out/final generate --prompt \"It is\""
+                                   " --set generate.max_new_tokens=2");
+  ASSERT_EQ(trained.exit_code, 0) << trained.output;
+  EXPECT_EQ(trained.output.find("random weights"), std::string::npos) << trained.output;
+  EXPECT_NE(trained.output.find("weights: " + dir_ + "/out/final"), std::string::npos) << trained.output;
 }
 
 TEST_F(Eval, EveryPluginReportsTheNumbersOfOneProcess) {

@@ -230,6 +230,16 @@ TEST(Cli, BadInputGetsOneClearErrorAndExitCodeOne) {
   }
 }
 
+// `trainer ARGS` refused in one error before the model is built: exit 1, `needle` in the output, no
+// model line in the log and no metrics under `out_dir`.
+void expect_refused_before_the_model(const std::string& args, const std::string& needle, const std::string& out_dir) {
+  const auto r = run_trainer(args);
+  EXPECT_EQ(r.exit_code, 1) << args << "\n" << r.output;
+  EXPECT_NE(r.output.find(needle), std::string::npos) << args << "\n" << r.output;
+  EXPECT_EQ(r.output.find("info model:"), std::string::npos) << "the model was built first: " << args << "\n" << r.output;
+  EXPECT_FALSE(std::filesystem::exists(out_dir + "/metrics.jsonl")) << args;
+}
+
 // A flag that the command does not take is one error naming the commands that take it and the
 // setting meant, and no flag is taken as an abbreviation of another (before, `--steps 3` trained the
 // configured 20 steps, `--step 5` was read as --steps, and eval ran with --prompt and --warmup).
@@ -247,10 +257,7 @@ TEST(Cli, AFlagOfAnotherCommandOrAnAbbreviationIsOneError) {
            {"generate " + tiny + " --prompt hi --data x.jsonl", "trainer generate does not take --data (an option of trainer eval)"},
            {"check --plugin ddp " + tiny, "trainer check does not take --config"},
            {tiny + " --all", "trainer train does not take --all (an option of trainer check)"}}) {
-    const auto r = run_trainer(args);
-    EXPECT_EQ(r.exit_code, 1) << args << "\n" << r.output;
-    EXPECT_NE(r.output.find(needle), std::string::npos) << args << "\n" << r.output;
-    EXPECT_FALSE(std::filesystem::exists(dir + "/metrics.jsonl")) << args;
+    expect_refused_before_the_model(args, needle, dir);
   }
 }
 
@@ -311,11 +318,7 @@ TEST(Cli, MissingInputPathsAreRefusedBeforeTheModelIsBuilt) {
             "model.adapter = '" + dir + "/adapter' does not exist"},
            {small + "--set model.config=" + dir + "/config.json", "model.config = '" + dir + "/config.json' does not exist"},
            {"eval " + small + "--data " + dir + "/more.jsonl", "dataset path '" + dir + "/more.jsonl' does not exist"}}) {
-    const auto r = run_trainer(args + " --set train.out_dir=" + dir + "/out");
-    EXPECT_EQ(r.exit_code, 1) << args << "\n" << r.output;
-    EXPECT_NE(r.output.find(needle), std::string::npos) << args << "\n" << r.output;
-    EXPECT_EQ(r.output.find("info model:"), std::string::npos) << "the model was built first: " << args << "\n" << r.output;
-    EXPECT_FALSE(std::filesystem::exists(dir + "/out/metrics.jsonl")) << args;
+    expect_refused_before_the_model(args + " --set train.out_dir=" + dir + "/out", needle, dir + "/out");
   }
 }
 

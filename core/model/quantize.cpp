@@ -409,11 +409,16 @@ torch::Tensor int8_linear(const torch::Tensor& x, const QuantizedMatrix& weight,
   const auto integers = torch::round(inliers / row_scale.unsqueeze(1)).clamp_(-kActivationLevels, kActivationLevels);
   auto y = int8_gemm(integers, prepack_int8(weight.data));  // the packed copy lives for this product only
   y.mul_(row_scale.unsqueeze(1)).mul_((weight.scale / 127.0).unsqueeze(0));
-  if (outlier.defined()) {  // outliers' columns in fp32
+  if (outlier.defined()) {
+    // The outliers' columns: those where any token of the batch has one, so their number depends on
+    // the batch. Summed in fp64 (each product of two fp32 values exact there), then rounded to fp32,
+    // a token's result does not depend on how many columns its batch brought or how the GEMM
+    // grouped them (in fp32 it did: MKL's AVX2 kernels sum a different K differently).
     const auto columns = outlier.any(0).nonzero().squeeze(1);
-    const auto values = a.index_select(1, columns) * outlier.index_select(1, columns);
-    const auto w = weight.data.index_select(1, columns) * (weight.scale / 127.0).unsqueeze(1);
-    y.add_(torch::matmul(values, w.t()));
+    const auto values = (a.index_select(1, columns) * outlier.index_select(1, columns)).to(torch::kFloat64);
+    const auto w = weight.data.index_select(1, columns).to(torch::kFloat64) *
+                   (weight.scale.to(torch::kFloat64) / 127.0).unsqueeze(1);
+    y.add_(torch::matmul(values, w.t()).to(torch::kFloat32));
   }
   return y.to(x.scalar_type()).reshape(out_shape);
 }

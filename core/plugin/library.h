@@ -109,7 +109,8 @@ struct PluginListing {
 
 // The built-in strategy, then every *.so in the search directories (each directory sorted by
 // file name; a file reached through two directories is listed once), each loaded and described.
-// Load failures are reported in `problem`, never thrown.
+// A library that is the built-in strategy (single.so: same name and version) adds its path to the
+// built-in's row instead of a row of its own. Load failures are reported in `problem`, never thrown.
 std::vector<PluginListing> list_plugins();
 
 // A human-readable table of listings (NAME VERSION ABI PATH DESCRIPTION), failures marked with

@@ -313,6 +313,21 @@ TEST(PluginLoader, ListsEveryLibraryInTheSearchPathWithItsProblem) {
   EXPECT_EQ(find("not_a_library.so").name, "");
 }
 
+// single.so is the built-in strategy built as a plugin (the tests compare the two): trainer plugins
+// lists it in the built-in's row, not as a second "single".
+TEST(PluginLoader, TheBuiltInStrategyAsALibraryIsListedInTheBuiltInsRow) {
+  const std::string plugins = std::string(WEFT_BINARY_DIR) + "/plugins";
+  ASSERT_TRUE(fs::exists(plugins + "/single.so"));
+  ScopedEnv env("WEFT_PLUGIN_PATH", plugins);
+  const std::vector<PluginListing> listings = list_plugins();
+  int singles = 0;
+  for (const auto& l : listings) singles += l.name == "single" ? 1 : 0;
+  EXPECT_EQ(singles, 1);
+  ASSERT_FALSE(listings.empty());
+  EXPECT_EQ(listings[0].path, "(built in), " + fs::canonical(plugins + "/single.so").string());
+  EXPECT_GT(listings.size(), 2u);  // the other plugins keep their rows
+}
+
 TEST(PluginLoader, FormatsListingsAsATable) {
   PluginListing ddp{"/p/ddp.so", "ddp", "1.0.0", "data parallel", {1, 2}, ""};
   PluginListing bad{"/p/broken.so", "", "", "", {}, "plugin /p/broken.so: not a shared library (no ELF header)"};

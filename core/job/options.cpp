@@ -248,7 +248,7 @@ const std::vector<Row>& rows() {
       int_key("adalora.total_step", WEFT_MEMBER(adalora.total_step), 0,
               "Length of the budget schedule in optimizer steps; 0 = the run's total steps.", 0),
       // [eval]
-      int_key("eval.every_steps", WEFT_MEMBER(eval_every), 0, "Evaluate every N optimizer steps; 0 = only at each epoch end.",
+      int_key("eval.every_steps", WEFT_MEMBER(eval_every), 0, "Evaluate every N optimizer steps (and at each epoch end; one due within N/2 steps after an epoch end is skipped); 0 = only at each epoch end.",
               0),
       int_key("eval.max_batches", WEFT_MEMBER(eval_max_batches), 0, "Batches per evaluation; 0 = the whole held-out set.", 0),
       int_key("eval.batch_size", WEFT_MEMBER(eval_batch_size), 0, "Sequences per evaluation batch; 0 = train.batch_size.", 0),

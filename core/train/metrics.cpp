@@ -39,31 +39,34 @@ Progress::Progress(const std::string& mode, int64_t log_every) : log_every_(log_
   lines_ = mode == "lines" || (mode == "auto" && !tty);
 }
 
-void Progress::start_epoch(int64_t epoch, int64_t epochs, int64_t steps, int64_t first_step) {
+void Progress::start_epoch(int64_t epoch, int64_t epochs, int64_t epoch_end, int64_t total_steps, int64_t done) {
   epoch_ = epoch;
   epochs_ = epochs;
-  steps_ = steps;
-  first_step_ = first_step;
-  epoch_start_ = std::chrono::steady_clock::now();
+  epoch_end_ = epoch_end;
+  total_ = total_steps;
+  if (!started_) {  // the rate (and so the ETA) over the whole run, evaluations and checkpoints included
+    started_ = true;
+    start_ = std::chrono::steady_clock::now();
+    first_step_ = done;
+  }
 }
 
-void Progress::update(int64_t step, double loss, double lr, double tokens_per_s) {
-  const int64_t done = step + 1;
-  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - epoch_start_).count();
+void Progress::update(int64_t done, double loss, double lr, double tokens_per_s) {
+  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
   const int64_t run = done - first_step_;
-  const double eta = run > 0 ? elapsed / run * (steps_ - done) : 0.0;
+  const double eta = run > 0 ? elapsed / static_cast<double>(run) * static_cast<double>(total_ - done) : 0.0;
   if (bar_) {
     constexpr int kWidth = 28;
-    const int filled = steps_ > 0 ? static_cast<int>(kWidth * done / steps_) : kWidth;
+    const int filled = total_ > 0 ? static_cast<int>(kWidth * done / total_) : kWidth;
     std::string bar(filled, '=');
     if (filled < kWidth) bar += '>' + std::string(kWidth - filled - 1, ' ');
-    fmt::print(stderr, "\repoch {}/{} [{}] {}/{} loss {:.4f} lr {:.2e} {:.0f} tok/s ETA {}   ",
-               epoch_ + 1, epochs_, bar, done, steps_, loss, lr, tokens_per_s, format_duration(eta));
+    fmt::print(stderr, "\rstep {}/{} [{}] epoch {}/{} loss {:.4f} lr {:.2e} {:.0f} tok/s ETA {}   ", done, total_,
+               bar, epoch_ + 1, epochs_, loss, lr, tokens_per_s, format_duration(eta));
     std::fflush(stderr);
     bar_open_ = true;
-  } else if (lines_ && (done % log_every_ == 0 || done == steps_)) {
-    spdlog::info("epoch {}/{} step {}/{} loss {:.4f} lr {:.2e} {:.0f} tok/s ETA {}", epoch_ + 1,
-                 epochs_, done, steps_, loss, lr, tokens_per_s, format_duration(eta));
+  } else if (lines_ && (done % log_every_ == 0 || done == epoch_end_ || done == total_)) {
+    spdlog::info("step {}/{} epoch {}/{} loss {:.4f} lr {:.2e} {:.0f} tok/s ETA {}", done, total_, epoch_ + 1, epochs_,
+                 loss, lr, tokens_per_s, format_duration(eta));
   }
 }
 

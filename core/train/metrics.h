@@ -34,16 +34,21 @@ class Progress {
  public:
   // mode: auto (bar on a terminal, lines otherwise), bar, lines, off.
   Progress(const std::string& mode, int64_t log_every);
-  void start_epoch(int64_t epoch, int64_t epochs, int64_t steps_in_epoch, int64_t first_step);
-  void update(int64_t step_in_epoch, double loss, double lr, double tokens_per_s);
+  // Steps count over the whole run, as evaluations and checkpoints do ("step 500/596 epoch 2/2");
+  // `epoch_end`: the global step that ends this epoch; `done`: the steps done before it starts (a
+  // resumed run's). The ETA is the rest of the run at the rate measured since the first call.
+  void start_epoch(int64_t epoch, int64_t epochs, int64_t epoch_end, int64_t total_steps, int64_t done);
+  // `done`: the optimizer steps done so far, this one included.
+  void update(int64_t done, double loss, double lr, double tokens_per_s);
   void message(const std::string& text);  // a log line that does not break the bar
   void finish_epoch();
 
  private:
   bool bar_ = false, lines_ = false;
   int64_t log_every_ = 10;
-  int64_t epoch_ = 0, epochs_ = 0, steps_ = 0, first_step_ = 0;
-  std::chrono::steady_clock::time_point epoch_start_;
+  int64_t epoch_ = 0, epochs_ = 0, epoch_end_ = 0, total_ = 0, first_step_ = 0;
+  bool started_ = false;
+  std::chrono::steady_clock::time_point start_;
   bool bar_open_ = false;
 };
 

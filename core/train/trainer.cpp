@@ -350,8 +350,8 @@ StepReport Trainer::train_step(int64_t epoch, int64_t step_in_epoch) {
 }
 
 bool Trainer::run_epoch_steps(RunRecords& records) {
-  const int64_t epoch_steps = std::min(steps_per_epoch_, state_.step_in_epoch + (total_steps_ - state_.global_step));
-  records.progress().start_epoch(state_.epoch, options_.epochs, epoch_steps, state_.step_in_epoch);
+  const int64_t epoch_end = std::min(total_steps_, state_.global_step + (steps_per_epoch_ - state_.step_in_epoch));
+  records.progress().start_epoch(state_.epoch, options_.epochs, epoch_end, total_steps_, state_.global_step);
   bool stop = false;
   while (!stop && state_.step_in_epoch < steps_per_epoch_ && state_.global_step < total_steps_) {
     profile_around_step();
@@ -380,11 +380,11 @@ bool Trainer::run_epoch_steps(RunRecords& records) {
       step.skipped = last_step_skipped_;
     }
     records.step(step);
-    records.progress().update(state_.step_in_epoch - 1, step.report.loss, last_lr_,
+    records.progress().update(state_.global_step, step.report.loss, last_lr_,
                               records.tokens_per_step() / step.seconds);
     WEFT_CHECK(std::isfinite(step.report.loss), "loss became {} at step {}; lower train.lr or check the data",
                step.report.loss, state_.global_step);
-    if (options_.eval_every > 0 && state_.global_step % options_.eval_every == 0) stop = evaluate_and_track(records);
+    if (periodic_eval_due()) stop = evaluate_and_track(records);
     if (options_.checkpoint_every > 0 && state_.global_step % options_.checkpoint_every == 0) {
       save_checkpoint(records.progress());
     }
@@ -393,6 +393,16 @@ bool Trainer::run_epoch_steps(RunRecords& records) {
   records.progress().finish_epoch();
   if (stop || state_.global_step >= total_steps_) profile_around_step(/*last=*/true);
   return stop;
+}
+
+// eval.every_steps: at its multiples, except within half a period after an epoch end, whose
+// evaluation stands for it (no "eval @ step 298" then "eval @ step 300" of the same model). Decided
+// from the step alone, so that a resumed run evaluates where the uninterrupted one did.
+bool Trainer::periodic_eval_due() const {
+  const int64_t step = state_.global_step;
+  if (options_.eval_every <= 0 || step % options_.eval_every != 0) return false;
+  const int64_t epoch_end = step / steps_per_epoch_ * steps_per_epoch_;  // the last epoch end at or before it
+  return epoch_end == 0 || epoch_end == step || !job_->data().heldout || 2 * (step - epoch_end) >= options_.eval_every;
 }
 
 // log.torch_profile: starts the profiler before step from + 1 and saves it after step from + steps

@@ -63,6 +63,7 @@ class Trainer {
   std::optional<std::string> restore_from_backup();  // collective
   void protect_saved_work() const;
   bool run_epoch_steps(RunRecords& records);
+  bool periodic_eval_due() const;
   bool complete_epoch(RunRecords& records);
   bool evaluate_and_track(RunRecords& records);
   StepReport train_step(int64_t epoch, int64_t step_in_epoch);

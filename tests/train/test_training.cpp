@@ -178,6 +178,31 @@ TEST(Training, LossFallsAndMetricsAreWritten) {
   EXPECT_TRUE(fs::exists(o.out_dir + "/final/config.json"));
 }
 
+// eval.every_steps evaluates at its multiples and at each epoch end, once per step, and skips a
+// multiple within half a period after an epoch end (the epoch's evaluation stands for it).
+TEST(Training, PeriodicEvaluationsDoNotRepeatTheEpochEndsOne) {
+  const auto dir = fresh_dir("eval_schedule");
+  auto o = tiny_options(dir);
+  o.max_steps = 0;
+  o.epochs = 2;
+  const int64_t per_epoch = Trainer(o).steps_per_epoch();
+  ASSERT_GE(per_epoch, 4);
+  o.eval_every = per_epoch + 1;  // its first multiple falls 1 step after the first epoch's end
+  Trainer trainer(o);
+  trainer.run();
+  std::vector<int64_t> evaluated;
+  for (const auto& e : read_metrics(o.metrics_file, "eval")) evaluated.push_back(e["step"].get<int64_t>());
+  std::vector<int64_t> expected;
+  for (int64_t step = 1; step <= 2 * per_epoch; ++step) {
+    const bool epoch_end = step % per_epoch == 0;
+    const bool multiple = step % o.eval_every == 0;
+    const bool just_after_an_epoch = step > per_epoch && 2 * (step - per_epoch) < o.eval_every;
+    if (epoch_end || (multiple && !just_after_an_epoch)) expected.push_back(step);
+  }
+  EXPECT_EQ(evaluated, expected);
+  EXPECT_EQ(evaluated, (std::vector<int64_t>{per_epoch, 2 * per_epoch}));  // not per_epoch + 1
+}
+
 TEST(Training, GradientAccumulationMatchesOneLargeBatch) {
   const auto dir = fresh_dir("accum");
   auto big = tiny_options(dir);

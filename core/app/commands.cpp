@@ -158,6 +158,7 @@ int run_eval(const CommandLine& cli) {
     options.data.paths = cli.data;
     options.data.heldout_fraction = 0;
     options.data.max_documents = 0;
+    options.data.train_name = "evaluated";  // its only split: not a training split
   }
   Job job(options, run.context, Job::Data::kSplits);
   if (run.context.rank == 0) job.warn_if_random_weights("eval");
@@ -208,8 +209,11 @@ int run_eval(const CommandLine& cli) {
 int run_plan(const CommandLine& cli) {
   RunSetup run = prepare_run(cli);
   Job job(run.options, run.context, Job::Data::kPlanOnly);
-  if (run.context.rank != 0) return 0;  // rank 0 reports (a failing rank would make the launcher stop it first)
   const MemoryVerdict& v = job.memory();
+  // Exit status 1 is the answer "does not fit", on every rank after the last collective: the --nproc
+  // launcher then reports no failed rank.
+  if (!v.fits) job.communicator().declare_exit_status_an_answer();
+  if (run.context.rank != 0) return v.fits ? 0 : 1;  // rank 0 reports
   const auto mib = [](int64_t bytes) { return fmt::format("{:.1f}", static_cast<double>(bytes) / (1024.0 * 1024.0)); };
   std::cout << fmt::format("memory plan: plugin {}, {} rank(s), precision {}, train.batch_size {} x {} micro-batch(es), "
                            "seq_len {}{}\n",
@@ -225,10 +229,24 @@ int run_plan(const CommandLine& cli) {
                              mib(p.total() + v.runtime_bytes));
   }
   std::cout << "(MiB; activations are an estimate of this host's kernels, the rest follows from the shapes)\n";
+  if (!job.missing_inputs().empty()) {
+    const auto& m = run.options.model;
+    std::cout << fmt::format("note: the plan needs only the shapes ({}); the run also reads {}, which {} not exist here\n",
+                             !m.config_path.empty()                                   ? "model.config = '" + m.config_path + "'"
+                             : std::filesystem::exists(m.weights + "/config.json") ? "model.weights' config.json"
+                                                                                    : "model.preset = '" + m.preset + "'",
+                             fmt::join(job.missing_inputs(), ", "), job.missing_inputs().size() == 1 ? "does" : "do");
+  }
   if (v.limit_bytes > 0) {
     std::cout << fmt::format("limit: {} MiB {} ({}): {}\n", mib(v.limit_bytes),
                              v.per_device ? "per device" : "per machine", v.limit_source,
                              v.fits ? "fits" : "does NOT fit: " + v.problem);
+    if (!v.fits) {
+      std::cout << (v.advice.empty() ? "no setting of the host's makes it fit (tried: activation checkpointing, a "
+                                       "smaller batch per step, LoRA)\n"
+                                     : "what would fit, or may:\n");
+      for (const auto& a : v.advice) std::cout << "  " << a << "\n";
+    }
   } else {
     std::cout << "limit: unknown (set train.memory_limit_gib)\n";
   }

@@ -149,8 +149,8 @@ std::string DatasetSummary::describe() const {
                                  : cache_hit        ? "cache hit"
                                                     : "tokenized, cached",
                                  seconds);
-  line += fmt::format(" | train: {} documents, {} tokens, {} sequences", train_documents,
-                      train_tokens, train_sequences);
+  line += fmt::format(" | {}: {} documents, {} tokens, {} sequences", train_name, train_documents, train_tokens,
+                      train_sequences);
   if (heldout_documents > 0) {
     line += fmt::format(" | held-out: {} documents, {} tokens, {} sequences", heldout_documents,
                         heldout_tokens, heldout_sequences);
@@ -170,7 +170,7 @@ DatasetSplits prepare_dataset(const DatasetOptions& options, const Tokenizer& to
 
   DatasetSplits result;
   result.train = std::make_shared<const PackedSequences>(
-      pack_documents(corpus, split.train, options.seq_len, "train"));
+      pack_documents(corpus, split.train, options.seq_len, options.train_name));
   if (!split.heldout.empty()) {
     result.heldout = std::make_shared<const PackedSequences>(
         pack_documents(corpus, split.heldout, options.seq_len, "held-out"));
@@ -180,6 +180,7 @@ DatasetSplits prepare_dataset(const DatasetOptions& options, const Tokenizer& to
   s.files = load.n_files;
   s.documents = corpus.n_documents();
   s.tokens = corpus.n_tokens();
+  s.train_name = options.train_name;
   s.train_documents = result.train->n_documents();
   s.train_tokens = result.train->n_tokens();
   s.train_sequences = result.train->n_sequences();

@@ -32,6 +32,7 @@ struct DatasetOptions {
   bool add_bos = true;                  // prepend the tokenizer's bos id to each text document
   bool add_eos = true;                  // append the tokenizer's eos id to each text document
   int tokenize_threads = 0;             // 0 = hardware concurrency (see CorpusOptions)
+  std::string train_name = "train";     // what the first split is called in logs ("evaluated" for eval --data)
 
   // Validates format/text_document names and converts. Throws weft::Error on unknown names.
   CorpusOptions corpus_options() const;
@@ -117,6 +118,7 @@ struct DatasetSummary {
   int64_t train_documents = 0;
   int64_t train_tokens = 0;
   int64_t train_sequences = 0;
+  std::string train_name = "train";  // DatasetOptions::train_name
   int64_t heldout_documents = 0;
   int64_t heldout_tokens = 0;
   int64_t heldout_sequences = 0;

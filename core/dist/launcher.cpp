@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -174,6 +175,15 @@ std::string reported_faults(c10d::Store& store, int nproc) {
   return text;
 }
 
+// Whether `rank` said its exit status is the command's answer (Communicator::answer_key).
+bool declared_an_answer(c10d::Store& store, int rank) {
+  try {
+    return store.check({Communicator::answer_key(rank)});
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
 }  // namespace
 
 int launch_local_ranks(int nproc, int argc, char** argv) {
@@ -191,6 +201,7 @@ int launch_local_ranks(int nproc, int argc, char** argv) {
 
   std::vector<bool> done(static_cast<size_t>(nproc), false);
   int remaining = nproc;
+  int answer = 0;  // the largest exit status a rank declared the command's answer
   while (remaining > 0) {
     int status = 0;
     const pid_t pid = ::waitpid(-1, &status, 0);
@@ -207,6 +218,10 @@ int launch_local_ranks(int nproc, int argc, char** argv) {
     children[static_cast<size_t>(rank)] = -1;  // reaped: its pid may be reused, never signal it again
     --remaining;
     if (WIFEXITED(status) && WEXITSTATUS(status) == 0) continue;
+    if (WIFEXITED(status) && declared_an_answer(*store, rank)) {  // trainer plan's "does not fit", not a failure
+      answer = std::max(answer, WEXITSTATUS(status));
+      continue;
+    }
     // A rank that stopped on SIGINT/SIGTERM exits with 128 + the signal after saving its work; before
     // training starts (nothing to save) the signal ends it.
     const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
@@ -226,7 +241,7 @@ int launch_local_ranks(int nproc, int argc, char** argv) {
     return code > 0 ? code : 1;
   }
   const int signal = forwarded_signal.load();
-  return signal != 0 ? 128 + signal : 0;
+  return signal != 0 ? 128 + signal : answer;
 }
 
 }  // namespace weft

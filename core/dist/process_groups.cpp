@@ -161,6 +161,15 @@ bool Communicator::moves_natively(const std::string& backend, at::ScalarType dty
 }
 
 std::string Communicator::fault_key(int rank) { return "weft/fault/" + std::to_string(rank); }
+std::string Communicator::answer_key(int rank) { return "weft/answer/" + std::to_string(rank); }
+
+void Communicator::declare_exit_status_an_answer() {
+  if (world_size_ <= 1 || !store_) return;  // no launcher to tell
+  try {
+    store_->set(answer_key(rank_), std::vector<uint8_t>{'1'});
+  } catch (const std::exception&) {  // the launcher then reports the exit as a failure: still correct
+  }
+}
 
 Operation Communicator::issue(ProcessGroup& group, std::string name, bool collective, int64_t bytes, int32_t peer) {
   WEFT_CHECK(group.backend, "this rank is not a member of process group '{}'", group.name);

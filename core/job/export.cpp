@@ -16,7 +16,7 @@ namespace weft {
 
 void export_job(const TrainOptions& options, const std::string& dir, int64_t steps) {
   const auto tokenizer = load_tokenizer(options.tokenizer);
-  const ModelConfig model = resolve_model_config(options, *tokenizer);
+  const ModelConfig model = resolve_model_config(options, tokenizer.get());
   const DatasetSplits data = prepare_dataset(options.data, *tokenizer);
   const int64_t steps_per_epoch = data.train->n_sequences() / (options.batch_size * options.grad_accum_steps);
   WEFT_CHECK(steps_per_epoch > 0, "the training split has {} sequences, fewer than one step's {} x {}",

@@ -29,7 +29,7 @@ torch::Dtype compute_dtype(const std::string& precision) {
   return torch::kFloat32;
 }
 
-ModelConfig resolve_model_config(const TrainOptions& options, const Tokenizer& tokenizer) {
+ModelConfig resolve_model_config(const TrainOptions& options, const Tokenizer* tokenizer) {
   const auto& m = options.model;
   ModelConfig config;
   const std::string weights_config = m.weights + "/config.json";
@@ -38,21 +38,32 @@ ModelConfig resolve_model_config(const TrainOptions& options, const Tokenizer& t
   } else if (!m.weights.empty() && fs::is_directory(m.weights) && fs::exists(weights_config)) {
     config = load_hf_config(weights_config);
   } else {
-    WEFT_CHECK(!m.preset.empty(), "no model shape: set model.preset or model.config");
+    std::error_code ec;
+    const bool weights_dir = !m.weights.empty() && fs::is_directory(m.weights, ec);
+    WEFT_CHECK(!m.preset.empty(), "no model shape: set model.preset or model.config{}",
+               m.weights.empty() ? ""
+               : weights_dir   ? fmt::format(" (model.weights = '{}' has no config.json)", m.weights)
+                               : fmt::format(" (model.weights = '{}' is not a folder with a config.json)", m.weights));
     config = preset_config(m.preset);
+    if (weights_dir) {  // the checkpoint's tensors must then match the preset's shapes
+      spdlog::warn("model.weights = '{}' has no config.json: the model's shape is model.preset = '{}'", m.weights,
+                   m.preset);
+    }
   }
   if (m.vocab_size > 0) config.vocab_size = m.vocab_size;
   // A shape without special-token ids (a preset) takes the tokenizer's, so that a saved config.json
   // names them as an HF model directory does.
-  if (!config.bos_token_id) {
-    if (const auto bos = tokenizer.bos_id()) config.bos_token_id = *bos;
+  if (tokenizer != nullptr) {
+    if (!config.bos_token_id) {
+      if (const auto bos = tokenizer->bos_id()) config.bos_token_id = *bos;
+    }
+    if (!config.eos_token_id) {
+      if (const auto eos = tokenizer->eos_id()) config.eos_token_id = *eos;
+    }
+    WEFT_CHECK(tokenizer->vocab_size() <= config.vocab_size,
+               "tokenizer '{}' has {} tokens but the model's vocab_size is {} (set model.vocab_size)",
+               options.tokenizer, tokenizer->vocab_size(), config.vocab_size);
   }
-  if (!config.eos_token_id) {
-    if (const auto eos = tokenizer.eos_id()) config.eos_token_id = *eos;
-  }
-  WEFT_CHECK(tokenizer.vocab_size() <= config.vocab_size,
-             "tokenizer '{}' has {} tokens but the model's vocab_size is {} (set model.vocab_size)",
-             options.tokenizer, tokenizer.vocab_size(), config.vocab_size);
   WEFT_CHECK(options.data.seq_len <= config.max_position_embeddings,
              "data.seq_len {} exceeds the model's max_position_embeddings {}", options.data.seq_len,
              config.max_position_embeddings);
@@ -86,10 +97,34 @@ void check_input_paths(const TrainOptions& o, bool reads_data) {
   if (reads_data && o.task != "classification" && o.data.format != "glue") resolve_inputs(o.data.paths, parse_data_format(o.data.format));
 }
 
+// trainer plan works from the shapes: the inputs that only the run reads (the tokenizer, the weights
+// whose config.json would give the shape, the text) may be missing, and are named in a note.
+std::vector<std::string> missing_run_inputs(const TrainOptions& o) {
+  const auto exists = [](const std::string& path) {
+    std::error_code ec;
+    return fs::exists(path, ec);
+  };
+  std::vector<std::string> missing;
+  if (o.tokenizer != "byte" && !exists(o.tokenizer)) missing.push_back(fmt::format("data.tokenizer = '{}'", o.tokenizer));
+  if (!o.model.weights.empty() && !exists(o.model.weights)) {
+    missing.push_back(fmt::format("model.weights = '{}'", o.model.weights));
+  }
+  for (const auto& path : o.data.paths) {
+    if (!exists(path)) missing.push_back(fmt::format("data.path = '{}'", path));
+  }
+  return missing;
+}
+
 }  // namespace
 
 Job::Job(TrainOptions options, RunContext context, Data data) : options_(std::move(options)), context_(context) {
-  if (data != Data::kPlanOnly) check_input_paths(options_, data == Data::kSplits);
+  plan_only_ = data == Data::kPlanOnly;
+  if (plan_only_) {
+    if (!options_.plugin.empty()) resolve_plugin_paths(options_.plugin);
+    missing_inputs_ = missing_run_inputs(options_);
+  } else {
+    check_input_paths(options_, data == Data::kSplits);
+  }
   WEFT_CHECK(options_.mode == "full" || options_.mode == "lora" || options_.mode == "adalora",
              "train.mode must be full, lora or adalora, got '{}'", options_.mode);
   WEFT_CHECK(options_.precision == "fp32" || options_.precision == "bf16" || options_.precision == "fp16",
@@ -101,12 +136,12 @@ Job::Job(TrainOptions options, RunContext context, Data data) : options_(std::mo
   install_memory_tracker();
   at::set_num_threads(static_cast<int>(options_.threads));
   torch::manual_seed(options_.seed);
-  tokenizer_ = load_tokenizer(options_.tokenizer);
+  const bool no_tokenizer = plan_only_ && options_.tokenizer != "byte" && !fs::exists(options_.tokenizer);
+  if (!no_tokenizer) tokenizer_ = load_tokenizer(options_.tokenizer);
   join();
   if (!options_.trace_file.empty()) {
     Tracer::instance().enable(Tracer::rank_path(options_.trace_file, context_.rank, context_.world), context_.rank);
   }
-  plan_only_ = data == Data::kPlanOnly;
   const bool classify = options_.task == "classification";
   WEFT_CHECK(classify || (options_.data.format != "glue" && options_.classification.glue_task.empty()),
              "data.format = \"glue\" and data.glue_task are for train.task = \"classification\"");
@@ -116,6 +151,14 @@ Job::Job(TrainOptions options, RunContext context, Data data) : options_(std::mo
   WEFT_CHECK(!classify || options_.classification.glue_task.empty() || !options_.classification.regression,
              "data.regression is for JSONL data; a GLUE task says itself whether it is a regression (stsb)");
   if (classify && data != Data::kNone) {  // the classes size the model's head
+    std::vector<std::string> unread;  // what sizing the head needs (the weights it does not)
+    for (const auto& m : missing_inputs_) {
+      if (m.rfind("data.", 0) == 0) unread.push_back(m);
+    }
+    WEFT_CHECK(unread.empty(),
+               "train.task = \"classification\": the plan reads the labeled data to size the model's head, and "
+               "{} does not exist",
+               fmt::join(unread, ", "));
     classification_ = prepare_classification(options_.data, options_.classification, *tokenizer_);
     const auto& c = *classification_;
     spdlog::info("classification data{}: {} train and {} held-out examples{}, {} ({} examples cut to seq_len {}) in "
@@ -161,7 +204,7 @@ void Job::join() {
 }
 
 void Job::build_model() {
-  ModelConfig config = resolve_model_config(options_, *tokenizer_);
+  ModelConfig config = resolve_model_config(options_, tokenizer_.get());
   if (classification_) {  // the head's classes: the data's, which a saved classifier must have too
     const auto& c = *classification_;
     const int64_t labels = c.regression ? 1 : static_cast<int64_t>(c.labels.size());
@@ -209,7 +252,10 @@ void Job::build_model() {
   quantize_ = model_options.quantize.format;
   plan_memory(config, model_options.compute_dtype);
   if (plan_only_) return;
-  WEFT_CHECK(memory_.fits, "{}", memory_.problem);
+  WEFT_CHECK(memory_.fits, "{}{}; trainer plan --config ... --plugin {} --nproc {} shows the plan", memory_.problem,
+             memory_.advice.empty() ? "; no setting of the host's makes it fit"
+                                    : fmt::format("; {}", fmt::join(memory_.advice, "; ")),
+             strategy_->names(), context_.world);
   model_options.comm = strategy_->comm_hook();
   if (model_options.quantize.format == QuantFormat::kInt8 && model_options.quantize.int8_gemm &&
       strategy_->min_negotiated_minor() < 7) {
@@ -241,7 +287,16 @@ void Job::build_model() {
     model_->to(device_);
   } else {  // every base weight is in the file (load_weights refuses it otherwise)
     model_->to(device_);
-    load_weights(*model_, options_.model.weights, options_.seed, options_.model.init_std);
+    try {
+      load_weights(*model_, options_.model.weights, options_.seed, options_.model.init_std);
+    } catch (const Error& e) {  // a checkpoint folder without config.json: its shape was the preset's
+      std::error_code ec;
+      const auto& m = options_.model;
+      if (!m.config_path.empty() || !fs::is_directory(m.weights, ec) || fs::exists(m.weights + "/config.json", ec)) throw;
+      fail("{} (the model's shape is model.preset = '{}' because '{}' has no config.json: set model.config to the "
+           "checkpoint's config.json, or the preset it was trained with)",
+           e.what(), m.preset, m.weights);
+    }
   }
   weights_source_ = options_.model.weights.empty() ? fmt::format("random init (seed {})", options_.seed)
                                                   : options_.model.weights;
@@ -338,15 +393,14 @@ std::string describe_rank(const MemoryPlan& p, int64_t runtime) {
 
 }  // namespace
 
-// Every rank's plan (the host's estimate of what it holds, adjusted by the plugin), gathered, and
-// checked against the limit: on the CPU the ranks of a machine share its memory; on CUDA each rank
-// has its device's.
-void Job::plan_memory(const ModelConfig& config, torch::Dtype dtype) {
-  const auto estimate = estimate_stage_memory(config, shards_, lora_, dtype, options_.data.seq_len,
-                                              options_.model.activation_checkpointing, strategy_->plugin_attention(),
-                                              quantize_,
-                                              lora_ && options_.model.frozen_dtype == "bf16" ? torch::kBFloat16
-                                                                                             : torch::kFloat32,
+// This rank's plan for the run's shapes with the given settings: the host's estimate of what it
+// holds, adjusted by the plugin(s). Local (no collective); the plugin keeps the stage sizes of the
+// last call, so the run's own plan is made last.
+MemoryPlan Job::rank_plan(const ModelConfig& config, torch::Dtype dtype, const PlanSettings& settings) {
+  const auto estimate = estimate_stage_memory(config, shards_, settings.lora, dtype, options_.data.seq_len,
+                                              settings.checkpointing, strategy_->plugin_attention(), quantize_,
+                                              settings.lora && options_.model.frozen_dtype == "bf16" ? torch::kBFloat16
+                                                                                                     : torch::kFloat32,
                                               strategy_->tensor_sequence_size());
   std::vector<weft_stage_memory> stages;
   for (const auto& e : estimate) {
@@ -361,22 +415,28 @@ void Job::plan_memory(const ModelConfig& config, torch::Dtype dtype) {
     s.compute_trainable_bytes = e.compute_trainable_bytes;
     stages.push_back(s);
   }
-  const int64_t rows = options_.batch_size / std::max(placement_.data_parallel_size, 1);
-  const MemoryPlan mine = strategy_->memory_plan(stages, placement_.stages, static_cast<int32_t>(options_.grad_accum_steps),
-                                                 rows, options_.data.seq_len);
+  return strategy_->memory_plan(stages, placement_.stages, settings.micro_batches, settings.rows, options_.data.seq_len);
+}
+
+// Every rank's plan, gathered, and checked against the limit: on the CPU the ranks of a machine
+// share its memory; on CUDA each rank has its device. A plan that does not fit gets advice: the
+// host's settings that would make it fit (each tried in the plan), and what the plan's shares say
+// a plugin could do.
+void Job::plan_memory(const ModelConfig& config, torch::Dtype dtype) {
+  PlanSettings run;
+  run.lora = lora_;
+  run.checkpointing = options_.model.activation_checkpointing;
+  run.rows = options_.batch_size / std::max(placement_.data_parallel_size, 1);
+  run.micro_batches = static_cast<int32_t>(options_.grad_accum_steps);
+  const MemoryPlan mine = rank_plan(config, dtype, run);
   MemoryVerdict& v = memory_;
   v = MemoryVerdict{};
   v.runtime_bytes = kRuntimeBytes;
-  const auto all = [&](int64_t value) { return communicator_->all_gather(static_cast<double>(value)); };  // collective
-  const auto parameters = all(mine.parameters), gradients = all(mine.gradients), optimizer = all(mine.optimizer),
-             activations = all(mine.activations), buffers = all(mine.buffers);
+  v.ranks = gather_plans(mine);
   char host[256] = {0};
   ::gethostname(host, sizeof host - 1);
   const auto machines = communicator_->all_gather(static_cast<double>(std::hash<std::string>{}(host) % (1ull << 50)));
-  for (size_t r = 0; r < parameters.size(); ++r) {
-    v.ranks.push_back(MemoryPlan{static_cast<int64_t>(parameters[r]), static_cast<int64_t>(gradients[r]),
-                                 static_cast<int64_t>(optimizer[r]), static_cast<int64_t>(activations[r]),
-                                 static_cast<int64_t>(buffers[r])});
+  for (size_t r = 0; r < machines.size(); ++r) {
     v.machine.push_back(static_cast<int>(std::find(machines.begin(), machines.end(), machines[r]) - machines.begin()));
   }
   v.per_device = device_.is_cuda();
@@ -387,39 +447,184 @@ void Job::plan_memory(const ModelConfig& config, torch::Dtype dtype) {
     v.limit_bytes = device_total_bytes(device_);
     v.limit_source = v.per_device ? "the device's memory" : "the machine's memory";
   }
-  check_memory_limit();
-  // Every rank stops if one does not fit (on CUDA each rank checks its own device).
-  const auto fits = communicator_->all_gather(v.fits ? 1.0 : 0.0);  // collective
-  for (size_t r = 0; r < fits.size() && v.fits; ++r) {
-    if (fits[r] == 0.0) {
-      v.fits = false;
-      v.problem = fmt::format("the memory plan of rank {} does not fit its device (its error says why)", r);
-    }
+  const int64_t need = bytes_needed_here(v.ranks);
+  v.fits = fits_everywhere(need);  // collective: every rank stops if one does not fit
+  if (context_.rank == 0 && !plan_only_) {  // trainer plan prints its table instead
+    size_t largest = 0;
+    for (size_t r = 1; r < v.ranks.size(); ++r) largest = v.ranks[r].total() > v.ranks[largest].total() ? r : largest;
+    spdlog::info("memory plan: {} GiB {} ({}; rank {} of {}, the largest), limit {}", gib(need),
+                 v.per_device ? "on rank 0's device" : "on this machine", describe_rank(v.ranks[largest], v.runtime_bytes),
+                 largest, v.ranks.size(),
+                 v.limit_bytes > 0 ? fmt::format("{} GiB ({}): {}", gib(v.limit_bytes), v.limit_source,
+                                                 v.fits ? "fits" : "does not fit")
+                                   : std::string("unknown"));
   }
+  if (v.fits) return;
+  if (v.limit_bytes > 0 && need > v.limit_bytes) {
+    std::string detail;
+    int ranks_here = 0;
+    for (size_t r = 0; r < v.ranks.size(); ++r) {
+      if (!counted_here(static_cast<int>(r))) continue;
+      detail += fmt::format("{}rank {}: {}", ranks_here++ ? "; " : "", r, describe_rank(v.ranks[r], v.runtime_bytes));
+    }
+    v.problem = fmt::format("the memory plan needs {} GiB {} ({}) but {} allows {} GiB", gib(need),
+                            v.per_device ? fmt::format("on rank {}'s device", context_.rank)
+                                         : fmt::format("for the {} rank(s) on this machine", ranks_here),
+                            detail, v.limit_source, gib(v.limit_bytes));
+  } else {
+    v.problem = "the memory plan of another rank does not fit its device (its error says why)";
+  }
+  advise(config, dtype, run, mine);
+  rank_plan(config, dtype, run);  // the plugin keeps the run's stage sizes
 }
 
-void Job::check_memory_limit() {
-  MemoryVerdict& v = memory_;
-  if (v.limit_bytes <= 0) return;  // unknown: nothing to check against
-  const int self_machine = v.machine[static_cast<size_t>(context_.rank)];
-  int64_t need = 0;
-  std::string detail;
-  int ranks_here = 0;
-  for (size_t r = 0; r < v.ranks.size(); ++r) {
-    const bool counted = v.per_device ? static_cast<int>(r) == context_.rank : v.machine[r] == self_machine;
-    if (!counted) continue;
-    need += v.ranks[r].total() + v.runtime_bytes;
-    detail += fmt::format("{}rank {}: {}", ranks_here++ ? "; " : "", r, describe_rank(v.ranks[r], v.runtime_bytes));
+std::vector<MemoryPlan> Job::gather_plans(const MemoryPlan& mine) {
+  const auto all = [&](int64_t value) { return communicator_->all_gather(static_cast<double>(value)); };  // collective
+  const auto parameters = all(mine.parameters), gradients = all(mine.gradients), optimizer = all(mine.optimizer),
+             activations = all(mine.activations), buffers = all(mine.buffers);
+  std::vector<MemoryPlan> plans;
+  for (size_t r = 0; r < parameters.size(); ++r) {
+    plans.push_back(MemoryPlan{static_cast<int64_t>(parameters[r]), static_cast<int64_t>(gradients[r]),
+                               static_cast<int64_t>(optimizer[r]), static_cast<int64_t>(activations[r]),
+                               static_cast<int64_t>(buffers[r])});
   }
-  if (need <= v.limit_bytes) return;
-  v.fits = false;
-  v.problem = fmt::format(
-      "the memory plan needs {} GiB {} ({}) but {} allows {} GiB; see trainer plan --config ... --plugin {} --nproc {}; "
-      "a plugin that shards the training state (zero), LoRA, a shorter data.seq_len, a smaller train.batch_size or "
-      "model.activation_checkpointing may fit",
-      gib(need), v.per_device ? fmt::format("on rank {}'s device", context_.rank)
-                              : fmt::format("for the {} rank(s) on this machine", ranks_here),
-      detail, v.limit_source, gib(v.limit_bytes), strategy_->names(), context_.world);
+  return plans;
+}
+
+// Whether rank r's memory counts against this rank's limit: its own device (CUDA), or every rank
+// on this machine (CPU).
+bool Job::counted_here(int r) const {
+  const auto& v = memory_;
+  return v.per_device ? r == context_.rank : v.machine[static_cast<size_t>(r)] == v.machine[static_cast<size_t>(context_.rank)];
+}
+
+int64_t Job::bytes_needed_here(const std::vector<MemoryPlan>& plans) const {
+  int64_t need = 0;
+  for (size_t r = 0; r < plans.size(); ++r) {
+    if (counted_here(static_cast<int>(r))) need += plans[r].total() + memory_.runtime_bytes;
+  }
+  return need;
+}
+
+bool Job::fits_everywhere(int64_t need) {
+  const bool here = memory_.limit_bytes <= 0 || need <= memory_.limit_bytes;  // unknown: nothing to check against
+  const auto fits = communicator_->all_gather(here ? 1.0 : 0.0);  // collective
+  return std::all_of(fits.begin(), fits.end(), [](double f) { return f != 0.0; });
+}
+
+// Advice for a plan that does not fit (every rank runs it: it is collective). First the host's
+// settings, each tried in the plan with the others as configured: activation checkpointing, the
+// largest smaller batch per step (train.batch_size divided, train.grad_accum_steps multiplied:
+// the same examples per optimizer step), LoRA instead of full fine-tuning. Then what this rank's
+// shares say a plugin could do: shard the training state where nothing shards it, shard what is
+// still whole on every rank, or spread the sharded state over more ranks.
+void Job::advise(const ModelConfig& config, torch::Dtype dtype, const PlanSettings& run, const MemoryPlan& mine) {
+  auto& advice = memory_.advice;
+  int64_t runtime = 0;  // the processes alone: more than the limit leaves nothing to advise but that
+  for (size_t r = 0; r < memory_.ranks.size(); ++r) runtime += counted_here(static_cast<int>(r)) ? memory_.runtime_bytes : 0;
+  if (memory_.limit_bytes > 0 && runtime >= memory_.limit_bytes) {
+    advice.push_back(fmt::format("the processes alone need {} GiB ({} GiB each for LibTorch and the process): a higher "
+                                 "limit{}",
+                                 gib(runtime), gib(memory_.runtime_bytes),
+                                 memory_.per_device ? "" : ", or fewer ranks on this machine"));
+  }
+  const auto try_settings = [&](const PlanSettings& s) {  // GiB needed here, or -1 if it does not fit
+    const auto plans = gather_plans(rank_plan(config, dtype, s));
+    const int64_t need = bytes_needed_here(plans);
+    return fits_everywhere(need) ? need : int64_t{-1};
+  };
+  if (!run.checkpointing) {
+    PlanSettings s = run;
+    s.checkpointing = true;
+    if (const int64_t need = try_settings(s); need >= 0) {
+      advice.push_back(fmt::format("--set model.activation_checkpointing=true fits ({} GiB)", gib(need)));
+    }
+  }
+  for (int64_t k = 2; run.rows / k >= 1; k *= 2) {  // the largest that fits
+    if (options_.batch_size % k != 0) break;
+    PlanSettings s = run;
+    s.rows = run.rows / k;
+    s.micro_batches = run.micro_batches * static_cast<int32_t>(k);
+    if (const int64_t need = try_settings(s); need >= 0) {
+      advice.push_back(fmt::format("--set train.batch_size={} --set train.grad_accum_steps={} fits ({} GiB; the same "
+                                   "examples per optimizer step)",
+                                   options_.batch_size / k, options_.grad_accum_steps * k, gib(need)));
+      break;
+    }
+  }
+  if (!run.lora) {
+    PlanSettings s = run;
+    s.lora = options_.lora;
+    if (const int64_t need = try_settings(s); need >= 0) {
+      advice.push_back(fmt::format("--set train.mode=lora (adapters of rank {}) fits ({} GiB)", options_.lora.spec.r,
+                                   gib(need)));
+    }
+  }
+  // What the plan's shares say a plugin could do, each with the bound it would bring this machine
+  // (device) to, said only where that bound fits: a rank's state as its plan has it, measured
+  // against the state of the same stages whole (the plan before any plugin).
+  const auto estimate = estimate_stage_memory(config, shards_, run.lora, dtype, options_.data.seq_len, run.checkpointing,
+                                              strategy_->plugin_attention(), quantize_,
+                                              run.lora && options_.model.frozen_dtype == "bf16" ? torch::kBFloat16
+                                                                                               : torch::kFloat32,
+                                              strategy_->tensor_sequence_size());
+  const auto stage_count = static_cast<int64_t>(estimate.size());
+  int64_t whole_parameters = 0, whole_trainable = 0;
+  for (int64_t s = 0; s < stage_count; ++s) {
+    if (!placement_.stages.holds(s, stage_count)) return;  // a pipeline stage's share: the comparison is for whole models
+    whole_parameters += estimate[static_cast<size_t>(s)].parameter_bytes;
+    whole_trainable += estimate[static_cast<size_t>(s)].trainable_bytes;
+  }
+  const int64_t state = mine.parameters + mine.gradients + mine.optimizer;
+  if (4 * state < mine.total()) return;  // a small share: sharding it would not make the difference
+  const bool optimizer_sharded = mine.optimizer < 2 * whole_trainable * 9 / 10;
+  const bool gradients_sharded = mine.gradients < whole_trainable * 9 / 10;
+  const bool parameters_sharded = mine.parameters < whole_parameters * 9 / 10;
+  // This machine's (device's) need with `shrink` taken off each of its ranks (the ranks' plans alike).
+  const auto need_without = [&](int64_t shrink) {
+    int64_t need = 0;
+    for (size_t r = 0; r < memory_.ranks.size(); ++r) {
+      if (counted_here(static_cast<int>(r))) need += memory_.ranks[r].total() + memory_.runtime_bytes - shrink;
+    }
+    return need;
+  };
+  const auto fits = [&](int64_t need) { return memory_.limit_bytes <= 0 || need <= memory_.limit_bytes; };
+  const int64_t world = context_.world;
+  if (!optimizer_sharded && !gradients_sharded && !parameters_sharded) {
+    if (world == 1 && !memory_.per_device) return;  // a machine's ranks share it: more of them hold the same state
+    const int64_t over = std::max<int64_t>(world, 2);
+    const int64_t need = need_without(state - state / over);
+    if (fits(need)) {
+      advice.push_back(fmt::format("every rank holds the whole training state ({} GiB): a plugin that shards it over "
+                                   "{} ranks (zero, plugin.stage = 3) would need about {} GiB{}",
+                                   gib(state), over, gib(need), world == 1 ? " (one rank per device)" : ""));
+    }
+    return;
+  }
+  std::vector<std::string> whole;
+  int64_t whole_bytes = 0;
+  if (!gradients_sharded && mine.gradients > 0) {
+    whole.push_back(fmt::format("the gradients ({} GiB)", gib(mine.gradients)));
+    whole_bytes += mine.gradients;
+  }
+  if (!parameters_sharded) {
+    whole.push_back(fmt::format("the parameters ({} GiB)", gib(mine.parameters)));
+    whole_bytes += mine.parameters;
+  }
+  if (!whole.empty() && fits(need_without(whole_bytes - whole_bytes / world))) {
+    advice.push_back(fmt::format("{} {} whole on every rank: a plugin setting that shards {} too (zero's plugin.stage = "
+                                 "{}) would need about {} GiB",
+                                 fmt::join(whole, " and "), whole.size() == 1 ? "is" : "are",
+                                 whole.size() == 1 ? "it" : "them",
+                                 parameters_sharded ? "2" : gradients_sharded || mine.gradients == 0 ? "3" : "2 or 3",
+                                 gib(need_without(whole_bytes - whole_bytes / world))));
+  }
+  const int64_t sharded = state - whole_bytes;  // at twice the ranks, half of it (one per device, or per machine)
+  if (fits(need_without(sharded / 2))) {
+    advice.push_back(fmt::format("the sharded state divides over the ranks: at {} ranks {} about {} GiB", 2 * world,
+                                 memory_.per_device ? "(one per device)" : "(as many per machine, on more machines)",
+                                 gib(need_without(sharded / 2))));
+  }
 }
 
 }  // namespace weft

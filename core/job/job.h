@@ -33,9 +33,11 @@ struct RunContext {
 
 // The model's shape for a run: model.config, else the config.json beside model.weights, else
 // model.preset; model.vocab_size overrides; special-token ids the shape lacks come from the
-// tokenizer. Throws weft::Error naming the problem when there is no shape, the tokenizer has more
-// tokens than the vocabulary, or data.seq_len exceeds the model's positions.
-ModelConfig resolve_model_config(const TrainOptions& options, const Tokenizer& tokenizer);
+// tokenizer (null: none, for a plan made without it). A model.weights folder without config.json
+// takes model.preset's shape, with a warning. Throws weft::Error naming the problem when there is
+// no shape, the tokenizer has more tokens than the vocabulary, or data.seq_len exceeds the model's
+// positions.
+ModelConfig resolve_model_config(const TrainOptions& options, const Tokenizer* tokenizer);
 
 // The dtype train.precision computes in: fp32, bf16 or fp16 (masters stay fp32).
 torch::Dtype compute_dtype(const std::string& precision);
@@ -50,6 +52,7 @@ struct MemoryVerdict {
   bool per_device = false;             // CUDA: each rank against its device
   bool fits = true;
   std::string problem;                 // one line when it does not fit
+  std::vector<std::string> advice;     // when it does not fit: what would, or may ("--set ... fits (2.1 GiB)")
 };
 
 class Job {
@@ -57,7 +60,8 @@ class Job {
   enum class Data {
     kNone,      // the model only (trainer generate)
     kSplits,    // data.path prepared as training prepares it: the train and held-out splits
-    kPlanOnly,  // the memory plan only (trainer plan): no model, no data, no refusal over the limit
+    kPlanOnly,  // the memory plan only (trainer plan): no model, no data, no refusal over the limit;
+                // the tokenizer, weights and text may be missing (missing_inputs())
   };
   // Joins the run (rendezvous, process groups), loads the strategy and checks that every rank
   // runs the same plugin build and configuration, then builds the tokenizer, the model and `data`.
@@ -88,6 +92,9 @@ class Job {
   const ClassificationData* classification() const { return classification_ ? &*classification_ : nullptr; }
   // The memory plan of every rank (index: rank), made before the model was built.
   const MemoryVerdict& memory() const { return memory_; }
+  // Data::kPlanOnly: the inputs the run would read that do not exist here ("data.tokenizer = '...'"),
+  // which the plan does without (it needs the shapes only).
+  const std::vector<std::string>& missing_inputs() const { return missing_inputs_; }
   // Where the model's weights came from: "<model.weights>" (and ", adapter <model.adapter>"), or
   // "random init (seed S)" when model.weights names none. Logged when the model is built.
   const std::string& weights_source() const { return weights_source_; }
@@ -100,8 +107,20 @@ class Job {
  private:
   void join();
   void build_model();
+  // The settings a memory plan depends on that the host controls.
+  struct PlanSettings {
+    std::optional<LoraConfig> lora;
+    bool checkpointing = false;
+    int64_t rows = 1;           // per micro-batch on this rank
+    int32_t micro_batches = 1;  // train.grad_accum_steps
+  };
   void plan_memory(const ModelConfig& config, torch::Dtype dtype);
-  void check_memory_limit();
+  MemoryPlan rank_plan(const ModelConfig& config, torch::Dtype dtype, const PlanSettings& settings);
+  std::vector<MemoryPlan> gather_plans(const MemoryPlan& mine);
+  bool counted_here(int rank) const;
+  int64_t bytes_needed_here(const std::vector<MemoryPlan>& plans) const;
+  bool fits_everywhere(int64_t need);
+  void advise(const ModelConfig& config, torch::Dtype dtype, const PlanSettings& run, const MemoryPlan& mine);
 
   TrainOptions options_;
   RunContext context_;
@@ -117,6 +136,7 @@ class Job {
   QuantFormat quantize_ = QuantFormat::kNone;
   DatasetSplits data_;
   std::optional<ClassificationData> classification_;
+  std::vector<std::string> missing_inputs_;
   ShardMap shards_;  // this rank's tensor-parallel slices (for the memory plan)
   MemoryVerdict memory_;
   bool plan_only_ = false;

@@ -322,6 +322,54 @@ TEST(Cli, MissingInputPathsAreRefusedBeforeTheModelIsBuilt) {
   }
 }
 
+// What a run tells as it goes: progress counts steps over the whole run as evaluations do, with the
+// ETA of the whole run; the memory plan is logged; eval --data calls its file what it is, not a
+// training split (issue 47, item 11).
+TEST(Cli, ProgressCountsTheRunsStepsAndTheLogStatesThePlan) {
+  const auto dir = fresh_dir("progress");
+  const auto r = run_trainer(tiny_args(dir) + " --set train.out_dir=" + dir + "/out --set train.max_steps=0 " +
+                             "--set train.epochs=2 --set log.progress=lines --set log.every_steps=1000");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::smatch total;
+  ASSERT_TRUE(std::regex_search(r.output, total, std::regex(R"(training: 2 epochs x ([0-9]+) steps \(total ([0-9]+)\))")))
+      << r.output;
+  const std::string per_epoch = total[1].str(), steps = total[2].str();
+  // The lines at each epoch's end: the first epoch's says step N of the run's total, the second 2N.
+  EXPECT_NE(r.output.find("step " + per_epoch + "/" + steps + " epoch 1/2 loss"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("step " + steps + "/" + steps + " epoch 2/2 loss"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("eval @ step " + steps + ":"), std::string::npos) << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex(R"(info memory plan: [0-9.]+ GiB on this machine \(parameters)")))
+      << r.output;
+  const auto eval = run_trainer(tiny_args(dir) + " eval --set model.weights=" + dir + "/out/final --data " +
+                                dir + "/corpus.txt");
+  ASSERT_EQ(eval.exit_code, 0) << eval.output;
+  EXPECT_NE(eval.output.find("| evaluated: "), std::string::npos) << eval.output;
+  EXPECT_EQ(eval.output.find("train: "), std::string::npos) << eval.output;
+}
+
+// A weights folder without config.json takes its shape from model.preset, which the log says, and a
+// checkpoint of another shape is refused with an error that says where the shape came from.
+TEST(Cli, AWeightsFolderWithoutConfigJsonTakesThePresetAndSaysSo) {
+  const auto dir = fresh_dir("no_config");
+  const auto trained = run_trainer(tiny_args(dir) + " --set train.out_dir=" + dir + "/out --set train.max_steps=1");
+  ASSERT_EQ(trained.exit_code, 0) << trained.output;
+  std::filesystem::create_directories(dir + "/bare");
+  std::filesystem::copy_file(dir + "/out/final/model.safetensors", dir + "/bare/model.safetensors");
+  const std::string generate = tiny_args(dir) + " generate --prompt hi --set generate.max_new_tokens=1 --set model.weights=" +
+                               dir + "/bare";
+  const auto same = run_trainer(generate);
+  ASSERT_EQ(same.exit_code, 0) << same.output;
+  EXPECT_NE(same.output.find("model.weights = '" + dir + "/bare' has no config.json: the model's shape is model.preset = "
+                             "'tiny'"),
+            std::string::npos)
+      << same.output;
+  const auto other = run_trainer(generate + " --set model.preset=small");
+  EXPECT_EQ(other.exit_code, 1) << other.output;
+  EXPECT_NE(other.output.find("(the model's shape is model.preset = 'small' because '" + dir + "/bare' has no config.json"),
+            std::string::npos)
+      << other.output;
+}
+
 // trainer check's plugin settings keep their sub-tables in one process too: zero reads stage 7 from
 // [plugin.zero] (a flat key "zero.stage" would go unread and the check would pass at stage 3).
 TEST(Cli, CheckPassesAPluginsOwnSubTableInOneProcess) {

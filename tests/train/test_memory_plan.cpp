@@ -5,6 +5,8 @@
 // for AdamW's moments). Real processes, as users run them.
 #include <cmath>
 #include <map>
+#include <regex>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -43,7 +45,8 @@ TEST(MemoryPlan, ARunOverTheLimitIsRefusedBeforeTheModelIsBuiltWithThePlanInTheM
   const auto outcome = run_trainer(small_run(dir, "ddp", 2, "--set train.memory_limit_gib=0.1"));
   EXPECT_NE(outcome.exit_code, 0) << outcome.output;
   for (const char* part : {"the memory plan needs", "for the 2 rank(s) on this machine", "rank 0: parameters",
-                           "rank 1: parameters", "optimizer", "train.memory_limit_gib allows 0.10 GiB", "zero"}) {
+                           "rank 1: parameters", "optimizer", "train.memory_limit_gib allows 0.10 GiB",
+                           "the processes alone need 0.80 GiB"}) {
     EXPECT_NE(outcome.output.find(part), std::string::npos) << part << "\n" << outcome.output;
   }
   // Refused before the model: no model line in the log, no step recorded.
@@ -88,6 +91,61 @@ TEST(MemoryPlan, TrainerPlanPrintsEveryRanksPlanWithoutBuildingAnything) {
   const auto tight = run_trainer("plan --config " + config + " --plugin ddp --nproc 2 --set train.memory_limit_gib=0.1");
   EXPECT_EQ(tight.exit_code, 1) << tight.output;
   EXPECT_NE(tight.output.find("does NOT fit"), std::string::npos) << tight.output;
+}
+
+// trainer plan works from the shapes: a tokenizer and weights that do not exist here are named in a
+// note, not refused (before, the missing tokenizer stopped the plan and the weights went unmentioned).
+TEST(MemoryPlan, APlanNeedsOnlyTheShapesAndNamesTheMissingInputs) {
+  const std::string dir = fresh_dir("memory_plan", "shapes_only");
+  const auto r = run_trainer("plan --config " + std::string(WEFT_SOURCE_DIR) + "/configs/llama-3.2-1b-lora.toml" +
+                             " --set data.tokenizer=" + dir + "/Llama-3.2-1B --set model.weights=" + dir +
+                             "/Llama-3.2-1B --set data.path=" + dir + "/text.jsonl --set train.memory_limit_gib=1000");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("memory plan: plugin single, 1 rank(s), precision bf16"), std::string::npos) << r.output;
+  const auto row = plan_row(r.output, 0);
+  ASSERT_EQ(row.size(), 7u) << r.output;
+  EXPECT_GT(row[0], 2000.0) << r.output;  // the 1B preset's parameters (bf16 frozen base or fp32: > 2 GB)
+  for (const std::string& missing : std::vector<std::string>{"data.tokenizer = '" + dir + "/Llama-3.2-1B'", "model.weights = '" + dir + "/Llama-3.2-1B'",
+                                     "data.path = '" + dir + "/text.jsonl'", "model.preset = 'llama-3.2-1b'"}) {
+    EXPECT_NE(r.output.find(missing), std::string::npos) << missing << "\n" << r.output;
+  }
+  // A run of the same config is still refused for the missing tokenizer, before anything is built.
+  const auto run = run_trainer("--config " + std::string(WEFT_SOURCE_DIR) + "/configs/llama-3.2-1b-lora.toml" +
+                               " --set data.tokenizer=" + dir + "/Llama-3.2-1B --set train.out_dir=" + dir + "/out");
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_NE(run.output.find("data.tokenizer = '" + dir + "/Llama-3.2-1B' does not exist"), std::string::npos) << run.output;
+}
+
+// A plan over the limit advises what follows from it: the host's settings that fit (each tried in
+// the plan, with the GiB it needs), then what the shares say a plugin could do; under zero stage 1
+// that is a higher stage, not "a plugin that shards the state (zero)"; and the launcher adds no
+// line blaming a rank for the answer "does not fit".
+TEST(MemoryPlan, APlanThatDoesNotFitAdvisesWhatWouldFromThePlan) {
+  const std::string config = std::string(WEFT_SOURCE_DIR) + "/configs/small-bench.toml";
+  const std::regex fits_line(R"(--set model\.activation_checkpointing=true fits \(([0-9.]+) GiB\))");
+  const auto ddp = run_trainer("plan --config " + config + " --plugin ddp --nproc 2 --set train.memory_limit_gib=1.2");
+  EXPECT_EQ(ddp.exit_code, 1) << ddp.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(ddp.output, m, fits_line)) << ddp.output;
+  EXPECT_LE(std::stod(m[1].str()), 1.2) << ddp.output;
+  // What it advises fits when applied: the plan with activation checkpointing passes.
+  const auto applied = run_trainer("plan --config " + config +
+                                   " --plugin ddp --nproc 2 --set train.memory_limit_gib=1.2 --set model.activation_checkpointing=true");
+  EXPECT_EQ(applied.exit_code, 0) << applied.output;
+  EXPECT_NE(ddp.output.find("--set train.batch_size=4 --set train.grad_accum_steps=2 fits ("), std::string::npos)
+      << ddp.output;
+  // zero stage 1 with little activation memory: its gradients and parameters are whole on each rank.
+  const auto zero1 = run_trainer("plan --config " + config + " --plugin zero --nproc 2 --set plugin.stage=1 " +
+                                 "--set data.seq_len=16 --set train.batch_size=2 --set train.memory_limit_gib=0.95");
+  EXPECT_EQ(zero1.exit_code, 1) << zero1.output;
+  EXPECT_NE(zero1.output.find("are whole on every rank: a plugin setting that shards them too (zero's plugin.stage = 2 "
+                              "or 3) would need about"),
+            std::string::npos)
+      << zero1.output;
+  EXPECT_EQ(zero1.output.find("a plugin that shards"), std::string::npos) << zero1.output;
+  for (const auto* out : {&ddp.output, &zero1.output}) {
+    EXPECT_EQ(out->find("failed"), std::string::npos) << *out;
+  }
 }
 
 // zero.so stage 3 in bf16 (ABI 1.6): gathered matrices and their whole gradients in the compute

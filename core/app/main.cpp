@@ -26,7 +26,7 @@ int main(int argc, char** argv) {
   spdlog::set_default_logger(spdlog::stderr_color_mt("weft"));
   spdlog::set_pattern("[%H:%M:%S] %^%l%$ %v");
   try {
-    const CommandLine cli = parse_command_line(argc, argv);
+    CommandLine cli = parse_command_line(argc, argv);
     if (cli.help) {
       print_help();
       return 0;
@@ -39,7 +39,10 @@ int main(int argc, char** argv) {
         cli.command == "train" || cli.command == "eval" || cli.command == "generate" || cli.command == "plan";
     if (runs_ranks && cli.nproc > 0 && std::getenv("RANK") == nullptr) {
       if (!cli.log_level.empty()) weft::set_log_level(cli.log_level);  // the launcher's own lines
-      return weft::launch_local_ranks(cli.nproc, argc, argv);
+      const weft::LaunchResult launched = weft::launch_local_ranks(cli.nproc, argc, argv);
+      if (!launched.rank_process) return launched.exit_code;
+      cli.nproc = 0;  // a rank: the command runs here, as torchrun's ranks run it
+      cli.nprocs.clear();
     }
     if (cli.command == "train") return run_train(cli);
     if (cli.command == "eval") return run_eval(cli);

@@ -8,7 +8,15 @@
 
 namespace weft {
 
-// argv: the full command line, including --nproc (which is removed for the ranks).
-int launch_local_ranks(int nproc, int argc, char** argv);
+// In the launcher: its exit status once every rank ended. In a rank: rank_process = true, and the
+// caller goes on to run the command as that rank (the ranks are forks of the launcher, with
+// torchrun's variables RANK, WORLD_SIZE, MASTER_ADDR, ... set in their environment).
+struct LaunchResult {
+  bool rank_process = false;
+  int exit_code = 0;
+};
+// argv: the full command line, including --nproc (the ranks' when they must execute the trainer
+// afresh: when this process already has threads, which a fork would copy the locks of).
+LaunchResult launch_local_ranks(int nproc, int argc, char** argv);
 
 }  // namespace weft

@@ -171,11 +171,9 @@ bool declared_an_answer(c10d::Store& store, int rank) {
   }
 }
 
-}  // namespace
-
-namespace {
 int supervise(int nproc, c10d::Store& store);
 LaunchResult launch_executed_ranks(int nproc, const std::vector<std::string>& args);
+
 }  // namespace
 
 LaunchResult launch_local_ranks(int nproc, int argc, char** argv) {

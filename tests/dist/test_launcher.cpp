@@ -1,7 +1,6 @@
 // The local launcher (trainer --nproc) with real processes: a rank that dies, hangs or is
 // signalled, the launcher killed, a clean SIGTERM, and joining a job the torchrun way.
 #include <filesystem>
-#include <sstream>
 #include <vector>
 #include <string>
 
@@ -9,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/corpus.h"
+#include "common/metrics.h"
 #include "common/process.h"
 #include "dist/signal_run.h"
 #include "test_paths.h"
@@ -149,16 +149,8 @@ TEST(Launcher, RanksForkedOrExecutedAfreshTrainTheSame) {
   const std::string afresh = "each rank executes the trainer afresh";
   EXPECT_EQ(forked.output.find(afresh), std::string::npos) << forked.output;
   EXPECT_NE(executed.output.find(afresh), std::string::npos) << executed.output;
-  const auto losses = [](const std::string& metrics) {
-    std::vector<double> out;
-    std::istringstream lines(weft::testing::read_text(metrics));
-    for (std::string line; std::getline(lines, line);) {
-      const auto record = nlohmann::json::parse(line);
-      if (record["type"] == "step") out.push_back(record["loss"].get<double>());
-    }
-    return out;
-  };
-  const auto a = losses(dir + "/forked/metrics.jsonl"), b = losses(dir + "/executed/metrics.jsonl");
+  const auto a = weft::testing::step_losses(dir + "/forked/metrics.jsonl");
+  const auto b = weft::testing::step_losses(dir + "/executed/metrics.jsonl");
   EXPECT_EQ(a.size(), 3u);
   EXPECT_EQ(a, b);  // the same processes' arithmetic, bit for bit
 }

@@ -24,27 +24,18 @@
 #include "core/io/safetensors.h"
 #include "core/util/libtorch.h"
 #include "common/corpus.h"
+#include "common/metrics.h"
 #include "common/process.h"
 #include "test_paths.h"
 
 namespace {
 
 using weft::testing::run_trainer;
+using weft::testing::step_losses;
 
 std::string fresh_dir(const std::string& name) { return weft::testing::fresh_dir("weft_test_dist", name); }
 
 std::string write_corpus(const std::string& dir) { return weft::testing::write_word_corpus(dir); }
-
-std::vector<double> step_losses(const std::string& metrics) {
-  std::vector<double> out;
-  std::ifstream in(metrics);
-  std::string line;
-  while (std::getline(in, line)) {
-    auto j = nlohmann::json::parse(line);
-    if (j["type"] == "step") out.push_back(j["loss"].get<double>());
-  }
-  return out;
-}
 
 // Trains the tiny preset for 20 fp32 steps with `extra` settings under `plugin` on `nproc`
 // processes (0: one process, the built-in single); returns the run directory.

@@ -145,7 +145,7 @@ class Communicator {
   static bool moves_natively(const std::string& backend, at::ScalarType dtype);
   // The store key where rank `rank` leaves the description of a collective that timed out.
   static std::string fault_key(int rank);
-  // The store key where rank `rank` says that its non-zero exit status is the command's answer
+  // The store key where rank `rank` says that its exit status (not 0) is the command's answer
   // (trainer plan's "does not fit": exit 1), not a failure: the --nproc launcher then waits for the
   // other ranks instead of reporting this one as failed and stopping them. Set after the last
   // collective, by every rank that exits with it.

@@ -17,9 +17,11 @@
 #include "core/dist/launcher.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
+#include "core/util/quick_exit.h"
 #include "core/util/shell.h"
 
-int main(int argc, char** argv) {
+namespace {
+int run(int argc, char** argv) {
   using namespace weft::app;
   // Logs go to stderr, so that stdout carries only what a command produces (generated text, a
   // table, a verdict) and can be piped.
@@ -69,4 +71,13 @@ int main(int argc, char** argv) {
     spdlog::error("{}", weft::printable(e.what()));
   }
   return 1;
+}
+}  // namespace
+
+// Every command's files are closed when run returns: the process ends there, without LibTorch's
+// static teardown (quick_exit.h), which a --nproc run would otherwise pay once per rank.
+int main(int argc, char** argv) {
+  const int status = run(argc, argv);
+  spdlog::shutdown();
+  weft::exit_without_teardown(status);
 }

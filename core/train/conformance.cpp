@@ -347,6 +347,15 @@ ConformanceReport check_conformance(const ConformanceOptions& c) {
                               ? (std::filesystem::temp_directory_path() / ("weft-check-" + std::to_string(::getpid()))).string()
                               : c.work_dir;
   std::filesystem::create_directories(dir);
+  // A temporary folder goes whatever happens, unless it holds the log of a candidate run that failed.
+  struct RemoveUnlessKept {
+    std::string dir;
+    bool keep = false;
+    ~RemoveUnlessKept() {
+      std::error_code ignored;
+      if (!keep && !dir.empty()) std::filesystem::remove_all(dir, ignored);
+    }
+  } work{c.work_dir.empty() ? dir : std::string()};
   WEFT_CHECK(c.task == "causal_lm" || c.task == "classification",
              "conformance check: task must be causal_lm or classification, got '{}'", c.task);
   const std::string corpus = write_corpus(dir, c.task == "classification");
@@ -364,6 +373,7 @@ ConformanceReport check_conformance(const ConformanceOptions& c) {
     const std::string command =
         c.trainer_path + " " + run_arguments(c, corpus, model_config, out) + " > " + dir + "/candidate.log 2>&1";
     const int status = std::system(command.c_str());
+    work.keep = status != 0;
     WEFT_CHECK(status == 0, "the {}-rank run of {} failed{} (see {}/candidate.log)", c.nproc, c.plugin,
                first_error(dir + "/candidate.log"), dir);
     candidate_losses = logged_losses(out + "/metrics.jsonl");
@@ -437,7 +447,6 @@ ConformanceReport check_conformance(const ConformanceOptions& c) {
   }
   report.passed = same_steps && all_parameters && report.steps == c.steps &&
                   report.max_loss_rel_diff <= report.loss_rtol && report.max_param_abs_diff <= report.param_atol;
-  if (c.work_dir.empty()) std::filesystem::remove_all(dir);
   return report;
 }
 

@@ -371,11 +371,15 @@ TEST(Cli, AWeightsFolderWithoutConfigJsonTakesThePresetAndSaysSo) {
 }
 
 // trainer check's plugin settings keep their sub-tables in one process too: zero reads stage 7 from
-// [plugin.zero] (a flat key "zero.stage" would go unread and the check would pass at stage 3).
+// [plugin.zero] (a flat key "zero.stage" would go unread and the check would pass at stage 3). The
+// check's temporary folder (model config, corpus) goes with its error.
 TEST(Cli, CheckPassesAPluginsOwnSubTableInOneProcess) {
-  const auto r = run_trainer("check --plugin zero --steps 1 --set plugin.zero.stage=7");
+  const auto tmp = fresh_dir("check_tmp");
+  const auto r = weft::testing::run_command("TMPDIR=" + tmp + " OMP_NUM_THREADS=1 " + std::string(WEFT_TRAINER_PATH) +
+                                            " check --plugin zero --steps 1 --set plugin.zero.stage=7");
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find("plugin.stage must be 1, 2 or 3 (ZeRO's stages), got 7"), std::string::npos) << r.output;
+  EXPECT_TRUE(std::filesystem::is_empty(tmp)) << "left in " << tmp;
 }
 
 // train.device = "cuda" on a rank that sees no GPU (none here; hidden with CUDA_VISIBLE_DEVICES on a

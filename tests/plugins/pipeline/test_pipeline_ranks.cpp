@@ -224,8 +224,9 @@ TEST(PipeDreamAsync, EachBackwardUsesTheWeightsItsForwardUsed) {
   EXPECT_LT(run.steps.back()["loss"].get<double>(), run.steps.front()["loss"].get<double>() - 0.3);
 }
 
-// ~45 s (ctest -j2, 2-core Xeon): convergence takes steps. At 60 steps the held-out loss (2.90) is
-// what byte frequencies alone give; at 120 (2.60) the model has learnt more than that.
+// ~17 s (2-core Xeon): convergence takes steps. Sequences of 128 bytes (quickstart's are 256: a
+// step costs a third). At 60 steps the held-out loss (2.96) is about what byte frequencies alone
+// give; at 120 (2.70; one process, synchronous, reaches 2.23) the model has learnt more than that.
 TEST(PipeDreamAsync, ConvergesOnTheBundledCorpus) {
   const std::string corpus = std::string(WEFT_SOURCE_DIR) + "/data/austen/austen.jsonl";
   ASSERT_TRUE(std::ifstream(corpus).good()) << corpus << " is missing: tools/setup.sh fetches it";
@@ -233,7 +234,7 @@ TEST(PipeDreamAsync, ConvergesOnTheBundledCorpus) {
   const auto r = run_trainer("--config " + std::string(WEFT_SOURCE_DIR) + "/configs/quickstart.toml --set data.path=" +
                              corpus + " --set model.config=" + WEFT_SOURCE_DIR +
                              "/configs/models/austen-mini/config.json --set data.cache_dir=" + dir + "/cache"
-                             " --set train.max_steps=120 --set eval.every_steps=0 --set eval.max_batches=8"
+                             " --set train.max_steps=120 --set data.seq_len=128 --set eval.every_steps=0 --set eval.max_batches=8"
                              " --set log.progress=off --set checkpoint.keep_best=false --set checkpoint.save_final=false"
                              " --set train.out_dir=" + dir + "/out --plugin pipedream --set plugin.mode=async --nproc 2"
                              // fp32: on a CPU without bf16 instructions (an AMD EPYC without AVX-512)
@@ -249,7 +250,7 @@ TEST(PipeDreamAsync, ConvergesOnTheBundledCorpus) {
     if (j["type"] == "summary") eval_loss = j["eval_loss"].get<double>();
   }
   EXPECT_GT(first_loss, 5.0);  // byte-level, random init: ~ln(256)
-  EXPECT_LT(eval_loss, 3.0) << r.output;  // measured 2.60 after 120 steps in fp32 (2.57 in bf16)
+  EXPECT_LT(eval_loss, 2.8) << r.output;  // measured 2.70 after 120 steps in fp32
 }
 
 TEST(Pipeline, RefusesPlansThatCannotWorkInOneLine) {

@@ -85,6 +85,8 @@
 
 #include <dlpack/dlpack.h>
 
+#include <weft/common.h> /* weft_status, weft_status_code, weft_log_level, weft_mesh_dim, WEFT_EXPORT */
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -101,11 +103,6 @@ extern "C" {
 /* The one symbol a plugin exports. */
 #define WEFT_STRATEGY_ENTRY_SYMBOL "weft_strategy_entry"
 
-#if defined(__GNUC__) || defined(__clang__)
-#define WEFT_EXPORT __attribute__((visibility("default")))
-#else
-#define WEFT_EXPORT
-#endif
 
 /* First member of both function tables; its layout never changes.
  * struct_size: sizeof the whole table as compiled by its producer, so a consumer can tell
@@ -120,7 +117,6 @@ typedef struct weft_abi_header {
  * Opaque handles
  * ---------------------------------------------------------------------------------------- */
 
-typedef struct weft_status weft_status;         /* an error: code + message; host-owned memory */
 typedef struct weft_host weft_host;             /* the host side of one plugin instance */
 typedef struct weft_group weft_group;           /* a process group; lives until the run ends */
 typedef struct weft_work weft_work;             /* an asynchronous communication in flight */
@@ -128,24 +124,6 @@ typedef struct weft_activation weft_activation; /* a host tensor, possibly with 
 typedef struct weft_buffer weft_buffer;         /* memory on the rank's device owned by a plugin (since 1.2) */
 typedef struct weft_weight_pass weft_weight_pass; /* weight gradients deferred by backward_input (since 1.11) */
 typedef struct weft_strategy weft_strategy;     /* the plugin's instance; opaque to the host */
-
-typedef enum weft_status_code {
-  WEFT_STATUS_OK = 0,
-  WEFT_STATUS_INVALID_ARGUMENT = 1, /* a bad value from the caller */
-  WEFT_STATUS_UNSUPPORTED = 2,      /* a valid request this implementation cannot serve */
-  WEFT_STATUS_BAD_CONFIG = 3,       /* the plugin's configuration or the world size is unusable */
-  WEFT_STATUS_COMMUNICATION = 4,    /* a collective or transfer failed */
-  WEFT_STATUS_TIMEOUT = 5,          /* a collective or transfer timed out */
-  WEFT_STATUS_INTERNAL = 6          /* anything else (e.g. an exception caught at the boundary) */
-} weft_status_code;
-
-typedef enum weft_log_level {
-  WEFT_LOG_TRACE = 0,
-  WEFT_LOG_DEBUG = 1,
-  WEFT_LOG_INFO = 2,
-  WEFT_LOG_WARN = 3,
-  WEFT_LOG_ERROR = 4
-} weft_log_level;
 
 typedef enum weft_reduce_op {
   WEFT_REDUCE_SUM = 0,
@@ -461,17 +439,7 @@ typedef enum weft_direction {
   WEFT_BACKWARD = 1
 } weft_direction;
 
-/* The dimensions of the device mesh a composed run lays its ranks on (train.plugin names several
- * plugins, [mesh] sizes them). World rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i: tensor
- * parallelism varies fastest (neighbouring ranks, e.g. one machine's GPUs), pipeline stages
- * slowest, as torchtitan's and Megatron's meshes. Since 1.12. */
-typedef enum weft_mesh_dim {
-  WEFT_MESH_PP = 0, /* pipeline stages: the plugin drives the step (train_step, eval_step) */
-  WEFT_MESH_DP = 1, /* data-parallel replicas: different rows of every global batch */
-  WEFT_MESH_CP = 2, /* context parallelism: different tokens of every sequence */
-  WEFT_MESH_TP = 3  /* tensor parallelism: slices of the weights, the same rows and tokens */
-} weft_mesh_dim;
-#define WEFT_MESH_DIMS 4
+/* The device mesh's dimensions (weft_mesh_dim, WEFT_MESH_DIMS) are in weft/common.h. Since 1.12. */
 
 /* Where this rank stands in the run's device mesh and which dimension the calling plugin owns
  * (weft_host_api.mesh_info). Since 1.12. */

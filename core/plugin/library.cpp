@@ -79,7 +79,8 @@ std::shared_ptr<boost::dll::shared_library> open_library(const std::string& path
 
 const weft_strategy_api& call_entry(const boost::dll::shared_library& library, const std::string& path) {
   WEFT_CHECK(library.has(WEFT_STRATEGY_ENTRY_SYMBOL),
-             "plugin {}: exports no {} (not a weft strategy plugin)", path, WEFT_STRATEGY_ENTRY_SYMBOL);
+             "plugin {}: exports no {} (ABI 1) or {} (ABI 2): not a weft strategy plugin", path,
+             WEFT_STRATEGY_ENTRY_SYMBOL, WEFT_PLUGIN_ENTRY_SYMBOL);
   // get<function type> yields a reference to the function itself (get<pointer type> would read
   // the symbol as a variable holding a pointer).
   auto& entry = library.get<std::remove_pointer_t<weft_strategy_entry_fn>>(WEFT_STRATEGY_ENTRY_SYMBOL);
@@ -133,6 +134,21 @@ PluginLibrary::PluginLibrary(std::string path, const weft_strategy_api& table, P
   std::memcpy(&api_, &table, std::min<size_t>(table_size_, sizeof api_));
 }
 
+PluginLibrary::PluginLibrary(std::string path, const Abi2Plugin& plugin)
+    : PluginLibrary(std::move(path), abi2_session_table(plugin), host_abi_version()) {
+  plugin_abi_ = {plugin.table.abi_major, plugin.table.abi_minor};
+  abi2_ = std::make_shared<const Abi2Plugin>(plugin);
+}
+
+std::string PluginLibrary::abi() const {
+  return abi2_ ? version_string({WEFT_PLUGIN_ABI_MAJOR, std::min<uint16_t>(plugin_abi_.minor, WEFT_PLUGIN_ABI_MINOR)})
+               : version_string(negotiated_abi_);
+}
+
+weft_status* PluginLibrary::create(const weft_host_api* api, weft_host* host, weft_strategy** out) const {
+  return abi2_ ? create_abi2_step(*abi2_, api, host, out) : api_.create(api, host, out);
+}
+
 bool PluginLibrary::has_slot(size_t offset_of_slot, uint16_t since_minor) const {
   return negotiated_abi_.minor >= since_minor && offset_of_slot + sizeof(void*) <= table_size_ &&
          offset_of_slot + sizeof(void*) <= sizeof api_;
@@ -153,6 +169,15 @@ std::shared_ptr<PluginLibrary> PluginLibrary::load(const std::string& path_or_na
   std::lock_guard<std::mutex> lock(r.mutex);
   if (auto it = r.plugins.find(path); it != r.plugins.end()) return it->second;
   const auto library = open_library(path);
+  if (library->has(WEFT_PLUGIN_ENTRY_SYMBOL)) {  // ABI 2
+    auto& entry = library->get<std::remove_pointer_t<weft_plugin_entry_fn>>(WEFT_PLUGIN_ENTRY_SYMBOL);
+    const weft_plugin* table = entry(WEFT_PLUGIN_ABI_MAJOR, WEFT_PLUGIN_ABI_MINOR);
+    WEFT_CHECK(table, "plugin {}: {} returned NULL (the plugin refuses this host's ABI {}.{})", path,
+               WEFT_PLUGIN_ENTRY_SYMBOL, WEFT_PLUGIN_ABI_MAJOR, WEFT_PLUGIN_ABI_MINOR);
+    auto plugin = std::make_shared<PluginLibrary>(path, validate_abi2_table(*table, path));
+    r.plugins.emplace(path, plugin);
+    return plugin;
+  }
   const weft_strategy_api& table = call_entry(*library, path);
   const PluginVersion negotiated = negotiate_abi(table, host_abi_version(), path);
   auto plugin = std::make_shared<PluginLibrary>(path, table, negotiated);

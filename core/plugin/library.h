@@ -1,5 +1,5 @@
-// Loading strategy plugins (shared libraries implementing sdk/include/weft/strategy.h) and
-// negotiating the ABI version with them.
+// Loading strategy plugins (shared libraries implementing sdk/include/weft/strategy.h, ABI 1, or
+// sdk/include/weft/plugin.h, ABI 2) and negotiating the ABI version with them.
 //
 // A plugin is named either by a path (anything containing '/', used as is) or by a bare name
 // ("ddp" or "ddp.so") looked up in the plugin search directories (plugin_search_dirs). Loaded
@@ -15,6 +15,8 @@
 #include <vector>
 
 #include <weft/strategy.h>
+
+#include "core/plugin/abi2.h"
 
 namespace weft {
 
@@ -55,6 +57,12 @@ class PluginLibrary {
 
   PluginVersion plugin_abi() const { return plugin_abi_; }          // the table's header version
   PluginVersion negotiated_abi() const { return negotiated_abi_; }  // major, min(host, plugin) minor
+  // "1.14", or "2.0" for an ABI 2 plugin (whose session table, the host's step, is ABI 1.x).
+  std::string abi() const;
+  // The ABI 2 plugin behind this library, or null for an ABI 1 one.
+  const Abi2Plugin* abi2() const { return abi2_.get(); }
+  // The plugin's create (ABI 1), or the host's step for an ABI 2 plugin (create_abi2_step).
+  weft_status* create(const weft_host_api* api, weft_host* host, weft_strategy** out) const;
 
   // The plugin's table as this host knows it: a copy of the plugin's first
   // min(struct_size, sizeof(weft_strategy_api)) bytes, zero-filled beyond, so slots the plugin's
@@ -70,12 +78,15 @@ class PluginLibrary {
   // Describes an already validated table (load() calls negotiate_abi first); the table's
   // strings are copied. Public for make_shared and for tests; plugins are obtained with load().
   PluginLibrary(std::string path, const weft_strategy_api& table, PluginVersion negotiated);
+  // An ABI 2 plugin: the session table is the host's step (abi2_session_table).
+  PluginLibrary(std::string path, const Abi2Plugin& plugin);
 
  private:
   std::string path_, name_, version_, description_;
   PluginVersion plugin_abi_, negotiated_abi_;
   uint32_t table_size_;
   weft_strategy_api api_;
+  std::shared_ptr<const Abi2Plugin> abi2_;
 };
 
 // Validates a plugin's table against a host of ABI version `host` and returns the negotiated

@@ -60,7 +60,7 @@ StrategySession::StrategySession(const std::string& path_or_name, toml::table pl
   try {
     for (auto& member : members_) {  // in order: the driver, then tp, cp, dp (each collective over the world)
       weft_strategy* instance = nullptr;
-      check(member, member.library->api().create(member.host->api(), member.host->handle(), &instance), "create");
+      check(member, member.library->create(member.host->api(), member.host->handle(), &instance), "create");
       WEFT_CHECK(instance != nullptr, "plugin {}: create returned no instance", member.library->name());
       member.instance = instance;
     }
@@ -132,6 +132,10 @@ void StrategySession::compose(const std::vector<std::string>& names, const toml:
     Member member;
     member.library = PluginLibrary::load(name);
     const auto& lib = *member.library;
+    WEFT_CHECK(lib.abi2() == nullptr,
+               "plugin {} (ABI {}) runs alone in this version: ABI 2 plugins compose on a device mesh from a later "
+               "landing of the new ABI (sdk/ABI2.md)",
+               lib.name(), lib.abi());
     WEFT_CHECK(lib.negotiated_abi().minor >= 12 && lib.has_slot(offsetof(weft_strategy_api, mesh_dimensions), 12),
                "plugin {} (ABI 1.{}) cannot compose with others on a device mesh (ABI 1.12): run it alone or rebuild it "
                "against this SDK",
@@ -238,8 +242,8 @@ uint16_t StrategySession::min_negotiated_minor() const {
 std::string StrategySession::describe() const {
   std::string out;
   for (const auto& m : members_) {
-    out += fmt::format("{}{} {} (ABI {}.{}) from {}{}", out.empty() ? "" : "; ", m.library->name(), m.library->version(),
-                       m.library->negotiated_abi().major, m.library->negotiated_abi().minor, m.library->path(),
+    out += fmt::format("{}{} {} (ABI {}) from {}{}", out.empty() ? "" : "; ", m.library->name(), m.library->version(),
+                       m.library->abi(), m.library->path(),
                        mesh_ ? fmt::format(" on {} {}", Mesh::name(m.dimension), mesh_->size(m.dimension)) : "");
   }
   return out;
@@ -248,8 +252,8 @@ std::string StrategySession::describe() const {
 std::string StrategySession::fingerprint() const {
   std::string out;
   for (const auto& m : members_) {
-    out += fmt::format("{}plugin {} {} ABI {}.{}", out.empty() ? "" : "; ", m.library->name(), m.library->version(),
-                       m.library->negotiated_abi().major, m.library->negotiated_abi().minor);
+    out += fmt::format("{}plugin {} {} ABI {}", out.empty() ? "" : "; ", m.library->name(), m.library->version(),
+                       m.library->abi());
   }
   if (mesh_) out += "; mesh " + mesh_->describe();
   return out;

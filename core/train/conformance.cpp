@@ -297,6 +297,8 @@ std::vector<ConformanceCase> conformance_matrix() {
   };
   both("ddp", 2, {});
   both("ddp", 4, {});
+  both("ddp_abi2", 2, {});  // the same strategy under ABI 2: the host's step, with buckets that start in the backward
+  both("ddp_abi2", 4, {"plugin.bucket_mb=0.05"});
   for (const char* stage : {"plugin.stage=1", "plugin.stage=2", "plugin.stage=3"}) both("zero", 2, {stage});
   both("tensor_parallel", 2, {});
   both("tensor_parallel", 4, {});                         // the check model's 2 kv heads shared by pairs

@@ -201,6 +201,9 @@ TEST(PluginLoader, BrokenPluginsAreRefusedWithOneLineNamingTheProblem) {
       {"missing_name", "its table has no name"},
       {"not_a_library", "not a shared library"},
       {"undefined_symbol", "cannot be loaded: "},
+      // ABI 2 (weft/plugin.h): a 2.0 host runs plugins owning at most the data-parallel dimension.
+      {"abi2_tensor_parallel", "runs ABI 2 plugins owning at most the data-parallel dimension"},
+      {"abi2_no_proc_address", "required function(s) are NULL: get_proc_address"},
   };
   for (const Refusal& r : refusals) {
     const std::string message = load_error(fixture(r.fixture));
@@ -247,7 +250,8 @@ TEST(PluginLoader, NotFoundListsEveryPlaceSearched) {
     FAIL() << "no exception";
   } catch (const Error& e) {
     // The plugins there (the fixtures' and the built-in single), then every place searched.
-    EXPECT_THAT(e.what(), HasSubstr("plugin 'no_such_plugin' not found (plugins here: bad_chunks, "));
+    EXPECT_THAT(e.what(), HasSubstr("plugin 'no_such_plugin' not found (plugins here: abi2_no_proc_address, "));
+    EXPECT_THAT(e.what(), HasSubstr(", bad_chunks, "));
     EXPECT_THAT(e.what(), HasSubstr(", good, "));
     EXPECT_THAT(e.what(), HasSubstr(", single, "));
     EXPECT_THAT(e.what(), HasSubstr(fmt::format("; searched: {0}/tests/plugins/no_such_plugin.so, "
@@ -291,7 +295,8 @@ TEST(PluginLoader, ListsEveryLibraryInTheSearchPathWithItsProblem) {
   EXPECT_EQ(listings[0].path, "(built in)");
   EXPECT_EQ(listings[0].name, "single");
   EXPECT_EQ(listings[0].problem, "");
-  EXPECT_EQ(files, (std::vector<std::string>{"(built in)", "bad_chunks.so", "entry_null.so", "error_create.so", "finish_1_13.so", "good.so", "missing_create.so",
+  EXPECT_EQ(files, (std::vector<std::string>{"(built in)", "abi2_no_proc_address.so", "abi2_schedule.so", "abi2_slice.so",
+                                             "abi2_tensor_parallel.so", "bad_chunks.so", "entry_null.so", "error_create.so", "finish_1_13.so", "good.so", "missing_create.so",
                                              "missing_name.so", "needs_newer_host.so", "newer_minor.so",
                                              "no_entry.so", "not_a_library.so", "stages_1_12.so", "too_small.so",
                                              "undefined_symbol.so", "wrong_major.so"}));
@@ -310,6 +315,9 @@ TEST(PluginLoader, ListsEveryLibraryInTheSearchPathWithItsProblem) {
   EXPECT_EQ(find("error_create.so").problem, "");  // it loads; only its create fails
   EXPECT_THAT(find("wrong_major.so").problem, HasSubstr("is built for weft ABI 2.x"));
   EXPECT_THAT(find("not_a_library.so").problem, HasSubstr("not a shared library"));
+  EXPECT_EQ(find("abi2_slice.so").problem, "");  // an ABI 2 plugin: listed with its own ABI
+  EXPECT_EQ(find("abi2_slice.so").abi.major, 2);
+  EXPECT_THAT(find("abi2_tensor_parallel.so").problem, HasSubstr("owning at most the data-parallel dimension"));
   EXPECT_EQ(find("not_a_library.so").name, "");
 }
 

@@ -1,0 +1,484 @@
+// The host's step for ABI 2 plugins. It is written as a strategy over the host's own services (the
+// SDK's C++ layer over weft_host_api), so that the strategy session runs it as it runs any plugin
+// of ABI 1; the ABI 2 plugin behind it only gives its layout.
+#include "core/plugin/abi2.h"
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <weft/strategy.hpp>
+
+#include "core/plugin/step_program.h"
+#include "core/util/error.h"
+
+// The host's side of one ABI 2 instance (opaque to the plugin).
+struct weft_host_context {
+  weft::sdk::Host host;
+  std::string plugin;
+};
+
+namespace weft {
+namespace {
+
+// PyTorch DDP's default bucket (bucket_cap_mb = 25).
+constexpr int64_t kDefaultBucketBytes = 25LL * 1024 * 1024;
+
+// --- the host's services, by name ---
+
+const weft_host_api* g_api = nullptr;  // the host's ABI 1 table: one static table for every PluginHost
+
+weft_status* service_status_create(weft_status_code code, const char* message) {
+  return g_api->status_create(code, message ? message : "");
+}
+void service_log(weft_host_context* c, weft_log_level level, const char* message) { c->host.log(level, message); }
+void service_world(weft_host_context* c, int32_t* rank, int32_t* size) {
+  const sdk::Group world = c->host.world();
+  if (rank) *rank = world.rank();
+  if (size) *size = world.size();
+}
+weft_status* service_config_int(weft_host_context* c, const char* key, int64_t fallback, int64_t* out) {
+  return c->host.api()->config_int(c->host.handle(), key, fallback, out);
+}
+weft_status* service_config_float(weft_host_context* c, const char* key, double fallback, double* out) {
+  return c->host.api()->config_float(c->host.handle(), key, fallback, out);
+}
+weft_status* service_config_bool(weft_host_context* c, const char* key, int32_t fallback, int32_t* out) {
+  return c->host.api()->config_bool(c->host.handle(), key, fallback, out);
+}
+weft_status* service_config_string(weft_host_context* c, const char* key, const char* fallback, const char** out) {
+  return c->host.api()->config_string(c->host.handle(), key, fallback, out);
+}
+
+template <class F>
+weft_proc as_proc(F* function) {
+  return reinterpret_cast<weft_proc>(function);
+}
+
+weft_proc host_proc_address(const char* name) {
+  static const std::map<std::string, weft_proc> services = {
+      {"weft_status_create", as_proc(&service_status_create)},
+      {"weft_log", as_proc(&service_log)},
+      {"weft_world", as_proc(&service_world)},
+      {"weft_config_int", as_proc(&service_config_int)},
+      {"weft_config_float", as_proc(&service_config_float)},
+      {"weft_config_bool", as_proc(&service_config_bool)},
+      {"weft_config_string", as_proc(&service_config_string)},
+  };
+  if (name == nullptr) return nullptr;
+  const auto it = services.find(name);
+  return it == services.end() ? nullptr : it->second;
+}
+
+// Gradients averaged over a group in buckets of at most `bucket_bytes` (a parameter larger than that
+// alone), filled from the last parameter to the first: the model lists them from the embedding to
+// the head and the backward finishes them the other way round. Armed for a backward, the buckets
+// start their all-reduces in order, each as soon as its parameters' gradients are final.
+class GradientReducer {
+ public:
+  GradientReducer(sdk::Host host, sdk::Group group, std::vector<int64_t> parameters, int64_t bucket_bytes)
+      : host_(host), group_(group) {
+    std::reverse(parameters.begin(), parameters.end());
+    of_.assign(static_cast<size_t>(host.parameter_count()), -1);
+    ready_.assign(of_.size(), 0);
+    int64_t elements = 0;
+    for (int64_t index : parameters) {
+      const DLTensor data = host.parameter_data(index);
+      int64_t n = 1;
+      for (int32_t d = 0; d < data.ndim; ++d) n *= data.shape[d];
+      if (buckets_.empty() || (elements > 0 && (elements + n) * 4 > bucket_bytes)) {
+        buckets_.emplace_back();
+        elements = 0;
+      }
+      Bucket& b = buckets_.back();
+      b.parameters.push_back(index);
+      b.offsets.push_back(elements);
+      b.sizes.push_back(n);
+      elements += n;
+      b.elements = elements;
+      of_[static_cast<size_t>(index)] = static_cast<int64_t>(buckets_.size() - 1);
+    }
+    for (Bucket& b : buckets_) b.buffer = host.buffer({b.elements}, DLDataType{kDLFloat, 32, 1});
+    host.set_grad_ready_callback(&GradientReducer::ready_trampoline, this);
+  }
+  ~GradientReducer() {
+    try {
+      host_.set_grad_ready_callback(nullptr, nullptr);
+    } catch (...) {
+    }
+  }
+  int64_t buckets() const { return static_cast<int64_t>(buckets_.size()); }
+  // Of the last armed backward's buckets, how many started during it (the rest at REDUCE).
+  int64_t started_in_backward() const { return started_in_backward_; }
+
+  // Before the backward that makes the gradients final: buckets start as they fill.
+  void arm() {
+    for (Bucket& b : buckets_) {
+      b.pending = static_cast<int64_t>(b.parameters.size());
+      b.work.reset();
+    }
+    std::fill(ready_.begin(), ready_.end(), 0);
+    next_ = 0;
+    started_in_backward_ = 0;
+    error_ = nullptr;
+    armed_ = true;
+  }
+  void disarm() noexcept { armed_ = false; }
+  // REDUCE: whatever did not report ready (a parameter without a gradient this step counts as
+  // zeros) starts now.
+  void start_rest() {
+    if (error_) std::rethrow_exception(error_);
+    for (Bucket& b : buckets_) b.pending = 0;
+    start_ready();
+  }
+  // Before the optimizer step: waits for every bucket and writes the averages into the gradients.
+  void finish() {
+    for (Bucket& b : buckets_) {
+      b.work.wait();
+      b.work.reset();
+      DLTensor whole = b.buffer.view();
+      host_.scale(whole, 1.0 / static_cast<double>(group_.size()));
+      for (size_t k = 0; k < b.parameters.size(); ++k) {
+        DLTensor grad{};
+        if (!host_.step_gradient(b.parameters[k], grad)) continue;
+        int64_t shape[2];
+        const DLTensor part = b.buffer.part(b.offsets[k], b.sizes[k], shape);
+        host_.copy(grad, part);
+      }
+    }
+  }
+  // After a failure: nothing acts any more; the collectives in flight are released.
+  void abandon() noexcept {
+    armed_ = false;
+    error_ = nullptr;
+    for (Bucket& b : buckets_) b.work.reset();
+  }
+
+ private:
+  struct Bucket {
+    std::vector<int64_t> parameters, offsets, sizes;
+    int64_t elements = 0, pending = 0;
+    sdk::Buffer buffer;
+    sdk::Work work;
+  };
+  static void ready_trampoline(void* user, int64_t index) noexcept {
+    auto* self = static_cast<GradientReducer*>(user);
+    if (!self->armed_ || self->error_) return;
+    try {
+      self->on_ready(index);
+    } catch (...) {
+      self->error_ = std::current_exception();
+    }
+  }
+  void on_ready(int64_t index) {
+    if (index < 0 || static_cast<size_t>(index) >= of_.size()) return;
+    const int64_t bucket = of_[static_cast<size_t>(index)];
+    if (bucket < 0 || ready_[static_cast<size_t>(index)]) return;
+    ready_[static_cast<size_t>(index)] = 1;
+    if (--buckets_[static_cast<size_t>(bucket)].pending == 0) {
+      const size_t before = next_;
+      start_ready();
+      started_in_backward_ += static_cast<int64_t>(next_ - before);
+    }
+  }
+  // Buckets start in order, while the next one is complete (every rank issues them alike).
+  void start_ready() {
+    while (next_ < buckets_.size() && buckets_[next_].pending == 0) {
+      Bucket& b = buckets_[next_++];
+      for (size_t k = 0; k < b.parameters.size(); ++k) {
+        int64_t shape[2];
+        DLTensor target = b.buffer.part(b.offsets[k], b.sizes[k], shape);
+        DLTensor grad{};
+        if (host_.step_gradient(b.parameters[k], grad)) {
+          host_.copy(target, grad);
+        } else {
+          host_.scale(target, 0.0);
+        }
+      }
+      DLTensor view = b.buffer.view();
+      b.work = host_.all_reduce(group_, view, WEFT_REDUCE_SUM);
+    }
+  }
+
+  sdk::Host host_;
+  sdk::Group group_;
+  std::vector<Bucket> buckets_;
+  std::vector<int64_t> of_;  // each parameter's bucket, -1 for none
+  std::vector<char> ready_;
+  size_t next_ = 0;
+  int64_t started_in_backward_ = 0;
+  bool armed_ = false;
+  std::exception_ptr error_;
+};
+
+class HostStep : public sdk::Strategy {
+ public:
+  // (make_table's requirement; the session creates the step with its plugin, create_abi2_step.)
+  explicit HostStep(sdk::Host host) : Strategy(host), context_{host, ""} {
+    throw sdk::Error(WEFT_STATUS_INTERNAL, "an ABI 2 plugin's step is created with its plugin");
+  }
+
+  HostStep(sdk::Host host, const Abi2Plugin& plugin) : Strategy(host), plugin_(plugin), context_{host, plugin.table.name} {
+    services_.struct_size = sizeof services_;
+    services_.abi_major = WEFT_PLUGIN_ABI_MAJOR;
+    services_.abi_minor = WEFT_PLUGIN_ABI_MINOR;
+    services_.context = &context_;
+    services_.get_proc_address = &host_proc_address;
+    const sdk::Group world = host.world();
+    const uint32_t owns = plugin.table.mesh_dimensions;
+    if (world.size() > 1 && (owns & (1u << WEFT_MESH_DP)) == 0) {
+      throw sdk::Error(WEFT_STATUS_BAD_CONFIG,
+                  fmt::format("{} owns no data-parallel dimension, so it runs on one process, but the world has {} "
+                              "ranks (an ABI 2.0 host runs a plugin alone, owning the whole world)",
+                              name(), world.size()));
+    }
+    check(plugin.table.create(&services_, &instance_), "create");
+    layout_.struct_size = sizeof layout_;
+    layout_.dimension = (owns & (1u << WEFT_MESH_DP)) != 0 ? WEFT_MESH_DP : -1;
+    layout_.batch_split = WEFT_SPLIT_NONE;
+    layout_.reduce_bucket_bytes = kDefaultBucketBytes;
+    if (auto fn = reinterpret_cast<weft_layout_fn>(proc("weft_layout"))) check(fn(instance_, &layout_), "weft_layout");
+    if (layout_.batch_split != WEFT_SPLIT_NONE && layout_.batch_split != WEFT_SPLIT_ROWS) {
+      throw sdk::Error(WEFT_STATUS_UNSUPPORTED, fmt::format("{}: weft_layout's batch split {} is not one this host executes "
+                                                       "(WEFT_SPLIT_NONE, WEFT_SPLIT_ROWS)",
+                                                       name(), layout_.batch_split));
+    }
+    for (const char* later : {"weft_schedule", "weft_hooks"}) {
+      if (proc(later) != nullptr) {
+        throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
+                    fmt::format("{} provides {}, which this host (ABI 2.{}) does not execute yet", name(), later,
+                                WEFT_PLUGIN_ABI_MINOR));
+      }
+    }
+  }
+
+  ~HostStep() override {
+    reducer_.reset();
+    if (instance_ != nullptr) plugin_.table.destroy(instance_);
+  }
+
+  void plan(weft_model_plan& plan) override {
+    if (layout_.batch_split == WEFT_SPLIT_ROWS) {
+      plan.data_parallel_size = host().world().size();
+      plan.data_parallel_rank = host().world().rank();
+    }
+  }
+
+  void memory_plan(weft_memory_plan& plan) override {
+    if (replicas() > 1) plan.buffer_bytes += plan.gradient_bytes;  // the reducer's buckets
+  }
+
+  void setup() override {
+    const sdk::Host h = host();
+    const int64_t count = h.parameter_count();
+    std::vector<int64_t> reduced;
+    std::vector<sdk::Work> broadcasts;
+    const auto place = reinterpret_cast<weft_place_fn>(proc("weft_place"));
+    for (int64_t i = 0; i < count; ++i) {
+      const weft_parameter_info info = h.parameter_info(i);
+      DLTensor data = h.parameter_data(i);
+      weft_parameter_desc desc{};
+      desc.struct_size = sizeof desc;
+      desc.name = info.name;
+      desc.ndim = data.ndim;
+      desc.shape = data.shape;
+      desc.trainable = info.trainable;
+      weft_parameter_layout where{};
+      if (place != nullptr) check(place(instance_, &desc, &where), "weft_place");
+      for (const auto& [what, p] : {std::pair<const char*, weft_placement>{"parameter", where.parameter},
+                                    {"optimizer state", where.optimizer_state}}) {
+        if (p.kind != WEFT_PLACE_REPLICATE) {
+          throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
+                      fmt::format("{} places the {} of {} as {}, which this host (ABI 2.{}) does not execute yet "
+                                  "(REPLICATE only)",
+                                  name(), what, info.name, placement_name(p.kind), WEFT_PLUGIN_ABI_MINOR));
+        }
+      }
+      if (where.gradient.kind != WEFT_PLACE_REPLICATE && where.gradient.kind != WEFT_PLACE_LOCAL) {
+        throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
+                    fmt::format("{} places the gradient of {} as {}, which this host (ABI 2.{}) does not execute yet "
+                                "(REPLICATE or LOCAL)",
+                                name(), info.name, placement_name(where.gradient.kind), WEFT_PLUGIN_ABI_MINOR));
+      }
+      if (replicas() > 1) {
+        broadcasts.push_back(h.broadcast(h.world(), data, 0));  // replicas start equal
+        if (info.trainable && where.gradient.kind == WEFT_PLACE_REPLICATE) {
+          if (data.dtype.code != kDLFloat || data.dtype.bits != 32) {
+            throw sdk::Error(WEFT_STATUS_UNSUPPORTED, fmt::format("{}: parameter {} is not fp32", name(), info.name));
+          }
+          reduced.push_back(i);
+        }
+      }
+    }
+    for (const sdk::Work& work : broadcasts) work.wait();
+    if (!reduced.empty()) {
+      reducer_ = std::make_unique<GradientReducer>(h, h.world(), reduced, std::max<int64_t>(1, layout_.reduce_bucket_bytes));
+    }
+  }
+
+  double train_step(const weft_step_info& step) override {
+    if (program_micro_batches_ != step.micro_batches) {
+      StepProgram program = one_chunk_program(step.micro_batches);
+      if (reducer_) program = lower_reductions(program, {0});
+      verify_program(program, step.micro_batches, 1);
+      program_ = std::move(program);
+      program_micro_batches_ = step.micro_batches;
+      WEFT_LOG_DEBUG(host(), "%s: step program %s", name().c_str(), describe(program_).c_str());
+    }
+    const sdk::Host h = host();
+    const int64_t stages = h.model_num_stages();
+    const double scale = 1.0 / step.micro_batches;
+    std::map<int, sdk::Loss> losses;  // by micro-batch, from its forward to its backward
+    double loss_sum = 0.0;
+    try {
+      for (size_t i = 0; i < program_.size(); ++i) {
+        const StepAction& a = program_[i];
+        switch (a.kind) {
+          case WEFT_ACTION_FORWARD: {
+            sdk::Batch batch = h.batch(a.micro_batch);
+            sdk::Activation logits = h.forward(0, stages, batch.inputs);
+            sdk::Loss loss = h.loss(logits, batch.targets, scale);
+            loss_sum += loss.value;
+            losses.emplace(a.micro_batch, std::move(loss));
+            break;
+          }
+          case WEFT_ACTION_BACKWARD: {
+            const bool final = i + 1 < program_.size() && program_[i + 1].kind == WEFT_ACTION_REDUCE;
+            if (final && reducer_) reducer_->arm();
+            auto it = losses.find(a.micro_batch);
+            h.backward(it->second.loss);
+            losses.erase(it);
+            if (reducer_) reducer_->disarm();
+            break;
+          }
+          case WEFT_ACTION_REDUCE:
+            if (reducer_) reducer_->start_rest();
+            break;
+          case WEFT_ACTION_OPTIMIZER_STEP:
+            if (reducer_) reducer_->finish();  // the host's optimizer runs when train_step returns
+            break;
+        }
+      }
+    } catch (...) {
+      if (reducer_) reducer_->abandon();
+      throw;
+    }
+    if (reducer_) {  // metrics.jsonl: plugin.reduce_buckets, plugin.reduce_buckets_in_backward
+      h.report_metric("reduce_buckets", static_cast<double>(reducer_->buckets()));
+      h.report_metric("reduce_buckets_in_backward", static_cast<double>(reducer_->started_in_backward()));
+    }
+    if (replicas() <= 1) return loss_sum / step.micro_batches;
+    std::vector<double> sum{loss_sum};
+    all_reduce(sum);
+    return sum[0] / (static_cast<double>(step.micro_batches) * replicas());
+  }
+
+  sdk::EvalResult eval_step(const weft_step_info& step) override {
+    const sdk::Host h = host();
+    const int64_t stages = h.model_num_stages();
+    std::vector<double> sums{0.0, 0.0};  // loss sum, tokens
+    for (int32_t m = 0; m < std::max(1, step.micro_batches); ++m) {
+      sdk::Batch batch = h.batch(m);
+      const DLTensor inputs = h.activation_view(batch.inputs);
+      if (inputs.ndim > 0 && inputs.shape[0] == 0) continue;  // no rows for this rank
+      sdk::Activation logits = h.forward(0, stages, batch.inputs, WEFT_FORWARD_NO_GRAD);
+      sdk::Loss loss = h.loss(logits, batch.targets, 1.0);
+      sums[0] += loss.value * static_cast<double>(loss.tokens);
+      sums[1] += static_cast<double>(loss.tokens);
+    }
+    if (replicas() > 1) all_reduce(sums);
+    sdk::EvalResult result;
+    result.loss_sum = sums[0];
+    result.tokens = static_cast<int64_t>(sums[1] + 0.5);
+    return result;
+  }
+
+ private:
+  std::string name() const { return plugin_.table.name; }
+  int32_t replicas() const { return layout_.batch_split == WEFT_SPLIT_ROWS ? host().world().size() : 1; }
+  weft_proc proc(const char* name) const { return plugin_.table.get_proc_address(name); }
+  static const char* placement_name(int32_t kind) {
+    switch (kind) {
+      case WEFT_PLACE_REPLICATE: return "REPLICATE";
+      case WEFT_PLACE_LOCAL: return "LOCAL";
+      case WEFT_PLACE_SLICE: return "SLICE";
+      case WEFT_PLACE_FLAT_SHARD: return "FLAT_SHARD";
+      default: return "an unknown placement";
+    }
+  }
+  // A status from the plugin becomes an Error naming it and the function.
+  void check(weft_status* status, const char* what) const {
+    if (status == nullptr) return;
+    const weft_status_code code = g_api->status_code(status);
+    const std::string message = g_api->status_message(status);
+    g_api->status_release(status);
+    throw sdk::Error(code, fmt::format("{} ({}): {}", name(), what, message));
+  }
+  void all_reduce(std::vector<double>& values) const {
+    int64_t shape[1] = {static_cast<int64_t>(values.size())};
+    DLTensor view{};
+    view.data = values.data();
+    view.device = DLDevice{kDLCPU, 0};
+    view.ndim = 1;
+    view.dtype = DLDataType{kDLFloat, 64, 1};
+    view.shape = shape;
+    int64_t strides[1] = {1};
+    view.strides = strides;
+    host().all_reduce(host().world(), view, WEFT_REDUCE_SUM).wait();
+  }
+
+  const Abi2Plugin plugin_;
+  weft_host_context context_;
+  weft_host_services services_{};
+  weft_plugin_instance* instance_ = nullptr;
+  weft_layout layout_{};
+  std::unique_ptr<GradientReducer> reducer_;
+  StepProgram program_;
+  int32_t program_micro_batches_ = 0;
+};
+
+}  // namespace
+
+Abi2Plugin validate_abi2_table(const weft_plugin& table, const std::string& path) {
+  WEFT_CHECK(table.abi_major == WEFT_PLUGIN_ABI_MAJOR, "plugin {} is built for weft ABI {}.x, this host speaks {}.{}",
+             path, table.abi_major, WEFT_PLUGIN_ABI_MAJOR, WEFT_PLUGIN_ABI_MINOR);
+  WEFT_CHECK(table.struct_size >= sizeof(weft_plugin), "plugin {}: its table's struct_size {} is smaller than ABI 2.0's ({})",
+             path, table.struct_size, sizeof(weft_plugin));
+  std::vector<std::string> missing;
+  if (!table.create) missing.push_back("create");
+  if (!table.destroy) missing.push_back("destroy");
+  if (!table.get_proc_address) missing.push_back("get_proc_address");
+  WEFT_CHECK(missing.empty(), "plugin {}: required function(s) are NULL: {}", path, fmt::join(missing, ", "));
+  WEFT_CHECK(table.name && *table.name, "plugin {}: its table has no name", path);
+  WEFT_CHECK(table.version && *table.version, "plugin {}: its table has no version", path);
+  const uint32_t offered = table.mesh_dimensions & ~(1u << WEFT_MESH_DP);
+  WEFT_CHECK(offered == 0,
+             "plugin {} offers mesh dimensions {:#x}; this host (ABI 2.{}) runs ABI 2 plugins owning at most the "
+             "data-parallel dimension",
+             path, table.mesh_dimensions, WEFT_PLUGIN_ABI_MINOR);
+  Abi2Plugin plugin;
+  plugin.path = path;
+  plugin.table = table;
+  return plugin;
+}
+
+weft_strategy_api abi2_session_table(const Abi2Plugin& plugin) {
+  weft_strategy_api table = sdk::detail::make_table<HostStep>(plugin.table.name, plugin.table.version,
+                                                               plugin.table.description);
+  table.mesh_dimensions = plugin.table.mesh_dimensions;
+  return table;
+}
+
+weft_status* create_abi2_step(const Abi2Plugin& plugin, const weft_host_api* api, weft_host* host, weft_strategy** out) {
+  g_api = api;
+  sdk::Strategy* created = nullptr;
+  weft_status* status = sdk::detail::guarded(api, [&] { created = new HostStep(sdk::Host(api, host), plugin); });
+  if (status == nullptr) *out = reinterpret_cast<weft_strategy*>(created);
+  return status;
+}
+
+}  // namespace weft

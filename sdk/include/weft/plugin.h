@@ -1,0 +1,183 @@
+/*
+ * weft/plugin.h - the strategy plugin ABI, version 2 (C99).
+ *
+ * STATUS: 2.0, the first landing of issue 44 (design: sdk/ABI2.md). The host loads 2.x plugins
+ * beside 1.x ones (weft/strategy.h); single_abi2.so and ddp_abi2.so are written against it. What
+ * 2.0 covers: a plugin that owns at most the data-parallel dimension, runs alone (not composed),
+ * and places every parameter REPLICATE; the host runs the whole step. Placements SLICE and
+ * FLAT_SHARD, hooks at named points and schedules from plugins are the next landings; a 2.0 host
+ * refuses a plugin that asks for them, in one line, at load or before the model is built.
+ *
+ * The host owns the step. Per rank, one training step is a list of actions the host executes
+ * (weft_action_kind): the forward and backward of each micro-batch, the reduction of gradients,
+ * the optimizer step. A plugin does not write that loop: it gives a layout (how a batch splits over
+ * the mesh dimension it owns, where each parameter, its gradient and its optimizer state live on
+ * it), and the host derives the actions from it. Data parallelism is the layout "rows split,
+ * every parameter replicated": the host averages the replicated gradients with bucketed
+ * all-reduces that start during the last micro-batch's backward, as parameters' gradients become
+ * final, and waits for them before the optimizer step.
+ *
+ * A plugin is a shared library exporting one C function, weft_plugin_entry
+ * (WEFT_PLUGIN_ENTRY_SYMBOL), which returns its core table (static storage). Everything else is
+ * found by name, as ggml-backend finds a backend's optional functions: the plugin's functions
+ * through its table's get_proc_address, the host's services through weft_host_services'. A name
+ * a side does not know gives NULL; a new function is a new name, not a new version.
+ *
+ * Conventions (as in ABI 1): errors are weft_status* (weft/common.h; NULL is success), created by
+ * the host's "weft_status_create" and owned by the receiver; no C++ exception, longjmp or signal
+ * crosses the boundary; strings passed in are borrowed for the call; structs that start with
+ * struct_size are written by the side that owns them, and a reader uses only the fields within
+ * struct_size (fields are only ever appended). The host calls an instance from one thread at a
+ * time. Libraries are never unloaded while the process runs.
+ */
+#ifndef WEFT_PLUGIN_H
+#define WEFT_PLUGIN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <weft/common.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Major: incompatible changes; must match. Minor: appended names and fields. */
+#define WEFT_PLUGIN_ABI_MAJOR 2
+#define WEFT_PLUGIN_ABI_MINOR 0
+#define WEFT_PLUGIN_ENTRY_SYMBOL "weft_plugin_entry"
+
+typedef struct weft_plugin_instance weft_plugin_instance; /* the plugin's; opaque to the host */
+typedef struct weft_host_context weft_host_context;       /* the host's side of one instance */
+
+/* What get_proc_address returns: cast it to the function's own type (below, per name). */
+typedef void (*weft_proc)(void);
+
+/* ------------------------------------------------------------------------------------------
+ * The host: handed to create, valid for the instance's life.
+ * ---------------------------------------------------------------------------------------- */
+typedef struct weft_host_services {
+  uint32_t struct_size;
+  uint16_t abi_major, abi_minor; /* the host's (2, its minor) */
+  weft_host_context* context;    /* the first argument of the services that take one */
+  weft_proc (*get_proc_address)(const char* name);
+} weft_host_services;
+
+/* The host's services in 2.0, by name:
+ *   "weft_status_create"  weft_status* (*)(weft_status_code code, const char* message)
+ *   "weft_log"            void (*)(weft_host_context*, weft_log_level level, const char* message)
+ *   "weft_world"          void (*)(weft_host_context*, int32_t* rank, int32_t* size)
+ *   "weft_config_int"     weft_status* (*)(weft_host_context*, const char* key, int64_t fallback, int64_t* out)
+ *   "weft_config_float"   weft_status* (*)(weft_host_context*, const char* key, double fallback, double* out)
+ *   "weft_config_bool"    weft_status* (*)(weft_host_context*, const char* key, int32_t fallback, int32_t* out)
+ *   "weft_config_string"  weft_status* (*)(weft_host_context*, const char* key, const char* fallback, const char** out)
+ * The config services read the run's [plugin] table (a key missing: the fallback; a key of another
+ * type: an error naming it); a key no plugin reads is refused before the run starts. A string
+ * stays valid for the instance's life. */
+typedef weft_status* (*weft_status_create_fn)(weft_status_code code, const char* message);
+typedef void (*weft_log_fn)(weft_host_context* host, weft_log_level level, const char* message);
+typedef void (*weft_world_fn)(weft_host_context* host, int32_t* rank, int32_t* size);
+typedef weft_status* (*weft_config_int_fn)(weft_host_context* host, const char* key, int64_t fallback, int64_t* out);
+typedef weft_status* (*weft_config_float_fn)(weft_host_context* host, const char* key, double fallback, double* out);
+typedef weft_status* (*weft_config_bool_fn)(weft_host_context* host, const char* key, int32_t fallback, int32_t* out);
+typedef weft_status* (*weft_config_string_fn)(weft_host_context* host, const char* key, const char* fallback,
+                                              const char** out);
+
+/* ------------------------------------------------------------------------------------------
+ * The plugin: its core table, returned by weft_plugin_entry.
+ * ---------------------------------------------------------------------------------------- */
+typedef struct weft_plugin {
+  uint32_t struct_size;          /* sizeof(weft_plugin) as the plugin compiled it */
+  uint16_t abi_major, abi_minor; /* WEFT_PLUGIN_ABI_MAJOR, WEFT_PLUGIN_ABI_MINOR */
+  const char* name;              /* "ddp_abi2": non-empty */
+  const char* version;           /* the plugin's own, "2.0.0": non-empty */
+  const char* description;       /* one line, or NULL */
+  uint32_t mesh_dimensions;      /* the weft_mesh_dim it can own, as bits (1u << WEFT_MESH_DP); 0: none */
+  /* Validates the [plugin] settings and the world; creates the instance. Required. */
+  weft_status* (*create)(const weft_host_services* host, weft_plugin_instance** out);
+  void (*destroy)(weft_plugin_instance* instance); /* required */
+  /* The plugin's other functions by name (below); NULL for a name it does not provide. Required. */
+  weft_proc (*get_proc_address)(const char* name);
+} weft_plugin;
+
+/* The exported entry: the table for a host of this major, or NULL to refuse it. */
+typedef const weft_plugin* (*weft_plugin_entry_fn)(uint16_t host_abi_major, uint16_t host_abi_minor);
+
+/* ------------------------------------------------------------------------------------------
+ * The layout (plugin functions "weft_layout" and "weft_place"; both optional)
+ * ---------------------------------------------------------------------------------------- */
+
+/* How a batch splits over the dimension the plugin owns. */
+typedef enum weft_batch_split {
+  WEFT_SPLIT_NONE = 0, /* every rank of the dimension takes the whole batch */
+  WEFT_SPLIT_ROWS = 1  /* each takes a contiguous share of the rows (data parallelism) */
+} weft_batch_split;
+
+typedef struct weft_layout {
+  uint32_t struct_size; /* set by the host to sizeof its struct */
+  int32_t dimension;    /* the weft_mesh_dim the plugin owns in this run, or -1 for none (host-set) */
+  int32_t batch_split;  /* weft_batch_split; the host's default: WEFT_SPLIT_NONE */
+  int64_t reduce_bucket_bytes; /* the most bytes one gradient all-reduce carries; the host's
+                                  default: 25 MiB (PyTorch DDP's bucket_cap_mb) */
+} weft_layout;
+
+/* Where a tensor lives on the plugin's dimension. */
+typedef enum weft_placement_kind {
+  WEFT_PLACE_REPLICATE = 0, /* whole and equal on every rank of the dimension; a gradient placed
+                               so is averaged over them */
+  WEFT_PLACE_LOCAL = 1,     /* gradients only: whole, left as each rank computed it (no reduction) */
+  WEFT_PLACE_SLICE = 2,     /* a slice along `dim` (tensor parallelism); not yet executed by a 2.0 host */
+  WEFT_PLACE_FLAT_SHARD = 3 /* a flat range (ZeRO / FSDP); not yet executed by a 2.0 host */
+} weft_placement_kind;
+
+typedef struct weft_placement {
+  int32_t kind; /* weft_placement_kind */
+  int32_t dim;  /* WEFT_PLACE_SLICE's dimension */
+} weft_placement;
+
+typedef struct weft_parameter_layout {
+  /* between uses, after the gradient reduction, and of the optimizer's state */
+  weft_placement parameter, gradient, optimizer_state;
+} weft_parameter_layout;
+
+typedef struct weft_parameter_desc {
+  uint32_t struct_size; /* host-set */
+  const char* name;     /* "model.layers.0.self_attn.q_proj.weight", "...lora_A.weight" */
+  int32_t ndim;
+  const int64_t* shape; /* ndim sizes */
+  int32_t trainable;    /* 0 for a frozen parameter (LoRA's base) */
+} weft_parameter_desc;
+
+/* "weft_layout": the batch split (`out` comes filled with the host's defaults). */
+typedef weft_status* (*weft_layout_fn)(weft_plugin_instance* instance, weft_layout* out);
+/* "weft_place": called once per parameter after the model is built (`out` comes REPLICATE,
+ * REPLICATE, REPLICATE). Without the function every parameter keeps that. */
+typedef weft_status* (*weft_place_fn)(weft_plugin_instance* instance, const weft_parameter_desc* parameter,
+                                      weft_parameter_layout* out);
+
+/* ------------------------------------------------------------------------------------------
+ * The step the host executes
+ * ---------------------------------------------------------------------------------------- */
+
+/* One action of a rank's step. In 2.0 the host builds every list itself: one chunk (the whole
+ * model), FORWARD and BACKWARD per micro-batch, then REDUCE (where a gradient placement asks for
+ * one) and OPTIMIZER_STEP; it verifies the list before the first step. */
+typedef enum weft_action_kind {
+  WEFT_ACTION_FORWARD = 0,        /* forward (and, on the last chunk, the loss) of a micro-batch */
+  WEFT_ACTION_BACKWARD = 1,       /* its backward */
+  WEFT_ACTION_REDUCE = 2,         /* the chunk's gradients over the dimension whose placement asks:
+                                     started during its last backward, complete before the optimizer step */
+  WEFT_ACTION_OPTIMIZER_STEP = 3  /* the host's optimizer: the step's last action */
+} weft_action_kind;
+
+typedef struct weft_action {
+  int32_t kind;        /* weft_action_kind */
+  int32_t chunk;       /* the stage chunk (0 in 2.0) */
+  int32_t micro_batch; /* FORWARD, BACKWARD; -1 otherwise */
+} weft_action;
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* WEFT_PLUGIN_H */

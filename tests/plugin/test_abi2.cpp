@@ -1,0 +1,154 @@
+// ABI 2 (sdk/include/weft/plugin.h) in the host: the step program (the list of actions the host
+// executes, lowered from a plugin's layout and verified before compute), and ABI 2 plugins that
+// ask for what a 2.0 host does not run, refused in one line before the first step. Conformance of
+// single_abi2.so and ddp_abi2.so against single: Conformance.single_abi2, Conformance.ddp_abi2.*.
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "common/metrics.h"
+#include "common/process.h"
+#include "core/plugin/library.h"
+#include "core/plugin/step_program.h"
+#include "core/util/error.h"
+#include "test_paths.h"
+
+namespace {
+
+using ::testing::HasSubstr;
+using weft::StepAction;
+using weft::StepProgram;
+
+std::string program_error(const StepProgram& program, int micro_batches, int chunks) {
+  try {
+    weft::verify_program(program, micro_batches, chunks);
+  } catch (const weft::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+StepAction F(int chunk, int mb) { return {WEFT_ACTION_FORWARD, chunk, mb}; }
+StepAction B(int chunk, int mb) { return {WEFT_ACTION_BACKWARD, chunk, mb}; }
+StepAction R(int chunk) { return {WEFT_ACTION_REDUCE, chunk, -1}; }
+StepAction OPT() { return {WEFT_ACTION_OPTIMIZER_STEP, 0, -1}; }
+
+TEST(StepProgram, OneChunkLowersItsReductionAfterTheLastBackward) {
+  const StepProgram plain = weft::one_chunk_program(3);
+  EXPECT_EQ(weft::describe(plain), "F0.0 B0.0 F0.1 B0.1 F0.2 B0.2 OPT");
+  EXPECT_EQ(program_error(plain, 3, 1), "");
+  const StepProgram reduced = weft::lower_reductions(plain, {0});
+  EXPECT_EQ(weft::describe(reduced), "F0.0 B0.0 F0.1 B0.1 F0.2 B0.2 R0 OPT");
+  EXPECT_EQ(program_error(reduced, 3, 1), "");
+  // Two chunks in a pipeline's order (1F1B on the last stage): each chunk's REDUCE follows its own
+  // last backward, so chunk 1's reduction overlaps chunk 0's backward.
+  const StepProgram two{F(0, 0), F(1, 0), B(1, 0), B(0, 0), F(0, 1), F(1, 1), B(1, 1), B(0, 1), OPT()};
+  EXPECT_EQ(weft::describe(weft::lower_reductions(two, {0, 1})),
+            "F0.0 F1.0 B1.0 B0.0 F0.1 F1.1 B1.1 R1 B0.1 R0 OPT");
+  EXPECT_EQ(program_error(weft::lower_reductions(two, {0, 1}), 2, 2), "");
+  EXPECT_THROW(weft::lower_reductions({F(0, 0), OPT()}, {0}), weft::Error);
+}
+
+TEST(StepProgram, TheVerifierNamesTheFirstActionThatBreaksARule) {
+  struct Case {
+    StepProgram program;
+    int micro_batches, chunks;
+    std::string expected;
+  };
+  const std::vector<Case> cases{
+      {{B(0, 0), F(0, 0), OPT()}, 1, 1, "action 0 (B0.0) comes before its forward"},
+      {{F(0, 0), F(0, 0), B(0, 0), OPT()}, 1, 1, "action 1 (F0.0) repeats a forward"},
+      {{F(0, 0), B(0, 0), F(0, 1), R(0), B(0, 1), OPT()}, 2, 1,
+       "action 3 (R0) comes before the backward of micro-batch 1"},
+      {{F(0, 0), B(0, 0), R(0), B(0, 0), OPT()}, 1, 1, "action 3 (B0.0) repeats a backward"},
+      {{F(0, 0), B(0, 0), F(0, 1), OPT(), B(0, 1)}, 2, 1, "action 3 (OPT) comes after 1 of the 2 backwards"},
+      {{F(0, 0), B(0, 0), OPT(), R(0)}, 1, 1, "action 3 (R0) comes after OPTIMIZER_STEP"},
+      {{F(0, 0), B(0, 0)}, 1, 1, "no OPTIMIZER_STEP"},
+      {{F(1, 0), F(0, 0), B(1, 0), B(0, 0), OPT()}, 1, 2, "action 0 (F1.0) comes before the previous chunk's forward"},
+      {{F(0, 0), F(1, 0), B(0, 0), B(1, 0), OPT()}, 1, 2, "action 2 (B0.0) comes before the next chunk's backward"},
+      {{F(0, 0), B(0, 0), F(0, 2), OPT()}, 2, 1, "action 2 (F0.2) names micro-batch 2, the step has 2"},
+      {{F(0, 0), B(0, 0), R(0), R(0), OPT()}, 1, 1, "action 3 (R0) repeats a REDUCE"},
+  };
+  for (const Case& c : cases) {
+    const std::string message = program_error(c.program, c.micro_batches, c.chunks);
+    EXPECT_THAT(message, HasSubstr(c.expected)) << weft::describe(c.program);
+    EXPECT_THAT(message, HasSubstr("[" + weft::describe(c.program) + "]"));  // the whole list, for context
+  }
+}
+
+TEST(Abi2, PluginsAreListedWithTheirAbi) {
+  const std::string plugins = std::string(WEFT_BINARY_DIR) + "/plugins/";
+  const auto ddp = weft::PluginLibrary::load(plugins + "ddp_abi2.so");
+  ASSERT_NE(ddp->abi2(), nullptr);
+  EXPECT_EQ(ddp->abi(), "2.0");
+  EXPECT_EQ(ddp->name(), "ddp_abi2");
+  EXPECT_EQ(weft::PluginLibrary::load(plugins + "ddp.so")->abi2(), nullptr);
+}
+
+// What a 2.0 host does not run is one error before the first step, naming the plugin and the thing.
+TEST(Abi2, WhatThisHostDoesNotRunIsRefusedBeforeTheFirstStep) {
+  const std::string dir = weft::testing::fresh_dir("weft_test_abi2", "refusals");
+  const std::string run = "--config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set data.path=" +
+                          WEFT_SOURCE_DIR + "/data/austen/austen.jsonl --set data.cache_dir= --set train.max_steps=2"
+                          " --set log.progress=off --set train.overwrite=true --set train.out_dir=" + dir + "/out";
+  const std::string fixtures = "WEFT_PLUGIN_PATH=" + std::string(WEFT_PLUGIN_FIXTURE_DIR) + " OMP_NUM_THREADS=1 " +
+                               WEFT_TRAINER_PATH + " " + run;
+  struct Case {
+    std::string args, expected;
+  };
+  const std::vector<Case> cases{
+      {"--plugin single_abi2 --nproc 2",
+       "single_abi2 owns no data-parallel dimension, so it runs on one process, but the world has 2 ranks"},
+      {"--plugin abi2_slice --nproc 2",
+       "abi2_slice places the parameter of model.embed_tokens.weight as SLICE, which this host (ABI 2.0) does not "
+       "execute yet"},
+      {"--plugin abi2_schedule --nproc 2", "abi2_schedule provides weft_schedule, which this host (ABI 2.0) does not "
+                                           "execute yet"},
+      {"--plugin ddp_abi2,tensor_parallel --nproc 2", "plugin ddp_abi2 (ABI 2.0) runs alone in this version"},
+      {"--plugin ddp_abi2 --nproc 2 --set plugin.bucket_mb=0", "plugin.bucket_mb must be > 0, got 0"},
+      {"--plugin ddp_abi2 --nproc 2 --set plugin.bucket_size=1", "plugin.bucket_size"},  // a key nobody reads
+  };
+  for (const Case& c : cases) {
+    std::filesystem::remove_all(dir + "/out");
+    const auto r = weft::testing::run_command(fixtures + " " + c.args);
+    EXPECT_EQ(r.exit_code, 1) << c.args << "\n" << r.output;
+    EXPECT_THAT(r.output, HasSubstr(c.expected)) << c.args;
+    EXPECT_TRUE(weft::testing::step_losses(dir + "/out/metrics.jsonl").empty()) << c.args << ": a step ran";
+  }
+}
+
+// ddp_abi2's steps are ddp.so's: the same losses to the bit on 2 ranks (each element's sum over two
+// ranks is exact whatever the buckets), and with buckets of 50 KB every bucket starts its all-reduce
+// during the last micro-batch's backward, none at the REDUCE action.
+TEST(Abi2, DdpAsALayoutTrainsAsDdpAndReducesDuringTheBackward) {
+  const std::string dir = weft::testing::fresh_dir("weft_test_abi2", "ddp");
+  const std::string run = "--config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set data.path=" +
+                          WEFT_SOURCE_DIR + "/data/austen/austen.jsonl --set data.cache_dir= --set train.max_steps=4"
+                          " --set train.grad_accum_steps=2 --set log.progress=off --set plugin.bucket_mb=0.05 --nproc 2";
+  const auto v1 = weft::testing::run_trainer(run + " --plugin ddp --set train.out_dir=" + dir + "/v1");
+  const auto v2 = weft::testing::run_trainer(run + " --plugin ddp_abi2 --set train.out_dir=" + dir + "/v2");
+  ASSERT_EQ(v1.exit_code, 0) << v1.output;
+  ASSERT_EQ(v2.exit_code, 0) << v2.output;
+  EXPECT_THAT(v2.output, HasSubstr("strategy: ddp_abi2 2.0.0 (ABI 2.0)"));
+  const auto a = weft::testing::step_losses(dir + "/v1/metrics.jsonl");
+  const auto b = weft::testing::step_losses(dir + "/v2/metrics.jsonl");
+  ASSERT_EQ(a.size(), 4u);
+  EXPECT_EQ(a, b);
+  std::ifstream in(dir + "/v2/metrics.jsonl");
+  int steps = 0;
+  for (std::string line; std::getline(in, line);) {
+    const auto record = nlohmann::json::parse(line);
+    if (record["type"] != "step") continue;
+    ++steps;
+    EXPECT_GT(record["plugin.reduce_buckets"].get<double>(), 1.0) << record;
+    EXPECT_EQ(record["plugin.reduce_buckets_in_backward"], record["plugin.reduce_buckets"]) << record;
+  }
+  EXPECT_EQ(steps, 4);
+}
+
+}  // namespace

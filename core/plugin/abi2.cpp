@@ -290,23 +290,18 @@ class HostStep : public sdk::Strategy {
       weft_parameter_layout where{};
       if (place != nullptr) check(place(instance_, &desc, &where), "weft_place");
       for (const auto& [what, p] : {std::pair<const char*, weft_placement>{"parameter", where.parameter},
+                                    {"gradient", where.gradient},
                                     {"optimizer state", where.optimizer_state}}) {
         if (p.kind != WEFT_PLACE_REPLICATE) {
           throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
-                      fmt::format("{} places the {} of {} as {}, which this host (ABI 2.{}) does not execute yet "
-                                  "(REPLICATE only)",
-                                  name(), what, info.name, placement_name(p.kind), WEFT_PLUGIN_ABI_MINOR));
+                           fmt::format("{} places the {} of {} as {}, which this host (ABI 2.{}) does not execute yet "
+                                       "(REPLICATE only)",
+                                       name(), what, info.name, placement_name(p.kind), WEFT_PLUGIN_ABI_MINOR));
         }
-      }
-      if (where.gradient.kind != WEFT_PLACE_REPLICATE && where.gradient.kind != WEFT_PLACE_LOCAL) {
-        throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
-                    fmt::format("{} places the gradient of {} as {}, which this host (ABI 2.{}) does not execute yet "
-                                "(REPLICATE or LOCAL)",
-                                name(), info.name, placement_name(where.gradient.kind), WEFT_PLUGIN_ABI_MINOR));
       }
       if (replicas() > 1) {
         broadcasts.push_back(h.broadcast(h.world(), data, 0));  // replicas start equal
-        if (info.trainable && where.gradient.kind == WEFT_PLACE_REPLICATE) {
+        if (info.trainable) {
           if (data.dtype.code != kDLFloat || data.dtype.bits != 32) {
             throw sdk::Error(WEFT_STATUS_UNSUPPORTED, fmt::format("{}: parameter {} is not fp32", name(), info.name));
           }

@@ -4,9 +4,10 @@
  * STATUS: 2.0, the first landing of issue 44 (design: sdk/ABI2.md). The host loads 2.x plugins
  * beside 1.x ones (weft/strategy.h); single_abi2.so and ddp_abi2.so are written against it. What
  * 2.0 covers: a plugin that owns at most the data-parallel dimension, runs alone (not composed),
- * and places every parameter REPLICATE; the host runs the whole step. Placements SLICE and
- * FLAT_SHARD, hooks at named points and schedules from plugins are the next landings; a 2.0 host
- * refuses a plugin that asks for them, in one line, at load or before the model is built.
+ * and places every parameter, gradient and optimizer state REPLICATE; the host runs the whole
+ * step. The other placements, hooks at named points and schedules from plugins are the next
+ * landings; a 2.0 host refuses a plugin that asks for them, in one line, at load, at create or
+ * (a placement) once the model is built, before the first step.
  *
  * The host owns the step. Per rank, one training step is a list of actions the host executes
  * (weft_action_kind): the forward and backward of each micro-batch, the reduction of gradients,
@@ -125,7 +126,8 @@ typedef struct weft_layout {
 typedef enum weft_placement_kind {
   WEFT_PLACE_REPLICATE = 0, /* whole and equal on every rank of the dimension; a gradient placed
                                so is averaged over them */
-  WEFT_PLACE_LOCAL = 1,     /* gradients only: whole, left as each rank computed it (no reduction) */
+  WEFT_PLACE_LOCAL = 1,     /* gradients only: whole, left as each rank computed it (no reduction:
+                               DiLoCo's inner steps); not yet executed by a 2.0 host */
   WEFT_PLACE_SLICE = 2,     /* a slice along `dim` (tensor parallelism); not yet executed by a 2.0 host */
   WEFT_PLACE_FLAT_SHARD = 3 /* a flat range (ZeRO / FSDP); not yet executed by a 2.0 host */
 } weft_placement_kind;

@@ -272,6 +272,71 @@ class HostStep : public sdk::Strategy {
     if (replicas() > 1) plan.buffer_bytes += plan.gradient_bytes;  // the reducer's buckets
   }
 
+  // The optimizer state's placement FLAT_SHARD: the host's optimizer keeps and updates this rank's
+  // flat range of the parameter (ranges of ceil(n / N) elements in rank order, the last shorter or
+  // empty, as zero.so's), and after its step each parameter is gathered whole again. Asked once
+  // per parameter after setup.
+  weft_flat_shard flat_shard(int64_t index) override { return range_of(index); }
+  weft_flat_shard range_of(int64_t index) const {
+    const int64_t elements = element_count(host().parameter_data(index));
+    if (!std::binary_search(state_shards_.begin(), state_shards_.end(), index)) return weft_flat_shard{0, elements, 0u, 0u};
+    const int64_t chunk = (elements + replicas() - 1) / replicas();
+    const int64_t rank = host().world().rank();
+    const int64_t begin = std::min(rank * chunk, elements), end = std::min((rank + 1) * chunk, elements);
+    return weft_flat_shard{begin, end - begin, 0u, 0u};
+  }
+
+  // The optimizer state FLAT_SHARD: the host's optimizer reads this rank's range of each averaged
+  // gradient from the parameter's gradient shard.
+  void shard_gradients() const {
+    const sdk::Host h = host();
+    for (int64_t index : state_shards_) {
+      DLTensor target = h.parameter_grad_shard(index);
+      if (element_count(target) == 0) continue;
+      DLTensor grad{};
+      if (!h.step_gradient(index, grad)) {  // no gradient this step: zeros
+        h.scale(target, 0.0);
+        continue;
+      }
+      const weft_flat_shard range = range_of(index);
+      int64_t a[2];
+      h.copy(target, flat_range(grad, range.begin, range.count, a));
+    }
+  }
+
+  void after_optimizer_step() override {
+    const sdk::Host h = host();
+    const int32_t n = replicas();
+    const int32_t rank = h.world().rank();
+    for (int64_t index : state_shards_) {  // the updated ranges into every rank's whole parameter
+      const DLTensor data = h.parameter_data(index);
+      const int64_t elements = element_count(data);
+      const int64_t chunk = (elements + n - 1) / n;
+      const int64_t begin = std::min<int64_t>(rank * chunk, elements), end = std::min<int64_t>((rank + 1) * chunk, elements);
+      sdk::Buffer send = h.buffer({chunk}, data.dtype), receive = h.buffer({chunk * n}, data.dtype);
+      int64_t a[2], b[2];
+      DLTensor mine = send.part(0, chunk, a);
+      h.scale(mine, 0.0);
+      if (end > begin) {
+        DLTensor to = send.part(0, end - begin, a);
+        h.copy(to, flat_range(data, begin, end - begin, b));
+      }
+      DLTensor out = receive.view();
+      h.all_gather(h.world(), out, send.view()).wait();
+      DLTensor whole = flat_range(data, 0, elements, a);
+      h.copy(whole, receive.part(0, elements, b));
+    }
+  }
+
+  double global_grad_norm_sq(double local_sq) override {
+    // Sharded, the host's norm covers this rank's ranges of the (averaged, equal) gradients: the
+    // ranks' ranges cover each element once. Whole, every rank already has the whole norm.
+    if (!shards_state_ || replicas() <= 1) return local_sq;
+    std::vector<double> sum{local_sq};
+    all_reduce(sum);
+    return sum[0];
+  }
+
   void setup() override {
     const sdk::Host h = host();
     const int64_t count = h.parameter_count();
@@ -292,12 +357,16 @@ class HostStep : public sdk::Strategy {
       for (const auto& [what, p] : {std::pair<const char*, weft_placement>{"parameter", where.parameter},
                                     {"gradient", where.gradient},
                                     {"optimizer state", where.optimizer_state}}) {
-        if (p.kind != WEFT_PLACE_REPLICATE) {
+        const bool sharded_state = p.kind == WEFT_PLACE_FLAT_SHARD && std::string(what) == "optimizer state";
+        if (p.kind != WEFT_PLACE_REPLICATE && !sharded_state) {
           throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
                            fmt::format("{} places the {} of {} as {}, which this host (ABI 2.{}) does not execute yet "
-                                       "(REPLICATE only)",
+                                       "(REPLICATE; FLAT_SHARD for the optimizer state)",
                                        name(), what, info.name, placement_name(p.kind), WEFT_PLUGIN_ABI_MINOR));
         }
+      }
+      if (where.optimizer_state.kind == WEFT_PLACE_FLAT_SHARD && info.trainable && replicas() > 1) {
+        state_shards_.push_back(i);  // ZeRO-1: this rank's optimizer keeps 1/N of the parameter's state
       }
       if (replicas() > 1) {
         broadcasts.push_back(h.broadcast(h.world(), data, 0));  // replicas start equal
@@ -310,6 +379,7 @@ class HostStep : public sdk::Strategy {
       }
     }
     for (const sdk::Work& work : broadcasts) work.wait();
+    shards_state_ = !state_shards_.empty();
     if (!reduced.empty()) {
       reducer_ = std::make_unique<GradientReducer>(h, h.world(), reduced, std::max<int64_t>(1, layout_.reduce_bucket_bytes));
     }
@@ -355,6 +425,7 @@ class HostStep : public sdk::Strategy {
             break;
           case WEFT_ACTION_OPTIMIZER_STEP:
             if (reducer_) reducer_->finish();  // the host's optimizer runs when train_step returns
+            shard_gradients();
             break;
         }
       }
@@ -426,12 +497,31 @@ class HostStep : public sdk::Strategy {
     host().all_reduce(host().world(), view, WEFT_REDUCE_SUM).wait();
   }
 
+  static int64_t element_count(const DLTensor& t) {
+    int64_t n = 1;
+    for (int32_t d = 0; d < t.ndim; ++d) n *= t.shape[d];
+    return n;
+  }
+  // Elements [begin, begin + count) of a contiguous tensor, as a 1-D view.
+  static DLTensor flat_range(const DLTensor& t, int64_t begin, int64_t count, int64_t (&shape_and_stride)[2]) {
+    DLTensor v = t;
+    shape_and_stride[0] = count;
+    shape_and_stride[1] = 1;
+    v.ndim = 1;
+    v.shape = &shape_and_stride[0];
+    v.strides = &shape_and_stride[1];
+    v.byte_offset = t.byte_offset + static_cast<uint64_t>(begin) * ((t.dtype.bits * t.dtype.lanes + 7) / 8);
+    return v;
+  }
+
   const Abi2Plugin plugin_;
   weft_host_context context_;
   weft_host_services services_{};
   weft_plugin_instance* instance_ = nullptr;
   weft_layout layout_{};
   std::unique_ptr<GradientReducer> reducer_;
+  std::vector<int64_t> state_shards_;  // parameters whose optimizer state this rank holds a range of, ascending
+  bool shards_state_ = false;
   StepProgram program_;
   int32_t program_micro_batches_ = 0;
 };

@@ -111,6 +111,9 @@ TEST(Abi2, WhatThisHostDoesNotRunIsRefusedBeforeTheFirstStep) {
                                            "execute yet"},
       {"--plugin ddp_abi2,tensor_parallel --nproc 2", "plugin ddp_abi2 (ABI 2.0) runs alone in this version"},
       {"--plugin ddp_abi2 --nproc 2 --set plugin.bucket_mb=0", "plugin.bucket_mb must be > 0, got 0"},
+      {"--plugin zero_abi2 --nproc 2 --set plugin.stage=2",
+       "zero_abi2 places the gradient of model.embed_tokens.weight as FLAT_SHARD, which this host (ABI 2.0) does not "
+       "execute yet"},
       {"--plugin ddp_abi2 --nproc 2 --set plugin.bucket_size=1", "plugin.bucket_size"},  // a key nobody reads
   };
   for (const Case& c : cases) {
@@ -149,6 +152,45 @@ TEST(Abi2, DdpAsALayoutTrainsAsDdpAndReducesDuringTheBackward) {
     EXPECT_EQ(record["plugin.reduce_buckets_in_backward"], record["plugin.reduce_buckets"]) << record;
   }
   EXPECT_EQ(steps, 4);
+}
+
+// ZeRO stage 1 as a layout (zero_abi2: the optimizer state FLAT_SHARD): each of 2 ranks keeps half
+// of the Adam moments ddp_abi2 keeps whole, trains to the same losses to the bit (an element's
+// update is the same arithmetic wherever it runs), and a checkpoint of step 3 resumes to the
+// uninterrupted run's losses.
+TEST(Abi2, ZeroStage1AsALayoutHalvesTheOptimizerStateAndResumesExactly) {
+  const std::string dir = weft::testing::fresh_dir("weft_test_abi2", "zero");
+  const std::string run = "--config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set data.path=" +
+                          WEFT_SOURCE_DIR + "/data/austen/austen.jsonl --set data.cache_dir= --set train.max_steps=6"
+                          " --set checkpoint.every_steps=3 --set log.progress=off --nproc 2";
+  const auto ddp = weft::testing::run_trainer(run + " --plugin ddp_abi2 --set train.out_dir=" + dir + "/ddp");
+  const auto zero = weft::testing::run_trainer(run + " --plugin zero_abi2 --set train.out_dir=" + dir + "/zero");
+  ASSERT_EQ(ddp.exit_code, 0) << ddp.output;
+  ASSERT_EQ(zero.exit_code, 0) << zero.output;
+  const auto a = weft::testing::step_losses(dir + "/ddp/metrics.jsonl");
+  const auto b = weft::testing::step_losses(dir + "/zero/metrics.jsonl");
+  ASSERT_EQ(a.size(), 6u);
+  EXPECT_EQ(a, b);
+  const auto optimizer_mib = [](const std::string& metrics) {
+    std::ifstream in(metrics);
+    std::vector<double> mib;
+    for (std::string line; std::getline(in, line);) {
+      const auto record = nlohmann::json::parse(line);
+      if (record["type"] == "summary") mib = record["state_mib_per_rank"]["optimizer"].get<std::vector<double>>();
+    }
+    return mib;
+  };
+  const auto whole = optimizer_mib(dir + "/ddp/metrics.jsonl"), halves = optimizer_mib(dir + "/zero/metrics.jsonl");
+  ASSERT_EQ(whole.size(), 2u);
+  ASSERT_EQ(halves.size(), 2u);
+  for (int r = 0; r < 2; ++r) EXPECT_NEAR(halves[r], whole[r] / 2, 0.01 * whole[r]) << "rank " << r;
+  const auto resumed = weft::testing::run_trainer(run + " --plugin zero_abi2 --set train.out_dir=" + dir +
+                                                  "/resumed --set checkpoint.resume=" + dir +
+                                                  "/zero/checkpoints/step-00000003");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  const auto c = weft::testing::step_losses(dir + "/resumed/metrics.jsonl");
+  ASSERT_EQ(c.size(), 3u);
+  for (size_t i = 0; i < c.size(); ++i) EXPECT_EQ(c[i], b[i + 3]) << "step " << i + 4;
 }
 
 }  // namespace

@@ -2,10 +2,10 @@
  * weft/plugin.h - the strategy plugin ABI, version 2 (C99).
  *
  * STATUS: 2.0, the first landing of issue 44 (design: sdk/ABI2.md). The host loads 2.x plugins
- * beside 1.x ones (weft/strategy.h); single_abi2.so and ddp_abi2.so are written against it. What
- * 2.0 covers: a plugin that owns at most the data-parallel dimension, runs alone (not composed),
- * and places every parameter, gradient and optimizer state REPLICATE; the host runs the whole
- * step. The other placements, hooks at named points and schedules from plugins are the next
+ * beside 1.x ones (weft/strategy.h); single_abi2.so, ddp_abi2.so and zero_abi2.so are written
+ * against it. What 2.0 covers: a plugin that owns at most the data-parallel dimension, runs alone
+ * (not composed), and places every parameter and gradient REPLICATE and each optimizer state
+ * REPLICATE or FLAT_SHARD (ZeRO's stage 1); the host runs the whole step. The other placements, hooks at named points and schedules from plugins are the next
  * landings; a 2.0 host refuses a plugin that asks for them, in one line, at load, at create or
  * (a placement) once the model is built, before the first step.
  *
@@ -129,7 +129,11 @@ typedef enum weft_placement_kind {
   WEFT_PLACE_LOCAL = 1,     /* gradients only: whole, left as each rank computed it (no reduction:
                                DiLoCo's inner steps); not yet executed by a 2.0 host */
   WEFT_PLACE_SLICE = 2,     /* a slice along `dim` (tensor parallelism); not yet executed by a 2.0 host */
-  WEFT_PLACE_FLAT_SHARD = 3 /* a flat range (ZeRO / FSDP); not yet executed by a 2.0 host */
+  WEFT_PLACE_FLAT_SHARD = 3 /* a flat range (ZeRO / FSDP): rank r of N holds elements [r*c, (r+1)*c) of
+                               the flattened tensor, c = ceil(n / N) (the last range shorter or
+                               empty). A 2.0 host executes it for the optimizer state: its optimizer
+                               updates this rank's range from the averaged gradient, then gathers the
+                               parameter whole; for parameters and gradients, not yet */
 } weft_placement_kind;
 
 typedef struct weft_placement {

@@ -1,0 +1,81 @@
+/* zero_abi2.so: ZeRO's stage 1 written against ABI 2 (weft/plugin.h), as a layout alone. It owns the
+ * data-parallel dimension, splits each batch's rows over it and places every trainable parameter's
+ * optimizer state FLAT_SHARD (each rank's optimizer keeps and updates 1/N of it) with the parameter
+ * and its gradient REPLICATE: the host averages the gradients as for ddp_abi2 and gathers each
+ * updated parameter whole after the optimizer step. plugin.stage = 2 or 3 (gradients, then
+ * parameters FLAT_SHARD) asks for placements a 2.0 host does not execute yet, which it refuses
+ * before the first step; zero.so is all three stages under ABI 1. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <weft/plugin.h>
+
+typedef struct zero {
+  int64_t stage;    /* plugin.stage: 1 (default), 2 or 3 */
+  double bucket_mb; /* plugin.bucket_mb: the host's gradient buckets (default 25) */
+} zero;
+
+static weft_status* create(const weft_host_services* host, weft_plugin_instance** out) {
+  weft_config_int_fn config_int = (weft_config_int_fn)host->get_proc_address("weft_config_int");
+  weft_config_float_fn config_float = (weft_config_float_fn)host->get_proc_address("weft_config_float");
+  weft_status_create_fn status_create = (weft_status_create_fn)host->get_proc_address("weft_status_create");
+  int64_t stage = 1;
+  double bucket_mb = 25.0;
+  char message[96];
+  weft_status* status;
+  zero* self;
+  if (config_int == NULL || config_float == NULL || status_create == NULL) return NULL; /* not on a 2.0 host */
+  if ((status = config_int(host->context, "stage", 1, &stage)) != NULL) return status;
+  if ((status = config_float(host->context, "bucket_mb", 25.0, &bucket_mb)) != NULL) return status;
+  if (stage < 1 || stage > 3) {
+    snprintf(message, sizeof message, "plugin.stage must be 1, 2 or 3 (ZeRO's stages), got %lld", (long long)stage);
+    return status_create(WEFT_STATUS_BAD_CONFIG, message);
+  }
+  if (!(bucket_mb > 0.0)) {
+    snprintf(message, sizeof message, "plugin.bucket_mb must be > 0, got %g", bucket_mb);
+    return status_create(WEFT_STATUS_BAD_CONFIG, message);
+  }
+  self = (zero*)malloc(sizeof(zero));
+  if (self == NULL) return status_create(WEFT_STATUS_INTERNAL, "zero_abi2: out of memory");
+  self->stage = stage;
+  self->bucket_mb = bucket_mb;
+  *out = (weft_plugin_instance*)self;
+  return NULL;
+}
+
+static void destroy(weft_plugin_instance* instance) { free(instance); }
+
+static weft_status* layout(weft_plugin_instance* instance, weft_layout* out) {
+  const zero* self = (const zero*)instance;
+  out->batch_split = WEFT_SPLIT_ROWS;
+  out->reduce_bucket_bytes = (int64_t)(self->bucket_mb * 1024.0 * 1024.0);
+  if (out->reduce_bucket_bytes < 1) out->reduce_bucket_bytes = 1;
+  return NULL;
+}
+
+static weft_status* place(weft_plugin_instance* instance, const weft_parameter_desc* parameter,
+                          weft_parameter_layout* out) {
+  const zero* self = (const zero*)instance;
+  if (!parameter->trainable) return NULL; /* frozen: no optimizer state, no gradient */
+  out->optimizer_state.kind = WEFT_PLACE_FLAT_SHARD;
+  if (self->stage >= 2) out->gradient.kind = WEFT_PLACE_FLAT_SHARD;
+  if (self->stage >= 3) out->parameter.kind = WEFT_PLACE_FLAT_SHARD;
+  return NULL;
+}
+
+static weft_proc get_proc_address(const char* name) {
+  if (name == NULL) return NULL;
+  if (strcmp(name, "weft_layout") == 0) return (weft_proc)layout;
+  if (strcmp(name, "weft_place") == 0) return (weft_proc)place;
+  return NULL;
+}
+
+WEFT_EXPORT const weft_plugin* weft_plugin_entry(uint16_t host_abi_major, uint16_t host_abi_minor) {
+  static const weft_plugin table = {
+      sizeof(weft_plugin), WEFT_PLUGIN_ABI_MAJOR, WEFT_PLUGIN_ABI_MINOR, "zero_abi2", "2.0.0",
+      "ZeRO stage 1 under ABI 2: a layout (optimizer state flat-sharded); the host reduces and gathers",
+      1u << WEFT_MESH_DP, create, destroy, get_proc_address};
+  (void)host_abi_minor;
+  return host_abi_major == WEFT_PLUGIN_ABI_MAJOR ? &table : NULL;
+}

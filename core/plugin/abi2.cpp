@@ -4,9 +4,7 @@
 #include "core/plugin/abi2.h"
 
 #include <algorithm>
-#include <chrono>
 #include <map>
-#include <set>
 #include <string>
 #include <vector>
 

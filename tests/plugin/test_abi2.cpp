@@ -33,6 +33,12 @@ std::string program_error(const StepProgram& program, int micro_batches, int chu
   return "";
 }
 
+// The tiny preset on the bundled corpus, without progress lines, with `settings` added.
+std::string tiny_run(const std::string& settings) {
+  return "--config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set data.path=" + WEFT_SOURCE_DIR +
+         "/data/austen/austen.jsonl --set data.cache_dir= --set log.progress=off " + settings;
+}
+
 StepAction F(int chunk, int mb) { return {WEFT_ACTION_FORWARD, chunk, mb}; }
 StepAction B(int chunk, int mb) { return {WEFT_ACTION_BACKWARD, chunk, mb}; }
 StepAction R(int chunk) { return {WEFT_ACTION_REDUCE, chunk, -1}; }
@@ -93,9 +99,7 @@ TEST(Abi2, PluginsAreListedWithTheirAbi) {
 // What a 2.0 host does not run is one error before the first step, naming the plugin and the thing.
 TEST(Abi2, WhatThisHostDoesNotRunIsRefusedBeforeTheFirstStep) {
   const std::string dir = weft::testing::fresh_dir("weft_test_abi2", "refusals");
-  const std::string run = "--config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set data.path=" +
-                          WEFT_SOURCE_DIR + "/data/austen/austen.jsonl --set data.cache_dir= --set train.max_steps=2"
-                          " --set log.progress=off --set train.overwrite=true --set train.out_dir=" + dir + "/out";
+  const std::string run = tiny_run("--set train.max_steps=2 --set train.overwrite=true --set train.out_dir=" + dir + "/out");
   const std::string fixtures = "WEFT_PLUGIN_PATH=" + std::string(WEFT_PLUGIN_FIXTURE_DIR) + " OMP_NUM_THREADS=1 " +
                                WEFT_TRAINER_PATH + " " + run;
   struct Case {
@@ -130,9 +134,7 @@ TEST(Abi2, WhatThisHostDoesNotRunIsRefusedBeforeTheFirstStep) {
 // during the last micro-batch's backward, none at the REDUCE action.
 TEST(Abi2, DdpAsALayoutTrainsAsDdpAndReducesDuringTheBackward) {
   const std::string dir = weft::testing::fresh_dir("weft_test_abi2", "ddp");
-  const std::string run = "--config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set data.path=" +
-                          WEFT_SOURCE_DIR + "/data/austen/austen.jsonl --set data.cache_dir= --set train.max_steps=4"
-                          " --set train.grad_accum_steps=2 --set log.progress=off --set plugin.bucket_mb=0.05 --nproc 2";
+  const std::string run = tiny_run("--set train.max_steps=4 --set train.grad_accum_steps=2 --set plugin.bucket_mb=0.05 --nproc 2");
   const auto v1 = weft::testing::run_trainer(run + " --plugin ddp --set train.out_dir=" + dir + "/v1");
   const auto v2 = weft::testing::run_trainer(run + " --plugin ddp_abi2 --set train.out_dir=" + dir + "/v2");
   ASSERT_EQ(v1.exit_code, 0) << v1.output;
@@ -160,9 +162,7 @@ TEST(Abi2, DdpAsALayoutTrainsAsDdpAndReducesDuringTheBackward) {
 // uninterrupted run's losses.
 TEST(Abi2, ZeroStage1AsALayoutHalvesTheOptimizerStateAndResumesExactly) {
   const std::string dir = weft::testing::fresh_dir("weft_test_abi2", "zero");
-  const std::string run = "--config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set data.path=" +
-                          WEFT_SOURCE_DIR + "/data/austen/austen.jsonl --set data.cache_dir= --set train.max_steps=6"
-                          " --set checkpoint.every_steps=3 --set log.progress=off --nproc 2";
+  const std::string run = tiny_run("--set train.max_steps=6 --set checkpoint.every_steps=3 --nproc 2");
   const auto ddp = weft::testing::run_trainer(run + " --plugin ddp_abi2 --set train.out_dir=" + dir + "/ddp");
   const auto zero = weft::testing::run_trainer(run + " --plugin zero_abi2 --set train.out_dir=" + dir + "/zero");
   ASSERT_EQ(ddp.exit_code, 0) << ddp.output;

@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # Installs the weft SDK (CMake component weft_sdk) from a configured build into a temporary prefix,
 # then builds every example under sdk/examples/ out of tree against that prefix alone (warnings
-# are errors) and checks each plugin: named <example>.so, exporting exactly weft_strategy_entry,
-# whose table answers ABI major 1 (with the example's name) and refuses major 2, and which passes
-# the conformance check against single.so (`trainer check`) in one process and, when its table
-# has an eval_step (needed for more than one rank), with 2 and 3 real ranks; a plugin that owns the
-# data-parallel mesh dimension (ABI 1.12: mesh_dimensions, finish_step) also composed with
-# tensor_parallel and with gpipe at 4 ranks (tp 2 x dp 2, pp 2 x dp 2).
+# are errors) and checks each plugin, named <example>.so:
+# - ABI 1 (weft/strategy.h): it exports exactly weft_strategy_entry, whose table answers ABI major 1
+#   (with the example's name) and refuses major 2, and it passes the conformance check against
+#   single.so (`trainer check`) in one process and, when its table has an eval_step (needed for more
+#   than one rank), with 2 and 3 real ranks; a plugin that owns the data-parallel mesh dimension
+#   (ABI 1.12: mesh_dimensions, finish_step) also composed with tensor_parallel and with gpipe at 4
+#   ranks (tp 2 x dp 2, pp 2 x dp 2).
+# - ABI 2 (weft/plugin.h): it exports exactly weft_plugin_entry, whose table answers major 2 (with
+#   the example's name) and refuses major 1, and it passes `trainer check` in one process, with the
+#   settings in the example's check.args when it has one (DiLoCo conforms to single on one worker
+#   with an outer step that lands on the workers' parameters; its multi-rank behaviour is checked by
+#   test_plugin's Diloco.*, which builds the same source in tree).
 #   usage: tools/check_sdk_examples.sh <main build dir> <source dir>
 # Exits non-zero on the first failure. Needs cmake, a C/C++ compiler, nm, python3 and the built
 # trainer (<main build dir>/trainer).
@@ -23,7 +29,7 @@ trap 'rm -rf "$work"' EXIT
 prefix="$work/prefix"
 
 cmake --install "$build_dir" --component weft_sdk --prefix "$prefix" >/dev/null
-for file in include/weft/strategy.h include/weft/strategy.hpp include/weft/strategy_torch.hpp \
+for file in include/weft/common.h include/weft/plugin.h include/weft/strategy.h include/weft/strategy.hpp include/weft/strategy_torch.hpp \
             lib/cmake/weft_sdk/weft_sdkConfig.cmake lib/cmake/weft_sdk/weft_sdkConfigVersion.cmake; do
   [[ -f "$prefix/$file" ]] || { echo "check_sdk_examples: $file was not installed" >&2; exit 1; }
 done
@@ -46,6 +52,36 @@ for example_dir in "$source_dir"/sdk/examples/*/; do
 
   plugin="$work/build-$example/$example.so"
   [[ -f "$plugin" ]] || { echo "check_sdk_examples: $plugin was not built" >&2; exit 1; }
+  if nm -D --defined-only "$plugin" | awk '{print $3}' | grep -qx weft_plugin_entry; then
+    exported=$(nm -D --defined-only "$plugin" | awk '$2 ~ /^[A-Zu]$/ && $2 != "A" {print $3}')
+    if [[ "$exported" != "weft_plugin_entry" ]]; then
+      echo "check_sdk_examples: $example.so must export only weft_plugin_entry, exports:" >&2
+      echo "$exported" >&2
+      exit 1
+    fi
+    python3 - "$plugin" "$example" <<'PY'
+import ctypes, sys
+path, name = sys.argv[1], sys.argv[2]
+lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
+entry = lib.weft_plugin_entry
+entry.restype = ctypes.c_void_p
+entry.argtypes = [ctypes.c_uint16, ctypes.c_uint16]
+table = entry(2, 1)
+assert table, f"{name}: entry(2, 1) returned NULL"
+struct_size, major = ctypes.c_uint32.from_address(table).value, ctypes.c_uint16.from_address(table + 4).value
+# weft_plugin: {uint32 struct_size, uint16 major, minor, name, version, description, uint32 dims, 3 functions}
+assert major == 2 and struct_size >= 8 + 7 * ctypes.sizeof(ctypes.c_void_p), (major, struct_size)
+table_name = ctypes.c_char_p.from_address(table + 8).value.decode()
+assert table_name == name, f"table name {table_name!r}, expected {name!r}"
+assert not entry(1, 14), f"{name}: entry(1, 14) must return NULL"
+PY
+    check_args=()
+    [[ -f "$example_dir/check.args" ]] && read -r -a check_args <"$example_dir/check.args"
+    echo "check_sdk_examples: trainer check --plugin $example.so ${check_args[*]}"
+    OMP_NUM_THREADS=1 "$build_dir/trainer" check --plugin "$plugin" "${check_args[@]}"
+    examples=$((examples + 1))
+    continue
+  fi
   # Hidden visibility cannot hide what libstdc++'s headers declare with default visibility
   # (e.g. GNU_UNIQUE statics of std:: templates, from std::to_string): those (mangled _Z...St...)
   # are tolerated; anything else besides the entry point is a failure.
@@ -102,5 +138,5 @@ PY
   fi
   examples=$((examples + 1))
 done
-[[ $examples -ge 2 ]] || { echo "check_sdk_examples: found only $examples examples" >&2; exit 1; }
+[[ $examples -ge 3 ]] || { echo "check_sdk_examples: found only $examples examples" >&2; exit 1; }
 echo "check_sdk_examples: $examples examples built against the installed SDK"

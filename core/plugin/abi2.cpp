@@ -4,13 +4,16 @@
 #include "core/plugin/abi2.h"
 
 #include <algorithm>
+#include <cstring>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <fmt/format.h>
 #include <weft/strategy.hpp>
 
+#include "core/plugin/host_services.h"
 #include "core/plugin/step_program.h"
 #include "core/util/error.h"
 
@@ -18,6 +21,8 @@
 struct weft_host_context {
   weft::sdk::Host host;
   std::string plugin;
+  weft_group* group = nullptr;  // the plugin's dimension (the world: an ABI 2 plugin runs alone)
+  weft_parameter_info info{};   // the last one weft_parameter asked for (its name is the host's)
 };
 
 namespace weft {
@@ -52,6 +57,102 @@ weft_status* service_config_string(weft_host_context* c, const char* key, const 
   return c->host.api()->config_string(c->host.handle(), key, fallback, out);
 }
 
+// Since 2.1: the parameters, collectives over the plugin's dimension and metrics, for hooks.
+int64_t service_parameter_count(weft_host_context* c) {
+  try {
+    return c->host.parameter_count();
+  } catch (...) {
+    return 0;
+  }
+}
+weft_status* service_parameter(weft_host_context* c, int64_t index, weft_parameter_desc* desc, DLTensor* data) {
+  if (desc == nullptr || data == nullptr) return g_api->status_create(WEFT_STATUS_INVALID_ARGUMENT, "weft_parameter: desc or data is NULL");
+  const int64_t count = service_parameter_count(c);
+  if (index < 0 || index >= count) {
+    return g_api->status_create(WEFT_STATUS_INVALID_ARGUMENT,
+                                fmt::format("weft_parameter: index {} is not one of the {} parameters", index, count).c_str());
+  }
+  if (desc->struct_size < offsetof(weft_parameter_desc, trainable) + sizeof desc->trainable) {
+    return g_api->status_create(WEFT_STATUS_INVALID_ARGUMENT, "weft_parameter: desc->struct_size is smaller than ABI 2.0's");
+  }
+  weft_status* status = c->host.api()->parameter_info(c->host.handle(), index, &c->info);
+  if (status == nullptr) status = c->host.api()->parameter_data(c->host.handle(), index, data);
+  if (status != nullptr) return status;
+  weft_parameter_desc whole{};
+  whole.struct_size = std::min<uint32_t>(desc->struct_size, sizeof whole);
+  whole.name = c->info.name;
+  whole.ndim = data->ndim;
+  whole.shape = data->shape;
+  whole.trainable = c->info.trainable;
+  std::memcpy(desc, &whole, whole.struct_size);
+  return nullptr;
+}
+weft_status* service_all_reduce(weft_host_context* c, DLTensor* tensor, weft_reduce_op op) {
+  if (tensor == nullptr) return g_api->status_create(WEFT_STATUS_INVALID_ARGUMENT, "weft_all_reduce: tensor is NULL");
+  if (tensor->dtype.code != kDLFloat || (tensor->dtype.bits != 32 && tensor->dtype.bits != 64) || tensor->dtype.lanes != 1) {
+    return g_api->status_create(WEFT_STATUS_INVALID_ARGUMENT, "weft_all_reduce: the tensor is not fp32 or fp64");
+  }
+  weft_work* work = nullptr;
+  weft_status* status = c->host.api()->all_reduce(c->host.handle(), c->group, tensor, op, &work);
+  if (status != nullptr) return status;
+  status = c->host.api()->work_wait(c->host.handle(), work);
+  c->host.api()->work_release(c->host.handle(), work);
+  return status;
+}
+weft_status* service_state_tensor(weft_host_context* c, const char* name, DLDataType dtype, int32_t ndim,
+                                  const int64_t* shape, DLTensor* out, int32_t* restored) {
+  const auto refuse = [](const std::string& message) {
+    return g_api->status_create(WEFT_STATUS_INVALID_ARGUMENT, ("weft_state_tensor: " + message).c_str());
+  };
+  if (name == nullptr || *name == '\0' || out == nullptr) return refuse("a name and an output view are required");
+  if (ndim < 0 || (ndim > 0 && shape == nullptr)) return refuse(fmt::format("'{}': no shape for {} dimensions", name, ndim));
+  std::optional<at::ScalarType> type;
+  if (dtype.lanes == 1 && dtype.code == kDLFloat && dtype.bits == 32) type = at::kFloat;
+  if (dtype.lanes == 1 && dtype.code == kDLFloat && dtype.bits == 64) type = at::kDouble;
+  if (dtype.lanes == 1 && dtype.code == kDLInt && dtype.bits == 32) type = at::kInt;
+  if (dtype.lanes == 1 && dtype.code == kDLInt && dtype.bits == 64) type = at::kLong;
+  if (!type) return refuse(fmt::format("'{}': the dtype is not fp32, fp64, int32 or int64", name));
+  std::vector<int64_t> sizes(shape, shape + ndim);
+  for (int64_t size : sizes) {
+    if (size < 0) return refuse(fmt::format("'{}': a negative size", name));
+  }
+  try {
+    PluginHost::State& state = *c->host.handle()->state;
+    for (const auto& [made, tensor] : state.plugin_state) {
+      if (made == name) return refuse(fmt::format("'{}' was made already", name));
+    }
+    at::Tensor tensor = at::zeros(sizes, at::TensorOptions().dtype(*type).device(state.device));
+    int32_t from_checkpoint = 0;
+    const auto saved = state.restored_state.find(name);
+    if (saved != state.restored_state.end()) {
+      if (saved->second.sizes() != tensor.sizes() || saved->second.scalar_type() != tensor.scalar_type()) {
+        return refuse(fmt::format("'{}' is {} [{}] in the checkpoint, {} [{}] here", name,
+                                  c10::toString(saved->second.scalar_type()), fmt::join(saved->second.sizes(), ", "),
+                                  c10::toString(tensor.scalar_type()), fmt::join(tensor.sizes(), ", ")));
+      }
+      tensor.copy_(saved->second);
+      state.restored_state.erase(saved);
+      from_checkpoint = 1;
+    }
+    state.plugin_state.emplace_back(name, tensor);
+    *out = DLTensor{};
+    out->data = tensor.data_ptr();
+    out->device = tensor.is_cuda() ? DLDevice{kDLCUDA, tensor.device().index()} : DLDevice{kDLCPU, 0};
+    out->ndim = ndim;
+    out->dtype = dtype;
+    out->shape = const_cast<int64_t*>(state.plugin_state.back().second.sizes().data());
+    out->strides = nullptr;
+    if (restored) *restored = from_checkpoint;
+    return nullptr;
+  } catch (const std::exception& e) {
+    return g_api->status_create(WEFT_STATUS_INTERNAL, fmt::format("weft_state_tensor: {}", e.what()).c_str());
+  }
+}
+void service_report_metric(weft_host_context* c, const char* name, double value) {
+  if (name == nullptr) return;
+  if (weft_status* status = c->host.api()->report_metric(c->host.handle(), name, value)) g_api->status_release(status);
+}
+
 template <class F>
 weft_proc as_proc(F* function) {
   return reinterpret_cast<weft_proc>(function);
@@ -66,6 +167,11 @@ weft_proc host_proc_address(const char* name) {
       {"weft_config_float", as_proc(&service_config_float)},
       {"weft_config_bool", as_proc(&service_config_bool)},
       {"weft_config_string", as_proc(&service_config_string)},
+      {"weft_parameter_count", as_proc(&service_parameter_count)},
+      {"weft_parameter", as_proc(&service_parameter)},
+      {"weft_all_reduce", as_proc(&service_all_reduce)},
+      {"weft_report_metric", as_proc(&service_report_metric)},
+      {"weft_state_tensor", as_proc(&service_state_tensor)},
   };
   if (name == nullptr) return nullptr;
   const auto it = services.find(name);
@@ -227,6 +333,7 @@ class HostStep : public sdk::Strategy {
     services_.context = &context_;
     services_.get_proc_address = &host_proc_address;
     const sdk::Group world = host.world();
+    context_.group = world.get();
     const uint32_t owns = plugin.table.mesh_dimensions;
     if (world.size() > 1 && (owns & (1u << WEFT_MESH_DP)) == 0) {
       throw sdk::Error(WEFT_STATUS_BAD_CONFIG,
@@ -234,7 +341,7 @@ class HostStep : public sdk::Strategy {
                               "ranks (an ABI 2.0 host runs a plugin alone, owning the whole world)",
                               name(), world.size()));
     }
-    check(plugin.table.create(&services_, &instance_), "create");
+    check(plugin.table.create(&services_, &instance_), nullptr);  // the session names the plugin and "create"
     layout_.struct_size = sizeof layout_;
     layout_.dimension = (owns & (1u << WEFT_MESH_DP)) != 0 ? WEFT_MESH_DP : -1;
     layout_.batch_split = WEFT_SPLIT_NONE;
@@ -245,7 +352,7 @@ class HostStep : public sdk::Strategy {
                                                        "(WEFT_SPLIT_NONE, WEFT_SPLIT_ROWS)",
                                                        name(), layout_.batch_split));
     }
-    for (const char* later : {"weft_schedule", "weft_hooks"}) {
+    for (const char* later : {"weft_schedule"}) {
       if (proc(later) != nullptr) {
         throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
                     fmt::format("{} provides {}, which this host (ABI 2.{}) does not execute yet", name(), later,
@@ -302,11 +409,12 @@ class HostStep : public sdk::Strategy {
     }
   }
 
-  void after_optimizer_step() override {
+  // The optimizer state FLAT_SHARD: each rank's updated range into every rank's whole parameter.
+  void gather_state_shards() const {
     const sdk::Host h = host();
     const int32_t n = replicas();
     const int32_t rank = h.world().rank();
-    for (int64_t index : state_shards_) {  // the updated ranges into every rank's whole parameter
+    for (int64_t index : state_shards_) {
       const DLTensor data = h.parameter_data(index);
       const int64_t elements = element_count(data);
       const int64_t chunk = (elements + n - 1) / n;
@@ -352,23 +460,14 @@ class HostStep : public sdk::Strategy {
       desc.trainable = info.trainable;
       weft_parameter_layout where{};
       if (place != nullptr) check(place(instance_, &desc, &where), "weft_place");
-      for (const auto& [what, p] : {std::pair<const char*, weft_placement>{"parameter", where.parameter},
-                                    {"gradient", where.gradient},
-                                    {"optimizer state", where.optimizer_state}}) {
-        const bool sharded_state = p.kind == WEFT_PLACE_FLAT_SHARD && std::string(what) == "optimizer state";
-        if (p.kind != WEFT_PLACE_REPLICATE && !sharded_state) {
-          throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
-                           fmt::format("{} places the {} of {} as {}, which this host (ABI 2.{}) does not execute yet "
-                                       "(REPLICATE; FLAT_SHARD for the optimizer state)",
-                                       name(), what, info.name, placement_name(p.kind), WEFT_PLUGIN_ABI_MINOR));
-        }
-      }
+      check_placement(info, where);
       if (where.optimizer_state.kind == WEFT_PLACE_FLAT_SHARD && info.trainable && replicas() > 1) {
         state_shards_.push_back(i);  // ZeRO-1: this rank's optimizer keeps 1/N of the parameter's state
       }
+      const bool local = where.gradient.kind == WEFT_PLACE_LOCAL;
       if (replicas() > 1) {
         broadcasts.push_back(h.broadcast(h.world(), data, 0));  // replicas start equal
-        if (info.trainable) {
+        if (info.trainable && !local) {
           if (data.dtype.code != kDLFloat || data.dtype.bits != 32) {
             throw sdk::Error(WEFT_STATUS_UNSUPPORTED, fmt::format("{}: parameter {} is not fp32", name(), info.name));
           }
@@ -378,12 +477,18 @@ class HostStep : public sdk::Strategy {
     }
     for (const sdk::Work& work : broadcasts) work.wait();
     shards_state_ = !state_shards_.empty();
+    register_hooks();
     if (!reduced.empty()) {
       reducer_ = std::make_unique<GradientReducer>(h, h.world(), reduced, std::max<int64_t>(1, layout_.reduce_bucket_bytes));
     }
   }
 
   double train_step(const weft_step_info& step) override {
+    if (!began_) {
+      began_ = true;
+      run_hooks("train.begin", step.step);
+    }
+    step_ = step.step;
     if (program_micro_batches_ != step.micro_batches) {
       StepProgram program = one_chunk_program(step.micro_batches);
       if (reducer_) program = lower_reductions(program, {0});
@@ -461,7 +566,78 @@ class HostStep : public sdk::Strategy {
     return result;
   }
 
+  void after_optimizer_step() override {
+    gather_state_shards();
+    run_hooks("step.end", step_ + 1);
+  }
+
  private:
+  // The points this host publishes (weft/plugin.h, "weft_hooks").
+  static const std::vector<std::string>& points() {
+    static const std::vector<std::string> published = {"train.begin", "step.end"};
+    return published;
+  }
+
+  // Placements this host executes: REPLICATE; LOCAL for a parameter, its gradient and its optimizer
+  // state together; FLAT_SHARD for the optimizer state of a replicated parameter.
+  void check_placement(const weft_parameter_info& info, const weft_parameter_layout& where) const {
+    const auto refuse = [&](const char* what, int32_t kind, const char* executes) {
+      throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
+                       fmt::format("{} places the {} of {} as {}, which this host (ABI 2.{}) does not execute{}", name(),
+                                   what, info.name, placement_name(kind), WEFT_PLUGIN_ABI_MINOR, executes));
+    };
+    const bool local = where.parameter.kind == WEFT_PLACE_LOCAL || where.gradient.kind == WEFT_PLACE_LOCAL ||
+                       where.optimizer_state.kind == WEFT_PLACE_LOCAL;
+    for (const auto& [what, p] : {std::pair<const char*, weft_placement>{"parameter", where.parameter},
+                                  {"gradient", where.gradient},
+                                  {"optimizer state", where.optimizer_state}}) {
+      const bool state = std::string(what) == "optimizer state";
+      if (local && p.kind != WEFT_PLACE_LOCAL) {
+        refuse(what, p.kind, " beside LOCAL (a parameter, its gradient and its optimizer state are LOCAL together)");
+      }
+      if (p.kind == WEFT_PLACE_REPLICATE || p.kind == WEFT_PLACE_LOCAL || (state && p.kind == WEFT_PLACE_FLAT_SHARD)) {
+        continue;
+      }
+      refuse(what, p.kind, " yet (REPLICATE, LOCAL; FLAT_SHARD for the optimizer state)");
+    }
+  }
+
+  // The plugin's hooks ("weft_hooks"), each at a point this host publishes.
+  void register_hooks() {
+    const auto fn = reinterpret_cast<weft_hooks_fn>(proc("weft_hooks"));
+    if (fn == nullptr) return;
+    int32_t count = 0;
+    const weft_hook* hooks = fn(instance_, &count);
+    if (count > 0 && hooks == nullptr) {
+      throw sdk::Error(WEFT_STATUS_INVALID_ARGUMENT, fmt::format("{}: weft_hooks gave {} hooks but no array", name(), count));
+    }
+    for (int32_t k = 0; k < count; ++k) {
+      const weft_hook& hook = hooks[k];
+      const std::string point = hook.point ? hook.point : "";
+      if (std::find(points().begin(), points().end(), point) == points().end()) {
+        throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
+                         fmt::format("{} registers a hook at \"{}\", a point this host (ABI 2.{}) does not publish "
+                                     "(it publishes: {})",
+                                     name(), point, WEFT_PLUGIN_ABI_MINOR, fmt::join(points(), ", ")));
+      }
+      if (hook.fn == nullptr) {
+        throw sdk::Error(WEFT_STATUS_INVALID_ARGUMENT, fmt::format("{}: its hook at \"{}\" is NULL", name(), point));
+      }
+      hooks_.emplace_back(point, hook.fn);
+    }
+  }
+
+  void run_hooks(const char* point, int64_t step) {
+    for (const auto& [at, fn] : hooks_) {
+      if (at != point) continue;
+      weft_hook_event event{};
+      event.struct_size = sizeof event;
+      event.point = at.c_str();
+      event.step = step;
+      check(fn(instance_, &event), point);
+    }
+  }
+
   std::string name() const { return plugin_.table.name; }
   int32_t replicas() const { return layout_.batch_split == WEFT_SPLIT_ROWS ? host().world().size() : 1; }
   weft_proc proc(const char* name) const { return plugin_.table.get_proc_address(name); }
@@ -474,13 +650,13 @@ class HostStep : public sdk::Strategy {
       default: return "an unknown placement";
     }
   }
-  // A status from the plugin becomes an Error naming it and the function.
+  // A status from the plugin becomes an Error naming it and the function (`what`, unless null).
   void check(weft_status* status, const char* what) const {
     if (status == nullptr) return;
     const weft_status_code code = g_api->status_code(status);
     const std::string message = g_api->status_message(status);
     g_api->status_release(status);
-    throw sdk::Error(code, fmt::format("{} ({}): {}", name(), what, message));
+    throw sdk::Error(code, what ? fmt::format("{} ({}): {}", name(), what, message) : message);
   }
   void all_reduce(std::vector<double>& values) const {
     int64_t shape[1] = {static_cast<int64_t>(values.size())};
@@ -522,6 +698,9 @@ class HostStep : public sdk::Strategy {
   bool shards_state_ = false;
   StepProgram program_;
   int32_t program_micro_batches_ = 0;
+  std::vector<std::pair<std::string, weft_hook_fn>> hooks_;  // (point, hook), in registration order
+  bool began_ = false;
+  int64_t step_ = 0;  // the current step (weft_step_info.step)
 };
 
 }  // namespace

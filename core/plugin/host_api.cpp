@@ -145,6 +145,24 @@ std::map<std::string, double> PluginHost::take_step_metrics() {
   return taken;
 }
 
+std::vector<std::pair<std::string, at::Tensor>> PluginHost::plugin_state() const { return state_->plugin_state; }
+
+void PluginHost::restore_plugin_state(const std::vector<std::pair<std::string, at::Tensor>>& saved) {
+  for (const auto& [name, tensor] : saved) {
+    const auto made = std::find_if(state_->plugin_state.begin(), state_->plugin_state.end(),
+                                   [&](const auto& entry) { return entry.first == name; });
+    if (made == state_->plugin_state.end()) {
+      state_->restored_state[name] = tensor;
+      continue;
+    }
+    WEFT_CHECK(made->second.sizes() == tensor.sizes() && made->second.scalar_type() == tensor.scalar_type(),
+               "checkpoint: plugin {}'s state '{}' is {} [{}] there, {} [{}] in this run", state_->plugin_name, name,
+               c10::toString(tensor.scalar_type()), fmt::join(tensor.sizes(), ", "),
+               c10::toString(made->second.scalar_type()), fmt::join(made->second.sizes(), ", "));
+    made->second.copy_(tensor);
+  }
+}
+
 void PluginHost::set_loss_scale(double scale) { state_->loss_scale = scale; }
 
 void PluginHost::set_mesh(const Mesh* mesh, int dimension, bool driver, int plugins,

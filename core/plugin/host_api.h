@@ -87,6 +87,11 @@ class PluginHost {
   ComputeStats take_compute_stats();
   // The values the plugin reported with report_metric since the last call (which clears them).
   std::map<std::string, double> take_step_metrics();
+  // ABI 2.1 ("weft_state_tensor"): the plugin's training state the host keeps for it, by name (the
+  // same on every rank), for checkpoints; and a checkpoint's, given back: tensors the plugin made
+  // already get their values now, the others when it makes them.
+  std::vector<std::pair<std::string, at::Tensor>> plugin_state() const;
+  void restore_plugin_state(const std::vector<std::pair<std::string, at::Tensor>>& saved);
   // The loss service's extra factor on the loss it returns for backward (fp16 loss scaling).
   void set_loss_scale(double scale);
   // ABI 1.12: this plugin is one of `plugins` composed over `mesh` (which must outlive this

@@ -121,6 +121,10 @@ struct PluginHost::State {
   std::vector<weft_stage_memory> stage_memory;
   // Values the plugin reported for the current step (report_metric).
   std::map<std::string, double> step_metrics;
+  // ABI 2.1: the plugin's state tensors (weft_state_tensor), in the order made, and what a
+  // checkpoint held for those not made yet (restore_plugin_state).
+  std::vector<std::pair<std::string, at::Tensor>> plugin_state;
+  std::map<std::string, at::Tensor> restored_state;
   // Per-sequence evaluation (record_sequence_losses): each sequence's summed token losses and
   // how many times this rank computed them, by sequence index; undefined when not recording.
   at::Tensor sequence_loss_sums, sequence_counts;

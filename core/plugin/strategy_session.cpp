@@ -751,12 +751,20 @@ void StrategySession::attach(LlamaForCausalLMImpl& model) {
              state_host_->training_tensors().size());
 }
 
-void StrategySession::after_optimizer_step() {
+void StrategySession::after_optimizer_step(StepReport& report) {
   state_host_->zero_grad_shards();
   for (const Member& m : members_) {
     if (m.has(offsetof(weft_strategy_api, after_optimizer_step), 3) && m.library->api().after_optimizer_step) {
       check(m, m.library->api().after_optimizer_step(m.instance), "after_optimizer_step");
     }
+  }
+  // What the plugins did after the optimizer step (ZeRO's gathers, hooks at "step.end") is the step's.
+  for (auto& m : members_) {
+    const auto comm = m.host->take_comm_stats();
+    report.comm.operations += comm.operations;
+    report.comm.bytes += comm.bytes;
+    report.comm.wait_seconds += comm.wait_seconds;
+    for (const auto& [name, value] : m.host->take_step_metrics()) report.metrics[name] = value;
   }
 }
 

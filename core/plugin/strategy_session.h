@@ -144,9 +144,17 @@ class StrategySession {
   std::vector<PluginHost::ShardedTensor> trainable_shards() const { return state_host_->trainable_shards(); }
   // Bytes of this rank's parameters and gradients now (PluginHost::parameter_and_gradient_bytes).
   std::pair<int64_t, int64_t> parameter_and_gradient_bytes() const { return state_host_->parameter_and_gradient_bytes(); }
+  // ABI 2 plugins keep training state of their own in the host (weft_state_tensor): checkpoints
+  // carry it (the same on every rank) and a resume gives it back.
+  bool keeps_plugin_state() const { return library_->abi2() != nullptr; }
+  std::vector<std::pair<std::string, at::Tensor>> plugin_state() const { return host_->plugin_state(); }
+  void restore_plugin_state(const std::vector<std::pair<std::string, at::Tensor>>& saved) {
+    host_->restore_plugin_state(saved);
+  }
   // After the optimizer step (whether it ran or fp16 skipped it): zeroes the gradient shards and
-  // lets the plugin act (e.g. all-gather the updated shards). Collective.
-  void after_optimizer_step();
+  // lets the plugin act (e.g. all-gather the updated shards, hooks at "step.end"); their
+  // communication and metrics go into the step's `report`. Collective.
+  void after_optimizer_step(StepReport& report);
   // Every parameter whole (true, e.g. to save the model) or back to the plugin's layout (false).
   // Collective; nothing for a plugin without the slot.
   void materialize_parameters(bool whole);

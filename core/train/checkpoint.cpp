@@ -342,10 +342,12 @@ void CheckpointStore::restore(const std::string& dir, LlamaForCausalLMImpl& mode
         const auto parameter = extra.follows ? extra.follows(name) : std::nullopt;
         if (parameter) tensors.emplace_back(name, state.part_like(model, *parameter, name));
       }
+      if (tensors.empty() && extra.optional) continue;
       WEFT_CHECK(!tensors.empty(), "checkpoint '{}' holds none of the {} state, which this run's training needs", dir,
                  extra.file);
     } else {
       const std::string path = dir + "/" + extra.file;
+      if (!fs::exists(path) && extra.optional) continue;
       WEFT_CHECK(fs::exists(path), "checkpoint '{}' has no {}, which this run's training state needs", dir, extra.file);
       auto file = SafetensorsFile::open(path);
       for (const auto& info : file->tensors()) {
@@ -367,8 +369,9 @@ void CheckpointStore::restore(const std::string& dir, LlamaForCausalLMImpl& mode
 }
 
 void CheckpointStore::add_state_file(std::string file, std::function<NamedTensors()> collect,
-                                     std::function<void(const NamedTensors&)> restore, StateFollows follows) {
-  state_files_.push_back({std::move(file), std::move(collect), std::move(restore), std::move(follows)});
+                                     std::function<void(const NamedTensors&)> restore, StateFollows follows,
+                                     bool optional) {
+  state_files_.push_back({std::move(file), std::move(collect), std::move(restore), std::move(follows), optional});
 }
 
 void CheckpointStore::remove_leftovers() const {

@@ -85,9 +85,12 @@ class CheckpointStore {
   // this state): then save_sharded writes the state as pieces of the rank files, like the
   // parameters', and restore gives this rank's part of it from either layout. Without
   // `follows`, save_sharded refuses the state.
+  // `optional`: a checkpoint without the file (or, in pieces, without its tensors) restores
+  // nothing of it instead of being refused.
   using StateFollows = std::function<std::optional<std::string>(const std::string&)>;
   void add_state_file(std::string file, std::function<NamedTensors()> collect,
-                      std::function<void(const NamedTensors&)> restore, StateFollows follows = nullptr);
+                      std::function<void(const NamedTensors&)> restore, StateFollows follows = nullptr,
+                      bool optional = false);
 
  private:
   struct StateFile {
@@ -95,6 +98,7 @@ class CheckpointStore {
     std::function<NamedTensors()> collect;
     std::function<void(const NamedTensors&)> restore;
     StateFollows follows;
+    bool optional = false;
   };
 
   void prune() const;

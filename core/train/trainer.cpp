@@ -95,6 +95,30 @@ Trainer::Trainer(TrainOptions options, RunContext context)
         "adalora_state.safetensors", [this] { return allocator_->state(); },
         [this](const NamedTensors& state) { allocator_->load_state(state); }, &RankAllocator::state_parameter);
   }
+  if (job_->strategy().keeps_plugin_state()) {
+    // The plugin's own state (ABI 2's weft_state_tensor), whole and alike on every rank, under names
+    // "plugin.<its name>" (checkpoints in pieces mix them with the parameters'). A checkpoint
+    // without it (another plugin's) restores none: the plugin starts its state afresh.
+    static const std::string prefix = "plugin.";
+    checkpoints_->add_state_file(
+        "plugin_state.safetensors",
+        [this] {
+          NamedTensors state;
+          for (const auto& [name, tensor] : job_->strategy().plugin_state()) state.emplace_back(prefix + name, tensor);
+          return state;
+        },
+        [this](const NamedTensors& saved) {
+          NamedTensors state;
+          for (const auto& [name, tensor] : saved) {
+            if (name.rfind(prefix, 0) == 0) state.emplace_back(name.substr(prefix.size()), tensor);
+          }
+          job_->strategy().restore_plugin_state(state);
+        },
+        [](const std::string& name) {
+          return name.rfind(prefix, 0) == 0 ? std::optional<std::string>("") : std::nullopt;
+        },
+        /*optional=*/true);
+  }
   if (job_->context().rank == 0) {
     checkpoints_->remove_leftovers();
     if (!options_.backup.url.empty()) backup_ = std::make_unique<CheckpointBackup>(options_.backup, options_.keep_last);
@@ -345,7 +369,7 @@ StepReport Trainer::train_step(int64_t epoch, int64_t step_in_epoch) {
   // the same triplets), then the budget's masks, as PEFT's update_and_allocate after the step.
   if (allocator_ && !last_step_skipped_) allocator_->update_and_allocate(state_.global_step);
   zero_gradients(job_->trainable());
-  strategy.after_optimizer_step();  // zeroes the gradient shards; ZeRO gathers the updated shards
+  strategy.after_optimizer_step(report);  // zeroes the gradient shards; ZeRO gathers the updated shards; hooks
   return report;
 }
 

@@ -1,4 +1,6 @@
-/* Compiles weft/strategy.h as strict C99 (-pedantic -Werror): the ABI must stay usable from C. */
+/* Compiles weft/strategy.h and weft/plugin.h as strict C99 (-pedantic -Werror): both ABIs must stay
+ * usable from C. */
+#include <weft/plugin.h>
 #include <weft/strategy.h>
 
 /* A C plugin's entry point has this shape. */

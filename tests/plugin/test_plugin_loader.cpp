@@ -250,7 +250,7 @@ TEST(PluginLoader, NotFoundListsEveryPlaceSearched) {
     FAIL() << "no exception";
   } catch (const Error& e) {
     // The plugins there (the fixtures' and the built-in single), then every place searched.
-    EXPECT_THAT(e.what(), HasSubstr("plugin 'no_such_plugin' not found (plugins here: abi2_no_proc_address, "));
+    EXPECT_THAT(e.what(), HasSubstr("plugin 'no_such_plugin' not found (plugins here: abi2_local_gradient, "));
     EXPECT_THAT(e.what(), HasSubstr(", bad_chunks, "));
     EXPECT_THAT(e.what(), HasSubstr(", good, "));
     EXPECT_THAT(e.what(), HasSubstr(", single, "));
@@ -295,8 +295,9 @@ TEST(PluginLoader, ListsEveryLibraryInTheSearchPathWithItsProblem) {
   EXPECT_EQ(listings[0].path, "(built in)");
   EXPECT_EQ(listings[0].name, "single");
   EXPECT_EQ(listings[0].problem, "");
-  EXPECT_EQ(files, (std::vector<std::string>{"(built in)", "abi2_no_proc_address.so", "abi2_schedule.so", "abi2_slice.so",
-                                             "abi2_tensor_parallel.so", "bad_chunks.so", "entry_null.so", "error_create.so", "finish_1_13.so", "good.so", "missing_create.so",
+  EXPECT_EQ(files, (std::vector<std::string>{"(built in)", "abi2_local_gradient.so", "abi2_no_proc_address.so",
+                                             "abi2_schedule.so", "abi2_slice.so", "abi2_tensor_parallel.so",
+                                             "abi2_unknown_point.so", "bad_chunks.so", "diloco.so", "entry_null.so", "error_create.so", "finish_1_13.so", "good.so", "missing_create.so",
                                              "missing_name.so", "needs_newer_host.so", "newer_minor.so",
                                              "no_entry.so", "not_a_library.so", "stages_1_12.so", "too_small.so",
                                              "undefined_symbol.so", "wrong_major.so"}));

@@ -1,6 +1,6 @@
 /*
  * weft/common.h - what both strategy ABIs share (C99): statuses, log levels, the mesh's
- * dimensions and the export attribute. Included by weft/strategy.h (ABI 1) and weft/plugin.h
+ * dimensions, reduction operations and the export attribute. Included by weft/strategy.h (ABI 1) and weft/plugin.h
  * (ABI 2).
  */
 #ifndef WEFT_COMMON_H
@@ -48,6 +48,14 @@ typedef enum weft_mesh_dim {
   WEFT_MESH_TP = 3  /* tensor parallelism: slices of the weights, the same rows and tokens */
 } weft_mesh_dim;
 #define WEFT_MESH_DIMS 4
+
+/* How a collective combines the ranks' values. */
+typedef enum weft_reduce_op {
+  WEFT_REDUCE_SUM = 0,
+  WEFT_REDUCE_PRODUCT = 1,
+  WEFT_REDUCE_MIN = 2,
+  WEFT_REDUCE_MAX = 3
+} weft_reduce_op;
 
 #ifdef __cplusplus
 }

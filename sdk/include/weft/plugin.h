@@ -1,13 +1,17 @@
 /*
  * weft/plugin.h - the strategy plugin ABI, version 2 (C99).
  *
- * STATUS: 2.0, the first landing of issue 44 (design: sdk/ABI2.md). The host loads 2.x plugins
- * beside 1.x ones (weft/strategy.h); single_abi2.so, ddp_abi2.so and zero_abi2.so are written
- * against it. What 2.0 covers: a plugin that owns at most the data-parallel dimension, runs alone
- * (not composed), and places every parameter and gradient REPLICATE and each optimizer state
- * REPLICATE or FLAT_SHARD (ZeRO's stage 1); the host runs the whole step. The other placements, hooks at named points and schedules from plugins are the next
- * landings; a 2.0 host refuses a plugin that asks for them, in one line, at load, at create or
- * (a placement) once the model is built, before the first step.
+ * STATUS: 2.1, landings of issue 44 (design: sdk/ABI2.md). The host loads 2.x plugins beside 1.x
+ * ones (weft/strategy.h); single_abi2.so, ddp_abi2.so, zero_abi2.so and the out-of-tree example
+ * sdk/examples/diloco are written against it. What 2.1 covers: a plugin that owns at most the
+ * data-parallel dimension and runs alone (not composed); it places every parameter, gradient and
+ * optimizer state REPLICATE or LOCAL (all three LOCAL together), or the optimizer state alone
+ * FLAT_SHARD (ZeRO's stage 1); it may register hooks at the points "train.begin" and "step.end",
+ * where it reads and writes the parameters, runs collectives and keeps state that checkpoints
+ * carry, through the host's services. The
+ * other placements, more points and schedules from plugins are the next landings; a 2.1 host
+ * refuses a plugin that asks for them, in one line, at load, at create or (a placement, a point)
+ * once the model is built, before the first step.
  *
  * The host owns the step. Per rank, one training step is a list of actions the host executes
  * (weft_action_kind): the forward and backward of each micro-batch, the reduction of gradients,
@@ -37,6 +41,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <dlpack/dlpack.h>
+
 #include <weft/common.h>
 
 #ifdef __cplusplus
@@ -45,7 +51,7 @@ extern "C" {
 
 /* Major: incompatible changes; must match. Minor: appended names and fields. */
 #define WEFT_PLUGIN_ABI_MAJOR 2
-#define WEFT_PLUGIN_ABI_MINOR 0
+#define WEFT_PLUGIN_ABI_MINOR 1
 #define WEFT_PLUGIN_ENTRY_SYMBOL "weft_plugin_entry"
 
 typedef struct weft_plugin_instance weft_plugin_instance; /* the plugin's; opaque to the host */
@@ -64,7 +70,7 @@ typedef struct weft_host_services {
   weft_proc (*get_proc_address)(const char* name);
 } weft_host_services;
 
-/* The host's services in 2.0, by name:
+/* The host's services, by name (since 2.0 unless marked):
  *   "weft_status_create"  weft_status* (*)(weft_status_code code, const char* message)
  *   "weft_log"            void (*)(weft_host_context*, weft_log_level level, const char* message)
  *   "weft_world"          void (*)(weft_host_context*, int32_t* rank, int32_t* size)
@@ -74,7 +80,28 @@ typedef struct weft_host_services {
  *   "weft_config_string"  weft_status* (*)(weft_host_context*, const char* key, const char* fallback, const char** out)
  * The config services read the run's [plugin] table (a key missing: the fallback; a key of another
  * type: an error naming it); a key no plugin reads is refused before the run starts. A string
- * stays valid for the instance's life. */
+ * stays valid for the instance's life.
+ *
+ * Since 2.1, for hooks (valid once the model is built: from "weft_place" on):
+ *   "weft_parameter_count"  int64_t (*)(weft_host_context*)
+ *   "weft_parameter"        weft_status* (*)(weft_host_context*, int64_t index, weft_parameter_desc* desc, DLTensor* data)
+ *       parameter `index` (0-based, the model's order: embedding first, head last): its description
+ *       (the caller sets desc->struct_size; the host writes the fields it covers) and a view of this
+ *       rank's tensor (contiguous, on the rank's device; read and written in place; valid for the
+ *       instance's life; shape and strides point into host memory).
+ *   "weft_all_reduce"       weft_status* (*)(weft_host_context*, DLTensor* tensor, weft_reduce_op op)
+ *       combines `tensor` in place over the ranks of the plugin's dimension and returns when done;
+ *       every rank calls it alike. fp32 or fp64, contiguous, on the rank's device. Its bytes count
+ *       in the step's communication (metrics.jsonl comm_bytes).
+ *   "weft_report_metric"    void (*)(weft_host_context*, const char* name, double value)
+ *       a value of the current step: metrics.jsonl's "plugin.<name>" (rank 0's).
+ *   "weft_state_tensor"     weft_status* (*)(weft_host_context*, const char* name, DLDataType dtype, int32_t ndim,
+ *                                            const int64_t* shape, DLTensor* out, int32_t* restored)
+ *       a tensor of the plugin's training state that the host keeps for it (contiguous, on the
+ *       rank's device; fp32, fp64, int32 or int64; one per name; valid for the instance's life):
+ *       checkpoints carry it (rank 0's: it must be the same on every rank) and a resume gives it
+ *       back. Made from "train.begin" on; `*restored` is 1 when it holds a checkpoint's values, 0
+ *       when it is new (zeros: a fresh run, or a checkpoint another plugin wrote). */
 typedef weft_status* (*weft_status_create_fn)(weft_status_code code, const char* message);
 typedef void (*weft_log_fn)(weft_host_context* host, weft_log_level level, const char* message);
 typedef void (*weft_world_fn)(weft_host_context* host, int32_t* rank, int32_t* size);
@@ -83,6 +110,14 @@ typedef weft_status* (*weft_config_float_fn)(weft_host_context* host, const char
 typedef weft_status* (*weft_config_bool_fn)(weft_host_context* host, const char* key, int32_t fallback, int32_t* out);
 typedef weft_status* (*weft_config_string_fn)(weft_host_context* host, const char* key, const char* fallback,
                                               const char** out);
+typedef struct weft_parameter_desc weft_parameter_desc;
+typedef int64_t (*weft_parameter_count_fn)(weft_host_context* host);
+typedef weft_status* (*weft_parameter_fn)(weft_host_context* host, int64_t index, weft_parameter_desc* desc,
+                                          DLTensor* data);
+typedef weft_status* (*weft_all_reduce_fn)(weft_host_context* host, DLTensor* tensor, weft_reduce_op op);
+typedef void (*weft_report_metric_fn)(weft_host_context* host, const char* name, double value);
+typedef weft_status* (*weft_state_tensor_fn)(weft_host_context* host, const char* name, DLDataType dtype, int32_t ndim,
+                                             const int64_t* shape, DLTensor* out, int32_t* restored);
 
 /* ------------------------------------------------------------------------------------------
  * The plugin: its core table, returned by weft_plugin_entry.
@@ -126,8 +161,11 @@ typedef struct weft_layout {
 typedef enum weft_placement_kind {
   WEFT_PLACE_REPLICATE = 0, /* whole and equal on every rank of the dimension; a gradient placed
                                so is averaged over them */
-  WEFT_PLACE_LOCAL = 1,     /* gradients only: whole, left as each rank computed it (no reduction:
-                               DiLoCo's inner steps); not yet executed by a 2.0 host */
+  WEFT_PLACE_LOCAL = 1,     /* whole and each rank's own: a gradient left as the rank computed it
+                               (no reduction), a parameter and an optimizer state that may differ
+                               between ranks (DiLoCo's inner steps). Since 2.1, for a parameter, its
+                               gradient and its optimizer state together; the replicas start equal
+                               (rank 0's values), and making them equal again is the plugin's (a hook) */
   WEFT_PLACE_SLICE = 2,     /* a slice along `dim` (tensor parallelism); not yet executed by a 2.0 host */
   WEFT_PLACE_FLAT_SHARD = 3 /* a flat range (ZeRO / FSDP): rank r of N holds elements [r*c, (r+1)*c) of
                                the flattened tensor, c = ceil(n / N) (the last range shorter or
@@ -146,13 +184,13 @@ typedef struct weft_parameter_layout {
   weft_placement parameter, gradient, optimizer_state;
 } weft_parameter_layout;
 
-typedef struct weft_parameter_desc {
-  uint32_t struct_size; /* host-set */
+struct weft_parameter_desc {
+  uint32_t struct_size; /* the size of the struct its writer fills (see "weft_parameter") */
   const char* name;     /* "model.layers.0.self_attn.q_proj.weight", "...lora_A.weight" */
   int32_t ndim;
   const int64_t* shape; /* ndim sizes */
   int32_t trainable;    /* 0 for a frozen parameter (LoRA's base) */
-} weft_parameter_desc;
+};
 
 /* "weft_layout": the batch split (`out` comes filled with the host's defaults). */
 typedef weft_status* (*weft_layout_fn)(weft_plugin_instance* instance, weft_layout* out);
@@ -181,6 +219,38 @@ typedef struct weft_action {
   int32_t chunk;       /* the stage chunk (0 in 2.0) */
   int32_t micro_batch; /* FORWARD, BACKWARD; -1 otherwise */
 } weft_action;
+
+/* ------------------------------------------------------------------------------------------
+ * Hooks at named points (plugin function "weft_hooks"; optional; since 2.1)
+ * ---------------------------------------------------------------------------------------- */
+
+/* Points are names the host publishes, not an enum of this header: a new point is a new name. A
+ * 2.1 host publishes:
+ *   "train.begin"  before the first training step of this process (after a resume restored the
+ *                  model): event.step = the optimizer steps already taken (0 for a fresh run)
+ *   "step.end"     after each optimizer step, and after what the placements ask after it (the
+ *                  gathers of a FLAT_SHARD optimizer state): event.step = the steps taken, this one
+ *                  included (1 after the first)
+ * A plugin registering a name the host does not publish is refused, in one line naming it and the
+ * points the host has, before the first step. A hook may use the host's services (parameters,
+ * collectives over its dimension, metrics); an error it returns stops the run, naming the plugin
+ * and the point. */
+typedef struct weft_hook_event {
+  uint32_t struct_size; /* host-set */
+  const char* point;    /* the point's name */
+  int64_t step;         /* see the points */
+} weft_hook_event;
+
+typedef weft_status* (*weft_hook_fn)(weft_plugin_instance* instance, const weft_hook_event* event);
+
+typedef struct weft_hook {
+  const char* point; /* "step.end" */
+  weft_hook_fn fn;
+} weft_hook;
+
+/* "weft_hooks": the plugin's hooks (`*count` of them; storage the plugin keeps for the instance's
+ * life), asked once after "weft_place". Several hooks at one point run in the order given. */
+typedef const weft_hook* (*weft_hooks_fn)(weft_plugin_instance* instance, int32_t* count);
 
 #ifdef __cplusplus
 }

@@ -85,7 +85,7 @@
 
 #include <dlpack/dlpack.h>
 
-#include <weft/common.h> /* weft_status, weft_status_code, weft_log_level, weft_mesh_dim, WEFT_EXPORT */
+#include <weft/common.h> /* weft_status, weft_status_code, weft_log_level, weft_mesh_dim, weft_reduce_op, WEFT_EXPORT */
 
 #ifdef __cplusplus
 extern "C" {
@@ -124,13 +124,6 @@ typedef struct weft_activation weft_activation; /* a host tensor, possibly with 
 typedef struct weft_buffer weft_buffer;         /* memory on the rank's device owned by a plugin (since 1.2) */
 typedef struct weft_weight_pass weft_weight_pass; /* weight gradients deferred by backward_input (since 1.11) */
 typedef struct weft_strategy weft_strategy;     /* the plugin's instance; opaque to the host */
-
-typedef enum weft_reduce_op {
-  WEFT_REDUCE_SUM = 0,
-  WEFT_REDUCE_PRODUCT = 1,
-  WEFT_REDUCE_MIN = 2,
-  WEFT_REDUCE_MAX = 3
-} weft_reduce_op;
 
 /* ------------------------------------------------------------------------------------------
  * Plain data exchanged through the tables

@@ -181,32 +181,54 @@ weft_proc host_proc_address(const char* name) {
 // Gradients averaged over a group in buckets of at most `bucket_bytes` (a parameter larger than that
 // alone), filled from the last parameter to the first: the model lists them from the embedding to
 // the head and the backward finishes them the other way round. Armed for a backward, the buckets
-// start their all-reduces in order, each as soon as its parameters' gradients are final.
+// start their collectives in order, each as soon as its parameters' gradients are final.
+//
+// A gradient placed REPLICATE is all-reduced and written back whole. One placed FLAT_SHARD is
+// reduce-scattered: each rank receives the average of its flat range of it (ceil(n / N) elements in
+// rank order, as the optimizer state's) into the parameter's gradient shard, and the whole gradient
+// is freed once copied out. Such a bucket is a matrix [N, width]: row r holds rank r's range of each
+// of its parameters, zero-padded to ceil(n / N), so one reduce-scatter gives every rank its row.
 class GradientReducer {
  public:
-  GradientReducer(sdk::Host host, sdk::Group group, std::vector<int64_t> parameters, int64_t bucket_bytes)
-      : host_(host), group_(group) {
+  struct Reduced {
+    int64_t index;
+    bool scatter;  // FLAT_SHARD
+  };
+  GradientReducer(sdk::Host host, sdk::Group group, std::vector<Reduced> parameters, int64_t bucket_bytes)
+      : host_(host), group_(group), ranks_(group.size()), rank_(group.rank()) {
     std::reverse(parameters.begin(), parameters.end());
     of_.assign(static_cast<size_t>(host.parameter_count()), -1);
     ready_.assign(of_.size(), 0);
     int64_t elements = 0;
-    for (int64_t index : parameters) {
-      const DLTensor data = host.parameter_data(index);
+    for (const Reduced& p : parameters) {
+      const DLTensor data = host.parameter_data(p.index);
       int64_t n = 1;
       for (int32_t d = 0; d < data.ndim; ++d) n *= data.shape[d];
-      if (buckets_.empty() || (elements > 0 && (elements + n) * 4 > bucket_bytes)) {
+      if (buckets_.empty() || buckets_.back().scatter != p.scatter || (elements > 0 && (elements + n) * 4 > bucket_bytes)) {
         buckets_.emplace_back();
+        buckets_.back().scatter = p.scatter;
         elements = 0;
       }
       Bucket& b = buckets_.back();
-      b.parameters.push_back(index);
-      b.offsets.push_back(elements);
+      b.parameters.push_back(p.index);
       b.sizes.push_back(n);
+      if (p.scatter) {
+        const int64_t chunk = (n + ranks_ - 1) / ranks_;
+        b.offsets.push_back(b.width);
+        b.chunks.push_back(chunk);
+        b.width += chunk;
+      } else {
+        b.offsets.push_back(elements);
+        b.chunks.push_back(n);
+      }
       elements += n;
       b.elements = elements;
-      of_[static_cast<size_t>(index)] = static_cast<int64_t>(buckets_.size() - 1);
+      of_[static_cast<size_t>(p.index)] = static_cast<int64_t>(buckets_.size() - 1);
     }
-    for (Bucket& b : buckets_) b.buffer = host.buffer({b.elements}, DLDataType{kDLFloat, 32, 1});
+    for (Bucket& b : buckets_) {
+      b.buffer = host.buffer({b.scatter ? ranks_ * b.width : b.elements}, DLDataType{kDLFloat, 32, 1});
+      if (b.scatter) b.row = host.buffer({b.width}, DLDataType{kDLFloat, 32, 1});
+    }
     host.set_grad_ready_callback(&GradientReducer::ready_trampoline, this);
   }
   ~GradientReducer() {
@@ -239,11 +261,24 @@ class GradientReducer {
     for (Bucket& b : buckets_) b.pending = 0;
     start_ready();
   }
-  // Before the optimizer step: waits for every bucket and writes the averages into the gradients.
+  // Before the optimizer step: waits for every bucket and writes the averages into the gradients
+  // (FLAT_SHARD: into this rank's gradient shards).
   void finish() {
     for (Bucket& b : buckets_) {
       b.work.wait();
       b.work.reset();
+      if (b.scatter) {
+        DLTensor row = b.row.view();
+        host_.scale(row, 1.0 / static_cast<double>(ranks_));
+        for (size_t k = 0; k < b.parameters.size(); ++k) {
+          const int64_t count = range_count(b, k, rank_);
+          if (count == 0) continue;
+          int64_t shape[2];
+          DLTensor shard = host_.parameter_grad_shard(b.parameters[k]);
+          host_.copy(shard, b.row.part(b.offsets[k], count, shape));
+        }
+        continue;
+      }
       DLTensor whole = b.buffer.view();
       host_.scale(whole, 1.0 / static_cast<double>(group_.size()));
       for (size_t k = 0; k < b.parameters.size(); ++k) {
@@ -264,11 +299,20 @@ class GradientReducer {
 
  private:
   struct Bucket {
-    std::vector<int64_t> parameters, offsets, sizes;
+    bool scatter = false;
+    // Each parameter's index, element count, and offset (whole: in the buffer; scatter: in a row)
+    // and chunk (scatter: ceil(n / N); whole: n).
+    std::vector<int64_t> parameters, offsets, sizes, chunks;
     int64_t elements = 0, pending = 0;
-    sdk::Buffer buffer;
+    int64_t width = 0;   // scatter: a row's elements
+    sdk::Buffer buffer;  // whole: [elements]; scatter: [N * width]
+    sdk::Buffer row;     // scatter: this rank's reduced row
     sdk::Work work;
   };
+  // The elements of parameter k's range that rank r holds (the last ranges shorter or empty).
+  int64_t range_count(const Bucket& b, size_t k, int64_t r) const {
+    return std::clamp<int64_t>(b.sizes[k] - r * b.chunks[k], 0, b.chunks[k]);
+  }
   static void ready_trampoline(void* user, int64_t index) noexcept {
     auto* self = static_cast<GradientReducer*>(user);
     if (!self->armed_ || self->error_) return;
@@ -293,6 +337,10 @@ class GradientReducer {
   void start_ready() {
     while (next_ < buckets_.size() && buckets_[next_].pending == 0) {
       Bucket& b = buckets_[next_++];
+      if (b.scatter) {
+        start_scatter(b);
+        continue;
+      }
       for (size_t k = 0; k < b.parameters.size(); ++k) {
         int64_t shape[2];
         DLTensor target = b.buffer.part(b.offsets[k], b.sizes[k], shape);
@@ -307,9 +355,40 @@ class GradientReducer {
       b.work = host_.all_reduce(group_, view, WEFT_REDUCE_SUM);
     }
   }
+  // Rank r's range of each gradient into row r, then the reduce-scatter; the whole gradients go.
+  void start_scatter(Bucket& b) {
+    DLTensor all = b.buffer.view();
+    host_.scale(all, 0.0);  // the rows' padding
+    for (size_t k = 0; k < b.parameters.size(); ++k) {
+      DLTensor grad{};
+      if (!host_.step_gradient(b.parameters[k], grad)) continue;  // no gradient this step: zeros
+      for (int64_t r = 0; r < ranks_; ++r) {
+        const int64_t count = range_count(b, k, r);
+        if (count == 0) continue;
+        int64_t a[2], c[2];
+        DLTensor target = b.buffer.part(r * b.width + b.offsets[k], count, a);
+        host_.copy(target, flat_part(grad, r * b.chunks[k], count, c));
+      }
+      host_.release_parameter_grad(b.parameters[k]);
+    }
+    DLTensor row = b.row.view();
+    b.work = host_.reduce_scatter(group_, row, b.buffer.view(), WEFT_REDUCE_SUM);
+  }
+  // Elements [begin, begin + count) of a contiguous tensor, as a 1-D view.
+  static DLTensor flat_part(const DLTensor& t, int64_t begin, int64_t count, int64_t (&shape_and_stride)[2]) {
+    DLTensor v = t;
+    shape_and_stride[0] = count;
+    shape_and_stride[1] = 1;
+    v.ndim = 1;
+    v.shape = &shape_and_stride[0];
+    v.strides = &shape_and_stride[1];
+    v.byte_offset = t.byte_offset + static_cast<uint64_t>(begin) * ((t.dtype.bits * t.dtype.lanes + 7) / 8);
+    return v;
+  }
 
   sdk::Host host_;
   sdk::Group group_;
+  int64_t ranks_ = 1, rank_ = 0;
   std::vector<Bucket> buckets_;
   std::vector<int64_t> of_;  // each parameter's bucket, -1 for none
   std::vector<char> ready_;
@@ -396,6 +475,7 @@ class HostStep : public sdk::Strategy {
   void shard_gradients() const {
     const sdk::Host h = host();
     for (int64_t index : state_shards_) {
+      if (std::binary_search(grad_shards_.begin(), grad_shards_.end(), index)) continue;  // the reducer's
       DLTensor target = h.parameter_grad_shard(index);
       if (element_count(target) == 0) continue;
       DLTensor grad{};
@@ -446,7 +526,7 @@ class HostStep : public sdk::Strategy {
   void setup() override {
     const sdk::Host h = host();
     const int64_t count = h.parameter_count();
-    std::vector<int64_t> reduced;
+    std::vector<GradientReducer::Reduced> reduced;
     std::vector<sdk::Work> broadcasts;
     const auto place = reinterpret_cast<weft_place_fn>(proc("weft_place"));
     for (int64_t i = 0; i < count; ++i) {
@@ -471,7 +551,9 @@ class HostStep : public sdk::Strategy {
           if (data.dtype.code != kDLFloat || data.dtype.bits != 32) {
             throw sdk::Error(WEFT_STATUS_UNSUPPORTED, fmt::format("{}: parameter {} is not fp32", name(), info.name));
           }
-          reduced.push_back(i);
+          const bool scatter = where.gradient.kind == WEFT_PLACE_FLAT_SHARD;
+          reduced.push_back({i, scatter});
+          if (scatter) grad_shards_.push_back(i);  // ZeRO-2: reduce-scattered into this rank's range
         }
       }
     }
@@ -595,10 +677,19 @@ class HostStep : public sdk::Strategy {
       if (local && p.kind != WEFT_PLACE_LOCAL) {
         refuse(what, p.kind, " beside LOCAL (a parameter, its gradient and its optimizer state are LOCAL together)");
       }
+      const bool gradient = std::string(what) == "gradient";
       if (p.kind == WEFT_PLACE_REPLICATE || p.kind == WEFT_PLACE_LOCAL || (state && p.kind == WEFT_PLACE_FLAT_SHARD)) {
         continue;
       }
-      refuse(what, p.kind, " yet (REPLICATE, LOCAL; FLAT_SHARD for the optimizer state)");
+      if (gradient && p.kind == WEFT_PLACE_FLAT_SHARD) {
+        if (where.optimizer_state.kind != WEFT_PLACE_FLAT_SHARD) {
+          refuse("optimizer state", where.optimizer_state.kind,
+                 " under a FLAT_SHARD gradient (the optimizer updates the range the gradient's reduction gives: "
+                 "place the optimizer state FLAT_SHARD too)");
+        }
+        continue;
+      }
+      refuse(what, p.kind, " yet (REPLICATE, LOCAL; FLAT_SHARD for a gradient and an optimizer state)");
     }
   }
 
@@ -695,6 +786,7 @@ class HostStep : public sdk::Strategy {
   weft_layout layout_{};
   std::unique_ptr<GradientReducer> reducer_;
   std::vector<int64_t> state_shards_;  // parameters whose optimizer state this rank holds a range of, ascending
+  std::vector<int64_t> grad_shards_;   // of those, the ones whose gradient is reduce-scattered, ascending
   bool shards_state_ = false;
   StepProgram program_;
   int32_t program_micro_batches_ = 0;

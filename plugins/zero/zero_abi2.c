@@ -1,9 +1,10 @@
-/* zero_abi2.so: ZeRO's stage 1 written against ABI 2 (weft/plugin.h), as a layout alone. It owns the
- * data-parallel dimension, splits each batch's rows over it and places every trainable parameter's
- * optimizer state FLAT_SHARD (each rank's optimizer keeps and updates 1/N of it) with the parameter
- * and its gradient REPLICATE: the host averages the gradients as for ddp_abi2 and gathers each
- * updated parameter whole after the optimizer step. plugin.stage = 2 or 3 (gradients, then
- * parameters FLAT_SHARD) asks for placements a 2.0 host does not execute yet, which it refuses
+/* zero_abi2.so: ZeRO's stages 1 and 2 written against ABI 2 (weft/plugin.h), as a layout alone. It
+ * owns the data-parallel dimension, splits each batch's rows over it and places every trainable
+ * parameter's optimizer state FLAT_SHARD (each rank's optimizer keeps and updates 1/N of it); the
+ * host gathers each updated parameter whole after the optimizer step. Stage 1 leaves the gradient
+ * REPLICATE (the host all-reduces it, as for ddp_abi2); stage 2 places it FLAT_SHARD too (the host
+ * reduce-scatters it, so a rank keeps only its range of each gradient between steps). Stage 3 (the
+ * parameters FLAT_SHARD) asks for a placement a 2.1 host does not execute yet, which it refuses
  * before the first step; zero.so is all three stages under ABI 1. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -73,8 +74,8 @@ static weft_proc get_proc_address(const char* name) {
 
 WEFT_EXPORT const weft_plugin* weft_plugin_entry(uint16_t host_abi_major, uint16_t host_abi_minor) {
   static const weft_plugin table = {
-      sizeof(weft_plugin), WEFT_PLUGIN_ABI_MAJOR, WEFT_PLUGIN_ABI_MINOR, "zero_abi2", "2.0.0",
-      "ZeRO stage 1 under ABI 2: a layout (optimizer state flat-sharded); the host reduces and gathers",
+      sizeof(weft_plugin), WEFT_PLUGIN_ABI_MAJOR, WEFT_PLUGIN_ABI_MINOR, "zero_abi2", "2.1.0",
+      "ZeRO stages 1-2 under ABI 2: a layout (optimizer state, then gradients flat-sharded); the host reduces and gathers",
       1u << WEFT_MESH_DP, create, destroy, get_proc_address};
   (void)host_abi_minor;
   return host_abi_major == WEFT_PLUGIN_ABI_MAJOR ? &table : NULL;

@@ -115,8 +115,8 @@ TEST(Abi2, WhatThisHostDoesNotRunIsRefusedBeforeTheFirstStep) {
                                            "execute yet"},
       {"--plugin ddp_abi2,tensor_parallel --nproc 2", "plugin ddp_abi2 (ABI 2.1) runs alone in this version"},
       {"--plugin ddp_abi2 --nproc 2 --set plugin.bucket_mb=0", "plugin.bucket_mb must be > 0, got 0"},
-      {"--plugin zero_abi2 --nproc 2 --set plugin.stage=2",
-       "zero_abi2 places the gradient of model.embed_tokens.weight as FLAT_SHARD, which this host (ABI 2.1) does not "
+      {"--plugin zero_abi2 --nproc 2 --set plugin.stage=3",
+       "zero_abi2 places the parameter of model.embed_tokens.weight as FLAT_SHARD, which this host (ABI 2.1) does not "
        "execute yet"},
       {"--plugin ddp_abi2 --nproc 2 --set plugin.bucket_size=1", "plugin.bucket_size"},  // a key nobody reads
       {"--plugin abi2_local_gradient --nproc 2",
@@ -197,6 +197,43 @@ TEST(Abi2, ZeroStage1AsALayoutHalvesTheOptimizerStateAndResumesExactly) {
   const auto c = weft::testing::step_losses(dir + "/resumed/metrics.jsonl");
   ASSERT_EQ(c.size(), 3u);
   for (size_t i = 0; i < c.size(); ++i) EXPECT_EQ(c[i], b[i + 3]) << "step " << i + 4;
+}
+
+// ZeRO stage 2 as a layout (the gradients FLAT_SHARD too): on 2 ranks with small buckets and 2
+// micro-batches, stage 2 gives stage 1's losses to the bit (each element's average is the same sum
+// of two values), and between steps a rank keeps only its half of each gradient: the gradients'
+// MiB drop by what the whole gradients took (as much as the parameters), to half the parameters'.
+TEST(Abi2, ZeroStage2ReduceScattersTheGradientsAndKeepsOnlyThisRanksRange) {
+  const std::string dir = weft::testing::fresh_dir("weft_test_abi2", "zero2");
+  const std::string run =
+      tiny_run("--set train.max_steps=4 --set train.grad_accum_steps=2 --set plugin.bucket_mb=0.05 --nproc 2");
+  const auto one = weft::testing::run_trainer(run + " --plugin zero_abi2 --set train.out_dir=" + dir + "/one");
+  const auto two = weft::testing::run_trainer(run + " --plugin zero_abi2 --set plugin.stage=2 --set train.out_dir=" +
+                                              dir + "/two");
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  const auto a = weft::testing::step_losses(dir + "/one/metrics.jsonl");
+  ASSERT_EQ(a.size(), 4u);
+  EXPECT_EQ(a, weft::testing::step_losses(dir + "/two/metrics.jsonl"));
+  const auto state_mib = [](const std::string& metrics, const char* part) {
+    std::ifstream in(metrics);
+    std::vector<double> mib;
+    for (std::string line; std::getline(in, line);) {
+      const auto record = nlohmann::json::parse(line);
+      if (record["type"] == "summary") mib = record["state_mib_per_rank"][part].get<std::vector<double>>();
+    }
+    return mib;
+  };
+  const auto parameters = state_mib(dir + "/two/metrics.jsonl", "parameters");
+  const auto whole = state_mib(dir + "/one/metrics.jsonl", "gradients");
+  const auto range = state_mib(dir + "/two/metrics.jsonl", "gradients");
+  ASSERT_EQ(parameters.size(), 2u);
+  ASSERT_EQ(whole.size(), 2u);
+  ASSERT_EQ(range.size(), 2u);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NEAR(range[r], parameters[r] / 2, 0.01 * parameters[r]) << "rank " << r;
+    EXPECT_NEAR(whole[r] - range[r], parameters[r], 0.01 * parameters[r]) << "rank " << r;
+  }
 }
 
 }  // namespace

@@ -5,8 +5,8 @@
  * ones (weft/strategy.h); single_abi2.so, ddp_abi2.so, zero_abi2.so and the out-of-tree example
  * sdk/examples/diloco are written against it. What 2.1 covers: a plugin that owns at most the
  * data-parallel dimension and runs alone (not composed); it places every parameter, gradient and
- * optimizer state REPLICATE or LOCAL (all three LOCAL together), or the optimizer state alone
- * FLAT_SHARD (ZeRO's stage 1); it may register hooks at the points "train.begin" and "step.end",
+ * optimizer state REPLICATE or LOCAL (all three LOCAL together), or the optimizer state FLAT_SHARD
+ * (ZeRO's stage 1) and its gradient with it (stage 2); it may register hooks at the points "train.begin" and "step.end",
  * where it reads and writes the parameters, runs collectives and keeps state that checkpoints
  * carry, through the host's services. The
  * other placements, more points and schedules from plugins are the next landings; a 2.1 host
@@ -169,9 +169,11 @@ typedef enum weft_placement_kind {
   WEFT_PLACE_SLICE = 2,     /* a slice along `dim` (tensor parallelism); not yet executed by a 2.0 host */
   WEFT_PLACE_FLAT_SHARD = 3 /* a flat range (ZeRO / FSDP): rank r of N holds elements [r*c, (r+1)*c) of
                                the flattened tensor, c = ceil(n / N) (the last range shorter or
-                               empty). A 2.0 host executes it for the optimizer state: its optimizer
+                               empty). A 2.1 host executes it for the optimizer state (its optimizer
                                updates this rank's range from the averaged gradient, then gathers the
-                               parameter whole; for parameters and gradients, not yet */
+                               parameter whole) and, beside that, for the gradient (reduce-scattered:
+                               a rank keeps only its range of it between steps); for parameters, not
+                               yet */
 } weft_placement_kind;
 
 typedef struct weft_placement {

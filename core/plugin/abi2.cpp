@@ -254,6 +254,14 @@ class GradientReducer {
     armed_ = true;
   }
   void disarm() noexcept { armed_ = false; }
+  // Stage by stage (parameters FLAT_SHARD), the host's per-backward readiness would call a tied
+  // embedding final after the head's backward, before stage 0's adds to it: the step says instead
+  // which gradients are final (`ready`), after each stage's backward.
+  void set_explicit(bool on) noexcept { explicit_ = on; }
+  void ready(int64_t index) {
+    if (!armed_ || error_) return;
+    on_ready(index);
+  }
   // REDUCE: whatever did not report ready (a parameter without a gradient this step counts as
   // zeros) starts now.
   void start_rest() {
@@ -315,7 +323,7 @@ class GradientReducer {
   }
   static void ready_trampoline(void* user, int64_t index) noexcept {
     auto* self = static_cast<GradientReducer*>(user);
-    if (!self->armed_ || self->error_) return;
+    if (!self->armed_ || self->error_ || self->explicit_) return;
     try {
       self->on_ready(index);
     } catch (...) {
@@ -395,7 +403,138 @@ class GradientReducer {
   size_t next_ = 0;
   int64_t started_in_backward_ = 0;
   bool armed_ = false;
+  bool explicit_ = false;
   std::exception_ptr error_;
+};
+
+// Parameters placed FLAT_SHARD (ZeRO-3, FSDP): each rank keeps its flat range (ceil(n / N) elements
+// in rank order) as the master copy, and the whole parameter only around its model stage's uses:
+// gathered before the stage's forward and backward, released after. A stage's parameters are
+// all-gathered in groups of at most `bucket_bytes`, each a [N, width] matrix whose row r is rank
+// r's ranges (zero-padded), as the gradient reducer's scatter buckets.
+class ParameterGatherer {
+ public:
+  ParameterGatherer(sdk::Host host, sdk::Group group, int64_t stages,
+                    const std::vector<std::pair<int64_t, int64_t>>& parameters /* (index, stage) */, int64_t bucket_bytes)
+      : host_(host), group_(group), ranks_(group.size()), stages_(static_cast<size_t>(stages)),
+        whole_(static_cast<size_t>(stages), 1), flying_(static_cast<size_t>(stages)) {
+    for (const auto& [index, stage] : parameters) {
+      auto& groups = stages_.at(static_cast<size_t>(stage));
+      const int64_t n = element_count(host.parameter_data(index));
+      const int64_t chunk = (n + ranks_ - 1) / ranks_;
+      if (groups.empty() || (groups.back().width > 0 && (groups.back().width + chunk) * ranks_ * 4 > bucket_bytes)) {
+        groups.emplace_back();
+      }
+      Group& g = groups.back();
+      g.parameters.push_back(index);
+      g.sizes.push_back(n);
+      g.chunks.push_back(chunk);
+      g.offsets.push_back(g.width);
+      g.width += chunk;
+    }
+  }
+  int64_t stages() const { return static_cast<int64_t>(stages_.size()); }
+  // Starts the stage's all-gathers (nothing if it is whole or they are under way): called one stage
+  // ahead, they run while the current stage computes. Every rank starts them in the same order.
+  void prefetch(int64_t stage) {
+    if (stage < 0 || stage >= stages()) return;
+    auto& flying = flying_[static_cast<size_t>(stage)];
+    if (whole_[static_cast<size_t>(stage)] || !flying.empty()) return;
+    const int64_t rank = group_.rank();
+    for (const Group& g : stages_[static_cast<size_t>(stage)]) {
+      InFlight f;
+      f.send = host_.buffer({g.width}, DLDataType{kDLFloat, 32, 1});
+      f.receive = host_.buffer({ranks_ * g.width}, DLDataType{kDLFloat, 32, 1});
+      DLTensor row = f.send.view();
+      host_.scale(row, 0.0);
+      for (size_t k = 0; k < g.parameters.size(); ++k) {
+        const int64_t count = range_count(g, k, rank);
+        if (count == 0) continue;
+        int64_t a[2];
+        DLTensor to = f.send.part(g.offsets[k], count, a);
+        host_.copy(to, host_.parameter_shard(g.parameters[k]));
+      }
+      DLTensor all = f.receive.view();
+      f.work = host_.all_gather(group_, all, f.send.view());
+      flying.push_back(std::move(f));
+    }
+  }
+  // The stage's parameters whole (nothing if they are).
+  void gather(int64_t stage) {
+    if (whole_[static_cast<size_t>(stage)]) return;
+    prefetch(stage);
+    auto& flying = flying_[static_cast<size_t>(stage)];
+    const auto& groups = stages_[static_cast<size_t>(stage)];
+    for (size_t n = 0; n < groups.size(); ++n) {
+      const Group& g = groups[n];
+      InFlight& f = flying[n];
+      f.work.wait();
+      const sdk::Buffer& receive = f.receive;
+      for (size_t k = 0; k < g.parameters.size(); ++k) {
+        const DLTensor whole = host_.materialize_parameter(g.parameters[k]);
+        for (int64_t r = 0; r < ranks_; ++r) {
+          const int64_t count = range_count(g, k, r);
+          if (count == 0) continue;
+          int64_t a[2], b[2];
+          DLTensor to = flat_view(whole, r * g.chunks[k], count, a);
+          host_.copy(to, receive.part(r * g.width + g.offsets[k], count, b));
+        }
+      }
+    }
+    flying.clear();
+    whole_[static_cast<size_t>(stage)] = 1;
+  }
+  // The stage's whole parameters freed (each rank keeps its range).
+  void release(int64_t stage) {
+    if (!whole_[static_cast<size_t>(stage)]) return;
+    for (const Group& g : stages_[static_cast<size_t>(stage)]) {
+      for (int64_t index : g.parameters) host_.release_parameter(index);
+    }
+    whole_[static_cast<size_t>(stage)] = 0;
+  }
+  void gather_all() {
+    for (int64_t s = 0; s < stages(); ++s) gather(s);
+  }
+  void release_all() {
+    for (int64_t s = 0; s < stages(); ++s) release(s);
+  }
+
+  static int64_t element_count(const DLTensor& t) {
+    int64_t n = 1;
+    for (int32_t d = 0; d < t.ndim; ++d) n *= t.shape[d];
+    return n;
+  }
+  // Elements [begin, begin + count) of a contiguous tensor, as a 1-D view.
+  static DLTensor flat_view(const DLTensor& t, int64_t begin, int64_t count, int64_t (&shape_and_stride)[2]) {
+    DLTensor v = t;
+    shape_and_stride[0] = count;
+    shape_and_stride[1] = 1;
+    v.ndim = 1;
+    v.shape = &shape_and_stride[0];
+    v.strides = &shape_and_stride[1];
+    v.byte_offset = t.byte_offset + static_cast<uint64_t>(begin) * ((t.dtype.bits * t.dtype.lanes + 7) / 8);
+    return v;
+  }
+
+ private:
+  struct Group {
+    std::vector<int64_t> parameters, offsets, sizes, chunks;
+    int64_t width = 0;
+  };
+  struct InFlight {
+    sdk::Buffer send, receive;
+    sdk::Work work;
+  };
+  int64_t range_count(const Group& g, size_t k, int64_t r) const {
+    return std::clamp<int64_t>(g.sizes[k] - r * g.chunks[k], 0, g.chunks[k]);
+  }
+
+  sdk::Host host_;
+  sdk::Group group_;
+  int64_t ranks_;
+  std::vector<std::vector<Group>> stages_;
+  std::vector<char> whole_;
+  std::vector<std::vector<InFlight>> flying_;  // each stage's gathers under way
 };
 
 class HostStep : public sdk::Strategy {
@@ -442,6 +581,7 @@ class HostStep : public sdk::Strategy {
 
   ~HostStep() override {
     reducer_.reset();
+    gatherer_.reset();
     if (instance_ != nullptr) plugin_.table.destroy(instance_);
   }
 
@@ -463,11 +603,18 @@ class HostStep : public sdk::Strategy {
   weft_flat_shard flat_shard(int64_t index) override { return range_of(index); }
   weft_flat_shard range_of(int64_t index) const {
     const int64_t elements = element_count(host().parameter_data(index));
-    if (!std::binary_search(state_shards_.begin(), state_shards_.end(), index)) return weft_flat_shard{0, elements, 0u, 0u};
+    const bool parameter = is_parameter_shard(index);
+    if (!parameter && !std::binary_search(state_shards_.begin(), state_shards_.end(), index)) {
+      return weft_flat_shard{0, elements, 0u, 0u};
+    }
     const int64_t chunk = (elements + replicas() - 1) / replicas();
     const int64_t rank = host().world().rank();
     const int64_t begin = std::min(rank * chunk, elements), end = std::min((rank + 1) * chunk, elements);
-    return weft_flat_shard{begin, end - begin, 0u, 0u};
+    // A parameter placed FLAT_SHARD is whole only around its uses: its range is the master copy.
+    return weft_flat_shard{begin, end - begin, parameter ? WEFT_FLAT_SHARD_RELEASABLE : 0u, 0u};
+  }
+  bool is_parameter_shard(int64_t index) const {
+    return std::binary_search(parameter_shards_.begin(), parameter_shards_.end(), index);
   }
 
   // The optimizer state FLAT_SHARD: the host's optimizer reads this rank's range of each averaged
@@ -489,12 +636,14 @@ class HostStep : public sdk::Strategy {
     }
   }
 
-  // The optimizer state FLAT_SHARD: each rank's updated range into every rank's whole parameter.
+  // The optimizer state FLAT_SHARD: each rank's updated range into every rank's whole parameter
+  // (not for a parameter FLAT_SHARD, whose range is its master copy).
   void gather_state_shards() const {
     const sdk::Host h = host();
     const int32_t n = replicas();
     const int32_t rank = h.world().rank();
     for (int64_t index : state_shards_) {
+      if (is_parameter_shard(index)) continue;
       const DLTensor data = h.parameter_data(index);
       const int64_t elements = element_count(data);
       const int64_t chunk = (elements + n - 1) / n;
@@ -545,6 +694,16 @@ class HostStep : public sdk::Strategy {
         state_shards_.push_back(i);  // ZeRO-1: this rank's optimizer keeps 1/N of the parameter's state
       }
       const bool local = where.gradient.kind == WEFT_PLACE_LOCAL;
+      if (where.parameter.kind == WEFT_PLACE_FLAT_SHARD && replicas() > 1) {
+        if (data.dtype.code != kDLFloat || data.dtype.bits != 32) {
+          throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
+                           fmt::format("{} places parameter {} FLAT_SHARD, but it is not fp32 (this host shards fp32 "
+                                       "parameters; model.frozen_dtype = \"fp32\" keeps a frozen base so)",
+                                       name(), info.name));
+        }
+        parameter_shards_.push_back(i);  // ZeRO-3: whole only around its stage's uses
+        parameter_stages_.emplace_back(i, info.stage);
+      }
       if (replicas() > 1) {
         broadcasts.push_back(h.broadcast(h.world(), data, 0));  // replicas start equal
         if (info.trainable && !local) {
@@ -559,9 +718,23 @@ class HostStep : public sdk::Strategy {
     }
     for (const sdk::Work& work : broadcasts) work.wait();
     shards_state_ = !state_shards_.empty();
+    if (!parameter_shards_.empty()) {
+      gatherer_ = std::make_unique<ParameterGatherer>(h, h.world(), h.model_num_stages(), parameter_stages_,
+                                                      std::max<int64_t>(1, layout_.reduce_bucket_bytes));
+      tied_ = h.model_info().tie_word_embeddings != 0;
+      first_trainable_stage_ = h.model_num_stages();
+      stage_trainable_.assign(static_cast<size_t>(h.model_num_stages()), {});
+      for (int64_t i = 0; i < count; ++i) {
+        const weft_parameter_info info = h.parameter_info(i);
+        if (!info.trainable) continue;
+        first_trainable_stage_ = std::min(first_trainable_stage_, info.stage);
+        stage_trainable_.at(static_cast<size_t>(info.stage)).push_back(i);
+      }
+    }
     register_hooks();
     if (!reduced.empty()) {
       reducer_ = std::make_unique<GradientReducer>(h, h.world(), reduced, std::max<int64_t>(1, layout_.reduce_bucket_bytes));
+      reducer_->set_explicit(gatherer_ != nullptr);
     }
   }
 
@@ -583,14 +756,22 @@ class HostStep : public sdk::Strategy {
     const int64_t stages = h.model_num_stages();
     const double scale = 1.0 / step.micro_batches;
     std::map<int, sdk::Loss> losses;  // by micro-batch, from its forward to its backward
+    std::map<int, StagedPass> passes;  // FLAT_SHARD parameters: each stage's input and output
     double loss_sum = 0.0;
     try {
+      if (gatherer_) {
+        if (!resting_) gatherer_->release_all();  // whole since the last materialisation (a save, setup)
+        resting_ = true;
+        if (tied_) gatherer_->gather(0);  // the head uses the embedding: whole through the step
+      }
       for (size_t i = 0; i < program_.size(); ++i) {
         const StepAction& a = program_[i];
         switch (a.kind) {
           case WEFT_ACTION_FORWARD: {
             sdk::Batch batch = h.batch(a.micro_batch);
-            sdk::Activation logits = h.forward(0, stages, batch.inputs);
+            sdk::Activation whole;  // the logits, or in `passes` stage by stage
+            const sdk::Activation& logits =
+                gatherer_ ? staged_forward(batch, passes[a.micro_batch]) : (whole = h.forward(0, stages, batch.inputs));
             sdk::Loss loss = h.loss(logits, batch.targets, scale);
             loss_sum += loss.value;
             losses.emplace(a.micro_batch, std::move(loss));
@@ -600,7 +781,12 @@ class HostStep : public sdk::Strategy {
             const bool final = i + 1 < program_.size() && program_[i + 1].kind == WEFT_ACTION_REDUCE;
             if (final && reducer_) reducer_->arm();
             auto it = losses.find(a.micro_batch);
-            h.backward(it->second.loss);
+            if (gatherer_) {
+              staged_backward(it->second, passes[a.micro_batch]);
+              passes.erase(a.micro_batch);
+            } else {
+              h.backward(it->second.loss);
+            }
             losses.erase(it);
             if (reducer_) reducer_->disarm();
             break;
@@ -614,6 +800,7 @@ class HostStep : public sdk::Strategy {
             break;
         }
       }
+      if (gatherer_ && tied_) gatherer_->release(0);
     } catch (...) {
       if (reducer_) reducer_->abandon();
       throw;
@@ -636,7 +823,8 @@ class HostStep : public sdk::Strategy {
       sdk::Batch batch = h.batch(m);
       const DLTensor inputs = h.activation_view(batch.inputs);
       if (inputs.ndim > 0 && inputs.shape[0] == 0) continue;  // no rows for this rank
-      sdk::Activation logits = h.forward(0, stages, batch.inputs, WEFT_FORWARD_NO_GRAD);
+      sdk::Activation logits = gatherer_ ? staged_eval_forward(batch)
+                                         : h.forward(0, stages, batch.inputs, WEFT_FORWARD_NO_GRAD);
       sdk::Loss loss = h.loss(logits, batch.targets, 1.0);
       sums[0] += loss.value * static_cast<double>(loss.tokens);
       sums[1] += static_cast<double>(loss.tokens);
@@ -646,6 +834,84 @@ class HostStep : public sdk::Strategy {
     result.loss_sum = sums[0];
     result.tokens = static_cast<int64_t>(sums[1] + 0.5);
     return result;
+  }
+
+  // Parameters FLAT_SHARD: the model stage by stage, each gathered for its forward and released
+  // after it (the last stays whole for its backward; with tied embeddings, stage 0 the whole step).
+  struct StagedPass {
+    std::vector<sdk::Activation> inputs, outputs;  // inputs[s]: stage s's input as a leaf (s > 0)
+  };
+  const sdk::Activation& staged_forward(const sdk::Batch& batch, StagedPass& pass) {
+    const sdk::Host h = host();
+    const int64_t S = gatherer_->stages();
+    pass.inputs.resize(static_cast<size_t>(S));
+    pass.outputs.resize(static_cast<size_t>(S));
+    for (int64_t s = 0; s < S; ++s) {
+      gatherer_->gather(s);
+      gatherer_->prefetch(s + 1);
+      if (s == 0) {
+        pass.outputs[0] = h.forward(0, 1, batch.inputs);
+      } else {
+        pass.inputs[s] = h.activation_from_tensor(h.activation_view(pass.outputs[s - 1]), true);
+        pass.outputs[s] = h.forward(s, s + 1, pass.inputs[s]);
+      }
+      if (s + 1 < S && !(tied_ && s == 0)) gatherer_->release(s);
+    }
+    return pass.outputs[static_cast<size_t>(S - 1)];
+  }
+  void staged_backward(sdk::Loss& loss, StagedPass& pass) {
+    const sdk::Host h = host();
+    const int64_t S = gatherer_->stages();
+    for (int64_t s = S - 1; s >= 0; --s) {
+      if (s < first_trainable_stage_) {  // nothing before it trains (a frozen embedding): no backward
+        if (!(tied_ && s == 0)) gatherer_->release(s);
+        continue;
+      }
+      gatherer_->gather(s);
+      if (s - 1 >= first_trainable_stage_) gatherer_->prefetch(s - 1);
+      if (s + 1 == S) {
+        h.backward(loss.loss);
+        loss.loss.reset();
+      } else {
+        sdk::Activation grad = h.activation_grad(pass.inputs[static_cast<size_t>(s + 1)]);
+        h.backward(pass.outputs[static_cast<size_t>(s)], grad);
+        pass.inputs[static_cast<size_t>(s + 1)].reset();
+      }
+      pass.outputs[static_cast<size_t>(s)].reset();  // its graph is spent
+      if (reducer_) {
+        for (int64_t index : stage_trainable_[static_cast<size_t>(s)]) reducer_->ready(index);
+      }
+      if (!(tied_ && s == 0)) gatherer_->release(s);
+    }
+  }
+
+  sdk::Activation staged_eval_forward(const sdk::Batch& batch) {
+    const sdk::Host h = host();
+    const int64_t S = gatherer_->stages();
+    const bool was_resting = resting_;
+    if (tied_) gatherer_->gather(0);
+    sdk::Activation out;
+    for (int64_t s = 0; s < S; ++s) {
+      gatherer_->gather(s);
+      if (was_resting) gatherer_->prefetch(s + 1);
+      out = s == 0 ? h.forward(0, 1, batch.inputs, WEFT_FORWARD_NO_GRAD)
+                   : h.forward(s, s + 1, out, WEFT_FORWARD_NO_GRAD);
+      if (was_resting && !(tied_ && s == 0)) gatherer_->release(s);
+    }
+    if (was_resting && tied_) gatherer_->release(0);
+    return out;
+  }
+
+  // Every parameter whole (a checkpoint, an evaluation, generation) or back to its ranges.
+  void materialize_parameters(bool whole) override {
+    if (!gatherer_) return;
+    if (whole) {
+      gatherer_->gather_all();
+      resting_ = false;
+    } else {
+      gatherer_->release_all();
+      resting_ = true;
+    }
   }
 
   void after_optimizer_step() override {
@@ -681,6 +947,14 @@ class HostStep : public sdk::Strategy {
       if (p.kind == WEFT_PLACE_REPLICATE || p.kind == WEFT_PLACE_LOCAL || (state && p.kind == WEFT_PLACE_FLAT_SHARD)) {
         continue;
       }
+      if (std::string(what) == "parameter" && p.kind == WEFT_PLACE_FLAT_SHARD) {
+        if (info.trainable && where.gradient.kind != WEFT_PLACE_FLAT_SHARD) {
+          refuse("gradient", where.gradient.kind,
+                 " under a FLAT_SHARD parameter (its range is the optimizer's master copy: place the gradient and "
+                 "the optimizer state FLAT_SHARD too)");
+        }
+        continue;
+      }
       if (gradient && p.kind == WEFT_PLACE_FLAT_SHARD) {
         if (where.optimizer_state.kind != WEFT_PLACE_FLAT_SHARD) {
           refuse("optimizer state", where.optimizer_state.kind,
@@ -689,7 +963,7 @@ class HostStep : public sdk::Strategy {
         }
         continue;
       }
-      refuse(what, p.kind, " yet (REPLICATE, LOCAL; FLAT_SHARD for a gradient and an optimizer state)");
+      refuse(what, p.kind, " yet (REPLICATE, LOCAL, FLAT_SHARD)");
     }
   }
 
@@ -787,6 +1061,13 @@ class HostStep : public sdk::Strategy {
   std::unique_ptr<GradientReducer> reducer_;
   std::vector<int64_t> state_shards_;  // parameters whose optimizer state this rank holds a range of, ascending
   std::vector<int64_t> grad_shards_;   // of those, the ones whose gradient is reduce-scattered, ascending
+  std::vector<int64_t> parameter_shards_;  // parameters placed FLAT_SHARD, ascending
+  std::vector<std::pair<int64_t, int64_t>> parameter_stages_;  // (parameter, its model stage) of those
+  std::unique_ptr<ParameterGatherer> gatherer_;  // when there are any
+  bool tied_ = false;     // the head is the embedding: stage 0 stays whole through a step
+  bool resting_ = false;  // every FLAT_SHARD parameter released
+  int64_t first_trainable_stage_ = 0;
+  std::vector<std::vector<int64_t>> stage_trainable_;  // each model stage's trainable parameters
   bool shards_state_ = false;
   StepProgram program_;
   int32_t program_micro_batches_ = 0;

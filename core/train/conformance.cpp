@@ -302,6 +302,7 @@ std::vector<ConformanceCase> conformance_matrix() {
   both("zero_abi2", 2, {});  // ZeRO stage 1 under ABI 2: the optimizer state flat-sharded by the host
   both("zero_abi2", 3, {});
   both("zero_abi2", 3, {"plugin.stage=2", "plugin.bucket_mb=0.05"});  // gradients reduce-scattered too
+  both("zero_abi2", 2, {"plugin.stage=3"});  // parameters gathered around each stage's uses
   for (const char* stage : {"plugin.stage=1", "plugin.stage=2", "plugin.stage=3"}) both("zero", 2, {stage});
   both("tensor_parallel", 2, {});
   both("tensor_parallel", 4, {});                         // the check model's 2 kv heads shared by pairs

@@ -1,11 +1,12 @@
-/* zero_abi2.so: ZeRO's stages 1 and 2 written against ABI 2 (weft/plugin.h), as a layout alone. It
+/* zero_abi2.so: ZeRO's three stages written against ABI 2 (weft/plugin.h), as a layout alone. It
  * owns the data-parallel dimension, splits each batch's rows over it and places every trainable
- * parameter's optimizer state FLAT_SHARD (each rank's optimizer keeps and updates 1/N of it); the
- * host gathers each updated parameter whole after the optimizer step. Stage 1 leaves the gradient
- * REPLICATE (the host all-reduces it, as for ddp_abi2); stage 2 places it FLAT_SHARD too (the host
- * reduce-scatters it, so a rank keeps only its range of each gradient between steps). Stage 3 (the
- * parameters FLAT_SHARD) asks for a placement a 2.1 host does not execute yet, which it refuses
- * before the first step; zero.so is all three stages under ABI 1. */
+ * parameter's optimizer state FLAT_SHARD (each rank's optimizer keeps and updates 1/N of it). Stage
+ * 1 leaves the gradient REPLICATE (the host all-reduces it, as for ddp_abi2, and gathers each
+ * updated parameter whole after the optimizer step); stage 2 places it FLAT_SHARD too (the host
+ * reduce-scatters it, so a rank keeps only its range of each gradient between steps); stage 3
+ * places every parameter FLAT_SHARD as well (the host gathers each model stage's parameters around
+ * its forward and backward and frees them after: FSDP). zero.so is the same under ABI 1, with its
+ * own step loops. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -58,10 +59,10 @@ static weft_status* layout(weft_plugin_instance* instance, weft_layout* out) {
 static weft_status* place(weft_plugin_instance* instance, const weft_parameter_desc* parameter,
                           weft_parameter_layout* out) {
   const zero* self = (const zero*)instance;
-  if (!parameter->trainable) return NULL; /* frozen: no optimizer state, no gradient */
+  if (self->stage >= 3) out->parameter.kind = WEFT_PLACE_FLAT_SHARD; /* every parameter, frozen ones too */
+  if (!parameter->trainable) return NULL;                            /* no optimizer state, no gradient */
   out->optimizer_state.kind = WEFT_PLACE_FLAT_SHARD;
   if (self->stage >= 2) out->gradient.kind = WEFT_PLACE_FLAT_SHARD;
-  if (self->stage >= 3) out->parameter.kind = WEFT_PLACE_FLAT_SHARD;
   return NULL;
 }
 
@@ -75,7 +76,7 @@ static weft_proc get_proc_address(const char* name) {
 WEFT_EXPORT const weft_plugin* weft_plugin_entry(uint16_t host_abi_major, uint16_t host_abi_minor) {
   static const weft_plugin table = {
       sizeof(weft_plugin), WEFT_PLUGIN_ABI_MAJOR, WEFT_PLUGIN_ABI_MINOR, "zero_abi2", "2.1.0",
-      "ZeRO stages 1-2 under ABI 2: a layout (optimizer state, then gradients flat-sharded); the host reduces and gathers",
+      "ZeRO stages 1-3 under ABI 2: a layout (optimizer state, gradients, parameters flat-sharded); the host does the rest",
       1u << WEFT_MESH_DP, create, destroy, get_proc_address};
   (void)host_abi_minor;
   return host_abi_major == WEFT_PLUGIN_ABI_MAJOR ? &table : NULL;

@@ -6,7 +6,7 @@
  * sdk/examples/diloco are written against it. What 2.1 covers: a plugin that owns at most the
  * data-parallel dimension and runs alone (not composed); it places every parameter, gradient and
  * optimizer state REPLICATE or LOCAL (all three LOCAL together), or the optimizer state FLAT_SHARD
- * (ZeRO's stage 1) and its gradient with it (stage 2); it may register hooks at the points "train.begin" and "step.end",
+ * (ZeRO's stage 1), its gradient with it (stage 2) and the parameter too (stage 3); it may register hooks at the points "train.begin" and "step.end",
  * where it reads and writes the parameters, runs collectives and keeps state that checkpoints
  * carry, through the host's services. The
  * other placements, more points and schedules from plugins are the next landings; a 2.1 host
@@ -169,11 +169,14 @@ typedef enum weft_placement_kind {
   WEFT_PLACE_SLICE = 2,     /* a slice along `dim` (tensor parallelism); not yet executed by a 2.0 host */
   WEFT_PLACE_FLAT_SHARD = 3 /* a flat range (ZeRO / FSDP): rank r of N holds elements [r*c, (r+1)*c) of
                                the flattened tensor, c = ceil(n / N) (the last range shorter or
-                               empty). A 2.1 host executes it for the optimizer state (its optimizer
-                               updates this rank's range from the averaged gradient, then gathers the
-                               parameter whole) and, beside that, for the gradient (reduce-scattered:
-                               a rank keeps only its range of it between steps); for parameters, not
-                               yet */
+                               empty). For the optimizer state: the host's optimizer updates this
+                               rank's range from the averaged gradient, then gathers the parameter
+                               whole. For the gradient too (with the optimizer state): it is
+                               reduce-scattered, a rank keeps only its range between steps. For the
+                               parameter too (a trainable one with both): the range is the master
+                               copy; the host runs the model stage by stage, all-gathering each
+                               stage's parameters (fp32) for its forward and its backward and
+                               freeing them after (a tied embedding stays whole through a step) */
 } weft_placement_kind;
 
 typedef struct weft_placement {

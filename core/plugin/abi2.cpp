@@ -194,8 +194,13 @@ class GradientReducer {
     int64_t index;
     bool scatter;  // FLAT_SHARD
   };
-  GradientReducer(sdk::Host host, sdk::Group group, std::vector<Reduced> parameters, int64_t bucket_bytes)
-      : host_(host), group_(group), ranks_(group.size()), rank_(group.rank()) {
+  // `group`: the dimension (REPLICATE gradients are averaged over it). FLAT_SHARD ones are
+  // reduce-scattered over `shards` (the dimension, or HSDP's group of it) and then, where the
+  // dimension holds several such groups, summed over `replicas` (the ranks of the same position in
+  // the other groups) before the average.
+  GradientReducer(sdk::Host host, sdk::Group group, sdk::Group shards, sdk::Group replicas, std::vector<Reduced> parameters,
+                  int64_t bucket_bytes)
+      : host_(host), group_(group), shards_(shards), replicas_(replicas), ranks_(shards.size()), rank_(shards.rank()) {
     std::reverse(parameters.begin(), parameters.end());
     of_.assign(static_cast<size_t>(host.parameter_count()), -1);
     ready_.assign(of_.size(), 0);
@@ -277,7 +282,8 @@ class GradientReducer {
       b.work.reset();
       if (b.scatter) {
         DLTensor row = b.row.view();
-        host_.scale(row, 1.0 / static_cast<double>(ranks_));
+        if (replicas_.get() != nullptr && replicas_.size() > 1) host_.all_reduce(replicas_, row, WEFT_REDUCE_SUM).wait();
+        host_.scale(row, 1.0 / static_cast<double>(group_.size()));
         for (size_t k = 0; k < b.parameters.size(); ++k) {
           const int64_t count = range_count(b, k, rank_);
           if (count == 0) continue;
@@ -380,7 +386,7 @@ class GradientReducer {
       host_.release_parameter_grad(b.parameters[k]);
     }
     DLTensor row = b.row.view();
-    b.work = host_.reduce_scatter(group_, row, b.buffer.view(), WEFT_REDUCE_SUM);
+    b.work = host_.reduce_scatter(shards_, row, b.buffer.view(), WEFT_REDUCE_SUM);
   }
   // Elements [begin, begin + count) of a contiguous tensor, as a 1-D view.
   static DLTensor flat_part(const DLTensor& t, int64_t begin, int64_t count, int64_t (&shape_and_stride)[2]) {
@@ -395,8 +401,8 @@ class GradientReducer {
   }
 
   sdk::Host host_;
-  sdk::Group group_;
-  int64_t ranks_ = 1, rank_ = 0;
+  sdk::Group group_, shards_, replicas_;
+  int64_t ranks_ = 1, rank_ = 0;  // of `shards_`
   std::vector<Bucket> buckets_;
   std::vector<int64_t> of_;  // each parameter's bucket, -1 for none
   std::vector<char> ready_;
@@ -564,12 +570,14 @@ class HostStep : public sdk::Strategy {
     layout_.dimension = (owns & (1u << WEFT_MESH_DP)) != 0 ? WEFT_MESH_DP : -1;
     layout_.batch_split = WEFT_SPLIT_NONE;
     layout_.reduce_bucket_bytes = kDefaultBucketBytes;
+    layout_.shard_group_size = 0;
     if (auto fn = reinterpret_cast<weft_layout_fn>(proc("weft_layout"))) check(fn(instance_, &layout_), "weft_layout");
     if (layout_.batch_split != WEFT_SPLIT_NONE && layout_.batch_split != WEFT_SPLIT_ROWS) {
       throw sdk::Error(WEFT_STATUS_UNSUPPORTED, fmt::format("{}: weft_layout's batch split {} is not one this host executes "
                                                        "(WEFT_SPLIT_NONE, WEFT_SPLIT_ROWS)",
                                                        name(), layout_.batch_split));
     }
+    make_shard_groups();
     for (const char* later : {"weft_schedule"}) {
       if (proc(later) != nullptr) {
         throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
@@ -578,6 +586,39 @@ class HostStep : public sdk::Strategy {
       }
     }
   }
+
+  // FLAT_SHARD placements shard over groups of weft_layout.shard_group_size consecutive ranks of the
+  // dimension (0 or its size: the whole dimension), replicated across the groups (HSDP). Collective.
+  void make_shard_groups() {
+    const sdk::Group world = host().world();
+    const int32_t n = replicas();
+    int32_t k = layout_.shard_group_size;
+    if (k <= 0 || k >= n) k = n;
+    if (n % k != 0) {
+      throw sdk::Error(WEFT_STATUS_BAD_CONFIG,
+                       fmt::format("{}: weft_layout's shard group of {} ranks does not divide the dimension's {}", name(),
+                                   layout_.shard_group_size, n));
+    }
+    shard_group_ = world;
+    if (k == n) return;
+    const int32_t rank = world.rank();
+    for (int32_t g = 0; g < n / k; ++g) {  // every rank makes every group, in the same order
+      std::vector<int32_t> members;
+      for (int32_t j = 0; j < k; ++j) members.push_back(g * k + j);
+      sdk::Group made = host().create_group(members);
+      if (rank / k == g) shard_group_ = made;
+    }
+    for (int32_t j = 0; j < k; ++j) {
+      std::vector<int32_t> members;
+      for (int32_t g = 0; g < n / k; ++g) members.push_back(g * k + j);
+      sdk::Group made = host().create_group(members);
+      if (rank % k == j) replica_group_ = made;
+    }
+    // The checkpoint's gather of the optimizer state goes over the group the ranges cover.
+    host().handle()->state->flat_shard_group = shard_group_.get()->group;
+  }
+  int32_t shard_ranks() const { return shard_group_.get() != nullptr ? shard_group_.size() : 1; }
+  int32_t shard_rank() const { return shard_group_.get() != nullptr ? shard_group_.rank() : 0; }
 
   ~HostStep() override {
     reducer_.reset();
@@ -607,8 +648,8 @@ class HostStep : public sdk::Strategy {
     if (!parameter && !std::binary_search(state_shards_.begin(), state_shards_.end(), index)) {
       return weft_flat_shard{0, elements, 0u, 0u};
     }
-    const int64_t chunk = (elements + replicas() - 1) / replicas();
-    const int64_t rank = host().world().rank();
+    const int64_t chunk = (elements + shard_ranks() - 1) / shard_ranks();
+    const int64_t rank = shard_rank();
     const int64_t begin = std::min(rank * chunk, elements), end = std::min((rank + 1) * chunk, elements);
     // A parameter placed FLAT_SHARD is whole only around its uses: its range is the master copy.
     return weft_flat_shard{begin, end - begin, parameter ? WEFT_FLAT_SHARD_RELEASABLE : 0u, 0u};
@@ -640,8 +681,8 @@ class HostStep : public sdk::Strategy {
   // (not for a parameter FLAT_SHARD, whose range is its master copy).
   void gather_state_shards() const {
     const sdk::Host h = host();
-    const int32_t n = replicas();
-    const int32_t rank = h.world().rank();
+    const int32_t n = shard_ranks();
+    const int32_t rank = shard_rank();
     for (int64_t index : state_shards_) {
       if (is_parameter_shard(index)) continue;
       const DLTensor data = h.parameter_data(index);
@@ -657,7 +698,7 @@ class HostStep : public sdk::Strategy {
         h.copy(to, flat_range(data, begin, end - begin, b));
       }
       DLTensor out = receive.view();
-      h.all_gather(h.world(), out, send.view()).wait();
+      h.all_gather(shard_group_, out, send.view()).wait();
       DLTensor whole = flat_range(data, 0, elements, a);
       h.copy(whole, receive.part(0, elements, b));
     }
@@ -666,9 +707,11 @@ class HostStep : public sdk::Strategy {
   double global_grad_norm_sq(double local_sq) override {
     // Sharded, the host's norm covers this rank's ranges of the (averaged, equal) gradients: the
     // ranks' ranges cover each element once. Whole, every rank already has the whole norm.
+    // Sharded over groups (HSDP): each group's ranges cover every element once, and the groups hold
+    // the same averaged gradients.
     if (!shards_state_ || replicas() <= 1) return local_sq;
     std::vector<double> sum{local_sq};
-    all_reduce(sum);
+    all_reduce(sum, shard_group_);
     return sum[0];
   }
 
@@ -719,7 +762,7 @@ class HostStep : public sdk::Strategy {
     for (const sdk::Work& work : broadcasts) work.wait();
     shards_state_ = !state_shards_.empty();
     if (!parameter_shards_.empty()) {
-      gatherer_ = std::make_unique<ParameterGatherer>(h, h.world(), h.model_num_stages(), parameter_stages_,
+      gatherer_ = std::make_unique<ParameterGatherer>(h, shard_group_, h.model_num_stages(), parameter_stages_,
                                                       std::max<int64_t>(1, layout_.reduce_bucket_bytes));
       tied_ = h.model_info().tie_word_embeddings != 0;
       first_trainable_stage_ = h.model_num_stages();
@@ -733,7 +776,8 @@ class HostStep : public sdk::Strategy {
     }
     register_hooks();
     if (!reduced.empty()) {
-      reducer_ = std::make_unique<GradientReducer>(h, h.world(), reduced, std::max<int64_t>(1, layout_.reduce_bucket_bytes));
+      reducer_ = std::make_unique<GradientReducer>(h, h.world(), shard_group_, replica_group_, reduced,
+                                                   std::max<int64_t>(1, layout_.reduce_bucket_bytes));
       reducer_->set_explicit(gatherer_ != nullptr);
     }
   }
@@ -1023,7 +1067,8 @@ class HostStep : public sdk::Strategy {
     g_api->status_release(status);
     throw sdk::Error(code, what ? fmt::format("{} ({}): {}", name(), what, message) : message);
   }
-  void all_reduce(std::vector<double>& values) const {
+  void all_reduce(std::vector<double>& values) const { all_reduce(values, host().world()); }
+  void all_reduce(std::vector<double>& values, sdk::Group group) const {
     int64_t shape[1] = {static_cast<int64_t>(values.size())};
     DLTensor view{};
     view.data = values.data();
@@ -1033,7 +1078,7 @@ class HostStep : public sdk::Strategy {
     view.shape = shape;
     int64_t strides[1] = {1};
     view.strides = strides;
-    host().all_reduce(host().world(), view, WEFT_REDUCE_SUM).wait();
+    host().all_reduce(group, view, WEFT_REDUCE_SUM).wait();
   }
 
   static int64_t element_count(const DLTensor& t) {
@@ -1064,6 +1109,8 @@ class HostStep : public sdk::Strategy {
   std::vector<int64_t> parameter_shards_;  // parameters placed FLAT_SHARD, ascending
   std::vector<std::pair<int64_t, int64_t>> parameter_stages_;  // (parameter, its model stage) of those
   std::unique_ptr<ParameterGatherer> gatherer_;  // when there are any
+  sdk::Group shard_group_;    // what FLAT_SHARD placements shard over: the dimension, or HSDP's group of it
+  sdk::Group replica_group_;  // HSDP: this rank's peers at the same position of the other groups
   bool tied_ = false;     // the head is the embedding: stage 0 stays whole through a step
   bool resting_ = false;  // every FLAT_SHARD parameter released
   int64_t first_trainable_stage_ = 0;

@@ -125,6 +125,9 @@ struct PluginHost::State {
   // checkpoint held for those not made yet (restore_plugin_state).
   std::vector<std::pair<std::string, at::Tensor>> plugin_state;
   std::map<std::string, at::Tensor> restored_state;
+  // ABI 2.1: the group the flat shards' ranges cover when it is not the plugin's whole dimension
+  // (HSDP's shard group); null otherwise.
+  ProcessGroup* flat_shard_group = nullptr;
   // Per-sequence evaluation (record_sequence_losses): each sequence's summed token losses and
   // how many times this rank computed them, by sequence index; undefined when not recording.
   at::Tensor sequence_loss_sums, sequence_counts;

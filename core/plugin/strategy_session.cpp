@@ -722,6 +722,7 @@ void StrategySession::attach(LlamaForCausalLMImpl& model) {
     }
     state_host_ = m.host.get();
     if (mesh_) state_group_ = groups_[static_cast<size_t>(m.dimension)];
+    if (m.host->flat_shard_group() != nullptr) state_group_ = m.host->flat_shard_group();  // HSDP's group
   }
   if (!mesh_) return;
   if (drives_stages_ && state_host_ == host_) {  // ABI 1.14: the others finish the driver's shards

@@ -557,7 +557,7 @@ bool Trainer::save_checkpoint(Progress& progress) {
   if (strategy.shards_training_state()) {  // the ranks' shards put together; rank 0 writes the whole
     strategy.materialize_parameters(true);
     auto whole = gather_sharded_optimizer(*optimizer_, strategy.trainable_shards(), job_->model(), options_.optim,
-                                          job_->communicator());  // collective
+                                          job_->communicator(), strategy.state_group());  // collective
     std::string dir;
     if (job_->context().rank == 0) dir = checkpoints_->save(state_, job_->model(), *whole);
     strategy.materialize_parameters(false);

@@ -2,8 +2,8 @@
  * weft/plugin.h - the strategy plugin ABI, version 2 (C99).
  *
  * STATUS: 2.1, landings of issue 44 (design: sdk/ABI2.md). The host loads 2.x plugins beside 1.x
- * ones (weft/strategy.h); single_abi2.so, ddp_abi2.so, zero_abi2.so and the out-of-tree example
- * sdk/examples/diloco are written against it. What 2.1 covers: a plugin that owns at most the
+ * ones (weft/strategy.h); single_abi2.so, ddp_abi2.so, zero_abi2.so and the out-of-tree examples
+ * sdk/examples/diloco and sdk/examples/hsdp are written against it. What 2.1 covers: a plugin that owns at most the
  * data-parallel dimension and runs alone (not composed); it places every parameter, gradient and
  * optimizer state REPLICATE or LOCAL (all three LOCAL together), or the optimizer state FLAT_SHARD
  * (ZeRO's stage 1), its gradient with it (stage 2) and the parameter too (stage 3); it may register hooks at the points "train.begin" and "step.end",
@@ -155,6 +155,11 @@ typedef struct weft_layout {
   int32_t batch_split;  /* weft_batch_split; the host's default: WEFT_SPLIT_NONE */
   int64_t reduce_bucket_bytes; /* the most bytes one gradient all-reduce carries; the host's
                                   default: 25 MiB (PyTorch DDP's bucket_cap_mb) */
+  /* Since 2.1: FLAT_SHARD placements shard over groups of this many consecutive ranks of the
+   * dimension and are replicated across the groups (HSDP: FSDP inside each group, data parallel
+   * between them); it must divide the dimension's size. The host's default: 0, the whole
+   * dimension. */
+  int32_t shard_group_size;
 } weft_layout;
 
 /* Where a tensor lives on the plugin's dimension. */

@@ -297,7 +297,8 @@ TEST(PluginLoader, ListsEveryLibraryInTheSearchPathWithItsProblem) {
   EXPECT_EQ(listings[0].problem, "");
   EXPECT_EQ(files, (std::vector<std::string>{"(built in)", "abi2_local_gradient.so", "abi2_no_proc_address.so",
                                              "abi2_schedule.so", "abi2_slice.so", "abi2_tensor_parallel.so",
-                                             "abi2_unknown_point.so", "bad_chunks.so", "diloco.so", "entry_null.so", "error_create.so", "finish_1_13.so", "good.so", "missing_create.so",
+                                             "abi2_unknown_point.so", "bad_chunks.so", "diloco.so", "entry_null.so",
+                                             "error_create.so", "finish_1_13.so", "good.so", "hsdp.so", "missing_create.so",
                                              "missing_name.so", "needs_newer_host.so", "newer_minor.so",
                                              "no_entry.so", "not_a_library.so", "stages_1_12.so", "too_small.so",
                                              "undefined_symbol.so", "wrong_major.so"}));

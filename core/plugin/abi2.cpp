@@ -501,6 +501,16 @@ class ParameterGatherer {
   void gather_all() {
     for (int64_t s = 0; s < stages(); ++s) gather(s);
   }
+  // Every stage gathered again from the ranges (the optimizer updated them in the whole parameters
+  // the ranges view: ZeRO's stages 1 and 2), the next stage's gathers under way while one's copy out.
+  void refresh_all() {
+    std::fill(whole_.begin(), whole_.end(), 0);
+    prefetch(0);
+    for (int64_t s = 0; s < stages(); ++s) {
+      prefetch(s + 1);
+      gather(s);
+    }
+  }
   void release_all() {
     for (int64_t s = 0; s < stages(); ++s) release(s);
   }
@@ -623,6 +633,7 @@ class HostStep : public sdk::Strategy {
   ~HostStep() override {
     reducer_.reset();
     gatherer_.reset();
+    state_gatherer_.reset();
     if (instance_ != nullptr) plugin_.table.destroy(instance_);
   }
 
@@ -678,30 +689,10 @@ class HostStep : public sdk::Strategy {
   }
 
   // The optimizer state FLAT_SHARD: each rank's updated range into every rank's whole parameter
-  // (not for a parameter FLAT_SHARD, whose range is its master copy).
+  // (not for a parameter FLAT_SHARD, whose range is its master copy), model stage by stage in
+  // [N, width] groups.
   void gather_state_shards() const {
-    const sdk::Host h = host();
-    const int32_t n = shard_ranks();
-    const int32_t rank = shard_rank();
-    for (int64_t index : state_shards_) {
-      if (is_parameter_shard(index)) continue;
-      const DLTensor data = h.parameter_data(index);
-      const int64_t elements = element_count(data);
-      const int64_t chunk = (elements + n - 1) / n;
-      const int64_t begin = std::min<int64_t>(rank * chunk, elements), end = std::min<int64_t>((rank + 1) * chunk, elements);
-      sdk::Buffer send = h.buffer({chunk}, data.dtype), receive = h.buffer({chunk * n}, data.dtype);
-      int64_t a[2], b[2];
-      DLTensor mine = send.part(0, chunk, a);
-      h.scale(mine, 0.0);
-      if (end > begin) {
-        DLTensor to = send.part(0, end - begin, a);
-        h.copy(to, flat_range(data, begin, end - begin, b));
-      }
-      DLTensor out = receive.view();
-      h.all_gather(shard_group_, out, send.view()).wait();
-      DLTensor whole = flat_range(data, 0, elements, a);
-      h.copy(whole, receive.part(0, elements, b));
-    }
+    if (state_gatherer_) state_gatherer_->refresh_all();
   }
 
   double global_grad_norm_sq(double local_sq) override {
@@ -761,6 +752,14 @@ class HostStep : public sdk::Strategy {
     }
     for (const sdk::Work& work : broadcasts) work.wait();
     shards_state_ = !state_shards_.empty();
+    std::vector<std::pair<int64_t, int64_t>> state_stages;  // optimizer state FLAT_SHARD, parameter whole
+    for (int64_t index : state_shards_) {
+      if (!is_parameter_shard(index)) state_stages.emplace_back(index, h.parameter_info(index).stage);
+    }
+    if (!state_stages.empty()) {
+      state_gatherer_ = std::make_unique<ParameterGatherer>(h, shard_group_, h.model_num_stages(), state_stages,
+                                                            std::max<int64_t>(1, layout_.reduce_bucket_bytes));
+    }
     if (!parameter_shards_.empty()) {
       gatherer_ = std::make_unique<ParameterGatherer>(h, shard_group_, h.model_num_stages(), parameter_stages_,
                                                       std::max<int64_t>(1, layout_.reduce_bucket_bytes));
@@ -1109,6 +1108,7 @@ class HostStep : public sdk::Strategy {
   std::vector<int64_t> parameter_shards_;  // parameters placed FLAT_SHARD, ascending
   std::vector<std::pair<int64_t, int64_t>> parameter_stages_;  // (parameter, its model stage) of those
   std::unique_ptr<ParameterGatherer> gatherer_;  // when there are any
+  std::unique_ptr<ParameterGatherer> state_gatherer_;  // the whole parameters of FLAT_SHARD optimizer states
   sdk::Group shard_group_;    // what FLAT_SHARD placements shard over: the dimension, or HSDP's group of it
   sdk::Group replica_group_;  // HSDP: this rank's peers at the same position of the other groups
   bool tied_ = false;     // the head is the embedding: stage 0 stays whole through a step

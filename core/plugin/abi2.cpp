@@ -311,7 +311,7 @@ class HostStep : public sdk::Strategy {
       }
       const weft_flat_shard range = range_of(index);
       int64_t a[2];
-      h.copy(target, flat_range(grad, range.begin, range.count, a));
+      h.copy(target, flat_part(grad, range.begin, range.count, a));
     }
   }
 
@@ -707,22 +707,6 @@ class HostStep : public sdk::Strategy {
     host().all_reduce(group, view, WEFT_REDUCE_SUM).wait();
   }
 
-  static int64_t element_count(const DLTensor& t) {
-    int64_t n = 1;
-    for (int32_t d = 0; d < t.ndim; ++d) n *= t.shape[d];
-    return n;
-  }
-  // Elements [begin, begin + count) of a contiguous tensor, as a 1-D view.
-  static DLTensor flat_range(const DLTensor& t, int64_t begin, int64_t count, int64_t (&shape_and_stride)[2]) {
-    DLTensor v = t;
-    shape_and_stride[0] = count;
-    shape_and_stride[1] = 1;
-    v.ndim = 1;
-    v.shape = &shape_and_stride[0];
-    v.strides = &shape_and_stride[1];
-    v.byte_offset = t.byte_offset + static_cast<uint64_t>(begin) * ((t.dtype.bits * t.dtype.lanes + 7) / 8);
-    return v;
-  }
 
   const Abi2Plugin plugin_;
   weft_host_context context_;

@@ -15,6 +15,26 @@
 
 namespace weft {
 
+// Elements of a tensor.
+inline int64_t element_count(const DLTensor& t) {
+  int64_t n = 1;
+  for (int32_t d = 0; d < t.ndim; ++d) n *= t.shape[d];
+  return n;
+}
+
+// Elements [begin, begin + count) of a contiguous tensor, as a 1-D view (its shape and stride in
+// `shape_and_stride`).
+inline DLTensor flat_part(const DLTensor& t, int64_t begin, int64_t count, int64_t (&shape_and_stride)[2]) {
+  DLTensor v = t;
+  shape_and_stride[0] = count;
+  shape_and_stride[1] = 1;
+  v.ndim = 1;
+  v.shape = &shape_and_stride[0];
+  v.strides = &shape_and_stride[1];
+  v.byte_offset = t.byte_offset + static_cast<uint64_t>(begin) * ((t.dtype.bits * t.dtype.lanes + 7) / 8);
+  return v;
+}
+
 // Gradients averaged over a group in buckets of at most `bucket_bytes` (a parameter larger than that
 // alone), filled from the last parameter to the first: the model lists them from the embedding to
 // the head and the backward finishes them the other way round. Armed for a backward, the buckets
@@ -225,17 +245,6 @@ class GradientReducer {
     DLTensor row = b.row.view();
     b.work = host_.reduce_scatter(shards_, row, b.buffer.view(), WEFT_REDUCE_SUM);
   }
-  // Elements [begin, begin + count) of a contiguous tensor, as a 1-D view.
-  static DLTensor flat_part(const DLTensor& t, int64_t begin, int64_t count, int64_t (&shape_and_stride)[2]) {
-    DLTensor v = t;
-    shape_and_stride[0] = count;
-    shape_and_stride[1] = 1;
-    v.ndim = 1;
-    v.shape = &shape_and_stride[0];
-    v.strides = &shape_and_stride[1];
-    v.byte_offset = t.byte_offset + static_cast<uint64_t>(begin) * ((t.dtype.bits * t.dtype.lanes + 7) / 8);
-    return v;
-  }
 
   sdk::Host host_;
   sdk::Group group_, shards_, replicas_;
@@ -319,7 +328,7 @@ class ParameterGatherer {
           const int64_t count = range_count(g, k, r);
           if (count == 0) continue;
           int64_t a[2], b[2];
-          DLTensor to = flat_view(whole, r * g.chunks[k], count, a);
+          DLTensor to = flat_part(whole, r * g.chunks[k], count, a);
           host_.copy(to, receive.part(r * g.width + g.offsets[k], count, b));
         }
       }
@@ -352,22 +361,6 @@ class ParameterGatherer {
     for (int64_t s = 0; s < stages(); ++s) release(s);
   }
 
-  static int64_t element_count(const DLTensor& t) {
-    int64_t n = 1;
-    for (int32_t d = 0; d < t.ndim; ++d) n *= t.shape[d];
-    return n;
-  }
-  // Elements [begin, begin + count) of a contiguous tensor, as a 1-D view.
-  static DLTensor flat_view(const DLTensor& t, int64_t begin, int64_t count, int64_t (&shape_and_stride)[2]) {
-    DLTensor v = t;
-    shape_and_stride[0] = count;
-    shape_and_stride[1] = 1;
-    v.ndim = 1;
-    v.shape = &shape_and_stride[0];
-    v.strides = &shape_and_stride[1];
-    v.byte_offset = t.byte_offset + static_cast<uint64_t>(begin) * ((t.dtype.bits * t.dtype.lanes + 7) / 8);
-    return v;
-  }
 
  private:
   struct Group {

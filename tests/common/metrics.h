@@ -21,4 +21,17 @@ inline std::vector<double> step_losses(const std::string& metrics) {
   return out;
 }
 
+// The summary's state_mib_per_rank[part] ("parameters", "gradients", "optimizer"): each rank's MiB
+// between steps (empty if the file or the summary is missing).
+inline std::vector<double> state_mib_per_rank(const std::string& metrics, const char* part) {
+  std::vector<double> mib;
+  std::ifstream in(metrics);
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty()) continue;
+    const auto record = nlohmann::json::parse(line);
+    if (record["type"] == "summary") mib = record["state_mib_per_rank"][part].get<std::vector<double>>();
+  }
+  return mib;
+}
+
 }  // namespace weft::testing

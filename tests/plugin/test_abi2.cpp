@@ -176,16 +176,8 @@ TEST(Abi2, ZeroStage1AsALayoutHalvesTheOptimizerStateAndResumesExactly) {
   const auto b = weft::testing::step_losses(dir + "/zero/metrics.jsonl");
   ASSERT_EQ(a.size(), 6u);
   EXPECT_EQ(a, b);
-  const auto optimizer_mib = [](const std::string& metrics) {
-    std::ifstream in(metrics);
-    std::vector<double> mib;
-    for (std::string line; std::getline(in, line);) {
-      const auto record = nlohmann::json::parse(line);
-      if (record["type"] == "summary") mib = record["state_mib_per_rank"]["optimizer"].get<std::vector<double>>();
-    }
-    return mib;
-  };
-  const auto whole = optimizer_mib(dir + "/ddp/metrics.jsonl"), halves = optimizer_mib(dir + "/zero/metrics.jsonl");
+  const auto whole = weft::testing::state_mib_per_rank(dir + "/ddp/metrics.jsonl", "optimizer");
+  const auto halves = weft::testing::state_mib_per_rank(dir + "/zero/metrics.jsonl", "optimizer");
   ASSERT_EQ(whole.size(), 2u);
   ASSERT_EQ(halves.size(), 2u);
   for (int r = 0; r < 2; ++r) EXPECT_NEAR(halves[r], whole[r] / 2, 0.01 * whole[r]) << "rank " << r;
@@ -214,18 +206,9 @@ TEST(Abi2, ZeroStage2ReduceScattersTheGradientsAndKeepsOnlyThisRanksRange) {
   const auto a = weft::testing::step_losses(dir + "/one/metrics.jsonl");
   ASSERT_EQ(a.size(), 4u);
   EXPECT_EQ(a, weft::testing::step_losses(dir + "/two/metrics.jsonl"));
-  const auto state_mib = [](const std::string& metrics, const char* part) {
-    std::ifstream in(metrics);
-    std::vector<double> mib;
-    for (std::string line; std::getline(in, line);) {
-      const auto record = nlohmann::json::parse(line);
-      if (record["type"] == "summary") mib = record["state_mib_per_rank"][part].get<std::vector<double>>();
-    }
-    return mib;
-  };
-  const auto parameters = state_mib(dir + "/two/metrics.jsonl", "parameters");
-  const auto whole = state_mib(dir + "/one/metrics.jsonl", "gradients");
-  const auto range = state_mib(dir + "/two/metrics.jsonl", "gradients");
+  const auto parameters = weft::testing::state_mib_per_rank(dir + "/two/metrics.jsonl", "parameters");
+  const auto whole = weft::testing::state_mib_per_rank(dir + "/one/metrics.jsonl", "gradients");
+  const auto range = weft::testing::state_mib_per_rank(dir + "/two/metrics.jsonl", "gradients");
   ASSERT_EQ(parameters.size(), 2u);
   ASSERT_EQ(whole.size(), 2u);
   ASSERT_EQ(range.size(), 2u);
@@ -253,17 +236,8 @@ TEST(Abi2, ZeroStage3GathersEachStageAroundItsUsesAndResumesUnderAnyLayout) {
   const auto b = weft::testing::step_losses(dir + "/three/metrics.jsonl");
   ASSERT_EQ(a.size(), 6u);
   EXPECT_EQ(a, b);
-  const auto state_mib = [](const std::string& metrics, const char* part) {
-    std::ifstream in(metrics);
-    std::vector<double> mib;
-    for (std::string line; std::getline(in, line);) {
-      const auto record = nlohmann::json::parse(line);
-      if (record["type"] == "summary") mib = record["state_mib_per_rank"][part].get<std::vector<double>>();
-    }
-    return mib;
-  };
-  const auto whole = state_mib(dir + "/one/metrics.jsonl", "parameters");
-  const auto range = state_mib(dir + "/three/metrics.jsonl", "parameters");
+  const auto whole = weft::testing::state_mib_per_rank(dir + "/one/metrics.jsonl", "parameters");
+  const auto range = weft::testing::state_mib_per_rank(dir + "/three/metrics.jsonl", "parameters");
   ASSERT_EQ(whole.size(), 2u);
   ASSERT_EQ(range.size(), 2u);
   for (int r = 0; r < 2; ++r) EXPECT_NEAR(range[r], whole[r] / 2, 0.01 * whole[r]) << "rank " << r;

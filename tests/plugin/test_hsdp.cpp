@@ -27,17 +27,6 @@ std::string hsdp_run(const std::string& settings) {
 }
 const std::string kHsdp = std::string(WEFT_PLUGIN_FIXTURE_DIR) + "/hsdp.so";
 
-// state_mib_per_rank[part] of the run's summary.
-std::vector<double> state_mib(const std::string& metrics, const char* part) {
-  std::ifstream in(metrics);
-  std::vector<double> mib;
-  for (std::string line; std::getline(in, line);) {
-    const auto record = nlohmann::json::parse(line);
-    if (record["type"] == "summary") mib = record["state_mib_per_rank"][part].get<std::vector<double>>();
-  }
-  return mib;
-}
-
 TEST(Hsdp, ARankHoldsItsGroupsShareAndACheckpointResumesExactly) {
   const std::string dir = weft::testing::fresh_dir("weft_test_hsdp", "groups");
   const std::string run = hsdp_run("--nproc 4 --set train.batch_size=8 --set train.max_steps=6 "
@@ -54,7 +43,8 @@ TEST(Hsdp, ARankHoldsItsGroupsShareAndACheckpointResumesExactly) {
   ASSERT_EQ(b.size(), 6u);
   for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5 * b[i]) << "step " << i + 1;
   for (const char* part : {"parameters", "gradients", "optimizer"}) {
-    const auto half = state_mib(dir + "/hsdp/metrics.jsonl", part), quarter = state_mib(dir + "/zero/metrics.jsonl", part);
+    const auto half = weft::testing::state_mib_per_rank(dir + "/hsdp/metrics.jsonl", part);
+    const auto quarter = weft::testing::state_mib_per_rank(dir + "/zero/metrics.jsonl", part);
     ASSERT_EQ(half.size(), 4u) << part;
     ASSERT_EQ(quarter.size(), 4u) << part;
     for (int r = 0; r < 4; ++r) EXPECT_NEAR(half[r], 2 * quarter[r], 0.02 * half[r]) << part << ", rank " << r;

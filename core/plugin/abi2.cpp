@@ -225,7 +225,7 @@ class HostStep : public sdk::Strategy {
   }
 
   // FLAT_SHARD placements shard over groups of weft_layout.shard_group_size consecutive ranks of the
-  // dimension (0 or its size: the whole dimension), replicated across the groups (HSDP). Collective.
+  // dimension (0 or its size: the whole dimension), replicated across the groups. Collective.
   void make_shard_groups() {
     const sdk::Group world = host().world();
     const int32_t n = replicas();
@@ -277,7 +277,7 @@ class HostStep : public sdk::Strategy {
 
   // The optimizer state's placement FLAT_SHARD: the host's optimizer keeps and updates this rank's
   // flat range of the parameter (ranges of ceil(n / N) elements in rank order, the last shorter or
-  // empty, as zero.so's), and after its step each parameter is gathered whole again. Asked once
+  // empty), and after its step each parameter is gathered whole again. Asked once
   // per parameter after setup.
   weft_flat_shard flat_shard(int64_t index) override { return range_of(index); }
   weft_flat_shard range_of(int64_t index) const {
@@ -325,7 +325,7 @@ class HostStep : public sdk::Strategy {
   double global_grad_norm_sq(double local_sq) override {
     // Sharded, the host's norm covers this rank's ranges of the (averaged, equal) gradients: the
     // ranks' ranges cover each element once. Whole, every rank already has the whole norm.
-    // Sharded over groups (HSDP): each group's ranges cover every element once, and the groups hold
+    // Sharded over groups of the dimension: each group's ranges cover every element once, and the groups hold
     // the same averaged gradients.
     if (!shards_state_ || replicas() <= 1) return local_sq;
     std::vector<double> sum{local_sq};
@@ -352,7 +352,7 @@ class HostStep : public sdk::Strategy {
       if (place != nullptr) check(place(instance_, &desc, &where), "weft_place");
       check_placement(info, where);
       if (where.optimizer_state.kind == WEFT_PLACE_FLAT_SHARD && info.trainable && replicas() > 1) {
-        state_shards_.push_back(i);  // ZeRO-1: this rank's optimizer keeps 1/N of the parameter's state
+        state_shards_.push_back(i);  // this rank's optimizer keeps its range of the parameter's state
       }
       const bool local = where.gradient.kind == WEFT_PLACE_LOCAL;
       if (where.parameter.kind == WEFT_PLACE_FLAT_SHARD && replicas() > 1) {
@@ -362,7 +362,7 @@ class HostStep : public sdk::Strategy {
                                        "parameters; model.frozen_dtype = \"fp32\" keeps a frozen base so)",
                                        name(), info.name));
         }
-        parameter_shards_.push_back(i);  // ZeRO-3: whole only around its stage's uses
+        parameter_shards_.push_back(i);  // whole only around its stage's uses
         parameter_stages_.emplace_back(i, info.stage);
       }
       if (replicas() > 1) {
@@ -373,7 +373,7 @@ class HostStep : public sdk::Strategy {
           }
           const bool scatter = where.gradient.kind == WEFT_PLACE_FLAT_SHARD;
           reduced.push_back({i, scatter});
-          if (scatter) grad_shards_.push_back(i);  // ZeRO-2: reduce-scattered into this rank's range
+          if (scatter) grad_shards_.push_back(i);  // reduce-scattered into this rank's range
         }
       }
     }
@@ -720,8 +720,8 @@ class HostStep : public sdk::Strategy {
   std::vector<std::pair<int64_t, int64_t>> parameter_stages_;  // (parameter, its model stage) of those
   std::unique_ptr<ParameterGatherer> gatherer_;  // when there are any
   std::unique_ptr<ParameterGatherer> state_gatherer_;  // the whole parameters of FLAT_SHARD optimizer states
-  sdk::Group shard_group_;    // what FLAT_SHARD placements shard over: the dimension, or HSDP's group of it
-  sdk::Group replica_group_;  // HSDP: this rank's peers at the same position of the other groups
+  sdk::Group shard_group_;    // what FLAT_SHARD placements shard over: the dimension, or a group of it
+  sdk::Group replica_group_;  // with groups: this rank's peers at the same position of the other groups
   bool tied_ = false;     // the head is the embedding: stage 0 stays whole through a step
   bool resting_ = false;  // every FLAT_SHARD parameter released
   int64_t first_trainable_stage_ = 0;

@@ -15,25 +15,8 @@
 
 namespace weft {
 
-// Elements of a tensor.
-inline int64_t element_count(const DLTensor& t) {
-  int64_t n = 1;
-  for (int32_t d = 0; d < t.ndim; ++d) n *= t.shape[d];
-  return n;
-}
-
-// Elements [begin, begin + count) of a contiguous tensor, as a 1-D view (its shape and stride in
-// `shape_and_stride`).
-inline DLTensor flat_part(const DLTensor& t, int64_t begin, int64_t count, int64_t (&shape_and_stride)[2]) {
-  DLTensor v = t;
-  shape_and_stride[0] = count;
-  shape_and_stride[1] = 1;
-  v.ndim = 1;
-  v.shape = &shape_and_stride[0];
-  v.strides = &shape_and_stride[1];
-  v.byte_offset = t.byte_offset + static_cast<uint64_t>(begin) * ((t.dtype.bits * t.dtype.lanes + 7) / 8);
-  return v;
-}
+using sdk::flat_part;
+inline int64_t element_count(const DLTensor& t) { return sdk::detail::elements_of(t); }
 
 // Gradients averaged over a group in buckets of at most `bucket_bytes` (a parameter larger than that
 // alone), filled from the last parameter to the first: the model lists them from the embedding to
@@ -52,7 +35,7 @@ class GradientReducer {
     bool scatter;  // FLAT_SHARD
   };
   // `group`: the dimension (REPLICATE gradients are averaged over it). FLAT_SHARD ones are
-  // reduce-scattered over `shards` (the dimension, or HSDP's group of it) and then, where the
+  // reduce-scattered over `shards` (the dimension, or the group of it the layout names) and then, where the
   // dimension holds several such groups, summed over `replicas` (the ranks of the same position in
   // the other groups) before the average.
   GradientReducer(sdk::Host host, sdk::Group group, sdk::Group shards, sdk::Group replicas, std::vector<Reduced> parameters,
@@ -259,7 +242,7 @@ class GradientReducer {
   std::exception_ptr error_;
 };
 
-// Parameters placed FLAT_SHARD (ZeRO-3, FSDP): each rank keeps its flat range (ceil(n / N) elements
+// Parameters placed FLAT_SHARD: each rank keeps its flat range (ceil(n / N) elements
 // in rank order) as the master copy, and the whole parameter only around its model stage's uses:
 // gathered before the stage's forward and backward, released after. A stage's parameters are
 // all-gathered in groups of at most `bucket_bytes`, each a [N, width] matrix whose row r is rank
@@ -347,8 +330,8 @@ class ParameterGatherer {
   void gather_all() {
     for (int64_t s = 0; s < stages(); ++s) gather(s);
   }
-  // Every stage gathered again from the ranges (the optimizer updated them in the whole parameters
-  // the ranges view: ZeRO's stages 1 and 2), the next stage's gathers under way while one's copy out.
+  // Every stage gathered again from the ranges (where the optimizer updated them in place, in the
+  // whole parameters the ranges view: an optimizer state FLAT_SHARD under a whole parameter), the next stage's gathers under way while one's copy out.
   void refresh_all() {
     std::fill(whole_.begin(), whole_.end(), 0);
     prefetch(0);

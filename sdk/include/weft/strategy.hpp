@@ -203,6 +203,19 @@ class Work {
   weft_work* handle_ = nullptr;
 };
 
+// Elements [offset, offset + count) of a contiguous view, as a 1-D view of the same memory;
+// `shape_and_stride` ({count, 1}) must outlive it.
+inline DLTensor flat_part(const DLTensor& t, int64_t offset, int64_t count, int64_t (&shape_and_stride)[2]) noexcept {
+  DLTensor part = t;
+  shape_and_stride[0] = count;
+  shape_and_stride[1] = 1;
+  part.ndim = 1;
+  part.shape = &shape_and_stride[0];
+  part.strides = &shape_and_stride[1];
+  part.byte_offset = t.byte_offset + static_cast<uint64_t>(offset) * ((t.dtype.bits * t.dtype.lanes + 7) / 8);
+  return part;
+}
+
 namespace detail {
 
 // What Host::copy, scale and squared_norm do for a host older than ABI 1.2 (CPU memory only).
@@ -348,14 +361,7 @@ class Buffer {
   // Elements [offset, offset + count) as a 1-D contiguous view; `shape_and_stride` ({count, 1})
   // must outlive it.
   DLTensor part(int64_t offset, int64_t count, int64_t (&shape_and_stride)[2]) const noexcept {
-    DLTensor part = view_;
-    shape_and_stride[0] = count;
-    shape_and_stride[1] = 1;
-    part.ndim = 1;
-    part.shape = &shape_and_stride[0];
-    part.strides = &shape_and_stride[1];
-    part.byte_offset = view_.byte_offset + static_cast<uint64_t>(offset) * ((view_.dtype.bits * view_.dtype.lanes + 7) / 8);
-    return part;
+    return flat_part(view_, offset, count, shape_and_stride);
   }
   void reset() noexcept {
     if (handle_ != nullptr) api_->buffer_release(host_, std::exchange(handle_, nullptr));

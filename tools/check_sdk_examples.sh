@@ -12,7 +12,8 @@
 #   the example's name) and refuses major 1, and it passes `trainer check` in one process, with the
 #   settings in the example's check.args when it has one (DiLoCo conforms to single on one worker
 #   with an outer step that lands on the workers' parameters; its multi-rank behaviour is checked by
-#   test_plugin's Diloco.*, which builds the same source in tree).
+#   test_plugin's Diloco.*, which builds the same source in tree; ZB-V's check runs its V over 2
+#   ranks).
 #   usage: tools/check_sdk_examples.sh <main build dir> <source dir>
 # Exits non-zero on the first failure. Needs cmake, a C/C++ compiler, nm, python3 and the built
 # trainer (<main build dir>/trainer).

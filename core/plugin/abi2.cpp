@@ -3,6 +3,7 @@
 // strategy session runs it as it runs any plugin of ABI 1; the ABI 2 plugin behind it gives its
 // layout, placements and hooks, and the collectives those lower to are placement_collectives.h's.
 #include "core/plugin/abi2.h"
+#include "core/plugin/abi2_context.h"
 
 #include <algorithm>
 #include <cstring>
@@ -19,19 +20,10 @@
 #include "core/plugin/step_program.h"
 #include "core/util/error.h"
 
-// The host's side of one ABI 2 instance (opaque to the plugin).
-struct weft_host_context {
-  weft::sdk::Host host;
-  std::string plugin;
-  weft_group* group = nullptr;  // the plugin's dimension (the world: an ABI 2 plugin runs alone)
-  weft_parameter_info info{};   // the last one weft_parameter asked for (its name is the host's)
-};
 
 namespace weft {
 namespace {
 
-// PyTorch DDP's default bucket (bucket_cap_mb = 25).
-constexpr int64_t kDefaultBucketBytes = 25LL * 1024 * 1024;
 
 // --- the host's services, by name ---
 
@@ -206,7 +198,7 @@ class HostStep : public sdk::Strategy {
     layout_.struct_size = sizeof layout_;
     layout_.dimension = (owns & (1u << WEFT_MESH_DP)) != 0 ? WEFT_MESH_DP : -1;
     layout_.batch_split = WEFT_SPLIT_NONE;
-    layout_.reduce_bucket_bytes = kDefaultBucketBytes;
+    layout_.reduce_bucket_bytes = kAbi2DefaultBucketBytes;
     layout_.shard_group_size = 0;
     if (auto fn = reinterpret_cast<weft_layout_fn>(proc("weft_layout"))) check(fn(instance_, &layout_), "weft_layout");
     if (layout_.batch_split != WEFT_SPLIT_NONE && layout_.batch_split != WEFT_SPLIT_ROWS) {
@@ -215,12 +207,10 @@ class HostStep : public sdk::Strategy {
                                                        name(), layout_.batch_split));
     }
     make_shard_groups();
-    for (const char* later : {"weft_schedule"}) {
-      if (proc(later) != nullptr) {
-        throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
-                    fmt::format("{} provides {}, which this host (ABI 2.{}) does not execute yet", name(), later,
-                                WEFT_PLUGIN_ABI_MINOR));
-      }
+    if (proc("weft_schedule") != nullptr) {
+      throw sdk::Error(WEFT_STATUS_BAD_CONFIG,
+                       fmt::format("{} provides weft_schedule but does not own the pipeline dimension (its mesh_dimensions "
+                                   "lack WEFT_MESH_PP)", name()));
     }
   }
 
@@ -468,6 +458,9 @@ class HostStep : public sdk::Strategy {
             if (reducer_) reducer_->finish();  // the host's optimizer runs when train_step returns
             shard_gradients();
             break;
+          case WEFT_ACTION_BACKWARD_INPUT:  // pipeline schedules' (abi2_pipeline.cpp); not in this program
+          case WEFT_ACTION_BACKWARD_WEIGHT:
+            throw sdk::Error(WEFT_STATUS_INTERNAL, "a split backward in the data-parallel step's program");
         }
       }
       if (gatherer_ && tied_) gatherer_->release(0);
@@ -736,6 +729,8 @@ class HostStep : public sdk::Strategy {
 
 }  // namespace
 
+weft_proc abi2_host_proc_address(const char* name) { return host_proc_address(name); }
+
 Abi2Plugin validate_abi2_table(const weft_plugin& table, const std::string& path) {
   WEFT_CHECK(table.abi_major == WEFT_PLUGIN_ABI_MAJOR, "plugin {} is built for weft ABI {}.x, this host speaks {}.{}",
              path, table.abi_major, WEFT_PLUGIN_ABI_MAJOR, WEFT_PLUGIN_ABI_MINOR);
@@ -748,11 +743,11 @@ Abi2Plugin validate_abi2_table(const weft_plugin& table, const std::string& path
   WEFT_CHECK(missing.empty(), "plugin {}: required function(s) are NULL: {}", path, fmt::join(missing, ", "));
   WEFT_CHECK(table.name && *table.name, "plugin {}: its table has no name", path);
   WEFT_CHECK(table.version && *table.version, "plugin {}: its table has no version", path);
-  const uint32_t offered = table.mesh_dimensions & ~(1u << WEFT_MESH_DP);
-  WEFT_CHECK(offered == 0,
-             "plugin {} offers mesh dimensions {:#x}; this host (ABI 2.{}) runs ABI 2 plugins owning at most the "
-             "data-parallel dimension",
-             path, table.mesh_dimensions, WEFT_PLUGIN_ABI_MINOR);
+  const uint32_t dp = 1u << WEFT_MESH_DP, pp = 1u << WEFT_MESH_PP;
+  WEFT_CHECK(table.mesh_dimensions == 0 || table.mesh_dimensions == dp || table.mesh_dimensions == pp,
+             "plugin {} offers mesh dimensions {:#x}; this host (ABI 2.{}) runs an ABI 2 plugin alone, owning the "
+             "data-parallel dimension ({:#x}) or the pipeline dimension ({:#x})",
+             path, table.mesh_dimensions, WEFT_PLUGIN_ABI_MINOR, dp, pp);
   Abi2Plugin plugin;
   plugin.path = path;
   plugin.table = table;
@@ -760,6 +755,7 @@ Abi2Plugin validate_abi2_table(const weft_plugin& table, const std::string& path
 }
 
 weft_strategy_api abi2_session_table(const Abi2Plugin& plugin) {
+  if (plugin.table.mesh_dimensions == (1u << WEFT_MESH_PP)) return abi2_pipeline_table(plugin);
   weft_strategy_api table = sdk::detail::make_table<HostStep>(plugin.table.name, plugin.table.version,
                                                                plugin.table.description);
   table.mesh_dimensions = plugin.table.mesh_dimensions;
@@ -769,7 +765,13 @@ weft_strategy_api abi2_session_table(const Abi2Plugin& plugin) {
 weft_status* create_abi2_step(const Abi2Plugin& plugin, const weft_host_api* api, weft_host* host, weft_strategy** out) {
   g_api = api;
   sdk::Strategy* created = nullptr;
-  weft_status* status = sdk::detail::guarded(api, [&] { created = new HostStep(sdk::Host(api, host), plugin); });
+  weft_status* status = sdk::detail::guarded(api, [&] {
+    if (plugin.table.mesh_dimensions == (1u << WEFT_MESH_PP)) {
+      created = create_abi2_pipeline_step(sdk::Host(api, host), plugin);
+    } else {
+      created = new HostStep(sdk::Host(api, host), plugin);
+    }
+  });
   if (status == nullptr) *out = reinterpret_cast<weft_strategy*>(created);
   return status;
 }

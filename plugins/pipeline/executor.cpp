@@ -33,27 +33,32 @@ struct Executor::Slot {
   weft::sdk::WeightPass weight_pass;  // a split backward's deferred weight gradients, until its W
   weft::sdk::Buffer activation_buffer, gradient_buffer;  // receive buffers, on the rank's device
   Work activation_work, gradient_work;  // outstanding receives
+  int32_t activation_local = -1, gradient_local = -1;  // the tag of a transfer from this rank, to take from local_
 };
 
 Executor::Executor(const weft::sdk::Host& host, weft::sdk::Group world, const Placement& placement, bool recompute)
     : host_(host), world_(world), placement_(placement), recompute_(recompute) {}
 
-int32_t Executor::peer(bool to_next) const {  // virtual stage u +- 1 lives on stage p +- 1 (mod S)
-  const int32_t base = placement_.replica * placement_.stages;
-  return base + (placement_.stage + (to_next ? 1 : placement_.stages - 1)) % placement_.stages;
+int32_t Executor::peer(const Action& action, bool to_next) const {
+  const int32_t u = placement_.virtual_stage(placement_.stage, action.chunk);
+  return placement_.replica * placement_.stages + placement_.stage_of(to_next ? u + 1 : u - 1);
 }
 
 int32_t Executor::tag(const Action& action, bool gradient, bool to_next) const {
-  const int32_t u = action.chunk * placement_.stages + placement_.stage;
-  return transfer_tag(action.micro_batch, to_next ? u : u - 1, placement_.stages * placement_.chunks(), gradient);
+  const int32_t u = placement_.virtual_stage(placement_.stage, action.chunk);
+  return transfer_tag(action.micro_batch, to_next ? u : u - 1, placement_.virtual_stages(), gradient);
 }
 
 void Executor::receive(Slot& slot, bool gradient, const Action& action) {
+  if (peer(action, /*to_next=*/gradient) == world_.rank()) {  // from another chunk of this rank
+    (gradient ? slot.gradient_local : slot.activation_local) = tag(action, gradient, /*to_next=*/gradient);
+    return;
+  }
   weft::sdk::Buffer& buffer = gradient ? slot.gradient_buffer : slot.activation_buffer;
   buffer = host_.buffer({rows_ / splits_, stage_tokens_, placement_.hidden_size}, DLDataType{kDLFloat, 32, 1});
   DLTensor view = buffer.view();
   // Activations come from the previous virtual stage, gradients from the next.
-  Work work = host_.recv(world_, view, peer(/*to_next=*/gradient), tag(action, gradient, /*to_next=*/gradient));
+  Work work = host_.recv(world_, view, peer(action, /*to_next=*/gradient), tag(action, gradient, /*to_next=*/gradient));
   (gradient ? slot.gradient_work : slot.activation_work) = std::move(work);
 }
 
@@ -68,7 +73,11 @@ void Executor::forward(Slot& slot, const Action& action, const Schedule& schedul
     if (first) slot.input = std::move(batch.inputs);
     if (last) slot.targets = std::move(batch.targets);
   }
-  if (!first) {
+  if (!first && slot.activation_local >= 0) {
+    slot.input = host_.activation_from_tensor(host_.activation_view(take_local(slot.activation_local, action)),
+                                              /*requires_grad=*/train_);
+    slot.activation_local = -1;
+  } else if (!first) {
     {
       TraceSpan wait(host_, "recv", "recv A" + name.substr(1));
       slot.activation_work.wait();
@@ -99,14 +108,23 @@ void Executor::forward(Slot& slot, const Action& action, const Schedule& schedul
 void Executor::send(Slot& slot, bool gradient, const Action& action) {
   const Activation& data = gradient ? slot.input_grad : slot.output;
   if (!data) throw Error(WEFT_STATUS_INTERNAL, "pipeline: nothing to send for " + to_string(action));
+  if (peer(action, /*to_next=*/!gradient) == world_.rank()) {  // to another chunk of this rank
+    // A copy, as a send would make one (the output stays for this chunk's backward).
+    (*local_)[tag(action, gradient, !gradient)] = host_.activation_from_tensor(host_.activation_view(data), false);
+    return;
+  }
   DLTensor view = host_.activation_view(data);
-  pending_sends_->push_back(host_.send(world_, view, peer(/*to_next=*/!gradient), tag(action, gradient, !gradient)));
+  pending_sends_->push_back(host_.send(world_, view, peer(action, /*to_next=*/!gradient), tag(action, gradient, !gradient)));
 }
 
 void Executor::backward(Slot& slot, const Action& action, RunStats& stats) {
   const bool first = placement_.is_first_virtual(action.chunk), last = placement_.is_last_virtual(action.chunk);
   Activation grad;
-  if (!last) {
+  if (!last && slot.gradient_local >= 0) {
+    grad = host_.activation_from_tensor(host_.activation_view(take_local(slot.gradient_local, action)),
+                                        /*requires_grad=*/false);
+    slot.gradient_local = -1;
+  } else if (!last) {
     {
       TraceSpan wait(host_, "recv", "recv G" + to_string(action).substr(1));
       slot.gradient_work.wait();
@@ -133,6 +151,14 @@ void Executor::backward(Slot& slot, const Action& action, RunStats& stats) {
   stats.compute_seconds += seconds_since(start);
 }
 
+Activation Executor::take_local(int32_t tag, const Action& action) {
+  const auto it = local_->find(tag);
+  if (it == local_->end()) throw Error(WEFT_STATUS_INTERNAL, "pipeline: " + to_string(action) + " found nothing handed over on this rank");
+  Activation data = std::move(it->second);
+  local_->erase(it);
+  return data;
+}
+
 RunStats Executor::run(const Schedule& schedule, int32_t splits, int64_t rows, int64_t stage_tokens) {
   if (splits < 1 || rows % splits != 0) {
     throw Error(WEFT_STATUS_INVALID_ARGUMENT, "pipeline: " + std::to_string(rows) + " rows per micro-batch cannot be split into " +
@@ -146,6 +172,8 @@ RunStats Executor::run(const Schedule& schedule, int32_t splits, int64_t rows, i
   }
   std::vector<Slot> slots(static_cast<size_t>(schedule.micro_batches) * static_cast<size_t>(chunks));
   std::vector<Work> pending_sends;
+  std::map<int32_t, Activation> local;
+  local_ = &local;
   slots_ = &slots;
   pending_sends_ = &pending_sends;
   splits_ = splits;
@@ -193,6 +221,7 @@ RunStats Executor::run(const Schedule& schedule, int32_t splits, int64_t rows, i
   if (!train_) stats.peak_in_flight = 1;
   slots_ = nullptr;
   pending_sends_ = nullptr;
+  local_ = nullptr;
   return stats;  // `slots` (and with them the activations sent) are released only now
 }
 

@@ -2,8 +2,10 @@
 //
 // This rank is pipeline stage `stage` of `stages`, holding model stages [first, last), or with
 // virtual stages (Schedule::chunks = v > 1) one range per chunk: chunk c is virtual stage
-// c x stages + stage; virtual stage 0 takes the token ids, virtual stage stages x v - 1 runs the
+// c x stages + stage (or Placement::chunk_stage's); virtual stage 0 takes the token ids, virtual stage stages x v - 1 runs the
 // loss. For each action of its list (per micro-batch and chunk):
+//  - a transfer between two chunks of this rank (neighbouring virtual stages on one rank) is
+//    handed over in memory, not sent;
 //  - RECV_ACTIVATION / RECV_GRADIENT post an asynchronous receive into a plugin-owned fp32
 //    buffer [rows, stage_tokens, hidden] (hidden states and their gradients are fp32 in every
 //    precision, see weft_model_info; stage_tokens < seq_len when the plan splits sequences, ABI 1.13);
@@ -23,6 +25,7 @@
 #define WEFT_PLUGINS_PIPELINE_EXECUTOR_HPP
 
 #include <cstdint>
+#include <map>
 #include <utility>
 #include <vector>
 
@@ -46,11 +49,27 @@ struct Placement {
   // (one entry, equal to the range above, without them).
   std::vector<std::pair<int64_t, int64_t>> chunk_stages;
   int64_t hidden_size = 0;
+  // Which virtual stage each chunk of each stage is (Schedule::chunk_stage: [p * chunks + c];
+  // empty: the loop order c x stages + p).
+  std::vector<int32_t> chunk_stage;
   int32_t chunks() const { return chunk_stages.empty() ? 1 : static_cast<int32_t>(chunk_stages.size()); }
-  bool is_first() const { return stage == 0; }            // holds the embedding (virtual stage 0)
-  bool is_last() const { return stage == stages - 1; }   // holds the head (the last virtual stage)
-  bool is_first_virtual(int32_t chunk) const { return is_first() && chunk == 0; }
-  bool is_last_virtual(int32_t chunk) const { return is_last() && chunk == chunks() - 1; }
+  int32_t virtual_stages() const { return stages * chunks(); }
+  int32_t virtual_stage(int32_t of_stage, int32_t chunk) const {
+    if (chunk_stage.empty()) return chunk * stages + of_stage;
+    return chunk_stage.at(static_cast<size_t>(of_stage) * static_cast<size_t>(chunks()) + static_cast<size_t>(chunk));
+  }
+  // The stage that holds virtual stage `u`.
+  int32_t stage_of(int32_t u) const {
+    if (chunk_stage.empty()) return u % stages;
+    for (size_t i = 0; i < chunk_stage.size(); ++i) {
+      if (chunk_stage[i] == u) return static_cast<int32_t>(i) / chunks();
+    }
+    return -1;
+  }
+  bool is_first() const { return stage_of(0) == stage; }                     // holds the embedding (virtual stage 0)
+  bool is_last() const { return stage_of(virtual_stages() - 1) == stage; }  // holds the head (the last virtual stage)
+  bool is_first_virtual(int32_t chunk) const { return virtual_stage(stage, chunk) == 0; }
+  bool is_last_virtual(int32_t chunk) const { return virtual_stage(stage, chunk) == virtual_stages() - 1; }
 };
 
 // What one run of a schedule measured on this rank.
@@ -83,7 +102,9 @@ class Executor {
   void forward(Slot& slot, const Action& action, const Schedule& schedule, RunStats& stats);
   void backward(Slot& slot, const Action& action, RunStats& stats);
   void send(Slot& slot, bool gradient, const Action& action);
-  int32_t peer(bool to_next) const;
+  // The world rank of the neighbouring virtual stage of `action`'s chunk in that direction.
+  int32_t peer(const Action& action, bool to_next) const;
+  weft::sdk::Activation take_local(int32_t tag, const Action& action);
   // The tag of a transfer between this rank's chunk `chunk` and its neighbour in that direction.
   int32_t tag(const Action& action, bool gradient, bool to_next) const;
 
@@ -94,6 +115,8 @@ class Executor {
   // Per run:
   std::vector<Slot>* slots_ = nullptr;
   std::vector<weft::sdk::Work>* pending_sends_ = nullptr;
+  // Transfers between two chunks of this rank (a V-shaped placement's bottom), by tag: kept, not sent.
+  std::map<int32_t, weft::sdk::Activation>* local_ = nullptr;
   int32_t splits_ = 1;
   int64_t rows_ = 0, stage_tokens_ = 0;
   bool train_ = true;

@@ -77,15 +77,53 @@ PipelineStrategy::PipelineStrategy(weft::sdk::Host host, std::string plugin, std
   if (!(bucket_mb_ > 0.0)) throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": plugin.bucket_mb must be > 0");
   log_every_ = host.config_int("log_every", 0);
   if (log_every_ < 0) throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": plugin.log_every must be >= 0");
-  placement_.stages = static_cast<int32_t>(stages);
-  placement_.replicas = world / placement_.stages;
-  placement_.stage = world_.rank() % placement_.stages;
-  placement_.replica = world_.rank() / placement_.stages;
+  split_backward_ = schedule_name_ == "zbh1";
+  place_ranks(static_cast<int32_t>(stages));
   try {
     make_schedule(schedule_name_, placement_.stages, microbatches_, chunks_);
   } catch (const std::invalid_argument& e) {
     throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": " + e.what());
   }
+}
+
+PipelineStrategy::PipelineStrategy(weft::sdk::Host host, std::string plugin, Options options)
+    : Strategy(host), plugin_(std::move(plugin)), schedule_name_(std::move(options.schedule_name)), world_(host.world()) {
+  const int32_t world = world_.size();
+  if (options.stages < 1 || world % options.stages != 0) {
+    throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": " + std::to_string(options.stages) +
+                                            " pipeline stages must be >= 1 and divide the world size " + std::to_string(world));
+  }
+  if (options.microbatches < 1 || options.chunks < 1 || options.chunks > WEFT_MAX_STAGE_CHUNKS) {
+    throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": " + std::to_string(options.microbatches) + " micro-batches and " +
+                                            std::to_string(options.chunks) + " chunks per stage (at least 1 of each, at most " +
+                                            std::to_string(WEFT_MAX_STAGE_CHUNKS) + " chunks)");
+  }
+  if (std::string bad = check_chunk_map(options.stages, options.chunks, options.chunk_stage); !bad.empty()) {
+    throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": " + bad);
+  }
+  microbatches_ = options.microbatches;
+  chunks_ = options.chunks;
+  chunk_stage_ = std::move(options.chunk_stage);
+  split_backward_ = options.split_backward;
+  bucket_mb_ = options.bucket_mb;
+  place_ranks(options.stages);
+}
+
+void PipelineStrategy::place_ranks(int32_t stages) {
+  placement_.stages = stages;
+  placement_.replicas = world_.size() / placement_.stages;
+  placement_.stage = world_.rank() % placement_.stages;
+  placement_.replica = world_.rank() / placement_.stages;
+  placement_.chunk_stage = chunk_stage_;
+}
+
+Schedule PipelineStrategy::step_schedule(int32_t micro_batches) {
+  return make_schedule(schedule_name_, placement_.stages, micro_batches, chunks_);
+}
+
+double PipelineStrategy::bubble_formula(int32_t micro_batches) {
+  return schedule_name_ == "zbh1" ? zero_bubble_h1_bubble_formula(placement_.stages, micro_batches)
+                                  : interleaved_bubble_formula(placement_.stages, micro_batches, chunks_);  // GPipe's when chunks = 1
 }
 
 std::vector<double> PipelineStrategy::parameter_costs(const weft_model_info& info) const {
@@ -137,34 +175,46 @@ void PipelineStrategy::plan(weft_model_plan& plan) {
                                                          : ""));
   }
   placement_.chunk_stages.clear();
-  for (int32_t c = 0; c < chunks_; ++c) {  // chunk c is virtual stage c x S + p
-    const auto u = static_cast<size_t>(c * placement_.stages + placement_.stage);
+  for (int32_t c = 0; c < chunks_; ++c) {  // chunk c is virtual stage c x S + p, or as chunk_stage_ says
+    const auto u = static_cast<size_t>(chunk_stage_.empty() ? c * placement_.stages + placement_.stage
+                                                            : chunk_stage_[static_cast<size_t>(placement_.stage * chunks_ + c)]);
     placement_.chunk_stages.emplace_back(partition_[u], partition_[u + 1]);
   }
   placement_.first_model_stage = placement_.chunk_stages.front().first;
   placement_.last_model_stage = placement_.chunk_stages.front().second;
   placement_.hidden_size = info.hidden_size;
-  plan.first_stage = placement_.chunk_stages.front().first;
-  plan.last_stage = placement_.chunk_stages.back().second;
+  // The model stages this rank builds: its chunks' ranges in the model's order, neighbours joined.
+  std::vector<std::pair<int64_t, int64_t>> held = placement_.chunk_stages;
+  std::sort(held.begin(), held.end());
+  std::vector<std::pair<int64_t, int64_t>> joined;
+  for (const auto& range : held) {
+    if (!joined.empty() && joined.back().second == range.first) {
+      joined.back().second = range.second;
+    } else {
+      joined.push_back(range);
+    }
+  }
+  plan.first_stage = joined.front().first;
+  plan.last_stage = joined.back().second;
   plan.data_parallel_size = placement_.replicas;
   plan.data_parallel_rank = placement_.replica;
-  if (schedule_name_ == "zbh1") {
+  if (split_backward_) {
     if (plan.struct_size < offsetof(weft_model_plan, split_backward) + sizeof(plan.split_backward)) {
       throw Error(WEFT_STATUS_UNSUPPORTED, plugin_ + ": plugin.schedule = \"zbh1\" needs a host with ABI >= 1.11");
     }
     plan.split_backward = 1;
   }
-  if (chunks_ > 1) {
-    plan.stage_chunks = chunks_;
-    for (int32_t c = 0; c < chunks_; ++c) {
-      plan.chunk_stages[2 * c] = placement_.chunk_stages[static_cast<size_t>(c)].first;
-      plan.chunk_stages[2 * c + 1] = placement_.chunk_stages[static_cast<size_t>(c)].second;
+  if (joined.size() > 1) {
+    plan.stage_chunks = static_cast<int32_t>(joined.size());
+    for (size_t c = 0; c < joined.size(); ++c) {
+      plan.chunk_stages[2 * c] = joined[c].first;
+      plan.chunk_stages[2 * c + 1] = joined[c].second;
     }
   }
   if (world_.rank() == 0) {
     WEFT_LOG_INFO(host(), "%s: %d stages x %d replicas, %d micro-batches, schedule %s%s, partition %s (layers per %s:%s)",
                   plugin_.c_str(), placement_.stages, placement_.replicas, microbatches_, schedule_name_.c_str(),
-                  chunks_ > 1 ? (" with " + std::to_string(chunks_) + " chunks per stage (stage p holds parts p, p + S, ...)").c_str() : "",
+                  chunks_ > 1 ? (" with " + std::to_string(chunks_) + " chunks per stage (" + held_parts() + ")").c_str() : "",
                   describe(partition_).c_str(), chunks_ > 1 ? "part" : "stage",
                   [&] {
                     std::string s;
@@ -173,6 +223,16 @@ void PipelineStrategy::plan(weft_model_plan& plan) {
                   }()
                       .c_str());
   }
+}
+
+std::string PipelineStrategy::held_parts() const {
+  if (chunk_stage_.empty()) return "stage p holds parts p, p + S, ...";
+  std::string out;
+  for (int32_t p = 0; p < placement_.stages; ++p) {
+    out += (p == 0 ? "stage " : "; stage ") + std::to_string(p) + " holds parts";
+    for (int32_t c = 0; c < chunks_; ++c) out += (c == 0 ? " " : ", ") + std::to_string(placement_.virtual_stage(p, c));
+  }
+  return out;
 }
 
 void PipelineStrategy::setup() {
@@ -185,9 +245,10 @@ void PipelineStrategy::setup() {
     weft::sdk::Group g = host().create_group(ranks);
     if (r == placement_.replica) pipeline_group_ = g;
   }
-  if (info.tie_word_embeddings && S > 1) {
+  const int32_t first = placement_.stage_of(0), last = placement_.stage_of(placement_.virtual_stages() - 1);
+  if (info.tie_word_embeddings && first != last) {
     for (int32_t r = 0; r < R; ++r) {
-      weft::sdk::Group g = host().create_group({r * S, r * S + S - 1});
+      weft::sdk::Group g = host().create_group({r * S + std::min(first, last), r * S + std::max(first, last)});
       if (r == placement_.replica) tied_group_ = g;
     }
     if (placement_.is_first() || placement_.is_last()) {
@@ -217,7 +278,8 @@ const Schedule& PipelineStrategy::verified_schedule(const std::string& name, int
   const auto key = std::make_pair(name, micro_batches);
   auto it = schedules_.find(key);
   if (it != schedules_.end()) return it->second;
-  Schedule schedule = make_schedule(name, placement_.stages, micro_batches, chunks_);
+  Schedule schedule = name == "forward" ? forward_only_schedule(placement_.stages, micro_batches, chunks_, chunk_stage_)
+                                        : step_schedule(micro_batches);
   const Verification v = verify(schedule);
   if (!v.ok) {
     throw Error(WEFT_STATUS_INTERNAL, plugin_ + ": schedule " + name + " (" + std::to_string(placement_.stages) +
@@ -237,8 +299,8 @@ void PipelineStrategy::memory_plan(weft_memory_plan& plan) {
   const int64_t rows = plan.rows_per_micro_batch / M;  // per pipeline micro-batch
   Verification v;
   try {
-    v = verify(make_schedule(schedule_name_, placement_.stages, M, chunks_));
-  } catch (const std::invalid_argument&) {  // M not a multiple of the stages: the step refuses it
+    v = verify(step_schedule(M));
+  } catch (const std::exception&) {  // M not a multiple of the stages: the step refuses it
   }
   // Micro-batch activations in flight (chunk activations with virtual stages).
   const int64_t in_flight = v.ok && placement_.stage < static_cast<int32_t>(v.peak_in_flight.size())
@@ -345,8 +407,7 @@ double PipelineStrategy::train_step(const weft_step_info& step) {
   const double loss = sums[0] / (static_cast<double>(total) * placement_.replicas);
   const double window = *std::max_element(sums.begin() + 2, sums.end());
   const double bubble = window > 0 ? 1.0 - sums[1] / (world * window) : 0.0;
-  const double formula = schedule_name_ == "zbh1" ? zero_bubble_h1_bubble_formula(placement_.stages, total)
-                                                  : interleaved_bubble_formula(placement_.stages, total, chunks_);  // GPipe's when chunks = 1
+  const double formula = bubble_formula(total);
   host().report_metric("bubble", bubble);
   host().report_metric("bubble_formula", formula);
   host().report_metric("peak_in_flight", last_stats_.peak_in_flight);

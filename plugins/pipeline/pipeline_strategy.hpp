@@ -75,6 +75,26 @@ class PipelineStrategy : public weft::sdk::Strategy {
   const RunStats& last_stats() const { return last_stats_; }
 
  protected:
+  // A pipeline whose schedule a subclass gives (step_schedule), configured without the [plugin]
+  // keys above: the host's runtime for a plugin's schedule as data (ABI 2).
+  struct Options {
+    std::string schedule_name;         // in messages and logs
+    int32_t stages = 1;                // must divide the world
+    int32_t microbatches = 1;          // pipeline micro-batches per host micro-batch
+    int32_t chunks = 1;                // virtual stages per stage
+    std::vector<int32_t> chunk_stage;  // Schedule::chunk_stage (empty: the loop order)
+    bool split_backward = false;       // the schedule has B/W halves
+    double bucket_mb = 25.0;
+  };
+  PipelineStrategy(weft::sdk::Host host, std::string plugin, Options options);
+
+  // The training schedule of one step of `micro_batches` pipeline micro-batches, with its
+  // transfers (verified by the caller before it runs). Default: plugin.schedule's generator.
+  virtual Schedule step_schedule(int32_t micro_batches);
+  // The bubble the schedule's model predicts (metrics.jsonl plugin.bubble_formula). Default: the
+  // formula of plugin.schedule.
+  virtual double bubble_formula(int32_t micro_batches);
+
   bool recompute_ = false;  // set by a plugin's constructor (gpipe.so: recompute = true)
 
   // For plugins that run their own step (pipedream.so's async mode):
@@ -92,9 +112,14 @@ class PipelineStrategy : public weft::sdk::Strategy {
   void combine_tied_embedding_gradients();
   double tied_copy_norm_sq() const;
 
+  void place_ranks(int32_t stages);
+  std::string held_parts() const;  // "stage 0 holds parts 0, 3; stage 1 holds parts 1, 2"
+
   std::string plugin_;
   std::string schedule_name_;
   int32_t chunks_ = 1;  // virtual stages per rank (interleaved1f1b)
+  std::vector<int32_t> chunk_stage_;  // which virtual stage each chunk is (empty: the loop order)
+  bool split_backward_ = false;
   weft::sdk::Group world_;
   int32_t microbatches_ = 4;
   std::vector<int64_t> balance_;

@@ -7,7 +7,10 @@
 #include "schedule.hpp"
 
 #include <algorithm>
+#include <limits>
+#include <map>
 #include <stdexcept>
+#include <tuple>
 
 namespace weft {
 namespace pipeline {
@@ -20,16 +23,15 @@ struct Compute {
   bool weight = false;  // the weight-gradient half of a split backward (no transfers)
 };
 
-// The receive that `compute` on `stage` needs first, if any (`virtual_stages` = stages x chunks;
-// chunk c of stage p is virtual stage c x stages + p).
-bool needs_receive(const Compute& compute, int32_t stage, int32_t stages, int32_t virtual_stages, Action* receive) {
+// The receive that `compute` on `stage` needs first, if any.
+bool needs_receive(const Compute& compute, int32_t stage, const Schedule& s, Action* receive) {
   if (compute.weight) return false;
-  const int32_t u = compute.chunk * stages + stage;
+  const int32_t u = virtual_stage(s, stage, compute.chunk);
   if (compute.forward && u > 0) {
     *receive = {ActionKind::kRecvActivation, compute.micro_batch, compute.chunk};
     return true;
   }
-  if (!compute.forward && u < virtual_stages - 1) {
+  if (!compute.forward && u < s.stages * s.chunks - 1) {
     *receive = {ActionKind::kRecvGradient, compute.micro_batch, compute.chunk};
     return true;
   }
@@ -37,10 +39,10 @@ bool needs_receive(const Compute& compute, int32_t stage, int32_t stages, int32_
 }
 
 // The send that follows `compute` on `stage`, if any.
-bool makes_send(const Compute& compute, int32_t stage, int32_t stages, int32_t virtual_stages, Action* send) {
+bool makes_send(const Compute& compute, int32_t stage, const Schedule& s, Action* send) {
   if (compute.weight) return false;
-  const int32_t u = compute.chunk * stages + stage;
-  if (compute.forward && u < virtual_stages - 1) {
+  const int32_t u = virtual_stage(s, stage, compute.chunk);
+  if (compute.forward && u < s.stages * s.chunks - 1) {
     *send = {ActionKind::kSendActivation, compute.micro_batch, compute.chunk};
     return true;
   }
@@ -51,22 +53,22 @@ bool makes_send(const Compute& compute, int32_t stage, int32_t stages, int32_t v
   return false;
 }
 
-// Compute order -> full action list (receives posted one compute early, sends right after).
-std::vector<Action> with_transfers(const std::vector<Compute>& order, int32_t stage, int32_t stages,
-                                   bool optimizer_step, int32_t chunks = 1) {
-  const int32_t virtual_stages = stages * chunks;
+// Compute order -> full action list (receives posted one compute early, sends right after), for
+// `stage` of `s` (its stages, chunks and chunk map).
+std::vector<Action> with_transfers(const std::vector<Compute>& order, int32_t stage, const Schedule& s,
+                                   bool optimizer_step) {
   std::vector<Action> actions;
   Action transfer{ActionKind::kOptimizerStep, -1};
-  if (!order.empty() && needs_receive(order[0], stage, stages, virtual_stages, &transfer)) actions.push_back(transfer);
+  if (!order.empty() && needs_receive(order[0], stage, s, &transfer)) actions.push_back(transfer);
   for (size_t i = 0; i < order.size(); ++i) {
-    if (i + 1 < order.size() && needs_receive(order[i + 1], stage, stages, virtual_stages, &transfer)) {
+    if (i + 1 < order.size() && needs_receive(order[i + 1], stage, s, &transfer)) {
       actions.push_back(transfer);
     }
     const ActionKind kind = order[i].weight ? ActionKind::kBackwardWeight
                             : order[i].forward ? ActionKind::kForward
                                                : ActionKind::kBackward;
     actions.push_back({kind, order[i].micro_batch, order[i].chunk});
-    if (makes_send(order[i], stage, stages, virtual_stages, &transfer)) actions.push_back(transfer);
+    if (makes_send(order[i], stage, s, &transfer)) actions.push_back(transfer);
   }
   if (optimizer_step) actions.push_back({ActionKind::kOptimizerStep, -1});
   return actions;
@@ -98,7 +100,7 @@ Schedule gpipe_schedule(int32_t stages, int32_t micro_batches) {
     std::vector<Compute> order;
     for (int32_t m = 0; m < micro_batches; ++m) order.push_back({true, m});
     for (int32_t m = micro_batches - 1; m >= 0; --m) order.push_back({false, m});
-    s.actions[p] = with_transfers(order, p, stages, true);
+    s.actions[p] = with_transfers(order, p, s, true);
   }
   return s;
 }
@@ -115,7 +117,7 @@ Schedule one_f_one_b_schedule(int32_t stages, int32_t micro_batches) {
       order.push_back({false, i});
     }
     for (int32_t m = micro_batches - warmup; m < micro_batches; ++m) order.push_back({false, m});
-    s.actions[p] = with_transfers(order, p, stages, true);
+    s.actions[p] = with_transfers(order, p, s, true);
   }
   return s;
 }
@@ -147,7 +149,7 @@ Schedule interleaved_one_f_one_b_schedule(int32_t stages, int32_t micro_batches,
       order.push_back(unit(i, false));
     }
     for (int32_t k = total - warmup; k < total; ++k) order.push_back(unit(k, false));
-    s.actions[p] = with_transfers(order, p, stages, true, chunks);
+    s.actions[p] = with_transfers(order, p, s, true);
   }
   return s;
 }
@@ -194,24 +196,145 @@ Schedule zero_bubble_h1_schedule(int32_t stages, int32_t micro_batches) {
       --remaining;
     }
   }
-  for (int32_t p = 0; p < S; ++p) s.actions[p] = with_transfers(order[p], p, S, true);
+  for (int32_t p = 0; p < S; ++p) s.actions[p] = with_transfers(order[p], p, s, true);
   return s;
 }
 
-Schedule forward_only_schedule(int32_t stages, int32_t micro_batches, int32_t chunks) {
+Schedule forward_only_schedule(int32_t stages, int32_t micro_batches, int32_t chunks, std::vector<int32_t> chunk_stage) {
   if (chunks < 1) throw std::invalid_argument("a pipeline needs at least 1 chunk per stage, got " + std::to_string(chunks));
+  const std::string bad = check_chunk_map(stages, chunks, chunk_stage);
+  if (!bad.empty()) throw std::invalid_argument(bad);
   Schedule s = empty_schedule("forward", stages, micro_batches);
   s.trains = false;
   s.chunks = chunks;
+  s.chunk_stage = std::move(chunk_stage);
   s.max_in_flight = 1;
   for (int32_t p = 0; p < stages; ++p) {
+    std::vector<int32_t> by_stage(static_cast<size_t>(chunks));  // this stage's chunks, lowest virtual stage first
+    for (int32_t c = 0; c < chunks; ++c) by_stage[static_cast<size_t>(c)] = c;
+    std::sort(by_stage.begin(), by_stage.end(),
+              [&](int32_t a, int32_t b) { return virtual_stage(s, p, a) < virtual_stage(s, p, b); });
     std::vector<Compute> order;
-    for (int32_t c = 0; c < chunks; ++c) {
+    for (int32_t c : by_stage) {
       for (int32_t m = 0; m < micro_batches; ++m) order.push_back({true, m, c});
     }
-    s.actions[p] = with_transfers(order, p, stages, false, chunks);
+    s.actions[p] = with_transfers(order, p, s, false);
   }
   return s;
+}
+
+int32_t virtual_stage(const Schedule& s, int32_t stage, int32_t chunk) {
+  if (s.chunk_stage.empty()) return chunk * s.stages + stage;
+  return s.chunk_stage.at(static_cast<size_t>(stage) * static_cast<size_t>(s.chunks) + static_cast<size_t>(chunk));
+}
+
+std::pair<int32_t, int32_t> locate(const Schedule& s, int32_t u) {
+  if (u < 0 || u >= s.stages * s.chunks) return {-1, -1};
+  if (s.chunk_stage.empty()) return {u % s.stages, u / s.stages};
+  for (size_t i = 0; i < s.chunk_stage.size(); ++i) {
+    if (s.chunk_stage[i] == u) return {static_cast<int32_t>(i) / s.chunks, static_cast<int32_t>(i) % s.chunks};
+  }
+  return {-1, -1};
+}
+
+std::string check_chunk_map(int32_t stages, int32_t chunks, const std::vector<int32_t>& chunk_stage) {
+  if (chunk_stage.empty()) return "";
+  const int64_t n = static_cast<int64_t>(stages) * chunks;
+  if (static_cast<int64_t>(chunk_stage.size()) != n) {
+    return "the chunk map has " + std::to_string(chunk_stage.size()) + " entries for " + std::to_string(stages) +
+           " stages x " + std::to_string(chunks) + " chunks";
+  }
+  std::vector<bool> seen(static_cast<size_t>(n), false);
+  for (size_t i = 0; i < chunk_stage.size(); ++i) {
+    const int32_t u = chunk_stage[i];
+    const std::string where = "chunk " + std::to_string(i % static_cast<size_t>(chunks)) + " of stage " +
+                              std::to_string(i / static_cast<size_t>(chunks));
+    if (u < 0 || u >= n) return where + " is virtual stage " + std::to_string(u) + ", outside [0, " + std::to_string(n) + ")";
+    if (seen[static_cast<size_t>(u)]) return where + " is virtual stage " + std::to_string(u) + ", which another chunk is too";
+    seen[static_cast<size_t>(u)] = true;
+  }
+  return "";
+}
+
+void add_transfers(Schedule& s) {
+  const auto stages = static_cast<int32_t>(s.actions.size());
+  // Each stage's computes, and where its optimizer step was (after how many computes).
+  std::vector<std::vector<Compute>> order(static_cast<size_t>(stages));
+  std::vector<int64_t> step_after(static_cast<size_t>(stages), -1);
+  for (int32_t p = 0; p < stages; ++p) {
+    for (const Action& a : s.actions[static_cast<size_t>(p)]) {
+      auto& list = order[static_cast<size_t>(p)];
+      switch (a.kind) {
+        case ActionKind::kForward: list.push_back({true, a.micro_batch, a.chunk}); break;
+        case ActionKind::kBackward: list.push_back({false, a.micro_batch, a.chunk}); break;
+        case ActionKind::kBackwardWeight: list.push_back({false, a.micro_batch, a.chunk, /*weight=*/true}); break;
+        case ActionKind::kOptimizerStep: step_after[static_cast<size_t>(p)] = static_cast<int64_t>(list.size()); break;
+        default:
+          throw std::invalid_argument("stage " + std::to_string(p) + " " + to_string(a) +
+                                      ": transfers are the runtime's to add, not the schedule's");
+      }
+    }
+  }
+  // Where each transfer's data is made: (kind of the send, micro-batch, sender's chunk) -> index
+  // of the producing compute in the sender's order.
+  std::vector<std::map<std::tuple<int, int32_t, int32_t>, size_t>> made(static_cast<size_t>(stages));
+  for (int32_t p = 0; p < stages; ++p) {
+    const auto& list = order[static_cast<size_t>(p)];
+    for (size_t i = 0; i < list.size(); ++i) {
+      Action send{ActionKind::kOptimizerStep, -1};
+      if (makes_send(list[i], p, s, &send)) made[static_cast<size_t>(p)][{static_cast<int>(send.kind), send.micro_batch, send.chunk}] = i;
+    }
+  }
+  // Each receive is posted one compute before its consumer, or earlier where the sender sends an
+  // item it needs later first: between two stages, receives are posted in the order the sends
+  // start (NCCL matches by order; verify.hpp).
+  struct Receive {
+    Action action;
+    size_t before;      // posted before this compute of the receiver
+    size_t sent_at;     // the sender's producing compute
+  };
+  std::vector<std::vector<Receive>> posts(static_cast<size_t>(stages));
+  for (int32_t q = 0; q < stages; ++q) {
+    std::map<int32_t, std::vector<Receive>> by_sender;
+    const auto& list = order[static_cast<size_t>(q)];
+    for (size_t k = 0; k < list.size(); ++k) {
+      Action receive{ActionKind::kOptimizerStep, -1};
+      if (!needs_receive(list[k], q, s, &receive)) continue;
+      const int32_t u = virtual_stage(s, q, receive.chunk);
+      const bool activation = receive.kind == ActionKind::kRecvActivation;
+      const auto [p, c] = locate(s, activation ? u - 1 : u + 1);
+      if (p < 0) continue;  // the verifier reports it
+      const ActionKind send = activation ? ActionKind::kSendActivation : ActionKind::kSendGradient;
+      const auto& producers = made[static_cast<size_t>(p)];
+      const auto it = producers.find({static_cast<int>(send), receive.micro_batch, c});
+      const size_t sent_at = it == producers.end() ? std::numeric_limits<size_t>::max() : it->second;
+      by_sender[p].push_back({receive, k == 0 ? 0 : k - 1, sent_at});
+    }
+    for (auto& [p, receives] : by_sender) {
+      std::stable_sort(receives.begin(), receives.end(), [](const Receive& a, const Receive& b) { return a.sent_at < b.sent_at; });
+      for (size_t i = receives.size(); i-- > 1;) receives[i - 1].before = std::min(receives[i - 1].before, receives[i].before);
+      posts[static_cast<size_t>(q)].insert(posts[static_cast<size_t>(q)].end(), receives.begin(), receives.end());
+    }
+    std::stable_sort(posts[static_cast<size_t>(q)].begin(), posts[static_cast<size_t>(q)].end(),
+                     [](const Receive& a, const Receive& b) { return a.before < b.before; });
+  }
+  for (int32_t p = 0; p < stages; ++p) {
+    const auto& list = order[static_cast<size_t>(p)];
+    const auto& receives = posts[static_cast<size_t>(p)];
+    std::vector<Action> full;
+    size_t r = 0;
+    for (size_t k = 0; k <= list.size(); ++k) {
+      if (static_cast<int64_t>(k) == step_after[static_cast<size_t>(p)]) full.push_back({ActionKind::kOptimizerStep, -1});
+      if (k == list.size()) break;
+      while (r < receives.size() && receives[r].before <= k) full.push_back(receives[r++].action);
+      const Compute& c = list[k];
+      full.push_back({c.weight ? ActionKind::kBackwardWeight : c.forward ? ActionKind::kForward : ActionKind::kBackward,
+                      c.micro_batch, c.chunk});
+      Action send{ActionKind::kOptimizerStep, -1};
+      if (makes_send(c, p, s, &send)) full.push_back(send);
+    }
+    s.actions[static_cast<size_t>(p)] = std::move(full);
+  }
 }
 
 Schedule make_schedule(const std::string& name, int32_t stages, int32_t micro_batches, int32_t chunks) {

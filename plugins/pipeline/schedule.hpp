@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace weft {
@@ -58,6 +59,11 @@ struct Schedule {
   int32_t stages = 0;
   int32_t micro_batches = 0;
   int32_t chunks = 1;  // virtual stages per stage (interleaved schedules); see the conventions
+  // Which virtual stage each chunk is: chunk_stage[p * chunks + c] for chunk c of stage p, a
+  // permutation of [0, stages x chunks). Empty: the loop order, c x stages + p (Megatron's
+  // interleaving); ZB-V's V shape puts chunk 1 of stage p at 2 S - 1 - p. Neighbouring virtual
+  // stages may live on one stage (the V's bottom): their transfers stay on that rank.
+  std::vector<int32_t> chunk_stage;
   bool trains = true;  // false: forward only (evaluation): no backward, no optimizer step
   // The most micro-batches whose forward has run but whose backward has not, on any stage, that
   // the schedule promises (GPipe: M; 1F1B: min(stages, M)). The verifier enforces it.
@@ -95,9 +101,24 @@ Schedule interleaved_one_f_one_b_schedule(int32_t stages, int32_t micro_batches,
 // the same time units, at 1F1B's activations plus at most S micro-batches' weight-gradient inputs.
 Schedule zero_bubble_h1_schedule(int32_t stages, int32_t micro_batches);
 
-// Forward-only (evaluation): every stage forwards every micro-batch in order, chunk by chunk
-// (chunk 0 of every micro-batch, then chunk 1, ...); no backward.
-Schedule forward_only_schedule(int32_t stages, int32_t micro_batches, int32_t chunks = 1);
+// Forward-only (evaluation): every stage forwards every micro-batch in order, chunk by chunk in
+// the order of their virtual stages (all micro-batches of the lowest first); no backward.
+Schedule forward_only_schedule(int32_t stages, int32_t micro_batches, int32_t chunks = 1,
+                               std::vector<int32_t> chunk_stage = {});
+
+// The virtual stage of chunk `chunk` on stage `stage` (see Schedule::chunk_stage).
+int32_t virtual_stage(const Schedule& schedule, int32_t stage, int32_t chunk);
+// Where virtual stage `u` lives: (stage, chunk), or (-1, -1) outside [0, stages x chunks).
+std::pair<int32_t, int32_t> locate(const Schedule& schedule, int32_t u);
+// "" when `chunk_stage` is empty or a permutation of [0, stages x chunks) with stages x chunks
+// entries; otherwise the problem, in one line.
+std::string check_chunk_map(int32_t stages, int32_t chunks, const std::vector<int32_t>& chunk_stage);
+// Completes a schedule whose lists hold compute actions only (kForward, kBackward,
+// kBackwardWeight, kOptimizerStep) with the transfers the placement implies: each send right
+// after the compute that made its data, each receive one compute action before the compute that
+// consumes it, or earlier where needed so that between two stages the receives are posted in the
+// order the sends start. Throws std::invalid_argument for a transfer in the lists.
+void add_transfers(Schedule& schedule);
 
 // The schedule called `name` ("gpipe", "1f1b", "interleaved1f1b", "zbh1", "forward") with
 // `chunks` virtual stages per stage (1 for all but interleaved1f1b and forward); throws

@@ -15,12 +15,11 @@ bool is_compute(ActionKind kind) {
 }
 
 // Where a transfer action on chunk `chunk` of `stage` goes or comes from: the neighbouring virtual
-// stage (chunk c of stage p is virtual stage c x stages + p), as (stage, chunk); stage -1 if none.
+// stage (schedule.hpp's virtual_stage), as (stage, chunk); (-1, -1) if none.
 std::pair<int32_t, int32_t> peer_of(const Schedule& s, ActionKind kind, int32_t stage, int32_t chunk) {
-  const int32_t u = chunk * s.stages + stage;
+  const int32_t u = virtual_stage(s, stage, chunk);
   const int32_t other = (kind == ActionKind::kRecvActivation || kind == ActionKind::kSendGradient) ? u - 1 : u + 1;
-  if (other < 0 || other >= s.stages * s.chunks) return {-1, -1};
-  return {other % s.stages, other / s.stages};
+  return locate(s, other);
 }
 
 // The action on the peer that matches `kind` (a send's receive or a receive's send).
@@ -54,6 +53,7 @@ int count(const Counts& counts, ActionKind kind, int32_t micro_batch, int32_t ch
 std::string check_structure(const Schedule& s) {
   if (s.stages < 1 || s.micro_batches < 1) return "a schedule needs at least 1 stage and 1 micro-batch";
   if (s.chunks < 1) return "a schedule needs at least 1 chunk per stage";
+  if (std::string bad = check_chunk_map(s.stages, s.chunks, s.chunk_stage); !bad.empty()) return bad;
   if (static_cast<int32_t>(s.actions.size()) != s.stages) {
     return "the schedule has " + std::to_string(s.actions.size()) + " action lists for " +
            std::to_string(s.stages) + " stages";
@@ -75,9 +75,8 @@ std::string check_structure(const Schedule& s) {
       if (!is_compute(a.kind)) {
         const int32_t peer = peer_of(s, a.kind, p, a.chunk).first;
         if (peer < 0) {
-          return at(p, a) + ": there is no stage " +
-                 std::to_string((a.kind == ActionKind::kRecvActivation || a.kind == ActionKind::kSendGradient) ? p - 1
-                                                                                                                 : p + 1);
+          const bool before = a.kind == ActionKind::kRecvActivation || a.kind == ActionKind::kSendGradient;
+          return at(p, a) + ": there is no virtual stage " + std::to_string(virtual_stage(s, p, a.chunk) + (before ? -1 : 1));
         }
       }
       if ((a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardWeight) && !s.trains) {
@@ -92,7 +91,7 @@ std::string check_structure(const Schedule& s) {
     }
     const auto index_of = [&](ActionKind kind, int32_t m, int32_t c) { return first_index.at(key_of(kind, m, c)); };
     for (int32_t c = 0; c < s.chunks; ++c) {
-      const int32_t u = c * s.stages + p;
+      const int32_t u = virtual_stage(s, p, c);
       for (int32_t m = 0; m < s.micro_batches; ++m) {
         const Action forward{ActionKind::kForward, m, c}, backward{ActionKind::kBackward, m, c};
         if (count(counts[p], ActionKind::kForward, m, c) != 1) return at(p, forward) + " is missing";
@@ -204,7 +203,7 @@ Verification verify(const Schedule& s, const CostModel& costs) {
         const Action& a = s.actions[p][pc[p]];
         double start = clock[p];
         if (is_compute(a.kind)) {
-          const int32_t u = a.chunk * s.stages + static_cast<int32_t>(p);
+          const int32_t u = virtual_stage(s, static_cast<int32_t>(p), a.chunk);
           const bool needs = a.kind == ActionKind::kForward    ? u > 0
                              : a.kind == ActionKind::kBackward ? u + 1 < virtual_stages
                                                                : false;  // W: its own B, earlier in the list

@@ -91,7 +91,7 @@ TEST(Abi2, PluginsAreListedWithTheirAbi) {
   const std::string plugins = std::string(WEFT_BINARY_DIR) + "/plugins/";
   const auto ddp = weft::PluginLibrary::load(plugins + "ddp_abi2.so");
   ASSERT_NE(ddp->abi2(), nullptr);
-  EXPECT_EQ(ddp->abi(), "2.1");
+  EXPECT_EQ(ddp->abi(), "2.2");
   EXPECT_EQ(ddp->name(), "ddp_abi2");
   EXPECT_EQ(weft::PluginLibrary::load(plugins + "ddp.so")->abi2(), nullptr);
 }
@@ -109,20 +109,23 @@ TEST(Abi2, WhatThisHostDoesNotRunIsRefusedBeforeTheFirstStep) {
       {"--plugin single_abi2 --nproc 2",
        "single_abi2 owns no data-parallel dimension, so it runs on one process, but the world has 2 ranks"},
       {"--plugin abi2_slice --nproc 2",
-       "abi2_slice places the parameter of model.embed_tokens.weight as SLICE, which this host (ABI 2.1) does not "
+       "abi2_slice places the parameter of model.embed_tokens.weight as SLICE, which this host (ABI 2.2) does not "
        "execute yet"},
-      {"--plugin abi2_schedule --nproc 2", "abi2_schedule provides weft_schedule, which this host (ABI 2.1) does not "
-                                           "execute yet"},
-      {"--plugin ddp_abi2,tensor_parallel --nproc 2", "plugin ddp_abi2 (ABI 2.1) runs alone in this version"},
+      {"--plugin abi2_schedule --nproc 2",
+       "abi2_schedule provides weft_schedule but does not own the pipeline dimension"},
+      {"--plugin abi2_pipeline_deadlock --nproc 2",
+       "schedule abi2_pipeline_deadlock (2 stages, 2 micro-batches) failed verification: deadlock: stage 0 B0 waits "
+       "forever; stage 1 F1 waits forever"},
+      {"--plugin ddp_abi2,tensor_parallel --nproc 2", "plugin ddp_abi2 (ABI 2.2) runs alone in this version"},
       {"--plugin ddp_abi2 --nproc 2 --set plugin.bucket_mb=0", "plugin.bucket_mb must be > 0, got 0"},
       {"--plugin zero_abi2 --nproc 2 --set plugin.stage=3 --set train.mode=lora --set model.frozen_dtype=bf16",
        "zero_abi2 places parameter model.embed_tokens.weight FLAT_SHARD, but it is not fp32"},
       {"--plugin ddp_abi2 --nproc 2 --set plugin.bucket_size=1", "plugin.bucket_size"},  // a key nobody reads
       {"--plugin abi2_local_gradient --nproc 2",
-       "abi2_local_gradient places the parameter of model.embed_tokens.weight as REPLICATE, which this host (ABI 2.1) "
+       "abi2_local_gradient places the parameter of model.embed_tokens.weight as REPLICATE, which this host (ABI 2.2) "
        "does not execute beside LOCAL (a parameter, its gradient and its optimizer state are LOCAL together)"},
       {"--plugin abi2_unknown_point --nproc 2",
-       "abi2_unknown_point registers a hook at \"block.attention.core\", a point this host (ABI 2.1) does not publish "
+       "abi2_unknown_point registers a hook at \"block.attention.core\", a point this host (ABI 2.2) does not publish "
        "(it publishes: train.begin, step.end)"},
   };
   for (const Case& c : cases) {
@@ -144,7 +147,7 @@ TEST(Abi2, DdpAsALayoutTrainsAsDdpAndReducesDuringTheBackward) {
   const auto v2 = weft::testing::run_trainer(run + " --plugin ddp_abi2 --set train.out_dir=" + dir + "/v2");
   ASSERT_EQ(v1.exit_code, 0) << v1.output;
   ASSERT_EQ(v2.exit_code, 0) << v2.output;
-  EXPECT_THAT(v2.output, HasSubstr("strategy: ddp_abi2 2.0.0 (ABI 2.1)"));
+  EXPECT_THAT(v2.output, HasSubstr("strategy: ddp_abi2 2.0.0 (ABI 2.2)"));
   const auto a = weft::testing::step_losses(dir + "/v1/metrics.jsonl");
   const auto b = weft::testing::step_losses(dir + "/v2/metrics.jsonl");
   ASSERT_EQ(a.size(), 4u);

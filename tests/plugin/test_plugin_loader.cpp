@@ -201,8 +201,9 @@ TEST(PluginLoader, BrokenPluginsAreRefusedWithOneLineNamingTheProblem) {
       {"missing_name", "its table has no name"},
       {"not_a_library", "not a shared library"},
       {"undefined_symbol", "cannot be loaded: "},
-      // ABI 2 (weft/plugin.h): a 2.0 host runs plugins owning at most the data-parallel dimension.
-      {"abi2_tensor_parallel", "runs ABI 2 plugins owning at most the data-parallel dimension"},
+      // ABI 2 (weft/plugin.h): a 2.2 host runs a plugin owning the data-parallel or the pipeline dimension.
+      {"abi2_tensor_parallel", "runs an ABI 2 plugin alone, owning the data-parallel dimension (0x2) or the pipeline "
+                               "dimension (0x1)"},
       {"abi2_no_proc_address", "required function(s) are NULL: get_proc_address"},
   };
   for (const Refusal& r : refusals) {
@@ -296,12 +297,12 @@ TEST(PluginLoader, ListsEveryLibraryInTheSearchPathWithItsProblem) {
   EXPECT_EQ(listings[0].name, "single");
   EXPECT_EQ(listings[0].problem, "");
   EXPECT_EQ(files, (std::vector<std::string>{"(built in)", "abi2_local_gradient.so", "abi2_no_proc_address.so",
-                                             "abi2_schedule.so", "abi2_slice.so", "abi2_tensor_parallel.so",
+                                             "abi2_pipeline_deadlock.so", "abi2_schedule.so", "abi2_slice.so", "abi2_tensor_parallel.so",
                                              "abi2_unknown_point.so", "bad_chunks.so", "diloco.so", "entry_null.so",
                                              "error_create.so", "finish_1_13.so", "good.so", "hsdp.so", "missing_create.so",
                                              "missing_name.so", "needs_newer_host.so", "newer_minor.so",
                                              "no_entry.so", "not_a_library.so", "stages_1_12.so", "too_small.so",
-                                             "undefined_symbol.so", "wrong_major.so"}));
+                                             "undefined_symbol.so", "wrong_major.so", "zbv.so"}));
   const auto find = [&](const std::string& file) {
     for (const auto& l : listings) {
       if (fs::path(l.path).filename() == file) return l;
@@ -319,7 +320,7 @@ TEST(PluginLoader, ListsEveryLibraryInTheSearchPathWithItsProblem) {
   EXPECT_THAT(find("not_a_library.so").problem, HasSubstr("not a shared library"));
   EXPECT_EQ(find("abi2_slice.so").problem, "");  // an ABI 2 plugin: listed with its own ABI
   EXPECT_EQ(find("abi2_slice.so").abi.major, 2);
-  EXPECT_THAT(find("abi2_tensor_parallel.so").problem, HasSubstr("owning at most the data-parallel dimension"));
+  EXPECT_THAT(find("abi2_tensor_parallel.so").problem, HasSubstr("owning the data-parallel dimension"));
   EXPECT_EQ(find("not_a_library.so").name, "");
 }
 

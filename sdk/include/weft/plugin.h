@@ -1,17 +1,21 @@
 /*
  * weft/plugin.h - the strategy plugin ABI, version 2 (C99).
  *
- * STATUS: 2.1, landings of issue 44 (design: sdk/ABI2.md). The host loads 2.x plugins beside 1.x
+ * STATUS: 2.2, landings of issue 44 (design: sdk/ABI2.md). The host loads 2.x plugins beside 1.x
  * ones (weft/strategy.h); single_abi2.so, ddp_abi2.so, zero_abi2.so and the out-of-tree examples
- * sdk/examples/diloco and sdk/examples/hsdp are written against it. What 2.1 covers: a plugin that owns at most the
- * data-parallel dimension and runs alone (not composed); it places every parameter, gradient and
+ * sdk/examples/diloco, sdk/examples/hsdp and sdk/examples/zbv are written against it. What 2.2
+ * covers: a plugin that runs alone (not composed) and owns either the data-parallel dimension or
+ * the pipeline dimension. Owning the pipeline, it gives the placement of virtual stages on ranks
+ * and each rank's schedule as data (weft_layout's pipeline fields, "weft_schedule"); the host
+ * partitions the model, adds the transfers, verifies and runs the schedule, sums a tied
+ * embedding's two copies' gradients and evaluates with a forward-only schedule (placements and
+ * hooks are not executed for a pipeline plugin yet). Owning data parallelism, it places every parameter, gradient and
  * optimizer state REPLICATE or LOCAL (all three LOCAL together), or the optimizer state FLAT_SHARD
  * (ZeRO's stage 1), its gradient with it (stage 2) and the parameter too (stage 3); it may register hooks at the points "train.begin" and "step.end",
  * where it reads and writes the parameters, runs collectives and keeps state that checkpoints
- * carry, through the host's services. The
- * other placements, more points and schedules from plugins are the next landings; a 2.1 host
- * refuses a plugin that asks for them, in one line, at load, at create or (a placement, a point)
- * once the model is built, before the first step.
+ * carry, through the host's services. The other placements, more points and composition are the
+ * next landings; this host refuses a plugin that asks for them, in one line, at load, at create or
+ * (a placement, a point) once the model is built, before the first step.
  *
  * The host owns the step. Per rank, one training step is a list of actions the host executes
  * (weft_action_kind): the forward and backward of each micro-batch, the reduction of gradients,
@@ -51,7 +55,7 @@ extern "C" {
 
 /* Major: incompatible changes; must match. Minor: appended names and fields. */
 #define WEFT_PLUGIN_ABI_MAJOR 2
-#define WEFT_PLUGIN_ABI_MINOR 1
+#define WEFT_PLUGIN_ABI_MINOR 2
 #define WEFT_PLUGIN_ENTRY_SYMBOL "weft_plugin_entry"
 
 typedef struct weft_plugin_instance weft_plugin_instance; /* the plugin's; opaque to the host */
@@ -160,6 +164,16 @@ typedef struct weft_layout {
    * between them); it must divide the dimension's size. The host's default: 0, the whole
    * dimension. */
   int32_t shard_group_size;
+  /* Since 2.2, for a plugin that owns the pipeline dimension (WEFT_MESH_PP): the model is cut into
+   * stages x pipeline_chunks virtual stages (contiguous runs of the model's stages, balanced by
+   * parameter count); each rank of the dimension holds pipeline_chunks of them. chunk_stages says
+   * which: chunk c of rank p is virtual stage chunk_stages[p * pipeline_chunks + c] (a permutation
+   * of [0, stages x pipeline_chunks); storage the plugin keeps for the instance's life), or with
+   * NULL, c x stages + p (Megatron's interleaving). Each host micro-batch splits into
+   * pipeline_micro_batches micro-batches of equal rows. The host's defaults: 1, NULL, 1. */
+  int32_t pipeline_chunks;
+  const int32_t* chunk_stages;
+  int32_t pipeline_micro_batches;
 } weft_layout;
 
 /* Where a tensor lives on the plugin's dimension. */
@@ -213,22 +227,53 @@ typedef weft_status* (*weft_place_fn)(weft_plugin_instance* instance, const weft
  * The step the host executes
  * ---------------------------------------------------------------------------------------- */
 
-/* One action of a rank's step. In 2.0 the host builds every list itself: one chunk (the whole
- * model), FORWARD and BACKWARD per micro-batch, then REDUCE (where a gradient placement asks for
- * one) and OPTIMIZER_STEP; it verifies the list before the first step. */
+/* One action of a rank's step. Without a pipeline the host builds every list itself: one chunk
+ * (the whole model), FORWARD and BACKWARD per micro-batch, then REDUCE (where a gradient placement
+ * asks for one) and OPTIMIZER_STEP. A plugin that owns the pipeline dimension gives each rank's
+ * list ("weft_schedule", since 2.2). The host verifies the lists before the first step. */
 typedef enum weft_action_kind {
   WEFT_ACTION_FORWARD = 0,        /* forward (and, on the last chunk, the loss) of a micro-batch */
   WEFT_ACTION_BACKWARD = 1,       /* its backward */
   WEFT_ACTION_REDUCE = 2,         /* the chunk's gradients over the dimension whose placement asks:
                                      started during its last backward, complete before the optimizer step */
-  WEFT_ACTION_OPTIMIZER_STEP = 3  /* the host's optimizer: the step's last action */
+  WEFT_ACTION_OPTIMIZER_STEP = 3, /* the host's optimizer: the step's last action */
+  /* Since 2.2: a backward split in two halves (zero-bubble schedules), for every backward of a
+   * schedule or none: the input gradients (what the previous virtual stage waits for), then,
+   * later, the weights' gradients of the same micro-batch and chunk. */
+  WEFT_ACTION_BACKWARD_INPUT = 4,
+  WEFT_ACTION_BACKWARD_WEIGHT = 5
 } weft_action_kind;
 
 typedef struct weft_action {
   int32_t kind;        /* weft_action_kind */
-  int32_t chunk;       /* the stage chunk (0 in 2.0) */
-  int32_t micro_batch; /* FORWARD, BACKWARD; -1 otherwise */
+  int32_t chunk;       /* the rank's stage chunk (0 without a pipeline) */
+  int32_t micro_batch; /* FORWARD and the BACKWARDs; -1 otherwise */
 } weft_action;
+
+/* ------------------------------------------------------------------------------------------
+ * Pipeline schedules as data (plugin function "weft_schedule"; since 2.2)
+ * ---------------------------------------------------------------------------------------- */
+
+/* What the host asks: one rank's list for a step of `micro_batches` micro-batches. */
+typedef struct weft_schedule_request {
+  uint32_t struct_size;  /* host-set */
+  int32_t rank;          /* the rank of the pipeline dimension whose list is asked, 0 <= rank < stages */
+  int32_t stages;        /* the dimension's size */
+  int32_t chunks;        /* weft_layout.pipeline_chunks */
+  int32_t micro_batches; /* in this step: host micro-batches x weft_layout.pipeline_micro_batches */
+} weft_schedule_request;
+
+/* "weft_schedule": the compute actions of one rank's step, in order: FORWARD and BACKWARD (or
+ * BACKWARD_INPUT and BACKWARD_WEIGHT) of every (chunk, micro-batch) once, OPTIMIZER_STEP last.
+ * `*actions` is the plugin's storage, valid until its next call. The host asks every rank's list
+ * (on every rank) once per micro-batch count, adds the transfers the placement implies (a receive
+ * posted one compute action before the compute that needs it, a send right after the compute that
+ * made its data; between two chunks of one rank, a copy) and verifies the whole schedule before
+ * the first step: every action once and in dependency order on its rank, transfers matched in
+ * order between each pair of ranks, and a dataflow simulation in which no rank waits forever. A
+ * list it refuses stops the run there, in one line naming the rank and the action. */
+typedef weft_status* (*weft_schedule_fn)(weft_plugin_instance* instance, const weft_schedule_request* request,
+                                         const weft_action** actions, int64_t* count);
 
 /* ------------------------------------------------------------------------------------------
  * Hooks at named points (plugin function "weft_hooks"; optional; since 2.1)

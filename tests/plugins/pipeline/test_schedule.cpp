@@ -289,7 +289,7 @@ TEST(Verifier, CatchesTransfersToStagesThatDoNotExist) {
   s.actions[0].insert(s.actions[0].begin(), Action{ActionKind::kRecvActivation, 0});
   const auto v = weft::pipeline::verify(s);
   EXPECT_FALSE(v.ok);
-  EXPECT_NE(v.error.find("there is no stage -1"), std::string::npos) << v.error;
+  EXPECT_NE(v.error.find("there is no virtual stage -1"), std::string::npos) << v.error;
 }
 
 TEST(Schedule, RefusesImpossibleShapesAndNames) {
@@ -317,3 +317,74 @@ TEST(Schedule, ForwardOnlyWithChunksRunsEveryMicroBatchThroughEachChunkInTurn) {
 }
 
 }  // namespace
+
+namespace {
+
+// A schedule of compute actions only, as an ABI 2 plugin gives it ("weft_schedule").
+Schedule compute_only(int32_t stages, int32_t micro_batches, int32_t chunks, std::vector<int32_t> chunk_stage,
+                      std::vector<std::vector<Action>> lists) {
+  Schedule s;
+  s.name = "test";
+  s.stages = stages;
+  s.micro_batches = micro_batches;
+  s.chunks = chunks;
+  s.chunk_stage = std::move(chunk_stage);
+  s.max_in_flight = micro_batches * chunks;
+  s.actions = std::move(lists);
+  return s;
+}
+
+}  // namespace
+
+// The V placement (2 stages x 2 chunks: stage 0 holds virtual stages 0 and 3, stage 1 holds 1 and
+// 2): add_transfers sends between stages and hands over between stage 1's two chunks (2 <- 1), and
+// the result verifies; its forward-only schedule walks each stage's chunks in virtual-stage order.
+TEST(Schedule, TransfersAddedToAVShapedPlacementVerify) {
+  const std::vector<int32_t> v{0, 3, 1, 2};
+  using K = ActionKind;
+  Schedule s = compute_only(2, 1, 2, v,
+                            {{{K::kForward, 0, 0}, {K::kForward, 0, 1}, {K::kBackward, 0, 1}, {K::kBackward, 0, 0},
+                              {K::kOptimizerStep, -1}},
+                             {{K::kForward, 0, 0}, {K::kForward, 0, 1}, {K::kBackward, 0, 1}, {K::kBackward, 0, 0},
+                              {K::kOptimizerStep, -1}}});
+  weft::pipeline::add_transfers(s);
+  // Each receive one compute before its consumer (the first ones at the start), each send right
+  // after its producer.
+  EXPECT_EQ(names(s.actions[0]), (std::vector<std::string>{"rA0.1", "F0", "sA0", "F0.1", "rG0", "B0.1", "sG0.1", "B0",
+                                                           "step"}));
+  EXPECT_EQ(names(s.actions[1]), (std::vector<std::string>{"rA0", "rA0.1", "F0", "sA0", "rG0.1", "F0.1", "sA0.1", "rG0",
+                                                           "B0.1", "sG0.1", "B0", "sG0", "step"}));
+  const auto verified = weft::pipeline::verify(s);
+  EXPECT_TRUE(verified.ok) << verified.error << "\n" << weft::pipeline::to_string(s);
+  EXPECT_EQ(weft::pipeline::locate(s, 3), (std::pair<int32_t, int32_t>{0, 1}));
+  EXPECT_EQ(weft::pipeline::virtual_stage(s, 1, 1), 2);
+  const Schedule eval = weft::pipeline::forward_only_schedule(2, 2, 2, v);
+  EXPECT_TRUE(weft::pipeline::verify(eval).ok) << weft::pipeline::verify(eval).error;
+  // A transfer written into the lists is the runtime's to add: refused.
+  Schedule with_send = compute_only(2, 1, 1, {}, {{{K::kForward, 0}, {K::kSendActivation, 0}}, {{K::kForward, 0}}});
+  EXPECT_THROW(weft::pipeline::add_transfers(with_send), std::invalid_argument);
+}
+
+// Where a stage consumes two items from one peer in another order than the peer sends them, the
+// receive of the one sent first is posted before the first consumer: the order NCCL matches by.
+TEST(Schedule, ReceivesArePostedInTheOrderTheirSendsStart) {
+  using K = ActionKind;
+  // Stage 0 forwards micro-batches 0 then 1; stage 1 forwards 1 first, then 0 (a legal order with
+  // free sends: both activations are sent before stage 1 waits for either).
+  Schedule s = compute_only(2, 2, 1, {},
+                            {{{K::kForward, 0}, {K::kForward, 1}, {K::kBackward, 1}, {K::kBackward, 0}, {K::kOptimizerStep, -1}},
+                             {{K::kForward, 1}, {K::kForward, 0}, {K::kBackward, 1}, {K::kBackward, 0}, {K::kOptimizerStep, -1}}});
+  weft::pipeline::add_transfers(s);
+  EXPECT_EQ(names(s.actions[1]), (std::vector<std::string>{"rA0", "rA1", "F1", "F0", "B1", "sG1", "B0", "sG0", "step"}));
+  const auto verified = weft::pipeline::verify(s);
+  EXPECT_TRUE(verified.ok) << verified.error;
+}
+
+TEST(Schedule, AChunkMapMustBeAPermutationOfTheVirtualStages) {
+  EXPECT_EQ(weft::pipeline::check_chunk_map(2, 2, {}), "");
+  EXPECT_EQ(weft::pipeline::check_chunk_map(2, 2, {0, 3, 1, 2}), "");
+  EXPECT_EQ(weft::pipeline::check_chunk_map(2, 2, {0, 3, 1}), "the chunk map has 3 entries for 2 stages x 2 chunks");
+  EXPECT_EQ(weft::pipeline::check_chunk_map(2, 2, {0, 3, 3, 2}),
+            "chunk 0 of stage 1 is virtual stage 3, which another chunk is too");
+  EXPECT_EQ(weft::pipeline::check_chunk_map(2, 2, {0, 4, 1, 2}), "chunk 1 of stage 0 is virtual stage 4, outside [0, 4)");
+}

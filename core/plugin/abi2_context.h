@@ -1,0 +1,34 @@
+// What the host's two steps for ABI 2 plugins share (abi2.cpp: data parallel; abi2_pipeline.cpp:
+// pipeline schedules as data): the host's side of an instance, behind weft_host_services, and the
+// services found by name.
+#pragma once
+
+#include <string>
+
+#include <weft/plugin.h>
+#include <weft/strategy.hpp>
+
+#include "core/plugin/abi2.h"
+
+// The host's side of one ABI 2 instance (opaque to the plugin).
+struct weft_host_context {
+  weft::sdk::Host host;
+  std::string plugin;
+  weft_group* group = nullptr;  // the plugin's dimension (the world: an ABI 2 plugin runs alone)
+  weft_parameter_info info{};   // the last one weft_parameter asked for (its name is the host's)
+};
+
+namespace weft {
+
+// weft_layout.reduce_bucket_bytes's default: PyTorch DDP's bucket (bucket_cap_mb = 25).
+constexpr int64_t kAbi2DefaultBucketBytes = 25LL * 1024 * 1024;
+
+// The host's services for ABI 2 plugins, by name (weft/plugin.h); abi2.cpp.
+weft_proc abi2_host_proc_address(const char* name);
+
+// The step for a plugin that owns the pipeline dimension (abi2_pipeline.cpp): its ABI 1 session
+// table, and the step over the session's host, which creates the plugin.
+weft_strategy_api abi2_pipeline_table(const Abi2Plugin& plugin);
+sdk::Strategy* create_abi2_pipeline_step(sdk::Host host, const Abi2Plugin& plugin);
+
+}  // namespace weft

@@ -5,6 +5,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace weft {
 namespace pipeline {
@@ -80,6 +81,44 @@ Partition balanced_partition(const std::vector<double>& costs, int32_t stages) {
   bounds[stages] = n;
   for (int32_t k = stages; k >= 1; --k) bounds[k - 1] = choice[k][bounds[k]];
   return bounds;
+}
+
+Partition rebalance_for_owners(Partition partition, const std::vector<double>& costs, const std::vector<int32_t>& owner) {
+  if (owner.size() + 1 != partition.size()) {
+    throw std::invalid_argument("rebalance_for_owners: " + std::to_string(owner.size()) + " owners for " +
+                                std::to_string(partition.size() - 1) + " parts");
+  }
+  const int32_t ranks = owner.empty() ? 0 : *std::max_element(owner.begin(), owner.end()) + 1;
+  // (largest rank cost, sum of squared rank costs): lower is better.
+  const auto score = [&](const Partition& bounds) {
+    std::vector<double> load(static_cast<size_t>(ranks), 0.0);
+    const std::vector<double> parts = stage_costs(bounds, costs);
+    for (size_t u = 0; u < parts.size(); ++u) load[static_cast<size_t>(owner[u])] += parts[u];
+    double largest = 0.0, squares = 0.0;
+    for (double l : load) {
+      largest = std::max(largest, l);
+      squares += l * l;
+    }
+    return std::make_pair(largest, squares);
+  };
+  auto best = score(partition);
+  for (bool moved = true; moved;) {
+    moved = false;
+    for (size_t i = 1; i + 1 < partition.size(); ++i) {
+      for (int64_t step : {-1, 1}) {
+        Partition candidate = partition;
+        candidate[i] += step;
+        if (candidate[i] <= candidate[i - 1] || candidate[i] >= candidate[i + 1]) continue;
+        const auto s = score(candidate);
+        if (s.first < best.first - 1e-12 || (s.first <= best.first + 1e-12 && s.second < best.second - 1e-12)) {
+          partition = std::move(candidate);
+          best = s;
+          moved = true;
+        }
+      }
+    }
+  }
+  return partition;
 }
 
 std::vector<int64_t> balance_of(const Partition& partition) {

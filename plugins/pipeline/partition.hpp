@@ -31,6 +31,14 @@ Partition partition_from_balance(const std::vector<int64_t>& balance, int64_t nu
 // stages < 1, stages > num_layers + 2 or a cost is negative.
 Partition balanced_partition(const std::vector<double>& costs, int32_t stages);
 
+// Moves the boundaries of `partition` (one part per virtual stage, each keeping at least one model
+// stage) a model stage at a time while that lowers the largest rank's cost (then the sum of the
+// squared rank costs), where rank owner[u] holds part u: with parts placed non-contiguously (ZB-V's
+// V puts the first and the last part on rank 0), parts balanced one by one leave ranks unbalanced.
+// A local search, deterministic, not proven optimal (on the V with uniform blocks it finds a brute
+// force's best: Partition.RebalancedForTheOwnersBalancesTheRanksOfAVShapedPlacement). Throws std::invalid_argument unless owner has one entry per part.
+Partition rebalance_for_owners(Partition partition, const std::vector<double>& costs, const std::vector<int32_t>& owner);
+
 // The decoder blocks per pipeline stage of `partition` (the inverse of partition_from_balance).
 std::vector<int64_t> balance_of(const Partition& partition);
 

@@ -163,10 +163,14 @@ void PipelineStrategy::plan(weft_model_plan& plan) {
   try {
     if (!balance_.empty()) {
       partition_ = partition_from_balance(balance_, layers);
-    } else if (partition_by_ == "time") {
-      partition_ = balanced_partition(profiled_costs(layers + 2), parts);
     } else {
-      partition_ = balanced_partition(parameter_costs(info), parts);
+      const std::vector<double> costs = partition_by_ == "time" ? profiled_costs(layers + 2) : parameter_costs(info);
+      partition_ = balanced_partition(costs, parts);
+      if (!chunk_stage_.empty()) {  // a placement other than the loop: balance the ranks, not the parts
+        std::vector<int32_t> owner(static_cast<size_t>(parts));
+        for (size_t i = 0; i < chunk_stage_.size(); ++i) owner[static_cast<size_t>(chunk_stage_[i])] = static_cast<int32_t>(i) / chunks_;
+        partition_ = rebalance_for_owners(partition_, costs, owner);
+      }
     }
   } catch (const std::invalid_argument& e) {
     throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": " + e.what() +

@@ -166,7 +166,8 @@ typedef struct weft_layout {
   int32_t shard_group_size;
   /* Since 2.2, for a plugin that owns the pipeline dimension (WEFT_MESH_PP): the model is cut into
    * stages x pipeline_chunks virtual stages (contiguous runs of the model's stages, balanced by
-   * parameter count); each rank of the dimension holds pipeline_chunks of them. chunk_stages says
+   * parameter count over the ranks that hold them); each rank of the dimension holds
+   * pipeline_chunks of them. chunk_stages says
    * which: chunk c of rank p is virtual stage chunk_stages[p * pipeline_chunks + c] (a permutation
    * of [0, stages x pipeline_chunks); storage the plugin keeps for the instance's life), or with
    * NULL, c x stages + p (Megatron's interleaving). Each host micro-batch splits into

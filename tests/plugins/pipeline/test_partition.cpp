@@ -133,3 +133,28 @@ TEST(Partition, BalancedSplitIsOptimalAgainstBruteForce) {
 }
 
 }  // namespace
+
+// ZB-V's V (2 ranks: rank 0 holds parts 0 and 3, rank 1 parts 1 and 2) over the embedding, 6 equal
+// blocks and the head: parts balanced one by one leave rank 1 four blocks and rank 0 two plus the
+// ends; rebalanced for the owners, each rank holds three blocks, and the result is the best split
+// a brute force over every boundary finds.
+TEST(Partition, RebalancedForTheOwnersBalancesTheRanksOfAVShapedPlacement) {
+  const std::vector<double> costs{0.2, 1, 1, 1, 1, 1, 1, 0.2};
+  const std::vector<int32_t> owner{0, 1, 1, 0};
+  const Partition per_part = weft::pipeline::balanced_partition(costs, 4);
+  const Partition ranks = weft::pipeline::rebalance_for_owners(per_part, costs, owner);
+  const auto load = [&](const Partition& p) {
+    const std::vector<double> parts = weft::pipeline::stage_costs(p, costs);
+    return std::max(parts[0] + parts[3], parts[1] + parts[2]);
+  };
+  EXPECT_NEAR(load(ranks), 3.4, 1e-9);  // three blocks and both ends; rank 1 three blocks
+  double best = 1e9;
+  for (int64_t a = 1; a < 8; ++a) {
+    for (int64_t b = a + 1; b < 8; ++b) {
+      for (int64_t c = b + 1; c < 8; ++c) best = std::min(best, load({0, a, b, c, 8}));
+    }
+  }
+  EXPECT_NEAR(load(ranks), best, 1e-9);
+  EXPECT_GT(load(per_part), load(ranks));
+  EXPECT_THROW(weft::pipeline::rebalance_for_owners(per_part, costs, {0, 1}), std::invalid_argument);
+}

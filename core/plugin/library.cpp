@@ -1,6 +1,7 @@
 #include "core/plugin/library.h"
 
 #include <dlfcn.h>
+#include <elf.h>
 
 #include <algorithm>
 #include <array>
@@ -8,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <set>
@@ -21,6 +23,7 @@
 #include <fmt/format.h>
 
 #include "core/util/error.h"
+#include "core/util/libtorch.h"
 #include "core/util/suggest.h"
 
 // The strategy compiled into the host (builtin_single.cpp).
@@ -101,6 +104,67 @@ std::string missing_required_slots(const weft_strategy_api& table) {
 
 bool is_empty(const char* s) { return !s || !*s; }
 
+// The DT_NEEDED entries of a 64-bit ELF shared library (empty when the file is not one or is
+// malformed: dlopen has accepted it already, this only reads what it links).
+std::vector<std::string> needed_libraries(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<std::string> needed;
+  const auto fits = [&](uint64_t offset, uint64_t size) { return offset <= bytes.size() && size <= bytes.size() - offset; };
+  if (!fits(0, sizeof(Elf64_Ehdr))) return needed;
+  Elf64_Ehdr header;
+  std::memcpy(&header, bytes.data(), sizeof header);
+  if (std::memcmp(header.e_ident, ELFMAG, SELFMAG) != 0 || header.e_ident[EI_CLASS] != ELFCLASS64 ||
+      header.e_shentsize != sizeof(Elf64_Shdr) || !fits(header.e_shoff, uint64_t{header.e_shnum} * sizeof(Elf64_Shdr))) {
+    return needed;
+  }
+  const auto section = [&](size_t i) {
+    Elf64_Shdr s;
+    std::memcpy(&s, bytes.data() + header.e_shoff + i * sizeof(Elf64_Shdr), sizeof s);
+    return s;
+  };
+  for (size_t i = 0; i < header.e_shnum; ++i) {
+    const Elf64_Shdr dynamic = section(i);
+    if (dynamic.sh_type != SHT_DYNAMIC || dynamic.sh_link >= header.e_shnum || !fits(dynamic.sh_offset, dynamic.sh_size)) continue;
+    const Elf64_Shdr strings = section(dynamic.sh_link);
+    if (!fits(strings.sh_offset, strings.sh_size)) continue;
+    for (uint64_t at = 0; at + sizeof(Elf64_Dyn) <= dynamic.sh_size; at += sizeof(Elf64_Dyn)) {
+      Elf64_Dyn entry;
+      std::memcpy(&entry, bytes.data() + dynamic.sh_offset + at, sizeof entry);
+      if (entry.d_tag == DT_NULL) break;
+      if (entry.d_tag != DT_NEEDED || entry.d_un.d_val >= strings.sh_size) continue;
+      const char* name = bytes.data() + strings.sh_offset + entry.d_un.d_val;
+      needed.emplace_back(name, strnlen(name, strings.sh_size - entry.d_un.d_val));
+    }
+  }
+  return needed;
+}
+
+// A plugin that links LibTorch shares the host's: it must say which it was built against
+// ("weft_torch_build", weft/plugin.h), and that must be the host's (version and C++ ABI).
+void check_torch_build(const Abi2Plugin& plugin, const std::string& path) {
+  const auto fn = reinterpret_cast<weft_torch_build_fn>(plugin.table.get_proc_address("weft_torch_build"));
+  const std::string host = fmt::format("{} (C++11 ABI {})", libtorch_version(), _GLIBCXX_USE_CXX11_ABI);
+  if (fn == nullptr) {
+    for (const std::string& library : needed_libraries(path)) {
+      const bool torch = library.rfind("libtorch", 0) == 0 || library.rfind("libc10", 0) == 0;
+      WEFT_CHECK(!torch,
+                 "plugin {} links LibTorch ({}) but does not say which build (weft_torch_build; weft/plugin_torch.hpp "
+                 "defines it): this host runs LibTorch {}",
+                 path, library, host);
+    }
+    return;
+  }
+  const weft_torch_build* build = fn();
+  WEFT_CHECK(build != nullptr && build->struct_size >= sizeof(weft_torch_build),
+             "plugin {}: weft_torch_build gave no build (NULL or smaller than ABI 2.2's)", path);
+  const std::string built = fmt::format("{}.{}.{} (C++11 ABI {})", build->major, build->minor, build->patch, build->cxx11_abi);
+  WEFT_CHECK(built == host,
+             "plugin {} was built against LibTorch {}, this host runs {}: rebuild it against the host's LibTorch "
+             "(both load into one process)",
+             path, built, host);
+}
+
 }  // namespace
 
 PluginVersion host_abi_version() { return {WEFT_ABI_VERSION_MAJOR, WEFT_ABI_VERSION_MINOR}; }
@@ -174,7 +238,9 @@ std::shared_ptr<PluginLibrary> PluginLibrary::load(const std::string& path_or_na
     const weft_plugin* table = entry(WEFT_PLUGIN_ABI_MAJOR, WEFT_PLUGIN_ABI_MINOR);
     WEFT_CHECK(table, "plugin {}: {} returned NULL (the plugin refuses this host's ABI {}.{})", path,
                WEFT_PLUGIN_ENTRY_SYMBOL, WEFT_PLUGIN_ABI_MAJOR, WEFT_PLUGIN_ABI_MINOR);
-    auto plugin = std::make_shared<PluginLibrary>(path, validate_abi2_table(*table, path));
+    Abi2Plugin validated = validate_abi2_table(*table, path);
+    check_torch_build(validated, path);
+    auto plugin = std::make_shared<PluginLibrary>(path, validated);
     r.plugins.emplace(path, plugin);
     return plugin;
   }

@@ -2,6 +2,7 @@
 // executes, lowered from a plugin's layout and verified before compute), and ABI 2 plugins that
 // ask for what a 2.0 host does not run, refused in one line before the first step. Conformance of
 // single_abi2.so and ddp_abi2.so against single: Conformance.single_abi2, Conformance.ddp_abi2.*.
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -14,6 +15,7 @@
 #include "common/metrics.h"
 #include "common/process.h"
 #include "core/plugin/library.h"
+#include "core/io/safetensors.h"
 #include "core/plugin/step_program.h"
 #include "core/util/error.h"
 #include "test_paths.h"
@@ -135,6 +137,29 @@ TEST(Abi2, WhatThisHostDoesNotRunIsRefusedBeforeTheFirstStep) {
     EXPECT_THAT(r.output, HasSubstr(c.expected)) << c.args;
     EXPECT_TRUE(weft::testing::step_losses(dir + "/out/metrics.jsonl").empty()) << c.args << ": a step ran";
   }
+}
+
+// A plugin that computes with LibTorch (tests/plugin/fixtures_torch/abi2_torch.cpp, built against the
+// host's LibTorch and saying so): its step.end hook takes the parameters' norm with at::Tensor views
+// of the host's tensors. After step 3 it equals the norm of the checkpoint the host saves then.
+TEST(Abi2, APluginComputesWithTheHostsLibTorch) {
+  const std::string dir = weft::testing::fresh_dir("weft_test_abi2", "torch");
+  const auto r = weft::testing::run_trainer(tiny_run("--nproc 2 --set train.max_steps=3 --set checkpoint.every_steps=3 "
+                                                     "--set eval.every_steps=0 --plugin " +
+                                                     std::string(WEFT_PLUGIN_FIXTURE_DIR) +
+                                                     "/abi2_torch.so --set train.out_dir=" + dir));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  double reported = -1.0;
+  std::ifstream in(dir + "/metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    const auto record = nlohmann::json::parse(line);
+    if (record["type"] == "step" && record["step"] == 3) reported = record["plugin.param_norm"].get<double>();
+  }
+  const auto file = weft::SafetensorsFile::open(dir + "/checkpoints/step-00000003/model.safetensors");
+  double squares = 0.0;
+  for (const auto& info : file->tensors()) squares += file->load(info.name).to(at::kDouble).pow(2).sum().item<double>();
+  ASSERT_GT(squares, 0.0);
+  EXPECT_NEAR(reported, std::sqrt(squares), 1e-9 * std::sqrt(squares));
 }
 
 // ddp_abi2's steps are ddp.so's: the same losses to the bit on 2 ranks (each element's sum over two

@@ -205,6 +205,9 @@ TEST(PluginLoader, BrokenPluginsAreRefusedWithOneLineNamingTheProblem) {
       {"abi2_tensor_parallel", "runs an ABI 2 plugin alone, owning the data-parallel dimension (0x2) or the pipeline "
                                "dimension (0x1)"},
       {"abi2_no_proc_address", "required function(s) are NULL: get_proc_address"},
+      // A plugin that links LibTorch must be built against the host's and say so (weft_torch_build).
+      {"abi2_torch_mismatch", "was built against LibTorch 2.4.1 (C++11 ABI 1), this host runs " + weft::libtorch_version()},
+      {"abi2_torch_undeclared", "links LibTorch (libtorch.so) but does not say which build (weft_torch_build"},
   };
   for (const Refusal& r : refusals) {
     const std::string message = load_error(fixture(r.fixture));
@@ -298,6 +301,7 @@ TEST(PluginLoader, ListsEveryLibraryInTheSearchPathWithItsProblem) {
   EXPECT_EQ(listings[0].problem, "");
   EXPECT_EQ(files, (std::vector<std::string>{"(built in)", "abi2_local_gradient.so", "abi2_no_proc_address.so",
                                              "abi2_pipeline_deadlock.so", "abi2_schedule.so", "abi2_slice.so", "abi2_tensor_parallel.so",
+                                             "abi2_torch.so", "abi2_torch_mismatch.so", "abi2_torch_undeclared.so",
                                              "abi2_unknown_point.so", "bad_chunks.so", "diloco.so", "entry_null.so",
                                              "error_create.so", "finish_1_13.so", "good.so", "hsdp.so", "missing_create.so",
                                              "missing_name.so", "needs_newer_host.so", "newer_minor.so",

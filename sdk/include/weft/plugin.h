@@ -9,7 +9,8 @@
  * and each rank's schedule as data (weft_layout's pipeline fields, "weft_schedule"); the host
  * partitions the model, adds the transfers, verifies and runs the schedule, sums a tied
  * embedding's two copies' gradients and evaluates with a forward-only schedule (placements and
- * hooks are not executed for a pipeline plugin yet). Owning data parallelism, it places every parameter, gradient and
+ * hooks are not executed for a pipeline plugin yet). A plugin may compute with LibTorch if it
+ * says which it was built against ("weft_torch_build"). Owning data parallelism, it places every parameter, gradient and
  * optimizer state REPLICATE or LOCAL (all three LOCAL together), or the optimizer state FLAT_SHARD
  * (ZeRO's stage 1), its gradient with it (stage 2) and the parameter too (stage 3); it may register hooks at the points "train.begin" and "step.end",
  * where it reads and writes the parameters, runs collectives and keeps state that checkpoints
@@ -307,6 +308,26 @@ typedef struct weft_hook {
 /* "weft_hooks": the plugin's hooks (`*count` of them; storage the plugin keeps for the instance's
  * life), asked once after "weft_place". Several hooks at one point run in the order given. */
 typedef const weft_hook* (*weft_hooks_fn)(weft_plugin_instance* instance, int32_t* count);
+
+/* ------------------------------------------------------------------------------------------
+ * Plugins that link LibTorch (plugin function "weft_torch_build"; since 2.2)
+ * ---------------------------------------------------------------------------------------- */
+
+/* A plugin may do its own maths with LibTorch (weft/plugin_torch.hpp: views between DLTensor and
+ * at::Tensor). It then shares the host's process, so it must be built against the host's LibTorch:
+ * the same version and the same C++ standard-library ABI. It says which through
+ * "weft_torch_build" (weft/plugin_torch.hpp defines the function: WEFT_PLUGIN_TORCH_BUILD). At
+ * load, the host refuses in one line a plugin whose build differs from its own, and a plugin that
+ * links a LibTorch library (libtorch*.so, libc10*.so) without the function. A plugin that only
+ * moves data (layouts, schedules, collectives in hooks) needs neither. */
+typedef struct weft_torch_build {
+  uint32_t struct_size;
+  int32_t major, minor, patch; /* TORCH_VERSION_MAJOR, _MINOR, _PATCH */
+  int32_t cxx11_abi;           /* _GLIBCXX_USE_CXX11_ABI */
+} weft_torch_build;
+
+/* "weft_torch_build": the LibTorch the plugin was compiled against (static storage). */
+typedef const weft_torch_build* (*weft_torch_build_fn)(void);
 
 #ifdef __cplusplus
 }

@@ -3,7 +3,8 @@
 // Needs LibTorch (2.5 or newer, as the host) in the plugin; everything else in the SDK does not. A plugin that
 // links LibTorch must be built against the host's own LibTorch (same version and build; `trainer
 // plugins` prints the host's), since both load into one process; a plugin that uses only
-// weft/strategy.h(pp) works with any host of its ABI major.
+// weft/strategy.h(pp) works with any host of its ABI major. An ABI 2 plugin includes
+// weft/plugin_torch.hpp instead, which also tells the host its LibTorch build (checked at load).
 //
 // Supported dtypes: float32, float64, float16, bfloat16, int64, int32, uint8, bool; devices:
 // CPU and CUDA. Under DLPack < 0.8 (no kDLBool, e.g. Debian's 0.6) bool is described as

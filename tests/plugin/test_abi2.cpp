@@ -139,6 +139,25 @@ TEST(Abi2, WhatThisHostDoesNotRunIsRefusedBeforeTheFirstStep) {
   }
 }
 
+// gpipe_abi2 gives gpipe.so's schedules as data and the host runs them: the same losses to the bit
+// as gpipe.so's own step for each of GPipe, 1F1B, interleaved 1F1B and ZB-H1 (one runtime, the same
+// schedules: the transfers the host adds are the ones gpipe.so's generators place).
+TEST(Abi2, GpipeSchedulesAsDataTrainAsGpipeToTheBit) {
+  const std::string dir = weft::testing::fresh_dir("weft_test_abi2", "gpipe");
+  for (const std::string schedule : {"gpipe", "1f1b", "interleaved1f1b", "zbh1"}) {
+    const std::string run = tiny_run("--nproc 2 --set train.max_steps=3 --set eval.every_steps=0 --set plugin.schedule=" +
+                                     schedule);
+    const auto v1 = weft::testing::run_trainer(run + " --plugin gpipe --set train.out_dir=" + dir + "/v1_" + schedule);
+    const auto v2 = weft::testing::run_trainer(run + " --plugin gpipe_abi2 --set train.out_dir=" + dir + "/v2_" + schedule);
+    ASSERT_EQ(v1.exit_code, 0) << v1.output;
+    ASSERT_EQ(v2.exit_code, 0) << v2.output;
+    const auto a = weft::testing::step_losses(dir + "/v1_" + schedule + "/metrics.jsonl");
+    const auto b = weft::testing::step_losses(dir + "/v2_" + schedule + "/metrics.jsonl");
+    ASSERT_EQ(a.size(), 3u) << schedule;
+    EXPECT_EQ(a, b) << schedule;
+  }
+}
+
 // A plugin that computes with LibTorch (tests/plugin/fixtures_torch/abi2_torch.cpp, built against the
 // host's LibTorch and saying so): its step.end hook takes the parameters' norm with at::Tensor views
 // of the host's tensors. After step 3 it equals the norm of the checkpoint the host saves then.

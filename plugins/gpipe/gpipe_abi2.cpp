@@ -1,0 +1,123 @@
+// gpipe_abi2.so: gpipe.so's synchronous schedules (GPipe, 1F1B, interleaved 1F1B, ZB-H1) under
+// ABI 2 (weft/plugin.h), as data alone: the layout says how many chunks each rank holds (the loop
+// placement: chunk c of rank p is virtual stage c x S + p) and how many micro-batches a host
+// micro-batch splits into; weft_schedule gives each rank's compute actions from the generators of
+// plugins/pipeline/schedule.hpp. The host partitions the model, adds the transfers, verifies and
+// runs the schedule. Every rank of the world is a stage (no replicas yet).
+//
+// [plugin] settings:
+//   schedule      "gpipe" (default), "1f1b", "interleaved1f1b" or "zbh1"
+//   microbatches  int in [1, 4096], default 4: pipeline micro-batches per host micro-batch
+//   chunks        int, default 2 with interleaved1f1b (1 otherwise, and only 1)
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <weft/plugin.h>
+
+#include "schedule.hpp"
+
+namespace {
+
+struct Gpipe {
+  weft_status_create_fn status_create = nullptr;
+  std::string schedule;
+  int32_t stages = 1, microbatches = 4, chunks = 1;
+  std::vector<weft_action> list;  // the last list asked for (weft_schedule's storage)
+};
+
+weft_status* create(const weft_host_services* host, weft_plugin_instance** out) {
+  const auto status_create = reinterpret_cast<weft_status_create_fn>(host->get_proc_address("weft_status_create"));
+  const auto config_int = reinterpret_cast<weft_config_int_fn>(host->get_proc_address("weft_config_int"));
+  const auto config_string = reinterpret_cast<weft_config_string_fn>(host->get_proc_address("weft_config_string"));
+  const auto world = reinterpret_cast<weft_world_fn>(host->get_proc_address("weft_world"));
+  if (status_create == nullptr) return nullptr;  // cannot happen on a 2.x host
+  if (host->abi_minor < 2 || config_int == nullptr || config_string == nullptr || world == nullptr) {
+    return status_create(WEFT_STATUS_UNSUPPORTED, "gpipe_abi2 needs a host of ABI 2.2 or later (pipeline schedules)");
+  }
+  try {
+    auto self = std::make_unique<Gpipe>();
+    self->status_create = status_create;
+    const char* name = nullptr;
+    if (weft_status* s = config_string(host->context, "schedule", "gpipe", &name)) return s;
+    self->schedule = name;
+    int64_t microbatches = 4, chunks = 1;
+    if (weft_status* s = config_int(host->context, "microbatches", 4, &microbatches)) return s;
+    const bool interleaved = self->schedule == "interleaved1f1b";
+    if (weft_status* s = config_int(host->context, "chunks", interleaved ? 2 : 1, &chunks)) return s;
+    if (microbatches < 1 || microbatches > 4096) {
+      return status_create(WEFT_STATUS_BAD_CONFIG,
+                           ("plugin.microbatches must be in [1, 4096], got " + std::to_string(microbatches)).c_str());
+    }
+    if (chunks < 1 || chunks > 16) {
+      return status_create(WEFT_STATUS_BAD_CONFIG, ("plugin.chunks must be in [1, 16], got " + std::to_string(chunks)).c_str());
+    }
+    int32_t rank = 0, size = 1;
+    world(host->context, &rank, &size);
+    self->stages = size;
+    self->microbatches = static_cast<int32_t>(microbatches);
+    self->chunks = static_cast<int32_t>(chunks);
+    if (self->chunks > 1 && size < 2) {
+      return status_create(WEFT_STATUS_BAD_CONFIG, "interleaved 1F1B needs at least 2 ranks (its chunks would pass to themselves)");
+    }
+    weft::pipeline::make_schedule(self->schedule, self->stages, self->microbatches, self->chunks);  // refuses a bad one
+    *out = reinterpret_cast<weft_plugin_instance*>(self.release());
+    return nullptr;
+  } catch (const std::exception& e) {
+    return status_create(WEFT_STATUS_BAD_CONFIG, e.what());
+  }
+}
+
+void destroy(weft_plugin_instance* instance) { delete reinterpret_cast<Gpipe*>(instance); }
+
+weft_status* layout(weft_plugin_instance* instance, weft_layout* out) {
+  const auto* self = reinterpret_cast<const Gpipe*>(instance);
+  out->pipeline_chunks = self->chunks;
+  out->pipeline_micro_batches = self->microbatches;
+  return nullptr;
+}
+
+weft_status* schedule(weft_plugin_instance* instance, const weft_schedule_request* request, const weft_action** actions,
+                      int64_t* count) {
+  auto* self = reinterpret_cast<Gpipe*>(instance);
+  try {
+    using weft::pipeline::ActionKind;
+    const weft::pipeline::Schedule s =
+        weft::pipeline::make_schedule(self->schedule, request->stages, request->micro_batches, request->chunks);
+    self->list.clear();
+    for (const weft::pipeline::Action& a : s.actions.at(static_cast<size_t>(request->rank))) {
+      switch (a.kind) {  // the compute actions; the host adds the transfers
+        case ActionKind::kForward: self->list.push_back({WEFT_ACTION_FORWARD, a.chunk, a.micro_batch}); break;
+        case ActionKind::kBackward:
+          self->list.push_back({s.split_backward ? WEFT_ACTION_BACKWARD_INPUT : WEFT_ACTION_BACKWARD, a.chunk, a.micro_batch});
+          break;
+        case ActionKind::kBackwardWeight: self->list.push_back({WEFT_ACTION_BACKWARD_WEIGHT, a.chunk, a.micro_batch}); break;
+        case ActionKind::kOptimizerStep: self->list.push_back({WEFT_ACTION_OPTIMIZER_STEP, 0, -1}); break;
+        default: break;
+      }
+    }
+    *actions = self->list.data();
+    *count = static_cast<int64_t>(self->list.size());
+    return nullptr;
+  } catch (const std::exception& e) {
+    return self->status_create(WEFT_STATUS_INTERNAL, ("gpipe_abi2: " + std::string(e.what())).c_str());
+  }
+}
+
+weft_proc get_proc_address(const char* name) {
+  if (name == nullptr) return nullptr;
+  if (std::strcmp(name, "weft_layout") == 0) return reinterpret_cast<weft_proc>(layout);
+  if (std::strcmp(name, "weft_schedule") == 0) return reinterpret_cast<weft_proc>(schedule);
+  return nullptr;
+}
+
+}  // namespace
+
+extern "C" WEFT_EXPORT const weft_plugin* weft_plugin_entry(uint16_t host_abi_major, uint16_t) {
+  static const weft_plugin table = {sizeof(weft_plugin), WEFT_PLUGIN_ABI_MAJOR, WEFT_PLUGIN_ABI_MINOR, "gpipe_abi2", "2.0.0",
+                                    "gpipe.so's synchronous pipeline schedules as data (ABI 2)", 1u << WEFT_MESH_PP,
+                                    create, destroy, get_proc_address};
+  return host_abi_major == WEFT_PLUGIN_ABI_MAJOR ? &table : nullptr;
+}

@@ -50,6 +50,9 @@ weft_status* service_config_bool(weft_host_context* c, const char* key, int32_t 
 weft_status* service_config_string(weft_host_context* c, const char* key, const char* fallback, const char** out) {
   return c->host.api()->config_string(c->host.handle(), key, fallback, out);
 }
+weft_status* service_config_int_list(weft_host_context* c, const char* key, int64_t* out, int32_t capacity, int32_t* count) {
+  return c->host.api()->config_int_list(c->host.handle(), key, out, capacity, count);
+}
 
 // Since 2.1: the parameters, collectives over the plugin's dimension and metrics, for hooks.
 int64_t service_parameter_count(weft_host_context* c) {
@@ -161,6 +164,7 @@ weft_proc host_proc_address(const char* name) {
       {"weft_config_float", as_proc(&service_config_float)},
       {"weft_config_bool", as_proc(&service_config_bool)},
       {"weft_config_string", as_proc(&service_config_string)},
+      {"weft_config_int_list", as_proc(&service_config_int_list)},
       {"weft_parameter_count", as_proc(&service_parameter_count)},
       {"weft_parameter", as_proc(&service_parameter)},
       {"weft_all_reduce", as_proc(&service_all_reduce)},

@@ -164,6 +164,8 @@ class PipelineStep : public pipeline::PipelineStrategy {
     o.layout.pipeline_chunks = 1;
     o.layout.chunk_stages = nullptr;
     o.layout.pipeline_micro_batches = 1;
+    o.layout.pipeline_balance = nullptr;
+    o.layout.pipeline_balance_count = 0;
     if (auto fn = reinterpret_cast<weft_layout_fn>(proc("weft_layout"))) check_status(o, fn(o.instance, &o.layout), "weft_layout");
     if (o.layout.batch_split != WEFT_SPLIT_NONE) {
       refuse_layout(o, fmt::format("weft_layout's batch split {}: a pipeline's ranks all take the whole batch (WEFT_SPLIT_NONE) "
@@ -199,6 +201,13 @@ class PipelineStep : public pipeline::PipelineStrategy {
     options.microbatches = o.layout.pipeline_micro_batches;
     options.chunks = chunks;
     options.chunk_stage = o.chunk_stage;
+    if (o.layout.pipeline_balance_count != 0) {
+      if (o.layout.pipeline_balance == nullptr || o.layout.pipeline_balance_count != world.size() * chunks) {
+        refuse_layout(o, fmt::format("weft_layout's pipeline_balance has {} entries for {} virtual stages ({} ranks x {} chunks)",
+                                     o.layout.pipeline_balance_count, world.size() * chunks, world.size(), chunks));
+      }
+      options.balance.assign(o.layout.pipeline_balance, o.layout.pipeline_balance + o.layout.pipeline_balance_count);
+    }
     // Whether the backward is split decides what the model keeps (the plan): ask one list now.
     options.split_backward = plugin_schedule(o, world.size(), options.microbatches).split_backward;
     return options;

@@ -9,6 +9,9 @@
 //   schedule      "gpipe" (default), "1f1b", "interleaved1f1b" or "zbh1"
 //   microbatches  int in [1, 4096], default 4: pipeline micro-batches per host micro-batch
 //   chunks        int, default 2 with interleaved1f1b (1 otherwise, and only 1)
+//   balance       [int, ...]: decoder layers per virtual stage (ranks x chunks entries); default:
+//                 the host's balance by parameter count
+// Recomputation is the host's model.activation_checkpointing.
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -25,6 +28,7 @@ struct Gpipe {
   weft_status_create_fn status_create = nullptr;
   std::string schedule;
   int32_t stages = 1, microbatches = 4, chunks = 1;
+  std::vector<int64_t> balance;  // plugin.balance (weft_layout.pipeline_balance)
   std::vector<weft_action> list;  // the last list asked for (weft_schedule's storage)
 };
 
@@ -32,9 +36,10 @@ weft_status* create(const weft_host_services* host, weft_plugin_instance** out) 
   const auto status_create = reinterpret_cast<weft_status_create_fn>(host->get_proc_address("weft_status_create"));
   const auto config_int = reinterpret_cast<weft_config_int_fn>(host->get_proc_address("weft_config_int"));
   const auto config_string = reinterpret_cast<weft_config_string_fn>(host->get_proc_address("weft_config_string"));
+  const auto config_list = reinterpret_cast<weft_config_int_list_fn>(host->get_proc_address("weft_config_int_list"));
   const auto world = reinterpret_cast<weft_world_fn>(host->get_proc_address("weft_world"));
   if (status_create == nullptr) return nullptr;  // cannot happen on a 2.x host
-  if (host->abi_minor < 2 || config_int == nullptr || config_string == nullptr || world == nullptr) {
+  if (host->abi_minor < 2 || config_int == nullptr || config_string == nullptr || config_list == nullptr || world == nullptr) {
     return status_create(WEFT_STATUS_UNSUPPORTED, "gpipe_abi2 needs a host of ABI 2.2 or later (pipeline schedules)");
   }
   try {
@@ -63,6 +68,17 @@ weft_status* create(const weft_host_services* host, weft_plugin_instance** out) 
       return status_create(WEFT_STATUS_BAD_CONFIG, "interleaved 1F1B needs at least 2 ranks (its chunks would pass to themselves)");
     }
     weft::pipeline::make_schedule(self->schedule, self->stages, self->microbatches, self->chunks);  // refuses a bad one
+    int32_t count = 0;
+    if (weft_status* s = config_list(host->context, "balance", nullptr, 0, &count)) return s;
+    self->balance.resize(static_cast<size_t>(count));
+    if (count > 0) {
+      if (weft_status* s = config_list(host->context, "balance", self->balance.data(), count, &count)) return s;
+      if (count != self->stages * self->chunks) {
+        return status_create(WEFT_STATUS_BAD_CONFIG, ("plugin.balance has " + std::to_string(count) + " entries for " +
+                                                      std::to_string(self->stages * self->chunks) +
+                                                      " virtual stages (ranks x chunks)").c_str());
+      }
+    }
     *out = reinterpret_cast<weft_plugin_instance*>(self.release());
     return nullptr;
   } catch (const std::exception& e) {
@@ -76,6 +92,8 @@ weft_status* layout(weft_plugin_instance* instance, weft_layout* out) {
   const auto* self = reinterpret_cast<const Gpipe*>(instance);
   out->pipeline_chunks = self->chunks;
   out->pipeline_micro_batches = self->microbatches;
+  out->pipeline_balance = self->balance.empty() ? nullptr : self->balance.data();
+  out->pipeline_balance_count = static_cast<int32_t>(self->balance.size());
   return nullptr;
 }
 

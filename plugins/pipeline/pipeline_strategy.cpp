@@ -106,6 +106,7 @@ PipelineStrategy::PipelineStrategy(weft::sdk::Host host, std::string plugin, Opt
   chunk_stage_ = std::move(options.chunk_stage);
   split_backward_ = options.split_backward;
   bucket_mb_ = options.bucket_mb;
+  balance_ = std::move(options.balance);  // its size is the caller's to check (stages x chunks)
   place_ranks(options.stages);
 }
 

@@ -84,6 +84,7 @@ class PipelineStrategy : public weft::sdk::Strategy {
     int32_t chunks = 1;                // virtual stages per stage
     std::vector<int32_t> chunk_stage;  // Schedule::chunk_stage (empty: the loop order)
     bool split_backward = false;       // the schedule has B/W halves
+    std::vector<int64_t> balance;      // decoder layers per virtual stage (empty: balanced by parameters)
     double bucket_mb = 25.0;
   };
   PipelineStrategy(weft::sdk::Host host, std::string plugin, Options options);

@@ -158,6 +158,24 @@ TEST(Abi2, GpipeSchedulesAsDataTrainAsGpipeToTheBit) {
   }
 }
 
+// gpipe_abi2's plugin.balance reaches the host through weft_layout.pipeline_balance: on the small
+// preset's 6 layers, balance [5, 1] puts five blocks' parameters on rank 0 and [1, 5] on rank 1.
+TEST(Abi2, APipelinePluginsBalanceDecidesWhatEachRankHolds) {
+  const std::string dir = weft::testing::fresh_dir("weft_test_abi2", "balance");
+  std::vector<std::vector<double>> parameters;
+  for (const std::string balance : {"[5,1]", "[1,5]"}) {
+    const std::string out = dir + "/" + balance.substr(1, 1);
+    const auto r = weft::testing::run_trainer(tiny_run("--nproc 2 --set model.preset=small --set train.max_steps=1 "
+                                                       "--set eval.every_steps=0 --plugin gpipe_abi2 --set plugin.balance=" +
+                                                       balance + " --set train.out_dir=" + out));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    parameters.push_back(weft::testing::state_mib_per_rank(out + "/metrics.jsonl", "parameters"));
+    ASSERT_EQ(parameters.back().size(), 2u) << balance;
+  }
+  EXPECT_GT(parameters[0][0], 2 * parameters[0][1]);
+  EXPECT_GT(parameters[1][1], 2 * parameters[1][0]);
+}
+
 // A plugin that computes with LibTorch (tests/plugin/fixtures_torch/abi2_torch.cpp, built against the
 // host's LibTorch and saying so): its step.end hook takes the parameters' norm with at::Tensor views
 // of the host's tensors. After step 3 it equals the norm of the checkpoint the host saves then.

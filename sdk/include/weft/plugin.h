@@ -83,6 +83,9 @@ typedef struct weft_host_services {
  *   "weft_config_float"   weft_status* (*)(weft_host_context*, const char* key, double fallback, double* out)
  *   "weft_config_bool"    weft_status* (*)(weft_host_context*, const char* key, int32_t fallback, int32_t* out)
  *   "weft_config_string"  weft_status* (*)(weft_host_context*, const char* key, const char* fallback, const char** out)
+ *   "weft_config_int_list" weft_status* (*)(weft_host_context*, const char* key, int64_t* out, int32_t capacity,
+ *                                           int32_t* count)   (since 2.2)
+ *       an array of integers: `*count` of them (0 for a missing key), the first `capacity` written to `out`
  * The config services read the run's [plugin] table (a key missing: the fallback; a key of another
  * type: an error naming it); a key no plugin reads is refused before the run starts. A string
  * stays valid for the instance's life.
@@ -115,6 +118,8 @@ typedef weft_status* (*weft_config_float_fn)(weft_host_context* host, const char
 typedef weft_status* (*weft_config_bool_fn)(weft_host_context* host, const char* key, int32_t fallback, int32_t* out);
 typedef weft_status* (*weft_config_string_fn)(weft_host_context* host, const char* key, const char* fallback,
                                               const char** out);
+typedef weft_status* (*weft_config_int_list_fn)(weft_host_context* host, const char* key, int64_t* out, int32_t capacity,
+                                                int32_t* count);
 typedef struct weft_parameter_desc weft_parameter_desc;
 typedef int64_t (*weft_parameter_count_fn)(weft_host_context* host);
 typedef weft_status* (*weft_parameter_fn)(weft_host_context* host, int64_t index, weft_parameter_desc* desc,
@@ -176,6 +181,12 @@ typedef struct weft_layout {
   int32_t pipeline_chunks;
   const int32_t* chunk_stages;
   int32_t pipeline_micro_batches;
+  /* Since 2.2 too: the decoder layers of each virtual stage, in virtual-stage order
+   * (pipeline_balance_count = stages x pipeline_chunks entries, each >= 1, summing to the model's
+   * layers; the embedding joins the first, the head the last), in place of the host's balance;
+   * NULL, 0: the host's. Plugin storage, for the instance's life. */
+  const int64_t* pipeline_balance;
+  int32_t pipeline_balance_count;
 } weft_layout;
 
 /* Where a tensor lives on the plugin's dimension. */

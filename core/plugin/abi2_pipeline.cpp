@@ -166,6 +166,7 @@ class PipelineStep : public pipeline::PipelineStrategy {
     o.layout.pipeline_micro_batches = 1;
     o.layout.pipeline_balance = nullptr;
     o.layout.pipeline_balance_count = 0;
+    o.layout.pipeline_stages = 0;
     if (auto fn = reinterpret_cast<weft_layout_fn>(proc("weft_layout"))) check_status(o, fn(o.instance, &o.layout), "weft_layout");
     if (o.layout.batch_split != WEFT_SPLIT_NONE) {
       refuse_layout(o, fmt::format("weft_layout's batch split {}: a pipeline's ranks all take the whole batch (WEFT_SPLIT_NONE) "
@@ -183,6 +184,11 @@ class PipelineStep : public pipeline::PipelineStrategy {
     o.schedule = reinterpret_cast<weft_schedule_fn>(proc("weft_schedule"));
     if (o.schedule == nullptr) refuse_layout(o, "it owns the pipeline dimension but provides no weft_schedule");
     const int32_t chunks = o.layout.pipeline_chunks;
+    const int32_t stages = o.layout.pipeline_stages == 0 ? world.size() : o.layout.pipeline_stages;
+    if (stages < 1 || world.size() % stages != 0) {
+      refuse_layout(o, fmt::format("weft_layout's pipeline_stages = {} must be >= 1 and divide the {} ranks", stages,
+                                   world.size()));
+    }
     if (chunks < 1 || chunks > WEFT_MAX_STAGE_CHUNKS) {
       refuse_layout(o, fmt::format("weft_layout's pipeline_chunks = {} (1 to {})", chunks, WEFT_MAX_STAGE_CHUNKS));
     }
@@ -190,26 +196,26 @@ class PipelineStep : public pipeline::PipelineStrategy {
       refuse_layout(o, fmt::format("weft_layout's pipeline_micro_batches = {} (1 to 4096)", o.layout.pipeline_micro_batches));
     }
     if (o.layout.chunk_stages != nullptr) {
-      o.chunk_stage.assign(o.layout.chunk_stages, o.layout.chunk_stages + static_cast<size_t>(world.size()) * chunks);
+      o.chunk_stage.assign(o.layout.chunk_stages, o.layout.chunk_stages + static_cast<size_t>(stages) * chunks);
     }
-    if (const std::string bad = pipeline::check_chunk_map(world.size(), chunks, o.chunk_stage); !bad.empty()) {
+    if (const std::string bad = pipeline::check_chunk_map(stages, chunks, o.chunk_stage); !bad.empty()) {
       refuse_layout(o, "weft_layout's chunk_stages: " + bad);
     }
     Options options;
     options.schedule_name = plugin_name(o);
-    options.stages = world.size();
+    options.stages = stages;
     options.microbatches = o.layout.pipeline_micro_batches;
     options.chunks = chunks;
     options.chunk_stage = o.chunk_stage;
     if (o.layout.pipeline_balance_count != 0) {
-      if (o.layout.pipeline_balance == nullptr || o.layout.pipeline_balance_count != world.size() * chunks) {
-        refuse_layout(o, fmt::format("weft_layout's pipeline_balance has {} entries for {} virtual stages ({} ranks x {} chunks)",
-                                     o.layout.pipeline_balance_count, world.size() * chunks, world.size(), chunks));
+      if (o.layout.pipeline_balance == nullptr || o.layout.pipeline_balance_count != stages * chunks) {
+        refuse_layout(o, fmt::format("weft_layout's pipeline_balance has {} entries for {} virtual stages ({} stages x {} chunks)",
+                                     o.layout.pipeline_balance_count, stages * chunks, stages, chunks));
       }
       options.balance.assign(o.layout.pipeline_balance, o.layout.pipeline_balance + o.layout.pipeline_balance_count);
     }
     // Whether the backward is split decides what the model keeps (the plan): ask one list now.
-    options.split_backward = plugin_schedule(o, world.size(), options.microbatches).split_backward;
+    options.split_backward = plugin_schedule(o, stages, options.microbatches).split_backward;
     return options;
   }
 

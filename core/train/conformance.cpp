@@ -316,6 +316,7 @@ std::vector<ConformanceCase> conformance_matrix() {
   both("gpipe", 2, {"plugin.schedule=\"interleaved1f1b\"", "plugin.chunks=3"});  // embed and head alone at the ends
   both("gpipe_abi2", 2, {});  // gpipe.so's schedules as data under ABI 2: the host's pipeline runtime runs them
   both("gpipe_abi2", 2, {"plugin.schedule=\"zbh1\""});
+  both("gpipe_abi2", 4, {"plugin.stages=2"});  // pp 2 x replicas 2
   both("pipedream", 2, {});
   both("pipedream", 4, {});
   both("pipedream", 2, {"plugin.schedule=\"zbh1\""});  // ZB-H1: backward split into B and W passes

@@ -3,9 +3,11 @@
 // placement: chunk c of rank p is virtual stage c x S + p) and how many micro-batches a host
 // micro-batch splits into; weft_schedule gives each rank's compute actions from the generators of
 // plugins/pipeline/schedule.hpp. The host partitions the model, adds the transfers, verifies and
-// runs the schedule. Every rank of the world is a stage (no replicas yet).
+// runs the schedule; with fewer stages than ranks it replicates the pipeline and averages the
+// replicas' gradients.
 //
 // [plugin] settings:
+//   stages        int >= 1 dividing the world, default: the world (one pipeline, no replicas)
 //   schedule      "gpipe" (default), "1f1b", "interleaved1f1b" or "zbh1"
 //   microbatches  int in [1, 4096], default 4: pipeline micro-batches per host micro-batch
 //   chunks        int, default 2 with interleaved1f1b (1 otherwise, and only 1)
@@ -48,7 +50,7 @@ weft_status* create(const weft_host_services* host, weft_plugin_instance** out) 
     const char* name = nullptr;
     if (weft_status* s = config_string(host->context, "schedule", "gpipe", &name)) return s;
     self->schedule = name;
-    int64_t microbatches = 4, chunks = 1;
+    int64_t microbatches = 4, chunks = 1, stages = 0;
     if (weft_status* s = config_int(host->context, "microbatches", 4, &microbatches)) return s;
     const bool interleaved = self->schedule == "interleaved1f1b";
     if (weft_status* s = config_int(host->context, "chunks", interleaved ? 2 : 1, &chunks)) return s;
@@ -61,10 +63,15 @@ weft_status* create(const weft_host_services* host, weft_plugin_instance** out) 
     }
     int32_t rank = 0, size = 1;
     world(host->context, &rank, &size);
-    self->stages = size;
+    if (weft_status* s = config_int(host->context, "stages", size, &stages)) return s;
+    if (stages < 1 || size % stages != 0) {
+      return status_create(WEFT_STATUS_BAD_CONFIG, ("plugin.stages = " + std::to_string(stages) +
+                                                    " must be >= 1 and divide the world size " + std::to_string(size)).c_str());
+    }
+    self->stages = static_cast<int32_t>(stages);
     self->microbatches = static_cast<int32_t>(microbatches);
     self->chunks = static_cast<int32_t>(chunks);
-    if (self->chunks > 1 && size < 2) {
+    if (self->chunks > 1 && self->stages < 2) {
       return status_create(WEFT_STATUS_BAD_CONFIG, "interleaved 1F1B needs at least 2 ranks (its chunks would pass to themselves)");
     }
     weft::pipeline::make_schedule(self->schedule, self->stages, self->microbatches, self->chunks);  // refuses a bad one
@@ -91,6 +98,7 @@ void destroy(weft_plugin_instance* instance) { delete reinterpret_cast<Gpipe*>(i
 weft_status* layout(weft_plugin_instance* instance, weft_layout* out) {
   const auto* self = reinterpret_cast<const Gpipe*>(instance);
   out->pipeline_chunks = self->chunks;
+  out->pipeline_stages = self->stages;
   out->pipeline_micro_batches = self->microbatches;
   out->pipeline_balance = self->balance.empty() ? nullptr : self->balance.data();
   out->pipeline_balance_count = static_cast<int32_t>(self->balance.size());

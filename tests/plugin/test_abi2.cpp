@@ -141,18 +141,20 @@ TEST(Abi2, WhatThisHostDoesNotRunIsRefusedBeforeTheFirstStep) {
 
 // gpipe_abi2 gives gpipe.so's schedules as data and the host runs them: the same losses to the bit
 // as gpipe.so's own step for each of GPipe, 1F1B, interleaved 1F1B and ZB-H1 (one runtime, the same
-// schedules: the transfers the host adds are the ones gpipe.so's generators place).
+// schedules: the transfers the host adds are the ones gpipe.so's generators place), and for 1F1B
+// over 2 stages x 2 replicas on 4 ranks.
 TEST(Abi2, GpipeSchedulesAsDataTrainAsGpipeToTheBit) {
   const std::string dir = weft::testing::fresh_dir("weft_test_abi2", "gpipe");
-  for (const std::string schedule : {"gpipe", "1f1b", "interleaved1f1b", "zbh1"}) {
-    const std::string run = tiny_run("--nproc 2 --set train.max_steps=3 --set eval.every_steps=0 --set plugin.schedule=" +
-                                     schedule);
-    const auto v1 = weft::testing::run_trainer(run + " --plugin gpipe --set train.out_dir=" + dir + "/v1_" + schedule);
-    const auto v2 = weft::testing::run_trainer(run + " --plugin gpipe_abi2 --set train.out_dir=" + dir + "/v2_" + schedule);
+  for (const std::string schedule : {"gpipe", "1f1b", "interleaved1f1b", "zbh1", "1f1b --nproc 4 --set plugin.stages=2 --set train.batch_size=8"}) {
+    const std::string run = tiny_run("--set train.max_steps=3 --set eval.every_steps=0 --set plugin.schedule=" + schedule +
+                                     (schedule.find("--nproc") == std::string::npos ? " --nproc 2" : ""));
+    const std::string label = schedule.substr(0, schedule.find(' ')) + (schedule.find("--nproc") != std::string::npos ? "x2" : "");
+    const auto v1 = weft::testing::run_trainer(run + " --plugin gpipe --set train.out_dir=" + dir + "/v1_" + label);
+    const auto v2 = weft::testing::run_trainer(run + " --plugin gpipe_abi2 --set train.out_dir=" + dir + "/v2_" + label);
     ASSERT_EQ(v1.exit_code, 0) << v1.output;
     ASSERT_EQ(v2.exit_code, 0) << v2.output;
-    const auto a = weft::testing::step_losses(dir + "/v1_" + schedule + "/metrics.jsonl");
-    const auto b = weft::testing::step_losses(dir + "/v2_" + schedule + "/metrics.jsonl");
+    const auto a = weft::testing::step_losses(dir + "/v1_" + label + "/metrics.jsonl");
+    const auto b = weft::testing::step_losses(dir + "/v2_" + label + "/metrics.jsonl");
     ASSERT_EQ(a.size(), 3u) << schedule;
     EXPECT_EQ(a, b) << schedule;
   }

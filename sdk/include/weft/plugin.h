@@ -187,6 +187,11 @@ typedef struct weft_layout {
    * NULL, 0: the host's. Plugin storage, for the instance's life. */
   const int64_t* pipeline_balance;
   int32_t pipeline_balance_count;
+  /* Since 2.2 too: the ranks of one pipeline; it must divide the dimension's size, and the
+   * pipeline is replicated over the rest (rank = replica x pipeline_stages + stage; each replica
+   * takes its share of every batch's rows, and the host averages the replicas' gradients). The
+   * host's default: 0, every rank of the dimension in one pipeline. */
+  int32_t pipeline_stages;
 } weft_layout;
 
 /* Where a tensor lives on the plugin's dimension. */
@@ -270,8 +275,8 @@ typedef struct weft_action {
 /* What the host asks: one rank's list for a step of `micro_batches` micro-batches. */
 typedef struct weft_schedule_request {
   uint32_t struct_size;  /* host-set */
-  int32_t rank;          /* the rank of the pipeline dimension whose list is asked, 0 <= rank < stages */
-  int32_t stages;        /* the dimension's size */
+  int32_t rank;          /* the stage whose list is asked, 0 <= rank < stages (every replica runs the same) */
+  int32_t stages;        /* the ranks of one pipeline (weft_layout.pipeline_stages, or the dimension's size) */
   int32_t chunks;        /* weft_layout.pipeline_chunks */
   int32_t micro_batches; /* in this step: host micro-batches x weft_layout.pipeline_micro_batches */
 } weft_schedule_request;

@@ -115,6 +115,17 @@ TEST(Abi2, WhatThisHostDoesNotRunIsRefusedBeforeTheFirstStep) {
        "execute yet"},
       {"--plugin abi2_schedule --nproc 2",
        "abi2_schedule provides weft_schedule but does not own the pipeline dimension"},
+      // A pipeline plugin's layout and lists are checked before anything runs.
+      {"--plugin abi2_pipeline_bad_layout --nproc 2 --set plugin.fault=map",
+       "weft_layout's chunk_stages: chunk 0 of stage 1 is virtual stage 0, which another chunk is too"},
+      {"--plugin abi2_pipeline_bad_layout --nproc 2 --set plugin.fault=balance",
+       "weft_layout's pipeline_balance has 3 entries for 2 virtual stages (2 stages x 1 chunks)"},
+      {"--plugin abi2_pipeline_bad_layout --nproc 2 --set plugin.fault=stages",
+       "weft_layout's pipeline_stages = 3 must be >= 1 and divide the 2 ranks"},
+      {"--plugin abi2_pipeline_bad_layout --nproc 2 --set plugin.fault=kind",
+       "weft_schedule's action 1 for rank 0 is of kind 2, not one a schedule gives"},
+      {"--plugin abi2_pipeline_bad_layout --nproc 2 --set plugin.fault=count",
+       "weft_schedule gave 1000000 actions for rank 0 (a step of 1 micro-batches x 1 chunks has at most 4)"},
       {"--plugin abi2_pipeline_deadlock --nproc 2",
        "schedule abi2_pipeline_deadlock (2 stages, 2 micro-batches) failed verification: deadlock: stage 0 B0 waits "
        "forever; stage 1 F1 waits forever"},
@@ -145,18 +156,26 @@ TEST(Abi2, WhatThisHostDoesNotRunIsRefusedBeforeTheFirstStep) {
 // over 2 stages x 2 replicas on 4 ranks.
 TEST(Abi2, GpipeSchedulesAsDataTrainAsGpipeToTheBit) {
   const std::string dir = weft::testing::fresh_dir("weft_test_abi2", "gpipe");
-  for (const std::string schedule : {"gpipe", "1f1b", "interleaved1f1b", "zbh1", "1f1b --nproc 4 --set plugin.stages=2 --set train.batch_size=8"}) {
-    const std::string run = tiny_run("--set train.max_steps=3 --set eval.every_steps=0 --set plugin.schedule=" + schedule +
-                                     (schedule.find("--nproc") == std::string::npos ? " --nproc 2" : ""));
-    const std::string label = schedule.substr(0, schedule.find(' ')) + (schedule.find("--nproc") != std::string::npos ? "x2" : "");
-    const auto v1 = weft::testing::run_trainer(run + " --plugin gpipe --set train.out_dir=" + dir + "/v1_" + label);
-    const auto v2 = weft::testing::run_trainer(run + " --plugin gpipe_abi2 --set train.out_dir=" + dir + "/v2_" + label);
+  struct Case {
+    std::string label, settings;
+  };
+  const std::vector<Case> cases{
+      {"gpipe", "--nproc 2 --set plugin.schedule=gpipe"},
+      {"1f1b", "--nproc 2 --set plugin.schedule=1f1b"},
+      {"interleaved1f1b", "--nproc 2 --set plugin.schedule=interleaved1f1b"},
+      {"zbh1", "--nproc 2 --set plugin.schedule=zbh1"},
+      {"1f1b_2x2", "--nproc 4 --set plugin.schedule=1f1b --set plugin.stages=2 --set train.batch_size=8"},
+  };
+  for (const Case& c : cases) {
+    const std::string run = tiny_run("--set train.max_steps=3 --set eval.every_steps=0 " + c.settings);
+    const auto v1 = weft::testing::run_trainer(run + " --plugin gpipe --set train.out_dir=" + dir + "/v1_" + c.label);
+    const auto v2 = weft::testing::run_trainer(run + " --plugin gpipe_abi2 --set train.out_dir=" + dir + "/v2_" + c.label);
     ASSERT_EQ(v1.exit_code, 0) << v1.output;
     ASSERT_EQ(v2.exit_code, 0) << v2.output;
-    const auto a = weft::testing::step_losses(dir + "/v1_" + label + "/metrics.jsonl");
-    const auto b = weft::testing::step_losses(dir + "/v2_" + label + "/metrics.jsonl");
-    ASSERT_EQ(a.size(), 3u) << schedule;
-    EXPECT_EQ(a, b) << schedule;
+    const auto a = weft::testing::step_losses(dir + "/v1_" + c.label + "/metrics.jsonl");
+    const auto b = weft::testing::step_losses(dir + "/v2_" + c.label + "/metrics.jsonl");
+    ASSERT_EQ(a.size(), 3u) << c.label;
+    EXPECT_EQ(a, b) << c.label;
   }
 }
 

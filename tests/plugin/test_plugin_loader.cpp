@@ -300,7 +300,8 @@ TEST(PluginLoader, ListsEveryLibraryInTheSearchPathWithItsProblem) {
   EXPECT_EQ(listings[0].name, "single");
   EXPECT_EQ(listings[0].problem, "");
   EXPECT_EQ(files, (std::vector<std::string>{"(built in)", "abi2_local_gradient.so", "abi2_no_proc_address.so",
-                                             "abi2_pipeline_deadlock.so", "abi2_schedule.so", "abi2_slice.so", "abi2_tensor_parallel.so",
+                                             "abi2_pipeline_bad_layout.so", "abi2_pipeline_deadlock.so", "abi2_schedule.so",
+                                             "abi2_slice.so", "abi2_tensor_parallel.so",
                                              "abi2_torch.so", "abi2_torch_mismatch.so", "abi2_torch_undeclared.so",
                                              "abi2_unknown_point.so", "bad_chunks.so", "diloco.so", "entry_null.so",
                                              "error_create.so", "finish_1_13.so", "good.so", "hsdp.so", "missing_create.so",

@@ -333,7 +333,8 @@ void PipelineStrategy::memory_plan(weft_memory_plan& plan) {
   }
   if (v.ok && !v.peak_pending_weights.empty()) {  // a split backward keeps each linear's input and output gradient until W
     const int64_t pending = v.peak_pending_weights[static_cast<size_t>(placement_.stage)];
-    plan.activation_bytes += rows * pending * deferred_weight_bytes_per_row(plan.seq_len);
+    // Each waiting W is one chunk's: the mean chunk's share of the rank's blocks.
+    plan.activation_bytes += rows * pending * deferred_weight_bytes_per_row(plan.seq_len) / chunks;
   }
   // Receive buffers and gradients of the boundaries: this rank's tokens of a split sequence (ABI 1.13).
   plan.buffer_bytes += rows * (inputs + outputs) * 2 * plan.stage_tokens / std::max<int64_t>(1, plan.seq_len);

@@ -174,7 +174,7 @@ TEST(MemoryPlan, ZeroStage3PlansItsGatheredParametersInTheComputeDtype) {
 // The plan (made before the model existed) against the run's measured peak of tensor memory per
 // rank. The margin: 25% either way, measured at <= 19% (gpipe's first stage, whose receive and
 // gradient temporaries the plan underestimates) for these runs.
-// ~40 s (ctest -j2, 2-core Xeon): 9 plugins and settings, each a 2-rank run of the small preset at
+// ~45 s (ctest -j2, 2-core Xeon): 10 plugins and settings, each a 2-rank run of the small preset at
 // its real sequence length, where activations weigh as they do in real runs.
 TEST(MemoryPlan, TheEstimateIsWithinItsMarginOfTheMeasuredPeakForEveryKindOfPlugin) {
   std::map<std::string, double> plans;  // rank 0's plan, MiB
@@ -182,7 +182,9 @@ TEST(MemoryPlan, TheEstimateIsWithinItsMarginOfTheMeasuredPeakForEveryKindOfPlug
                                    "gpipe", "zero --set plugin.stage=1",
                                    "zero --set plugin.stage=3", "zero --set plugin.stage=3 --set train.precision=bf16",
                                    "context_parallel",
-                                   "context_parallel --set plugin.mode=\"ring\""}) {
+                                   "context_parallel --set plugin.mode=\"ring\"",
+                                   // ZB-V (an ABI 2 schedule as data): two chunks per rank, W passes waiting
+                                   WEFT_PLUGIN_FIXTURE_DIR "/zbv.so"}) {
     const std::string dir = fresh_dir("memory_plan", "peak");
     const auto outcome = run_trainer(small_run(dir, plugin, 2));
     ASSERT_EQ(outcome.exit_code, 0) << plugin << "\n" << outcome.output;

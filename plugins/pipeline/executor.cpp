@@ -41,7 +41,7 @@ Executor::Executor(const weft::sdk::Host& host, weft::sdk::Group world, const Pl
 
 int32_t Executor::peer(const Action& action, bool to_next) const {
   const int32_t u = placement_.virtual_stage(placement_.stage, action.chunk);
-  return placement_.replica * placement_.stages + placement_.stage_of(to_next ? u + 1 : u - 1);
+  return placement_.rank_of(placement_.stage_of(to_next ? u + 1 : u - 1), placement_.replica);
 }
 
 int32_t Executor::tag(const Action& action, bool gradient, bool to_next) const {
@@ -159,7 +159,8 @@ Activation Executor::take_local(int32_t tag, const Action& action) {
   return data;
 }
 
-RunStats Executor::run(const Schedule& schedule, int32_t splits, int64_t rows, int64_t stage_tokens) {
+RunStats Executor::run(const Schedule& schedule, int32_t splits, int64_t rows, int64_t stage_tokens,
+                       const ChunkHooks& hooks) {
   if (splits < 1 || rows % splits != 0) {
     throw Error(WEFT_STATUS_INVALID_ARGUMENT, "pipeline: " + std::to_string(rows) + " rows per micro-batch cannot be split into " +
                                                   std::to_string(splits) + " equal pipeline micro-batches");
@@ -185,7 +186,17 @@ RunStats Executor::run(const Schedule& schedule, int32_t splits, int64_t rows, i
   int32_t in_flight = 0;
   const auto start = Clock::now();
   const auto& actions = schedule.actions.at(static_cast<size_t>(placement_.stage));
-  for (const Action& a : actions) {
+  // Each chunk's last backward, where a kReduce follows it and the backward is whole.
+  std::vector<int64_t> final_backward(static_cast<size_t>(chunks), -1);
+  if (!schedule.split_backward && hooks.final_backward) {
+    std::vector<int64_t> last(static_cast<size_t>(chunks), -1);
+    for (size_t i = 0; i < actions.size(); ++i) {
+      if (actions[i].kind == ActionKind::kBackward) last[static_cast<size_t>(actions[i].chunk)] = static_cast<int64_t>(i);
+      if (actions[i].kind == ActionKind::kReduce) final_backward[static_cast<size_t>(actions[i].chunk)] = last[static_cast<size_t>(actions[i].chunk)];
+    }
+  }
+  for (size_t i = 0; i < actions.size(); ++i) {
+    const Action& a = actions[i];
     Slot* slot = a.micro_batch >= 0 ? &slots.at(static_cast<size_t>(a.micro_batch) * chunks + a.chunk) : nullptr;
     switch (a.kind) {
       case ActionKind::kRecvActivation: receive(*slot, false, a); break;
@@ -196,7 +207,10 @@ RunStats Executor::run(const Schedule& schedule, int32_t splits, int64_t rows, i
         break;
       case ActionKind::kSendActivation: send(*slot, false, a); break;
       case ActionKind::kBackward: {
+        const bool final = final_backward[static_cast<size_t>(a.chunk)] == static_cast<int64_t>(i);
+        if (final) hooks.final_backward(a.chunk, true);
         backward(*slot, a, stats);
+        if (final) hooks.final_backward(a.chunk, false);
         --in_flight;
         slot->output = Activation();  // frees the micro-batch's graph; the input stays until its
         if (placement_.is_first_virtual(a.chunk)) slot->input = Activation();  // gradient is sent
@@ -210,6 +224,15 @@ RunStats Executor::run(const Schedule& schedule, int32_t splits, int64_t rows, i
         stats.compute_seconds += seconds_since(start_w);
         break;
       }
+      case ActionKind::kReduce:
+        if (hooks.reduce) hooks.reduce(a.chunk);
+        break;
+      case ActionKind::kGather:
+        if (hooks.gather) hooks.gather(a.chunk);
+        break;
+      case ActionKind::kRelease:
+        if (hooks.release) hooks.release(a.chunk);
+        break;
       case ActionKind::kOptimizerStep: break;
     }
   }

@@ -25,6 +25,7 @@
 #define WEFT_PLUGINS_PIPELINE_EXECUTOR_HPP
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <utility>
 #include <vector>
@@ -43,6 +44,13 @@ struct Placement {
   int32_t stage = 0;
   int32_t replicas = 1;
   int32_t replica = 0;
+  // How stages and replicas lie on the world's ranks: replica-major (rank = replica x stages +
+  // stage, the pipeline's own replicas) or stage-major (rank = stage x replicas + replica: a
+  // device mesh's, pp outside dp, as weft/common.h's weft_mesh_dim orders them).
+  bool stage_major = false;
+  int32_t rank_of(int32_t of_stage, int32_t of_replica) const {
+    return stage_major ? of_stage * replicas + of_replica : of_replica * stages + of_stage;
+  }
   int64_t first_model_stage = 0;  // model stages [first, last) held by this rank (chunk 0's)
   int64_t last_model_stage = 0;
   // Virtual stages: chunk c holds model stages [chunk_stages[c].first, chunk_stages[c].second)
@@ -94,7 +102,16 @@ class Executor {
   // hidden states between stages (weft_step_info.stage_tokens: this rank's share of a split sequence).
   // Training schedules scale each loss by 1 / schedule.micro_batches; forward-only ones run
   // without autograd history.
-  RunStats run(const Schedule& schedule, int32_t splits, int64_t rows, int64_t stage_tokens);
+  // The host's actions of a schedule with lowered reductions and gathers (kReduce, kGather,
+  // kRelease), each called with its chunk; without a split backward, `final_backward` runs right
+  // before (true) and after (false) each chunk's last backward, the one whose gradients its kReduce
+  // reduces (a reducer can start buckets during it).
+  struct ChunkHooks {
+    std::function<void(int32_t chunk)> reduce, gather, release;
+    std::function<void(int32_t chunk, bool before)> final_backward;
+  };
+  RunStats run(const Schedule& schedule, int32_t splits, int64_t rows, int64_t stage_tokens,
+               const ChunkHooks& hooks = {});
 
  private:
   struct Slot;  // one micro-batch's handles and buffers on one chunk of this rank

@@ -107,14 +107,17 @@ PipelineStrategy::PipelineStrategy(weft::sdk::Host host, std::string plugin, Opt
   split_backward_ = options.split_backward;
   bucket_mb_ = options.bucket_mb;
   balance_ = std::move(options.balance);  // its size is the caller's to check (stages x chunks)
+  stage_major_ = options.stage_major;
+  replica_group_ = options.replica_group;
   place_ranks(options.stages);
 }
 
 void PipelineStrategy::place_ranks(int32_t stages) {
   placement_.stages = stages;
   placement_.replicas = world_.size() / placement_.stages;
-  placement_.stage = world_.rank() % placement_.stages;
-  placement_.replica = world_.rank() / placement_.stages;
+  placement_.stage_major = stage_major_;
+  placement_.stage = stage_major_ ? world_.rank() / placement_.replicas : world_.rank() % placement_.stages;
+  placement_.replica = stage_major_ ? world_.rank() % placement_.replicas : world_.rank() / placement_.stages;
   placement_.chunk_stage = chunk_stage_;
 }
 
@@ -246,14 +249,15 @@ void PipelineStrategy::setup() {
   // Groups are collective over the world: every rank creates every group, in the same order.
   for (int32_t r = 0; r < R; ++r) {
     std::vector<int32_t> ranks;
-    for (int32_t p = 0; p < S; ++p) ranks.push_back(r * S + p);
+    for (int32_t p = 0; p < S; ++p) ranks.push_back(placement_.rank_of(p, r));
     weft::sdk::Group g = host().create_group(ranks);
     if (r == placement_.replica) pipeline_group_ = g;
   }
   const int32_t first = placement_.stage_of(0), last = placement_.stage_of(placement_.virtual_stages() - 1);
   if (info.tie_word_embeddings && first != last) {
     for (int32_t r = 0; r < R; ++r) {
-      weft::sdk::Group g = host().create_group({r * S + std::min(first, last), r * S + std::max(first, last)});
+      weft::sdk::Group g = host().create_group({placement_.rank_of(std::min(first, last), r),
+                                                placement_.rank_of(std::max(first, last), r)});
       if (r == placement_.replica) tied_group_ = g;
     }
     if (placement_.is_first() || placement_.is_last()) {
@@ -268,14 +272,17 @@ void PipelineStrategy::setup() {
       if (!held) throw Error(WEFT_STATUS_INTERNAL, plugin_ + ": tied embeddings but this rank holds no " + kTiedName);
     }
   }
-  weft::sdk::Group replica_group;
-  for (int32_t p = 0; p < S; ++p) {
-    std::vector<int32_t> ranks;
-    for (int32_t r = 0; r < R; ++r) ranks.push_back(r * S + p);
-    weft::sdk::Group g = host().create_group(ranks);
-    if (p == placement_.stage) replica_group = g;
+  if (replica_group_.get() == nullptr) {
+    for (int32_t p = 0; p < S; ++p) {
+      std::vector<int32_t> ranks;
+      for (int32_t r = 0; r < R; ++r) ranks.push_back(placement_.rank_of(p, r));
+      weft::sdk::Group g = host().create_group(ranks);
+      if (p == placement_.stage) replica_group_ = g;
+    }
   }
-  if (R > 1) replica_average_ = std::make_unique<weft::plugins::GradientAverager>(host(), replica_group, bucket_mb_);
+  if (R > 1 && !reduces_in_schedule()) {
+    replica_average_ = std::make_unique<weft::plugins::GradientAverager>(host(), replica_group_, bucket_mb_);
+  }
   executor_ = std::make_unique<Executor>(host(), world_, placement_, recompute_);
 }
 
@@ -285,6 +292,8 @@ const Schedule& PipelineStrategy::verified_schedule(const std::string& name, int
   if (it != schedules_.end()) return it->second;
   Schedule schedule = name == "forward" ? forward_only_schedule(placement_.stages, micro_batches, chunks_, chunk_stage_)
                                         : step_schedule(micro_batches);
+  if (schedule.trains && reduces_in_schedule()) lower_reductions(schedule);
+  if (schedule.trains && gathers_in_schedule()) lower_gathers(schedule);
   const Verification v = verify(schedule);
   if (!v.ok) {
     throw Error(WEFT_STATUS_INTERNAL, plugin_ + ": schedule " + name + " (" + std::to_string(placement_.stages) +
@@ -377,7 +386,7 @@ void PipelineStrategy::combine_tied_embedding_gradients() {
 }
 
 void PipelineStrategy::finish_gradients() {
-  combine_tied_embedding_gradients();
+  if (!reduces_in_schedule()) combine_tied_embedding_gradients();  // else end_reductions' to do
   if (replica_average_) replica_average_->average();
 }
 
@@ -399,7 +408,14 @@ double PipelineStrategy::train_step(const weft_step_info& step) {
   }
   const int32_t total = step.micro_batches * microbatches_;
   const Schedule& schedule = verified_schedule(schedule_name_, total);
-  last_stats_ = executor_->run(schedule, microbatches_, step.rows_per_micro_batch, step.stage_tokens);
+  if (reduces_in_schedule() || gathers_in_schedule()) {
+    begin_reductions();
+    last_stats_ = executor_->run(schedule, microbatches_, step.rows_per_micro_batch, step.stage_tokens,
+                                 chunk_hooks());
+    end_reductions();
+  } else {
+    last_stats_ = executor_->run(schedule, microbatches_, step.rows_per_micro_batch, step.stage_tokens);
+  }
   finish_gradients();
   // Loss (last stages), compute time (all ranks) and every rank's wall time, over the world.
   // The bubble is the idle share of the ranks over the step's window: the longest rank's run

@@ -86,6 +86,9 @@ class PipelineStrategy : public weft::sdk::Strategy {
     bool split_backward = false;       // the schedule has B/W halves
     std::vector<int64_t> balance;      // decoder layers per virtual stage (empty: balanced by parameters)
     double bucket_mb = 25.0;
+    bool stage_major = false;          // Placement::stage_major (a device mesh's layout, pp outside dp)
+    // This rank's replicas of its stage (made by the caller, collectively), or none: setup makes them.
+    weft::sdk::Group replica_group;
   };
   PipelineStrategy(weft::sdk::Host host, std::string plugin, Options options);
 
@@ -97,6 +100,25 @@ class PipelineStrategy : public weft::sdk::Strategy {
   virtual double bubble_formula(int32_t micro_batches);
 
   bool recompute_ = false;  // set by a plugin's constructor (gpipe.so: recompute = true)
+
+  // The host's collectives as actions of the schedule (ABI 2's host step). reduces_in_schedule: each
+  // training schedule gets a kReduce per chunk after its last backward (lower_reductions), and the
+  // tied embedding's copies are left for end_reductions to combine; gathers_in_schedule: a kGather
+  // before each chunk's first compute and a kRelease after its last (lower_gathers). The executor
+  // calls chunk_hooks() at those actions; begin_reductions runs before a training run, end_reductions
+  // after it. The defaults: none (the replicas average their gradients after the flush, with
+  // GradientAverager, and the tied copies are combined before).
+  virtual bool reduces_in_schedule() const { return false; }
+  virtual bool gathers_in_schedule() const { return false; }
+  virtual Executor::ChunkHooks chunk_hooks() { return {}; }
+  virtual void begin_reductions() {}
+  virtual void end_reductions() {}
+  // Sums the tied embedding's two copies' gradients (first and last stage), where this rank holds one.
+  void combine_tied_embedding_gradients();
+  // This rank's index of a trainable tied embedding whose other copy is on another rank, or -1.
+  int64_t tied_parameter() const { return tied_parameter_; }
+  // This rank's replicas of its stage (valid after setup, or from Options).
+  const weft::sdk::Group& replica_group() const { return replica_group_; }
 
   // For plugins that run their own step (pipedream.so's async mode):
   // the tied embedding's two copies get the sum of their gradients, replicas the mean.
@@ -110,7 +132,6 @@ class PipelineStrategy : public weft::sdk::Strategy {
   std::vector<double> parameter_costs(const weft_model_info& info) const;
   int64_t deferred_weight_bytes_per_row(int64_t seq_len) const;
   std::vector<double> profiled_costs(int64_t model_stages) const;
-  void combine_tied_embedding_gradients();
   double tied_copy_norm_sq() const;
 
   void place_ranks(int32_t stages);
@@ -130,6 +151,8 @@ class PipelineStrategy : public weft::sdk::Strategy {
   Placement placement_;
   Partition partition_;
   weft::sdk::Group pipeline_group_;  // this replica's stages
+  weft::sdk::Group replica_group_;   // this stage's replicas (when replicas > 1)
+  bool stage_major_ = false;
   weft::sdk::Group tied_group_;      // {stage 0, last stage} of this replica, when tied
   int64_t tied_parameter_ = -1;      // this rank's index of model.embed_tokens.weight, when tied
   std::unique_ptr<Executor> executor_;

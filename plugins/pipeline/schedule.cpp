@@ -269,6 +269,11 @@ void add_transfers(Schedule& s) {
         case ActionKind::kBackward: list.push_back({false, a.micro_batch, a.chunk}); break;
         case ActionKind::kBackwardWeight: list.push_back({false, a.micro_batch, a.chunk, /*weight=*/true}); break;
         case ActionKind::kOptimizerStep: step_after[static_cast<size_t>(p)] = static_cast<int64_t>(list.size()); break;
+        case ActionKind::kReduce:
+        case ActionKind::kGather:
+        case ActionKind::kRelease:
+          throw std::invalid_argument("stage " + std::to_string(p) + " " + to_string(a) +
+                                      ": reductions, gathers and releases are added after the transfers");
         default:
           throw std::invalid_argument("stage " + std::to_string(p) + " " + to_string(a) +
                                       ": transfers are the runtime's to add, not the schedule's");
@@ -363,8 +368,77 @@ std::string to_string(const Action& action) {
     case ActionKind::kSendGradient: return "sG" + m;
     case ActionKind::kOptimizerStep: return "step";
     case ActionKind::kBackwardWeight: return "W" + m;
+    case ActionKind::kReduce: return action.chunk != 0 ? "R." + std::to_string(action.chunk) : "R";
+    case ActionKind::kGather: return action.chunk != 0 ? "G." + std::to_string(action.chunk) : "G";
+    case ActionKind::kRelease: return action.chunk != 0 ? "X." + std::to_string(action.chunk) : "X";
   }
   return "?";
+}
+
+void lower_reductions(Schedule& s) {
+  if (!s.trains) throw std::invalid_argument("lower_reductions: a forward-only schedule has no gradients to reduce");
+  const ActionKind last = s.split_backward ? ActionKind::kBackwardWeight : ActionKind::kBackward;
+  for (size_t p = 0; p < s.actions.size(); ++p) {
+    auto& list = s.actions[p];
+    std::vector<int64_t> final_at(static_cast<size_t>(s.chunks), -1);  // the index that finishes each chunk
+    for (size_t i = 0; i < list.size(); ++i) {
+      if (list[i].kind == ActionKind::kReduce) {
+        throw std::invalid_argument("stage " + std::to_string(p) + " " + to_string(list[i]) + ": reductions lowered twice");
+      }
+      if (list[i].kind == last && list[i].chunk >= 0 && list[i].chunk < s.chunks) {
+        final_at[static_cast<size_t>(list[i].chunk)] = static_cast<int64_t>(i);
+      }
+    }
+    // After the sends that follow it too: a neighbour waits for those, the reduction waits for no one.
+    for (int64_t& at : final_at) {
+      while (at >= 0 && at + 1 < static_cast<int64_t>(list.size()) &&
+             (list[static_cast<size_t>(at + 1)].kind == ActionKind::kSendGradient ||
+              list[static_cast<size_t>(at + 1)].kind == ActionKind::kSendActivation)) {
+        ++at;
+      }
+    }
+    std::vector<Action> lowered;
+    lowered.reserve(list.size() + final_at.size());
+    for (size_t i = 0; i < list.size(); ++i) {
+      lowered.push_back(list[i]);
+      for (int32_t c = 0; c < s.chunks; ++c) {
+        if (final_at[static_cast<size_t>(c)] == static_cast<int64_t>(i)) lowered.push_back({ActionKind::kReduce, -1, c});
+      }
+    }
+    list = std::move(lowered);
+  }
+}
+
+void lower_gathers(Schedule& s) {
+  const auto compute = [](ActionKind k) {
+    return k == ActionKind::kForward || k == ActionKind::kBackward || k == ActionKind::kBackwardWeight;
+  };
+  for (size_t p = 0; p < s.actions.size(); ++p) {
+    auto& list = s.actions[p];
+    std::vector<int64_t> first(static_cast<size_t>(s.chunks), -1), last(static_cast<size_t>(s.chunks), -1);
+    for (size_t i = 0; i < list.size(); ++i) {
+      const Action& a = list[i];
+      if (a.kind == ActionKind::kGather || a.kind == ActionKind::kRelease) {
+        throw std::invalid_argument("stage " + std::to_string(p) + " " + to_string(a) + ": gathers lowered twice");
+      }
+      if (a.chunk < 0 || a.chunk >= s.chunks) continue;
+      const auto c = static_cast<size_t>(a.chunk);
+      if (compute(a.kind) && first[c] < 0) first[c] = static_cast<int64_t>(i);
+      if (compute(a.kind) || a.kind == ActionKind::kReduce) last[c] = static_cast<int64_t>(i);
+    }
+    std::vector<Action> lowered;
+    lowered.reserve(list.size() + 2 * first.size());
+    for (size_t i = 0; i < list.size(); ++i) {
+      for (int32_t c = 0; c < s.chunks; ++c) {
+        if (first[static_cast<size_t>(c)] == static_cast<int64_t>(i)) lowered.push_back({ActionKind::kGather, -1, c});
+      }
+      lowered.push_back(list[i]);
+      for (int32_t c = 0; c < s.chunks; ++c) {
+        if (last[static_cast<size_t>(c)] == static_cast<int64_t>(i)) lowered.push_back({ActionKind::kRelease, -1, c});
+      }
+    }
+    list = std::move(lowered);
+  }
 }
 
 std::string to_string(const Schedule& schedule) {

@@ -42,11 +42,20 @@ enum class ActionKind {
   // schedules): the linear weights' gradients of micro_batch, deferred by its kBackward, which
   // then computes the input gradients only (ZB's B and W passes).
   kBackwardWeight,
+  // Start the reduction of chunk's gradients over the data-parallel replicas (asynchronous: it
+  // overlaps what follows and is waited for at kOptimizerStep). Placed after the action that makes
+  // the chunk's gradients final on this stage (lower_reductions); micro_batch -1.
+  kReduce,
+  // Gather the chunk's flat-sharded parameters whole before its first compute of the step, and
+  // release them (back to this rank's ranges) after its last backward and its kReduce: FSDP's
+  // unshard/reshard around a pipeline stage (lower_gathers); micro_batch -1.
+  kGather,
+  kRelease,
 };
 
 struct Action {
   ActionKind kind;
-  int32_t micro_batch;  // -1 for kOptimizerStep
+  int32_t micro_batch;  // -1 for kOptimizerStep, kReduce, kGather and kRelease
   int32_t chunk = 0;    // which of the stage's virtual stages (0 unless Schedule::chunks > 1)
   bool operator==(const Action& other) const {
     return kind == other.kind && micro_batch == other.micro_batch && chunk == other.chunk;
@@ -120,13 +129,24 @@ std::string check_chunk_map(int32_t stages, int32_t chunks, const std::vector<in
 // order the sends start. Throws std::invalid_argument for a transfer in the lists.
 void add_transfers(Schedule& schedule);
 
+// Adds one kReduce(chunk) per chunk of every stage after the action that makes the chunk's
+// gradients final (its last kBackward, or with a split backward its last kBackwardWeight) and the
+// sends right after it, as PyTorch DDP starts a bucket's all-reduce once its gradients are ready. Training schedules only;
+// throws std::invalid_argument for a schedule that already has kReduce actions.
+void lower_reductions(Schedule& schedule);
+
+// Adds kGather(chunk) right before the chunk's first compute and kRelease(chunk) after its last
+// compute (after its kReduce where there is one), for each chunk of every stage; forward-only
+// schedules too. Throws std::invalid_argument for a schedule that already has them.
+void lower_gathers(Schedule& schedule);
+
 // The schedule called `name` ("gpipe", "1f1b", "interleaved1f1b", "zbh1", "forward") with
 // `chunks` virtual stages per stage (1 for all but interleaved1f1b and forward); throws
 // std::invalid_argument for another name, stages < 1, micro_batches < 1, chunks < 1, or chunks > 1
 // with a schedule of one chunk.
 Schedule make_schedule(const std::string& name, int32_t stages, int32_t micro_batches, int32_t chunks = 1);
 
-// "F3", "B0", "W0" (weight gradients), "rA2" (receive activation), "sA2", "rG1", "sG1", "step"; a chunk other than 0 is
+// "F3", "B0", "W0" (weight gradients), "R" (reduce; "R.1" chunk 1), "G" / "X" (gather, release), "rA2" (receive activation), "sA2", "rG1", "sG1", "step"; a chunk other than 0 is
 // appended: "F3.1" (micro-batch 3 on chunk 1).
 std::string to_string(const Action& action);
 // One line per stage: "stage 0: F0 sA0 F1 sA1 ... step".

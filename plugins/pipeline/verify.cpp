@@ -14,6 +14,11 @@ bool is_compute(ActionKind kind) {
   return kind == ActionKind::kForward || kind == ActionKind::kBackward || kind == ActionKind::kBackwardWeight;
 }
 
+bool is_transfer(ActionKind kind) {
+  return kind == ActionKind::kRecvActivation || kind == ActionKind::kSendActivation || kind == ActionKind::kRecvGradient ||
+         kind == ActionKind::kSendGradient;
+}
+
 // Where a transfer action on chunk `chunk` of `stage` goes or comes from: the neighbouring virtual
 // stage (schedule.hpp's virtual_stage), as (stage, chunk); (-1, -1) if none.
 std::pair<int32_t, int32_t> peer_of(const Schedule& s, ActionKind kind, int32_t stage, int32_t chunk) {
@@ -70,9 +75,22 @@ std::string check_structure(const Schedule& s) {
         if (i + 1 != list.size()) return at(p, a) + " is not the stage's last action";
         continue;
       }
+      if (a.kind == ActionKind::kGather || a.kind == ActionKind::kRelease) {  // around the chunk's uses: below
+        if (a.chunk < 0 || a.chunk >= s.chunks) return at(p, a) + ": no such chunk";
+        if (++counts[p][key_of(a.kind, -1, a.chunk)] > 1) return at(p, a) + " appears twice";
+        first_index[key_of(a.kind, -1, a.chunk)] = i;
+        continue;
+      }
+      if (a.kind == ActionKind::kReduce) {  // after every gradient of its chunk: checked below
+        if (!s.trains) return at(p, a) + ": a forward-only schedule has no gradients to reduce";
+        if (a.chunk < 0 || a.chunk >= s.chunks) return at(p, a) + ": no such chunk";
+        if (++counts[p][key_of(a.kind, -1, a.chunk)] > 1) return at(p, a) + " appears twice";
+        first_index[key_of(a.kind, -1, a.chunk)] = i;
+        continue;
+      }
       if (a.micro_batch < 0 || a.micro_batch >= s.micro_batches) return at(p, a) + ": no such micro-batch";
       if (a.chunk < 0 || a.chunk >= s.chunks) return at(p, a) + ": no such chunk";
-      if (!is_compute(a.kind)) {
+      if (is_transfer(a.kind)) {
         const int32_t peer = peer_of(s, a.kind, p, a.chunk).first;
         if (peer < 0) {
           const bool before = a.kind == ActionKind::kRecvActivation || a.kind == ActionKind::kSendGradient;
@@ -92,6 +110,28 @@ std::string check_structure(const Schedule& s) {
     const auto index_of = [&](ActionKind kind, int32_t m, int32_t c) { return first_index.at(key_of(kind, m, c)); };
     for (int32_t c = 0; c < s.chunks; ++c) {
       const int32_t u = virtual_stage(s, p, c);
+      const bool reduces = count(counts[p], ActionKind::kReduce, -1, c) > 0;
+      const bool gathers = count(counts[p], ActionKind::kGather, -1, c) > 0;
+      const bool releases = count(counts[p], ActionKind::kRelease, -1, c) > 0;
+      if (gathers != releases) {
+        return at(p, Action{gathers ? ActionKind::kGather : ActionKind::kRelease, -1, c}) + " has no " +
+               (gathers ? "release" : "gather");
+      }
+      if (gathers && index_of(ActionKind::kRelease, -1, c) < index_of(ActionKind::kGather, -1, c)) {
+        return at(p, Action{ActionKind::kRelease, -1, c}) + " comes before its gather";
+      }
+      if (gathers && reduces && index_of(ActionKind::kRelease, -1, c) < index_of(ActionKind::kReduce, -1, c)) {
+        return at(p, Action{ActionKind::kRelease, -1, c}) + " comes before the reduction of its gradients";
+      }
+      for (int32_t m = 0; m < s.micro_batches && gathers; ++m) {  // every use between the gather and the release
+        for (ActionKind kind : {ActionKind::kForward, ActionKind::kBackward, ActionKind::kBackwardWeight}) {
+          if (count(counts[p], kind, m, c) == 0) continue;
+          const size_t at_use = index_of(kind, m, c);
+          if (at_use < index_of(ActionKind::kGather, -1, c) || at_use > index_of(ActionKind::kRelease, -1, c)) {
+            return at(p, Action{kind, m, c}) + " uses chunk " + std::to_string(c) + "'s parameters outside its gather and release";
+          }
+        }
+      }
       for (int32_t m = 0; m < s.micro_batches; ++m) {
         const Action forward{ActionKind::kForward, m, c}, backward{ActionKind::kBackward, m, c};
         if (count(counts[p], ActionKind::kForward, m, c) != 1) return at(p, forward) + " is missing";
@@ -106,6 +146,12 @@ std::string check_structure(const Schedule& s) {
             if (index_of(ActionKind::kBackwardWeight, m, c) < index_of(ActionKind::kBackward, m, c)) {
               return at(p, weight) + " comes before its backward " + to_string(backward);
             }
+          }
+          // A reduction starts once the chunk's gradients are final: after its every B and W.
+          const ActionKind last = s.split_backward ? ActionKind::kBackwardWeight : ActionKind::kBackward;
+          if (reduces && index_of(ActionKind::kReduce, -1, c) < index_of(last, m, c)) {
+            return at(p, Action{ActionKind::kReduce, -1, c}) + " comes before " + to_string(Action{last, m, c}) +
+                   ", which adds to the gradients it reduces";
           }
         }
         // Where each transfer must sit relative to the compute it serves.
@@ -144,7 +190,7 @@ std::string check_structure(const Schedule& s) {
   std::map<std::pair<int32_t, int32_t>, std::vector<std::pair<Key, std::string>>> sent, posted;
   for (int32_t p = 0; p < s.stages; ++p) {
     for (const Action& a : s.actions[p]) {
-      if (is_compute(a.kind) || a.kind == ActionKind::kOptimizerStep) continue;
+      if (!is_transfer(a.kind)) continue;
       const auto [peer, peer_chunk] = peer_of(s, a.kind, p, a.chunk);
       const bool sends = a.kind == ActionKind::kSendActivation || a.kind == ActionKind::kSendGradient;
       // The transfer named by its send: (kind, micro-batch, the sender's chunk).
@@ -166,7 +212,7 @@ std::string check_structure(const Schedule& s) {
   for (int32_t p = 0; p < s.stages; ++p) {
     for (const auto& [key, n] : counts[p]) {
       const auto kind = static_cast<ActionKind>(std::get<0>(key));
-      if (is_compute(kind) || kind == ActionKind::kOptimizerStep) continue;
+      if (!is_transfer(kind)) continue;
       const int32_t m = std::get<1>(key), c = std::get<2>(key);
       const auto [peer, peer_chunk] = peer_of(s, kind, p, c);
       if (count(counts[peer], matching(kind), m, peer_chunk) != n) {

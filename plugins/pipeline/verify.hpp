@@ -4,7 +4,9 @@
 //  1. Shape: one action list per stage; transfers only towards stages that exist.
 //  2. Completeness: on every stage every micro-batch is forwarded exactly once and (when the
 //     schedule trains) back-propagated exactly once, after its forward; the optimizer step is
-//     the last action, once.
+//     the last action, once; a chunk's kReduce, where there is one, comes after every backward
+//     (and weight pass) of that chunk; a chunk's kGather and kRelease, where there are, enclose
+//     every compute of that chunk, the release after its kReduce.
 //  3. Matching: every send has exactly one matching receive on the neighbouring stage (same
 //     kind, same micro-batch) and vice versa; each receive is posted before the compute that
 //     consumes it, and each send follows the compute that produces its data; between two stages

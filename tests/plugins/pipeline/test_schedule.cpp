@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include "schedule.hpp"
@@ -387,4 +388,51 @@ TEST(Schedule, AChunkMapMustBeAPermutationOfTheVirtualStages) {
   EXPECT_EQ(weft::pipeline::check_chunk_map(2, 2, {0, 3, 3, 2}),
             "chunk 0 of stage 1 is virtual stage 3, which another chunk is too");
   EXPECT_EQ(weft::pipeline::check_chunk_map(2, 2, {0, 4, 1, 2}), "chunk 1 of stage 0 is virtual stage 4, outside [0, 4)");
+}
+
+// Gradient reductions over replicas are actions of the schedule: one kReduce per chunk, after the
+// action that makes the chunk's gradients final and the sends right after it (the neighbour waits
+// for those, the reduction for no one). The verifier accepts them there and refuses one placed
+// before a backward (or weight pass) that still adds to its chunk's gradients, or twice.
+TEST(Schedule, ReductionsFollowEachChunksLastBackwardAndItsSends) {
+  using K = ActionKind;
+  Schedule s = weft::pipeline::one_f_one_b_schedule(2, 2);
+  weft::pipeline::lower_reductions(s);
+  EXPECT_EQ(names(s.actions[0]), (std::vector<std::string>{"F0", "sA0", "rG0", "F1", "sA1", "rG1", "B0", "B1", "R", "step"}))
+      << weft::pipeline::to_string(s);
+  EXPECT_EQ(names(s.actions[1]).back(), "step");
+  EXPECT_EQ(names(s.actions[1])[names(s.actions[1]).size() - 2], "R");  // after B1 sG1
+  EXPECT_EQ(names(s.actions[1])[names(s.actions[1]).size() - 3], "sG1");
+  EXPECT_TRUE(weft::pipeline::verify(s).ok) << weft::pipeline::verify(s).error;
+  EXPECT_THROW(weft::pipeline::lower_reductions(s), std::invalid_argument);  // lowered twice
+
+  // Interleaved (2 chunks per stage) and ZB-H1 (after the last W): every shipped schedule verifies.
+  for (const std::string& name : {"gpipe", "1f1b", "interleaved1f1b", "zbh1"}) {
+    Schedule t = weft::pipeline::make_schedule(name, 2, 4, name == "interleaved1f1b" ? 2 : 1);
+    weft::pipeline::lower_reductions(t);
+    const auto v = weft::pipeline::verify(t);
+    EXPECT_TRUE(v.ok) << name << ": " << v.error;
+    for (const auto& list : t.actions) {
+      int reduces = 0;
+      for (const auto& a : list) reduces += a.kind == K::kReduce;
+      EXPECT_EQ(reduces, t.chunks) << name;
+    }
+  }
+  Schedule zb = weft::pipeline::zero_bubble_h1_schedule(2, 2);
+  weft::pipeline::lower_reductions(zb);
+  const auto& last = zb.actions[0];
+  ASSERT_GE(last.size(), 3u);
+  EXPECT_EQ(weft::pipeline::to_string(last[last.size() - 3]), "W1");
+  EXPECT_EQ(weft::pipeline::to_string(last[last.size() - 2]), "R");
+
+  // A reduction before a backward of its chunk, or two of one chunk: refused by name.
+  Schedule early = compute_only(1, 2, 1, {},
+                                {{{K::kForward, 0}, {K::kBackward, 0}, {K::kReduce, -1}, {K::kForward, 1},
+                                  {K::kBackward, 1}, {K::kOptimizerStep, -1}}});
+  EXPECT_THAT(weft::pipeline::verify(early).error, ::testing::HasSubstr("stage 0 R comes before B1, which adds to the "
+                                                                        "gradients it reduces"));
+  Schedule twice = compute_only(1, 1, 1, {},
+                                {{{K::kForward, 0}, {K::kBackward, 0}, {K::kReduce, -1}, {K::kReduce, -1},
+                                  {K::kOptimizerStep, -1}}});
+  EXPECT_THAT(weft::pipeline::verify(twice).error, ::testing::HasSubstr("stage 0 R appears twice"));
 }

@@ -34,24 +34,25 @@ weft_status* service_status_create(weft_status_code code, const char* message) {
 }
 void service_log(weft_host_context* c, weft_log_level level, const char* message) { c->host.log(level, message); }
 void service_world(weft_host_context* c, int32_t* rank, int32_t* size) {
-  const sdk::Group world = c->host.world();
+  const sdk::Group world = c->group != nullptr ? sdk::Group(c->host.api(), c->group) : c->host.world();
   if (rank) *rank = world.rank();
   if (size) *size = world.size();
 }
+weft_host* settings_of(weft_host_context* c) { return c->settings != nullptr ? c->settings : c->host.handle(); }
 weft_status* service_config_int(weft_host_context* c, const char* key, int64_t fallback, int64_t* out) {
-  return c->host.api()->config_int(c->host.handle(), key, fallback, out);
+  return c->host.api()->config_int(settings_of(c), key, fallback, out);
 }
 weft_status* service_config_float(weft_host_context* c, const char* key, double fallback, double* out) {
-  return c->host.api()->config_float(c->host.handle(), key, fallback, out);
+  return c->host.api()->config_float(settings_of(c), key, fallback, out);
 }
 weft_status* service_config_bool(weft_host_context* c, const char* key, int32_t fallback, int32_t* out) {
-  return c->host.api()->config_bool(c->host.handle(), key, fallback, out);
+  return c->host.api()->config_bool(settings_of(c), key, fallback, out);
 }
 weft_status* service_config_string(weft_host_context* c, const char* key, const char* fallback, const char** out) {
-  return c->host.api()->config_string(c->host.handle(), key, fallback, out);
+  return c->host.api()->config_string(settings_of(c), key, fallback, out);
 }
 weft_status* service_config_int_list(weft_host_context* c, const char* key, int64_t* out, int32_t capacity, int32_t* count) {
-  return c->host.api()->config_int_list(c->host.handle(), key, out, capacity, count);
+  return c->host.api()->config_int_list(settings_of(c), key, out, capacity, count);
 }
 
 // Since 2.1: the parameters, collectives over the plugin's dimension and metrics, for hooks.
@@ -593,45 +594,8 @@ class HostStep : public sdk::Strategy {
     return published;
   }
 
-  // Placements this host executes: REPLICATE; LOCAL for a parameter, its gradient and its optimizer
-  // state together; FLAT_SHARD for the optimizer state of a replicated parameter.
   void check_placement(const weft_parameter_info& info, const weft_parameter_layout& where) const {
-    const auto refuse = [&](const char* what, int32_t kind, const char* executes) {
-      throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
-                       fmt::format("{} places the {} of {} as {}, which this host (ABI 2.{}) does not execute{}", name(),
-                                   what, info.name, placement_name(kind), WEFT_PLUGIN_ABI_MINOR, executes));
-    };
-    const bool local = where.parameter.kind == WEFT_PLACE_LOCAL || where.gradient.kind == WEFT_PLACE_LOCAL ||
-                       where.optimizer_state.kind == WEFT_PLACE_LOCAL;
-    for (const auto& [what, p] : {std::pair<const char*, weft_placement>{"parameter", where.parameter},
-                                  {"gradient", where.gradient},
-                                  {"optimizer state", where.optimizer_state}}) {
-      const bool state = std::string(what) == "optimizer state";
-      if (local && p.kind != WEFT_PLACE_LOCAL) {
-        refuse(what, p.kind, " beside LOCAL (a parameter, its gradient and its optimizer state are LOCAL together)");
-      }
-      const bool gradient = std::string(what) == "gradient";
-      if (p.kind == WEFT_PLACE_REPLICATE || p.kind == WEFT_PLACE_LOCAL || (state && p.kind == WEFT_PLACE_FLAT_SHARD)) {
-        continue;
-      }
-      if (std::string(what) == "parameter" && p.kind == WEFT_PLACE_FLAT_SHARD) {
-        if (info.trainable && where.gradient.kind != WEFT_PLACE_FLAT_SHARD) {
-          refuse("gradient", where.gradient.kind,
-                 " under a FLAT_SHARD parameter (its range is the optimizer's master copy: place the gradient and "
-                 "the optimizer state FLAT_SHARD too)");
-        }
-        continue;
-      }
-      if (gradient && p.kind == WEFT_PLACE_FLAT_SHARD) {
-        if (where.optimizer_state.kind != WEFT_PLACE_FLAT_SHARD) {
-          refuse("optimizer state", where.optimizer_state.kind,
-                 " under a FLAT_SHARD gradient (the optimizer updates the range the gradient's reduction gives: "
-                 "place the optimizer state FLAT_SHARD too)");
-        }
-        continue;
-      }
-      refuse(what, p.kind, " yet (REPLICATE, LOCAL, FLAT_SHARD)");
-    }
+    check_abi2_placement(name(), info, where);
   }
 
   // The plugin's hooks ("weft_hooks"), each at a point this host publishes.
@@ -673,15 +637,6 @@ class HostStep : public sdk::Strategy {
   std::string name() const { return plugin_.table.name; }
   int32_t replicas() const { return layout_.batch_split == WEFT_SPLIT_ROWS ? host().world().size() : 1; }
   weft_proc proc(const char* name) const { return plugin_.table.get_proc_address(name); }
-  static const char* placement_name(int32_t kind) {
-    switch (kind) {
-      case WEFT_PLACE_REPLICATE: return "REPLICATE";
-      case WEFT_PLACE_LOCAL: return "LOCAL";
-      case WEFT_PLACE_SLICE: return "SLICE";
-      case WEFT_PLACE_FLAT_SHARD: return "FLAT_SHARD";
-      default: return "an unknown placement";
-    }
-  }
   // A status from the plugin becomes an Error naming it and the function (`what`, unless null).
   void check(weft_status* status, const char* what) const {
     if (status == nullptr) return;
@@ -735,6 +690,55 @@ class HostStep : public sdk::Strategy {
 
 weft_proc abi2_host_proc_address(const char* name) { return host_proc_address(name); }
 
+const char* abi2_placement_name(int32_t kind) {
+  switch (kind) {
+    case WEFT_PLACE_REPLICATE: return "REPLICATE";
+    case WEFT_PLACE_LOCAL: return "LOCAL";
+    case WEFT_PLACE_SLICE: return "SLICE";
+    case WEFT_PLACE_FLAT_SHARD: return "FLAT_SHARD";
+    default: return "an unknown placement";
+  }
+}
+
+void check_abi2_placement(const std::string& plugin, const weft_parameter_info& info, const weft_parameter_layout& where) {
+  const auto refuse = [&](const char* what, int32_t kind, const char* executes) {
+    throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
+                     fmt::format("{} places the {} of {} as {}, which this host (ABI 2.{}) does not execute{}", plugin,
+                                 what, info.name, abi2_placement_name(kind), WEFT_PLUGIN_ABI_MINOR, executes));
+  };
+  const bool local = where.parameter.kind == WEFT_PLACE_LOCAL || where.gradient.kind == WEFT_PLACE_LOCAL ||
+                     where.optimizer_state.kind == WEFT_PLACE_LOCAL;
+  for (const auto& [what, p] : {std::pair<const char*, weft_placement>{"parameter", where.parameter},
+                                {"gradient", where.gradient},
+                                {"optimizer state", where.optimizer_state}}) {
+    const bool state = std::string(what) == "optimizer state";
+    if (local && p.kind != WEFT_PLACE_LOCAL) {
+      refuse(what, p.kind, " beside LOCAL (a parameter, its gradient and its optimizer state are LOCAL together)");
+    }
+    const bool gradient = std::string(what) == "gradient";
+    if (p.kind == WEFT_PLACE_REPLICATE || p.kind == WEFT_PLACE_LOCAL || (state && p.kind == WEFT_PLACE_FLAT_SHARD)) {
+      continue;
+    }
+    if (std::string(what) == "parameter" && p.kind == WEFT_PLACE_FLAT_SHARD) {
+      if (info.trainable && where.gradient.kind != WEFT_PLACE_FLAT_SHARD) {
+        refuse("gradient", where.gradient.kind,
+               " under a FLAT_SHARD parameter (its range is the optimizer's master copy: place the gradient and "
+               "the optimizer state FLAT_SHARD too)");
+      }
+      continue;
+    }
+    if (gradient && p.kind == WEFT_PLACE_FLAT_SHARD) {
+      if (where.optimizer_state.kind != WEFT_PLACE_FLAT_SHARD) {
+        refuse("optimizer state", where.optimizer_state.kind,
+               " under a FLAT_SHARD gradient (the optimizer updates the range the gradient's reduction gives: "
+               "place the optimizer state FLAT_SHARD too)");
+      }
+      continue;
+    }
+    refuse(what, p.kind, " yet (REPLICATE, LOCAL, FLAT_SHARD)");
+  }
+}
+
 Abi2Plugin validate_abi2_table(const weft_plugin& table, const std::string& path) {
   WEFT_CHECK(table.abi_major == WEFT_PLUGIN_ABI_MAJOR, "plugin {} is built for weft ABI {}.x, this host speaks {}.{}",
              path, table.abi_major, WEFT_PLUGIN_ABI_MAJOR, WEFT_PLUGIN_ABI_MINOR);
@@ -749,8 +753,8 @@ Abi2Plugin validate_abi2_table(const weft_plugin& table, const std::string& path
   WEFT_CHECK(table.version && *table.version, "plugin {}: its table has no version", path);
   const uint32_t dp = 1u << WEFT_MESH_DP, pp = 1u << WEFT_MESH_PP;
   WEFT_CHECK(table.mesh_dimensions == 0 || table.mesh_dimensions == dp || table.mesh_dimensions == pp,
-             "plugin {} offers mesh dimensions {:#x}; this host (ABI 2.{}) runs an ABI 2 plugin alone, owning the "
-             "data-parallel dimension ({:#x}) or the pipeline dimension ({:#x})",
+             "plugin {} offers mesh dimensions {:#x}; an ABI 2 plugin on this host (ABI 2.{}) owns the data-parallel "
+             "dimension ({:#x}) or the pipeline dimension ({:#x})",
              path, table.mesh_dimensions, WEFT_PLUGIN_ABI_MINOR, dp, pp);
   Abi2Plugin plugin;
   plugin.path = path;

@@ -14,7 +14,9 @@
 struct weft_host_context {
   weft::sdk::Host host;
   std::string plugin;
-  weft_group* group = nullptr;  // the plugin's dimension (the world: an ABI 2 plugin runs alone)
+  weft_group* group = nullptr;  // the plugin's dimension: the world alone, its mesh slice composed
+  // Where its [plugin] settings are read: the host of its own in a composition (null: `host`).
+  weft_host* settings = nullptr;
   weft_parameter_info info{};   // the last one weft_parameter asked for (its name is the host's)
 };
 
@@ -25,6 +27,14 @@ constexpr int64_t kAbi2DefaultBucketBytes = 25LL * 1024 * 1024;
 
 // The host's services for ABI 2 plugins, by name (weft/plugin.h); abi2.cpp.
 weft_proc abi2_host_proc_address(const char* name);
+
+// "REPLICATE", "FLAT_SHARD", ... (weft_placement_kind), in messages.
+const char* abi2_placement_name(int32_t kind);
+// Placements this host executes: REPLICATE; LOCAL for a parameter, its gradient and its optimizer
+// state together; FLAT_SHARD for the optimizer state, for the gradient with it (its state FLAT_SHARD
+// too) and for the parameter with both. Throws sdk::Error naming `plugin`, the parameter and the
+// placement otherwise.
+void check_abi2_placement(const std::string& plugin, const weft_parameter_info& info, const weft_parameter_layout& where);
 
 // The step for a plugin that owns the pipeline dimension (abi2_pipeline.cpp): its ABI 1 session
 // table, and the step over the session's host, which creates the plugin.

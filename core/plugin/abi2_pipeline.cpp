@@ -3,6 +3,7 @@
 // ("weft_schedule"); the host partitions the model, adds the transfers, verifies the whole
 // schedule and runs it with the pipeline runtime that the 1.x pipeline plugins use too
 // (plugins/pipeline: its verifier, executor and step, which take the schedule as data).
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <stdexcept>
@@ -13,6 +14,8 @@
 #include <fmt/format.h>
 
 #include "core/plugin/abi2_context.h"
+#include "core/plugin/host_services.h"
+#include "core/plugin/placement_collectives.h"
 #include "pipeline_strategy.hpp"
 #include "schedule.hpp"
 #include "verify.hpp"
@@ -39,6 +42,35 @@ struct PipelinePlugin {
 };
 
 std::string plugin_name(const PipelinePlugin& o) { return o.plugin.table.name; }
+
+// The data-parallel plugin composed with the pipeline one on a mesh pp x dp (train.plugin =
+// "ddp_abi2,gpipe_abi2"): its instance and layout, its dimension the mesh's dp slice of this rank.
+struct Companion {
+  Companion(sdk::Host host, const Abi2Plugin& p, weft_host* settings) : plugin(p), context{host, p.table.name} {
+    context.settings = settings;
+  }
+  Companion(const Companion&) = delete;
+  Companion& operator=(const Companion&) = delete;
+  ~Companion() {
+    if (instance != nullptr) plugin.table.destroy(instance);
+  }
+  std::string name() const { return plugin.table.name; }
+  weft_proc proc(const char* what) const { return plugin.table.get_proc_address(what); }
+  Abi2Plugin plugin;
+  weft_host_context context;
+  weft_host_services services{};
+  weft_plugin_instance* instance = nullptr;
+  weft_layout layout{};
+};
+
+void check_status(const sdk::Host& host, const std::string& name, weft_status* status, const char* what) {
+  if (status == nullptr) return;
+  const weft_host_api* api = host.api();
+  const weft_status_code code = api->status_code(status);
+  const std::string message = api->status_message(status);
+  api->status_release(status);
+  throw sdk::Error(code, fmt::format("{} ({}): {}", name, what, message));
+}
 
 // A status from the plugin becomes an Error naming it and the function (`what`, unless null).
 void check_status(const PipelinePlugin& o, weft_status* status, const char* what) {
@@ -124,8 +156,189 @@ class PipelineStep : public pipeline::PipelineStrategy {
 
   static PipelineStep* create(sdk::Host host, const Abi2Plugin& plugin) {
     auto opened = std::make_unique<PipelinePlugin>(host, plugin);
-    Options options = open(host, *opened);
-    return new PipelineStep(host, std::move(opened), std::move(options));
+    std::unique_ptr<Companion> companion;
+    Options options = open(host, *opened, companion);
+    return new PipelineStep(host, std::move(opened), std::move(companion), std::move(options));
+  }
+
+  ~PipelineStep() override {
+    reducer_.reset();
+    gatherer_.reset();
+    state_gatherer_.reset();
+  }
+
+  // Replicas of the pipeline (the plugin's pipeline_stages below the world, or a data-parallel plugin
+  // composed on the mesh): the data-parallel plugin's placements over them. REPLICATE gradients are
+  // averaged in buckets that start during each chunk's last backward (or at its REDUCE after a split
+  // one's last weight pass) and are waited for before the optimizer step; FLAT_SHARD ones are
+  // reduce-scattered into this rank's ranges, whose optimizer state it keeps (ZeRO's stages 1 and 2
+  // per pipeline stage); FLAT_SHARD parameters are whole only between their chunk's GATHER and
+  // RELEASE (FSDP x PP: gathered before the chunk's first forward of the step, released after its
+  // reduction, as torchtitan's pipelines keep FSDP's parameters through the micro-batches).
+  void setup() override {
+    PipelineStrategy::setup();
+    if (placement().replicas <= 1) return;
+    const sdk::Host h = host();
+    const std::string dp_name = companion_ ? companion_->name() : plugin_name(*opened_);
+    const auto place =
+        companion_ ? reinterpret_cast<weft_place_fn>(companion_->proc("weft_place")) : static_cast<weft_place_fn>(nullptr);
+    std::vector<GradientReducer::Reduced> reduced;
+    std::vector<sdk::Work> broadcasts;
+    std::vector<std::pair<int64_t, int64_t>> parameter_stages, state_stages;  // (index, model stage)
+    const auto& chunks = placement().chunk_stages;
+    chunk_parameters_.assign(chunks.size(), {});
+    int64_t trainable = 0;
+    for (int64_t i = 0; i < h.parameter_count(); ++i) {
+      const weft_parameter_info info = h.parameter_info(i);
+      DLTensor data = h.parameter_data(i);
+      weft_parameter_layout where{};
+      if (place != nullptr) {
+        weft_parameter_desc desc{};
+        desc.struct_size = sizeof desc;
+        desc.name = info.name;
+        desc.ndim = data.ndim;
+        desc.shape = data.shape;
+        desc.trainable = info.trainable;
+        check_status(h, dp_name, place(companion_->instance, &desc, &where), "weft_place");
+        check_abi2_placement(dp_name, info, where);
+        if (where.parameter.kind == WEFT_PLACE_LOCAL) {
+          throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
+                           fmt::format("{} places {} LOCAL beside pipeline {}, which this host (ABI 2.{}) does not "
+                                       "execute yet (REPLICATE, FLAT_SHARD)",
+                                       dp_name, info.name, plugin_name(*opened_), WEFT_PLUGIN_ABI_MINOR));
+        }
+      }
+      const bool shard_parameter = where.parameter.kind == WEFT_PLACE_FLAT_SHARD;
+      const bool fp32 = data.dtype.code == kDLFloat && data.dtype.bits == 32;
+      if (shard_parameter) {
+        if (!fp32) {
+          throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
+                           fmt::format("{} places parameter {} FLAT_SHARD, but it is not fp32 (this host shards fp32 "
+                                       "parameters; model.frozen_dtype = \"fp32\" keeps a frozen base so)",
+                                       dp_name, info.name));
+        }
+        parameter_shards_.push_back(i);
+        parameter_stages.emplace_back(i, info.stage);
+      }
+      broadcasts.push_back(h.broadcast(replica_group(), data, 0));  // replicas start equal
+      if (!info.trainable) continue;
+      ++trainable;
+      if (!fp32) {
+        throw sdk::Error(WEFT_STATUS_UNSUPPORTED, fmt::format("{}: trainable parameter {} is not fp32", plugin_name(*opened_),
+                                                              info.name));
+      }
+      if (where.optimizer_state.kind == WEFT_PLACE_FLAT_SHARD) {
+        state_shards_.push_back(i);
+        if (!shard_parameter) state_stages.emplace_back(i, info.stage);
+      }
+      const bool scatter = where.gradient.kind == WEFT_PLACE_FLAT_SHARD;
+      if (scatter) grad_shards_.push_back(i);
+      reduced.push_back({i, scatter});
+      if (i == tied_parameter()) continue;  // reduced once its two copies are summed (end_reductions)
+      for (size_t c = 0; c < chunks.size(); ++c) {
+        if (chunks[c].first <= info.stage && info.stage < chunks[c].second) {
+          chunk_parameters_[c].push_back(i);
+          break;
+        }
+      }
+    }
+    for (const sdk::Work& work : broadcasts) work.wait();
+    if (!state_shards_.empty() && static_cast<int64_t>(state_shards_.size()) != trainable) {
+      throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
+                       fmt::format("{} shards the optimizer state of {} of the {} trainable parameters beside pipeline {}: "
+                                   "this host shards all of them or none under a pipeline",
+                                   dp_name, state_shards_.size(), trainable, plugin_name(*opened_)));
+    }
+    const int64_t bucket_bytes =
+        std::max<int64_t>(1, companion_ ? companion_->layout.reduce_bucket_bytes : bucket_bytes_);
+    if (!state_shards_.empty()) {  // the checkpoint gathers the optimizer state over the ranges' group
+      h.handle()->state->flat_shard_group = replica_group().get()->group;
+    }
+    if (!state_stages.empty()) {
+      state_gatherer_ = std::make_unique<ParameterGatherer>(h, replica_group(), h.model_num_stages(), state_stages, bucket_bytes);
+    }
+    if (!parameter_shards_.empty()) {
+      gatherer_ = std::make_unique<ParameterGatherer>(h, replica_group(), h.model_num_stages(), parameter_stages, bucket_bytes);
+      // Each chunk gathers the model stages of its parameters; a copy of a tied embedding (model stage
+      // 0) is gathered by the chunk that holds the head too.
+      chunk_gather_.assign(chunks.size(), {});
+      const int64_t last_stage = h.model_num_stages() - 1;
+      const bool tied = h.model_info().tie_word_embeddings != 0;
+      for (const auto& [index, stage] : parameter_stages) {
+        for (size_t c = 0; c < chunks.size(); ++c) {
+          const bool holds = chunks[c].first <= stage && stage < chunks[c].second;
+          const bool head = tied && stage == 0 && chunks[c].first <= last_stage && last_stage < chunks[c].second;
+          auto& list = chunk_gather_[c];
+          if ((holds || head) && std::find(list.begin(), list.end(), stage) == list.end()) list.push_back(stage);
+        }
+      }
+      gathered_.assign(static_cast<size_t>(h.model_num_stages()), 0);  // released at the first step
+    }
+    if (reduced.empty()) return;
+    reducer_ = std::make_unique<GradientReducer>(h, replica_group(), replica_group(), sdk::Group(), reduced, bucket_bytes);
+    reducer_->set_explicit(true);  // a chunk's gradients are final at its REDUCE, not at each backward
+  }
+
+  // The optimizer state FLAT_SHARD: this rank's range of each parameter over its stage's replicas
+  // (ceil(n / N) elements in replica order); a FLAT_SHARD parameter's range is its master copy.
+  weft_flat_shard flat_shard(int64_t index) override {
+    const int64_t elements = element_count(host().parameter_data(index));
+    const bool parameter = std::binary_search(parameter_shards_.begin(), parameter_shards_.end(), index);
+    if (!parameter && !std::binary_search(state_shards_.begin(), state_shards_.end(), index)) {
+      return weft_flat_shard{0, elements, 0u, 0u};
+    }
+    const int64_t ranks = placement().replicas, rank = placement().replica;
+    const int64_t chunk = (elements + ranks - 1) / ranks;
+    const int64_t begin = std::min(rank * chunk, elements), end = std::min((rank + 1) * chunk, elements);
+    return weft_flat_shard{begin, end - begin, parameter ? WEFT_FLAT_SHARD_RELEASABLE : 0u, 0u};
+  }
+
+  double train_step(const weft_step_info& step) override {
+    try {
+      if (gatherer_ && !resting_) {  // whole since the last materialisation (a save)
+        gatherer_->release_all();
+        std::fill(gathered_.begin(), gathered_.end(), 0);
+        resting_ = true;
+      }
+      return PipelineStrategy::train_step(step);
+    } catch (...) {
+      if (reducer_) reducer_->abandon();
+      throw;
+    }
+  }
+
+  sdk::EvalResult eval_step(const weft_step_info& step) override {
+    if (!gatherer_ || !resting_) return PipelineStrategy::eval_step(step);
+    gatherer_->gather_all();  // a forward-only schedule over whole parameters
+    sdk::EvalResult result = PipelineStrategy::eval_step(step);
+    gatherer_->release_all();
+    return result;
+  }
+
+  // Every parameter whole (a checkpoint, generation) or back to its ranges.
+  void materialize_parameters(bool whole) override {
+    if (!gatherer_) return;
+    if (whole) {
+      gatherer_->gather_all();
+    } else {
+      gatherer_->release_all();
+    }
+    std::fill(gathered_.begin(), gathered_.end(), 0);
+    resting_ = !whole;
+  }
+
+  // The optimizer state FLAT_SHARD, the parameter whole: each rank's updated range into every replica.
+  void after_optimizer_step() override {
+    if (state_gatherer_) state_gatherer_->refresh_all();
+  }
+
+  // Sharded, the host's norm covers this rank's ranges: the stage's replicas together cover each
+  // element once, so the sum runs over every rank, less the last stage's tied copy (its range).
+  double global_grad_norm_sq(double local_sq) override {
+    if (state_shards_.empty()) return PipelineStrategy::global_grad_norm_sq(local_sq);
+    double copy = 0.0;
+    if (tied_parameter() >= 0 && !placement().is_first()) copy = host().squared_norm(host().parameter_grad_shard(tied_parameter()));
+    return sum_over(world(), {local_sq - copy})[0];
   }
 
  protected:
@@ -141,19 +354,167 @@ class PipelineStep : public pipeline::PipelineStrategy {
     return bubbles_[micro_batches] = pipeline::verify(step_schedule(micro_batches)).bubble;
   }
 
- private:
-  PipelineStep(sdk::Host host, std::unique_ptr<PipelinePlugin> opened, Options options)
-      : PipelineStrategy(host, opened->plugin.table.name, std::move(options)), opened_(std::move(opened)) {}
+  bool reduces_in_schedule() const override { return placement().replicas > 1; }
+  bool gathers_in_schedule() const override { return gatherer_ != nullptr; }
 
-  // Creates the plugin's instance and reads its layout. Collective-free.
-  static Options open(sdk::Host host, PipelinePlugin& o) {
+  pipeline::Executor::ChunkHooks chunk_hooks() override {
+    pipeline::Executor::ChunkHooks hooks;
+    hooks.reduce = [this](int32_t chunk) { reduce_chunk(chunk); };
+    hooks.final_backward = [this](int32_t chunk, bool before) { final_backward(chunk, before); };
+    hooks.gather = [this](int32_t chunk) {
+      for (int64_t stage : chunk_gather_.at(static_cast<size_t>(chunk))) {
+        if (gathered_[static_cast<size_t>(stage)]++ == 0) gatherer_->gather(stage);
+      }
+    };
+    hooks.release = [this](int32_t chunk) {
+      for (int64_t stage : chunk_gather_.at(static_cast<size_t>(chunk))) {
+        if (--gathered_[static_cast<size_t>(stage)] == 0) gatherer_->release(stage);
+      }
+    };
+    return hooks;
+  }
+
+  void begin_reductions() override {
+    if (reducer_) reducer_->arm();
+    started_at_reduce_ = 0;
+  }
+
+  // REDUCE(chunk): what of the chunk's gradients did not start during its last backward starts now.
+  void reduce_chunk(int32_t chunk) {
+    if (!reducer_) return;
+    const int64_t before = reducer_->started_in_backward();
+    for (int64_t index : chunk_parameters_.at(static_cast<size_t>(chunk))) reducer_->ready(index);
+    started_at_reduce_ += reducer_->started_in_backward() - before;
+  }
+  // During a chunk's last backward its buckets start as the host reports each gradient final, as
+  // PyTorch DDP's do during the backward (whole backwards only: a split one finishes the weights at W).
+  void final_backward(int32_t chunk, bool before) {
+    if (!reducer_) return;
+    if (before) {
+      std::vector<char> mask(static_cast<size_t>(host().parameter_count()), 0);
+      for (int64_t index : chunk_parameters_.at(static_cast<size_t>(chunk))) mask[static_cast<size_t>(index)] = 1;
+      reducer_->accept_only(std::move(mask));
+    }
+    reducer_->set_explicit(!before);
+  }
+
+  // After the run: the tied embedding's copies summed, then its reduction and the rest; all waited for.
+  void end_reductions() override {
+    combine_tied_embedding_gradients();
+    if (!reducer_) return;
+    reducer_->start_rest();
+    reducer_->finish();
+    reducer_->disarm();
+    shard_gradients();
+    // metrics.jsonl: plugin.reduce_buckets, plugin.reduce_buckets_in_backward (started during a chunk's
+    // last backward, before its REDUCE)
+    host().report_metric("reduce_buckets", static_cast<double>(reducer_->buckets()));
+    host().report_metric("reduce_buckets_in_backward",
+                         static_cast<double>(reducer_->started_in_backward() - started_at_reduce_));
+  }
+
+  // The optimizer state FLAT_SHARD, the gradient whole: this rank's range of each averaged gradient
+  // into the parameter's gradient shard, which the host's optimizer reads.
+  void shard_gradients() const {
+    const sdk::Host h = host();
+    for (int64_t index : state_shards_) {
+      if (std::binary_search(grad_shards_.begin(), grad_shards_.end(), index)) continue;  // the reducer's
+      DLTensor target = h.parameter_grad_shard(index);
+      if (element_count(target) == 0) continue;
+      DLTensor grad{};
+      if (!h.step_gradient(index, grad)) {  // no gradient this step: zeros
+        h.scale(target, 0.0);
+        continue;
+      }
+      const int64_t elements = element_count(grad);
+      const int64_t chunk = (elements + placement().replicas - 1) / placement().replicas;
+      const int64_t begin = std::min<int64_t>(placement().replica * chunk, elements);
+      int64_t shape[2];
+      h.copy(target, flat_part(grad, begin, element_count(target), shape));
+    }
+  }
+
+ private:
+  PipelineStep(sdk::Host host, std::unique_ptr<PipelinePlugin> opened, std::unique_ptr<Companion> companion,
+               Options options)
+      : PipelineStrategy(host, opened->plugin.table.name, std::move(options)), opened_(std::move(opened)),
+        companion_(std::move(companion)), bucket_bytes_(kAbi2DefaultBucketBytes) {}
+
+  // The data-parallel plugin composed with this one: its instance over this rank's dp slice, and its
+  // layout, which must split rows.
+  static std::unique_ptr<Companion> open_companion(sdk::Host host, const PipelinePlugin& o, sdk::Group dp) {
+    const PluginHost::State& state = *host.handle()->state;
+    auto c = std::make_unique<Companion>(host, *state.abi2_data_parallel, state.abi2_data_parallel_settings);
+    c->context.group = dp.get();
+    c->services.struct_size = sizeof c->services;
+    c->services.abi_major = WEFT_PLUGIN_ABI_MAJOR;
+    c->services.abi_minor = WEFT_PLUGIN_ABI_MINOR;
+    c->services.context = &c->context;
+    c->services.get_proc_address = &abi2_host_proc_address;
+    check_status(host, c->name(), c->plugin.table.create(&c->services, &c->instance), "create");
+    c->layout.struct_size = sizeof c->layout;
+    c->layout.dimension = WEFT_MESH_DP;
+    c->layout.batch_split = WEFT_SPLIT_NONE;
+    c->layout.reduce_bucket_bytes = kAbi2DefaultBucketBytes;
+    c->layout.shard_group_size = 0;
+    c->layout.pipeline_chunks = 1;
+    c->layout.pipeline_micro_batches = 1;
+    if (auto fn = reinterpret_cast<weft_layout_fn>(c->proc("weft_layout"))) {
+      check_status(host, c->name(), fn(c->instance, &c->layout), "weft_layout");
+    }
+    const auto refuse = [&](const std::string& problem) {
+      throw sdk::Error(WEFT_STATUS_UNSUPPORTED, fmt::format("{} composed with pipeline {}: {}", c->name(), plugin_name(o), problem));
+    };
+    if (c->layout.batch_split != WEFT_SPLIT_ROWS) {
+      refuse(fmt::format("its weft_layout's batch split is {}; over dp the pipeline's replicas take the batch's rows "
+                         "(WEFT_SPLIT_ROWS)",
+                         c->layout.batch_split));
+    }
+    if (c->layout.shard_group_size != 0 && c->layout.shard_group_size != dp.size()) {
+      refuse(fmt::format("its weft_layout's shard group of {} ranks (this host shards over the whole dp dimension "
+                         "under a pipeline)",
+                         c->layout.shard_group_size));
+    }
+    for (const char* later : {"weft_schedule", "weft_hooks"}) {
+      if (c->proc(later) != nullptr) {
+        refuse(fmt::format("it provides {}, which this host (ABI 2.{}) does not execute for a data-parallel plugin "
+                           "beside a pipeline yet",
+                           later, WEFT_PLUGIN_ABI_MINOR));
+      }
+    }
+    return c;
+  }
+
+  // Creates the plugin's instance and reads its layout; composed, makes the dp slices' groups
+  // (collective) and opens the data-parallel plugin over them.
+  static Options open(sdk::Host host, PipelinePlugin& o, std::unique_ptr<Companion>& companion) {
     o.services.struct_size = sizeof o.services;
     o.services.abi_major = WEFT_PLUGIN_ABI_MAJOR;
     o.services.abi_minor = WEFT_PLUGIN_ABI_MINOR;
     o.services.context = &o.context;
     o.services.get_proc_address = &abi2_host_proc_address;
     const sdk::Group world = host.world();
-    o.context.group = world.get();
+    // Composed on a mesh pp x dp (pp outside dp: rank = p x dp + r), the plugin's dimension is this
+    // rank's pp slice. Every rank makes every slice, in the same order (collective).
+    const PluginHost::State& state = *host.handle()->state;
+    const int32_t mesh_pp = state.abi2_data_parallel != nullptr ? state.abi2_mesh[0] : 0;
+    sdk::Group pp_slice = world, dp_slice;
+    if (mesh_pp != 0) {
+      const int32_t dp = world.size() / mesh_pp;
+      for (int32_t p = 0; p < mesh_pp; ++p) {
+        std::vector<int32_t> ranks;
+        for (int32_t r = 0; r < dp; ++r) ranks.push_back(p * dp + r);
+        sdk::Group g = host.create_group(ranks);
+        if (world.rank() / dp == p) dp_slice = g;
+      }
+      for (int32_t r = 0; r < dp; ++r) {
+        std::vector<int32_t> ranks;
+        for (int32_t p = 0; p < mesh_pp; ++p) ranks.push_back(p * dp + r);
+        sdk::Group g = host.create_group(ranks);
+        if (world.rank() % dp == r) pp_slice = g;
+      }
+    }
+    o.context.group = pp_slice.get();
     check_status(o, o.plugin.table.create(&o.services, &o.instance), nullptr);  // the session names the plugin and "create"
     const auto proc = [&](const char* name) { return o.plugin.table.get_proc_address(name); };
     o.layout.struct_size = sizeof o.layout;
@@ -184,7 +545,12 @@ class PipelineStep : public pipeline::PipelineStrategy {
     o.schedule = reinterpret_cast<weft_schedule_fn>(proc("weft_schedule"));
     if (o.schedule == nullptr) refuse_layout(o, "it owns the pipeline dimension but provides no weft_schedule");
     const int32_t chunks = o.layout.pipeline_chunks;
-    const int32_t stages = o.layout.pipeline_stages == 0 ? world.size() : o.layout.pipeline_stages;
+    if (mesh_pp != 0 && o.layout.pipeline_stages != 0 && o.layout.pipeline_stages != mesh_pp) {
+      refuse_layout(o, fmt::format("weft_layout's pipeline_stages = {}, but the device mesh has pp = {}: composed with a "
+                                   "data-parallel plugin, the mesh's pp is the pipeline's stages",
+                                   o.layout.pipeline_stages, mesh_pp));
+    }
+    const int32_t stages = mesh_pp != 0 ? mesh_pp : o.layout.pipeline_stages == 0 ? world.size() : o.layout.pipeline_stages;
     if (stages < 1 || world.size() % stages != 0) {
       refuse_layout(o, fmt::format("weft_layout's pipeline_stages = {} must be >= 1 and divide the {} ranks", stages,
                                    world.size()));
@@ -216,10 +582,27 @@ class PipelineStep : public pipeline::PipelineStrategy {
     }
     // Whether the backward is split decides what the model keeps (the plan): ask one list now.
     options.split_backward = plugin_schedule(o, stages, options.microbatches).split_backward;
+    if (mesh_pp != 0) {
+      options.stage_major = true;
+      options.replica_group = dp_slice;
+      companion = open_companion(host, o, dp_slice);
+    }
     return options;
   }
 
   std::unique_ptr<PipelinePlugin> opened_;
+  std::unique_ptr<Companion> companion_;
+  int64_t bucket_bytes_;  // the replicas' buckets without a data-parallel plugin
+  std::unique_ptr<GradientReducer> reducer_;
+  std::vector<std::vector<int64_t>> chunk_parameters_;  // each chunk's trainable parameters (host indices)
+  int64_t started_at_reduce_ = 0;  // this step's buckets started by a REDUCE, not during a backward
+  // FLAT_SHARD placements over the replicas (ascending host indices).
+  std::vector<int64_t> state_shards_, grad_shards_, parameter_shards_;
+  std::unique_ptr<ParameterGatherer> gatherer_;        // the FLAT_SHARD parameters, by model stage
+  std::unique_ptr<ParameterGatherer> state_gatherer_;  // the whole parameters of FLAT_SHARD optimizer states
+  std::vector<std::vector<int64_t>> chunk_gather_;     // the model stages each chunk's GATHER makes whole
+  std::vector<int32_t> gathered_;                      // per model stage: how many chunks hold it gathered
+  bool resting_ = false;                               // every FLAT_SHARD parameter released
   std::map<int32_t, double> bubbles_;
 };
 

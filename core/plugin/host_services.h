@@ -50,6 +50,8 @@ struct weft_weight_pass {
 
 namespace weft {
 
+struct Abi2Plugin;  // core/plugin/abi2.h
+
 // A parameter the plugin sees: its name, tensor, owning stage and full (unsharded) shape, and
 // (ABI 1.3) the flat shard of its training state this rank keeps.
 struct ParameterEntry {
@@ -140,6 +142,12 @@ struct PluginHost::State {
   bool mesh_driver = true;
   int mesh_plugins = 1;
   std::array<ProcessGroup*, Mesh::kDims> mesh_groups{};
+  // ABI 2 composition: the data-parallel plugin composed with this pipeline plugin on the mesh
+  // pp x dp (the pipeline's step executes its layout over the dp dimension), and the host that
+  // reads its [plugin] settings; null otherwise. Both are the session's.
+  const Abi2Plugin* abi2_data_parallel = nullptr;
+  weft_host* abi2_data_parallel_settings = nullptr;
+  std::array<int32_t, 2> abi2_mesh{};  // with it: the mesh's pp and dp sizes
   // ABI 1.14: where the driver runs the stages itself and shards the training state (ZeRO-3),
   // its state, whose flat shards' gradients parameter_grad_step hands out; null otherwise.
   State* step_gradients = nullptr;

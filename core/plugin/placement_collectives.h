@@ -103,6 +103,10 @@ class GradientReducer {
   // embedding final after the head's backward, before stage 0's adds to it: the step says instead
   // which gradients are final (`ready`), after each stage's backward.
   void set_explicit(bool on) noexcept { explicit_ = on; }
+  // Of the host's per-backward readiness, take only these parameters' (a pipeline chunk's final
+  // backward: its own parameters, not a tied embedding that another chunk of the rank adds to
+  // later); empty: every parameter's.
+  void accept_only(std::vector<char> mask) { accept_ = std::move(mask); }
   void ready(int64_t index) {
     if (!armed_ || error_) return;
     on_ready(index);
@@ -170,6 +174,10 @@ class GradientReducer {
   static void ready_trampoline(void* user, int64_t index) noexcept {
     auto* self = static_cast<GradientReducer*>(user);
     if (!self->armed_ || self->error_ || self->explicit_) return;
+    if (!self->accept_.empty() &&
+        (index < 0 || static_cast<size_t>(index) >= self->accept_.size() || !self->accept_[static_cast<size_t>(index)])) {
+      return;
+    }
     try {
       self->on_ready(index);
     } catch (...) {
@@ -239,6 +247,7 @@ class GradientReducer {
   int64_t started_in_backward_ = 0;
   bool armed_ = false;
   bool explicit_ = false;
+  std::vector<char> accept_;  // accept_only's mask (empty: all)
   std::exception_ptr error_;
 };
 

@@ -80,7 +80,11 @@ StrategySession::StrategySession(const std::string& path_or_name, toml::table pl
 // plugin this run does not load is left alone (one config may serve several plugins).
 void StrategySession::check_settings_read(const toml::table& plugin_config) const {
   std::set<std::string> loaded, read_by_any;
-  for (const auto& member : members_) {
+  std::vector<const Member*> everyone;  // the members and the ABI 2 companions
+  for (const auto& member : members_) everyone.push_back(&member);
+  for (const auto& member : companions_) everyone.push_back(&member);
+  for (const Member* m : everyone) {
+    const Member& member = *m;
     const auto& settings = member.host->settings_read();
     loaded.insert(member.library->name());
     std::string text;
@@ -97,8 +101,8 @@ void StrategySession::check_settings_read(const toml::table& plugin_config) cons
   };
   const auto all_keys = [&] {
     std::string text;
-    for (const auto& member : members_) {
-      text += fmt::format("{}{} reads {}", text.empty() ? "" : "; ", member.library->name(), keys_of(*member.host));
+    for (const Member* member : everyone) {
+      text += fmt::format("{}{} reads {}", text.empty() ? "" : "; ", member->library->name(), keys_of(*member->host));
     }
     return text;
   };
@@ -106,14 +110,14 @@ void StrategySession::check_settings_read(const toml::table& plugin_config) cons
     const std::string name(key.str());
     if (value.is_table()) {
       if (!loaded.count(name)) continue;
-      for (const auto& member : members_) {
-        if (member.library->name() != name) continue;
+      for (const Member* member : everyone) {
+        if (member->library->name() != name) continue;
         for (const auto& [sub, unused] : *value.as_table()) {
           const std::string sub_key(sub.str());
           bool read = false;
-          for (const auto& [k, v] : member.host->settings_read()) read = read || k == sub_key;
+          for (const auto& [k, v] : member->host->settings_read()) read = read || k == sub_key;
           WEFT_CHECK(read, "plugin.{}.{} is not a setting of plugin {} (it reads {})", name, sub_key, name,
-                     keys_of(*member.host));
+                     keys_of(*member->host));
         }
       }
       continue;
@@ -126,16 +130,27 @@ void StrategySession::compose(const std::vector<std::string>& names, const toml:
                               Communicator& communicator, std::array<int32_t, 4> requested) {
   // Which plugin owns which dimension: the first its table offers that no earlier plugin took.
   std::array<int, Mesh::kDims> owner{-1, -1, -1, -1};
-  std::vector<Member> loaded;
+  std::vector<std::shared_ptr<PluginLibrary>> libraries;
   for (const std::string& name : names) {
     WEFT_CHECK(!name.empty(), "train.plugin = \"{}\" names an empty plugin", fmt::join(names, ","));
+    libraries.push_back(PluginLibrary::load(name));
+  }
+  for (const auto& lib : libraries) {
+    if (lib->abi2() == nullptr) continue;
+    for (const auto& other : libraries) {
+      WEFT_CHECK(other->abi2() != nullptr,
+                 "plugins {} (ABI {}) and {} (ABI {}) cannot compose: a run composes plugins of one ABI (port {} to "
+                 "ABI 2, sdk/ABI2.md)",
+                 lib->name(), lib->abi(), other->name(), other->abi(), other->name());
+    }
+    compose_abi2(libraries, plugin_config, communicator, requested);
+    return;
+  }
+  std::vector<Member> loaded;
+  for (auto& library : libraries) {
     Member member;
-    member.library = PluginLibrary::load(name);
+    member.library = std::move(library);
     const auto& lib = *member.library;
-    WEFT_CHECK(lib.abi2() == nullptr,
-               "plugin {} (ABI {}) runs alone in this version: ABI 2 plugins compose on a device mesh from a later "
-               "landing of the new ABI (sdk/ABI2.md)",
-               lib.name(), lib.abi());
     WEFT_CHECK(lib.negotiated_abi().minor >= 12 && lib.has_slot(offsetof(weft_strategy_api, mesh_dimensions), 12),
                "plugin {} (ABI 1.{}) cannot compose with others on a device mesh (ABI 1.12): run it alone or rebuild it "
                "against this SDK",
@@ -215,6 +230,57 @@ void StrategySession::compose(const std::vector<std::string>& names, const toml:
                }());
 }
 
+// ABI 2 plugins on a device mesh pp x dp: one owns the pipeline (its schedule), the other the data-parallel
+// dimension (its layout). The session holds one step, the pipeline plugin's, which executes the other's
+// layout over the mesh's dp slices (PluginHost::State::abi2_data_parallel); the other plugin is a
+// companion: loaded, its settings read through a host of its own, named in logs and fingerprints.
+void StrategySession::compose_abi2(const std::vector<std::shared_ptr<PluginLibrary>>& libraries,
+                                   const toml::table& plugin_config, Communicator& communicator,
+                                   std::array<int32_t, 4> requested) {
+  const uint32_t pp_bit = 1u << WEFT_MESH_PP, dp_bit = 1u << WEFT_MESH_DP;
+  std::vector<std::string> names;
+  for (const auto& lib : libraries) names.push_back(lib->name());
+  int pp = -1, dp = -1;
+  for (size_t i = 0; i < libraries.size(); ++i) {
+    const uint32_t offered = libraries[i]->abi2()->table.mesh_dimensions;
+    int& slot = offered == pp_bit ? pp : dp;
+    WEFT_CHECK(offered == pp_bit || offered == dp_bit,
+               "plugin {} (ABI 2) owns no mesh dimension, so it runs alone, not in train.plugin = \"{}\"",
+               names[i], fmt::join(names, ","));
+    WEFT_CHECK(slot < 0, "plugins {} and {} both own the {} dimension", names[static_cast<size_t>(std::max(slot, 0))],
+               names[i], offered == pp_bit ? "pipeline" : "data-parallel");
+    slot = static_cast<int>(i);
+  }
+  WEFT_CHECK(libraries.size() == 2 && pp >= 0 && dp >= 0,
+             "train.plugin = \"{}\": ABI 2 plugins compose in this version as two, one owning the pipeline dimension "
+             "and one the data-parallel dimension (sdk/ABI2.md)",
+             fmt::join(names, ","));
+  std::array<bool, Mesh::kDims> owned{};
+  owned[Mesh::kPP] = owned[Mesh::kDP] = true;
+  abi2_mesh_ = Mesh::resolve(requested, owned, communicator.world().size);
+  for (int d : {Mesh::kCP, Mesh::kTP}) {
+    WEFT_CHECK(abi2_mesh_->size(d) == 1, "the device mesh {} has {} = {} but no plugin of train.plugin = \"{}\" owns it",
+               abi2_mesh_->describe(), Mesh::name(d), abi2_mesh_->size(d), fmt::join(names, ","));
+  }
+  Member step;
+  step.library = libraries[static_cast<size_t>(pp)];
+  step.host = std::make_unique<PluginHost>(step.library->name(), plugin_config, communicator);
+  step.dimension = Mesh::kPP;
+  Member companion;
+  companion.library = libraries[static_cast<size_t>(dp)];
+  companion.host = std::make_unique<PluginHost>(companion.library->name(), plugin_config, communicator);
+  companion.dimension = Mesh::kDP;
+  PluginHost::State& state = *step.host->handle()->state;
+  state.abi2_data_parallel = companion.library->abi2();
+  state.abi2_data_parallel_settings = companion.host->handle();
+  state.abi2_mesh = {abi2_mesh_->size(Mesh::kPP), abi2_mesh_->size(Mesh::kDP)};
+  members_.push_back(std::move(step));
+  companions_.push_back(std::move(companion));
+    spdlog::info("device mesh {} ({} ranks): {} runs the step, its pipeline over pp {}, with {}'s layout over dp {}",
+               abi2_mesh_->describe(), abi2_mesh_->world(), names[static_cast<size_t>(pp)], abi2_mesh_->size(Mesh::kPP),
+               names[static_cast<size_t>(dp)], abi2_mesh_->size(Mesh::kDP));
+}
+
 StrategySession::~StrategySession() {
   for (auto it = members_.rbegin(); it != members_.rend(); ++it) {
     if (it->instance) it->library->api().destroy(it->instance);
@@ -230,6 +296,7 @@ void StrategySession::check(const Member& member, weft_status* status, const cha
 std::string StrategySession::names() const {
   std::string out;
   for (const auto& m : members_) out += (out.empty() ? "" : "+") + m.library->name();
+  for (const auto& m : companions_) out += "+" + m.library->name();
   return out;
 }
 
@@ -240,22 +307,28 @@ uint16_t StrategySession::min_negotiated_minor() const {
 }
 
 std::string StrategySession::describe() const {
+  const Mesh* mesh = mesh_ ? &*mesh_ : abi2_mesh_ ? &*abi2_mesh_ : nullptr;
   std::string out;
-  for (const auto& m : members_) {
-    out += fmt::format("{}{} {} (ABI {}) from {}{}", out.empty() ? "" : "; ", m.library->name(), m.library->version(),
-                       m.library->abi(), m.library->path(),
-                       mesh_ ? fmt::format(" on {} {}", Mesh::name(m.dimension), mesh_->size(m.dimension)) : "");
+  for (const auto* list : {&members_, &companions_}) {
+    for (const auto& m : *list) {
+      out += fmt::format("{}{} {} (ABI {}) from {}{}", out.empty() ? "" : "; ", m.library->name(), m.library->version(),
+                         m.library->abi(), m.library->path(),
+                         mesh ? fmt::format(" on {} {}", Mesh::name(m.dimension), mesh->size(m.dimension)) : "");
+    }
   }
   return out;
 }
 
 std::string StrategySession::fingerprint() const {
   std::string out;
-  for (const auto& m : members_) {
-    out += fmt::format("{}plugin {} {} ABI {}", out.empty() ? "" : "; ", m.library->name(), m.library->version(),
-                       m.library->abi());
+  for (const auto* list : {&members_, &companions_}) {
+    for (const auto& m : *list) {
+      out += fmt::format("{}plugin {} {} ABI {}", out.empty() ? "" : "; ", m.library->name(), m.library->version(),
+                         m.library->abi());
+    }
   }
   if (mesh_) out += "; mesh " + mesh_->describe();
+  if (abi2_mesh_) out += "; mesh " + abi2_mesh_->describe();
   return out;
 }
 

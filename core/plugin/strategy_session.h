@@ -184,6 +184,9 @@ class StrategySession {
   void check_settings_read(const toml::table& plugin_config) const;
   void compose(const std::vector<std::string>& names, const toml::table& plugin_config, Communicator& communicator,
                std::array<int32_t, 4> requested);
+  // ABI 2 plugins composed (a pipeline plugin and a data-parallel one): one step, the pipeline's.
+  void compose_abi2(const std::vector<std::shared_ptr<PluginLibrary>>& libraries, const toml::table& plugin_config,
+                    Communicator& communicator, std::array<int32_t, 4> requested);
   // The plan every plugin wrote, merged (composed) or the one plugin's.
   weft_model_plan merged_plan(const weft_model_plan& prefilled);
   // composed: the squared norm of this rank's share of the gradients (each divided by its copies)
@@ -193,6 +196,9 @@ class StrategySession {
   void drive_from(size_t index, int stages);
 
   std::vector<Member> members_;  // the driver first, then the others in finishing order (tp, cp, dp)
+  // ABI 2 composition: the plugins whose layouts the one member's step executes (no instance here).
+  std::vector<Member> companions_;
+  std::optional<Mesh> abi2_mesh_;  // their mesh (mesh_ is 1.x composition's)
   bool drives_stages_ = false;   // the driver runs the stages itself (a drives_stages plan, 1.14)
   std::optional<Mesh> mesh_;     // composed runs only
   Communicator* communicator_ = nullptr;

@@ -129,7 +129,17 @@ TEST(Abi2, WhatThisHostDoesNotRunIsRefusedBeforeTheFirstStep) {
       {"--plugin abi2_pipeline_deadlock --nproc 2",
        "schedule abi2_pipeline_deadlock (2 stages, 2 micro-batches) failed verification: deadlock: stage 0 B0 waits "
        "forever; stage 1 F1 waits forever"},
-      {"--plugin ddp_abi2,tensor_parallel --nproc 2", "plugin ddp_abi2 (ABI 2.2) runs alone in this version"},
+      // Compositions: plugins of one ABI; ABI 2 as a pipeline plugin and a data-parallel one.
+      {"--plugin ddp_abi2,tensor_parallel --nproc 2",
+       "plugins ddp_abi2 (ABI 2.2) and tensor_parallel (ABI 1.14) cannot compose: a run composes plugins of one ABI"},
+      {"--plugin ddp_abi2,zero_abi2 --nproc 2", "plugins ddp_abi2 and zero_abi2 both own the data-parallel dimension"},
+      {"--plugin ddp_abi2,single_abi2 --nproc 2",
+       "plugin single_abi2 (ABI 2) owns no mesh dimension, so it runs alone, not in train.plugin = \"ddp_abi2,single_abi2\""},
+      {"--plugin ddp_abi2,gpipe_abi2 --nproc 4 --set mesh.pp=2 --set mesh.tp=2",
+       "the device mesh pp 2 x tp 2 has tp = 2 but no plugin of train.plugin = \"ddp_abi2,gpipe_abi2\" owns it"},
+      {"--plugin diloco,gpipe_abi2 --nproc 4 --set mesh.pp=2",
+       "diloco composed with pipeline gpipe_abi2: it provides weft_hooks, which this host (ABI 2.2) does not execute "
+       "for a data-parallel plugin beside a pipeline yet"},
       {"--plugin ddp_abi2 --nproc 2 --set plugin.bucket_mb=0", "plugin.bucket_mb must be > 0, got 0"},
       {"--plugin zero_abi2 --nproc 2 --set plugin.stage=3 --set train.mode=lora --set model.frozen_dtype=bf16",
        "zero_abi2 places parameter model.embed_tokens.weight FLAT_SHARD, but it is not fp32"},
@@ -245,6 +255,102 @@ TEST(Abi2, DdpAsALayoutTrainsAsDdpAndReducesDuringTheBackward) {
     EXPECT_EQ(record["plugin.reduce_buckets_in_backward"], record["plugin.reduce_buckets"]) << record;
   }
   EXPECT_EQ(steps, 4);
+}
+
+// ABI 2 composition on a mesh pp 2 x dp 2: gpipe_abi2's schedule over pp, ddp_abi2's layout over dp.
+// The host lowers a REDUCE per chunk after its last backward; with whole backwards (1F1B) every bucket
+// of the dp all-reduce starts during that backward, as ddp's do alone, and with ZB-H1's split one at
+// the REDUCE after the last weight pass. The losses equal gpipe.so's own 2 stages x 2 replicas (which
+// averages after the flush) to the bit, on 2 micro-batches per step; a checkpoint resumes exactly.
+TEST(Abi2, ADataParallelPluginComposesWithAPipelineAndReducesDuringTheBackward) {
+  const std::string dir = weft::testing::fresh_dir("weft_test_abi2", "compose");
+  const std::string run = tiny_run("--nproc 4 --set train.max_steps=4 --set train.batch_size=8 --set train.grad_accum_steps=2 "
+                                   "--set checkpoint.every_steps=2");
+  for (const std::string schedule : {"1f1b", "zbh1"}) {
+    const std::string out = dir + "/" + schedule;
+    const auto v1 = weft::testing::run_trainer(run + " --plugin gpipe --set plugin.stages=2 --set plugin.schedule=" +
+                                               schedule + " --set train.out_dir=" + out + "_v1");
+    const auto v2 = weft::testing::run_trainer(run + " --plugin ddp_abi2,gpipe_abi2 --set mesh.pp=2 --set mesh.dp=2 "
+                                                     "--set plugin.ddp_abi2.bucket_mb=0.05 --set plugin.schedule=" +
+                                               schedule + " --set train.out_dir=" + out);
+    ASSERT_EQ(v1.exit_code, 0) << v1.output;
+    ASSERT_EQ(v2.exit_code, 0) << v2.output;
+    EXPECT_THAT(v2.output, HasSubstr("device mesh pp 2 x dp 2 (4 ranks): gpipe_abi2 runs the step, its pipeline over pp 2, "
+                                     "with ddp_abi2's layout over dp 2"));
+    const auto a = weft::testing::step_losses(out + "_v1/metrics.jsonl");
+    const auto b = weft::testing::step_losses(out + "/metrics.jsonl");
+    ASSERT_EQ(a.size(), 4u) << schedule;
+    EXPECT_EQ(a, b) << schedule;
+    std::ifstream in(out + "/metrics.jsonl");
+    int steps = 0;
+    for (std::string line; std::getline(in, line);) {
+      const auto record = nlohmann::json::parse(line);
+      if (record["type"] != "step") continue;
+      ++steps;
+      EXPECT_GT(record["plugin.reduce_buckets"].get<double>(), 1.0) << record;
+      EXPECT_EQ(record["plugin.reduce_buckets_in_backward"].get<double>(),
+                schedule == "1f1b" ? record["plugin.reduce_buckets"].get<double>() : 0.0)
+          << schedule << " " << record;
+    }
+    EXPECT_EQ(steps, 4) << schedule;
+    if (schedule != "1f1b") continue;
+    const auto resumed = weft::testing::run_trainer(run + " --plugin ddp_abi2,gpipe_abi2 --set mesh.pp=2 --set mesh.dp=2 "
+                                                          "--set plugin.schedule=1f1b --set train.out_dir=" +
+                                                    out + "_resumed --set checkpoint.resume=" + out +
+                                                    "/checkpoints/step-00000002");
+    ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+    const auto c = weft::testing::step_losses(out + "_resumed/metrics.jsonl");
+    ASSERT_EQ(c.size(), 2u);
+    for (size_t i = 0; i < c.size(); ++i) EXPECT_EQ(c[i], b[i + 2]) << "step " << i + 3;
+  }
+}
+
+// FSDP x PP and ZeRO's stages 1 and 2 under a pipeline: zero_abi2 composed with gpipe_abi2 on pp 2 x
+// dp 2 shards over each stage's dp replicas. Stage 1 keeps half of ddp_abi2's optimizer state per
+// rank, stage 2 half its gradients too, stage 3 half its parameters (GATHER before a chunk's first
+// forward, RELEASE after its reduction), each with ddp_abi2,gpipe_abi2's losses to the bit; a
+// stage-3 checkpoint resumes exactly under stage 3 and under ddp_abi2 (parameters and optimizer
+// state gathered whole).
+TEST(Abi2, ZeroUnderAPipelineShardsOverEachStagesReplicasAndResumesUnderAnyLayout) {
+  const std::string dir = weft::testing::fresh_dir("weft_test_abi2", "zero_pp");
+  const std::string mesh = " --set mesh.pp=2 --set mesh.dp=2";
+  const std::string run = tiny_run("--nproc 4 --set train.max_steps=4 --set train.batch_size=8 --set checkpoint.every_steps=2");
+  const auto ddp = weft::testing::run_trainer(run + mesh + " --plugin ddp_abi2,gpipe_abi2 --set train.out_dir=" + dir + "/ddp");
+  ASSERT_EQ(ddp.exit_code, 0) << ddp.output;
+  const auto losses = weft::testing::step_losses(dir + "/ddp/metrics.jsonl");
+  ASSERT_EQ(losses.size(), 4u);
+  const auto whole = [&](const char* part) { return weft::testing::state_mib_per_rank(dir + "/ddp/metrics.jsonl", part); };
+  for (int stage = 1; stage <= 3; ++stage) {
+    const std::string out = dir + "/zero" + std::to_string(stage);
+    const auto r = weft::testing::run_trainer(run + mesh + " --plugin zero_abi2,gpipe_abi2 --set plugin.stage=" +
+                                              std::to_string(stage) + " --set train.out_dir=" + out);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(weft::testing::step_losses(out + "/metrics.jsonl"), losses) << "stage " << stage;
+    for (const char* part : {"optimizer", "gradients", "parameters"}) {
+      const auto sharded = weft::testing::state_mib_per_rank(out + "/metrics.jsonl", part);
+      const auto full = whole(part);
+      ASSERT_EQ(sharded.size(), 4u) << part;
+      ASSERT_EQ(full.size(), 4u) << part;
+      const bool halved = std::string(part) == "optimizer" || (std::string(part) == "gradients" && stage >= 2) ||
+                          (std::string(part) == "parameters" && stage == 3);
+      for (size_t k = 0; k < 4; ++k) {
+        if (halved) {
+          EXPECT_NEAR(sharded[k], full[k] / 2, 0.02 * full[k]) << "stage " << stage << " " << part << " rank " << k;
+        } else {
+          EXPECT_GE(sharded[k], full[k] * 0.99) << "stage " << stage << " " << part << " rank " << k;
+        }
+      }
+    }
+  }
+  for (const std::string plugin : {"zero_abi2,gpipe_abi2 --set plugin.stage=3", "ddp_abi2,gpipe_abi2"}) {
+    const std::string out = dir + "/resumed_" + plugin.substr(0, 4);
+    const auto r = weft::testing::run_trainer(run + mesh + " --plugin " + plugin + " --set train.out_dir=" + out +
+                                              " --set checkpoint.resume=" + dir + "/zero3/checkpoints/step-00000002");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const auto c = weft::testing::step_losses(out + "/metrics.jsonl");
+    ASSERT_EQ(c.size(), 2u) << plugin;
+    for (size_t i = 0; i < c.size(); ++i) EXPECT_EQ(c[i], losses[i + 2]) << plugin << " step " << i + 3;
+  }
 }
 
 // ZeRO stage 1 as a layout (zero_abi2: the optimizer state FLAT_SHARD): each of 2 ranks keeps half

@@ -202,8 +202,8 @@ TEST(PluginLoader, BrokenPluginsAreRefusedWithOneLineNamingTheProblem) {
       {"not_a_library", "not a shared library"},
       {"undefined_symbol", "cannot be loaded: "},
       // ABI 2 (weft/plugin.h): a 2.2 host runs a plugin owning the data-parallel or the pipeline dimension.
-      {"abi2_tensor_parallel", "runs an ABI 2 plugin alone, owning the data-parallel dimension (0x2) or the pipeline "
-                               "dimension (0x1)"},
+      {"abi2_tensor_parallel", "an ABI 2 plugin on this host (ABI 2.2) owns the data-parallel dimension (0x2) or the "
+                               "pipeline dimension (0x1)"},
       {"abi2_no_proc_address", "required function(s) are NULL: get_proc_address"},
       // A plugin that links LibTorch must be built against the host's and say so (weft_torch_build).
       {"abi2_torch_mismatch", "was built against LibTorch 2.4.1 (C++11 ABI 1), this host runs " + weft::libtorch_version()},
@@ -325,7 +325,7 @@ TEST(PluginLoader, ListsEveryLibraryInTheSearchPathWithItsProblem) {
   EXPECT_THAT(find("not_a_library.so").problem, HasSubstr("not a shared library"));
   EXPECT_EQ(find("abi2_slice.so").problem, "");  // an ABI 2 plugin: listed with its own ABI
   EXPECT_EQ(find("abi2_slice.so").abi.major, 2);
-  EXPECT_THAT(find("abi2_tensor_parallel.so").problem, HasSubstr("owning the data-parallel dimension"));
+  EXPECT_THAT(find("abi2_tensor_parallel.so").problem, HasSubstr("owns the data-parallel dimension"));
   EXPECT_EQ(find("not_a_library.so").name, "");
 }
 

@@ -4,8 +4,13 @@
  * STATUS: 2.2, landings of issue 44 (design: sdk/ABI2.md). The host loads 2.x plugins beside 1.x
  * ones (weft/strategy.h); single_abi2.so, ddp_abi2.so, zero_abi2.so and the out-of-tree examples
  * sdk/examples/diloco, sdk/examples/hsdp and sdk/examples/zbv are written against it. What 2.2
- * covers: a plugin that runs alone (not composed) and owns either the data-parallel dimension or
- * the pipeline dimension. Owning the pipeline, it gives the placement of virtual stages on ranks
+ * covers: a plugin that owns either the data-parallel dimension or the pipeline dimension, alone or
+ * composed as two on a device mesh pp x dp (train.plugin = "ddp_abi2,gpipe_abi2", [mesh] pp, dp;
+ * rank = pp coordinate x dp + dp coordinate): the pipeline plugin's schedule runs over pp and the
+ * data-parallel plugin's layout over dp, where this host executes REPLICATE and FLAT_SHARD
+ * placements (it adds a reduction per chunk to the schedule after the chunk's last backward, and
+ * for FLAT_SHARD parameters a gather before its first compute and a release after the reduction)
+ * and no hooks yet; each plugin's "weft_world" is then its own mesh slice. Owning the pipeline, it gives the placement of virtual stages on ranks
  * and each rank's schedule as data (weft_layout's pipeline fields, "weft_schedule"); the host
  * partitions the model, adds the transfers, verifies and runs the schedule, sums a tied
  * embedding's two copies' gradients and evaluates with a forward-only schedule (placements and
@@ -14,8 +19,8 @@
  * optimizer state REPLICATE or LOCAL (all three LOCAL together), or the optimizer state FLAT_SHARD
  * (ZeRO's stage 1), its gradient with it (stage 2) and the parameter too (stage 3); it may register hooks at the points "train.begin" and "step.end",
  * where it reads and writes the parameters, runs collectives and keeps state that checkpoints
- * carry, through the host's services. The other placements, more points and composition are the
- * next landings; this host refuses a plugin that asks for them, in one line, at load, at create or
+ * carry, through the host's services. The other placements, more points and other compositions are
+ * the next landings; this host refuses a plugin that asks for them, in one line, at load, at create or
  * (a placement, a point) once the model is built, before the first step.
  *
  * The host owns the step. Per rank, one training step is a list of actions the host executes
@@ -79,6 +84,7 @@ typedef struct weft_host_services {
  *   "weft_status_create"  weft_status* (*)(weft_status_code code, const char* message)
  *   "weft_log"            void (*)(weft_host_context*, weft_log_level level, const char* message)
  *   "weft_world"          void (*)(weft_host_context*, int32_t* rank, int32_t* size)
+ *       this rank's place along the plugin's dimension: the world alone, its mesh slice composed
  *   "weft_config_int"     weft_status* (*)(weft_host_context*, const char* key, int64_t fallback, int64_t* out)
  *   "weft_config_float"   weft_status* (*)(weft_host_context*, const char* key, double fallback, double* out)
  *   "weft_config_bool"    weft_status* (*)(weft_host_context*, const char* key, int32_t fallback, int32_t* out)

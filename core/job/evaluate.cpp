@@ -51,7 +51,7 @@ EvalResult evaluate(Job& job, const std::shared_ptr<const PackedSequences>& sequ
     // Each rank holds the sums of the sequences it computed a loss for (several ranks may hold the
     // same ones: tensor-parallel ranks, or none: pipeline stages before the last); summed over the
     // world, each divided by the number of ranks that computed it (a rank that holds 1/N of every
-    // sequence, under sequence parallelism, counts 1/N).
+    // sequence, under context parallelism, counts 1/N).
     auto [sums, counts] = strategy.take_sequence_losses();
     auto& world = job.communicator().world();
     auto add = job.communicator().all_reduce(world, sums, c10d::ReduceOp::SUM);

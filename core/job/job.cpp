@@ -227,10 +227,10 @@ void Job::build_model() {
   placement_ = strategy_->place(config, model_options.compute_dtype, options_.data.seq_len, options_.batch_size);
   model_options.stages = placement_.stages;
   model_options.deferrable_weight_grads = placement_.split_backward;
-  WEFT_CHECK(!config.classification() || placement_.sequence_parallel_size == 1,
+  WEFT_CHECK(!config.classification() || placement_.context_parallel_size == 1,
              "train.task = \"classification\" pools each sequence at its last token, which one rank holds when "
              "plugin {} splits sequences over {} ranks: not supported (use ddp, tensor_parallel or a pipeline)",
-             strategy_->names(), placement_.sequence_parallel_size);
+             strategy_->names(), placement_.context_parallel_size);
   model_options.shards = strategy_->shards(config, placement_.stages);
   if (!options_.model.adapter.empty() && adapter_peft_type(options_.model.adapter) == "ADALORA") {
     const AdaLoraConfig adalora = read_adalora_adapter_config(options_.model.adapter);
@@ -269,8 +269,8 @@ void Job::build_model() {
                  strategy_->names(), strategy_->min_negotiated_minor(), name);
     }
   }
-  model_options.sequence = strategy_->sequence_split();
-  model_options.tensor_sequence = strategy_->tensor_sequence();
+  model_options.context = strategy_->context_split();
+  model_options.sequence_parallel = strategy_->sequence_parallel();
   model_ = LlamaForCausalLM(config, model_options);
   if (lora_ && options_.model.frozen_dtype == "bf16") {  // before the values arrive: never held in fp32
     torch::NoGradGuard no_grad;
@@ -401,7 +401,7 @@ MemoryPlan Job::rank_plan(const ModelConfig& config, torch::Dtype dtype, const P
                                               settings.checkpointing, strategy_->plugin_attention(), quantize_,
                                               settings.lora && options_.model.frozen_dtype == "bf16" ? torch::kBFloat16
                                                                                                      : torch::kFloat32,
-                                              strategy_->tensor_sequence_size());
+                                              strategy_->sequence_parallel_size());
   std::vector<weft_stage_memory> stages;
   for (const auto& e : estimate) {
     weft_stage_memory s{};
@@ -567,7 +567,7 @@ void Job::advise(const ModelConfig& config, torch::Dtype dtype, const PlanSettin
                                               strategy_->plugin_attention(), quantize_,
                                               run.lora && options_.model.frozen_dtype == "bf16" ? torch::kBFloat16
                                                                                                : torch::kFloat32,
-                                              strategy_->tensor_sequence_size());
+                                              strategy_->sequence_parallel_size());
   const auto stage_count = static_cast<int64_t>(estimate.size());
   int64_t whole_parameters = 0, whole_trainable = 0;
   for (int64_t s = 0; s < stage_count; ++s) {

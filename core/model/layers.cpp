@@ -331,7 +331,7 @@ AttentionImpl::AttentionImpl(const ModelConfig& c, int64_t heads, int64_t kv_hea
 }
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const RotaryEmbedding& rope) {
-  if (sequence_ != nullptr && sequence_->size > 1) return forward_sequence_split(x, rope);
+  if (sequence_ != nullptr && sequence_->size > 1) return forward_context_split(x, rope);
   const int64_t batch = x.size(0), seq = x.size(1);
   // One GEMM for q, k and v; one pass splits the heads and applies RoPE to q and k.
   auto qkv = fused_linear(x, {q_proj.get(), k_proj.get(), v_proj.get()});
@@ -341,10 +341,10 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const RotaryEmbeddi
   return o_proj(out.transpose(1, 2).reshape({batch, seq, num_heads_ * head_dim_}));
 }
 
-torch::Tensor AttentionImpl::forward_sequence_split(const torch::Tensor& x, const RotaryEmbedding& rope) {
+torch::Tensor AttentionImpl::forward_context_split(const torch::Tensor& x, const RotaryEmbedding& rope) {
   const int64_t batch = x.size(0), seq = x.size(1), parts = sequence_->size;
   WEFT_CHECK(sequence_->attention || num_heads_ % parts == 0,
-             "sequence parallelism: {} attention heads cannot be split over {} processes", num_heads_, parts);
+             "context parallelism: {} attention heads cannot be split over {} processes", num_heads_, parts);
   auto qkv = fused_linear(x, {q_proj.get(), k_proj.get(), v_proj.get()});
   // RoPE at the global positions of this process's tokens (one or two runs of the sequence), cut
   // from the whole sequence's tables (cached: the same for every block and step).
@@ -362,7 +362,7 @@ torch::Tensor AttentionImpl::forward_sequence_split(const torch::Tensor& x, cons
     return o_proj(out.transpose(1, 2).reshape({batch, seq, num_heads_ * head_dim_}));
   }
   WEFT_CHECK(sequence_->layout == SequenceLayout::kContiguous,
-             "sequence parallelism: the all-to-all (Ulysses) needs the contiguous layout");
+             "context parallelism: the all-to-all (Ulysses) needs the contiguous layout");
   if (num_kv_heads_ % parts != 0) {  // GQA with fewer kv heads than processes: one per query head
     k = k.repeat_interleave(num_heads_ / num_kv_heads_, 1);
     v = v.repeat_interleave(num_heads_ / num_kv_heads_, 1);

@@ -225,14 +225,14 @@ class AttentionImpl : public torch::nn::Module {
   // The same for new tokens at positions cache.length() .. + T - 1, attending to the cached
   // keys and values too; appends the new keys and values to `cache` (inference, no autograd).
   torch::Tensor forward_cached(const torch::Tensor& x, const RotaryEmbedding& rope, LayerKvCache& cache);
-  // Sequence parallelism (parallel.h's SequenceSplit, owned by the caller and outliving this
+  // Context parallelism (parallel.h's ContextSplit, owned by the caller and outliving this
   // module; nullptr or size 1: off): forward() then takes this process's tokens of every
   // sequence (in the split's layout), applies RoPE at their global positions and runs the
   // attention core over the whole sequence for its share of the heads (Ulysses; kv heads repeated
   // to one per query head when they cannot be split evenly), or, when the split has an
   // `attention`, hands this process's q, k, v to it (ring attention). `layer` names the block to
   // the all-to-all or the attention.
-  void set_sequence_split(const SequenceSplit* split, int64_t layer) {
+  void set_context_split(const ContextSplit* split, int64_t layer) {
     sequence_ = split;
     layer_ = layer;
   }
@@ -240,10 +240,10 @@ class AttentionImpl : public torch::nn::Module {
   Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
 
  private:
-  torch::Tensor forward_sequence_split(const torch::Tensor& x, const RotaryEmbedding& rope);
+  torch::Tensor forward_context_split(const torch::Tensor& x, const RotaryEmbedding& rope);
 
   int64_t num_heads_, num_kv_heads_, head_dim_;
-  const SequenceSplit* sequence_ = nullptr;
+  const ContextSplit* sequence_ = nullptr;
   int64_t layer_ = -1;
 };
 TORCH_MODULE(Attention);

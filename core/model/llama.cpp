@@ -158,21 +158,21 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const ModelConfig& config, const Mode
   held_ = options.stages.resolved(num_stages());
   local_ = weft::local_shape(config_, options_.shards, held_);
   model = register_module("model", LlamaBackbone(config_, StageSet(held_), local_, options_.comm.get(), options_.quantize));
-  if (options_.sequence != nullptr && options_.sequence->size > 1) {
-    WEFT_CHECK(options_.sequence->rank >= 0 && options_.sequence->rank < options_.sequence->size,
-               "sequence parallelism: rank {} of {}", options_.sequence->rank, options_.sequence->size);
-    for (auto& [index, block] : model->blocks) block->self_attn->set_sequence_split(options_.sequence.get(), index);
+  if (options_.context != nullptr && options_.context->size > 1) {
+    WEFT_CHECK(options_.context->rank >= 0 && options_.context->rank < options_.context->size,
+               "context parallelism: rank {} of {}", options_.context->rank, options_.context->size);
+    for (auto& [index, block] : model->blocks) block->self_attn->set_context_split(options_.context.get(), index);
   }
-  if (options_.tensor_sequence != nullptr && options_.tensor_sequence->size > 1) {
-    const auto& shards = *options_.tensor_sequence;
+  if (options_.sequence_parallel != nullptr && options_.sequence_parallel->size > 1) {
+    const auto& shards = *options_.sequence_parallel;
     WEFT_CHECK(shards.rank >= 0 && shards.rank < shards.size && shards.collective,
-               "tensor sequence parallelism: rank {} of {}", shards.rank, shards.size);
+               "Megatron sequence parallelism: rank {} of {}", shards.rank, shards.size);
     // Beside context parallelism's split the regions gather this process's share of each sequence, on
-    // which the attention's all-to-all or ring works as without sequence parallelism.
+    // which the attention's all-to-all or ring works as without context parallelism.
     // Stages may be split (a pipeline passes this process's tokens between them); where the embedding or
     // the LM head is held, it is a vocabulary slice.
     const bool vocab_held = holds_stage(0) || (holds_stage(num_stages() - 1) && !config_.classification());
-    WEFT_CHECK(!vocab_held || vocab_parallel(), "tensor sequence parallelism needs a vocabulary-parallel embedding (its "
+    WEFT_CHECK(!vocab_held || vocab_parallel(), "Megatron sequence parallelism needs a vocabulary-parallel embedding (its "
                "all-reduce becomes the reduce-scatter into the sequence shards)");
     for (auto& [index, block] : model->blocks) block->set_sequence_shards(&shards);
   }
@@ -200,8 +200,8 @@ torch::Tensor LlamaForCausalLMImpl::head_weight() const {
 torch::Tensor LlamaForCausalLMImpl::run_stage(int64_t stage, const torch::Tensor& input, bool shard_tokens) {
   const int64_t final_stage = num_stages() - 1;
   const SequenceShards* tokens =
-      shard_tokens && options_.tensor_sequence != nullptr && options_.tensor_sequence->size > 1
-          ? options_.tensor_sequence.get()
+      shard_tokens && options_.sequence_parallel != nullptr && options_.sequence_parallel->size > 1
+          ? options_.sequence_parallel.get()
           : nullptr;
   if (stage == 0) {
     WEFT_CHECK(input.scalar_type() == torch::kLong && input.dim() == 2,

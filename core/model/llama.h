@@ -58,15 +58,15 @@ struct ModelOptions {
   // the model calls at Megatron's communication points (none: a whole model).
   ShardMap shards;
   std::shared_ptr<const CommHook> comm;
-  // Sequence parallelism (parallel.h): forward() takes this process's tokens of each sequence
+  // Context parallelism (parallel.h ContextSplit): forward() takes this process's tokens of each sequence
   // and the attention core exchanges them (none, or size 1: whole sequences).
-  std::shared_ptr<const SequenceSplit> sequence;
+  std::shared_ptr<const ContextSplit> context;
   // Megatron sequence parallelism inside the tensor-parallel group (parallel.h SequenceShards,
   // ABI 1.9): between the regions the residual stream holds this process's tokens; the regions'
   // entries all-gather and their exits reduce-scatter through it instead of `comm` (none, or size
   // 1: whole sequences). Needs a vocabulary-parallel embedding and whole sequences otherwise;
   // cached decoding ignores it.
-  std::shared_ptr<const SequenceShards> tensor_sequence;
+  std::shared_ptr<const SequenceShards> sequence_parallel;
   // How the decoder blocks' linear weights are stored (quantize.h; model.quantize and
   // model.int8_threshold): quantized layers are frozen and hold no `weight` parameter (set them
   // with load_weights / init_weights).

@@ -31,7 +31,7 @@ struct StageMemory {
 // One entry per model stage (embedding, each block, norm + head). `shards`: this rank's slices
 // (stages it does not hold are estimated whole when absent from the map). `lora`: adapters train,
 // the base is frozen. `checkpointing`: blocks keep only their input. `blockwise_attention`: the
-// attention core is ring attention's (SequenceSplit::attention), which keeps its fp32 output and
+// attention core is ring attention's (ContextSplit::attention), which keeps its fp32 output and
 // log-sum-exp instead of the probabilities. `quantize`: the blocks' linear weights are stored in
 // that format (quantize.h) and dequantized for each product, never kept for backward.
 // `frozen_dtype` (adapter training, model.frozen_dtype): the dtype the frozen base's matrices that

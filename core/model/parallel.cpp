@@ -165,15 +165,15 @@ struct RegatherFence : public torch::autograd::Function<RegatherFence> {
 
 // The Ulysses all-to-all: to_heads maps [B, Hx, s, D] -> [B, Hx / n, n * s, D], otherwise the
 // inverse. `backward` is passed to the hook (which direction autograd is in).
-torch::Tensor exchange(const torch::Tensor& x, const SequenceSplit& split, int64_t layer, bool to_heads,
+torch::Tensor exchange(const torch::Tensor& x, const ContextSplit& split, int64_t layer, bool to_heads,
                        bool backward) {
   const int64_t n = split.size, batch = x.size(0), heads = x.size(1), tokens = x.size(2), dim = x.size(3);
   torch::Tensor send;
   if (to_heads) {
-    WEFT_CHECK(heads % n == 0, "sequence parallelism: {} heads cannot be split over {} processes", heads, n);
+    WEFT_CHECK(heads % n == 0, "context parallelism: {} heads cannot be split over {} processes", heads, n);
     send = x.reshape({batch, n, heads / n, tokens, dim}).permute({1, 0, 2, 3, 4}).contiguous();
   } else {
-    WEFT_CHECK(tokens % n == 0, "sequence parallelism: {} tokens cannot be split over {} processes", tokens, n);
+    WEFT_CHECK(tokens % n == 0, "context parallelism: {} tokens cannot be split over {} processes", tokens, n);
     send = x.reshape({batch, heads, n, tokens / n, dim}).permute({2, 0, 1, 3, 4}).contiguous();
   }
   torch::Tensor recv = torch::empty_like(send);
@@ -185,7 +185,7 @@ torch::Tensor exchange(const torch::Tensor& x, const SequenceSplit& split, int64
 }
 
 struct SequenceExchange : public torch::autograd::Function<SequenceExchange> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const SequenceSplit* split,
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const ContextSplit* split,
                                int64_t layer, bool to_heads) {
     ctx->saved_data["split"] = reinterpret_cast<int64_t>(split);
     ctx->saved_data["layer"] = layer;
@@ -193,7 +193,7 @@ struct SequenceExchange : public torch::autograd::Function<SequenceExchange> {
     return exchange(x, *split, layer, to_heads, /*backward=*/false);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto* split = reinterpret_cast<const SequenceSplit*>(ctx->saved_data["split"].toInt());
+    const auto* split = reinterpret_cast<const ContextSplit*>(ctx->saved_data["split"].toInt());
     const bool to_heads = ctx->saved_data["to_heads"].toBool();
     return {exchange(grads[0], *split, ctx->saved_data["layer"].toInt(), !to_heads, /*backward=*/true),
             torch::Tensor(), torch::Tensor(), torch::Tensor()};
@@ -204,7 +204,7 @@ struct SequenceExchange : public torch::autograd::Function<SequenceExchange> {
 // the forward and the three gradients in the backward; out and lse are kept for the backward.
 struct SequenceAttention : public torch::autograd::Function<SequenceAttention> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, const SequenceSplit* split, int64_t layer) {
+                               const torch::Tensor& v, const ContextSplit* split, int64_t layer) {
     ctx->saved_data["split"] = reinterpret_cast<int64_t>(split);
     ctx->saved_data["layer"] = layer;
     const auto f32 = q.options().dtype(torch::kFloat32);
@@ -219,7 +219,7 @@ struct SequenceAttention : public torch::autograd::Function<SequenceAttention> {
     return t.out.to(q.scalar_type());
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto* split = reinterpret_cast<const SequenceSplit*>(ctx->saved_data["split"].toInt());
+    const auto* split = reinterpret_cast<const ContextSplit*>(ctx->saved_data["split"].toInt());
     const auto saved = ctx->get_saved_variables();
     SequenceAttentionTensors t{saved[0], saved[1], saved[2], saved[3], saved[4], grads[0].contiguous(), {}, {}, {}};
     t.grad_q = torch::zeros(t.q.sizes(), t.out.options());
@@ -233,35 +233,35 @@ struct SequenceAttention : public torch::autograd::Function<SequenceAttention> {
 
 }  // namespace
 
-std::vector<std::pair<int64_t, int64_t>> SequenceSplit::token_runs(int64_t length) const {
+std::vector<std::pair<int64_t, int64_t>> ContextSplit::token_runs(int64_t length) const {
   if (layout == SequenceLayout::kContiguous) {
-    WEFT_CHECK(length % size == 0, "sequence parallelism: {} tokens cannot be split over {} processes", length, size);
+    WEFT_CHECK(length % size == 0, "context parallelism: {} tokens cannot be split over {} processes", length, size);
     return {{rank * (length / size), length / size}};
   }
   WEFT_CHECK(length % (2 * size) == 0,
-             "sequence parallelism (balanced layout): {} tokens cannot be cut into {} equal chunks", length, 2 * size);
+             "context parallelism (balanced layout): {} tokens cannot be cut into {} equal chunks", length, 2 * size);
   const int64_t chunk = length / (2 * size);
   return {{rank * chunk, chunk}, {(2 * size - 1 - rank) * chunk, chunk}};
 }
 
-torch::Tensor SequenceSplit::positions(int64_t length) const {
+torch::Tensor ContextSplit::positions(int64_t length) const {
   std::vector<torch::Tensor> parts;
   for (const auto& [start, count] : token_runs(length)) parts.push_back(torch::arange(start, start + count, torch::kLong));
   return torch::cat(parts);
 }
 
 torch::Tensor sequence_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                 const SequenceSplit& split, int64_t layer) {
+                                 const ContextSplit& split, int64_t layer) {
   WEFT_CHECK(q.dim() == 4 && k.dim() == 4 && split.attention, "sequence_attention: [B, H, s, D] tensors and an attention");
   return SequenceAttention::apply(q, k, v, &split, layer);
 }
 
-torch::Tensor sequence_to_heads(const torch::Tensor& x, const SequenceSplit& split, int64_t layer) {
+torch::Tensor sequence_to_heads(const torch::Tensor& x, const ContextSplit& split, int64_t layer) {
   WEFT_CHECK(x.dim() == 4 && split.all_to_all, "sequence_to_heads: a [B, H, s, D] tensor and an all-to-all");
   return SequenceExchange::apply(x, &split, layer, true);
 }
 
-torch::Tensor heads_to_sequence(const torch::Tensor& x, const SequenceSplit& split, int64_t layer) {
+torch::Tensor heads_to_sequence(const torch::Tensor& x, const ContextSplit& split, int64_t layer) {
   WEFT_CHECK(x.dim() == 4 && split.all_to_all, "heads_to_sequence: a [B, h, S, D] tensor and an all-to-all");
   return SequenceExchange::apply(x, &split, layer, false);
 }

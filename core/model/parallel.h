@@ -142,7 +142,7 @@ enum class SequenceLayout {
   kBalanced = 1,    // 2N equal chunks; process r: chunk r, then chunk 2N - 1 - r
 };
 
-// The tensors of one call of SequenceSplit::attention (ABI weft_attention_call): this process's
+// The tensors of one call of ContextSplit::attention (ABI weft_attention_call): this process's
 // q [B, H, s, D], k, v [B, Hkv, s, D]; out fp32 [B, H, s, D] and lse fp32 [B, H, s] (written in
 // the forward, read in the backward); in the backward grad_out and the zeroed fp32 grad_q,
 // grad_k, grad_v to fill.
@@ -150,7 +150,7 @@ struct SequenceAttentionTensors {
   torch::Tensor q, k, v, out, lse, grad_out, grad_q, grad_k, grad_v;
 };
 
-struct SequenceSplit {
+struct ContextSplit {
   int64_t rank = 0;
   int64_t size = 1;
   SequenceLayout layout = SequenceLayout::kContiguous;
@@ -167,14 +167,14 @@ struct SequenceSplit {
 // Ring attention's core over this process's tokens: q [B, H, s, D], k, v [B, Hkv, s, D] (RoPE
 // applied) -> [B, H, s, D] in q's dtype, with autograd (split.attention in both directions).
 torch::Tensor sequence_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                 const SequenceSplit& split, int64_t layer);
+                                 const ContextSplit& split, int64_t layer);
 
 // x [B, Hx, s, D] (this process's tokens, every head; Hx divisible by split.size) ->
 // [B, Hx / size, size * s, D] (every token, this process's heads: rank r holds heads
 // [r * Hx / size, (r + 1) * Hx / size)), with autograd (the backward is heads_to_sequence).
-torch::Tensor sequence_to_heads(const torch::Tensor& x, const SequenceSplit& split, int64_t layer);
+torch::Tensor sequence_to_heads(const torch::Tensor& x, const ContextSplit& split, int64_t layer);
 // The inverse: [B, h, size * s, D] -> [B, size * h, s, D].
-torch::Tensor heads_to_sequence(const torch::Tensor& x, const SequenceSplit& split, int64_t layer);
+torch::Tensor heads_to_sequence(const torch::Tensor& x, const ContextSplit& split, int64_t layer);
 
 // Every parameter of model stages [first, last) with its full shape, by HF name (without LoRA
 // adapters), so a plugin can be asked how to shard each before anything is allocated.

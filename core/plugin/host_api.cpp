@@ -111,10 +111,10 @@ const weft_host_api* PluginHost::api() const { return &kHostApi; }
 
 weft_host* PluginHost::handle() { return &state_->handle; }
 
-void PluginHost::set_sequence_split(int64_t rank, int64_t size, SequenceLayout layout) {
-  state_->sequence.rank = rank;
-  state_->sequence.size = size;
-  state_->sequence.layout = layout;
+void PluginHost::set_context_split(int64_t rank, int64_t size, SequenceLayout layout) {
+  state_->context.rank = rank;
+  state_->context.size = size;
+  state_->context.layout = layout;
 }
 
 void PluginHost::set_model_info(const ModelConfig& config, torch::Dtype compute_dtype, int64_t seq_len,

@@ -48,9 +48,9 @@ class PluginHost {
   // The model's shape for model_info and profile_stages (before plan; bf16: the compute dtype;
   // seq_len and batch_rows: the run's sequence length and train.batch_size).
   void set_model_info(const ModelConfig& config, torch::Dtype compute_dtype, int64_t seq_len, int64_t batch_rows);
-  // Sequence parallelism (ABI 1.4; the layout since 1.5): batch() returns this rank's tokens of
-  // every row from now on (SequenceSplit::token_runs; size 1: whole rows).
-  void set_sequence_split(int64_t rank, int64_t size, SequenceLayout layout = SequenceLayout::kContiguous);
+  // Context parallelism (ABI 1.4's "sequence parallelism"; the layout since 1.5): batch() returns
+  // this rank's tokens of every row from now on (ContextSplit::token_runs; size 1: whole rows).
+  void set_context_split(int64_t rank, int64_t size, SequenceLayout layout = SequenceLayout::kContiguous);
   // The model the services refer to (after it is built). Enumerates the parameters it holds.
   void set_model(LlamaForCausalLMImpl* model);
   // The training step that batch() serves: micro-batch m of the step is global batch

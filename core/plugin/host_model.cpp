@@ -148,8 +148,8 @@ weft_status* batch(weft_host* host, int32_t micro_batch, int32_t split, int32_t 
       sequences = std::vector<int64_t>(sequences.begin() + split * part, sequences.begin() + (split + 1) * part);
     }
     auto rows_inputs = b.inputs.narrow(0, split * part, part), rows_targets = b.targets.narrow(0, split * part, part);
-    if (s.sequence.size > 1) {  // sequence parallelism: this rank's tokens of every row, in its layout
-      const auto positions = s.sequence.positions(rows_inputs.size(1));
+    if (s.context.size > 1) {  // context parallelism: this rank's tokens of every row, in its layout
+      const auto positions = s.context.positions(rows_inputs.size(1));
       rows_inputs = rows_inputs.index_select(1, positions);
       rows_targets = rows_targets.index_select(1, positions);
     }
@@ -206,9 +206,9 @@ weft_status* loss(weft_host* host, weft_activation* logits, weft_activation* tar
       if (classify && s.sequence_outputs.defined()) {
         s.sequence_outputs.index_add_(0, rows, s.model->labeled_rows(tensor_of(logits), t).first.to(torch::kCPU, torch::kFloat64));
       }
-      // Sequence parallelism: this rank summed 1/size of each sequence's tokens, so it counts as
+      // Context parallelism: this rank summed 1/size of each sequence's tokens, so it counts as
       // 1/size of a computation (the world's sums then hold each sequence once).
-      s.sequence_counts.index_add_(0, rows, torch::full({rows.size(0)}, 1.0 / static_cast<double>(s.sequence.size),
+      s.sequence_counts.index_add_(0, rows, torch::full({rows.size(0)}, 1.0 / static_cast<double>(s.context.size),
                                                         torch::kFloat64));
       mean = tokens.mean();  // in float64, as the per-sequence sums
     } else {

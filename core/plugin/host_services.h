@@ -116,9 +116,9 @@ struct PluginHost::State {
   weft_model_info model_info{};
   std::shared_ptr<ModelConfig> model_config;  // for profile_stages
   int64_t seq_len = 0, batch_rows = 0;
-  // Sequence parallelism (ABI 1.4 plan; the layout since 1.5): batch() hands out this rank's
+  // Context parallelism (ABI 1.4 plan's "sequence parallelism"; the layout since 1.5): batch() hands out this rank's
   // tokens of each row (rank, size and layout only; the model's own split holds the callbacks).
-  SequenceSplit sequence;
+  ContextSplit context;
   // The host's memory estimate per model stage (set_stage_memory, before the model is built).
   std::vector<weft_stage_memory> stage_memory;
   // Values the plugin reported for the current step (report_metric).

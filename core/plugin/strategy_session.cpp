@@ -333,7 +333,7 @@ std::string StrategySession::fingerprint() const {
 }
 
 weft_model_plan StrategySession::merged_plan(const weft_model_plan& prefilled) {
-  stages_owner_ = sequence_owner_ = tensor_sequence_owner_ = 0;
+  stages_owner_ = context_owner_ = sequence_parallel_owner_ = 0;
   if (!mesh_) {
     weft_model_plan plan = prefilled;
     if (library_->api().plan) check(library_->api().plan(instance_, &plan), "plan");
@@ -411,8 +411,8 @@ weft_model_plan StrategySession::merged_plan(const weft_model_plan& prefilled) {
     drive_from(0, stages);
   }
   stages_owner_ = std::max(stages, 0);
-  sequence_owner_ = std::max(sequence, 0);
-  tensor_sequence_owner_ = std::max(tensor_sequence, 0);
+  context_owner_ = std::max(sequence, 0);
+  sequence_parallel_owner_ = std::max(tensor_sequence, 0);
   return merged;
 }
 
@@ -485,8 +485,8 @@ Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute
   plan = merged_plan(plan);
   // Each check below names the plugin whose plan set the fields it checks.
   const PluginLibrary& stages_lib = *members_[static_cast<size_t>(stages_owner_)].library;
-  const PluginLibrary& sequence_lib = *members_[static_cast<size_t>(sequence_owner_)].library;
-  const PluginLibrary& tensor_sequence_lib = *members_[static_cast<size_t>(tensor_sequence_owner_)].library;
+  const PluginLibrary& sequence_lib = *members_[static_cast<size_t>(context_owner_)].library;
+  const PluginLibrary& sequence_parallel_lib = *members_[static_cast<size_t>(sequence_parallel_owner_)].library;
   WEFT_CHECK(0 <= plan.first_stage && plan.first_stage < plan.last_stage && plan.last_stage <= num_stages,
              "plugin {}: plan chose stages [{}, {}) of a {}-stage model", stages_lib.name(), plan.first_stage,
              plan.last_stage, num_stages);
@@ -561,55 +561,55 @@ Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute
                  "against this SDK)",
                  sequence_lib.name(), size, stages_lib.name(), stages_lib.negotiated_abi().minor);
     }
-    sequence_ = SequenceSplit{};
-    sequence_.rank = rank;
-    sequence_.size = size;
-    sequence_.layout = static_cast<SequenceLayout>(layout);
-    sequence_ring_ = ring;
+    context_ = ContextSplit{};
+    context_.rank = rank;
+    context_.size = size;
+    context_.layout = static_cast<SequenceLayout>(layout);
+    context_ring_ = ring;
     if (size > 1) {
       std::string runs;
-      for (const auto& [start, count] : sequence_.token_runs(seq_len)) {
+      for (const auto& [start, count] : context_.token_runs(seq_len)) {
         runs += fmt::format("{}[{}, {})", runs.empty() ? "" : " and ", start, start + count);
       }
       spdlog::info("plugin {} splits every sequence over {} ranks ({}): this rank holds tokens {} of each",
                    sequence_lib.name(), size, ring ? "attention run by the plugin, e.g. ring" : "all-to-all around attention",
                    runs);
     }
-    placement.sequence_parallel_rank = rank;
-    placement.sequence_parallel_size = size;
-    for (auto& m : members_) m.host->set_sequence_split(rank, size, sequence_.layout);
+    placement.context_parallel_rank = rank;
+    placement.context_parallel_size = size;
+    for (auto& m : members_) m.host->set_context_split(rank, size, context_.layout);
   }
-  if (tensor_sequence_lib.negotiated_abi().minor >= 9) {  // Megatron sequence parallelism
+  if (sequence_parallel_lib.negotiated_abi().minor >= 9) {  // Megatron sequence parallelism
     const int32_t size = plan.tensor_sequence_size, rank = plan.tensor_sequence_rank;
     WEFT_CHECK(size >= 1 && 0 <= rank && rank < size, "plugin {}: plan chose tensor-sequence rank {} of {}",
-               tensor_sequence_lib.name(), rank, size);
+               sequence_parallel_lib.name(), rank, size);
     if (size > 1) {
-      WEFT_CHECK(tensor_sequence_lib.has_slot(offsetof(weft_strategy_api, sequence_region), 9) &&
-                     tensor_sequence_lib.api().sequence_region != nullptr,
+      WEFT_CHECK(sequence_parallel_lib.has_slot(offsetof(weft_strategy_api, sequence_region), 9) &&
+                     sequence_parallel_lib.api().sequence_region != nullptr,
                  "plugin {}: plan shards the residual stream's tokens over {} ranks (tensor_sequence_size) but the "
                  "plugin has no sequence_region",
-                 tensor_sequence_lib.name(), size);
+                 sequence_parallel_lib.name(), size);
       // Beside context parallelism (1.14 hosts) the regions gather this rank's share of each sequence
-      // (seq_len / sequence_parallel_size tokens), which the tensor-parallel ranks then split.
-      const int64_t share = seq_len / std::max<int64_t>(1, placement.sequence_parallel_size);
+      // (seq_len / context_parallel_size tokens), which the tensor-parallel ranks then split.
+      const int64_t share = seq_len / std::max<int64_t>(1, placement.context_parallel_size);
       WEFT_CHECK(share % size == 0, "data.seq_len = {}{} cannot be split over {} tensor-parallel ranks (plugin {}, "
                  "sequence parallelism): choose a multiple of {}", seq_len,
-                 placement.sequence_parallel_size > 1
+                 placement.context_parallel_size > 1
                      ? fmt::format(" ({} tokens per context-parallel rank)", share) : std::string(),
-                 size, tensor_sequence_lib.name(), size * std::max<int64_t>(1, placement.sequence_parallel_size));
+                 size, sequence_parallel_lib.name(), size * std::max<int64_t>(1, placement.context_parallel_size));
       WEFT_CHECK(split_stages_ok,
                  "plugin {} shards the residual stream's tokens over {} ranks, but plugin {} (ABI 1.{}) splits the "
                  "model's stages and passes whole sequences between them: sequence parallelism across stages needs "
                  "ABI 1.13 (rebuild it against this SDK)",
-                 tensor_sequence_lib.name(), size, stages_lib.name(), stages_lib.negotiated_abi().minor);
+                 sequence_parallel_lib.name(), size, stages_lib.name(), stages_lib.negotiated_abi().minor);
       spdlog::info("plugin {} shards the residual stream between tensor-parallel regions over {} ranks (Megatron "
                    "sequence parallelism): this rank holds tokens [{}, {}) of each sequence{} there",
-                   tensor_sequence_lib.name(), size, rank * share / size, (rank + 1) * share / size,
-                   placement.sequence_parallel_size > 1 ? "'s context-parallel share" : "");
+                   sequence_parallel_lib.name(), size, rank * share / size, (rank + 1) * share / size,
+                   placement.context_parallel_size > 1 ? "'s context-parallel share" : "");
     }
-    tensor_sequence_ = SequenceShards{};
-    tensor_sequence_.rank = rank;
-    tensor_sequence_.size = size;
+    sequence_parallel_ = SequenceShards{};
+    sequence_parallel_.rank = rank;
+    sequence_parallel_.size = size;
   }
   return placement;
 }
@@ -640,17 +640,17 @@ ShardMap StrategySession::shards(const ModelConfig& config, const StageSet& stag
   }
   // Ulysses moves heads: this rank's heads (after a tensor-parallel split of q_proj) must divide
   // over the sequence-parallel ranks, or the first forward would refuse it after compute started.
-  if (sequence_.size > 1 && !sequence_ring_) {
+  if (context_.size > 1 && !context_ring_) {
     int64_t parts = 1;
     for (const auto& [name, shard] : shards) {
       if (name.find("self_attn.q_proj.weight") != std::string::npos) parts = shard.parts;
     }
     const int64_t local = config.num_attention_heads / parts;
-    WEFT_CHECK(local % sequence_.size == 0,
+    WEFT_CHECK(local % context_.size == 0,
                "the model's {} attention heads, {} per tensor-parallel rank, cannot be split over {} sequence-parallel "
                "ranks (plugin {}, all-to-all around attention): choose sizes that divide the heads, or ring attention "
                "(plugin.mode = \"ring\")",
-               config.num_attention_heads, local, sequence_.size, members_[static_cast<size_t>(sequence_owner_)].library->name());
+               config.num_attention_heads, local, context_.size, members_[static_cast<size_t>(context_owner_)].library->name());
   }
   return shards;
 }
@@ -715,10 +715,10 @@ std::shared_ptr<const CommHook> StrategySession::comm_hook() {
   });
 }
 
-std::shared_ptr<const SequenceShards> StrategySession::tensor_sequence() {
-  if (tensor_sequence_.size <= 1) return nullptr;
-  auto shards = std::make_shared<SequenceShards>(tensor_sequence_);
-  const Member* owner = &members_[static_cast<size_t>(tensor_sequence_owner_)];
+std::shared_ptr<const SequenceShards> StrategySession::sequence_parallel() {
+  if (sequence_parallel_.size <= 1) return nullptr;
+  auto shards = std::make_shared<SequenceShards>(sequence_parallel_);
+  const Member* owner = &members_[static_cast<size_t>(sequence_parallel_owner_)];
   shards->collective = [this, owner](CommPoint point, bool backward, int64_t layer, const torch::Tensor& input,
                               torch::Tensor& output) {
     const DLTensor in = sdk::to_dl_view(input);
@@ -730,11 +730,11 @@ std::shared_ptr<const SequenceShards> StrategySession::tensor_sequence() {
   return shards;
 }
 
-std::shared_ptr<const SequenceSplit> StrategySession::sequence_split() {
-  if (sequence_.size <= 1) return nullptr;
-  auto split = std::make_shared<SequenceSplit>(sequence_);
-  const Member* owner = &members_[static_cast<size_t>(sequence_owner_)];
-  if (sequence_ring_) {
+std::shared_ptr<const ContextSplit> StrategySession::context_split() {
+  if (context_.size <= 1) return nullptr;
+  auto split = std::make_shared<ContextSplit>(context_);
+  const Member* owner = &members_[static_cast<size_t>(context_owner_)];
+  if (context_ring_) {
     split->attention = [this, owner](int64_t layer, bool backward, SequenceAttentionTensors& t) {
       const DLTensor q = sdk::to_dl_view(t.q), k = sdk::to_dl_view(t.k), v = sdk::to_dl_view(t.v);
       DLTensor out = sdk::to_dl_view(t.out), lse = sdk::to_dl_view(t.lse);

@@ -34,8 +34,8 @@ struct Placement {
   StageSet stages;  // one range, or a pipeline rank's virtual stages (ABI 1.10)
   int data_parallel_rank = 0;
   int data_parallel_size = 1;
-  int sequence_parallel_rank = 0;  // ABI 1.4: this rank's share of every sequence
-  int sequence_parallel_size = 1;
+  int context_parallel_rank = 0;  // ABI 1.4 (its plan's sequence_parallel_*): this rank's share of every sequence
+  int context_parallel_size = 1;
   bool split_backward = false;  // ABI 1.11: the plugin splits backward passes (input, then weight gradients)
 };
 
@@ -104,21 +104,21 @@ class StrategySession {
                          int64_t rows, int64_t seq_len);
   // The communication the model runs at its fixed points, or null for a plugin without any.
   std::shared_ptr<const CommHook> comm_hook();
-  // The sequence split the plan chose (ABI 1.4), its all-to-all the plugin's sequence_exchange,
-  // or (1.5) its attention core the plugin's sequence_attention; nullptr when the plan keeps
-  // whole sequences.
-  std::shared_ptr<const SequenceSplit> sequence_split();
+  // Context parallelism: the sequence split the plan chose (ABI 1.4's sequence_parallel_*), its
+  // all-to-all the plugin's sequence_exchange, or (1.5) its attention core the plugin's
+  // sequence_attention; nullptr when the plan keeps whole sequences.
+  std::shared_ptr<const ContextSplit> context_split();
   // Megatron sequence parallelism the plan chose (ABI 1.9), its collectives the plugin's
   // sequence_region; nullptr when the residual stream keeps whole sequences.
-  std::shared_ptr<const SequenceShards> tensor_sequence();
-  int64_t tensor_sequence_size() const { return tensor_sequence_.size; }
+  std::shared_ptr<const SequenceShards> sequence_parallel();
+  int64_t sequence_parallel_size() const { return sequence_parallel_.size; }
   // Tokens per row of the hidden states between stages on this rank (ABI 1.13 stage_tokens):
   // seq_len over the plan's sequence splits.
   int64_t stage_tokens(int64_t seq_len) const {
-    return seq_len / std::max<int64_t>(1, sequence_.size) / std::max<int64_t>(1, tensor_sequence_.size);
+    return seq_len / std::max<int64_t>(1, context_.size) / std::max<int64_t>(1, sequence_parallel_.size);
   }
   // Whether the plan has the plugin run the attention core over split sequences (ABI 1.5).
-  bool plugin_attention() const { return sequence_ring_ && sequence_.size > 1; }
+  bool plugin_attention() const { return context_ring_ && context_.size > 1; }
 
   // --- after ---
   // The model the host services refer to (built, weights loaded); runs the plugin's setup.
@@ -204,8 +204,8 @@ class StrategySession {
   Communicator* communicator_ = nullptr;
   std::vector<double> norm_weights_;  // composed: per training tensor, 1 / (its copies over the plugins)
   // Which member's plan set the stages, the sequence split and the tensor-sequence split (whose
-  // sequence_* slots the model calls).
-  int stages_owner_ = 0, sequence_owner_ = 0, tensor_sequence_owner_ = 0;
+  // context_* slots the model calls).
+  int stages_owner_ = 0, context_owner_ = 0, sequence_parallel_owner_ = 0;
   std::shared_ptr<PluginLibrary> library_;  // the driver's
   PluginHost* host_ = nullptr;              // the driver's
   // The host of the plugin that shards the training state (flat_shard: zero, composed or alone),
@@ -215,9 +215,9 @@ class StrategySession {
   std::array<ProcessGroup*, 4> groups_{};  // composed: this rank's slice along each dimension
   weft_strategy* instance_ = nullptr;       // the driver's
   LlamaForCausalLMImpl* model_ = nullptr;
-  SequenceSplit sequence_;      // the plan's sequence split (ABI 1.4; layout 1.5), without callbacks
-  bool sequence_ring_ = false;  // 1.5: the plugin runs the attention core (sequence_attention)
-  SequenceShards tensor_sequence_;  // 1.9: Megatron sequence parallelism, without its collective
+  ContextSplit context_;       // the plan's context split (ABI 1.4; layout 1.5), without callbacks
+  bool context_ring_ = false;  // 1.5: the plugin runs the attention core (sequence_attention)
+  SequenceShards sequence_parallel_;  // 1.9: Megatron sequence parallelism, without its collective
 };
 
 }  // namespace weft

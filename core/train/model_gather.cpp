@@ -135,8 +135,8 @@ LlamaForCausalLMImpl* ModelGather::gather() {
     options.stages = StageRange{};
     options.shards.clear();
     options.comm.reset();
-    options.tensor_sequence.reset();
-    options.sequence.reset();
+    options.sequence_parallel.reset();
+    options.context.reset();
     full_ = LlamaForCausalLM(local_.config(), options);
     if (lora_) apply_lora(*full_, *lora_, 0);
   }

@@ -1,4 +1,4 @@
-// Ulysses sequence parallelism inside the model (core/model/parallel.h's SequenceSplit), in one
+// Ulysses context parallelism inside the model (core/model/parallel.h's ContextSplit), in one
 // process: `parts` model replicas run in threads, each on its slice of every sequence's tokens,
 // exchanging q/k/v and the attention output through an in-memory all-to-all. Their logits,
 // concatenated along the sequence, must equal the whole model's on whole sequences, and the
@@ -21,7 +21,7 @@
 namespace {
 
 using weft::ModelConfig;
-using weft::SequenceSplit;
+using weft::ContextSplit;
 
 // An all-to-all between `size` threads: chunk j of rank i's send lands in chunk i of rank j's recv.
 class ThreadAllToAll {
@@ -54,8 +54,8 @@ class ThreadAllToAll {
   std::vector<torch::Tensor> slots_;
 };
 
-std::shared_ptr<const SequenceSplit> thread_split(ThreadAllToAll& exchange, int rank, int size) {
-  auto split = std::make_shared<SequenceSplit>();
+std::shared_ptr<const ContextSplit> thread_split(ThreadAllToAll& exchange, int rank, int size) {
+  auto split = std::make_shared<ContextSplit>();
   split->rank = rank;
   split->size = size;
   split->all_to_all = [&exchange, rank](int64_t, bool, torch::Tensor& send, torch::Tensor& recv) {
@@ -95,7 +95,7 @@ void expect_matches_whole_model(int parts, int64_t kv_heads) {
   std::vector<weft::LlamaForCausalLM> replicas;
   for (int rank = 0; rank < parts; ++rank) {
     weft::ModelOptions options;
-    options.sequence = thread_split(exchange, rank, parts);
+    options.context = thread_split(exchange, rank, parts);
     replicas.emplace_back(config, options);
     weft::init_weights(*replicas.back(), 11, 0.05);
   }
@@ -161,7 +161,7 @@ TEST(SequenceParallel, HeadsThatDoNotSplitAreRefused) {
   config.num_hidden_layers = 1;
   ThreadAllToAll exchange(3);
   weft::ModelOptions options;
-  options.sequence = thread_split(exchange, 0, 3);
+  options.context = thread_split(exchange, 0, 3);
   weft::LlamaForCausalLM model(config, options);
   const auto tokens = torch::zeros({1, 4}, torch::kLong);
   try {

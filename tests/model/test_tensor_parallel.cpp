@@ -182,7 +182,7 @@ weft::ModelOptions megatron_options(const ModelConfig& config, int32_t parts, in
   weft::ModelOptions options;
   options.shards = megatron_shards(config, parts, rank, kv_parts);
   options.comm = std::make_shared<const weft::CommHook>(megatron_hook(reduce, rank));
-  if (sequence_parallel) options.tensor_sequence = thread_sequence_shards(reduce, rank, parts);
+  if (sequence_parallel) options.sequence_parallel = thread_sequence_shards(reduce, rank, parts);
   return options;
 }
 

@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 #include <weft/strategy.hpp>
 
+#include "core/model/parallel.h"
 #include "core/plugin/host_services.h"
 #include "core/plugin/placement_collectives.h"
 #include "core/plugin/step_program.h"
@@ -266,8 +267,40 @@ class HostStep : public sdk::Strategy {
     }
   }
 
+  // The host's plan is the replicated one. FLAT_SHARD placements (asked of weft_place before the model
+  // is built) keep 1 / N of their share: the optimizer state's; the gradients' beside the whole ones
+  // (which accumulate over the micro-batches and live until their bucket starts); the parameters'
+  // beside the stages gathered at once (the current and the prefetched one, and stage 0 through the
+  // step with a tied embedding). The reducer's all-reduce buckets hold the gradients once more.
   void memory_plan(weft_memory_plan& plan) override {
-    if (replicas() > 1) plan.buffer_bytes += plan.gradient_bytes;  // the reducer's buckets
+    if (replicas() <= 1) return;
+    const sdk::Host h = host();
+    const int64_t stages = h.model_num_stages() > 0 ? h.model_num_stages() : h.model_info().num_layers + 2;
+    const Abi2ShardShares shares = abi2_shard_shares(h, name(), reinterpret_cast<weft_place_fn>(proc("weft_place")),
+                                                     instance_, {{0, stages}});
+    const double n = shard_ranks();
+    const auto part = [n](int64_t bytes, double share) {
+      return static_cast<int64_t>(static_cast<double>(bytes) * (1.0 - share) + static_cast<double>(bytes) * share / n);
+    };
+    const int64_t gradients = plan.gradient_bytes;
+    plan.optimizer_bytes = part(plan.optimizer_bytes, shares.optimizer_state);
+    const double sharded_gradient = std::max(shares.gradient, shares.optimizer_state);  // stage 1 keeps a range too
+    plan.gradient_bytes = gradients + static_cast<int64_t>(static_cast<double>(gradients) * sharded_gradient / n);
+    if (shares.parameter > 0.0) {
+      int64_t largest = 0, first = 0;
+      for (int64_t s = 0; s < stages; ++s) {
+        const int64_t bytes = h.stage_memory(s).parameter_bytes;
+        if (s == 0) first = bytes;
+        largest = std::max(largest, bytes);
+      }
+      const bool tied = h.model_info().tie_word_embeddings != 0;
+      const int64_t whole = std::min<int64_t>(plan.parameter_bytes, 2 * largest + (tied ? first : 0));
+      plan.parameter_bytes = part(plan.parameter_bytes, shares.parameter) +
+                             static_cast<int64_t>(static_cast<double>(whole) * shares.parameter);
+    }
+    // All-reduce buckets through the run; a reduce-scatter bucket takes the place of the whole gradients
+    // it frees, beside its row.
+    plan.buffer_bytes += static_cast<int64_t>(static_cast<double>(gradients) * (1.0 - shares.gradient + shares.gradient / n));
   }
 
   // The optimizer state's placement FLAT_SHARD: the host's optimizer keeps and updates this rank's
@@ -281,11 +314,7 @@ class HostStep : public sdk::Strategy {
     if (!parameter && !std::binary_search(state_shards_.begin(), state_shards_.end(), index)) {
       return weft_flat_shard{0, elements, 0u, 0u};
     }
-    const int64_t chunk = (elements + shard_ranks() - 1) / shard_ranks();
-    const int64_t rank = shard_rank();
-    const int64_t begin = std::min(rank * chunk, elements), end = std::min((rank + 1) * chunk, elements);
-    // A parameter placed FLAT_SHARD is whole only around its uses: its range is the master copy.
-    return weft_flat_shard{begin, end - begin, parameter ? WEFT_FLAT_SHARD_RELEASABLE : 0u, 0u};
+    return flat_range(elements, shard_ranks(), shard_rank(), parameter);
   }
   bool is_parameter_shard(int64_t index) const {
     return std::binary_search(parameter_shards_.begin(), parameter_shards_.end(), index);
@@ -293,22 +322,8 @@ class HostStep : public sdk::Strategy {
 
   // The optimizer state FLAT_SHARD: the host's optimizer reads this rank's range of each averaged
   // gradient from the parameter's gradient shard.
-  void shard_gradients() const {
-    const sdk::Host h = host();
-    for (int64_t index : state_shards_) {
-      if (std::binary_search(grad_shards_.begin(), grad_shards_.end(), index)) continue;  // the reducer's
-      DLTensor target = h.parameter_grad_shard(index);
-      if (element_count(target) == 0) continue;
-      DLTensor grad{};
-      if (!h.step_gradient(index, grad)) {  // no gradient this step: zeros
-        h.scale(target, 0.0);
-        continue;
-      }
-      const weft_flat_shard range = range_of(index);
-      int64_t a[2];
-      h.copy(target, flat_part(grad, range.begin, range.count, a));
-    }
-  }
+  void shard_gradients() const { copy_gradient_ranges(host(), state_shards_, grad_shards_, shard_ranks(), shard_rank()); }
+
 
   // The optimizer state FLAT_SHARD: each rank's updated range into every rank's whole parameter
   // (not for a parameter FLAT_SHARD, whose range is its master copy), model stage by stage in
@@ -689,6 +704,43 @@ class HostStep : public sdk::Strategy {
 }  // namespace
 
 weft_proc abi2_host_proc_address(const char* name) { return host_proc_address(name); }
+
+Abi2ShardShares abi2_shard_shares(const sdk::Host& host, const std::string& plugin, weft_place_fn place,
+                                  weft_plugin_instance* instance, const std::vector<std::pair<int64_t, int64_t>>& ranges) {
+  Abi2ShardShares shares;
+  const PluginHost::State& state = *host.handle()->state;
+  if (place == nullptr || state.model_config == nullptr) return shares;
+  double total = 0.0;
+  for (const auto& [first, last] : ranges) {
+    for (auto& [name, shape] : parameter_specs(*state.model_config, first, last)) {
+      weft_parameter_desc desc{};
+      desc.struct_size = sizeof desc;
+      desc.name = name.c_str();
+      desc.ndim = static_cast<int32_t>(shape.size());
+      desc.shape = shape.data();
+      desc.trainable = 1;
+      weft_parameter_layout where{};
+      if (weft_status* status = place(instance, &desc, &where)) {
+        const weft_status_code code = g_api->status_code(status);
+        const std::string message = g_api->status_message(status);
+        g_api->status_release(status);
+        throw sdk::Error(code, fmt::format("{} (weft_place, for the memory plan): {}", plugin, message));
+      }
+      double n = 1.0;
+      for (int64_t d : shape) n *= static_cast<double>(d);
+      total += n;
+      if (where.parameter.kind == WEFT_PLACE_FLAT_SHARD) shares.parameter += n;
+      if (where.gradient.kind == WEFT_PLACE_FLAT_SHARD) shares.gradient += n;
+      if (where.optimizer_state.kind == WEFT_PLACE_FLAT_SHARD) shares.optimizer_state += n;
+    }
+  }
+  if (total > 0.0) {
+    shares.parameter /= total;
+    shares.gradient /= total;
+    shares.optimizer_state /= total;
+  }
+  return shares;
+}
 
 const char* abi2_placement_name(int32_t kind) {
   switch (kind) {

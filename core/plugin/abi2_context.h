@@ -4,6 +4,8 @@
 #pragma once
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <weft/plugin.h>
 #include <weft/strategy.hpp>
@@ -35,6 +37,16 @@ const char* abi2_placement_name(int32_t kind);
 // too) and for the parameter with both. Throws sdk::Error naming `plugin`, the parameter and the
 // placement otherwise.
 void check_abi2_placement(const std::string& plugin, const weft_parameter_info& info, const weft_parameter_layout& where);
+
+// Of the parameters of model stages [first, last) of each range, by elements, the share whose
+// parameter, gradient and optimizer state `place` (a plugin's "weft_place", may be null: none)
+// puts FLAT_SHARD, asked before the model is built with each parameter's full shape (LoRA
+// adapters aside) as trainable: what the memory plan divides over the shard group.
+struct Abi2ShardShares {
+  double parameter = 0.0, gradient = 0.0, optimizer_state = 0.0;
+};
+Abi2ShardShares abi2_shard_shares(const sdk::Host& host, const std::string& plugin, weft_place_fn place,
+                                  weft_plugin_instance* instance, const std::vector<std::pair<int64_t, int64_t>>& ranges);
 
 // The step for a plugin that owns the pipeline dimension (abi2_pipeline.cpp): its ABI 1 session
 // table, and the step over the session's host, which creates the plugin.

@@ -287,10 +287,33 @@ class PipelineStep : public pipeline::PipelineStrategy {
     if (!parameter && !std::binary_search(state_shards_.begin(), state_shards_.end(), index)) {
       return weft_flat_shard{0, elements, 0u, 0u};
     }
-    const int64_t ranks = placement().replicas, rank = placement().replica;
-    const int64_t chunk = (elements + ranks - 1) / ranks;
-    const int64_t begin = std::min(rank * chunk, elements), end = std::min((rank + 1) * chunk, elements);
-    return weft_flat_shard{begin, end - begin, parameter ? WEFT_FLAT_SHARD_RELEASABLE : 0u, 0u};
+    return flat_range(elements, placement().replicas, placement().replica, parameter);
+  }
+
+  // The pipeline's plan (PipelineStrategy::memory_plan), with the data-parallel plugin's FLAT_SHARD
+  // placements over the replicas: 1 / N of the optimizer state's share; the gradients' range beside
+  // the whole ones; the parameters' range beside the whole ones, which a chunk keeps from its GATHER to
+  // its RELEASE (all of this rank's at the step's peak).
+  void memory_plan(weft_memory_plan& plan) override {
+    PipelineStrategy::memory_plan(plan);  // the replicas' buckets included
+    if (!companion_ || placement().replicas <= 1) return;
+    std::vector<std::pair<int64_t, int64_t>> ranges(placement().chunk_stages.begin(), placement().chunk_stages.end());
+    const Abi2ShardShares shares =
+        abi2_shard_shares(host(), companion_->name(), reinterpret_cast<weft_place_fn>(companion_->proc("weft_place")),
+                          companion_->instance, ranges);
+    const double n = placement().replicas;
+    const auto range = [n](int64_t bytes, double share) {
+      return static_cast<int64_t>(static_cast<double>(bytes) * share / n);
+    };
+    plan.optimizer_bytes -= static_cast<int64_t>(static_cast<double>(plan.optimizer_bytes) * shares.optimizer_state) -
+                            range(plan.optimizer_bytes, shares.optimizer_state);
+    const int64_t gradients = plan.gradient_bytes;
+    plan.gradient_bytes += range(gradients, std::max(shares.gradient, shares.optimizer_state));
+    plan.parameter_bytes += range(plan.parameter_bytes, shares.parameter);
+    // A reduce-scatter bucket takes the place of the whole gradients it frees (the pipeline's plan
+    // counted an all-reduce bucket for every gradient), beside its row.
+    plan.buffer_bytes += range(gradients, shares.gradient) -
+                         static_cast<int64_t>(static_cast<double>(gradients) * shares.gradient);
   }
 
   double train_step(const weft_step_info& step) override {
@@ -362,7 +385,11 @@ class PipelineStep : public pipeline::PipelineStrategy {
     hooks.reduce = [this](int32_t chunk) { reduce_chunk(chunk); };
     hooks.final_backward = [this](int32_t chunk, bool before) { final_backward(chunk, before); };
     hooks.gather = [this](int32_t chunk) {
-      for (int64_t stage : chunk_gather_.at(static_cast<size_t>(chunk))) {
+      const auto& stages = chunk_gather_.at(static_cast<size_t>(chunk));
+      for (int64_t stage : stages) {  // every stage's all-gathers under way before the first is waited for
+        if (gathered_[static_cast<size_t>(stage)] == 0) gatherer_->prefetch(stage);
+      }
+      for (int64_t stage : stages) {
         if (gathered_[static_cast<size_t>(stage)]++ == 0) gatherer_->gather(stage);
       }
     };
@@ -416,23 +443,9 @@ class PipelineStep : public pipeline::PipelineStrategy {
   // The optimizer state FLAT_SHARD, the gradient whole: this rank's range of each averaged gradient
   // into the parameter's gradient shard, which the host's optimizer reads.
   void shard_gradients() const {
-    const sdk::Host h = host();
-    for (int64_t index : state_shards_) {
-      if (std::binary_search(grad_shards_.begin(), grad_shards_.end(), index)) continue;  // the reducer's
-      DLTensor target = h.parameter_grad_shard(index);
-      if (element_count(target) == 0) continue;
-      DLTensor grad{};
-      if (!h.step_gradient(index, grad)) {  // no gradient this step: zeros
-        h.scale(target, 0.0);
-        continue;
-      }
-      const int64_t elements = element_count(grad);
-      const int64_t chunk = (elements + placement().replicas - 1) / placement().replicas;
-      const int64_t begin = std::min<int64_t>(placement().replica * chunk, elements);
-      int64_t shape[2];
-      h.copy(target, flat_part(grad, begin, element_count(target), shape));
-    }
+    copy_gradient_ranges(host(), state_shards_, grad_shards_, placement().replicas, placement().replica);
   }
+
 
  private:
   PipelineStep(sdk::Host host, std::unique_ptr<PipelinePlugin> opened, std::unique_ptr<Companion> companion,

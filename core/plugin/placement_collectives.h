@@ -18,6 +18,36 @@ namespace weft {
 using sdk::flat_part;
 inline int64_t element_count(const DLTensor& t) { return sdk::detail::elements_of(t); }
 
+// Rank `rank`'s flat range of `elements` over `ranks` (ceil(n / N) elements in rank order, the last
+// ones shorter or empty) for a parameter whose optimizer state is FLAT_SHARD; `parameter`: the
+// parameter is FLAT_SHARD too (whole only around its uses: its range is the master copy).
+inline weft_flat_shard flat_range(int64_t elements, int64_t ranks, int64_t rank, bool parameter) {
+  const int64_t chunk = (elements + ranks - 1) / ranks;
+  const int64_t begin = std::min(rank * chunk, elements), end = std::min((rank + 1) * chunk, elements);
+  return weft_flat_shard{begin, end - begin, parameter ? WEFT_FLAT_SHARD_RELEASABLE : 0u, 0u};
+}
+
+// The optimizer state FLAT_SHARD over whole gradients: rank `rank`'s range (flat_range) of each
+// averaged gradient of `state_shards` into the parameter's gradient shard, which the host's optimizer
+// reads; zeros for one without a gradient this step. Those in `scattered` (ascending) the reducer
+// already wrote.
+inline void copy_gradient_ranges(const sdk::Host& h, const std::vector<int64_t>& state_shards,
+                                 const std::vector<int64_t>& scattered, int64_t ranks, int64_t rank) {
+  for (int64_t index : state_shards) {
+    if (std::binary_search(scattered.begin(), scattered.end(), index)) continue;
+    DLTensor target = h.parameter_grad_shard(index);
+    if (element_count(target) == 0) continue;
+    DLTensor grad{};
+    if (!h.step_gradient(index, grad)) {
+      h.scale(target, 0.0);
+      continue;
+    }
+    const weft_flat_shard range = flat_range(element_count(grad), ranks, rank, false);
+    int64_t shape[2];
+    h.copy(target, flat_part(grad, range.begin, range.count, shape));
+  }
+}
+
 // Gradients averaged over a group in buckets of at most `bucket_bytes` (a parameter larger than that
 // alone), filled from the last parameter to the first: the model lists them from the embedding to
 // the head and the backward finishes them the other way round. Armed for a backward, the buckets
@@ -70,9 +100,11 @@ class GradientReducer {
       b.elements = elements;
       of_[static_cast<size_t>(p.index)] = static_cast<int64_t>(buckets_.size() - 1);
     }
+    // An all-reduce bucket's buffer lives through the run (as PyTorch DDP's); a reduce-scatter
+    // bucket's only from its start to the copy out of its row (as FSDP's): the whole gradients it
+    // takes are freed as it fills.
     for (Bucket& b : buckets_) {
-      b.buffer = host.buffer({b.scatter ? ranks_ * b.width : b.elements}, DLDataType{kDLFloat, 32, 1});
-      if (b.scatter) b.row = host.buffer({b.width}, DLDataType{kDLFloat, 32, 1});
+      if (!b.scatter) b.buffer = host.buffer({b.elements}, DLDataType{kDLFloat, 32, 1});
     }
     host.set_grad_ready_callback(&GradientReducer::ready_trampoline, this);
   }
@@ -135,6 +167,8 @@ class GradientReducer {
           DLTensor shard = host_.parameter_grad_shard(b.parameters[k]);
           host_.copy(shard, b.row.part(b.offsets[k], count, shape));
         }
+        b.buffer = sdk::Buffer();
+        b.row = sdk::Buffer();
         continue;
       }
       DLTensor whole = b.buffer.view();
@@ -152,7 +186,13 @@ class GradientReducer {
   void abandon() noexcept {
     armed_ = false;
     error_ = nullptr;
-    for (Bucket& b : buckets_) b.work.reset();
+    for (Bucket& b : buckets_) {
+      b.work.reset();
+      if (b.scatter) {
+        b.buffer = sdk::Buffer();
+        b.row = sdk::Buffer();
+      }
+    }
   }
 
  private:
@@ -163,8 +203,8 @@ class GradientReducer {
     std::vector<int64_t> parameters, offsets, sizes, chunks;
     int64_t elements = 0, pending = 0;
     int64_t width = 0;   // scatter: a row's elements
-    sdk::Buffer buffer;  // whole: [elements]; scatter: [N * width]
-    sdk::Buffer row;     // scatter: this rank's reduced row
+    sdk::Buffer buffer;  // whole: [elements]; scatter: [N * width], from its start to its finish
+    sdk::Buffer row;     // scatter: this rank's reduced row, likewise
     sdk::Work work;
   };
   // The elements of parameter k's range that rank r holds (the last ranges shorter or empty).
@@ -219,6 +259,8 @@ class GradientReducer {
   }
   // Rank r's range of each gradient into row r, then the reduce-scatter; the whole gradients go.
   void start_scatter(Bucket& b) {
+    b.buffer = host_.buffer({ranks_ * b.width}, DLDataType{kDLFloat, 32, 1});
+    b.row = host_.buffer({b.width}, DLDataType{kDLFloat, 32, 1});
     DLTensor all = b.buffer.view();
     host_.scale(all, 0.0);  // the rows' padding
     for (size_t k = 0; k < b.parameters.size(); ++k) {

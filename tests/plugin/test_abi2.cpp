@@ -308,9 +308,9 @@ TEST(Abi2, ADataParallelPluginComposesWithAPipelineAndReducesDuringTheBackward) 
 // FSDP x PP and ZeRO's stages 1 and 2 under a pipeline: zero_abi2 composed with gpipe_abi2 on pp 2 x
 // dp 2 shards over each stage's dp replicas. Stage 1 keeps half of ddp_abi2's optimizer state per
 // rank, stage 2 half its gradients too, stage 3 half its parameters (GATHER before a chunk's first
-// forward, RELEASE after its reduction), each with ddp_abi2,gpipe_abi2's losses to the bit; a
-// stage-3 checkpoint resumes exactly under stage 3 and under ddp_abi2 (parameters and optimizer
-// state gathered whole).
+// forward, RELEASE after its reduction), each with ddp_abi2,gpipe_abi2's losses to the bit, and
+// plans for it; a stage-3 checkpoint resumes exactly under stage 3 and under ddp_abi2 (parameters
+// and optimizer state gathered whole).
 TEST(Abi2, ZeroUnderAPipelineShardsOverEachStagesReplicasAndResumesUnderAnyLayout) {
   const std::string dir = weft::testing::fresh_dir("weft_test_abi2", "zero_pp");
   const std::string mesh = " --set mesh.pp=2 --set mesh.dp=2";
@@ -320,6 +320,20 @@ TEST(Abi2, ZeroUnderAPipelineShardsOverEachStagesReplicasAndResumesUnderAnyLayou
   const auto losses = weft::testing::step_losses(dir + "/ddp/metrics.jsonl");
   ASSERT_EQ(losses.size(), 4u);
   const auto whole = [&](const char* part) { return weft::testing::state_mib_per_rank(dir + "/ddp/metrics.jsonl", part); };
+  // The summary's memory plan and measured tensor peak per rank, MiB.
+  const auto plan_and_peak = [](const std::string& metrics) {
+    std::pair<std::vector<double>, std::vector<double>> out;
+    std::ifstream in(metrics);
+    for (std::string line; std::getline(in, line);) {
+      const auto record = nlohmann::json::parse(line);
+      if (record["type"] != "summary") continue;
+      out.first = record["memory_plan_mib_per_rank"].get<std::vector<double>>();
+      out.second = record["tensor_peak_mib_per_rank"].get<std::vector<double>>();
+    }
+    return out;
+  };
+  const auto ddp_plan = plan_and_peak(dir + "/ddp/metrics.jsonl").first;
+  ASSERT_EQ(ddp_plan.size(), 4u);
   for (int stage = 1; stage <= 3; ++stage) {
     const std::string out = dir + "/zero" + std::to_string(stage);
     const auto r = weft::testing::run_trainer(run + mesh + " --plugin zero_abi2,gpipe_abi2 --set plugin.stage=" +
@@ -340,6 +354,16 @@ TEST(Abi2, ZeroUnderAPipelineShardsOverEachStagesReplicasAndResumesUnderAnyLayou
           EXPECT_GE(sharded[k], full[k] * 0.99) << "stage " << stage << " " << part << " rank " << k;
         }
       }
+    }
+    // The memory plan asks zero_abi2's placements before the model is built: stage 1 plans less than
+    // ddp_abi2 (half the optimizer state), and every plan is within 25% of the measured peak.
+    const auto [plan, peak] = plan_and_peak(out + "/metrics.jsonl");
+    ASSERT_EQ(plan.size(), 4u);
+    ASSERT_EQ(peak.size(), 4u);
+    for (size_t k = 0; k < 4; ++k) {
+      if (stage == 1) EXPECT_LT(plan[k], ddp_plan[k]) << "rank " << k;
+      EXPECT_LE(std::abs(plan[k] - peak[k]) / peak[k], 0.25) << "stage " << stage << " rank " << k << ": plan " << plan[k]
+                                                             << " MiB, peak " << peak[k] << " MiB";
     }
   }
   for (const std::string plugin : {"zero_abi2,gpipe_abi2 --set plugin.stage=3", "ddp_abi2,gpipe_abi2"}) {

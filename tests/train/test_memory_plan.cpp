@@ -184,7 +184,9 @@ TEST(MemoryPlan, TheEstimateIsWithinItsMarginOfTheMeasuredPeakForEveryKindOfPlug
                                    "context_parallel",
                                    "context_parallel --set plugin.mode=\"ring\"",
                                    // ZB-V (an ABI 2 schedule as data): two chunks per rank, W passes waiting
-                                   WEFT_PLUGIN_FIXTURE_DIR "/zbv.so"}) {
+                                   WEFT_PLUGIN_FIXTURE_DIR "/zbv.so",
+                                   // ABI 2 placements, asked before the model is built: ZeRO's stages 1 and 3
+                                   "zero_abi2 --set plugin.stage=1", "zero_abi2 --set plugin.stage=3"}) {
     const std::string dir = fresh_dir("memory_plan", "peak");
     const auto outcome = run_trainer(small_run(dir, plugin, 2));
     ASSERT_EQ(outcome.exit_code, 0) << plugin << "\n" << outcome.output;
@@ -200,6 +202,8 @@ TEST(MemoryPlan, TheEstimateIsWithinItsMarginOfTheMeasuredPeakForEveryKindOfPlug
   }
   // Sequence parallelism's residual stream holds half the tokens between the regions: planned less.
   EXPECT_LT(plans.at("tensor_parallel --set plugin.sequence_parallel=true"), plans.at("tensor_parallel"));
+  // zero_abi2's stage 1 keeps half the optimizer state (and a range of the gradients beside them).
+  EXPECT_LT(plans.at("zero_abi2 --set plugin.stage=1"), plans.at("ddp"));
 }
 
 // What each ZeRO stage keeps between steps at 2 and 4 ranks, measured from the stored tensors,

@@ -243,7 +243,9 @@ struct weft_parameter_desc {
 /* "weft_layout": the batch split (`out` comes filled with the host's defaults). */
 typedef weft_status* (*weft_layout_fn)(weft_plugin_instance* instance, weft_layout* out);
 /* "weft_place": called once per parameter after the model is built (`out` comes REPLICATE,
- * REPLICATE, REPLICATE). Without the function every parameter keeps that. */
+ * REPLICATE, REPLICATE). Without the function every parameter keeps that. The host may also ask it
+ * before the model is built, for the memory plan, with each parameter's full shape (LoRA adapters
+ * aside) and trainable = 1: the answer must follow from the description alone. */
 typedef weft_status* (*weft_place_fn)(weft_plugin_instance* instance, const weft_parameter_desc* parameter,
                                       weft_parameter_layout* out);
 

@@ -43,8 +43,8 @@ struct PipelinePlugin {
 
 std::string plugin_name(const PipelinePlugin& o) { return o.plugin.table.name; }
 
-// The data-parallel plugin composed with the pipeline one on a mesh pp x dp (train.plugin =
-// "ddp_abi2,gpipe_abi2"): its instance and layout, its dimension the mesh's dp slice of this rank.
+// The data-parallel plugin composed with the pipeline one on a mesh pp x dp (train.plugin names
+// both, in either order): its instance and layout, its dimension the mesh's dp slice of this rank.
 struct Companion {
   Companion(sdk::Host host, const Abi2Plugin& p, weft_host* settings) : plugin(p), context{host, p.table.name} {
     context.settings = settings;

@@ -352,12 +352,7 @@ class HostStep : public sdk::Strategy {
     for (int64_t i = 0; i < count; ++i) {
       const weft_parameter_info info = h.parameter_info(i);
       DLTensor data = h.parameter_data(i);
-      weft_parameter_desc desc{};
-      desc.struct_size = sizeof desc;
-      desc.name = info.name;
-      desc.ndim = data.ndim;
-      desc.shape = data.shape;
-      desc.trainable = info.trainable;
+      const weft_parameter_desc desc = abi2_parameter_desc(info, data);
       weft_parameter_layout where{};
       if (place != nullptr) check(place(instance_, &desc, &where), "weft_place");
       check_placement(info, where);

@@ -30,6 +30,18 @@ constexpr int64_t kAbi2DefaultBucketBytes = 25LL * 1024 * 1024;
 // The host's services for ABI 2 plugins, by name (weft/plugin.h); abi2.cpp.
 weft_proc abi2_host_proc_address(const char* name);
 
+// What weft_place is told of a built parameter: its name, its shape (this rank's tensor's) and
+// whether it trains. The name and shape point into `info` and `data`.
+inline weft_parameter_desc abi2_parameter_desc(const weft_parameter_info& info, const DLTensor& data) {
+  weft_parameter_desc desc{};
+  desc.struct_size = sizeof desc;
+  desc.name = info.name;
+  desc.ndim = data.ndim;
+  desc.shape = data.shape;
+  desc.trainable = info.trainable;
+  return desc;
+}
+
 // "REPLICATE", "FLAT_SHARD", ... (weft_placement_kind), in messages.
 const char* abi2_placement_name(int32_t kind);
 // Placements this host executes: REPLICATE; LOCAL for a parameter, its gradient and its optimizer

@@ -193,12 +193,7 @@ class PipelineStep : public pipeline::PipelineStrategy {
       DLTensor data = h.parameter_data(i);
       weft_parameter_layout where{};
       if (place != nullptr) {
-        weft_parameter_desc desc{};
-        desc.struct_size = sizeof desc;
-        desc.name = info.name;
-        desc.ndim = data.ndim;
-        desc.shape = data.shape;
-        desc.trainable = info.trainable;
+        const weft_parameter_desc desc = abi2_parameter_desc(info, data);
         check_status(h, dp_name, place(companion_->instance, &desc, &where), "weft_place");
         check_abi2_placement(dp_name, info, where);
         if (where.parameter.kind == WEFT_PLACE_LOCAL) {

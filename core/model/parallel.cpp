@@ -307,6 +307,17 @@ std::vector<torch::Tensor> sum_over_slices(const CommHook* hook, const std::vect
   return out;
 }
 
+const std::vector<std::string>& comm_point_names() {
+  static const std::vector<std::string> names = {
+      "block.attention.input", "block.attention.output", "block.mlp.input", "block.mlp.output",
+      "embedding.output",      "loss.max",               "loss.sum",        "head.input",
+      "linear.row_absmax",     "adalora.slice_sums"};
+  return names;
+}
+const std::string& comm_point_name(CommPoint point) {
+  return comm_point_names().at(static_cast<size_t>(point));
+}
+
 torch::Tensor comm_point(const CommHook* hook, CommPoint point, int64_t layer, const torch::Tensor& x) {
   if (hook == nullptr || !*hook) return x;
   return CommFunction::apply(x.contiguous(), hook, static_cast<int64_t>(point), layer);

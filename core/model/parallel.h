@@ -63,6 +63,11 @@ enum class CommPoint {
                          // all-reduce forward; never backward (ABI 1.8)
 };
 
+// The points by name, as plugins of ABI 2 register hooks at them (weft/plugin.h, "weft_hooks"):
+// "block.attention.input", ..., in CommPoint order. A new point is a new name here.
+const std::vector<std::string>& comm_point_names();
+const std::string& comm_point_name(CommPoint point);
+
 // Communicates in place on `tensor` at `point` of decoder block `layer` (-1 outside blocks),
 // in the forward or the backward direction. Throws on failure.
 using CommHook = std::function<void(CommPoint point, bool backward, int64_t layer, torch::Tensor& tensor)>;

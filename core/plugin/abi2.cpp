@@ -80,23 +80,94 @@ weft_status* service_parameter(weft_host_context* c, int64_t index, weft_paramet
   weft_parameter_desc whole{};
   whole.struct_size = std::min<uint32_t>(desc->struct_size, sizeof whole);
   whole.name = c->info.name;
-  whole.ndim = data->ndim;
-  whole.shape = data->shape;
+  whole.ndim = c->info.ndim;
+  whole.shape = c->info.shape;
   whole.trainable = c->info.trainable;
   std::memcpy(desc, &whole, whole.struct_size);
   return nullptr;
 }
+bool collective_dtype(const DLTensor& t) {
+  return t.dtype.lanes == 1 && ((t.dtype.code == kDLFloat && (t.dtype.bits == 32 || t.dtype.bits == 64 || t.dtype.bits == 16)) ||
+                                (t.dtype.code == kDLBfloat && t.dtype.bits == 16));
+}
+// A contiguous tensor as one dimension (the collectives split dimension 0 over the ranks).
+DLTensor flat_view(const DLTensor& t, int64_t (&shape_and_stride)[2]) {
+  shape_and_stride[0] = sdk::detail::elements_of(t);
+  shape_and_stride[1] = 1;
+  DLTensor view = t;
+  view.ndim = 1;
+  view.shape = &shape_and_stride[0];
+  view.strides = &shape_and_stride[1];
+  return view;
+}
+// A collective's status, or its wait's: it returns when done.
+weft_status* waited(weft_host_context* c, weft_status* status, weft_work** work) {
+  if (status != nullptr) return status;
+  status = c->host.api()->work_wait(c->host.handle(), *work);
+  c->host.api()->work_release(c->host.handle(), *work);
+  return status;
+}
 weft_status* service_all_reduce(weft_host_context* c, DLTensor* tensor, weft_reduce_op op) {
   if (tensor == nullptr) return g_api->status_create(WEFT_STATUS_INVALID_ARGUMENT, "weft_all_reduce: tensor is NULL");
-  if (tensor->dtype.code != kDLFloat || (tensor->dtype.bits != 32 && tensor->dtype.bits != 64) || tensor->dtype.lanes != 1) {
-    return g_api->status_create(WEFT_STATUS_INVALID_ARGUMENT, "weft_all_reduce: the tensor is not fp32 or fp64");
+  if (!collective_dtype(*tensor)) {
+    return g_api->status_create(WEFT_STATUS_INVALID_ARGUMENT, "weft_all_reduce: the tensor is not fp32, fp64, bf16 or fp16");
   }
   weft_work* work = nullptr;
-  weft_status* status = c->host.api()->all_reduce(c->host.handle(), c->group, tensor, op, &work);
-  if (status != nullptr) return status;
-  status = c->host.api()->work_wait(c->host.handle(), work);
-  c->host.api()->work_release(c->host.handle(), work);
-  return status;
+  return waited(c, c->host.api()->all_reduce(c->host.handle(), c->group, tensor, op, &work), &work);
+}
+// Since 2.3: all-gather and reduce-scatter over the plugin's dimension (sequence parallelism).
+weft_status* service_all_gather(weft_host_context* c, DLTensor* output, const DLTensor* input) {
+  if (output == nullptr || input == nullptr || !collective_dtype(*output) || !collective_dtype(*input)) {
+    return g_api->status_create(WEFT_STATUS_INVALID_ARGUMENT,
+                                "weft_all_gather: an output and an input of fp32, fp64, bf16 or fp16 are required");
+  }
+  int64_t out_shape[2], in_shape[2];
+  DLTensor out = flat_view(*output, out_shape);
+  const DLTensor in = flat_view(*input, in_shape);
+  weft_work* work = nullptr;
+  return waited(c, c->host.api()->all_gather(c->host.handle(), c->group, &out, &in, &work), &work);
+}
+weft_status* service_reduce_scatter(weft_host_context* c, DLTensor* output, const DLTensor* input) {
+  if (output == nullptr || input == nullptr || !collective_dtype(*output) || !collective_dtype(*input)) {
+    return g_api->status_create(WEFT_STATUS_INVALID_ARGUMENT,
+                                "weft_reduce_scatter: an output and an input of fp32, fp64, bf16 or fp16 are required");
+  }
+  int64_t out_shape[2], in_shape[2];
+  DLTensor out = flat_view(*output, out_shape);
+  const DLTensor in = flat_view(*input, in_shape);
+  weft_work* work = nullptr;
+  return waited(c, c->host.api()->reduce_scatter(c->host.handle(), c->group, &out, &in, WEFT_REDUCE_SUM, &work), &work);
+}
+// Since 2.3: the model's configuration by its config.json name.
+weft_status* service_model_config_int(weft_host_context* c, const char* key, int64_t* out) {
+  const PluginHost::State& state = *c->host.handle()->state;
+  if (key == nullptr || out == nullptr) {
+    return g_api->status_create(WEFT_STATUS_INVALID_ARGUMENT, "weft_model_config_int: a key and an output are required");
+  }
+  if (state.model_config == nullptr) {
+    return g_api->status_create(WEFT_STATUS_INVALID_ARGUMENT,
+                                "weft_model_config_int: the model's configuration is known from weft_place on");
+  }
+  const ModelConfig& m = *state.model_config;
+  const std::map<std::string, int64_t> values = {
+      {"hidden_size", m.hidden_size},
+      {"num_attention_heads", m.num_attention_heads},
+      {"num_key_value_heads", m.num_key_value_heads},
+      {"intermediate_size", m.intermediate_size},
+      {"vocab_size", m.vocab_size},
+      {"num_hidden_layers", m.num_hidden_layers},
+      {"tie_word_embeddings", m.tie_word_embeddings ? 1 : 0},
+  };
+  const auto it = values.find(key);
+  if (it == values.end()) {
+    std::vector<std::string> keys;
+    for (const auto& [k, v] : values) keys.push_back(k);
+    return g_api->status_create(WEFT_STATUS_INVALID_ARGUMENT,
+                                fmt::format("weft_model_config_int: no key \"{}\" (the host has: {})", key,
+                                            fmt::join(keys, ", ")).c_str());
+  }
+  *out = it->second;
+  return nullptr;
 }
 weft_status* service_state_tensor(weft_host_context* c, const char* name, DLDataType dtype, int32_t ndim,
                                   const int64_t* shape, DLTensor* out, int32_t* restored) {
@@ -172,6 +243,9 @@ weft_proc host_proc_address(const char* name) {
       {"weft_all_reduce", as_proc(&service_all_reduce)},
       {"weft_report_metric", as_proc(&service_report_metric)},
       {"weft_state_tensor", as_proc(&service_state_tensor)},
+      {"weft_all_gather", as_proc(&service_all_gather)},
+      {"weft_reduce_scatter", as_proc(&service_reduce_scatter)},
+      {"weft_model_config_int", as_proc(&service_model_config_int)},
   };
   if (name == nullptr) return nullptr;
   const auto it = services.find(name);
@@ -194,15 +268,14 @@ class HostStep : public sdk::Strategy {
     const sdk::Group world = host.world();
     context_.group = world.get();
     const uint32_t owns = plugin.table.mesh_dimensions;
-    if (world.size() > 1 && (owns & (1u << WEFT_MESH_DP)) == 0) {
+    if (world.size() > 1 && owns == 0) {
       throw sdk::Error(WEFT_STATUS_BAD_CONFIG,
-                  fmt::format("{} owns no data-parallel dimension, so it runs on one process, but the world has {} "
-                              "ranks (an ABI 2.0 host runs a plugin alone, owning the whole world)",
-                              name(), world.size()));
+                  fmt::format("{} owns no mesh dimension, so it runs on one process, but the world has {} ranks", name(),
+                              world.size()));
     }
     check(plugin.table.create(&services_, &instance_), nullptr);  // the session names the plugin and "create"
     layout_.struct_size = sizeof layout_;
-    layout_.dimension = (owns & (1u << WEFT_MESH_DP)) != 0 ? WEFT_MESH_DP : -1;
+    layout_.dimension = owns == (1u << WEFT_MESH_DP) ? WEFT_MESH_DP : owns == (1u << WEFT_MESH_TP) ? WEFT_MESH_TP : -1;
     layout_.batch_split = WEFT_SPLIT_NONE;
     layout_.reduce_bucket_bytes = kAbi2DefaultBucketBytes;
     layout_.shard_group_size = 0;
@@ -211,6 +284,16 @@ class HostStep : public sdk::Strategy {
       throw sdk::Error(WEFT_STATUS_UNSUPPORTED, fmt::format("{}: weft_layout's batch split {} is not one this host executes "
                                                        "(WEFT_SPLIT_NONE, WEFT_SPLIT_ROWS)",
                                                        name(), layout_.batch_split));
+    }
+    if (tensor_parallel() && layout_.batch_split != WEFT_SPLIT_NONE) {
+      throw sdk::Error(WEFT_STATUS_BAD_CONFIG, fmt::format("{} owns the tensor-parallel dimension, whose ranks take the same "
+                                                           "rows, but its weft_layout splits the batch",
+                                                           name()));
+    }
+    if (!tensor_parallel() && layout_.sequence_parallel != 0) {
+      throw sdk::Error(WEFT_STATUS_BAD_CONFIG, fmt::format("{}: weft_layout.sequence_parallel is for a plugin that owns the "
+                                                           "tensor-parallel dimension",
+                                                           name()));
     }
     make_shard_groups();
     if (proc("weft_schedule") != nullptr) {
@@ -264,6 +347,10 @@ class HostStep : public sdk::Strategy {
     if (layout_.batch_split == WEFT_SPLIT_ROWS) {
       plan.data_parallel_size = host().world().size();
       plan.data_parallel_rank = host().world().rank();
+    }
+    if (layout_.sequence_parallel != 0 && host().world().size() > 1) {  // Megatron's, inside the tp group
+      plan.tensor_sequence_size = host().world().size();
+      plan.tensor_sequence_rank = host().world().rank();
     }
   }
 
@@ -337,6 +424,7 @@ class HostStep : public sdk::Strategy {
     // ranks' ranges cover each element once. Whole, every rank already has the whole norm.
     // Sharded over groups of the dimension: each group's ranges cover every element once, and the groups hold
     // the same averaged gradients.
+    if (tensor_parallel()) return sliced_grad_norm_sq();
     if (!shards_state_ || replicas() <= 1) return local_sq;
     std::vector<double> sum{local_sq};
     all_reduce(sum, shard_group_);
@@ -352,9 +440,13 @@ class HostStep : public sdk::Strategy {
     for (int64_t i = 0; i < count; ++i) {
       const weft_parameter_info info = h.parameter_info(i);
       DLTensor data = h.parameter_data(i);
-      const weft_parameter_desc desc = abi2_parameter_desc(info, data);
+      const weft_parameter_desc desc = abi2_parameter_desc(info);
       weft_parameter_layout where{};
       if (place != nullptr) check(place(instance_, &desc, &where), "weft_place");
+      if (tensor_parallel()) {
+        place_slice(i, info, where);
+        continue;
+      }
       check_placement(info, where);
       if (where.optimizer_state.kind == WEFT_PLACE_FLAT_SHARD && info.trainable && replicas() > 1) {
         state_shards_.push_back(i);  // this rank's optimizer keeps its range of the parameter's state
@@ -406,6 +498,7 @@ class HostStep : public sdk::Strategy {
       }
     }
     register_hooks();
+    if (tensor_parallel()) make_partial_reducers();
     if (!reduced.empty()) {
       reducer_ = std::make_unique<GradientReducer>(h, h.world(), shard_group_, replica_group_, reduced,
                                                    std::max<int64_t>(1, layout_.reduce_bucket_bytes));
@@ -421,7 +514,7 @@ class HostStep : public sdk::Strategy {
     step_ = step.step;
     if (program_micro_batches_ != step.micro_batches) {
       StepProgram program = one_chunk_program(step.micro_batches);
-      if (reducer_) program = lower_reductions(program, {0});
+      if (reducer_ || !partial_reducers_.empty()) program = lower_reductions(program, {0});
       verify_program(program, step.micro_batches, 1);
       program_ = std::move(program);
       program_micro_batches_ = step.micro_batches;
@@ -468,9 +561,11 @@ class HostStep : public sdk::Strategy {
           }
           case WEFT_ACTION_REDUCE:
             if (reducer_) reducer_->start_rest();
+            for (auto& partial : partial_reducers_) partial->start_all();
             break;
           case WEFT_ACTION_OPTIMIZER_STEP:
             if (reducer_) reducer_->finish();  // the host's optimizer runs when train_step returns
+            for (auto& partial : partial_reducers_) partial->finish();
             shard_gradients();
             break;
           case WEFT_ACTION_BACKWARD_INPUT:  // pipeline schedules' (abi2_pipeline.cpp); not in this program
@@ -481,6 +576,7 @@ class HostStep : public sdk::Strategy {
       if (gatherer_ && tied_) gatherer_->release(0);
     } catch (...) {
       if (reducer_) reducer_->abandon();
+      for (auto& partial : partial_reducers_) partial->abandon();
       throw;
     }
     if (reducer_) {  // metrics.jsonl: plugin.reduce_buckets, plugin.reduce_buckets_in_backward
@@ -598,9 +694,11 @@ class HostStep : public sdk::Strategy {
   }
 
  private:
-  // The points this host publishes (weft/plugin.h, "weft_hooks").
-  static const std::vector<std::string>& points() {
-    static const std::vector<std::string> published = {"train.begin", "step.end"};
+  // The points this host publishes (weft/plugin.h, "weft_hooks"): the step's, and the model's to a
+  // plugin that owns the tensor-parallel dimension.
+  std::vector<std::string> points() const {
+    std::vector<std::string> published = {"train.begin", "step.end"};
+    if (tensor_parallel()) published.insert(published.end(), comm_point_names().begin(), comm_point_names().end());
     return published;
   }
 
@@ -617,14 +715,15 @@ class HostStep : public sdk::Strategy {
     if (count > 0 && hooks == nullptr) {
       throw sdk::Error(WEFT_STATUS_INVALID_ARGUMENT, fmt::format("{}: weft_hooks gave {} hooks but no array", name(), count));
     }
+    const std::vector<std::string> published = points();
     for (int32_t k = 0; k < count; ++k) {
       const weft_hook& hook = hooks[k];
       const std::string point = hook.point ? hook.point : "";
-      if (std::find(points().begin(), points().end(), point) == points().end()) {
+      if (std::find(published.begin(), published.end(), point) == published.end()) {
         throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
                          fmt::format("{} registers a hook at \"{}\", a point this host (ABI 2.{}) does not publish "
                                      "(it publishes: {})",
-                                     name(), point, WEFT_PLUGIN_ABI_MINOR, fmt::join(points(), ", ")));
+                                     name(), point, WEFT_PLUGIN_ABI_MINOR, fmt::join(published, ", ")));
       }
       if (hook.fn == nullptr) {
         throw sdk::Error(WEFT_STATUS_INVALID_ARGUMENT, fmt::format("{}: its hook at \"{}\" is NULL", name(), point));
@@ -642,6 +741,137 @@ class HostStep : public sdk::Strategy {
       event.step = step;
       check(fn(instance_, &event), point);
     }
+  }
+
+ protected:
+  // At the model's point `point` (the tensor-parallel dimension's hooks): `tensor` combined in place,
+  // or filled from `source` where the point moves tokens.
+  void run_model_hooks(const std::string& point, bool backward, int64_t layer, DLTensor& tensor, const DLTensor* source) {
+    for (const auto& [at, fn] : hooks_) {
+      if (at != point) continue;
+      weft_hook_event event{};
+      event.struct_size = sizeof event;
+      event.point = at.c_str();
+      event.step = step_;
+      event.backward = backward ? 1 : 0;
+      event.layer = layer;
+      event.tensor = &tensor;
+      event.source = source;
+      check(fn(instance_, &event), at.c_str());
+    }
+  }
+  bool hooked(const std::string& point) const {
+    return std::any_of(hooks_.begin(), hooks_.end(), [&](const auto& h) { return h.first == point; });
+  }
+
+  // --- the tensor-parallel dimension: SLICE placements, PARTIAL gradients ---
+  bool tensor_parallel() const { return layout_.dimension == WEFT_MESH_TP; }
+
+  // The slice a placement asks for (whole for REPLICATE), after checking what this host executes on
+  // the tensor-parallel dimension: parameters SLICE or REPLICATE, their gradients as the parameter
+  // or PARTIAL, optimizer states as the parameter.
+  ParameterShard slice_of(const std::string& parameter, int32_t ndim, const weft_parameter_layout& where) const {
+    const int32_t size = host().world().size();
+    const auto refuse = [&](const char* what, int32_t kind, const std::string& why) {
+      throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
+                       fmt::format("{} places the {} of {} as {}, which this host (ABI 2.{}) does not execute on the "
+                                   "tensor-parallel dimension ({})",
+                                   name(), what, parameter, abi2_placement_name(kind), WEFT_PLUGIN_ABI_MINOR, why));
+    };
+    const weft_placement p = where.parameter;
+    if (p.kind != WEFT_PLACE_SLICE && p.kind != WEFT_PLACE_REPLICATE) {
+      refuse("parameter", p.kind, "a parameter is SLICE or REPLICATE there");
+    }
+    ParameterShard shard;
+    if (p.kind == WEFT_PLACE_SLICE) {
+      const int32_t parts = where.slice_parts > 0 ? where.slice_parts : size;
+      if (p.dim < 0 || p.dim >= ndim || parts < 1 || size % parts != 0) {
+        throw sdk::Error(WEFT_STATUS_BAD_CONFIG,
+                         fmt::format("{} places {} as SLICE along dimension {} in {} parts, which a tensor of {} "
+                                     "dimensions over {} ranks cannot be (the parts divide the ranks)",
+                                     name(), parameter, p.dim, parts, ndim, size));
+      }
+      shard = ParameterShard{p.dim, parts, host().world().rank() * parts / size};
+    }
+    const weft_placement g = where.gradient, o = where.optimizer_state;
+    if (g.kind != WEFT_PLACE_PARTIAL && (g.kind != p.kind || (p.kind == WEFT_PLACE_SLICE && g.dim != p.dim))) {
+      refuse("gradient", g.kind, "a gradient is placed as its parameter, or PARTIAL");
+    }
+    if (o.kind != p.kind || (p.kind == WEFT_PLACE_SLICE && o.dim != p.dim)) {
+      refuse("optimizer state", o.kind, "an optimizer state is placed as its parameter");
+    }
+    return shard;
+  }
+
+  // A built parameter's placement: the slice the model holds must be the one asked for (LoRA's
+  // factors follow their base layer's), and a PARTIAL gradient is summed over the ranks holding
+  // the same parameter.
+  void place_slice(int64_t index, const weft_parameter_info& info, const weft_parameter_layout& where) {
+    const ParameterShard asked = slice_of(info.name, info.ndim, where);
+    const PluginHost::State& state = *host().handle()->state;
+    const ParameterShard held = state.model != nullptr ? shard_of(state.model->options().shards, info.name) : ParameterShard{};
+    const auto describe = [](const ParameterShard& s) {
+      return s.whole() ? std::string("whole") : fmt::format("sliced along dimension {} in {} parts", s.dim, s.parts);
+    };
+    if (asked.parts != held.parts || (!asked.whole() && asked.dim != held.dim)) {
+      throw sdk::Error(WEFT_STATUS_BAD_CONFIG,
+                       fmt::format("{} places {} {}, but the model holds it {} (a LoRA factor follows its base layer: "
+                                   "lora_B sliced along 0 under a column-sliced layer, lora_A along 1 under a row-sliced "
+                                   "one, the other factor whole)",
+                                   name(), info.name, describe(asked), describe(held)));
+    }
+    if (!info.trainable) return;
+    const int32_t size = host().world().size();
+    trainable_.push_back(index);
+    copies_.push_back(static_cast<double>(size / asked.parts));
+    if (where.gradient.kind == WEFT_PLACE_PARTIAL && asked.parts < size) partial_[asked.parts].push_back(index);
+  }
+
+  // One summing reducer per slice count: over the whole dimension (REPLICATE parameters' PARTIAL
+  // gradients; it starts its buckets during the last backward) and over each group of ranks that
+  // shares a slice. Collective: every rank makes every group, in the same order.
+  void make_partial_reducers() {
+    const sdk::Host h = host();
+    const int32_t size = h.world().size(), rank = h.world().rank();
+    std::unique_ptr<GradientReducer> whole;
+    for (const auto& [parts, indices] : partial_) {  // ascending parts: the whole dimension (1) first
+      sdk::Group group = h.world();
+      if (parts > 1) {
+        const int32_t sharing = size / parts;
+        for (int32_t g = 0; g < parts; ++g) {
+          std::vector<int32_t> members;
+          for (int32_t j = 0; j < sharing; ++j) members.push_back(g * sharing + j);
+          sdk::Group made = h.create_group(members);
+          if (rank / sharing == g) group = made;
+        }
+      }
+      std::vector<GradientReducer::Reduced> reduced;
+      for (int64_t index : indices) reduced.push_back({index, false});
+      auto reducer = std::make_unique<GradientReducer>(h, group, group, sdk::Group(), reduced,
+                                                       std::max<int64_t>(1, layout_.reduce_bucket_bytes));
+      reducer->set_sum(true);
+      if (parts == 1) {
+        whole = std::move(reducer);
+      } else {
+        partial_reducers_.push_back(std::move(reducer));
+      }
+    }
+    // Made last, the whole dimension's reducer holds the host's gradient-ready callback: it is the
+    // one armed for the last backward (reducer_), the others start at REDUCE.
+    if (whole) {
+      whole->claim_ready_callback();
+      reducer_ = std::move(whole);
+    }
+  }
+
+  // Each trainable parameter's gradient once, however many ranks hold it.
+  double sliced_grad_norm_sq() const {
+    std::vector<double> share{0.0};
+    for (size_t k = 0; k < trainable_.size(); ++k) {
+      share[0] += host().squared_norm(host().parameter_grad(trainable_[k])) / copies_[k];
+    }
+    if (host().world().size() > 1) all_reduce(share);
+    return share[0];
   }
 
   std::string name() const { return plugin_.table.name; }
@@ -692,8 +922,58 @@ class HostStep : public sdk::Strategy {
   StepProgram program_;
   int32_t program_micro_batches_ = 0;
   std::vector<std::pair<std::string, weft_hook_fn>> hooks_;  // (point, hook), in registration order
+  // The tensor-parallel dimension: trainable parameters with how many ranks hold each (the norm),
+  // PARTIAL gradients by the slice count of their parameter (1: REPLICATE), and their reducers
+  // over groups sharing a slice (the whole dimension's is reducer_).
+  std::vector<int64_t> trainable_;
+  std::vector<double> copies_;
+  std::map<int32_t, std::vector<int64_t>> partial_;
+  std::vector<std::unique_ptr<GradientReducer>> partial_reducers_;
   bool began_ = false;
   int64_t step_ = 0;  // the current step (weft_step_info.step)
+};
+
+// A plugin that owns the tensor-parallel dimension: the host's step, and what the model asks of it
+// before it is built (each weight's slice, from weft_place) and at its points (the plugin's hooks).
+// Its table carries those slots; a data-parallel plugin's leaves them empty, so that the model
+// skips its points.
+class TensorStep : public HostStep {
+ public:
+  using HostStep::HostStep;
+
+  weft_shard shard_parameter(const weft_parameter_info& info) override {
+    weft_parameter_layout where{};
+    if (const auto place = reinterpret_cast<weft_place_fn>(proc("weft_place"))) {
+      const weft_parameter_desc desc = abi2_parameter_desc(info);
+      check(place(instance_, &desc, &where), "weft_place");
+    }
+    const ParameterShard slice = slice_of(info.name, info.ndim, where);
+    return weft_shard{slice.dim, slice.parts, slice.index};
+  }
+
+  void setup() override {
+    HostStep::setup();
+    if (layout_.sequence_parallel == 0 || host().world().size() <= 1) return;
+    std::vector<std::string> missing;  // sequence parallelism moves tokens at every region's ends
+    for (CommPoint p : {CommPoint::kEmbeddingOutput, CommPoint::kAttentionInput, CommPoint::kAttentionOutput,
+                        CommPoint::kMlpInput, CommPoint::kMlpOutput, CommPoint::kHeadInput}) {
+      if (!hooked(comm_point_name(p))) missing.push_back(comm_point_name(p));
+    }
+    if (!missing.empty()) {
+      throw sdk::Error(WEFT_STATUS_BAD_CONFIG,
+                       fmt::format("{} asks for sequence parallelism (weft_layout.sequence_parallel) but has no hook at {}, "
+                                   "where the tokens move",
+                                   name(), fmt::join(missing, ", ")));
+    }
+  }
+
+  void comm_point(weft_comm_point point, weft_direction direction, int64_t layer, DLTensor& tensor) override {
+    run_model_hooks(comm_point_name(static_cast<CommPoint>(point)), direction == WEFT_BACKWARD, layer, tensor, nullptr);
+  }
+  void sequence_region(weft_comm_point point, weft_direction direction, int64_t layer, const DLTensor& input,
+                       DLTensor& output) override {
+    run_model_hooks(comm_point_name(static_cast<CommPoint>(point)), direction == WEFT_BACKWARD, layer, output, &input);
+  }
 };
 
 }  // namespace
@@ -798,11 +1078,12 @@ Abi2Plugin validate_abi2_table(const weft_plugin& table, const std::string& path
   WEFT_CHECK(missing.empty(), "plugin {}: required function(s) are NULL: {}", path, fmt::join(missing, ", "));
   WEFT_CHECK(table.name && *table.name, "plugin {}: its table has no name", path);
   WEFT_CHECK(table.version && *table.version, "plugin {}: its table has no version", path);
-  const uint32_t dp = 1u << WEFT_MESH_DP, pp = 1u << WEFT_MESH_PP;
-  WEFT_CHECK(table.mesh_dimensions == 0 || table.mesh_dimensions == dp || table.mesh_dimensions == pp,
-             "plugin {} offers mesh dimensions {:#x}; an ABI 2 plugin on this host (ABI 2.{}) owns the data-parallel "
-             "dimension ({:#x}) or the pipeline dimension ({:#x})",
-             path, table.mesh_dimensions, WEFT_PLUGIN_ABI_MINOR, dp, pp);
+  const uint32_t dp = 1u << WEFT_MESH_DP, pp = 1u << WEFT_MESH_PP, tp = 1u << WEFT_MESH_TP;
+  WEFT_CHECK(table.mesh_dimensions == 0 || table.mesh_dimensions == dp || table.mesh_dimensions == pp ||
+                 table.mesh_dimensions == tp,
+             "plugin {} offers mesh dimensions {:#x}; an ABI 2 plugin on this host (ABI 2.{}) owns one of the "
+             "data-parallel dimension ({:#x}), the pipeline dimension ({:#x}) and the tensor-parallel dimension ({:#x})",
+             path, table.mesh_dimensions, WEFT_PLUGIN_ABI_MINOR, dp, pp, tp);
   Abi2Plugin plugin;
   plugin.path = path;
   plugin.table = table;
@@ -811,8 +1092,10 @@ Abi2Plugin validate_abi2_table(const weft_plugin& table, const std::string& path
 
 weft_strategy_api abi2_session_table(const Abi2Plugin& plugin) {
   if (plugin.table.mesh_dimensions == (1u << WEFT_MESH_PP)) return abi2_pipeline_table(plugin);
-  weft_strategy_api table = sdk::detail::make_table<HostStep>(plugin.table.name, plugin.table.version,
-                                                               plugin.table.description);
+  weft_strategy_api table =
+      plugin.table.mesh_dimensions == (1u << WEFT_MESH_TP)
+          ? sdk::detail::make_table<TensorStep>(plugin.table.name, plugin.table.version, plugin.table.description)
+          : sdk::detail::make_table<HostStep>(plugin.table.name, plugin.table.version, plugin.table.description);
   table.mesh_dimensions = plugin.table.mesh_dimensions;
   return table;
 }
@@ -823,6 +1106,8 @@ weft_status* create_abi2_step(const Abi2Plugin& plugin, const weft_host_api* api
   weft_status* status = sdk::detail::guarded(api, [&] {
     if (plugin.table.mesh_dimensions == (1u << WEFT_MESH_PP)) {
       created = create_abi2_pipeline_step(sdk::Host(api, host), plugin);
+    } else if (plugin.table.mesh_dimensions == (1u << WEFT_MESH_TP)) {
+      created = new TensorStep(sdk::Host(api, host), plugin);
     } else {
       created = new HostStep(sdk::Host(api, host), plugin);
     }

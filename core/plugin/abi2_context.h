@@ -30,14 +30,14 @@ constexpr int64_t kAbi2DefaultBucketBytes = 25LL * 1024 * 1024;
 // The host's services for ABI 2 plugins, by name (weft/plugin.h); abi2.cpp.
 weft_proc abi2_host_proc_address(const char* name);
 
-// What weft_place is told of a built parameter: its name, its shape (this rank's tensor's) and
-// whether it trains. The name and shape point into `info` and `data`.
-inline weft_parameter_desc abi2_parameter_desc(const weft_parameter_info& info, const DLTensor& data) {
+// What weft_place is told of a built parameter: its name, its full shape (a SLICE placement's
+// rank holds less) and whether it trains. The name and shape point into `info`.
+inline weft_parameter_desc abi2_parameter_desc(const weft_parameter_info& info) {
   weft_parameter_desc desc{};
   desc.struct_size = sizeof desc;
   desc.name = info.name;
-  desc.ndim = data.ndim;
-  desc.shape = data.shape;
+  desc.ndim = info.ndim;
+  desc.shape = info.shape;
   desc.trainable = info.trainable;
   return desc;
 }

@@ -193,7 +193,7 @@ class PipelineStep : public pipeline::PipelineStrategy {
       DLTensor data = h.parameter_data(i);
       weft_parameter_layout where{};
       if (place != nullptr) {
-        const weft_parameter_desc desc = abi2_parameter_desc(info, data);
+        const weft_parameter_desc desc = abi2_parameter_desc(info);
         check_status(h, dp_name, place(companion_->instance, &desc, &where), "weft_place");
         check_abi2_placement(dp_name, info, where);
         if (where.parameter.kind == WEFT_PLACE_LOCAL) {

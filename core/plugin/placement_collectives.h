@@ -135,6 +135,11 @@ class GradientReducer {
   // embedding final after the head's backward, before stage 0's adds to it: the step says instead
   // which gradients are final (`ready`), after each stage's backward.
   void set_explicit(bool on) noexcept { explicit_ = on; }
+  // The host's gradient-ready callback (one per process) calls this reducer again, after another
+  // reducer made later took it.
+  void claim_ready_callback() { host_.set_grad_ready_callback(&GradientReducer::ready_trampoline, this); }
+  // PARTIAL gradients (each rank holds a part of the sum): all-reduced and left summed, not averaged.
+  void set_sum(bool on) noexcept { sum_ = on; }
   // Of the host's per-backward readiness, take only these parameters' (a pipeline chunk's final
   // backward: its own parameters, not a tied embedding that another chunk of the rank adds to
   // later); empty: every parameter's.
@@ -149,6 +154,12 @@ class GradientReducer {
     if (error_) std::rethrow_exception(error_);
     for (Bucket& b : buckets_) b.pending = 0;
     start_ready();
+  }
+  // REDUCE for a reducer no backward armed: every bucket starts now.
+  void start_all() {
+    arm();
+    disarm();
+    start_rest();
   }
   // Before the optimizer step: waits for every bucket and writes the averages into the gradients
   // (FLAT_SHARD: into this rank's gradient shards).
@@ -172,7 +183,7 @@ class GradientReducer {
         continue;
       }
       DLTensor whole = b.buffer.view();
-      host_.scale(whole, 1.0 / static_cast<double>(group_.size()));
+      if (!sum_) host_.scale(whole, 1.0 / static_cast<double>(group_.size()));
       for (size_t k = 0; k < b.parameters.size(); ++k) {
         DLTensor grad{};
         if (!host_.step_gradient(b.parameters[k], grad)) continue;
@@ -289,6 +300,7 @@ class GradientReducer {
   int64_t started_in_backward_ = 0;
   bool armed_ = false;
   bool explicit_ = false;
+  bool sum_ = false;
   std::vector<char> accept_;  // accept_only's mask (empty: all)
   std::exception_ptr error_;
 };

@@ -244,6 +244,10 @@ void StrategySession::compose_abi2(const std::vector<std::shared_ptr<PluginLibra
   for (size_t i = 0; i < libraries.size(); ++i) {
     const uint32_t offered = libraries[i]->abi2()->table.mesh_dimensions;
     int& slot = offered == pp_bit ? pp : dp;
+    WEFT_CHECK(offered != (1u << WEFT_MESH_TP),
+               "plugin {} owns the tensor-parallel dimension, which ABI 2 plugins do not compose over in this version "
+               "(pipeline x data parallel only): run it alone, or tensor_parallel (ABI 1) in train.plugin = \"{}\"",
+               names[i], fmt::join(names, ","));
     WEFT_CHECK(offered == pp_bit || offered == dp_bit,
                "plugin {} (ABI 2) owns no mesh dimension, so it runs alone, not in train.plugin = \"{}\"",
                names[i], fmt::join(names, ","));

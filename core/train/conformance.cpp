@@ -308,6 +308,8 @@ std::vector<ConformanceCase> conformance_matrix() {
   both("tensor_parallel", 4, {});                         // the check model's 2 kv heads shared by pairs
   both("tensor_parallel", 4, {"plugin.tp=2"});            // tp 2 x dp 2
   both("tensor_parallel", 2, {"plugin.sequence_parallel=true"});
+  both("tensor_parallel_abi2", 4, {});  // under ABI 2: slices and hooks; kv heads shared by pairs
+  both("tensor_parallel_abi2", 2, {"plugin.sequence_parallel=true"});
   both("gpipe", 2, {});
   both("gpipe", 4, {});
   both("gpipe", 4, {"plugin.stages=2"});                  // pp 2 x dp 2

@@ -142,8 +142,9 @@ TEST(Cli, CheckAllRunsTheConformanceMatrixAndTabulatesEveryCase) {
     cases.push_back(c);
     small += c.nproc <= 2 ? 1 : 0;
   }
-  EXPECT_EQ(plugins, (std::set<std::string>{"ddp", "ddp_abi2", "zero", "zero_abi2", "tensor_parallel", "gpipe",
-                                            "gpipe_abi2", "pipedream", "context_parallel"}));
+  EXPECT_EQ(plugins, (std::set<std::string>{"ddp", "ddp_abi2", "zero", "zero_abi2", "tensor_parallel",
+                                            "tensor_parallel_abi2", "gpipe", "gpipe_abi2", "pipedream",
+                                            "context_parallel"}));
   ASSERT_GT(small, 0);
   ASSERT_GT(cases.size(), static_cast<size_t>(small));
   const auto r = run_trainer("check --all --plugin context_parallel --nproc 2 --steps 2");
@@ -175,8 +176,8 @@ TEST(Cli, CheckAllRunsTheConformanceMatrixAndTabulatesEveryCase) {
   const auto none = run_trainer("check --all --plugin dpp");
   EXPECT_EQ(none.exit_code, 1);
   EXPECT_NE(none.output.find("trainer check --all --plugin dpp: no case of the matrix runs it (its plugins: "
-                             "context_parallel, ddp, ddp_abi2, gpipe, gpipe_abi2, pipedream, tensor_parallel, zero, "
-                             "zero_abi2)"),
+                             "context_parallel, ddp, ddp_abi2, gpipe, gpipe_abi2, pipedream, tensor_parallel, "
+                             "tensor_parallel_abi2, zero, zero_abi2)"),
             std::string::npos)
       << none.output;
 }
@@ -202,7 +203,7 @@ TEST(Cli, BadInputGetsOneClearErrorAndExitCodeOne) {
                 "plugin 'dpp' not found: did you mean 'ddp'? (plugins here: context_parallel, ddp, "},
            Case{tiny + "--set data.path=" + write_corpus(dir) + " --plugin fsdp",
                 "(plugins here: context_parallel, ddp, ddp_abi2, gpipe, gpipe_abi2, pipedream, single, single_abi2, "
-                "tensor_parallel, zero, "
+                "tensor_parallel, tensor_parallel_abi2, zero, "
                 "zero_abi2"},
            Case{"check --plugin ddp --steps 0", "--steps 0: must be at least 1"},
            Case{tiny + "--set model.quantize=nf4", "training needs adapters (train.mode = \"lora\""},

@@ -93,7 +93,7 @@ TEST(Abi2, PluginsAreListedWithTheirAbi) {
   const std::string plugins = std::string(WEFT_BINARY_DIR) + "/plugins/";
   const auto ddp = weft::PluginLibrary::load(plugins + "ddp_abi2.so");
   ASSERT_NE(ddp->abi2(), nullptr);
-  EXPECT_EQ(ddp->abi(), "2.2");
+  EXPECT_EQ(ddp->abi(), "2.3");
   EXPECT_EQ(ddp->name(), "ddp_abi2");
   EXPECT_EQ(weft::PluginLibrary::load(plugins + "ddp.so")->abi2(), nullptr);
 }
@@ -109,9 +109,9 @@ TEST(Abi2, WhatThisHostDoesNotRunIsRefusedBeforeTheFirstStep) {
   };
   const std::vector<Case> cases{
       {"--plugin single_abi2 --nproc 2",
-       "single_abi2 owns no data-parallel dimension, so it runs on one process, but the world has 2 ranks"},
+       "single_abi2 owns no mesh dimension, so it runs on one process, but the world has 2 ranks"},
       {"--plugin abi2_slice --nproc 2",
-       "abi2_slice places the parameter of model.embed_tokens.weight as SLICE, which this host (ABI 2.2) does not "
+       "abi2_slice places the parameter of model.embed_tokens.weight as SLICE, which this host (ABI 2.3) does not "
        "execute yet"},
       {"--plugin abi2_schedule --nproc 2",
        "abi2_schedule provides weft_schedule but does not own the pipeline dimension"},
@@ -131,24 +131,42 @@ TEST(Abi2, WhatThisHostDoesNotRunIsRefusedBeforeTheFirstStep) {
        "forever; stage 1 F1 waits forever"},
       // Compositions: plugins of one ABI; ABI 2 as a pipeline plugin and a data-parallel one.
       {"--plugin ddp_abi2,tensor_parallel --nproc 2",
-       "plugins ddp_abi2 (ABI 2.2) and tensor_parallel (ABI 1.14) cannot compose: a run composes plugins of one ABI"},
+       "plugins ddp_abi2 (ABI 2.3) and tensor_parallel (ABI 1.14) cannot compose: a run composes plugins of one ABI"},
       {"--plugin ddp_abi2,zero_abi2 --nproc 2", "plugins ddp_abi2 and zero_abi2 both own the data-parallel dimension"},
+      {"--plugin ddp_abi2,tensor_parallel_abi2 --nproc 4 --set mesh.tp=2",
+       "plugin tensor_parallel_abi2 owns the tensor-parallel dimension, which ABI 2 plugins do not compose over in this "
+       "version"},
+      // A tensor-parallel plugin's slices must divide the model's sizes and match what the model holds.
+      {"--plugin tensor_parallel_abi2 --nproc 3",
+       "tensor_parallel_abi2 (weft_place): the model's attention heads (4) cannot be split over 3 tensor-parallel ranks"},
+      {"--plugin abi2_bad_slice --nproc 2 --set plugin.fault=adapter --set train.mode=lora",
+       "abi2_bad_slice places model.layers.0.self_attn.q_proj.lora_A.weight sliced along dimension 1 in 2 parts, but "
+       "the model holds it whole"},
+      {"--plugin abi2_bad_slice --nproc 2 --set plugin.fault=gradient",
+       "abi2_bad_slice places the gradient of model.embed_tokens.weight as REPLICATE, which this host (ABI 2.3) does "
+       "not execute on the tensor-parallel dimension (a gradient is placed as its parameter, or PARTIAL)"},
+      {"--plugin abi2_bad_slice --nproc 2 --set plugin.fault=parts",
+       "abi2_bad_slice places model.embed_tokens.weight as SLICE along dimension 0 in 3 parts, which a tensor of 2 "
+       "dimensions over 2 ranks cannot be"},
+      {"--plugin abi2_bad_slice --nproc 2 --set plugin.fault=sequence",
+       "abi2_bad_slice asks for sequence parallelism (weft_layout.sequence_parallel) but has no hook at "
+       "embedding.output, block.attention.input"},
       {"--plugin ddp_abi2,single_abi2 --nproc 2",
        "plugin single_abi2 (ABI 2) owns no mesh dimension, so it runs alone, not in train.plugin = \"ddp_abi2,single_abi2\""},
       {"--plugin ddp_abi2,gpipe_abi2 --nproc 4 --set mesh.pp=2 --set mesh.tp=2",
        "the device mesh pp 2 x tp 2 has tp = 2 but no plugin of train.plugin = \"ddp_abi2,gpipe_abi2\" owns it"},
       {"--plugin diloco,gpipe_abi2 --nproc 4 --set mesh.pp=2",
-       "diloco composed with pipeline gpipe_abi2: it provides weft_hooks, which this host (ABI 2.2) does not execute "
+       "diloco composed with pipeline gpipe_abi2: it provides weft_hooks, which this host (ABI 2.3) does not execute "
        "for a data-parallel plugin beside a pipeline yet"},
       {"--plugin ddp_abi2 --nproc 2 --set plugin.bucket_mb=0", "plugin.bucket_mb must be > 0, got 0"},
       {"--plugin zero_abi2 --nproc 2 --set plugin.stage=3 --set train.mode=lora --set model.frozen_dtype=bf16",
        "zero_abi2 places parameter model.embed_tokens.weight FLAT_SHARD, but it is not fp32"},
       {"--plugin ddp_abi2 --nproc 2 --set plugin.bucket_size=1", "plugin.bucket_size"},  // a key nobody reads
       {"--plugin abi2_local_gradient --nproc 2",
-       "abi2_local_gradient places the parameter of model.embed_tokens.weight as REPLICATE, which this host (ABI 2.2) "
+       "abi2_local_gradient places the parameter of model.embed_tokens.weight as REPLICATE, which this host (ABI 2.3) "
        "does not execute beside LOCAL (a parameter, its gradient and its optimizer state are LOCAL together)"},
       {"--plugin abi2_unknown_point --nproc 2",
-       "abi2_unknown_point registers a hook at \"block.attention.core\", a point this host (ABI 2.2) does not publish "
+       "abi2_unknown_point registers a hook at \"block.attention.core\", a point this host (ABI 2.3) does not publish "
        "(it publishes: train.begin, step.end)"},
   };
   for (const Case& c : cases) {
@@ -186,6 +204,52 @@ TEST(Abi2, GpipeSchedulesAsDataTrainAsGpipeToTheBit) {
     const auto b = weft::testing::step_losses(dir + "/v2_" + c.label + "/metrics.jsonl");
     ASSERT_EQ(a.size(), 3u) << c.label;
     EXPECT_EQ(a, b) << c.label;
+  }
+}
+
+// tensor_parallel_abi2.so (C: a layout of slices and hooks at the model's points) against
+// tensor_parallel.so (ABI 1, its own step): the same slices and the same collectives, so the same
+// losses to the bit and the same parameters per rank: tp 2; tp 4, where the tiny model's 2 kv heads
+// are shared by pairs of ranks (their gradients PARTIAL over each pair); LoRA over 2 micro-batches;
+// Megatron's sequence parallelism; AdaLoRA. A checkpoint holds whole tensors and resumes to the bit
+// under either plugin.
+TEST(Abi2, TensorParallelAsSlicesAndHooksTrainsAsTensorParallelToTheBit) {
+  const std::string dir = weft::testing::fresh_dir("weft_test_abi2", "tensor_parallel");
+  struct Case {
+    std::string label, settings;
+  };
+  const std::vector<Case> cases{
+      {"tp2", "--nproc 2 --set checkpoint.every_steps=3"},
+      {"tp4", "--nproc 4"},
+      {"tp2_lora", "--nproc 2 --set train.mode=lora --set train.grad_accum_steps=2"},
+      {"tp2_sp", "--nproc 2 --set plugin.sequence_parallel=true"},
+      {"tp2_adalora", "--nproc 2 --set train.mode=adalora"},
+  };
+  for (const Case& c : cases) {
+    const std::string run = tiny_run("--set train.max_steps=6 --set eval.every_steps=0 " + c.settings);
+    const auto v1 = weft::testing::run_trainer(run + " --plugin tensor_parallel --set train.out_dir=" + dir + "/v1_" + c.label);
+    const auto v2 =
+        weft::testing::run_trainer(run + " --plugin tensor_parallel_abi2 --set train.out_dir=" + dir + "/v2_" + c.label);
+    ASSERT_EQ(v1.exit_code, 0) << v1.output;
+    ASSERT_EQ(v2.exit_code, 0) << v2.output;
+    const auto a = weft::testing::step_losses(dir + "/v1_" + c.label + "/metrics.jsonl");
+    const auto b = weft::testing::step_losses(dir + "/v2_" + c.label + "/metrics.jsonl");
+    ASSERT_EQ(a.size(), 6u) << c.label;
+    EXPECT_EQ(a, b) << c.label;
+    const auto held1 = weft::testing::state_mib_per_rank(dir + "/v1_" + c.label + "/metrics.jsonl", "parameters");
+    const auto held2 = weft::testing::state_mib_per_rank(dir + "/v2_" + c.label + "/metrics.jsonl", "parameters");
+    EXPECT_EQ(held1, held2) << c.label;
+  }
+  const std::string run = tiny_run("--set train.max_steps=6 --set eval.every_steps=0 --nproc 2 --set checkpoint.resume=" +
+                                   dir + "/v2_tp2/checkpoints/step-00000003");
+  const auto whole = weft::testing::step_losses(dir + "/v2_tp2/metrics.jsonl");
+  for (const std::string plugin : {"tensor_parallel_abi2", "tensor_parallel"}) {
+    const std::string out = dir + "/resumed_" + plugin;
+    const auto resumed = weft::testing::run_trainer(run + " --plugin " + plugin + " --set train.out_dir=" + out);
+    ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+    const auto c = weft::testing::step_losses(out + "/metrics.jsonl");
+    ASSERT_EQ(c.size(), 3u) << plugin;
+    for (size_t i = 0; i < c.size(); ++i) EXPECT_EQ(c[i], whole[i + 3]) << plugin << ": step " << i + 4;
   }
 }
 
@@ -240,7 +304,7 @@ TEST(Abi2, DdpAsALayoutTrainsAsDdpAndReducesDuringTheBackward) {
   const auto v2 = weft::testing::run_trainer(run + " --plugin ddp_abi2 --set train.out_dir=" + dir + "/v2");
   ASSERT_EQ(v1.exit_code, 0) << v1.output;
   ASSERT_EQ(v2.exit_code, 0) << v2.output;
-  EXPECT_THAT(v2.output, HasSubstr("strategy: ddp_abi2 2.0.0 (ABI 2.2)"));
+  EXPECT_THAT(v2.output, HasSubstr("strategy: ddp_abi2 2.0.0 (ABI 2.3)"));
   const auto a = weft::testing::step_losses(dir + "/v1/metrics.jsonl");
   const auto b = weft::testing::step_losses(dir + "/v2/metrics.jsonl");
   ASSERT_EQ(a.size(), 4u);

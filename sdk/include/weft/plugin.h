@@ -1,27 +1,33 @@
 /*
  * weft/plugin.h - the strategy plugin ABI, version 2 (C99).
  *
- * STATUS: 2.2, landings of issue 44 (design: sdk/ABI2.md). The host loads 2.x plugins beside 1.x
- * ones (weft/strategy.h); single_abi2.so, ddp_abi2.so, zero_abi2.so and the out-of-tree examples
- * sdk/examples/diloco, sdk/examples/hsdp and sdk/examples/zbv are written against it. What 2.2
- * covers: a plugin that owns either the data-parallel dimension or the pipeline dimension, alone or
- * composed as two on a device mesh pp x dp (train.plugin = "ddp_abi2,gpipe_abi2", [mesh] pp, dp;
- * rank = pp coordinate x dp + dp coordinate): the pipeline plugin's schedule runs over pp and the
- * data-parallel plugin's layout over dp, where this host executes REPLICATE and FLAT_SHARD
- * placements (it adds a reduction per chunk to the schedule after the chunk's last backward, and
- * for FLAT_SHARD parameters a gather before its first compute and a release after the reduction)
- * and no hooks yet; each plugin's "weft_world" is then its own mesh slice. Owning the pipeline, it gives the placement of virtual stages on ranks
- * and each rank's schedule as data (weft_layout's pipeline fields, "weft_schedule"); the host
- * partitions the model, adds the transfers, verifies and runs the schedule, sums a tied
- * embedding's two copies' gradients and evaluates with a forward-only schedule (placements and
- * hooks are not executed for a pipeline plugin yet). A plugin may compute with LibTorch if it
- * says which it was built against ("weft_torch_build"). Owning data parallelism, it places every parameter, gradient and
- * optimizer state REPLICATE or LOCAL (all three LOCAL together), or the optimizer state FLAT_SHARD
- * (ZeRO's stage 1), its gradient with it (stage 2) and the parameter too (stage 3); it may register hooks at the points "train.begin" and "step.end",
- * where it reads and writes the parameters, runs collectives and keeps state that checkpoints
- * carry, through the host's services. The other placements, more points and other compositions are
- * the next landings; this host refuses a plugin that asks for them, in one line, at load, at create or
- * (a placement, a point) once the model is built, before the first step.
+ * STATUS: 2.3, landings of issue 44 (design: sdk/ABI2.md). The host loads 2.x plugins beside 1.x
+ * ones (weft/strategy.h); single_abi2.so, ddp_abi2.so, zero_abi2.so, gpipe_abi2.so,
+ * tensor_parallel_abi2.so and the out-of-tree examples sdk/examples/diloco, sdk/examples/hsdp and
+ * sdk/examples/zbv are written against it. A plugin owns one mesh dimension (or none, alone on one
+ * process):
+ * - Data parallelism: it places every parameter, gradient and optimizer state REPLICATE or LOCAL
+ *   (all three LOCAL together), or the optimizer state FLAT_SHARD (ZeRO's stage 1), its gradient
+ *   with it (stage 2) and the parameter too (stage 3); it may register hooks at "train.begin" and
+ *   "step.end", where it reads and writes the parameters, runs collectives and keeps state that
+ *   checkpoints carry, through the host's services.
+ * - The pipeline: it gives the placement of virtual stages on ranks and each rank's schedule as
+ *   data (weft_layout's pipeline fields, "weft_schedule"); the host partitions the model, adds the
+ *   transfers, verifies and runs the schedule, sums a tied embedding's two copies' gradients and
+ *   evaluates with a forward-only schedule.
+ * - Tensor parallelism (2.3): it places weights as SLICEs (the host builds only them and saves
+ *   whole tensors), gradients PARTIAL where each rank holds a part of the sum (the host sums them),
+ *   may ask for Megatron's sequence parallelism, and hooks the model's points (Megatron's f and g,
+ *   the vocabulary-parallel loss), where it runs collectives over its dimension.
+ * Two compose on a device mesh pp x dp (train.plugin = "ddp_abi2,gpipe_abi2", [mesh] pp, dp; rank
+ * = pp coordinate x dp + dp coordinate): the pipeline plugin's schedule runs over pp and the
+ * data-parallel plugin's layout over dp (a reduction per chunk after its last backward; for
+ * FLAT_SHARD parameters a gather before its first compute and a release after the reduction), its
+ * hooks refused; each plugin's "weft_world" is then its own mesh slice. A tensor-parallel plugin
+ * runs alone yet. A plugin may compute with LibTorch if it says which it was built against
+ * ("weft_torch_build"). Other placements, points and compositions are the next landings; this host
+ * refuses a plugin that asks for them, in one line, at load, at create or (a placement, a point)
+ * before the first step.
  *
  * The host owns the step. Per rank, one training step is a list of actions the host executes
  * (weft_action_kind): the forward and backward of each micro-batch, the reduction of gradients,
@@ -61,7 +67,7 @@ extern "C" {
 
 /* Major: incompatible changes; must match. Minor: appended names and fields. */
 #define WEFT_PLUGIN_ABI_MAJOR 2
-#define WEFT_PLUGIN_ABI_MINOR 2
+#define WEFT_PLUGIN_ABI_MINOR 3
 #define WEFT_PLUGIN_ENTRY_SYMBOL "weft_plugin_entry"
 
 typedef struct weft_plugin_instance weft_plugin_instance; /* the plugin's; opaque to the host */
@@ -105,8 +111,8 @@ typedef struct weft_host_services {
  *       instance's life; shape and strides point into host memory).
  *   "weft_all_reduce"       weft_status* (*)(weft_host_context*, DLTensor* tensor, weft_reduce_op op)
  *       combines `tensor` in place over the ranks of the plugin's dimension and returns when done;
- *       every rank calls it alike. fp32 or fp64, contiguous, on the rank's device. Its bytes count
- *       in the step's communication (metrics.jsonl comm_bytes).
+ *       every rank calls it alike. fp32 or fp64 (since 2.3 also bf16 and fp16), contiguous, on the
+ *       rank's device. Its bytes count in the step's communication (metrics.jsonl comm_bytes).
  *   "weft_report_metric"    void (*)(weft_host_context*, const char* name, double value)
  *       a value of the current step: metrics.jsonl's "plugin.<name>" (rank 0's).
  *   "weft_state_tensor"     weft_status* (*)(weft_host_context*, const char* name, DLDataType dtype, int32_t ndim,
@@ -115,7 +121,19 @@ typedef struct weft_host_services {
  *       rank's device; fp32, fp64, int32 or int64; one per name; valid for the instance's life):
  *       checkpoints carry it (rank 0's: it must be the same on every rank) and a resume gives it
  *       back. Made from "train.begin" on; `*restored` is 1 when it holds a checkpoint's values, 0
- *       when it is new (zeros: a fresh run, or a checkpoint another plugin wrote). */
+ *       when it is new (zeros: a fresh run, or a checkpoint another plugin wrote)
+ *
+ * Since 2.3, for a plugin that owns the tensor-parallel dimension (its hooks at the model's points):
+ *   "weft_all_gather"       weft_status* (*)(weft_host_context*, DLTensor* output, const DLTensor* input)
+ *       output [size, ...input's shape]: slice r from rank r of the plugin's dimension
+ *   "weft_reduce_scatter"   weft_status* (*)(weft_host_context*, DLTensor* output, const DLTensor* input)
+ *       input [size, ...output's shape]: output = the sum over the ranks of their slice `rank`
+ *       Both return when done; contiguous tensors of one dtype (fp32, fp64, bf16, fp16), on the
+ *       rank's device; every rank calls them alike; their bytes count in comm_bytes.
+ *   "weft_model_config_int" weft_status* (*)(weft_host_context*, const char* key, int64_t* out)
+ *       the model's configuration by its config.json name: "hidden_size", "num_attention_heads",
+ *       "num_key_value_heads", "intermediate_size", "vocab_size", "num_hidden_layers",
+ *       "tie_word_embeddings" (0 or 1); another key is an error naming it. From "weft_place" on. */
 typedef weft_status* (*weft_status_create_fn)(weft_status_code code, const char* message);
 typedef void (*weft_log_fn)(weft_host_context* host, weft_log_level level, const char* message);
 typedef void (*weft_world_fn)(weft_host_context* host, int32_t* rank, int32_t* size);
@@ -134,6 +152,9 @@ typedef weft_status* (*weft_all_reduce_fn)(weft_host_context* host, DLTensor* te
 typedef void (*weft_report_metric_fn)(weft_host_context* host, const char* name, double value);
 typedef weft_status* (*weft_state_tensor_fn)(weft_host_context* host, const char* name, DLDataType dtype, int32_t ndim,
                                              const int64_t* shape, DLTensor* out, int32_t* restored);
+typedef weft_status* (*weft_all_gather_fn)(weft_host_context* host, DLTensor* output, const DLTensor* input);
+typedef weft_status* (*weft_reduce_scatter_fn)(weft_host_context* host, DLTensor* output, const DLTensor* input);
+typedef weft_status* (*weft_model_config_int_fn)(weft_host_context* host, const char* key, int64_t* out);
 
 /* ------------------------------------------------------------------------------------------
  * The plugin: its core table, returned by weft_plugin_entry.
@@ -198,19 +219,34 @@ typedef struct weft_layout {
    * takes its share of every batch's rows, and the host averages the replicas' gradients). The
    * host's default: 0, every rank of the dimension in one pipeline. */
   int32_t pipeline_stages;
+  /* Since 2.3, for a plugin that owns the tensor-parallel dimension (WEFT_MESH_TP): 1 for Megatron's
+   * sequence parallelism (Korthikanti et al. 2022): between the tensor-parallel regions (the
+   * embedding's output, the residual stream, the norms) rank r of N holds tokens [r L / N,
+   * (r + 1) L / N) of every sequence, and the region points ("block.attention.input", ...) move
+   * tokens instead of combining sums: an all-gather in, a reduce-scatter out (weft_hook_event's
+   * `source`). The host's default: 0. */
+  int32_t sequence_parallel;
 } weft_layout;
 
 /* Where a tensor lives on the plugin's dimension. */
 typedef enum weft_placement_kind {
   WEFT_PLACE_REPLICATE = 0, /* whole and equal on every rank of the dimension; a gradient placed
-                               so is averaged over them */
+                               so is averaged over them where the batch splits over the dimension
+                               (where every rank takes the whole batch, it is equal already) */
   WEFT_PLACE_LOCAL = 1,     /* whole and each rank's own: a gradient left as the rank computed it
                                (no reduction), a parameter and an optimizer state that may differ
                                between ranks (DiLoCo's inner steps). Since 2.1, for a parameter, its
                                gradient and its optimizer state together; the replicas start equal
                                (rank 0's values), and making them equal again is the plugin's (a hook) */
-  WEFT_PLACE_SLICE = 2,     /* a slice along `dim` (tensor parallelism); not yet executed by a 2.0 host */
-  WEFT_PLACE_FLAT_SHARD = 3 /* a flat range (ZeRO / FSDP): rank r of N holds elements [r*c, (r+1)*c) of
+  WEFT_PLACE_SLICE = 2,     /* since 2.3, on the tensor-parallel dimension: a slice along the tensor's
+                               `dim` (Megatron's column and row splits): rank r of N holds rows (or
+                               columns) [i n / P, (i + 1) n / P) of the full tensor, i = r P / N, P =
+                               weft_parameter_layout.slice_parts (0: N; P divides N, and N / P
+                               consecutive ranks hold the same slice). The host builds only that
+                               slice; a checkpoint holds the whole tensor. The gradient and the
+                               optimizer state of a SLICE parameter are this slice's (placed SLICE, or
+                               the gradient PARTIAL) */
+  WEFT_PLACE_FLAT_SHARD = 3, /* a flat range (ZeRO / FSDP): rank r of N holds elements [r*c, (r+1)*c) of
                                the flattened tensor, c = ceil(n / N) (the last range shorter or
                                empty). For the optimizer state: the host's optimizer updates this
                                rank's range from the averaged gradient, then gathers the parameter
@@ -220,6 +256,11 @@ typedef enum weft_placement_kind {
                                copy; the host runs the model stage by stage, all-gathering each
                                stage's parameters (fp32) for its forward and its backward and
                                freeing them after (a tied embedding stays whole through a step) */
+  WEFT_PLACE_PARTIAL = 4    /* since 2.3, a gradient on the tensor-parallel dimension: each rank holds a
+                               part of the sum (a whole LoRA factor beside a sliced layer, a norm under
+                               sequence parallelism, a kv slice shared by several ranks' query heads):
+                               the host sums it over the ranks that hold the same parameter (all of the
+                               dimension for a REPLICATE one, the N / P sharing a SLICE) */
 } weft_placement_kind;
 
 typedef struct weft_placement {
@@ -230,13 +271,17 @@ typedef struct weft_placement {
 typedef struct weft_parameter_layout {
   /* between uses, after the gradient reduction, and of the optimizer's state */
   weft_placement parameter, gradient, optimizer_state;
+  /* Since 2.3: a SLICE parameter's number of distinct slices over the dimension (see
+   * WEFT_PLACE_SLICE); the host's default 0: one per rank. Written by plugins that place SLICE,
+   * which a host of 2.3 or later asks alone (the struct has no size of its own). */
+  int32_t slice_parts;
 } weft_parameter_layout;
 
 struct weft_parameter_desc {
   uint32_t struct_size; /* the size of the struct its writer fills (see "weft_parameter") */
   const char* name;     /* "model.layers.0.self_attn.q_proj.weight", "...lora_A.weight" */
   int32_t ndim;
-  const int64_t* shape; /* ndim sizes */
+  const int64_t* shape; /* ndim sizes: the full tensor's (a SLICE placement's rank holds less) */
   int32_t trainable;    /* 0 for a frozen parameter (LoRA's base) */
 };
 
@@ -312,6 +357,24 @@ typedef weft_status* (*weft_schedule_fn)(weft_plugin_instance* instance, const w
  *   "step.end"     after each optimizer step, and after what the placements ask after it (the
  *                  gathers of a FLAT_SHARD optimizer state): event.step = the steps taken, this one
  *                  included (1 after the first)
+ * Since 2.3, where a plugin owns the tensor-parallel dimension, the model's points too, each called
+ * in the forward pass (event.backward = 0) and the backward (1) with the activation or its gradient
+ * in event.tensor (the hook combines it in place over its dimension, or leaves it):
+ *   "embedding.output"        after a vocabulary-sliced embedding's lookup (Megatron: sum forward)
+ *   "block.attention.input"   before q/k/v (Megatron's f: sum the gradient, backward)
+ *   "block.attention.output"  after o_proj (Megatron's g: sum the partial outputs, forward)
+ *   "block.mlp.input"         before gate/up (f)
+ *   "block.mlp.output"        after down_proj (g)
+ *   "head.input"              before a vocabulary-sliced LM head (f)
+ *   "loss.max"                each token's max over this rank's logits (MAX, forward)
+ *   "loss.sum"                each token's sums over this rank's logits (SUM, forward)
+ *   "linear.row_absmax"       each token's absmax over an int8 row-sliced layer's input columns
+ *                             (MAX, forward)
+ *   "adalora.slice_sums"      AdaLoRA's sums over its factors' slices (SUM, forward)
+ * Under sequence parallelism (weft_layout.sequence_parallel) the regions' points embedding.output,
+ * block.attention.input/output, block.mlp.input/output and head.input move tokens instead: event.source
+ * is set and the shapes say which collective (weft_hook_event); gradients go the other way in the
+ * backward, and a region's saved input may be gathered again before its backward.
  * A plugin registering a name the host does not publish is refused, in one line naming it and the
  * points the host has, before the first step. A hook may use the host's services (parameters,
  * collectives over its dimension, metrics); an error it returns stops the run, naming the plugin
@@ -320,6 +383,14 @@ typedef struct weft_hook_event {
   uint32_t struct_size; /* host-set */
   const char* point;    /* the point's name */
   int64_t step;         /* see the points */
+  /* Since 2.3, at the model's points (NULL tensor at the step's): */
+  int32_t backward; /* 1 in the backward pass (`tensor` is a gradient), 0 in the forward */
+  int64_t layer;    /* the decoder block (0-based), -1 outside the blocks */
+  DLTensor* tensor; /* the activation or its gradient, combined in place by the hook (contiguous,
+                       the compute dtype or fp32, on the rank's device) */
+  const DLTensor* source; /* where the point moves tokens (sequence parallelism's regions): the
+                             input, and `tensor` the output to fill: [N, ...source] for an
+                             all-gather, or source [N, ...tensor] for a reduce-scatter; else NULL */
 } weft_hook_event;
 
 typedef weft_status* (*weft_hook_fn)(weft_plugin_instance* instance, const weft_hook_event* event);

@@ -252,70 +252,133 @@ weft_proc host_proc_address(const char* name) {
   return it == services.end() ? nullptr : it->second;
 }
 
+using Owner = Abi2Instance;
+
+// The host's step for plugins that own one dimension each, without a pipeline: data parallelism
+// (its layout splits rows; REPLICATE, LOCAL and FLAT_SHARD placements), tensor parallelism (SLICE
+// placements, PARTIAL gradients, hooks at the model's points), or both on a mesh dp x tp (the
+// session's plugin owns tp, the data-parallel one composes with it: rank = dp coordinate x tp + tp
+// coordinate, each plugin's dimension its mesh slice).
 class HostStep : public sdk::Strategy {
  public:
   // (make_table's requirement; the session creates the step with its plugin, create_abi2_step.)
-  explicit HostStep(sdk::Host host) : Strategy(host), context_{host, ""} {
+  explicit HostStep(sdk::Host host) : Strategy(host) {
     throw sdk::Error(WEFT_STATUS_INTERNAL, "an ABI 2 plugin's step is created with its plugin");
   }
 
-  HostStep(sdk::Host host, const Abi2Plugin& plugin) : Strategy(host), plugin_(plugin), context_{host, plugin.table.name} {
-    services_.struct_size = sizeof services_;
-    services_.abi_major = WEFT_PLUGIN_ABI_MAJOR;
-    services_.abi_minor = WEFT_PLUGIN_ABI_MINOR;
-    services_.context = &context_;
-    services_.get_proc_address = &host_proc_address;
+  HostStep(sdk::Host host, const Abi2Plugin& plugin) : Strategy(host) {
+    const PluginHost::State& state = *host.handle()->state;
     const sdk::Group world = host.world();
-    context_.group = world.get();
     const uint32_t owns = plugin.table.mesh_dimensions;
     if (world.size() > 1 && owns == 0) {
       throw sdk::Error(WEFT_STATUS_BAD_CONFIG,
-                  fmt::format("{} owns no mesh dimension, so it runs on one process, but the world has {} ranks", name(),
-                              world.size()));
+                  fmt::format("{} owns no mesh dimension, so it runs on one process, but the world has {} ranks",
+                              plugin.table.name, world.size()));
     }
-    check(plugin.table.create(&services_, &instance_), nullptr);  // the session names the plugin and "create"
-    layout_.struct_size = sizeof layout_;
-    layout_.dimension = owns == (1u << WEFT_MESH_DP) ? WEFT_MESH_DP : owns == (1u << WEFT_MESH_TP) ? WEFT_MESH_TP : -1;
-    layout_.batch_split = WEFT_SPLIT_NONE;
-    layout_.reduce_bucket_bytes = kAbi2DefaultBucketBytes;
-    layout_.shard_group_size = 0;
-    if (auto fn = reinterpret_cast<weft_layout_fn>(proc("weft_layout"))) check(fn(instance_, &layout_), "weft_layout");
-    if (layout_.batch_split != WEFT_SPLIT_NONE && layout_.batch_split != WEFT_SPLIT_ROWS) {
-      throw sdk::Error(WEFT_STATUS_UNSUPPORTED, fmt::format("{}: weft_layout's batch split {} is not one this host executes "
-                                                       "(WEFT_SPLIT_NONE, WEFT_SPLIT_ROWS)",
-                                                       name(), layout_.batch_split));
+    const bool composed = state.abi2_data_parallel != nullptr;  // the session's mesh dp x tp
+    if (composed) {
+      make_mesh_slices(state.abi2_mesh[1], state.abi2_mesh[2]);
+    } else if (owns == (1u << WEFT_MESH_TP)) {
+      tp_group_ = world;
+    } else {
+      dp_group_ = world;
     }
-    if (tensor_parallel() && layout_.batch_split != WEFT_SPLIT_NONE) {
-      throw sdk::Error(WEFT_STATUS_BAD_CONFIG, fmt::format("{} owns the tensor-parallel dimension, whose ranks take the same "
-                                                           "rows, but its weft_layout splits the batch",
-                                                           name()));
+    main_ = std::make_unique<Owner>(host, plugin, (owns == (1u << WEFT_MESH_TP) ? tp_group_ : dp_group_).get(), nullptr);
+    (owns == (1u << WEFT_MESH_TP) ? tp_ : dp_) = main_.get();
+    check(*main_, plugin.table.create(&main_->services, &main_->instance), nullptr);  // the session names "create"
+    if (composed) {
+      companion_ = std::make_unique<Owner>(host, *state.abi2_data_parallel, dp_group_.get(),
+                                           state.abi2_data_parallel_settings);
+      dp_ = companion_.get();
+      check(*companion_, companion_->plugin.table.create(&companion_->services, &companion_->instance), "create");
     }
-    if (!tensor_parallel() && layout_.sequence_parallel != 0) {
-      throw sdk::Error(WEFT_STATUS_BAD_CONFIG, fmt::format("{}: weft_layout.sequence_parallel is for a plugin that owns the "
-                                                           "tensor-parallel dimension",
-                                                           name()));
+    for (Owner* o : {main_.get(), companion_.get()}) {
+      if (o != nullptr) read_layout(*o, o == tp_ ? WEFT_MESH_TP : o == dp_ ? WEFT_MESH_DP : -1);
+    }
+    if (composed) {
+      const auto refuse = [&](const std::string& what) {
+        throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
+                         fmt::format("{} composed with tensor-parallel {}: {}, which this host (ABI 2.{}) does not "
+                                     "execute in a composition yet",
+                                     dp_->name(), tp_->name(), what, WEFT_PLUGIN_ABI_MINOR));
+      };
+      if (dp_->layout.batch_split != WEFT_SPLIT_ROWS) refuse("its weft_layout does not split the rows");
+      if (dp_->layout.shard_group_size > 0 && dp_->layout.shard_group_size < dp_group_.size()) {
+        refuse("its weft_layout shards over groups of the dimension (shard_group_size)");
+      }
+      if (dp_->proc("weft_hooks") != nullptr) refuse("it provides weft_hooks");
     }
     make_shard_groups();
-    if (proc("weft_schedule") != nullptr) {
+  }
+
+  // The layout of `o`, which owns `dimension` here, checked against what this step runs.
+  void read_layout(Owner& o, int32_t dimension) {
+    weft_layout& l = o.layout;
+    l.struct_size = sizeof l;
+    l.dimension = dimension;
+    l.batch_split = WEFT_SPLIT_NONE;
+    l.reduce_bucket_bytes = kAbi2DefaultBucketBytes;
+    l.shard_group_size = 0;
+    if (auto fn = reinterpret_cast<weft_layout_fn>(o.proc("weft_layout"))) check(o, fn(o.instance, &l), "weft_layout");
+    if (l.batch_split != WEFT_SPLIT_NONE && l.batch_split != WEFT_SPLIT_ROWS) {
+      throw sdk::Error(WEFT_STATUS_UNSUPPORTED, fmt::format("{}: weft_layout's batch split {} is not one this host executes "
+                                                       "(WEFT_SPLIT_NONE, WEFT_SPLIT_ROWS)",
+                                                       o.name(), l.batch_split));
+    }
+    if (dimension == WEFT_MESH_TP && l.batch_split != WEFT_SPLIT_NONE) {
+      throw sdk::Error(WEFT_STATUS_BAD_CONFIG, fmt::format("{} owns the tensor-parallel dimension, whose ranks take the same "
+                                                           "rows, but its weft_layout splits the batch",
+                                                           o.name()));
+    }
+    if (dimension != WEFT_MESH_TP && l.sequence_parallel != 0) {
+      throw sdk::Error(WEFT_STATUS_BAD_CONFIG, fmt::format("{}: weft_layout.sequence_parallel is for a plugin that owns the "
+                                                           "tensor-parallel dimension",
+                                                           o.name()));
+    }
+    if (o.proc("weft_schedule") != nullptr) {
       throw sdk::Error(WEFT_STATUS_BAD_CONFIG,
                        fmt::format("{} provides weft_schedule but does not own the pipeline dimension (its mesh_dimensions "
-                                   "lack WEFT_MESH_PP)", name()));
+                                   "lack WEFT_MESH_PP)", o.name()));
+    }
+  }
+
+  // The mesh dp x tp's slices of this rank (rank = dp coordinate x tp + tp coordinate). Collective:
+  // every rank makes every group, in the same order.
+  void make_mesh_slices(int32_t dp, int32_t tp) {
+    const sdk::Host h = host();
+    const int32_t rank = h.world().rank();
+    if (dp * tp != h.world().size()) {
+      throw sdk::Error(WEFT_STATUS_INTERNAL, fmt::format("a mesh dp {} x tp {} over {} ranks", dp, tp, h.world().size()));
+    }
+    for (int32_t d = 0; d < dp; ++d) {
+      std::vector<int32_t> members;
+      for (int32_t t = 0; t < tp; ++t) members.push_back(d * tp + t);
+      sdk::Group made = h.create_group(members);
+      if (rank / tp == d) tp_group_ = made;
+    }
+    for (int32_t t = 0; t < tp; ++t) {
+      std::vector<int32_t> members;
+      for (int32_t d = 0; d < dp; ++d) members.push_back(d * tp + t);
+      sdk::Group made = h.create_group(members);
+      if (rank % tp == t) dp_group_ = made;
     }
   }
 
   // FLAT_SHARD placements shard over groups of weft_layout.shard_group_size consecutive ranks of the
   // dimension (0 or its size: the whole dimension), replicated across the groups. Collective.
   void make_shard_groups() {
-    const sdk::Group world = host().world();
+    if (dp_ == nullptr) return;
+    const sdk::Group world = dp_group_;
     const int32_t n = replicas();
-    int32_t k = layout_.shard_group_size;
+    int32_t k = dp_->layout.shard_group_size;
     if (k <= 0 || k >= n) k = n;
     if (n % k != 0) {
       throw sdk::Error(WEFT_STATUS_BAD_CONFIG,
-                       fmt::format("{}: weft_layout's shard group of {} ranks does not divide the dimension's {}", name(),
-                                   layout_.shard_group_size, n));
+                       fmt::format("{}: weft_layout's shard group of {} ranks does not divide the dimension's {}",
+                                   dp_->name(), dp_->layout.shard_group_size, n));
     }
     shard_group_ = world;
+    host().handle()->state->flat_shard_group = shard_group_.get()->group;
     if (k == n) return;
     const int32_t rank = world.rank();
     for (int32_t g = 0; g < n / k; ++g) {  // every rank makes every group, in the same order
@@ -338,19 +401,19 @@ class HostStep : public sdk::Strategy {
 
   ~HostStep() override {
     reducer_.reset();
+    partial_reducers_.clear();
     gatherer_.reset();
     state_gatherer_.reset();
-    if (instance_ != nullptr) plugin_.table.destroy(instance_);
   }
 
   void plan(weft_model_plan& plan) override {
-    if (layout_.batch_split == WEFT_SPLIT_ROWS) {
-      plan.data_parallel_size = host().world().size();
-      plan.data_parallel_rank = host().world().rank();
+    if (replicas() > 1) {
+      plan.data_parallel_size = dp_group_.size();
+      plan.data_parallel_rank = dp_group_.rank();
     }
-    if (layout_.sequence_parallel != 0 && host().world().size() > 1) {  // Megatron's, inside the tp group
-      plan.tensor_sequence_size = host().world().size();
-      plan.tensor_sequence_rank = host().world().rank();
+    if (tp_ != nullptr && tp_->layout.sequence_parallel != 0 && tp_group_.size() > 1) {  // Megatron's, inside the tp group
+      plan.tensor_sequence_size = tp_group_.size();
+      plan.tensor_sequence_rank = tp_group_.rank();
     }
   }
 
@@ -363,8 +426,8 @@ class HostStep : public sdk::Strategy {
     if (replicas() <= 1) return;
     const sdk::Host h = host();
     const int64_t stages = h.model_num_stages() > 0 ? h.model_num_stages() : h.model_info().num_layers + 2;
-    const Abi2ShardShares shares = abi2_shard_shares(h, name(), reinterpret_cast<weft_place_fn>(proc("weft_place")),
-                                                     instance_, {{0, stages}});
+    const Abi2ShardShares shares = abi2_shard_shares(h, dp_->name(), reinterpret_cast<weft_place_fn>(dp_->proc("weft_place")),
+                                                     dp_->instance, {{0, stages}});
     const double n = shard_ranks();
     const auto part = [n](int64_t bytes, double share) {
       return static_cast<int64_t>(static_cast<double>(bytes) * (1.0 - share) + static_cast<double>(bytes) * share / n);
@@ -424,7 +487,7 @@ class HostStep : public sdk::Strategy {
     // ranks' ranges cover each element once. Whole, every rank already has the whole norm.
     // Sharded over groups of the dimension: each group's ranges cover every element once, and the groups hold
     // the same averaged gradients.
-    if (tensor_parallel()) return sliced_grad_norm_sq();
+    if (tp_ != nullptr) return sliced_grad_norm_sq();
     if (!shards_state_ || replicas() <= 1) return local_sq;
     std::vector<double> sum{local_sq};
     all_reduce(sum, shard_group_);
@@ -436,18 +499,19 @@ class HostStep : public sdk::Strategy {
     const int64_t count = h.parameter_count();
     std::vector<GradientReducer::Reduced> reduced;
     std::vector<sdk::Work> broadcasts;
-    const auto place = reinterpret_cast<weft_place_fn>(proc("weft_place"));
     for (int64_t i = 0; i < count; ++i) {
       const weft_parameter_info info = h.parameter_info(i);
       DLTensor data = h.parameter_data(i);
-      const weft_parameter_desc desc = abi2_parameter_desc(info);
-      weft_parameter_layout where{};
-      if (place != nullptr) check(place(instance_, &desc, &where), "weft_place");
-      if (tensor_parallel()) {
-        place_slice(i, info, where);
-        continue;
+      if (tp_ != nullptr) place_slice(i, info, placement(*tp_, info));
+      if (dp_ == nullptr) continue;
+      const weft_parameter_layout where = placement(*dp_, info);
+      check_abi2_placement(dp_->name(), info, where);
+      if (companion_ && where.parameter.kind == WEFT_PLACE_LOCAL) {
+        throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
+                         fmt::format("{} composed with tensor-parallel {}: it places {} LOCAL, which this host (ABI 2.{}) "
+                                     "does not execute in a composition yet",
+                                     dp_->name(), tp_->name(), info.name, WEFT_PLUGIN_ABI_MINOR));
       }
-      check_placement(info, where);
       if (where.optimizer_state.kind == WEFT_PLACE_FLAT_SHARD && info.trainable && replicas() > 1) {
         state_shards_.push_back(i);  // this rank's optimizer keeps its range of the parameter's state
       }
@@ -457,16 +521,16 @@ class HostStep : public sdk::Strategy {
           throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
                            fmt::format("{} places parameter {} FLAT_SHARD, but it is not fp32 (this host shards fp32 "
                                        "parameters; model.frozen_dtype = \"fp32\" keeps a frozen base so)",
-                                       name(), info.name));
+                                       dp_->name(), info.name));
         }
         parameter_shards_.push_back(i);  // whole only around its stage's uses
         parameter_stages_.emplace_back(i, info.stage);
       }
       if (replicas() > 1) {
-        broadcasts.push_back(h.broadcast(h.world(), data, 0));  // replicas start equal
+        broadcasts.push_back(h.broadcast(dp_group_, data, 0));  // replicas start equal
         if (info.trainable && !local) {
           if (data.dtype.code != kDLFloat || data.dtype.bits != 32) {
-            throw sdk::Error(WEFT_STATUS_UNSUPPORTED, fmt::format("{}: parameter {} is not fp32", name(), info.name));
+            throw sdk::Error(WEFT_STATUS_UNSUPPORTED, fmt::format("{}: parameter {} is not fp32", dp_->name(), info.name));
           }
           const bool scatter = where.gradient.kind == WEFT_PLACE_FLAT_SHARD;
           reduced.push_back({i, scatter});
@@ -482,11 +546,11 @@ class HostStep : public sdk::Strategy {
     }
     if (!state_stages.empty()) {
       state_gatherer_ = std::make_unique<ParameterGatherer>(h, shard_group_, h.model_num_stages(), state_stages,
-                                                            std::max<int64_t>(1, layout_.reduce_bucket_bytes));
+                                                            std::max<int64_t>(1, dp_->layout.reduce_bucket_bytes));
     }
     if (!parameter_shards_.empty()) {
       gatherer_ = std::make_unique<ParameterGatherer>(h, shard_group_, h.model_num_stages(), parameter_stages_,
-                                                      std::max<int64_t>(1, layout_.reduce_bucket_bytes));
+                                                      std::max<int64_t>(1, dp_->layout.reduce_bucket_bytes));
       tied_ = h.model_info().tie_word_embeddings != 0;
       first_trainable_stage_ = h.model_num_stages();
       stage_trainable_.assign(static_cast<size_t>(h.model_num_stages()), {});
@@ -497,13 +561,32 @@ class HostStep : public sdk::Strategy {
         stage_trainable_.at(static_cast<size_t>(info.stage)).push_back(i);
       }
     }
-    register_hooks();
-    if (tensor_parallel()) make_partial_reducers();
+    for (Owner* o : {main_.get(), companion_.get()}) {
+      if (o != nullptr) register_hooks(*o);
+    }
     if (!reduced.empty()) {
-      reducer_ = std::make_unique<GradientReducer>(h, h.world(), shard_group_, replica_group_, reduced,
-                                                   std::max<int64_t>(1, layout_.reduce_bucket_bytes));
+      reducer_ = std::make_unique<GradientReducer>(h, dp_group_, shard_group_, replica_group_, reduced,
+                                                   std::max<int64_t>(1, dp_->layout.reduce_bucket_bytes));
       reducer_->set_explicit(gatherer_ != nullptr);
     }
+    GradientReducer* whole_partial = tp_ != nullptr ? make_partial_reducers() : nullptr;
+    // Which reducer starts its buckets during the last backward (it holds the host's gradient-ready
+    // callback): data parallelism's; alone, tensor parallelism's over the whole dimension. PARTIAL
+    // sums and data parallelism's reduction apply to the same gradients one after the other: the
+    // sums first where the reduction reduce-scatters (it frees the whole gradients), else after it.
+    tp_first_ = reducer_ != nullptr && !partial_reducers_.empty() && !grad_shards_.empty();
+    armed_ = reducer_ != nullptr ? (tp_first_ ? nullptr : reducer_.get()) : whole_partial;
+    if (armed_ != nullptr) armed_->claim_ready_callback();
+  }
+
+  // `o`'s placement of a built parameter (weft_place; without it, REPLICATE everywhere).
+  weft_parameter_layout placement(const Owner& o, const weft_parameter_info& info) const {
+    weft_parameter_layout where{};
+    if (const auto place = reinterpret_cast<weft_place_fn>(o.proc("weft_place"))) {
+      const weft_parameter_desc desc = abi2_parameter_desc(info);
+      check(o, place(o.instance, &desc, &where), "weft_place");
+    }
+    return where;
   }
 
   double train_step(const weft_step_info& step) override {
@@ -547,7 +630,7 @@ class HostStep : public sdk::Strategy {
           }
           case WEFT_ACTION_BACKWARD: {
             const bool final = i + 1 < program_.size() && program_[i + 1].kind == WEFT_ACTION_REDUCE;
-            if (final && reducer_) reducer_->arm();
+            if (final && armed_) armed_->arm();
             auto it = losses.find(a.micro_batch);
             if (gatherer_) {
               staged_backward(it->second, passes[a.micro_batch]);
@@ -556,16 +639,14 @@ class HostStep : public sdk::Strategy {
               h.backward(it->second.loss);
             }
             losses.erase(it);
-            if (reducer_) reducer_->disarm();
+            if (armed_) armed_->disarm();
             break;
           }
           case WEFT_ACTION_REDUCE:
-            if (reducer_) reducer_->start_rest();
-            for (auto& partial : partial_reducers_) partial->start_all();
+            start_reductions();
             break;
           case WEFT_ACTION_OPTIMIZER_STEP:
-            if (reducer_) reducer_->finish();  // the host's optimizer runs when train_step returns
-            for (auto& partial : partial_reducers_) partial->finish();
+            finish_reductions();  // the host's optimizer runs when train_step returns
             shard_gradients();
             break;
           case WEFT_ACTION_BACKWARD_INPUT:  // pipeline schedules' (abi2_pipeline.cpp); not in this program
@@ -579,14 +660,45 @@ class HostStep : public sdk::Strategy {
       for (auto& partial : partial_reducers_) partial->abandon();
       throw;
     }
-    if (reducer_) {  // metrics.jsonl: plugin.reduce_buckets, plugin.reduce_buckets_in_backward
-      h.report_metric("reduce_buckets", static_cast<double>(reducer_->buckets()));
-      h.report_metric("reduce_buckets_in_backward", static_cast<double>(reducer_->started_in_backward()));
+    if (const GradientReducer* shown = reducer_ ? reducer_.get() : armed_) {  // metrics.jsonl: plugin.reduce_buckets,
+      h.report_metric("reduce_buckets", static_cast<double>(shown->buckets()));  // plugin.reduce_buckets_in_backward
+      h.report_metric("reduce_buckets_in_backward", static_cast<double>(shown->started_in_backward()));
     }
     if (replicas() <= 1) return loss_sum / step.micro_batches;
     std::vector<double> sum{loss_sum};
     all_reduce(sum);
     return sum[0] / (static_cast<double>(step.micro_batches) * replicas());
+  }
+
+  // REDUCE: data parallelism's reduction and the PARTIAL sums, in the order setup chose.
+  void start_reductions() {
+    const auto start = [&](GradientReducer& r) {
+      if (&r == armed_) {
+        r.start_rest();
+      } else {
+        r.start_all();
+      }
+    };
+    if (tp_first_) {
+      for (auto& partial : partial_reducers_) start(*partial);
+      for (auto& partial : partial_reducers_) partial->finish();
+      start(*reducer_);
+      return;
+    }
+    if (reducer_) {
+      start(*reducer_);
+      if (!partial_reducers_.empty()) return;  // the sums start after its finish
+    }
+    for (auto& partial : partial_reducers_) start(*partial);
+  }
+  // OPTIMIZER_STEP: every reduction complete.
+  void finish_reductions() {
+    if (reducer_) reducer_->finish();
+    if (tp_first_) return;
+    if (reducer_) {
+      for (auto& partial : partial_reducers_) partial->start_all();
+    }
+    for (auto& partial : partial_reducers_) partial->finish();
   }
 
   sdk::EvalResult eval_step(const weft_step_info& step) override {
@@ -694,28 +806,17 @@ class HostStep : public sdk::Strategy {
   }
 
  private:
-  // The points this host publishes (weft/plugin.h, "weft_hooks"): the step's, and the model's to a
-  // plugin that owns the tensor-parallel dimension.
-  std::vector<std::string> points() const {
-    std::vector<std::string> published = {"train.begin", "step.end"};
-    if (tensor_parallel()) published.insert(published.end(), comm_point_names().begin(), comm_point_names().end());
-    return published;
-  }
-
-  void check_placement(const weft_parameter_info& info, const weft_parameter_layout& where) const {
-    check_abi2_placement(name(), info, where);
-  }
-
-  // The plugin's hooks ("weft_hooks"), each at a point this host publishes.
-  void register_hooks() {
-    const auto fn = reinterpret_cast<weft_hooks_fn>(proc("weft_hooks"));
+  // `o`'s hooks ("weft_hooks"), each at a point this host publishes to it.
+  void register_hooks(Owner& o) {
+    const auto fn = reinterpret_cast<weft_hooks_fn>(o.proc("weft_hooks"));
     if (fn == nullptr) return;
     int32_t count = 0;
-    const weft_hook* hooks = fn(instance_, &count);
+    const weft_hook* hooks = fn(o.instance, &count);
     if (count > 0 && hooks == nullptr) {
-      throw sdk::Error(WEFT_STATUS_INVALID_ARGUMENT, fmt::format("{}: weft_hooks gave {} hooks but no array", name(), count));
+      throw sdk::Error(WEFT_STATUS_INVALID_ARGUMENT, fmt::format("{}: weft_hooks gave {} hooks but no array", o.name(), count));
     }
-    const std::vector<std::string> published = points();
+    std::vector<std::string> published = {"train.begin", "step.end"};  // the step's, and the model's to tp
+    if (&o == tp_) published.insert(published.end(), comm_point_names().begin(), comm_point_names().end());
     for (int32_t k = 0; k < count; ++k) {
       const weft_hook& hook = hooks[k];
       const std::string point = hook.point ? hook.point : "";
@@ -723,23 +824,23 @@ class HostStep : public sdk::Strategy {
         throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
                          fmt::format("{} registers a hook at \"{}\", a point this host (ABI 2.{}) does not publish "
                                      "(it publishes: {})",
-                                     name(), point, WEFT_PLUGIN_ABI_MINOR, fmt::join(published, ", ")));
+                                     o.name(), point, WEFT_PLUGIN_ABI_MINOR, fmt::join(published, ", ")));
       }
       if (hook.fn == nullptr) {
-        throw sdk::Error(WEFT_STATUS_INVALID_ARGUMENT, fmt::format("{}: its hook at \"{}\" is NULL", name(), point));
+        throw sdk::Error(WEFT_STATUS_INVALID_ARGUMENT, fmt::format("{}: its hook at \"{}\" is NULL", o.name(), point));
       }
-      hooks_.emplace_back(point, hook.fn);
+      hooks_.push_back({point, hook.fn, &o});
     }
   }
 
   void run_hooks(const char* point, int64_t step) {
-    for (const auto& [at, fn] : hooks_) {
-      if (at != point) continue;
+    for (const Hook& hook : hooks_) {
+      if (hook.point != point) continue;
       weft_hook_event event{};
       event.struct_size = sizeof event;
-      event.point = at.c_str();
+      event.point = hook.point.c_str();
       event.step = step;
-      check(fn(instance_, &event), point);
+      check(*hook.owner, hook.fn(hook.owner->instance, &event), point);
     }
   }
 
@@ -747,36 +848,34 @@ class HostStep : public sdk::Strategy {
   // At the model's point `point` (the tensor-parallel dimension's hooks): `tensor` combined in place,
   // or filled from `source` where the point moves tokens.
   void run_model_hooks(const std::string& point, bool backward, int64_t layer, DLTensor& tensor, const DLTensor* source) {
-    for (const auto& [at, fn] : hooks_) {
-      if (at != point) continue;
+    for (const Hook& hook : hooks_) {
+      if (hook.point != point) continue;
       weft_hook_event event{};
       event.struct_size = sizeof event;
-      event.point = at.c_str();
+      event.point = hook.point.c_str();
       event.step = step_;
       event.backward = backward ? 1 : 0;
       event.layer = layer;
       event.tensor = &tensor;
       event.source = source;
-      check(fn(instance_, &event), at.c_str());
+      check(*hook.owner, hook.fn(hook.owner->instance, &event), hook.point.c_str());
     }
   }
   bool hooked(const std::string& point) const {
-    return std::any_of(hooks_.begin(), hooks_.end(), [&](const auto& h) { return h.first == point; });
+    return std::any_of(hooks_.begin(), hooks_.end(), [&](const Hook& h) { return h.point == point; });
   }
 
   // --- the tensor-parallel dimension: SLICE placements, PARTIAL gradients ---
-  bool tensor_parallel() const { return layout_.dimension == WEFT_MESH_TP; }
-
   // The slice a placement asks for (whole for REPLICATE), after checking what this host executes on
   // the tensor-parallel dimension: parameters SLICE or REPLICATE, their gradients as the parameter
   // or PARTIAL, optimizer states as the parameter.
   ParameterShard slice_of(const std::string& parameter, int32_t ndim, const weft_parameter_layout& where) const {
-    const int32_t size = host().world().size();
+    const int32_t size = tp_group_.size();
     const auto refuse = [&](const char* what, int32_t kind, const std::string& why) {
       throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
                        fmt::format("{} places the {} of {} as {}, which this host (ABI 2.{}) does not execute on the "
                                    "tensor-parallel dimension ({})",
-                                   name(), what, parameter, abi2_placement_name(kind), WEFT_PLUGIN_ABI_MINOR, why));
+                                   tp_->name(), what, parameter, abi2_placement_name(kind), WEFT_PLUGIN_ABI_MINOR, why));
     };
     const weft_placement p = where.parameter;
     if (p.kind != WEFT_PLACE_SLICE && p.kind != WEFT_PLACE_REPLICATE) {
@@ -789,9 +888,9 @@ class HostStep : public sdk::Strategy {
         throw sdk::Error(WEFT_STATUS_BAD_CONFIG,
                          fmt::format("{} places {} as SLICE along dimension {} in {} parts, which a tensor of {} "
                                      "dimensions over {} ranks cannot be (the parts divide the ranks)",
-                                     name(), parameter, p.dim, parts, ndim, size));
+                                     tp_->name(), parameter, p.dim, parts, ndim, size));
       }
-      shard = ParameterShard{p.dim, parts, host().world().rank() * parts / size};
+      shard = ParameterShard{p.dim, parts, tp_group_.rank() * parts / size};
     }
     const weft_placement g = where.gradient, o = where.optimizer_state;
     if (g.kind != WEFT_PLACE_PARTIAL && (g.kind != p.kind || (p.kind == WEFT_PLACE_SLICE && g.dim != p.dim))) {
@@ -818,74 +917,78 @@ class HostStep : public sdk::Strategy {
                        fmt::format("{} places {} {}, but the model holds it {} (a LoRA factor follows its base layer: "
                                    "lora_B sliced along 0 under a column-sliced layer, lora_A along 1 under a row-sliced "
                                    "one, the other factor whole)",
-                                   name(), info.name, describe(asked), describe(held)));
+                                   tp_->name(), info.name, describe(asked), describe(held)));
     }
     if (!info.trainable) return;
-    const int32_t size = host().world().size();
+    const int32_t size = tp_group_.size();
     trainable_.push_back(index);
     copies_.push_back(static_cast<double>(size / asked.parts));
     if (where.gradient.kind == WEFT_PLACE_PARTIAL && asked.parts < size) partial_[asked.parts].push_back(index);
   }
 
-  // One summing reducer per slice count: over the whole dimension (REPLICATE parameters' PARTIAL
-  // gradients; it starts its buckets during the last backward) and over each group of ranks that
-  // shares a slice. Collective: every rank makes every group, in the same order.
-  void make_partial_reducers() {
+  // One summing reducer per slice count: over the tensor-parallel group (REPLICATE parameters'
+  // PARTIAL gradients) and over each group of its ranks that shares a slice. Returns the first
+  // (null without one). Collective: every rank makes every group, in the same order.
+  GradientReducer* make_partial_reducers() {
     const sdk::Host h = host();
-    const int32_t size = h.world().size(), rank = h.world().rank();
-    std::unique_ptr<GradientReducer> whole;
-    for (const auto& [parts, indices] : partial_) {  // ascending parts: the whole dimension (1) first
-      sdk::Group group = h.world();
+    const int32_t size = tp_group_.size(), rank = h.world().rank();
+    const int32_t base = rank - tp_group_.rank();  // the group's first rank (the mesh's tp is innermost)
+    const int32_t groups = h.world().size() / size;
+    GradientReducer* whole = nullptr;
+    for (const auto& [parts, indices] : partial_) {  // ascending parts: the whole group (1) first
+      sdk::Group group = tp_group_;
       if (parts > 1) {
         const int32_t sharing = size / parts;
-        for (int32_t g = 0; g < parts; ++g) {
-          std::vector<int32_t> members;
-          for (int32_t j = 0; j < sharing; ++j) members.push_back(g * sharing + j);
-          sdk::Group made = h.create_group(members);
-          if (rank / sharing == g) group = made;
+        for (int32_t d = 0; d < groups; ++d) {
+          for (int32_t g = 0; g < parts; ++g) {
+            std::vector<int32_t> members;
+            for (int32_t j = 0; j < sharing; ++j) members.push_back(d * size + g * sharing + j);
+            sdk::Group made = h.create_group(members);
+            if (d * size == base && tp_group_.rank() / sharing == g) group = made;
+          }
         }
       }
       std::vector<GradientReducer::Reduced> reduced;
       for (int64_t index : indices) reduced.push_back({index, false});
       auto reducer = std::make_unique<GradientReducer>(h, group, group, sdk::Group(), reduced,
-                                                       std::max<int64_t>(1, layout_.reduce_bucket_bytes));
+                                                       std::max<int64_t>(1, tp_->layout.reduce_bucket_bytes));
       reducer->set_sum(true);
-      if (parts == 1) {
-        whole = std::move(reducer);
+      if (parts == 1) whole = reducer.get();
+      partial_reducers_.push_back(std::move(reducer));
+    }
+    return whole;
+  }
+
+  // Each trainable parameter's gradient once, however many ranks hold it: a tensor-parallel slice
+  // on one rank of its group, a whole one on each; a data-parallel range (FLAT_SHARD optimizer
+  // state) on one rank of the shard group, an averaged gradient on every replica.
+  double sliced_grad_norm_sq() const {
+    std::vector<double> share{0.0, 0.0};  // FLAT_SHARD ranges, whole gradients
+    for (size_t k = 0; k < trainable_.size(); ++k) {
+      const int64_t index = trainable_[k];
+      if (std::binary_search(state_shards_.begin(), state_shards_.end(), index)) {
+        share[0] += host().squared_norm(host().parameter_grad_shard(index)) / copies_[k];
       } else {
-        partial_reducers_.push_back(std::move(reducer));
+        share[1] += host().squared_norm(host().parameter_grad(index)) / copies_[k];
       }
     }
-    // Made last, the whole dimension's reducer holds the host's gradient-ready callback: it is the
-    // one armed for the last backward (reducer_), the others start at REDUCE.
-    if (whole) {
-      whole->claim_ready_callback();
-      reducer_ = std::move(whole);
-    }
+    if (host().world().size() > 1) all_reduce(share, host().world());
+    return share[0] + share[1] * tp_group_.size() / host().world().size();
   }
 
-  // Each trainable parameter's gradient once, however many ranks hold it.
-  double sliced_grad_norm_sq() const {
-    std::vector<double> share{0.0};
-    for (size_t k = 0; k < trainable_.size(); ++k) {
-      share[0] += host().squared_norm(host().parameter_grad(trainable_[k])) / copies_[k];
-    }
-    if (host().world().size() > 1) all_reduce(share);
-    return share[0];
+  std::string name() const { return main_->name(); }
+  int32_t replicas() const {
+    return dp_ != nullptr && dp_->layout.batch_split == WEFT_SPLIT_ROWS ? dp_group_.size() : 1;
   }
-
-  std::string name() const { return plugin_.table.name; }
-  int32_t replicas() const { return layout_.batch_split == WEFT_SPLIT_ROWS ? host().world().size() : 1; }
-  weft_proc proc(const char* name) const { return plugin_.table.get_proc_address(name); }
-  // A status from the plugin becomes an Error naming it and the function (`what`, unless null).
-  void check(weft_status* status, const char* what) const {
+  // A status from `o` becomes an Error naming it and the function (`what`, unless null).
+  void check(const Owner& o, weft_status* status, const char* what) const {
     if (status == nullptr) return;
     const weft_status_code code = g_api->status_code(status);
     const std::string message = g_api->status_message(status);
     g_api->status_release(status);
-    throw sdk::Error(code, what ? fmt::format("{} ({}): {}", name(), what, message) : message);
+    throw sdk::Error(code, what ? fmt::format("{} ({}): {}", o.name(), what, message) : message);
   }
-  void all_reduce(std::vector<double>& values) const { all_reduce(values, host().world()); }
+  void all_reduce(std::vector<double>& values) const { all_reduce(values, dp_group_); }
   void all_reduce(std::vector<double>& values, sdk::Group group) const {
     int64_t shape[1] = {static_cast<int64_t>(values.size())};
     DLTensor view{};
@@ -900,12 +1003,13 @@ class HostStep : public sdk::Strategy {
   }
 
 
-  const Abi2Plugin plugin_;
-  weft_host_context context_;
-  weft_host_services services_{};
-  weft_plugin_instance* instance_ = nullptr;
-  weft_layout layout_{};
-  std::unique_ptr<GradientReducer> reducer_;
+  // The session's plugin, and the data-parallel one composed with a tensor-parallel one; which owns
+  // which dimension, and this rank's slice of each (alone: the world).
+  std::unique_ptr<Owner> main_, companion_;
+  Owner* dp_ = nullptr;
+  Owner* tp_ = nullptr;
+  sdk::Group dp_group_, tp_group_;
+  std::unique_ptr<GradientReducer> reducer_;  // data parallelism's (REPLICATE, FLAT_SHARD gradients)
   std::vector<int64_t> state_shards_;  // parameters whose optimizer state this rank holds a range of, ascending
   std::vector<int64_t> grad_shards_;   // of those, the ones whose gradient is reduce-scattered, ascending
   std::vector<int64_t> parameter_shards_;  // parameters placed FLAT_SHARD, ascending
@@ -921,14 +1025,21 @@ class HostStep : public sdk::Strategy {
   bool shards_state_ = false;
   StepProgram program_;
   int32_t program_micro_batches_ = 0;
-  std::vector<std::pair<std::string, weft_hook_fn>> hooks_;  // (point, hook), in registration order
+  struct Hook {
+    std::string point;
+    weft_hook_fn fn;
+    Owner* owner;
+  };
+  std::vector<Hook> hooks_;  // in registration order
   // The tensor-parallel dimension: trainable parameters with how many ranks hold each (the norm),
   // PARTIAL gradients by the slice count of their parameter (1: REPLICATE), and their reducers
-  // over groups sharing a slice (the whole dimension's is reducer_).
+  // over groups sharing a slice.
   std::vector<int64_t> trainable_;
   std::vector<double> copies_;
   std::map<int32_t, std::vector<int64_t>> partial_;
   std::vector<std::unique_ptr<GradientReducer>> partial_reducers_;
+  GradientReducer* armed_ = nullptr;  // the reducer whose buckets start during the last backward
+  bool tp_first_ = false;  // the PARTIAL sums before data parallelism's reduce-scatter (else after its reduction)
   bool began_ = false;
   int64_t step_ = 0;  // the current step (weft_step_info.step)
 };
@@ -942,18 +1053,13 @@ class TensorStep : public HostStep {
   using HostStep::HostStep;
 
   weft_shard shard_parameter(const weft_parameter_info& info) override {
-    weft_parameter_layout where{};
-    if (const auto place = reinterpret_cast<weft_place_fn>(proc("weft_place"))) {
-      const weft_parameter_desc desc = abi2_parameter_desc(info);
-      check(place(instance_, &desc, &where), "weft_place");
-    }
-    const ParameterShard slice = slice_of(info.name, info.ndim, where);
+    const ParameterShard slice = slice_of(info.name, info.ndim, placement(*tp_, info));
     return weft_shard{slice.dim, slice.parts, slice.index};
   }
 
   void setup() override {
     HostStep::setup();
-    if (layout_.sequence_parallel == 0 || host().world().size() <= 1) return;
+    if (tp_->layout.sequence_parallel == 0 || tp_group_.size() <= 1) return;
     std::vector<std::string> missing;  // sequence parallelism moves tokens at every region's ends
     for (CommPoint p : {CommPoint::kEmbeddingOutput, CommPoint::kAttentionInput, CommPoint::kAttentionOutput,
                         CommPoint::kMlpInput, CommPoint::kMlpOutput, CommPoint::kHeadInput}) {
@@ -963,7 +1069,7 @@ class TensorStep : public HostStep {
       throw sdk::Error(WEFT_STATUS_BAD_CONFIG,
                        fmt::format("{} asks for sequence parallelism (weft_layout.sequence_parallel) but has no hook at {}, "
                                    "where the tokens move",
-                                   name(), fmt::join(missing, ", ")));
+                                   tp_->name(), fmt::join(missing, ", ")));
     }
   }
 

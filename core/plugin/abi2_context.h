@@ -24,11 +24,40 @@ struct weft_host_context {
 
 namespace weft {
 
+// The host's services for ABI 2 plugins, by name (weft/plugin.h); abi2.cpp.
+weft_proc abi2_host_proc_address(const char* name);
+
 // weft_layout.reduce_bucket_bytes's default: PyTorch DDP's bucket (bucket_cap_mb = 25).
 constexpr int64_t kAbi2DefaultBucketBytes = 25LL * 1024 * 1024;
 
-// The host's services for ABI 2 plugins, by name (weft/plugin.h); abi2.cpp.
-weft_proc abi2_host_proc_address(const char* name);
+// One ABI 2 plugin's instance in a host step: the host's side of it (its context and services, at
+// one address for the instance's life: services.context points into it), the instance, which it
+// destroys, and its layout. `group`: the plugin's dimension (this rank's mesh slice, or the world);
+// `settings`: where its [plugin] settings are read when composed (null: the step's host).
+struct Abi2Instance {
+  Abi2Instance(sdk::Host host, const Abi2Plugin& p, weft_group* group = nullptr, weft_host* settings = nullptr)
+      : plugin(p), context{host, p.table.name} {
+    context.group = group;
+    context.settings = settings;
+    services.struct_size = sizeof services;
+    services.abi_major = WEFT_PLUGIN_ABI_MAJOR;
+    services.abi_minor = WEFT_PLUGIN_ABI_MINOR;
+    services.context = &context;
+    services.get_proc_address = &abi2_host_proc_address;
+  }
+  Abi2Instance(const Abi2Instance&) = delete;
+  Abi2Instance& operator=(const Abi2Instance&) = delete;
+  ~Abi2Instance() {
+    if (instance != nullptr) plugin.table.destroy(instance);
+  }
+  std::string name() const { return plugin.table.name; }
+  weft_proc proc(const char* what) const { return plugin.table.get_proc_address(what); }
+  Abi2Plugin plugin;
+  weft_host_context context;
+  weft_host_services services{};
+  weft_plugin_instance* instance = nullptr;
+  weft_layout layout{};
+};
 
 // What weft_place is told of a built parameter: its name, its full shape (a SLICE placement's
 // rank holds less) and whether it trains. The name and shape point into `info`.

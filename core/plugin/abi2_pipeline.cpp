@@ -23,20 +23,9 @@
 namespace weft {
 namespace {
 
-// The plugin's instance and what it said at create, kept at one address (services.context points
-// into it) for the step's life.
-struct PipelinePlugin {
-  PipelinePlugin(sdk::Host host, const Abi2Plugin& p) : plugin(p), context{host, p.table.name} {}
-  PipelinePlugin(const PipelinePlugin&) = delete;
-  PipelinePlugin& operator=(const PipelinePlugin&) = delete;
-  ~PipelinePlugin() {
-    if (instance != nullptr) plugin.table.destroy(instance);
-  }
-  Abi2Plugin plugin;
-  weft_host_context context;
-  weft_host_services services{};
-  weft_plugin_instance* instance = nullptr;
-  weft_layout layout{};
+// The pipeline plugin's instance, and what its layout says, for the step's life.
+struct PipelinePlugin : Abi2Instance {
+  PipelinePlugin(sdk::Host host, const Abi2Plugin& p) : Abi2Instance(host, p) {}
   weft_schedule_fn schedule = nullptr;
   std::vector<int32_t> chunk_stage;  // copied from the layout (empty: the loop order)
 };
@@ -45,23 +34,7 @@ std::string plugin_name(const PipelinePlugin& o) { return o.plugin.table.name; }
 
 // The data-parallel plugin composed with the pipeline one on a mesh pp x dp (train.plugin names
 // both, in either order): its instance and layout, its dimension the mesh's dp slice of this rank.
-struct Companion {
-  Companion(sdk::Host host, const Abi2Plugin& p, weft_host* settings) : plugin(p), context{host, p.table.name} {
-    context.settings = settings;
-  }
-  Companion(const Companion&) = delete;
-  Companion& operator=(const Companion&) = delete;
-  ~Companion() {
-    if (instance != nullptr) plugin.table.destroy(instance);
-  }
-  std::string name() const { return plugin.table.name; }
-  weft_proc proc(const char* what) const { return plugin.table.get_proc_address(what); }
-  Abi2Plugin plugin;
-  weft_host_context context;
-  weft_host_services services{};
-  weft_plugin_instance* instance = nullptr;
-  weft_layout layout{};
-};
+using Companion = Abi2Instance;
 
 void check_status(const sdk::Host& host, const std::string& name, weft_status* status, const char* what) {
   if (status == nullptr) return;
@@ -452,13 +425,7 @@ class PipelineStep : public pipeline::PipelineStrategy {
   // layout, which must split rows.
   static std::unique_ptr<Companion> open_companion(sdk::Host host, const PipelinePlugin& o, sdk::Group dp) {
     const PluginHost::State& state = *host.handle()->state;
-    auto c = std::make_unique<Companion>(host, *state.abi2_data_parallel, state.abi2_data_parallel_settings);
-    c->context.group = dp.get();
-    c->services.struct_size = sizeof c->services;
-    c->services.abi_major = WEFT_PLUGIN_ABI_MAJOR;
-    c->services.abi_minor = WEFT_PLUGIN_ABI_MINOR;
-    c->services.context = &c->context;
-    c->services.get_proc_address = &abi2_host_proc_address;
+    auto c = std::make_unique<Companion>(host, *state.abi2_data_parallel, dp.get(), state.abi2_data_parallel_settings);
     check_status(host, c->name(), c->plugin.table.create(&c->services, &c->instance), "create");
     c->layout.struct_size = sizeof c->layout;
     c->layout.dimension = WEFT_MESH_DP;
@@ -496,11 +463,6 @@ class PipelineStep : public pipeline::PipelineStrategy {
   // Creates the plugin's instance and reads its layout; composed, makes the dp slices' groups
   // (collective) and opens the data-parallel plugin over them.
   static Options open(sdk::Host host, PipelinePlugin& o, std::unique_ptr<Companion>& companion) {
-    o.services.struct_size = sizeof o.services;
-    o.services.abi_major = WEFT_PLUGIN_ABI_MAJOR;
-    o.services.abi_minor = WEFT_PLUGIN_ABI_MINOR;
-    o.services.context = &o.context;
-    o.services.get_proc_address = &abi2_host_proc_address;
     const sdk::Group world = host.world();
     // Composed on a mesh pp x dp (pp outside dp: rank = p x dp + r), the plugin's dimension is this
     // rank's pp slice. Every rank makes every slice, in the same order (collective).

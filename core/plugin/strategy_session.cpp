@@ -237,39 +237,38 @@ void StrategySession::compose(const std::vector<std::string>& names, const toml:
 void StrategySession::compose_abi2(const std::vector<std::shared_ptr<PluginLibrary>>& libraries,
                                    const toml::table& plugin_config, Communicator& communicator,
                                    std::array<int32_t, 4> requested) {
-  const uint32_t pp_bit = 1u << WEFT_MESH_PP, dp_bit = 1u << WEFT_MESH_DP;
+  const uint32_t pp_bit = 1u << WEFT_MESH_PP, dp_bit = 1u << WEFT_MESH_DP, tp_bit = 1u << WEFT_MESH_TP;
   std::vector<std::string> names;
   for (const auto& lib : libraries) names.push_back(lib->name());
-  int pp = -1, dp = -1;
+  int pp = -1, dp = -1, tp = -1;
   for (size_t i = 0; i < libraries.size(); ++i) {
     const uint32_t offered = libraries[i]->abi2()->table.mesh_dimensions;
-    int& slot = offered == pp_bit ? pp : dp;
-    WEFT_CHECK(offered != (1u << WEFT_MESH_TP),
-               "plugin {} owns the tensor-parallel dimension, which ABI 2 plugins do not compose over in this version "
-               "(pipeline x data parallel only): run it alone, or tensor_parallel (ABI 1) in train.plugin = \"{}\"",
-               names[i], fmt::join(names, ","));
-    WEFT_CHECK(offered == pp_bit || offered == dp_bit,
+    WEFT_CHECK(offered == pp_bit || offered == dp_bit || offered == tp_bit,
                "plugin {} (ABI 2) owns no mesh dimension, so it runs alone, not in train.plugin = \"{}\"",
                names[i], fmt::join(names, ","));
+    int& slot = offered == pp_bit ? pp : offered == dp_bit ? dp : tp;
     WEFT_CHECK(slot < 0, "plugins {} and {} both own the {} dimension", names[static_cast<size_t>(std::max(slot, 0))],
-               names[i], offered == pp_bit ? "pipeline" : "data-parallel");
+               names[i], offered == pp_bit ? "pipeline" : offered == dp_bit ? "data-parallel" : "tensor-parallel");
     slot = static_cast<int>(i);
   }
-  WEFT_CHECK(libraries.size() == 2 && pp >= 0 && dp >= 0,
-             "train.plugin = \"{}\": ABI 2 plugins compose in this version as two, one owning the pipeline dimension "
-             "and one the data-parallel dimension (sdk/ABI2.md)",
+  WEFT_CHECK(libraries.size() == 2 && dp >= 0 && (pp >= 0) != (tp >= 0),
+             "train.plugin = \"{}\": ABI 2 plugins compose in this version as two, a data-parallel one with a "
+             "pipeline one or with a tensor-parallel one (sdk/ABI2.md)",
              fmt::join(names, ","));
+  const int outer = pp >= 0 ? pp : tp;  // the plugin whose step runs; the data-parallel one composes with it
+  const int outer_dim = pp >= 0 ? Mesh::kPP : Mesh::kTP;
   std::array<bool, Mesh::kDims> owned{};
-  owned[Mesh::kPP] = owned[Mesh::kDP] = true;
+  owned[outer_dim] = owned[Mesh::kDP] = true;
   abi2_mesh_ = Mesh::resolve(requested, owned, communicator.world().size);
-  for (int d : {Mesh::kCP, Mesh::kTP}) {
+  for (int d : {Mesh::kPP, Mesh::kCP, Mesh::kTP}) {
+    if (d == outer_dim) continue;
     WEFT_CHECK(abi2_mesh_->size(d) == 1, "the device mesh {} has {} = {} but no plugin of train.plugin = \"{}\" owns it",
                abi2_mesh_->describe(), Mesh::name(d), abi2_mesh_->size(d), fmt::join(names, ","));
   }
   Member step;
-  step.library = libraries[static_cast<size_t>(pp)];
+  step.library = libraries[static_cast<size_t>(outer)];
   step.host = std::make_unique<PluginHost>(step.library->name(), plugin_config, communicator);
-  step.dimension = Mesh::kPP;
+  step.dimension = outer_dim;
   Member companion;
   companion.library = libraries[static_cast<size_t>(dp)];
   companion.host = std::make_unique<PluginHost>(companion.library->name(), plugin_config, communicator);
@@ -277,11 +276,12 @@ void StrategySession::compose_abi2(const std::vector<std::shared_ptr<PluginLibra
   PluginHost::State& state = *step.host->handle()->state;
   state.abi2_data_parallel = companion.library->abi2();
   state.abi2_data_parallel_settings = companion.host->handle();
-  state.abi2_mesh = {abi2_mesh_->size(Mesh::kPP), abi2_mesh_->size(Mesh::kDP)};
+  state.abi2_mesh = {abi2_mesh_->size(Mesh::kPP), abi2_mesh_->size(Mesh::kDP), abi2_mesh_->size(Mesh::kTP)};
   members_.push_back(std::move(step));
   companions_.push_back(std::move(companion));
-    spdlog::info("device mesh {} ({} ranks): {} runs the step, its pipeline over pp {}, with {}'s layout over dp {}",
-               abi2_mesh_->describe(), abi2_mesh_->world(), names[static_cast<size_t>(pp)], abi2_mesh_->size(Mesh::kPP),
+  spdlog::info("device mesh {} ({} ranks): {} runs the step, its {} over {} {}, with {}'s layout over dp {}",
+               abi2_mesh_->describe(), abi2_mesh_->world(), names[static_cast<size_t>(outer)],
+               pp >= 0 ? "pipeline" : "slices", Mesh::name(outer_dim), abi2_mesh_->size(outer_dim),
                names[static_cast<size_t>(dp)], abi2_mesh_->size(Mesh::kDP));
 }
 

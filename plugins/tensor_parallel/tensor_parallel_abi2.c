@@ -14,8 +14,9 @@
  * each token's max and sums over the vocabulary slices, never gathering the logits. With
  * plugin.sequence_parallel (Korthikanti et al. 2022) the residual stream between the regions holds
  * 1/N of each sequence's tokens: the region points all-gather tokens in and reduce-scatter them out,
- * and the norms' gradients (from this rank's tokens) are PARTIAL. tensor_parallel.so is the same
- * under ABI 1, with its own step; composed with data parallelism it still is (plugin.tp).
+ * and the norms' gradients (from this rank's tokens) are PARTIAL. It composes with a data-parallel
+ * plugin on a mesh tp x dp (its dimension then the rank's tp slice). tensor_parallel.so is the same
+ * under ABI 1, with its own step.
  *
  * Settings ([plugin]): sequence_parallel (bool, default false); bucket_mb (float > 0, default 25:
  * the host's buckets for the PARTIAL gradients' sums). */

@@ -4,6 +4,7 @@
 // single_abi2.so and ddp_abi2.so against single: Conformance.single_abi2, Conformance.ddp_abi2.*.
 #include <cmath>
 #include <filesystem>
+#include <map>
 #include <fstream>
 #include <string>
 
@@ -133,9 +134,12 @@ TEST(Abi2, WhatThisHostDoesNotRunIsRefusedBeforeTheFirstStep) {
       {"--plugin ddp_abi2,tensor_parallel --nproc 2",
        "plugins ddp_abi2 (ABI 2.3) and tensor_parallel (ABI 1.14) cannot compose: a run composes plugins of one ABI"},
       {"--plugin ddp_abi2,zero_abi2 --nproc 2", "plugins ddp_abi2 and zero_abi2 both own the data-parallel dimension"},
-      {"--plugin ddp_abi2,tensor_parallel_abi2 --nproc 4 --set mesh.tp=2",
-       "plugin tensor_parallel_abi2 owns the tensor-parallel dimension, which ABI 2 plugins do not compose over in this "
-       "version"},
+      {"--plugin gpipe_abi2,tensor_parallel_abi2 --nproc 4 --set mesh.tp=2 --set mesh.pp=2",
+       "train.plugin = \"gpipe_abi2,tensor_parallel_abi2\": ABI 2 plugins compose in this version as two, a "
+       "data-parallel one with a pipeline one or with a tensor-parallel one"},
+      {"--plugin diloco,tensor_parallel_abi2 --nproc 4 --set mesh.tp=2",
+       "diloco composed with tensor-parallel tensor_parallel_abi2: it provides weft_hooks, which this host (ABI 2.3) "
+       "does not execute in a composition yet"},
       // A tensor-parallel plugin's slices must divide the model's sizes and match what the model holds.
       {"--plugin tensor_parallel_abi2 --nproc 3",
        "tensor_parallel_abi2 (weft_place): the model's attention heads (4) cannot be split over 3 tensor-parallel ranks"},
@@ -250,6 +254,55 @@ TEST(Abi2, TensorParallelAsSlicesAndHooksTrainsAsTensorParallelToTheBit) {
     const auto c = weft::testing::step_losses(out + "/metrics.jsonl");
     ASSERT_EQ(c.size(), 3u) << plugin;
     for (size_t i = 0; i < c.size(); ++i) EXPECT_EQ(c[i], whole[i + 3]) << plugin << ": step " << i + 4;
+  }
+}
+
+// ABI 2 composition on a mesh tp 2 x dp 2: tensor_parallel_abi2's slices and hooks over tp,
+// ddp_abi2's or zero_abi2's layout over dp, in the host's one step (2 micro-batches per step). With
+// ddp_abi2 the losses and gradient norms equal tensor_parallel.so composed with ddp.so (ABI 1) to the
+// bit; zero_abi2's stage 3 (FSDP x TP: each tensor-parallel slice flat-sharded over dp) gives the
+// same losses with half the parameters per rank, and its checkpoint resumes to the bit under
+// stage 3 and under ddp_abi2.
+TEST(Abi2, TensorParallelComposesWithDataParallelismOverTheMesh) {
+  const std::string dir = weft::testing::fresh_dir("weft_test_abi2", "tp_x_dp");
+  const std::string run = tiny_run("--set train.max_steps=6 --set eval.every_steps=0 --set checkpoint.every_steps=3 "
+                                   "--set train.grad_accum_steps=2 --nproc 4 --set mesh.tp=2 --set mesh.dp=2");
+  struct Variant {
+    std::string label, plugins;
+  };
+  const std::vector<Variant> variants{{"v1", "tensor_parallel,ddp"},
+                                      {"ddp", "ddp_abi2,tensor_parallel_abi2"},
+                                      {"zero3", "zero_abi2,tensor_parallel_abi2 --set plugin.stage=3"}};
+  std::map<std::string, std::vector<double>> losses, norms;
+  for (const Variant& v : variants) {
+    const auto r = weft::testing::run_trainer(run + " --plugin " + v.plugins + " --set train.out_dir=" + dir + "/" + v.label);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    losses[v.label] = weft::testing::step_losses(dir + "/" + v.label + "/metrics.jsonl");
+    std::ifstream in(dir + "/" + v.label + "/metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      const auto record = nlohmann::json::parse(line);
+      if (record["type"] == "step") norms[v.label].push_back(record["grad_norm"].get<double>());
+    }
+  }
+  ASSERT_EQ(losses["v1"].size(), 6u);
+  EXPECT_EQ(losses["ddp"], losses["v1"]);
+  EXPECT_EQ(norms["ddp"], norms["v1"]);
+  EXPECT_EQ(losses["zero3"], losses["ddp"]);
+  ASSERT_EQ(norms["zero3"].size(), norms["ddp"].size());
+  for (size_t i = 0; i < norms["ddp"].size(); ++i) EXPECT_NEAR(norms["zero3"][i], norms["ddp"][i], 1e-12 * norms["ddp"][i]);
+  const auto whole = weft::testing::state_mib_per_rank(dir + "/ddp/metrics.jsonl", "parameters");
+  const auto range = weft::testing::state_mib_per_rank(dir + "/zero3/metrics.jsonl", "parameters");
+  ASSERT_EQ(whole.size(), 4u);
+  ASSERT_EQ(range.size(), 4u);
+  for (int r = 0; r < 4; ++r) EXPECT_NEAR(range[r], whole[r] / 2, 0.02 * whole[r]) << "rank " << r;
+  const std::string checkpoint = " --set checkpoint.resume=" + dir + "/zero3/checkpoints/step-00000003";
+  for (const Variant& v : {variants[2], variants[1]}) {
+    const std::string out = dir + "/resumed_" + v.label;
+    const auto resumed = weft::testing::run_trainer(run + " --plugin " + v.plugins + " --set train.out_dir=" + out + checkpoint);
+    ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+    const auto c = weft::testing::step_losses(out + "/metrics.jsonl");
+    ASSERT_EQ(c.size(), 3u) << v.label;
+    for (size_t i = 0; i < c.size(); ++i) EXPECT_EQ(c[i], losses["zero3"][i + 3]) << v.label << ": step " << i + 4;
   }
 }
 

@@ -496,6 +496,7 @@ class PipelineStep : public pipeline::PipelineStrategy {
     o.layout.chunk_stages = nullptr;
     o.layout.pipeline_micro_batches = 1;
     o.layout.pipeline_balance = nullptr;
+    o.layout.pipeline_partition = WEFT_PARTITION_PARAMETERS;
     o.layout.pipeline_balance_count = 0;
     o.layout.pipeline_stages = 0;
     if (auto fn = reinterpret_cast<weft_layout_fn>(proc("weft_layout"))) check_status(o, fn(o.instance, &o.layout), "weft_layout");
@@ -550,6 +551,14 @@ class PipelineStep : public pipeline::PipelineStrategy {
       }
       options.balance.assign(o.layout.pipeline_balance, o.layout.pipeline_balance + o.layout.pipeline_balance_count);
     }
+    if (o.layout.sequence_parallel != 0) {
+      refuse_layout(o, "weft_layout.sequence_parallel is for a plugin that owns the tensor-parallel dimension");
+    }
+    if (o.layout.pipeline_partition != WEFT_PARTITION_PARAMETERS && o.layout.pipeline_partition != WEFT_PARTITION_TIME) {
+      refuse_layout(o, fmt::format("weft_layout's pipeline_partition = {} (WEFT_PARTITION_PARAMETERS or WEFT_PARTITION_TIME)",
+                                   o.layout.pipeline_partition));
+    }
+    options.partition_by_time = o.layout.pipeline_partition == WEFT_PARTITION_TIME;
     // Whether the backward is split decides what the model keeps (the plan): ask one list now.
     options.split_backward = plugin_schedule(o, stages, options.microbatches).split_backward;
     if (mesh_pp != 0) {

@@ -12,8 +12,11 @@
 //   microbatches  int in [1, 4096], default 4: pipeline micro-batches per host micro-batch
 //   chunks        int, default 2 with interleaved1f1b (1 otherwise, and only 1)
 //   balance       [int, ...]: decoder layers per virtual stage (ranks x chunks entries); default:
-//                 the host's balance by parameter count
+//                 the host's balance, as `partition` says
+//   partition     "parameters" (default) or "time": the host balances the virtual stages by parameter
+//                 count, or by each model stage's forward + backward time measured before the run
 // Recomputation is the host's model.activation_checkpointing.
+#include <cstddef>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -31,6 +34,7 @@ struct Gpipe {
   std::string schedule;
   int32_t stages = 1, microbatches = 4, chunks = 1;
   std::vector<int64_t> balance;  // plugin.balance (weft_layout.pipeline_balance)
+  int32_t partition = WEFT_PARTITION_PARAMETERS;  // plugin.partition (weft_layout.pipeline_partition)
   std::vector<weft_action> list;  // the last list asked for (weft_schedule's storage)
 };
 
@@ -50,6 +54,18 @@ weft_status* create(const weft_host_services* host, weft_plugin_instance** out) 
     const char* name = nullptr;
     if (weft_status* s = config_string(host->context, "schedule", "gpipe", &name)) return s;
     self->schedule = name;
+    const char* partition = nullptr;
+    if (weft_status* s = config_string(host->context, "partition", "parameters", &partition)) return s;
+    if (std::strcmp(partition, "parameters") != 0 && std::strcmp(partition, "time") != 0) {
+      return status_create(WEFT_STATUS_BAD_CONFIG,
+                           ("plugin.partition must be \"parameters\" or \"time\", got \"" + std::string(partition) + "\"").c_str());
+    }
+    if (std::strcmp(partition, "time") == 0) {
+      if (host->abi_minor < 3) {
+        return status_create(WEFT_STATUS_UNSUPPORTED, "gpipe_abi2: plugin.partition = \"time\" needs a host of ABI 2.3 or later");
+      }
+      self->partition = WEFT_PARTITION_TIME;
+    }
     int64_t microbatches = 4, chunks = 1, stages = 0;
     if (weft_status* s = config_int(host->context, "microbatches", 4, &microbatches)) return s;
     const bool interleaved = self->schedule == "interleaved1f1b";
@@ -102,6 +118,9 @@ weft_status* layout(weft_plugin_instance* instance, weft_layout* out) {
   out->pipeline_micro_batches = self->microbatches;
   out->pipeline_balance = self->balance.empty() ? nullptr : self->balance.data();
   out->pipeline_balance_count = static_cast<int32_t>(self->balance.size());
+  if (out->struct_size >= offsetof(weft_layout, pipeline_partition) + sizeof out->pipeline_partition) {
+    out->pipeline_partition = self->partition;
+  }
   return nullptr;
 }
 

@@ -107,6 +107,7 @@ PipelineStrategy::PipelineStrategy(weft::sdk::Host host, std::string plugin, Opt
   split_backward_ = options.split_backward;
   bucket_mb_ = options.bucket_mb;
   balance_ = std::move(options.balance);  // its size is the caller's to check (stages x chunks)
+  if (options.partition_by_time) partition_by_ = "time";
   stage_major_ = options.stage_major;
   replica_group_ = options.replica_group;
   place_ranks(options.stages);

@@ -84,7 +84,8 @@ class PipelineStrategy : public weft::sdk::Strategy {
     int32_t chunks = 1;                // virtual stages per stage
     std::vector<int32_t> chunk_stage;  // Schedule::chunk_stage (empty: the loop order)
     bool split_backward = false;       // the schedule has B/W halves
-    std::vector<int64_t> balance;      // decoder layers per virtual stage (empty: balanced by parameters)
+    std::vector<int64_t> balance;      // decoder layers per virtual stage (empty: balanced by parameters,
+    bool partition_by_time = false;    // or, with this, by each model stage's profiled time)
     double bucket_mb = 25.0;
     bool stage_major = false;          // Placement::stage_major (a device mesh's layout, pp outside dp)
     // This rank's replicas of its stage (made by the caller, collectively), or none: setup makes them.

@@ -228,7 +228,17 @@ typedef struct weft_layout {
    * tokens instead of combining sums: an all-gather in, a reduce-scatter out (weft_hook_event's
    * `source`). The host's default: 0. */
   int32_t sequence_parallel;
+  /* Since 2.3, for a plugin that owns the pipeline dimension: how the host balances the virtual
+   * stages where pipeline_balance is NULL (weft_partition). The host's default: by parameters. */
+  int32_t pipeline_partition;
 } weft_layout;
+
+/* weft_layout.pipeline_partition */
+typedef enum weft_partition {
+  WEFT_PARTITION_PARAMETERS = 0, /* each virtual stage about the same parameter count */
+  WEFT_PARTITION_TIME = 1        /* about the same forward + backward time: the host times each model
+                                    stage on every rank before the model is built and averages */
+} weft_partition;
 
 /* Where a tensor lives on the plugin's dimension. */
 typedef enum weft_placement_kind {

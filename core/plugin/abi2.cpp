@@ -17,6 +17,7 @@
 
 #include "core/model/parallel.h"
 #include "core/plugin/host_services.h"
+#include "core/plugin/abi2_slices.h"
 #include "core/plugin/placement_collectives.h"
 #include "core/plugin/step_program.h"
 #include "core/util/error.h"
@@ -286,6 +287,7 @@ class HostStep : public sdk::Strategy {
     main_ = std::make_unique<Owner>(host, plugin, (owns == (1u << WEFT_MESH_TP) ? tp_group_ : dp_group_).get(), nullptr);
     (owns == (1u << WEFT_MESH_TP) ? tp_ : dp_) = main_.get();
     check(*main_, plugin.table.create(&main_->services, &main_->instance), nullptr);  // the session names "create"
+    if (tp_ != nullptr) slices_ = std::make_unique<TensorSlices>(host, *tp_, tp_group_);
     if (composed) {
       companion_ = std::make_unique<Owner>(host, *state.abi2_data_parallel, dp_group_.get(),
                                            state.abi2_data_parallel_settings);
@@ -401,7 +403,7 @@ class HostStep : public sdk::Strategy {
 
   ~HostStep() override {
     reducer_.reset();
-    partial_reducers_.clear();
+    slices_.reset();
     gatherer_.reset();
     state_gatherer_.reset();
   }
@@ -487,7 +489,12 @@ class HostStep : public sdk::Strategy {
     // ranks' ranges cover each element once. Whole, every rank already has the whole norm.
     // Sharded over groups of the dimension: each group's ranges cover every element once, and the groups hold
     // the same averaged gradients.
-    if (tp_ != nullptr) return sliced_grad_norm_sq();
+    if (slices_) {  // each slice and range once: summed over the world, the replicas' whole gradients over dp
+      const auto [ranges, whole] = slices_->norm_shares(state_shards_);
+      std::vector<double> share{ranges, whole};
+      if (host().world().size() > 1) all_reduce(share, host().world());
+      return share[0] + share[1] / replicas();
+    }
     if (!shards_state_ || replicas() <= 1) return local_sq;
     std::vector<double> sum{local_sq};
     all_reduce(sum, shard_group_);
@@ -502,9 +509,9 @@ class HostStep : public sdk::Strategy {
     for (int64_t i = 0; i < count; ++i) {
       const weft_parameter_info info = h.parameter_info(i);
       DLTensor data = h.parameter_data(i);
-      if (tp_ != nullptr) place_slice(i, info, placement(*tp_, info));
+      if (slices_) slices_->place(i, info);
       if (dp_ == nullptr) continue;
-      const weft_parameter_layout where = placement(*dp_, info);
+      const weft_parameter_layout where = abi2_placement(*dp_, info);
       check_abi2_placement(dp_->name(), info, where);
       if (companion_ && where.parameter.kind == WEFT_PLACE_LOCAL) {
         throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
@@ -562,31 +569,24 @@ class HostStep : public sdk::Strategy {
       }
     }
     for (Owner* o : {main_.get(), companion_.get()}) {
-      if (o != nullptr) register_hooks(*o);
+      if (o == nullptr) continue;
+      std::vector<std::string> published = {"train.begin", "step.end"};  // the step's, and the model's to tp
+      if (o == tp_) published.insert(published.end(), comm_point_names().begin(), comm_point_names().end());
+      abi2_register_hooks(*o, published, hooks_);
     }
     if (!reduced.empty()) {
       reducer_ = std::make_unique<GradientReducer>(h, dp_group_, shard_group_, replica_group_, reduced,
                                                    std::max<int64_t>(1, dp_->layout.reduce_bucket_bytes));
       reducer_->set_explicit(gatherer_ != nullptr);
     }
-    GradientReducer* whole_partial = tp_ != nullptr ? make_partial_reducers() : nullptr;
+    GradientReducer* whole_partial = slices_ ? slices_->make_reducers(tp_->layout.reduce_bucket_bytes) : nullptr;
     // Which reducer starts its buckets during the last backward (it holds the host's gradient-ready
     // callback): data parallelism's; alone, tensor parallelism's over the whole dimension. PARTIAL
     // sums and data parallelism's reduction apply to the same gradients one after the other: the
     // sums first where the reduction reduce-scatters (it frees the whole gradients), else after it.
-    tp_first_ = reducer_ != nullptr && !partial_reducers_.empty() && !grad_shards_.empty();
+    tp_first_ = reducer_ != nullptr && slices_ && slices_->sums() && !grad_shards_.empty();
     armed_ = reducer_ != nullptr ? (tp_first_ ? nullptr : reducer_.get()) : whole_partial;
     if (armed_ != nullptr) armed_->claim_ready_callback();
-  }
-
-  // `o`'s placement of a built parameter (weft_place; without it, REPLICATE everywhere).
-  weft_parameter_layout placement(const Owner& o, const weft_parameter_info& info) const {
-    weft_parameter_layout where{};
-    if (const auto place = reinterpret_cast<weft_place_fn>(o.proc("weft_place"))) {
-      const weft_parameter_desc desc = abi2_parameter_desc(info);
-      check(o, place(o.instance, &desc, &where), "weft_place");
-    }
-    return where;
   }
 
   double train_step(const weft_step_info& step) override {
@@ -597,7 +597,7 @@ class HostStep : public sdk::Strategy {
     step_ = step.step;
     if (program_micro_batches_ != step.micro_batches) {
       StepProgram program = one_chunk_program(step.micro_batches);
-      if (reducer_ || !partial_reducers_.empty()) program = lower_reductions(program, {0});
+      if (reducer_ || (slices_ && slices_->sums())) program = lower_reductions(program, {0});
       verify_program(program, step.micro_batches, 1);
       program_ = std::move(program);
       program_micro_batches_ = step.micro_batches;
@@ -657,7 +657,7 @@ class HostStep : public sdk::Strategy {
       if (gatherer_ && tied_) gatherer_->release(0);
     } catch (...) {
       if (reducer_) reducer_->abandon();
-      for (auto& partial : partial_reducers_) partial->abandon();
+      if (slices_) slices_->abandon();
       throw;
     }
     if (const GradientReducer* shown = reducer_ ? reducer_.get() : armed_) {  // metrics.jsonl: plugin.reduce_buckets,
@@ -672,33 +672,29 @@ class HostStep : public sdk::Strategy {
 
   // REDUCE: data parallelism's reduction and the PARTIAL sums, in the order setup chose.
   void start_reductions() {
-    const auto start = [&](GradientReducer& r) {
-      if (&r == armed_) {
-        r.start_rest();
-      } else {
-        r.start_all();
-      }
-    };
+    const bool sums = slices_ && slices_->sums();
     if (tp_first_) {
-      for (auto& partial : partial_reducers_) start(*partial);
-      for (auto& partial : partial_reducers_) partial->finish();
-      start(*reducer_);
+      slices_->start(armed_);
+      slices_->finish();
+      reducer_->start_all();
       return;
     }
     if (reducer_) {
-      start(*reducer_);
-      if (!partial_reducers_.empty()) return;  // the sums start after its finish
+      if (reducer_.get() == armed_) {
+        reducer_->start_rest();
+      } else {
+        reducer_->start_all();
+      }
+      if (sums) return;  // the sums start after its finish
     }
-    for (auto& partial : partial_reducers_) start(*partial);
+    if (sums) slices_->start(armed_);
   }
   // OPTIMIZER_STEP: every reduction complete.
   void finish_reductions() {
     if (reducer_) reducer_->finish();
-    if (tp_first_) return;
-    if (reducer_) {
-      for (auto& partial : partial_reducers_) partial->start_all();
-    }
-    for (auto& partial : partial_reducers_) partial->finish();
+    if (tp_first_ || !slices_ || !slices_->sums()) return;
+    if (reducer_) slices_->start(nullptr);
+    slices_->finish();
   }
 
   sdk::EvalResult eval_step(const weft_step_info& step) override {
@@ -806,35 +802,8 @@ class HostStep : public sdk::Strategy {
   }
 
  private:
-  // `o`'s hooks ("weft_hooks"), each at a point this host publishes to it.
-  void register_hooks(Owner& o) {
-    const auto fn = reinterpret_cast<weft_hooks_fn>(o.proc("weft_hooks"));
-    if (fn == nullptr) return;
-    int32_t count = 0;
-    const weft_hook* hooks = fn(o.instance, &count);
-    if (count > 0 && hooks == nullptr) {
-      throw sdk::Error(WEFT_STATUS_INVALID_ARGUMENT, fmt::format("{}: weft_hooks gave {} hooks but no array", o.name(), count));
-    }
-    std::vector<std::string> published = {"train.begin", "step.end"};  // the step's, and the model's to tp
-    if (&o == tp_) published.insert(published.end(), comm_point_names().begin(), comm_point_names().end());
-    for (int32_t k = 0; k < count; ++k) {
-      const weft_hook& hook = hooks[k];
-      const std::string point = hook.point ? hook.point : "";
-      if (std::find(published.begin(), published.end(), point) == published.end()) {
-        throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
-                         fmt::format("{} registers a hook at \"{}\", a point this host (ABI 2.{}) does not publish "
-                                     "(it publishes: {})",
-                                     o.name(), point, WEFT_PLUGIN_ABI_MINOR, fmt::join(published, ", ")));
-      }
-      if (hook.fn == nullptr) {
-        throw sdk::Error(WEFT_STATUS_INVALID_ARGUMENT, fmt::format("{}: its hook at \"{}\" is NULL", o.name(), point));
-      }
-      hooks_.push_back({point, hook.fn, &o});
-    }
-  }
-
   void run_hooks(const char* point, int64_t step) {
-    for (const Hook& hook : hooks_) {
+    for (const Abi2Hook& hook : hooks_) {
       if (hook.point != point) continue;
       weft_hook_event event{};
       event.struct_size = sizeof event;
@@ -848,132 +817,10 @@ class HostStep : public sdk::Strategy {
   // At the model's point `point` (the tensor-parallel dimension's hooks): `tensor` combined in place,
   // or filled from `source` where the point moves tokens.
   void run_model_hooks(const std::string& point, bool backward, int64_t layer, DLTensor& tensor, const DLTensor* source) {
-    for (const Hook& hook : hooks_) {
-      if (hook.point != point) continue;
-      weft_hook_event event{};
-      event.struct_size = sizeof event;
-      event.point = hook.point.c_str();
-      event.step = step_;
-      event.backward = backward ? 1 : 0;
-      event.layer = layer;
-      event.tensor = &tensor;
-      event.source = source;
-      check(*hook.owner, hook.fn(hook.owner->instance, &event), hook.point.c_str());
-    }
+    abi2_run_model_hooks(hooks_, point, backward, layer, tensor, source, step_);
   }
   bool hooked(const std::string& point) const {
-    return std::any_of(hooks_.begin(), hooks_.end(), [&](const Hook& h) { return h.point == point; });
-  }
-
-  // --- the tensor-parallel dimension: SLICE placements, PARTIAL gradients ---
-  // The slice a placement asks for (whole for REPLICATE), after checking what this host executes on
-  // the tensor-parallel dimension: parameters SLICE or REPLICATE, their gradients as the parameter
-  // or PARTIAL, optimizer states as the parameter.
-  ParameterShard slice_of(const std::string& parameter, int32_t ndim, const weft_parameter_layout& where) const {
-    const int32_t size = tp_group_.size();
-    const auto refuse = [&](const char* what, int32_t kind, const std::string& why) {
-      throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
-                       fmt::format("{} places the {} of {} as {}, which this host (ABI 2.{}) does not execute on the "
-                                   "tensor-parallel dimension ({})",
-                                   tp_->name(), what, parameter, abi2_placement_name(kind), WEFT_PLUGIN_ABI_MINOR, why));
-    };
-    const weft_placement p = where.parameter;
-    if (p.kind != WEFT_PLACE_SLICE && p.kind != WEFT_PLACE_REPLICATE) {
-      refuse("parameter", p.kind, "a parameter is SLICE or REPLICATE there");
-    }
-    ParameterShard shard;
-    if (p.kind == WEFT_PLACE_SLICE) {
-      const int32_t parts = where.slice_parts > 0 ? where.slice_parts : size;
-      if (p.dim < 0 || p.dim >= ndim || parts < 1 || size % parts != 0) {
-        throw sdk::Error(WEFT_STATUS_BAD_CONFIG,
-                         fmt::format("{} places {} as SLICE along dimension {} in {} parts, which a tensor of {} "
-                                     "dimensions over {} ranks cannot be (the parts divide the ranks)",
-                                     tp_->name(), parameter, p.dim, parts, ndim, size));
-      }
-      shard = ParameterShard{p.dim, parts, tp_group_.rank() * parts / size};
-    }
-    const weft_placement g = where.gradient, o = where.optimizer_state;
-    if (g.kind != WEFT_PLACE_PARTIAL && (g.kind != p.kind || (p.kind == WEFT_PLACE_SLICE && g.dim != p.dim))) {
-      refuse("gradient", g.kind, "a gradient is placed as its parameter, or PARTIAL");
-    }
-    if (o.kind != p.kind || (p.kind == WEFT_PLACE_SLICE && o.dim != p.dim)) {
-      refuse("optimizer state", o.kind, "an optimizer state is placed as its parameter");
-    }
-    return shard;
-  }
-
-  // A built parameter's placement: the slice the model holds must be the one asked for (LoRA's
-  // factors follow their base layer's), and a PARTIAL gradient is summed over the ranks holding
-  // the same parameter.
-  void place_slice(int64_t index, const weft_parameter_info& info, const weft_parameter_layout& where) {
-    const ParameterShard asked = slice_of(info.name, info.ndim, where);
-    const PluginHost::State& state = *host().handle()->state;
-    const ParameterShard held = state.model != nullptr ? shard_of(state.model->options().shards, info.name) : ParameterShard{};
-    const auto describe = [](const ParameterShard& s) {
-      return s.whole() ? std::string("whole") : fmt::format("sliced along dimension {} in {} parts", s.dim, s.parts);
-    };
-    if (asked.parts != held.parts || (!asked.whole() && asked.dim != held.dim)) {
-      throw sdk::Error(WEFT_STATUS_BAD_CONFIG,
-                       fmt::format("{} places {} {}, but the model holds it {} (a LoRA factor follows its base layer: "
-                                   "lora_B sliced along 0 under a column-sliced layer, lora_A along 1 under a row-sliced "
-                                   "one, the other factor whole)",
-                                   tp_->name(), info.name, describe(asked), describe(held)));
-    }
-    if (!info.trainable) return;
-    const int32_t size = tp_group_.size();
-    trainable_.push_back(index);
-    copies_.push_back(static_cast<double>(size / asked.parts));
-    if (where.gradient.kind == WEFT_PLACE_PARTIAL && asked.parts < size) partial_[asked.parts].push_back(index);
-  }
-
-  // One summing reducer per slice count: over the tensor-parallel group (REPLICATE parameters'
-  // PARTIAL gradients) and over each group of its ranks that shares a slice. Returns the first
-  // (null without one). Collective: every rank makes every group, in the same order.
-  GradientReducer* make_partial_reducers() {
-    const sdk::Host h = host();
-    const int32_t size = tp_group_.size(), rank = h.world().rank();
-    const int32_t base = rank - tp_group_.rank();  // the group's first rank (the mesh's tp is innermost)
-    const int32_t groups = h.world().size() / size;
-    GradientReducer* whole = nullptr;
-    for (const auto& [parts, indices] : partial_) {  // ascending parts: the whole group (1) first
-      sdk::Group group = tp_group_;
-      if (parts > 1) {
-        const int32_t sharing = size / parts;
-        for (int32_t d = 0; d < groups; ++d) {
-          for (int32_t g = 0; g < parts; ++g) {
-            std::vector<int32_t> members;
-            for (int32_t j = 0; j < sharing; ++j) members.push_back(d * size + g * sharing + j);
-            sdk::Group made = h.create_group(members);
-            if (d * size == base && tp_group_.rank() / sharing == g) group = made;
-          }
-        }
-      }
-      std::vector<GradientReducer::Reduced> reduced;
-      for (int64_t index : indices) reduced.push_back({index, false});
-      auto reducer = std::make_unique<GradientReducer>(h, group, group, sdk::Group(), reduced,
-                                                       std::max<int64_t>(1, tp_->layout.reduce_bucket_bytes));
-      reducer->set_sum(true);
-      if (parts == 1) whole = reducer.get();
-      partial_reducers_.push_back(std::move(reducer));
-    }
-    return whole;
-  }
-
-  // Each trainable parameter's gradient once, however many ranks hold it: a tensor-parallel slice
-  // on one rank of its group, a whole one on each; a data-parallel range (FLAT_SHARD optimizer
-  // state) on one rank of the shard group, an averaged gradient on every replica.
-  double sliced_grad_norm_sq() const {
-    std::vector<double> share{0.0, 0.0};  // FLAT_SHARD ranges, whole gradients
-    for (size_t k = 0; k < trainable_.size(); ++k) {
-      const int64_t index = trainable_[k];
-      if (std::binary_search(state_shards_.begin(), state_shards_.end(), index)) {
-        share[0] += host().squared_norm(host().parameter_grad_shard(index)) / copies_[k];
-      } else {
-        share[1] += host().squared_norm(host().parameter_grad(index)) / copies_[k];
-      }
-    }
-    if (host().world().size() > 1) all_reduce(share, host().world());
-    return share[0] + share[1] * tp_group_.size() / host().world().size();
+    return std::any_of(hooks_.begin(), hooks_.end(), [&](const Abi2Hook& h) { return h.point == point; });
   }
 
   std::string name() const { return main_->name(); }
@@ -981,13 +828,7 @@ class HostStep : public sdk::Strategy {
     return dp_ != nullptr && dp_->layout.batch_split == WEFT_SPLIT_ROWS ? dp_group_.size() : 1;
   }
   // A status from `o` becomes an Error naming it and the function (`what`, unless null).
-  void check(const Owner& o, weft_status* status, const char* what) const {
-    if (status == nullptr) return;
-    const weft_status_code code = g_api->status_code(status);
-    const std::string message = g_api->status_message(status);
-    g_api->status_release(status);
-    throw sdk::Error(code, what ? fmt::format("{} ({}): {}", o.name(), what, message) : message);
-  }
+  void check(const Owner& o, weft_status* status, const char* what) const { abi2_check(o, status, what); }
   void all_reduce(std::vector<double>& values) const { all_reduce(values, dp_group_); }
   void all_reduce(std::vector<double>& values, sdk::Group group) const {
     int64_t shape[1] = {static_cast<int64_t>(values.size())};
@@ -1025,19 +866,8 @@ class HostStep : public sdk::Strategy {
   bool shards_state_ = false;
   StepProgram program_;
   int32_t program_micro_batches_ = 0;
-  struct Hook {
-    std::string point;
-    weft_hook_fn fn;
-    Owner* owner;
-  };
-  std::vector<Hook> hooks_;  // in registration order
-  // The tensor-parallel dimension: trainable parameters with how many ranks hold each (the norm),
-  // PARTIAL gradients by the slice count of their parameter (1: REPLICATE), and their reducers
-  // over groups sharing a slice.
-  std::vector<int64_t> trainable_;
-  std::vector<double> copies_;
-  std::map<int32_t, std::vector<int64_t>> partial_;
-  std::vector<std::unique_ptr<GradientReducer>> partial_reducers_;
+  std::vector<Abi2Hook> hooks_;  // in registration order
+  std::unique_ptr<TensorSlices> slices_;  // the tensor-parallel dimension's slices and PARTIAL sums
   GradientReducer* armed_ = nullptr;  // the reducer whose buckets start during the last backward
   bool tp_first_ = false;  // the PARTIAL sums before data parallelism's reduce-scatter (else after its reduction)
   bool began_ = false;
@@ -1053,7 +883,7 @@ class TensorStep : public HostStep {
   using HostStep::HostStep;
 
   weft_shard shard_parameter(const weft_parameter_info& info) override {
-    const ParameterShard slice = slice_of(info.name, info.ndim, placement(*tp_, info));
+    const ParameterShard slice = slices_->shard(info);
     return weft_shard{slice.dim, slice.parts, slice.index};
   }
 

@@ -1,0 +1,77 @@
+// A plugin that owns the tensor-parallel dimension, as the host's steps execute it (abi2.cpp without
+// a pipeline, abi2_pipeline.cpp with one): its SLICE placements (asked before the model is built,
+// checked against what the model holds after), its PARTIAL gradients summed over the ranks that hold
+// the same parameter, each gradient counted once in the norm, and its hooks at the model's points.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/model/parallel.h"
+#include "core/plugin/abi2_context.h"
+#include "core/plugin/placement_collectives.h"
+
+namespace weft {
+
+// A status from `o` becomes an sdk::Error naming it and the function (`what`, unless null).
+void abi2_check(const Abi2Instance& o, weft_status* status, const char* what);
+// `o`'s placement of a parameter (weft_place, told its full shape; without it, REPLICATE everywhere).
+weft_parameter_layout abi2_placement(const Abi2Instance& o, const weft_parameter_info& info);
+
+// A plugin's hook at a point, and the plugin it calls.
+struct Abi2Hook {
+  std::string point;
+  weft_hook_fn fn;
+  Abi2Instance* owner;
+};
+// `o`'s hooks ("weft_hooks") into `out`, each at one of `published` (else one error naming the point).
+void abi2_register_hooks(Abi2Instance& o, const std::vector<std::string>& published, std::vector<Abi2Hook>& out);
+// The hooks at `point`: `tensor` combined in place, or filled from `source` where the point moves tokens
+// (event.tensor, source, backward, layer; step: `step`).
+void abi2_run_model_hooks(const std::vector<Abi2Hook>& hooks, const std::string& point, bool backward, int64_t layer,
+                          DLTensor& tensor, const DLTensor* source, int64_t step);
+
+class TensorSlices {
+ public:
+  // `tp`: the plugin, whose dimension is `group` (the world alone, its mesh slice composed; the mesh
+  // puts tp innermost: a group is consecutive ranks).
+  TensorSlices(sdk::Host host, Abi2Instance& tp, sdk::Group group) : host_(host), tp_(tp), group_(group) {}
+
+  const sdk::Group& group() const { return group_; }
+  // The slice a placement asks for (whole for REPLICATE), after checking what this host executes on
+  // the tensor-parallel dimension: parameters SLICE or REPLICATE, their gradients as the parameter
+  // or PARTIAL, optimizer states as the parameter.
+  ParameterShard slice_of(const std::string& parameter, int32_t ndim, const weft_parameter_layout& where) const;
+  // What the model should hold of a parameter (before it is built: weft_place with its full shape).
+  ParameterShard shard(const weft_parameter_info& info) const { return slice_of(info.name, info.ndim, abi2_placement(tp_, info)); }
+  // A built parameter: the slice the model holds must be the one asked for (LoRA's factors follow their
+  // base layer's); a trainable one is counted, its PARTIAL gradient summed.
+  void place(int64_t index, const weft_parameter_info& info);
+  // One summing reducer per slice count (the whole group for REPLICATE parameters' PARTIAL gradients,
+  // each group of ranks sharing a slice). Returns the whole group's, or null. Collective.
+  GradientReducer* make_reducers(int64_t bucket_bytes);
+  bool sums() const { return !reducers_.empty(); }
+  // The sums: started (`armed`: the one armed for the last backward starts what is left), waited for.
+  void start(const GradientReducer* armed);
+  void finish();
+  void abandon() noexcept;
+  // Of each trainable parameter's squared gradient norm divided by how many tp ranks hold it: the share
+  // of those whose optimizer state `flat_sharded` (ascending) holds in ranges (their gradient shards),
+  // and of the others (whole gradients).
+  std::pair<double, double> norm_shares(const std::vector<int64_t>& flat_sharded) const;
+
+ private:
+  sdk::Host host_;
+  Abi2Instance& tp_;
+  sdk::Group group_;
+  std::vector<int64_t> trainable_;
+  std::vector<double> copies_;
+  std::map<int32_t, std::vector<int64_t>> partial_;  // PARTIAL gradients by their parameter's slice count
+  std::vector<std::unique_ptr<GradientReducer>> reducers_;
+};
+
+}  // namespace weft

@@ -93,13 +93,7 @@ bool collective_dtype(const DLTensor& t) {
 }
 // A contiguous tensor as one dimension (the collectives split dimension 0 over the ranks).
 DLTensor flat_view(const DLTensor& t, int64_t (&shape_and_stride)[2]) {
-  shape_and_stride[0] = sdk::detail::elements_of(t);
-  shape_and_stride[1] = 1;
-  DLTensor view = t;
-  view.ndim = 1;
-  view.shape = &shape_and_stride[0];
-  view.strides = &shape_and_stride[1];
-  return view;
+  return sdk::flat_part(t, 0, sdk::detail::elements_of(t), shape_and_stride);
 }
 // A collective's status, or its wait's: it returns when done.
 weft_status* waited(weft_host_context* c, weft_status* status, weft_work** work) {
@@ -889,18 +883,7 @@ class TensorStep : public HostStep {
 
   void setup() override {
     HostStep::setup();
-    if (tp_->layout.sequence_parallel == 0 || tp_group_.size() <= 1) return;
-    std::vector<std::string> missing;  // sequence parallelism moves tokens at every region's ends
-    for (CommPoint p : {CommPoint::kEmbeddingOutput, CommPoint::kAttentionInput, CommPoint::kAttentionOutput,
-                        CommPoint::kMlpInput, CommPoint::kMlpOutput, CommPoint::kHeadInput}) {
-      if (!hooked(comm_point_name(p))) missing.push_back(comm_point_name(p));
-    }
-    if (!missing.empty()) {
-      throw sdk::Error(WEFT_STATUS_BAD_CONFIG,
-                       fmt::format("{} asks for sequence parallelism (weft_layout.sequence_parallel) but has no hook at {}, "
-                                   "where the tokens move",
-                                   tp_->name(), fmt::join(missing, ", ")));
-    }
+    abi2_check_sequence_hooks(*tp_, hooks_, tp_group_.size());
   }
 
   void comm_point(weft_comm_point point, weft_direction direction, int64_t layer, DLTensor& tensor) override {

@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "core/plugin/abi2_context.h"
+#include "core/plugin/abi2_slices.h"
 #include "core/plugin/host_services.h"
 #include "core/plugin/placement_collectives.h"
 #include "pipeline_strategy.hpp"
@@ -130,12 +131,39 @@ class PipelineStep : public pipeline::PipelineStrategy {
   static PipelineStep* create(sdk::Host host, const Abi2Plugin& plugin) {
     auto opened = std::make_unique<PipelinePlugin>(host, plugin);
     std::unique_ptr<Companion> companion;
-    Options options = open(host, *opened, companion);
-    return new PipelineStep(host, std::move(opened), std::move(companion), std::move(options));
+    std::unique_ptr<Abi2Instance> tensor;
+    sdk::Group tp_slice;
+    Options options = open(host, *opened, companion, tensor, tp_slice);
+    return new PipelineStep(host, std::move(opened), std::move(companion), std::move(tensor), tp_slice, std::move(options));
+  }
+
+  // A tensor-parallel plugin composed with the pipeline: what the model holds of each weight.
+  weft_shard shard_parameter(const weft_parameter_info& info) override {
+    if (!slices_) return weft_shard{0, 1, 0};
+    const ParameterShard slice = slices_->shard(info);
+    return weft_shard{slice.dim, slice.parts, slice.index};
+  }
+  // Its hooks at the model's points (the session calls none without it: skips_model_points).
+  void comm_point(weft_comm_point point, weft_direction direction, int64_t layer, DLTensor& tensor) override {
+    abi2_run_model_hooks(hooks_, comm_point_name(static_cast<CommPoint>(point)), direction == WEFT_BACKWARD, layer, tensor,
+                         nullptr, 0);
+  }
+  void sequence_region(weft_comm_point point, weft_direction direction, int64_t layer, const DLTensor& input,
+                       DLTensor& output) override {
+    abi2_run_model_hooks(hooks_, comm_point_name(static_cast<CommPoint>(point)), direction == WEFT_BACKWARD, layer, output,
+                         &input, 0);
+  }
+  void plan(weft_model_plan& plan) override {
+    PipelineStrategy::plan(plan);
+    if (tensor_ && tensor_->layout.sequence_parallel != 0 && tp_slice_.size() > 1) {  // Megatron's, in the tp slice
+      plan.tensor_sequence_size = tp_slice_.size();
+      plan.tensor_sequence_rank = tp_slice_.rank();
+    }
   }
 
   ~PipelineStep() override {
     reducer_.reset();
+    slices_.reset();
     gatherer_.reset();
     state_gatherer_.reset();
   }
@@ -150,6 +178,12 @@ class PipelineStep : public pipeline::PipelineStrategy {
   // reduction, as torchtitan's pipelines keep FSDP's parameters through the micro-batches).
   void setup() override {
     PipelineStrategy::setup();
+    if (slices_) {  // the tensor-parallel plugin's slices, PARTIAL sums and hooks
+      for (int64_t i = 0; i < host().parameter_count(); ++i) slices_->place(i, host().parameter_info(i));
+      abi2_register_hooks(*tensor_, comm_point_names(), hooks_);
+      abi2_check_sequence_hooks(*tensor_, hooks_, tp_slice_.size());
+      slices_->make_reducers(tensor_->layout.reduce_bucket_bytes);
+    }
     if (placement().replicas <= 1) return;
     const sdk::Host h = host();
     const std::string dp_name = companion_ ? companion_->name() : plugin_name(*opened_);
@@ -211,6 +245,13 @@ class PipelineStep : public pipeline::PipelineStrategy {
       }
     }
     for (const sdk::Work& work : broadcasts) work.wait();
+    if (slices_ && slices_->sums() && !grad_shards_.empty()) {
+      throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
+                       fmt::format("{} reduce-scatters gradients beside pipeline {} and tensor-parallel {}, which this "
+                                   "host (ABI 2.{}) does not execute yet (its PARTIAL sums would come after the "
+                                   "reduce-scatter): REPLICATE or FLAT_SHARD optimizer state only",
+                                   dp_name, plugin_name(*opened_), tensor_->name(), WEFT_PLUGIN_ABI_MINOR));
+    }
     if (!state_shards_.empty() && static_cast<int64_t>(state_shards_.size()) != trainable) {
       throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
                        fmt::format("{} shards the optimizer state of {} of the {} trainable parameters beside pipeline {}: "
@@ -291,9 +332,16 @@ class PipelineStep : public pipeline::PipelineStrategy {
         std::fill(gathered_.begin(), gathered_.end(), 0);
         resting_ = true;
       }
-      return PipelineStrategy::train_step(step);
+      const double loss = PipelineStrategy::train_step(step);
+      if (slices_ && slices_->sums()) {  // the PARTIAL sums over the averaged gradients, then their ranges
+        slices_->start(nullptr);
+        slices_->finish();
+        shard_gradients();
+      }
+      return loss;
     } catch (...) {
       if (reducer_) reducer_->abandon();
+      if (slices_) slices_->abandon();
       throw;
     }
   }
@@ -326,6 +374,11 @@ class PipelineStep : public pipeline::PipelineStrategy {
   // Sharded, the host's norm covers this rank's ranges: the stage's replicas together cover each
   // element once, so the sum runs over every rank, less the last stage's tied copy (its range).
   double global_grad_norm_sq(double local_sq) override {
+    if (slices_) {  // each slice and range once over the world; the replicas' whole gradients over dp
+      const auto [ranges, whole] = slices_->norm_shares(state_shards_, placement().is_first() ? -1 : tied_parameter());
+      const std::vector<double> sums = sum_over(host().world(), {ranges, whole});
+      return sums[0] + sums[1] / placement().replicas;
+    }
     if (state_shards_.empty()) return PipelineStrategy::global_grad_norm_sq(local_sq);
     double copy = 0.0;
     if (tied_parameter() >= 0 && !placement().is_first()) copy = host().squared_norm(host().parameter_grad_shard(tied_parameter()));
@@ -417,9 +470,34 @@ class PipelineStep : public pipeline::PipelineStrategy {
 
  private:
   PipelineStep(sdk::Host host, std::unique_ptr<PipelinePlugin> opened, std::unique_ptr<Companion> companion,
-               Options options)
+               std::unique_ptr<Abi2Instance> tensor, sdk::Group tp_slice, Options options)
       : PipelineStrategy(host, opened->plugin.table.name, std::move(options)), opened_(std::move(opened)),
-        companion_(std::move(companion)), bucket_bytes_(kAbi2DefaultBucketBytes) {}
+        companion_(std::move(companion)), tensor_(std::move(tensor)), tp_slice_(tp_slice),
+        bucket_bytes_(kAbi2DefaultBucketBytes) {
+    if (tensor_) slices_ = std::make_unique<TensorSlices>(host, *tensor_, tp_slice_);
+    host.handle()->state->skips_model_points = tensor_ == nullptr;
+  }
+
+  // The tensor-parallel plugin composed with this one: its instance over this rank's tp slice and its
+  // layout (the same rows on every rank of the slice).
+  static std::unique_ptr<Abi2Instance> open_tensor(sdk::Host host, const PipelinePlugin& o, sdk::Group tp) {
+    const PluginHost::State& state = *host.handle()->state;
+    auto c = std::make_unique<Abi2Instance>(host, *state.abi2_tensor_parallel, tp.get(), state.abi2_tensor_parallel_settings);
+    check_status(host, c->name(), c->plugin.table.create(&c->services, &c->instance), "create");
+    c->layout.struct_size = sizeof c->layout;
+    c->layout.dimension = WEFT_MESH_TP;
+    c->layout.batch_split = WEFT_SPLIT_NONE;
+    c->layout.reduce_bucket_bytes = kAbi2DefaultBucketBytes;
+    if (auto fn = reinterpret_cast<weft_layout_fn>(c->proc("weft_layout"))) {
+      check_status(host, c->name(), fn(c->instance, &c->layout), "weft_layout");
+    }
+    const auto refuse = [&](const std::string& problem) {
+      throw sdk::Error(WEFT_STATUS_UNSUPPORTED, fmt::format("{} composed with pipeline {}: {}", c->name(), plugin_name(o), problem));
+    };
+    if (c->layout.batch_split != WEFT_SPLIT_NONE) refuse("its weft_layout splits the batch, which tensor-parallel ranks share");
+    if (c->proc("weft_schedule") != nullptr) refuse("it provides weft_schedule but does not own the pipeline dimension");
+    return c;
+  }
 
   // The data-parallel plugin composed with this one: its instance over this rank's dp slice, and its
   // layout, which must split rows.
@@ -462,26 +540,50 @@ class PipelineStep : public pipeline::PipelineStrategy {
 
   // Creates the plugin's instance and reads its layout; composed, makes the dp slices' groups
   // (collective) and opens the data-parallel plugin over them.
-  static Options open(sdk::Host host, PipelinePlugin& o, std::unique_ptr<Companion>& companion) {
+  static Options open(sdk::Host host, PipelinePlugin& o, std::unique_ptr<Companion>& companion,
+                      std::unique_ptr<Abi2Instance>& tensor, sdk::Group& tp_slice) {
     const sdk::Group world = host.world();
-    // Composed on a mesh pp x dp (pp outside dp: rank = p x dp + r), the plugin's dimension is this
-    // rank's pp slice. Every rank makes every slice, in the same order (collective).
+    // Composed on a mesh pp x dp x tp (rank = (p x dp + d) x tp + t), the plugin's dimension is this
+    // rank's pp slice, the pipeline runs over the ranks of this rank's t (x = p x dp + d), and each tp
+    // slice holds one pipeline rank's slices. Every rank makes every group, in the same order
+    // (collective).
     const PluginHost::State& state = *host.handle()->state;
-    const int32_t mesh_pp = state.abi2_data_parallel != nullptr ? state.abi2_mesh[0] : 0;
-    sdk::Group pp_slice = world, dp_slice;
+    const bool composed = state.abi2_data_parallel != nullptr || state.abi2_tensor_parallel != nullptr;
+    const int32_t mesh_pp = composed ? state.abi2_mesh[0] : 0;
+    const int32_t tp = composed ? std::max(1, state.abi2_mesh[2]) : 1;
+    sdk::Group pp_slice = world, dp_slice, pipeline;
     if (mesh_pp != 0) {
-      const int32_t dp = world.size() / mesh_pp;
-      for (int32_t p = 0; p < mesh_pp; ++p) {
-        std::vector<int32_t> ranks;
-        for (int32_t r = 0; r < dp; ++r) ranks.push_back(p * dp + r);
-        sdk::Group g = host.create_group(ranks);
-        if (world.rank() / dp == p) dp_slice = g;
+      const int32_t dp = world.size() / (mesh_pp * tp), t = world.rank() % tp, x = world.rank() / tp;
+      const auto group = [&](const std::vector<int32_t>& ranks, int32_t inner, bool mine) {
+        std::vector<int32_t> world_ranks;
+        for (int32_t r : ranks) world_ranks.push_back(r * tp + inner);
+        sdk::Group g = host.create_group(world_ranks);
+        return mine && inner == t ? g : sdk::Group();
+      };
+      for (int32_t inner = 0; inner < tp; ++inner) {
+        for (int32_t p = 0; p < mesh_pp; ++p) {
+          std::vector<int32_t> ranks;
+          for (int32_t r = 0; r < dp; ++r) ranks.push_back(p * dp + r);
+          if (sdk::Group g = group(ranks, inner, x / dp == p); g.get() != nullptr) dp_slice = g;
+        }
+        for (int32_t r = 0; r < dp; ++r) {
+          std::vector<int32_t> ranks;
+          for (int32_t p = 0; p < mesh_pp; ++p) ranks.push_back(p * dp + r);
+          if (sdk::Group g = group(ranks, inner, x % dp == r); g.get() != nullptr) pp_slice = g;
+        }
       }
-      for (int32_t r = 0; r < dp; ++r) {
-        std::vector<int32_t> ranks;
-        for (int32_t p = 0; p < mesh_pp; ++p) ranks.push_back(p * dp + r);
-        sdk::Group g = host.create_group(ranks);
-        if (world.rank() % dp == r) pp_slice = g;
+      if (tp > 1) {
+        for (int32_t inner = 0; inner < tp; ++inner) {
+          std::vector<int32_t> ranks;
+          for (int32_t r = 0; r < mesh_pp * dp; ++r) ranks.push_back(r);
+          if (sdk::Group g = group(ranks, inner, true); g.get() != nullptr) pipeline = g;
+        }
+        for (int32_t r = 0; r < mesh_pp * dp; ++r) {
+          std::vector<int32_t> ranks;
+          for (int32_t inner = 0; inner < tp; ++inner) ranks.push_back(r * tp + inner);
+          sdk::Group g = host.create_group(ranks);
+          if (r == x) tp_slice = g;
+        }
       }
     }
     o.context.group = pp_slice.get();
@@ -564,13 +666,22 @@ class PipelineStep : public pipeline::PipelineStrategy {
     if (mesh_pp != 0) {
       options.stage_major = true;
       options.replica_group = dp_slice;
-      companion = open_companion(host, o, dp_slice);
+      if (tp > 1) {
+        options.group = pipeline;
+        options.inner = tp;
+      }
+      if (state.abi2_data_parallel != nullptr) companion = open_companion(host, o, dp_slice);
+      if (state.abi2_tensor_parallel != nullptr) tensor = open_tensor(host, o, tp_slice);
     }
     return options;
   }
 
   std::unique_ptr<PipelinePlugin> opened_;
   std::unique_ptr<Companion> companion_;
+  std::unique_ptr<Abi2Instance> tensor_;  // the tensor-parallel plugin composed on the mesh, over tp_slice_
+  sdk::Group tp_slice_;
+  std::unique_ptr<TensorSlices> slices_;
+  std::vector<Abi2Hook> hooks_;  // its hooks at the model's points
   int64_t bucket_bytes_;  // the replicas' buckets without a data-parallel plugin
   std::unique_ptr<GradientReducer> reducer_;
   std::vector<std::vector<int64_t>> chunk_parameters_;  // each chunk's trainable parameters (host indices)

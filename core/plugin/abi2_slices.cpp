@@ -66,6 +66,23 @@ void abi2_run_model_hooks(const std::vector<Abi2Hook>& hooks, const std::string&
   }
 }
 
+void abi2_check_sequence_hooks(const Abi2Instance& tp, const std::vector<Abi2Hook>& hooks, int32_t ranks) {
+  if (tp.layout.sequence_parallel == 0 || ranks <= 1) return;
+  std::vector<std::string> missing;
+  for (CommPoint p : {CommPoint::kEmbeddingOutput, CommPoint::kAttentionInput, CommPoint::kAttentionOutput,
+                      CommPoint::kMlpInput, CommPoint::kMlpOutput, CommPoint::kHeadInput}) {
+    const std::string& point = comm_point_name(p);
+    const bool hooked = std::any_of(hooks.begin(), hooks.end(), [&](const Abi2Hook& h) { return h.point == point && h.owner == &tp; });
+    if (!hooked) missing.push_back(point);
+  }
+  if (!missing.empty()) {
+    throw sdk::Error(WEFT_STATUS_BAD_CONFIG,
+                     fmt::format("{} asks for sequence parallelism (weft_layout.sequence_parallel) but has no hook at {}, "
+                                 "where the tokens move",
+                                 tp.name(), fmt::join(missing, ", ")));
+  }
+}
+
 ParameterShard TensorSlices::slice_of(const std::string& parameter, int32_t ndim, const weft_parameter_layout& where) const {
   const int32_t size = group_.size();
   const auto refuse = [&](const char* what, int32_t kind, const std::string& why) {
@@ -167,10 +184,11 @@ void TensorSlices::abandon() noexcept {
   for (auto& reducer : reducers_) reducer->abandon();
 }
 
-std::pair<double, double> TensorSlices::norm_shares(const std::vector<int64_t>& flat_sharded) const {
+std::pair<double, double> TensorSlices::norm_shares(const std::vector<int64_t>& flat_sharded, int64_t skip) const {
   double ranges = 0.0, whole = 0.0;
   for (size_t k = 0; k < trainable_.size(); ++k) {
     const int64_t index = trainable_[k];
+    if (index == skip) continue;
     if (std::binary_search(flat_sharded.begin(), flat_sharded.end(), index)) {
       ranges += host_.squared_norm(host_.parameter_grad_shard(index)) / copies_[k];
     } else {

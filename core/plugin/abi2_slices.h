@@ -32,6 +32,9 @@ struct Abi2Hook {
 void abi2_register_hooks(Abi2Instance& o, const std::vector<std::string>& published, std::vector<Abi2Hook>& out);
 // The hooks at `point`: `tensor` combined in place, or filled from `source` where the point moves tokens
 // (event.tensor, source, backward, layer; step: `step`).
+// Sequence parallelism (weft_layout.sequence_parallel over `ranks` > 1) moves tokens at every region's
+// ends: `tp` must hook each of them (else one error naming the missing points).
+void abi2_check_sequence_hooks(const Abi2Instance& tp, const std::vector<Abi2Hook>& hooks, int32_t ranks);
 void abi2_run_model_hooks(const std::vector<Abi2Hook>& hooks, const std::string& point, bool backward, int64_t layer,
                           DLTensor& tensor, const DLTensor* source, int64_t step);
 
@@ -62,7 +65,8 @@ class TensorSlices {
   // Of each trainable parameter's squared gradient norm divided by how many tp ranks hold it: the share
   // of those whose optimizer state `flat_sharded` (ascending) holds in ranges (their gradient shards),
   // and of the others (whole gradients).
-  std::pair<double, double> norm_shares(const std::vector<int64_t>& flat_sharded) const;
+  // `skip`: a parameter not counted here (a tied embedding's second copy), or -1.
+  std::pair<double, double> norm_shares(const std::vector<int64_t>& flat_sharded, int64_t skip = -1) const;
 
  private:
   sdk::Host host_;

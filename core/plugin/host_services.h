@@ -147,7 +147,12 @@ struct PluginHost::State {
   // reads its [plugin] settings; null otherwise. Both are the session's.
   const Abi2Plugin* abi2_data_parallel = nullptr;
   weft_host* abi2_data_parallel_settings = nullptr;
-  std::array<int32_t, 3> abi2_mesh{};  // with it: the mesh's pp, dp and tp sizes
+  const Abi2Plugin* abi2_tensor_parallel = nullptr;  // and the tensor-parallel one beside a pipeline
+  weft_host* abi2_tensor_parallel_settings = nullptr;
+  std::array<int32_t, 3> abi2_mesh{};  // with them: the mesh's pp, dp and tp sizes
+  // The step skips the model's communication points (an ABI 2 pipeline without tensor parallelism):
+  // the session installs no hook there, though its table has the slot.
+  bool skips_model_points = false;
   // ABI 1.14: where the driver runs the stages itself and shards the training state (ZeRO-3),
   // its state, whose flat shards' gradients parameter_grad_step hands out; null otherwise.
   State* step_gradients = nullptr;

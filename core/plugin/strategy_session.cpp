@@ -251,38 +251,51 @@ void StrategySession::compose_abi2(const std::vector<std::shared_ptr<PluginLibra
                names[i], offered == pp_bit ? "pipeline" : offered == dp_bit ? "data-parallel" : "tensor-parallel");
     slot = static_cast<int>(i);
   }
-  WEFT_CHECK(libraries.size() == 2 && dp >= 0 && (pp >= 0) != (tp >= 0),
-             "train.plugin = \"{}\": ABI 2 plugins compose in this version as two, a data-parallel one with a "
-             "pipeline one or with a tensor-parallel one (sdk/ABI2.md)",
+  WEFT_CHECK((pp >= 0 && (dp >= 0 || tp >= 0)) || (tp >= 0 && dp >= 0),
+             "train.plugin = \"{}\": ABI 2 plugins compose in this version as a pipeline one with a data-parallel "
+             "and/or a tensor-parallel one, or a tensor-parallel one with a data-parallel one (sdk/ABI2.md)",
              fmt::join(names, ","));
-  const int outer = pp >= 0 ? pp : tp;  // the plugin whose step runs; the data-parallel one composes with it
-  const int outer_dim = pp >= 0 ? Mesh::kPP : Mesh::kTP;
+  const int outer = pp >= 0 ? pp : tp;  // the plugin whose step runs; the others compose with it
   std::array<bool, Mesh::kDims> owned{};
-  owned[outer_dim] = owned[Mesh::kDP] = true;
+  owned[Mesh::kPP] = pp >= 0;
+  owned[Mesh::kDP] = dp >= 0;
+  owned[Mesh::kTP] = tp >= 0;
   abi2_mesh_ = Mesh::resolve(requested, owned, communicator.world().size);
-  for (int d : {Mesh::kPP, Mesh::kCP, Mesh::kTP}) {
-    if (d == outer_dim) continue;
+  for (int d : {Mesh::kPP, Mesh::kDP, Mesh::kCP, Mesh::kTP}) {
+    if (owned[static_cast<size_t>(d)]) continue;
     WEFT_CHECK(abi2_mesh_->size(d) == 1, "the device mesh {} has {} = {} but no plugin of train.plugin = \"{}\" owns it",
                abi2_mesh_->describe(), Mesh::name(d), abi2_mesh_->size(d), fmt::join(names, ","));
   }
   Member step;
   step.library = libraries[static_cast<size_t>(outer)];
   step.host = std::make_unique<PluginHost>(step.library->name(), plugin_config, communicator);
-  step.dimension = outer_dim;
-  Member companion;
-  companion.library = libraries[static_cast<size_t>(dp)];
-  companion.host = std::make_unique<PluginHost>(companion.library->name(), plugin_config, communicator);
-  companion.dimension = Mesh::kDP;
+  step.dimension = pp >= 0 ? Mesh::kPP : Mesh::kTP;
   PluginHost::State& state = *step.host->handle()->state;
-  state.abi2_data_parallel = companion.library->abi2();
-  state.abi2_data_parallel_settings = companion.host->handle();
   state.abi2_mesh = {abi2_mesh_->size(Mesh::kPP), abi2_mesh_->size(Mesh::kDP), abi2_mesh_->size(Mesh::kTP)};
+  for (const auto& [index, dimension] : {std::pair<int, int>{dp, Mesh::kDP}, {pp >= 0 ? tp : -1, Mesh::kTP}}) {
+    if (index < 0) continue;
+    Member companion;
+    companion.library = libraries[static_cast<size_t>(index)];
+    companion.host = std::make_unique<PluginHost>(companion.library->name(), plugin_config, communicator);
+    companion.dimension = dimension;
+    if (dimension == Mesh::kDP) {
+      state.abi2_data_parallel = companion.library->abi2();
+      state.abi2_data_parallel_settings = companion.host->handle();
+    } else {
+      state.abi2_tensor_parallel = companion.library->abi2();
+      state.abi2_tensor_parallel_settings = companion.host->handle();
+    }
+    companions_.push_back(std::move(companion));
+  }
   members_.push_back(std::move(step));
-  companions_.push_back(std::move(companion));
-  spdlog::info("device mesh {} ({} ranks): {} runs the step, its {} over {} {}, with {}'s layout over dp {}",
-               abi2_mesh_->describe(), abi2_mesh_->world(), names[static_cast<size_t>(outer)],
-               pp >= 0 ? "pipeline" : "slices", Mesh::name(outer_dim), abi2_mesh_->size(outer_dim),
-               names[static_cast<size_t>(dp)], abi2_mesh_->size(Mesh::kDP));
+  std::string others;
+  for (const Member& c : companions_) {
+    others += fmt::format("{}{}'s layout over {} {}", others.empty() ? "" : " and ", c.library->name(),
+                          Mesh::name(c.dimension), abi2_mesh_->size(c.dimension));
+  }
+  spdlog::info("device mesh {} ({} ranks): {} runs the step, its {} over {} {}, with {}", abi2_mesh_->describe(),
+               abi2_mesh_->world(), names[static_cast<size_t>(outer)], pp >= 0 ? "pipeline" : "slices",
+               pp >= 0 ? "pp" : "tp", abi2_mesh_->size(pp >= 0 ? Mesh::kPP : Mesh::kTP), others);
 }
 
 StrategySession::~StrategySession() {
@@ -691,7 +704,7 @@ MemoryPlan StrategySession::memory_plan(const std::vector<weft_stage_memory>& st
 std::shared_ptr<const CommHook> StrategySession::comm_hook() {
   std::vector<const Member*> hooked;  // composed: every plugin with comm points, in order
   for (const Member& m : members_) {
-    if (m.library->api().comm_point != nullptr) hooked.push_back(&m);
+    if (m.library->api().comm_point != nullptr && !m.host->handle()->state->skips_model_points) hooked.push_back(&m);
   }
   if (hooked.empty()) return nullptr;
   static_assert(static_cast<int>(CommPoint::kHeadInput) == WEFT_COMM_HEAD_INPUT &&

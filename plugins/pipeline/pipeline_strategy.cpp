@@ -87,7 +87,8 @@ PipelineStrategy::PipelineStrategy(weft::sdk::Host host, std::string plugin, std
 }
 
 PipelineStrategy::PipelineStrategy(weft::sdk::Host host, std::string plugin, Options options)
-    : Strategy(host), plugin_(std::move(plugin)), schedule_name_(std::move(options.schedule_name)), world_(host.world()) {
+    : Strategy(host), plugin_(std::move(plugin)), schedule_name_(std::move(options.schedule_name)),
+      world_(options.group.get() != nullptr ? options.group : host.world()), inner_(std::max(1, options.inner)) {
   const int32_t world = world_.size();
   if (options.stages < 1 || world % options.stages != 0) {
     throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": " + std::to_string(options.stages) +
@@ -244,6 +245,18 @@ std::string PipelineStrategy::held_parts() const {
   return out;
 }
 
+weft::sdk::Group PipelineStrategy::make_group(const std::vector<int32_t>& ranks) const {
+  const int32_t own = host().world().rank() % inner_;
+  weft::sdk::Group mine;
+  for (int32_t t = 0; t < inner_; ++t) {
+    std::vector<int32_t> world_ranks;
+    for (int32_t x : ranks) world_ranks.push_back(x * inner_ + t);
+    weft::sdk::Group g = host().create_group(world_ranks);
+    if (t == own) mine = g;
+  }
+  return mine;
+}
+
 void PipelineStrategy::setup() {
   const weft_model_info info = host().model_info();
   const int32_t S = placement_.stages, R = placement_.replicas;
@@ -251,14 +264,14 @@ void PipelineStrategy::setup() {
   for (int32_t r = 0; r < R; ++r) {
     std::vector<int32_t> ranks;
     for (int32_t p = 0; p < S; ++p) ranks.push_back(placement_.rank_of(p, r));
-    weft::sdk::Group g = host().create_group(ranks);
+    weft::sdk::Group g = make_group(ranks);
     if (r == placement_.replica) pipeline_group_ = g;
   }
   const int32_t first = placement_.stage_of(0), last = placement_.stage_of(placement_.virtual_stages() - 1);
   if (info.tie_word_embeddings && first != last) {
     for (int32_t r = 0; r < R; ++r) {
-      weft::sdk::Group g = host().create_group({placement_.rank_of(std::min(first, last), r),
-                                                placement_.rank_of(std::max(first, last), r)});
+      weft::sdk::Group g = make_group({placement_.rank_of(std::min(first, last), r),
+                                       placement_.rank_of(std::max(first, last), r)});
       if (r == placement_.replica) tied_group_ = g;
     }
     if (placement_.is_first() || placement_.is_last()) {
@@ -277,7 +290,7 @@ void PipelineStrategy::setup() {
     for (int32_t p = 0; p < S; ++p) {
       std::vector<int32_t> ranks;
       for (int32_t r = 0; r < R; ++r) ranks.push_back(placement_.rank_of(p, r));
-      weft::sdk::Group g = host().create_group(ranks);
+      weft::sdk::Group g = make_group(ranks);
       if (p == placement_.stage) replica_group_ = g;
     }
   }

@@ -90,6 +90,11 @@ class PipelineStrategy : public weft::sdk::Strategy {
     bool stage_major = false;          // Placement::stage_major (a device mesh's layout, pp outside dp)
     // This rank's replicas of its stage (made by the caller, collectively), or none: setup makes them.
     weft::sdk::Group replica_group;
+    // The pipeline's ranks, when not the world's: a mesh with `inner` tensor-parallel ranks beneath
+    // the pipeline's dimensions (world rank = x * inner + t), each t its own copy of the pipeline over
+    // its ranks x; `group` is this rank's copy (made by the caller, collectively).
+    weft::sdk::Group group;
+    int32_t inner = 1;
   };
   PipelineStrategy(weft::sdk::Host host, std::string plugin, Options options);
 
@@ -147,6 +152,10 @@ class PipelineStrategy : public weft::sdk::Strategy {
   int32_t microbatches_ = 4;
   std::vector<int64_t> balance_;
   std::string partition_by_ = "parameters";
+  int32_t inner_ = 1;  // Options::inner
+  // A group of the pipeline's ranks (its world's), made for every copy of the pipeline (Options::inner)
+  // in turn, this rank's returned. Collective over the world.
+  weft::sdk::Group make_group(const std::vector<int32_t>& ranks) const;
   double bucket_mb_ = 25.0;
   int64_t log_every_ = 0;
   Placement placement_;

@@ -42,6 +42,34 @@ std::string tiny_run(const std::string& settings) {
          "/data/austen/austen.jsonl --set data.cache_dir= --set log.progress=off " + settings;
 }
 
+// Each run's step losses and gradient norms (metrics.jsonl), by label: `run` with the variant's settings,
+// written to dir/label.
+struct Figures {
+  std::map<std::string, std::vector<double>> losses, norms;
+};
+void run_variants(const std::string& dir, const std::string& run,
+                  const std::vector<std::pair<std::string, std::string>>& variants, Figures& out) {
+  for (const auto& [label, settings] : variants) {
+    const auto r = weft::testing::run_trainer(run + settings + " --set train.out_dir=" + dir + "/" + label);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    out.losses[label] = weft::testing::step_losses(dir + "/" + label + "/metrics.jsonl");
+    std::ifstream in(dir + "/" + label + "/metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      const auto record = nlohmann::json::parse(line);
+      if (record["type"] == "step") out.norms[label].push_back(record["grad_norm"].get<double>());
+    }
+  }
+}
+
+// Each rank's parameters in run `a` are half of run `b`'s (the metrics' summary).
+void expect_half_the_parameters(const std::string& a, const std::string& b, size_t ranks) {
+  const auto whole = weft::testing::state_mib_per_rank(b + "/metrics.jsonl", "parameters");
+  const auto range = weft::testing::state_mib_per_rank(a + "/metrics.jsonl", "parameters");
+  ASSERT_EQ(whole.size(), ranks);
+  ASSERT_EQ(range.size(), ranks);
+  for (size_t r = 0; r < ranks; ++r) EXPECT_NEAR(range[r], whole[r] / 2, 0.02 * whole[r]) << "rank " << r;
+}
+
 StepAction F(int chunk, int mb) { return {WEFT_ACTION_FORWARD, chunk, mb}; }
 StepAction B(int chunk, int mb) { return {WEFT_ACTION_BACKWARD, chunk, mb}; }
 StepAction R(int chunk) { return {WEFT_ACTION_REDUCE, chunk, -1}; }
@@ -134,9 +162,10 @@ TEST(Abi2, WhatThisHostDoesNotRunIsRefusedBeforeTheFirstStep) {
       {"--plugin ddp_abi2,tensor_parallel --nproc 2",
        "plugins ddp_abi2 (ABI 2.3) and tensor_parallel (ABI 1.14) cannot compose: a run composes plugins of one ABI"},
       {"--plugin ddp_abi2,zero_abi2 --nproc 2", "plugins ddp_abi2 and zero_abi2 both own the data-parallel dimension"},
-      {"--plugin gpipe_abi2,tensor_parallel_abi2 --nproc 4 --set mesh.tp=2 --set mesh.pp=2",
-       "train.plugin = \"gpipe_abi2,tensor_parallel_abi2\": ABI 2 plugins compose in this version as two, a "
-       "data-parallel one with a pipeline one or with a tensor-parallel one"},
+      {"--plugin zero_abi2,gpipe_abi2,tensor_parallel_abi2 --nproc 8 --set mesh.tp=2 --set mesh.pp=2 --set mesh.dp=2 "
+       "--set plugin.stage=2 --set train.mode=lora",
+       "zero_abi2 reduce-scatters gradients beside pipeline gpipe_abi2 and tensor-parallel tensor_parallel_abi2, which "
+       "this host (ABI 2.3) does not execute yet"},
       {"--plugin diloco,tensor_parallel_abi2 --nproc 4 --set mesh.tp=2",
        "diloco composed with tensor-parallel tensor_parallel_abi2: it provides weft_hooks, which this host (ABI 2.3) "
        "does not execute in a composition yet"},
@@ -270,43 +299,70 @@ TEST(Abi2, TensorParallelComposesWithDataParallelismOverTheMesh) {
   const std::string dir = weft::testing::fresh_dir("weft_test_abi2", "tp_x_dp");
   const std::string run = tiny_run("--set train.max_steps=6 --set eval.every_steps=0 --set checkpoint.every_steps=3 "
                                    "--set train.grad_accum_steps=2 --nproc 4 --set mesh.tp=2 --set mesh.dp=2");
-  struct Variant {
-    std::string label, plugins;
-  };
-  const std::vector<Variant> variants{{"v1", "tensor_parallel,ddp"},
-                                      {"ddp", "ddp_abi2,tensor_parallel_abi2"},
-                                      {"zero3", "zero_abi2,tensor_parallel_abi2 --set plugin.stage=3"}};
-  std::map<std::string, std::vector<double>> losses, norms;
-  for (const Variant& v : variants) {
-    const auto r = weft::testing::run_trainer(run + " --plugin " + v.plugins + " --set train.out_dir=" + dir + "/" + v.label);
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    losses[v.label] = weft::testing::step_losses(dir + "/" + v.label + "/metrics.jsonl");
-    std::ifstream in(dir + "/" + v.label + "/metrics.jsonl");
-    for (std::string line; std::getline(in, line);) {
-      const auto record = nlohmann::json::parse(line);
-      if (record["type"] == "step") norms[v.label].push_back(record["grad_norm"].get<double>());
-    }
+  const std::vector<std::pair<std::string, std::string>> variants{
+      {"v1", " --plugin tensor_parallel,ddp"},
+      {"ddp", " --plugin ddp_abi2,tensor_parallel_abi2"},
+      {"zero3", " --plugin zero_abi2,tensor_parallel_abi2 --set plugin.stage=3"}};
+  Figures f;
+  ASSERT_NO_FATAL_FAILURE(run_variants(dir, run, variants, f));
+  ASSERT_EQ(f.losses["v1"].size(), 6u);
+  EXPECT_EQ(f.losses["ddp"], f.losses["v1"]);
+  EXPECT_EQ(f.norms["ddp"], f.norms["v1"]);
+  EXPECT_EQ(f.losses["zero3"], f.losses["ddp"]);
+  ASSERT_EQ(f.norms["zero3"].size(), f.norms["ddp"].size());
+  for (size_t i = 0; i < f.norms["ddp"].size(); ++i) {
+    EXPECT_NEAR(f.norms["zero3"][i], f.norms["ddp"][i], 1e-12 * f.norms["ddp"][i]);
   }
-  ASSERT_EQ(losses["v1"].size(), 6u);
-  EXPECT_EQ(losses["ddp"], losses["v1"]);
-  EXPECT_EQ(norms["ddp"], norms["v1"]);
-  EXPECT_EQ(losses["zero3"], losses["ddp"]);
-  ASSERT_EQ(norms["zero3"].size(), norms["ddp"].size());
-  for (size_t i = 0; i < norms["ddp"].size(); ++i) EXPECT_NEAR(norms["zero3"][i], norms["ddp"][i], 1e-12 * norms["ddp"][i]);
-  const auto whole = weft::testing::state_mib_per_rank(dir + "/ddp/metrics.jsonl", "parameters");
-  const auto range = weft::testing::state_mib_per_rank(dir + "/zero3/metrics.jsonl", "parameters");
-  ASSERT_EQ(whole.size(), 4u);
-  ASSERT_EQ(range.size(), 4u);
-  for (int r = 0; r < 4; ++r) EXPECT_NEAR(range[r], whole[r] / 2, 0.02 * whole[r]) << "rank " << r;
+  expect_half_the_parameters(dir + "/zero3", dir + "/ddp", 4);
   const std::string checkpoint = " --set checkpoint.resume=" + dir + "/zero3/checkpoints/step-00000003";
-  for (const Variant& v : {variants[2], variants[1]}) {
-    const std::string out = dir + "/resumed_" + v.label;
-    const auto resumed = weft::testing::run_trainer(run + " --plugin " + v.plugins + " --set train.out_dir=" + out + checkpoint);
+  for (const auto& [label, settings] : {variants[2], variants[1]}) {
+    const std::string out = dir + "/resumed_" + label;
+    const auto resumed = weft::testing::run_trainer(run + settings + " --set train.out_dir=" + out + checkpoint);
     ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
     const auto c = weft::testing::step_losses(out + "/metrics.jsonl");
-    ASSERT_EQ(c.size(), 3u) << v.label;
-    for (size_t i = 0; i < c.size(); ++i) EXPECT_EQ(c[i], losses["zero3"][i + 3]) << v.label << ": step " << i + 4;
+    ASSERT_EQ(c.size(), 3u) << label;
+    for (size_t i = 0; i < c.size(); ++i) EXPECT_EQ(c[i], f.losses["zero3"][i + 3]) << label << ": step " << i + 4;
   }
+}
+
+// ABI 2 with a pipeline and tensor parallelism on one mesh: gpipe_abi2's schedule over pp with
+// tensor_parallel_abi2's slices in each stage (pp 2 x tp 2, 1F1B, LoRA, 2 micro-batches per step), and
+// the 3-D mesh pp 2 x dp 2 x tp 2 with ddp_abi2 or zero_abi2 over dp. The losses and gradient norms
+// equal tensor_parallel.so composed with gpipe.so (and ddp.so) to the bit; zero_abi2's stage 3 gives
+// the same losses with half the parameters per rank and resumes to the bit under ddp_abi2.
+TEST(Abi2, TensorParallelComposesWithAPipelineAndOnTheThreeDimensionalMesh) {
+  const std::string dir = weft::testing::fresh_dir("weft_test_abi2", "tp_x_pp");
+  const std::string run = tiny_run("--set eval.every_steps=0 --set train.grad_accum_steps=2 --set plugin.schedule=1f1b "
+                                   "--set plugin.microbatches=2 --set mesh.tp=2 --set mesh.pp=2");
+  const std::string two_d = " --set train.max_steps=3 --nproc 4 --set train.mode=lora --plugin ";
+  const std::string three_d = " --set train.max_steps=4 --set checkpoint.every_steps=2 --nproc 8 --set mesh.dp=2 --plugin ";
+  const std::vector<std::pair<std::string, std::string>> variants{
+      {"v1_2d", two_d + "tensor_parallel,gpipe"},
+      {"v2_2d", two_d + "gpipe_abi2,tensor_parallel_abi2"},
+      {"v1_3d", three_d + "tensor_parallel,gpipe,ddp"},
+      {"ddp_3d", three_d + "ddp_abi2,gpipe_abi2,tensor_parallel_abi2"},
+      {"zero3_3d", three_d + "zero_abi2,gpipe_abi2,tensor_parallel_abi2 --set plugin.stage=3"}};
+  Figures f;
+  ASSERT_NO_FATAL_FAILURE(run_variants(dir, run, variants, f));
+  ASSERT_EQ(f.losses["v1_2d"].size(), 3u);
+  EXPECT_EQ(f.losses["v2_2d"], f.losses["v1_2d"]);
+  EXPECT_EQ(f.norms["v2_2d"], f.norms["v1_2d"]);
+  ASSERT_EQ(f.losses["v1_3d"].size(), 4u);
+  EXPECT_EQ(f.losses["ddp_3d"], f.losses["v1_3d"]);
+  EXPECT_EQ(f.norms["ddp_3d"], f.norms["v1_3d"]);
+  EXPECT_EQ(f.losses["zero3_3d"], f.losses["v1_3d"]);
+  ASSERT_EQ(f.norms["zero3_3d"].size(), f.norms["v1_3d"].size());
+  for (size_t i = 0; i < f.norms["v1_3d"].size(); ++i) {
+    EXPECT_NEAR(f.norms["zero3_3d"][i], f.norms["v1_3d"][i], 1e-12 * f.norms["v1_3d"][i]);
+  }
+  expect_half_the_parameters(dir + "/zero3_3d", dir + "/ddp_3d", 8);
+  const std::string out = dir + "/resumed";
+  const auto resumed = weft::testing::run_trainer(run + variants[3].second + " --set train.out_dir=" + out +
+                                                  " --set checkpoint.resume=" + dir + "/zero3_3d/checkpoints/step-00000002");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  const auto c = weft::testing::step_losses(out + "/metrics.jsonl");
+  ASSERT_EQ(c.size(), 2u);
+  for (size_t i = 0; i < c.size(); ++i) EXPECT_EQ(c[i], f.losses["zero3_3d"][i + 2]) << "step " << i + 3;
 }
 
 // gpipe_abi2's plugin.balance reaches the host through weft_layout.pipeline_balance: on the small

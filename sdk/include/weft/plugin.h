@@ -19,14 +19,14 @@
  *   whole tensors), gradients PARTIAL where each rank holds a part of the sum (the host sums them),
  *   may ask for Megatron's sequence parallelism, and hooks the model's points (Megatron's f and g,
  *   the vocabulary-parallel loss), where it runs collectives over its dimension.
- * A data-parallel plugin composes with one of the others on a device mesh, its hooks refused there;
- * each plugin's "weft_world" is then its own mesh slice. pp x dp (train.plugin =
- * "ddp_abi2,gpipe_abi2", [mesh] pp, dp; rank = pp coordinate x dp + dp coordinate): the pipeline
- * plugin's schedule runs over pp and the data-parallel plugin's layout over dp (a reduction per
- * chunk after its last backward; for FLAT_SHARD parameters a gather before its first compute and a
- * release after the reduction). dp x tp (2.3; "ddp_abi2,tensor_parallel_abi2", [mesh] tp, dp; rank
- * = dp coordinate x tp + tp coordinate): the tensor-parallel slices, each placed over dp by the
- * data-parallel plugin (FLAT_SHARD: FSDP x TP). A plugin may compute with LibTorch if it says which it was built against
+ * Plugins of different dimensions compose on a device mesh pp x dp x tp (train.plugin =
+ * "ddp_abi2,gpipe_abi2,tensor_parallel_abi2", [mesh] pp, dp, tp; rank = (pp coordinate x dp + dp
+ * coordinate) x tp + tp coordinate; any two of them, or all three), each plugin's "weft_world" its own
+ * mesh slice: the pipeline plugin's schedule runs over pp (without one, the host's one step); the
+ * data-parallel plugin's layout over dp (a reduction per chunk after its last backward; for FLAT_SHARD
+ * parameters a gather before its first compute and a release after the reduction), its hooks refused
+ * there; the tensor-parallel plugin's slices and hooks inside each stage (2.3; a slice FLAT_SHARD over
+ * dp is FSDP x TP). A plugin may compute with LibTorch if it says which it was built against
  * ("weft_torch_build"). Other placements, points and compositions are the next landings; this host
  * refuses a plugin that asks for them, in one line, at load, at create or (a placement, a point)
  * before the first step.

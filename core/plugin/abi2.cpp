@@ -813,10 +813,6 @@ class HostStep : public sdk::Strategy {
   void run_model_hooks(const std::string& point, bool backward, int64_t layer, DLTensor& tensor, const DLTensor* source) {
     abi2_run_model_hooks(hooks_, point, backward, layer, tensor, source, step_);
   }
-  bool hooked(const std::string& point) const {
-    return std::any_of(hooks_.begin(), hooks_.end(), [&](const Abi2Hook& h) { return h.point == point; });
-  }
-
   std::string name() const { return main_->name(); }
   int32_t replicas() const {
     return dp_ != nullptr && dp_->layout.batch_split == WEFT_SPLIT_ROWS ? dp_group_.size() : 1;

@@ -174,11 +174,13 @@ TEST(MemoryPlan, ZeroStage3PlansItsGatheredParametersInTheComputeDtype) {
 // The plan (made before the model existed) against the run's measured peak of tensor memory per
 // rank. The margin: 25% either way, measured at <= 19% (gpipe's first stage, whose receive and
 // gradient temporaries the plan underestimates) for these runs.
-// ~45 s (ctest -j2, 2-core Xeon): 10 plugins and settings, each a 2-rank run of the small preset at
+// ~50 s (ctest -j2, 2-core Xeon): 14 plugins and settings, each a 2-rank run of the small preset at
 // its real sequence length, where activations weigh as they do in real runs.
 TEST(MemoryPlan, TheEstimateIsWithinItsMarginOfTheMeasuredPeakForEveryKindOfPlugin) {
   std::map<std::string, double> plans;  // rank 0's plan, MiB
   for (const std::string plugin : {"ddp", "tensor_parallel", "tensor_parallel --set plugin.sequence_parallel=true",
+                                   // ABI 2: slices placed by weft_place before the model is built
+                                   "tensor_parallel_abi2 --set plugin.sequence_parallel=true",
                                    "gpipe", "zero --set plugin.stage=1",
                                    "zero --set plugin.stage=3", "zero --set plugin.stage=3 --set train.precision=bf16",
                                    "context_parallel",
@@ -202,6 +204,9 @@ TEST(MemoryPlan, TheEstimateIsWithinItsMarginOfTheMeasuredPeakForEveryKindOfPlug
   }
   // Sequence parallelism's residual stream holds half the tokens between the regions: planned less.
   EXPECT_LT(plans.at("tensor_parallel --set plugin.sequence_parallel=true"), plans.at("tensor_parallel"));
+  // The same slices and sequence split under ABI 2: the same plan.
+  EXPECT_DOUBLE_EQ(plans.at("tensor_parallel_abi2 --set plugin.sequence_parallel=true"),
+                   plans.at("tensor_parallel --set plugin.sequence_parallel=true"));
   // zero_abi2's stage 1 keeps half the optimizer state (and a range of the gradients beside them).
   EXPECT_LT(plans.at("zero_abi2 --set plugin.stage=1"), plans.at("ddp"));
 }

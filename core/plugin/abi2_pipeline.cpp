@@ -245,13 +245,9 @@ class PipelineStep : public pipeline::PipelineStrategy {
       }
     }
     for (const sdk::Work& work : broadcasts) work.wait();
-    if (slices_ && slices_->sums() && !grad_shards_.empty()) {
-      throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
-                       fmt::format("{} reduce-scatters gradients beside pipeline {} and tensor-parallel {}, which this "
-                                   "host (ABI 2.{}) does not execute yet (its PARTIAL sums would come after the "
-                                   "reduce-scatter): REPLICATE or FLAT_SHARD optimizer state only",
-                                   dp_name, plugin_name(*opened_), tensor_->name(), WEFT_PLUGIN_ABI_MINOR));
-    }
+    // Reduce-scattered gradients take each chunk's whole gradients at its REDUCE: its PARTIAL sums come
+    // first, there, instead of after the flush (and none of its buckets starts during the backward).
+    tp_first_ = slices_ && slices_->sums() && !grad_shards_.empty();
     if (!state_shards_.empty() && static_cast<int64_t>(state_shards_.size()) != trainable) {
       throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
                        fmt::format("{} shards the optimizer state of {} of the {} trainable parameters beside pipeline {}: "
@@ -333,7 +329,7 @@ class PipelineStep : public pipeline::PipelineStrategy {
         resting_ = true;
       }
       const double loss = PipelineStrategy::train_step(step);
-      if (slices_ && slices_->sums()) {  // the PARTIAL sums over the averaged gradients, then their ranges
+      if (slices_ && slices_->sums() && !tp_first_) {  // the PARTIAL sums over the averaged gradients, then their ranges
         slices_->start(nullptr);
         slices_->finish();
         shard_gradients();
@@ -430,6 +426,7 @@ class PipelineStep : public pipeline::PipelineStrategy {
   // REDUCE(chunk): what of the chunk's gradients did not start during its last backward starts now.
   void reduce_chunk(int32_t chunk) {
     if (!reducer_) return;
+    if (tp_first_) slices_->sum_now(chunk_parameters_.at(static_cast<size_t>(chunk)));
     const int64_t before = reducer_->started_in_backward();
     for (int64_t index : chunk_parameters_.at(static_cast<size_t>(chunk))) reducer_->ready(index);
     started_at_reduce_ += reducer_->started_in_backward() - before;
@@ -440,7 +437,9 @@ class PipelineStep : public pipeline::PipelineStrategy {
     if (!reducer_) return;
     if (before) {
       std::vector<char> mask(static_cast<size_t>(host().parameter_count()), 0);
-      for (int64_t index : chunk_parameters_.at(static_cast<size_t>(chunk))) mask[static_cast<size_t>(index)] = 1;
+      if (!tp_first_) {  // (else nothing starts before the chunk's PARTIAL sums, at its REDUCE)
+        for (int64_t index : chunk_parameters_.at(static_cast<size_t>(chunk))) mask[static_cast<size_t>(index)] = 1;
+      }
       reducer_->accept_only(std::move(mask));
     }
     reducer_->set_explicit(!before);
@@ -682,6 +681,7 @@ class PipelineStep : public pipeline::PipelineStrategy {
   sdk::Group tp_slice_;
   std::unique_ptr<TensorSlices> slices_;
   std::vector<Abi2Hook> hooks_;  // its hooks at the model's points
+  bool tp_first_ = false;  // its PARTIAL sums at each chunk's REDUCE, before the dp reduce-scatter
   int64_t bucket_bytes_;  // the replicas' buckets without a data-parallel plugin
   std::unique_ptr<GradientReducer> reducer_;
   std::vector<std::vector<int64_t>> chunk_parameters_;  // each chunk's trainable parameters (host indices)

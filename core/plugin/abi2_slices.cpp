@@ -162,8 +162,21 @@ GradientReducer* TensorSlices::make_reducers(int64_t bucket_bytes) {
     reducer->set_sum(true);
     if (parts == 1) whole = reducer.get();
     reducers_.push_back(std::move(reducer));
+    sums_.emplace_back(group, indices);
   }
   return whole;
+}
+
+void TensorSlices::sum_now(const std::vector<int64_t>& indices) {
+  std::vector<sdk::Work> work;
+  for (const auto& [group, partial] : sums_) {
+    for (int64_t index : indices) {
+      DLTensor grad{};
+      if (!std::binary_search(partial.begin(), partial.end(), index) || !host_.step_gradient(index, grad)) continue;
+      work.push_back(host_.all_reduce(group, grad, WEFT_REDUCE_SUM));
+    }
+  }
+  for (const sdk::Work& w : work) w.wait();
 }
 
 void TensorSlices::start(const GradientReducer* armed) {

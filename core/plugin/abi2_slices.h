@@ -58,6 +58,9 @@ class TensorSlices {
   // each group of ranks sharing a slice). Returns the whole group's, or null. Collective.
   GradientReducer* make_reducers(int64_t bucket_bytes);
   bool sums() const { return !reducers_.empty(); }
+  // Sums now, over their groups, the PARTIAL gradients among `indices` (a pipeline chunk's, before its
+  // data-parallel reduce-scatter takes them); start() and finish() then leave them to the caller.
+  void sum_now(const std::vector<int64_t>& indices);
   // The sums: started (`armed`: the one armed for the last backward starts what is left), waited for.
   void start(const GradientReducer* armed);
   void finish();
@@ -76,6 +79,7 @@ class TensorSlices {
   std::vector<double> copies_;
   std::map<int32_t, std::vector<int64_t>> partial_;  // PARTIAL gradients by their parameter's slice count
   std::vector<std::unique_ptr<GradientReducer>> reducers_;
+  std::vector<std::pair<sdk::Group, std::vector<int64_t>>> sums_;  // each reducer's group and gradients
 };
 
 }  // namespace weft

@@ -162,10 +162,6 @@ TEST(Abi2, WhatThisHostDoesNotRunIsRefusedBeforeTheFirstStep) {
       {"--plugin ddp_abi2,tensor_parallel --nproc 2",
        "plugins ddp_abi2 (ABI 2.3) and tensor_parallel (ABI 1.14) cannot compose: a run composes plugins of one ABI"},
       {"--plugin ddp_abi2,zero_abi2 --nproc 2", "plugins ddp_abi2 and zero_abi2 both own the data-parallel dimension"},
-      {"--plugin zero_abi2,gpipe_abi2,tensor_parallel_abi2 --nproc 8 --set mesh.tp=2 --set mesh.pp=2 --set mesh.dp=2 "
-       "--set plugin.stage=2 --set train.mode=lora",
-       "zero_abi2 reduce-scatters gradients beside pipeline gpipe_abi2 and tensor-parallel tensor_parallel_abi2, which "
-       "this host (ABI 2.3) does not execute yet"},
       {"--plugin diloco,tensor_parallel_abi2 --nproc 4 --set mesh.tp=2",
        "diloco composed with tensor-parallel tensor_parallel_abi2: it provides weft_hooks, which this host (ABI 2.3) "
        "does not execute in a composition yet"},

@@ -1,6 +1,6 @@
-// What the host's two steps for ABI 2 plugins share (abi2.cpp: data parallel; abi2_pipeline.cpp:
-// pipeline schedules as data): the host's side of an instance, behind weft_host_services, and the
-// services found by name.
+// What the host's two steps for ABI 2 plugins share (abi2.cpp: one step over data and tensor
+// parallelism; abi2_pipeline.cpp: pipeline schedules as data, with the others composed): the host's
+// side of an instance, behind weft_host_services, and the services found by name.
 #pragma once
 
 #include <string>

@@ -2,7 +2,9 @@
 // virtual stages live (weft_layout's pipeline fields) and each rank's compute actions
 // ("weft_schedule"); the host partitions the model, adds the transfers, verifies the whole
 // schedule and runs it with the pipeline runtime that the 1.x pipeline plugins use too
-// (plugins/pipeline: its verifier, executor and step, which take the schedule as data).
+// (plugins/pipeline: its verifier, executor and step, which take the schedule as data). Composed on
+// a mesh, a data-parallel plugin's layout runs over the pipeline's replicas and a tensor-parallel
+// plugin's slices and hooks inside each stage (abi2_slices.h).
 #include <algorithm>
 #include <map>
 #include <memory>

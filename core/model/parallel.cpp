@@ -314,6 +314,10 @@ const std::vector<std::string>& comm_point_names() {
       "linear.row_absmax",     "adalora.slice_sums"};
   return names;
 }
+const std::vector<std::string>& attention_point_names() {
+  static const std::vector<std::string> names = {"attention.exchange", "attention.core"};
+  return names;
+}
 const std::string& comm_point_name(CommPoint point) {
   return comm_point_names().at(static_cast<size_t>(point));
 }

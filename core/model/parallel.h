@@ -67,6 +67,9 @@ enum class CommPoint {
 // "block.attention.input", ..., in CommPoint order. A new point is a new name here.
 const std::vector<std::string>& comm_point_names();
 const std::string& comm_point_name(CommPoint point);
+// The attention's points for context parallelism (ContextSplit's all_to_all and attention, below):
+// "attention.exchange" (Ulysses' all-to-alls), "attention.core" (the core computed elsewhere).
+const std::vector<std::string>& attention_point_names();
 
 // Communicates in place on `tensor` at `point` of decoder block `layer` (-1 outside blocks),
 // in the forward or the backward direction. Throws on failure.
@@ -140,7 +143,7 @@ std::vector<torch::Tensor> sum_over_slices(const CommHook* hook, const std::vect
 //
 // Ring attention instead (`attention` set): each process keeps its queries and the attention
 // core is `attention(layer, backward, tensors)` over them (SequenceAttentionTensors; the caller
-// moves key/value blocks between the processes and computes with blockwise_attention.h), wrapped
+// moves key/value blocks between the processes and computes, e.g. with plugins/context_parallel/blockwise_attention.hpp), wrapped
 // in an autograd function by sequence_attention(). Tokens may then lie in the balanced layout.
 enum class SequenceLayout {
   kContiguous = 0,  // process r of N: tokens [r L / N, (r + 1) L / N)

@@ -133,6 +133,34 @@ weft_status* service_reduce_scatter(weft_host_context* c, DLTensor* output, cons
   weft_work* work = nullptr;
   return waited(c, c->host.api()->reduce_scatter(c->host.handle(), c->group, &out, &in, WEFT_REDUCE_SUM, &work), &work);
 }
+// Since 2.4: all-to-all and point-to-point transfers over the plugin's dimension (context parallelism).
+weft_group* dimension_group(weft_host_context* c) { return c->group != nullptr ? c->group : c->host.world().get(); }
+weft_status* service_all_to_all(weft_host_context* c, DLTensor* output, const DLTensor* input) {
+  if (output == nullptr || input == nullptr || output->ndim < 1 || input->ndim < 1) {
+    return g_api->status_create(WEFT_STATUS_INVALID_ARGUMENT, "weft_all_to_all: an output and an input [size, ...] are required");
+  }
+  weft_work* work = nullptr;
+  return waited(c, c->host.api()->all_to_all(c->host.handle(), dimension_group(c), output, input, &work), &work);
+}
+weft_status* service_send(weft_host_context* c, const DLTensor* tensor, int32_t peer, int32_t tag, weft_transfer** out) {
+  if (tensor == nullptr || out == nullptr) return g_api->status_create(WEFT_STATUS_INVALID_ARGUMENT, "weft_send: a tensor and an output are required");
+  weft_work* work = nullptr;
+  weft_status* status = c->host.api()->send(c->host.handle(), dimension_group(c), tensor, peer, tag, &work);
+  *out = reinterpret_cast<weft_transfer*>(work);
+  return status;
+}
+weft_status* service_recv(weft_host_context* c, DLTensor* tensor, int32_t peer, int32_t tag, weft_transfer** out) {
+  if (tensor == nullptr || out == nullptr) return g_api->status_create(WEFT_STATUS_INVALID_ARGUMENT, "weft_recv: a tensor and an output are required");
+  weft_work* work = nullptr;
+  weft_status* status = c->host.api()->recv(c->host.handle(), dimension_group(c), tensor, peer, tag, &work);
+  *out = reinterpret_cast<weft_transfer*>(work);
+  return status;
+}
+weft_status* service_transfer_wait(weft_host_context* c, weft_transfer* transfer) {
+  if (transfer == nullptr) return nullptr;
+  auto* work = reinterpret_cast<weft_work*>(transfer);
+  return waited(c, nullptr, &work);
+}
 // Since 2.3: the model's configuration by its config.json name.
 weft_status* service_model_config_int(weft_host_context* c, const char* key, int64_t* out) {
   const PluginHost::State& state = *c->host.handle()->state;
@@ -241,6 +269,10 @@ weft_proc host_proc_address(const char* name) {
       {"weft_all_gather", as_proc(&service_all_gather)},
       {"weft_reduce_scatter", as_proc(&service_reduce_scatter)},
       {"weft_model_config_int", as_proc(&service_model_config_int)},
+      {"weft_all_to_all", as_proc(&service_all_to_all)},
+      {"weft_send", as_proc(&service_send)},
+      {"weft_recv", as_proc(&service_recv)},
+      {"weft_transfer_wait", as_proc(&service_transfer_wait)},
   };
   if (name == nullptr) return nullptr;
   const auto it = services.find(name);
@@ -271,6 +303,7 @@ class HostStep : public sdk::Strategy {
                               plugin.table.name, world.size()));
     }
     const bool composed = state.abi2_data_parallel != nullptr;  // the session's mesh dp x tp
+    context_ = owns == (1u << WEFT_MESH_CP);
     if (composed) {
       make_mesh_slices(state.abi2_mesh[1], state.abi2_mesh[2]);
     } else if (owns == (1u << WEFT_MESH_TP)) {
@@ -289,7 +322,7 @@ class HostStep : public sdk::Strategy {
       check(*companion_, companion_->plugin.table.create(&companion_->services, &companion_->instance), "create");
     }
     for (Owner* o : {main_.get(), companion_.get()}) {
-      if (o != nullptr) read_layout(*o, o == tp_ ? WEFT_MESH_TP : o == dp_ ? WEFT_MESH_DP : -1);
+      if (o != nullptr) read_layout(*o, o == tp_ ? WEFT_MESH_TP : o == dp_ ? (context_ ? WEFT_MESH_CP : WEFT_MESH_DP) : -1);
     }
     if (composed) {
       const auto refuse = [&](const std::string& what) {
@@ -316,10 +349,21 @@ class HostStep : public sdk::Strategy {
     l.reduce_bucket_bytes = kAbi2DefaultBucketBytes;
     l.shard_group_size = 0;
     if (auto fn = reinterpret_cast<weft_layout_fn>(o.proc("weft_layout"))) check(o, fn(o.instance, &l), "weft_layout");
-    if (l.batch_split != WEFT_SPLIT_NONE && l.batch_split != WEFT_SPLIT_ROWS) {
+    const bool sequence = l.batch_split == WEFT_SPLIT_SEQUENCE || l.batch_split == WEFT_SPLIT_SEQUENCE_BALANCED;
+    if (l.batch_split != WEFT_SPLIT_NONE && l.batch_split != WEFT_SPLIT_ROWS && !sequence) {
       throw sdk::Error(WEFT_STATUS_UNSUPPORTED, fmt::format("{}: weft_layout's batch split {} is not one this host executes "
-                                                       "(WEFT_SPLIT_NONE, WEFT_SPLIT_ROWS)",
+                                                       "(WEFT_SPLIT_NONE, WEFT_SPLIT_ROWS, WEFT_SPLIT_SEQUENCE, "
+                                                       "WEFT_SPLIT_SEQUENCE_BALANCED)",
                                                        o.name(), l.batch_split));
+    }
+    if (sequence != (dimension == WEFT_MESH_CP)) {
+      throw sdk::Error(WEFT_STATUS_BAD_CONFIG,
+                       sequence ? fmt::format("{}: its weft_layout splits sequences, which a plugin that owns the "
+                                              "context-parallel dimension does (its mesh_dimensions lack WEFT_MESH_CP)",
+                                              o.name())
+                                : fmt::format("{} owns the context-parallel dimension, but its weft_layout does not split "
+                                              "sequences (WEFT_SPLIT_SEQUENCE or WEFT_SPLIT_SEQUENCE_BALANCED)",
+                                              o.name()));
     }
     if (dimension == WEFT_MESH_TP && l.batch_split != WEFT_SPLIT_NONE) {
       throw sdk::Error(WEFT_STATUS_BAD_CONFIG, fmt::format("{} owns the tensor-parallel dimension, whose ranks take the same "
@@ -403,7 +447,7 @@ class HostStep : public sdk::Strategy {
   }
 
   void plan(weft_model_plan& plan) override {
-    if (replicas() > 1) {
+    if (replicas() > 1 && dp_->layout.batch_split == WEFT_SPLIT_ROWS) {
       plan.data_parallel_size = dp_group_.size();
       plan.data_parallel_rank = dp_group_.rank();
     }
@@ -563,7 +607,7 @@ class HostStep : public sdk::Strategy {
       }
     }
     for (Owner* o : {main_.get(), companion_.get()}) {
-      if (o == nullptr) continue;
+      if (o == nullptr || (context_ && o == dp_)) continue;  // context parallelism's: registered at creation
       std::vector<std::string> published = {"train.begin", "step.end"};  // the step's, and the model's to tp
       if (o == tp_) published.insert(published.end(), comm_point_names().begin(), comm_point_names().end());
       abi2_register_hooks(*o, published, hooks_);
@@ -814,8 +858,9 @@ class HostStep : public sdk::Strategy {
     abi2_run_model_hooks(hooks_, point, backward, layer, tensor, source, step_);
   }
   std::string name() const { return main_->name(); }
+  // The ranks whose gradients are averaged and losses combined: the rows' or the sequences' split.
   int32_t replicas() const {
-    return dp_ != nullptr && dp_->layout.batch_split == WEFT_SPLIT_ROWS ? dp_group_.size() : 1;
+    return dp_ != nullptr && dp_->layout.batch_split != WEFT_SPLIT_NONE ? dp_group_.size() : 1;
   }
   // A status from `o` becomes an Error naming it and the function (`what`, unless null).
   void check(const Owner& o, weft_status* status, const char* what) const { abi2_check(o, status, what); }
@@ -861,6 +906,7 @@ class HostStep : public sdk::Strategy {
   GradientReducer* armed_ = nullptr;  // the reducer whose buckets start during the last backward
   bool tp_first_ = false;  // the PARTIAL sums before data parallelism's reduce-scatter (else after its reduction)
   bool began_ = false;
+  bool context_ = false;  // the plugin owns the context-parallel dimension (dp_, over dp_group_: its sequence split)
   int64_t step_ = 0;  // the current step (weft_step_info.step)
 };
 
@@ -889,6 +935,93 @@ class TensorStep : public HostStep {
                        DLTensor& output) override {
     run_model_hooks(comm_point_name(static_cast<CommPoint>(point)), direction == WEFT_BACKWARD, layer, output, &input);
   }
+};
+
+// A plugin that owns the context-parallel dimension: the host's step over its sequence split (every
+// rank the same rows, its share of each sequence; gradients averaged over the dimension as data
+// parallelism's), and the attention's points, one of which the plugin hooks: "attention.exchange"
+// (Ulysses: the model's all-to-alls around its core) or "attention.core" (ring attention: the plugin
+// computes the core). Its hooks are registered at creation: the plan, before the model is built,
+// says which attention the model runs.
+class ContextStep : public HostStep {
+ public:
+  using HostStep::HostStep;
+
+  ContextStep(sdk::Host host, const Abi2Plugin& plugin) : HostStep(host, plugin) {
+    std::vector<std::string> published = {"train.begin", "step.end"};
+    published.insert(published.end(), attention_point_names().begin(), attention_point_names().end());
+    abi2_register_hooks(*dp_, published, hooks_);
+    const auto count = [&](const std::string& point) {
+      return std::count_if(hooks_.begin(), hooks_.end(), [&](const Abi2Hook& h) { return h.point == point; });
+    };
+    const auto exchanges = count("attention.exchange"), cores = count("attention.core");
+    const auto refuse = [&](const std::string& why) {
+      throw sdk::Error(WEFT_STATUS_BAD_CONFIG, fmt::format("{} splits sequences but {}", dp_->name(), why));
+    };
+    if (exchanges == 0 && cores == 0) {
+      refuse("hooks neither \"attention.exchange\" (Ulysses) nor \"attention.core\" (its own attention, e.g. ring): "
+             "the attention needs every token");
+    }
+    if (exchanges > 0 && cores > 0) refuse("hooks both \"attention.exchange\" and \"attention.core\" (one of them)");
+    if (cores > 1) refuse(fmt::format("has {} hooks at \"attention.core\", which one computes", cores));
+    ring_ = cores == 1;
+    if (!ring_ && dp_->layout.batch_split == WEFT_SPLIT_SEQUENCE_BALANCED) {
+      refuse("asks for the balanced split (WEFT_SPLIT_SEQUENCE_BALANCED) with Ulysses' \"attention.exchange\", which "
+             "moves contiguous shares: the balanced split needs its own attention (\"attention.core\")");
+    }
+  }
+
+  void plan(weft_model_plan& plan) override {
+    HostStep::plan(plan);
+    if (dp_group_.size() <= 1) return;
+    plan.sequence_parallel_size = dp_group_.size();
+    plan.sequence_parallel_rank = dp_group_.rank();
+    plan.sequence_parallel_layout =
+        dp_->layout.batch_split == WEFT_SPLIT_SEQUENCE_BALANCED ? WEFT_SEQUENCE_BALANCED : WEFT_SEQUENCE_CONTIGUOUS;
+    plan.sequence_parallel_attention = ring_ ? WEFT_SEQUENCE_ATTENTION_PLUGIN : WEFT_SEQUENCE_ATTENTION_EXCHANGE;
+  }
+
+  // Each rank keeps its share of every sequence's activations (Ulysses: the core's share of the
+  // heads over the whole sequence is as large; the plugin's core: the host's estimate counts a
+  // blockwise core's output and log-sum-exp, not the probabilities). The plugin's own buffers (ring
+  // attention's key/value blocks) are not in the plan.
+  void memory_plan(weft_memory_plan& plan) override {
+    HostStep::memory_plan(plan);
+    plan.activation_bytes /= std::max(1, dp_group_.size());
+  }
+
+  void sequence_exchange(int64_t layer, weft_direction direction, const DLTensor& send, DLTensor& recv) override {
+    run_model_hooks("attention.exchange", direction == WEFT_BACKWARD, layer, recv, &send);
+  }
+
+  void sequence_attention(const weft_attention_call& call) override {
+    weft_attention_core core{};
+    core.struct_size = sizeof core;
+    core.scale = call.scale;
+    core.q = call.q;
+    core.k = call.k;
+    core.v = call.v;
+    core.out = call.out;
+    core.lse = call.lse;
+    core.grad_out = call.grad_out;
+    core.grad_q = call.grad_q;
+    core.grad_k = call.grad_k;
+    core.grad_v = call.grad_v;
+    for (const Abi2Hook& hook : hooks_) {
+      if (hook.point != "attention.core") continue;
+      weft_hook_event event{};
+      event.struct_size = sizeof event;
+      event.point = hook.point.c_str();
+      event.step = step_;
+      event.backward = call.direction == WEFT_BACKWARD ? 1 : 0;
+      event.layer = call.layer;
+      event.attention = &core;
+      check(*hook.owner, hook.fn(hook.owner->instance, &event), "attention.core");
+    }
+  }
+
+ private:
+  bool ring_ = false;  // the plugin computes the attention core
 };
 
 }  // namespace
@@ -993,12 +1126,13 @@ Abi2Plugin validate_abi2_table(const weft_plugin& table, const std::string& path
   WEFT_CHECK(missing.empty(), "plugin {}: required function(s) are NULL: {}", path, fmt::join(missing, ", "));
   WEFT_CHECK(table.name && *table.name, "plugin {}: its table has no name", path);
   WEFT_CHECK(table.version && *table.version, "plugin {}: its table has no version", path);
-  const uint32_t dp = 1u << WEFT_MESH_DP, pp = 1u << WEFT_MESH_PP, tp = 1u << WEFT_MESH_TP;
+  const uint32_t dp = 1u << WEFT_MESH_DP, pp = 1u << WEFT_MESH_PP, tp = 1u << WEFT_MESH_TP, cp = 1u << WEFT_MESH_CP;
   WEFT_CHECK(table.mesh_dimensions == 0 || table.mesh_dimensions == dp || table.mesh_dimensions == pp ||
-                 table.mesh_dimensions == tp,
+                 table.mesh_dimensions == tp || table.mesh_dimensions == cp,
              "plugin {} offers mesh dimensions {:#x}; an ABI 2 plugin on this host (ABI 2.{}) owns one of the "
-             "data-parallel dimension ({:#x}), the pipeline dimension ({:#x}) and the tensor-parallel dimension ({:#x})",
-             path, table.mesh_dimensions, WEFT_PLUGIN_ABI_MINOR, dp, pp, tp);
+             "data-parallel dimension ({:#x}), the pipeline dimension ({:#x}), the tensor-parallel dimension ({:#x}) "
+             "and the context-parallel dimension ({:#x})",
+             path, table.mesh_dimensions, WEFT_PLUGIN_ABI_MINOR, dp, pp, tp, cp);
   Abi2Plugin plugin;
   plugin.path = path;
   plugin.table = table;
@@ -1007,9 +1141,12 @@ Abi2Plugin validate_abi2_table(const weft_plugin& table, const std::string& path
 
 weft_strategy_api abi2_session_table(const Abi2Plugin& plugin) {
   if (plugin.table.mesh_dimensions == (1u << WEFT_MESH_PP)) return abi2_pipeline_table(plugin);
+  const uint32_t owns = plugin.table.mesh_dimensions;
   weft_strategy_api table =
-      plugin.table.mesh_dimensions == (1u << WEFT_MESH_TP)
+      owns == (1u << WEFT_MESH_TP)
           ? sdk::detail::make_table<TensorStep>(plugin.table.name, plugin.table.version, plugin.table.description)
+      : owns == (1u << WEFT_MESH_CP)
+          ? sdk::detail::make_table<ContextStep>(plugin.table.name, plugin.table.version, plugin.table.description)
           : sdk::detail::make_table<HostStep>(plugin.table.name, plugin.table.version, plugin.table.description);
   table.mesh_dimensions = plugin.table.mesh_dimensions;
   return table;
@@ -1023,6 +1160,8 @@ weft_status* create_abi2_step(const Abi2Plugin& plugin, const weft_host_api* api
       created = create_abi2_pipeline_step(sdk::Host(api, host), plugin);
     } else if (plugin.table.mesh_dimensions == (1u << WEFT_MESH_TP)) {
       created = new TensorStep(sdk::Host(api, host), plugin);
+    } else if (plugin.table.mesh_dimensions == (1u << WEFT_MESH_CP)) {
+      created = new ContextStep(sdk::Host(api, host), plugin);
     } else {
       created = new HostStep(sdk::Host(api, host), plugin);
     }

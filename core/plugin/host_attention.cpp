@@ -1,10 +1,15 @@
-// The host's blockwise attention for plugins (since ABI 1.5): ring attention's arithmetic
-// (core/model/blockwise_attention.h) on views the plugin hands over.
-#include "core/model/blockwise_attention.h"
+// The host's blockwise attention for plugins of ABI 1.5: ring attention's arithmetic
+// (plugins/context_parallel/blockwise_attention.hpp, linked here until ABI 1 goes) on views the
+// plugin hands over.
+#include "blockwise_attention.hpp"
 #include "core/plugin/host_services.h"
 
 namespace weft {
 namespace host {
+
+using context_parallel::AttentionBlockSpan;
+using context_parallel::attention_block_backward;
+using context_parallel::attention_block_forward;
 
 weft_status* attention_block(weft_host*, weft_direction direction, const weft_attention_block* block) {
   return guarded([&] {

@@ -243,6 +243,9 @@ void StrategySession::compose_abi2(const std::vector<std::shared_ptr<PluginLibra
   int pp = -1, dp = -1, tp = -1;
   for (size_t i = 0; i < libraries.size(); ++i) {
     const uint32_t offered = libraries[i]->abi2()->table.mesh_dimensions;
+    WEFT_CHECK(offered != (1u << WEFT_MESH_CP),
+               "plugin {} (ABI 2) owns the context-parallel dimension, which this host (ABI 2.{}) runs alone, not "
+               "composed in train.plugin = \"{}\" yet", names[i], WEFT_PLUGIN_ABI_MINOR, fmt::join(names, ","));
     WEFT_CHECK(offered == pp_bit || offered == dp_bit || offered == tp_bit,
                "plugin {} (ABI 2) owns no mesh dimension, so it runs alone, not in train.plugin = \"{}\"",
                names[i], fmt::join(names, ","));

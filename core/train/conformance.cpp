@@ -325,6 +325,8 @@ std::vector<ConformanceCase> conformance_matrix() {
   both("pipedream", 4, {"plugin.schedule=\"zbh1\""});
   both("context_parallel", 2, {});                        // Ulysses all-to-all
   both("context_parallel", 2, {"plugin.mode=\"ring\""});  // ring attention
+  both("context_parallel_abi2", 2, {});  // under ABI 2: a sequence split, Ulysses' all-to-all as a hook
+  both("context_parallel_abi2", 4, {"plugin.mode=\"ring\""});  // ring attention in the plugin, with LibTorch
   // Composed over a device mesh (ABI 1.12): tp x pp, pp x dp, tp x dp, tp x pp x dp.
   both("tensor_parallel,gpipe", 4, {"mesh.tp=2", "mesh.pp=2"});
   both("gpipe,ddp", 4, {"mesh.pp=2", "mesh.dp=2"});

@@ -129,22 +129,28 @@ TEST(Cli, CheckAllRunsTheConformanceMatrixAndTabulatesEveryCase) {
   std::vector<weft::ConformanceCase> cases;
   std::set<std::string> labels, plugins;
   int small = 0;
-  for (const auto& c : all) {
-    EXPECT_TRUE(labels.insert(c.label()).second) << "listed twice: " << c.label();
-    // A composed case (ABI 1.12 device mesh) names several shipped plugins.
+  // A composed case (ABI 1.12 device mesh) names several shipped plugins.
+  const auto plugins_of = [](const weft::ConformanceCase& c) {
+    std::set<std::string> names;
     for (size_t start = 0, comma = 0; comma != std::string::npos; start = comma + 1) {
       comma = c.plugin.find(',', start);
-      plugins.insert(c.plugin.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
+      names.insert(c.plugin.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
     }
+    return names;
+  };
+  const auto runs_context_parallel = [&](const weft::ConformanceCase& c) { return plugins_of(c).count("context_parallel") > 0; };
+  for (const auto& c : all) {
+    EXPECT_TRUE(labels.insert(c.label()).second) << "listed twice: " << c.label();
+    for (const auto& name : plugins_of(c)) plugins.insert(name);
     weft::ConformanceOptions options;
     for (const auto& setting : c.settings) EXPECT_NO_THROW(weft::apply_check_setting(options, setting)) << setting;
-    if (c.plugin.find("context_parallel") == std::string::npos) continue;
+    if (!runs_context_parallel(c)) continue;
     cases.push_back(c);
     small += c.nproc <= 2 ? 1 : 0;
   }
   EXPECT_EQ(plugins, (std::set<std::string>{"ddp", "ddp_abi2", "zero", "zero_abi2", "tensor_parallel",
                                             "tensor_parallel_abi2", "gpipe", "gpipe_abi2", "pipedream",
-                                            "context_parallel"}));
+                                            "context_parallel", "context_parallel_abi2"}));
   ASSERT_GT(small, 0);
   ASSERT_GT(cases.size(), static_cast<size_t>(small));
   const auto r = run_trainer("check --all --plugin context_parallel --nproc 2 --steps 2");
@@ -170,14 +176,14 @@ TEST(Cli, CheckAllRunsTheConformanceMatrixAndTabulatesEveryCase) {
                           " skipped (2 steps each)"),
             std::string::npos) << r.output;
   for (const auto& c : all) {  // the cases without context_parallel are not in the table
-    if (c.plugin.find("context_parallel") != std::string::npos) continue;
+    if (runs_context_parallel(c)) continue;
     EXPECT_EQ(r.output.find("| " + c.plugin + " | "), std::string::npos) << c.label() << "\n" << r.output;
   }
   const auto none = run_trainer("check --all --plugin dpp");
   EXPECT_EQ(none.exit_code, 1);
   EXPECT_NE(none.output.find("trainer check --all --plugin dpp: no case of the matrix runs it (its plugins: "
-                             "context_parallel, ddp, ddp_abi2, gpipe, gpipe_abi2, pipedream, tensor_parallel, "
-                             "tensor_parallel_abi2, zero, zero_abi2)"),
+                             "context_parallel, context_parallel_abi2, ddp, ddp_abi2, gpipe, gpipe_abi2, pipedream, "
+                             "tensor_parallel, tensor_parallel_abi2, zero, zero_abi2)"),
             std::string::npos)
       << none.output;
 }
@@ -200,9 +206,9 @@ TEST(Cli, BadInputGetsOneClearErrorAndExitCodeOne) {
            Case{"frobnicate", "unknown command"},
            // An unknown plugin name: the closest one and every plugin there.
            Case{tiny + "--set data.path=" + write_corpus(dir) + " --plugin dpp",
-                "plugin 'dpp' not found: did you mean 'ddp'? (plugins here: context_parallel, ddp, "},
+                "plugin 'dpp' not found: did you mean 'ddp'? (plugins here: context_parallel, context_parallel_abi2, ddp, "},
            Case{tiny + "--set data.path=" + write_corpus(dir) + " --plugin fsdp",
-                "(plugins here: context_parallel, ddp, ddp_abi2, gpipe, gpipe_abi2, pipedream, single, single_abi2, "
+                "(plugins here: context_parallel, context_parallel_abi2, ddp, ddp_abi2, gpipe, gpipe_abi2, pipedream, single, single_abi2, "
                 "tensor_parallel, tensor_parallel_abi2, zero, "
                 "zero_abi2"},
            Case{"check --plugin ddp --steps 0", "--steps 0: must be at least 1"},

@@ -1,4 +1,4 @@
-// Blockwise attention with log-sum-exp (core/model/blockwise_attention.h), the arithmetic of ring
+// Blockwise attention with log-sum-exp (plugins/context_parallel/blockwise_attention.hpp), the arithmetic of ring
 // attention, against whole causal attention written out with autograd: the sequence cut into
 // chunks, every causal (query chunk, key chunk) block merged into strided views of one output
 // in an order that is not the sequence's, must give the whole attention's output, log-sum-exp
@@ -9,11 +9,11 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "core/model/blockwise_attention.h"
+#include "blockwise_attention.hpp"
 
 namespace {
 
-using weft::AttentionBlockSpan;
+using weft::context_parallel::AttentionBlockSpan;
 
 struct Reference {
   torch::Tensor out, lse, grad_q, grad_k, grad_v;
@@ -56,7 +56,7 @@ void expect_blocks_match_whole(int64_t heads, int64_t kv_heads, int64_t chunks) 
   const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
   for (const auto& [qc, kc] : causal_pairs(chunks)) {
     auto o = out.narrow(2, qc * c, c), l = lse.narrow(2, qc * c, c);  // strided views
-    weft::attention_block_forward(q.narrow(2, qc * c, c), k.narrow(2, kc * c, c), v.narrow(2, kc * c, c),
+    weft::context_parallel::attention_block_forward(q.narrow(2, qc * c, c), k.narrow(2, kc * c, c), v.narrow(2, kc * c, c),
                                   AttentionBlockSpan{qc * c, kc * c, kc == qc, scale}, o, l,
                                   written[static_cast<size_t>(qc)]);
     written[static_cast<size_t>(qc)] = true;
@@ -67,7 +67,7 @@ void expect_blocks_match_whole(int64_t heads, int64_t kv_heads, int64_t chunks) 
   auto grad_q = torch::zeros_like(q), grad_k = torch::zeros_like(k), grad_v = torch::zeros_like(v);
   for (const auto& [qc, kc] : causal_pairs(chunks)) {
     auto gq = grad_q.narrow(2, qc * c, c), gk = grad_k.narrow(2, kc * c, c), gv = grad_v.narrow(2, kc * c, c);
-    weft::attention_block_backward(q.narrow(2, qc * c, c), k.narrow(2, kc * c, c), v.narrow(2, kc * c, c),
+    weft::context_parallel::attention_block_backward(q.narrow(2, qc * c, c), k.narrow(2, kc * c, c), v.narrow(2, kc * c, c),
                                    AttentionBlockSpan{qc * c, kc * c, kc == qc, scale}, out.narrow(2, qc * c, c),
                                    lse.narrow(2, qc * c, c), grad_out.narrow(2, qc * c, c), gq, gk, gv);
   }
@@ -83,9 +83,9 @@ TEST(BlockwiseAttention, MultiQueryAttentionOverThreeChunks) { expect_blocks_mat
 
 TEST(BlockwiseAttention, TilesOfAFewQueriesGiveTheSameAnswer) {
   // 2 x 4 x 12 keys x 4 bytes per query row: tiles of 3 queries, causal masks cut across them.
-  const int64_t previous = weft::set_attention_block_tile_bytes(2 * 4 * 12 * 4 * 3);
+  const int64_t previous = weft::context_parallel::set_attention_block_tile_bytes(2 * 4 * 12 * 4 * 3);
   expect_blocks_match_whole(4, 2, 2);
-  weft::set_attention_block_tile_bytes(previous);
+  weft::context_parallel::set_attention_block_tile_bytes(previous);
 }
 
 TEST(BlockwiseAttention, ABlockNoQuerySeesLeavesTheOutputAlone) {
@@ -93,17 +93,17 @@ TEST(BlockwiseAttention, ABlockNoQuerySeesLeavesTheOutputAlone) {
   const auto q = torch::randn({1, 2, 4, 8}), k = torch::randn({1, 2, 4, 8}), v = torch::randn({1, 2, 4, 8});
   const AttentionBlockSpan later{0, 4, true, 0.5};  // keys at 4..7, queries at 0..3
   auto out = torch::ones({1, 2, 4, 8}), lse = torch::ones({1, 2, 4});
-  weft::attention_block_forward(q, k, v, later, out, lse, /*accumulate=*/true);
+  weft::context_parallel::attention_block_forward(q, k, v, later, out, lse, /*accumulate=*/true);
   EXPECT_TRUE(out.eq(1).all().item<bool>());
   EXPECT_TRUE(lse.eq(1).all().item<bool>());
-  weft::attention_block_forward(q, k, v, later, out, lse, /*accumulate=*/false);
+  weft::context_parallel::attention_block_forward(q, k, v, later, out, lse, /*accumulate=*/false);
   EXPECT_TRUE(out.eq(0).all().item<bool>());
   EXPECT_TRUE(lse.isneginf().all().item<bool>());
   // Merging a real block into that empty state gives the block alone.
   auto want_out = torch::empty_like(out), want_lse = torch::empty_like(lse);
   const AttentionBlockSpan same{0, 0, true, 0.5};
-  weft::attention_block_forward(q, k, v, same, want_out, want_lse, false);
-  weft::attention_block_forward(q, k, v, same, out, lse, true);
+  weft::context_parallel::attention_block_forward(q, k, v, same, want_out, want_lse, false);
+  weft::context_parallel::attention_block_forward(q, k, v, same, out, lse, true);
   EXPECT_TRUE(torch::allclose(out, want_out));
   EXPECT_TRUE(torch::allclose(lse, want_lse));
 }
@@ -114,8 +114,8 @@ TEST(BlockwiseAttention, BfloatInputsStayCloseToFloat) {
   const AttentionBlockSpan span{0, 0, true, 1.0 / std::sqrt(8.0)};
   auto out32 = torch::empty({1, 4, 16, 8}), lse32 = torch::empty({1, 4, 16});
   auto out16 = torch::empty({1, 4, 16, 8}), lse16 = torch::empty({1, 4, 16});
-  weft::attention_block_forward(q, k, v, span, out32, lse32, false);
-  weft::attention_block_forward(q.to(torch::kBFloat16), k.to(torch::kBFloat16), v.to(torch::kBFloat16), span, out16,
+  weft::context_parallel::attention_block_forward(q, k, v, span, out32, lse32, false);
+  weft::context_parallel::attention_block_forward(q.to(torch::kBFloat16), k.to(torch::kBFloat16), v.to(torch::kBFloat16), span, out16,
                                 lse16, false);
   EXPECT_LT((out16 - out32).abs().max().item<float>(), 0.05);
   EXPECT_LT((lse16 - lse32).abs().max().item<float>(), 0.05);

@@ -122,7 +122,7 @@ TEST(Abi2, PluginsAreListedWithTheirAbi) {
   const std::string plugins = std::string(WEFT_BINARY_DIR) + "/plugins/";
   const auto ddp = weft::PluginLibrary::load(plugins + "ddp_abi2.so");
   ASSERT_NE(ddp->abi2(), nullptr);
-  EXPECT_EQ(ddp->abi(), "2.3");
+  EXPECT_EQ(ddp->abi(), "2.4");
   EXPECT_EQ(ddp->name(), "ddp_abi2");
   EXPECT_EQ(weft::PluginLibrary::load(plugins + "ddp.so")->abi2(), nullptr);
 }
@@ -140,7 +140,7 @@ TEST(Abi2, WhatThisHostDoesNotRunIsRefusedBeforeTheFirstStep) {
       {"--plugin single_abi2 --nproc 2",
        "single_abi2 owns no mesh dimension, so it runs on one process, but the world has 2 ranks"},
       {"--plugin abi2_slice --nproc 2",
-       "abi2_slice places the parameter of model.embed_tokens.weight as SLICE, which this host (ABI 2.3) does not "
+       "abi2_slice places the parameter of model.embed_tokens.weight as SLICE, which this host (ABI 2.4) does not "
        "execute yet"},
       {"--plugin abi2_schedule --nproc 2",
        "abi2_schedule provides weft_schedule but does not own the pipeline dimension"},
@@ -160,10 +160,10 @@ TEST(Abi2, WhatThisHostDoesNotRunIsRefusedBeforeTheFirstStep) {
        "forever; stage 1 F1 waits forever"},
       // Compositions: plugins of one ABI; ABI 2 as a pipeline plugin and a data-parallel one.
       {"--plugin ddp_abi2,tensor_parallel --nproc 2",
-       "plugins ddp_abi2 (ABI 2.3) and tensor_parallel (ABI 1.14) cannot compose: a run composes plugins of one ABI"},
+       "plugins ddp_abi2 (ABI 2.4) and tensor_parallel (ABI 1.14) cannot compose: a run composes plugins of one ABI"},
       {"--plugin ddp_abi2,zero_abi2 --nproc 2", "plugins ddp_abi2 and zero_abi2 both own the data-parallel dimension"},
       {"--plugin diloco,tensor_parallel_abi2 --nproc 4 --set mesh.tp=2",
-       "diloco composed with tensor-parallel tensor_parallel_abi2: it provides weft_hooks, which this host (ABI 2.3) "
+       "diloco composed with tensor-parallel tensor_parallel_abi2: it provides weft_hooks, which this host (ABI 2.4) "
        "does not execute in a composition yet"},
       // A tensor-parallel plugin's slices must divide the model's sizes and match what the model holds.
       {"--plugin tensor_parallel_abi2 --nproc 3",
@@ -172,7 +172,7 @@ TEST(Abi2, WhatThisHostDoesNotRunIsRefusedBeforeTheFirstStep) {
        "abi2_bad_slice places model.layers.0.self_attn.q_proj.lora_A.weight sliced along dimension 1 in 2 parts, but "
        "the model holds it whole"},
       {"--plugin abi2_bad_slice --nproc 2 --set plugin.fault=gradient",
-       "abi2_bad_slice places the gradient of model.embed_tokens.weight as REPLICATE, which this host (ABI 2.3) does "
+       "abi2_bad_slice places the gradient of model.embed_tokens.weight as REPLICATE, which this host (ABI 2.4) does "
        "not execute on the tensor-parallel dimension (a gradient is placed as its parameter, or PARTIAL)"},
       {"--plugin abi2_bad_slice --nproc 2 --set plugin.fault=parts",
        "abi2_bad_slice places model.embed_tokens.weight as SLICE along dimension 0 in 3 parts, which a tensor of 2 "
@@ -185,18 +185,36 @@ TEST(Abi2, WhatThisHostDoesNotRunIsRefusedBeforeTheFirstStep) {
       {"--plugin ddp_abi2,gpipe_abi2 --nproc 4 --set mesh.pp=2 --set mesh.tp=2",
        "the device mesh pp 2 x tp 2 has tp = 2 but no plugin of train.plugin = \"ddp_abi2,gpipe_abi2\" owns it"},
       {"--plugin diloco,gpipe_abi2 --nproc 4 --set mesh.pp=2",
-       "diloco composed with pipeline gpipe_abi2: it provides weft_hooks, which this host (ABI 2.3) does not execute "
+       "diloco composed with pipeline gpipe_abi2: it provides weft_hooks, which this host (ABI 2.4) does not execute "
        "for a data-parallel plugin beside a pipeline yet"},
       {"--plugin ddp_abi2 --nproc 2 --set plugin.bucket_mb=0", "plugin.bucket_mb must be > 0, got 0"},
       {"--plugin zero_abi2 --nproc 2 --set plugin.stage=3 --set train.mode=lora --set model.frozen_dtype=bf16",
        "zero_abi2 places parameter model.embed_tokens.weight FLAT_SHARD, but it is not fp32"},
       {"--plugin ddp_abi2 --nproc 2 --set plugin.bucket_size=1", "plugin.bucket_size"},  // a key nobody reads
       {"--plugin abi2_local_gradient --nproc 2",
-       "abi2_local_gradient places the parameter of model.embed_tokens.weight as REPLICATE, which this host (ABI 2.3) "
+       "abi2_local_gradient places the parameter of model.embed_tokens.weight as REPLICATE, which this host (ABI 2.4) "
        "does not execute beside LOCAL (a parameter, its gradient and its optimizer state are LOCAL together)"},
       {"--plugin abi2_unknown_point --nproc 2",
-       "abi2_unknown_point registers a hook at \"block.attention.core\", a point this host (ABI 2.3) does not publish "
+       "abi2_unknown_point registers a hook at \"block.attention.core\", a point this host (ABI 2.4) does not publish "
        "(it publishes: train.begin, step.end)"},
+      // A context-parallel plugin's sequence split needs one attention hook, and Ulysses the contiguous split.
+      {"--plugin abi2_bad_context --nproc 2",
+       "abi2_bad_context splits sequences but hooks neither \"attention.exchange\" (Ulysses) nor \"attention.core\""},
+      {"--plugin abi2_bad_context --nproc 2 --set plugin.fault=both",
+       "abi2_bad_context splits sequences but hooks both \"attention.exchange\" and \"attention.core\""},
+      {"--plugin abi2_bad_context --nproc 2 --set plugin.fault=balanced",
+       "abi2_bad_context splits sequences but asks for the balanced split (WEFT_SPLIT_SEQUENCE_BALANCED) with Ulysses'"},
+      {"--plugin abi2_bad_context --nproc 2 --set plugin.fault=rows",
+       "abi2_bad_context owns the context-parallel dimension, but its weft_layout does not split sequences"},
+      {"--plugin context_parallel_abi2 --nproc 2 --set plugin.layout=\"balanced\"",
+       "plugin.layout = \"balanced\" needs plugin.mode = \"ring\""},
+      {"--plugin context_parallel_abi2 --nproc 3 --set plugin.mode=\"ring\"",
+       "data.seq_len = 64 cannot be split over 3 sequence-parallel ranks (plugin context_parallel_abi2, balanced layout: "
+       "2 chunks per rank): choose a multiple of 6"},
+      {"--plugin context_parallel_abi2 --nproc 3",
+       "the model's 4 attention heads cannot be split over 3 sequence-parallel ranks (plugin context_parallel_abi2)"},
+      {"--plugin context_parallel_abi2,ddp_abi2 --nproc 4 --set mesh.cp=2 --set mesh.dp=2",
+       "plugin context_parallel_abi2 (ABI 2) owns the context-parallel dimension, which this host (ABI 2.4) runs alone"},
   };
   for (const Case& c : cases) {
     std::filesystem::remove_all(dir + "/out");
@@ -282,6 +300,52 @@ TEST(Abi2, TensorParallelAsSlicesAndHooksTrainsAsTensorParallelToTheBit) {
     const auto c = weft::testing::step_losses(out + "/metrics.jsonl");
     ASSERT_EQ(c.size(), 3u) << plugin;
     for (size_t i = 0; i < c.size(); ++i) EXPECT_EQ(c[i], whole[i + 3]) << plugin << ": step " << i + 4;
+  }
+}
+
+// context_parallel_abi2 is a sequence split and one hook: Ulysses' all-to-all at "attention.exchange",
+// or ring attention computed in the plugin with LibTorch at "attention.core" (its key/value blocks
+// moved with the host's point-to-point transfers). Each gives context_parallel.so's losses and gradient
+// norms to the bit (Ulysses over 2 ranks; ring attention balanced over 2 ranks with LoRA and 2
+// micro-batches, contiguous over 4), the ring reports each rank's attention seconds, and a checkpoint
+// resumes to the bit under either plugin.
+TEST(Abi2, ContextParallelAsASequenceSplitAndAHookTrainsAsContextParallelToTheBit) {
+  const std::string dir = weft::testing::fresh_dir("weft_test_abi2", "context_parallel");
+  const std::vector<std::pair<std::string, std::string>> cases{
+      {"ulysses", "--nproc 2 --set checkpoint.every_steps=3"},
+      {"ring", "--nproc 2 --set plugin.mode=\"ring\" --set train.mode=lora --set train.grad_accum_steps=2"},
+      {"ring4", "--nproc 4 --set plugin.mode=\"ring\" --set plugin.layout=\"contiguous\""},
+  };
+  Figures f;
+  for (const auto& [label, settings] : cases) {
+    const std::string run = tiny_run("--set train.max_steps=6 --set eval.every_steps=0 " + settings);
+    ASSERT_NO_FATAL_FAILURE(run_variants(dir, run, {{"v1_" + label, " --plugin context_parallel"},
+                                                    {"v2_" + label, " --plugin context_parallel_abi2"}}, f));
+    ASSERT_EQ(f.losses["v1_" + label].size(), 6u) << label;
+    EXPECT_EQ(f.losses["v1_" + label], f.losses["v2_" + label]) << label;
+    EXPECT_EQ(f.norms["v1_" + label], f.norms["v2_" + label]) << label;
+  }
+  std::ifstream metrics(dir + "/v2_ring4/metrics.jsonl");
+  int steps = 0;
+  for (std::string line; std::getline(metrics, line);) {
+    const auto record = nlohmann::json::parse(line);
+    if (record["type"] != "step") continue;
+    ++steps;
+    for (int r = 0; r < 4; ++r) {
+      EXPECT_GT(record.value("plugin.ring_attention_seconds_rank" + std::to_string(r), 0.0), 0.0) << line;
+    }
+    EXPECT_GE(record.value("plugin.ring_attention_seconds_max", 0.0), record.value("plugin.ring_attention_seconds_min", 1.0));
+  }
+  EXPECT_EQ(steps, 6);
+  const std::string run = tiny_run("--set train.max_steps=6 --set eval.every_steps=0 --nproc 2 --set checkpoint.resume=" +
+                                   dir + "/v2_ulysses/checkpoints/step-00000003");
+  for (const std::string plugin : {"context_parallel_abi2", "context_parallel"}) {
+    const std::string out = dir + "/resumed_" + plugin;
+    const auto resumed = weft::testing::run_trainer(run + " --plugin " + plugin + " --set train.out_dir=" + out);
+    ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+    const auto c = weft::testing::step_losses(out + "/metrics.jsonl");
+    ASSERT_EQ(c.size(), 3u) << plugin;
+    for (size_t i = 0; i < c.size(); ++i) EXPECT_EQ(c[i], f.losses["v2_ulysses"][i + 3]) << plugin << ": step " << i + 4;
   }
 }
 
@@ -412,7 +476,7 @@ TEST(Abi2, DdpAsALayoutTrainsAsDdpAndReducesDuringTheBackward) {
   const auto v2 = weft::testing::run_trainer(run + " --plugin ddp_abi2 --set train.out_dir=" + dir + "/v2");
   ASSERT_EQ(v1.exit_code, 0) << v1.output;
   ASSERT_EQ(v2.exit_code, 0) << v2.output;
-  EXPECT_THAT(v2.output, HasSubstr("strategy: ddp_abi2 2.0.0 (ABI 2.3)"));
+  EXPECT_THAT(v2.output, HasSubstr("strategy: ddp_abi2 2.0.0 (ABI 2.4)"));
   const auto a = weft::testing::step_losses(dir + "/v1/metrics.jsonl");
   const auto b = weft::testing::step_losses(dir + "/v2/metrics.jsonl");
   ASSERT_EQ(a.size(), 4u);

@@ -201,10 +201,10 @@ TEST(PluginLoader, BrokenPluginsAreRefusedWithOneLineNamingTheProblem) {
       {"missing_name", "its table has no name"},
       {"not_a_library", "not a shared library"},
       {"undefined_symbol", "cannot be loaded: "},
-      // ABI 2 (weft/plugin.h): a plugin owns one dimension, the data-parallel, the pipeline or the tensor-parallel one.
-      {"abi2_tensor_parallel", "offers mesh dimensions 0xa; an ABI 2 plugin on this host (ABI 2.3) owns one of the "
-                               "data-parallel dimension (0x2), the pipeline dimension (0x1) and the tensor-parallel "
-                               "dimension (0x8)"},
+      // ABI 2 (weft/plugin.h): a plugin owns one dimension: data-parallel, pipeline, tensor- or context-parallel.
+      {"abi2_tensor_parallel", "offers mesh dimensions 0xa; an ABI 2 plugin on this host (ABI 2.4) owns one of the "
+                               "data-parallel dimension (0x2), the pipeline dimension (0x1), the tensor-parallel "
+                               "dimension (0x8) and the context-parallel dimension (0x4)"},
       {"abi2_no_proc_address", "required function(s) are NULL: get_proc_address"},
       // A plugin that links LibTorch must be built against the host's and say so (weft_torch_build).
       {"abi2_torch_mismatch", "was built against LibTorch 2.4.1 (C++11 ABI 1), this host runs " + weft::libtorch_version()},
@@ -255,7 +255,7 @@ TEST(PluginLoader, NotFoundListsEveryPlaceSearched) {
     FAIL() << "no exception";
   } catch (const Error& e) {
     // The plugins there (the fixtures' and the built-in single), then every place searched.
-    EXPECT_THAT(e.what(), HasSubstr("plugin 'no_such_plugin' not found (plugins here: abi2_bad_slice, abi2_local_gradient, "));
+    EXPECT_THAT(e.what(), HasSubstr("plugin 'no_such_plugin' not found (plugins here: abi2_bad_context, abi2_bad_slice, abi2_local_gradient, "));
     EXPECT_THAT(e.what(), HasSubstr(", bad_chunks, "));
     EXPECT_THAT(e.what(), HasSubstr(", good, "));
     EXPECT_THAT(e.what(), HasSubstr(", single, "));
@@ -300,7 +300,7 @@ TEST(PluginLoader, ListsEveryLibraryInTheSearchPathWithItsProblem) {
   EXPECT_EQ(listings[0].path, "(built in)");
   EXPECT_EQ(listings[0].name, "single");
   EXPECT_EQ(listings[0].problem, "");
-  EXPECT_EQ(files, (std::vector<std::string>{"(built in)", "abi2_bad_slice.so", "abi2_local_gradient.so", "abi2_no_proc_address.so",
+  EXPECT_EQ(files, (std::vector<std::string>{"(built in)", "abi2_bad_context.so", "abi2_bad_slice.so", "abi2_local_gradient.so", "abi2_no_proc_address.so",
                                              "abi2_pipeline_bad_layout.so", "abi2_pipeline_deadlock.so", "abi2_schedule.so",
                                              "abi2_slice.so", "abi2_tensor_parallel.so",
                                              "abi2_torch.so", "abi2_torch_mismatch.so", "abi2_torch_undeclared.so",

@@ -1,9 +1,9 @@
 /*
  * weft/plugin.h - the strategy plugin ABI, version 2 (C99).
  *
- * STATUS: 2.3, landings of issue 44 (design: sdk/ABI2.md). The host loads 2.x plugins beside 1.x
+ * STATUS: 2.4, landings of issue 44 (design: sdk/ABI2.md). The host loads 2.x plugins beside 1.x
  * ones (weft/strategy.h); single_abi2.so, ddp_abi2.so, zero_abi2.so, gpipe_abi2.so,
- * tensor_parallel_abi2.so and the out-of-tree examples sdk/examples/diloco, sdk/examples/hsdp and
+ * tensor_parallel_abi2.so, context_parallel_abi2.so and the out-of-tree examples sdk/examples/diloco, sdk/examples/hsdp and
  * sdk/examples/zbv are written against it. A plugin owns one mesh dimension (or none, alone on one
  * process):
  * - Data parallelism: it places every parameter, gradient and optimizer state REPLICATE or LOCAL
@@ -19,6 +19,12 @@
  *   whole tensors), gradients PARTIAL where each rank holds a part of the sum (the host sums them),
  *   may ask for Megatron's sequence parallelism, and hooks the model's points (Megatron's f and g,
  *   the vocabulary-parallel loss), where it runs collectives over its dimension.
+ * - Context parallelism (2.4): its layout splits every sequence's tokens over the ranks (contiguous
+ *   or balanced chunks; every rank takes the same rows), and it hooks the attention: Ulysses moves
+ *   q, k, v and the output with all-to-alls ("attention.exchange"), ring attention computes the
+ *   attention core itself ("attention.core", with LibTorch and point-to-point transfers). Its
+ *   REPLICATE gradients are averaged over the dimension, as data parallelism's. It runs alone (not
+ *   composed yet).
  * Plugins of different dimensions compose on a device mesh pp x dp x tp (train.plugin =
  * "ddp_abi2,gpipe_abi2,tensor_parallel_abi2", [mesh] pp, dp, tp; rank = (pp coordinate x dp + dp
  * coordinate) x tp + tp coordinate; any two of them, or all three), each plugin's "weft_world" its own
@@ -69,7 +75,7 @@ extern "C" {
 
 /* Major: incompatible changes; must match. Minor: appended names and fields. */
 #define WEFT_PLUGIN_ABI_MAJOR 2
-#define WEFT_PLUGIN_ABI_MINOR 3
+#define WEFT_PLUGIN_ABI_MINOR 4
 #define WEFT_PLUGIN_ENTRY_SYMBOL "weft_plugin_entry"
 
 typedef struct weft_plugin_instance weft_plugin_instance; /* the plugin's; opaque to the host */
@@ -135,7 +141,23 @@ typedef struct weft_host_services {
  *   "weft_model_config_int" weft_status* (*)(weft_host_context*, const char* key, int64_t* out)
  *       the model's configuration by its config.json name: "hidden_size", "num_attention_heads",
  *       "num_key_value_heads", "intermediate_size", "vocab_size", "num_hidden_layers",
- *       "tie_word_embeddings" (0 or 1); another key is an error naming it. From "weft_place" on. */
+ *       "tie_word_embeddings" (0 or 1); another key is an error naming it. From "weft_place" on.
+ *
+ * Since 2.4, collectives and transfers over the plugin's dimension (context parallelism's):
+ *   "weft_all_to_all"       weft_status* (*)(weft_host_context*, DLTensor* output, const DLTensor* input)
+ *       input and output [size, ...] of one shape and dtype: chunk j of input goes to rank j, chunk
+ *       i of output comes from rank i. Returns when done; counts in comm_bytes.
+ *   "weft_send"             weft_status* (*)(weft_host_context*, const DLTensor* tensor, int32_t peer,
+ *                                            int32_t tag, weft_transfer** out)
+ *   "weft_recv"             weft_status* (*)(weft_host_context*, DLTensor* tensor, int32_t peer,
+ *                                            int32_t tag, weft_transfer** out)
+ *       start a transfer to or from rank `peer` of the dimension and return at once; `*out` is the
+ *       transfer in flight, which the plugin passes to "weft_transfer_wait" exactly once, and the
+ *       tensor stays untouched until then. NCCL pairs two ranks' transfers in the order they were
+ *       started (Gloo by tag as well), so start them in the same order at both ends, and between two
+ *       ranks that send to each other, not both with the send. Contiguous, on the rank's device.
+ *   "weft_transfer_wait"    weft_status* (*)(weft_host_context*, weft_transfer* transfer)
+ *       waits for it to complete and frees it (NULL: nothing to wait for). */
 typedef weft_status* (*weft_status_create_fn)(weft_status_code code, const char* message);
 typedef void (*weft_log_fn)(weft_host_context* host, weft_log_level level, const char* message);
 typedef void (*weft_world_fn)(weft_host_context* host, int32_t* rank, int32_t* size);
@@ -157,6 +179,13 @@ typedef weft_status* (*weft_state_tensor_fn)(weft_host_context* host, const char
 typedef weft_status* (*weft_all_gather_fn)(weft_host_context* host, DLTensor* output, const DLTensor* input);
 typedef weft_status* (*weft_reduce_scatter_fn)(weft_host_context* host, DLTensor* output, const DLTensor* input);
 typedef weft_status* (*weft_model_config_int_fn)(weft_host_context* host, const char* key, int64_t* out);
+typedef struct weft_transfer weft_transfer; /* a point-to-point transfer in flight (the host's) */
+typedef weft_status* (*weft_all_to_all_fn)(weft_host_context* host, DLTensor* output, const DLTensor* input);
+typedef weft_status* (*weft_send_fn)(weft_host_context* host, const DLTensor* tensor, int32_t peer, int32_t tag,
+                                     weft_transfer** out);
+typedef weft_status* (*weft_recv_fn)(weft_host_context* host, DLTensor* tensor, int32_t peer, int32_t tag,
+                                     weft_transfer** out);
+typedef weft_status* (*weft_transfer_wait_fn)(weft_host_context* host, weft_transfer* transfer);
 
 /* ------------------------------------------------------------------------------------------
  * The plugin: its core table, returned by weft_plugin_entry.
@@ -185,7 +214,13 @@ typedef const weft_plugin* (*weft_plugin_entry_fn)(uint16_t host_abi_major, uint
 /* How a batch splits over the dimension the plugin owns. */
 typedef enum weft_batch_split {
   WEFT_SPLIT_NONE = 0, /* every rank of the dimension takes the whole batch */
-  WEFT_SPLIT_ROWS = 1  /* each takes a contiguous share of the rows (data parallelism) */
+  WEFT_SPLIT_ROWS = 1, /* each takes a contiguous share of the rows (data parallelism) */
+  /* Since 2.4, for a plugin that owns the context-parallel dimension (WEFT_MESH_CP): every rank
+   * takes the same rows and a share of each sequence's tokens, at their global positions (RoPE,
+   * the causal mask): */
+  WEFT_SPLIT_SEQUENCE = 2,         /* rank r of N: tokens [r L / N, (r + 1) L / N) */
+  WEFT_SPLIT_SEQUENCE_BALANCED = 3 /* 2N equal chunks, rank r: chunk r, then chunk 2N - 1 - r (every
+                                      rank as much causal attention work; needs "attention.core") */
 } weft_batch_split;
 
 typedef struct weft_layout {
@@ -383,6 +418,18 @@ typedef weft_status* (*weft_schedule_fn)(weft_plugin_instance* instance, const w
  *   "linear.row_absmax"       each token's absmax over an int8 row-sliced layer's input columns
  *                             (MAX, forward)
  *   "adalora.slice_sums"      AdaLoRA's sums over its factors' slices (SUM, forward)
+ * Since 2.4, where a plugin owns the context-parallel dimension (its layout splits sequences), the
+ * attention's points, of which it hooks one (and registers its hooks from weft_layout on: the host
+ * asks "weft_hooks" before the model is built):
+ *   "attention.exchange"  Ulysses (the contiguous split only): before the attention core, each of
+ *                         q, k and v of this rank's tokens and every head goes to the ranks by heads,
+ *                         and after it the output back by tokens, as all-to-alls: event.source [N, ...]
+ *                         to send (chunk j to rank j), event.tensor [N, ...] to fill (chunk i from
+ *                         rank i); in the backward, the gradients the other way. The host then runs
+ *                         the core over the whole sequence for 1/N of the heads (N must divide them).
+ *   "attention.core"      the plugin computes the attention core of this rank's queries against every
+ *                         rank's keys and values (ring attention): event.attention holds the tensors
+ *                         (weft_attention_core); the host does not run the core itself.
  * Under sequence parallelism (weft_layout.sequence_parallel) the regions' points embedding.output,
  * block.attention.input/output, block.mlp.input/output and head.input move tokens instead: event.source
  * is set and the shapes say which collective (weft_hook_event); gradients go the other way in the
@@ -391,6 +438,22 @@ typedef weft_status* (*weft_schedule_fn)(weft_plugin_instance* instance, const w
  * points the host has, before the first step. A hook may use the host's services (parameters,
  * collectives over its dimension, metrics); an error it returns stops the run, naming the plugin
  * and the point. */
+/* The attention core of one decoder block for the tensors of this rank's tokens, at "attention.core"
+ * (since 2.4): causal softmax(q k^T scale) v with each token at its global position (the layout's
+ * chunks) and query head h using key/value head h / (H / Hkv). All contiguous, on the rank's device. */
+typedef struct weft_attention_core {
+  uint32_t struct_size; /* host-set */
+  double scale;         /* the softmax scale, 1 / sqrt(D) */
+  const DLTensor *q, *k, *v; /* q [B, H, s, D]; k, v [B, Hkv, s, D]: RoPE applied, the compute dtype */
+  /* Forward: write out (fp32 [B, H, s, D]) and lse (fp32 [B, H, s]: each query's log-sum-exp of its
+   * scaled scores). Backward: they hold what the forward wrote (read them), grad_out [B, H, s, D]
+   * (the compute dtype) the output's gradient, and the plugin adds the gradients into grad_q, grad_k,
+   * grad_v (fp32, like q, k, v, zeroed by the host). */
+  DLTensor *out, *lse;
+  const DLTensor* grad_out;
+  DLTensor *grad_q, *grad_k, *grad_v;
+} weft_attention_core;
+
 typedef struct weft_hook_event {
   uint32_t struct_size; /* host-set */
   const char* point;    /* the point's name */
@@ -403,6 +466,8 @@ typedef struct weft_hook_event {
   const DLTensor* source; /* where the point moves tokens (sequence parallelism's regions): the
                              input, and `tensor` the output to fill: [N, ...source] for an
                              all-gather, or source [N, ...tensor] for a reduce-scatter; else NULL */
+  /* Since 2.4, at "attention.core" (else NULL; `tensor` is NULL there): */
+  weft_attention_core* attention;
 } weft_hook_event;
 
 typedef weft_status* (*weft_hook_fn)(weft_plugin_instance* instance, const weft_hook_event* event);

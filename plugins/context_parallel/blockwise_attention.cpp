@@ -1,4 +1,4 @@
-#include "core/model/blockwise_attention.h"
+#include "blockwise_attention.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -7,9 +7,8 @@
 
 #include <torch/torch.h>
 
-#include "core/util/error.h"
-
 namespace weft {
+namespace context_parallel {
 namespace {
 
 std::string shape(const torch::Tensor& t) {
@@ -26,10 +25,10 @@ struct Grouped {
 
 // The shapes, and k and v grouped once per block (q: [B, H, sq, D], k, v: [B, Hkv, sk, D]).
 Grouped group_kv(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
-  WEFT_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
-                 q.size(3) == k.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
-             "attention_block: q [B, H, sq, D] and k, v [B, Hkv, sk, D] with Hkv dividing H needed, got {}, {}, {}",
-             shape(q), shape(k), shape(v));
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
+                  q.size(3) == k.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+              "attention_block: q [B, H, sq, D] and k, v [B, Hkv, sk, D] with Hkv dividing H needed, got ", shape(q),
+              ", ", shape(k), ", ", shape(v));
   Grouped g{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2), k.size(2), q.size(3), {}, {}, {}};
   g.k = k.to(q.scalar_type()).reshape({g.batch * g.kv_heads, g.sk, g.dim});
   g.v = v.to(q.scalar_type()).reshape({g.batch * g.kv_heads, g.sk, g.dim});
@@ -128,11 +127,11 @@ void attention_block_forward(const torch::Tensor& q, const torch::Tensor& k, con
                              const AttentionBlockSpan& span, torch::Tensor& out, torch::Tensor& lse, bool accumulate) {
   torch::NoGradGuard no_grad;
   const Grouped kv = group_kv(q, k, v);
-  WEFT_CHECK(out.sizes() == q.sizes() && out.scalar_type() == torch::kFloat32 && lse.dim() == 3 &&
-                 lse.size(0) == q.size(0) && lse.size(1) == q.size(1) && lse.size(2) == q.size(2) &&
-                 lse.scalar_type() == torch::kFloat32,
-             "attention_block: out must be fp32 {} and lse fp32 [B, H, sq], got {} and {}", shape(q), shape(out),
-             shape(lse));
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == torch::kFloat32 && lse.dim() == 3 &&
+                  lse.size(0) == q.size(0) && lse.size(1) == q.size(1) && lse.size(2) == q.size(2) &&
+                  lse.scalar_type() == torch::kFloat32,
+              "attention_block: out must be fp32 ", shape(q), " and lse fp32 [B, H, sq], got ", shape(out), " and ",
+              shape(lse));
   const int64_t sq = q.size(2), tile = tile_rows(q, k);
   for (int64_t t = 0; t < sq; t += tile) {
     const int64_t n = std::min(tile, sq - t);
@@ -149,10 +148,10 @@ void attention_block_backward(const torch::Tensor& q, const torch::Tensor& k, co
                               torch::Tensor& grad_v) {
   torch::NoGradGuard no_grad;
   const Grouped kv = group_kv(q, k, v);
-  WEFT_CHECK(out.sizes() == q.sizes() && grad_out.sizes() == q.sizes() && grad_q.sizes() == q.sizes() &&
-                 grad_k.sizes() == k.sizes() && grad_v.sizes() == v.sizes() && grad_q.scalar_type() == torch::kFloat32 &&
-                 grad_k.scalar_type() == torch::kFloat32 && grad_v.scalar_type() == torch::kFloat32,
-             "attention_block: backward needs out and grad_out like q {}, fp32 gradients like q, k, v", shape(q));
+  TORCH_CHECK(out.sizes() == q.sizes() && grad_out.sizes() == q.sizes() && grad_q.sizes() == q.sizes() &&
+                  grad_k.sizes() == k.sizes() && grad_v.sizes() == v.sizes() && grad_q.scalar_type() == torch::kFloat32 &&
+                  grad_k.scalar_type() == torch::kFloat32 && grad_v.scalar_type() == torch::kFloat32,
+              "attention_block: backward needs out and grad_out like q ", shape(q), ", fp32 gradients like q, k, v");
   const int64_t sq = q.size(2), tile = tile_rows(q, k);
   for (int64_t t = 0; t < sq; t += tile) {  // grad_k and grad_v sum over the tiles
     const int64_t n = std::min(tile, sq - t);
@@ -166,4 +165,5 @@ void attention_block_backward(const torch::Tensor& q, const torch::Tensor& k, co
 
 int64_t set_attention_block_tile_bytes(int64_t bytes) { return tile_bytes.exchange(std::max<int64_t>(1, bytes)); }
 
+}  // namespace context_parallel
 }  // namespace weft

@@ -6,15 +6,20 @@
 // after every block of keys has been merged the output is attention over all of them; the
 // backward recomputes a block's probabilities from the final log-sum-exp and adds the block's
 // gradients (never storing a [sq, sk] matrix past the call, and computing it a tile of queries at a
-// time). Scores and softmax are fp32; the
-// two GEMMs of each product run in q's dtype, as causal_attention's.
-#pragma once
+// time). Scores and softmax are fp32; the two GEMMs of each product run in q's dtype, as the
+// model's causal attention's.
+// Ring attention's maths, in its plugin's folder: context_parallel_abi2.so computes with it, and the
+// host's ABI 1.5 service attention_block (core/plugin/host_attention.cpp, for context_parallel.so)
+// links it until ABI 1 goes.
+#ifndef WEFT_PLUGINS_CONTEXT_PARALLEL_BLOCKWISE_ATTENTION_HPP
+#define WEFT_PLUGINS_CONTEXT_PARALLEL_BLOCKWISE_ATTENTION_HPP
 
 #include <cstdint>
 
 #include <torch/types.h>
 
 namespace weft {
+namespace context_parallel {
 
 struct AttentionBlockSpan {
   int64_t q_position = 0;  // global position of the first query
@@ -42,4 +47,7 @@ void attention_block_backward(const torch::Tensor& q, const torch::Tensor& k, co
 // value (tests make tiles of a few rows).
 int64_t set_attention_block_tile_bytes(int64_t bytes);
 
+}  // namespace context_parallel
 }  // namespace weft
+
+#endif

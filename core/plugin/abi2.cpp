@@ -282,10 +282,11 @@ weft_proc host_proc_address(const char* name) {
 using Owner = Abi2Instance;
 
 // The host's step for plugins that own one dimension each, without a pipeline: data parallelism
-// (its layout splits rows; REPLICATE, LOCAL and FLAT_SHARD placements), tensor parallelism (SLICE
-// placements, PARTIAL gradients, hooks at the model's points), or both on a mesh dp x tp (the
-// session's plugin owns tp, the data-parallel one composes with it: rank = dp coordinate x tp + tp
-// coordinate, each plugin's dimension its mesh slice).
+// (its layout splits rows; REPLICATE, LOCAL and FLAT_SHARD placements), context parallelism (its
+// layout splits sequences; a hook at the attention), tensor parallelism (SLICE placements, PARTIAL
+// gradients, hooks at the model's points), or several on a mesh dp x cp x tp (the session's plugin
+// owns tp, else cp; the others compose with it: rank = (dp coordinate x cp + cp coordinate) x tp + tp
+// coordinate, each plugin's dimension its mesh slice, the data-parallel one's dp x cp flattened).
 class HostStep : public sdk::Strategy {
  public:
   // (make_table's requirement; the session creates the step with its plugin, create_abi2_step.)
@@ -302,42 +303,86 @@ class HostStep : public sdk::Strategy {
                   fmt::format("{} owns no mesh dimension, so it runs on one process, but the world has {} ranks",
                               plugin.table.name, world.size()));
     }
-    const bool composed = state.abi2_data_parallel != nullptr;  // the session's mesh dp x tp
-    context_ = owns == (1u << WEFT_MESH_CP);
+    const bool composed = state.abi2_data_parallel != nullptr || state.abi2_context_parallel != nullptr;
+    const bool tensor = owns == (1u << WEFT_MESH_TP), context = owns == (1u << WEFT_MESH_CP);
     if (composed) {
-      make_mesh_slices(state.abi2_mesh[1], state.abi2_mesh[2]);
-    } else if (owns == (1u << WEFT_MESH_TP)) {
+      make_mesh_slices(state.abi2_mesh[1], state.abi2_mesh[2], state.abi2_mesh[3]);
+    } else if (tensor) {
       tp_group_ = world;
     } else {
-      dp_group_ = world;
+      dp_group_ = cp_group_ = world;
     }
-    main_ = std::make_unique<Owner>(host, plugin, (owns == (1u << WEFT_MESH_TP) ? tp_group_ : dp_group_).get(), nullptr);
-    (owns == (1u << WEFT_MESH_TP) ? tp_ : dp_) = main_.get();
-    check(*main_, plugin.table.create(&main_->services, &main_->instance), nullptr);  // the session names "create"
+    // The session's plugin first, then the context-parallel and the data-parallel ones composed with it.
+    const auto open = [&](const Abi2Plugin& p, sdk::Group group, weft_host* settings) {
+      owners_.push_back(std::make_unique<Owner>(host, p, group.get(), settings));
+      Owner& o = *owners_.back();
+      check(o, p.table.create(&o.services, &o.instance), settings != nullptr ? "create" : nullptr);  // the session names it
+      return &o;
+    };
+    Owner* main = open(plugin, tensor ? tp_group_ : context ? cp_group_ : dp_group_, nullptr);
+    (tensor ? tp_ : context ? cp_ : dp_) = main;
+    if (state.abi2_context_parallel != nullptr) {
+      cp_ = open(*state.abi2_context_parallel, cp_group_, state.abi2_context_parallel_settings);
+    }
+    // Composed with a context-parallel plugin, the data-parallel plugin's placements span dp x cp (the
+    // ranks that split the same rows' sequences hold replicas of the parameters, as torchtitan's
+    // dp_shard_cp); without one, the context-parallel plugin's placements run there.
+    if (state.abi2_data_parallel != nullptr) {
+      dp_ = open(*state.abi2_data_parallel, dp_group_, state.abi2_data_parallel_settings);
+    } else if (cp_ != nullptr) {
+      dp_ = cp_;
+    }
     if (tp_ != nullptr) slices_ = std::make_unique<TensorSlices>(host, *tp_, tp_group_);
-    if (composed) {
-      companion_ = std::make_unique<Owner>(host, *state.abi2_data_parallel, dp_group_.get(),
-                                           state.abi2_data_parallel_settings);
-      dp_ = companion_.get();
-      check(*companion_, companion_->plugin.table.create(&companion_->services, &companion_->instance), "create");
-    }
-    for (Owner* o : {main_.get(), companion_.get()}) {
-      if (o != nullptr) read_layout(*o, o == tp_ ? WEFT_MESH_TP : o == dp_ ? (context_ ? WEFT_MESH_CP : WEFT_MESH_DP) : -1);
+    for (const auto& o : owners_) {
+      read_layout(*o, o.get() == tp_ ? WEFT_MESH_TP : o.get() == cp_ ? WEFT_MESH_CP : o.get() == dp_ ? WEFT_MESH_DP : -1);
     }
     if (composed) {
-      const auto refuse = [&](const std::string& what) {
+      const std::string with = tp_ != nullptr ? "tensor-parallel " + tp_->name() : "context-parallel " + cp_->name();
+      const auto refuse = [&](const Owner& o, const std::string& what) {
         throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
-                         fmt::format("{} composed with tensor-parallel {}: {}, which this host (ABI 2.{}) does not "
-                                     "execute in a composition yet",
-                                     dp_->name(), tp_->name(), what, WEFT_PLUGIN_ABI_MINOR));
+                         fmt::format("{} composed with {}: {}, which this host (ABI 2.{}) does not execute in a "
+                                     "composition yet",
+                                     o.name(), &o == cp_ && tp_ != nullptr ? "tensor-parallel " + tp_->name() : with, what,
+                                     WEFT_PLUGIN_ABI_MINOR));
       };
-      if (dp_->layout.batch_split != WEFT_SPLIT_ROWS) refuse("its weft_layout does not split the rows");
-      if (dp_->layout.shard_group_size > 0 && dp_->layout.shard_group_size < dp_group_.size()) {
-        refuse("its weft_layout shards over groups of the dimension (shard_group_size)");
+      if (dp_ != cp_) {
+        if (dp_->layout.batch_split != WEFT_SPLIT_ROWS) refuse(*dp_, "its weft_layout does not split the rows");
+        if (dp_->layout.shard_group_size > 0 && dp_->layout.shard_group_size < dp_group_.size()) {
+          refuse(*dp_, "its weft_layout shards over groups of the dimension (shard_group_size)");
+        }
+        if (dp_->proc("weft_hooks") != nullptr) refuse(*dp_, "it provides weft_hooks");
       }
-      if (dp_->proc("weft_hooks") != nullptr) refuse("it provides weft_hooks");
+      if (cp_ != nullptr && dp_ != cp_ && cp_->proc("weft_place") != nullptr) refuse(*cp_, "it provides weft_place");
     }
+    if (cp_ != nullptr) register_attention_hooks();
     make_shard_groups();
+  }
+
+  // The context-parallel plugin's hooks, asked at creation (the plan, before the model is built, says
+  // which attention the model runs): one of "attention.exchange" (Ulysses: the model's all-to-alls
+  // around its core) and "attention.core" (the plugin computes the core, e.g. ring attention).
+  void register_attention_hooks() {
+    std::vector<std::string> published = {"train.begin", "step.end"};
+    published.insert(published.end(), attention_point_names().begin(), attention_point_names().end());
+    abi2_register_hooks(*cp_, published, hooks_);
+    const auto count = [&](const std::string& point) {
+      return std::count_if(hooks_.begin(), hooks_.end(), [&](const Abi2Hook& h) { return h.point == point; });
+    };
+    const auto exchanges = count("attention.exchange"), cores = count("attention.core");
+    const auto refuse = [&](const std::string& why) {
+      throw sdk::Error(WEFT_STATUS_BAD_CONFIG, fmt::format("{} splits sequences but {}", cp_->name(), why));
+    };
+    if (exchanges == 0 && cores == 0) {
+      refuse("hooks neither \"attention.exchange\" (Ulysses) nor \"attention.core\" (its own attention, e.g. ring): "
+             "the attention needs every token");
+    }
+    if (exchanges > 0 && cores > 0) refuse("hooks both \"attention.exchange\" and \"attention.core\" (one of them)");
+    if (cores > 1) refuse(fmt::format("has {} hooks at \"attention.core\", which one computes", cores));
+    plugin_attention_ = cores == 1;
+    if (!plugin_attention_ && cp_->layout.batch_split == WEFT_SPLIT_SEQUENCE_BALANCED) {
+      refuse("asks for the balanced split (WEFT_SPLIT_SEQUENCE_BALANCED) with Ulysses' \"attention.exchange\", which "
+             "moves contiguous shares: the balanced split needs its own attention (\"attention.core\")");
+    }
   }
 
   // The layout of `o`, which owns `dimension` here, checked against what this step runs.
@@ -382,27 +427,43 @@ class HostStep : public sdk::Strategy {
     }
   }
 
-  // The mesh dp x tp's slices of this rank (rank = dp coordinate x tp + tp coordinate). Collective:
-  // every rank makes every group, in the same order.
-  void make_mesh_slices(int32_t dp, int32_t tp) {
+  // The mesh dp x cp x tp's slices of this rank (rank = (dp coordinate x cp + cp coordinate) x tp + tp
+  // coordinate): the tp slice, the cp slice, and dp x cp flattened (where gradients are averaged and
+  // FLAT_SHARD placements shard). Collective: every rank makes every group, in the same order.
+  void make_mesh_slices(int32_t dp, int32_t cp, int32_t tp) {
     const sdk::Host h = host();
     const int32_t rank = h.world().rank();
-    if (dp * tp != h.world().size()) {
-      throw sdk::Error(WEFT_STATUS_INTERNAL, fmt::format("a mesh dp {} x tp {} over {} ranks", dp, tp, h.world().size()));
+    dp = std::max(dp, 1);
+    cp = std::max(cp, 1);
+    tp = std::max(tp, 1);
+    if (dp * cp * tp != h.world().size()) {
+      throw sdk::Error(WEFT_STATUS_INTERNAL,
+                       fmt::format("a mesh dp {} x cp {} x tp {} over {} ranks", dp, cp, tp, h.world().size()));
     }
+    const int32_t x = rank / tp, t = rank % tp;  // x = dp coordinate x cp + cp coordinate
+    for (int32_t y = 0; y < dp * cp; ++y) {
+      std::vector<int32_t> members;
+      for (int32_t u = 0; u < tp; ++u) members.push_back(y * tp + u);
+      sdk::Group made = h.create_group(members);
+      if (x == y) tp_group_ = made;
+    }
+    for (int32_t u = 0; u < tp; ++u) {
+      std::vector<int32_t> members;
+      for (int32_t y = 0; y < dp * cp; ++y) members.push_back(y * tp + u);
+      sdk::Group made = h.create_group(members);
+      if (t == u) dp_group_ = made;
+    }
+    if (cp == 1) return;
     for (int32_t d = 0; d < dp; ++d) {
-      std::vector<int32_t> members;
-      for (int32_t t = 0; t < tp; ++t) members.push_back(d * tp + t);
-      sdk::Group made = h.create_group(members);
-      if (rank / tp == d) tp_group_ = made;
-    }
-    for (int32_t t = 0; t < tp; ++t) {
-      std::vector<int32_t> members;
-      for (int32_t d = 0; d < dp; ++d) members.push_back(d * tp + t);
-      sdk::Group made = h.create_group(members);
-      if (rank % tp == t) dp_group_ = made;
+      for (int32_t u = 0; u < tp; ++u) {
+        std::vector<int32_t> members;
+        for (int32_t c = 0; c < cp; ++c) members.push_back((d * cp + c) * tp + u);
+        sdk::Group made = h.create_group(members);
+        if (x / cp == d && t == u) cp_group_ = made;
+      }
     }
   }
+  int32_t context_ranks() const { return cp_ != nullptr ? cp_group_.size() : 1; }
 
   // FLAT_SHARD placements shard over groups of weft_layout.shard_group_size consecutive ranks of the
   // dimension (0 or its size: the whole dimension), replicated across the groups. Collective.
@@ -447,9 +508,17 @@ class HostStep : public sdk::Strategy {
   }
 
   void plan(weft_model_plan& plan) override {
-    if (replicas() > 1 && dp_->layout.batch_split == WEFT_SPLIT_ROWS) {
-      plan.data_parallel_size = dp_group_.size();
-      plan.data_parallel_rank = dp_group_.rank();
+    if (replicas() > 1 && dp_->layout.batch_split == WEFT_SPLIT_ROWS) {  // dp x cp flattened: rank = d x cp + c
+      plan.data_parallel_size = dp_group_.size() / context_ranks();
+      plan.data_parallel_rank = dp_group_.rank() / context_ranks();
+    }
+    if (context_ranks() > 1) {  // each rank its share of every sequence of its rows
+      plan.sequence_parallel_size = cp_group_.size();
+      plan.sequence_parallel_rank = cp_group_.rank();
+      plan.sequence_parallel_layout =
+          cp_->layout.batch_split == WEFT_SPLIT_SEQUENCE_BALANCED ? WEFT_SEQUENCE_BALANCED : WEFT_SEQUENCE_CONTIGUOUS;
+      plan.sequence_parallel_attention =
+          plugin_attention_ ? WEFT_SEQUENCE_ATTENTION_PLUGIN : WEFT_SEQUENCE_ATTENTION_EXCHANGE;
     }
     if (tp_ != nullptr && tp_->layout.sequence_parallel != 0 && tp_group_.size() > 1) {  // Megatron's, inside the tp group
       plan.tensor_sequence_size = tp_group_.size();
@@ -463,6 +532,11 @@ class HostStep : public sdk::Strategy {
   // beside the stages gathered at once (the current and the prefetched one, and stage 0 through the
   // step with a tied embedding). The reducer's all-reduce buckets hold the gradients once more.
   void memory_plan(weft_memory_plan& plan) override {
+    // Context parallelism: each rank keeps its share of every sequence's activations (Ulysses: the core's
+    // share of the heads over the whole sequence is as large; the plugin's core: the host's estimate
+    // counts a blockwise core's output and log-sum-exp, not the probabilities). The plugin's own buffers
+    // (ring attention's key/value blocks) are not in the plan.
+    plan.activation_bytes /= context_ranks();
     if (replicas() <= 1) return;
     const sdk::Host h = host();
     const int64_t stages = h.model_num_stages() > 0 ? h.model_num_stages() : h.model_info().num_layers + 2;
@@ -551,11 +625,12 @@ class HostStep : public sdk::Strategy {
       if (dp_ == nullptr) continue;
       const weft_parameter_layout where = abi2_placement(*dp_, info);
       check_abi2_placement(dp_->name(), info, where);
-      if (companion_ && where.parameter.kind == WEFT_PLACE_LOCAL) {
+      if (owners_.size() > 1 && where.parameter.kind == WEFT_PLACE_LOCAL) {
         throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
-                         fmt::format("{} composed with tensor-parallel {}: it places {} LOCAL, which this host (ABI 2.{}) "
-                                     "does not execute in a composition yet",
-                                     dp_->name(), tp_->name(), info.name, WEFT_PLUGIN_ABI_MINOR));
+                         fmt::format("{} composed with {}: it places {} LOCAL, which this host (ABI 2.{}) does not "
+                                     "execute in a composition yet",
+                                     dp_->name(), tp_ != nullptr ? "tensor-parallel " + tp_->name() : "context-parallel " + cp_->name(),
+                                     info.name, WEFT_PLUGIN_ABI_MINOR));
       }
       if (where.optimizer_state.kind == WEFT_PLACE_FLAT_SHARD && info.trainable && replicas() > 1) {
         state_shards_.push_back(i);  // this rank's optimizer keeps its range of the parameter's state
@@ -606,8 +681,9 @@ class HostStep : public sdk::Strategy {
         stage_trainable_.at(static_cast<size_t>(info.stage)).push_back(i);
       }
     }
-    for (Owner* o : {main_.get(), companion_.get()}) {
-      if (o == nullptr || (context_ && o == dp_)) continue;  // context parallelism's: registered at creation
+    for (const auto& owner : owners_) {
+      Owner* o = owner.get();
+      if (o == cp_) continue;  // registered at creation
       std::vector<std::string> published = {"train.begin", "step.end"};  // the step's, and the model's to tp
       if (o == tp_) published.insert(published.end(), comm_point_names().begin(), comm_point_names().end());
       abi2_register_hooks(*o, published, hooks_);
@@ -839,6 +915,36 @@ class HostStep : public sdk::Strategy {
     run_hooks("step.end", step_ + 1);
   }
 
+  // Context parallelism's points: Ulysses' all-to-alls around the core, or the core in the plugin.
+  void sequence_exchange(int64_t layer, weft_direction direction, const DLTensor& send, DLTensor& recv) override {
+    run_model_hooks("attention.exchange", direction == WEFT_BACKWARD, layer, recv, &send);
+  }
+  void sequence_attention(const weft_attention_call& call) override {
+    weft_attention_core core{};
+    core.struct_size = sizeof core;
+    core.scale = call.scale;
+    core.q = call.q;
+    core.k = call.k;
+    core.v = call.v;
+    core.out = call.out;
+    core.lse = call.lse;
+    core.grad_out = call.grad_out;
+    core.grad_q = call.grad_q;
+    core.grad_k = call.grad_k;
+    core.grad_v = call.grad_v;
+    for (const Abi2Hook& hook : hooks_) {
+      if (hook.point != "attention.core") continue;
+      weft_hook_event event{};
+      event.struct_size = sizeof event;
+      event.point = hook.point.c_str();
+      event.step = step_;
+      event.backward = call.direction == WEFT_BACKWARD ? 1 : 0;
+      event.layer = call.layer;
+      event.attention = &core;
+      check(*hook.owner, hook.fn(hook.owner->instance, &event), "attention.core");
+    }
+  }
+
  private:
   void run_hooks(const char* point, int64_t step) {
     for (const Abi2Hook& hook : hooks_) {
@@ -857,7 +963,7 @@ class HostStep : public sdk::Strategy {
   void run_model_hooks(const std::string& point, bool backward, int64_t layer, DLTensor& tensor, const DLTensor* source) {
     abi2_run_model_hooks(hooks_, point, backward, layer, tensor, source, step_);
   }
-  std::string name() const { return main_->name(); }
+  std::string name() const { return owners_.front()->name(); }
   // The ranks whose gradients are averaged and losses combined: the rows' or the sequences' split.
   int32_t replicas() const {
     return dp_ != nullptr && dp_->layout.batch_split != WEFT_SPLIT_NONE ? dp_group_.size() : 1;
@@ -881,10 +987,11 @@ class HostStep : public sdk::Strategy {
 
   // The session's plugin, and the data-parallel one composed with a tensor-parallel one; which owns
   // which dimension, and this rank's slice of each (alone: the world).
-  std::unique_ptr<Owner> main_, companion_;
-  Owner* dp_ = nullptr;
+  std::vector<std::unique_ptr<Owner>> owners_;  // the session's plugin first
+  Owner* dp_ = nullptr;  // whose placements run over dp_group_ (composed without a data-parallel plugin: cp_)
+  Owner* cp_ = nullptr;
   Owner* tp_ = nullptr;
-  sdk::Group dp_group_, tp_group_;
+  sdk::Group dp_group_, cp_group_, tp_group_;  // dp_group_: dp x cp flattened (without cp: the dp slice)
   std::unique_ptr<GradientReducer> reducer_;  // data parallelism's (REPLICATE, FLAT_SHARD gradients)
   std::vector<int64_t> state_shards_;  // parameters whose optimizer state this rank holds a range of, ascending
   std::vector<int64_t> grad_shards_;   // of those, the ones whose gradient is reduce-scattered, ascending
@@ -906,7 +1013,7 @@ class HostStep : public sdk::Strategy {
   GradientReducer* armed_ = nullptr;  // the reducer whose buckets start during the last backward
   bool tp_first_ = false;  // the PARTIAL sums before data parallelism's reduce-scatter (else after its reduction)
   bool began_ = false;
-  bool context_ = false;  // the plugin owns the context-parallel dimension (dp_, over dp_group_: its sequence split)
+  bool plugin_attention_ = false;  // the context-parallel plugin computes the attention core ("attention.core")
   int64_t step_ = 0;  // the current step (weft_step_info.step)
 };
 
@@ -935,93 +1042,6 @@ class TensorStep : public HostStep {
                        DLTensor& output) override {
     run_model_hooks(comm_point_name(static_cast<CommPoint>(point)), direction == WEFT_BACKWARD, layer, output, &input);
   }
-};
-
-// A plugin that owns the context-parallel dimension: the host's step over its sequence split (every
-// rank the same rows, its share of each sequence; gradients averaged over the dimension as data
-// parallelism's), and the attention's points, one of which the plugin hooks: "attention.exchange"
-// (Ulysses: the model's all-to-alls around its core) or "attention.core" (ring attention: the plugin
-// computes the core). Its hooks are registered at creation: the plan, before the model is built,
-// says which attention the model runs.
-class ContextStep : public HostStep {
- public:
-  using HostStep::HostStep;
-
-  ContextStep(sdk::Host host, const Abi2Plugin& plugin) : HostStep(host, plugin) {
-    std::vector<std::string> published = {"train.begin", "step.end"};
-    published.insert(published.end(), attention_point_names().begin(), attention_point_names().end());
-    abi2_register_hooks(*dp_, published, hooks_);
-    const auto count = [&](const std::string& point) {
-      return std::count_if(hooks_.begin(), hooks_.end(), [&](const Abi2Hook& h) { return h.point == point; });
-    };
-    const auto exchanges = count("attention.exchange"), cores = count("attention.core");
-    const auto refuse = [&](const std::string& why) {
-      throw sdk::Error(WEFT_STATUS_BAD_CONFIG, fmt::format("{} splits sequences but {}", dp_->name(), why));
-    };
-    if (exchanges == 0 && cores == 0) {
-      refuse("hooks neither \"attention.exchange\" (Ulysses) nor \"attention.core\" (its own attention, e.g. ring): "
-             "the attention needs every token");
-    }
-    if (exchanges > 0 && cores > 0) refuse("hooks both \"attention.exchange\" and \"attention.core\" (one of them)");
-    if (cores > 1) refuse(fmt::format("has {} hooks at \"attention.core\", which one computes", cores));
-    ring_ = cores == 1;
-    if (!ring_ && dp_->layout.batch_split == WEFT_SPLIT_SEQUENCE_BALANCED) {
-      refuse("asks for the balanced split (WEFT_SPLIT_SEQUENCE_BALANCED) with Ulysses' \"attention.exchange\", which "
-             "moves contiguous shares: the balanced split needs its own attention (\"attention.core\")");
-    }
-  }
-
-  void plan(weft_model_plan& plan) override {
-    HostStep::plan(plan);
-    if (dp_group_.size() <= 1) return;
-    plan.sequence_parallel_size = dp_group_.size();
-    plan.sequence_parallel_rank = dp_group_.rank();
-    plan.sequence_parallel_layout =
-        dp_->layout.batch_split == WEFT_SPLIT_SEQUENCE_BALANCED ? WEFT_SEQUENCE_BALANCED : WEFT_SEQUENCE_CONTIGUOUS;
-    plan.sequence_parallel_attention = ring_ ? WEFT_SEQUENCE_ATTENTION_PLUGIN : WEFT_SEQUENCE_ATTENTION_EXCHANGE;
-  }
-
-  // Each rank keeps its share of every sequence's activations (Ulysses: the core's share of the
-  // heads over the whole sequence is as large; the plugin's core: the host's estimate counts a
-  // blockwise core's output and log-sum-exp, not the probabilities). The plugin's own buffers (ring
-  // attention's key/value blocks) are not in the plan.
-  void memory_plan(weft_memory_plan& plan) override {
-    HostStep::memory_plan(plan);
-    plan.activation_bytes /= std::max(1, dp_group_.size());
-  }
-
-  void sequence_exchange(int64_t layer, weft_direction direction, const DLTensor& send, DLTensor& recv) override {
-    run_model_hooks("attention.exchange", direction == WEFT_BACKWARD, layer, recv, &send);
-  }
-
-  void sequence_attention(const weft_attention_call& call) override {
-    weft_attention_core core{};
-    core.struct_size = sizeof core;
-    core.scale = call.scale;
-    core.q = call.q;
-    core.k = call.k;
-    core.v = call.v;
-    core.out = call.out;
-    core.lse = call.lse;
-    core.grad_out = call.grad_out;
-    core.grad_q = call.grad_q;
-    core.grad_k = call.grad_k;
-    core.grad_v = call.grad_v;
-    for (const Abi2Hook& hook : hooks_) {
-      if (hook.point != "attention.core") continue;
-      weft_hook_event event{};
-      event.struct_size = sizeof event;
-      event.point = hook.point.c_str();
-      event.step = step_;
-      event.backward = call.direction == WEFT_BACKWARD ? 1 : 0;
-      event.layer = call.layer;
-      event.attention = &core;
-      check(*hook.owner, hook.fn(hook.owner->instance, &event), "attention.core");
-    }
-  }
-
- private:
-  bool ring_ = false;  // the plugin computes the attention core
 };
 
 }  // namespace
@@ -1145,8 +1165,6 @@ weft_strategy_api abi2_session_table(const Abi2Plugin& plugin) {
   weft_strategy_api table =
       owns == (1u << WEFT_MESH_TP)
           ? sdk::detail::make_table<TensorStep>(plugin.table.name, plugin.table.version, plugin.table.description)
-      : owns == (1u << WEFT_MESH_CP)
-          ? sdk::detail::make_table<ContextStep>(plugin.table.name, plugin.table.version, plugin.table.description)
           : sdk::detail::make_table<HostStep>(plugin.table.name, plugin.table.version, plugin.table.description);
   table.mesh_dimensions = plugin.table.mesh_dimensions;
   return table;
@@ -1160,8 +1178,7 @@ weft_status* create_abi2_step(const Abi2Plugin& plugin, const weft_host_api* api
       created = create_abi2_pipeline_step(sdk::Host(api, host), plugin);
     } else if (plugin.table.mesh_dimensions == (1u << WEFT_MESH_TP)) {
       created = new TensorStep(sdk::Host(api, host), plugin);
-    } else if (plugin.table.mesh_dimensions == (1u << WEFT_MESH_CP)) {
-      created = new ContextStep(sdk::Host(api, host), plugin);
+
     } else {
       created = new HostStep(sdk::Host(api, host), plugin);
     }

@@ -551,7 +551,7 @@ class PipelineStep : public pipeline::PipelineStrategy {
     const PluginHost::State& state = *host.handle()->state;
     const bool composed = state.abi2_data_parallel != nullptr || state.abi2_tensor_parallel != nullptr;
     const int32_t mesh_pp = composed ? state.abi2_mesh[0] : 0;
-    const int32_t tp = composed ? std::max(1, state.abi2_mesh[2]) : 1;
+    const int32_t tp = composed ? std::max(1, state.abi2_mesh[3]) : 1;
     sdk::Group pp_slice = world, dp_slice, pipeline;
     if (mesh_pp != 0) {
       const int32_t dp = world.size() / (mesh_pp * tp), t = world.rank() % tp, x = world.rank() / tp;

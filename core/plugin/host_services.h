@@ -149,7 +149,9 @@ struct PluginHost::State {
   weft_host* abi2_data_parallel_settings = nullptr;
   const Abi2Plugin* abi2_tensor_parallel = nullptr;  // and the tensor-parallel one beside a pipeline
   weft_host* abi2_tensor_parallel_settings = nullptr;
-  std::array<int32_t, 3> abi2_mesh{};  // with them: the mesh's pp, dp and tp sizes
+  const Abi2Plugin* abi2_context_parallel = nullptr;  // and the context-parallel one beside tensor parallelism
+  weft_host* abi2_context_parallel_settings = nullptr;
+  std::array<int32_t, 4> abi2_mesh{};  // with them: the mesh's pp, dp, cp and tp sizes
   // The step skips the model's communication points (an ABI 2 pipeline without tensor parallelism):
   // the session installs no hook there, though its table has the slot.
   bool skips_model_points = false;

@@ -237,32 +237,38 @@ void StrategySession::compose(const std::vector<std::string>& names, const toml:
 void StrategySession::compose_abi2(const std::vector<std::shared_ptr<PluginLibrary>>& libraries,
                                    const toml::table& plugin_config, Communicator& communicator,
                                    std::array<int32_t, 4> requested) {
-  const uint32_t pp_bit = 1u << WEFT_MESH_PP, dp_bit = 1u << WEFT_MESH_DP, tp_bit = 1u << WEFT_MESH_TP;
+  const uint32_t pp_bit = 1u << WEFT_MESH_PP, dp_bit = 1u << WEFT_MESH_DP, tp_bit = 1u << WEFT_MESH_TP,
+                 cp_bit = 1u << WEFT_MESH_CP;
   std::vector<std::string> names;
   for (const auto& lib : libraries) names.push_back(lib->name());
-  int pp = -1, dp = -1, tp = -1;
+  int pp = -1, dp = -1, tp = -1, cp = -1;
   for (size_t i = 0; i < libraries.size(); ++i) {
     const uint32_t offered = libraries[i]->abi2()->table.mesh_dimensions;
-    WEFT_CHECK(offered != (1u << WEFT_MESH_CP),
-               "plugin {} (ABI 2) owns the context-parallel dimension, which this host (ABI 2.{}) runs alone, not "
-               "composed in train.plugin = \"{}\" yet", names[i], WEFT_PLUGIN_ABI_MINOR, fmt::join(names, ","));
-    WEFT_CHECK(offered == pp_bit || offered == dp_bit || offered == tp_bit,
+    WEFT_CHECK(offered == pp_bit || offered == dp_bit || offered == tp_bit || offered == cp_bit,
                "plugin {} (ABI 2) owns no mesh dimension, so it runs alone, not in train.plugin = \"{}\"",
                names[i], fmt::join(names, ","));
-    int& slot = offered == pp_bit ? pp : offered == dp_bit ? dp : tp;
+    int& slot = offered == pp_bit ? pp : offered == dp_bit ? dp : offered == tp_bit ? tp : cp;
     WEFT_CHECK(slot < 0, "plugins {} and {} both own the {} dimension", names[static_cast<size_t>(std::max(slot, 0))],
-               names[i], offered == pp_bit ? "pipeline" : offered == dp_bit ? "data-parallel" : "tensor-parallel");
+               names[i], offered == pp_bit ? "pipeline" : offered == dp_bit ? "data-parallel"
+                         : offered == tp_bit ? "tensor-parallel" : "context-parallel");
     slot = static_cast<int>(i);
   }
-  WEFT_CHECK((pp >= 0 && (dp >= 0 || tp >= 0)) || (tp >= 0 && dp >= 0),
+  WEFT_CHECK(cp < 0 || pp < 0,
+             "train.plugin = \"{}\": context-parallel {} with pipeline {} does not compose on this host (ABI 2.{}) yet "
+             "(context parallelism composes with data and tensor parallelism)",
+             fmt::join(names, ","), names[static_cast<size_t>(std::max(cp, 0))], names[static_cast<size_t>(std::max(pp, 0))],
+             WEFT_PLUGIN_ABI_MINOR);
+  WEFT_CHECK((pp >= 0 && (dp >= 0 || tp >= 0)) || (tp >= 0 && (dp >= 0 || cp >= 0)) || (cp >= 0 && dp >= 0),
              "train.plugin = \"{}\": ABI 2 plugins compose in this version as a pipeline one with a data-parallel "
-             "and/or a tensor-parallel one, or a tensor-parallel one with a data-parallel one (sdk/ABI2.md)",
+             "and/or a tensor-parallel one, or as any of a tensor-parallel, a context-parallel and a data-parallel "
+             "one (sdk/ABI2.md)",
              fmt::join(names, ","));
-  const int outer = pp >= 0 ? pp : tp;  // the plugin whose step runs; the others compose with it
+  const int outer = pp >= 0 ? pp : tp >= 0 ? tp : cp;  // the plugin whose step runs; the others compose with it
   std::array<bool, Mesh::kDims> owned{};
   owned[Mesh::kPP] = pp >= 0;
   owned[Mesh::kDP] = dp >= 0;
   owned[Mesh::kTP] = tp >= 0;
+  owned[Mesh::kCP] = cp >= 0;
   abi2_mesh_ = Mesh::resolve(requested, owned, communicator.world().size);
   for (int d : {Mesh::kPP, Mesh::kDP, Mesh::kCP, Mesh::kTP}) {
     if (owned[static_cast<size_t>(d)]) continue;
@@ -272,10 +278,12 @@ void StrategySession::compose_abi2(const std::vector<std::shared_ptr<PluginLibra
   Member step;
   step.library = libraries[static_cast<size_t>(outer)];
   step.host = std::make_unique<PluginHost>(step.library->name(), plugin_config, communicator);
-  step.dimension = pp >= 0 ? Mesh::kPP : Mesh::kTP;
+  step.dimension = pp >= 0 ? Mesh::kPP : tp >= 0 ? Mesh::kTP : Mesh::kCP;
   PluginHost::State& state = *step.host->handle()->state;
-  state.abi2_mesh = {abi2_mesh_->size(Mesh::kPP), abi2_mesh_->size(Mesh::kDP), abi2_mesh_->size(Mesh::kTP)};
-  for (const auto& [index, dimension] : {std::pair<int, int>{dp, Mesh::kDP}, {pp >= 0 ? tp : -1, Mesh::kTP}}) {
+  state.abi2_mesh = {abi2_mesh_->size(Mesh::kPP), abi2_mesh_->size(Mesh::kDP), abi2_mesh_->size(Mesh::kCP),
+                     abi2_mesh_->size(Mesh::kTP)};
+  for (const auto& [index, dimension] : {std::pair<int, int>{dp, Mesh::kDP}, {pp >= 0 ? tp : -1, Mesh::kTP},
+                                         {outer != cp ? cp : -1, Mesh::kCP}}) {
     if (index < 0) continue;
     Member companion;
     companion.library = libraries[static_cast<size_t>(index)];
@@ -284,6 +292,9 @@ void StrategySession::compose_abi2(const std::vector<std::shared_ptr<PluginLibra
     if (dimension == Mesh::kDP) {
       state.abi2_data_parallel = companion.library->abi2();
       state.abi2_data_parallel_settings = companion.host->handle();
+    } else if (dimension == Mesh::kCP) {
+      state.abi2_context_parallel = companion.library->abi2();
+      state.abi2_context_parallel_settings = companion.host->handle();
     } else {
       state.abi2_tensor_parallel = companion.library->abi2();
       state.abi2_tensor_parallel_settings = companion.host->handle();
@@ -296,9 +307,11 @@ void StrategySession::compose_abi2(const std::vector<std::shared_ptr<PluginLibra
     others += fmt::format("{}{}'s layout over {} {}", others.empty() ? "" : " and ", c.library->name(),
                           Mesh::name(c.dimension), abi2_mesh_->size(c.dimension));
   }
+  const int runs = pp >= 0 ? Mesh::kPP : tp >= 0 ? Mesh::kTP : Mesh::kCP;
   spdlog::info("device mesh {} ({} ranks): {} runs the step, its {} over {} {}, with {}", abi2_mesh_->describe(),
-               abi2_mesh_->world(), names[static_cast<size_t>(outer)], pp >= 0 ? "pipeline" : "slices",
-               pp >= 0 ? "pp" : "tp", abi2_mesh_->size(pp >= 0 ? Mesh::kPP : Mesh::kTP), others);
+               abi2_mesh_->world(), names[static_cast<size_t>(outer)],
+               pp >= 0 ? "pipeline" : tp >= 0 ? "slices" : "sequence split", Mesh::name(runs), abi2_mesh_->size(runs),
+               others);
 }
 
 StrategySession::~StrategySession() {

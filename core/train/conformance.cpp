@@ -341,6 +341,10 @@ std::vector<ConformanceCase> conformance_matrix() {
   both("zero_abi2,tensor_parallel_abi2", 4, {"mesh.tp=2", "mesh.dp=2", "plugin.stage=3"});  // FSDP x TP
   both("gpipe_abi2,tensor_parallel_abi2", 4, {"mesh.tp=2", "mesh.pp=2"});  // slices in each pipeline stage
   both("ddp_abi2,gpipe_abi2,tensor_parallel_abi2", 8, {"mesh.tp=2", "mesh.pp=2", "mesh.dp=2"});  // the 3-D mesh
+  // ABI 2 with context parallelism: context_parallel_abi2's sequence split over cp, with dp and tp.
+  both("context_parallel_abi2,ddp_abi2", 4, {"mesh.cp=2", "mesh.dp=2"});
+  both("tensor_parallel_abi2,context_parallel_abi2", 4,
+       {"mesh.cp=2", "mesh.tp=2", "plugin.context_parallel_abi2.mode=\"ring\""});
   both("tensor_parallel,zero", 4, {"mesh.tp=2", "plugin.stage=2"});
   both("tensor_parallel,gpipe,zero", 8, {"mesh.tp=2", "mesh.pp=2", "plugin.stage=1"});
   both("context_parallel,tensor_parallel", 4, {"mesh.cp=2", "mesh.tp=2"});

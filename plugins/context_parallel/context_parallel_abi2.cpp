@@ -15,8 +15,10 @@
 //    step, metrics.jsonl shows each rank's seconds in the blocks' arithmetic since the previous one
 //    (plugin.ring_attention_seconds_rank<i>, _max, _min).
 // Settings ([plugin]): mode = "ulysses" | "ring"; layout = "balanced" | "contiguous" (ring only);
-// bucket_mb (float, 25): the host's gradient all-reduce buckets. It owns the context-parallel dimension
-// and runs alone (the whole world is one sequence group).
+// bucket_mb (float, 25): the host's gradient all-reduce buckets. It owns the context-parallel dimension:
+// alone, the whole world is one sequence group; on a mesh it composes with a data-parallel plugin
+// (ddp_abi2, zero_abi2) and a tensor-parallel one (train.plugin = "context_parallel_abi2,ddp_abi2",
+// [mesh] cp, dp), its world then its cp slice.
 #include <chrono>
 #include <cstring>
 #include <exception>

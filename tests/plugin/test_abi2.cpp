@@ -213,8 +213,11 @@ TEST(Abi2, WhatThisHostDoesNotRunIsRefusedBeforeTheFirstStep) {
        "2 chunks per rank): choose a multiple of 6"},
       {"--plugin context_parallel_abi2 --nproc 3",
        "the model's 4 attention heads cannot be split over 3 sequence-parallel ranks (plugin context_parallel_abi2)"},
-      {"--plugin context_parallel_abi2,ddp_abi2 --nproc 4 --set mesh.cp=2 --set mesh.dp=2",
-       "plugin context_parallel_abi2 (ABI 2) owns the context-parallel dimension, which this host (ABI 2.4) runs alone"},
+      {"--plugin context_parallel_abi2,gpipe_abi2 --nproc 4 --set mesh.cp=2 --set mesh.pp=2",
+       "context-parallel context_parallel_abi2 with pipeline gpipe_abi2 does not compose on this host (ABI 2.4) yet"},
+      {"--plugin diloco,context_parallel_abi2 --nproc 4 --set mesh.cp=2 --set mesh.dp=2",
+       "diloco composed with context-parallel context_parallel_abi2: it provides weft_hooks, which this host (ABI 2.4) "
+       "does not execute in a composition yet"},
   };
   for (const Case& c : cases) {
     std::filesystem::remove_all(dir + "/out");
@@ -346,6 +349,64 @@ TEST(Abi2, ContextParallelAsASequenceSplitAndAHookTrainsAsContextParallelToTheBi
     const auto c = weft::testing::step_losses(out + "/metrics.jsonl");
     ASSERT_EQ(c.size(), 3u) << plugin;
     for (size_t i = 0; i < c.size(); ++i) EXPECT_EQ(c[i], f.losses["v2_ulysses"][i + 3]) << plugin << ": step " << i + 4;
+  }
+}
+
+// context_parallel_abi2 composes over the mesh with data and tensor parallelism, in the host's one step
+// (rank = (dp coordinate x cp + cp coordinate) x tp + tp coordinate), 2 micro-batches. Ring attention
+// over cp 2 x tp 2 with tensor_parallel_abi2 gives the 1.x composition's losses and gradient norms to
+// the bit; Ulysses over cp 2 x dp 2 with ddp_abi2 within 1e-7 (its gradients are averaged by one
+// all-reduce over dp x cp flattened, 1.x's by one over cp and one over dp: the same sums in another
+// order). zero_abi2's stage 3 beside cp shards over dp x cp flattened (the ranks splitting the same
+// rows' sequences hold parameter replicas: torchtitan's dp_shard_cp): ddp_abi2's losses within 1e-7
+// (a reduce-scatter's sums), a quarter of its parameters per rank, and a checkpoint that resumes to
+// the bit under stage 3 and within 1e-7 under ddp_abi2.
+TEST(Abi2, ContextParallelComposesWithDataAndTensorParallelismOverTheMesh) {
+  const std::string dir = weft::testing::fresh_dir("weft_test_abi2", "cp_mesh");
+  const std::string run = tiny_run("--set train.max_steps=6 --set eval.every_steps=0 --set checkpoint.every_steps=3 "
+                                   "--set train.grad_accum_steps=2 --nproc 4 --set mesh.cp=2");
+  const std::string ring1 = " --set plugin.context_parallel.mode=\"ring\"";
+  const std::string ring2 = " --set plugin.context_parallel_abi2.mode=\"ring\"";
+  const std::vector<std::pair<std::string, std::string>> variants{
+      {"v1_dp", " --plugin context_parallel,ddp --set mesh.dp=2"},
+      {"dp", " --plugin context_parallel_abi2,ddp_abi2 --set mesh.dp=2"},
+      {"v1_tp", " --plugin context_parallel,tensor_parallel --set mesh.tp=2" + ring1},
+      {"tp", " --plugin tensor_parallel_abi2,context_parallel_abi2 --set mesh.tp=2" + ring2},
+      {"zero3", " --plugin zero_abi2,context_parallel_abi2 --set mesh.dp=2 --set plugin.zero_abi2.stage=3"},
+  };
+  Figures f;
+  ASSERT_NO_FATAL_FAILURE(run_variants(dir, run, variants, f));
+  ASSERT_EQ(f.losses["v1_tp"].size(), 6u);
+  EXPECT_EQ(f.losses["tp"], f.losses["v1_tp"]);
+  EXPECT_EQ(f.norms["tp"], f.norms["v1_tp"]);
+  const auto close = [&](const std::string& a, const std::string& b) {
+    ASSERT_EQ(f.losses[a].size(), 6u) << a;
+    ASSERT_EQ(f.losses[b].size(), 6u) << b;
+    ASSERT_EQ(f.norms[a].size(), f.norms[b].size()) << a;
+    for (size_t i = 0; i < 6; ++i) {
+      EXPECT_NEAR(f.losses[a][i], f.losses[b][i], 1e-7 * f.losses[b][i]) << a << " vs " << b << ", step " << i + 1;
+      EXPECT_NEAR(f.norms[a][i], f.norms[b][i], 1e-7 * f.norms[b][i]) << a << " vs " << b << ", step " << i + 1;
+    }
+  };
+  close("dp", "v1_dp");
+  close("zero3", "dp");
+  const auto whole = weft::testing::state_mib_per_rank(dir + "/dp/metrics.jsonl", "parameters");
+  const auto range = weft::testing::state_mib_per_rank(dir + "/zero3/metrics.jsonl", "parameters");
+  ASSERT_EQ(whole.size(), 4u);
+  ASSERT_EQ(range.size(), 4u);
+  for (size_t r = 0; r < 4; ++r) EXPECT_NEAR(range[r], whole[r] / 4, 0.03 * whole[r]) << "rank " << r;
+  const std::string checkpoint = " --set checkpoint.resume=" + dir + "/zero3/checkpoints/step-00000003";
+  for (const auto& [label, settings] : {variants[4], variants[1]}) {
+    const std::string out = dir + "/resumed_" + label;
+    const auto resumed = weft::testing::run_trainer(run + settings + " --set train.out_dir=" + out + checkpoint);
+    ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+    const auto c = weft::testing::step_losses(out + "/metrics.jsonl");
+    ASSERT_EQ(c.size(), 3u) << label;
+    for (size_t i = 0; i < c.size(); ++i) {
+      const double expected = f.losses["zero3"][i + 3];
+      if (label == "zero3") EXPECT_EQ(c[i], expected) << label << ": step " << i + 4;
+      EXPECT_NEAR(c[i], expected, 1e-7 * expected) << label << ": step " << i + 4;
+    }
   }
 }
 

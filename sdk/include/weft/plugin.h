@@ -23,16 +23,18 @@
  *   or balanced chunks; every rank takes the same rows), and it hooks the attention: Ulysses moves
  *   q, k, v and the output with all-to-alls ("attention.exchange"), ring attention computes the
  *   attention core itself ("attention.core", with LibTorch and point-to-point transfers). Its
- *   REPLICATE gradients are averaged over the dimension, as data parallelism's. It runs alone (not
- *   composed yet).
- * Plugins of different dimensions compose on a device mesh pp x dp x tp (train.plugin =
- * "ddp_abi2,gpipe_abi2,tensor_parallel_abi2", [mesh] pp, dp, tp; rank = (pp coordinate x dp + dp
- * coordinate) x tp + tp coordinate; any two of them, or all three), each plugin's "weft_world" its own
- * mesh slice: the pipeline plugin's schedule runs over pp (without one, the host's one step); the
+ *   REPLICATE gradients are averaged over the dimension, as data parallelism's.
+ * Plugins of different dimensions compose on a device mesh pp x dp x cp x tp (train.plugin =
+ * "ddp_abi2,gpipe_abi2,tensor_parallel_abi2", [mesh] pp, dp, cp, tp; rank = ((pp coordinate x dp + dp
+ * coordinate) x cp + cp coordinate) x tp + tp coordinate), each plugin's "weft_world" its own mesh
+ * slice: the pipeline plugin's schedule runs over pp (without one, the host's one step); the
  * data-parallel plugin's layout over dp (a reduction per chunk after its last backward; for FLAT_SHARD
  * parameters a gather before its first compute and a release after the reduction), its hooks refused
  * there; the tensor-parallel plugin's slices and hooks inside each stage (2.3; a slice FLAT_SHARD over
- * dp is FSDP x TP). A plugin may compute with LibTorch if it says which it was built against
+ * dp is FSDP x TP); the context-parallel plugin's sequence split and attention hook beside dp and tp
+ * (2.4; not with a pipeline yet), where the data-parallel plugin's dimension and placements span
+ * dp x cp (the ranks that split the same rows' sequences hold replicas of the parameters). Any two of
+ * pp, dp and tp compose, or all three; cp with dp and/or tp. A plugin may compute with LibTorch if it says which it was built against
  * ("weft_torch_build"). Other placements, points and compositions are the next landings; this host
  * refuses a plugin that asks for them, in one line, at load, at create or (a placement, a point)
  * before the first step.

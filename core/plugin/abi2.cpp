@@ -354,35 +354,8 @@ class HostStep : public sdk::Strategy {
       }
       if (cp_ != nullptr && dp_ != cp_ && cp_->proc("weft_place") != nullptr) refuse(*cp_, "it provides weft_place");
     }
-    if (cp_ != nullptr) register_attention_hooks();
+    if (cp_ != nullptr) sequences_ = std::make_unique<SequenceSplit>(*cp_, cp_group_, hooks_);
     make_shard_groups();
-  }
-
-  // The context-parallel plugin's hooks, asked at creation (the plan, before the model is built, says
-  // which attention the model runs): one of "attention.exchange" (Ulysses: the model's all-to-alls
-  // around its core) and "attention.core" (the plugin computes the core, e.g. ring attention).
-  void register_attention_hooks() {
-    std::vector<std::string> published = {"train.begin", "step.end"};
-    published.insert(published.end(), attention_point_names().begin(), attention_point_names().end());
-    abi2_register_hooks(*cp_, published, hooks_);
-    const auto count = [&](const std::string& point) {
-      return std::count_if(hooks_.begin(), hooks_.end(), [&](const Abi2Hook& h) { return h.point == point; });
-    };
-    const auto exchanges = count("attention.exchange"), cores = count("attention.core");
-    const auto refuse = [&](const std::string& why) {
-      throw sdk::Error(WEFT_STATUS_BAD_CONFIG, fmt::format("{} splits sequences but {}", cp_->name(), why));
-    };
-    if (exchanges == 0 && cores == 0) {
-      refuse("hooks neither \"attention.exchange\" (Ulysses) nor \"attention.core\" (its own attention, e.g. ring): "
-             "the attention needs every token");
-    }
-    if (exchanges > 0 && cores > 0) refuse("hooks both \"attention.exchange\" and \"attention.core\" (one of them)");
-    if (cores > 1) refuse(fmt::format("has {} hooks at \"attention.core\", which one computes", cores));
-    plugin_attention_ = cores == 1;
-    if (!plugin_attention_ && cp_->layout.batch_split == WEFT_SPLIT_SEQUENCE_BALANCED) {
-      refuse("asks for the balanced split (WEFT_SPLIT_SEQUENCE_BALANCED) with Ulysses' \"attention.exchange\", which "
-             "moves contiguous shares: the balanced split needs its own attention (\"attention.core\")");
-    }
   }
 
   // The layout of `o`, which owns `dimension` here, checked against what this step runs.
@@ -512,14 +485,7 @@ class HostStep : public sdk::Strategy {
       plan.data_parallel_size = dp_group_.size() / context_ranks();
       plan.data_parallel_rank = dp_group_.rank() / context_ranks();
     }
-    if (context_ranks() > 1) {  // each rank its share of every sequence of its rows
-      plan.sequence_parallel_size = cp_group_.size();
-      plan.sequence_parallel_rank = cp_group_.rank();
-      plan.sequence_parallel_layout =
-          cp_->layout.batch_split == WEFT_SPLIT_SEQUENCE_BALANCED ? WEFT_SEQUENCE_BALANCED : WEFT_SEQUENCE_CONTIGUOUS;
-      plan.sequence_parallel_attention =
-          plugin_attention_ ? WEFT_SEQUENCE_ATTENTION_PLUGIN : WEFT_SEQUENCE_ATTENTION_EXCHANGE;
-    }
+    if (sequences_) sequences_->plan(plan);  // each rank its share of every sequence of its rows
     if (tp_ != nullptr && tp_->layout.sequence_parallel != 0 && tp_group_.size() > 1) {  // Megatron's, inside the tp group
       plan.tensor_sequence_size = tp_group_.size();
       plan.tensor_sequence_rank = tp_group_.rank();
@@ -917,45 +883,12 @@ class HostStep : public sdk::Strategy {
 
   // Context parallelism's points: Ulysses' all-to-alls around the core, or the core in the plugin.
   void sequence_exchange(int64_t layer, weft_direction direction, const DLTensor& send, DLTensor& recv) override {
-    run_model_hooks("attention.exchange", direction == WEFT_BACKWARD, layer, recv, &send);
+    sequences_->exchange(step_, layer, direction, send, recv);
   }
-  void sequence_attention(const weft_attention_call& call) override {
-    weft_attention_core core{};
-    core.struct_size = sizeof core;
-    core.scale = call.scale;
-    core.q = call.q;
-    core.k = call.k;
-    core.v = call.v;
-    core.out = call.out;
-    core.lse = call.lse;
-    core.grad_out = call.grad_out;
-    core.grad_q = call.grad_q;
-    core.grad_k = call.grad_k;
-    core.grad_v = call.grad_v;
-    for (const Abi2Hook& hook : hooks_) {
-      if (hook.point != "attention.core") continue;
-      weft_hook_event event{};
-      event.struct_size = sizeof event;
-      event.point = hook.point.c_str();
-      event.step = step_;
-      event.backward = call.direction == WEFT_BACKWARD ? 1 : 0;
-      event.layer = call.layer;
-      event.attention = &core;
-      check(*hook.owner, hook.fn(hook.owner->instance, &event), "attention.core");
-    }
-  }
+  void sequence_attention(const weft_attention_call& call) override { sequences_->attention(step_, call); }
 
  private:
-  void run_hooks(const char* point, int64_t step) {
-    for (const Abi2Hook& hook : hooks_) {
-      if (hook.point != point) continue;
-      weft_hook_event event{};
-      event.struct_size = sizeof event;
-      event.point = hook.point.c_str();
-      event.step = step;
-      check(*hook.owner, hook.fn(hook.owner->instance, &event), point);
-    }
-  }
+  void run_hooks(const char* point, int64_t step) { abi2_run_step_hooks(hooks_, point, step); }
 
  protected:
   // At the model's point `point` (the tensor-parallel dimension's hooks): `tensor` combined in place,
@@ -1013,7 +946,7 @@ class HostStep : public sdk::Strategy {
   GradientReducer* armed_ = nullptr;  // the reducer whose buckets start during the last backward
   bool tp_first_ = false;  // the PARTIAL sums before data parallelism's reduce-scatter (else after its reduction)
   bool began_ = false;
-  bool plugin_attention_ = false;  // the context-parallel plugin computes the attention core ("attention.core")
+  std::unique_ptr<SequenceSplit> sequences_;  // the context-parallel dimension's split and attention hooks
   int64_t step_ = 0;  // the current step (weft_step_info.step)
 };
 

@@ -133,10 +133,11 @@ class PipelineStep : public pipeline::PipelineStrategy {
   static PipelineStep* create(sdk::Host host, const Abi2Plugin& plugin) {
     auto opened = std::make_unique<PipelinePlugin>(host, plugin);
     std::unique_ptr<Companion> companion;
-    std::unique_ptr<Abi2Instance> tensor;
-    sdk::Group tp_slice;
-    Options options = open(host, *opened, companion, tensor, tp_slice);
-    return new PipelineStep(host, std::move(opened), std::move(companion), std::move(tensor), tp_slice, std::move(options));
+    std::unique_ptr<Abi2Instance> tensor, context;
+    sdk::Group tp_slice, cp_slice;
+    Options options = open(host, *opened, companion, tensor, tp_slice, context, cp_slice);
+    return new PipelineStep(host, std::move(opened), std::move(companion), std::move(tensor), tp_slice, std::move(context),
+                            cp_slice, std::move(options));
   }
 
   // A tensor-parallel plugin composed with the pipeline: what the model holds of each weight.
@@ -155,13 +156,25 @@ class PipelineStep : public pipeline::PipelineStrategy {
     abi2_run_model_hooks(hooks_, comm_point_name(static_cast<CommPoint>(point)), direction == WEFT_BACKWARD, layer, output,
                          &input, 0);
   }
+  // A context-parallel plugin composed with the pipeline: its attention hook in every stage.
+  void sequence_exchange(int64_t layer, weft_direction direction, const DLTensor& send, DLTensor& recv) override {
+    sequences_->exchange(step_, layer, direction, send, recv);
+  }
+  void sequence_attention(const weft_attention_call& call) override { sequences_->attention(step_, call); }
+
   void plan(weft_model_plan& plan) override {
     PipelineStrategy::plan(plan);
     if (tensor_ && tensor_->layout.sequence_parallel != 0 && tp_slice_.size() > 1) {  // Megatron's, in the tp slice
       plan.tensor_sequence_size = tp_slice_.size();
       plan.tensor_sequence_rank = tp_slice_.rank();
     }
+    if (sequences_) sequences_->plan(plan);  // each rank its share of every sequence, in every stage
   }
+
+  // The ranks whose gradients are averaged: the pipeline's replicas over dp, and with a context-parallel
+  // plugin dp x cp flattened (Options::replica_group); this rank's place among them.
+  int32_t replicas() const { return replica_group().get() != nullptr ? replica_group().size() : placement().replicas; }
+  int32_t replica() const { return replica_group().get() != nullptr ? replica_group().rank() : placement().replica; }
 
   ~PipelineStep() override {
     reducer_.reset();
@@ -186,7 +199,7 @@ class PipelineStep : public pipeline::PipelineStrategy {
       abi2_check_sequence_hooks(*tensor_, hooks_, tp_slice_.size());
       slices_->make_reducers(tensor_->layout.reduce_bucket_bytes);
     }
-    if (placement().replicas <= 1) return;
+    if (replicas() <= 1) return;
     const sdk::Host h = host();
     const std::string dp_name = companion_ ? companion_->name() : plugin_name(*opened_);
     const auto place =
@@ -294,7 +307,7 @@ class PipelineStep : public pipeline::PipelineStrategy {
     if (!parameter && !std::binary_search(state_shards_.begin(), state_shards_.end(), index)) {
       return weft_flat_shard{0, elements, 0u, 0u};
     }
-    return flat_range(elements, placement().replicas, placement().replica, parameter);
+    return flat_range(elements, replicas(), replica(), parameter);
   }
 
   // The pipeline's plan (PipelineStrategy::memory_plan), with the data-parallel plugin's FLAT_SHARD
@@ -303,12 +316,16 @@ class PipelineStep : public pipeline::PipelineStrategy {
   // its RELEASE (all of this rank's at the step's peak).
   void memory_plan(weft_memory_plan& plan) override {
     PipelineStrategy::memory_plan(plan);  // the replicas' buckets included
-    if (!companion_ || placement().replicas <= 1) return;
+    if (sequences_) {  // each rank's share of every sequence (the plugin's own buffers aside)
+      plan.activation_bytes /= sequences_->ranks();
+      if (placement().replicas <= 1 && replicas() > 1) plan.buffer_bytes += plan.gradient_bytes;  // cp's buckets
+    }
+    if (!companion_ || replicas() <= 1) return;
     std::vector<std::pair<int64_t, int64_t>> ranges(placement().chunk_stages.begin(), placement().chunk_stages.end());
     const Abi2ShardShares shares =
         abi2_shard_shares(host(), companion_->name(), reinterpret_cast<weft_place_fn>(companion_->proc("weft_place")),
                           companion_->instance, ranges);
-    const double n = placement().replicas;
+    const double n = replicas();
     const auto range = [n](int64_t bytes, double share) {
       return static_cast<int64_t>(static_cast<double>(bytes) * share / n);
     };
@@ -324,6 +341,11 @@ class PipelineStep : public pipeline::PipelineStrategy {
   }
 
   double train_step(const weft_step_info& step) override {
+    if (!began_) {  // the context-parallel plugin's step hooks (the others register none beside a pipeline)
+      began_ = true;
+      abi2_run_step_hooks(hooks_, "train.begin", step.step);
+    }
+    step_ = step.step;
     try {
       if (gatherer_ && !resting_) {  // whole since the last materialisation (a save)
         gatherer_->release_all();
@@ -367,6 +389,7 @@ class PipelineStep : public pipeline::PipelineStrategy {
   // The optimizer state FLAT_SHARD, the parameter whole: each rank's updated range into every replica.
   void after_optimizer_step() override {
     if (state_gatherer_) state_gatherer_->refresh_all();
+    abi2_run_step_hooks(hooks_, "step.end", step_ + 1);
   }
 
   // Sharded, the host's norm covers this rank's ranges: the stage's replicas together cover each
@@ -375,12 +398,13 @@ class PipelineStep : public pipeline::PipelineStrategy {
     if (slices_) {  // each slice and range once over the world; the replicas' whole gradients over dp
       const auto [ranges, whole] = slices_->norm_shares(state_shards_, placement().is_first() ? -1 : tied_parameter());
       const std::vector<double> sums = sum_over(host().world(), {ranges, whole});
-      return sums[0] + sums[1] / placement().replicas;
+      return sums[0] + sums[1] / replicas();
     }
     if (state_shards_.empty()) return PipelineStrategy::global_grad_norm_sq(local_sq);
     double copy = 0.0;
     if (tied_parameter() >= 0 && !placement().is_first()) copy = host().squared_norm(host().parameter_grad_shard(tied_parameter()));
-    return sum_over(world(), {local_sq - copy})[0];
+    // The ranges cover each element once over the pipeline's ranks, and with cp over theirs too (the world).
+    return sum_over(sequences_ ? host().world() : world(), {local_sq - copy})[0];
   }
 
  protected:
@@ -396,7 +420,7 @@ class PipelineStep : public pipeline::PipelineStrategy {
     return bubbles_[micro_batches] = pipeline::verify(step_schedule(micro_batches)).bubble;
   }
 
-  bool reduces_in_schedule() const override { return placement().replicas > 1; }
+  bool reduces_in_schedule() const override { return replicas() > 1; }
   bool gathers_in_schedule() const override { return gatherer_ != nullptr; }
 
   pipeline::Executor::ChunkHooks chunk_hooks() override {
@@ -465,18 +489,49 @@ class PipelineStep : public pipeline::PipelineStrategy {
   // The optimizer state FLAT_SHARD, the gradient whole: this rank's range of each averaged gradient
   // into the parameter's gradient shard, which the host's optimizer reads.
   void shard_gradients() const {
-    copy_gradient_ranges(host(), state_shards_, grad_shards_, placement().replicas, placement().replica);
+    copy_gradient_ranges(host(), state_shards_, grad_shards_, replicas(), replica());
   }
 
 
  private:
   PipelineStep(sdk::Host host, std::unique_ptr<PipelinePlugin> opened, std::unique_ptr<Companion> companion,
-               std::unique_ptr<Abi2Instance> tensor, sdk::Group tp_slice, Options options)
+               std::unique_ptr<Abi2Instance> tensor, sdk::Group tp_slice, std::unique_ptr<Abi2Instance> context,
+               sdk::Group cp_slice, Options options)
       : PipelineStrategy(host, opened->plugin.table.name, std::move(options)), opened_(std::move(opened)),
         companion_(std::move(companion)), tensor_(std::move(tensor)), tp_slice_(tp_slice),
-        bucket_bytes_(kAbi2DefaultBucketBytes) {
+        context_(std::move(context)), cp_slice_(cp_slice), bucket_bytes_(kAbi2DefaultBucketBytes) {
     if (tensor_) slices_ = std::make_unique<TensorSlices>(host, *tensor_, tp_slice_);
+    if (context_) sequences_ = std::make_unique<SequenceSplit>(*context_, cp_slice_, hooks_);
     host.handle()->state->skips_model_points = tensor_ == nullptr;
+  }
+
+  // The context-parallel plugin composed with this one: its instance over this rank's cp slice and its
+  // layout (a split of the sequences), its hooks asked at once (SequenceSplit).
+  static std::unique_ptr<Abi2Instance> open_context(sdk::Host host, const PipelinePlugin& o, sdk::Group cp) {
+    const PluginHost::State& state = *host.handle()->state;
+    auto c = std::make_unique<Abi2Instance>(host, *state.abi2_context_parallel, cp.get(), state.abi2_context_parallel_settings);
+    check_status(host, c->name(), c->plugin.table.create(&c->services, &c->instance), "create");
+    c->layout.struct_size = sizeof c->layout;
+    c->layout.dimension = WEFT_MESH_CP;
+    c->layout.batch_split = WEFT_SPLIT_NONE;
+    c->layout.reduce_bucket_bytes = kAbi2DefaultBucketBytes;
+    if (auto fn = reinterpret_cast<weft_layout_fn>(c->proc("weft_layout"))) {
+      check_status(host, c->name(), fn(c->instance, &c->layout), "weft_layout");
+    }
+    const auto refuse = [&](const std::string& problem) {
+      throw sdk::Error(WEFT_STATUS_UNSUPPORTED, fmt::format("{} composed with pipeline {}: {}", c->name(), plugin_name(o), problem));
+    };
+    if (c->layout.batch_split != WEFT_SPLIT_SEQUENCE && c->layout.batch_split != WEFT_SPLIT_SEQUENCE_BALANCED) {
+      refuse("it owns the context-parallel dimension, but its weft_layout does not split sequences");
+    }
+    for (const char* later : {"weft_schedule", "weft_place"}) {
+      if (c->proc(later) != nullptr) {
+        refuse(fmt::format("it provides {}, which this host (ABI 2.{}) does not execute for a context-parallel plugin "
+                           "beside a pipeline",
+                           later, WEFT_PLUGIN_ABI_MINOR));
+      }
+    }
+    return c;
   }
 
   // The tensor-parallel plugin composed with this one: its instance over this rank's tp slice and its
@@ -542,48 +597,66 @@ class PipelineStep : public pipeline::PipelineStrategy {
   // Creates the plugin's instance and reads its layout; composed, makes the dp slices' groups
   // (collective) and opens the data-parallel plugin over them.
   static Options open(sdk::Host host, PipelinePlugin& o, std::unique_ptr<Companion>& companion,
-                      std::unique_ptr<Abi2Instance>& tensor, sdk::Group& tp_slice) {
+                      std::unique_ptr<Abi2Instance>& tensor, sdk::Group& tp_slice, std::unique_ptr<Abi2Instance>& context,
+                      sdk::Group& cp_slice) {
     const sdk::Group world = host.world();
-    // Composed on a mesh pp x dp x tp (rank = (p x dp + d) x tp + t), the plugin's dimension is this
-    // rank's pp slice, the pipeline runs over the ranks of this rank's t (x = p x dp + d), and each tp
-    // slice holds one pipeline rank's slices. Every rank makes every group, in the same order
-    // (collective).
+    // Composed on a mesh pp x dp x cp x tp (rank = ((p x dp + d) x cp + c) x tp + t), the plugin's
+    // dimension is this rank's pp slice; the pipeline runs over the ranks x = p x dp + d of this rank's
+    // inner coordinate i = c x tp + t (a copy of the pipeline per i); each tp slice holds one pipeline
+    // rank's slices and each cp slice its share of the sequences; the replicas that average gradients
+    // (and hold FLAT_SHARD ranges) are dp x cp flattened. Every rank makes every group, in the same
+    // order (collective).
     const PluginHost::State& state = *host.handle()->state;
-    const bool composed = state.abi2_data_parallel != nullptr || state.abi2_tensor_parallel != nullptr;
+    const bool composed = state.abi2_data_parallel != nullptr || state.abi2_tensor_parallel != nullptr ||
+                          state.abi2_context_parallel != nullptr;
     const int32_t mesh_pp = composed ? state.abi2_mesh[0] : 0;
+    const int32_t cp = composed ? std::max(1, state.abi2_mesh[2]) : 1;
     const int32_t tp = composed ? std::max(1, state.abi2_mesh[3]) : 1;
+    const int32_t inner = cp * tp;
     sdk::Group pp_slice = world, dp_slice, pipeline;
     if (mesh_pp != 0) {
-      const int32_t dp = world.size() / (mesh_pp * tp), t = world.rank() % tp, x = world.rank() / tp;
-      const auto group = [&](const std::vector<int32_t>& ranks, int32_t inner, bool mine) {
-        std::vector<int32_t> world_ranks;
-        for (int32_t r : ranks) world_ranks.push_back(r * tp + inner);
-        sdk::Group g = host.create_group(world_ranks);
-        return mine && inner == t ? g : sdk::Group();
+      const int32_t dp = world.size() / (mesh_pp * inner), x = world.rank() / inner, i = world.rank() % inner;
+      const int32_t p_me = x / dp, d_me = x % dp, c_me = i / tp, t_me = i % tp;
+      const auto rank_of = [&](int32_t p, int32_t d, int32_t c, int32_t t) { return ((p * dp + d) * cp + c) * tp + t; };
+      const auto make = [&](const std::vector<int32_t>& ranks, bool mine, sdk::Group& out) {
+        sdk::Group g = host.create_group(ranks);
+        if (mine) out = g;
       };
-      for (int32_t inner = 0; inner < tp; ++inner) {
-        for (int32_t p = 0; p < mesh_pp; ++p) {
+      for (int32_t t = 0; t < tp; ++t) {
+        for (int32_t p = 0; p < mesh_pp; ++p) {  // the replicas: dp x cp
           std::vector<int32_t> ranks;
-          for (int32_t r = 0; r < dp; ++r) ranks.push_back(p * dp + r);
-          if (sdk::Group g = group(ranks, inner, x / dp == p); g.get() != nullptr) dp_slice = g;
+          for (int32_t d = 0; d < dp; ++d) {
+            for (int32_t c = 0; c < cp; ++c) ranks.push_back(rank_of(p, d, c, t));
+          }
+          make(ranks, p == p_me && t == t_me, dp_slice);
         }
-        for (int32_t r = 0; r < dp; ++r) {
-          std::vector<int32_t> ranks;
-          for (int32_t p = 0; p < mesh_pp; ++p) ranks.push_back(p * dp + r);
-          if (sdk::Group g = group(ranks, inner, x % dp == r); g.get() != nullptr) pp_slice = g;
+        for (int32_t c = 0; c < cp; ++c) {
+          for (int32_t d = 0; d < dp; ++d) {  // the pipeline plugin's dimension: pp
+            std::vector<int32_t> ranks;
+            for (int32_t p = 0; p < mesh_pp; ++p) ranks.push_back(rank_of(p, d, c, t));
+            make(ranks, d == d_me && c == c_me && t == t_me, pp_slice);
+          }
         }
       }
-      if (tp > 1) {
-        for (int32_t inner = 0; inner < tp; ++inner) {
+      if (inner > 1) {
+        for (int32_t j = 0; j < inner; ++j) {  // each copy of the pipeline: world rank = x x inner + j
           std::vector<int32_t> ranks;
-          for (int32_t r = 0; r < mesh_pp * dp; ++r) ranks.push_back(r);
-          if (sdk::Group g = group(ranks, inner, true); g.get() != nullptr) pipeline = g;
+          for (int32_t y = 0; y < mesh_pp * dp; ++y) ranks.push_back(y * inner + j);
+          make(ranks, j == i, pipeline);
         }
-        for (int32_t r = 0; r < mesh_pp * dp; ++r) {
+      }
+      for (int32_t y = 0; y < mesh_pp * dp && tp > 1; ++y) {
+        for (int32_t c = 0; c < cp; ++c) {
           std::vector<int32_t> ranks;
-          for (int32_t inner = 0; inner < tp; ++inner) ranks.push_back(r * tp + inner);
-          sdk::Group g = host.create_group(ranks);
-          if (r == x) tp_slice = g;
+          for (int32_t t = 0; t < tp; ++t) ranks.push_back((y * cp + c) * tp + t);
+          make(ranks, y == x && c == c_me, tp_slice);
+        }
+      }
+      for (int32_t y = 0; y < mesh_pp * dp && cp > 1; ++y) {
+        for (int32_t t = 0; t < tp; ++t) {
+          std::vector<int32_t> ranks;
+          for (int32_t c = 0; c < cp; ++c) ranks.push_back((y * cp + c) * tp + t);
+          make(ranks, y == x && t == t_me, cp_slice);
         }
       }
     }
@@ -667,12 +740,14 @@ class PipelineStep : public pipeline::PipelineStrategy {
     if (mesh_pp != 0) {
       options.stage_major = true;
       options.replica_group = dp_slice;
-      if (tp > 1) {
+      if (inner > 1) {
         options.group = pipeline;
-        options.inner = tp;
+        options.inner = inner;
       }
+      options.sequence_group = cp_slice;
       if (state.abi2_data_parallel != nullptr) companion = open_companion(host, o, dp_slice);
       if (state.abi2_tensor_parallel != nullptr) tensor = open_tensor(host, o, tp_slice);
+      if (state.abi2_context_parallel != nullptr) context = open_context(host, o, cp_slice);
     }
     return options;
   }
@@ -681,6 +756,11 @@ class PipelineStep : public pipeline::PipelineStrategy {
   std::unique_ptr<Companion> companion_;
   std::unique_ptr<Abi2Instance> tensor_;  // the tensor-parallel plugin composed on the mesh, over tp_slice_
   sdk::Group tp_slice_;
+  std::unique_ptr<Abi2Instance> context_;  // the context-parallel plugin composed on the mesh, over cp_slice_
+  sdk::Group cp_slice_;
+  std::unique_ptr<SequenceSplit> sequences_;  // its split and attention hook
+  bool began_ = false;
+  int64_t step_ = 0;  // the current step (weft_step_info.step)
   std::unique_ptr<TensorSlices> slices_;
   std::vector<Abi2Hook> hooks_;  // its hooks at the model's points
   bool tp_first_ = false;  // its PARTIAL sums at each chunk's REDUCE, before the dp reduce-scatter

@@ -50,6 +50,17 @@ void abi2_register_hooks(Abi2Instance& o, const std::vector<std::string>& publis
   }
 }
 
+void abi2_run_step_hooks(const std::vector<Abi2Hook>& hooks, const char* point, int64_t step) {
+  for (const Abi2Hook& hook : hooks) {
+    if (hook.point != point) continue;
+    weft_hook_event event{};
+    event.struct_size = sizeof event;
+    event.point = hook.point.c_str();
+    event.step = step;
+    abi2_check(*hook.owner, hook.fn(hook.owner->instance, &event), point);
+  }
+}
+
 void abi2_run_model_hooks(const std::vector<Abi2Hook>& hooks, const std::string& point, bool backward, int64_t layer,
                           DLTensor& tensor, const DLTensor* source, int64_t step) {
   for (const Abi2Hook& hook : hooks) {
@@ -63,6 +74,71 @@ void abi2_run_model_hooks(const std::vector<Abi2Hook>& hooks, const std::string&
     event.tensor = &tensor;
     event.source = source;
     abi2_check(*hook.owner, hook.fn(hook.owner->instance, &event), hook.point.c_str());
+  }
+}
+
+SequenceSplit::SequenceSplit(Abi2Instance& cp, sdk::Group group, std::vector<Abi2Hook>& hooks)
+    : cp_(cp), group_(group), hooks_(hooks) {
+  std::vector<std::string> published = {"train.begin", "step.end"};
+  published.insert(published.end(), attention_point_names().begin(), attention_point_names().end());
+  abi2_register_hooks(cp, published, hooks);
+  const auto count = [&](const std::string& point) {
+    return std::count_if(hooks.begin(), hooks.end(), [&](const Abi2Hook& h) { return h.owner == &cp && h.point == point; });
+  };
+  const auto exchanges = count("attention.exchange"), cores = count("attention.core");
+  const auto refuse = [&](const std::string& why) {
+    throw sdk::Error(WEFT_STATUS_BAD_CONFIG, fmt::format("{} splits sequences but {}", cp.name(), why));
+  };
+  if (exchanges == 0 && cores == 0) {
+    refuse("hooks neither \"attention.exchange\" (Ulysses) nor \"attention.core\" (its own attention, e.g. ring): "
+           "the attention needs every token");
+  }
+  if (exchanges > 0 && cores > 0) refuse("hooks both \"attention.exchange\" and \"attention.core\" (one of them)");
+  if (cores > 1) refuse(fmt::format("has {} hooks at \"attention.core\", which one computes", cores));
+  plugin_attention_ = cores == 1;
+  if (!plugin_attention_ && cp.layout.batch_split == WEFT_SPLIT_SEQUENCE_BALANCED) {
+    refuse("asks for the balanced split (WEFT_SPLIT_SEQUENCE_BALANCED) with Ulysses' \"attention.exchange\", which "
+           "moves contiguous shares: the balanced split needs its own attention (\"attention.core\")");
+  }
+}
+
+void SequenceSplit::plan(weft_model_plan& plan) const {
+  if (group_.size() <= 1) return;
+  plan.sequence_parallel_size = group_.size();
+  plan.sequence_parallel_rank = group_.rank();
+  plan.sequence_parallel_layout =
+      cp_.layout.batch_split == WEFT_SPLIT_SEQUENCE_BALANCED ? WEFT_SEQUENCE_BALANCED : WEFT_SEQUENCE_CONTIGUOUS;
+  plan.sequence_parallel_attention = plugin_attention_ ? WEFT_SEQUENCE_ATTENTION_PLUGIN : WEFT_SEQUENCE_ATTENTION_EXCHANGE;
+}
+
+void SequenceSplit::exchange(int64_t step, int64_t layer, weft_direction direction, const DLTensor& send,
+                             DLTensor& recv) const {
+  abi2_run_model_hooks(hooks_, "attention.exchange", direction == WEFT_BACKWARD, layer, recv, &send, step);
+}
+
+void SequenceSplit::attention(int64_t step, const weft_attention_call& call) const {
+  weft_attention_core core{};
+  core.struct_size = sizeof core;
+  core.scale = call.scale;
+  core.q = call.q;
+  core.k = call.k;
+  core.v = call.v;
+  core.out = call.out;
+  core.lse = call.lse;
+  core.grad_out = call.grad_out;
+  core.grad_q = call.grad_q;
+  core.grad_k = call.grad_k;
+  core.grad_v = call.grad_v;
+  for (const Abi2Hook& hook : hooks_) {
+    if (hook.point != "attention.core") continue;
+    weft_hook_event event{};
+    event.struct_size = sizeof event;
+    event.point = hook.point.c_str();
+    event.step = step;
+    event.backward = call.direction == WEFT_BACKWARD ? 1 : 0;
+    event.layer = call.layer;
+    event.attention = &core;
+    abi2_check(*hook.owner, hook.fn(hook.owner->instance, &event), "attention.core");
   }
 }
 

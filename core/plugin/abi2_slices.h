@@ -35,8 +35,34 @@ void abi2_register_hooks(Abi2Instance& o, const std::vector<std::string>& publis
 // Sequence parallelism (weft_layout.sequence_parallel over `ranks` > 1) moves tokens at every region's
 // ends: `tp` must hook each of them (else one error naming the missing points).
 void abi2_check_sequence_hooks(const Abi2Instance& tp, const std::vector<Abi2Hook>& hooks, int32_t ranks);
+// The hooks at a step's point ("train.begin", "step.end"; event.step: `step`).
+void abi2_run_step_hooks(const std::vector<Abi2Hook>& hooks, const char* point, int64_t step);
 void abi2_run_model_hooks(const std::vector<Abi2Hook>& hooks, const std::string& point, bool backward, int64_t layer,
                           DLTensor& tensor, const DLTensor* source, int64_t step);
+
+// A plugin that owns the context-parallel dimension, as both host steps execute it: its sequence split
+// (the plan's), and its hook at the attention, "attention.exchange" (Ulysses: the model's all-to-alls
+// around its core) or "attention.core" (the plugin computes the core, e.g. ring attention).
+class SequenceSplit {
+ public:
+  // Registers `cp`'s hooks into `hooks` (which this keeps a reference to) at once, since the plan, asked
+  // before the model is built, depends on them; one error if it hooks no attention point, both, or the
+  // balanced split with Ulysses. `group`: its dimension.
+  SequenceSplit(Abi2Instance& cp, sdk::Group group, std::vector<Abi2Hook>& hooks);
+  const Abi2Instance& owner() const { return cp_; }
+  int32_t ranks() const { return group_.size(); }
+  // The plan's sequence fields (with more than one rank).
+  void plan(weft_model_plan& plan) const;
+  // The attention's points of decoder block `layer` (weft_hook_event.step: `step`).
+  void exchange(int64_t step, int64_t layer, weft_direction direction, const DLTensor& send, DLTensor& recv) const;
+  void attention(int64_t step, const weft_attention_call& call) const;
+
+ private:
+  Abi2Instance& cp_;
+  sdk::Group group_;
+  const std::vector<Abi2Hook>& hooks_;
+  bool plugin_attention_ = false;
+};
 
 class TensorSlices {
  public:

@@ -230,10 +230,11 @@ void StrategySession::compose(const std::vector<std::string>& names, const toml:
                }());
 }
 
-// ABI 2 plugins on a device mesh pp x dp: one owns the pipeline (its schedule), the other the data-parallel
-// dimension (its layout). The session holds one step, the pipeline plugin's, which executes the other's
-// layout over the mesh's dp slices (PluginHost::State::abi2_data_parallel); the other plugin is a
-// companion: loaded, its settings read through a host of its own, named in logs and fingerprints.
+// ABI 2 plugins on a device mesh pp x dp x cp x tp, each owning one dimension (any two or more). The
+// session holds one step, that of the pipeline plugin, else the tensor-parallel one, else the
+// context-parallel one, which executes the others' layouts over their mesh slices
+// (PluginHost::State::abi2_data_parallel, abi2_tensor_parallel, abi2_context_parallel); the others are
+// companions: loaded, their settings read through a host of their own, named in logs and fingerprints.
 void StrategySession::compose_abi2(const std::vector<std::shared_ptr<PluginLibrary>>& libraries,
                                    const toml::table& plugin_config, Communicator& communicator,
                                    std::array<int32_t, 4> requested) {
@@ -253,16 +254,7 @@ void StrategySession::compose_abi2(const std::vector<std::shared_ptr<PluginLibra
                          : offered == tp_bit ? "tensor-parallel" : "context-parallel");
     slot = static_cast<int>(i);
   }
-  WEFT_CHECK(cp < 0 || pp < 0,
-             "train.plugin = \"{}\": context-parallel {} with pipeline {} does not compose on this host (ABI 2.{}) yet "
-             "(context parallelism composes with data and tensor parallelism)",
-             fmt::join(names, ","), names[static_cast<size_t>(std::max(cp, 0))], names[static_cast<size_t>(std::max(pp, 0))],
-             WEFT_PLUGIN_ABI_MINOR);
-  WEFT_CHECK((pp >= 0 && (dp >= 0 || tp >= 0)) || (tp >= 0 && (dp >= 0 || cp >= 0)) || (cp >= 0 && dp >= 0),
-             "train.plugin = \"{}\": ABI 2 plugins compose in this version as a pipeline one with a data-parallel "
-             "and/or a tensor-parallel one, or as any of a tensor-parallel, a context-parallel and a data-parallel "
-             "one (sdk/ABI2.md)",
-             fmt::join(names, ","));
+
   const int outer = pp >= 0 ? pp : tp >= 0 ? tp : cp;  // the plugin whose step runs; the others compose with it
   std::array<bool, Mesh::kDims> owned{};
   owned[Mesh::kPP] = pp >= 0;

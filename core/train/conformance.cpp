@@ -345,6 +345,7 @@ std::vector<ConformanceCase> conformance_matrix() {
   both("context_parallel_abi2,ddp_abi2", 4, {"mesh.cp=2", "mesh.dp=2"});
   both("tensor_parallel_abi2,context_parallel_abi2", 4,
        {"mesh.cp=2", "mesh.tp=2", "plugin.context_parallel_abi2.mode=\"ring\""});
+  both("gpipe_abi2,context_parallel_abi2", 4, {"mesh.cp=2", "mesh.pp=2"});  // in every pipeline stage
   both("tensor_parallel,zero", 4, {"mesh.tp=2", "plugin.stage=2"});
   both("tensor_parallel,gpipe,zero", 8, {"mesh.tp=2", "mesh.pp=2", "plugin.stage=1"});
   both("context_parallel,tensor_parallel", 4, {"mesh.cp=2", "mesh.tp=2"});

@@ -111,6 +111,7 @@ PipelineStrategy::PipelineStrategy(weft::sdk::Host host, std::string plugin, Opt
   if (options.partition_by_time) partition_by_ = "time";
   stage_major_ = options.stage_major;
   replica_group_ = options.replica_group;
+  sequence_group_ = options.sequence_group;
   place_ranks(options.stages);
 }
 
@@ -440,7 +441,10 @@ double PipelineStrategy::train_step(const weft_step_info& step) {
   values[1] = last_stats_.compute_seconds;
   values[2 + static_cast<size_t>(world_.rank())] = last_stats_.wall_seconds;
   const std::vector<double> sums = sum_over(world_, values);
-  const double loss = sums[0] / (static_cast<double>(total) * placement_.replicas);
+  double loss = sums[0] / (static_cast<double>(total) * placement_.replicas);
+  if (sequence_group_.get() != nullptr && sequence_group_.size() > 1) {  // the mean over every token's share
+    loss = sum_over(sequence_group_, {loss})[0] / sequence_group_.size();
+  }
   const double window = *std::max_element(sums.begin() + 2, sums.end());
   const double bubble = window > 0 ? 1.0 - sums[1] / (world * window) : 0.0;
   const double formula = bubble_formula(total);
@@ -467,9 +471,10 @@ weft::sdk::EvalResult PipelineStrategy::eval_step(const weft_step_info& step) {
     const int32_t splits = rows % microbatches_ == 0 ? microbatches_ : 1;
     stats = executor_->run(verified_schedule("forward", splits), splits, rows, step.stage_tokens);
   }
-  const std::vector<double> sums =
+  std::vector<double> sums =
       sum_over(world_, {placement_.is_last() ? stats.token_loss_sum : 0.0,
                         placement_.is_last() ? static_cast<double>(stats.tokens) : 0.0});
+  if (sequence_group_.get() != nullptr && sequence_group_.size() > 1) sums = sum_over(sequence_group_, sums);
   weft::sdk::EvalResult result;
   result.loss_sum = sums[0];
   result.tokens = static_cast<int64_t>(sums[1] + 0.5);

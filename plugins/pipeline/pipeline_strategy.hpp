@@ -95,6 +95,9 @@ class PipelineStrategy : public weft::sdk::Strategy {
     // its ranks x; `group` is this rank's copy (made by the caller, collectively).
     weft::sdk::Group group;
     int32_t inner = 1;
+    // The ranks beside this one that hold other tokens of the same rows (context parallelism inside
+    // `inner`), or none: the step's loss is their mean and an evaluation's sums their sum.
+    weft::sdk::Group sequence_group;
   };
   PipelineStrategy(weft::sdk::Host host, std::string plugin, Options options);
 
@@ -162,6 +165,7 @@ class PipelineStrategy : public weft::sdk::Strategy {
   Partition partition_;
   weft::sdk::Group pipeline_group_;  // this replica's stages
   weft::sdk::Group replica_group_;   // this stage's replicas (when replicas > 1)
+  weft::sdk::Group sequence_group_;  // Options::sequence_group
   bool stage_major_ = false;
   weft::sdk::Group tied_group_;      // {stage 0, last stage} of this replica, when tied
   int64_t tied_parameter_ = -1;      // this rank's index of model.embed_tokens.weight, when tied

@@ -213,8 +213,9 @@ TEST(Abi2, WhatThisHostDoesNotRunIsRefusedBeforeTheFirstStep) {
        "2 chunks per rank): choose a multiple of 6"},
       {"--plugin context_parallel_abi2 --nproc 3",
        "the model's 4 attention heads cannot be split over 3 sequence-parallel ranks (plugin context_parallel_abi2)"},
-      {"--plugin context_parallel_abi2,gpipe_abi2 --nproc 4 --set mesh.cp=2 --set mesh.pp=2",
-       "context-parallel context_parallel_abi2 with pipeline gpipe_abi2 does not compose on this host (ABI 2.4) yet"},
+      {"--plugin abi2_bad_context,gpipe_abi2 --nproc 4 --set mesh.cp=2 --set mesh.pp=2 --set plugin.fault=rows",
+       "abi2_bad_context composed with pipeline gpipe_abi2: it owns the context-parallel dimension, but its weft_layout "
+       "does not split sequences"},
       {"--plugin diloco,context_parallel_abi2 --nproc 4 --set mesh.cp=2 --set mesh.dp=2",
        "diloco composed with context-parallel context_parallel_abi2: it provides weft_hooks, which this host (ABI 2.4) "
        "does not execute in a composition yet"},
@@ -408,6 +409,55 @@ TEST(Abi2, ContextParallelComposesWithDataAndTensorParallelismOverTheMesh) {
       EXPECT_NEAR(c[i], expected, 1e-7 * expected) << label << ": step " << i + 4;
     }
   }
+}
+
+// context_parallel_abi2 in every stage of gpipe_abi2's pipeline (pp 2 x cp 2: a copy of the pipeline
+// per cp coordinate, each stage's ranks splitting its sequences; 2 micro-batches): GPipe with Ulysses
+// and ZB-H1 (its split backward) with ring attention and LoRA give context_parallel.so x gpipe.so's
+// and x pipedream.so's losses to the bit and gradient norms within 1e-12 (their squares summed in
+// another order); the ring's step hook runs beside the pipeline (its metrics); a checkpoint resumes to
+// the bit on the same mesh.
+TEST(Abi2, ContextParallelComposesWithAPipeline) {
+  const std::string dir = weft::testing::fresh_dir("weft_test_abi2", "cp_pp");
+  const std::string run = tiny_run("--set train.max_steps=6 --set eval.every_steps=0 --set train.grad_accum_steps=2 "
+                                   "--nproc 4 --set mesh.cp=2 --set mesh.pp=2 --set checkpoint.every_steps=3");
+  const std::vector<std::pair<std::string, std::string>> variants{
+      {"v1_gpipe", " --plugin context_parallel,gpipe"},
+      {"gpipe", " --plugin gpipe_abi2,context_parallel_abi2"},
+      {"v1_zbh1", " --plugin context_parallel,pipedream --set plugin.context_parallel.mode=\"ring\" "
+                  "--set plugin.pipedream.schedule=\"zbh1\" --set train.mode=lora"},
+      {"zbh1", " --plugin gpipe_abi2,context_parallel_abi2 --set plugin.context_parallel_abi2.mode=\"ring\" "
+               "--set plugin.gpipe_abi2.schedule=\"zbh1\" --set train.mode=lora"},
+  };
+  Figures f;
+  ASSERT_NO_FATAL_FAILURE(run_variants(dir, run, variants, f));
+  for (const std::string label : {"gpipe", "zbh1"}) {
+    const auto& a = f.losses[label];
+    const auto& b = f.losses["v1_" + label];
+    ASSERT_EQ(b.size(), 6u) << label;
+    ASSERT_EQ(a.size(), 6u) << label;
+    ASSERT_EQ(f.norms[label].size(), 6u) << label;
+    EXPECT_EQ(a, b) << label;
+    for (size_t i = 0; i < 6; ++i) {
+      EXPECT_NEAR(f.norms[label][i], f.norms["v1_" + label][i], 1e-12 * f.norms["v1_" + label][i]) << label << ", step " << i + 1;
+    }
+  }
+  std::ifstream metrics(dir + "/zbh1/metrics.jsonl");
+  int steps = 0;
+  for (std::string line; std::getline(metrics, line);) {
+    const auto record = nlohmann::json::parse(line);
+    if (record["type"] != "step") continue;
+    ++steps;
+    EXPECT_GT(record.value("plugin.ring_attention_seconds_max", 0.0), 0.0) << line;
+  }
+  EXPECT_EQ(steps, 6);
+  const std::string out = dir + "/resumed";
+  const auto resumed = weft::testing::run_trainer(run + variants[3].second + " --set train.out_dir=" + out +
+                                                  " --set checkpoint.resume=" + dir + "/zbh1/checkpoints/step-00000003");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  const auto c = weft::testing::step_losses(out + "/metrics.jsonl");
+  ASSERT_EQ(c.size(), 3u);
+  for (size_t i = 0; i < c.size(); ++i) EXPECT_EQ(c[i], f.losses["zbh1"][i + 3]) << "step " << i + 4;
 }
 
 // ABI 2 composition on a mesh tp 2 x dp 2: tensor_parallel_abi2's slices and hooks over tp,

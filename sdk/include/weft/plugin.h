@@ -31,10 +31,9 @@
  * data-parallel plugin's layout over dp (a reduction per chunk after its last backward; for FLAT_SHARD
  * parameters a gather before its first compute and a release after the reduction), its hooks refused
  * there; the tensor-parallel plugin's slices and hooks inside each stage (2.3; a slice FLAT_SHARD over
- * dp is FSDP x TP); the context-parallel plugin's sequence split and attention hook beside dp and tp
- * (2.4; not with a pipeline yet), where the data-parallel plugin's dimension and placements span
- * dp x cp (the ranks that split the same rows' sequences hold replicas of the parameters). Any two of
- * pp, dp and tp compose, or all three; cp with dp and/or tp. A plugin may compute with LibTorch if it says which it was built against
+ * dp is FSDP x TP); the context-parallel plugin's sequence split and attention hook inside each stage
+ * (2.4), where the data-parallel plugin's dimension and placements span dp x cp (the ranks that split
+ * the same rows' sequences hold replicas of the parameters). Any two or more of them compose. A plugin may compute with LibTorch if it says which it was built against
  * ("weft_torch_build"). Other placements, points and compositions are the next landings; this host
  * refuses a plugin that asks for them, in one line, at load, at create or (a placement, a point)
  * before the first step.

@@ -500,9 +500,11 @@ class HostStep : public sdk::Strategy {
   void memory_plan(weft_memory_plan& plan) override {
     // Context parallelism: each rank keeps its share of every sequence's activations (Ulysses: the core's
     // share of the heads over the whole sequence is as large; the plugin's core: the host's estimate
-    // counts a blockwise core's output and log-sum-exp, not the probabilities). The plugin's own buffers
-    // (ring attention's key/value blocks) are not in the plan.
+    // counts a blockwise core's output and log-sum-exp, not the probabilities). The plugins' own buffers
+    // (ring attention's key/value blocks) are theirs to say ("weft_memory").
     plan.activation_bytes /= context_ranks();
+    const int32_t compute_bytes = host().model_info().compute_dtype.bits / 8;
+    for (const auto& o : owners_) plan.buffer_bytes += abi2_plugin_memory(*o, plan, plan.seq_len / context_ranks(), compute_bytes);
     if (replicas() <= 1) return;
     const sdk::Host h = host();
     const int64_t stages = h.model_num_stages() > 0 ? h.model_num_stages() : h.model_info().num_layers + 2;

@@ -316,7 +316,13 @@ class PipelineStep : public pipeline::PipelineStrategy {
   // its RELEASE (all of this rank's at the step's peak).
   void memory_plan(weft_memory_plan& plan) override {
     PipelineStrategy::memory_plan(plan);  // the replicas' buckets included
-    if (sequences_) {  // each rank's share of every sequence (the plugin's own buffers aside)
+    const int32_t compute_bytes = host().model_info().compute_dtype.bits / 8;
+    const int64_t tokens = plan.seq_len / (sequences_ ? sequences_->ranks() : 1);
+    for (const Abi2Instance* o : {static_cast<const Abi2Instance*>(opened_.get()), static_cast<const Abi2Instance*>(companion_.get()),
+                                  static_cast<const Abi2Instance*>(tensor_.get()), static_cast<const Abi2Instance*>(context_.get())}) {
+      if (o != nullptr) plan.buffer_bytes += abi2_plugin_memory(*o, plan, tokens, compute_bytes);  // the plugins' own
+    }
+    if (sequences_) {  // each rank's share of every sequence
       plan.activation_bytes /= sequences_->ranks();
       if (placement().replicas <= 1 && replicas() > 1) plan.buffer_bytes += plan.gradient_bytes;  // cp's buckets
     }

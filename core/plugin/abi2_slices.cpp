@@ -50,6 +50,20 @@ void abi2_register_hooks(Abi2Instance& o, const std::vector<std::string>& publis
   }
 }
 
+int64_t abi2_plugin_memory(const Abi2Instance& o, const weft_memory_plan& plan, int64_t tokens, int32_t compute_bytes) {
+  const auto fn = reinterpret_cast<weft_memory_fn>(o.proc("weft_memory"));
+  if (fn == nullptr) return 0;
+  weft_memory_request request{};
+  request.struct_size = sizeof request;
+  request.rows_per_micro_batch = plan.rows_per_micro_batch;
+  request.tokens = tokens;
+  request.compute_bytes = compute_bytes;
+  int64_t bytes = 0;
+  abi2_check(o, fn(o.instance, &request, &bytes), "weft_memory");
+  if (bytes < 0) throw sdk::Error(WEFT_STATUS_INVALID_ARGUMENT, fmt::format("{}: weft_memory gave {} bytes", o.name(), bytes));
+  return bytes;
+}
+
 void abi2_run_step_hooks(const std::vector<Abi2Hook>& hooks, const char* point, int64_t step) {
   for (const Abi2Hook& hook : hooks) {
     if (hook.point != point) continue;

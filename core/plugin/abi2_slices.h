@@ -35,6 +35,9 @@ void abi2_register_hooks(Abi2Instance& o, const std::vector<std::string>& publis
 // Sequence parallelism (weft_layout.sequence_parallel over `ranks` > 1) moves tokens at every region's
 // ends: `tp` must hook each of them (else one error naming the missing points).
 void abi2_check_sequence_hooks(const Abi2Instance& tp, const std::vector<Abi2Hook>& hooks, int32_t ranks);
+// The bytes `o` holds itself at the step's peak ("weft_memory", 0 without it), for a memory plan of
+// `plan`'s shapes with `tokens` of each sequence on this rank.
+int64_t abi2_plugin_memory(const Abi2Instance& o, const weft_memory_plan& plan, int64_t tokens, int32_t compute_bytes);
 // The hooks at a step's point ("train.begin", "step.end"; event.step: `step`).
 void abi2_run_step_hooks(const std::vector<Abi2Hook>& hooks, const char* point, int64_t step);
 void abi2_run_model_hooks(const std::vector<Abi2Hook>& hooks, const std::string& point, bool backward, int64_t layer,

@@ -24,6 +24,7 @@
 #include <exception>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <weft/plugin_torch.hpp>
@@ -49,6 +50,7 @@ struct Instance {
   weft_recv_fn recv = nullptr;
   weft_transfer_wait_fn wait = nullptr;
   weft_report_metric_fn report = nullptr;
+  weft_model_config_int_fn model_config = nullptr;
   int32_t rank = 0, size = 1;
   bool ring = false, balanced = false;
   double bucket_mb = 25.0;
@@ -248,6 +250,21 @@ const weft_hook* hooks(weft_plugin_instance* instance, int32_t* count) {
   return ulysses;
 }
 
+// Ring attention's buffers at their peak (the backward): two key/value blocks in the compute dtype and
+// three fp32 gradient blocks, each [2, B, Hkv, s, D].
+weft_status* memory(weft_plugin_instance* instance, const weft_memory_request* request, int64_t* bytes) {
+  Instance* self = self_of(instance);
+  if (!self->ring) return nullptr;
+  int64_t hidden = 0, heads = 0, kv_heads = 0;
+  for (const auto& [key, out] : {std::pair<const char*, int64_t*>{"hidden_size", &hidden},
+                                 {"num_attention_heads", &heads}, {"num_key_value_heads", &kv_heads}}) {
+    if (weft_status* s = self->model_config(self->context, key, out)) return s;
+  }
+  const int64_t kv = 2 * request->rows_per_micro_batch * kv_heads * (hidden / heads) * request->tokens;
+  *bytes = 2 * kv * request->compute_bytes + 3 * kv * 4;
+  return nullptr;
+}
+
 weft_status* layout(weft_plugin_instance* instance, weft_layout* out) {
   const Instance* self = self_of(instance);
   out->batch_split = self->balanced ? WEFT_SPLIT_SEQUENCE_BALANCED : WEFT_SPLIT_SEQUENCE;
@@ -278,6 +295,7 @@ weft_status* create(const weft_host_services* host, weft_plugin_instance** out) 
   self->recv = find<weft_recv_fn>(host, "weft_recv");
   self->wait = find<weft_transfer_wait_fn>(host, "weft_transfer_wait");
   self->report = find<weft_report_metric_fn>(host, "weft_report_metric");
+  self->model_config = find<weft_model_config_int_fn>(host, "weft_model_config_int");
   find<weft_world_fn>(host, "weft_world")(host->context, &self->rank, &self->size);
   const char *mode = nullptr, *layout_name = nullptr;
   if (weft_status* s = find<weft_config_string_fn>(host, "weft_config_string")(host->context, "mode", "ulysses", &mode)) return s;
@@ -311,6 +329,7 @@ WEFT_PLUGIN_TORCH_BUILD(torch_build)
 weft_proc proc(const char* name) {
   if (std::strcmp(name, "weft_layout") == 0) return reinterpret_cast<weft_proc>(layout);
   if (std::strcmp(name, "weft_hooks") == 0) return reinterpret_cast<weft_proc>(hooks);
+  if (std::strcmp(name, "weft_memory") == 0) return reinterpret_cast<weft_proc>(memory);
   if (std::strcmp(name, "weft_torch_build") == 0) return reinterpret_cast<weft_proc>(torch_build);
   return nullptr;
 }

@@ -174,7 +174,7 @@ TEST(MemoryPlan, ZeroStage3PlansItsGatheredParametersInTheComputeDtype) {
 // The plan (made before the model existed) against the run's measured peak of tensor memory per
 // rank. The margin: 25% either way, measured at <= 19% (gpipe's first stage, whose receive and
 // gradient temporaries the plan underestimates) for these runs.
-// ~50 s (ctest -j2, 2-core Xeon): 14 plugins and settings, each a 2-rank run of the small preset at
+// ~55 s (ctest -j2, 2-core Xeon): 14 plugins and settings, each a 2-rank run of the small preset at
 // its real sequence length, where activations weigh as they do in real runs.
 TEST(MemoryPlan, TheEstimateIsWithinItsMarginOfTheMeasuredPeakForEveryKindOfPlugin) {
   std::map<std::string, double> plans;  // rank 0's plan, MiB
@@ -185,6 +185,8 @@ TEST(MemoryPlan, TheEstimateIsWithinItsMarginOfTheMeasuredPeakForEveryKindOfPlug
                                    "zero --set plugin.stage=3", "zero --set plugin.stage=3 --set train.precision=bf16",
                                    "context_parallel",
                                    "context_parallel --set plugin.mode=\"ring\"",
+                                   // ABI 2: the ring's buffers are the plugin's to say (weft_memory)
+                                   "context_parallel_abi2 --set plugin.mode=\"ring\"",
                                    // ZB-V (an ABI 2 schedule as data): two chunks per rank, W passes waiting
                                    WEFT_PLUGIN_FIXTURE_DIR "/zbv.so",
                                    // ABI 2 placements, asked before the model is built: ZeRO's stages 1 and 3
@@ -207,6 +209,10 @@ TEST(MemoryPlan, TheEstimateIsWithinItsMarginOfTheMeasuredPeakForEveryKindOfPlug
   // The same slices and sequence split under ABI 2: the same plan.
   EXPECT_DOUBLE_EQ(plans.at("tensor_parallel_abi2 --set plugin.sequence_parallel=true"),
                    plans.at("tensor_parallel --set plugin.sequence_parallel=true"));
+  // Ring attention under ABI 2 plans what context_parallel.so plans: the host's share of the sequences
+  // and the plugin's own buffers.
+  EXPECT_DOUBLE_EQ(plans.at("context_parallel_abi2 --set plugin.mode=\"ring\""),
+                   plans.at("context_parallel --set plugin.mode=\"ring\""));
   // zero_abi2's stage 1 keeps half the optimizer state (and a range of the gradients beside them).
   EXPECT_LT(plans.at("zero_abi2 --set plugin.stage=1"), plans.at("ddp"));
 }

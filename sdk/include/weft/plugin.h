@@ -483,6 +483,25 @@ typedef struct weft_hook {
 typedef const weft_hook* (*weft_hooks_fn)(weft_plugin_instance* instance, int32_t* count);
 
 /* ------------------------------------------------------------------------------------------
+ * The plugin's own memory (plugin function "weft_memory"; optional; since 2.4)
+ * ---------------------------------------------------------------------------------------- */
+
+/* What the host tells "weft_memory" for its memory plan (trainer plan, train.memory_limit_gib),
+ * before the model is built. */
+typedef struct weft_memory_request {
+  uint32_t struct_size;         /* host-set */
+  int64_t rows_per_micro_batch; /* this rank's sequences per micro-batch */
+  int64_t tokens;               /* this rank's tokens of each sequence (its share where sequences split) */
+  int32_t compute_bytes;        /* bytes of one element of the compute dtype (2 for bf16) */
+} weft_memory_request;
+
+/* "weft_memory": the bytes the plugin holds itself at the step's peak (what it allocates, e.g. with
+ * LibTorch: ring attention's key/value blocks), which the host adds to its plan. `*bytes` comes 0; the
+ * model's sizes come from "weft_model_config_int". */
+typedef weft_status* (*weft_memory_fn)(weft_plugin_instance* instance, const weft_memory_request* request,
+                                       int64_t* bytes);
+
+/* ------------------------------------------------------------------------------------------
  * Plugins that link LibTorch (plugin function "weft_torch_build"; since 2.2)
  * ---------------------------------------------------------------------------------------- */
 

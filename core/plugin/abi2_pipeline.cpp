@@ -19,6 +19,7 @@
 #include "core/plugin/abi2_slices.h"
 #include "core/plugin/host_services.h"
 #include "core/plugin/placement_collectives.h"
+#include "async_pipeline.hpp"
 #include "pipeline_strategy.hpp"
 #include "schedule.hpp"
 #include "verify.hpp"
@@ -193,6 +194,7 @@ class PipelineStep : public pipeline::PipelineStrategy {
   // reduction, as torchtitan's pipelines keep FSDP's parameters through the micro-batches).
   void setup() override {
     PipelineStrategy::setup();
+    if (opened_->layout.pipeline_asynchronous == 1) async_ = std::make_unique<pipeline::AsyncPipeline>(host(), world(), placement());
     if (slices_) {  // the tensor-parallel plugin's slices, PARTIAL sums and hooks
       for (int64_t i = 0; i < host().parameter_count(); ++i) slices_->place(i, host().parameter_info(i));
       abi2_register_hooks(*tensor_, comm_point_names(), hooks_);
@@ -297,6 +299,12 @@ class PipelineStep : public pipeline::PipelineStrategy {
     if (reduced.empty()) return;
     reducer_ = std::make_unique<GradientReducer>(h, replica_group(), replica_group(), sdk::Group(), reduced, bucket_bytes);
     reducer_->set_explicit(true);  // a chunk's gradients are final at its REDUCE, not at each backward
+    if (async_ && !state_shards_.empty()) {
+      throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
+                       fmt::format("{} places state FLAT_SHARD, which the asynchronous pipeline of {} does not run (its "
+                                   "replicas hold whole parameters, gradients and optimizer state)",
+                                   dp_name, plugin_name(*opened_)));
+    }
   }
 
   // The optimizer state FLAT_SHARD: this rank's range of each parameter over its stage's replicas
@@ -347,6 +355,7 @@ class PipelineStep : public pipeline::PipelineStrategy {
   }
 
   double train_step(const weft_step_info& step) override {
+    if (async_) return asynchronous_step(step);
     if (!began_) {  // the context-parallel plugin's step hooks (the others register none beside a pipeline)
       began_ = true;
       abi2_run_step_hooks(hooks_, "train.begin", step.step);
@@ -390,6 +399,39 @@ class PipelineStep : public pipeline::PipelineStrategy {
     }
     std::fill(gathered_.begin(), gathered_.end(), 0);
     resting_ = !whole;
+  }
+
+  // PipeDream's asynchronous 1F1B (weft_layout.pipeline_asynchronous): the host's runtime runs this
+  // step's forward and the stashed backward (AsyncPipeline); then the tied embedding's copies are summed
+  // and the replicas' gradients averaged.
+  double asynchronous_step(const weft_step_info& step) {
+    if (step.micro_batches != 1) {
+      throw sdk::Error(WEFT_STATUS_BAD_CONFIG,
+                       fmt::format("{}: the asynchronous pipeline runs one minibatch per step; set train.grad_accum_steps "
+                                   "= 1 (it is {})",
+                                   plugin_name(*opened_), step.micro_batches));
+    }
+    if (!began_) {
+      began_ = true;
+      abi2_run_step_hooks(hooks_, "train.begin", step.step);
+    }
+    step_ = step.step;
+    const double local = async_->step(step.step, step.rows_per_micro_batch, step.stage_tokens);
+    combine_tied_embedding_gradients();
+    if (reducer_) {
+      try {
+        reducer_->start_all();
+        reducer_->finish();
+      } catch (...) {
+        reducer_->abandon();
+        throw;
+      }
+    }
+    const double loss = sum_over(world(), {placement().is_last() ? local : 0.0})[0] / placement().replicas;
+    host().report_metric("stashed_versions", static_cast<double>(async_->peak_stashed()));
+    host().report_metric("stash_weight_staleness", async_->last_weight_staleness());
+    host().report_metric("stash_recompute_difference", async_->last_recompute_difference());
+    return loss;
   }
 
   // The optimizer state FLAT_SHARD, the parameter whole: each rank's updated range into every replica.
@@ -681,6 +723,7 @@ class PipelineStep : public pipeline::PipelineStrategy {
     o.layout.pipeline_partition = WEFT_PARTITION_PARAMETERS;
     o.layout.pipeline_balance_count = 0;
     o.layout.pipeline_stages = 0;
+    o.layout.pipeline_asynchronous = 0;
     if (auto fn = reinterpret_cast<weft_layout_fn>(proc("weft_layout"))) check_status(o, fn(o.instance, &o.layout), "weft_layout");
     if (o.layout.batch_split != WEFT_SPLIT_NONE) {
       refuse_layout(o, fmt::format("weft_layout's batch split {}: a pipeline's ranks all take the whole batch (WEFT_SPLIT_NONE) "
@@ -741,6 +784,15 @@ class PipelineStep : public pipeline::PipelineStrategy {
                                    o.layout.pipeline_partition));
     }
     options.partition_by_time = o.layout.pipeline_partition == WEFT_PARTITION_TIME;
+    if (o.layout.pipeline_asynchronous != 0) {
+      if (o.layout.pipeline_asynchronous != 1) {
+        refuse_layout(o, fmt::format("weft_layout's pipeline_asynchronous = {} (0 or 1)", o.layout.pipeline_asynchronous));
+      }
+      if (chunks != 1) refuse_layout(o, fmt::format("the asynchronous pipeline holds one chunk per rank, not {}", chunks));
+      if (state.abi2_tensor_parallel != nullptr || state.abi2_context_parallel != nullptr) {
+        refuse_layout(o, "the asynchronous pipeline runs without a tensor- or context-parallel plugin beside it on this host");
+      }
+    }
     // Whether the backward is split decides what the model keeps (the plan): ask one list now.
     options.split_backward = plugin_schedule(o, stages, options.microbatches).split_backward;
     if (mesh_pp != 0) {
@@ -765,6 +817,7 @@ class PipelineStep : public pipeline::PipelineStrategy {
   std::unique_ptr<Abi2Instance> context_;  // the context-parallel plugin composed on the mesh, over cp_slice_
   sdk::Group cp_slice_;
   std::unique_ptr<SequenceSplit> sequences_;  // its split and attention hook
+  std::unique_ptr<pipeline::AsyncPipeline> async_;  // weft_layout.pipeline_asynchronous's runtime
   bool began_ = false;
   int64_t step_ = 0;  // the current step (weft_step_info.step)
   std::unique_ptr<TensorSlices> slices_;

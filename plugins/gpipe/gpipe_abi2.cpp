@@ -15,6 +15,9 @@
 //                 the host's balance, as `partition` says
 //   partition     "parameters" (default) or "time": the host balances the virtual stages by parameter
 //                 count, or by each model stage's forward + backward time measured before the run
+//   mode          "flush" (default): the schedules above, with a flush before each optimizer step;
+//                 "async": PipeDream's asynchronous 1F1B with weight stashing, the host's runtime
+//                 (weft_layout.pipeline_asynchronous; schedule "1f1b", its default there, only)
 // Recomputation is the host's model.activation_checkpointing.
 #include <cstddef>
 #include <cstring>
@@ -35,6 +38,7 @@ struct Gpipe {
   int32_t stages = 1, microbatches = 4, chunks = 1;
   std::vector<int64_t> balance;  // plugin.balance (weft_layout.pipeline_balance)
   int32_t partition = WEFT_PARTITION_PARAMETERS;  // plugin.partition (weft_layout.pipeline_partition)
+  bool asynchronous = false;  // plugin.mode = "async" (weft_layout.pipeline_asynchronous)
   std::vector<weft_action> list;  // the last list asked for (weft_schedule's storage)
 };
 
@@ -51,9 +55,23 @@ weft_status* create(const weft_host_services* host, weft_plugin_instance** out) 
   try {
     auto self = std::make_unique<Gpipe>();
     self->status_create = status_create;
+    const char* mode = nullptr;
+    if (weft_status* s = config_string(host->context, "mode", "flush", &mode)) return s;
+    if (std::strcmp(mode, "flush") != 0 && std::strcmp(mode, "async") != 0) {
+      return status_create(WEFT_STATUS_BAD_CONFIG,
+                           ("plugin.mode must be \"flush\" or \"async\", got \"" + std::string(mode) + "\"").c_str());
+    }
+    self->asynchronous = std::strcmp(mode, "async") == 0;
+    if (self->asynchronous && host->abi_minor < 4) {
+      return status_create(WEFT_STATUS_UNSUPPORTED, "gpipe_abi2: plugin.mode = \"async\" needs a host of ABI 2.4 or later");
+    }
     const char* name = nullptr;
-    if (weft_status* s = config_string(host->context, "schedule", "gpipe", &name)) return s;
+    if (weft_status* s = config_string(host->context, "schedule", self->asynchronous ? "1f1b" : "gpipe", &name)) return s;
     self->schedule = name;
+    if (self->asynchronous && self->schedule != "1f1b") {
+      return status_create(WEFT_STATUS_BAD_CONFIG, ("gpipe_abi2: plugin.mode = \"async\" runs PipeDream's 1F1B without a "
+                                                    "flush; plugin.schedule = \"" + self->schedule + "\" needs mode \"flush\"").c_str());
+    }
     const char* partition = nullptr;
     if (weft_status* s = config_string(host->context, "partition", "parameters", &partition)) return s;
     if (std::strcmp(partition, "parameters") != 0 && std::strcmp(partition, "time") != 0) {
@@ -120,6 +138,9 @@ weft_status* layout(weft_plugin_instance* instance, weft_layout* out) {
   out->pipeline_balance_count = static_cast<int32_t>(self->balance.size());
   if (out->struct_size >= offsetof(weft_layout, pipeline_partition) + sizeof out->pipeline_partition) {
     out->pipeline_partition = self->partition;
+  }
+  if (out->struct_size >= offsetof(weft_layout, pipeline_asynchronous) + sizeof out->pipeline_asynchronous) {
+    out->pipeline_asynchronous = self->asynchronous ? 1 : 0;
   }
   return nullptr;
 }

@@ -41,7 +41,7 @@ class PipeDream : public weft::pipeline::PipelineStrategy {
 
   void setup() override {
     PipelineStrategy::setup();
-    if (mode_ == "async") async_ = std::make_unique<weft::pipedream::AsyncPipeline>(host(), world(), placement());
+    if (mode_ == "async") async_ = std::make_unique<weft::pipeline::AsyncPipeline>(host(), world(), placement());
   }
 
   double train_step(const weft_step_info& step) override {
@@ -61,7 +61,7 @@ class PipeDream : public weft::pipeline::PipelineStrategy {
 
  private:
   std::string mode_;
-  std::unique_ptr<weft::pipedream::AsyncPipeline> async_;
+  std::unique_ptr<weft::pipeline::AsyncPipeline> async_;
 };
 
 }  // namespace

@@ -197,6 +197,16 @@ TEST(Abi2, WhatThisHostDoesNotRunIsRefusedBeforeTheFirstStep) {
       {"--plugin abi2_unknown_point --nproc 2",
        "abi2_unknown_point registers a hook at \"block.attention.core\", a point this host (ABI 2.4) does not publish "
        "(it publishes: train.begin, step.end)"},
+      // The asynchronous pipeline: 1F1B only, one minibatch per step, whole state on its replicas.
+      {"--plugin gpipe_abi2 --nproc 2 --set plugin.mode=\"async\" --set plugin.schedule=\"gpipe\"",
+       "gpipe_abi2: plugin.mode = \"async\" runs PipeDream's 1F1B without a flush; plugin.schedule = \"gpipe\" needs "
+       "mode \"flush\""},
+      {"--plugin gpipe_abi2 --nproc 2 --set plugin.mode=\"async\" --set train.grad_accum_steps=2",
+       "gpipe_abi2: the asynchronous pipeline runs one minibatch per step; set train.grad_accum_steps = 1 (it is 2)"},
+      {"--plugin zero_abi2,gpipe_abi2 --nproc 4 --set mesh.pp=2 --set mesh.dp=2 --set plugin.gpipe_abi2.mode=\"async\"",
+       "zero_abi2 places state FLAT_SHARD, which the asynchronous pipeline of gpipe_abi2 does not run"},
+      {"--plugin gpipe_abi2,tensor_parallel_abi2 --nproc 4 --set mesh.pp=2 --set mesh.tp=2 --set plugin.gpipe_abi2.mode=\"async\"",
+       "the asynchronous pipeline runs without a tensor- or context-parallel plugin beside it on this host"},
       // A context-parallel plugin's sequence split needs one attention hook, and Ulysses the contiguous split.
       {"--plugin abi2_bad_context --nproc 2",
        "abi2_bad_context splits sequences but hooks neither \"attention.exchange\" (Ulysses) nor \"attention.core\""},
@@ -458,6 +468,52 @@ TEST(Abi2, ContextParallelComposesWithAPipeline) {
   const auto c = weft::testing::step_losses(out + "/metrics.jsonl");
   ASSERT_EQ(c.size(), 3u);
   for (size_t i = 0; i < c.size(); ++i) EXPECT_EQ(c[i], f.losses["zbh1"][i + 3]) << "step " << i + 4;
+}
+
+// PipeDream's asynchronous 1F1B under ABI 2: gpipe_abi2's plugin.mode = "async" asks for it in its layout
+// (weft_layout.pipeline_asynchronous) and the host runs it with weight stashing. Its losses, evaluations
+// and stash metrics equal pipedream.so's mode "async" to the bit (gradient norms within 1e-12): over 2 ranks, with
+// the pipeline replicated (4 ranks, 2 stages), and composed with ddp_abi2 on a mesh pp 2 x dp 2 (against
+// pipedream.so with ddp.so). (Not equal to the one-process run by design: the conformance check does not
+// apply.)
+TEST(Abi2, PipeDreamsAsynchronousPipelineRunsAsPipedreamToTheBit) {
+  const std::string dir = weft::testing::fresh_dir("weft_test_abi2", "async");
+  const std::string run = tiny_run("--set train.max_steps=6 --set eval.every_steps=3");
+  const std::vector<std::pair<std::string, std::string>> variants{
+      {"v1_2", " --nproc 2 --plugin pipedream --set plugin.mode=\"async\""},
+      {"v2_2", " --nproc 2 --plugin gpipe_abi2 --set plugin.mode=\"async\""},
+      {"v1_4", " --nproc 4 --plugin pipedream --set plugin.mode=\"async\" --set plugin.stages=2"},
+      {"v2_4", " --nproc 4 --plugin gpipe_abi2 --set plugin.mode=\"async\" --set plugin.stages=2"},
+      {"v1_mesh", " --nproc 4 --plugin pipedream,ddp --set mesh.pp=2 --set mesh.dp=2 --set plugin.mode=\"async\""},
+      {"v2_mesh", " --nproc 4 --plugin ddp_abi2,gpipe_abi2 --set mesh.pp=2 --set mesh.dp=2 --set plugin.gpipe_abi2.mode=\"async\""},
+  };
+  Figures f;
+  ASSERT_NO_FATAL_FAILURE(run_variants(dir, run, variants, f));
+  // Each run's evaluations and the stash metrics of its steps, in order.
+  const auto records = [&](const std::string& label) {
+    std::vector<double> out;
+    std::ifstream in(dir + "/" + label + "/metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      const auto r = nlohmann::json::parse(line);
+      if (r["type"] == "eval") out.push_back(r["loss"].get<double>());
+      if (r["type"] == "step") {
+        out.push_back(r["plugin.stashed_versions"].get<double>());
+        out.push_back(r["plugin.stash_recompute_difference"].get<double>());
+      }
+    }
+    return out;
+  };
+  for (const std::string label : {"2", "4", "mesh"}) {
+    ASSERT_EQ(f.losses["v1_" + label].size(), 6u) << label;
+    EXPECT_EQ(f.losses["v2_" + label], f.losses["v1_" + label]) << label;
+    ASSERT_EQ(f.norms["v2_" + label].size(), 6u) << label;
+    for (size_t i = 0; i < 6; ++i) {  // (composed, the squares are summed in another order)
+      EXPECT_NEAR(f.norms["v2_" + label][i], f.norms["v1_" + label][i], 1e-12 * f.norms["v1_" + label][i]) << label;
+    }
+    const auto a = records("v1_" + label), b = records("v2_" + label);
+    EXPECT_EQ(a.size(), 6u * 2 + 2) << label;
+    EXPECT_EQ(a, b) << label;
+  }
 }
 
 // ABI 2 composition on a mesh tp 2 x dp 2: tensor_parallel_abi2's slices and hooks over tp,

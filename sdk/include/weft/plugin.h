@@ -267,6 +267,15 @@ typedef struct weft_layout {
   /* Since 2.3, for a plugin that owns the pipeline dimension: how the host balances the virtual
    * stages where pipeline_balance is NULL (weft_partition). The host's default: by parameters. */
   int32_t pipeline_partition;
+  /* Since 2.4, for a plugin that owns the pipeline dimension: 1 for PipeDream's asynchronous 1F1B
+   * (Narayanan et al. 2019), whose schedule spans steps and so is the host's: no flush, every step one
+   * minibatch (train.grad_accum_steps = 1; pipeline_micro_batches then only splits an evaluation's
+   * forward), stage p forwarding minibatch t and back-propagating minibatch t - (S - 1 - p) in step t,
+   * each with the weights its forward used (weight stashing: the host keeps an in-flight minibatch's
+   * weights and input and recomputes the stage's forward for its backward); one chunk per rank,
+   * replicated placements only, no tensor- or context-parallel plugin beside it. Not equal to the
+   * one-process run by design (the gradients are of stale weights). The host's default: 0. */
+  int32_t pipeline_asynchronous;
 } weft_layout;
 
 /* weft_layout.pipeline_partition */

@@ -11,11 +11,7 @@
 #include "../common/reductions.hpp"
 
 namespace weft {
-namespace pipedream {
-namespace {
-
-}  // namespace
-
+namespace pipeline {
 using weft::sdk::Activation;
 using weft::sdk::Error;
 using weft::sdk::TraceSpan;
@@ -36,7 +32,7 @@ AsyncPipeline::AsyncPipeline(const weft::sdk::Host& host, weft::sdk::Group world
 }
 
 int32_t AsyncPipeline::peer(bool next) const {
-  return placement_.replica * placement_.stages + placement_.stage + (next ? 1 : -1);
+  return placement_.rank_of(placement_.stage + (next ? 1 : -1), placement_.replica);
 }
 
 std::vector<weft::sdk::Buffer> AsyncPipeline::read_weights() const {
@@ -172,5 +168,5 @@ double AsyncPipeline::step(int64_t t, int64_t rows, int64_t stage_tokens) {
   return loss_value;
 }
 
-}  // namespace pipedream
+}  // namespace pipeline
 }  // namespace weft

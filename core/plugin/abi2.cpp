@@ -498,10 +498,10 @@ class HostStep : public sdk::Strategy {
   // beside the stages gathered at once (the current and the prefetched one, and stage 0 through the
   // step with a tied embedding). The reducer's all-reduce buckets hold the gradients once more.
   void memory_plan(weft_memory_plan& plan) override {
-    // Context parallelism: each rank keeps its share of every sequence's activations (Ulysses: the core's
+    // Context parallelism: each rank keeps its share of every sequence's activations (all-to-alls: the core's
     // share of the heads over the whole sequence is as large; the plugin's core: the host's estimate
     // counts a blockwise core's output and log-sum-exp, not the probabilities). The plugins' own buffers
-    // (ring attention's key/value blocks) are theirs to say ("weft_memory").
+    // (key/value blocks a plugin's own core passes around) are theirs to say ("weft_memory").
     plan.activation_bytes /= context_ranks();
     const int32_t compute_bytes = host().model_info().compute_dtype.bits / 8;
     for (const auto& o : owners_) plan.buffer_bytes += abi2_plugin_memory(*o, plan, plan.seq_len / context_ranks(), compute_bytes);
@@ -883,7 +883,7 @@ class HostStep : public sdk::Strategy {
     run_hooks("step.end", step_ + 1);
   }
 
-  // Context parallelism's points: Ulysses' all-to-alls around the core, or the core in the plugin.
+  // Context parallelism's points: the all-to-alls around the attention core, or the core in the plugin.
   void sequence_exchange(int64_t layer, weft_direction direction, const DLTensor& send, DLTensor& recv) override {
     sequences_->exchange(step_, layer, direction, send, recv);
   }

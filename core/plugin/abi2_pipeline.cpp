@@ -401,7 +401,7 @@ class PipelineStep : public pipeline::PipelineStrategy {
     resting_ = !whole;
   }
 
-  // PipeDream's asynchronous 1F1B (weft_layout.pipeline_asynchronous): the host's runtime runs this
+  // The asynchronous 1F1B with weight stashing (weft_layout.pipeline_asynchronous): the host's runtime runs this
   // step's forward and the stashed backward (AsyncPipeline); then the tied embedding's copies are summed
   // and the replicas' gradients averaged.
   double asynchronous_step(const weft_step_info& step) {

@@ -104,15 +104,15 @@ SequenceSplit::SequenceSplit(Abi2Instance& cp, sdk::Group group, std::vector<Abi
     throw sdk::Error(WEFT_STATUS_BAD_CONFIG, fmt::format("{} splits sequences but {}", cp.name(), why));
   };
   if (exchanges == 0 && cores == 0) {
-    refuse("hooks neither \"attention.exchange\" (Ulysses) nor \"attention.core\" (its own attention, e.g. ring): "
-           "the attention needs every token");
+    refuse("hooks neither \"attention.exchange\" (all-to-alls around the core) nor \"attention.core\" (its own "
+           "attention core): the attention needs every token");
   }
   if (exchanges > 0 && cores > 0) refuse("hooks both \"attention.exchange\" and \"attention.core\" (one of them)");
   if (cores > 1) refuse(fmt::format("has {} hooks at \"attention.core\", which one computes", cores));
   plugin_attention_ = cores == 1;
   if (!plugin_attention_ && cp.layout.batch_split == WEFT_SPLIT_SEQUENCE_BALANCED) {
-    refuse("asks for the balanced split (WEFT_SPLIT_SEQUENCE_BALANCED) with Ulysses' \"attention.exchange\", which "
-           "moves contiguous shares: the balanced split needs its own attention (\"attention.core\")");
+    refuse("asks for the balanced split (WEFT_SPLIT_SEQUENCE_BALANCED) with \"attention.exchange\", whose all-to-alls "
+           "move contiguous shares: the balanced split needs its own attention core (\"attention.core\")");
   }
 }
 

@@ -44,13 +44,13 @@ void abi2_run_model_hooks(const std::vector<Abi2Hook>& hooks, const std::string&
                           DLTensor& tensor, const DLTensor* source, int64_t step);
 
 // A plugin that owns the context-parallel dimension, as both host steps execute it: its sequence split
-// (the plan's), and its hook at the attention, "attention.exchange" (Ulysses: the model's all-to-alls
-// around its core) or "attention.core" (the plugin computes the core, e.g. ring attention).
+// (the plan's), and its hook at the attention, "attention.exchange" (the model's all-to-alls around its
+// core) or "attention.core" (the plugin computes the core itself).
 class SequenceSplit {
  public:
   // Registers `cp`'s hooks into `hooks` (which this keeps a reference to) at once, since the plan, asked
   // before the model is built, depends on them; one error if it hooks no attention point, both, or the
-  // balanced split with Ulysses. `group`: its dimension.
+  // balanced split with "attention.exchange". `group`: its dimension.
   SequenceSplit(Abi2Instance& cp, sdk::Group group, std::vector<Abi2Hook>& hooks);
   const Abi2Instance& owner() const { return cp_; }
   int32_t ranks() const { return group_.size(); }

@@ -209,11 +209,13 @@ TEST(Abi2, WhatThisHostDoesNotRunIsRefusedBeforeTheFirstStep) {
        "the asynchronous pipeline runs without a tensor- or context-parallel plugin beside it on this host"},
       // A context-parallel plugin's sequence split needs one attention hook, and Ulysses the contiguous split.
       {"--plugin abi2_bad_context --nproc 2",
-       "abi2_bad_context splits sequences but hooks neither \"attention.exchange\" (Ulysses) nor \"attention.core\""},
+       "abi2_bad_context splits sequences but hooks neither \"attention.exchange\" (all-to-alls around the core) nor "
+       "\"attention.core\" (its own attention core)"},
       {"--plugin abi2_bad_context --nproc 2 --set plugin.fault=both",
        "abi2_bad_context splits sequences but hooks both \"attention.exchange\" and \"attention.core\""},
       {"--plugin abi2_bad_context --nproc 2 --set plugin.fault=balanced",
-       "abi2_bad_context splits sequences but asks for the balanced split (WEFT_SPLIT_SEQUENCE_BALANCED) with Ulysses'"},
+       "abi2_bad_context splits sequences but asks for the balanced split (WEFT_SPLIT_SEQUENCE_BALANCED) with "
+       "\"attention.exchange\""},
       {"--plugin abi2_bad_context --nproc 2 --set plugin.fault=rows",
        "abi2_bad_context owns the context-parallel dimension, but its weft_layout does not split sequences"},
       {"--plugin context_parallel_abi2 --nproc 2 --set plugin.layout=\"balanced\"",

@@ -553,30 +553,38 @@ class PipelineStep : public pipeline::PipelineStrategy {
     host.handle()->state->skips_model_points = tensor_ == nullptr;
   }
 
-  // The context-parallel plugin composed with this one: its instance over this rank's cp slice and its
-  // layout (a split of the sequences), its hooks asked at once (SequenceSplit).
-  static std::unique_ptr<Abi2Instance> open_context(sdk::Host host, const PipelinePlugin& o, sdk::Group cp) {
-    const PluginHost::State& state = *host.handle()->state;
-    auto c = std::make_unique<Abi2Instance>(host, *state.abi2_context_parallel, cp.get(), state.abi2_context_parallel_settings);
+  // A plugin composed with this one over `group` (this rank's slice of `dimension`): its instance, and its
+  // layout over the host's defaults.
+  static std::unique_ptr<Abi2Instance> open_beside(sdk::Host host, const Abi2Plugin& plugin, weft_host* settings,
+                                                   sdk::Group group, int32_t dimension) {
+    auto c = std::make_unique<Abi2Instance>(host, plugin, group.get(), settings);
     check_status(host, c->name(), c->plugin.table.create(&c->services, &c->instance), "create");
     c->layout.struct_size = sizeof c->layout;
-    c->layout.dimension = WEFT_MESH_CP;
+    c->layout.dimension = dimension;
     c->layout.batch_split = WEFT_SPLIT_NONE;
     c->layout.reduce_bucket_bytes = kAbi2DefaultBucketBytes;
     if (auto fn = reinterpret_cast<weft_layout_fn>(c->proc("weft_layout"))) {
       check_status(host, c->name(), fn(c->instance, &c->layout), "weft_layout");
     }
-    const auto refuse = [&](const std::string& problem) {
-      throw sdk::Error(WEFT_STATUS_UNSUPPORTED, fmt::format("{} composed with pipeline {}: {}", c->name(), plugin_name(o), problem));
-    };
+    return c;
+  }
+  [[noreturn]] static void refuse_beside(const Abi2Instance& c, const PipelinePlugin& o, const std::string& problem) {
+    throw sdk::Error(WEFT_STATUS_UNSUPPORTED, fmt::format("{} composed with pipeline {}: {}", c.name(), plugin_name(o), problem));
+  }
+
+  // The context-parallel plugin composed with this one: its instance over this rank's cp slice and its
+  // layout (a split of the sequences), its hooks asked at once (SequenceSplit).
+  static std::unique_ptr<Abi2Instance> open_context(sdk::Host host, const PipelinePlugin& o, sdk::Group cp) {
+    const PluginHost::State& state = *host.handle()->state;
+    auto c = open_beside(host, *state.abi2_context_parallel, state.abi2_context_parallel_settings, cp, WEFT_MESH_CP);
     if (c->layout.batch_split != WEFT_SPLIT_SEQUENCE && c->layout.batch_split != WEFT_SPLIT_SEQUENCE_BALANCED) {
-      refuse("it owns the context-parallel dimension, but its weft_layout does not split sequences");
+      refuse_beside(*c, o, "it owns the context-parallel dimension, but its weft_layout does not split sequences");
     }
     for (const char* later : {"weft_schedule", "weft_place"}) {
       if (c->proc(later) != nullptr) {
-        refuse(fmt::format("it provides {}, which this host (ABI 2.{}) does not execute for a context-parallel plugin "
-                           "beside a pipeline",
-                           later, WEFT_PLUGIN_ABI_MINOR));
+        refuse_beside(*c, o, fmt::format("it provides {}, which this host (ABI 2.{}) does not execute for a context-parallel "
+                                         "plugin beside a pipeline",
+                                         later, WEFT_PLUGIN_ABI_MINOR));
       }
     }
     return c;
@@ -586,20 +594,9 @@ class PipelineStep : public pipeline::PipelineStrategy {
   // layout (the same rows on every rank of the slice).
   static std::unique_ptr<Abi2Instance> open_tensor(sdk::Host host, const PipelinePlugin& o, sdk::Group tp) {
     const PluginHost::State& state = *host.handle()->state;
-    auto c = std::make_unique<Abi2Instance>(host, *state.abi2_tensor_parallel, tp.get(), state.abi2_tensor_parallel_settings);
-    check_status(host, c->name(), c->plugin.table.create(&c->services, &c->instance), "create");
-    c->layout.struct_size = sizeof c->layout;
-    c->layout.dimension = WEFT_MESH_TP;
-    c->layout.batch_split = WEFT_SPLIT_NONE;
-    c->layout.reduce_bucket_bytes = kAbi2DefaultBucketBytes;
-    if (auto fn = reinterpret_cast<weft_layout_fn>(c->proc("weft_layout"))) {
-      check_status(host, c->name(), fn(c->instance, &c->layout), "weft_layout");
-    }
-    const auto refuse = [&](const std::string& problem) {
-      throw sdk::Error(WEFT_STATUS_UNSUPPORTED, fmt::format("{} composed with pipeline {}: {}", c->name(), plugin_name(o), problem));
-    };
-    if (c->layout.batch_split != WEFT_SPLIT_NONE) refuse("its weft_layout splits the batch, which tensor-parallel ranks share");
-    if (c->proc("weft_schedule") != nullptr) refuse("it provides weft_schedule but does not own the pipeline dimension");
+    auto c = open_beside(host, *state.abi2_tensor_parallel, state.abi2_tensor_parallel_settings, tp, WEFT_MESH_TP);
+    if (c->layout.batch_split != WEFT_SPLIT_NONE) refuse_beside(*c, o, "its weft_layout splits the batch, which tensor-parallel ranks share");
+    if (c->proc("weft_schedule") != nullptr) refuse_beside(*c, o, "it provides weft_schedule but does not own the pipeline dimension");
     return c;
   }
 

@@ -64,31 +64,39 @@ int64_t abi2_plugin_memory(const Abi2Instance& o, const weft_memory_plan& plan, 
   return bytes;
 }
 
-void abi2_run_step_hooks(const std::vector<Abi2Hook>& hooks, const char* point, int64_t step) {
+namespace {
+
+// An event of step `step`, its point's name set per hook by run_at.
+weft_hook_event event_of(int64_t step) {
+  weft_hook_event event{};
+  event.struct_size = sizeof event;
+  event.step = step;
+  return event;
+}
+
+// Every hook at `point`, in registration order, given `event`.
+void run_at(const std::vector<Abi2Hook>& hooks, const std::string& point, weft_hook_event event) {
   for (const Abi2Hook& hook : hooks) {
     if (hook.point != point) continue;
-    weft_hook_event event{};
-    event.struct_size = sizeof event;
     event.point = hook.point.c_str();
-    event.step = step;
-    abi2_check(*hook.owner, hook.fn(hook.owner->instance, &event), point);
+    abi2_check(*hook.owner, hook.fn(hook.owner->instance, &event), hook.point.c_str());
   }
+}
+
+}  // namespace
+
+void abi2_run_step_hooks(const std::vector<Abi2Hook>& hooks, const char* point, int64_t step) {
+  run_at(hooks, point, event_of(step));
 }
 
 void abi2_run_model_hooks(const std::vector<Abi2Hook>& hooks, const std::string& point, bool backward, int64_t layer,
                           DLTensor& tensor, const DLTensor* source, int64_t step) {
-  for (const Abi2Hook& hook : hooks) {
-    if (hook.point != point) continue;
-    weft_hook_event event{};
-    event.struct_size = sizeof event;
-    event.point = hook.point.c_str();
-    event.step = step;
-    event.backward = backward ? 1 : 0;
-    event.layer = layer;
-    event.tensor = &tensor;
-    event.source = source;
-    abi2_check(*hook.owner, hook.fn(hook.owner->instance, &event), hook.point.c_str());
-  }
+  weft_hook_event event = event_of(step);
+  event.backward = backward ? 1 : 0;
+  event.layer = layer;
+  event.tensor = &tensor;
+  event.source = source;
+  run_at(hooks, point, event);
 }
 
 SequenceSplit::SequenceSplit(Abi2Instance& cp, sdk::Group group, std::vector<Abi2Hook>& hooks)
@@ -143,17 +151,11 @@ void SequenceSplit::attention(int64_t step, const weft_attention_call& call) con
   core.grad_q = call.grad_q;
   core.grad_k = call.grad_k;
   core.grad_v = call.grad_v;
-  for (const Abi2Hook& hook : hooks_) {
-    if (hook.point != "attention.core") continue;
-    weft_hook_event event{};
-    event.struct_size = sizeof event;
-    event.point = hook.point.c_str();
-    event.step = step;
-    event.backward = call.direction == WEFT_BACKWARD ? 1 : 0;
-    event.layer = call.layer;
-    event.attention = &core;
-    abi2_check(*hook.owner, hook.fn(hook.owner->instance, &event), "attention.core");
-  }
+  weft_hook_event event = event_of(step);
+  event.backward = call.direction == WEFT_BACKWARD ? 1 : 0;
+  event.layer = call.layer;
+  event.attention = &core;
+  run_at(hooks_, "attention.core", event);
 }
 
 void abi2_check_sequence_hooks(const Abi2Instance& tp, const std::vector<Abi2Hook>& hooks, int32_t ranks) {

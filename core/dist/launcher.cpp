@@ -102,6 +102,27 @@ bool is_stopped(pid_t pid) {
 
 // Stops every rank still running: a stopped one is killed at once (it cannot act on SIGTERM), the
 // others get SIGTERM and `grace` to exit, then SIGKILL.
+// Waits up to `grace` for the ranks still running to exit on their own (reaping them): a rank that
+// refuses the run (a configuration it cannot use) closes its connections, and a peer may fail on that
+// first; given a moment, the refusing rank prints the error that names the problem before the others
+// are stopped.
+void settle(const std::vector<pid_t>& pids, std::vector<bool>& done, std::chrono::milliseconds grace) {
+  const auto deadline = std::chrono::steady_clock::now() + grace;
+  while (std::chrono::steady_clock::now() < deadline) {
+    bool all = true;
+    for (size_t r = 0; r < pids.size(); ++r) {
+      if (done[r]) continue;
+      if (::waitpid(pids[r], nullptr, WNOHANG) == pids[r]) {
+        done[r] = true;
+      } else {
+        all = false;
+      }
+    }
+    if (all) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
 void stop_all(const std::vector<pid_t> pids, std::vector<bool>& done, std::chrono::seconds grace) {
   for (size_t r = 0; r < pids.size(); ++r) {
     if (done[r]) continue;
@@ -285,6 +306,7 @@ int supervise(int nproc, c10d::Store& store) {
     } else {
       spdlog::error("rank {} failed ({}); stopping the other ranks", rank, describe_status(status));
     }
+    settle(children, done, std::chrono::milliseconds(1500));
     stop_all(children, done, std::chrono::seconds(5));
     return code > 0 ? code : 1;
   }

@@ -3,8 +3,8 @@
  *
  * STATUS: 2.4, landings of issue 44 (design: sdk/ABI2.md). The host loads 2.x plugins beside 1.x
  * ones (weft/strategy.h); single_abi2.so, ddp_abi2.so, zero_abi2.so, gpipe_abi2.so,
- * tensor_parallel_abi2.so, context_parallel_abi2.so and the out-of-tree examples sdk/examples/diloco, sdk/examples/hsdp and
- * sdk/examples/zbv are written against it. A plugin owns one mesh dimension (or none, alone on one
+ * tensor_parallel_abi2.so, context_parallel_abi2.so and the out-of-tree examples sdk/examples/diloco,
+ * sdk/examples/hsdp and sdk/examples/zbv are written against it. A plugin owns one mesh dimension (or none, alone on one
  * process):
  * - Data parallelism: it places every parameter, gradient and optimizer state REPLICATE or LOCAL
  *   (all three LOCAL together), or the optimizer state FLAT_SHARD (ZeRO's stage 1), its gradient
@@ -14,7 +14,8 @@
  * - The pipeline: it gives the placement of virtual stages on ranks and each rank's schedule as
  *   data (weft_layout's pipeline fields, "weft_schedule"); the host partitions the model, adds the
  *   transfers, verifies and runs the schedule, sums a tied embedding's two copies' gradients and
- *   evaluates with a forward-only schedule.
+ *   evaluates with a forward-only schedule; or (2.4) it asks for the host's asynchronous 1F1B
+ *   (weft_layout.pipeline_asynchronous), whose schedule spans steps.
  * - Tensor parallelism (2.3): it places weights as SLICEs (the host builds only them and saves
  *   whole tensors), gradients PARTIAL where each rank holds a part of the sum (the host sums them),
  *   may ask for Megatron's sequence parallelism, and hooks the model's points (Megatron's f and g,

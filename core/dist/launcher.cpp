@@ -133,20 +133,7 @@ void stop_all(const std::vector<pid_t> pids, std::vector<bool>& done, std::chron
       ::kill(pids[r], SIGTERM);
     }
   }
-  const auto deadline = std::chrono::steady_clock::now() + grace;
-  while (std::chrono::steady_clock::now() < deadline) {
-    bool all = true;
-    for (size_t r = 0; r < pids.size(); ++r) {
-      if (done[r]) continue;
-      if (::waitpid(pids[r], nullptr, WNOHANG) == pids[r]) {
-        done[r] = true;
-      } else {
-        all = false;
-      }
-    }
-    if (all) return;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  settle(pids, done, grace);
   for (size_t r = 0; r < pids.size(); ++r) {
     if (!done[r]) {
       ::kill(pids[r], SIGKILL);

@@ -393,6 +393,7 @@ class HostStep : public sdk::Strategy {
                                                            "tensor-parallel dimension",
                                                            o.name()));
     }
+    check_shard_options(o.name(), l);
     if (o.proc("weft_schedule") != nullptr) {
       throw sdk::Error(WEFT_STATUS_BAD_CONFIG,
                        fmt::format("{} provides weft_schedule but does not own the pipeline dimension (its mesh_dimensions "
@@ -519,16 +520,28 @@ class HostStep : public sdk::Strategy {
     const double sharded_gradient = std::max(shares.gradient, shares.optimizer_state);  // stage 1 keeps a range too
     plan.gradient_bytes = gradients + static_cast<int64_t>(static_cast<double>(gradients) * sharded_gradient / n);
     if (shares.parameter > 0.0) {
-      int64_t largest = 0, first = 0;
+      // Whole stages in the compute dtype where the layout asks (their gradients too, and the forward
+      // then makes no weight copies); all of them from the forward to the backward where it keeps them.
+      const bool compute = dp_->layout.shard_compute_dtype != 0;
+      int64_t largest = 0, first = 0, all = 0, whole_gradients = 0, copies = 0;
       for (int64_t s = 0; s < stages; ++s) {
-        const int64_t bytes = h.stage_memory(s).parameter_bytes;
+        const weft_stage_memory m = h.stage_memory(s);
+        const int64_t bytes = compute ? m.compute_parameter_bytes : m.parameter_bytes;
         if (s == 0) first = bytes;
         largest = std::max(largest, bytes);
+        all += bytes;
+        whole_gradients += compute ? m.compute_trainable_bytes : m.trainable_bytes;
+        if (compute) copies += m.weight_copy_bytes;
       }
       const bool tied = h.model_info().tie_word_embeddings != 0;
-      const int64_t whole = std::min<int64_t>(plan.parameter_bytes, 2 * largest + (tied ? first : 0));
+      const int64_t whole =
+          dp_->layout.shard_keep_after_forward != 0 ? all : std::min<int64_t>(all, 2 * largest + (tied ? first : 0));
       plan.parameter_bytes = part(plan.parameter_bytes, shares.parameter) +
                              static_cast<int64_t>(static_cast<double>(whole) * shares.parameter);
+      if (compute) {
+        plan.gradient_bytes += static_cast<int64_t>(static_cast<double>(whole_gradients - gradients) * shares.parameter);
+        plan.activation_bytes = std::max<int64_t>(0, plan.activation_bytes - copies);
+      }
     }
     // All-reduce buckets through the run; a reduce-scatter bucket takes the place of the whole gradients
     // it frees, beside its row.
@@ -546,7 +559,9 @@ class HostStep : public sdk::Strategy {
     if (!parameter && !std::binary_search(state_shards_.begin(), state_shards_.end(), index)) {
       return weft_flat_shard{0, elements, 0u, 0u};
     }
-    return flat_range(elements, shard_ranks(), shard_rank(), parameter);
+    weft_flat_shard range = flat_range(elements, shard_ranks(), shard_rank(), parameter);
+    if (parameter && dp_->layout.shard_compute_dtype != 0) range.flags |= WEFT_FLAT_SHARD_COMPUTE_DTYPE;
+    return range;
   }
   bool is_parameter_shard(int64_t index) const {
     return std::binary_search(parameter_shards_.begin(), parameter_shards_.end(), index);
@@ -801,7 +816,8 @@ class HostStep : public sdk::Strategy {
   }
 
   // Parameters FLAT_SHARD: the model stage by stage, each gathered for its forward and released
-  // after it (the last stays whole for its backward; with tied embeddings, stage 0 the whole step).
+  // after it (the last stays whole for its backward; with tied embeddings, stage 0 the whole step;
+  // with weft_layout.shard_keep_after_forward, every stage until its backward).
   struct StagedPass {
     std::vector<sdk::Activation> inputs, outputs;  // inputs[s]: stage s's input as a leaf (s > 0)
   };
@@ -819,7 +835,7 @@ class HostStep : public sdk::Strategy {
         pass.inputs[s] = h.activation_from_tensor(h.activation_view(pass.outputs[s - 1]), true);
         pass.outputs[s] = h.forward(s, s + 1, pass.inputs[s]);
       }
-      if (s + 1 < S && !(tied_ && s == 0)) gatherer_->release(s);
+      if (s + 1 < S && !(tied_ && s == 0) && dp_->layout.shard_keep_after_forward == 0) gatherer_->release(s);
     }
     return pass.outputs[static_cast<size_t>(S - 1)];
   }
@@ -982,6 +998,15 @@ class TensorStep : public HostStep {
 }  // namespace
 
 weft_proc abi2_host_proc_address(const char* name) { return host_proc_address(name); }
+
+void check_shard_options(const std::string& plugin, const weft_layout& layout) {
+  for (const auto& [field, value] : {std::pair<const char*, int32_t>{"shard_compute_dtype", layout.shard_compute_dtype},
+                                     {"shard_keep_after_forward", layout.shard_keep_after_forward}}) {
+    if (value != 0 && value != 1) {
+      throw sdk::Error(WEFT_STATUS_BAD_CONFIG, fmt::format("{}: weft_layout's {} = {} (0 or 1)", plugin, field, value));
+    }
+  }
+}
 
 Abi2ShardShares abi2_shard_shares(const sdk::Host& host, const std::string& plugin, weft_place_fn place,
                                   weft_plugin_instance* instance, const std::vector<std::pair<int64_t, int64_t>>& ranges) {

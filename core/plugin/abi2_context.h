@@ -79,6 +79,10 @@ const char* abi2_placement_name(int32_t kind);
 // placement otherwise.
 void check_abi2_placement(const std::string& plugin, const weft_parameter_info& info, const weft_parameter_layout& where);
 
+// weft_layout's FLAT_SHARD options (shard_compute_dtype, shard_keep_after_forward: 0 or 1); throws
+// sdk::Error naming `plugin` and the field otherwise.
+void check_shard_options(const std::string& plugin, const weft_layout& layout);
+
 // Of the parameters of model stages [first, last) of each range, by elements, the share whose
 // parameter, gradient and optimizer state `place` (a plugin's "weft_place", may be null: none)
 // puts FLAT_SHARD, asked before the model is built with each parameter's full shape (LoRA

@@ -315,7 +315,9 @@ class PipelineStep : public pipeline::PipelineStrategy {
     if (!parameter && !std::binary_search(state_shards_.begin(), state_shards_.end(), index)) {
       return weft_flat_shard{0, elements, 0u, 0u};
     }
-    return flat_range(elements, replicas(), replica(), parameter);
+    weft_flat_shard range = flat_range(elements, replicas(), replica(), parameter);
+    if (parameter && companion_->layout.shard_compute_dtype != 0) range.flags |= WEFT_FLAT_SHARD_COMPUTE_DTYPE;
+    return range;
   }
 
   // The pipeline's plan (PipelineStrategy::memory_plan), with the data-parallel plugin's FLAT_SHARD
@@ -348,6 +350,18 @@ class PipelineStep : public pipeline::PipelineStrategy {
     const int64_t gradients = plan.gradient_bytes;
     plan.gradient_bytes += range(gradients, std::max(shares.gradient, shares.optimizer_state));
     plan.parameter_bytes += range(plan.parameter_bytes, shares.parameter);
+    if (companion_->layout.shard_compute_dtype != 0 && shares.parameter > 0.0) {  // whole in the compute dtype
+      int64_t saved = 0, saved_gradients = 0;
+      for (const auto& [first, last] : ranges) {
+        for (int64_t s = first; s < last; ++s) {
+          const weft_stage_memory m = host().stage_memory(s);
+          saved += m.parameter_bytes - m.compute_parameter_bytes;
+          saved_gradients += m.trainable_bytes - m.compute_trainable_bytes;
+        }
+      }
+      plan.parameter_bytes -= static_cast<int64_t>(static_cast<double>(saved) * shares.parameter);
+      plan.gradient_bytes -= static_cast<int64_t>(static_cast<double>(saved_gradients) * shares.parameter);
+    }
     // A reduce-scatter bucket takes the place of the whole gradients it frees (the pipeline's plan
     // counted an all-reduce bucket for every gradient), beside its row.
     plan.buffer_bytes += range(gradients, shares.gradient) -
@@ -624,6 +638,7 @@ class PipelineStep : public pipeline::PipelineStrategy {
                          "(WEFT_SPLIT_ROWS)",
                          c->layout.batch_split));
     }
+    check_shard_options(c->name(), c->layout);
     if (c->layout.shard_group_size != 0 && c->layout.shard_group_size != dp.size()) {
       refuse(fmt::format("its weft_layout's shard group of {} ranks (this host shards over the whole dp dimension "
                          "under a pipeline)",

@@ -5,8 +5,11 @@
  * updated parameter whole after the optimizer step); stage 2 places it FLAT_SHARD too (the host
  * reduce-scatters it, so a rank keeps only its range of each gradient between steps); stage 3
  * places every parameter FLAT_SHARD as well (the host gathers each model stage's parameters around
- * its forward and backward and frees them after: FSDP). zero.so is the same under ABI 1, with its
- * own step loops. */
+ * its forward and backward and frees them after: FSDP), in the run's compute dtype by default
+ * (plugin.param_dtype = "compute": under bf16 the whole matrices and their whole gradients are bf16,
+ * as FSDP's MixedPrecisionPolicy(param_dtype=bf16); "fp32" gathers fp32), released after each
+ * stage's forward unless plugin.reshard_after_forward = false. zero.so is the same under ABI 1,
+ * with its own step loops. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,20 +19,37 @@
 typedef struct zero {
   int64_t stage;    /* plugin.stage: 1 (default), 2 or 3 */
   double bucket_mb; /* plugin.bucket_mb: the host's gradient buckets (default 25) */
+  int32_t compute_dtype; /* plugin.param_dtype: "compute" (default, 1) or "fp32" (0); stage 3 */
+  int32_t reshard;       /* plugin.reshard_after_forward (default true); stage 3 */
 } zero;
 
 static weft_status* create(const weft_host_services* host, weft_plugin_instance** out) {
   weft_config_int_fn config_int = (weft_config_int_fn)host->get_proc_address("weft_config_int");
   weft_config_float_fn config_float = (weft_config_float_fn)host->get_proc_address("weft_config_float");
+  weft_config_bool_fn config_bool = (weft_config_bool_fn)host->get_proc_address("weft_config_bool");
+  weft_config_string_fn config_string = (weft_config_string_fn)host->get_proc_address("weft_config_string");
   weft_status_create_fn status_create = (weft_status_create_fn)host->get_proc_address("weft_status_create");
   int64_t stage = 1;
   double bucket_mb = 25.0;
-  char message[96];
+  int32_t reshard = 1;
+  const char* param_dtype = "compute";
+  char message[128];
   weft_status* status;
   zero* self;
-  if (config_int == NULL || config_float == NULL || status_create == NULL) return NULL; /* not on a 2.0 host */
+  if (config_int == NULL || config_float == NULL || config_bool == NULL || config_string == NULL || status_create == NULL) {
+    return NULL; /* not on a 2.0 host */
+  }
+  if (host->abi_minor < 5) {
+    return status_create(WEFT_STATUS_UNSUPPORTED, "zero_abi2 needs a host of ABI 2.5 or later (weft_layout's shard options)");
+  }
   if ((status = config_int(host->context, "stage", 1, &stage)) != NULL) return status;
   if ((status = config_float(host->context, "bucket_mb", 25.0, &bucket_mb)) != NULL) return status;
+  if ((status = config_bool(host->context, "reshard_after_forward", 1, &reshard)) != NULL) return status;
+  if ((status = config_string(host->context, "param_dtype", "compute", &param_dtype)) != NULL) return status;
+  if (strcmp(param_dtype, "compute") != 0 && strcmp(param_dtype, "fp32") != 0) {
+    snprintf(message, sizeof message, "plugin.param_dtype must be \"compute\" or \"fp32\", got \"%.40s\"", param_dtype);
+    return status_create(WEFT_STATUS_BAD_CONFIG, message);
+  }
   if (stage < 1 || stage > 3) {
     snprintf(message, sizeof message, "plugin.stage must be 1, 2 or 3 (ZeRO's stages), got %lld", (long long)stage);
     return status_create(WEFT_STATUS_BAD_CONFIG, message);
@@ -42,6 +62,8 @@ static weft_status* create(const weft_host_services* host, weft_plugin_instance*
   if (self == NULL) return status_create(WEFT_STATUS_INTERNAL, "zero_abi2: out of memory");
   self->stage = stage;
   self->bucket_mb = bucket_mb;
+  self->compute_dtype = strcmp(param_dtype, "compute") == 0;
+  self->reshard = reshard != 0;
   *out = (weft_plugin_instance*)self;
   return NULL;
 }
@@ -53,6 +75,8 @@ static weft_status* layout(weft_plugin_instance* instance, weft_layout* out) {
   out->batch_split = WEFT_SPLIT_ROWS;
   out->reduce_bucket_bytes = (int64_t)(self->bucket_mb * 1024.0 * 1024.0);
   if (out->reduce_bucket_bytes < 1) out->reduce_bucket_bytes = 1;
+  out->shard_compute_dtype = self->stage >= 3 && self->compute_dtype;
+  out->shard_keep_after_forward = self->stage >= 3 && !self->reshard;
   return NULL;
 }
 
@@ -75,7 +99,7 @@ static weft_proc get_proc_address(const char* name) {
 
 WEFT_EXPORT const weft_plugin* weft_plugin_entry(uint16_t host_abi_major, uint16_t host_abi_minor) {
   static const weft_plugin table = {
-      sizeof(weft_plugin), WEFT_PLUGIN_ABI_MAJOR, WEFT_PLUGIN_ABI_MINOR, "zero_abi2", "2.1.0",
+      sizeof(weft_plugin), WEFT_PLUGIN_ABI_MAJOR, WEFT_PLUGIN_ABI_MINOR, "zero_abi2", "2.5.0",
       "ZeRO stages 1-3 under ABI 2: a layout (optimizer state, gradients, parameters flat-sharded); the host does the rest",
       1u << WEFT_MESH_DP, create, destroy, get_proc_address};
   (void)host_abi_minor;

@@ -122,7 +122,7 @@ TEST(Abi2, PluginsAreListedWithTheirAbi) {
   const std::string plugins = std::string(WEFT_BINARY_DIR) + "/plugins/";
   const auto ddp = weft::PluginLibrary::load(plugins + "ddp_abi2.so");
   ASSERT_NE(ddp->abi2(), nullptr);
-  EXPECT_EQ(ddp->abi(), "2.4");
+  EXPECT_EQ(ddp->abi(), "2.5");
   EXPECT_EQ(ddp->name(), "ddp_abi2");
   EXPECT_EQ(weft::PluginLibrary::load(plugins + "ddp.so")->abi2(), nullptr);
 }
@@ -140,7 +140,7 @@ TEST(Abi2, WhatThisHostDoesNotRunIsRefusedBeforeTheFirstStep) {
       {"--plugin single_abi2 --nproc 2",
        "single_abi2 owns no mesh dimension, so it runs on one process, but the world has 2 ranks"},
       {"--plugin abi2_slice --nproc 2",
-       "abi2_slice places the parameter of model.embed_tokens.weight as SLICE, which this host (ABI 2.4) does not "
+       "abi2_slice places the parameter of model.embed_tokens.weight as SLICE, which this host (ABI 2.5) does not "
        "execute yet"},
       {"--plugin abi2_schedule --nproc 2",
        "abi2_schedule provides weft_schedule but does not own the pipeline dimension"},
@@ -160,10 +160,10 @@ TEST(Abi2, WhatThisHostDoesNotRunIsRefusedBeforeTheFirstStep) {
        "forever; stage 1 F1 waits forever"},
       // Compositions: plugins of one ABI; ABI 2 as a pipeline plugin and a data-parallel one.
       {"--plugin ddp_abi2,tensor_parallel --nproc 2",
-       "plugins ddp_abi2 (ABI 2.4) and tensor_parallel (ABI 1.14) cannot compose: a run composes plugins of one ABI"},
+       "plugins ddp_abi2 (ABI 2.5) and tensor_parallel (ABI 1.14) cannot compose: a run composes plugins of one ABI"},
       {"--plugin ddp_abi2,zero_abi2 --nproc 2", "plugins ddp_abi2 and zero_abi2 both own the data-parallel dimension"},
       {"--plugin diloco,tensor_parallel_abi2 --nproc 4 --set mesh.tp=2",
-       "diloco composed with tensor-parallel tensor_parallel_abi2: it provides weft_hooks, which this host (ABI 2.4) "
+       "diloco composed with tensor-parallel tensor_parallel_abi2: it provides weft_hooks, which this host (ABI 2.5) "
        "does not execute in a composition yet"},
       // A tensor-parallel plugin's slices must divide the model's sizes and match what the model holds.
       {"--plugin tensor_parallel_abi2 --nproc 3",
@@ -172,7 +172,7 @@ TEST(Abi2, WhatThisHostDoesNotRunIsRefusedBeforeTheFirstStep) {
        "abi2_bad_slice places model.layers.0.self_attn.q_proj.lora_A.weight sliced along dimension 1 in 2 parts, but "
        "the model holds it whole"},
       {"--plugin abi2_bad_slice --nproc 2 --set plugin.fault=gradient",
-       "abi2_bad_slice places the gradient of model.embed_tokens.weight as REPLICATE, which this host (ABI 2.4) does "
+       "abi2_bad_slice places the gradient of model.embed_tokens.weight as REPLICATE, which this host (ABI 2.5) does "
        "not execute on the tensor-parallel dimension (a gradient is placed as its parameter, or PARTIAL)"},
       {"--plugin abi2_bad_slice --nproc 2 --set plugin.fault=parts",
        "abi2_bad_slice places model.embed_tokens.weight as SLICE along dimension 0 in 3 parts, which a tensor of 2 "
@@ -185,17 +185,17 @@ TEST(Abi2, WhatThisHostDoesNotRunIsRefusedBeforeTheFirstStep) {
       {"--plugin ddp_abi2,gpipe_abi2 --nproc 4 --set mesh.pp=2 --set mesh.tp=2",
        "the device mesh pp 2 x tp 2 has tp = 2 but no plugin of train.plugin = \"ddp_abi2,gpipe_abi2\" owns it"},
       {"--plugin diloco,gpipe_abi2 --nproc 4 --set mesh.pp=2",
-       "diloco composed with pipeline gpipe_abi2: it provides weft_hooks, which this host (ABI 2.4) does not execute "
+       "diloco composed with pipeline gpipe_abi2: it provides weft_hooks, which this host (ABI 2.5) does not execute "
        "for a data-parallel plugin beside a pipeline yet"},
       {"--plugin ddp_abi2 --nproc 2 --set plugin.bucket_mb=0", "plugin.bucket_mb must be > 0, got 0"},
       {"--plugin zero_abi2 --nproc 2 --set plugin.stage=3 --set train.mode=lora --set model.frozen_dtype=bf16",
        "zero_abi2 places parameter model.embed_tokens.weight FLAT_SHARD, but it is not fp32"},
       {"--plugin ddp_abi2 --nproc 2 --set plugin.bucket_size=1", "plugin.bucket_size"},  // a key nobody reads
       {"--plugin abi2_local_gradient --nproc 2",
-       "abi2_local_gradient places the parameter of model.embed_tokens.weight as REPLICATE, which this host (ABI 2.4) "
+       "abi2_local_gradient places the parameter of model.embed_tokens.weight as REPLICATE, which this host (ABI 2.5) "
        "does not execute beside LOCAL (a parameter, its gradient and its optimizer state are LOCAL together)"},
       {"--plugin abi2_unknown_point --nproc 2",
-       "abi2_unknown_point registers a hook at \"block.attention.core\", a point this host (ABI 2.4) does not publish "
+       "abi2_unknown_point registers a hook at \"block.attention.core\", a point this host (ABI 2.5) does not publish "
        "(it publishes: train.begin, step.end)"},
       // The asynchronous pipeline: 1F1B only, one minibatch per step, whole state on its replicas.
       {"--plugin gpipe_abi2 --nproc 2 --set plugin.mode=\"async\" --set plugin.schedule=\"gpipe\"",
@@ -229,7 +229,7 @@ TEST(Abi2, WhatThisHostDoesNotRunIsRefusedBeforeTheFirstStep) {
        "abi2_bad_context composed with pipeline gpipe_abi2: it owns the context-parallel dimension, but its weft_layout "
        "does not split sequences"},
       {"--plugin diloco,context_parallel_abi2 --nproc 4 --set mesh.cp=2 --set mesh.dp=2",
-       "diloco composed with context-parallel context_parallel_abi2: it provides weft_hooks, which this host (ABI 2.4) "
+       "diloco composed with context-parallel context_parallel_abi2: it provides weft_hooks, which this host (ABI 2.5) "
        "does not execute in a composition yet"},
   };
   for (const Case& c : cases) {
@@ -645,7 +645,7 @@ TEST(Abi2, DdpAsALayoutTrainsAsDdpAndReducesDuringTheBackward) {
   const auto v2 = weft::testing::run_trainer(run + " --plugin ddp_abi2 --set train.out_dir=" + dir + "/v2");
   ASSERT_EQ(v1.exit_code, 0) << v1.output;
   ASSERT_EQ(v2.exit_code, 0) << v2.output;
-  EXPECT_THAT(v2.output, HasSubstr("strategy: ddp_abi2 2.0.0 (ABI 2.4)"));
+  EXPECT_THAT(v2.output, HasSubstr("strategy: ddp_abi2 2.0.0 (ABI 2.5)"));
   const auto a = weft::testing::step_losses(dir + "/v1/metrics.jsonl");
   const auto b = weft::testing::step_losses(dir + "/v2/metrics.jsonl");
   ASSERT_EQ(a.size(), 4u);
@@ -872,6 +872,70 @@ TEST(Abi2, ZeroStage3GathersEachStageAroundItsUsesAndResumesUnderAnyLayout) {
     ASSERT_EQ(c.size(), 3u) << plugin;
     for (size_t i = 0; i < c.size(); ++i) EXPECT_EQ(c[i], b[i + 3]) << plugin << ": step " << i + 4;
   }
+}
+
+// zero.so's two stage-3 options under ABI 2 (weft_layout's shard_compute_dtype and
+// shard_keep_after_forward, zero_abi2's plugin.param_dtype and plugin.reshard_after_forward):
+// keeping each model stage whole from its forward to its backward trains to the same losses to the bit
+// and sends fewer bytes (one gather per micro-batch, not two); under bf16, gathering in the compute
+// dtype holds less tensor memory at the peak than fp32 gathers, and the plan says so too.
+TEST(Abi2, ZeroStage3KeepsStagesWholeUntilTheirBackwardAndGathersInTheComputeDtype) {
+  const std::string dir = weft::testing::fresh_dir("weft_test_abi2", "zero3_options");
+  const std::string run = tiny_run("--nproc 2 --set train.max_steps=4 --set train.grad_accum_steps=2 "
+                                   "--plugin zero_abi2 --set plugin.stage=3");
+  const auto summary = [](const std::string& metrics, const char* key) {
+    std::vector<double> out;
+    std::ifstream in(metrics);
+    for (std::string line; std::getline(in, line);) {
+      const auto record = nlohmann::json::parse(line);
+      if (record["type"] == "summary") out = record[key].get<std::vector<double>>();
+    }
+    return out;
+  };
+  const auto comm_bytes = [](const std::string& metrics) {
+    double bytes = 0.0;
+    std::ifstream in(metrics);
+    for (std::string line; std::getline(in, line);) {
+      const auto record = nlohmann::json::parse(line);
+      if (record["type"] == "step") bytes += record["comm_bytes"].get<double>();
+    }
+    return bytes;
+  };
+  std::map<std::string, std::string> out;
+  for (const auto& [label, settings] :
+       std::vector<std::pair<std::string, std::string>>{{"reshard", ""},
+                                                        {"keep", " --set plugin.reshard_after_forward=false"},
+                                                        {"bf16_compute", " --set train.precision=bf16"},
+                                                        {"bf16_fp32", " --set train.precision=bf16 --set plugin.param_dtype=fp32"}}) {
+    out[label] = dir + "/" + label + "/metrics.jsonl";
+    const auto r = weft::testing::run_trainer(run + settings + " --set train.out_dir=" + dir + "/" + label);
+    ASSERT_EQ(r.exit_code, 0) << label << "\n" << r.output;
+  }
+  const auto reshard = weft::testing::step_losses(out["reshard"]);
+  ASSERT_EQ(reshard.size(), 4u);
+  EXPECT_EQ(weft::testing::step_losses(out["keep"]), reshard);
+  EXPECT_LT(comm_bytes(out["keep"]), 0.9 * comm_bytes(out["reshard"]));
+  const auto compute = summary(out["bf16_compute"], "tensor_peak_mib_per_rank");
+  const auto fp32 = summary(out["bf16_fp32"], "tensor_peak_mib_per_rank");
+  const auto compute_plan = summary(out["bf16_compute"], "memory_plan_mib_per_rank");
+  const auto fp32_plan = summary(out["bf16_fp32"], "memory_plan_mib_per_rank");
+  ASSERT_EQ(compute.size(), 2u);
+  ASSERT_EQ(fp32.size(), 2u);
+  ASSERT_EQ(compute_plan.size(), 2u);
+  ASSERT_EQ(fp32_plan.size(), 2u);
+  for (size_t k = 0; k < 2; ++k) {
+    EXPECT_LT(compute[k], fp32[k]) << "rank " << k;
+    EXPECT_LT(compute_plan[k], fp32_plan[k]) << "rank " << k;
+  }
+  const auto bf16 = weft::testing::step_losses(out["bf16_compute"]);
+  const auto bf16_fp32 = weft::testing::step_losses(out["bf16_fp32"]);
+  ASSERT_EQ(bf16.size(), 4u);
+  ASSERT_EQ(bf16_fp32.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_NEAR(bf16[i], bf16_fp32[i], 0.01 * bf16_fp32[i]) << "step " << i + 1;
+  const auto bad = weft::testing::run_trainer(run + " --set plugin.param_dtype=fp8 --set train.out_dir=" + dir + "/bad");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("plugin.param_dtype must be \"compute\" or \"fp32\", got \"fp8\""), std::string::npos)
+      << bad.output;
 }
 
 }  // namespace

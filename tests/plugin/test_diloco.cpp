@@ -48,7 +48,7 @@ TEST(Diloco, WorkersDriftApartBetweenOuterStepsAndAgreeAfterEach) {
                                                        " --set plugin.inner_steps=3 --set plugin.check_replicas=true "
                                                        "--set train.out_dir=" + dir + "/out"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_THAT(r.output, HasSubstr("strategy: diloco 0.1.0 (ABI 2.4)"));
+  EXPECT_THAT(r.output, HasSubstr("strategy: diloco 0.1.0 (ABI 2.5)"));
   const auto steps = step_records(dir + "/out/metrics.jsonl");
   ASSERT_EQ(steps.size(), 9u);
   for (const auto& s : steps) {

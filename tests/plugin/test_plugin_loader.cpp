@@ -202,7 +202,7 @@ TEST(PluginLoader, BrokenPluginsAreRefusedWithOneLineNamingTheProblem) {
       {"not_a_library", "not a shared library"},
       {"undefined_symbol", "cannot be loaded: "},
       // ABI 2 (weft/plugin.h): a plugin owns one dimension: data-parallel, pipeline, tensor- or context-parallel.
-      {"abi2_tensor_parallel", "offers mesh dimensions 0xa; an ABI 2 plugin on this host (ABI 2.4) owns one of the "
+      {"abi2_tensor_parallel", "offers mesh dimensions 0xa; an ABI 2 plugin on this host (ABI 2.5) owns one of the "
                                "data-parallel dimension (0x2), the pipeline dimension (0x1), the tensor-parallel "
                                "dimension (0x8) and the context-parallel dimension (0x4)"},
       {"abi2_no_proc_address", "required function(s) are NULL: get_proc_address"},

@@ -148,27 +148,36 @@ TEST(MemoryPlan, APlanThatDoesNotFitAdvisesWhatWouldFromThePlan) {
   }
 }
 
-// zero.so stage 3 in bf16 (ABI 1.6): gathered matrices and their whole gradients in the compute
-// dtype, so the plan's parameters and gradients per rank fall against plugin.param_dtype = "fp32"
-// by the gathered stages' half, and its activations lose the weight copies (none are made).
+// ZeRO stage 3 in bf16 (zero.so, ABI 1.6; zero_abi2, weft_layout.shard_compute_dtype, ABI 2.5):
+// gathered matrices and their whole gradients in the compute dtype, so the plan's parameters and
+// gradients per rank fall against plugin.param_dtype = "fp32" by the gathered stages' half, and its
+// activations lose the weight copies (none are made).
 TEST(MemoryPlan, ZeroStage3PlansItsGatheredParametersInTheComputeDtype) {
   const std::string config = std::string(WEFT_SOURCE_DIR) + "/configs/small-bench.toml";
-  const std::string base = "plan --config " + config + " --plugin zero --nproc 2 --set train.precision=bf16";
-  const auto compute = run_trainer(base);
-  const auto fp32 = run_trainer(base + " --set plugin.param_dtype=\"fp32\"");
-  ASSERT_EQ(compute.exit_code, 0) << compute.output;
-  ASSERT_EQ(fp32.exit_code, 0) << fp32.output;
-  const auto c = plan_row(compute.output, 0), f = plan_row(fp32.output, 0);
-  ASSERT_EQ(c.size(), 7u) << compute.output;
-  ASSERT_EQ(f.size(), 7u) << fp32.output;
-  EXPECT_LT(c[0], f[0]);  // parameters: fp32 shards + bf16 whole stages
-  EXPECT_LT(c[1], f[1]);  // gradients: fp32 shards + bf16 whole gradients
-  EXPECT_GT(c[0], 0.5 * f[0]);  // the shards stay fp32
-  EXPECT_NEAR(c[2], f[2], 0.01);  // optimizer state: the same fp32 moments
-  EXPECT_LE(c[3], f[3]);  // activations: no weight copies
-  const auto bad = run_trainer(base + " --set plugin.param_dtype=\"fp8\"");
-  EXPECT_NE(bad.exit_code, 0);
-  EXPECT_NE(bad.output.find("plugin.param_dtype must be \"compute\" or \"fp32\""), std::string::npos) << bad.output;
+  for (const std::string plugin : {"zero", "zero_abi2 --set plugin.stage=3"}) {
+    const std::string base = "plan --config " + config + " --plugin " + plugin + " --nproc 2 --set train.precision=bf16";
+    const auto compute = run_trainer(base);
+    const auto fp32 = run_trainer(base + " --set plugin.param_dtype=\"fp32\"");
+    ASSERT_EQ(compute.exit_code, 0) << compute.output;
+    ASSERT_EQ(fp32.exit_code, 0) << fp32.output;
+    const auto c = plan_row(compute.output, 0), f = plan_row(fp32.output, 0);
+    ASSERT_EQ(c.size(), 7u) << compute.output;
+    ASSERT_EQ(f.size(), 7u) << fp32.output;
+    EXPECT_LT(c[0], f[0]) << plugin;  // parameters: fp32 shards + bf16 whole stages
+    EXPECT_LT(c[1], f[1]) << plugin;  // gradients: fp32 shards + bf16 whole gradients
+    EXPECT_GT(c[0], 0.5 * f[0]) << plugin;  // the shards stay fp32
+    EXPECT_NEAR(c[2], f[2], 0.01) << plugin;  // optimizer state: the same fp32 moments
+    EXPECT_LE(c[3], f[3]) << plugin;  // activations: no weight copies
+    const auto bad = run_trainer(base + " --set plugin.param_dtype=\"fp8\"");
+    EXPECT_NE(bad.exit_code, 0);
+    EXPECT_NE(bad.output.find("plugin.param_dtype must be \"compute\" or \"fp32\""), std::string::npos) << bad.output;
+    // Kept from the forward to the backward, every stage is whole at the peak.
+    const auto keep = run_trainer(base + " --set plugin.reshard_after_forward=false");
+    ASSERT_EQ(keep.exit_code, 0) << keep.output;
+    const auto k = plan_row(keep.output, 0);
+    ASSERT_EQ(k.size(), 7u) << keep.output;
+    EXPECT_GT(k[0], c[0]) << plugin;
+  }
 }
 
 // The plan (made before the model existed) against the run's measured peak of tensor memory per

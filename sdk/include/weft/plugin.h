@@ -1,7 +1,7 @@
 /*
  * weft/plugin.h - the strategy plugin ABI, version 2 (C99).
  *
- * STATUS: 2.4, landings of issue 44 (design: sdk/ABI2.md). The host loads 2.x plugins beside 1.x
+ * STATUS: 2.5, landings of issue 44 (design: sdk/ABI2.md). The host loads 2.x plugins beside 1.x
  * ones (weft/strategy.h); single_abi2.so, ddp_abi2.so, zero_abi2.so, gpipe_abi2.so,
  * tensor_parallel_abi2.so, context_parallel_abi2.so and the out-of-tree examples sdk/examples/diloco,
  * sdk/examples/hsdp and sdk/examples/zbv are written against it. A plugin owns one mesh dimension (or none, alone on one
@@ -77,7 +77,7 @@ extern "C" {
 
 /* Major: incompatible changes; must match. Minor: appended names and fields. */
 #define WEFT_PLUGIN_ABI_MAJOR 2
-#define WEFT_PLUGIN_ABI_MINOR 4
+#define WEFT_PLUGIN_ABI_MINOR 5
 #define WEFT_PLUGIN_ENTRY_SYMBOL "weft_plugin_entry"
 
 typedef struct weft_plugin_instance weft_plugin_instance; /* the plugin's; opaque to the host */
@@ -277,6 +277,18 @@ typedef struct weft_layout {
    * replicated placements only, no tensor- or context-parallel plugin beside it. Not equal to the
    * one-process run by design (the gradients are of stale weights). The host's default: 0. */
   int32_t pipeline_asynchronous;
+  /* Since 2.5, for a plugin that places parameters FLAT_SHARD (FSDP2's fully_shard options), both
+   * 0 or 1. shard_compute_dtype = 1: the host gathers each matrix (two or more dimensions) whole in
+   * the run's compute dtype (bf16 / fp16 under train.precision) and its whole gradient comes in it,
+   * as FSDP's MixedPrecisionPolicy(param_dtype=bf16); the ranges, the gradient ranges and the
+   * optimizer's state stay fp32, and the collectives move fp32. The host's default 0: whole
+   * parameters in fp32, as the ranges. shard_keep_after_forward = 1: in the host's one-chunk step a
+   * model stage's parameters stay whole from its forward to its backward (reshard_after_forward =
+   * False: one gather per micro-batch instead of two, every stage whole at the peak); the host's
+   * default 0 releases them after the forward and gathers them again for the backward. In a
+   * pipeline a chunk's parameters stay whole from its first compute to its reduction either way. */
+  int32_t shard_compute_dtype;
+  int32_t shard_keep_after_forward;
 } weft_layout;
 
 /* weft_layout.pipeline_partition */
@@ -312,7 +324,8 @@ typedef enum weft_placement_kind {
                                reduce-scattered, a rank keeps only its range between steps. For the
                                parameter too (a trainable one with both): the range is the master
                                copy; the host runs the model stage by stage, all-gathering each
-                               stage's parameters (fp32) for its forward and its backward and
+                               stage's parameters (fp32, or since 2.5 in the compute dtype:
+                               weft_layout.shard_compute_dtype) for its forward and its backward and
                                freeing them after (a tied embedding stays whole through a step) */
   WEFT_PLACE_PARTIAL = 4    /* since 2.3, a gradient on the tensor-parallel dimension: each rank holds a
                                part of the sum (a whole LoRA factor beside a sliced layer, a norm under

@@ -140,7 +140,7 @@ void StrategySession::compose(const std::vector<std::string>& names, const toml:
     for (const auto& other : libraries) {
       WEFT_CHECK(other->abi2() != nullptr,
                  "plugins {} (ABI {}) and {} (ABI {}) cannot compose: a run composes plugins of one ABI (port {} to "
-                 "ABI 2, sdk/ABI2.md)",
+                 "ABI 2, sdk/DESIGN.md)",
                  lib->name(), lib->abi(), other->name(), other->abi(), other->name());
     }
     compose_abi2(libraries, plugin_config, communicator, requested);

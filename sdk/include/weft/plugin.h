@@ -1,7 +1,7 @@
 /*
  * weft/plugin.h - the strategy plugin ABI, version 2 (C99).
  *
- * STATUS: 2.5, landings of issue 44 (design: sdk/ABI2.md). The host loads 2.x plugins beside 1.x
+ * STATUS: 2.5, landings of issue 44 (design: sdk/DESIGN.md; history: sdk/CHANGELOG.md). The host loads 2.x plugins beside 1.x
  * ones (weft/strategy.h); single_abi2.so, ddp_abi2.so, zero_abi2.so, gpipe_abi2.so,
  * tensor_parallel_abi2.so, context_parallel_abi2.so and the out-of-tree examples sdk/examples/diloco,
  * sdk/examples/hsdp and sdk/examples/zbv are written against it. A plugin owns one mesh dimension (or none, alone on one

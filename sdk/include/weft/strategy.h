@@ -38,7 +38,7 @@
  * hidden states passed between stages. 1.14 appended a data-parallel plugin that runs the model stage
  * by stage driving a composition without a pipeline (ZeRO-3 x TP, torchtitan's FSDP x TP, and x CP):
  * weft_model_plan's drives_stages and the host's parameter_grad_step (the gradient a finishing plugin
- * combines, a shard where the driver already reduce-scattered it). See sdk/DESIGN.md.
+ * combines, a shard where the driver already reduce-scattered it). History: sdk/CHANGELOG.md.
  *
  * A strategy plugin is a shared library that exports exactly one symbol, the C function
  * `weft_strategy_entry` (WEFT_STRATEGY_ENTRY_SYMBOL). The host loads it with

@@ -599,6 +599,7 @@ class HostStep : public sdk::Strategy {
   void setup() override {
     const sdk::Host h = host();
     const int64_t count = h.parameter_count();
+    h.handle()->state->local_parameters.clear();
     std::vector<GradientReducer::Reduced> reduced;
     std::vector<sdk::Work> broadcasts;
     for (int64_t i = 0; i < count; ++i) {
@@ -619,6 +620,9 @@ class HostStep : public sdk::Strategy {
         state_shards_.push_back(i);  // this rank's optimizer keeps its range of the parameter's state
       }
       const bool local = where.gradient.kind == WEFT_PLACE_LOCAL;
+      if (where.parameter.kind == WEFT_PLACE_LOCAL && replicas() > 1) {
+        h.handle()->state->local_parameters.emplace_back(info.name);  // checkpoints keep each rank's
+      }
       if (where.parameter.kind == WEFT_PLACE_FLAT_SHARD && replicas() > 1) {
         if (data.dtype.code != kDLFloat || data.dtype.bits != 32) {
           throw sdk::Error(WEFT_STATUS_UNSUPPORTED,

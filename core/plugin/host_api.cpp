@@ -147,6 +147,8 @@ std::map<std::string, double> PluginHost::take_step_metrics() {
 
 std::vector<std::pair<std::string, at::Tensor>> PluginHost::plugin_state() const { return state_->plugin_state; }
 
+std::vector<std::string> PluginHost::local_parameters() const { return state_->local_parameters; }
+
 ProcessGroup* PluginHost::flat_shard_group() const { return state_->flat_shard_group; }
 
 void PluginHost::restore_plugin_state(const std::vector<std::pair<std::string, at::Tensor>>& saved) {

@@ -91,6 +91,8 @@ class PluginHost {
   // same on every rank), for checkpoints; and a checkpoint's, given back: tensors the plugin made
   // already get their values now, the others when it makes them.
   std::vector<std::pair<std::string, at::Tensor>> plugin_state() const;
+  // The parameters placed LOCAL over more than one rank, by name (ABI 2.1): each rank's own.
+  std::vector<std::string> local_parameters() const;
   // The group the flat shards cover when the plugin shards over part of its dimension (HSDP), else null.
   ProcessGroup* flat_shard_group() const;
   void restore_plugin_state(const std::vector<std::pair<std::string, at::Tensor>>& saved);

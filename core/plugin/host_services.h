@@ -127,6 +127,9 @@ struct PluginHost::State {
   // checkpoint held for those not made yet (restore_plugin_state).
   std::vector<std::pair<std::string, at::Tensor>> plugin_state;
   std::map<std::string, at::Tensor> restored_state;
+  // ABI 2.1: the parameters placed LOCAL over more than one rank (each rank's own values and
+  // optimizer state, which checkpoints keep per rank), by name.
+  std::vector<std::string> local_parameters;
   // ABI 2.1: the group the flat shards' ranges cover when it is not the plugin's whole dimension
   // (HSDP's shard group); null otherwise.
   ProcessGroup* flat_shard_group = nullptr;

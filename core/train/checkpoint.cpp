@@ -194,8 +194,66 @@ void CheckpointStore::fail_save(const std::string& staged, int64_t step, const s
        previous ? fmt::format("the latest checkpoint is still {}", *previous) : std::string("no earlier checkpoint"));
 }
 
+// The folder save_local stages a step's per-rank state in: one name every rank knows.
+namespace {
+fs::path staged_local(const fs::path& root, int64_t step) { return root / fmt::format(".tmp-step-{:08}-local", step); }
+std::string local_rank_file(int32_t rank) { return fmt::format("rank-{:05}.safetensors", rank); }
+std::string local_generators_file(int32_t rank) { return fmt::format("rank-{:05}.generators.pt", rank); }
+}  // namespace
+
+std::string CheckpointStore::save_local(const TrainerState& state, LlamaForCausalLMImpl& model,
+                                        torch::optim::AdamW& optimizer, const std::vector<std::string>& parameters,
+                                        int32_t rank, int32_t world_size) const {
+  const fs::path folder = staged_local(checkpoints_dir(), state.global_step);
+  fs::create_directories(folder);  // every rank; a leftover of a crash is replaced file by file
+  save_local_state((folder / local_rank_file(rank)).string(), model, optimizer, parameters);
+  const auto generators = generator_states(device_of(model));
+  save_archive((folder / local_generators_file(rank)).string(), [&](const auto& writer) { torch::save(generators, writer); });
+  if (rank == 0) {
+    const nlohmann::json index{{"format", "weft-local"}, {"version", 1}, {"world_size", world_size}, {"parameters", parameters}};
+    write_file_atomically((folder / "index.json").string(), index.dump(2) + "\n");
+  }
+  fault_point("save_local");
+  return folder.string();
+}
+
+std::string CheckpointStore::restore_local(const std::string& dir, LlamaForCausalLMImpl& model,
+                                           torch::optim::AdamW& optimizer, const std::vector<std::string>& parameters,
+                                           int32_t rank, int32_t world_size) const {
+  if (parameters.empty()) return "";
+  const fs::path folder = fs::path(dir) / "local";
+  const fs::path index_path = folder / "index.json";
+  if (!fs::exists(index_path)) return "the checkpoint holds no rank's own state (it was saved under another layout)";
+  nlohmann::json index = nlohmann::json::parse(read_file(index_path.string()), nullptr, /*allow_exceptions=*/false);
+  WEFT_CHECK(index.is_object() && index.value("format", "") == "weft-local" && index.contains("world_size") &&
+                 index["world_size"].is_number_integer() && index.contains("parameters") && index["parameters"].is_array(),
+             "{} is not a weft-local index", index_path.string());
+  const int64_t saved = index["world_size"].get<int64_t>();
+  if (saved != world_size) {
+    return fmt::format("the checkpoint holds the own state of {} ranks, this run has {}", saved, world_size);
+  }
+  std::vector<std::string> names;
+  for (const auto& name : index["parameters"]) {
+    WEFT_CHECK(name.is_string(), "{}: a parameter name is not a string", index_path.string());
+    names.push_back(name.get<std::string>());
+  }
+  std::vector<std::string> mine = parameters;
+  std::sort(mine.begin(), mine.end());
+  std::sort(names.begin(), names.end());
+  if (names != mine) return "the checkpoint's ranks kept other parameters as their own";
+  restore_local_state((folder / local_rank_file(rank)).string(), model, optimizer, parameters);
+  try {
+    std::vector<torch::Tensor> states;
+    torch::load(states, (folder / local_generators_file(rank)).string());
+    set_generator_states(states, device_of(model));
+  } catch (const c10::Error& e) {
+    fail("checkpoint '{}': cannot restore rank {}'s generators ({})", dir, rank, e.what_without_backtrace());
+  }
+  return "";
+}
+
 std::string CheckpointStore::save(const TrainerState& state, LlamaForCausalLMImpl& model,
-                                  torch::optim::AdamW& optimizer) {
+                                  torch::optim::AdamW& optimizer, const std::string& local) {
   const fs::path root = checkpoints_dir();
   const std::string name = fmt::format("step-{:08}", state.global_step);
   const fs::path staged = root / fmt::format(".tmp-{}-{}", name, ::getpid());
@@ -210,6 +268,7 @@ std::string CheckpointStore::save(const TrainerState& state, LlamaForCausalLMImp
     // draws from the device's.
     const auto generators = generator_states(device_of(model));
     save_archive((staged / kGeneratorsFile).string(), [&](const auto& writer) { torch::save(generators, writer); });
+    if (!local.empty()) fs::rename(local, staged / "local");  // every rank's own state (save_local)
     fault_point("save");
     publish(staged.string(), name, state);
   } catch (const std::exception& e) {

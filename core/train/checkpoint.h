@@ -9,6 +9,11 @@
 //                              model over ranks (tensor_parallel, gpipe, pipedream): every rank's
 //                              pieces, written in parallel, and index.json (named_state.h)
 //     rng.pt                   the CPU generator state
+//     local/                   where a strategy keeps parameters each rank's own (ABI 2's LOCAL
+//                              placements, DiLoCo's workers): every rank's values, AdamW moments
+//                              and generators of them (rank-<r>.safetensors, rank-<r>.generators.pt)
+//                              and index.json {"world_size": W, "parameters": [...]}; the model
+//                              and optimizer files hold rank 0's
 //     trainer_state.json       step, data position, early-stopping state, data identity
 //   latest                     name of the newest complete checkpoint (replaced atomically)
 // Both layouts resume under any plugin and world size: the reader puts each tensor together and
@@ -45,7 +50,22 @@ class CheckpointStore {
   // Writes a checkpoint for state.global_step atomically, points `latest` at it, then prunes
   // all but the newest keep_last. Returns the checkpoint directory. `model` holds every parameter
   // whole; called on one rank.
-  std::string save(const TrainerState& state, LlamaForCausalLMImpl& model, torch::optim::AdamW& optimizer);
+  // `local`: a folder save_local filled, moved into the checkpoint as local/ before it is published.
+  std::string save(const TrainerState& state, LlamaForCausalLMImpl& model, torch::optim::AdamW& optimizer,
+                   const std::string& local = "");
+
+  // Parameters each rank holds as its own (`parameters`, by name): called on every rank of a world
+  // of `world_size` before rank 0's save(), it writes this rank's values, AdamW moments and
+  // generators of them into a staged folder of the step's (rank 0 adds index.json) and returns the
+  // folder. Throws weft::Error on I/O failure; the caller agrees over the ranks before save().
+  std::string save_local(const TrainerState& state, LlamaForCausalLMImpl& model, torch::optim::AdamW& optimizer,
+                         const std::vector<std::string>& parameters, int32_t rank, int32_t world_size) const;
+  // After restore(): this rank's own values, moments and generators of `parameters` from the
+  // checkpoint's local/ where it was saved by as many ranks with the same parameters. Otherwise
+  // every rank keeps rank 0's (what restore() gave) and the returned text says why ("" when the
+  // checkpoint's own were restored or `parameters` is empty).
+  std::string restore_local(const std::string& dir, LlamaForCausalLMImpl& model, torch::optim::AdamW& optimizer,
+                            const std::vector<std::string>& parameters, int32_t rank, int32_t world_size) const;
 
   // The same for a model split over ranks, called on every rank: each writes the pieces for which
   // `writes(name)` holds to shards/rank-<r>.safetensors in one staged folder, then rank 0 checks

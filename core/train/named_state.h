@@ -50,6 +50,15 @@ std::vector<std::pair<std::string, torch::Tensor>> checkpoint_parameters(LlamaFo
 // parameters, which must be whole. Parameters the optimizer has not stepped yet are left out.
 void save_optimizer_state(const std::string& path, LlamaForCausalLMImpl& model, torch::optim::AdamW& optimizer);
 
+// Parameters `parameters` (by name) of `model` whole, with their AdamW moments and step counts
+// (metadata "weft.steps"), to `path`: a rank's own state of parameters placed LOCAL. And back:
+// restore_local_state throws weft::Error naming the file and the tensor that is missing or of
+// another shape.
+void save_local_state(const std::string& path, LlamaForCausalLMImpl& model, torch::optim::AdamW& optimizer,
+                      const std::vector<std::string>& parameters);
+void restore_local_state(const std::string& path, LlamaForCausalLMImpl& model, torch::optim::AdamW& optimizer,
+                         const std::vector<std::string>& parameters);
+
 // A tensor of training state beyond the optimizer's (AdaLoRA's EMAs) split like parameter
 // `parameter` of the model, or held whole and alike by every rank where `parameter` is empty.
 struct StatePiece {

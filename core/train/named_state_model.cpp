@@ -3,6 +3,7 @@
 #include "core/train/named_state.h"
 
 #include <filesystem>
+#include <set>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -41,6 +42,55 @@ void save_optimizer_state(const std::string& path, LlamaForCausalLMImpl& model, 
     steps[name] = state->step();
   }
   save_safetensors(path, tensors, {{"format", "weft-adamw"}, {kSteps, steps.dump()}});
+}
+
+void save_local_state(const std::string& path, LlamaForCausalLMImpl& model, torch::optim::AdamW& optimizer,
+                      const std::vector<std::string>& parameters) {
+  std::set<std::string> wanted(parameters.begin(), parameters.end());
+  NamedTensors tensors;
+  nlohmann::json steps = nlohmann::json::object();
+  for (auto& item : model.named_parameters()) {
+    if (wanted.erase(item.key()) == 0) continue;
+    const torch::Tensor& parameter = item.value();
+    tensors.emplace_back(item.key(), parameter.detach().to(torch::kFloat32));
+    const AdamWParamState* state = adamw_state(optimizer, parameter);
+    if (state == nullptr) continue;  // not stepped yet
+    tensors.emplace_back(item.key() + ".exp_avg", state->exp_avg().to(torch::kFloat32));
+    tensors.emplace_back(item.key() + ".exp_avg_sq", state->exp_avg_sq().to(torch::kFloat32));
+    steps[item.key()] = state->step();
+  }
+  WEFT_CHECK(wanted.empty(), "checkpoint: the model has no parameter '{}' to save as a rank's own", *wanted.begin());
+  save_safetensors(path, tensors, {{"format", "weft-local"}, {kSteps, steps.dump()}});
+}
+
+void restore_local_state(const std::string& path, LlamaForCausalLMImpl& model, torch::optim::AdamW& optimizer,
+                         const std::vector<std::string>& parameters) {
+  const auto file = SafetensorsFile::open(path);
+  nlohmann::json steps = nlohmann::json::object();
+  if (const auto it = file->metadata().find(kSteps); it != file->metadata().end()) {
+    steps = nlohmann::json::parse(it->second, nullptr, /*allow_exceptions=*/false);
+    WEFT_CHECK(steps.is_object(), "{}: metadata {} is not a JSON object", path, kSteps);
+  }
+  const std::set<std::string> wanted(parameters.begin(), parameters.end());
+  torch::NoGradGuard no_grad;
+  const auto load = [&](const std::string& name, const torch::Tensor& like) {
+    WEFT_CHECK(file->contains(name), "{}: no tensor '{}'", path, name);
+    torch::Tensor values = file->load(name);
+    WEFT_CHECK(values.sizes() == like.sizes(), "{}: '{}' has shape {}, the model's is {}", path, name,
+               fmt::join(values.sizes(), "x"), fmt::join(like.sizes(), "x"));
+    return values.to(like.options());
+  };
+  for (auto& item : model.named_parameters()) {
+    if (wanted.count(item.key()) == 0) continue;
+    torch::Tensor parameter = item.value();
+    parameter.copy_(load(item.key(), parameter));
+    const auto step = steps.find(item.key());
+    if (step == steps.end()) continue;
+    WEFT_CHECK(step->is_number_integer() && step->get<int64_t>() >= 0, "{}: the step count of '{}' is not a count",
+               path, item.key());
+    set_adamw_state(optimizer, parameter, step->get<int64_t>(), load(item.key() + ".exp_avg", parameter),
+                    load(item.key() + ".exp_avg_sq", parameter));
+  }
 }
 
 void save_rank_shard(const std::string& dir, int32_t rank, LlamaForCausalLMImpl& model,

@@ -205,6 +205,14 @@ void Trainer::maybe_resume() {
   } else {
     checkpoints_->restore(dir, job_->model(), *optimizer_, job_->context().rank, job_->context().world);
   }
+  // Parameters each rank holds as its own (LOCAL placements): this rank's, where the checkpoint kept
+  // every rank's; else rank 0's, said once.
+  const std::string why = checkpoints_->restore_local(dir, job_->model(), *optimizer_, job_->strategy().local_parameters(),
+                                                      job_->context().rank, job_->context().world);
+  if (!why.empty() && job_->context().rank == 0) {
+    spdlog::warn("{} places {} parameters LOCAL (each rank's own), but {}: every rank resumes them from rank 0's",
+                 job_->strategy().names(), job_->strategy().local_parameters().size(), why);
+  }
   state_ = saved;
   if (scaler_.enabled() && state_.loss_scale > 0) scaler_.restore(state_.loss_scale, state_.loss_scale_streak);
   spdlog::info("resumed from {} at step {} (epoch {}, step {} of {})", dir, state_.global_step, state_.epoch + 1,
@@ -532,6 +540,28 @@ bool Trainer::save_checkpoint(Progress& progress) {
     state_.loss_scale_streak = scaler_.finite_streak();
   }
   auto& strategy = job_->strategy();
+  const std::vector<std::string> local = strategy.local_parameters();
+  WEFT_CHECK(local.empty() || !gather_->split(),
+             "{} places parameters LOCAL while the model is split over the ranks: checkpoints cannot keep both",
+             strategy.names());
+  std::string local_dir;  // every rank's own state of them, staged before rank 0 saves the rest
+  if (!local.empty()) {
+    std::string cause;
+    try {
+      local_dir = checkpoints_->save_local(state_, job_->model(), *optimizer_, local, job_->context().rank,
+                                           job_->context().world);
+    } catch (const std::exception& e) {
+      cause = e.what();
+    }
+    bool ok = cause.empty();
+    for (double value : job_->communicator().all_gather(ok ? 1.0 : 0.0)) ok = ok && value > 0;  // collective
+    if (!ok) {
+      std::error_code ignored;
+      if (job_->context().rank == 0 && !local_dir.empty()) std::filesystem::remove_all(local_dir, ignored);
+      fail("checkpoint of step {} not saved: {}", state_.global_step,
+           cause.empty() ? std::string("another rank could not write its own state") : cause);
+    }
+  }
   if (gather_->split()) {  // every rank writes its own pieces, rank 0 the index (named_state.h)
     const int32_t rank = job_->context().rank;
     // Composed with zero (a device mesh): the optimizer state of this rank's stages and slices put
@@ -559,14 +589,14 @@ bool Trainer::save_checkpoint(Progress& progress) {
     auto whole = gather_sharded_optimizer(*optimizer_, strategy.trainable_shards(), job_->model(), options_.optim,
                                           job_->communicator(), strategy.state_group());  // collective
     std::string dir;
-    if (job_->context().rank == 0) dir = checkpoints_->save(state_, job_->model(), *whole);
+    if (job_->context().rank == 0) dir = checkpoints_->save(state_, job_->model(), *whole, local_dir);
     strategy.materialize_parameters(false);
     if (job_->context().rank == 0) progress.message(fmt::format("checkpoint saved: {}", dir));
     if (backup_) backup_->submit(dir);
     return true;
   }
   if (job_->context().rank != 0) return true;  // replicas hold the same state; rank 0 writes it
-  const auto dir = checkpoints_->save(state_, job_->model(), *optimizer_);
+  const auto dir = checkpoints_->save(state_, job_->model(), *optimizer_, local_dir);
   progress.message(fmt::format("checkpoint saved: {}", dir));
   if (backup_) backup_->submit(dir);
   return true;

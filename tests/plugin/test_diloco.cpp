@@ -121,6 +121,43 @@ TEST(Diloco, ACheckpointCarriesTheOuterStateAndOneWorkerResumesExactly) {
   EXPECT_EQ(weft::testing::step_losses(dir + "/switched/metrics.jsonl").size(), 6u);
 }
 
+// Between outer steps each worker's parameters and AdamW state are its own (LOCAL): a checkpoint of
+// step 3 (H = 4, 2 workers, mid-way to the outer step at 4) keeps every rank's (local/), and the
+// resumed run's steps 4-8 give the uninterrupted run's losses and replica spreads to the bit (each
+// step's loss is the mean of both workers', so a worker resumed from another's state would show). On
+// another number of workers they resume from rank 0's, said in one line.
+TEST(Diloco, ACheckpointKeepsEveryWorkersOwnStateAndTwoWorkersResumeExactly) {
+  const std::string dir = weft::testing::fresh_dir("weft_test_diloco", "local");
+  const std::string run = diloco_run("--nproc 2 --set train.max_steps=8 --set checkpoint.every_steps=3 --plugin " + kDiloco +
+                                     " --set plugin.inner_steps=4 --set plugin.check_replicas=true");
+  const auto whole = weft::testing::run_trainer(run + " --set train.out_dir=" + dir + "/whole");
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  const std::string checkpoint = dir + "/whole/checkpoints/step-00000003";
+  for (const char* file : {"index.json", "rank-00000.safetensors", "rank-00001.safetensors", "rank-00001.generators.pt"}) {
+    EXPECT_TRUE(std::filesystem::exists(checkpoint + "/local/" + file)) << file;
+  }
+  const auto resumed = weft::testing::run_trainer(run + " --set train.out_dir=" + dir + "/resumed --set checkpoint.resume=" +
+                                                  checkpoint);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_THAT(resumed.output, ::testing::Not(HasSubstr("resumes them from rank 0's")));
+  const auto a = step_records(dir + "/whole/metrics.jsonl");
+  const auto b = step_records(dir + "/resumed/metrics.jsonl");
+  ASSERT_EQ(a.size(), 8u);
+  ASSERT_EQ(b.size(), 5u);
+  EXPECT_GT(a[2]["plugin.replica_spread"].get<double>(), 0.0);  // the workers differ at the checkpoint
+  for (size_t i = 0; i < b.size(); ++i) {
+    EXPECT_EQ(b[i]["loss"].get<double>(), a[i + 3]["loss"].get<double>()) << "step " << i + 4;
+    EXPECT_EQ(b[i]["plugin.replica_spread"].get<double>(), a[i + 3]["plugin.replica_spread"].get<double>())
+        << "step " << i + 4;
+  }
+  const auto three = weft::testing::run_trainer(diloco_run("--nproc 4 --set train.max_steps=5 --plugin " + kDiloco +
+                                                           " --set plugin.inner_steps=4 --set train.out_dir=" + dir +
+                                                           "/three --set checkpoint.resume=" + checkpoint));
+  ASSERT_EQ(three.exit_code, 0) << three.output;
+  EXPECT_THAT(three.output, HasSubstr("but the checkpoint holds the own state of 2 ranks, this run has 4: every rank "
+                                      "resumes them from rank 0's"));
+}
+
 TEST(Diloco, BadSettingsAreRefusedBeforeTheFirstStep) {
   const std::string dir = weft::testing::fresh_dir("weft_test_diloco", "bad");
   struct Case {

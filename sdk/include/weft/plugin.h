@@ -307,7 +307,9 @@ typedef enum weft_placement_kind {
                                (no reduction), a parameter and an optimizer state that may differ
                                between ranks (DiLoCo's inner steps). Since 2.1, for a parameter, its
                                gradient and its optimizer state together; the replicas start equal
-                               (rank 0's values), and making them equal again is the plugin's (a hook) */
+                               (rank 0's values), and making them equal again is the plugin's (a hook).
+                               Checkpoints keep every rank's own values and optimizer state of it, and
+                               a resume on as many ranks gives each rank its own (else rank 0's) */
   WEFT_PLACE_SLICE = 2,     /* since 2.3, on the tensor-parallel dimension: a slice along the tensor's
                                `dim` (Megatron's column and row splits): rank r of N holds rows (or
                                columns) [i n / P, (i + 1) n / P) of the full tensor, i = r P / N, P =

@@ -27,7 +27,7 @@
 #include "core/util/suggest.h"
 
 // The strategy compiled into the host (builtin_single.cpp).
-extern "C" const weft_strategy_api* weft_builtin_single_entry(uint16_t host_abi_major, uint16_t host_abi_minor);
+extern "C" const weft_plugin* weft_builtin_single_entry(uint16_t host_abi_major, uint16_t host_abi_minor);
 
 namespace weft {
 namespace fs = std::filesystem;
@@ -221,10 +221,9 @@ bool PluginLibrary::has_slot(size_t offset_of_slot, uint16_t since_minor) const 
 std::shared_ptr<PluginLibrary> PluginLibrary::load(const std::string& path_or_name) {
   if (path_or_name == kBuiltinStrategy) {
     static const std::shared_ptr<PluginLibrary> builtin = [] {
-      const PluginVersion host = host_abi_version();
-      const weft_strategy_api* table = weft_builtin_single_entry(host.major, host.minor);
+      const weft_plugin* table = weft_builtin_single_entry(WEFT_PLUGIN_ABI_MAJOR, WEFT_PLUGIN_ABI_MINOR);
       WEFT_CHECK(table != nullptr, "the built-in strategy refuses this host's ABI");
-      return std::make_shared<PluginLibrary>(kBuiltinPath, *table, negotiate_abi(*table, host, kBuiltinPath));
+      return std::make_shared<PluginLibrary>(kBuiltinPath, validate_abi2_table(*table, kBuiltinPath));
     }();
     return builtin;
   }

@@ -46,7 +46,7 @@ TEST(MeshRun, CompositionsThatCannotWorkAreRefusedBeforeCompute) {
       // A plugin built before ABI 1.12 still runs alone (PluginLoader.*) but does not compose.
       {"--plugin " + std::string(WEFT_PLUGIN_FIXTURE_DIR) + "/good.so,gpipe --nproc 2",
        "plugin good (ABI 1.0) cannot compose with others on a device mesh (ABI 1.12)"},
-      {"--plugin single,ddp --nproc 2", "plugin single runs alone only"},
+      {"--plugin single,ddp_abi2 --nproc 2", "plugin single (ABI 2) owns no mesh dimension, so it runs alone"},
       {"--plugin gpipe --nproc 2 --set mesh.tp=2", "[mesh] tp = 2 lays the ranks on a device mesh, which needs several plugins"},
       {"--plugin tensor_parallel,gpipe --nproc 4 --set mesh.tp=3", "multiply to 3, which does not divide the world size 4"},
       // A stage-splitting plugin built before ABI 1.13 passes whole sequences between stages.

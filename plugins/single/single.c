@@ -1,9 +1,16 @@
-/* single_abi2.so: the one-process reference written against ABI 2 (weft/plugin.h). It owns no mesh
+/* single.so: the one-process reference, written against ABI 2 (weft/plugin.h). It owns no mesh
  * dimension and gives no layout: the host's step (forward and backward of each micro-batch, then the
- * optimizer) is the whole strategy. single.so is the same strategy under ABI 1. */
+ * optimizer) is the whole strategy. The host compiles this file in as its built-in strategy
+ * (core/plugin/builtin_single.cpp: a run without a plugin, and the reference of every conformance
+ * check); single.so is the same built as a plugin, and single_abi2.so the same under its older name
+ * (WEFT_SINGLE_NAME). */
 #include <stddef.h>
 
 #include <weft/plugin.h>
+
+#ifndef WEFT_SINGLE_NAME
+#define WEFT_SINGLE_NAME "single"
+#endif
 
 static int the_instance;
 
@@ -22,8 +29,8 @@ static weft_proc get_proc_address(const char* name) {
 
 WEFT_EXPORT const weft_plugin* weft_plugin_entry(uint16_t host_abi_major, uint16_t host_abi_minor) {
   static const weft_plugin table = {
-      sizeof(weft_plugin), WEFT_PLUGIN_ABI_MAJOR, WEFT_PLUGIN_ABI_MINOR, "single_abi2", "2.0.0",
-      "one process under ABI 2: the host's step alone", 0u, create, destroy, get_proc_address};
+      sizeof(weft_plugin), WEFT_PLUGIN_ABI_MAJOR, WEFT_PLUGIN_ABI_MINOR, WEFT_SINGLE_NAME, "2.0.0",
+      "one process: the host's step alone", 0u, create, destroy, get_proc_address};
   (void)host_abi_minor;
   return host_abi_major == WEFT_PLUGIN_ABI_MAJOR ? &table : NULL;
 }

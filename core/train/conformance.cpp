@@ -361,6 +361,28 @@ std::vector<ConformanceCase> conformance_matrix() {
   both("tensor_parallel,zero", 4, {"mesh.tp=2", "plugin.stage=3"});
   both("tensor_parallel,zero", 4, {"mesh.tp=2", "plugin.stage=3", "plugin.sequence_parallel=true"});
   both("context_parallel,zero", 4, {"mesh.cp=2", "plugin.stage=3"});
+  // The ABI 2 twins of the 1.x cases above that none of the ABI 2 cases checks yet (pipedream's
+  // schedule is gpipe_abi2's 1F1B), for the 1.x removal.
+  both("zero_abi2", 2, {"plugin.stage=2"});
+  both("tensor_parallel_abi2", 2, {});
+  both("gpipe_abi2", 4, {});
+  both("gpipe_abi2", 2, {"plugin.schedule=\"interleaved1f1b\""});
+  both("gpipe_abi2", 4, {"plugin.stages=2", "plugin.schedule=\"interleaved1f1b\""});
+  both("gpipe_abi2", 2, {"plugin.schedule=\"interleaved1f1b\"", "plugin.chunks=3"});
+  both("gpipe_abi2", 2, {"plugin.schedule=\"1f1b\""});                       // pipedream 2
+  both("gpipe_abi2", 4, {"plugin.schedule=\"1f1b\""});                       // pipedream 4
+  both("gpipe_abi2", 4, {"plugin.schedule=\"zbh1\""});                       // pipedream 4 zbh1
+  both("context_parallel_abi2", 2, {"plugin.mode=\"ring\""});
+  both("ddp_abi2,gpipe_abi2,tensor_parallel_abi2", 8, {"mesh.tp=2", "mesh.pp=2", "mesh.dp=2", "plugin.schedule=\"1f1b\""});
+  both("zero_abi2,gpipe_abi2", 4, {"mesh.pp=2", "mesh.dp=2", "plugin.stage=1"});
+  both("zero_abi2,tensor_parallel_abi2", 4, {"mesh.tp=2", "mesh.dp=2", "plugin.stage=2"});
+  both("zero_abi2,gpipe_abi2,tensor_parallel_abi2", 8, {"mesh.tp=2", "mesh.pp=2", "mesh.dp=2", "plugin.stage=1"});
+  both("tensor_parallel_abi2,context_parallel_abi2", 4, {"mesh.cp=2", "mesh.tp=2"});     // Ulysses
+  both("gpipe_abi2,context_parallel_abi2", 4, {"mesh.cp=2", "mesh.pp=2", "plugin.context_parallel_abi2.mode=\"ring\"", "plugin.gpipe_abi2.schedule=\"zbh1\""});
+  both("gpipe_abi2,tensor_parallel_abi2", 4, {"mesh.tp=2", "mesh.pp=2", "plugin.sequence_parallel=true"});
+  both("tensor_parallel_abi2,context_parallel_abi2", 4, {"mesh.cp=2", "mesh.tp=2", "plugin.tensor_parallel_abi2.sequence_parallel=true"});
+  both("zero_abi2,tensor_parallel_abi2", 4, {"mesh.tp=2", "mesh.dp=2", "plugin.stage=3", "plugin.sequence_parallel=true"});
+  both("zero_abi2,context_parallel_abi2", 4, {"mesh.cp=2", "mesh.dp=2", "plugin.zero_abi2.stage=3"});
   return cases;
 }
 

@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """Kills a rank with SIGKILL at chosen points of training and counts what survives (issue 17).
 
-For each plugin (single, ddp, tensor_parallel, gpipe, pipedream; 2 ranks where it splits or
-replicates) it first trains an uninterrupted reference run (tiny preset, the bundled corpus, a
+For each plugin (single, ddp, tensor_parallel, gpipe, pipedream; their ABI 2 ports ddp_abi2,
+zero_abi2 at stage 3, tensor_parallel_abi2, gpipe_abi2; and the out-of-tree DiLoCo, whose workers'
+own state checkpoints keep per rank; 2 ranks where it splits or replicates) it first trains an uninterrupted reference run (tiny preset, the bundled corpus, a
 checkpoint and an evaluation every 2 steps, 8 steps). Then each trial kills one rank the n-th
 time it reaches a point (WEFT_FAULT_INJECT=<rank>:<point>:<n>; core/util/fault_injection.h):
-forward, backward, inside a collective, during a checkpoint save, during evaluation. A trial
+forward, backward, inside a collective, during a checkpoint save, during evaluation (and for
+DiLoCo while a rank writes its own state: save_local). A trial
 counts as
   stopped       the run ended non-zero, the launcher named the dead rank, and it ended within
                 train.collective_timeout_s (+ 5 s) of the kill
@@ -31,8 +33,21 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PLUGINS = [("single", 1), ("ddp", 2), ("tensor_parallel", 2), ("gpipe", 2), ("pipedream", 2)]
+PLUGINS = [("single", 1), ("ddp", 2), ("tensor_parallel", 2), ("gpipe", 2), ("pipedream", 2),
+           ("ddp_abi2", 2), ("zero_abi2", 2), ("tensor_parallel_abi2", 2), ("gpipe_abi2", 2), ("diloco", 2)]
 POINTS = ["forward", "backward", "collective", "save", "eval"]
+# What a plugin runs with beyond its name: zero_abi2 at stage 3 (parameters sharded too); DiLoCo, an
+# out-of-tree example built into the tests' fixtures, with an outer step every 3 steps (so that
+# checkpoints fall between outer steps, where each worker's state is its own) and its extra point.
+SETTINGS = {"zero_abi2": ["--set", "plugin.stage=3"], "diloco": ["--set", "plugin.inner_steps=3"]}
+EXTRA_POINTS = {"diloco": ["save_local"]}
+
+
+def plugin_path(trainer, plugin):
+    """The --plugin value: a name the trainer finds, or the fixture build of an out-of-tree example."""
+    if plugin == "diloco":
+        return os.path.join(os.path.dirname(os.path.abspath(trainer)), "tests", "plugin_fixtures", "diloco.so")
+    return plugin
 STEPS, EVERY, TIMEOUT = 8, 2, 10
 
 
@@ -44,7 +59,7 @@ def run_args(trainer, plugin, nproc, out):
             "--set", f"eval.every_steps={EVERY}", "--set", "eval.max_batches=2",
             "--set", f"train.collective_timeout_s={TIMEOUT}", "--set", "log.progress=off"]
     if plugin != "single":
-        args += ["--plugin", plugin, "--nproc", str(nproc)]
+        args += ["--plugin", plugin_path(trainer, plugin), "--nproc", str(nproc)] + SETTINGS.get(plugin, [])
     return args
 
 
@@ -90,6 +105,12 @@ def checkpoints_intact(out):
         need = ["trainer_state.json", "rng.pt"]
         sharded = os.path.isdir(os.path.join(folder, "shards"))
         need += ["shards/index.json"] if sharded else ["model.safetensors", "optimizer.safetensors"]
+        index = os.path.join(folder, "local", "index.json")
+        if os.path.isdir(os.path.join(folder, "local")):  # every rank's own state (LOCAL parameters)
+            need.append("local/index.json")
+            if os.path.exists(index):
+                ranks = json.load(open(index)).get("world_size", 0)
+                need += [f"local/rank-{r:05}.safetensors" for r in range(ranks)]
         missing = [f for f in need if not os.path.exists(os.path.join(folder, f))]
         if missing:
             return False, 0, f"{name} lacks {', '.join(missing)}"
@@ -120,6 +141,8 @@ def main():
         for plugin, nproc in PLUGINS:
             if plugin not in wanted:
                 continue
+            if not os.path.exists(plugin_path(a.trainer, plugin)) and "/" in plugin_path(a.trainer, plugin):
+                sys.exit(f"fault_injection: {plugin_path(a.trainer, plugin)} is not built")
             base = os.path.join(work, plugin)
             shutil.rmtree(base, ignore_errors=True)
             os.makedirs(base)
@@ -130,11 +153,11 @@ def main():
                 print(output, file=sys.stderr)
                 sys.exit(f"fault_injection: the reference run of {plugin} failed (exit {status})")
             counts = dict(tried=0, stopped=0, intact=0, exact=0)
-            for point in a.points.split(","):
+            for point in a.points.split(",") + EXTRA_POINTS.get(plugin, []):
                 if point == "collective" and nproc == 1:
                     continue  # one process issues no collective: every draw would run to the end
                 done, draws = 0, 0
-                limit = 24 if point != "save" else 4  # the largest n not yet seen to be past the last visit
+                limit = 24 if not point.startswith("save") else 4  # the largest n not yet seen past the last visit
                 while done < a.trials and draws < 10 * a.trials and limit >= 1:
                     draws += 1
                     rank, nth = rng.randrange(nproc), rng.randint(1, limit)

@@ -30,8 +30,8 @@ Armed& armed() {
                "WEFT_FAULT_INJECT='{}' is not <rank>:<point>:<n> (e.g. 1:backward:3)", text);
     const std::string point = text.substr(first + 1, second - first - 1);
     WEFT_CHECK(point == "forward" || point == "backward" || point == "collective" || point == "save" ||
-                   point == "eval",
-               "WEFT_FAULT_INJECT='{}': the point must be forward, backward, collective, save or eval", text);
+                   point == "save_local" || point == "eval",
+               "WEFT_FAULT_INJECT='{}': the point must be forward, backward, collective, save, save_local or eval", text);
     long long rank = 0, nth = 0;
     try {
       rank = std::stoll(text.substr(0, first));

@@ -6,6 +6,7 @@
 //   collective  an operation issued on a process group (its peers are then inside it)
 //   save        a checkpoint's files written, before it is published
 //   eval        an evaluation batch
+//   save_local  a rank's own state of LOCAL parameters written, before rank 0 publishes the checkpoint
 // A kill -9 at a point that tests can name, as a real crash would come. Without the variable (every
 // real run) a point costs one test of a flag read once.
 #pragma once

@@ -19,6 +19,9 @@
 //                 "async": PipeDream's asynchronous 1F1B with weight stashing, the host's runtime
 //                 (weft_layout.pipeline_asynchronous; schedule "1f1b", its default there, only)
 // Recomputation is the host's model.activation_checkpointing.
+//
+// Built twice: gpipe_abi2.so, and pipedream_abi2.so (plugins/pipedream), the same with PipeDream's
+// 1F1B as its default schedule (WEFT_PIPELINE_NAME, WEFT_PIPELINE_SCHEDULE).
 #include <cstddef>
 #include <cstring>
 #include <exception>
@@ -30,7 +33,16 @@
 
 #include "schedule.hpp"
 
+#ifndef WEFT_PIPELINE_NAME
+#define WEFT_PIPELINE_NAME "gpipe_abi2"
+#endif
+#ifndef WEFT_PIPELINE_SCHEDULE
+#define WEFT_PIPELINE_SCHEDULE "gpipe"
+#endif
+
 namespace {
+
+constexpr const char* kName = WEFT_PIPELINE_NAME;
 
 struct Gpipe {
   weft_status_create_fn status_create = nullptr;
@@ -50,7 +62,7 @@ weft_status* create(const weft_host_services* host, weft_plugin_instance** out) 
   const auto world = reinterpret_cast<weft_world_fn>(host->get_proc_address("weft_world"));
   if (status_create == nullptr) return nullptr;  // cannot happen on a 2.x host
   if (host->abi_minor < 2 || config_int == nullptr || config_string == nullptr || config_list == nullptr || world == nullptr) {
-    return status_create(WEFT_STATUS_UNSUPPORTED, "gpipe_abi2 needs a host of ABI 2.2 or later (pipeline schedules)");
+    return status_create(WEFT_STATUS_UNSUPPORTED, (std::string(kName) + " needs a host of ABI 2.2 or later (pipeline schedules)").c_str());
   }
   try {
     auto self = std::make_unique<Gpipe>();
@@ -63,13 +75,13 @@ weft_status* create(const weft_host_services* host, weft_plugin_instance** out) 
     }
     self->asynchronous = std::strcmp(mode, "async") == 0;
     if (self->asynchronous && host->abi_minor < 4) {
-      return status_create(WEFT_STATUS_UNSUPPORTED, "gpipe_abi2: plugin.mode = \"async\" needs a host of ABI 2.4 or later");
+      return status_create(WEFT_STATUS_UNSUPPORTED, (std::string(kName) + ": plugin.mode = \"async\" needs a host of ABI 2.4 or later").c_str());
     }
     const char* name = nullptr;
-    if (weft_status* s = config_string(host->context, "schedule", self->asynchronous ? "1f1b" : "gpipe", &name)) return s;
+    if (weft_status* s = config_string(host->context, "schedule", self->asynchronous ? "1f1b" : WEFT_PIPELINE_SCHEDULE, &name)) return s;
     self->schedule = name;
     if (self->asynchronous && self->schedule != "1f1b") {
-      return status_create(WEFT_STATUS_BAD_CONFIG, ("gpipe_abi2: plugin.mode = \"async\" runs PipeDream's 1F1B without a "
+      return status_create(WEFT_STATUS_BAD_CONFIG, (std::string(kName) + ": plugin.mode = \"async\" runs PipeDream's 1F1B without a "
                                                     "flush; plugin.schedule = \"" + self->schedule + "\" needs mode \"flush\"").c_str());
     }
     const char* partition = nullptr;
@@ -80,7 +92,7 @@ weft_status* create(const weft_host_services* host, weft_plugin_instance** out) 
     }
     if (std::strcmp(partition, "time") == 0) {
       if (host->abi_minor < 3) {
-        return status_create(WEFT_STATUS_UNSUPPORTED, "gpipe_abi2: plugin.partition = \"time\" needs a host of ABI 2.3 or later");
+        return status_create(WEFT_STATUS_UNSUPPORTED, (std::string(kName) + ": plugin.partition = \"time\" needs a host of ABI 2.3 or later").c_str());
       }
       self->partition = WEFT_PARTITION_TIME;
     }
@@ -168,7 +180,7 @@ weft_status* schedule(weft_plugin_instance* instance, const weft_schedule_reques
     *count = static_cast<int64_t>(self->list.size());
     return nullptr;
   } catch (const std::exception& e) {
-    return self->status_create(WEFT_STATUS_INTERNAL, ("gpipe_abi2: " + std::string(e.what())).c_str());
+    return self->status_create(WEFT_STATUS_INTERNAL, (std::string(kName) + ": " + std::string(e.what())).c_str());
   }
 }
 
@@ -182,8 +194,8 @@ weft_proc get_proc_address(const char* name) {
 }  // namespace
 
 extern "C" WEFT_EXPORT const weft_plugin* weft_plugin_entry(uint16_t host_abi_major, uint16_t) {
-  static const weft_plugin table = {sizeof(weft_plugin), WEFT_PLUGIN_ABI_MAJOR, WEFT_PLUGIN_ABI_MINOR, "gpipe_abi2", "2.0.0",
-                                    "gpipe.so's synchronous pipeline schedules as data (ABI 2)", 1u << WEFT_MESH_PP,
+  static const weft_plugin table = {sizeof(weft_plugin), WEFT_PLUGIN_ABI_MAJOR, WEFT_PLUGIN_ABI_MINOR, WEFT_PIPELINE_NAME, "2.0.0",
+                                    "pipeline schedules as data (GPipe, 1F1B, interleaved, ZB-H1; PipeDream's async)", 1u << WEFT_MESH_PP,
                                     create, destroy, get_proc_address};
   return host_abi_major == WEFT_PLUGIN_ABI_MAJOR ? &table : nullptr;
 }

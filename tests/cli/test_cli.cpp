@@ -208,7 +208,7 @@ TEST(Cli, BadInputGetsOneClearErrorAndExitCodeOne) {
            Case{tiny + "--set data.path=" + write_corpus(dir) + " --plugin dpp",
                 "plugin 'dpp' not found: did you mean 'ddp'? (plugins here: context_parallel, context_parallel_abi2, ddp, "},
            Case{tiny + "--set data.path=" + write_corpus(dir) + " --plugin fsdp",
-                "(plugins here: context_parallel, context_parallel_abi2, ddp, ddp_abi2, gpipe, gpipe_abi2, pipedream, single, single_abi2, "
+                "(plugins here: context_parallel, context_parallel_abi2, ddp, ddp_abi2, gpipe, gpipe_abi2, pipedream, pipedream_abi2, single, single_abi2, "
                 "tensor_parallel, tensor_parallel_abi2, zero, "
                 "zero_abi2"},
            Case{"check --plugin ddp --steps 0", "--steps 0: must be at least 1"},

@@ -488,6 +488,10 @@ TEST(Abi2, PipeDreamsAsynchronousPipelineRunsAsPipedreamToTheBit) {
       {"v2_4", " --nproc 4 --plugin gpipe_abi2 --set plugin.mode=\"async\" --set plugin.stages=2"},
       {"v1_mesh", " --nproc 4 --plugin pipedream,ddp --set mesh.pp=2 --set mesh.dp=2 --set plugin.mode=\"async\""},
       {"v2_mesh", " --nproc 4 --plugin ddp_abi2,gpipe_abi2 --set mesh.pp=2 --set mesh.dp=2 --set plugin.gpipe_abi2.mode=\"async\""},
+      // pipedream_abi2 (gpipe_abi2's source with 1F1B as its default): pipedream.so's defaults and its async mode.
+      {"v1_flush", " --nproc 2 --plugin pipedream"},
+      {"v2_flush", " --nproc 2 --plugin pipedream_abi2"},
+      {"v3_2", " --nproc 2 --plugin pipedream_abi2 --set plugin.mode=\"async\""},
   };
   Figures f;
   ASSERT_NO_FATAL_FAILURE(run_variants(dir, run, variants, f));
@@ -516,6 +520,11 @@ TEST(Abi2, PipeDreamsAsynchronousPipelineRunsAsPipedreamToTheBit) {
     EXPECT_EQ(a.size(), 6u * 2 + 2) << label;
     EXPECT_EQ(a, b) << label;
   }
+  ASSERT_EQ(f.losses["v1_flush"].size(), 6u);
+  EXPECT_EQ(f.losses["v2_flush"], f.losses["v1_flush"]);
+  EXPECT_NE(f.losses["v1_flush"], f.losses["v1_2"]);  // the flush and the asynchronous pipeline differ
+  EXPECT_EQ(f.losses["v3_2"], f.losses["v1_2"]);
+  EXPECT_EQ(records("v3_2"), records("v1_2"));
 }
 
 // ABI 2 composition on a mesh tp 2 x dp 2: tensor_parallel_abi2's slices and hooks over tp,

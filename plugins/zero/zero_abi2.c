@@ -17,8 +17,8 @@
 #include <weft/plugin.h>
 
 typedef struct zero {
-  int64_t stage;    /* plugin.stage: 1 (default), 2 or 3 */
-  double bucket_mb; /* plugin.bucket_mb: the host's gradient buckets (default 25) */
+  int64_t stage;    /* plugin.stage: 1, 2 or 3 (default, as zero.so's) */
+  double bucket_mb; /* plugin.bucket_mb: the host's gradient buckets and gather groups (default 64, as zero.so's) */
   int32_t compute_dtype; /* plugin.param_dtype: "compute" (default, 1) or "fp32" (0); stage 3 */
   int32_t reshard;       /* plugin.reshard_after_forward (default true); stage 3 */
 } zero;
@@ -29,8 +29,8 @@ static weft_status* create(const weft_host_services* host, weft_plugin_instance*
   weft_config_bool_fn config_bool = (weft_config_bool_fn)host->get_proc_address("weft_config_bool");
   weft_config_string_fn config_string = (weft_config_string_fn)host->get_proc_address("weft_config_string");
   weft_status_create_fn status_create = (weft_status_create_fn)host->get_proc_address("weft_status_create");
-  int64_t stage = 1;
-  double bucket_mb = 25.0;
+  int64_t stage = 3;
+  double bucket_mb = 64.0;
   int32_t reshard = 1;
   const char* param_dtype = "compute";
   char message[128];
@@ -42,8 +42,8 @@ static weft_status* create(const weft_host_services* host, weft_plugin_instance*
   if (host->abi_minor < 5) {
     return status_create(WEFT_STATUS_UNSUPPORTED, "zero_abi2 needs a host of ABI 2.5 or later (weft_layout's shard options)");
   }
-  if ((status = config_int(host->context, "stage", 1, &stage)) != NULL) return status;
-  if ((status = config_float(host->context, "bucket_mb", 25.0, &bucket_mb)) != NULL) return status;
+  if ((status = config_int(host->context, "stage", 3, &stage)) != NULL) return status;
+  if ((status = config_float(host->context, "bucket_mb", 64.0, &bucket_mb)) != NULL) return status;
   if ((status = config_bool(host->context, "reshard_after_forward", 1, &reshard)) != NULL) return status;
   if ((status = config_string(host->context, "param_dtype", "compute", &param_dtype)) != NULL) return status;
   if (strcmp(param_dtype, "compute") != 0 && strcmp(param_dtype, "fp32") != 0) {

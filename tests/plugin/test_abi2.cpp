@@ -799,7 +799,7 @@ TEST(Abi2, ZeroStage1AsALayoutHalvesTheOptimizerStateAndResumesExactly) {
   const std::string dir = weft::testing::fresh_dir("weft_test_abi2", "zero");
   const std::string run = tiny_run("--set train.max_steps=6 --set checkpoint.every_steps=3 --nproc 2");
   const auto ddp = weft::testing::run_trainer(run + " --plugin ddp_abi2 --set train.out_dir=" + dir + "/ddp");
-  const auto zero = weft::testing::run_trainer(run + " --plugin zero_abi2 --set train.out_dir=" + dir + "/zero");
+  const auto zero = weft::testing::run_trainer(run + " --plugin zero_abi2 --set plugin.stage=1 --set train.out_dir=" + dir + "/zero");
   ASSERT_EQ(ddp.exit_code, 0) << ddp.output;
   ASSERT_EQ(zero.exit_code, 0) << zero.output;
   const auto a = weft::testing::step_losses(dir + "/ddp/metrics.jsonl");
@@ -811,7 +811,7 @@ TEST(Abi2, ZeroStage1AsALayoutHalvesTheOptimizerStateAndResumesExactly) {
   ASSERT_EQ(whole.size(), 2u);
   ASSERT_EQ(halves.size(), 2u);
   for (int r = 0; r < 2; ++r) EXPECT_NEAR(halves[r], whole[r] / 2, 0.01 * whole[r]) << "rank " << r;
-  const auto resumed = weft::testing::run_trainer(run + " --plugin zero_abi2 --set train.out_dir=" + dir +
+  const auto resumed = weft::testing::run_trainer(run + " --plugin zero_abi2 --set plugin.stage=1 --set train.out_dir=" + dir +
                                                   "/resumed --set checkpoint.resume=" + dir +
                                                   "/zero/checkpoints/step-00000003");
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
@@ -828,7 +828,7 @@ TEST(Abi2, ZeroStage2ReduceScattersTheGradientsAndKeepsOnlyThisRanksRange) {
   const std::string dir = weft::testing::fresh_dir("weft_test_abi2", "zero2");
   const std::string run =
       tiny_run("--set train.max_steps=4 --set train.grad_accum_steps=2 --set plugin.bucket_mb=0.05 --nproc 2");
-  const auto one = weft::testing::run_trainer(run + " --plugin zero_abi2 --set train.out_dir=" + dir + "/one");
+  const auto one = weft::testing::run_trainer(run + " --plugin zero_abi2 --set plugin.stage=1 --set train.out_dir=" + dir + "/one");
   const auto two = weft::testing::run_trainer(run + " --plugin zero_abi2 --set plugin.stage=2 --set train.out_dir=" +
                                               dir + "/two");
   ASSERT_EQ(one.exit_code, 0) << one.output;
@@ -857,7 +857,7 @@ TEST(Abi2, ZeroStage3GathersEachStageAroundItsUsesAndResumesUnderAnyLayout) {
   const std::string dir = weft::testing::fresh_dir("weft_test_abi2", "zero3");
   const std::string run = tiny_run("--set train.max_steps=6 --set checkpoint.every_steps=3 --set train.grad_accum_steps=2 "
                                    "--set plugin.bucket_mb=0.05 --nproc 2");
-  const auto one = weft::testing::run_trainer(run + " --plugin zero_abi2 --set train.out_dir=" + dir + "/one");
+  const auto one = weft::testing::run_trainer(run + " --plugin zero_abi2 --set plugin.stage=1 --set train.out_dir=" + dir + "/one");
   const auto three = weft::testing::run_trainer(run + " --plugin zero_abi2 --set plugin.stage=3 --set train.out_dir=" +
                                                 dir + "/three");
   ASSERT_EQ(one.exit_code, 0) << one.output;

@@ -217,6 +217,10 @@ std::string CheckpointStore::save_local(const TrainerState& state, LlamaForCausa
   return folder.string();
 }
 
+void CheckpointStore::abandon_local(int64_t step, const std::string& cause) const {
+  fail_save(staged_local(checkpoints_dir(), step).string(), step, cause);
+}
+
 std::string CheckpointStore::restore_local(const std::string& dir, LlamaForCausalLMImpl& model,
                                            torch::optim::AdamW& optimizer, const std::vector<std::string>& parameters,
                                            int32_t rank, int32_t world_size) const {

@@ -66,6 +66,10 @@ class CheckpointStore {
   // checkpoint's own were restored or `parameters` is empty).
   std::string restore_local(const std::string& dir, LlamaForCausalLMImpl& model, torch::optim::AdamW& optimizer,
                             const std::vector<std::string>& parameters, int32_t rank, int32_t world_size) const;
+  // When a rank could not write its own state (`cause`, or another rank's failure): removes the
+  // staged folder of the step (every rank may call it) and throws the one error a failed save
+  // gives, naming the step, the cause and the checkpoint that is still the latest.
+  [[noreturn]] void abandon_local(int64_t step, const std::string& cause) const;
 
   // The same for a model split over ranks, called on every rank: each writes the pieces for which
   // `writes(name)` holds to shards/rank-<r>.safetensors in one staged folder, then rank 0 checks

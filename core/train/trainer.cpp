@@ -556,10 +556,8 @@ bool Trainer::save_checkpoint(Progress& progress) {
     bool ok = cause.empty();
     for (double value : job_->communicator().all_gather(ok ? 1.0 : 0.0)) ok = ok && value > 0;  // collective
     if (!ok) {
-      std::error_code ignored;
-      if (job_->context().rank == 0 && !local_dir.empty()) std::filesystem::remove_all(local_dir, ignored);
-      fail("checkpoint of step {} not saved: {}", state_.global_step,
-           cause.empty() ? std::string("another rank could not write its own state") : cause);
+      checkpoints_->abandon_local(state_.global_step,
+                                  cause.empty() ? std::string("another rank could not write its own state") : cause);
     }
   }
   if (gather_->split()) {  // every rank writes its own pieces, rank 0 the index (named_state.h)

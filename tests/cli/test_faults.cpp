@@ -95,6 +95,38 @@ TEST(Faults, AFullDiskWhileSavingIsOneErrorAndKeepsThePreviousCheckpoint) {
   EXPECT_EQ(latest(dir), "step-00000010");
 }
 
+TEST(Faults, AFullDiskWhileRanksWriteTheirOwnStateLeavesNoCheckpointAndKeepsThePreviousOne) {
+  // DiLoCo over 2 ranks places its trainable state LOCAL: every rank writes its own values and moments
+  // (local/rank-<r>.safetensors, 1.9 MB) before rank 0 saves the rest. Files may grow to 1,000,000
+  // bytes, so neither rank's fits: each says the checkpoint was not saved, nothing staged is left, and
+  // step 5's stays the latest, from which the run continues once there is room.
+  const auto dir = fresh_dir("full_disk_local");
+  const std::string args = tiny_args(dir) + " --nproc 2 --set checkpoint.every_steps=5 --plugin " +
+                           std::string(WEFT_PLUGIN_FIXTURE_DIR) + "/diloco.so --set plugin.inner_steps=3";
+  const auto first = run_trainer(args + " --set train.max_steps=5");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  ASSERT_EQ(latest(dir), "step-00000005");
+  ASSERT_TRUE(fs::exists(dir + "/out/checkpoints/step-00000005/local/rank-00001.safetensors"));
+  const std::string limited = "python3 -c 'import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, "
+                              "signal.SIG_IGN); resource.setrlimit(resource.RLIMIT_FSIZE, (1000000, 1000000)); "
+                              "os.execv(sys.argv[1], sys.argv[1:])' ";
+  const auto full = run_command("OMP_NUM_THREADS=1 " + limited + WEFT_TRAINER_PATH + " " + args +
+                                " --set checkpoint.resume=auto --set train.max_steps=10");
+  EXPECT_EQ(full.exit_code, 1) << full.output;
+  EXPECT_NE(full.output.find("checkpoint of step 10 not saved in " + dir + "/out/checkpoints: "), std::string::npos)
+      << full.output;
+  EXPECT_NE(full.output.find("rank-0000"), std::string::npos) << full.output;  // the file that did not fit
+  EXPECT_NE(full.output.find("the latest checkpoint is still " + dir + "/out/checkpoints/step-00000005"),
+            std::string::npos) << full.output;
+  EXPECT_TRUE(temporaries(dir + "/out/checkpoints").empty()) << testing::PrintToString(temporaries(dir + "/out/checkpoints"));
+  EXPECT_EQ(latest(dir), "step-00000005");
+  EXPECT_TRUE(incomplete_checkpoints(dir).empty()) << testing::PrintToString(incomplete_checkpoints(dir));
+  const auto resumed = run_trainer(args + " --set checkpoint.resume=auto --set train.max_steps=10");
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_EQ(latest(dir), "step-00000010");
+  EXPECT_TRUE(fs::exists(dir + "/out/checkpoints/step-00000010/local/index.json"));
+}
+
 TEST(Faults, AReadOnlyCheckpointFolderWhileSavingIsOneErrorAndKeepsThePreviousCheckpoint) {
   // checkpoints/ becomes read-only (a read-only bind mount in a mount namespace of its own: root
   // ignores permission bits) before the save of step 4.

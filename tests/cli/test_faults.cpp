@@ -55,6 +55,14 @@ std::vector<std::string> temporaries(const std::string& folder) {
   return found;
 }
 
+// A command prefix that runs the rest with files limited to `bytes`: a write beyond fails with EFBIG
+// (SIGXFSZ ignored), as ENOSPC would on a full disk.
+std::string file_size_limited(int64_t bytes) {
+  const std::string b = std::to_string(bytes);
+  return "python3 -c 'import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+         "resource.setrlimit(resource.RLIMIT_FSIZE, (" + b + ", " + b + ")); os.execv(sys.argv[1], sys.argv[1:])' ";
+}
+
 std::string latest(const std::string& dir) {
   std::ifstream in(dir + "/out/checkpoints/latest");
   std::string name;
@@ -72,9 +80,7 @@ TEST(Faults, AFullDiskWhileSavingIsOneErrorAndKeepsThePreviousCheckpoint) {
   ASSERT_EQ(first.exit_code, 0) << first.output;
   ASSERT_EQ(latest(dir), "step-00000005");
   // Files may grow to 1,000,000 bytes; a write beyond fails with EFBIG (SIGXFSZ ignored), as ENOSPC would.
-  const std::string limited = "python3 -c 'import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, "
-                              "signal.SIG_IGN); resource.setrlimit(resource.RLIMIT_FSIZE, (1000000, 1000000)); "
-                              "os.execv(sys.argv[1], sys.argv[1:])' ";
+  const std::string limited = file_size_limited(1000000);
   const auto full = run_command("OMP_NUM_THREADS=1 " + limited + WEFT_TRAINER_PATH + " " + args +
                                 " --set checkpoint.resume=auto --set train.max_steps=10");
   EXPECT_EQ(full.exit_code, 1) << full.output;
@@ -107,9 +113,7 @@ TEST(Faults, AFullDiskWhileRanksWriteTheirOwnStateLeavesNoCheckpointAndKeepsTheP
   ASSERT_EQ(first.exit_code, 0) << first.output;
   ASSERT_EQ(latest(dir), "step-00000005");
   ASSERT_TRUE(fs::exists(dir + "/out/checkpoints/step-00000005/local/rank-00001.safetensors"));
-  const std::string limited = "python3 -c 'import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, "
-                              "signal.SIG_IGN); resource.setrlimit(resource.RLIMIT_FSIZE, (1000000, 1000000)); "
-                              "os.execv(sys.argv[1], sys.argv[1:])' ";
+  const std::string limited = file_size_limited(1000000);
   const auto full = run_command("OMP_NUM_THREADS=1 " + limited + WEFT_TRAINER_PATH + " " + args +
                                 " --set checkpoint.resume=auto --set train.max_steps=10");
   EXPECT_EQ(full.exit_code, 1) << full.output;
@@ -162,9 +166,7 @@ TEST(Faults, AFullDiskOnOneRankOfASplitModelLeavesNoCheckpointAndKeepsThePreviou
   const std::string args = tiny_args(dir) + " --plugin gpipe --nproc 2 --set checkpoint.every_steps=2 --set model.config=" +
                            WEFT_SOURCE_DIR + "/configs/models/austen-mini/config.json";
   ASSERT_EQ(run_trainer(args + " --set train.max_steps=2").exit_code, 0);
-  const std::string limited = "python3 -c 'import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, "
-                              "signal.SIG_IGN); resource.setrlimit(resource.RLIMIT_FSIZE, (4800000, 4800000)); "
-                              "os.execv(sys.argv[1], sys.argv[1:])' ";
+  const std::string limited = file_size_limited(4800000);
   const auto full = run_command("OMP_NUM_THREADS=1 " + limited + WEFT_TRAINER_PATH + " " + args +
                                 " --set checkpoint.resume=auto --set train.max_steps=4");
   const std::string checkpoints = dir + "/out/checkpoints";

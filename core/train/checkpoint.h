@@ -10,7 +10,7 @@
 //                              pieces, written in parallel, and index.json (named_state.h)
 //     rng.pt                   the CPU generator state
 //     local/                   where a strategy keeps parameters each rank's own (ABI 2's LOCAL
-//                              placements, DiLoCo's workers): every rank's values, AdamW moments
+//                              placements, e.g. local SGD's workers): every rank's values, AdamW moments
 //                              and generators of them (rank-<r>.safetensors, rank-<r>.generators.pt)
 //                              and index.json {"world_size": W, "parameters": [...]}; the model
 //                              and optimizer files hold rank 0's

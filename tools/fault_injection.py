@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Kills a rank with SIGKILL at chosen points of training and counts what survives (issue 17).
 
-For each plugin (single, ddp, tensor_parallel, gpipe, pipedream; their ABI 2 ports ddp_abi2,
-zero_abi2 at stage 3, tensor_parallel_abi2, gpipe_abi2; and the out-of-tree DiLoCo, whose workers'
-own state checkpoints keep per rank; 2 ranks where it splits or replicates) it first trains an uninterrupted reference run (tiny preset, the bundled corpus, a
+For each plugin (single, ddp, zero at stage 3, tensor_parallel, gpipe, pipedream; and the
+out-of-tree DiLoCo, whose workers' own state checkpoints keep per rank; 2 ranks where it splits or
+replicates) it first trains an uninterrupted reference run (tiny preset, the bundled corpus, a
 checkpoint and an evaluation every 2 steps, 8 steps). Then each trial kills one rank the n-th
 time it reaches a point (WEFT_FAULT_INJECT=<rank>:<point>:<n>; core/util/fault_injection.h):
 forward, backward, inside a collective, during a checkpoint save, during evaluation (and for
@@ -33,13 +33,13 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PLUGINS = [("single", 1), ("ddp", 2), ("tensor_parallel", 2), ("gpipe", 2), ("pipedream", 2),
-           ("ddp_abi2", 2), ("zero_abi2", 2), ("tensor_parallel_abi2", 2), ("gpipe_abi2", 2), ("diloco", 2)]
+PLUGINS = [("single", 1), ("ddp", 2), ("zero", 2), ("tensor_parallel", 2), ("gpipe", 2), ("pipedream", 2),
+           ("diloco", 2)]
 POINTS = ["forward", "backward", "collective", "save", "eval"]
-# What a plugin runs with beyond its name: zero_abi2 at stage 3 (parameters sharded too); DiLoCo, an
+# What a plugin runs with beyond its name: zero at stage 3 (parameters sharded too); DiLoCo, an
 # out-of-tree example built into the tests' fixtures, with an outer step every 3 steps (so that
 # checkpoints fall between outer steps, where each worker's state is its own) and its extra point.
-SETTINGS = {"zero_abi2": ["--set", "plugin.stage=3"], "diloco": ["--set", "plugin.inner_steps=3"]}
+SETTINGS = {"zero": ["--set", "plugin.stage=3"], "diloco": ["--set", "plugin.inner_steps=3"]}
 EXTRA_POINTS = {"diloco": ["save_local"]}
 
 

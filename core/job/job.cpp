@@ -257,18 +257,6 @@ void Job::build_model() {
                                     : fmt::format("; {}", fmt::join(memory_.advice, "; ")),
              strategy_->names(), context_.world);
   model_options.comm = strategy_->comm_hook();
-  if (model_options.quantize.format == QuantFormat::kInt8 && model_options.quantize.int8_gemm &&
-      strategy_->min_negotiated_minor() < 7) {
-    // A row-split int8 layer quantizes each token over the whole row: the plugin all-reduces the
-    // rows' absmax at WEFT_COMM_ROW_ABSMAX, which a plugin built before ABI 1.7 does not know.
-    for (const auto& [name, shard] : model_options.shards) {
-      WEFT_CHECK(shard.dim != 1 || shard.whole() || !device_.is_cpu() || !cpu_int8_gemm_available(),
-                 "plugin {} (ABI 1.{}) splits {} along its input columns, and model.quantize = \"int8\" on the "
-                 "CPU multiplies it in the int8 GEMM, whose per-token scales need the plugin to all-reduce them "
-                 "(WEFT_COMM_ROW_ABSMAX, ABI 1.7): rebuild the plugin against this SDK",
-                 strategy_->names(), strategy_->min_negotiated_minor(), name);
-    }
-  }
   model_options.context = strategy_->context_split();
   model_options.sequence_parallel = strategy_->sequence_parallel();
   model_ = LlamaForCausalLM(config, model_options);

@@ -805,7 +805,10 @@ class HostStep : public sdk::Strategy {
     for (int32_t m = 0; m < std::max(1, step.micro_batches); ++m) {
       sdk::Batch batch = h.batch(m);
       const DLTensor inputs = h.activation_view(batch.inputs);
-      if (inputs.ndim > 0 && inputs.shape[0] == 0) continue;  // no rows for this rank
+      if (inputs.ndim > 0 && inputs.shape[0] == 0) {  // no rows for this rank
+        if (gatherer_) staged_eval_gathers();          // its shards still take part in the others' gathers
+        continue;
+      }
       sdk::Activation logits = gatherer_ ? staged_eval_forward(batch)
                                          : h.forward(0, stages, batch.inputs, WEFT_FORWARD_NO_GRAD);
       sdk::Loss loss = h.loss(logits, batch.targets, 1.0);
@@ -884,6 +887,20 @@ class HostStep : public sdk::Strategy {
     }
     if (was_resting && tied_) gatherer_->release(0);
     return out;
+  }
+
+  // staged_eval_forward's collectives without its compute: a rank with no rows of a held-out batch
+  // (the last batch of an uneven split) gathers and releases as the ranks with rows do.
+  void staged_eval_gathers() {
+    const int64_t S = gatherer_->stages();
+    const bool was_resting = resting_;
+    if (tied_) gatherer_->gather(0);
+    for (int64_t s = 0; s < S; ++s) {
+      gatherer_->gather(s);
+      if (was_resting) gatherer_->prefetch(s + 1);
+      if (was_resting && !(tied_ && s == 0)) gatherer_->release(s);
+    }
+    if (was_resting && tied_) gatherer_->release(0);
   }
 
   // Every parameter whole (a checkpoint, an evaluation, generation) or back to its ranges.

@@ -71,7 +71,7 @@ weft_host_api make_table() {
   t.parameter_release = host::parameter_release;
   t.parameter_materialize = host::parameter_materialize;
   t.stage_memory = host::stage_memory;
-  t.attention_block = host::attention_block;
+  t.attention_block = nullptr;  // ring attention is context_parallel.so's own (ABI 1.5's service is gone)
   t.backward_input = host::backward_input;
   t.backward_weight = host::backward_weight;
   t.weight_pass_release = host::weight_pass_release;

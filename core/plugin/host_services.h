@@ -327,8 +327,6 @@ weft_status* parameter_grad_release(weft_host* host, int64_t index);
 weft_status* parameter_release(weft_host* host, int64_t index);
 weft_status* parameter_materialize(weft_host* host, int64_t index, DLTensor* out);
 weft_status* stage_memory(weft_host* host, int64_t stage, weft_stage_memory* out);
-// host_attention.cpp (ABI 1.5)
-weft_status* attention_block(weft_host* host, weft_direction direction, const weft_attention_block* block);
 // host_model.cpp
 ParameterEntry& parameter_at(State& s, int64_t index);
 

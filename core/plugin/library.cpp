@@ -80,28 +80,6 @@ std::shared_ptr<boost::dll::shared_library> open_library(const std::string& path
   return library;
 }
 
-const weft_strategy_api& call_entry(const boost::dll::shared_library& library, const std::string& path) {
-  WEFT_CHECK(library.has(WEFT_STRATEGY_ENTRY_SYMBOL),
-             "plugin {}: exports no {} (ABI 1) or {} (ABI 2): not a weft strategy plugin", path,
-             WEFT_STRATEGY_ENTRY_SYMBOL, WEFT_PLUGIN_ENTRY_SYMBOL);
-  // get<function type> yields a reference to the function itself (get<pointer type> would read
-  // the symbol as a variable holding a pointer).
-  auto& entry = library.get<std::remove_pointer_t<weft_strategy_entry_fn>>(WEFT_STRATEGY_ENTRY_SYMBOL);
-  const PluginVersion host = host_abi_version();
-  const weft_strategy_api* table = entry(host.major, host.minor);
-  WEFT_CHECK(table, "plugin {}: {} returned NULL (the plugin refuses this host's ABI {})", path,
-             WEFT_STRATEGY_ENTRY_SYMBOL, version_string(host));
-  return *table;
-}
-
-std::string missing_required_slots(const weft_strategy_api& table) {
-  std::vector<std::string> missing;
-  if (!table.create) missing.push_back("create");
-  if (!table.destroy) missing.push_back("destroy");
-  if (!table.train_step) missing.push_back("train_step");
-  return fmt::format("{}", fmt::join(missing, ", "));
-}
-
 bool is_empty(const char* s) { return !s || !*s; }
 
 // The DT_NEEDED entries of a 64-bit ELF shared library (empty when the file is not one or is
@@ -169,23 +147,6 @@ void check_torch_build(const Abi2Plugin& plugin, const std::string& path) {
 
 PluginVersion host_abi_version() { return {WEFT_ABI_VERSION_MAJOR, WEFT_ABI_VERSION_MINOR}; }
 
-PluginVersion negotiate_abi(const weft_strategy_api& table, PluginVersion host, const std::string& path) {
-  const weft_abi_header& h = table.header;
-  WEFT_CHECK(h.abi_major == host.major, "plugin {} is built for weft ABI {}.x, this host speaks {}", path,
-             h.abi_major, version_string(host));
-  WEFT_CHECK(h.struct_size >= kStrategyApiSizeV1_0,
-             "plugin {}: its table's struct_size {} is smaller than ABI {}.0 requires ({})", path,
-             h.struct_size, host.major, kStrategyApiSizeV1_0);
-  WEFT_CHECK(table.min_host_minor <= host.minor,
-             "plugin {} needs host ABI >= {}.{} (min_host_minor), this host is {}", path, host.major,
-             table.min_host_minor, version_string(host));
-  const std::string missing = missing_required_slots(table);
-  WEFT_CHECK(missing.empty(), "plugin {}: required slot(s) are NULL: {}", path, missing);
-  WEFT_CHECK(!is_empty(table.name), "plugin {}: its table has no name", path);
-  WEFT_CHECK(!is_empty(table.version), "plugin {}: its table has no version", path);
-  return {host.major, std::min(host.minor, h.abi_minor)};
-}
-
 PluginLibrary::PluginLibrary(std::string path, const weft_strategy_api& table, PluginVersion negotiated)
     : path_(std::move(path)),
       name_(table.name ? table.name : ""),
@@ -243,11 +204,12 @@ std::shared_ptr<PluginLibrary> PluginLibrary::load(const std::string& path_or_na
     r.plugins.emplace(path, plugin);
     return plugin;
   }
-  const weft_strategy_api& table = call_entry(*library, path);
-  const PluginVersion negotiated = negotiate_abi(table, host_abi_version(), path);
-  auto plugin = std::make_shared<PluginLibrary>(path, table, negotiated);
-  r.plugins.emplace(path, plugin);
-  return plugin;
+  // ABI 1 (weft_strategy_entry, its table of 63 host callbacks) is gone: one line says so.
+  WEFT_CHECK(!library->has("weft_strategy_entry"),
+             "plugin {}: an ABI 1 strategy plugin (it exports weft_strategy_entry); this host loads ABI {} plugins "
+             "only (weft_plugin_entry, sdk/include/weft/plugin.h; sdk/CHANGELOG.md says what changed)",
+             path, WEFT_PLUGIN_ABI_MAJOR);
+  fail("plugin {}: exports no {}: not a weft strategy plugin", path, WEFT_PLUGIN_ENTRY_SYMBOL);
 }
 
 std::vector<std::string> plugin_search_dirs() {

@@ -43,11 +43,12 @@ class PluginLibrary {
   // kBuiltinStrategy ("single") is the strategy compiled into the host (its table validated like a
   // library's); a path to single.so loads the library. Anything else:
   // resolves `path_or_name` (resolve_plugin_path), loads it with RTLD_NOW | RTLD_LOCAL, calls its
-  // weft_strategy_entry with this host's ABI version and validates the table (negotiate_abi).
+  // weft_plugin_entry with this host's ABI version and validates the table (validate_abi2_table).
   // Loading the same file again (by any path or name that resolves to it) returns the same
   // object. Throws weft::Error, one line naming the file and the problem: not found (listing
   // the places searched), not a shared library, dlopen's error (e.g. an undefined symbol), no
-  // entry symbol, entry returned NULL, or any refusal of negotiate_abi.
+  // entry symbol (or ABI 1's weft_strategy_entry), entry returned NULL, or any refusal of
+  // validate_abi2_table.
   static std::shared_ptr<PluginLibrary> load(const std::string& path_or_name);
 
   const std::string& path() const { return path_; }  // canonical absolute path of the library
@@ -75,27 +76,18 @@ class PluginLibrary {
   // lies within the plugin's struct_size. The slot may still be NULL if it is optional.
   bool has_slot(size_t offset_of_slot, uint16_t since_minor) const;
 
-  // Describes an already validated table (load() calls negotiate_abi first); the table's
-  // strings are copied. Public for make_shared and for tests; plugins are obtained with load().
-  PluginLibrary(std::string path, const weft_strategy_api& table, PluginVersion negotiated);
-  // An ABI 2 plugin: the session table is the host's step (abi2_session_table).
+  // A validated plugin (validate_abi2_table): the session table is the host's step
+  // (abi2_session_table). Public for make_shared; plugins are obtained with load().
   PluginLibrary(std::string path, const Abi2Plugin& plugin);
 
  private:
+  PluginLibrary(std::string path, const weft_strategy_api& table, PluginVersion negotiated);
   std::string path_, name_, version_, description_;
   PluginVersion plugin_abi_, negotiated_abi_;
   uint32_t table_size_;
   weft_strategy_api api_;
   std::shared_ptr<const Abi2Plugin> abi2_;
 };
-
-// Validates a plugin's table against a host of ABI version `host` and returns the negotiated
-// version {major, min(host.minor, table minor)}. `path` names the plugin in messages. Throws
-// weft::Error when: the major differs ("plugin X is built for weft ABI 2.x, this host speaks
-// 1.y"), struct_size is below kStrategyApiSizeV1_0, min_host_minor exceeds host.minor ("plugin X
-// needs host ABI >= 1.5 (min_host_minor), this host is 1.0"), a required slot (create, destroy,
-// train_step) is NULL, or name or version is NULL or empty.
-PluginVersion negotiate_abi(const weft_strategy_api& table, PluginVersion host, const std::string& path);
 
 // Where bare plugin names are looked up, in order: <directory of the running executable>/plugins,
 // then each non-empty entry of the colon-separated environment variable WEFT_PLUGIN_PATH.

@@ -1,8 +1,8 @@
-// One strategy instance for this process, with a C++ face: the rest of the host (the trainer, the
-// evaluator, generation) calls these methods and never sees the C ABI (weft_step_info, DLPack
-// views, statuses). Behind it: the plugin library (loaded, or the built-in single), the
-// PluginHost that serves it, and the plugin's weft_strategy. Every method throws weft::Error
-// naming the plugin when the plugin fails.
+// One strategy for this process, with a C++ face: the rest of the host (the trainer, the evaluator,
+// generation) calls these methods and never sees a plugin's C ABI. Behind it: the plugin libraries
+// (loaded, or the built-in single), and the host's step for them (core/plugin/abi2.cpp,
+// abi2_pipeline.cpp), reached through the internal step table (core/plugin/internal/weft/strategy.h)
+// and served by a PluginHost. Every method throws weft::Error naming the plugin when it fails.
 #pragma once
 
 #include <algorithm>
@@ -66,27 +66,25 @@ class StrategySession {
   // its instance, which validates its [plugin] settings and the world size. Throws weft::Error on
   // any refusal, before the model is built. `communicator` must outlive the session.
   //
-  // Composition (ABI 1.12): `path_or_name` may name several plugins, comma-separated
-  // ("tensor_parallel,gpipe"); each owns one dimension of the device mesh (its table's
-  // mesh_dimensions), sized by `mesh` ([mesh] pp, dp, cp, tp in Mesh's order; 0 = unset, see
-  // Mesh::resolve), and gets the same [plugin] settings. The host makes every slice's process group
-  // (collective), picks the driver (the plugin owning pp, else tp, cp, dp) and orders the others
-  // tp, cp, dp; every method below then calls each plugin in that order where each has a part.
+  // Composition: `path_or_name` may name several plugins, comma-separated ("tensor_parallel,gpipe");
+  // each owns one dimension of the device mesh (its table's mesh_dimensions), sized by `mesh`
+  // ([mesh] pp, dp, cp, tp in Mesh's order; 0 = unset, see Mesh::resolve), and reads the [plugin]
+  // settings (its [plugin.<name>] table first). One step runs them all: the pipeline plugin's, else
+  // the tensor-parallel one's, else the context-parallel one's, executing the others' layouts over
+  // their mesh slices (compose).
   StrategySession(const std::string& path_or_name, toml::table plugin_config, Communicator& communicator,
                   std::array<int32_t, 4> mesh = {0, 0, 0, 0});
   ~StrategySession();  // destroys the instance; the library stays loaded
   StrategySession(const StrategySession&) = delete;
   StrategySession& operator=(const StrategySession&) = delete;
 
-  // The driver's library (the one plugin when alone).
+  // The library whose step runs (the one plugin when alone).
   const PluginLibrary& library() const { return *library_; }
-  // The plugins' names, driver first ("tensor_parallel" alone, "gpipe+tensor_parallel" composed).
+  // The plugins' names, the step's first ("tensor_parallel" alone, "gpipe+tensor_parallel" composed).
   std::string names() const;
-  // The lowest negotiated ABI minor over the plugins.
-  uint16_t min_negotiated_minor() const;
   // The mesh of a composed run; null alone.
   const Mesh* mesh() const { return mesh_ ? &*mesh_ : nullptr; }
-  // "ddp 1.0.0 (ABI 1.1) from /path/ddp.so"
+  // "ddp 2.0.0 (ABI 2.5) from /path/ddp.so"
   std::string describe() const;
   // What every rank must agree on: the plugin's name, version and negotiated ABI.
   std::string fingerprint() const;
@@ -146,7 +144,7 @@ class StrategySession {
   std::pair<int64_t, int64_t> parameter_and_gradient_bytes() const { return state_host_->parameter_and_gradient_bytes(); }
   // ABI 2 plugins keep training state of their own in the host (weft_state_tensor): checkpoints
   // carry it (the same on every rank) and a resume gives it back.
-  bool keeps_plugin_state() const { return library_->abi2() != nullptr; }
+  bool keeps_plugin_state() const { return true; }
   std::vector<std::pair<std::string, at::Tensor>> plugin_state() const { return host_->plugin_state(); }
   void restore_plugin_state(const std::vector<std::pair<std::string, at::Tensor>>& saved) {
     host_->restore_plugin_state(saved);
@@ -172,55 +170,38 @@ class StrategySession {
   at::Tensor take_sequence_outputs();
 
  private:
-  // One plugin of the run: its library, the PluginHost serving it, its instance and, composed, the
-  // mesh dimension it owns.
+  // One plugin of the run: its library, the PluginHost serving it, its instance (the step's only) and,
+  // composed, the mesh dimension it owns.
   struct Member {
     std::shared_ptr<PluginLibrary> library;
     std::unique_ptr<PluginHost> host;
     weft_strategy* instance = nullptr;
     int dimension = -1;
-    bool has(size_t slot_offset, uint16_t since_minor) const { return library->has_slot(slot_offset, since_minor); }
   };
   void check(weft_status* status, const char* what) const;
-  void check(const Member& member, weft_status* status, const char* what) const;
-  // Composed runs: loads and orders the plugins, resolves the mesh, makes its groups.
   void check_settings_read(const toml::table& plugin_config) const;
-  void compose(const std::vector<std::string>& names, const toml::table& plugin_config, Communicator& communicator,
-               std::array<int32_t, 4> requested);
-  // ABI 2 plugins composed (a pipeline plugin and a data-parallel one): one step, the pipeline's.
-  void compose_abi2(const std::vector<std::shared_ptr<PluginLibrary>>& libraries, const toml::table& plugin_config,
-                    Communicator& communicator, std::array<int32_t, 4> requested);
-  // The plan every plugin wrote, merged (composed) or the one plugin's.
-  weft_model_plan merged_plan(const weft_model_plan& prefilled);
-  // composed: the squared norm of this rank's share of the gradients (each divided by its copies)
-  double weighted_grad_norm_sq() const;
+  // Several plugins on the mesh: one step, that of the plugin owning pp, else tp, else cp.
+  void compose(const std::vector<std::shared_ptr<PluginLibrary>>& libraries, const toml::table& plugin_config,
+               Communicator& communicator, std::array<int32_t, 4> requested);
+  std::vector<const Member*> members() const;  // the step's plugin, then its companions
+  // The plugin that splits sequences (a context-parallel companion, else the step's own).
+  const std::string& context_plugin() const;
 
-  // ABI 1.14: members_[index] drives the stages itself (drives_stages): the driver from now on.
-  void drive_from(size_t index, int stages);
-
-  std::vector<Member> members_;  // the driver first, then the others in finishing order (tp, cp, dp)
-  // ABI 2 composition: the plugins whose layouts the one member's step executes (no instance here).
-  std::vector<Member> companions_;
-  std::optional<Mesh> abi2_mesh_;  // their mesh (mesh_ is 1.x composition's)
-  bool drives_stages_ = false;   // the driver runs the stages itself (a drives_stages plan, 1.14)
-  std::optional<Mesh> mesh_;     // composed runs only
+  Member step_;                   // the plugin whose step runs (alone: the one plugin)
+  std::vector<Member> companions_;  // composed: the plugins whose layouts that step executes (no instance)
+  std::string context_plugin_;    // the context-parallel companion's name, if any
+  std::optional<Mesh> mesh_;      // composed runs only
   Communicator* communicator_ = nullptr;
-  std::vector<double> norm_weights_;  // composed: per training tensor, 1 / (its copies over the plugins)
-  // Which member's plan set the stages, the sequence split and the tensor-sequence split (whose
-  // context_* slots the model calls).
-  int stages_owner_ = 0, context_owner_ = 0, sequence_parallel_owner_ = 0;
-  std::shared_ptr<PluginLibrary> library_;  // the driver's
-  PluginHost* host_ = nullptr;              // the driver's
-  // The host of the plugin that shards the training state (flat_shard: zero, composed or alone),
-  // else the driver's: it serves the optimizer's tensors.
+  std::shared_ptr<PluginLibrary> library_;  // step_'s
+  PluginHost* host_ = nullptr;              // step_'s
+  // The host that serves the optimizer's tensors (the step's, which shards them under FLAT_SHARD).
   PluginHost* state_host_ = nullptr;
   ProcessGroup* state_group_ = nullptr;
-  std::array<ProcessGroup*, 4> groups_{};  // composed: this rank's slice along each dimension
-  weft_strategy* instance_ = nullptr;       // the driver's
+  weft_strategy* instance_ = nullptr;  // step_'s
   LlamaForCausalLMImpl* model_ = nullptr;
-  ContextSplit context_;       // the plan's context split (ABI 1.4; layout 1.5), without callbacks
-  bool context_ring_ = false;  // 1.5: the plugin runs the attention core (sequence_attention)
-  SequenceShards sequence_parallel_;  // 1.9: Megatron sequence parallelism, without its collective
+  ContextSplit context_;       // the plan's context split, without callbacks
+  bool context_ring_ = false;  // the plugin runs the attention core (ring attention)
+  SequenceShards sequence_parallel_;  // Megatron sequence parallelism, without its collective
 };
 
 }  // namespace weft

@@ -291,98 +291,58 @@ std::vector<ConformanceCase> conformance_matrix() {
     return a;
   };
   std::vector<ConformanceCase> cases;
-  auto both = [&](const std::string& plugin, int nproc, const std::vector<std::string>& settings) {
+  auto both = [&](const std::string& plugin, int nproc, const std::vector<std::string>& settings) {  // full and LoRA
     cases.push_back({plugin, nproc, settings});
     cases.push_back({plugin, nproc, with(settings, lora)});
   };
-  both("ddp", 2, {});
-  both("ddp", 4, {});
-  both("ddp_abi2", 2, {});  // the same strategy under ABI 2: the host's step, with buckets that start in the backward
-  both("ddp_abi2", 4, {"plugin.bucket_mb=0.05"});
-  both("zero_abi2", 2, {"plugin.stage=1"});  // ZeRO stage 1 under ABI 2: the optimizer state flat-sharded by the host
-  both("zero_abi2", 3, {"plugin.stage=1"});
-  both("zero_abi2", 3, {"plugin.stage=2", "plugin.bucket_mb=0.05"});  // gradients reduce-scattered too
-  both("zero_abi2", 2, {"plugin.stage=3"});  // parameters gathered around each stage's uses
-  for (const char* stage : {"plugin.stage=1", "plugin.stage=2", "plugin.stage=3"}) both("zero", 2, {stage});
-  both("tensor_parallel", 2, {});
-  both("tensor_parallel", 4, {});                         // the check model's 2 kv heads shared by pairs
-  both("tensor_parallel", 4, {"plugin.tp=2"});            // tp 2 x dp 2
+  both("ddp", 2, {});  // a layout: the host's step reduces the gradients
+  both("ddp", 4, {"plugin.bucket_mb=0.05"});  // buckets that start in the backward
+  both("zero", 2, {"plugin.stage=1"});  // ZeRO stage 1: the optimizer state flat-sharded by the host
+  both("zero", 3, {"plugin.stage=1"});
+  both("zero", 2, {"plugin.stage=2"});
+  both("zero", 3, {"plugin.stage=2", "plugin.bucket_mb=0.05"});  // gradients reduce-scattered too
+  both("zero", 2, {"plugin.stage=3"});  // parameters gathered around each stage's uses
+  both("tensor_parallel", 2, {});  // slices and hooks
+  both("tensor_parallel", 4, {});  // the check model's 2 kv heads shared by pairs
   both("tensor_parallel", 2, {"plugin.sequence_parallel=true"});
-  both("tensor_parallel_abi2", 4, {});  // under ABI 2: slices and hooks; kv heads shared by pairs
-  both("tensor_parallel_abi2", 2, {"plugin.sequence_parallel=true"});
-  both("gpipe", 2, {});
+  both("gpipe", 2, {});  // schedules as data: the host's pipeline runtime runs them
   both("gpipe", 4, {});
-  both("gpipe", 4, {"plugin.stages=2"});                  // pp 2 x dp 2
+  both("gpipe", 4, {"plugin.stages=2"});  // pp 2 x replicas 2
+  both("gpipe", 2, {"plugin.schedule=\"1f1b\""});  // pipedream.so's default schedule
+  both("gpipe", 4, {"plugin.schedule=\"1f1b\""});
   both("gpipe", 2, {"plugin.schedule=\"interleaved1f1b\""});  // 2 stages x 2 chunks (virtual stages)
   both("gpipe", 4, {"plugin.stages=2", "plugin.schedule=\"interleaved1f1b\""});
   both("gpipe", 2, {"plugin.schedule=\"interleaved1f1b\"", "plugin.chunks=3"});  // embed and head alone at the ends
-  both("gpipe_abi2", 2, {});  // gpipe.so's schedules as data under ABI 2: the host's pipeline runtime runs them
-  both("gpipe_abi2", 2, {"plugin.schedule=\"zbh1\""});
-  both("gpipe_abi2", 4, {"plugin.stages=2"});  // pp 2 x replicas 2
-  both("pipedream", 2, {});
-  both("pipedream", 4, {});
-  both("pipedream", 2, {"plugin.schedule=\"zbh1\""});  // ZB-H1: backward split into B and W passes
-  both("pipedream", 4, {"plugin.schedule=\"zbh1\""});
-  both("context_parallel", 2, {});                        // Ulysses all-to-all
-  both("context_parallel", 2, {"plugin.mode=\"ring\""});  // ring attention
-  both("context_parallel_abi2", 2, {});  // under ABI 2: a sequence split, Ulysses' all-to-all as a hook
-  both("context_parallel_abi2", 4, {"plugin.mode=\"ring\""});  // ring attention in the plugin, with LibTorch
-  // Composed over a device mesh (ABI 1.12): tp x pp, pp x dp, tp x dp, tp x pp x dp.
-  both("tensor_parallel,gpipe", 4, {"mesh.tp=2", "mesh.pp=2"});
-  both("gpipe,ddp", 4, {"mesh.pp=2", "mesh.dp=2"});
-  both("tensor_parallel,ddp", 4, {"mesh.tp=2", "mesh.dp=2"});
-  both("tensor_parallel,pipedream,ddp", 8, {"mesh.tp=2", "mesh.pp=2", "mesh.dp=2"});
-  both("gpipe,zero", 4, {"mesh.pp=2", "plugin.stage=1"});
-  // ABI 2 composed: gpipe_abi2's schedule over pp, ddp_abi2's layout over dp (a REDUCE per chunk).
-  both("ddp_abi2,gpipe_abi2", 4, {"mesh.pp=2", "mesh.dp=2"});
-  both("zero_abi2,gpipe_abi2", 4, {"mesh.pp=2", "mesh.dp=2", "plugin.stage=3"});  // FSDP x PP
-  // ABI 2 composed: tensor_parallel_abi2's slices over tp, ddp_abi2's or zero_abi2's layout over dp.
-  both("ddp_abi2,tensor_parallel_abi2", 4, {"mesh.tp=2", "mesh.dp=2"});
-  both("zero_abi2,tensor_parallel_abi2", 4, {"mesh.tp=2", "mesh.dp=2", "plugin.stage=3"});  // FSDP x TP
-  both("gpipe_abi2,tensor_parallel_abi2", 4, {"mesh.tp=2", "mesh.pp=2"});  // slices in each pipeline stage
-  both("ddp_abi2,gpipe_abi2,tensor_parallel_abi2", 8, {"mesh.tp=2", "mesh.pp=2", "mesh.dp=2"});  // the 3-D mesh
-  // ABI 2 with context parallelism: context_parallel_abi2's sequence split over cp, with dp and tp.
-  both("context_parallel_abi2,ddp_abi2", 4, {"mesh.cp=2", "mesh.dp=2"});
-  both("tensor_parallel_abi2,context_parallel_abi2", 4,
-       {"mesh.cp=2", "mesh.tp=2", "plugin.context_parallel_abi2.mode=\"ring\""});
-  both("gpipe_abi2,context_parallel_abi2", 4, {"mesh.cp=2", "mesh.pp=2"});  // in every pipeline stage
-  both("tensor_parallel,zero", 4, {"mesh.tp=2", "plugin.stage=2"});
-  both("tensor_parallel,gpipe,zero", 8, {"mesh.tp=2", "mesh.pp=2", "plugin.stage=1"});
-  both("context_parallel,tensor_parallel", 4, {"mesh.cp=2", "mesh.tp=2"});
+  both("gpipe", 2, {"plugin.schedule=\"zbh1\""});  // ZB-H1: backward split into B and W passes
+  both("gpipe", 4, {"plugin.schedule=\"zbh1\""});
+  both("context_parallel", 2, {});  // a sequence split, Ulysses' all-to-all as a hook
+  both("context_parallel", 2, {"plugin.mode=\"ring\""});  // ring attention in the plugin, with LibTorch
+  both("context_parallel", 4, {"plugin.mode=\"ring\""});
+  // Composed over a device mesh: gpipe's schedule over pp, ddp's or zero's layout over dp (a REDUCE per chunk).
+  both("ddp,gpipe", 4, {"mesh.pp=2", "mesh.dp=2"});
+  both("zero,gpipe", 4, {"mesh.pp=2", "mesh.dp=2", "plugin.stage=1"});
+  both("zero,gpipe", 4, {"mesh.pp=2", "mesh.dp=2", "plugin.stage=3"});  // FSDP x PP
+  // tensor_parallel's slices over tp, ddp's or zero's layout over dp.
+  both("ddp,tensor_parallel", 4, {"mesh.tp=2", "mesh.dp=2"});
+  both("zero,tensor_parallel", 4, {"mesh.tp=2", "mesh.dp=2", "plugin.stage=2"});
+  both("zero,tensor_parallel", 4, {"mesh.tp=2", "mesh.dp=2", "plugin.stage=3"});  // FSDP x TP
+  both("zero,tensor_parallel", 4, {"mesh.tp=2", "mesh.dp=2", "plugin.stage=3", "plugin.sequence_parallel=true"});
+  // tensor_parallel's slices in each pipeline stage; the 3-D mesh.
+  both("gpipe,tensor_parallel", 4, {"mesh.tp=2", "mesh.pp=2"});
+  both("gpipe,tensor_parallel", 4, {"mesh.tp=2", "mesh.pp=2", "plugin.sequence_parallel=true"});
+  both("ddp,gpipe,tensor_parallel", 8, {"mesh.tp=2", "mesh.pp=2", "mesh.dp=2"});
+  both("ddp,gpipe,tensor_parallel", 8, {"mesh.tp=2", "mesh.pp=2", "mesh.dp=2", "plugin.schedule=\"1f1b\""});
+  both("zero,gpipe,tensor_parallel", 8, {"mesh.tp=2", "mesh.pp=2", "mesh.dp=2", "plugin.stage=1"});
+  // context_parallel's sequence split over cp, with dp (FSDP x CP too), tp and pp.
   both("context_parallel,ddp", 4, {"mesh.cp=2", "mesh.dp=2"});
-  // Sequence splits across pipeline stages (ABI 1.13).
-  both("context_parallel,gpipe", 4, {"mesh.cp=2", "mesh.pp=2"});
-  both("context_parallel,pipedream", 4,
-       {"mesh.cp=2", "mesh.pp=2", "plugin.context_parallel.mode=\"ring\"", "plugin.schedule=\"zbh1\""});
-  both("tensor_parallel,gpipe", 4, {"mesh.tp=2", "mesh.pp=2", "plugin.sequence_parallel=true"});
-  // Context parallelism x tensor parallelism with sequence parallelism (1.14 hosts).
-  both("context_parallel,tensor_parallel", 4, {"mesh.cp=2", "mesh.tp=2", "plugin.sequence_parallel=true"});
-  // ZeRO-3 driving tp (with sequence parallelism too) and cp (ABI 1.14: FSDP x TP, FSDP x CP).
-  both("tensor_parallel,zero", 4, {"mesh.tp=2", "plugin.stage=3"});
-  both("tensor_parallel,zero", 4, {"mesh.tp=2", "plugin.stage=3", "plugin.sequence_parallel=true"});
-  both("context_parallel,zero", 4, {"mesh.cp=2", "plugin.stage=3"});
-  // The ABI 2 twins of the 1.x cases above that none of the ABI 2 cases checks yet (pipedream's
-  // schedule is gpipe_abi2's 1F1B), for the 1.x removal.
-  both("zero_abi2", 2, {"plugin.stage=2"});
-  both("tensor_parallel_abi2", 2, {});
-  both("gpipe_abi2", 4, {});
-  both("gpipe_abi2", 2, {"plugin.schedule=\"interleaved1f1b\""});
-  both("gpipe_abi2", 4, {"plugin.stages=2", "plugin.schedule=\"interleaved1f1b\""});
-  both("gpipe_abi2", 2, {"plugin.schedule=\"interleaved1f1b\"", "plugin.chunks=3"});
-  both("gpipe_abi2", 2, {"plugin.schedule=\"1f1b\""});                       // pipedream 2
-  both("gpipe_abi2", 4, {"plugin.schedule=\"1f1b\""});                       // pipedream 4
-  both("gpipe_abi2", 4, {"plugin.schedule=\"zbh1\""});                       // pipedream 4 zbh1
-  both("context_parallel_abi2", 2, {"plugin.mode=\"ring\""});
-  both("ddp_abi2,gpipe_abi2,tensor_parallel_abi2", 8, {"mesh.tp=2", "mesh.pp=2", "mesh.dp=2", "plugin.schedule=\"1f1b\""});
-  both("zero_abi2,gpipe_abi2", 4, {"mesh.pp=2", "mesh.dp=2", "plugin.stage=1"});
-  both("zero_abi2,tensor_parallel_abi2", 4, {"mesh.tp=2", "mesh.dp=2", "plugin.stage=2"});
-  both("zero_abi2,gpipe_abi2,tensor_parallel_abi2", 8, {"mesh.tp=2", "mesh.pp=2", "mesh.dp=2", "plugin.stage=1"});
-  both("tensor_parallel_abi2,context_parallel_abi2", 4, {"mesh.cp=2", "mesh.tp=2"});     // Ulysses
-  both("gpipe_abi2,context_parallel_abi2", 4, {"mesh.cp=2", "mesh.pp=2", "plugin.context_parallel_abi2.mode=\"ring\"", "plugin.gpipe_abi2.schedule=\"zbh1\""});
-  both("gpipe_abi2,tensor_parallel_abi2", 4, {"mesh.tp=2", "mesh.pp=2", "plugin.sequence_parallel=true"});
-  both("tensor_parallel_abi2,context_parallel_abi2", 4, {"mesh.cp=2", "mesh.tp=2", "plugin.tensor_parallel_abi2.sequence_parallel=true"});
-  both("zero_abi2,tensor_parallel_abi2", 4, {"mesh.tp=2", "mesh.dp=2", "plugin.stage=3", "plugin.sequence_parallel=true"});
-  both("zero_abi2,context_parallel_abi2", 4, {"mesh.cp=2", "mesh.dp=2", "plugin.zero_abi2.stage=3"});
+  both("zero,context_parallel", 4, {"mesh.cp=2", "mesh.dp=2", "plugin.zero.stage=3"});
+  both("tensor_parallel,context_parallel", 4, {"mesh.cp=2", "mesh.tp=2"});  // Ulysses
+  both("tensor_parallel,context_parallel", 4,
+       {"mesh.cp=2", "mesh.tp=2", "plugin.context_parallel.mode=\"ring\""});
+  both("tensor_parallel,context_parallel", 4, {"mesh.cp=2", "mesh.tp=2", "plugin.tensor_parallel.sequence_parallel=true"});
+  both("gpipe,context_parallel", 4, {"mesh.cp=2", "mesh.pp=2"});  // in every pipeline stage
+  both("gpipe,context_parallel", 4,
+       {"mesh.cp=2", "mesh.pp=2", "plugin.context_parallel.mode=\"ring\"", "plugin.gpipe.schedule=\"zbh1\""});
   return cases;
 }
 

@@ -88,7 +88,7 @@ struct ConformanceReport {
 // final parameters are compared. Throws weft::Error if either run fails or refuses the setup.
 ConformanceReport check_conformance(const ConformanceOptions& options);
 
-// Applies one `trainer check --set` setting ("train.mode=lora", "plugin.tp=2", ...) to `options`.
+// Applies one `trainer check --set` setting ("train.mode=lora", "plugin.stage=3", ...) to `options`.
 // Throws weft::Error naming what check takes for a setting it does not.
 void apply_check_setting(ConformanceOptions& options, const std::string& setting);
 
@@ -98,7 +98,7 @@ struct ConformanceCase {
   std::string plugin;
   int nproc = 2;
   std::vector<std::string> settings;
-  std::string label() const;  // "tensor_parallel x4 plugin.tp=2, train.mode=lora"
+  std::string label() const;  // "tensor_parallel x4 mesh.tp=2, train.mode=lora"
 };
 // The matrix `trainer check --all` runs: every shipped strategy with its main layouts (data,
 // tensor, pipeline, sequence and sharded parallelism at 2 and 4 ranks), full fine-tuning and LoRA,

@@ -76,18 +76,13 @@ Trainer::Trainer(TrainOptions options, RunContext context)
   checkpoints_ = std::make_unique<CheckpointStore>(options_.out_dir, options_.keep_last, job_->lora());
   if (job_->lora() && job_->lora()->adalora) {
     // One budget over the whole model's adapters, from their gradients: every rank needs every
-    // layer's scores. Tensor-parallel slices sum theirs over the slices (WEFT_COMM_ADAPTER_SUM);
+    // layer's scores. Tensor-parallel slices sum theirs over the slices (the model's adapter-sum point);
     // pipeline stages and sharded gradients are not supported.
     WEFT_CHECK(!gather_->staged() && !job_->strategy().shards_training_state(),
                "train.mode = \"adalora\" allocates one rank budget over the whole model's adapters from their "
                "gradients, but {} splits the model into pipeline stages or its training state over the ranks; use "
                "single, ddp, tensor_parallel or context_parallel",
                job_->strategy().names());
-    WEFT_CHECK(!gather_->split() || job_->strategy().min_negotiated_minor() >= 8,
-               "train.mode = \"adalora\": plugin {} (ABI 1.{}) splits the adapted layers over the ranks but cannot sum "
-               "the adapters' scores over the slices (WEFT_COMM_ADAPTER_SUM, ABI 1.8): rebuild the plugin against "
-               "this SDK",
-               job_->strategy().names(), job_->strategy().min_negotiated_minor());
     AdaLoraConfig adalora = *job_->lora()->adalora;
     if (adalora.total_step == 0) adalora.total_step = total_steps_;
     allocator_ = std::make_unique<RankAllocator>(job_->model(), adalora);

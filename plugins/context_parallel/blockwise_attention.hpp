@@ -8,9 +8,7 @@
 // gradients (never storing a [sq, sk] matrix past the call, and computing it a tile of queries at a
 // time). Scores and softmax are fp32; the two GEMMs of each product run in q's dtype, as the
 // model's causal attention's.
-// Ring attention's maths, in its plugin's folder: context_parallel_abi2.so computes with it, and the
-// host's ABI 1.5 service attention_block (core/plugin/host_attention.cpp, for context_parallel.so)
-// links it until ABI 1 goes.
+// Ring attention's maths, in its plugin's folder: context_parallel.so computes with it.
 #ifndef WEFT_PLUGINS_CONTEXT_PARALLEL_BLOCKWISE_ATTENTION_HPP
 #define WEFT_PLUGINS_CONTEXT_PARALLEL_BLOCKWISE_ATTENTION_HPP
 

@@ -1,6 +1,6 @@
 // async_pipeline.hpp - PipeDream's original asynchronous 1F1B (Narayanan et al., SOSP 2019)
 // with weight stashing: pipedream.so's mode = "async", and the ABI 2 host's pipeline step where a
-// plugin's layout asks for it (weft_layout.pipeline_asynchronous; gpipe_abi2's mode = "async").
+// plugin's layout asks for it (weft_layout.pipeline_asynchronous; gpipe's mode = "async").
 //
 // Semantics. Every training step t is one minibatch (the host's whole batch; no pipeline
 // micro-batches, no gradient accumulation) and ends with the host's optimizer step on every

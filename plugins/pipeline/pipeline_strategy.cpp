@@ -223,7 +223,7 @@ void PipelineStrategy::plan(weft_model_plan& plan) {
     }
   }
   if (world_.rank() == 0) {
-    WEFT_LOG_INFO(host(), "%s: %d stages x %d replicas, %d micro-batches, schedule %s%s, partition %s (layers per %s:%s)",
+    WEFT_LOG_INFO(host(), "%s: %d stages x %d replicas, %d micro-batches, schedule from %s%s, partition %s (layers per %s:%s)",
                   plugin_.c_str(), placement_.stages, placement_.replicas, microbatches_, schedule_name_.c_str(),
                   chunks_ > 1 ? (" with " + std::to_string(chunks_) + " chunks per stage (" + held_parts() + ")").c_str() : "",
                   describe(partition_).c_str(), chunks_ > 1 ? "part" : "stage",

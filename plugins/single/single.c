@@ -1,9 +1,8 @@
-/* single.so: the one-process reference, written against ABI 2 (weft/plugin.h). It owns no mesh
+/* single.so: the one-process reference (weft/plugin.h). It owns no mesh
  * dimension and gives no layout: the host's step (forward and backward of each micro-batch, then the
  * optimizer) is the whole strategy. The host compiles this file in as its built-in strategy
  * (core/plugin/builtin_single.cpp: a run without a plugin, and the reference of every conformance
- * check); single.so is the same built as a plugin, and single_abi2.so the same under its older name
- * (WEFT_SINGLE_NAME). */
+ * check); single.so is the same built as a plugin. */
 #include <stddef.h>
 
 #include <weft/plugin.h>

@@ -112,27 +112,4 @@ TEST(DistFaults, ResumeAutoOnAFreshRunStartsFreshUnderEveryPlugin) {
   }
 }
 
-TEST(DistFaults, APluginWithoutEvalStepIsRefusedOnSeveralRanks) {
-  // Without eval_step the host's default evaluation runs on one rank; on two it would sum only
-  // each rank's share. Refused before anything is built.
-  const auto dir = fresh_dir("no_eval_step");
-  const auto r = run_trainer(tiny_args(dir) + " --plugin " + std::string(WEFT_PLUGIN_FIXTURE_DIR) + "/good.so --nproc 2");
-  EXPECT_EQ(r.exit_code, 1) << r.output;
-  EXPECT_NE(r.output.find("plugin good has no eval_step, so it cannot evaluate with 2 processes"), std::string::npos)
-      << r.output;
-  EXPECT_EQ(r.output.find("training:"), std::string::npos) << r.output;
-}
-
-TEST(DistFaults, APlanWhoseStageChunksOverlapIsRefusedBeforeTheModelIsBuilt) {
-  // ABI 1.10: a plan's stage chunks must ascend with gaps and span first_stage..last_stage.
-  const auto dir = fresh_dir("bad_chunks");
-  const auto r = run_trainer(tiny_args(dir) + " --plugin " + std::string(WEFT_PLUGIN_FIXTURE_DIR) + "/bad_chunks.so");
-  EXPECT_EQ(r.exit_code, 1) << r.output;
-  EXPECT_NE(r.output.find("plugin bad_chunks: plan's stage chunks: stage ranges must ascend with a gap between them: "
-                          "[1, 3) after [0, 2)"),
-            std::string::npos)
-      << r.output;
-  EXPECT_EQ(r.output.find("training:"), std::string::npos) << r.output;
-}
-
 }  // namespace

@@ -1,6 +1,6 @@
 // DiLoCo (sdk/examples/diloco/diloco.c), the out-of-tree ABI 2 strategy written against the installed
 // SDK alone, on several real ranks: its workers' parameters drift apart between outer steps and are
-// equal again after each; a rank sends 1/H of the bytes ddp_abi2's sends; its outer state survives
+// equal again after each; a rank sends 1/H of the bytes ddp's sends; its outer state survives
 // a checkpoint; bad settings are refused before the first step. Its one-worker conformance against single: Conformance.diloco and
 // Sdk.ExamplesBuildAndConform.
 #include <filesystem>
@@ -64,13 +64,13 @@ TEST(Diloco, WorkersDriftApartBetweenOuterStepsAndAgreeAfterEach) {
   }
 }
 
-// The same job under ddp_abi2 and under DiLoCo with H = 4, 8 steps on 2 ranks: a DiLoCo rank sends the
+// The same job under ddp and under DiLoCo with H = 4, 8 steps on 2 ranks: a DiLoCo rank sends the
 // trainable parameters once per 4 steps (and each step's 8-byte loss sum), a ddp rank their gradients
 // every step: a quarter of the bytes.
 TEST(Diloco, ARankSendsOneHthOfTheBytesDdpSends) {
   const std::string dir = weft::testing::fresh_dir("weft_test_diloco", "bytes");
   const std::string run = diloco_run("--nproc 2 --set train.max_steps=8");
-  const auto ddp = weft::testing::run_trainer(run + " --plugin ddp_abi2 --set train.out_dir=" + dir + "/ddp");
+  const auto ddp = weft::testing::run_trainer(run + " --plugin ddp --set train.out_dir=" + dir + "/ddp");
   const auto diloco = weft::testing::run_trainer(run + " --plugin " + kDiloco + " --set plugin.inner_steps=4 " +
                                                  "--set train.out_dir=" + dir + "/diloco");
   ASSERT_EQ(ddp.exit_code, 0) << ddp.output;
@@ -93,7 +93,7 @@ TEST(Diloco, ARankSendsOneHthOfTheBytesDdpSends) {
 // The anchor and the outer momentum are state the host keeps for the plugin: a checkpoint of step 4
 // (H = 2, momentum 0.9, one worker) carries them, and the resumed run's steps 5-8 give the
 // uninterrupted run's losses to the bit (steps 7 and 8 follow the outer step at 6, which uses the
-// momentum). A checkpoint ddp_abi2 wrote has no such state: DiLoCo resumes it with a new anchor.
+// momentum). A checkpoint ddp wrote has no such state: DiLoCo resumes it with a new anchor.
 TEST(Diloco, ACheckpointCarriesTheOuterStateAndOneWorkerResumesExactly) {
   const std::string dir = weft::testing::fresh_dir("weft_test_diloco", "resume");
   const std::string run = diloco_run("--set train.max_steps=8 --set checkpoint.every_steps=2 --set checkpoint.keep_last=4");
@@ -111,7 +111,7 @@ TEST(Diloco, ACheckpointCarriesTheOuterStateAndOneWorkerResumesExactly) {
   ASSERT_EQ(b.size(), 4u);
   for (size_t i = 0; i < b.size(); ++i) EXPECT_EQ(b[i], a[i + 4]) << "step " << i + 5;
 
-  const auto ddp = weft::testing::run_trainer(run + " --plugin ddp_abi2 --set train.max_steps=2 --set train.out_dir=" +
+  const auto ddp = weft::testing::run_trainer(run + " --plugin ddp --set train.max_steps=2 --set train.out_dir=" +
                                               dir + "/ddp");
   ASSERT_EQ(ddp.exit_code, 0) << ddp.output;
   const auto switched = weft::testing::run_trainer(run + plugin + " --set train.out_dir=" + dir +

@@ -33,7 +33,7 @@ TEST(Hsdp, ARankHoldsItsGroupsShareAndACheckpointResumesExactly) {
                                    "--set checkpoint.every_steps=3 --set plugin.bucket_mb=0.05");
   const auto hsdp = weft::testing::run_trainer(run + " --plugin " + kHsdp + " --set plugin.shard_group=2 " +
                                                "--set train.out_dir=" + dir + "/hsdp");
-  const auto zero = weft::testing::run_trainer(run + " --plugin zero_abi2 --set plugin.stage=3 --set train.out_dir=" +
+  const auto zero = weft::testing::run_trainer(run + " --plugin zero --set plugin.stage=3 --set train.out_dir=" +
                                                dir + "/zero");
   ASSERT_EQ(hsdp.exit_code, 0) << hsdp.output;
   ASSERT_EQ(zero.exit_code, 0) << zero.output;

@@ -1,4 +1,4 @@
-// Loading strategy plugins: ABI negotiation and every refusal, against the purpose-built C plugins
+// Loading strategy plugins: their tables and every refusal, against the purpose-built C plugins
 // of tests/plugin/fixtures (built into WEFT_PLUGIN_FIXTURE_DIR).
 #include <array>
 #include <cstdio>
@@ -25,9 +25,10 @@ namespace weft {
 namespace {
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 const std::string kFixtureDir = WEFT_PLUGIN_FIXTURE_DIR;
-const std::string kHostAbi = fmt::format("{}.{}", WEFT_ABI_VERSION_MAJOR, WEFT_ABI_VERSION_MINOR);
+const std::string kHostAbi = fmt::format("{}.{}", WEFT_PLUGIN_ABI_MAJOR, WEFT_PLUGIN_ABI_MINOR);
 
 std::string fixture(const std::string& name) { return kFixtureDir + "/" + name + ".so"; }
 
@@ -57,130 +58,39 @@ std::string load_error(const std::string& path_or_name) {
   return "(loaded)";
 }
 
-// A host services table with only the status slots filled: enough for create/destroy.
-weft_host_api status_only_host_api() {
-  weft_host_api api{};
-  api.header = {sizeof(weft_host_api), WEFT_ABI_VERSION_MAJOR, WEFT_ABI_VERSION_MINOR};
-  api.status_create = status_create;
-  api.status_code = status_code;
-  api.status_message = status_message;
-  api.status_release = status_release;
-  return api;
-}
-
-weft_strategy_api table_with(uint32_t struct_size, uint16_t abi_minor, uint16_t min_host_minor) {
-  weft_strategy_api table{};
-  table.header = {struct_size, WEFT_ABI_VERSION_MAJOR, abi_minor};
-  table.min_host_minor = min_host_minor;
-  table.name = "in_memory";
-  table.version = "0.1";
-  table.create = [](const weft_host_api*, weft_host*, weft_strategy**) -> weft_status* { return nullptr; };
-  table.destroy = [](weft_strategy*) {};
-  table.train_step = [](weft_strategy*, const weft_step_info*, double*) -> weft_status* { return nullptr; };
-  table.comm_point = [](weft_strategy*, weft_comm_point, weft_direction, int64_t, DLTensor*) -> weft_status* {
-    return nullptr;
-  };
-  return table;
-}
-
 TEST(PluginLoader, GoodPluginDescribesItself) {
   const auto plugin = PluginLibrary::load(fixture("good"));
   EXPECT_EQ(plugin->path(), fs::canonical(fixture("good")).string());
   EXPECT_EQ(plugin->name(), "good");
   EXPECT_EQ(plugin->version(), "1.2.3");
   EXPECT_EQ(plugin->description(), "test fixture good");
-  EXPECT_EQ(plugin->plugin_abi().major, 1);
-  EXPECT_EQ(plugin->plugin_abi().minor, 0);
-  EXPECT_EQ(plugin->negotiated_abi().major, 1);
-  EXPECT_EQ(plugin->negotiated_abi().minor, 0);
-  EXPECT_EQ(plugin->api().plan, nullptr);  // optional slots the fixture leaves empty
-  EXPECT_TRUE(plugin->has_slot(offsetof(weft_strategy_api, comm_point), 0));
-}
-
-TEST(PluginLoader, CreateTrainStepAndDestroyThroughTheTable) {
-  const auto plugin = PluginLibrary::load(fixture("good"));
-  const weft_host_api host_api = status_only_host_api();
-  const weft_strategy_api& api = plugin->api();
-  weft_strategy* first = nullptr;
-  weft_strategy* second = nullptr;
-  throw_if_error(api.create(&host_api, nullptr, &first), "create");
-  throw_if_error(api.create(&host_api, nullptr, &second), "create");
-  ASSERT_NE(first, nullptr);
-  ASSERT_NE(first, second);
-
-  weft_step_info step{sizeof(weft_step_info), 0, 0, 4, 0, 2, 16, 16};
-  double loss = 0;
-  // The fixture's loss is 100 * (its calls on this instance) + micro_batches / 2.
-  throw_if_error(api.train_step(first, &step, &loss), "train_step");
-  EXPECT_DOUBLE_EQ(loss, 102.0);
-  throw_if_error(api.train_step(first, &step, &loss), "train_step");
-  EXPECT_DOUBLE_EQ(loss, 202.0);
-  step.micro_batches = 1;
-  throw_if_error(api.train_step(second, &step, &loss), "train_step");
-  EXPECT_DOUBLE_EQ(loss, 100.5);
-  api.destroy(first);
-  api.destroy(second);
-}
-
-TEST(PluginLoader, ErrorFromCreateReachesTheHost) {
-  const auto plugin = PluginLibrary::load(fixture("error_create"));
-  const weft_host_api host_api = status_only_host_api();
-  weft_strategy* untouched = reinterpret_cast<weft_strategy*>(0x1234);
-  weft_status* status = plugin->api().create(&host_api, nullptr, &untouched);
-  EXPECT_EQ(untouched, reinterpret_cast<weft_strategy*>(0x1234));
-  ASSERT_NE(status, nullptr);
-  EXPECT_EQ(status_code(status), WEFT_STATUS_BAD_CONFIG);
-  try {
-    throw_if_error(status, "plugin " + plugin->name() + ": create");
-    FAIL() << "no exception";
-  } catch (const Error& e) {
-    EXPECT_STREQ(e.what(), "plugin error_create: create: world size 3 is not divisible by tensor_parallel 2");
-  }
+  EXPECT_EQ(plugin->plugin_abi().major, WEFT_PLUGIN_ABI_MAJOR);
+  EXPECT_EQ(plugin->plugin_abi().minor, WEFT_PLUGIN_ABI_MINOR);
+  EXPECT_EQ(plugin->abi(), kHostAbi);
+  ASSERT_NE(plugin->abi2(), nullptr);
+  EXPECT_EQ(plugin->abi2()->table.mesh_dimensions, 1u << WEFT_MESH_DP);
 }
 
 TEST(PluginLoader, NewerMinorPluginRunsAtThisHostsMinor) {
   const auto plugin = PluginLibrary::load(fixture("newer_minor"));
-  EXPECT_EQ(plugin->plugin_abi().minor, WEFT_ABI_VERSION_MINOR + 1);
-  EXPECT_EQ(plugin->negotiated_abi().major, WEFT_ABI_VERSION_MAJOR);
-  EXPECT_EQ(plugin->negotiated_abi().minor, WEFT_ABI_VERSION_MINOR);
-  EXPECT_TRUE(plugin->has_slot(offsetof(weft_strategy_api, train_step), 0));
-  EXPECT_FALSE(plugin->has_slot(offsetof(weft_strategy_api, comm_point), WEFT_ABI_VERSION_MINOR + 1));
-  EXPECT_FALSE(plugin->has_slot(sizeof(weft_strategy_api), 0));  // its next-minor slot: unknown to this host
+  EXPECT_EQ(plugin->plugin_abi().minor, WEFT_PLUGIN_ABI_MINOR + 1);
+  EXPECT_EQ(plugin->abi(), kHostAbi);
 }
 
-TEST(PluginLoader, NegotiatedMinorIsTheSmallerOfHostAndPlugin) {
-  const std::vector<std::array<uint16_t, 3>> cases{// plugin minor, host minor, negotiated minor
-                                                   {0, 3, 0}, {2, 3, 2}, {7, 3, 3}, {3, 3, 3}};
-  for (const auto& [plugin_minor, host_minor, negotiated] : cases) {
-    const auto table = table_with(sizeof(weft_strategy_api), plugin_minor, 0);
-    const PluginVersion v = negotiate_abi(table, {1, host_minor}, "mem.so");
-    EXPECT_EQ(v.major, 1);
-    EXPECT_EQ(v.minor, negotiated) << "plugin 1." << plugin_minor << ", host 1." << host_minor;
-  }
-  const auto needs_four = table_with(sizeof(weft_strategy_api), 6, 4);
-  EXPECT_EQ(negotiate_abi(needs_four, {1, 4}, "mem.so").minor, 4);
-  try {
-    negotiate_abi(needs_four, {1, 3}, "mem.so");
-    FAIL() << "no exception";
-  } catch (const Error& e) {
-    EXPECT_STREQ(e.what(), "plugin mem.so needs host ABI >= 1.4 (min_host_minor), this host is 1.3");
-  }
-}
-
-TEST(PluginLoader, SlotsNeedTheNegotiatedMinorAndMustLieInsideTheTable) {
-  const auto table = table_with(sizeof(weft_strategy_api), 2, 0);
-  const PluginLibrary at_1_2("mem.so", table, {1, 2});
-  EXPECT_TRUE(at_1_2.has_slot(offsetof(weft_strategy_api, comm_point), 2));
-  EXPECT_FALSE(at_1_2.has_slot(offsetof(weft_strategy_api, comm_point), 3));
-
-  // A table that ends before comm_point: the slot does not exist and the host's copy reads NULL,
-  // although the memory after the plugin's table held a function pointer.
-  const auto short_table = table_with(offsetof(weft_strategy_api, comm_point), 0, 0);
-  const PluginLibrary short_plugin("short.so", short_table, {1, 0});
-  EXPECT_TRUE(short_plugin.has_slot(offsetof(weft_strategy_api, global_grad_norm_sq), 0));
-  EXPECT_FALSE(short_plugin.has_slot(offsetof(weft_strategy_api, comm_point), 0));
-  EXPECT_EQ(short_plugin.api().comm_point, nullptr);
-  EXPECT_NE(short_plugin.api().train_step, nullptr);
+// A plugin's create may refuse the run (its settings, the world size, the host's minor): its status
+// reaches the user as one line naming the plugin, before the model is built.
+TEST(PluginLoader, ErrorFromCreateReachesTheHost) {
+  FILE* pipe = popen((std::string(WEFT_TRAINER_PATH) + " check --plugin " + fixture("error_create") +
+                      " --nproc 1 --steps 1 2>&1").c_str(), "r");
+  ASSERT_NE(pipe, nullptr);
+  std::string output;
+  char buffer[4096];
+  for (size_t n; (n = fread(buffer, 1, sizeof buffer, pipe)) > 0;) output.append(buffer, n);
+  const int status = pclose(pipe);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << output;
+  EXPECT_THAT(output, HasSubstr("error_create"));
+  EXPECT_THAT(output, HasSubstr("world size 3 is not divisible by tensor_parallel 2"));
+  EXPECT_THAT(output, Not(HasSubstr("step 1")));
 }
 
 struct Refusal {
@@ -190,14 +100,13 @@ struct Refusal {
 
 TEST(PluginLoader, BrokenPluginsAreRefusedWithOneLineNamingTheProblem) {
   const std::vector<Refusal> refusals{
-      {"needs_newer_host", fmt::format("needs host ABI >= 1.{} (min_host_minor), this host is ", WEFT_ABI_VERSION_MINOR + 1) +
-                               kHostAbi},
-      {"wrong_major", "is built for weft ABI 2.x, this host speaks " + kHostAbi},
-      {"entry_null", "weft_strategy_entry returned NULL (the plugin refuses this host's ABI " + kHostAbi + ")"},
-      {"no_entry", "exports no weft_strategy_entry"},
-      {"too_small", fmt::format("struct_size {} is smaller than ABI 1.0 requires ({})",
-                                offsetof(weft_strategy_api, train_step), kStrategyApiSizeV1_0)},
-      {"missing_create", "required slot(s) are NULL: create"},
+      {"abi1", "an ABI 1 strategy plugin (it exports weft_strategy_entry); this host loads ABI 2 plugins only"},
+      {"wrong_major", "is built for weft ABI 3.x, this host speaks " + kHostAbi},
+      {"entry_null", "weft_plugin_entry returned NULL (the plugin refuses this host's ABI " + kHostAbi + ")"},
+      {"no_entry", "exports no weft_plugin_entry: not a weft strategy plugin"},
+      {"too_small", fmt::format("its table's struct_size {} is smaller than ABI 2.0's ({})", offsetof(weft_plugin, create),
+                                sizeof(weft_plugin))},
+      {"missing_create", "required function(s) are NULL: create"},
       {"missing_name", "its table has no name"},
       {"not_a_library", "not a shared library"},
       {"undefined_symbol", "cannot be loaded: "},
@@ -255,8 +164,8 @@ TEST(PluginLoader, NotFoundListsEveryPlaceSearched) {
     FAIL() << "no exception";
   } catch (const Error& e) {
     // The plugins there (the fixtures' and the built-in single), then every place searched.
-    EXPECT_THAT(e.what(), HasSubstr("plugin 'no_such_plugin' not found (plugins here: abi2_bad_context, abi2_bad_slice, abi2_local_gradient, "));
-    EXPECT_THAT(e.what(), HasSubstr(", bad_chunks, "));
+    EXPECT_THAT(e.what(), HasSubstr("plugin 'no_such_plugin' not found (plugins here: abi1, abi2_bad_context, abi2_bad_slice, "));
+    EXPECT_THAT(e.what(), HasSubstr(", abi2_unknown_point, diloco, "));
     EXPECT_THAT(e.what(), HasSubstr(", good, "));
     EXPECT_THAT(e.what(), HasSubstr(", single, "));
     EXPECT_THAT(e.what(), HasSubstr(fmt::format("; searched: {0}/tests/plugins/no_such_plugin.so, "
@@ -268,15 +177,15 @@ TEST(PluginLoader, NotFoundListsEveryPlaceSearched) {
   EXPECT_THAT(load_error("no_such_plugin"), HasSubstr("/nonexistent-weft-dir/no_such_plugin.so"));
 }
 
-// Several strategies in one --plugin (a run composed over a device mesh, ABI 1.12) are each
+// Several strategies in one --plugin (a run composed over a device mesh) are each
 // resolved on their own, never searched for as a file called "zero,tensor_parallel.so".
 TEST(PluginLoader, AListOfPluginsResolvesEachAndASinglePathRefusesIt) {
   ScopedEnv env("WEFT_PLUGIN_PATH", kFixtureDir);
-  EXPECT_EQ(resolve_plugin_paths("good, needs_newer_host"),
-            (std::vector<std::string>{fixture("good"), fixture("needs_newer_host")}));
+  EXPECT_EQ(resolve_plugin_paths("good, newer_minor"),
+            (std::vector<std::string>{fixture("good"), fixture("newer_minor")}));
   EXPECT_THAT(load_error("good,"), HasSubstr("names several plugins"));
   try {
-    resolve_plugin_paths("good,,needs_newer_host");
+    resolve_plugin_paths("good,,newer_minor");
     FAIL() << "no exception";
   } catch (const Error& e) {
     EXPECT_THAT(e.what(), HasSubstr("an empty plugin name in the list"));
@@ -300,14 +209,15 @@ TEST(PluginLoader, ListsEveryLibraryInTheSearchPathWithItsProblem) {
   EXPECT_EQ(listings[0].path, "(built in)");
   EXPECT_EQ(listings[0].name, "single");
   EXPECT_EQ(listings[0].problem, "");
-  EXPECT_EQ(files, (std::vector<std::string>{"(built in)", "abi2_bad_context.so", "abi2_bad_slice.so", "abi2_local_gradient.so", "abi2_no_proc_address.so",
+  EXPECT_EQ(files, (std::vector<std::string>{"(built in)", "abi1.so", "abi2_bad_context.so", "abi2_bad_slice.so",
+                                             "abi2_local_gradient.so", "abi2_no_proc_address.so",
                                              "abi2_pipeline_bad_layout.so", "abi2_pipeline_deadlock.so", "abi2_schedule.so",
                                              "abi2_slice.so", "abi2_tensor_parallel.so",
                                              "abi2_torch.so", "abi2_torch_mismatch.so", "abi2_torch_undeclared.so",
-                                             "abi2_unknown_point.so", "bad_chunks.so", "diloco.so", "entry_null.so",
-                                             "error_create.so", "finish_1_13.so", "good.so", "hsdp.so", "missing_create.so",
-                                             "missing_name.so", "needs_newer_host.so", "newer_minor.so",
-                                             "no_entry.so", "not_a_library.so", "stages_1_12.so", "too_small.so",
+                                             "abi2_unknown_point.so", "diloco.so", "entry_null.so",
+                                             "error_create.so", "good.so", "hsdp.so", "missing_create.so",
+                                             "missing_name.so", "newer_minor.so",
+                                             "no_entry.so", "not_a_library.so", "too_small.so",
                                              "undefined_symbol.so", "wrong_major.so", "zbv.so"}));
   const auto find = [&](const std::string& file) {
     for (const auto& l : listings) {
@@ -319,13 +229,13 @@ TEST(PluginLoader, ListsEveryLibraryInTheSearchPathWithItsProblem) {
   EXPECT_EQ(good.problem, "");
   EXPECT_EQ(good.name, "good");
   EXPECT_EQ(good.version, "1.2.3");
-  EXPECT_EQ(good.abi.major, 1);
-  EXPECT_EQ(find("newer_minor.so").abi.minor, WEFT_ABI_VERSION_MINOR + 1);
+  EXPECT_EQ(good.abi.major, WEFT_PLUGIN_ABI_MAJOR);
+  EXPECT_EQ(find("newer_minor.so").abi.minor, WEFT_PLUGIN_ABI_MINOR + 1);
   EXPECT_EQ(find("error_create.so").problem, "");  // it loads; only its create fails
-  EXPECT_THAT(find("wrong_major.so").problem, HasSubstr("is built for weft ABI 2.x"));
+  EXPECT_THAT(find("wrong_major.so").problem, HasSubstr("is built for weft ABI 3.x"));
+  EXPECT_THAT(find("abi1.so").problem, HasSubstr("an ABI 1 strategy plugin"));
   EXPECT_THAT(find("not_a_library.so").problem, HasSubstr("not a shared library"));
-  EXPECT_EQ(find("abi2_slice.so").problem, "");  // an ABI 2 plugin: listed with its own ABI
-  EXPECT_EQ(find("abi2_slice.so").abi.major, 2);
+  EXPECT_EQ(find("abi2_slice.so").problem, "");
   EXPECT_THAT(find("abi2_tensor_parallel.so").problem, HasSubstr("owns one of the data-parallel dimension"));
   EXPECT_EQ(find("not_a_library.so").name, "");
 }
@@ -346,11 +256,11 @@ TEST(PluginLoader, TheBuiltInStrategyAsALibraryIsListedInTheBuiltInsRow) {
 }
 
 TEST(PluginLoader, FormatsListingsAsATable) {
-  PluginListing ddp{"/p/ddp.so", "ddp", "1.0.0", "data parallel", {1, 2}, ""};
+  PluginListing ddp{"/p/ddp.so", "ddp", "1.0.0", "data parallel", {2, 1}, ""};
   PluginListing bad{"/p/broken.so", "", "", "", {}, "plugin /p/broken.so: not a shared library (no ELF header)"};
   EXPECT_EQ(format_plugin_table({ddp, bad}),
             "NAME    VERSION  ABI  PATH          DESCRIPTION\n"
-            "ddp     1.0.0    1.2  /p/ddp.so     data parallel\n"
+            "ddp     1.0.0    2.1  /p/ddp.so     data parallel\n"
             "broken  -        -    /p/broken.so  PROBLEM: plugin /p/broken.so: not a shared library (no ELF header)\n");
   ScopedEnv env("WEFT_PLUGIN_PATH", "/nowhere");
   EXPECT_THAT(format_plugin_table({}), HasSubstr("no plugins found (searched: "));

@@ -113,7 +113,7 @@ TEST(ShardedCheckpoint, SavedAtTwoRanksResumesAtThreeUnderAnotherStageAndUnderDd
 // tp 2 exactly, and resharded under ddp at 2 ranks and as one process.
 TEST(ShardedCheckpoint, TensorParallelSlicesResumeUnderTheSameLayoutDdpAndOneProcess) {
   const std::string root = fresh_dir("sharded_checkpoint", "tensor_parallel");
-  const auto whole = run_saving_at_step_3(root + "/first", "tensor_parallel", 2, "--set plugin.tp=2");
+  const auto whole = run_saving_at_step_3(root + "/first", "tensor_parallel", 2, "");
   const std::string checkpoint = root + "/first/checkpoints/step-00000003";
   EXPECT_FALSE(std::filesystem::exists(checkpoint + "/model.safetensors"));
   const auto files = pieces_of(checkpoint);
@@ -124,7 +124,7 @@ TEST(ShardedCheckpoint, TensorParallelSlicesResumeUnderTheSameLayoutDdpAndOnePro
     const auto shard = weft::SafetensorsFile::open(checkpoint + "/shards/" + file);
     EXPECT_EQ(shard->info(q).shape[0], 32) << file;  // half of the 64 query rows
   }
-  expect_continues(whole, resume(root + "/tp2", checkpoint, "tensor_parallel", 2, "--set plugin.tp=2"), "tp 2",
+  expect_continues(whole, resume(root + "/tp2", checkpoint, "tensor_parallel", 2, ""), "tp 2",
                    /*tolerance=*/0);
   expect_continues(whole, resume(root + "/ddp", checkpoint, "ddp", 2), "tp 2 -> ddp 2");
   expect_continues(whole, resume(root + "/single", checkpoint, "single", 1), "tp 2 -> one process");
@@ -136,15 +136,15 @@ TEST(ShardedCheckpoint, AWholeCheckpointResumesSlicedUnderTensorParallelism) {
   const std::string root = fresh_dir("sharded_checkpoint", "ddp_to_tp");
   const auto whole = run_saving_at_step_3(root + "/first", "ddp", 2);
   expect_continues(whole, resume(root + "/tp2", root + "/first/checkpoints/step-00000003", "tensor_parallel", 2,
-                                 "--set plugin.tp=2"),
+                                 ""),
                    "ddp 2 -> tp 2");
   const std::string lora = " --set train.mode=lora";
-  const auto lora_whole = run_saving_at_step_3(root + "/lora", "tensor_parallel", 2, "--set plugin.tp=2" + lora);
+  const auto lora_whole = run_saving_at_step_3(root + "/lora", "tensor_parallel", 2, lora);
   const std::string lora_checkpoint = root + "/lora/checkpoints/step-00000003";
   for (const auto& [file, names] : pieces_of(lora_checkpoint)) {
     for (const auto& name : names) EXPECT_NE(name.find("lora_"), std::string::npos) << file << ": " << name;
   }
-  expect_continues(lora_whole, resume(root + "/lora_tp2", lora_checkpoint, "tensor_parallel", 2, "--set plugin.tp=2" + lora),
+  expect_continues(lora_whole, resume(root + "/lora_tp2", lora_checkpoint, "tensor_parallel", 2, lora),
                    "LoRA tp 2", /*tolerance=*/0);
   // Uninterrupted LoRA runs under tp 2 and ddp 2 already differ by up to 8e-5 (relative) in these
   // steps' losses (measured: the order of floating-point sums), hence the wider bound.
@@ -162,7 +162,7 @@ TEST(ShardedCheckpoint, AdaLoraUnderTensorParallelismResumesAcrossLayoutsAndSave
       " --set train.mode=adalora --set adalora.init_r=4 --set adalora.target_r=2 --set adalora.tinit=1"
       " --set adalora.tfinal=2 --set adalora.deltaT=1 --set checkpoint.save_final=true --set lora.dropout=0"
       " --set 'lora.target_modules=[\"q_proj\", \"k_proj\", \"o_proj\", \"gate_proj\", \"down_proj\"]'";
-  const auto tp = run_saving_at_step_3(root + "/tp", "tensor_parallel", 2, "--set plugin.tp=2" + adalora);
+  const auto tp = run_saving_at_step_3(root + "/tp", "tensor_parallel", 2, adalora);
   const std::string checkpoint = root + "/tp/checkpoints/step-00000003";
   const auto files = pieces_of(checkpoint);
   ASSERT_EQ(files.size(), 2u);
@@ -172,12 +172,12 @@ TEST(ShardedCheckpoint, AdaLoraUnderTensorParallelismResumesAcrossLayoutsAndSave
     EXPECT_TRUE(names.count("adalora.exp_avg_ipt." + o) && names.count("adalora.exp_avg_unc." + o)) << file;
     EXPECT_EQ(names.count(pattern), file == "rank-00000.safetensors" ? 1u : 0u) << file;
   }
-  expect_continues(tp, resume(root + "/tp_again", checkpoint, "tensor_parallel", 2, "--set plugin.tp=2" + adalora),
+  expect_continues(tp, resume(root + "/tp_again", checkpoint, "tensor_parallel", 2, adalora),
                    "AdaLoRA tp 2", /*tolerance=*/0);
   expect_continues(tp, resume(root + "/tp_single", checkpoint, "single", 1, adalora), "AdaLoRA tp 2 -> one process");
   const auto one = run_saving_at_step_3(root + "/one", "single", 1, adalora);
   expect_continues(one, resume(root + "/one_tp", root + "/one/checkpoints/step-00000003", "tensor_parallel", 2,
-                               "--set plugin.tp=2" + adalora),
+                               adalora),
                    "AdaLoRA one process -> tp 2");
   ASSERT_EQ(one.size(), tp.size());
   for (size_t i = 0; i < one.size(); ++i) {

@@ -1,7 +1,7 @@
 /*
- * weft/common.h - what both strategy ABIs share (C99): statuses, log levels, the mesh's
- * dimensions, reduction operations and the export attribute. Included by weft/strategy.h (ABI 1) and weft/plugin.h
- * (ABI 2).
+ * weft/common.h - the basics of the plugin ABI (C99): statuses, log levels, the mesh's dimensions,
+ * reduction operations and the export attribute. Included by weft/plugin.h (and by the host's
+ * internal step interface).
  */
 #ifndef WEFT_COMMON_H
 #define WEFT_COMMON_H

@@ -1,10 +1,10 @@
 /*
  * weft/plugin.h - the strategy plugin ABI, version 2 (C99).
  *
- * STATUS: 2.5, landings of issue 44 (design: sdk/DESIGN.md; history: sdk/CHANGELOG.md). The host loads 2.x plugins beside 1.x
- * ones (weft/strategy.h); single_abi2.so, ddp_abi2.so, zero_abi2.so, gpipe_abi2.so,
- * tensor_parallel_abi2.so, context_parallel_abi2.so and the out-of-tree examples sdk/examples/diloco,
- * sdk/examples/hsdp and sdk/examples/zbv are written against it. A plugin owns one mesh dimension (or none, alone on one
+ * STATUS: 2.5 (design: sdk/DESIGN.md; history: sdk/CHANGELOG.md). The host loads 2.x plugins only
+ * (a library exporting ABI 1's weft_strategy_entry is refused in one line); single.so, ddp.so,
+ * zero.so, gpipe.so, pipedream.so, tensor_parallel.so, context_parallel.so and the out-of-tree
+ * examples sdk/examples/diloco, sdk/examples/hsdp and sdk/examples/zbv are written against it. A plugin owns one mesh dimension (or none, alone on one
  * process):
  * - Data parallelism: it places every parameter, gradient and optimizer state REPLICATE or LOCAL
  *   (all three LOCAL together), or the optimizer state FLAT_SHARD (ZeRO's stage 1), its gradient
@@ -26,7 +26,7 @@
  *   attention core itself ("attention.core", with LibTorch and point-to-point transfers). Its
  *   REPLICATE gradients are averaged over the dimension, as data parallelism's.
  * Plugins of different dimensions compose on a device mesh pp x dp x cp x tp (train.plugin =
- * "ddp_abi2,gpipe_abi2,tensor_parallel_abi2", [mesh] pp, dp, cp, tp; rank = ((pp coordinate x dp + dp
+ * "ddp,gpipe,tensor_parallel", [mesh] pp, dp, cp, tp; rank = ((pp coordinate x dp + dp
  * coordinate) x cp + cp coordinate) x tp + tp coordinate), each plugin's "weft_world" its own mesh
  * slice: the pipeline plugin's schedule runs over pp (without one, the host's one step); the
  * data-parallel plugin's layout over dp (a reduction per chunk after its last backward; for FLAT_SHARD
@@ -54,7 +54,7 @@
  * through its table's get_proc_address, the host's services through weft_host_services'. A name
  * a side does not know gives NULL; a new function is a new name, not a new version.
  *
- * Conventions (as in ABI 1): errors are weft_status* (weft/common.h; NULL is success), created by
+ * Conventions: errors are weft_status* (weft/common.h; NULL is success), created by
  * the host's "weft_status_create" and owned by the receiver; no C++ exception, longjmp or signal
  * crosses the boundary; strings passed in are borrowed for the call; structs that start with
  * struct_size are written by the side that owns them, and a reader uses only the fields within
@@ -195,7 +195,7 @@ typedef weft_status* (*weft_transfer_wait_fn)(weft_host_context* host, weft_tran
 typedef struct weft_plugin {
   uint32_t struct_size;          /* sizeof(weft_plugin) as the plugin compiled it */
   uint16_t abi_major, abi_minor; /* WEFT_PLUGIN_ABI_MAJOR, WEFT_PLUGIN_ABI_MINOR */
-  const char* name;              /* "ddp_abi2": non-empty */
+  const char* name;              /* "ddp": non-empty */
   const char* version;           /* the plugin's own, "2.0.0": non-empty */
   const char* description;       /* one line, or NULL */
   uint32_t mesh_dimensions;      /* the weft_mesh_dim it can own, as bits (1u << WEFT_MESH_DP); 0: none */

@@ -82,7 +82,7 @@ TEST(Pipeline, ReportsTheBubbleNextToTheFormulaAndPrintsTheSplit) {
     EXPECT_LT(s["plugin.bubble"].get<double>(), 1.0) << s;
   }
   EXPECT_GT(run.summary["plugin.bubble"].get<double>(), 0.0);
-  EXPECT_NE(run.output.find("gpipe: 2 stages x 1 replicas, 4 micro-batches, schedule gpipe, partition [embed + layer 0 | layer 1 + head]"),
+  EXPECT_NE(run.output.find("gpipe: 2 stages x 1 replicas, 4 micro-batches, schedule from gpipe, partition [embed + layer 0 | layer 1 + head]"),
             std::string::npos)
       << run.output;
   EXPECT_NE(run.output.find("plugin metrics (mean over steps): bubble"), std::string::npos) << run.output;
@@ -98,7 +98,7 @@ TEST(Pipeline, InterleavedRanksHoldTwoChunksAndShrinkTheBubbleFormula) {
                                                        " --set plugin.schedule=\"interleaved1f1b\"" + model);
   ASSERT_EQ(plain.exit_code, 0) << plain.output;
   ASSERT_EQ(interleaved.exit_code, 0) << interleaved.output;
-  EXPECT_NE(interleaved.output.find("schedule interleaved1f1b with 2 chunks per stage (stage p holds parts p, p + S, ...), "
+  EXPECT_NE(interleaved.output.find("schedule from pipedream with 2 chunks per stage (stage p holds parts p, p + S, ...), "
                                     "partition [embed + layer 0 | layer 1 | layer 2 | layer 3 + head]"),
             std::string::npos)
       << interleaved.output;
@@ -121,18 +121,18 @@ TEST(Pipeline, InterleavedRanksHoldTwoChunksAndShrinkTheBubbleFormula) {
       << deep.output;
   const PipelineRun chunks = train("chunks", "--plugin gpipe --nproc 2 --set plugin.chunks=2" + model);
   EXPECT_NE(chunks.exit_code, 0);
-  EXPECT_NE(chunks.output.find("plugin.chunks = 2: virtual stages need plugin.schedule = \"interleaved1f1b\""),
+  EXPECT_NE(chunks.output.find("schedule gpipe runs one chunk per stage; 2 virtual stages per rank need interleaved1f1b"),
             std::string::npos)
       << chunks.output;
   const PipelineRun groups = train("groups", "--plugin gpipe --nproc 2 --set plugin.schedule=\"interleaved1f1b\""
                                              " --set plugin.microbatches=1" + model);
   EXPECT_NE(groups.exit_code, 0);
-  EXPECT_NE(groups.output.find("plugin.microbatches = 1 must be a multiple of plugin.stages = 2"), std::string::npos)
+  EXPECT_NE(groups.output.find("interleaved 1F1B needs the micro-batches (1) to be a multiple of the stages (2)"), std::string::npos)
       << groups.output;
   const PipelineRun alone = train("alonechunks", "--plugin gpipe --nproc 2 --set plugin.schedule=\"interleaved1f1b\""
                                                " --set plugin.stages=1" + model);
   EXPECT_NE(alone.exit_code, 0);
-  EXPECT_NE(alone.output.find("interleaved 1F1B with 2 chunks needs at least 2 stages"), std::string::npos) << alone.output;
+  EXPECT_NE(alone.output.find("interleaved 1F1B needs at least 2 ranks (its chunks would pass to themselves)"), std::string::npos) << alone.output;
   const PipelineRun async = train("asyncinterleaved", "--plugin pipedream --nproc 2 --set plugin.mode=async"
                                                       " --set plugin.schedule=\"interleaved1f1b\"" + model);
   EXPECT_NE(async.exit_code, 0);
@@ -140,7 +140,7 @@ TEST(Pipeline, InterleavedRanksHoldTwoChunksAndShrinkTheBubbleFormula) {
       << async.output;
 }
 
-// ZB-H1 (plugin.schedule = "zbh1"): the backward split into B and W passes (ABI 1.11). The rank
+// ZB-H1 (plugin.schedule = "zbh1"): the backward split into B and W passes. The rank
 // traces hold both, the formula's bubble is (S - 1) / (3 M + S - 1), stage 0 keeps 1F1B's two
 // micro-batches between F and B, and the losses are 1F1B's.
 TEST(Pipeline, ZeroBubbleH1SplitsTheBackwardAndKeeps1F1BsLosses) {

@@ -29,7 +29,7 @@ TEST(TensorParallelRun, RefusesADegreeTheHeadsCannotSplit) {
   const auto r = run_trainer(tiny_args(dir, corpus) + " --set train.max_steps=2 --set train.out_dir=" + dir +
                              "/out --plugin tensor_parallel --nproc 3");
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.output.find("tensor_parallel: 4 attention heads cannot be split 3 ways (plugin.tp)"), std::string::npos)
+  EXPECT_NE(r.output.find("tensor_parallel (weft_place): the model's attention heads (4) cannot be split over 3 tensor-parallel ranks"), std::string::npos)
       << r.output;
   EXPECT_EQ(r.output.find("training:"), std::string::npos) << "refused after compute started:\n" << r.output;
 }

@@ -1,9 +1,9 @@
-/* ddp_abi2.so: data parallelism written against ABI 2 (weft/plugin.h), as a layout alone. It owns the
+/* ddp.so: data parallelism as a layout alone (weft/plugin.h). It owns the
  * data-parallel dimension, splits each batch's rows over it and leaves every parameter, gradient
  * and optimizer state REPLICATE (the host's default, so it has no weft_place): the host derives the
  * rest, broadcasting the parameters from rank 0 at setup and averaging the replicated gradients with
  * bucketed all-reduces that start during the last micro-batch's backward (the REDUCE action it
- * lowers into the step). ddp.so is the same strategy under ABI 1, with its own step loop. */
+ * lowers into the step). */
 #include <stddef.h>
 #include <string.h>
 
@@ -31,7 +31,7 @@ static weft_status* create(const weft_host_services* host, weft_plugin_instance*
     return status_create(WEFT_STATUS_BAD_CONFIG, message);
   }
   self = (ddp*)malloc(sizeof(ddp));
-  if (self == NULL) return status_create(WEFT_STATUS_INTERNAL, "ddp_abi2: out of memory");
+  if (self == NULL) return status_create(WEFT_STATUS_INTERNAL, "ddp: out of memory");
   self->bucket_mb = bucket_mb;
   *out = (weft_plugin_instance*)self;
   return NULL;
@@ -54,8 +54,8 @@ static weft_proc get_proc_address(const char* name) {
 
 WEFT_EXPORT const weft_plugin* weft_plugin_entry(uint16_t host_abi_major, uint16_t host_abi_minor) {
   static const weft_plugin table = {
-      sizeof(weft_plugin), WEFT_PLUGIN_ABI_MAJOR, WEFT_PLUGIN_ABI_MINOR, "ddp_abi2", "2.0.0",
-      "data parallelism under ABI 2: a layout (rows split, everything replicated); the host reduces",
+      sizeof(weft_plugin), WEFT_PLUGIN_ABI_MAJOR, WEFT_PLUGIN_ABI_MINOR, "ddp", "2.0.0",
+      "data parallelism: a layout (rows split, everything replicated); the host reduces",
       1u << WEFT_MESH_DP, create, destroy, get_proc_address};
   (void)host_abi_minor;
   return host_abi_major == WEFT_PLUGIN_ABI_MAJOR ? &table : NULL;

@@ -1,7 +1,11 @@
 /*
- * weft/strategy.h - the weft strategy plugin ABI (C99).
+ * weft/strategy.h - INTERNAL to the host since ABI 1 was removed: no plugin loads through it (the
+ * host refuses a library exporting weft_strategy_entry; plugins use weft/plugin.h). The host's own
+ * step for every plugin (core/plugin/abi2.cpp, abi2_pipeline.cpp) still runs behind the strategy
+ * session through this table and the services below, so it lives on here, not installed, until the
+ * session calls the host's step directly. What follows describes it as ABI 1 defined it.
  *
- * STATUS: ABI 1.14, implemented by the host (core/plugin) and used by single.so, ddp.so, gpipe.so,
+ * STATUS (as of its removal): ABI 1.14, implemented by the host (core/plugin) and used by single.so, ddp.so, gpipe.so,
  * pipedream.so, tensor_parallel.so, zero.so and context_parallel.so (plan stage ranges: the
  * pipelines; shard_parameter, comm_point and sequence_region: tensor parallelism; flat shards of
  * the training state: zero; sequence parallelism: context_parallel). 1.1 appended model_info, tracing, report_metric,

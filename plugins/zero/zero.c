@@ -1,15 +1,18 @@
-/* zero_abi2.so: ZeRO's three stages written against ABI 2 (weft/plugin.h), as a layout alone. It
+/* zero.so: ZeRO's three stages (Rajbhandari et al. 2020) as a layout alone (weft/plugin.h). It
  * owns the data-parallel dimension, splits each batch's rows over it and places every trainable
  * parameter's optimizer state FLAT_SHARD (each rank's optimizer keeps and updates 1/N of it). Stage
- * 1 leaves the gradient REPLICATE (the host all-reduces it, as for ddp_abi2, and gathers each
+ * 1 leaves the gradient REPLICATE (the host all-reduces it, as for ddp, and gathers each
  * updated parameter whole after the optimizer step); stage 2 places it FLAT_SHARD too (the host
  * reduce-scatters it, so a rank keeps only its range of each gradient between steps); stage 3
  * places every parameter FLAT_SHARD as well (the host gathers each model stage's parameters around
  * its forward and backward and frees them after: FSDP), in the run's compute dtype by default
  * (plugin.param_dtype = "compute": under bf16 the whole matrices and their whole gradients are bf16,
  * as FSDP's MixedPrecisionPolicy(param_dtype=bf16); "fp32" gathers fp32), released after each
- * stage's forward unless plugin.reshard_after_forward = false. zero.so is the same under ABI 1,
- * with its own step loops. */
+ * stage's forward unless plugin.reshard_after_forward = false.
+ *
+ * Settings ([plugin]): stage (1, 2 or 3; default 3); bucket_mb (float > 0, default 64: the host's
+ * reduction and gather buckets); param_dtype ("compute" or "fp32"); reshard_after_forward (bool,
+ * default true). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,7 +20,7 @@
 #include <weft/plugin.h>
 
 typedef struct zero {
-  int64_t stage;    /* plugin.stage: 1, 2 or 3 (default, as zero.so's) */
+  int64_t stage;    /* plugin.stage: 1, 2 or 3 (default) */
   double bucket_mb; /* plugin.bucket_mb: the host's gradient buckets and gather groups (default 64, as zero.so's) */
   int32_t compute_dtype; /* plugin.param_dtype: "compute" (default, 1) or "fp32" (0); stage 3 */
   int32_t reshard;       /* plugin.reshard_after_forward (default true); stage 3 */
@@ -40,7 +43,7 @@ static weft_status* create(const weft_host_services* host, weft_plugin_instance*
     return NULL; /* not on a 2.0 host */
   }
   if (host->abi_minor < 5) {
-    return status_create(WEFT_STATUS_UNSUPPORTED, "zero_abi2 needs a host of ABI 2.5 or later (weft_layout's shard options)");
+    return status_create(WEFT_STATUS_UNSUPPORTED, "zero needs a host of ABI 2.5 or later (weft_layout's shard options)");
   }
   if ((status = config_int(host->context, "stage", 3, &stage)) != NULL) return status;
   if ((status = config_float(host->context, "bucket_mb", 64.0, &bucket_mb)) != NULL) return status;
@@ -59,7 +62,7 @@ static weft_status* create(const weft_host_services* host, weft_plugin_instance*
     return status_create(WEFT_STATUS_BAD_CONFIG, message);
   }
   self = (zero*)malloc(sizeof(zero));
-  if (self == NULL) return status_create(WEFT_STATUS_INTERNAL, "zero_abi2: out of memory");
+  if (self == NULL) return status_create(WEFT_STATUS_INTERNAL, "zero: out of memory");
   self->stage = stage;
   self->bucket_mb = bucket_mb;
   self->compute_dtype = strcmp(param_dtype, "compute") == 0;
@@ -99,8 +102,8 @@ static weft_proc get_proc_address(const char* name) {
 
 WEFT_EXPORT const weft_plugin* weft_plugin_entry(uint16_t host_abi_major, uint16_t host_abi_minor) {
   static const weft_plugin table = {
-      sizeof(weft_plugin), WEFT_PLUGIN_ABI_MAJOR, WEFT_PLUGIN_ABI_MINOR, "zero_abi2", "2.5.0",
-      "ZeRO stages 1-3 under ABI 2: a layout (optimizer state, gradients, parameters flat-sharded); the host does the rest",
+      sizeof(weft_plugin), WEFT_PLUGIN_ABI_MAJOR, WEFT_PLUGIN_ABI_MINOR, "zero", "2.5.0",
+      "ZeRO stages 1-3: a layout (optimizer state, gradients, parameters flat-sharded); the host does the rest",
       1u << WEFT_MESH_DP, create, destroy, get_proc_address};
   (void)host_abi_minor;
   return host_abi_major == WEFT_PLUGIN_ABI_MAJOR ? &table : NULL;

@@ -1,5 +1,5 @@
-/* tensor_parallel_abi2.so: Megatron-LM tensor parallelism (Shoeybi et al. 2019) written against
- * ABI 2 (weft/plugin.h) as a layout and hooks, in C. It owns the tensor-parallel dimension (every
+/* tensor_parallel.so: Megatron-LM tensor parallelism (Shoeybi et al. 2019) as a layout and hooks
+ * (weft/plugin.h), in C. It owns the tensor-parallel dimension (every
  * rank takes the same rows) and places each weight as a slice: q/k/v and gate/up column-sliced
  * (dimension 0), o and down row-sliced (dimension 1), the embedding and the LM head sliced over the
  * vocabulary (dimension 0), norms whole. Attention heads split over the ranks; kv heads too when
@@ -15,8 +15,7 @@
  * plugin.sequence_parallel (Korthikanti et al. 2022) the residual stream between the regions holds
  * 1/N of each sequence's tokens: the region points all-gather tokens in and reduce-scatter them out,
  * and the norms' gradients (from this rank's tokens) are PARTIAL. It composes with a data-parallel
- * plugin on a mesh tp x dp (its dimension then the rank's tp slice). tensor_parallel.so is the same
- * under ABI 1, with its own step.
+ * plugin on a mesh tp x dp (its dimension then the rank's tp slice).
  *
  * Settings ([plugin]): sequence_parallel (bool, default false); bucket_mb (float > 0, default 25:
  * the host's buckets for the PARTIAL gradients' sums). */
@@ -57,7 +56,7 @@ static weft_status* create(const weft_host_services* host, weft_plugin_instance*
   if (status_create == NULL) return NULL; /* no way to say why: the host refuses a NULL instance */
   if (config_bool == NULL || config_float == NULL || world == NULL || host->get_proc_address("weft_all_gather") == NULL ||
       host->get_proc_address("weft_model_config_int") == NULL) {
-    return status_create(WEFT_STATUS_UNSUPPORTED, "tensor_parallel_abi2 needs a host of ABI 2.3 or later");
+    return status_create(WEFT_STATUS_UNSUPPORTED, "tensor_parallel needs a host of ABI 2.3 or later");
   }
   if ((status = config_bool(host->context, "sequence_parallel", 0, &sequence_parallel)) != NULL) return status;
   if ((status = config_float(host->context, "bucket_mb", 25.0, &bucket_mb)) != NULL) return status;
@@ -66,7 +65,7 @@ static weft_status* create(const weft_host_services* host, weft_plugin_instance*
     return status_create(WEFT_STATUS_BAD_CONFIG, message);
   }
   self = (tensor_parallel*)calloc(1, sizeof(tensor_parallel));
-  if (self == NULL) return status_create(WEFT_STATUS_INTERNAL, "tensor_parallel_abi2: out of memory");
+  if (self == NULL) return status_create(WEFT_STATUS_INTERNAL, "tensor_parallel: out of memory");
   self->host = host->context;
   self->status_create = status_create;
   self->all_reduce = (weft_all_reduce_fn)host->get_proc_address("weft_all_reduce");
@@ -210,8 +209,8 @@ static weft_proc get_proc_address(const char* name) {
 
 WEFT_EXPORT const weft_plugin* weft_plugin_entry(uint16_t host_abi_major, uint16_t host_abi_minor) {
   static const weft_plugin table = {
-      sizeof(weft_plugin), WEFT_PLUGIN_ABI_MAJOR, WEFT_PLUGIN_ABI_MINOR, "tensor_parallel_abi2", "2.3.0",
-      "Megatron tensor parallelism under ABI 2: weights placed as slices, f/g and the vocabulary-parallel loss as hooks",
+      sizeof(weft_plugin), WEFT_PLUGIN_ABI_MAJOR, WEFT_PLUGIN_ABI_MINOR, "tensor_parallel", "2.3.0",
+      "Megatron tensor parallelism: weights placed as slices, f/g and the vocabulary-parallel loss as hooks",
       1u << WEFT_MESH_TP, create, destroy, get_proc_address};
   (void)host_abi_minor;
   return host_abi_major == WEFT_PLUGIN_ABI_MAJOR ? &table : NULL;

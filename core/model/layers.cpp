@@ -331,7 +331,7 @@ AttentionImpl::AttentionImpl(const ModelConfig& c, int64_t heads, int64_t kv_hea
 }
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const RotaryEmbedding& rope) {
-  if (sequence_ != nullptr && sequence_->size > 1) return forward_context_split(x, rope);
+  if (context_ != nullptr && context_->size > 1) return forward_context_split(x, rope);
   const int64_t batch = x.size(0), seq = x.size(1);
   // One GEMM for q, k and v; one pass splits the heads and applies RoPE to q and k.
   auto qkv = fused_linear(x, {q_proj.get(), k_proj.get(), v_proj.get()});
@@ -342,35 +342,35 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const RotaryEmbeddi
 }
 
 torch::Tensor AttentionImpl::forward_context_split(const torch::Tensor& x, const RotaryEmbedding& rope) {
-  const int64_t batch = x.size(0), seq = x.size(1), parts = sequence_->size;
-  WEFT_CHECK(sequence_->attention || num_heads_ % parts == 0,
+  const int64_t batch = x.size(0), seq = x.size(1), parts = context_->size;
+  WEFT_CHECK(context_->attention || num_heads_ % parts == 0,
              "context parallelism: {} attention heads cannot be split over {} processes", num_heads_, parts);
   auto qkv = fused_linear(x, {q_proj.get(), k_proj.get(), v_proj.get()});
   // RoPE at the global positions of this process's tokens (one or two runs of the sequence), cut
   // from the whole sequence's tables (cached: the same for every block and step).
   const auto [whole_cos, whole_sin] = rope.tables(0, parts * seq, x.device());
   std::vector<torch::Tensor> cos_runs, sin_runs;
-  for (const auto& [start, count] : sequence_->token_runs(parts * seq)) {
+  for (const auto& [start, count] : context_->token_runs(parts * seq)) {
     cos_runs.push_back(whole_cos.narrow(0, start, count));
     sin_runs.push_back(whole_sin.narrow(0, start, count));
   }
   const auto cos = cos_runs.size() == 1 ? cos_runs[0] : torch::cat(cos_runs);
   const auto sin = sin_runs.size() == 1 ? sin_runs[0] : torch::cat(sin_runs);
   auto [q, k, v] = split_qkv_with_rope(qkv, num_heads_, num_kv_heads_, cos, sin);
-  if (sequence_->attention) {  // ring attention: this process's queries, key/value blocks moved by the caller
-    auto out = sequence_attention(q, k, v, *sequence_, layer_);  // [B, H, s, D]
+  if (context_->attention) {  // ring attention: this process's queries, key/value blocks moved by the caller
+    auto out = context_attention(q, k, v, *context_, layer_);  // [B, H, s, D]
     return o_proj(out.transpose(1, 2).reshape({batch, seq, num_heads_ * head_dim_}));
   }
-  WEFT_CHECK(sequence_->layout == SequenceLayout::kContiguous,
+  WEFT_CHECK(context_->layout == ContextLayout::kContiguous,
              "context parallelism: the all-to-all (Ulysses) needs the contiguous layout");
   if (num_kv_heads_ % parts != 0) {  // GQA with fewer kv heads than processes: one per query head
     k = k.repeat_interleave(num_heads_ / num_kv_heads_, 1);
     v = v.repeat_interleave(num_heads_ / num_kv_heads_, 1);
   }
-  q = sequence_to_heads(q, *sequence_, layer_);
-  k = sequence_to_heads(k, *sequence_, layer_);
-  v = sequence_to_heads(v, *sequence_, layer_);
-  auto out = heads_to_sequence(causal_attention(q, k, v), *sequence_, layer_);  // [B, H, s, D]
+  q = sequence_to_heads(q, *context_, layer_);
+  k = sequence_to_heads(k, *context_, layer_);
+  v = sequence_to_heads(v, *context_, layer_);
+  auto out = heads_to_sequence(causal_attention(q, k, v), *context_, layer_);  // [B, H, s, D]
   return o_proj(out.transpose(1, 2).reshape({batch, seq, num_heads_ * head_dim_}));
 }
 

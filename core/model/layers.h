@@ -233,7 +233,7 @@ class AttentionImpl : public torch::nn::Module {
   // `attention`, hands this process's q, k, v to it (ring attention). `layer` names the block to
   // the all-to-all or the attention.
   void set_context_split(const ContextSplit* split, int64_t layer) {
-    sequence_ = split;
+    context_ = split;
     layer_ = layer;
   }
 
@@ -243,7 +243,7 @@ class AttentionImpl : public torch::nn::Module {
   torch::Tensor forward_context_split(const torch::Tensor& x, const RotaryEmbedding& rope);
 
   int64_t num_heads_, num_kv_heads_, head_dim_;
-  const ContextSplit* sequence_ = nullptr;
+  const ContextSplit* context_ = nullptr;
   int64_t layer_ = -1;
 };
 TORCH_MODULE(Attention);

@@ -208,7 +208,7 @@ struct SequenceAttention : public torch::autograd::Function<SequenceAttention> {
     ctx->saved_data["split"] = reinterpret_cast<int64_t>(split);
     ctx->saved_data["layer"] = layer;
     const auto f32 = q.options().dtype(torch::kFloat32);
-    SequenceAttentionTensors t;
+    ContextAttentionTensors t;
     t.q = q.contiguous();
     t.k = k.contiguous();
     t.v = v.contiguous();
@@ -221,7 +221,7 @@ struct SequenceAttention : public torch::autograd::Function<SequenceAttention> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto* split = reinterpret_cast<const ContextSplit*>(ctx->saved_data["split"].toInt());
     const auto saved = ctx->get_saved_variables();
-    SequenceAttentionTensors t{saved[0], saved[1], saved[2], saved[3], saved[4], grads[0].contiguous(), {}, {}, {}};
+    ContextAttentionTensors t{saved[0], saved[1], saved[2], saved[3], saved[4], grads[0].contiguous(), {}, {}, {}};
     t.grad_q = torch::zeros(t.q.sizes(), t.out.options());
     t.grad_k = torch::zeros(t.k.sizes(), t.out.options());
     t.grad_v = torch::zeros(t.v.sizes(), t.out.options());
@@ -234,7 +234,7 @@ struct SequenceAttention : public torch::autograd::Function<SequenceAttention> {
 }  // namespace
 
 std::vector<std::pair<int64_t, int64_t>> ContextSplit::token_runs(int64_t length) const {
-  if (layout == SequenceLayout::kContiguous) {
+  if (layout == ContextLayout::kContiguous) {
     WEFT_CHECK(length % size == 0, "context parallelism: {} tokens cannot be split over {} processes", length, size);
     return {{rank * (length / size), length / size}};
   }
@@ -250,9 +250,9 @@ torch::Tensor ContextSplit::positions(int64_t length) const {
   return torch::cat(parts);
 }
 
-torch::Tensor sequence_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+torch::Tensor context_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                  const ContextSplit& split, int64_t layer) {
-  WEFT_CHECK(q.dim() == 4 && k.dim() == 4 && split.attention, "sequence_attention: [B, H, s, D] tensors and an attention");
+  WEFT_CHECK(q.dim() == 4 && k.dim() == 4 && split.attention, "context_attention: [B, H, s, D] tensors and an attention");
   return SequenceAttention::apply(q, k, v, &split, layer);
 }
 

@@ -142,10 +142,10 @@ std::vector<torch::Tensor> sum_over_slices(const CommHook* hook, const std::vect
 // order). The all-to-all's backward is the inverse all-to-all.
 //
 // Ring attention instead (`attention` set): each process keeps its queries and the attention
-// core is `attention(layer, backward, tensors)` over them (SequenceAttentionTensors; the caller
+// core is `attention(layer, backward, tensors)` over them (ContextAttentionTensors; the caller
 // moves key/value blocks between the processes and computes, e.g. with plugins/context_parallel/blockwise_attention.hpp), wrapped
-// in an autograd function by sequence_attention(). Tokens may then lie in the balanced layout.
-enum class SequenceLayout {
+// in an autograd function by context_attention(). Tokens may then lie in the balanced layout.
+enum class ContextLayout {
   kContiguous = 0,  // process r of N: tokens [r L / N, (r + 1) L / N)
   kBalanced = 1,    // 2N equal chunks; process r: chunk r, then chunk 2N - 1 - r
 };
@@ -154,16 +154,16 @@ enum class SequenceLayout {
 // q [B, H, s, D], k, v [B, Hkv, s, D]; out fp32 [B, H, s, D] and lse fp32 [B, H, s] (written in
 // the forward, read in the backward); in the backward grad_out and the zeroed fp32 grad_q,
 // grad_k, grad_v to fill.
-struct SequenceAttentionTensors {
+struct ContextAttentionTensors {
   torch::Tensor q, k, v, out, lse, grad_out, grad_q, grad_k, grad_v;
 };
 
 struct ContextSplit {
   int64_t rank = 0;
   int64_t size = 1;
-  SequenceLayout layout = SequenceLayout::kContiguous;
+  ContextLayout layout = ContextLayout::kContiguous;
   std::function<void(int64_t layer, bool backward, torch::Tensor& send, torch::Tensor& recv)> all_to_all;
-  std::function<void(int64_t layer, bool backward, SequenceAttentionTensors& tensors)> attention;
+  std::function<void(int64_t layer, bool backward, ContextAttentionTensors& tensors)> attention;
 
   // This process's tokens of a sequence of `length` tokens, as (first position, count) runs in
   // the order they are held.
@@ -174,7 +174,7 @@ struct ContextSplit {
 
 // Ring attention's core over this process's tokens: q [B, H, s, D], k, v [B, Hkv, s, D] (RoPE
 // applied) -> [B, H, s, D] in q's dtype, with autograd (split.attention in both directions).
-torch::Tensor sequence_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+torch::Tensor context_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                  const ContextSplit& split, int64_t layer);
 
 // x [B, Hx, s, D] (this process's tokens, every head; Hx divisible by split.size) ->

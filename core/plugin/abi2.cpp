@@ -488,8 +488,8 @@ class HostStep : public sdk::Strategy {
     }
     if (sequences_) sequences_->plan(plan);  // each rank its share of every sequence of its rows
     if (tp_ != nullptr && tp_->layout.sequence_parallel != 0 && tp_group_.size() > 1) {  // Megatron's, inside the tp group
-      plan.tensor_sequence_size = tp_group_.size();
-      plan.tensor_sequence_rank = tp_group_.rank();
+      plan.sequence_parallel_size = tp_group_.size();
+      plan.sequence_parallel_rank = tp_group_.rank();
     }
   }
 
@@ -921,10 +921,10 @@ class HostStep : public sdk::Strategy {
   }
 
   // Context parallelism's points: the all-to-alls around the attention core, or the core in the plugin.
-  void sequence_exchange(int64_t layer, weft_direction direction, const DLTensor& send, DLTensor& recv) override {
+  void context_exchange(int64_t layer, weft_direction direction, const DLTensor& send, DLTensor& recv) override {
     sequences_->exchange(step_, layer, direction, send, recv);
   }
-  void sequence_attention(const weft_attention_call& call) override { sequences_->attention(step_, call); }
+  void context_attention(const weft_attention_call& call) override { sequences_->attention(step_, call); }
 
  private:
   void run_hooks(const char* point, int64_t step) { abi2_run_step_hooks(hooks_, point, step); }

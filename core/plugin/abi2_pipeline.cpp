@@ -158,16 +158,16 @@ class PipelineStep : public pipeline::PipelineStrategy {
                          &input, 0);
   }
   // A context-parallel plugin composed with the pipeline: its attention hook in every stage.
-  void sequence_exchange(int64_t layer, weft_direction direction, const DLTensor& send, DLTensor& recv) override {
+  void context_exchange(int64_t layer, weft_direction direction, const DLTensor& send, DLTensor& recv) override {
     sequences_->exchange(step_, layer, direction, send, recv);
   }
-  void sequence_attention(const weft_attention_call& call) override { sequences_->attention(step_, call); }
+  void context_attention(const weft_attention_call& call) override { sequences_->attention(step_, call); }
 
   void plan(weft_model_plan& plan) override {
     PipelineStrategy::plan(plan);
     if (tensor_ && tensor_->layout.sequence_parallel != 0 && tp_slice_.size() > 1) {  // Megatron's, in the tp slice
-      plan.tensor_sequence_size = tp_slice_.size();
-      plan.tensor_sequence_rank = tp_slice_.rank();
+      plan.sequence_parallel_size = tp_slice_.size();
+      plan.sequence_parallel_rank = tp_slice_.rank();
     }
     if (sequences_) sequences_->plan(plan);  // each rank its share of every sequence, in every stage
   }

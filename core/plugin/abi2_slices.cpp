@@ -126,11 +126,11 @@ SequenceSplit::SequenceSplit(Abi2Instance& cp, sdk::Group group, std::vector<Abi
 
 void SequenceSplit::plan(weft_model_plan& plan) const {
   if (group_.size() <= 1) return;
-  plan.sequence_parallel_size = group_.size();
-  plan.sequence_parallel_rank = group_.rank();
-  plan.sequence_parallel_layout =
-      cp_.layout.batch_split == WEFT_SPLIT_SEQUENCE_BALANCED ? WEFT_SEQUENCE_BALANCED : WEFT_SEQUENCE_CONTIGUOUS;
-  plan.sequence_parallel_attention = plugin_attention_ ? WEFT_SEQUENCE_ATTENTION_PLUGIN : WEFT_SEQUENCE_ATTENTION_EXCHANGE;
+  plan.context_parallel_size = group_.size();
+  plan.context_parallel_rank = group_.rank();
+  plan.context_parallel_layout =
+      cp_.layout.batch_split == WEFT_SPLIT_SEQUENCE_BALANCED ? WEFT_CONTEXT_BALANCED : WEFT_CONTEXT_CONTIGUOUS;
+  plan.context_parallel_attention = plugin_attention_ ? WEFT_CONTEXT_ATTENTION_PLUGIN : WEFT_CONTEXT_ATTENTION_EXCHANGE;
 }
 
 void SequenceSplit::exchange(int64_t step, int64_t layer, weft_direction direction, const DLTensor& send,

@@ -111,7 +111,7 @@ const weft_host_api* PluginHost::api() const { return &kHostApi; }
 
 weft_host* PluginHost::handle() { return &state_->handle; }
 
-void PluginHost::set_context_split(int64_t rank, int64_t size, SequenceLayout layout) {
+void PluginHost::set_context_split(int64_t rank, int64_t size, ContextLayout layout) {
   state_->context.rank = rank;
   state_->context.size = size;
   state_->context.layout = layout;

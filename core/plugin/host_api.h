@@ -50,7 +50,7 @@ class PluginHost {
   void set_model_info(const ModelConfig& config, torch::Dtype compute_dtype, int64_t seq_len, int64_t batch_rows);
   // Context parallelism (ABI 1.4's "sequence parallelism"; the layout since 1.5): batch() returns
   // this rank's tokens of every row from now on (ContextSplit::token_runs; size 1: whole rows).
-  void set_context_split(int64_t rank, int64_t size, SequenceLayout layout = SequenceLayout::kContiguous);
+  void set_context_split(int64_t rank, int64_t size, ContextLayout layout = ContextLayout::kContiguous);
   // The model the services refer to (after it is built). Enumerates the parameters it holds.
   void set_model(LlamaForCausalLMImpl* model);
   // The training step that batch() serves: micro-batch m of the step is global batch

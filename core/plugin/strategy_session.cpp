@@ -253,12 +253,12 @@ Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute
   plan.last_stage = num_stages;
   plan.data_parallel_size = 1;
   plan.data_parallel_rank = 0;
+  plan.context_parallel_size = 1;
+  plan.context_parallel_rank = 0;
+  plan.context_parallel_layout = WEFT_CONTEXT_CONTIGUOUS;
+  plan.context_parallel_attention = WEFT_CONTEXT_ATTENTION_EXCHANGE;
   plan.sequence_parallel_size = 1;
   plan.sequence_parallel_rank = 0;
-  plan.sequence_parallel_layout = WEFT_SEQUENCE_CONTIGUOUS;
-  plan.sequence_parallel_attention = WEFT_SEQUENCE_ATTENTION_EXCHANGE;
-  plan.tensor_sequence_size = 1;
-  plan.tensor_sequence_rank = 0;
   plan.stage_chunks = 1;
   plan.split_backward = 0;
   if (library_->api().plan) check(library_->api().plan(instance_, &plan), "plan");
@@ -295,42 +295,42 @@ Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute
              stages_name, plan.split_backward);
   placement.split_backward = plan.split_backward == 1;
   {
-    const int32_t size = plan.sequence_parallel_size, rank = plan.sequence_parallel_rank;
+    const int32_t size = plan.context_parallel_size, rank = plan.context_parallel_rank;
     WEFT_CHECK(size >= 1 && 0 <= rank && rank < size, "plugin {}: plan chose sequence-parallel rank {} of {}",
                sequence_name, rank, size);
     // The layout and who runs the attention core.
-    const int32_t layout = plan.sequence_parallel_layout;
-    const bool ring = plan.sequence_parallel_attention == WEFT_SEQUENCE_ATTENTION_PLUGIN;
-    WEFT_CHECK(layout == WEFT_SEQUENCE_CONTIGUOUS || layout == WEFT_SEQUENCE_BALANCED,
+    const int32_t layout = plan.context_parallel_layout;
+    const bool ring = plan.context_parallel_attention == WEFT_CONTEXT_ATTENTION_PLUGIN;
+    WEFT_CHECK(layout == WEFT_CONTEXT_CONTIGUOUS || layout == WEFT_CONTEXT_BALANCED,
                "plugin {}: plan chose sequence layout {}, which is neither contiguous (0) nor balanced (1)",
                sequence_name, layout);
-    WEFT_CHECK(plan.sequence_parallel_attention == WEFT_SEQUENCE_ATTENTION_EXCHANGE || ring,
+    WEFT_CHECK(plan.context_parallel_attention == WEFT_CONTEXT_ATTENTION_EXCHANGE || ring,
                "plugin {}: plan chose sequence attention {}, which is neither the exchange (0) nor the plugin's (1)",
-               sequence_name, plan.sequence_parallel_attention);
+               sequence_name, plan.context_parallel_attention);
     if (size > 1) {
       if (ring) {
-        WEFT_CHECK(library_->api().sequence_attention != nullptr,
-                   "plugin {}: plan runs the attention core in the plugin but the plugin has no sequence_attention",
+        WEFT_CHECK(library_->api().context_attention != nullptr,
+                   "plugin {}: plan runs the attention core in the plugin but the plugin has no context_attention",
                    sequence_name);
       } else {
-        WEFT_CHECK(library_->api().sequence_exchange != nullptr,
-                   "plugin {}: plan splits sequences over {} ranks but the plugin has no sequence_exchange",
+        WEFT_CHECK(library_->api().context_exchange != nullptr,
+                   "plugin {}: plan splits sequences over {} ranks but the plugin has no context_exchange",
                    sequence_name, size);
-        WEFT_CHECK(layout == WEFT_SEQUENCE_CONTIGUOUS,
-                   "plugin {}: the balanced sequence layout needs the plugin's attention (sequence_attention)",
+        WEFT_CHECK(layout == WEFT_CONTEXT_CONTIGUOUS,
+                   "plugin {}: the balanced sequence layout needs the plugin's attention (context_attention)",
                    sequence_name);
         WEFT_CHECK(config.num_attention_heads % size == 0, "the model's {} attention heads cannot be split over {} "
                    "sequence-parallel ranks (plugin {})", config.num_attention_heads, size, sequence_name);
       }
-      const int64_t parts = layout == WEFT_SEQUENCE_BALANCED ? 2 * size : size;
+      const int64_t parts = layout == WEFT_CONTEXT_BALANCED ? 2 * size : size;
       WEFT_CHECK(seq_len % parts == 0, "data.seq_len = {} cannot be split over {} sequence-parallel ranks (plugin {}{}): "
                  "choose a multiple of {}", seq_len, size, sequence_name,
-                 layout == WEFT_SEQUENCE_BALANCED ? ", balanced layout: 2 chunks per rank" : "", parts);
+                 layout == WEFT_CONTEXT_BALANCED ? ", balanced layout: 2 chunks per rank" : "", parts);
     }
     context_ = ContextSplit{};
     context_.rank = rank;
     context_.size = size;
-    context_.layout = static_cast<SequenceLayout>(layout);
+    context_.layout = static_cast<ContextLayout>(layout);
     context_ring_ = ring;
     if (size > 1) {
       std::string runs;
@@ -346,12 +346,12 @@ Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute
     step_.host->set_context_split(rank, size, context_.layout);
   }
   {  // Megatron sequence parallelism
-    const int32_t size = plan.tensor_sequence_size, rank = plan.tensor_sequence_rank;
+    const int32_t size = plan.sequence_parallel_size, rank = plan.sequence_parallel_rank;
     WEFT_CHECK(size >= 1 && 0 <= rank && rank < size, "plugin {}: plan chose tensor-sequence rank {} of {}",
                sequence_parallel_name, rank, size);
     if (size > 1) {
       WEFT_CHECK(library_->api().sequence_region != nullptr,
-                 "plugin {}: plan shards the residual stream's tokens over {} ranks (tensor_sequence_size) but the "
+                 "plugin {}: plan shards the residual stream's tokens over {} ranks (sequence_parallel_size) but the "
                  "plugin has no sequence_region",
                  sequence_parallel_name, size);
       // Beside context parallelism (1.14 hosts) the regions gather this rank's share of each sequence
@@ -473,7 +473,7 @@ std::shared_ptr<const ContextSplit> StrategySession::context_split() {
   auto split = std::make_shared<ContextSplit>(context_);
   const Member* owner = &step_;
   if (context_ring_) {
-    split->attention = [this, owner](int64_t layer, bool backward, SequenceAttentionTensors& t) {
+    split->attention = [this, owner](int64_t layer, bool backward, ContextAttentionTensors& t) {
       const DLTensor q = sdk::to_dl_view(t.q), k = sdk::to_dl_view(t.k), v = sdk::to_dl_view(t.v);
       DLTensor out = sdk::to_dl_view(t.out), lse = sdk::to_dl_view(t.lse);
       DLTensor grad_out{}, grad_q{}, grad_k{}, grad_v{};
@@ -497,7 +497,7 @@ std::shared_ptr<const ContextSplit> StrategySession::context_split() {
         call.grad_k = &grad_k;
         call.grad_v = &grad_v;
       }
-      check(owner->library->api().sequence_attention(owner->instance, &call), "sequence_attention");
+      check(owner->library->api().context_attention(owner->instance, &call), "context_attention");
     };
     return split;
   }
@@ -505,9 +505,9 @@ std::shared_ptr<const ContextSplit> StrategySession::context_split() {
     if (!send.is_contiguous()) send = send.contiguous();
     const DLTensor send_view = sdk::to_dl_view(send);
     DLTensor recv_view = sdk::to_dl_view(recv);
-    check(owner->library->api().sequence_exchange(owner->instance, layer, backward ? WEFT_BACKWARD : WEFT_FORWARD, &send_view,
+    check(owner->library->api().context_exchange(owner->instance, layer, backward ? WEFT_BACKWARD : WEFT_FORWARD, &send_view,
                                             &recv_view),
-          "sequence_exchange");
+          "context_exchange");
   };
   return split;
 }

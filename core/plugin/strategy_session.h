@@ -103,8 +103,8 @@ class StrategySession {
   // The communication the model runs at its fixed points, or null for a plugin without any.
   std::shared_ptr<const CommHook> comm_hook();
   // Context parallelism: the sequence split the plan chose (ABI 1.4's sequence_parallel_*), its
-  // all-to-all the plugin's sequence_exchange, or (1.5) its attention core the plugin's
-  // sequence_attention; nullptr when the plan keeps whole sequences.
+  // all-to-all the plugin's context_exchange, or (1.5) its attention core the plugin's
+  // context_attention; nullptr when the plan keeps whole sequences.
   std::shared_ptr<const ContextSplit> context_split();
   // Megatron sequence parallelism the plan chose (ABI 1.9), its collectives the plugin's
   // sequence_region; nullptr when the residual stream keeps whole sequences.

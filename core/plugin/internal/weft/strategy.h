@@ -17,10 +17,10 @@
  * slots and the host's parameter_shard, parameter_grad_shard, parameter_grad_release,
  * parameter_release and parameter_materialize; and the memory plan before the model is built:
  * the plugin's memory_plan slot and the host's stage_memory. 1.4 appended sequence (context)
- * parallelism: weft_model_plan's sequence_parallel_size / sequence_parallel_rank and the
- * plugin's sequence_exchange slot (Ulysses all-to-all around the attention core). 1.5 appended
- * ring attention: weft_model_plan's sequence_parallel_layout (load-balanced causal chunks) and
- * sequence_parallel_attention, the plugin's sequence_attention slot (the attention core over this
+ * parallelism: weft_model_plan's context_parallel_size / context_parallel_rank and the
+ * plugin's context_exchange slot (Ulysses all-to-all around the attention core). 1.5 appended
+ * ring attention: weft_model_plan's context_parallel_layout (load-balanced causal chunks) and
+ * context_parallel_attention, the plugin's context_attention slot (the attention core over this
  * rank's queries, run by the plugin) and the host's attention_block (blockwise attention with its
  * log-sum-exp, and its backward). 1.6 appended whole parameters in the compute dtype for
  * sharded training (WEFT_FLAT_SHARD_COMPUTE_DTYPE, FSDP's mixed-precision parameters:
@@ -28,8 +28,8 @@
  * convert between floating-point dtypes. 1.7 appended WEFT_COMM_ROW_ABSMAX (per-token scales of a
  * row-parallel layer over an int8 base, all-reduced MAX). 1.8 appended WEFT_COMM_ADAPTER_SUM (AdaLoRA's
  * scores and Gram matrices of tensor-parallel adapter slices, all-reduced SUM). 1.9 appended Megatron
- * sequence parallelism inside the tensor-parallel group: weft_model_plan's tensor_sequence_size /
- * tensor_sequence_rank and the plugin's sequence_region slot (the all-gather into and the
+ * sequence parallelism inside the tensor-parallel group: weft_model_plan's sequence_parallel_size /
+ * sequence_parallel_rank and the plugin's sequence_region slot (the all-gather into and the
  * reduce-scatter out of each tensor-parallel region). 1.10 appended virtual pipeline stages:
  * weft_model_plan's stage_chunks / chunk_stages (a rank holding several non-contiguous ranges of
  * model stages, for the interleaved 1F1B schedule). 1.11 appended the split backward of
@@ -242,31 +242,31 @@ typedef struct weft_model_plan {
   int64_t last_stage;
   int32_t data_parallel_size;  /* ranks that see different data for the same stages/shards */
   int32_t data_parallel_rank;  /* selects this rank's share of each global batch */
-  /* Since 1.4: sequence (context) parallelism. sequence_parallel_size ranks (>= 1; 1 = whole
+  /* Since 1.4: sequence (context) parallelism. context_parallel_size ranks (>= 1; 1 = whole
    * sequences, the pre-filled value) split every sequence of their rows between them, and this
-   * rank is number sequence_parallel_rank among them: batch() then returns tokens
+   * rank is number context_parallel_rank among them: batch() then returns tokens
    * [r * L / size, (r + 1) * L / size) of every row (L = seq_len, which size must divide), the
    * host runs RoPE at those global positions and, in every decoder block, calls
-   * sequence_exchange around the attention core, which runs over the whole sequence for
+   * context_exchange around the attention core, which runs over the whole sequence for
    * num_attention_heads / size heads (size must divide the heads; kv heads that it does not
    * divide are repeated to one per query head). The loss of batch() is the mean over this
    * rank's tokens: with every rank holding as many target tokens, the mean of the ranks' losses
    * and gradients is the whole sequence's. Everything else (embeddings, norms, MLP, head) runs
    * on this rank's tokens. A plugin writes these fields only when plan->struct_size covers
-   * them (a 1.4 host); a size above 1 needs the sequence_exchange slot, and every stage held
+   * them (a 1.4 host); a size above 1 needs the context_exchange slot, and every stage held
    * unless the plugin that splits the stages negotiated 1.13: each rank of a split sequence then
    * passes its tokens to the same rank of the next stage (weft_step_info.stage_tokens). */
-  int32_t sequence_parallel_size;
-  int32_t sequence_parallel_rank;
+  int32_t context_parallel_size;
+  int32_t context_parallel_rank;
   /* Since 1.5 (written only when plan->struct_size covers them; pre-filled 0, 0). Which tokens
    * of each sequence this rank holds (weft_sequence_layout) and who runs the attention core over
    * the split sequence (weft_sequence_attention). The layout applies to batch(), RoPE and the
    * loss as above; BALANCED needs seq_len divisible by 2 x size and the PLUGIN attention. */
-  int32_t sequence_parallel_layout;
-  int32_t sequence_parallel_attention;
+  int32_t context_parallel_layout;
+  int32_t context_parallel_attention;
   /* Since 1.9 (written only when plan->struct_size covers them; pre-filled 1, 0): Megatron
    * sequence parallelism (Korthikanti et al. 2022) inside a tensor-parallel group of
-   * tensor_sequence_size ranks, this rank number tensor_sequence_rank in it. Between the
+   * sequence_parallel_size ranks, this rank number sequence_parallel_rank in it. Between the
    * tensor-parallel regions (the embedding's output, the residual stream, the RMSNorms and the
    * final norm) each rank holds tokens [r L / size, (r + 1) L / size) of every sequence; inside
    * them (attention with RoPE at global positions, the MLP, the LM head and the loss) every
@@ -278,14 +278,14 @@ typedef struct weft_model_plan {
    * rows). The RMSNorm weights' gradients then hold this rank's tokens' share: the plugin sums
    * them over the group. Needs: a vocabulary-parallel
    * embedding (its all-reduce becomes the reduce-scatter), seq_len divisible by size, whole
-   * sequences otherwise (sequence_parallel_size 1; hosts of 1.14 also take a context-parallel
-   * split: the regions then gather this rank's seq_len / sequence_parallel_size tokens, which size
+   * sequences otherwise (context_parallel_size 1; hosts of 1.14 also take a context-parallel
+   * split: the regions then gather this rank's seq_len / context_parallel_size tokens, which size
    * must divide), the sequence_region slot, and every stage held
    * unless the plugin that splits the stages negotiated 1.13 (the stages then pass this rank's
    * tokens: weft_step_info.stage_tokens); the host refuses the plan before the model is built
    * otherwise. */
-  int32_t tensor_sequence_size;
-  int32_t tensor_sequence_rank;
+  int32_t sequence_parallel_size;
+  int32_t sequence_parallel_rank;
   /* Since 1.10 (written only when plan->struct_size covers them; pre-filled 1, 0 and zeros):
    * virtual pipeline stages (Megatron's interleaved schedule). stage_chunks > 1 says this rank
    * holds stage_chunks disjoint ranges of model stages: chunk i is stages
@@ -328,25 +328,25 @@ typedef struct weft_model_plan {
 typedef enum weft_sequence_layout {
   /* Tokens [r L / N, (r + 1) L / N): the 1.4 layout. Under a causal mask the last rank's
    * queries see N times the keys of the first rank's. */
-  WEFT_SEQUENCE_CONTIGUOUS = 0,
+  WEFT_CONTEXT_CONTIGUOUS = 0,
   /* The sequence cut into 2N equal chunks; rank r holds chunk r then chunk 2N - 1 - r (local
    * tokens [0, L / 2N) are chunk r, the rest chunk 2N - 1 - r): every rank's queries see as many
    * keys, so ring attention's ranks do equal work (Megatron / torchtitan's load balancing). */
-  WEFT_SEQUENCE_BALANCED = 1
+  WEFT_CONTEXT_BALANCED = 1
 } weft_sequence_layout;
 
 /* Who runs the attention core when sequences are split. Since 1.5. */
 typedef enum weft_sequence_attention {
   /* Ulysses (1.4): the host runs the core over the whole sequence for 1/N of the heads, between
-   * the plugin's sequence_exchange all-to-alls. */
-  WEFT_SEQUENCE_ATTENTION_EXCHANGE = 0,
-  /* The plugin's sequence_attention slot computes the core's output for this rank's queries
+   * the plugin's context_exchange all-to-alls. */
+  WEFT_CONTEXT_ATTENTION_EXCHANGE = 0,
+  /* The plugin's context_attention slot computes the core's output for this rank's queries
    * (e.g. ring attention: key/value blocks travel between the ranks), with the host's
    * attention_block doing the arithmetic. */
-  WEFT_SEQUENCE_ATTENTION_PLUGIN = 1
+  WEFT_CONTEXT_ATTENTION_PLUGIN = 1
 } weft_sequence_attention;
 
-/* One call of the plugin's sequence_attention slot: the attention core of decoder block `layer`
+/* One call of the plugin's context_attention slot: the attention core of decoder block `layer`
  * over this rank's queries, in the forward or the backward direction. All tensors are host-owned,
  * contiguous, on the rank's device and valid during the call; B rows, H query heads, Hkv key/value
  * heads (H a multiple of Hkv: query head h uses kv head h / (H / Hkv)), s local tokens in the
@@ -406,10 +406,10 @@ typedef struct weft_step_info {
   int32_t reserved;          /* 0 */
   int64_t rows_per_micro_batch;     /* this rank's sequences per micro-batch */
   int64_t seq_len;                  /* tokens per sequence (batch() returns fewer under a
-                                       sequence_parallel_size > 1 plan: see weft_model_plan) */
+                                       context_parallel_size > 1 plan: see weft_model_plan) */
   /* Since 1.13 (present when struct_size covers it): tokens per row of the hidden states this
    * rank's forward() takes and returns between model stages, and of their gradients - seq_len
-   * divided by the plan's sequence_parallel_size and tensor_sequence_size (each rank of a split
+   * divided by the plan's context_parallel_size and sequence_parallel_size (each rank of a split
    * sequence passes its own tokens to the same rank of the next stage). A reader whose host's
    * struct_size stops before it uses seq_len: a pre-1.13 host never splits sequences across a
    * split of the stages. */
@@ -589,7 +589,7 @@ typedef struct weft_host_api {
    * (the host's train.task = "classification", any 1.x host) every target is -100 but the one at
    * each row's last token, which holds the row's class (or a regression score's bits), the rows
    * are padded after that token, and loss's tokens_out counts those labeled positions (one per
-   * row). Such a run does not start under a plan with sequence_parallel_size > 1. */
+   * row). Such a run does not start under a plan with context_parallel_size > 1. */
   weft_status* (*batch)(weft_host* host, int32_t micro_batch, int32_t split, int32_t splits,
                         weft_activation** inputs, weft_activation** targets);
   /* Runs stages [first_stage, last_stage) on `input` (token ids when first_stage == 0, hidden
@@ -909,21 +909,21 @@ typedef struct weft_strategy_api {
   weft_status* (*memory_plan)(weft_strategy* strategy, weft_memory_plan* plan);
 
   /* ---------------------------------- since 1.4 ---------------------------------------- */
-  /* Required when plan chose sequence_parallel_size > 1 (the host refuses the plan otherwise);
-   * unused otherwise. The all-to-all between the sequence_parallel_size ranks that split the same
+  /* Required when plan chose context_parallel_size > 1 (the host refuses the plan otherwise);
+   * unused otherwise. The all-to-all between the context_parallel_size ranks that split the same
    * sequences (Ulysses), around the attention core of decoder block `layer`: `send` and `recv`
    * are contiguous tensors of the same shape and dtype on the rank's device, owned by the host
-   * and valid during the call, whose dim 0 is sequence_parallel_size; chunk j of send must
+   * and valid during the call, whose dim 0 is context_parallel_size; chunk j of send must
    * arrive as chunk i of recv on sequence rank j, where i is this rank's sequence rank (the
    * host service all_to_all over a group of those ranks in sequence-rank order does exactly
    * that). The host calls it four times per block in the forward direction (q, k, v to heads;
    * the attention output back to tokens) and four times in the backward direction (their
    * gradients), in the same order on every rank of the group. Since 1.4. */
-  weft_status* (*sequence_exchange)(weft_strategy* strategy, int64_t layer, weft_direction direction,
+  weft_status* (*context_exchange)(weft_strategy* strategy, int64_t layer, weft_direction direction,
                                     const DLTensor* send, DLTensor* recv);
 
   /* ---------------------------------- since 1.5 ---------------------------------------- */
-  /* Required when plan chose sequence_parallel_attention = WEFT_SEQUENCE_ATTENTION_PLUGIN with a
+  /* Required when plan chose context_parallel_attention = WEFT_CONTEXT_ATTENTION_PLUGIN with a
    * size above 1 (the host refuses the plan otherwise). The attention core of one decoder block
    * over this rank's queries (weft_attention_call): forward, write out and lse; backward, write
    * grad_q, grad_k, grad_v. The host calls it in every decoder block's forward (training,
@@ -935,12 +935,12 @@ typedef struct weft_strategy_api {
    * k/v blocks (and, in backward, their gradients) around the group and calls the host's
    * attention_block for every pair of query and key chunks the causal mask does not hide.
    * Since 1.5. */
-  weft_status* (*sequence_attention)(weft_strategy* strategy, const weft_attention_call* call);
+  weft_status* (*context_attention)(weft_strategy* strategy, const weft_attention_call* call);
 
   /* ---------------------------------- since 1.9 ---------------------------------------- */
-  /* Required when plan chose tensor_sequence_size > 1 (the host refuses the plan otherwise);
-   * unused otherwise. Megatron sequence parallelism's collectives over the tensor_sequence_size
-   * ranks of the group, in tensor_sequence_rank order, at comm point `point` of decoder block
+  /* Required when plan chose sequence_parallel_size > 1 (the host refuses the plan otherwise);
+   * unused otherwise. Megatron sequence parallelism's collectives over the sequence_parallel_size
+   * ranks of the group, in sequence_parallel_rank order, at comm point `point` of decoder block
    * `layer` (-1 outside blocks), in `direction`. `input` and `output` are contiguous tensors of one
    * dtype on the rank's device, owned by the host and valid during the call; the shapes say which
    * collective the host wants:
@@ -948,7 +948,7 @@ typedef struct weft_strategy_api {
    *    (forward of ATTENTION_INPUT, MLP_INPUT, HEAD_INPUT; backward of ATTENTION_OUTPUT,
    *    MLP_OUTPUT, EMBEDDING_OUTPUT);
    *  - reduce-scatter: input [size, ...], output [...]: output is the sum over the ranks of their
-   *    input's slice number tensor_sequence_rank (the other cases; but a sequence classifier's
+   *    input's slice number sequence_parallel_rank (the other cases; but a sequence classifier's
    *    score head is whole, so the gradient of its gathered input is the same on every rank and
    *    the host takes its own slice in the backward of HEAD_INPUT without a call).
    * The host service all_gather / reduce_scatter (SUM) over a group of those ranks in that order

@@ -21,7 +21,7 @@
 //
 // Optional slots: the generated table leaves an optional slot (plan, shard_parameter, setup,
 // eval_step, global_grad_norm_sq, comm_point; since 1.3 flat_shard, after_optimizer_step,
-// materialize_parameters, memory_plan; since 1.4 sequence_exchange; since 1.5 sequence_attention; since 1.9
+// materialize_parameters, memory_plan; since 1.4 context_exchange; since 1.5 context_attention; since 1.9
 // sequence_region; since 1.12 finish_step, finish_eval, gradient_copies) NULL unless the class, or a base between it and
 // Strategy, declares that method itself (checked at compile time, see detail::overrides_*), so
 // the host can skip calls that would do nothing (comm_point runs inside every layer). The base
@@ -961,24 +961,24 @@ class Strategy {
   // --- since ABI 1.4 (sequence parallelism; see strategy.h) ---
   // The all-to-all between the ranks that split the same sequences. Default: refuses (only a
   // plugin whose plan splits sequences is asked).
-  virtual void sequence_exchange(int64_t layer, weft_direction direction, const DLTensor& send, DLTensor& recv) {
+  virtual void context_exchange(int64_t layer, weft_direction direction, const DLTensor& send, DLTensor& recv) {
     (void)layer;
     (void)direction;
     (void)send;
     (void)recv;
-    throw Error(WEFT_STATUS_UNSUPPORTED, "sequence_exchange: this plugin does not split sequences");
+    throw Error(WEFT_STATUS_UNSUPPORTED, "context_exchange: this plugin does not split sequences");
   }
   // --- since ABI 1.5 (ring attention; see strategy.h) ---
   // The attention core over this rank's queries (weft_attention_call). Default: refuses (only a
-  // plugin whose plan chose WEFT_SEQUENCE_ATTENTION_PLUGIN is asked).
-  virtual void sequence_attention(const weft_attention_call& call) {
+  // plugin whose plan chose WEFT_CONTEXT_ATTENTION_PLUGIN is asked).
+  virtual void context_attention(const weft_attention_call& call) {
     (void)call;
-    throw Error(WEFT_STATUS_UNSUPPORTED, "sequence_attention: this plugin does not run the attention core");
+    throw Error(WEFT_STATUS_UNSUPPORTED, "context_attention: this plugin does not run the attention core");
   }
   // --- since ABI 1.9 (Megatron sequence parallelism; see strategy.h) ---
   // The all-gather (output has one more dimension than input) or reduce-scatter (input has one
   // more) over the tensor-sequence group at `point`. Default: refuses (only a plugin whose plan
-  // chose tensor_sequence_size > 1 is asked).
+  // chose sequence_parallel_size > 1 is asked).
   virtual void sequence_region(weft_comm_point point, weft_direction direction, int64_t layer, const DLTensor& input,
                                DLTensor& output) {
     (void)point;
@@ -1071,8 +1071,8 @@ WEFT_SDK_DETAIL_OVERRIDES(flat_shard)
 WEFT_SDK_DETAIL_OVERRIDES(after_optimizer_step)
 WEFT_SDK_DETAIL_OVERRIDES(materialize_parameters)
 WEFT_SDK_DETAIL_OVERRIDES(memory_plan)
-WEFT_SDK_DETAIL_OVERRIDES(sequence_exchange)
-WEFT_SDK_DETAIL_OVERRIDES(sequence_attention)
+WEFT_SDK_DETAIL_OVERRIDES(context_exchange)
+WEFT_SDK_DETAIL_OVERRIDES(context_attention)
 WEFT_SDK_DETAIL_OVERRIDES(sequence_region)
 WEFT_SDK_DETAIL_OVERRIDES(finish_step)
 WEFT_SDK_DETAIL_OVERRIDES(finish_eval)
@@ -1187,12 +1187,12 @@ struct Slots {
       std::memcpy(plan, &local, bytes);
     });
   }
-  static weft_status* sequence_exchange(weft_strategy* handle, int64_t layer, weft_direction direction,
+  static weft_status* context_exchange(weft_strategy* handle, int64_t layer, weft_direction direction,
                                         const DLTensor* send, DLTensor* recv) noexcept {
-    return call(handle, [&] { instance(handle).sequence_exchange(layer, direction, *send, *recv); });
+    return call(handle, [&] { instance(handle).context_exchange(layer, direction, *send, *recv); });
   }
-  static weft_status* sequence_attention(weft_strategy* handle, const weft_attention_call* attention) noexcept {
-    return call(handle, [&] { instance(handle).sequence_attention(*attention); });
+  static weft_status* context_attention(weft_strategy* handle, const weft_attention_call* attention) noexcept {
+    return call(handle, [&] { instance(handle).context_attention(*attention); });
   }
   static weft_status* sequence_region(weft_strategy* handle, weft_comm_point point, weft_direction direction,
                                       int64_t layer, const DLTensor* input, DLTensor* output) noexcept {
@@ -1246,8 +1246,8 @@ weft_strategy_api make_table(const char* name, const char* version, const char* 
   table.materialize_parameters =
       overrides_materialize_parameters<T>() ? &Slots<T>::materialize_parameters : nullptr;
   table.memory_plan = overrides_memory_plan<T>() ? &Slots<T>::memory_plan : nullptr;
-  table.sequence_exchange = overrides_sequence_exchange<T>() ? &Slots<T>::sequence_exchange : nullptr;
-  table.sequence_attention = overrides_sequence_attention<T>() ? &Slots<T>::sequence_attention : nullptr;
+  table.context_exchange = overrides_context_exchange<T>() ? &Slots<T>::context_exchange : nullptr;
+  table.context_attention = overrides_context_attention<T>() ? &Slots<T>::context_attention : nullptr;
   table.sequence_region = overrides_sequence_region<T>() ? &Slots<T>::sequence_region : nullptr;
   table.mesh_dimensions = T::mesh_dimensions;
   table.finish_step = overrides_finish_step<T>() ? &Slots<T>::finish_step : nullptr;

@@ -130,13 +130,13 @@ void expect_matches_whole_model(int parts, int64_t kv_heads) {
   }
 }
 
-TEST(SequenceParallel, TwoPartsMatchTheWholeModel) { expect_matches_whole_model(2, 2); }
-TEST(SequenceParallel, FourPartsMatchTheWholeModel) { expect_matches_whole_model(4, 4); }
-TEST(SequenceParallel, KvHeadsFewerThanPartsAreRepeated) { expect_matches_whole_model(4, 2); }
-TEST(SequenceParallel, MultiQueryAttentionOverTwoParts) { expect_matches_whole_model(2, 1); }
+TEST(ContextParallel, TwoPartsMatchTheWholeModel) { expect_matches_whole_model(2, 2); }
+TEST(ContextParallel, FourPartsMatchTheWholeModel) { expect_matches_whole_model(4, 4); }
+TEST(ContextParallel, KvHeadsFewerThanPartsAreRepeated) { expect_matches_whole_model(4, 2); }
+TEST(ContextParallel, MultiQueryAttentionOverTwoParts) { expect_matches_whole_model(2, 1); }
 
 // The two exchanges are each other's inverse, and a position ends where Ulysses puts it.
-TEST(SequenceParallel, TheExchangesAreInverse) {
+TEST(ContextParallel, TheExchangesAreInverse) {
   const int parts = 2;
   ThreadAllToAll exchange(parts);
   const auto whole = torch::arange(2 * 4 * 6 * 3, torch::kFloat32).reshape({2, 4, 6, 3});  // [B, H, S, D]
@@ -156,7 +156,7 @@ TEST(SequenceParallel, TheExchangesAreInverse) {
   }
 }
 
-TEST(SequenceParallel, HeadsThatDoNotSplitAreRefused) {
+TEST(ContextParallel, HeadsThatDoNotSplitAreRefused) {
   ModelConfig config = weft::preset_config("tiny");
   config.num_hidden_layers = 1;
   ThreadAllToAll exchange(3);

@@ -21,71 +21,6 @@ constexpr const char* kTiedName = "model.embed_tokens.weight";
 
 }  // namespace
 
-PipelineStrategy::PipelineStrategy(weft::sdk::Host host, std::string plugin, std::string schedule_name)
-    : Strategy(host), plugin_(std::move(plugin)), schedule_name_(std::move(schedule_name)), world_(host.world()) {
-  const int32_t world = world_.size();
-  const int64_t stages = host.config_int("stages", world);
-  if (stages < 1 || world % stages != 0) {
-    throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": plugin.stages = " + std::to_string(stages) +
-                                            " must be >= 1 and divide the world size " + std::to_string(world));
-  }
-  const int64_t microbatches = host.config_int("microbatches", 4);
-  if (microbatches < 1 || microbatches > 4096) {
-    throw Error(WEFT_STATUS_BAD_CONFIG,
-                plugin_ + ": plugin.microbatches must be in [1, 4096], got " + std::to_string(microbatches));
-  }
-  microbatches_ = static_cast<int32_t>(microbatches);
-  schedule_name_ = host.config_string("schedule", schedule_name_);
-  if (schedule_name_ != "gpipe" && schedule_name_ != "1f1b" && schedule_name_ != "interleaved1f1b" &&
-      schedule_name_ != "zbh1") {
-    throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": plugin.schedule must be \"gpipe\", \"1f1b\", \"interleaved1f1b\" or "
-                                                  "\"zbh1\", got \"" + schedule_name_ + "\"");
-  }
-  if (schedule_name_ == "zbh1" && host.negotiated_minor() < 11) {
-    throw Error(WEFT_STATUS_UNSUPPORTED, plugin_ + ": plugin.schedule = \"zbh1\" splits the backward, which needs a host "
-                                                   "with ABI >= 1.11 (backward_input, backward_weight)");
-  }
-  const bool interleaved = schedule_name_ == "interleaved1f1b";
-  const int64_t chunks = host.config_int("chunks", interleaved ? 2 : 1);
-  if (chunks < 1 || chunks > WEFT_MAX_STAGE_CHUNKS || (!interleaved && chunks != 1)) {
-    throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": plugin.chunks = " + std::to_string(chunks) +
-                                            (interleaved ? " must be in [1, " + std::to_string(WEFT_MAX_STAGE_CHUNKS) + "]"
-                                                         : ": virtual stages need plugin.schedule = \"interleaved1f1b\""));
-  }
-  chunks_ = static_cast<int32_t>(chunks);
-  if (chunks_ > 1 && stages < 2) {  // its chunks would pass activations to themselves
-    throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": interleaved 1F1B with " + std::to_string(chunks_) +
-                                            " chunks needs at least 2 stages (plugin.stages = 1)");
-  }
-  if (interleaved && microbatches_ % stages != 0) {
-    throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": interleaved 1F1B sends micro-batches through the chunks in groups "
-                                            "of the stages: plugin.microbatches = " + std::to_string(microbatches_) +
-                                            " must be a multiple of plugin.stages = " + std::to_string(stages));
-  }
-  balance_ = host.config_int_list("balance");
-  if (!balance_.empty() && static_cast<int64_t>(balance_.size()) != stages * chunks_) {
-    throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": plugin.balance has " + std::to_string(balance_.size()) +
-                                            " entries for " + std::to_string(stages * chunks_) +
-                                            (chunks_ > 1 ? " virtual stages (stages x chunks)" : " stages"));
-  }
-  partition_by_ = host.config_string("partition", "parameters");
-  if (partition_by_ != "parameters" && partition_by_ != "time") {
-    throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": plugin.partition must be \"parameters\" or \"time\", got \"" +
-                                            partition_by_ + "\"");
-  }
-  bucket_mb_ = host.config_float("bucket_mb", 25.0);
-  if (!(bucket_mb_ > 0.0)) throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": plugin.bucket_mb must be > 0");
-  log_every_ = host.config_int("log_every", 0);
-  if (log_every_ < 0) throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": plugin.log_every must be >= 0");
-  split_backward_ = schedule_name_ == "zbh1";
-  place_ranks(static_cast<int32_t>(stages));
-  try {
-    make_schedule(schedule_name_, placement_.stages, microbatches_, chunks_);
-  } catch (const std::invalid_argument& e) {
-    throw Error(WEFT_STATUS_BAD_CONFIG, plugin_ + ": " + e.what());
-  }
-}
-
 PipelineStrategy::PipelineStrategy(weft::sdk::Host host, std::string plugin, Options options)
     : Strategy(host), plugin_(std::move(plugin)), schedule_name_(std::move(options.schedule_name)),
       world_(options.group.get() != nullptr ? options.group : host.world()), inner_(std::max(1, options.inner)) {
@@ -451,10 +386,6 @@ double PipelineStrategy::train_step(const weft_step_info& step) {
   host().report_metric("bubble", bubble);
   host().report_metric("bubble_formula", formula);
   host().report_metric("peak_in_flight", last_stats_.peak_in_flight);
-  if (log_every_ > 0 && (step.step + 1) % log_every_ == 0 && world_.rank() == 0) {
-    WEFT_LOG_INFO(host(), "%s step %" PRId64 ": bubble %.3f (formula %.3f), %d micro-batches in flight at most",
-                  plugin_.c_str(), step.step + 1, bubble, formula, last_stats_.peak_in_flight);
-  }
   return loss;
 }
 

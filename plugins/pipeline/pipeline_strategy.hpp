@@ -1,30 +1,13 @@
-// pipeline_strategy.hpp - the strategy that gpipe.so and pipedream.so share: placement,
-// partition, verified schedules, tied embeddings, replicas, loss and evaluation. A plugin
-// picks the schedule (schedule_name) and adds its own options.
+// pipeline_strategy.hpp - the host's pipeline runtime, which core/plugin/abi2_pipeline.cpp runs for
+// a plugin's schedule as data (gpipe.so, pipedream.so, ZB-V): placement, partition, verified
+// schedules, tied embeddings, replicas, loss and evaluation. The plugin's weft_layout and
+// weft_schedule give what Options holds (stages, micro-batches, chunks, balance, partition).
 //
 // Layout: world = stages x replicas; world rank = replica * stages + stage. Each rank builds
 // only its pipeline stage's model stages (plan). Each replica sees its own rows of every global
 // batch (data_parallel_size = replicas); a step's host micro-batches (train.grad_accum_steps)
 // are each split into `microbatches` pipeline micro-batches, and one schedule runs them all.
 //
-// Configuration ([plugin]):
-//   stages        int >= 1, default: the world size (then replicas = 1). world % stages == 0.
-//   microbatches  int >= 1, default 4: pipeline micro-batches per host micro-batch; this
-//                 replica's rows per micro-batch must divide by it (and, interleaved, it must
-//                 be a multiple of the stages).
-//   schedule      "gpipe" (gpipe.so's default), "1f1b" (pipedream.so's), "interleaved1f1b"
-//                 (Megatron's virtual pipeline: each rank holds `chunks` non-contiguous parts
-//                 of the model, ABI 1.10; stage p holds parts p, p + S, ...) or "zbh1" (ZB-H1:
-//                 the backward split into input- and weight-gradient passes, ABI 1.11).
-//   chunks        int in [1, 16], default 2 with interleaved1f1b (1 otherwise, and only 1).
-//   balance       [int, ...]: decoder layers per stage, or per part with chunks (stages x
-//                 chunks entries; sums to the model's layers).
-//   partition     "parameters" (default) or "time": without balance, the min-max split of the
-//                 per-stage parameter counts, or of forward+backward times the host profiles
-//                 on a few real-shaped micro-batches before the model is built (embedding on
-//                 the first stage, norm + head + loss on the last; averaged over the ranks).
-//   bucket_mb     float > 0, default 25: replica gradient all-reduce buckets.
-//   log_every     int >= 0, default 0: log step statistics at info level every N steps.
 // Per step it reports (metrics.jsonl): plugin.bubble (the ranks' idle share of the step window:
 // 1 - forward/backward time summed over ranks / (ranks x the longest rank's schedule time)),
 // plugin.bubble_formula ((S - 1) / (v M + S - 1), v = chunks: GPipe's for v = 1; ZB-H1's
@@ -52,13 +35,6 @@ namespace pipeline {
 
 class PipelineStrategy : public weft::sdk::Strategy {
  public:
-  static constexpr uint16_t min_host_minor = 1;  // model_info, config_int_list, tracing (memory_plan: 1.3)
-  // ABI 1.12: the pipeline dimension of a composed run, whose step it drives (world = the pp group).
-  static constexpr uint32_t mesh_dimensions = 1u << WEFT_MESH_PP;
-
-  // `plugin` names the plugin in messages; `schedule_name` is the default of plugin.schedule.
-  PipelineStrategy(weft::sdk::Host host, std::string plugin, std::string schedule_name);
-
   void plan(weft_model_plan& plan) override;
   void setup() override;
   double train_step(const weft_step_info& step) override;
@@ -75,8 +51,8 @@ class PipelineStrategy : public weft::sdk::Strategy {
   const RunStats& last_stats() const { return last_stats_; }
 
  protected:
-  // A pipeline whose schedule a subclass gives (step_schedule), configured without the [plugin]
-  // keys above: the host's runtime for a plugin's schedule as data (ABI 2).
+  // A pipeline whose schedule a subclass gives (step_schedule): the host's runtime for a plugin's
+  // schedule as data (core/plugin/abi2_pipeline.cpp).
   struct Options {
     std::string schedule_name;         // in messages and logs
     int32_t stages = 1;                // must divide the world
@@ -160,7 +136,6 @@ class PipelineStrategy : public weft::sdk::Strategy {
   // in turn, this rank's returned. Collective over the world.
   weft::sdk::Group make_group(const std::vector<int32_t>& ranks) const;
   double bucket_mb_ = 25.0;
-  int64_t log_every_ = 0;
   Placement placement_;
   Partition partition_;
   weft::sdk::Group pipeline_group_;  // this replica's stages

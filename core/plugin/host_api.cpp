@@ -169,23 +169,6 @@ void PluginHost::restore_plugin_state(const std::vector<std::pair<std::string, a
 
 void PluginHost::set_loss_scale(double scale) { state_->loss_scale = scale; }
 
-void PluginHost::set_mesh(const Mesh* mesh, int dimension, bool driver, int plugins,
-                          const std::array<ProcessGroup*, 4>& groups) {
-  WEFT_CHECK(mesh == nullptr || (0 <= dimension && dimension < Mesh::kDims && groups[static_cast<size_t>(dimension)]),
-             "set_mesh: the plugin's dimension has no group");
-  state_->mesh = mesh;
-  state_->mesh_dimension = mesh ? dimension : -1;
-  state_->mesh_driver = driver;
-  state_->mesh_plugins = plugins;
-  state_->mesh_groups = groups;
-}
-
-void PluginHost::set_driver(bool driver) { state_->mesh_driver = driver; }
-
-void PluginHost::set_step_gradients(const PluginHost* sharding) {
-  state_->step_gradients = sharding ? sharding->state_.get() : nullptr;
-}
-
 void PluginHost::set_model(LlamaForCausalLMImpl* model) {
   auto& s = *state_;
   s.model = model;

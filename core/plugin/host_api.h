@@ -98,17 +98,6 @@ class PluginHost {
   void restore_plugin_state(const std::vector<std::pair<std::string, at::Tensor>>& saved);
   // The loss service's extra factor on the loss it returns for backward (fp16 loss scaling).
   void set_loss_scale(double scale);
-  // ABI 1.12: this plugin is one of `plugins` composed over `mesh` (which must outlive this
-  // object) and owns `dimension` (Mesh::kPP...): its group_world is groups[dimension], its
-  // group_create numbers the ranks of that slice, mesh_info and group_mesh describe the mesh.
-  // `driver`: the host runs its train_step and eval_step. Call before the plugin's create.
-  void set_mesh(const Mesh* mesh, int dimension, bool driver, int plugins, const std::array<ProcessGroup*, 4>& groups);
-  // ABI 1.14: the merged plans made another plugin the driver (drives_stages); before setup.
-  void set_driver(bool driver);
-  // ABI 1.14: `sharding` (the stage-driving driver's host, which shards the training state; null:
-  // none) reduce-scatters the gradients into its flat shards during its step, so this plugin's
-  // parameter_grad_step hands out those shards' gradients. Call after the flat shards are set.
-  void set_step_gradients(const PluginHost* sharding);
   // Per-sequence evaluation: from now on, the loss of every evaluation row whose sequence index
   // is known (the targets batch() handed out) is also summed by sequence, out of `sequences`.
   // A classification model also sums each sequence's head outputs (its `outputs` logits at the

@@ -80,7 +80,6 @@ std::shared_ptr<boost::dll::shared_library> open_library(const std::string& path
   return library;
 }
 
-bool is_empty(const char* s) { return !s || !*s; }
 
 // The DT_NEEDED entries of a 64-bit ELF shared library (empty when the file is not one or is
 // malformed: dlopen has accepted it already, this only reads what it links).
@@ -172,11 +171,6 @@ std::string PluginLibrary::abi() const {
 
 weft_status* PluginLibrary::create(const weft_host_api* api, weft_host* host, weft_strategy** out) const {
   return abi2_ ? create_abi2_step(*abi2_, api, host, out) : api_.create(api, host, out);
-}
-
-bool PluginLibrary::has_slot(size_t offset_of_slot, uint16_t since_minor) const {
-  return negotiated_abi_.minor >= since_minor && offset_of_slot + sizeof(void*) <= table_size_ &&
-         offset_of_slot + sizeof(void*) <= sizeof api_;
 }
 
 std::shared_ptr<PluginLibrary> PluginLibrary::load(const std::string& path_or_name) {

@@ -67,14 +67,9 @@ class PluginLibrary {
 
   // The plugin's table as this host knows it: a copy of the plugin's first
   // min(struct_size, sizeof(weft_strategy_api)) bytes, zero-filled beyond, so slots the plugin's
-  // table does not have read as NULL. Optional slots may be NULL; check has_slot for slots added
-  // after 1.0 before calling them.
+  // table does not have read as NULL. Optional slots may be NULL.
   const weft_strategy_api& api() const { return api_; }
 
-  // Whether a slot added in ABI minor `since_minor` may be called: the negotiated minor is at
-  // least `since_minor` and the slot at `offset_of_slot` (offsetof(weft_strategy_api, slot))
-  // lies within the plugin's struct_size. The slot may still be NULL if it is optional.
-  bool has_slot(size_t offset_of_slot, uint16_t since_minor) const;
 
   // A validated plugin (validate_abi2_table): the session table is the host's step
   // (abi2_session_table). Public for make_shared; plugins are obtained with load().

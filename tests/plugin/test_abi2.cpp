@@ -276,7 +276,9 @@ TEST(Abi2, TensorParallelSavesWholeTensorsThatResumeUnderAnyLayout) {
     const auto c = weft::testing::step_losses(out + "/metrics.jsonl");
     ASSERT_EQ(c.size(), 3u) << layout;
     for (size_t i = 0; i < c.size(); ++i) {
-      if (layout.find("tensor_parallel") != std::string::npos) EXPECT_EQ(c[i], whole[i + 3]) << layout << ": step " << i + 4;
+      if (layout.find("tensor_parallel") != std::string::npos) {
+        EXPECT_EQ(c[i], whole[i + 3]) << layout << ": step " << i + 4;
+      }
       EXPECT_NEAR(c[i], whole[i + 3], 1e-5 * whole[i + 3]) << layout << ": step " << i + 4;
     }
   }
@@ -362,7 +364,9 @@ TEST(Abi2, ContextParallelComposesWithDataParallelismOverTheMesh) {
     ASSERT_EQ(c.size(), 3u) << label;
     for (size_t i = 0; i < c.size(); ++i) {
       const double expected = f.losses["zero3"][i + 3];
-      if (label == "zero3") EXPECT_EQ(c[i], expected) << label << ": step " << i + 4;
+      if (label == "zero3") {
+        EXPECT_EQ(c[i], expected) << label << ": step " << i + 4;
+      }
       EXPECT_NEAR(c[i], expected, 1e-7 * expected) << label << ": step " << i + 4;
     }
   }
@@ -675,7 +679,9 @@ TEST(Abi2, ZeroUnderAPipelineShardsOverEachStagesReplicasAndResumesUnderAnyLayou
     ASSERT_EQ(plan.size(), 4u);
     ASSERT_EQ(peak.size(), 4u);
     for (size_t k = 0; k < 4; ++k) {
-      if (stage == 1) EXPECT_LT(plan[k], ddp_plan[k]) << "rank " << k;
+      if (stage == 1) {
+        EXPECT_LT(plan[k], ddp_plan[k]) << "rank " << k;
+      }
       EXPECT_LE(std::abs(plan[k] - peak[k]) / peak[k], 0.25) << "stage " << stage << " rank " << k << ": plan " << plan[k]
                                                              << " MiB, peak " << peak[k] << " MiB";
     }

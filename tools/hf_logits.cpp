@@ -126,8 +126,9 @@ int main(int argc, char** argv) {
         bool first = true;
         for (auto& item : model->named_modules("", false)) {
           auto* linear = item.value()->as<weft::LinearImpl>();
-          if (!linear || !linear->has_adalora()) continue;
-          linear->adalora_E().normal_(0.0, 1.0);
+          auto* adapter = linear != nullptr ? linear->adapter_as<weft::AdaLoraAdapter>() : nullptr;
+          if (adapter == nullptr) continue;
+          adapter->E.normal_(0.0, 1.0);
           auto& flags = pattern[item.key()];
           for (int64_t r = 0; r < config.spec.r; ++r) flags.push_back(!first && (r + item.key().size()) % 3 != 0);
           first = false;

@@ -25,15 +25,18 @@ std::vector<std::pair<std::string, LinearImpl*>> adalora_layers(LlamaForCausalLM
   std::vector<std::pair<std::string, LinearImpl*>> layers;
   for (auto& item : model.named_modules("", /*include_self=*/false)) {
     auto* linear = item.value()->as<LinearImpl>();
-    if (linear && linear->has_adalora()) layers.emplace_back(item.key(), linear);
+    if (linear != nullptr && linear->adapter_as<AdaLoraAdapter>() != nullptr) layers.emplace_back(item.key(), linear);
   }
   return layers;
 }
 
+AdaLoraAdapter& ada(LinearImpl& layer) { return *layer.adapter_as<AdaLoraAdapter>(); }
+
 torch::Tensor& part(LinearImpl& layer, const std::string& name) {
-  if (name == "lora_A") return layer.adalora_A();
-  if (name == "lora_E") return layer.adalora_E();
-  return layer.adalora_B();
+  auto& adapter = ada(layer);
+  if (name == "lora_A") return adapter.A;
+  if (name == "lora_E") return adapter.E;
+  return adapter.B;
 }
 
 // Indices of the kept triplets of `layer` under `pattern` (all where it has none).
@@ -62,9 +65,9 @@ torch::Tensor adalora_orthogonal_regularization(LlamaForCausalLMImpl& model) {
   std::vector<SliceSum> split;
   std::vector<size_t> split_at;
   for (auto& [name, layer] : adalora_layers(model)) {
-    const auto& a = layer->adalora_A();
-    const auto& b = layer->adalora_B();
-    const ParameterShard& base = layer->adapter_base_shard();
+    const auto& a = ada(*layer).A;
+    const auto& b = ada(*layer).B;
+    const ParameterShard& base = layer->slice();
     for (const int32_t dim : {1, 0}) {  // P [r, in]: split along its input columns; Q [out, r]: its rows
       const auto gram = dim == 1 ? torch::matmul(a, a.t()) : torch::matmul(b.t(), b);
       if (!base.whole() && base.dim == dim) {
@@ -91,7 +94,7 @@ bool has_adalora(LlamaForCausalLMImpl& model) { return !adalora_layers(model).em
 RankPattern rank_pattern_of(LlamaForCausalLMImpl& model) {
   RankPattern pattern;
   for (auto& [name, layer] : adalora_layers(model)) {
-    if (!layer->adalora_keep().empty()) pattern[name] = layer->adalora_keep();
+    if (!ada(*layer).keep.empty()) pattern[name] = ada(*layer).keep;
   }
   return pattern;
 }
@@ -101,8 +104,8 @@ void apply_rank_pattern(LlamaForCausalLMImpl& model, const RankPattern& pattern)
   for (auto& [name, layer] : adalora_layers(model)) {
     auto it = pattern.find(name);
     if (it == pattern.end()) continue;
-    layer->adalora_keep() = it->second;
-    auto& e = layer->adalora_E();
+    ada(*layer).keep = it->second;
+    auto& e = ada(*layer).E;
     WEFT_CHECK(static_cast<int64_t>(it->second.size()) == e.size(0), "AdaLoRA rank pattern of {}: {} flags for rank {}",
                name, it->second.size(), e.size(0));
     std::vector<uint8_t> keep(it->second.begin(), it->second.end());
@@ -117,11 +120,11 @@ void save_adalora_adapter(LlamaForCausalLMImpl& model, const AdaLoraConfig& conf
   NamedTensors tensors;
   nlohmann::json rank_pattern = nlohmann::json::object();
   for (auto& [name, layer] : adalora_layers(model)) {
-    const auto kept = kept_indices(pattern, name, layer->adalora_E().size(0));
+    const auto kept = kept_indices(pattern, name, ada(*layer).E.size(0));
     const auto on = [&](const torch::Tensor& t) { return kept.to(t.device()); };
-    const auto& a = layer->adalora_A();
-    const auto& e = layer->adalora_E();
-    const auto& b = layer->adalora_B();
+    const auto& a = ada(*layer).A;
+    const auto& e = ada(*layer).E;
+    const auto& b = ada(*layer).B;
     tensors.emplace_back(kAdaloraFilePrefix + name + ".lora_A", a.detach().index_select(0, on(a)).contiguous());
     tensors.emplace_back(kAdaloraFilePrefix + name + ".lora_E", e.detach().index_select(0, on(e)).contiguous());
     tensors.emplace_back(kAdaloraFilePrefix + name + ".lora_B", b.detach().index_select(1, on(b)).contiguous());
@@ -165,9 +168,9 @@ void load_adalora_adapter(LlamaForCausalLMImpl& model, const std::string& dir) {
   const auto layers = adalora_layers(model);
   WEFT_CHECK(!layers.empty(), "load_adalora_adapter: the model has no AdaLoRA adapters");
   for (const auto& [name, layer] : layers) {
-    const int64_t rank = layer->adalora_E().size(0);
+    const int64_t rank = ada(*layer).E.size(0);
     const auto kept = kept_indices(pattern, name, rank);
-    if (auto it = pattern.find(name); it != pattern.end()) layer->adalora_keep() = it->second;
+    if (auto it = pattern.find(name); it != pattern.end()) ada(*layer).keep = it->second;
     for (const std::string p : kParts) {
       const std::string key = kAdaloraFilePrefix + name + "." + p;
       WEFT_CHECK(file->contains(key), "{}/adapter_model.safetensors: adapter tensor '{}' is missing", dir, key);
@@ -198,7 +201,7 @@ RankAllocator::RankAllocator(LlamaForCausalLMImpl& model, AdaLoraConfig config)
   WEFT_CHECK(config_.tinit >= 0 && config_.tfinal >= 0 && config_.tinit < config_.total_step - config_.tfinal,
              "adalora: the budget schedule needs tinit ({}) < total_step ({}) - tfinal ({})", config_.tinit,
              config_.total_step, config_.tfinal);
-  for (const auto& [name, layer] : layers_) initial_budget_ += layer->adalora_E().size(0);
+  for (const auto& [name, layer] : layers_) initial_budget_ += ada(*layer).E.size(0);
   target_budget_ = config_.target_r * static_cast<int64_t>(layers_.size());
 }
 
@@ -247,7 +250,7 @@ RankPattern RankAllocator::mask_to_budget(int64_t budget) {
       const auto& ema = exp_avg_ipt_[name + "." + p];
       return ema.defined() ? ema * exp_avg_unc_[name + "." + p] : torch::zeros_like(part(*layer, p));
     };
-    const ParameterShard& base = layer->adapter_base_shard();
+    const ParameterShard& base = layer->slice();
     const auto a = score("lora_A"), b = score("lora_B");
     a_means.push_back(a.mean(1, /*keepdim=*/true));   // [r, 1]
     b_means.push_back(b.mean(0).view({-1, 1}));        // [r, 1]
@@ -277,10 +280,10 @@ RankPattern RankAllocator::mask_to_budget(int64_t budget) {
   RankPattern pattern;
   for (size_t i = 0; i < layers_.size(); ++i) {
     const auto masked = scores[i] <= threshold;
-    layers_[i].second->adalora_E().masked_fill_(masked.view({-1, 1}), 0.0);
+    ada(*layers_[i].second).E.masked_fill_(masked.view({-1, 1}), 0.0);
     const auto keep = masked.logical_not().to(torch::kUInt8).cpu();
     pattern[layers_[i].first] = std::vector<bool>(keep.data_ptr<uint8_t>(), keep.data_ptr<uint8_t>() + keep.numel());
-    layers_[i].second->adalora_keep() = pattern[layers_[i].first];
+    ada(*layers_[i].second).keep = pattern[layers_[i].first];
   }
   return pattern;
 }
@@ -304,7 +307,7 @@ std::map<std::string, int64_t> RankAllocator::ranks() const {
   std::map<std::string, int64_t> out;
   for (const auto& [name, layer] : layers_) {
     auto it = pattern_.find(name);
-    out[name] = it == pattern_.end() ? layer->adalora_E().size(0)
+    out[name] = it == pattern_.end() ? ada(*layer).E.size(0)
                                      : static_cast<int64_t>(std::count(it->second.begin(), it->second.end(), true));
   }
   return out;
@@ -337,7 +340,7 @@ void RankAllocator::load_state(const std::vector<std::pair<std::string, torch::T
   exp_avg_unc_.clear();
   pattern_.clear();
   std::map<std::string, torch::Tensor> params;
-  const auto device = layers_.front().second->adalora_E().device();
+  const auto device = ada(*layers_.front().second).E.device();
   for (const auto& [name, t] : state) {
     const auto rest = [&](const std::string& prefix) { return name.substr(prefix.size()); };
     if (name.rfind("adalora.exp_avg_ipt.", 0) == 0) {
@@ -363,7 +366,7 @@ void RankAllocator::load_state(const std::vector<std::pair<std::string, torch::T
       target.copy_(it->second);
     }
     auto flags = pattern_.find(name);
-    layer->adalora_keep() = flags == pattern_.end() ? std::vector<bool>{} : flags->second;
+    ada(*layer).keep = flags == pattern_.end() ? std::vector<bool>{} : flags->second;
   }
 }
 

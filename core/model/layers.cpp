@@ -13,239 +13,6 @@
 
 namespace weft {
 
-LinearImpl::LinearImpl(int64_t in_features, int64_t out_features, QuantConfig quantize)
-    : in_features_(in_features), out_features_(out_features), quantize_(quantize) {
-  int8_.threshold = quantize_.int8_threshold;
-  if (!quantized()) weight = register_parameter("weight", torch::empty({out_features, in_features}));
-}
-
-void LinearImpl::set_weight(const torch::Tensor& value, const torch::Device& device) {
-  WEFT_CHECK(value.dim() == 2 && value.size(0) == out_features_ && value.size(1) == in_features_,
-             "linear layer [{}, {}]: a weight of shape {} was given", out_features_, in_features_,
-             fmt::join(value.sizes().vec(), "x"));
-  torch::NoGradGuard no_grad;
-  if (!quantized()) {
-    weight.copy_(value);
-    return;
-  }
-  store_quantized(quantize_matrix(value.to(device), quantize_.format));
-}
-
-void LinearImpl::set_weight_slice_of(const torch::Tensor& whole, const ParameterShard& shard, const torch::Device& device) {
-  if (shard.whole()) return set_weight(whole, device);
-  WEFT_CHECK(whole.dim() == 2 && shard.dim >= 0 && shard.dim < 2, "linear layer: a slice along dim {} of a {}-d weight",
-             shard.dim, whole.dim());
-  const auto [start, length] = shard.range(whole.size(shard.dim));
-  if (!quantized()) return set_weight(whole.narrow(shard.dim, start, length), device);
-  torch::NoGradGuard no_grad;
-  if (shard.dim == 1) int8_.row_absmax = row_absmax_sync_;  // a row-parallel slice
-  store_quantized(slice_quantized(quantize_matrix(whole.to(device), quantize_.format), shard.dim, start, length));
-}
-
-void LinearImpl::store_quantized(QuantizedMatrix q) {
-  WEFT_CHECK(q.rows == out_features_ && q.cols == in_features_, "linear layer [{}, {}]: a quantized weight of [{}, {}]",
-             out_features_, in_features_, q.rows, q.cols);
-  // int8 on the CPU: the forward multiplies in the int8 GEMM where this LibTorch has an exact one.
-  if (q.format == QuantFormat::kInt8 && quantize_.int8_gemm && q.data.device().is_cpu() && cpu_int8_gemm_available()) {
-    use_int8_gemm(q);
-  }
-  // Buffers, so that module.to() moves them; registered on the first call, replaced after.
-  const std::pair<const char*, torch::Tensor*> parts[] = {
-      {"weight_data", &q.data}, {"weight_scale", &q.scale}, {"weight_scale2", &q.scale2}, {"weight_offset", &q.offset}};
-  auto buffers = named_buffers(/*recurse=*/false);  // tensors sharing the module's
-  for (const auto& [name, tensor] : parts) {
-    if (!tensor->defined()) continue;
-    if (auto* existing = buffers.find(name)) {
-      existing->set_data(*tensor);
-      *tensor = *existing;
-    } else {
-      *tensor = register_buffer(name, *tensor);
-    }
-  }
-  quantized_ = std::move(q);
-}
-
-torch::Tensor LinearImpl::dense_weight(torch::Dtype dtype) const {
-  return quantized() ? quantized_.dequantize(dtype) : weight.to(dtype);
-}
-
-torch::Tensor LinearImpl::base_output(const torch::Tensor& input) {
-  if (quantized()) return quantized_linear(input, quantized_, &int8_);
-  if (!weight.requires_grad() && weight.scalar_type() != compute_dtype_) {
-    return frozen_cast_linear(input, weight, compute_dtype_);
-  }
-  if (weight_grad_deferrable()) return deferrable_linear(input, {weight}, compute_dtype_);
-  return torch::nn::functional::linear(input, weight.to(compute_dtype_));
-}
-
-namespace {
-
-int64_t frozen_cast_rows(const torch::Tensor& w, torch::Dtype dtype, int64_t chunk_rows) {
-  if (chunk_rows > 0) return chunk_rows;
-  const int64_t row_bytes = std::max<int64_t>(1, w.size(1) * static_cast<int64_t>(c10::elementSize(dtype)));
-  return std::max<int64_t>(1, (int64_t{64} << 20) / row_bytes);
-}
-
-class FrozenCastLinearFunction : public torch::autograd::Function<FrozenCastLinearFunction> {
- public:
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
-                               torch::Dtype dtype, int64_t chunk_rows) {
-    ctx->saved_data["w"] = w;  // the stored (frozen, narrow) weight itself: no copy
-    ctx->saved_data["rows"] = chunk_rows;
-    const auto x2 = x.reshape({-1, x.size(-1)}).to(dtype);
-    auto y = torch::empty({x2.size(0), w.size(0)}, x2.options());
-    for (int64_t r = 0; r < w.size(0); r += chunk_rows) {
-      const int64_t n = std::min(chunk_rows, w.size(0) - r);
-      y.narrow(1, r, n).copy_(torch::mm(x2, w.narrow(0, r, n).to(dtype).t()));
-    }
-    auto shape = x.sizes().vec();
-    shape.back() = w.size(0);
-    return y.view(shape);
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto w = ctx->saved_data["w"].toTensor();
-    const int64_t chunk_rows = ctx->saved_data["rows"].toInt();
-    const auto g = grads[0].reshape({-1, w.size(0)});
-    auto gx = torch::zeros({g.size(0), w.size(1)}, g.options());
-    for (int64_t r = 0; r < w.size(0); r += chunk_rows) {
-      const int64_t n = std::min(chunk_rows, w.size(0) - r);
-      gx.addmm_(g.narrow(1, r, n), w.narrow(0, r, n).to(g.scalar_type()));
-    }
-    auto shape = grads[0].sizes().vec();
-    shape.back() = w.size(1);
-    return {gx.view(shape), torch::Tensor(), torch::Tensor(), torch::Tensor()};
-  }
-};
-
-}  // namespace
-
-torch::Tensor frozen_cast_linear(const torch::Tensor& x, const torch::Tensor& w, torch::Dtype dtype, int64_t chunk_rows) {
-  WEFT_CHECK(w.dim() == 2 && x.size(-1) == w.size(1), "frozen_cast_linear: input has {} features, the weight is {}",
-             x.size(-1), fmt::join(w.sizes().vec(), "x"));
-  WEFT_CHECK(!w.requires_grad(), "frozen_cast_linear: the weight is trained (its gradient would be lost)");
-  return FrozenCastLinearFunction::apply(x, w, dtype, frozen_cast_rows(w, dtype, chunk_rows));
-}
-
-torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
-  const auto input = x.to(compute_dtype_);
-  auto y = base_output(input);
-  if (has_lora()) y = y + lora_update(input);
-  return y;
-}
-
-torch::Tensor LinearImpl::lora_update(const torch::Tensor& input) {
-  WEFT_CHECK(has_lora(), "lora_update on a layer without LoRA adapters");
-  auto h = lora_dropout_ > 0
-               ? torch::nn::functional::dropout(
-                     input, torch::nn::functional::DropoutFuncOptions().p(lora_dropout_).training(is_training()))
-               : input;
-  if (has_adalora()) {
-    h = torch::nn::functional::linear(h, (ada_A_ * ada_E_).to(compute_dtype_));
-    h = torch::nn::functional::linear(h, ada_B_.to(compute_dtype_));
-  } else {
-    h = torch::nn::functional::linear(h, lora_A_->weight.to(compute_dtype_));
-    h = torch::nn::functional::linear(h, lora_B_->weight.to(compute_dtype_));
-  }
-  return h * lora_scale_;
-}
-
-torch::Tensor fused_linear(const torch::Tensor& x, const std::vector<LinearImpl*>& layers) {
-  WEFT_CHECK(!layers.empty(), "fused_linear needs at least one layer");
-  const auto dtype = layers.front()->compute_dtype();
-  const auto input = x.to(dtype);
-  std::vector<torch::Tensor> weights, params;
-  bool any_lora = false, deferrable = true;
-  for (auto* layer : layers) {
-    WEFT_CHECK(layer->compute_dtype() == dtype, "fused_linear: layers with different compute dtypes");
-    if (layer->quantized()) {  // one product per layer: a concatenation would dequantize them all at once
-      std::vector<torch::Tensor> outputs;
-      for (auto* l : layers) outputs.push_back(l->forward(input));
-      return torch::cat(outputs, -1);
-    }
-    weights.push_back(layer->weight.to(dtype));  // cast, then concatenate: half the bytes moved in bf16
-    params.push_back(layer->weight);
-    any_lora = any_lora || layer->has_lora();
-    deferrable = deferrable && layer->weight_grad_deferrable();
-  }
-  auto y = deferrable ? deferrable_linear(input, params, dtype)
-                      : torch::nn::functional::linear(input, weights.size() == 1 ? weights[0] : torch::cat(weights));
-  if (!any_lora) return y;
-  std::vector<torch::Tensor> parts;
-  int64_t offset = 0;
-  for (auto* layer : layers) {
-    const int64_t width = layer->out_features();
-    auto part = y.narrow(-1, offset, width);
-    parts.push_back(layer->has_lora() ? part + layer->lora_update(input) : part);
-    offset += width;
-  }
-  return torch::cat(parts, -1);
-}
-
-void LinearImpl::add_lora(const LoraSpec& spec, uint64_t generator_seed, const ParameterShard& base) {
-  WEFT_CHECK(lora_A_.is_empty(), "LoRA adapters added twice to one layer");
-  WEFT_CHECK(spec.r > 0, "lora.r must be positive, got {}", spec.r);
-  const bool split_input = !base.whole() && base.dim == 1;
-  const int64_t out_features = out_features_;
-  const int64_t in_features = in_features_ * (split_input ? base.parts : 1);
-  auto generator = at::make_generator<at::CPUGeneratorImpl>(generator_seed);
-  // PEFT: A ~ kaiming_uniform(a = sqrt(5)) => U(-1/sqrt(in), 1/sqrt(in)); B = 0.
-  const double bound = 1.0 / std::sqrt(static_cast<double>(in_features));
-  auto a = torch::empty({spec.r, in_features});
-  a.uniform_(-bound, bound, generator);
-  if (split_input) a = shard_slice(a, ParameterShard{1, base.parts, base.index}).contiguous();
-  lora_A_ = register_module("lora_A", WeightHolder(a));
-  lora_B_ = register_module("lora_B", WeightHolder(torch::zeros({out_features, spec.r})));
-  lora_scale_ = spec.alpha / static_cast<double>(spec.r);
-  lora_dropout_ = spec.dropout;
-  if (weight.defined()) weight.set_requires_grad(false);
-}
-
-void LinearImpl::add_adalora(const LoraSpec& spec, uint64_t generator_seed, const ParameterShard& base) {
-  WEFT_CHECK(!has_lora(), "LoRA adapters added twice to one layer");
-  WEFT_CHECK(spec.r > 0, "adalora.init_r must be positive, got {}", spec.r);
-  const bool split_input = !base.whole() && base.dim == 1, split_output = !base.whole() && base.dim == 0;
-  auto generator = at::make_generator<at::CPUGeneratorImpl>(generator_seed);
-  auto a = torch::empty({spec.r, in_features_ * (split_input ? base.parts : 1)});
-  a.normal_(0.0, 0.02, generator);
-  auto b = torch::empty({out_features_ * (split_output ? base.parts : 1), spec.r});
-  b.normal_(0.0, 0.02, generator);
-  if (split_input) a = shard_slice(a, base).contiguous();
-  if (split_output) b = shard_slice(b, base).contiguous();
-  adapter_base_ = base;
-  ada_A_ = register_parameter("lora_A", a);
-  ada_E_ = register_parameter("lora_E", torch::zeros({spec.r, 1}));
-  ada_B_ = register_parameter("lora_B", b);
-  // PEFT: scaling = lora_alpha, divided by ranknum + 1e-5 with ranknum the initial rank.
-  lora_scale_ = spec.alpha / (static_cast<double>(spec.r) + 1e-5);
-  lora_dropout_ = spec.dropout;
-  if (weight.defined()) weight.set_requires_grad(false);
-}
-
-void LinearImpl::merge_lora() {
-  torch::NoGradGuard no_grad;
-  if (quantized()) {  // the base becomes its dequantized values, a plain fp32 parameter
-    weight = register_parameter("weight", quantized_.dequantize(torch::kFloat32), /*requires_grad=*/false);
-    for (auto& buffer : named_buffers(/*recurse=*/false)) buffer.value().set_data(torch::empty({0}, buffer.value().options()));
-    quantized_ = QuantizedMatrix{};
-    quantize_ = QuantFormat::kNone;
-  }
-  if (has_adalora()) {
-    weight.add_(torch::matmul(ada_B_, ada_A_ * ada_E_).to(weight.device()) * lora_scale_);
-    for (const char* name : {"lora_A", "lora_E", "lora_B"}) {
-      parameters_.erase(name);
-    }
-    ada_A_ = ada_E_ = ada_B_ = torch::Tensor();
-    return;
-  }
-  if (lora_A_.is_empty()) return;
-  weight.add_(torch::matmul(lora_B_->weight, lora_A_->weight).to(weight.device()) * lora_scale_);
-  unregister_module("lora_A");
-  unregister_module("lora_B");
-  lora_A_ = nullptr;
-  lora_B_ = nullptr;
-}
-
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
   weight = register_parameter("weight", torch::ones({dim}));
 }
@@ -320,14 +87,29 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, c
                                           /*scale=*/std::nullopt, /*enable_gqa=*/q.size(1) != k.size(1));
 }
 
-AttentionImpl::AttentionImpl(const ModelConfig& c) : AttentionImpl(c, c.num_attention_heads, c.num_key_value_heads) {}
+BlockShape BlockShape::whole(const ModelConfig& c, QuantConfig quantize) {
+  return BlockShape{c.num_attention_heads, c.num_key_value_heads, c.intermediate_size, quantize, {}, {}, {}};
+}
 
-AttentionImpl::AttentionImpl(const ModelConfig& c, int64_t heads, int64_t kv_heads, QuantConfig quantize)
-    : num_heads_(heads), num_kv_heads_(kv_heads), head_dim_(c.head_dim) {
-  q_proj = register_module("q_proj", Linear(c.hidden_size, num_heads_ * head_dim_, quantize));
-  k_proj = register_module("k_proj", Linear(c.hidden_size, num_kv_heads_ * head_dim_, quantize));
-  v_proj = register_module("v_proj", Linear(c.hidden_size, num_kv_heads_ * head_dim_, quantize));
-  o_proj = register_module("o_proj", Linear(num_heads_ * head_dim_, c.hidden_size, quantize));
+namespace {
+
+// A slice of a layer's input columns: the same parts as `rows` took of the output rows before it.
+ParameterShard columns_like(const ParameterShard& rows) { return ParameterShard{1, rows.parts, rows.index}; }
+
+}  // namespace
+
+AttentionImpl::AttentionImpl(const ModelConfig& c) : AttentionImpl(c, BlockShape::whole(c)) {}
+
+AttentionImpl::AttentionImpl(const ModelConfig& c, const BlockShape& shape)
+    : num_heads_(shape.heads), num_kv_heads_(shape.kv_heads), head_dim_(c.head_dim) {
+  const int64_t hidden = c.hidden_size, q_width = c.num_attention_heads * head_dim_,
+                kv_width = c.num_key_value_heads * head_dim_;
+  q_proj = register_module("q_proj", Linear(LinearSpec{hidden, q_width, shape.quantize, shape.q}));
+  k_proj = register_module("k_proj", Linear(LinearSpec{hidden, kv_width, shape.quantize, shape.kv}));
+  v_proj = register_module("v_proj", Linear(LinearSpec{hidden, kv_width, shape.quantize, shape.kv}));
+  o_proj = register_module("o_proj", Linear(LinearSpec{q_width, hidden, shape.quantize, columns_like(shape.q)}));
+  WEFT_CHECK(q_proj->out_features() == num_heads_ * head_dim_ && k_proj->out_features() == num_kv_heads_ * head_dim_,
+             "attention: {} heads and {} kv heads are not the slices q_proj and k_proj hold", num_heads_, num_kv_heads_);
 }
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const RotaryEmbedding& rope) {
@@ -397,12 +179,15 @@ torch::Tensor AttentionImpl::forward_cached(const torch::Tensor& x, const Rotary
   return o_proj(out.transpose(1, 2).reshape({batch, seq, num_heads_ * head_dim_}));
 }
 
-MlpImpl::MlpImpl(const ModelConfig& c) : MlpImpl(c, c.intermediate_size) {}
+MlpImpl::MlpImpl(const ModelConfig& c) : MlpImpl(c, BlockShape::whole(c)) {}
 
-MlpImpl::MlpImpl(const ModelConfig& c, int64_t intermediate, QuantConfig quantize) {
-  gate_proj = register_module("gate_proj", Linear(c.hidden_size, intermediate, quantize));
-  up_proj = register_module("up_proj", Linear(c.hidden_size, intermediate, quantize));
-  down_proj = register_module("down_proj", Linear(intermediate, c.hidden_size, quantize));
+MlpImpl::MlpImpl(const ModelConfig& c, const BlockShape& shape) {
+  const int64_t hidden = c.hidden_size, width = c.intermediate_size;
+  gate_proj = register_module("gate_proj", Linear(LinearSpec{hidden, width, shape.quantize, shape.mlp}));
+  up_proj = register_module("up_proj", Linear(LinearSpec{hidden, width, shape.quantize, shape.mlp}));
+  down_proj = register_module("down_proj", Linear(LinearSpec{width, hidden, shape.quantize, columns_like(shape.mlp)}));
+  WEFT_CHECK(gate_proj->out_features() == shape.intermediate, "MLP: width {} is not the slice gate_proj holds",
+             shape.intermediate);
 }
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
@@ -411,12 +196,12 @@ torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
 }
 
 DecoderBlockImpl::DecoderBlockImpl(const ModelConfig& c)
-    : DecoderBlockImpl(c, BlockShape{c.num_attention_heads, c.num_key_value_heads, c.intermediate_size, {}}, -1, nullptr) {}
+    : DecoderBlockImpl(c, BlockShape::whole(c), -1, nullptr) {}
 
 DecoderBlockImpl::DecoderBlockImpl(const ModelConfig& c, const BlockShape& shape, int64_t layer, const CommHook* comm)
     : layer_(layer), comm_(comm) {
-  self_attn = register_module("self_attn", Attention(c, shape.heads, shape.kv_heads, shape.quantize));
-  mlp = register_module("mlp", Mlp(c, shape.intermediate, shape.quantize));
+  self_attn = register_module("self_attn", Attention(c, shape));
+  mlp = register_module("mlp", Mlp(c, shape));
   input_layernorm = register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
   post_attention_layernorm =
       register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));

@@ -19,131 +19,11 @@
 #include <torch/types.h>
 
 #include "core/model/config.h"
+#include "core/model/linear.h"
 #include "core/model/parallel.h"
 #include "core/model/quantize.h"
 
 namespace weft {
-
-// LoRA adapter settings for one linear layer (PEFT semantics: W x + (alpha / r) B A dropout(x)).
-struct LoraSpec {
-  int64_t r = 8;
-  double alpha = 16.0;
-  double dropout = 0.0;
-};
-
-// Holds one parameter named "weight"; used for LoRA's lora_A/lora_B so their names match PEFT.
-class WeightHolderImpl : public torch::nn::Module {
- public:
-  explicit WeightHolderImpl(torch::Tensor w) { weight = register_parameter("weight", w); }
-  torch::Tensor weight;
-};
-TORCH_MODULE(WeightHolder);
-
-// y = x W^T, optionally plus a LoRA update. `weight` is [out_features, in_features]: a parameter,
-// or, for a layer built with a quantized format (model.quantize), absent: the frozen weight is
-// then held quantized (quantize.h) in the buffers weight_data, weight_scale, weight_scale2 and
-// weight_offset, and set with set_weight().
-class LinearImpl : public torch::nn::Module {
- public:
-  LinearImpl(int64_t in_features, int64_t out_features, QuantConfig quantize = {});
-  torch::Tensor forward(const torch::Tensor& x);
-
-  int64_t in_features() const { return in_features_; }
-  int64_t out_features() const { return out_features_; }
-  bool quantized() const { return quantize_.enabled(); }
-  // Sets the base weight from `value` [out, in] (any float dtype): copied into `weight`, or
-  // quantized on `device` (the fp32 value is not kept).
-  void set_weight(const torch::Tensor& value, const torch::Device& device);
-  // The same from the whole (unsplit) layer's weight, of which this layer holds `shard`
-  // (parallel.h). A quantized layer quantizes the whole weight and keeps its slice
-  // (slice_quantized), so every split of a model holds the unsplit model's quantized values.
-  void set_weight_slice_of(const torch::Tensor& whole, const ParameterShard& shard, const torch::Device& device);
-  // The base weight in `dtype`: `weight` cast, or the quantized weight dequantized.
-  torch::Tensor dense_weight(torch::Dtype dtype) const;
-  // The quantized weight (quantized() layers only). An int8 layer on the CPU computes its forward
-  // with LLM.int8's int8_linear (model.int8_threshold) where this LibTorch has an exact int8 GEMM
-  // (cpu_int8_gemm_available()) and model.int8_gemm is on.
-  const QuantizedMatrix& quantized_weight() const { return quantized_; }
-  // For a row-parallel layer (a slice along dim 1) computing with int8_linear: how the rows'
-  // absmax over this process's input columns becomes the whole row's (CommPoint::kRowAbsMax).
-  // Set before the weight; used only once a dim-1 slice is set.
-  void set_row_absmax_sync(RowAbsmaxSync sync) { row_absmax_sync_ = std::move(sync); }
-
-  // Adds LoRA adapters (A: [r, in] kaiming-uniform from `generator_seed`, B: [out, r] zeros)
-  // and freezes the base weight. When `weight` is a slice of a split layer (`base`), the
-  // adapters are sliced to match (parallel.h's shard_of): A's values are then those of the
-  // whole layer's A, so every split of a model starts from the same adapters.
-  void add_lora(const LoraSpec& spec, uint64_t generator_seed, const ParameterShard& base = {});
-  // Adds AdaLoRA's SVD-form adapters, as PEFT's SVDLinear: P (lora_A [r, in]) and Q (lora_B
-  // [out, r]) ~ N(0, 0.02^2) from `generator_seed`, Lambda (lora_E [r, 1]) zeros; the update is
-  // (alpha / (r + 1e-5)) B (A * E) dropout(x), r staying the initial rank however many of the
-  // triplets a rank allocator masks (adalora.h). Freezes the base weight. Parameters are named
-  // lora_A, lora_E and lora_B, as in PEFT's adapter files. When `weight` is a slice of a split
-  // layer (`base`), P and Q are drawn whole and sliced like LoRA's factors (parallel.h's shard_of:
-  // a column-parallel base splits Q's rows, a row-parallel one P's columns; Lambda stays whole), so
-  // every split of a model starts from the same adapters.
-  void add_adalora(const LoraSpec& spec, uint64_t generator_seed, const ParameterShard& base = {});
-  // The split of the layer the adapters were added to (whole when it is not split).
-  const ParameterShard& adapter_base_shard() const { return adapter_base_; }
-  bool has_lora() const { return !lora_A_.is_empty() || ada_A_.defined(); }
-  bool has_adalora() const { return ada_A_.defined(); }
-  // AdaLoRA's P, Lambda and Q (has_adalora() layers).
-  torch::Tensor& adalora_A() { return ada_A_; }
-  torch::Tensor& adalora_E() { return ada_E_; }
-  torch::Tensor& adalora_B() { return ada_B_; }
-  // Which of the triplets the last reallocation kept (empty: all), as the rank allocator set it.
-  std::vector<bool>& adalora_keep() { return ada_keep_; }
-  // Folds (alpha / r) B A into the base weight and removes the adapters. A quantized layer's
-  // weight (with or without adapters) is dequantized first into a plain fp32 `weight` parameter:
-  // the layer is no longer quantized.
-  void merge_lora();
-
-  // The LoRA term (alpha / r) B A dropout(input) for `input` already in the compute dtype (AdaLoRA's
-  // term for add_adalora layers).
-  // Throws weft::Error if the layer has no adapters.
-  torch::Tensor lora_update(const torch::Tensor& input);
-
-  void set_compute_dtype(torch::Dtype dtype) { compute_dtype_ = dtype; }
-  torch::Dtype compute_dtype() const { return compute_dtype_; }
-  // Whether a trainable weight's gradient may be deferred (weight_grad.h: the layer computes
-  // through deferrable_linear, which a DeferWeightGradients scope turns into a deferral).
-  void set_weight_grad_deferrable(bool deferrable) { deferrable_ = deferrable; }
-  bool weight_grad_deferrable() const { return deferrable_ && weight.defined() && weight.requires_grad(); }
-
-  torch::Tensor weight;  // undefined in a quantized layer
-
- private:
-  torch::Tensor base_output(const torch::Tensor& input);
-  void store_quantized(QuantizedMatrix q);
-
-  int64_t in_features_, out_features_;
-  QuantConfig quantize_;
-  QuantizedMatrix quantized_;
-  Int8LinearOptions int8_;          // int8_linear's threshold, and the row sync once row-split
-  RowAbsmaxSync row_absmax_sync_;
-  WeightHolder lora_A_{nullptr};
-  WeightHolder lora_B_{nullptr};
-  torch::Tensor ada_A_, ada_E_, ada_B_;
-  std::vector<bool> ada_keep_;
-  ParameterShard adapter_base_;
-  double lora_scale_ = 0.0;
-  double lora_dropout_ = 0.0;
-  torch::Dtype compute_dtype_ = torch::kFloat32;
-  bool deferrable_ = false;
-};
-TORCH_MODULE(Linear);
-
-// The outputs of several linear layers that read the same x, concatenated on the last dim, from
-// one GEMM against their stacked weights (plus each layer's LoRA term). Equals
-// cat({layer(x) ...}, -1) up to rounding order. The layers must share a compute dtype.
-torch::Tensor fused_linear(const torch::Tensor& x, const std::vector<LinearImpl*>& layers);
-
-// x [..., in] @ w^T in `dtype` for a frozen w [out, in] stored in another dtype (model.frozen_dtype
-// = "bf16" under fp32 compute): w is cast `chunk_rows` rows at a time (0: blocks of at most 64 MiB
-// in `dtype`), in the forward and again in the backward, which gives x's gradient only. No whole
-// cast copy of w is held or saved for backward: for a 128k-vocabulary head that is 1 GiB in fp32.
-torch::Tensor frozen_cast_linear(const torch::Tensor& x, const torch::Tensor& w, torch::Dtype dtype,
-                                 int64_t chunk_rows = 0);
 
 // RMSNorm (fp32 math, one fused kernel): y = w * x / sqrt(mean(x^2) + eps), returned in the
 // input's dtype.
@@ -196,10 +76,15 @@ torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& cos, con
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
 
 // The heads and MLP width a process holds of each block (all of them without tensor
-// parallelism).
+// parallelism), and which slices of the whole block they are: q_proj's, k_proj's / v_proj's and
+// gate_proj's / up_proj's output rows (dim 0); o_proj and down_proj hold the same parts of their
+// input columns (dim 1).
 struct BlockShape {
   int64_t heads = 0, kv_heads = 0, intermediate = 0;
   QuantConfig quantize;  // how the block's linear weights are stored
+  ParameterShard q, kv, mlp;
+  // The whole block of `config`.
+  static BlockShape whole(const ModelConfig& config, QuantConfig quantize = {});
 };
 
 // One layer's key/value cache for incremental decoding: [B, kv_heads, length, head_dim] each,
@@ -217,9 +102,9 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k, c
 class AttentionImpl : public torch::nn::Module {
  public:
   explicit AttentionImpl(const ModelConfig& config);
-  // This process's `heads` query and `kv_heads` key/value heads (column-parallel q/k/v,
-  // row-parallel o: the output is a partial sum over the processes' heads).
-  AttentionImpl(const ModelConfig& config, int64_t heads, int64_t kv_heads, QuantConfig quantize = {});
+  // This process's `shape.heads` query and `shape.kv_heads` key/value heads (column-parallel
+  // q/k/v, row-parallel o: the output is a partial sum over the processes' heads).
+  AttentionImpl(const ModelConfig& config, const BlockShape& shape);
   // x [B, T, hidden] -> [B, T, hidden]; rope gives the position tables.
   torch::Tensor forward(const torch::Tensor& x, const RotaryEmbedding& rope);
   // The same for new tokens at positions cache.length() .. + T - 1, attending to the cached
@@ -252,8 +137,8 @@ TORCH_MODULE(Attention);
 class MlpImpl : public torch::nn::Module {
  public:
   explicit MlpImpl(const ModelConfig& config);
-  // `intermediate` columns of the MLP (gate/up column-parallel, down row-parallel).
-  MlpImpl(const ModelConfig& config, int64_t intermediate, QuantConfig quantize = {});
+  // `shape.intermediate` columns of the MLP (gate/up column-parallel, down row-parallel).
+  MlpImpl(const ModelConfig& config, const BlockShape& shape);
   torch::Tensor forward(const torch::Tensor& x);
   Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
 };

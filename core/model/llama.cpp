@@ -56,7 +56,7 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_specs(const 
 }
 
 LocalShape local_shape(const ModelConfig& c, const ShardMap& shards, const std::vector<StageRange>& held) {
-  LocalShape local{c.num_attention_heads, c.num_key_value_heads, c.intermediate_size, 0, c.vocab_size};
+  LocalShape local{c.num_attention_heads, c.num_key_value_heads, c.intermediate_size, 0, c.vocab_size, {}, {}, {}, {}};
   const auto specs = parameter_specs(c, held);
   for (const auto& [name, shard] : shards) {
     const auto spec = std::find_if(specs.begin(), specs.end(), [&](const auto& s) { return s.first == name; });
@@ -107,14 +107,19 @@ LocalShape local_shape(const ModelConfig& c, const ShardMap& shards, const std::
                "tensor parallel: layer {}: query heads [{}, {}) need kv heads [{}, {}], this part holds [{}, {})", layer,
                first_head, first_head + heads, first_head / group, (first_head + heads - 1) / group, first_kv,
                first_kv + kv_heads);
-    const LocalShape here{heads, kv_heads, c.intermediate_size / gate.parts, 0, 0};
+    auto same = [](const ParameterShard& a, const ParameterShard& b) {
+      return (a.whole() && b.whole()) || (a.dim == b.dim && a.parts == b.parts && a.index == b.index);
+    };
     if (first_block) {
-      local.heads = here.heads;
-      local.kv_heads = here.kv_heads;
-      local.intermediate = here.intermediate;
+      local.heads = heads;
+      local.kv_heads = kv_heads;
+      local.intermediate = c.intermediate_size / gate.parts;
+      local.q = q;
+      local.kv = k;
+      local.mlp = gate;
       first_block = false;
     }
-    WEFT_CHECK(here.heads == local.heads && here.kv_heads == local.kv_heads && here.intermediate == local.intermediate,
+    WEFT_CHECK(same(q, local.q) && same(k, local.kv) && same(gate, local.mlp),
                "tensor parallel: every layer must be split alike (layer {} differs)", layer);
     for (const char* norm : {"input_layernorm.weight", "post_attention_layernorm.weight"}) {
       WEFT_CHECK(shard_for(norm, layer).whole(), "tensor parallel: norms are not split (layer {})", layer);
@@ -131,6 +136,7 @@ LocalShape local_shape(const ModelConfig& c, const ShardMap& shards, const std::
   WEFT_CHECK(c.vocab_size % vocab.parts == 0, "tensor parallel: vocabulary {} cannot be split into {} parts", c.vocab_size,
              vocab.parts);
   std::tie(local.vocab_start, local.vocab) = vocab.range(c.vocab_size);
+  local.vocab_slice = vocab;
   return local;
 }
 
@@ -143,7 +149,7 @@ LlamaBackboneImpl::LlamaBackboneImpl(const ModelConfig& c, const StageSet& held,
     embed_tokens = register_module("embed_tokens", torch::nn::Embedding(local.vocab, c.hidden_size));
   }
   layers = register_module("layers", std::make_shared<torch::nn::Module>());
-  const BlockShape shape{local.heads, local.kv_heads, local.intermediate, quantize};
+  const BlockShape shape{local.heads, local.kv_heads, local.intermediate, quantize, local.q, local.kv, local.mlp};
   for (int64_t stage = 1; stage < final_stage; ++stage) {
     if (!held.holds(stage, num_stages)) continue;
     const int64_t index = stage - 1;
@@ -180,7 +186,8 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const ModelConfig& config, const Mode
   if (holds_head && config_.classification()) {
     score = register_module("score", Linear(config_.hidden_size, config_.num_labels));
   } else if (holds_head && !config_.tie_word_embeddings) {
-    lm_head = register_module("lm_head", Linear(config_.hidden_size, local_.vocab));
+    lm_head = register_module("lm_head",
+                              Linear(LinearSpec{config_.hidden_size, config_.vocab_size, {}, local_.vocab_slice}));
   }
   set_compute_dtype(options_.compute_dtype);
   if (options_.deferrable_weight_grads) set_weight_grads_deferrable(*this, true);

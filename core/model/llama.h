@@ -77,10 +77,12 @@ struct ModelOptions {
 };
 
 // What a process's slices amount to, checked against the Megatron layout: local head counts,
-// MLP width and the vocabulary range of the embedding / LM head.
+// MLP width and the vocabulary range of the embedding / LM head, and the slices themselves (q_proj's,
+// k_proj's and gate_proj's rows, the vocabulary's), which the blocks' and the head's layers hold.
 struct LocalShape {
   int64_t heads = 0, kv_heads = 0, intermediate = 0;
   int64_t vocab_start = 0, vocab = 0;
+  ParameterShard q, kv, mlp, vocab_slice;
 };
 // Throws weft::Error naming the parameter and the problem when `shards` is not a layout the
 // model can run (a split that does not divide the heads, a norm split, a transposed split...).

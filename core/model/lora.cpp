@@ -50,11 +50,10 @@ int64_t apply_lora(LlamaForCausalLMImpl& model, const LoraConfig& config, uint64
         config.target_modules.end()) {
       continue;
     }
-    const ParameterShard base = shard_of(model.options().shards, item.key() + ".weight");
     if (config.adalora) {
-      linear->add_adalora(config.spec, hash64(item.key(), seed), base);
+      linear->add_adalora(config.spec, hash64(item.key(), seed));
     } else {
-      linear->add_lora(config.spec, hash64(item.key(), seed), base);
+      linear->add_lora(config.spec, hash64(item.key(), seed));
     }
     ++adapted;
   }

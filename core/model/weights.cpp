@@ -35,11 +35,9 @@ torch::Device model_device(LlamaForCausalLMImpl& model) {
   return parameters.empty() ? torch::Device(torch::kCPU) : parameters.front().device();
 }
 
-// The whole-model shape of this process's [out, in] slice of a layer's weight.
-std::vector<int64_t> whole_shape(const LinearImpl& linear, const ParameterShard& shard) {
-  std::vector<int64_t> shape{linear.out_features(), linear.in_features()};
-  if (!shard.whole()) shape[static_cast<size_t>(shard.dim)] *= shard.parts;
-  return shape;
+// The whole layer's [out, in] shape, of which `linear` holds a slice.
+std::vector<int64_t> whole_shape(const LinearImpl& linear) {
+  return {linear.spec().out_features, linear.spec().in_features};
 }
 
 }  // namespace
@@ -75,10 +73,9 @@ void init_weights(LlamaForCausalLMImpl& model, uint64_t seed, double std) {
   const auto device = model_device(model);
   for (auto& [name, linear] : quantized_layers(model)) {
     auto generator = at::make_generator<at::CPUGeneratorImpl>(hash64(name, seed));
-    const ParameterShard shard = shard_of(model.options().shards, name);
-    auto whole = torch::empty(whole_shape(*linear, shard));
+    auto whole = torch::empty(whole_shape(*linear));
     whole.normal_(0.0, std, generator);
-    linear->set_weight_slice_of(whole, shard, device);
+    linear->set_weight(whole, device);
   }
 }
 
@@ -120,13 +117,12 @@ void load_weights(LlamaForCausalLMImpl& model, const std::string& path, uint64_t
       continue;
     }
     const auto& info = checkpoint.info(name);
-    const ParameterShard shard = shard_of(model.options().shards, name);
-    const auto expected = whole_shape(*linear, shard);
+    const auto expected = whole_shape(*linear);
     WEFT_CHECK(info.shape == expected, "{}: tensor '{}' has shape {} but the model expects {}", path, name,
                fmt::join(info.shape, "x"), fmt::join(expected, "x"));
     // A slice is quantized as part of its whole tensor (one at a time), so that every split holds
     // the unsplit model's quantized values.
-    linear->set_weight_slice_of(checkpoint.load(name, torch::kFloat32), shard, device);
+    linear->set_weight(checkpoint.load(name, torch::kFloat32), device);
   }
   WEFT_CHECK(missing.empty(), "{}: {} model tensors are missing from the checkpoint, e.g. '{}'", path,
              missing.size(), missing.empty() ? "" : missing.front());

@@ -113,10 +113,11 @@ TEST(AdaLora, AllocatorKeepsTheBudgetAndPrunedTripletsStayPruned) {
       // every masked triplet's Lambda is zero after each step, though SGD moved it
       for (auto& item : model->named_modules("", false)) {
         auto* linear = item.value()->as<LinearImpl>();
-        if (!linear || !linear->has_adalora()) continue;
+        auto* adapter = linear != nullptr ? linear->adapter_as<AdaLoraAdapter>() : nullptr;
+        if (adapter == nullptr) continue;
         const auto& flags = final_pattern.at(item.key());
         for (size_t r = 0; r < flags.size(); ++r) {
-          if (!flags[r]) EXPECT_EQ(linear->adalora_E()[static_cast<int64_t>(r)][0].item<float>(), 0.0f) << step;
+          if (!flags[r]) EXPECT_EQ(adapter->E[static_cast<int64_t>(r)][0].item<float>(), 0.0f) << step;
         }
       }
     }
@@ -138,9 +139,10 @@ TEST(AdaLora, OrthogonalRegularizationIsTheMeanFrobeniusDistanceFromIdentity) {
   int count = 0;
   for (auto& item : model->named_modules("", false)) {
     auto* linear = item.value()->as<LinearImpl>();
-    if (!linear || !linear->has_adalora()) continue;
-    const auto a = linear->adalora_A().detach().to(torch::kDouble);
-    const auto b = linear->adalora_B().detach().to(torch::kDouble);
+    auto* adapter = linear != nullptr ? linear->adapter_as<AdaLoraAdapter>() : nullptr;
+    if (adapter == nullptr) continue;
+    const auto a = adapter->A.detach().to(torch::kDouble);
+    const auto b = adapter->B.detach().to(torch::kDouble);
     expected += (a.matmul(a.t()) - torch::eye(4, torch::kDouble)).pow(2).sum().sqrt().item<double>();
     expected += (b.t().matmul(b) - torch::eye(4, torch::kDouble)).pow(2).sum().sqrt().item<double>();
     count += 2;
@@ -159,9 +161,10 @@ TEST(AdaLora, OrthogonalRegularizationIsTheMeanFrobeniusDistanceFromIdentity) {
     torch::NoGradGuard no_grad;
     for (auto& item : model->named_modules("", false)) {
       auto* linear = item.value()->as<LinearImpl>();
-      if (!linear || !linear->has_adalora()) continue;
-      linear->adalora_A().copy_(torch::eye(4, linear->in_features()));
-      linear->adalora_B().copy_(torch::eye(linear->out_features(), 4));
+      auto* adapter = linear != nullptr ? linear->adapter_as<AdaLoraAdapter>() : nullptr;
+      if (adapter == nullptr) continue;
+      adapter->A.copy_(torch::eye(4, linear->in_features()));
+      adapter->B.copy_(torch::eye(linear->out_features(), 4));
     }
   }
   EXPECT_NEAR(adalora_orthogonal_regularization(*model).item<double>(), 0.0, 1e-6);

@@ -265,14 +265,18 @@ std::vector<std::string> plugins_of(const ConformanceCase& c) {
   return names;
 }
 
-// `trainer check --all`: every case of conformance_matrix() this machine is asked for (at most
+// `trainer check --all`: every case of the plugins' conformance matrix (conformance_matrix over the
+// plugin search directories) this machine is asked for (at most
 // --nproc ranks when given; with --plugin NAME only the cases that run NAME, alone or composed),
 // each with the --set settings added, as one Markdown table. A case whose run fails is an error
 // row; the others still run. Exit status 1 unless every case that ran passed.
 int run_check_all(const CommandLine& cli) {
   std::vector<ConformanceCase> cases;
   std::set<std::string> shipped;
-  for (const auto& c : conformance_matrix()) {
+  const auto matrix = conformance_matrix(plugin_search_dirs());
+  WEFT_CHECK(!matrix.empty(), "trainer check --all: no plugin lists conformance cases (<plugin>.conformance.toml in {})",
+             fmt::join(plugin_search_dirs(), ", "));
+  for (const auto& c : matrix) {
     const auto names = plugins_of(c);
     shipped.insert(names.begin(), names.end());
     if (cli.plugin.empty() || std::find(names.begin(), names.end(), cli.plugin) != names.end()) cases.push_back(c);

@@ -3,12 +3,14 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <random>
 
 #include <nlohmann/json.hpp>
+#include <toml++/toml.h>
 
 #include <fmt/format.h>
 #include <torch/torch.h>
@@ -284,65 +286,55 @@ std::string ConformanceCase::label() const {
   return fmt::format("{} x{}{}{}", plugin, nproc, settings.empty() ? "" : " ", fmt::join(settings, ", "));
 }
 
-std::vector<ConformanceCase> conformance_matrix() {
-  const std::vector<std::string> lora{"train.mode=lora"};
-  auto with = [](std::vector<std::string> a, const std::vector<std::string>& b) {
-    a.insert(a.end(), b.begin(), b.end());
-    return a;
-  };
+std::vector<ConformanceCase> conformance_matrix(const std::vector<std::string>& plugin_dirs) {
+  namespace fs = std::filesystem;
+  constexpr const char* kSuffix = ".conformance.toml";
+  // Each plugin's file, from the first directory that has one of its name (as plugins are found).
+  std::map<std::string, fs::path> files;
+  for (const auto& dir : plugin_dirs) {
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(dir, ec)) {
+      const std::string file = entry.path().filename().string();
+      const size_t at = file.size() > std::strlen(kSuffix) ? file.size() - std::strlen(kSuffix) : std::string::npos;
+      if (at == std::string::npos || file.compare(at, std::string::npos, kSuffix) != 0) continue;
+      files.emplace(file.substr(0, at), entry.path());
+    }
+  }
   std::vector<ConformanceCase> cases;
-  auto both = [&](const std::string& plugin, int nproc, const std::vector<std::string>& settings) {  // full and LoRA
-    cases.push_back({plugin, nproc, settings});
-    cases.push_back({plugin, nproc, with(settings, lora)});
-  };
-  both("ddp", 2, {});  // a layout: the host's step reduces the gradients
-  both("ddp", 4, {"plugin.bucket_mb=0.05"});  // buckets that start in the backward
-  both("zero", 2, {"plugin.stage=1"});  // ZeRO stage 1: the optimizer state flat-sharded by the host
-  both("zero", 3, {"plugin.stage=1"});
-  both("zero", 2, {"plugin.stage=2"});
-  both("zero", 3, {"plugin.stage=2", "plugin.bucket_mb=0.05"});  // gradients reduce-scattered too
-  both("zero", 2, {"plugin.stage=3"});  // parameters gathered around each stage's uses
-  both("tensor_parallel", 2, {});  // slices and hooks
-  both("tensor_parallel", 4, {});  // the check model's 2 kv heads shared by pairs
-  both("tensor_parallel", 2, {"plugin.sequence_parallel=true"});
-  both("gpipe", 2, {});  // schedules as data: the host's pipeline runtime runs them
-  both("gpipe", 4, {});
-  both("gpipe", 4, {"plugin.stages=2"});  // pp 2 x replicas 2
-  both("gpipe", 2, {"plugin.schedule=\"1f1b\""});  // pipedream.so's default schedule
-  both("gpipe", 4, {"plugin.schedule=\"1f1b\""});
-  both("gpipe", 2, {"plugin.schedule=\"interleaved1f1b\""});  // 2 stages x 2 chunks (virtual stages)
-  both("gpipe", 4, {"plugin.stages=2", "plugin.schedule=\"interleaved1f1b\""});
-  both("gpipe", 2, {"plugin.schedule=\"interleaved1f1b\"", "plugin.chunks=3"});  // embed and head alone at the ends
-  both("gpipe", 2, {"plugin.schedule=\"zbh1\""});  // ZB-H1: backward split into B and W passes
-  both("gpipe", 4, {"plugin.schedule=\"zbh1\""});
-  both("context_parallel", 2, {});  // a sequence split, Ulysses' all-to-all as a hook
-  both("context_parallel", 2, {"plugin.mode=\"ring\""});  // ring attention in the plugin, with LibTorch
-  both("context_parallel", 4, {"plugin.mode=\"ring\""});
-  // Composed over a device mesh: gpipe's schedule over pp, ddp's or zero's layout over dp (a REDUCE per chunk).
-  both("ddp,gpipe", 4, {"mesh.pp=2", "mesh.dp=2"});
-  both("zero,gpipe", 4, {"mesh.pp=2", "mesh.dp=2", "plugin.stage=1"});
-  both("zero,gpipe", 4, {"mesh.pp=2", "mesh.dp=2", "plugin.stage=3"});  // FSDP x PP
-  // tensor_parallel's slices over tp, ddp's or zero's layout over dp.
-  both("ddp,tensor_parallel", 4, {"mesh.tp=2", "mesh.dp=2"});
-  both("zero,tensor_parallel", 4, {"mesh.tp=2", "mesh.dp=2", "plugin.stage=2"});
-  both("zero,tensor_parallel", 4, {"mesh.tp=2", "mesh.dp=2", "plugin.stage=3"});  // FSDP x TP
-  both("zero,tensor_parallel", 4, {"mesh.tp=2", "mesh.dp=2", "plugin.stage=3", "plugin.sequence_parallel=true"});
-  // tensor_parallel's slices in each pipeline stage; the 3-D mesh.
-  both("gpipe,tensor_parallel", 4, {"mesh.tp=2", "mesh.pp=2"});
-  both("gpipe,tensor_parallel", 4, {"mesh.tp=2", "mesh.pp=2", "plugin.sequence_parallel=true"});
-  both("ddp,gpipe,tensor_parallel", 8, {"mesh.tp=2", "mesh.pp=2", "mesh.dp=2"});
-  both("ddp,gpipe,tensor_parallel", 8, {"mesh.tp=2", "mesh.pp=2", "mesh.dp=2", "plugin.schedule=\"1f1b\""});
-  both("zero,gpipe,tensor_parallel", 8, {"mesh.tp=2", "mesh.pp=2", "mesh.dp=2", "plugin.stage=1"});
-  // context_parallel's sequence split over cp, with dp (FSDP x CP too), tp and pp.
-  both("context_parallel,ddp", 4, {"mesh.cp=2", "mesh.dp=2"});
-  both("zero,context_parallel", 4, {"mesh.cp=2", "mesh.dp=2", "plugin.zero.stage=3"});
-  both("tensor_parallel,context_parallel", 4, {"mesh.cp=2", "mesh.tp=2"});  // Ulysses
-  both("tensor_parallel,context_parallel", 4,
-       {"mesh.cp=2", "mesh.tp=2", "plugin.context_parallel.mode=\"ring\""});
-  both("tensor_parallel,context_parallel", 4, {"mesh.cp=2", "mesh.tp=2", "plugin.tensor_parallel.sequence_parallel=true"});
-  both("gpipe,context_parallel", 4, {"mesh.cp=2", "mesh.pp=2"});  // in every pipeline stage
-  both("gpipe,context_parallel", 4,
-       {"mesh.cp=2", "mesh.pp=2", "plugin.context_parallel.mode=\"ring\"", "plugin.gpipe.schedule=\"zbh1\""});
+  for (const auto& [plugin, path] : files) {
+    toml::table table;
+    try {
+      table = toml::parse_file(path.string());
+    } catch (const toml::parse_error& e) {
+      throw Error(fmt::format("{}: {} (line {})", path.string(), e.description(), e.source().begin.line));
+    }
+    const auto* list = table["case"].as_array();
+    WEFT_CHECK(list != nullptr && table.size() == 1, "{}: expected only [[case]] tables", path.string());
+    for (size_t i = 0; i < list->size(); ++i) {
+      const auto* entry = list->get(i)->as_table();
+      WEFT_CHECK(entry != nullptr, "{}: case {} is not a table", path.string(), i + 1);
+      WEFT_CHECK(!entry->contains("plugins") || entry->get_as<std::string>("plugins") != nullptr,
+                 "{}: case {}: plugins is a string (\"ddp,gpipe\")", path.string(), i + 1);
+      ConformanceCase c;
+      c.plugin = (*entry)["plugins"].value_or(plugin);
+      c.nproc = static_cast<int>((*entry)["nproc"].value_or(int64_t{0}));
+      WEFT_CHECK(c.nproc >= 1, "{}: case {} needs nproc, a positive integer", path.string(), i + 1);
+      if (const auto* settings = (*entry)["settings"].as_array()) {
+        for (const auto& setting : *settings) {
+          const auto value = setting.value<std::string>();
+          WEFT_CHECK(value.has_value(), "{}: case {}: settings are strings", path.string(), i + 1);
+          c.settings.push_back(*value);
+        }
+      }
+      for (const auto& [key, value] : *entry) {
+        WEFT_CHECK(key == "plugins" || key == "nproc" || key == "settings",
+                   "{}: case {}: unknown key '{}' (plugins, nproc, settings)", path.string(), i + 1, key.str());
+      }
+      cases.push_back(c);  // full fine-tuning as written, then LoRA
+      c.settings.push_back("train.mode=lora");
+      cases.push_back(std::move(c));
+    }
+  }
   return cases;
 }
 

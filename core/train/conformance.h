@@ -100,9 +100,11 @@ struct ConformanceCase {
   std::vector<std::string> settings;
   std::string label() const;  // "tensor_parallel x4 mesh.tp=2, train.mode=lora"
 };
-// The matrix `trainer check --all` runs: every shipped strategy with its main layouts (data,
-// tensor, pipeline, sequence and sharded parallelism at 2 and 4 ranks), full fine-tuning and LoRA,
-// each case a plain conformance check. The ctest Conformance.* checks cover more settings.
-std::vector<ConformanceCase> conformance_matrix();
+// The matrix `trainer check --all` runs: the cases each plugin lists in its
+// <plugin>.conformance.toml beside it (plugins/<name>/conformance.toml in the source tree), each
+// run full and with LoRA, from the first of `plugin_dirs` holding a plugin's file; ordered by
+// plugin name. The ctest Conformance.* checks cover more settings. Throws weft::Error naming the
+// file for a malformed one.
+std::vector<ConformanceCase> conformance_matrix(const std::vector<std::string>& plugin_dirs);
 
 }  // namespace weft

@@ -117,6 +117,42 @@ TEST(Cli, ContextParallelSplitsEverySequenceAndRefusesALengthItCannotSplit) {
   EXPECT_FALSE(std::filesystem::exists(dir + "/bad/metrics.jsonl")) << "refused after compute started";
 }
 
+// The matrix is data each plugin ships beside it (<plugin>.conformance.toml): an out-of-tree
+// plugin's file joins it with no change to the host, the first directory holding a plugin's file
+// wins (as plugins are found), each case runs full and with LoRA, and a malformed file is one
+// error naming it.
+TEST(Cli, TheConformanceMatrixIsEachPluginsFileBesideIt) {
+  const auto dir = fresh_dir("matrix");
+  std::filesystem::create_directories(dir + "/first");
+  std::filesystem::create_directories(dir + "/second");
+  auto write = [](const std::string& path, const std::string& text) { std::ofstream(path) << text; };
+  write(dir + "/first/hsdp.conformance.toml",
+        "[[case]]\nnproc = 4\nsettings = [\"plugin.group=2\"]\n\n[[case]]\nplugins = \"hsdp,gpipe\"\nnproc = 8\n");
+  write(dir + "/second/hsdp.conformance.toml", "[[case]]\nnproc = 2\n");  // shadowed by first/
+  write(dir + "/second/notes.toml", "not = \"a matrix\"\n");             // not a plugin's file
+  const auto cases = weft::conformance_matrix({dir + "/first", dir + "/second", dir + "/missing"});
+  std::vector<std::string> labels;
+  for (const auto& c : cases) labels.push_back(c.label());
+  EXPECT_EQ(labels, (std::vector<std::string>{"hsdp x4 plugin.group=2", "hsdp x4 plugin.group=2, train.mode=lora",
+                                              "hsdp,gpipe x8", "hsdp,gpipe x8 train.mode=lora"}));
+  for (const auto& [text, problem] : std::vector<std::pair<std::string, std::string>>{
+           {"[[case]]\nnproc = 0\n", "case 1 needs nproc, a positive integer"},
+           {"[[case]]\nnproc = 2\nranks = 2\n", "case 1: unknown key 'ranks'"},
+           {"[[case]]\nnproc = 2\nsettings = [2]\n", "case 1: settings are strings"},
+           {"[[case]]\nnproc = 2\nplugins = 3\n", "case 1: plugins is a string"},
+           {"nproc = 2\n", "expected only [[case]] tables"},
+           {"[[case]\n", "bad.conformance.toml"}}) {
+    write(dir + "/second/bad.conformance.toml", text);
+    try {
+      weft::conformance_matrix({dir + "/second"});
+      ADD_FAILURE() << "accepted: " << text;
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find(problem), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(dir + "/second/bad.conformance.toml"), std::string::npos) << e.what();
+    }
+  }
+}
+
 // trainer check --all: the matrix names each shipped strategy, its main layouts, full and LoRA, once;
 // a run of it (here its cases that run context_parallel, alone or composed: --plugin) checks each
 // case against single and gives it one row of the table; cases above --nproc ranks are listed as
@@ -125,7 +161,7 @@ TEST(Cli, ContextParallelSplitsEverySequenceAndRefusesALengthItCannotSplit) {
 // the larger ones' layouts with other settings), so this runs the fewest that show both kinds of row
 // (it ran every case of at most 2 ranks, 51 s of the suite, checking them a second time).
 TEST(Cli, CheckAllRunsTheConformanceMatrixAndTabulatesEveryCase) {
-  const auto all = weft::conformance_matrix();
+  const auto all = weft::conformance_matrix({std::string(WEFT_BINARY_DIR) + "/plugins"});
   std::vector<weft::ConformanceCase> cases;
   std::set<std::string> labels, plugins;
   int small = 0;

@@ -17,6 +17,7 @@
 
 #include "core/bench/bench_stats.h"
 #include "core/config/config.h"
+#include "core/plugin/abi2.h"
 #include "core/plugin/library.h"
 #include "core/job/export.h"
 #include "core/job/options.h"
@@ -59,6 +60,14 @@ std::string short_plugin_name(const std::string& plugin) {
   if (name.size() > 3 && name.compare(name.size() - 3, 3, ".so") == 0) name.resize(name.size() - 3);
   if (name.rfind("lib", 0) == 0 && name.size() > 3) name = name.substr(3);
   return name;
+}
+
+// The mesh dimensions (bits of weft_mesh_dim) that a variant's plugin, run alone, can own: which
+// of PyTorch's baselines compare with it. None for a composition or a PyTorch baseline.
+uint32_t owned_dimensions(const BenchVariant& v) {
+  if (v.pytorch || v.plugin.find(',') != std::string::npos) return 0;
+  const auto library = PluginLibrary::load(v.plugin);  // throws naming a plugin that is not found
+  return library->abi2() != nullptr ? library->abi2()->table.mesh_dimensions : 0;
 }
 
 // "gpipe --set plugin.microbatches=8" -> the plugin and its settings.
@@ -192,15 +201,14 @@ std::vector<BenchVariant> plan_bench(const BenchOptions& o) {
   }
   if (o.plugins.empty()) sizes.insert(counts[0].begin(), counts[0].end());
   if (o.pytorch_baseline) {
-    std::set<int> tensor_parallel_sizes;  // where tensor_parallel runs split, DTensor's beside it
+    std::set<int> tensor_parallel_sizes;  // where a plugin alone splits the weights, DTensor's beside it
     for (const auto& v : variants) {
-      if (short_plugin_name(v.plugin) == "tensor_parallel" && v.nproc >= 2) tensor_parallel_sizes.insert(v.nproc);
+      if (v.nproc >= 2 && (owned_dimensions(v) & (1u << WEFT_MESH_TP))) tensor_parallel_sizes.insert(v.nproc);
     }
     // Pipelines: (process count, micro-batches, whether the plugin's settings named them).
     std::set<std::tuple<int, int, bool>> pipelines;
     for (const auto& v : variants) {
-      const std::string plugin = short_plugin_name(v.plugin);
-      if ((plugin != "gpipe" && plugin != "pipedream") || v.nproc < 2 || v.pytorch) continue;
+      if (v.nproc < 2 || !(owned_dimensions(v) & (1u << WEFT_MESH_PP))) continue;
       int microbatches = 4;  // the pipelines' default
       bool named = false;
       for (const auto& s : v.settings) {

@@ -47,10 +47,12 @@ struct BenchOptions {
 
 // The variants in run order: each plugin at each of its process counts, then the PyTorch DDP
 // baseline at every process count used, PyTorch's DTensor tensor parallelism ("pytorch-tp") at
-// every count of 2 or more at which tensor_parallel runs, and PyTorch's pipeline schedules
-// ("pytorch-gpipe", "pytorch-1f1b", "pytorch-interleaved1f1b") at every count of 2 or more and
-// plugin.microbatches at which gpipe or pipedream runs. Throws weft::Error for a malformed --plugin or --nproc, a count
-// list that matches neither one nor every plugin, or no plugin at all.
+// every count of 2 or more at which a plugin that owns the tp dimension runs alone, and PyTorch's
+// pipeline schedules ("pytorch-gpipe", "pytorch-1f1b", "pytorch-interleaved1f1b") at every count of
+// 2 or more and plugin.microbatches at which a plugin that owns pp runs alone (with the baseline,
+// the plugins are loaded to read their dimensions). Throws weft::Error for a malformed --plugin or
+// --nproc, a count list that matches neither one nor every plugin, no plugin at all, or, with the
+// baseline, a plugin that does not load.
 std::vector<BenchVariant> plan_bench(const BenchOptions& options);
 
 // Runs the bench and writes out_dir/bench.json, out_dir/bench.md (the table) and the plots;

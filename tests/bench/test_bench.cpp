@@ -1,6 +1,7 @@
 // trainer bench: the plan of variants (names, process counts, the baseline, refusals), the
 // figures from metrics files with hand-computed medians and ratios, and a real two-plugin
 // bench end to end (runs alternated, bench.json, the table, the run report of a child run).
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -38,8 +39,12 @@ std::string plan_error(const weft::BenchOptions& options) {
 }
 
 TEST(BenchPlan, OneCountForAllPluginsOrOnePerPluginAndTheBaselineAtEveryCount) {
+  // Beside the baseline the plugins are loaded (their mesh dimensions choose PyTorch's baselines):
+  // bare names are found where the trainer's plugins are.
+  ::setenv("WEFT_PLUGIN_PATH", WEFT_BINARY_DIR "/plugins", 1);
   weft::BenchOptions o;
-  o.plugins = {"single", "build/plugins/ddp.so", "gpipe --set plugin.microbatches=8"};
+  const std::string ddp_path = std::string(WEFT_BINARY_DIR) + "/plugins/ddp.so";  // a path, not a name
+  o.plugins = {"single", ddp_path, "gpipe --set plugin.microbatches=8"};
   o.nproc = {"1", "1,2", "2"};
   o.pytorch_baseline = true;
   const auto variants = weft::plan_bench(o);
@@ -51,7 +56,7 @@ TEST(BenchPlan, OneCountForAllPluginsOrOnePerPluginAndTheBaselineAtEveryCount) {
   EXPECT_EQ(variants[7].pytorch_parallel, "pp");
   EXPECT_EQ(variants[7].pytorch_schedule, "1f1b");
   EXPECT_EQ(variants[7].pytorch_microbatches, 8);
-  EXPECT_EQ(variants[1].plugin, "build/plugins/ddp.so");
+  EXPECT_EQ(variants[1].plugin, ddp_path);
   EXPECT_EQ(variants[3].settings, (std::vector<std::string>{"plugin.microbatches=8"}));
   EXPECT_TRUE(variants[5].pytorch);
   EXPECT_EQ(variants[5].nproc, 2);

@@ -32,7 +32,7 @@ Mesh Mesh::resolve(std::array<int32_t, kDims> requested, const std::array<bool, 
       requested[static_cast<size_t>(d)] = 1;
     }
   }
-  // An unset dp that no plugin owns yields to an open size that one does (tensor_parallel,gpipe
+  // An unset dp that no plugin owns yields to an open size that one does (a tp plugin and a pp one
   // with mesh.tp given: the pipeline takes the rest, dp stays 1).
   if (open.size() > 1 && !owned[kDP] && requested[kDP] == 0) {
     requested[kDP] = 1;

@@ -331,7 +331,7 @@ void Job::build_model() {
                  static_cast<double>(quantized_bytes) / static_cast<double>(quantized));
   }
   // Gradients exist from the start (zero until a backward adds to them), so a plugin can
-  // communicate a stage's gradient even in a step where that stage had no backward (PipeDream's
+  // communicate a stage's gradient even in a step where that stage had no backward (an asynchronous pipeline's
   // warm-up, a tied embedding's second copy).
   {
     torch::NoGradGuard no_grad;

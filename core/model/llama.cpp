@@ -167,6 +167,15 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const ModelConfig& config, const Mode
   if (options_.context != nullptr && options_.context->size > 1) {
     WEFT_CHECK(options_.context->rank >= 0 && options_.context->rank < options_.context->size,
                "context parallelism: rank {} of {}", options_.context->rank, options_.context->size);
+    // The all-to-all around attention moves heads: this rank's (after a tensor-parallel split) must
+    // divide over the ranks, or the first forward would refuse them after compute started.
+    WEFT_CHECK(options_.context->attention || local_.heads % options_.context->size == 0,
+               "context parallelism: the model's {} attention heads{} cannot be split over {} ranks by the all-to-all "
+               "around attention (\"attention.exchange\"): choose sizes that divide the heads, or a plugin that "
+               "computes the attention core itself (\"attention.core\")",
+               config_.num_attention_heads,
+               local_.heads == config_.num_attention_heads ? "" : fmt::format(", {} per tensor-parallel rank,", local_.heads),
+               options_.context->size);
     for (auto& [index, block] : model->blocks) block->self_attn->set_context_split(options_.context.get(), index);
   }
   if (options_.sequence_parallel != nullptr && options_.sequence_parallel->size > 1) {

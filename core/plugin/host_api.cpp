@@ -71,7 +71,7 @@ weft_host_api make_table() {
   t.parameter_release = host::parameter_release;
   t.parameter_materialize = host::parameter_materialize;
   t.stage_memory = host::stage_memory;
-  t.attention_block = nullptr;  // ring attention is context_parallel.so's own (ABI 1.5's service is gone)
+  t.attention_block = nullptr;  // a plugin computes its attention core itself
   t.backward_input = host::backward_input;
   t.backward_weight = host::backward_weight;
   t.weight_pass_release = host::weight_pass_release;
@@ -91,7 +91,7 @@ const weft_host_api kHostApi = make_table();
 PluginHost::PluginHost(std::string plugin_name, toml::table plugin_config, Communicator& communicator)
     : state_(std::make_unique<State>()) {
   // [plugin.<name>] overrides [plugin] for this plugin alone: plugins composed in one run may share a
-  // key (context_parallel's and pipedream's `mode`).
+  // key (two plugins' `mode`, say).
   if (const auto* own = plugin_config.get_as<toml::table>(plugin_name)) {
     const toml::table overrides = *own;
     plugin_config.erase(plugin_name);

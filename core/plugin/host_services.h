@@ -158,9 +158,6 @@ struct PluginHost::State {
   // The step skips the model's communication points (an ABI 2 pipeline without tensor parallelism):
   // the session installs no hook there, though its table has the slot.
   bool skips_model_points = false;
-  // ABI 1.14: where the driver runs the stages itself and shards the training state (ZeRO-3),
-  // its state, whose flat shards' gradients parameter_grad_step hands out; null otherwise.
-  State* step_gradients = nullptr;
 };
 
 

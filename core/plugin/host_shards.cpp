@@ -36,15 +36,7 @@ weft_status* parameter_grad_shard(weft_host* host, int64_t index, DLTensor* out)
 weft_status* parameter_grad_step(weft_host* host, int64_t index, DLTensor* out) {
   return guarded([&] {
     WEFT_CHECK(out, "parameter_grad_step: null output");
-    State& s = state_of(host);
-    if (s.step_gradients != nullptr) {  // the stage-driving driver reduce-scattered it: its shard's
-      const auto& p = parameter_at(*s.step_gradients, index);
-      if (p.sharded && p.grad_shard.defined()) {
-        *out = sdk::to_dl_view(p.grad_shard);
-        return;
-      }
-    }
-    const auto& p = parameter_at(s, index);
+    const auto& p = parameter_at(state_of(host), index);
     const auto& grad = p.tensor.grad();
     WEFT_CHECK(grad.defined(), "parameter '{}' has no gradient in this step", p.name);  // INVALID_ARGUMENT
     *out = sdk::to_dl_view(grad);

@@ -331,14 +331,14 @@ Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute
     context_.rank = rank;
     context_.size = size;
     context_.layout = static_cast<ContextLayout>(layout);
-    context_ring_ = ring;
+    plugin_attention_ = ring;
     if (size > 1) {
       std::string runs;
       for (const auto& [start, count] : context_.token_runs(seq_len)) {
         runs += fmt::format("{}[{}, {})", runs.empty() ? "" : " and ", start, start + count);
       }
       spdlog::info("plugin {} splits every sequence over {} ranks ({}): this rank holds tokens {} of each",
-                   sequence_name, size, ring ? "attention run by the plugin, e.g. ring" : "all-to-all around attention",
+                   sequence_name, size, ring ? "attention core computed by the plugin" : "all-to-all around attention",
                    runs);
     }
     placement.context_parallel_rank = rank;
@@ -395,20 +395,6 @@ ShardMap StrategySession::shards(const ModelConfig& config, const StageSet& stag
     if (shard.parts == 1) continue;
     shards[name] = ParameterShard{shard.dim, shard.parts, shard.index};
   }
-  }
-  // Ulysses moves heads: this rank's heads (after a tensor-parallel split of q_proj) must divide
-  // over the sequence-parallel ranks, or the first forward would refuse it after compute started.
-  if (context_.size > 1 && !context_ring_) {
-    int64_t parts = 1;
-    for (const auto& [name, shard] : shards) {
-      if (name.find("self_attn.q_proj.weight") != std::string::npos) parts = shard.parts;
-    }
-    const int64_t local = config.num_attention_heads / parts;
-    WEFT_CHECK(local % context_.size == 0,
-               "the model's {} attention heads, {} per tensor-parallel rank, cannot be split over {} sequence-parallel "
-               "ranks (plugin {}, all-to-all around attention): choose sizes that divide the heads, or ring attention "
-               "(plugin.mode = \"ring\")",
-               config.num_attention_heads, local, context_.size, context_plugin());
   }
   return shards;
 }
@@ -472,7 +458,7 @@ std::shared_ptr<const ContextSplit> StrategySession::context_split() {
   if (context_.size <= 1) return nullptr;
   auto split = std::make_shared<ContextSplit>(context_);
   const Member* owner = &step_;
-  if (context_ring_) {
+  if (plugin_attention_) {
     split->attention = [this, owner](int64_t layer, bool backward, ContextAttentionTensors& t) {
       const DLTensor q = sdk::to_dl_view(t.q), k = sdk::to_dl_view(t.k), v = sdk::to_dl_view(t.v);
       DLTensor out = sdk::to_dl_view(t.out), lse = sdk::to_dl_view(t.lse);

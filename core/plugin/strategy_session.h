@@ -116,7 +116,7 @@ class StrategySession {
     return seq_len / std::max<int64_t>(1, context_.size) / std::max<int64_t>(1, sequence_parallel_.size);
   }
   // Whether the plan has the plugin run the attention core over split sequences (ABI 1.5).
-  bool plugin_attention() const { return context_ring_ && context_.size > 1; }
+  bool plugin_attention() const { return plugin_attention_ && context_.size > 1; }
 
   // --- after ---
   // The model the host services refer to (built, weights loaded); runs the plugin's setup.
@@ -200,7 +200,7 @@ class StrategySession {
   weft_strategy* instance_ = nullptr;  // step_'s
   LlamaForCausalLMImpl* model_ = nullptr;
   ContextSplit context_;       // the plan's context split, without callbacks
-  bool context_ring_ = false;  // the plugin runs the attention core (ring attention)
+  bool plugin_attention_ = false;  // the plugin computes the attention core ("attention.core")
   SequenceShards sequence_parallel_;  // Megatron sequence parallelism, without its collective
 };
 

@@ -6,7 +6,7 @@
 //     adapter_config.json, adapter_model.safetensors   LoRA (the base is re-created from its source)
 //     optimizer.safetensors    AdamW's moments by parameter name (core/train/named_state.h)
 //     shards/                  instead of the model and optimizer files, when a plugin splits the
-//                              model over ranks (tensor_parallel, gpipe, pipedream): every rank's
+//                              model over ranks (slices, pipeline stages): every rank's
 //                              pieces, written in parallel, and index.json (named_state.h)
 //     rng.pt                   the CPU generator state
 //     local/                   where a strategy keeps parameters each rank's own (ABI 2's LOCAL

@@ -1,8 +1,8 @@
-// Checkpoints under a plugin that shards the training state (ABI 1.3 flat shards, zero.so): the
+// Checkpoints under a plugin that shards the training state (FLAT_SHARD placements): the
 // ranks' shards of AdamW's state are put together into the optimizer that single and ddp save
 // (one state per whole trainable parameter), and sliced out of it again at resume. A checkpoint is
-// therefore the same files whatever saved it, and resumes at another world size, another ZeRO stage
-// or under another plugin (and a ddp or single checkpoint resumes under zero.so).
+// therefore the same files whatever saved it, and resumes at another world size, with another
+// placement or under another plugin (and a replicated run's checkpoint resumes sharded).
 #pragma once
 
 #include <memory>

@@ -320,7 +320,7 @@ std::map<std::string, torch::Tensor> Trainer::whole_parameters() {
 }
 
 // The whole model on rank 0: gathered from the ranks a plugin splits it over, and made whole first
-// where the plugin releases parameters between steps (ZeRO-3); back to the plugin's layout after.
+// where the plugin releases parameters between steps (FLAT_SHARD parameters); back to the plugin's layout after.
 void Trainer::with_whole_model(const std::function<void(LlamaForCausalLMImpl&)>& use) {
   auto& strategy = job_->strategy();
   strategy.materialize_parameters(true);

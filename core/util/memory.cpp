@@ -63,7 +63,7 @@ void install_memory_tracker() {
   // Blocks of 4 MiB and more come from mmap and go back to the system when freed, so a rank's
   // resident memory follows its live tensors. glibc's default threshold rises to 32 MiB after the
   // first large free and then keeps freed blocks below that in its heaps: measured, 0.8 GiB more
-  // resident per rank in a ZeRO-3 step of the 1B shape, whose gathered weights come and go.
+  // resident per rank in a step of the 1B shape with flat-sharded parameters, gathered and released.
   // MALLOC_MMAP_THRESHOLD_ in the environment (glibc's own setting) wins.
   if (std::getenv("MALLOC_MMAP_THRESHOLD_") == nullptr) mallopt(M_MMAP_THRESHOLD, 4 << 20);
 #endif

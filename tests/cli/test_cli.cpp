@@ -101,8 +101,8 @@ TEST(Cli, ContextParallelSplitsEverySequenceAndRefusesALengthItCannotSplit) {
   EXPECT_NE(r.output.find("perplexity"), std::string::npos) << r.output;
   const auto ring = run_trainer(common + "/ring --set data.seq_len=32 --set plugin.mode=\"ring\"");
   ASSERT_EQ(ring.exit_code, 0) << ring.output;
-  EXPECT_NE(ring.output.find("plugin context_parallel splits every sequence over 2 ranks (attention run by the plugin, "
-                             "e.g. ring): this rank holds tokens [0, 8) and [24, 32) of each"),
+  EXPECT_NE(ring.output.find("plugin context_parallel splits every sequence over 2 ranks (attention core computed by the "
+                             "plugin): this rank holds tokens [0, 8) and [24, 32) of each"),
             std::string::npos) << ring.output;
   EXPECT_NE(ring.output.find("perplexity"), std::string::npos) << ring.output;
   const std::string metrics = read_text(dir + "/ring/metrics.jsonl");

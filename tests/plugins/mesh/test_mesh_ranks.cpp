@@ -41,10 +41,10 @@ TEST(MeshRun, CompositionsThatCannotWorkAreRefusedBeforeCompute) {
       {"--plugin context_parallel,tensor_parallel --nproc 4 --set mesh.cp=2 --set mesh.tp=2 --set plugin.sequence_parallel=true"
        " --set data.seq_len=34",
        "data.seq_len = 34 (17 tokens per context-parallel rank) cannot be split over 2 tensor-parallel ranks"},
-      // Ulysses over the heads tensor parallelism leaves a rank: the tiny model's 4, 2 per tp rank, over 4 cp ranks.
+      // The all-to-all over the heads tensor parallelism leaves a rank: the tiny model's 4, 2 per tp rank, over 4 cp ranks.
       {"--plugin context_parallel,tensor_parallel --nproc 8 --set mesh.cp=4 --set mesh.tp=2",
-       "the model's 4 attention heads, 2 per tensor-parallel rank, cannot be split over 4 sequence-parallel ranks "
-       "(plugin context_parallel, all-to-all around attention)"},
+       "context parallelism: the model's 4 attention heads, 2 per tensor-parallel rank, cannot be split over 4 "
+       "ranks by the all-to-all around attention (\"attention.exchange\")"},
   };
   for (const auto& c : cases) {
     const auto r = run_trainer(tiny_args(dir, corpus) + " " + c.args);

@@ -2,7 +2,7 @@
 // virtual stages live (weft_layout's pipeline fields) and each rank's compute actions
 // ("weft_schedule"); the host partitions the model, adds the transfers, verifies the whole
 // schedule and runs it with the pipeline runtime that the 1.x pipeline plugins use too
-// (plugins/pipeline: its verifier, executor and step, which take the schedule as data). Composed on
+// (core/pipeline: its verifier, executor and step, which take the schedule as data). Composed on
 // a mesh, a data-parallel plugin's layout runs over the pipeline's replicas and a tensor-parallel
 // plugin's slices and hooks inside each stage (abi2_slices.h).
 #include <algorithm>
@@ -66,20 +66,8 @@ void check_status(const PipelinePlugin& o, weft_status* status, const char* what
 // Every rank's compute actions for a step of `micro_batches` micro-batches, from the plugin, as the
 // runtime's schedule with the transfers added (not yet verified).
 pipeline::Schedule plugin_schedule(PipelinePlugin& o, int32_t stages, int32_t micro_batches) {
-  using pipeline::ActionKind;
   const int32_t chunks = o.layout.pipeline_chunks;
-  pipeline::Schedule s;
-  s.name = plugin_name(o);
-  s.stages = stages;
-  s.micro_batches = micro_batches;
-  s.chunks = chunks;
-  s.chunk_stage = o.chunk_stage;
-  s.trains = true;
-  // The plugin promises no bound: the verifier measures the peaks (the memory plan uses them).
-  s.max_in_flight = micro_batches * chunks;
-  s.max_pending_weights = micro_batches * chunks;
-  s.actions.resize(static_cast<size_t>(stages));
-  bool split = false, whole = false;
+  std::vector<std::vector<weft_action>> lists(static_cast<size_t>(stages));
   const int64_t most = 3LL * micro_batches * chunks + 1;
   for (int32_t p = 0; p < stages; ++p) {
     weft_schedule_request request{};
@@ -95,31 +83,13 @@ pipeline::Schedule plugin_schedule(PipelinePlugin& o, int32_t stages, int32_t mi
       refuse_layout(o, fmt::format("weft_schedule gave {} actions for rank {} (a step of {} micro-batches x {} chunks has at most {})",
                             count, p, micro_batches, chunks, most));
     }
-    for (int64_t i = 0; i < count; ++i) {
-      const weft_action& a = actions[i];
-      pipeline::Action action{ActionKind::kForward, a.micro_batch, a.chunk};
-      switch (a.kind) {
-        case WEFT_ACTION_FORWARD: action.kind = ActionKind::kForward; break;
-        case WEFT_ACTION_BACKWARD: action.kind = ActionKind::kBackward; whole = true; break;
-        case WEFT_ACTION_BACKWARD_INPUT: action.kind = ActionKind::kBackward; split = true; break;
-        case WEFT_ACTION_BACKWARD_WEIGHT: action.kind = ActionKind::kBackwardWeight; split = true; break;
-        case WEFT_ACTION_OPTIMIZER_STEP: action = {ActionKind::kOptimizerStep, -1, 0}; break;
-        default:
-          refuse_layout(o, fmt::format("weft_schedule's action {} for rank {} is of kind {}, not one a schedule gives (FORWARD, "
-                                "BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, OPTIMIZER_STEP)",
-                                i, p, a.kind));
-      }
-      s.actions[static_cast<size_t>(p)].push_back(action);
-    }
+    lists[static_cast<size_t>(p)].assign(actions, actions + count);
   }
-  if (split && whole) refuse_layout(o, "weft_schedule mixes whole backwards with split ones (BACKWARD_INPUT/BACKWARD_WEIGHT)");
-  s.split_backward = split;
   try {
-    pipeline::add_transfers(s);
+    return pipeline::schedule_from_actions(plugin_name(o), stages, micro_batches, chunks, o.chunk_stage, lists);
   } catch (const std::invalid_argument& e) {
     refuse_layout(o, fmt::format("weft_schedule: {}", e.what()));
   }
-  return s;
 }
 
 class PipelineStep : public pipeline::PipelineStrategy {

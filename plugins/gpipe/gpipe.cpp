@@ -2,7 +2,7 @@
 // GPipe, 1F1B, interleaved 1F1B and ZB-H1: the layout says how many chunks each rank holds (the loop
 // placement: chunk c of rank p is virtual stage c x S + p) and how many micro-batches a host
 // micro-batch splits into; weft_schedule gives each rank's compute actions from the generators of
-// plugins/pipeline/schedule.hpp. The host partitions the model, adds the transfers, verifies and
+// schedules.hpp. The host partitions the model, adds the transfers, verifies and
 // runs the schedule; with fewer stages than ranks it replicates the pipeline and averages the
 // replicas' gradients.
 //
@@ -31,7 +31,7 @@
 
 #include <weft/plugin.h>
 
-#include "schedule.hpp"
+#include "schedules.hpp"
 
 #ifndef WEFT_PIPELINE_NAME
 #define WEFT_PIPELINE_NAME "gpipe"
@@ -120,7 +120,7 @@ weft_status* create(const weft_host_services* host, weft_plugin_instance** out) 
     if (self->chunks > 1 && self->stages < 2) {
       return status_create(WEFT_STATUS_BAD_CONFIG, "interleaved 1F1B needs at least 2 ranks (its chunks would pass to themselves)");
     }
-    weft::pipeline::make_schedule(self->schedule, self->stages, self->microbatches, self->chunks);  // refuses a bad one
+    gpipe::make_schedule(self->schedule, self->stages, self->microbatches, self->chunks);  // refuses a bad one
     int32_t count = 0;
     if (weft_status* s = config_list(host->context, "balance", nullptr, 0, &count)) return s;
     self->balance.resize(static_cast<size_t>(count));
@@ -161,21 +161,8 @@ weft_status* schedule(weft_plugin_instance* instance, const weft_schedule_reques
                       int64_t* count) {
   auto* self = reinterpret_cast<Gpipe*>(instance);
   try {
-    using weft::pipeline::ActionKind;
-    const weft::pipeline::Schedule s =
-        weft::pipeline::make_schedule(self->schedule, request->stages, request->micro_batches, request->chunks);
-    self->list.clear();
-    for (const weft::pipeline::Action& a : s.actions.at(static_cast<size_t>(request->rank))) {
-      switch (a.kind) {  // the compute actions; the host adds the transfers
-        case ActionKind::kForward: self->list.push_back({WEFT_ACTION_FORWARD, a.chunk, a.micro_batch}); break;
-        case ActionKind::kBackward:
-          self->list.push_back({s.split_backward ? WEFT_ACTION_BACKWARD_INPUT : WEFT_ACTION_BACKWARD, a.chunk, a.micro_batch});
-          break;
-        case ActionKind::kBackwardWeight: self->list.push_back({WEFT_ACTION_BACKWARD_WEIGHT, a.chunk, a.micro_batch}); break;
-        case ActionKind::kOptimizerStep: self->list.push_back({WEFT_ACTION_OPTIMIZER_STEP, 0, -1}); break;
-        default: break;
-      }
-    }
+    self->list = gpipe::make_schedule(self->schedule, request->stages, request->micro_batches, request->chunks)
+                     .at(static_cast<size_t>(request->rank));
     *actions = self->list.data();
     *count = static_cast<int64_t>(self->list.size());
     return nullptr;

@@ -153,7 +153,7 @@ TEST(Abi2, WhatThisHostDoesNotRunIsRefusedBeforeTheFirstStep) {
       {"--plugin abi2_pipeline_bad_layout --nproc 2 --set plugin.fault=stages",
        "weft_layout's pipeline_stages = 3 must be >= 1 and divide the 2 ranks"},
       {"--plugin abi2_pipeline_bad_layout --nproc 2 --set plugin.fault=kind",
-       "weft_schedule's action 1 for rank 0 is of kind 2, not one a schedule gives"},
+       "weft_schedule: action 1 for rank 0 is of kind 2, not one a schedule gives"},
       {"--plugin abi2_pipeline_bad_layout --nproc 2 --set plugin.fault=count",
        "weft_schedule gave 1000000 actions for rank 0 (a step of 1 micro-batches x 1 chunks has at most 4)"},
       {"--plugin abi2_pipeline_deadlock --nproc 2",

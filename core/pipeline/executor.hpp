@@ -21,8 +21,8 @@
 //  - OPTIMIZER_STEP waits for every outstanding send (the flush).
 // Pipeline micro-batch k of a step is the host's micro-batch k / splits, split k % splits, so
 // gradient accumulation and pipeline micro-batches compose.
-#ifndef WEFT_PLUGINS_PIPELINE_EXECUTOR_HPP
-#define WEFT_PLUGINS_PIPELINE_EXECUTOR_HPP
+#ifndef WEFT_CORE_PIPELINE_EXECUTOR_HPP
+#define WEFT_CORE_PIPELINE_EXECUTOR_HPP
 
 #include <cstdint>
 #include <functional>
@@ -149,4 +149,4 @@ inline int32_t transfer_tag(int32_t micro_batch, int32_t edge, int32_t virtual_s
 }  // namespace pipeline
 }  // namespace weft
 
-#endif  // WEFT_PLUGINS_PIPELINE_EXECUTOR_HPP
+#endif  // WEFT_CORE_PIPELINE_EXECUTOR_HPP

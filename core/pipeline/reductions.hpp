@@ -1,7 +1,7 @@
-// reductions.hpp - small collectives on doubles that several plugins need (loss and timing sums,
-// gradient-norm pieces; the norms themselves: Host::squared_norm). Header-only, SDK only.
-#ifndef WEFT_PLUGINS_COMMON_REDUCTIONS_HPP
-#define WEFT_PLUGINS_COMMON_REDUCTIONS_HPP
+// reductions.hpp - small collectives on doubles the pipeline runtime needs (loss and timing sums,
+// gradient-norm pieces; the norms themselves: Host::squared_norm). Header-only, no LibTorch.
+#ifndef WEFT_CORE_PIPELINE_REDUCTIONS_HPP
+#define WEFT_CORE_PIPELINE_REDUCTIONS_HPP
 
 #include <vector>
 
@@ -35,4 +35,4 @@ inline weft::sdk::EvalResult eval_sums_over(const weft::sdk::Host& host, weft::s
 }  // namespace plugins
 }  // namespace weft
 
-#endif  // WEFT_PLUGINS_COMMON_REDUCTIONS_HPP
+#endif  // WEFT_CORE_PIPELINE_REDUCTIONS_HPP

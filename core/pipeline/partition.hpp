@@ -6,8 +6,8 @@
 // holds the embedding and stage S - 1 the norm and head. With more stages than blocks (S <= L + 2,
 // e.g. interleaved virtual stages), the first stage may hold the embedding alone and the last the
 // head alone.
-#ifndef WEFT_PLUGINS_PIPELINE_PARTITION_HPP
-#define WEFT_PLUGINS_PIPELINE_PARTITION_HPP
+#ifndef WEFT_CORE_PIPELINE_PARTITION_HPP
+#define WEFT_CORE_PIPELINE_PARTITION_HPP
 
 #include <cstdint>
 #include <string>
@@ -51,4 +51,4 @@ std::string describe(const Partition& partition);
 }  // namespace pipeline
 }  // namespace weft
 
-#endif  // WEFT_PLUGINS_PIPELINE_PARTITION_HPP
+#endif  // WEFT_CORE_PIPELINE_PARTITION_HPP

@@ -21,8 +21,8 @@
 // With virtual stages (Schedule::chunks > 1) every check is per chunk and transfers go to the
 // neighbouring virtual stage; a chunk's compute costs 1 / chunks of the stage's.
 // The same simulation, with per-action costs, yields the schedule's makespan and bubble.
-#ifndef WEFT_PLUGINS_PIPELINE_VERIFY_HPP
-#define WEFT_PLUGINS_PIPELINE_VERIFY_HPP
+#ifndef WEFT_CORE_PIPELINE_VERIFY_HPP
+#define WEFT_CORE_PIPELINE_VERIFY_HPP
 
 #include <cstdint>
 #include <string>
@@ -66,4 +66,4 @@ double zero_bubble_h1_bubble_formula(int32_t stages, int32_t micro_batches);
 }  // namespace pipeline
 }  // namespace weft
 
-#endif  // WEFT_PLUGINS_PIPELINE_VERIFY_HPP
+#endif  // WEFT_CORE_PIPELINE_VERIFY_HPP

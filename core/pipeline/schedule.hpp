@@ -1,9 +1,10 @@
 // schedule.hpp - pipeline schedules as data.
 //
 // A schedule is, for each pipeline stage (one rank of the pipeline), the ordered list of actions
-// that rank performs in one training step over M micro-batches. It is produced by a pure
-// function of (stages, micro-batches), checked by the verifier (verify.hpp) before it runs, and
-// executed action by action (executor.hpp). New schedules are new generator functions.
+// that rank performs in one training step over M micro-batches. A plugin gives each stage's
+// compute actions (weft_schedule; gpipe.so's generators are plugins/gpipe/schedules.hpp), the host
+// adds the transfers (and the reductions and gathers a composition needs), the verifier
+// (verify.hpp) checks it before it runs, and the executor (executor.hpp) runs it action by action.
 //
 // Conventions:
 //  - Pipeline stage p receives activations from p - 1 and gradients from p + 1.
@@ -19,13 +20,15 @@
 //    optimizer step (and before reusing a buffer), never in between.
 //  - Every stage ends with OPTIMIZER_STEP (the flush): the synchronous schedules here update the
 //    weights once per step, after every micro-batch's backward.
-#ifndef WEFT_PLUGINS_PIPELINE_SCHEDULE_HPP
-#define WEFT_PLUGINS_PIPELINE_SCHEDULE_HPP
+#ifndef WEFT_CORE_PIPELINE_SCHEDULE_HPP
+#define WEFT_CORE_PIPELINE_SCHEDULE_HPP
 
 #include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include <weft/plugin.h>
 
 namespace weft {
 namespace pipeline {
@@ -85,31 +88,6 @@ struct Schedule {
   std::vector<std::vector<Action>> actions;  // [stage] -> that stage's actions in order
 };
 
-// GPipe (fill-drain): all forwards, then all backwards in reverse micro-batch order.
-Schedule gpipe_schedule(int32_t stages, int32_t micro_batches);
-
-// 1F1B with a flush (PipeDream-Flush / DAPPLE): stage p runs min(stages - p - 1, M) warm-up
-// forwards, then alternates one forward and one backward, then drains the remaining backwards.
-// Same gradients as GPipe; at most min(stages - p, M) micro-batches in flight on stage p.
-Schedule one_f_one_b_schedule(int32_t stages, int32_t micro_batches);
-
-// Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM's virtual pipeline): each stage holds
-// `chunks` virtual stages; micro-batches go through the chunks in groups of S (forward k on stage p
-// is chunk (k / S) mod v of micro-batch (k / (S v)) S + k mod S; backwards walk the chunks in
-// reverse), after min(2 (S - p - 1) + (v - 1) S, M v) warm-up forwards (all of them when M = S),
-// one forward and one backward alternate. The bubble shrinks by v against 1F1B's for the same M;
-// stage 0 keeps up to 2 (S - 1) + (v - 1) S + 1 chunk activations. Needs M divisible by S.
-Schedule interleaved_one_f_one_b_schedule(int32_t stages, int32_t micro_batches, int32_t chunks);
-
-// ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): 1F1B with the backward split into
-// B (input gradients, on the critical path) and W (weight gradients, deferred to fill the bubbles).
-// The order is a list schedule of the textbook cost model (F = B = W, free transfers): a free
-// stage runs a ready B first, else the next F while fewer than min(S - p, M) micro-batches are
-// between F and B (1F1B's bound) and fewer than S wait for their W, else its oldest W. Its
-// simulated bubble is (S - 1) / (3 M + S - 1) for M >= S, a third of 1F1B's (S - 1) / (M + S - 1) in
-// the same time units, at 1F1B's activations plus at most S micro-batches' weight-gradient inputs.
-Schedule zero_bubble_h1_schedule(int32_t stages, int32_t micro_batches);
-
 // Forward-only (evaluation): every stage forwards every micro-batch in order, chunk by chunk in
 // the order of their virtual stages (all micro-batches of the lowest first); no backward.
 Schedule forward_only_schedule(int32_t stages, int32_t micro_batches, int32_t chunks = 1,
@@ -140,11 +118,14 @@ void lower_reductions(Schedule& schedule);
 // schedules too. Throws std::invalid_argument for a schedule that already has them.
 void lower_gathers(Schedule& schedule);
 
-// The schedule called `name` ("gpipe", "1f1b", "interleaved1f1b", "zbh1", "forward") with
-// `chunks` virtual stages per stage (1 for all but interleaved1f1b and forward); throws
-// std::invalid_argument for another name, stages < 1, micro_batches < 1, chunks < 1, or chunks > 1
-// with a schedule of one chunk.
-Schedule make_schedule(const std::string& name, int32_t stages, int32_t micro_batches, int32_t chunks = 1);
+// A training schedule of the stages' compute actions as a plugin's weft_schedule gives them
+// (weft/plugin.h: FORWARD, BACKWARD or a split backward's BACKWARD_INPUT and BACKWARD_WEIGHT,
+// OPTIMIZER_STEP; lists[p] is stage p's), with the transfers added (add_transfers). The plugin
+// promises no bound: max_in_flight and max_pending_weights are every micro-batch of every chunk,
+// and the verifier measures the peaks. Throws std::invalid_argument for another kind of action,
+// whole and split backwards mixed, a list per stage missing, or what add_transfers refuses.
+Schedule schedule_from_actions(std::string name, int32_t stages, int32_t micro_batches, int32_t chunks,
+                               std::vector<int32_t> chunk_stage, const std::vector<std::vector<weft_action>>& lists);
 
 // "F3", "B0", "W0" (weight gradients), "R" (reduce; "R.1" chunk 1), "G" / "X" (gather, release), "rA2" (receive activation), "sA2", "rG1", "sG1", "step"; a chunk other than 0 is
 // appended: "F3.1" (micro-batch 3 on chunk 1).
@@ -155,4 +136,4 @@ std::string to_string(const Schedule& schedule);
 }  // namespace pipeline
 }  // namespace weft
 
-#endif  // WEFT_PLUGINS_PIPELINE_SCHEDULE_HPP
+#endif  // WEFT_CORE_PIPELINE_SCHEDULE_HPP

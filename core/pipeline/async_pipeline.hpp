@@ -1,6 +1,6 @@
 // async_pipeline.hpp - PipeDream's original asynchronous 1F1B (Narayanan et al., SOSP 2019)
-// with weight stashing: pipedream.so's mode = "async", and the ABI 2 host's pipeline step where a
-// plugin's layout asks for it (weft_layout.pipeline_asynchronous; gpipe's mode = "async").
+// with weight stashing: the host's pipeline step where a plugin's layout asks for it
+// (weft_layout.pipeline_asynchronous; gpipe.so's and pipedream.so's mode = "async").
 //
 // Semantics. Every training step t is one minibatch (the host's whole batch; no pipeline
 // micro-batches, no gradient accumulation) and ends with the host's optimizer step on every
@@ -21,8 +21,8 @@
 // Transfers: activations go forward within a step; the gradient stage p + 1 produces in step t
 // is received by stage p in step t + 1, through a receive stage p posts at the end of step t.
 // Tags live in their own range so they never meet the synchronous schedules' (evaluation).
-#ifndef WEFT_PLUGINS_PIPELINE_ASYNC_PIPELINE_HPP
-#define WEFT_PLUGINS_PIPELINE_ASYNC_PIPELINE_HPP
+#ifndef WEFT_CORE_PIPELINE_ASYNC_PIPELINE_HPP
+#define WEFT_CORE_PIPELINE_ASYNC_PIPELINE_HPP
 
 #include <cstdint>
 #include <map>
@@ -93,4 +93,4 @@ inline int32_t async_tag(int64_t minibatch, bool gradient) {
 }  // namespace pipeline
 }  // namespace weft
 
-#endif  // WEFT_PLUGINS_PIPELINE_ASYNC_PIPELINE_HPP
+#endif  // WEFT_CORE_PIPELINE_ASYNC_PIPELINE_HPP

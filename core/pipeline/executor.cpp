@@ -5,7 +5,7 @@
 #include <chrono>
 #include <string>
 
-#include "../common/dl_views.hpp"
+#include "dl_views.hpp"
 
 namespace weft {
 namespace pipeline {

@@ -6,8 +6,8 @@
 #include <stdexcept>
 #include <utility>
 
-#include "../common/dl_views.hpp"
-#include "../common/reductions.hpp"
+#include "dl_views.hpp"
+#include "reductions.hpp"
 #include "verify.hpp"
 
 namespace weft {
@@ -57,15 +57,6 @@ void PipelineStrategy::place_ranks(int32_t stages) {
   placement_.stage = stage_major_ ? world_.rank() / placement_.replicas : world_.rank() % placement_.stages;
   placement_.replica = stage_major_ ? world_.rank() % placement_.replicas : world_.rank() / placement_.stages;
   placement_.chunk_stage = chunk_stage_;
-}
-
-Schedule PipelineStrategy::step_schedule(int32_t micro_batches) {
-  return make_schedule(schedule_name_, placement_.stages, micro_batches, chunks_);
-}
-
-double PipelineStrategy::bubble_formula(int32_t micro_batches) {
-  return schedule_name_ == "zbh1" ? zero_bubble_h1_bubble_formula(placement_.stages, micro_batches)
-                                  : interleaved_bubble_formula(placement_.stages, micro_batches, chunks_);  // GPipe's when chunks = 1
 }
 
 std::vector<double> PipelineStrategy::parameter_costs(const weft_model_info& info) const {

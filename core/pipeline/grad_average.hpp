@@ -1,11 +1,11 @@
 // grad_average.hpp - averages (or sums) trainable gradients over a process group after backward, in
 // buckets (buckets.hpp): every bucket's flat fp32 buffer is filled and its all_reduce(SUM)
 // started before any is waited for, so transfers of different buckets overlap each other.
-// Used by pipeline replicas (each stage's replicas average their gradients after the flush).
-// ddp.so overlaps with backward instead (grad-ready hooks); this is the simple after-backward
-// variant. SDK only.
-#ifndef WEFT_PLUGINS_COMMON_GRAD_AVERAGE_HPP
-#define WEFT_PLUGINS_COMMON_GRAD_AVERAGE_HPP
+// Used by the pipeline runtime's replicas when their reduction is not part of the schedule (each
+// stage's replicas average their gradients after the flush). Over the host step interface, no
+// LibTorch.
+#ifndef WEFT_CORE_PIPELINE_GRAD_AVERAGE_HPP
+#define WEFT_CORE_PIPELINE_GRAD_AVERAGE_HPP
 
 #include <cstdint>
 #include <map>
@@ -57,4 +57,4 @@ class GradientAverager {
 }  // namespace plugins
 }  // namespace weft
 
-#endif  // WEFT_PLUGINS_COMMON_GRAD_AVERAGE_HPP
+#endif  // WEFT_CORE_PIPELINE_GRAD_AVERAGE_HPP

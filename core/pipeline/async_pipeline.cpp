@@ -7,8 +7,8 @@
 #include <cstring>
 #include <string>
 
-#include "../common/dl_views.hpp"
-#include "../common/reductions.hpp"
+#include "dl_views.hpp"
+#include "reductions.hpp"
 
 namespace weft {
 namespace pipeline {

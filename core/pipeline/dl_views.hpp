@@ -1,9 +1,9 @@
-// dl_views.hpp - small helpers over DLTensor views shared by the shipped plugins: element
-// counts, the dtype check, and views of small plugin-owned host vectors (loss and timing sums) to
-// hand to the host's collectives. Data on the model's device lives in Host::buffer and is copied,
-// scaled and measured through the host (strategy.hpp), never with memcpy. Header-only, SDK only (no LibTorch).
-#ifndef WEFT_PLUGINS_COMMON_DL_VIEWS_HPP
-#define WEFT_PLUGINS_COMMON_DL_VIEWS_HPP
+// dl_views.hpp - small helpers over DLTensor views for the pipeline runtime: element counts, the
+// dtype check, and views of small host vectors (loss and timing sums) to hand to the host's
+// collectives. Data on the model's device lives in Host::buffer and is copied, scaled and measured
+// through the host step interface (strategy.hpp), never with memcpy. Header-only, no LibTorch.
+#ifndef WEFT_CORE_PIPELINE_DL_VIEWS_HPP
+#define WEFT_CORE_PIPELINE_DL_VIEWS_HPP
 
 #include <cstdint>
 #include <vector>
@@ -59,4 +59,4 @@ inline DLTensor flat_contiguous_view(const DLTensor& tensor, int64_t (&shape_and
 }  // namespace plugins
 }  // namespace weft
 
-#endif  // WEFT_PLUGINS_COMMON_DL_VIEWS_HPP
+#endif  // WEFT_CORE_PIPELINE_DL_VIEWS_HPP

@@ -14,8 +14,8 @@
 // (S - 1) / (3 M + S - 1)), plugin.peak_in_flight
 // (this rank's most micro-batches between forward and backward, counted per chunk; rank 0 is
 // stage 0, the fullest).
-#ifndef WEFT_PLUGINS_PIPELINE_PIPELINE_STRATEGY_HPP
-#define WEFT_PLUGINS_PIPELINE_PIPELINE_STRATEGY_HPP
+#ifndef WEFT_CORE_PIPELINE_PIPELINE_STRATEGY_HPP
+#define WEFT_CORE_PIPELINE_PIPELINE_STRATEGY_HPP
 
 #include <cstdint>
 #include <map>
@@ -25,7 +25,7 @@
 
 #include <weft/strategy.hpp>
 
-#include "../common/grad_average.hpp"
+#include "grad_average.hpp"
 #include "executor.hpp"
 #include "partition.hpp"
 #include "schedule.hpp"
@@ -78,11 +78,10 @@ class PipelineStrategy : public weft::sdk::Strategy {
   PipelineStrategy(weft::sdk::Host host, std::string plugin, Options options);
 
   // The training schedule of one step of `micro_batches` pipeline micro-batches, with its
-  // transfers (verified by the caller before it runs). Default: plugin.schedule's generator.
-  virtual Schedule step_schedule(int32_t micro_batches);
-  // The bubble the schedule's model predicts (metrics.jsonl plugin.bubble_formula). Default: the
-  // formula of plugin.schedule.
-  virtual double bubble_formula(int32_t micro_batches);
+  // transfers (verified by the caller before it runs): the plugin's.
+  virtual Schedule step_schedule(int32_t micro_batches) = 0;
+  // The bubble the schedule's model predicts (metrics.jsonl plugin.bubble_formula).
+  virtual double bubble_formula(int32_t micro_batches) = 0;
 
   bool recompute_ = false;  // set by a plugin's constructor (gpipe.so: recompute = true)
 
@@ -153,4 +152,4 @@ class PipelineStrategy : public weft::sdk::Strategy {
 }  // namespace pipeline
 }  // namespace weft
 
-#endif  // WEFT_PLUGINS_PIPELINE_PIPELINE_STRATEGY_HPP
+#endif  // WEFT_CORE_PIPELINE_PIPELINE_STRATEGY_HPP

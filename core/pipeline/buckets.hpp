@@ -1,13 +1,13 @@
-// buckets.hpp - how data-parallel gradient synchronisation (ddp.so, pipeline replicas) groups
-// trainable parameters into all-reduce buckets.
+// buckets.hpp - how the pipeline runtime's data-parallel gradient synchronisation (its replicas)
+// groups trainable parameters into all-reduce buckets.
 //
 // Gradients become ready roughly in reverse parameter order during backward, so buckets are
 // filled walking the parameters from last to first: each bucket takes parameters while its
 // total stays within the byte limit; a parameter larger than the limit gets a bucket of its
 // own. Every rank computes the same layout from the same parameter list, so bucket i is the
 // same collective on every rank.
-#ifndef WEFT_PLUGINS_COMMON_BUCKETS_HPP
-#define WEFT_PLUGINS_COMMON_BUCKETS_HPP
+#ifndef WEFT_CORE_PIPELINE_BUCKETS_HPP
+#define WEFT_CORE_PIPELINE_BUCKETS_HPP
 
 #include <cstdint>
 #include <vector>
@@ -38,4 +38,4 @@ std::vector<BucketLayout> build_buckets(const std::vector<BucketInput>& inputs, 
 }  // namespace plugins
 }  // namespace weft
 
-#endif  // WEFT_PLUGINS_COMMON_BUCKETS_HPP
+#endif  // WEFT_CORE_PIPELINE_BUCKETS_HPP

@@ -43,6 +43,8 @@ std::string describe(const StepAction& a) {
   switch (a.kind) {
     case WEFT_ACTION_FORWARD: return fmt::format("F{}.{}", a.chunk, a.micro_batch);
     case WEFT_ACTION_BACKWARD: return fmt::format("B{}.{}", a.chunk, a.micro_batch);
+    case WEFT_ACTION_BACKWARD_INPUT: return fmt::format("Bi{}.{}", a.chunk, a.micro_batch);
+    case WEFT_ACTION_BACKWARD_WEIGHT: return fmt::format("W{}.{}", a.chunk, a.micro_batch);
     case WEFT_ACTION_REDUCE: return fmt::format("R{}", a.chunk);
     case WEFT_ACTION_OPTIMIZER_STEP: return "OPT";
   }

@@ -117,7 +117,9 @@ TEST(AdaLora, AllocatorKeepsTheBudgetAndPrunedTripletsStayPruned) {
         if (adapter == nullptr) continue;
         const auto& flags = final_pattern.at(item.key());
         for (size_t r = 0; r < flags.size(); ++r) {
-          if (!flags[r]) EXPECT_EQ(adapter->E[static_cast<int64_t>(r)][0].item<float>(), 0.0f) << step;
+          if (!flags[r]) {
+            EXPECT_EQ(adapter->E[static_cast<int64_t>(r)][0].item<float>(), 0.0f) << step;
+          }
         }
       }
     }

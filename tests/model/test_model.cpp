@@ -235,7 +235,9 @@ TEST(Model, ASplitBackwardGivesThePlainBackwardsGradients) {
   }
   EXPECT_TRUE(queue.empty());
   for (auto& item : lora->named_parameters()) {
-    if (item.value().requires_grad()) EXPECT_TRUE(item.value().grad().defined()) << item.key();
+    if (item.value().requires_grad()) {
+      EXPECT_TRUE(item.value().grad().defined()) << item.key();
+    }
   }
 }
 
@@ -362,7 +364,7 @@ TEST(Lora, OnlyAdaptersTrainAndStartAsIdentity) {
   for (auto& [name, p] : trainable) {
     EXPECT_TRUE(name.find("lora_A.weight") != std::string::npos || name.find("lora_B.weight") != std::string::npos) << name;
   }
-  EXPECT_THROW(apply_lora(*tiny_model(), LoraConfig{{4, 8, 0}, {"qproj"}}, 1), Error);
+  EXPECT_THROW(apply_lora(*tiny_model(), LoraConfig{{4, 8, 0}, {"qproj"}, std::nullopt}, 1), Error);
 }
 
 TEST(Lora, MergeComputesTheSameFunctionAndAdaptersRoundTrip) {

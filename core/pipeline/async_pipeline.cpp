@@ -25,7 +25,7 @@ AsyncPipeline::AsyncPipeline(const weft::sdk::Host& host, weft::sdk::Group world
     if (!info.trainable) continue;
     const DLTensor data = host.parameter_data(i);
     if (!weft::plugins::is_fp32(data)) {
-      throw Error(WEFT_STATUS_UNSUPPORTED, std::string("pipedream async: parameter ") + info.name + " is not fp32");
+      throw Error(WEFT_STATUS_UNSUPPORTED, std::string("asynchronous pipeline: parameter ") + info.name + " is not fp32");
     }
     trainable_.push_back(i);
   }
@@ -76,7 +76,7 @@ void AsyncPipeline::post_gradient_receive(int64_t minibatch, int64_t rows, int64
 void AsyncPipeline::backward(int64_t minibatch, std::vector<Work>& sends) {
   auto it = stash_.find(minibatch);
   if (it == stash_.end() || gradient_minibatch_ != minibatch) {
-    throw Error(WEFT_STATUS_INTERNAL, "pipedream async: no stashed forward or gradient for minibatch " +
+    throw Error(WEFT_STATUS_INTERNAL, "asynchronous pipeline: no stashed forward or gradient for minibatch " +
                                           std::to_string(minibatch));
   }
   {

@@ -3,10 +3,11 @@
 # then builds every example under sdk/examples/ out of tree against that prefix alone (warnings
 # are errors) and checks each plugin, named <example>.so:
 # it exports exactly weft_plugin_entry (weft/plugin.h), whose table answers major 2 (with
-#   the example's name) and refuses major 1, and it passes `trainer check` in one process, with the
-#   settings in the example's check.args when it has one (DiLoCo conforms to single on one worker
+#   the example's name) and refuses major 1, and it passes the cases its conformance.toml lists,
+#   which its build puts beside it: `trainer check --all --plugin <example>` with the build folder
+#   on WEFT_PLUGIN_PATH, 8 steps a case, full and LoRA (DiLoCo conforms to single on one worker
 #   with an outer step that lands on the workers' parameters; its multi-rank behaviour is checked by
-#   test_plugin's Diloco.*, which builds the same source in tree; ZB-V's check runs its V over 2
+#   test_plugin's Diloco.*, which builds the same source in tree; ZB-V's case runs its V over 2
 #   ranks).
 #   usage: tools/check_sdk_examples.sh <main build dir> <source dir>
 # Exits non-zero on the first failure. Needs cmake, a C/C++ compiler, nm, python3 and the built
@@ -70,10 +71,11 @@ table_name = ctypes.c_char_p.from_address(table + 8).value.decode()
 assert table_name == name, f"table name {table_name!r}, expected {name!r}"
 assert not entry(1, 14), f"{name}: entry(1, 14) must return NULL"
 PY
-    check_args=()
-    [[ -f "$example_dir/check.args" ]] && read -r -a check_args <"$example_dir/check.args"
-    echo "check_sdk_examples: trainer check --plugin $example.so ${check_args[*]}"
-    OMP_NUM_THREADS=1 "$build_dir/trainer" check --plugin "$plugin" "${check_args[@]}"
+    # Its cases, beside it as the shipped plugins' are: trainer check --all finds them on the path.
+    [[ -f "$work/build-$example/$example.conformance.toml" ]] ||
+      { echo "check_sdk_examples: $example.conformance.toml was not put beside $example.so" >&2; exit 1; }
+    echo "check_sdk_examples: trainer check --all --plugin $example --steps 8 (WEFT_PLUGIN_PATH=$work/build-$example)"
+    WEFT_PLUGIN_PATH="$work/build-$example" OMP_NUM_THREADS=1 "$build_dir/trainer" check --all --plugin "$example" --steps 8
     examples=$((examples + 1))
     continue
   fi

@@ -67,7 +67,7 @@ std::string short_plugin_name(const std::string& plugin) {
 uint32_t owned_dimensions(const BenchVariant& v) {
   if (v.pytorch || v.plugin.find(',') != std::string::npos) return 0;
   const auto library = PluginLibrary::load(v.plugin);  // throws naming a plugin that is not found
-  return library->abi2() != nullptr ? library->abi2()->table.mesh_dimensions : 0;
+  return library->plugin().table.mesh_dimensions;
 }
 
 // "gpipe --set plugin.microbatches=8" -> the plugin and its settings.

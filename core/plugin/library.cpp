@@ -144,33 +144,21 @@ void check_torch_build(const Abi2Plugin& plugin, const std::string& path) {
 
 }  // namespace
 
-PluginVersion host_abi_version() { return {WEFT_ABI_VERSION_MAJOR, WEFT_ABI_VERSION_MINOR}; }
-
-PluginLibrary::PluginLibrary(std::string path, const weft_strategy_api& table, PluginVersion negotiated)
-    : path_(std::move(path)),
-      name_(table.name ? table.name : ""),
-      version_(table.version ? table.version : ""),
-      description_(table.description ? table.description : ""),
-      plugin_abi_{table.header.abi_major, table.header.abi_minor},
-      negotiated_abi_(negotiated),
-      table_size_(table.header.struct_size) {
-  std::memset(&api_, 0, sizeof api_);
-  std::memcpy(&api_, &table, std::min<size_t>(table_size_, sizeof api_));
-}
-
 PluginLibrary::PluginLibrary(std::string path, const Abi2Plugin& plugin)
-    : PluginLibrary(std::move(path), abi2_session_table(plugin), host_abi_version()) {
-  plugin_abi_ = {plugin.table.abi_major, plugin.table.abi_minor};
-  abi2_ = std::make_shared<const Abi2Plugin>(plugin);
-}
+    : path_(std::move(path)),
+      name_(plugin.table.name),
+      version_(plugin.table.version),
+      description_(plugin.table.description != nullptr ? plugin.table.description : ""),
+      plugin_abi_{plugin.table.abi_major, plugin.table.abi_minor},
+      api_(abi2_session_table(plugin)),
+      plugin_(plugin) {}
 
 std::string PluginLibrary::abi() const {
-  return abi2_ ? version_string({WEFT_PLUGIN_ABI_MAJOR, std::min<uint16_t>(plugin_abi_.minor, WEFT_PLUGIN_ABI_MINOR)})
-               : version_string(negotiated_abi_);
+  return version_string({WEFT_PLUGIN_ABI_MAJOR, std::min<uint16_t>(plugin_abi_.minor, WEFT_PLUGIN_ABI_MINOR)});
 }
 
 weft_status* PluginLibrary::create(const weft_host_api* api, weft_host* host, weft_strategy** out) const {
-  return abi2_ ? create_abi2_step(*abi2_, api, host, out) : api_.create(api, host, out);
+  return create_abi2_step(plugin_, api, host, out);
 }
 
 std::shared_ptr<PluginLibrary> PluginLibrary::load(const std::string& path_or_name) {

@@ -25,13 +25,6 @@ struct PluginVersion {
   uint16_t minor = 0;
 };
 
-// This host's ABI version: {WEFT_ABI_VERSION_MAJOR, WEFT_ABI_VERSION_MINOR}.
-PluginVersion host_abi_version();
-
-// The size of a strategy table of ABI 1.0 (header through comm_point); no plugin table may be
-// smaller, whatever its minor.
-constexpr size_t kStrategyApiSizeV1_0 = offsetof(weft_strategy_api, comm_point) + sizeof(void*);
-
 // The strategy built into the host (plugins/single, compiled in): what "" and "single" name.
 inline constexpr const char* kBuiltinStrategy = "single";
 // PluginLibrary::path() of the built-in strategy.
@@ -56,32 +49,27 @@ class PluginLibrary {
   const std::string& version() const { return version_; }
   const std::string& description() const { return description_; }  // "" when the plugin has none
 
-  PluginVersion plugin_abi() const { return plugin_abi_; }          // the table's header version
-  PluginVersion negotiated_abi() const { return negotiated_abi_; }  // major, min(host, plugin) minor
-  // "1.14", or "2.0" for an ABI 2 plugin (whose session table, the host's step, is ABI 1.x).
+  PluginVersion plugin_abi() const { return plugin_abi_; }  // the table's ABI version
+  // The ABI the plugin runs at here: "2.<min(the plugin's minor, this host's)>".
   std::string abi() const;
-  // The ABI 2 plugin behind this library, or null for an ABI 1 one.
-  const Abi2Plugin* abi2() const { return abi2_.get(); }
-  // The plugin's create (ABI 1), or the host's step for an ABI 2 plugin (create_abi2_step).
+  // The plugin's validated core table.
+  const Abi2Plugin& plugin() const { return plugin_; }
+  // The host's step for this plugin (create_abi2_step), whose create runs the plugin's.
   weft_status* create(const weft_host_api* api, weft_host* host, weft_strategy** out) const;
 
-  // The plugin's table as this host knows it: a copy of the plugin's first
-  // min(struct_size, sizeof(weft_strategy_api)) bytes, zero-filled beyond, so slots the plugin's
-  // table does not have read as NULL. Optional slots may be NULL.
+  // The host step's table, which the strategy session calls (abi2_session_table: the host's
+  // internal step interface, core/plugin/internal). Optional slots may be NULL.
   const weft_strategy_api& api() const { return api_; }
 
-
-  // A validated plugin (validate_abi2_table): the session table is the host's step
-  // (abi2_session_table). Public for make_shared; plugins are obtained with load().
+  // A validated plugin (validate_abi2_table). Public for make_shared; plugins are obtained with
+  // load().
   PluginLibrary(std::string path, const Abi2Plugin& plugin);
 
  private:
-  PluginLibrary(std::string path, const weft_strategy_api& table, PluginVersion negotiated);
   std::string path_, name_, version_, description_;
-  PluginVersion plugin_abi_, negotiated_abi_;
-  uint32_t table_size_;
+  PluginVersion plugin_abi_;
   weft_strategy_api api_;
-  std::shared_ptr<const Abi2Plugin> abi2_;
+  Abi2Plugin plugin_;
 };
 
 // Where bare plugin names are looked up, in order: <directory of the running executable>/plugins,

@@ -138,7 +138,7 @@ void StrategySession::compose(const std::vector<std::shared_ptr<PluginLibrary>>&
   for (const auto& lib : libraries) names.push_back(lib->name());
   int pp = -1, dp = -1, tp = -1, cp = -1;
   for (size_t i = 0; i < libraries.size(); ++i) {
-    const uint32_t offered = libraries[i]->abi2()->table.mesh_dimensions;
+    const uint32_t offered = libraries[i]->plugin().table.mesh_dimensions;
     WEFT_CHECK(offered == pp_bit || offered == dp_bit || offered == tp_bit || offered == cp_bit,
                "plugin {} owns no mesh dimension, so it runs alone, not in train.plugin = \"{}\"",
                names[i], fmt::join(names, ","));
@@ -176,13 +176,13 @@ void StrategySession::compose(const std::vector<std::shared_ptr<PluginLibrary>>&
     companion.dimension = dimension;
     if (dimension == Mesh::kCP) context_plugin_ = companion.library->name();
     if (dimension == Mesh::kDP) {
-      state.abi2_data_parallel = companion.library->abi2();
+      state.abi2_data_parallel = &companion.library->plugin();
       state.abi2_data_parallel_settings = companion.host->handle();
     } else if (dimension == Mesh::kCP) {
-      state.abi2_context_parallel = companion.library->abi2();
+      state.abi2_context_parallel = &companion.library->plugin();
       state.abi2_context_parallel_settings = companion.host->handle();
     } else {
-      state.abi2_tensor_parallel = companion.library->abi2();
+      state.abi2_tensor_parallel = &companion.library->plugin();
       state.abi2_tensor_parallel_settings = companion.host->handle();
     }
     companions_.push_back(std::move(companion));

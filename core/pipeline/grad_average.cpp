@@ -55,8 +55,7 @@ void GradientAverager::average() { reduce(1.0f / static_cast<float>(group_.size(
 void GradientAverager::sum() { reduce(1.0f); }
 
 void GradientAverager::reduce(float scale) {
-  // The gradients as the step left them: whole, or (ABI 1.14) the flat shards a stage-driving
-  // ZeRO-3 driver reduce-scattered them into; the buckets follow their sizes.
+  // The gradients as the step left them; the buckets follow their sizes.
   std::vector<DLTensor> grads(parameters_.size());
   std::vector<int64_t> sizes(parameters_.size());
   for (size_t k = 0; k < parameters_.size(); ++k) {

@@ -27,9 +27,8 @@ class GradientAverager {
   GradientAverager(const weft::sdk::Host& host, weft::sdk::Group group, double bucket_mb,
                    const std::vector<int64_t>& parameters);
 
-  // Replaces every gradient by its mean over the group. Collective over the group. The gradient
-  // is the step's (Host::step_gradient): whole, or the flat shard a stage-driving ZeRO-3 driver
-  // already reduce-scattered it into (ABI 1.14; tp x zero-3), the buckets then laid out anew.
+  // Replaces every gradient (the step's: Host::step_gradient) by its mean over the group.
+  // Collective over the group.
   void average();
   // Replaces every gradient by its sum over the group (gradients that are partial sums, e.g.
   // the replicated factor of a LoRA adapter on a tensor-parallel layer). Collective.

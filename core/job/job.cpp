@@ -199,8 +199,6 @@ void Job::join() {
   check_same_everywhere(*communicator_, "plugin and config",
                         fmt::format("{}, config {}", strategy_->fingerprint(), options_.config_hash));
   spdlog::info("strategy: {}, {} process(es)", strategy_->describe(), context_.world);
-  WEFT_CHECK(strategy_->can_evaluate(context_.world), "plugin {} has no eval_step, so it cannot evaluate with {} processes",
-             strategy_->library().name(), context_.world);
 }
 
 void Job::build_model() {

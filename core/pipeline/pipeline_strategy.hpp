@@ -41,7 +41,6 @@ class PipelineStrategy : public weft::sdk::Strategy {
   weft::sdk::EvalResult eval_step(const weft_step_info& step) override;
   double global_grad_norm_sq(double local_sq) override;
   // The tied embedding's two copies (first and last stage) hold the same gradient (ABI 1.12).
-  int32_t gradient_copies(int64_t index) override { return index == tied_parameter_ ? 2 : 1; }
   void memory_plan(weft_memory_plan& plan) override;
 
   // --- introspection (tests) ---

@@ -289,11 +289,6 @@ using Owner = Abi2Instance;
 // coordinate, each plugin's dimension its mesh slice, the data-parallel one's dp x cp flattened).
 class HostStep : public sdk::Strategy {
  public:
-  // (make_table's requirement; the session creates the step with its plugin, create_abi2_step.)
-  explicit HostStep(sdk::Host host) : Strategy(host) {
-    throw sdk::Error(WEFT_STATUS_INTERNAL, "an ABI 2 plugin's step is created with its plugin");
-  }
-
   HostStep(sdk::Host host, const Abi2Plugin& plugin) : Strategy(host) {
     const PluginHost::State& state = *host.handle()->state;
     const sdk::Group world = host.world();
@@ -991,11 +986,12 @@ class HostStep : public sdk::Strategy {
 
 // A plugin that owns the tensor-parallel dimension: the host's step, and what the model asks of it
 // before it is built (each weight's slice, from weft_place) and at its points (the plugin's hooks).
-// Its table carries those slots; a data-parallel plugin's leaves them empty, so that the model
-// skips its points.
+// It runs the model's points; the step of a plugin without slices does not, so the model skips them.
 class TensorStep : public HostStep {
  public:
   using HostStep::HostStep;
+
+  bool runs_model_points() const override { return true; }
 
   weft_shard shard_parameter(const weft_parameter_info& info) override {
     const ParameterShard slice = slices_->shard(info);
@@ -1140,32 +1136,11 @@ Abi2Plugin validate_abi2_table(const weft_plugin& table, const std::string& path
   return plugin;
 }
 
-weft_strategy_api abi2_session_table(const Abi2Plugin& plugin) {
-  if (plugin.table.mesh_dimensions == (1u << WEFT_MESH_PP)) return abi2_pipeline_table(plugin);
-  const uint32_t owns = plugin.table.mesh_dimensions;
-  weft_strategy_api table =
-      owns == (1u << WEFT_MESH_TP)
-          ? sdk::detail::make_table<TensorStep>(plugin.table.name, plugin.table.version, plugin.table.description)
-          : sdk::detail::make_table<HostStep>(plugin.table.name, plugin.table.version, plugin.table.description);
-  table.mesh_dimensions = plugin.table.mesh_dimensions;
-  return table;
-}
-
-weft_status* create_abi2_step(const Abi2Plugin& plugin, const weft_host_api* api, weft_host* host, weft_strategy** out) {
-  g_api = api;
-  sdk::Strategy* created = nullptr;
-  weft_status* status = sdk::detail::guarded(api, [&] {
-    if (plugin.table.mesh_dimensions == (1u << WEFT_MESH_PP)) {
-      created = create_abi2_pipeline_step(sdk::Host(api, host), plugin);
-    } else if (plugin.table.mesh_dimensions == (1u << WEFT_MESH_TP)) {
-      created = new TensorStep(sdk::Host(api, host), plugin);
-
-    } else {
-      created = new HostStep(sdk::Host(api, host), plugin);
-    }
-  });
-  if (status == nullptr) *out = reinterpret_cast<weft_strategy*>(created);
-  return status;
+std::unique_ptr<sdk::Strategy> create_abi2_step(const Abi2Plugin& plugin, sdk::Host host) {
+  g_api = host.api();
+  if (plugin.table.mesh_dimensions == (1u << WEFT_MESH_PP)) return create_abi2_pipeline_step(host, plugin);
+  if (plugin.table.mesh_dimensions == (1u << WEFT_MESH_TP)) return std::make_unique<TensorStep>(host, plugin);
+  return std::make_unique<HostStep>(host, plugin);
 }
 
 }  // namespace weft

@@ -1,14 +1,14 @@
 // ABI 2 plugins (sdk/include/weft/plugin.h) in the host: their core table, validated at load, and
-// the host's step that runs them. For now (the first landing of issue 44) an ABI 2 plugin reaches
-// the rest of the host through the same strategy session as ABI 1 plugins: the session holds, as
-// its instance, the host's own step (HostStep in abi2.cpp), which creates the plugin, asks it for
-// its layout and executes the step program lowered from it. Nothing of ABI 1 reaches the plugin.
+// the host's step that runs them (HostStep in abi2.cpp, PipelineStep in abi2_pipeline.cpp), which
+// creates the plugin, asks it for its layout and executes the step program lowered from it. The
+// strategy session holds that step and calls its methods.
 #pragma once
 
+#include <memory>
 #include <string>
 
 #include <weft/plugin.h>
-#include <weft/strategy.h>
+#include <weft/strategy.hpp>
 
 namespace weft {
 
@@ -22,14 +22,9 @@ struct Abi2Plugin {
 // line naming the file and the problem.
 Abi2Plugin validate_abi2_table(const weft_plugin& table, const std::string& path);
 
-// The ABI 1 table the strategy session calls for an ABI 2 plugin: the host's step, with the
-// plugin's name, version, description and mesh dimensions. Its create slot refuses; the session
-// creates the instance with create_abi2_step.
-weft_strategy_api abi2_session_table(const Abi2Plugin& plugin);
-
-// Creates the host's step for `plugin` over the session's host services (the plugin's own create
-// runs inside). A status on failure (the plugin's refusal, with its message), NULL on success.
-weft_status* create_abi2_step(const Abi2Plugin& plugin, const weft_host_api* api, weft_host* host,
-                              weft_strategy** out);
+// The host's step for `plugin` over the session's host services (the plugin's own create runs
+// inside): what the strategy session calls. Throws sdk::Error: the plugin's refusal, with its
+// message, or a layout this host cannot execute.
+std::unique_ptr<sdk::Strategy> create_abi2_step(const Abi2Plugin& plugin, sdk::Host host);
 
 }  // namespace weft

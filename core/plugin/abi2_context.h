@@ -93,9 +93,8 @@ struct Abi2ShardShares {
 Abi2ShardShares abi2_shard_shares(const sdk::Host& host, const std::string& plugin, weft_place_fn place,
                                   weft_plugin_instance* instance, const std::vector<std::pair<int64_t, int64_t>>& ranges);
 
-// The step for a plugin that owns the pipeline dimension (abi2_pipeline.cpp): its ABI 1 session
-// table, and the step over the session's host, which creates the plugin.
-weft_strategy_api abi2_pipeline_table(const Abi2Plugin& plugin);
-sdk::Strategy* create_abi2_pipeline_step(sdk::Host host, const Abi2Plugin& plugin);
+// The step for a plugin that owns the pipeline dimension (abi2_pipeline.cpp), over the session's
+// host; it creates the plugin.
+std::unique_ptr<sdk::Strategy> create_abi2_pipeline_step(sdk::Host host, const Abi2Plugin& plugin);
 
 }  // namespace weft

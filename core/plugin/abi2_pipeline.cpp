@@ -94,13 +94,6 @@ pipeline::Schedule plugin_schedule(PipelinePlugin& o, int32_t stages, int32_t mi
 
 class PipelineStep : public pipeline::PipelineStrategy {
  public:
-  static constexpr uint32_t mesh_dimensions = 1u << WEFT_MESH_PP;
-
-  // (make_table's requirement; the session creates the step with its plugin.)
-  explicit PipelineStep(sdk::Host host) : PipelineStrategy(host, "", Options{}) {
-    throw sdk::Error(WEFT_STATUS_INTERNAL, "an ABI 2 plugin's step is created with its plugin");
-  }
-
   static PipelineStep* create(sdk::Host host, const Abi2Plugin& plugin) {
     auto opened = std::make_unique<PipelinePlugin>(host, plugin);
     std::unique_ptr<Companion> companion;
@@ -118,6 +111,7 @@ class PipelineStep : public pipeline::PipelineStrategy {
     return weft_shard{slice.dim, slice.parts, slice.index};
   }
   // Its hooks at the model's points (the session calls none without it: skips_model_points).
+  bool runs_model_points() const override { return true; }
   void comm_point(weft_comm_point point, weft_direction direction, int64_t layer, DLTensor& tensor) override {
     abi2_run_model_hooks(hooks_, comm_point_name(static_cast<CommPoint>(point)), direction == WEFT_BACKWARD, layer, tensor,
                          nullptr, 0);
@@ -821,15 +815,8 @@ class PipelineStep : public pipeline::PipelineStrategy {
 
 }  // namespace
 
-weft_strategy_api abi2_pipeline_table(const Abi2Plugin& plugin) {
-  weft_strategy_api table = sdk::detail::make_table<PipelineStep>(plugin.table.name, plugin.table.version,
-                                                                   plugin.table.description);
-  table.mesh_dimensions = plugin.table.mesh_dimensions;
-  return table;
-}
-
-sdk::Strategy* create_abi2_pipeline_step(sdk::Host host, const Abi2Plugin& plugin) {
-  return PipelineStep::create(host, plugin);
+std::unique_ptr<sdk::Strategy> create_abi2_pipeline_step(sdk::Host host, const Abi2Plugin& plugin) {
+  return std::unique_ptr<sdk::Strategy>(PipelineStep::create(host, plugin));
 }
 
 }  // namespace weft

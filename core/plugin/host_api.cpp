@@ -225,22 +225,6 @@ PluginHost::ComputeStats PluginHost::take_compute_stats() {
   return taken;
 }
 
-std::pair<double, int64_t> PluginHost::default_eval_step() {
-  weft_host* h = handle();
-  weft_activation *inputs = nullptr, *targets = nullptr, *logits = nullptr;
-  double value = 0.0;
-  int64_t tokens = 0;
-  const auto release = [&] {
-    for (auto* a : {inputs, targets, logits}) host::activation_release(h, a);
-  };
-  weft_status* status = host::batch(h, 0, 0, 1, &inputs, &targets);
-  if (status == nullptr) status = host::forward(h, 0, host::model_num_stages(h), inputs, WEFT_FORWARD_NO_GRAD, &logits);
-  if (status == nullptr) status = host::loss(h, logits, targets, 1.0, nullptr, &value, &tokens);
-  release();
-  throw_if_error(status, "evaluation");
-  return {value * static_cast<double>(tokens), tokens};
-}
-
 void PluginHost::record_sequence_losses(int64_t sequences, int64_t outputs) {
   state_->sequence_loss_sums = torch::zeros({sequences}, torch::kFloat64);
   state_->sequence_counts = torch::zeros({sequences}, torch::kFloat64);

@@ -60,10 +60,6 @@ class PluginHost {
   void begin_eval_step(const EvalLoader* loader, int64_t index);
   // Ends the current step (batch() is refused until the next begin_*).
   void end_step();
-  // The ABI's default evaluation step, for a plugin without eval_step (one rank): through the
-  // services, as a plugin would call them: batch, forward over every stage without gradients,
-  // loss. Returns the batch's summed token loss and its token count.
-  std::pair<double, int64_t> default_eval_step();
 
   // What this rank's plugin communicated through the host's collectives and transfers since the
   // last call (which resets it): operations issued, their payload bytes (the data this rank

@@ -150,15 +150,10 @@ PluginLibrary::PluginLibrary(std::string path, const Abi2Plugin& plugin)
       version_(plugin.table.version),
       description_(plugin.table.description != nullptr ? plugin.table.description : ""),
       plugin_abi_{plugin.table.abi_major, plugin.table.abi_minor},
-      api_(abi2_session_table(plugin)),
       plugin_(plugin) {}
 
 std::string PluginLibrary::abi() const {
   return version_string({WEFT_PLUGIN_ABI_MAJOR, std::min<uint16_t>(plugin_abi_.minor, WEFT_PLUGIN_ABI_MINOR)});
-}
-
-weft_status* PluginLibrary::create(const weft_host_api* api, weft_host* host, weft_strategy** out) const {
-  return create_abi2_step(plugin_, api, host, out);
 }
 
 std::shared_ptr<PluginLibrary> PluginLibrary::load(const std::string& path_or_name) {

@@ -1,5 +1,5 @@
-// Loading strategy plugins (shared libraries implementing sdk/include/weft/strategy.h, ABI 1, or
-// sdk/include/weft/plugin.h, ABI 2) and negotiating the ABI version with them.
+// Loading strategy plugins (shared libraries implementing sdk/include/weft/plugin.h, ABI 2) and
+// validating their tables.
 //
 // A plugin is named either by a path (anything containing '/', used as is) or by a bare name
 // ("ddp" or "ddp.so") looked up in the plugin search directories (plugin_search_dirs). Loaded
@@ -13,8 +13,6 @@
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <weft/strategy.h>
 
 #include "core/plugin/abi2.h"
 
@@ -54,13 +52,6 @@ class PluginLibrary {
   std::string abi() const;
   // The plugin's validated core table.
   const Abi2Plugin& plugin() const { return plugin_; }
-  // The host's step for this plugin (create_abi2_step), whose create runs the plugin's.
-  weft_status* create(const weft_host_api* api, weft_host* host, weft_strategy** out) const;
-
-  // The host step's table, which the strategy session calls (abi2_session_table: the host's
-  // internal step interface, core/plugin/internal). Optional slots may be NULL.
-  const weft_strategy_api& api() const { return api_; }
-
   // A validated plugin (validate_abi2_table). Public for make_shared; plugins are obtained with
   // load().
   PluginLibrary(std::string path, const Abi2Plugin& plugin);
@@ -68,7 +59,6 @@ class PluginLibrary {
  private:
   std::string path_, name_, version_, description_;
   PluginVersion plugin_abi_;
-  weft_strategy_api api_;
   Abi2Plugin plugin_;
 };
 

@@ -60,17 +60,9 @@ StrategySession::StrategySession(const std::string& path_or_name, toml::table pl
   library_ = step_.library;
   host_ = step_.host.get();
   state_host_ = host_;
-  weft_strategy* instance = nullptr;
-  check(step_.library->create(step_.host->api(), step_.host->handle(), &instance), "create");
-  WEFT_CHECK(instance != nullptr, "plugin {}: create returned no instance", step_.library->name());
-  step_.instance = instance;
-  try {
-    check_settings_read(plugin_config);
-  } catch (...) {  // the destructor does not run
-    step_.library->api().destroy(step_.instance);
-    throw;
-  }
-  instance_ = step_.instance;
+  call("create", [&] { step_.step = create_abi2_step(step_.library->plugin(), sdk::Host(host_->api(), host_->handle())); });
+  check_settings_read(plugin_config);
+  instance_ = step_.step.get();
 }
 
 // Each plugin's effective settings, logged; and every [plugin] key read by a plugin of the run (a
@@ -199,12 +191,14 @@ void StrategySession::compose(const std::vector<std::shared_ptr<PluginLibrary>>&
                others);
 }
 
-StrategySession::~StrategySession() {
-  if (step_.instance) step_.library->api().destroy(step_.instance);
-}
+StrategySession::~StrategySession() = default;
 
 void StrategySession::check(weft_status* status, const char* what) const {
   throw_if_error(status, fmt::format("plugin {} ({}): {}", step_.library->name(), step_.library->path(), what));
+}
+
+void StrategySession::call(const char* what, const std::function<void()>& body) const {
+  check(sdk::detail::guarded(host_->api(), body), what);
 }
 
 std::string StrategySession::names() const {
@@ -261,7 +255,7 @@ Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute
   plan.sequence_parallel_rank = 0;
   plan.stage_chunks = 1;
   plan.split_backward = 0;
-  if (library_->api().plan) check(library_->api().plan(instance_, &plan), "plan");
+  call("plan", [&] { instance_->plan(plan); });
   // The host's step wrote the plan from the plugins' layouts; messages name the plugin that chose.
   const std::string& stages_name = library_->name();
   const std::string& sequence_name = context_plugin();
@@ -308,14 +302,7 @@ Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute
                "plugin {}: plan chose sequence attention {}, which is neither the exchange (0) nor the plugin's (1)",
                sequence_name, plan.context_parallel_attention);
     if (size > 1) {
-      if (ring) {
-        WEFT_CHECK(library_->api().context_attention != nullptr,
-                   "plugin {}: plan runs the attention core in the plugin but the plugin has no context_attention",
-                   sequence_name);
-      } else {
-        WEFT_CHECK(library_->api().context_exchange != nullptr,
-                   "plugin {}: plan splits sequences over {} ranks but the plugin has no context_exchange",
-                   sequence_name, size);
+      if (!ring) {
         WEFT_CHECK(layout == WEFT_CONTEXT_CONTIGUOUS,
                    "plugin {}: the balanced sequence layout needs the plugin's attention (context_attention)",
                    sequence_name);
@@ -350,10 +337,6 @@ Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute
     WEFT_CHECK(size >= 1 && 0 <= rank && rank < size, "plugin {}: plan chose tensor-sequence rank {} of {}",
                sequence_parallel_name, rank, size);
     if (size > 1) {
-      WEFT_CHECK(library_->api().sequence_region != nullptr,
-                 "plugin {}: plan shards the residual stream's tokens over {} ranks (sequence_parallel_size) but the "
-                 "plugin has no sequence_region",
-                 sequence_parallel_name, size);
       // Beside context parallelism (1.14 hosts) the regions gather this rank's share of each sequence
       // (seq_len / context_parallel_size tokens), which the tensor-parallel ranks then split.
       const int64_t share = seq_len / std::max<int64_t>(1, placement.context_parallel_size);
@@ -376,8 +359,6 @@ Placement StrategySession::place(const ModelConfig& config, torch::Dtype compute
 
 ShardMap StrategySession::shards(const ModelConfig& config, const StageSet& stages) {
   ShardMap shards;
-  const Member& m = step_;
-  if (m.library->api().shard_parameter != nullptr) {
   for (const auto& [name, shape] : parameter_specs(config, stages.resolved(config.num_hidden_layers + 2))) {
     weft_parameter_info info{};
     info.name = name.c_str();
@@ -387,14 +368,13 @@ ShardMap StrategySession::shards(const ModelConfig& config, const StageSet& stag
     info.shape = shape.data();
     info.dtype = DLDataType{kDLFloat, 32, 1};
     weft_shard shard{0, 1, 0};
-    check(m.library->api().shard_parameter(m.instance, &info, &shard), "shard_parameter");
+    call("shard_parameter", [&] { shard = instance_->shard_parameter(info); });
     WEFT_CHECK(shard.parts >= 1 && 0 <= shard.index && shard.index < shard.parts && 0 <= shard.dim &&
                    shard.dim < info.ndim,
-               "plugin {}: shard_parameter({}) returned dim {}, part {} of {}", m.library->name(), name, shard.dim,
+               "plugin {}: shard_parameter({}) returned dim {}, part {} of {}", library_->name(), name, shard.dim,
                shard.index, shard.parts);
     if (shard.parts == 1) continue;
     shards[name] = ParameterShard{shard.dim, shard.parts, shard.index};
-  }
   }
   return shards;
 }
@@ -416,7 +396,7 @@ MemoryPlan StrategySession::memory_plan(const std::vector<weft_stage_memory>& st
     plan.optimizer_bytes += 2 * stage.trainable_bytes;  // AdamW's two fp32 moments
     plan.activation_bytes += rows * stage.activation_bytes_per_row + stage.weight_copy_bytes;
   }
-  if (library_->api().memory_plan) check(library_->api().memory_plan(instance_, &plan), "memory_plan");
+  call("memory_plan", [&] { instance_->memory_plan(plan); });
   MemoryPlan out{plan.parameter_bytes, plan.gradient_bytes, plan.optimizer_bytes, plan.activation_bytes,
                  plan.buffer_bytes};
   WEFT_CHECK(out.parameters >= 0 && out.gradients >= 0 && out.optimizer >= 0 && out.activations >= 0 && out.buffers >= 0,
@@ -425,7 +405,7 @@ MemoryPlan StrategySession::memory_plan(const std::vector<weft_stage_memory>& st
 }
 
 std::shared_ptr<const CommHook> StrategySession::comm_hook() {
-  if (library_->api().comm_point == nullptr || host_->handle()->state->skips_model_points) return nullptr;
+  if (!instance_->runs_model_points() || host_->handle()->state->skips_model_points) return nullptr;
   static_assert(static_cast<int>(CommPoint::kHeadInput) == WEFT_COMM_HEAD_INPUT &&
                     static_cast<int>(CommPoint::kRowAbsMax) == WEFT_COMM_ROW_ABSMAX &&
                     static_cast<int>(CommPoint::kAdapterSum) == WEFT_COMM_ADAPTER_SUM,
@@ -433,23 +413,23 @@ std::shared_ptr<const CommHook> StrategySession::comm_hook() {
   return std::make_shared<const CommHook>([this](CommPoint point, bool backward, int64_t layer, torch::Tensor& tensor) {
     if (!tensor.is_contiguous()) tensor = tensor.contiguous();
     DLTensor view = sdk::to_dl_view(tensor);
-    check(library_->api().comm_point(instance_, static_cast<weft_comm_point>(point),
-                                     backward ? WEFT_BACKWARD : WEFT_FORWARD, layer, &view),
-          "comm_point");
+    call("comm_point", [&] {
+      instance_->comm_point(static_cast<weft_comm_point>(point), backward ? WEFT_BACKWARD : WEFT_FORWARD, layer, view);
+    });
   });
 }
 
 std::shared_ptr<const SequenceShards> StrategySession::sequence_parallel() {
   if (sequence_parallel_.size <= 1) return nullptr;
   auto shards = std::make_shared<SequenceShards>(sequence_parallel_);
-  const Member* owner = &step_;
-  shards->collective = [this, owner](CommPoint point, bool backward, int64_t layer, const torch::Tensor& input,
-                              torch::Tensor& output) {
+  shards->collective = [this](CommPoint point, bool backward, int64_t layer, const torch::Tensor& input,
+                               torch::Tensor& output) {
     const DLTensor in = sdk::to_dl_view(input);
     DLTensor out = sdk::to_dl_view(output);
-    check(owner->library->api().sequence_region(owner->instance, static_cast<weft_comm_point>(point),
-                                          backward ? WEFT_BACKWARD : WEFT_FORWARD, layer, &in, &out),
-          "sequence_region");
+    call("sequence_region", [&] {
+      instance_->sequence_region(static_cast<weft_comm_point>(point), backward ? WEFT_BACKWARD : WEFT_FORWARD, layer,
+                                 in, out);
+    });
   };
   return shards;
 }
@@ -457,9 +437,8 @@ std::shared_ptr<const SequenceShards> StrategySession::sequence_parallel() {
 std::shared_ptr<const ContextSplit> StrategySession::context_split() {
   if (context_.size <= 1) return nullptr;
   auto split = std::make_shared<ContextSplit>(context_);
-  const Member* owner = &step_;
   if (plugin_attention_) {
-    split->attention = [this, owner](int64_t layer, bool backward, ContextAttentionTensors& t) {
+    split->attention = [this](int64_t layer, bool backward, ContextAttentionTensors& t) {
       const DLTensor q = sdk::to_dl_view(t.q), k = sdk::to_dl_view(t.k), v = sdk::to_dl_view(t.v);
       DLTensor out = sdk::to_dl_view(t.out), lse = sdk::to_dl_view(t.lse);
       DLTensor grad_out{}, grad_q{}, grad_k{}, grad_v{};
@@ -483,17 +462,17 @@ std::shared_ptr<const ContextSplit> StrategySession::context_split() {
         call.grad_k = &grad_k;
         call.grad_v = &grad_v;
       }
-      check(owner->library->api().context_attention(owner->instance, &call), "context_attention");
+      this->call("context_attention", [&] { instance_->context_attention(call); });
     };
     return split;
   }
-  split->all_to_all = [this, owner](int64_t layer, bool backward, torch::Tensor& send, torch::Tensor& recv) {
+  split->all_to_all = [this](int64_t layer, bool backward, torch::Tensor& send, torch::Tensor& recv) {
     if (!send.is_contiguous()) send = send.contiguous();
     const DLTensor send_view = sdk::to_dl_view(send);
     DLTensor recv_view = sdk::to_dl_view(recv);
-    check(owner->library->api().context_exchange(owner->instance, layer, backward ? WEFT_BACKWARD : WEFT_FORWARD, &send_view,
-                                            &recv_view),
-          "context_exchange");
+    call("context_exchange", [&] {
+      instance_->context_exchange(layer, backward ? WEFT_BACKWARD : WEFT_FORWARD, send_view, recv_view);
+    });
   };
   return split;
 }
@@ -501,11 +480,11 @@ std::shared_ptr<const ContextSplit> StrategySession::context_split() {
 void StrategySession::attach(LlamaForCausalLMImpl& model) {
   model_ = &model;
   host_->set_model(&model);
-  if (library_->api().setup) check(library_->api().setup(instance_), "setup");
-  if (library_->api().flat_shard) {  // the step shards the training state (a FLAT_SHARD placement)
+  call("setup", [&] { instance_->setup(); });
+  {  // the step's flat shards of the training state (a whole range without flags: not sharded)
     for (int64_t i = 0; i < host_->parameter_count(); ++i) {
       weft_flat_shard shard{};
-      check(library_->api().flat_shard(instance_, i, &shard), "flat_shard");
+      call("flat_shard", [&] { shard = instance_->flat_shard(i); });
       try {
         host_->set_flat_shard(i, shard);
       } catch (const Error& e) {
@@ -518,7 +497,7 @@ void StrategySession::attach(LlamaForCausalLMImpl& model) {
 
 void StrategySession::after_optimizer_step(StepReport& report) {
   state_host_->zero_grad_shards();
-  if (library_->api().after_optimizer_step) check(library_->api().after_optimizer_step(instance_), "after_optimizer_step");
+  call("after_optimizer_step", [&] { instance_->after_optimizer_step(); });
   // What the plugins did after the optimizer step (ZeRO's gathers, hooks at "step.end") is the step's.
   const auto comm = host_->take_comm_stats();
   report.comm.operations += comm.operations;
@@ -528,12 +507,10 @@ void StrategySession::after_optimizer_step(StepReport& report) {
 }
 
 void StrategySession::materialize_parameters(bool whole) {
-  if (library_->api().materialize_parameters) {
-    host_->set_materialize_masters(whole);  // whole for the host: the fp32 masters
-    weft_status* status = library_->api().materialize_parameters(instance_, whole ? 1 : 0);
-    host_->set_materialize_masters(false);
-    check(status, "materialize_parameters");
-  }
+  host_->set_materialize_masters(whole);  // whole for the host: the fp32 masters
+  weft_status* status = sdk::detail::guarded(host_->api(), [&] { instance_->materialize_parameters(whole); });
+  host_->set_materialize_masters(false);
+  check(status, "materialize_parameters");
 }
 
 StepReport StrategySession::train_step(const BatchLoader& loader, int64_t global_step, int64_t epoch,
@@ -552,7 +529,7 @@ StepReport StrategySession::train_step(const BatchLoader& loader, int64_t global
   StepReport report;
   host_->begin_train_step(&loader, epoch, step_in_epoch, micro_batches);
   try {
-    check(library_->api().train_step(instance_, &info, &report.loss), "train_step");
+    call("train_step", [&] { report.loss = instance_->train_step(info); });
   } catch (...) {
     host_->end_step();
     throw;
@@ -563,8 +540,6 @@ StepReport StrategySession::train_step(const BatchLoader& loader, int64_t global
   report.metrics = host_->take_step_metrics();
   return report;
 }
-
-bool StrategySession::can_evaluate(int world) const { return world == 1 || library_->api().eval_step != nullptr; }
 
 EvalSums StrategySession::eval_batch(const EvalLoader& loader, int64_t index, int64_t global_step, int64_t epoch,
                                      int64_t seq_len) {
@@ -579,11 +554,11 @@ EvalSums StrategySession::eval_batch(const EvalLoader& loader, int64_t index, in
   EvalSums sums;
   host_->begin_eval_step(&loader, index);
   try {
-    if (library_->api().eval_step == nullptr) {  // one rank: the host's default
-      std::tie(sums.loss_sum, sums.tokens) = host_->default_eval_step();
-    } else {
-      check(library_->api().eval_step(instance_, &info, &sums.loss_sum, &sums.tokens), "eval_step");
-    }
+    call("eval_step", [&] {
+      const sdk::EvalResult result = instance_->eval_step(info);
+      sums.loss_sum = result.loss_sum;
+      sums.tokens = result.tokens;
+    });
   } catch (...) {
     host_->end_step();
     throw;
@@ -593,9 +568,8 @@ EvalSums StrategySession::eval_batch(const EvalLoader& loader, int64_t index, in
 }
 
 double StrategySession::global_grad_norm_sq(double local_sq) {
-  if (!library_->api().global_grad_norm_sq) return local_sq;
   double global = local_sq;
-  check(library_->api().global_grad_norm_sq(instance_, local_sq, &global), "global_grad_norm_sq");
+  call("global_grad_norm_sq", [&] { global = instance_->global_grad_norm_sq(local_sq); });
   return global;
 }
 

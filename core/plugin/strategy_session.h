@@ -1,13 +1,13 @@
 // One strategy for this process, with a C++ face: the rest of the host (the trainer, the evaluator,
 // generation) calls these methods and never sees a plugin's C ABI. Behind it: the plugin libraries
 // (loaded, or the built-in single), and the host's step for them (core/plugin/abi2.cpp,
-// abi2_pipeline.cpp), reached through the internal step table (core/plugin/internal/weft/strategy.h)
-// and served by a PluginHost. Every method throws weft::Error naming the plugin when it fails.
+// abi2_pipeline.cpp), whose methods the session calls, served by a PluginHost. Every method throws weft::Error naming the plugin when it fails.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <array>
+#include <functional>
 #include <map>
 #include <optional>
 #include <memory>
@@ -126,8 +126,6 @@ class StrategySession {
   // optimizer.
   StepReport train_step(const BatchLoader& loader, int64_t global_step, int64_t epoch, int64_t step_in_epoch,
                         int32_t micro_batches, int64_t seq_len);
-  // Whether this plugin can evaluate on `world` ranks (a plugin without eval_step: one rank).
-  bool can_evaluate(int world) const;
   // Held-out batch `index` of `loader`, forward only.
   EvalSums eval_batch(const EvalLoader& loader, int64_t index, int64_t global_step, int64_t epoch, int64_t seq_len);
   // The global squared gradient norm from this rank's share.
@@ -175,10 +173,12 @@ class StrategySession {
   struct Member {
     std::shared_ptr<PluginLibrary> library;
     std::unique_ptr<PluginHost> host;
-    weft_strategy* instance = nullptr;
+    std::unique_ptr<sdk::Strategy> step;  // the host's step (create_abi2_step), the step's member only
     int dimension = -1;
   };
   void check(weft_status* status, const char* what) const;
+  // Runs `body` (a call into the step), throwing weft::Error "plugin <name> (<path>): <what>: ..." on failure.
+  void call(const char* what, const std::function<void()>& body) const;
   void check_settings_read(const toml::table& plugin_config) const;
   // Several plugins on the mesh: one step, that of the plugin owning pp, else tp, else cp.
   void compose(const std::vector<std::shared_ptr<PluginLibrary>>& libraries, const toml::table& plugin_config,
@@ -197,7 +197,7 @@ class StrategySession {
   // The host that serves the optimizer's tensors (the step's, which shards them under FLAT_SHARD).
   PluginHost* state_host_ = nullptr;
   ProcessGroup* state_group_ = nullptr;
-  weft_strategy* instance_ = nullptr;  // step_'s
+  sdk::Strategy* instance_ = nullptr;  // step_'s step
   LlamaForCausalLMImpl* model_ = nullptr;
   ContextSplit context_;       // the plan's context split, without callbacks
   bool plugin_attention_ = false;  // the plugin computes the attention core ("attention.core")

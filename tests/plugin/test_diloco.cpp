@@ -86,7 +86,9 @@ TEST(Diloco, ARankSendsOneHthOfTheBytesDdpSends) {
   EXPECT_GT(bytes(a), 8 * 100000.0);  // the tiny model's gradients, every step
   EXPECT_NEAR(bytes(b) / bytes(a), 0.25, 0.001) << bytes(b) << " / " << bytes(a);
   for (const auto& s : b) {
-    if (s["step"].get<int64_t>() % 4 != 0) EXPECT_LE(s["comm_bytes"].get<double>(), 64.0) << s;
+    if (s["step"].get<int64_t>() % 4 != 0) {
+      EXPECT_LE(s["comm_bytes"].get<double>(), 64.0) << s;
+    }
   }
 }
 

@@ -1,54 +1,10 @@
 /*
- * weft/strategy.h - INTERNAL to the host since ABI 1 was removed: no plugin loads through it (the
- * host refuses a library exporting weft_strategy_entry; plugins use weft/plugin.h). The host's own
- * step for every plugin (core/plugin/abi2.cpp, abi2_pipeline.cpp) still runs behind the strategy
- * session through this table and the services below, so it lives on here, not installed, until the
- * session calls the host's step directly. What follows describes it as ABI 1 defined it.
- *
- * STATUS (as of its removal): ABI 1.14, implemented by the host (core/plugin) and used by single.so, ddp.so, gpipe.so,
- * pipedream.so, tensor_parallel.so, zero.so and context_parallel.so (plan stage ranges: the
- * pipelines; shard_parameter, comm_point and sequence_region: tensor parallelism; flat shards of
- * the training state: zero; sequence parallelism: context_parallel). 1.1 appended model_info, tracing, report_metric,
- * config_int_list and profile_stages to the host table, WEFT_FORWARD_RECOMPUTE and
- * WEFT_COMM_HEAD_INPUT. 1.2 appended memory on the rank's device for plugins (buffer_create,
- * buffer_release) and the operations on views a plugin cannot do on a GPU's memory itself
- * (tensor_copy, tensor_scale, tensor_add, tensor_squared_norm). 1.3 appended sharded training
- * state (ZeRO / FSDP): the plugin's flat_shard, after_optimizer_step and materialize_parameters
- * slots and the host's parameter_shard, parameter_grad_shard, parameter_grad_release,
- * parameter_release and parameter_materialize; and the memory plan before the model is built:
- * the plugin's memory_plan slot and the host's stage_memory. 1.4 appended sequence (context)
- * parallelism: weft_model_plan's context_parallel_size / context_parallel_rank and the
- * plugin's context_exchange slot (Ulysses all-to-all around the attention core). 1.5 appended
- * ring attention: weft_model_plan's context_parallel_layout (load-balanced causal chunks) and
- * context_parallel_attention, the plugin's context_attention slot (the attention core over this
- * rank's queries, run by the plugin) and the host's attention_block (blockwise attention with its
- * log-sum-exp, and its backward). 1.6 appended whole parameters in the compute dtype for
- * sharded training (WEFT_FLAT_SHARD_COMPUTE_DTYPE, FSDP's mixed-precision parameters:
- * weft_stage_memory's compute_parameter_bytes / compute_trainable_bytes) and let tensor_copy
- * convert between floating-point dtypes. 1.7 appended WEFT_COMM_ROW_ABSMAX (per-token scales of a
- * row-parallel layer over an int8 base, all-reduced MAX). 1.8 appended WEFT_COMM_ADAPTER_SUM (AdaLoRA's
- * scores and Gram matrices of tensor-parallel adapter slices, all-reduced SUM). 1.9 appended Megatron
- * sequence parallelism inside the tensor-parallel group: weft_model_plan's sequence_parallel_size /
- * sequence_parallel_rank and the plugin's sequence_region slot (the all-gather into and the
- * reduce-scatter out of each tensor-parallel region). 1.10 appended virtual pipeline stages:
- * weft_model_plan's stage_chunks / chunk_stages (a rank holding several non-contiguous ranges of
- * model stages, for the interleaved 1F1B schedule). 1.11 appended the split backward of
- * zero-bubble schedules: weft_model_plan's split_backward and the host's backward_input,
- * backward_weight and weight_pass_release. 1.12 appended composition over a device mesh: several plugins
- * in one run, each owning one mesh dimension (weft_mesh_dim): the host's mesh_info and group_mesh,
- * the plugin's mesh_dimensions, finish_step, finish_eval and gradient_copies. 1.13 appended sequence
- * splits across a split of the model's stages (context parallelism or Megatron sequence parallelism
- * with a pipeline): weft_step_info's and weft_memory_plan's stage_tokens, the tokens per row of the
- * hidden states passed between stages. 1.14 appended a data-parallel plugin that runs the model stage
- * by stage driving a composition without a pipeline (ZeRO-3 x TP, torchtitan's FSDP x TP, and x CP):
- * weft_model_plan's drives_stages and the host's parameter_grad_step (the gradient a finishing plugin
- * combines, a shard where the driver already reduce-scattered it). History: sdk/CHANGELOG.md.
- *
- * A strategy plugin is a shared library that exports exactly one symbol, the C function
- * `weft_strategy_entry` (WEFT_STRATEGY_ENTRY_SYMBOL). The host loads it with
- * RTLD_NOW | RTLD_LOCAL, calls the entry with its own ABI version and receives the plugin's
- * function table. The plugin never links against the host: everything it may call is in the
- * weft_host_api table the host hands to `create`.
+ * weft/strategy.h - INTERNAL to the host: the services its own step for ABI 2 plugins
+ * (core/plugin/abi2.cpp, abi2_pipeline.cpp) and the pipeline runtime (core/pipeline) call, as a
+ * table of C functions (weft_host_api) that PluginHost serves, with the structs they exchange. No
+ * plugin sees it: plugins use weft/plugin.h, and the host refuses a library exporting ABI 1's
+ * weft_strategy_entry. It began as ABI 1's host table (1.0 to 1.14; history: sdk/CHANGELOG.md),
+ * so its comments still give the minor that added each service; the host serves all of them.
  *
  * Division of labour. The host keeps the model (as stages: embedding, decoder blocks,
  * norm + head), autograd, the data loader and the optimizer. The plugin decides what runs
@@ -78,8 +34,6 @@
  *    plugin registers may run on the host's autograd thread, which is then the calling thread.
  *    Host services may be called from any thread that the host is currently calling into
  *    (including from a callback).
- *  - Versions: every slot says the ABI version that added it ("since 1.0"). A slot may be
- *    used only when the negotiated version (see weft_strategy_entry_fn) is at least that.
  */
 #ifndef WEFT_STRATEGY_H
 #define WEFT_STRATEGY_H
@@ -104,8 +58,6 @@ extern "C" {
 #define WEFT_ABI_VERSION_MAJOR 1
 #define WEFT_ABI_VERSION_MINOR 14
 
-/* The one symbol a plugin exports. */
-#define WEFT_STRATEGY_ENTRY_SYMBOL "weft_strategy_entry"
 
 
 /* First member of both function tables; its layout never changes.
@@ -127,7 +79,6 @@ typedef struct weft_work weft_work;             /* an asynchronous communication
 typedef struct weft_activation weft_activation; /* a host tensor, possibly with autograd history */
 typedef struct weft_buffer weft_buffer;         /* memory on the rank's device owned by a plugin (since 1.2) */
 typedef struct weft_weight_pass weft_weight_pass; /* weight gradients deferred by backward_input (since 1.11) */
-typedef struct weft_strategy weft_strategy;     /* the plugin's instance; opaque to the host */
 
 /* ------------------------------------------------------------------------------------------
  * Plain data exchanged through the tables
@@ -800,219 +751,6 @@ typedef struct weft_host_api {
    * where the parameter has no gradient this step (frozen, or unused). Since 1.14. */
   weft_status* (*parameter_grad_step)(weft_host* host, int64_t index, DLTensor* out);
 } weft_host_api;
-
-/* ------------------------------------------------------------------------------------------
- * The plugin's table. Slots may be NULL where marked optional: the host then does the
- * one-process default. Slots since 1.0 unless marked.
- * ---------------------------------------------------------------------------------------- */
-typedef struct weft_strategy_api {
-  weft_abi_header header;
-  /* The oldest host ABI minor this plugin can run with (its header.abi_minor is the newest it
-   * knows). The host refuses to run a plugin whose min_host_minor exceeds its own minor. */
-  uint16_t min_host_minor;
-  uint16_t reserved;
-  const char* name;        /* e.g. "ddp"; static storage */
-  const char* version;     /* the plugin's own version, e.g. "1.2.0"; static storage */
-  const char* description; /* one line; static storage */
-
-  /* Creates an instance for this process. `api` and `host` stay valid until destroy. Read the
-   * configuration and validate the world size here: an unusable setup is
-   * WEFT_STATUS_BAD_CONFIG with a message naming the problem (checked before any compute). */
-  weft_status* (*create)(const weft_host_api* api, weft_host* host, weft_strategy** out);
-  /* Destroys the instance. Cannot fail. */
-  void (*destroy)(weft_strategy* strategy);
-
-  /* Optional. Before the model is built: which stages this rank holds and its data-parallel
-   * coordinates. Collective over the world (it may create groups). */
-  weft_status* (*plan)(weft_strategy* strategy, weft_model_plan* plan);
-  /* Optional. How this rank holds parameter `info` (default: whole). Called once per
-   * parameter of the stages this rank holds, before weights are loaded, so the host loads
-   * and allocates only that slice. */
-  weft_status* (*shard_parameter)(weft_strategy* strategy, const weft_parameter_info* info,
-                                  weft_shard* out);
-  /* Optional. After the model is built and its weights loaded or initialised (e.g. broadcast
-   * from rank 0, register the grad-ready callback). Collective. */
-  weft_status* (*setup)(weft_strategy* strategy);
-
-  /* Runs one training step's forward and backward passes over all its micro-batches, using
-   * host->batch/forward/loss/backward and communication, and leaves every trainable
-   * parameter's gradient (for the shard this rank holds) ready for the optimizer: summed over
-   * micro-batches with the loss scaled by 1 / micro_batches, averaged over data-parallel
-   * replicas. loss_out: this step's mean loss over the global batch (every rank returns the
-   * same value). Required. */
-  weft_status* (*train_step)(weft_strategy* strategy, const weft_step_info* step,
-                             double* loss_out);
-  /* Evaluation of one global held-out batch (forward only, WEFT_FORWARD_NO_GRAD): the sum of
-   * token losses and the number of target tokens over all ranks (every rank returns the same
-   * values). Optional only for one-process plugins: the default runs the whole model on this
-   * rank's rows with no reduction, so the host refuses a world size above 1 without it. */
-  weft_status* (*eval_step)(weft_strategy* strategy, const weft_step_info* step,
-                            double* loss_sum_out, int64_t* tokens_out);
-  /* Optional. The squared global L2 norm of the gradients from this rank's local sum of
-   * squares over the parameters it holds (e.g. an all-reduce over model-parallel ranks),
-   * for gradient clipping. Default: local_sq unchanged. */
-  weft_status* (*global_grad_norm_sq)(weft_strategy* strategy, double local_sq,
-                                      double* global_sq_out);
-  /* Optional. Communication at a fixed point inside the model (see weft_comm_point), in place
-   * on `tensor` (a contiguous CPU or CUDA tensor owned by the host, valid during the call), in
-   * the forward or the backward direction. `layer` is the decoder block index (-1 outside
-   * blocks). The host calls the four block points in every decoder block, and
-   * EMBEDDING_OUTPUT, HEAD_INPUT and LOSS_MAX/SUM when the vocabulary is split
-   * (shard_parameter): every point in the forward direction, and all but LOSS_MAX (a constant
-   * for autograd) also in the backward direction, on the gradient. Megatron: all-reduce SUM
-   * over the tensor-parallel group in the backward of the *_INPUT points and in the forward of
-   * *_OUTPUT, EMBEDDING_OUTPUT and LOSS_SUM; all-reduce MAX in the forward of LOSS_MAX;
-   * nothing otherwise. Every rank of the group calls the same points in the same order. Default:
-   * nothing.
-   * Since 1.7, ROW_ABSMAX (forward only, never backward): `tensor` is fp32 [tokens], each token's
-   * absmax over this rank's input columns of a row-parallel layer (o_proj, down_proj, `layer` its
-   * block) held as int8 and multiplied in the CPU's int8 GEMM (model.quantize = "int8"); the
-   * plugin leaves the maximum over the ranks holding the layer's other columns (all-reduce MAX
-   * over the tensor-parallel group), so that every split quantizes each token as one process
-   * does. The host calls it only for a plugin of ABI >= 1.7 and refuses, before the model is
-   * built, an older plugin that splits such a layer along its input columns.
-   * Since 1.8, ADAPTER_SUM (forward only, never backward; `layer` -1): `tensor` is fp32 [n], sums
-   * over this rank's slices of the AdaLoRA adapters of the layers it splits (P's input columns on
-   * a row-parallel layer, Q's output rows on a column-parallel one: the rows of AdaLoRA's
-   * importance scores, the factors' Gram matrices), with the slices' lengths at its end. The
-   * plugin leaves the sum over the ranks holding the layers' other slices (all-reduce SUM over the
-   * tensor-parallel group); where several of them hold the same slice (kv heads shared by a group
-   * of ranks) each adds its copy, and the host divides by the lengths' sum. Called only in
-   * train.mode = "adalora" when a layer is split, the same number of times on every rank of the
-   * group; the host refuses AdaLoRA on a split model with a plugin below 1.8. */
-  weft_status* (*comm_point)(weft_strategy* strategy, weft_comm_point point,
-                             weft_direction direction, int64_t layer, DLTensor* tensor);
-
-  /* ---------------------------------- since 1.3 ---------------------------------------- */
-  /* Optional. Which elements of parameter `parameter_index` (weft_host_api.parameter_*) this
-   * rank keeps (weft_flat_shard). Called once per parameter after setup, before the first step.
-   * Default (or a NULL slot): {0, the parameter's element count, no flags}, which is "not
-   * sharded"; any other answer shards it. The host refuses a range outside the parameter.
-   * Since 1.3. */
-  weft_status* (*flat_shard)(weft_strategy* strategy, int64_t parameter_index,
-                             weft_flat_shard* out);
-  /* Optional. Called after every optimizer step, including one the fp16 loss scaler skipped
-   * (shards unchanged): e.g. all-gather the updated shards into the whole parameters (ZeRO-1/2)
-   * or leave them released until the next forward (ZeRO-3). Collective. Since 1.3. */
-  weft_status* (*after_optimizer_step)(weft_strategy* strategy);
-  /* Optional. whole = 1: make every parameter of this rank whole, with its current values, so
-   * that the host can read the model (saving a model, generation); whole = 0: return to the
-   * plugin's own layout between steps. The host calls 1 then 0 around such uses, outside steps.
-   * Collective. Default: nothing (parameters are always whole between steps). Since 1.3. */
-  weft_status* (*materialize_parameters)(weft_strategy* strategy, int32_t whole);
-  /* Optional. Adjusts this rank's memory plan (weft_memory_plan, pre-filled by the host with the
-   * one-process layout of what plan and shard_parameter chose) for what the plugin does: e.g.
-   * divides the optimizer state by the data-parallel size (ZeRO), multiplies activations by the
-   * micro-batches a pipeline keeps in flight, adds its buffers. Called on every rank after
-   * shard_parameter and before the model is built, also by `trainer plan`, which builds nothing.
-   * Not collective: no communication. Default: the host's plan unchanged. Since 1.3. */
-  weft_status* (*memory_plan)(weft_strategy* strategy, weft_memory_plan* plan);
-
-  /* ---------------------------------- since 1.4 ---------------------------------------- */
-  /* Required when plan chose context_parallel_size > 1 (the host refuses the plan otherwise);
-   * unused otherwise. The all-to-all between the context_parallel_size ranks that split the same
-   * sequences (Ulysses), around the attention core of decoder block `layer`: `send` and `recv`
-   * are contiguous tensors of the same shape and dtype on the rank's device, owned by the host
-   * and valid during the call, whose dim 0 is context_parallel_size; chunk j of send must
-   * arrive as chunk i of recv on sequence rank j, where i is this rank's sequence rank (the
-   * host service all_to_all over a group of those ranks in sequence-rank order does exactly
-   * that). The host calls it four times per block in the forward direction (q, k, v to heads;
-   * the attention output back to tokens) and four times in the backward direction (their
-   * gradients), in the same order on every rank of the group. Since 1.4. */
-  weft_status* (*context_exchange)(weft_strategy* strategy, int64_t layer, weft_direction direction,
-                                    const DLTensor* send, DLTensor* recv);
-
-  /* ---------------------------------- since 1.5 ---------------------------------------- */
-  /* Required when plan chose context_parallel_attention = WEFT_CONTEXT_ATTENTION_PLUGIN with a
-   * size above 1 (the host refuses the plan otherwise). The attention core of one decoder block
-   * over this rank's queries (weft_attention_call): forward, write out and lse; backward, write
-   * grad_q, grad_k, grad_v. The host calls it in every decoder block's forward (training,
-   * evaluation, and again in the backward when activation checkpointing recomputes a block) and
-   * once in its backward, in the same order on every rank of the sequence group. The transfers
-   * this implies must pair up under NCCL too, which matches a pair of ranks' sends and receives
-   * in posting order and ignores tags: post them in the same order at both ends (context_parallel:
-   * even ranks send first). Ring attention passes the
-   * k/v blocks (and, in backward, their gradients) around the group and calls the host's
-   * attention_block for every pair of query and key chunks the causal mask does not hide.
-   * Since 1.5. */
-  weft_status* (*context_attention)(weft_strategy* strategy, const weft_attention_call* call);
-
-  /* ---------------------------------- since 1.9 ---------------------------------------- */
-  /* Required when plan chose sequence_parallel_size > 1 (the host refuses the plan otherwise);
-   * unused otherwise. Megatron sequence parallelism's collectives over the sequence_parallel_size
-   * ranks of the group, in sequence_parallel_rank order, at comm point `point` of decoder block
-   * `layer` (-1 outside blocks), in `direction`. `input` and `output` are contiguous tensors of one
-   * dtype on the rank's device, owned by the host and valid during the call; the shapes say which
-   * collective the host wants:
-   *  - all-gather: input [...], output [size, ...]: slice i of output receives the input of rank i
-   *    (forward of ATTENTION_INPUT, MLP_INPUT, HEAD_INPUT; backward of ATTENTION_OUTPUT,
-   *    MLP_OUTPUT, EMBEDDING_OUTPUT);
-   *  - reduce-scatter: input [size, ...], output [...]: output is the sum over the ranks of their
-   *    input's slice number sequence_parallel_rank (the other cases; but a sequence classifier's
-   *    score head is whole, so the gradient of its gathered input is the same on every rank and
-   *    the host takes its own slice in the backward of HEAD_INPUT without a call).
-   * The host service all_gather / reduce_scatter (SUM) over a group of those ranks in that order
-   * does exactly that. Every rank of the group calls the same points in the same order (again in
-   * the backward when activation checkpointing recomputes a block). In training, the host calls
-   * the all-gather of ATTENTION_INPUT, MLP_INPUT and HEAD_INPUT a second time during the backward,
-   * with direction FORWARD and the same input, to gather a region's input again: as Megatron, it
-   * keeps only this rank's tokens between a region's forward and backward (hosts of 1.12 from
-   * 2026-11-27 on; no layout change). Since 1.9. */
-  weft_status* (*sequence_region)(weft_strategy* strategy, weft_comm_point point, weft_direction direction,
-                                  int64_t layer, const DLTensor* input, DLTensor* output);
-
-  /* ---------------------------------- since 1.12 ---------------------------------------- */
-  /* Composition over a device mesh (see weft_mesh_dim and the host's mesh_info). The host, not a
-   * plugin, orders the roles: the DRIVER (the plugin owning pp; else tp, else cp, else dp) runs
-   * train_step and eval_step; every other plugin sees the driver's forward and backward through
-   * its comm_point / sequence_* slots (as it would its own), then finishes the step with
-   * finish_step / finish_eval, innermost dimension first (tp, cp, dp). create, plan,
-   * shard_parameter, memory_plan and setup are called on every plugin in the order driver, tp, cp,
-   * dp; each plugin's plan sees the one-process layout and writes only its own fields (the host
-   * merges them: the stages from one plugin, the sequence splits from one, a field that two plugins
-   * change is refused; data_parallel_* are the mesh's dp size and this rank's dp coordinate, which a
-   * plan may leave pre-filled or write alike). The gradient norm for clipping is the host's: the sum over the
-   * world of each gradient's squared norm divided by its copies (gradient_copies) in every plugin.
-   * A plugin below 1.12, or one whose mesh_dimensions lacks the dimension it is given, is refused
-   * in a composed run; alone, nothing here is used. Since 1.14 a data-parallel plugin whose plan
-   * sets drives_stages (ZeRO-3) drives instead where no plugin owns pp; the finishing plugins read
-   * the gradients with the host's parameter_grad_step. */
-  /* Bit mask of the weft_mesh_dim values this plugin can own (1u << WEFT_MESH_TP, ...); 0: the
-   * plugin runs alone only. Data, not a function. Since 1.12. */
-  uint32_t mesh_dimensions;
-  uint32_t reserved_1_12;  /* 0 */
-  /* Required of every plugin but the driver in a composed run. After the driver's train_step:
-   * finish this rank's gradients along the plugin's dimension (e.g. average them over the
-   * data-parallel group, sum the partial gradients of replicated weights over the tensor-parallel
-   * group) and turn *loss_inout, the mean loss over the ranks before this dimension, into the mean
-   * over this dimension too (every rank of the group then holds the same value). Collective over
-   * the plugin's dimension. Since 1.12. Since 1.14 the gradient to finish is parameter_grad_step's
-   * (a flat shard where a stage-driving ZeRO-3 reduce-scattered it already; see drives_stages). */
-  weft_status* (*finish_step)(weft_strategy* strategy, const weft_step_info* step, double* loss_inout);
-  /* Required of every plugin but the driver in a composed run. After the driver's eval_step: turn
-   * the held-out batch's token-loss sum and token count over the ranks before this dimension into
-   * those over this dimension too (a sum over ranks that see different rows or tokens; unchanged
-   * where they see the same). Collective over the plugin's dimension. Since 1.12. */
-  weft_status* (*finish_eval)(weft_strategy* strategy, const weft_step_info* step, double* loss_sum_inout,
-                              int64_t* tokens_inout);
-  /* Optional (NULL: 1 everywhere). How many ranks of this plugin's dimension hold, after the step,
-   * the same gradient as this rank for parameter `parameter_index` (weft_host_api.parameter_*):
-   * the data-parallel size for ddp, the tensor-parallel size for a replicated norm, 2 for a tied
-   * embedding held by the first and the last pipeline stage, 1 for a slice only this rank holds.
-   * Called once per trainable parameter after setup, in a composed run only. Since 1.12. */
-  weft_status* (*gradient_copies)(weft_strategy* strategy, int64_t parameter_index, int32_t* copies_out);
-} weft_strategy_api;
-
-/* The entry point. The host passes its ABI version; the plugin returns its table (static
- * storage, valid while the library is loaded), or NULL if it cannot serve that host major.
- * The negotiated minor is min(host minor, table->header.abi_minor). Must not fail otherwise
- * and must not call back into the host. */
-typedef const weft_strategy_api* (*weft_strategy_entry_fn)(uint16_t host_abi_major,
-                                                           uint16_t host_abi_minor);
-
-/* Every plugin defines exactly this function (declared here so the compiler checks it). */
-WEFT_EXPORT const weft_strategy_api* weft_strategy_entry(uint16_t host_abi_major,
-                                                         uint16_t host_abi_minor);
 
 #ifdef __cplusplus
 } /* extern "C" */

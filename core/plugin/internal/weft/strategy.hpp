@@ -1,36 +1,10 @@
-// weft/strategy.hpp - the header-only C++17 layer over the strategy plugin ABI (weft/strategy.h).
+// weft/strategy.hpp - the host's internal C++ layer over its step services (weft/strategy.h).
 //
-// Depends only on weft/strategy.h (and so DLPack) and the standard library. A C++ plugin is a
-// class derived from weft::sdk::Strategy plus one line at namespace scope:
-//
-//     class MyStrategy : public weft::sdk::Strategy {
-//      public:
-//       explicit MyStrategy(weft::sdk::Host host) : Strategy(host) { /* read config */ }
-//       double train_step(const weft_step_info& step) override { ... }
-//     };
-//     WEFT_STRATEGY(MyStrategy, "mine", "1.0.0", "what it does, in one line")
-//
-// The macro emits the library's one exported symbol (weft_strategy_entry) and a static function
-// table whose slots are trampolines into the class. Every trampoline catches every exception and
-// turns it into a host-created weft_status, so no exception ever crosses the ABI:
-//   weft::sdk::Error       -> its code and message
-//   std::exception         -> WEFT_STATUS_INTERNAL with what()
-//   anything else          -> WEFT_STATUS_INTERNAL "unknown exception"
-// In the other direction, every weft::sdk::Host method that calls a host service throws
-// weft::sdk::Error when the service fails (after copying and releasing the host's status).
-//
-// Optional slots: the generated table leaves an optional slot (plan, shard_parameter, setup,
-// eval_step, global_grad_norm_sq, comm_point; since 1.3 flat_shard, after_optimizer_step,
-// materialize_parameters, memory_plan; since 1.4 context_exchange; since 1.5 context_attention; since 1.9
-// sequence_region; since 1.12 finish_step, finish_eval, gradient_copies) NULL unless the class, or a base between it and
-// Strategy, declares that method itself (checked at compile time, see detail::overrides_*), so
-// the host can skip calls that would do nothing (comm_point runs inside every layer). The base
-// class implementations still reproduce the one-process defaults documented in strategy.h, so
-// an override may call Strategy::eval_step(...) etc. for the default behaviour. Overrides must
-// be public, and overloading one of these names in a subclass (a second signature) is not
-// supported: the detection (&T::method) would not compile.
-//
-// Only one WEFT_STRATEGY per shared library (it defines the C symbol weft_strategy_entry).
+// The host's step for ABI 2 plugins (core/plugin/abi2.cpp, abi2_pipeline.cpp) and the pipeline
+// runtime (core/pipeline) are written against it: weft::sdk::Host wraps the services, and
+// weft::sdk::Strategy is the step whose methods the strategy session calls. Host methods throw
+// weft::sdk::Error when a service fails (after copying and releasing the host's status); the
+// session turns every exception into a weft::Error naming the plugin (detail::guarded).
 #ifndef WEFT_STRATEGY_HPP
 #define WEFT_STRATEGY_HPP
 
@@ -899,21 +873,11 @@ struct EvalResult {
   int64_t tokens = 0;     // target tokens over the global batch
 };
 
-// One instance per process, created by the host through the generated `create` slot with the
-// instance's Host (construct it from a `Host` and pass it to Strategy's constructor). Read the
-// configuration and validate the world size in the constructor: throw Error(BAD_CONFIG, ...)
-// for an unusable setup. Methods mirror weft_strategy_api; throwing from any of them returns a
-// status to the host (see the top of this file). Called from one host thread at a time.
+// The host's step: one per process, made by create_abi2_step (core/plugin/abi2.h) over the
+// session's Host; the constructor validates the layout and the world size (throwing
+// Error(BAD_CONFIG, ...)). The strategy session calls these methods from one thread at a time.
 class Strategy {
  public:
-  // The oldest host ABI minor this plugin needs; hide it in a subclass to raise it
-  // (static constexpr uint16_t min_host_minor = 1;).
-  static constexpr uint16_t min_host_minor = 0;
-  // The mesh dimensions (bit mask of 1u << weft_mesh_dim) this plugin can own in a composed run
-  // (ABI 1.12); hide it in a subclass (static constexpr uint32_t mesh_dimensions = 1u << WEFT_MESH_TP;).
-  // 0: the plugin runs alone only.
-  static constexpr uint32_t mesh_dimensions = 0;
-
   explicit Strategy(Host host) noexcept : host_(host) {}
   virtual ~Strategy() = default;
   Strategy(const Strategy&) = delete;
@@ -921,8 +885,8 @@ class Strategy {
 
   const Host& host() const noexcept { return host_; }
 
-  // Which stages this rank holds and its data-parallel coordinates; `plan` arrives pre-filled
-  // with the one-process layout. Default: leave it (the one-process layout).
+  // Which stages this rank holds, its data-parallel coordinates and its sequence splits; `plan`
+  // arrives pre-filled with the one-process layout. Default: leave it (the one-process layout).
   virtual void plan(weft_model_plan& plan) { (void)plan; }
   // How this rank holds a parameter. Default: the whole tensor.
   virtual weft_shard shard_parameter(const weft_parameter_info& info) {
@@ -931,11 +895,11 @@ class Strategy {
   }
   // After the model is built and its weights loaded. Default: nothing.
   virtual void setup() {}
-  // One training step (see weft_strategy_api.train_step); returns the step's mean loss.
-  // Required. single_process_train_step() is the one-process reference.
+  // One training step: its micro-batches' forward and backward passes, gradients left for the
+  // optimizer. Returns the step's mean loss.
   virtual double train_step(const weft_step_info& step) = 0;
-  // One evaluation batch. Default: single_process_eval_step (no reduction; world size 1).
-  virtual EvalResult eval_step(const weft_step_info& step) { return single_process_eval_step(step); }
+  // One evaluation batch: its summed token loss and token count over the ranks that share it.
+  virtual EvalResult eval_step(const weft_step_info& step) = 0;
   // The global squared gradient norm from this rank's share. Default: local_sq.
   virtual double global_grad_norm_sq(double local_sq) { return local_sq; }
   // Communication at a fixed point of the model, in place. Default: nothing.
@@ -988,96 +952,15 @@ class Strategy {
     (void)output;
     throw Error(WEFT_STATUS_UNSUPPORTED, "sequence_region: this plugin does not split sequences between regions");
   }
-  // --- since ABI 1.12 (composition over a device mesh; see strategy.h) ---
-  // After the driver's train_step, this plugin not driving: finish the gradients along its
-  // dimension and return the mean loss over it (`loss`: the mean over the ranks before it).
-  // Default: refuses (a plugin that composes overrides it).
-  virtual double finish_step(const weft_step_info& step, double loss) {
-    (void)step;
-    (void)loss;
-    throw Error(WEFT_STATUS_UNSUPPORTED, "finish_step: this plugin does not compose with others");
-  }
-  // After the driver's eval_step: the sums over this dimension too. Default: refuses.
-  virtual EvalResult finish_eval(const weft_step_info& step, const EvalResult& sums) {
-    (void)step;
-    (void)sums;
-    throw Error(WEFT_STATUS_UNSUPPORTED, "finish_eval: this plugin does not compose with others");
-  }
-  // How many ranks of this plugin's dimension hold the same gradient of parameter `index`.
-  // Default: 1.
-  virtual int32_t gradient_copies(int64_t index) {
-    (void)index;
-    return 1;
-  }
-
- protected:
-  // The one-process step: for each micro-batch m of step.micro_batches: batch(m) ->
-  // forward(0, S) -> loss(scale 1 / M) -> backward. Returns the mean of the micro-batches'
-  // unscaled losses. Gradients are left summed over micro-batches (no communication).
-  double single_process_train_step(const weft_step_info& step) const {
-    const int32_t micro_batches = step.micro_batches;
-    if (micro_batches < 1) throw Error(WEFT_STATUS_INVALID_ARGUMENT, "micro_batches must be >= 1");
-    const int64_t stages = host_.model_num_stages();
-    const double scale = 1.0 / micro_batches;
-    double loss_sum = 0.0;
-    for (int32_t m = 0; m < micro_batches; ++m) {
-      Batch batch = host_.batch(m);
-      Activation logits = host_.forward(0, stages, batch.inputs);
-      Loss loss = host_.loss(logits, batch.targets, scale);
-      host_.backward(loss.loss);
-      loss_sum += loss.value;
-    }
-    return loss_sum / micro_batches;
-  }
-  // The one-process evaluation: for each micro-batch, forward(0, S, NO_GRAD) -> loss(scale 1);
-  // sums value * tokens and tokens.
-  EvalResult single_process_eval_step(const weft_step_info& step) const {
-    const int64_t stages = host_.model_num_stages();
-    EvalResult result;
-    for (int32_t m = 0; m < step.micro_batches; ++m) {
-      Batch batch = host_.batch(m);
-      Activation logits = host_.forward(0, stages, batch.inputs, WEFT_FORWARD_NO_GRAD);
-      Loss loss = host_.loss(logits, batch.targets, 1.0);
-      result.loss_sum += loss.value * static_cast<double>(loss.tokens);
-      result.tokens += loss.tokens;
-    }
-    return result;
-  }
+  // Whether the model runs comm_point and sequence_region at its points (a step whose plugin
+  // hooks them); without, the model skips them. Default: false.
+  virtual bool runs_model_points() const { return false; }
 
  private:
   Host host_;
 };
 
-// ------------------------------------------------------------------------------------------
-// The generated table (used through WEFT_STRATEGY)
-// ------------------------------------------------------------------------------------------
-
 namespace detail {
-
-// True when T (or a base between T and Strategy) declares the method itself: &T::m then has
-// type `R (X::*)(...)` with X != Strategy.
-#define WEFT_SDK_DETAIL_OVERRIDES(method)                                          \
-  template <class T>                                                               \
-  constexpr bool overrides_##method() {                                            \
-    return !std::is_same<decltype(&T::method), decltype(&Strategy::method)>::value; \
-  }
-WEFT_SDK_DETAIL_OVERRIDES(plan)
-WEFT_SDK_DETAIL_OVERRIDES(shard_parameter)
-WEFT_SDK_DETAIL_OVERRIDES(setup)
-WEFT_SDK_DETAIL_OVERRIDES(eval_step)
-WEFT_SDK_DETAIL_OVERRIDES(global_grad_norm_sq)
-WEFT_SDK_DETAIL_OVERRIDES(comm_point)
-WEFT_SDK_DETAIL_OVERRIDES(flat_shard)
-WEFT_SDK_DETAIL_OVERRIDES(after_optimizer_step)
-WEFT_SDK_DETAIL_OVERRIDES(materialize_parameters)
-WEFT_SDK_DETAIL_OVERRIDES(memory_plan)
-WEFT_SDK_DETAIL_OVERRIDES(context_exchange)
-WEFT_SDK_DETAIL_OVERRIDES(context_attention)
-WEFT_SDK_DETAIL_OVERRIDES(sequence_region)
-WEFT_SDK_DETAIL_OVERRIDES(finish_step)
-WEFT_SDK_DETAIL_OVERRIDES(finish_eval)
-WEFT_SDK_DETAIL_OVERRIDES(gradient_copies)
-#undef WEFT_SDK_DETAIL_OVERRIDES
 
 // Runs `body`, turning every exception into a status created by `api` (NULL on success).
 template <class Body>
@@ -1094,188 +977,8 @@ weft_status* guarded(const weft_host_api* api, Body&& body) noexcept {
   }
 }
 
-// The host's step as this SDK's struct: the fields its struct_size covers, the rest as an older
-// host means them (stage_tokens, 1.13: seq_len - such a host passes whole sequences between stages).
-inline weft_step_info step_of(const weft_step_info* step) noexcept {
-  weft_step_info local{};
-  std::memcpy(&local, step, std::min<size_t>(step->struct_size, sizeof local));
-  if (step->struct_size < offsetof(weft_step_info, stage_tokens) + sizeof(local.stage_tokens)) {
-    local.stage_tokens = local.seq_len;
-  }
-  local.struct_size = static_cast<uint32_t>(sizeof local);
-  return local;
-}
-
-// The instance behind the opaque handle (create stores a Strategy*).
-inline Strategy& instance(weft_strategy* handle) noexcept {
-  return *reinterpret_cast<Strategy*>(handle);
-}
-template <class Body>
-weft_status* call(weft_strategy* handle, Body&& body) noexcept {
-  return guarded(instance(handle).host().api(), std::forward<Body>(body));
-}
-
-template <class T>
-struct Slots {
-  static weft_status* create(const weft_host_api* api, weft_host* host, weft_strategy** out) noexcept {
-    Strategy* created = nullptr;
-    weft_status* status = guarded(api, [&] { created = new T(Host(api, host)); });
-    if (status == nullptr) *out = reinterpret_cast<weft_strategy*>(created);
-    return status;
-  }
-  static void destroy(weft_strategy* handle) noexcept {
-    delete &instance(handle);
-  }
-  static weft_status* plan(weft_strategy* handle, weft_model_plan* plan) noexcept {
-    return call(handle, [&] {
-      // Work on a copy so that *plan is untouched on error; copy only what the host's
-      // struct holds (its struct_size).
-      weft_model_plan local{};
-      const size_t bytes = std::min<size_t>(plan->struct_size, sizeof local);
-      std::memcpy(&local, plan, bytes);
-      instance(handle).plan(local);
-      local.struct_size = plan->struct_size;
-      std::memcpy(plan, &local, bytes);
-    });
-  }
-  static weft_status* shard_parameter(weft_strategy* handle, const weft_parameter_info* info,
-                                      weft_shard* out) noexcept {
-    return call(handle, [&] { *out = instance(handle).shard_parameter(*info); });
-  }
-  static weft_status* setup(weft_strategy* handle) noexcept {
-    return call(handle, [&] { instance(handle).setup(); });
-  }
-  static weft_status* train_step(weft_strategy* handle, const weft_step_info* step,
-                                 double* loss_out) noexcept {
-    return call(handle, [&] { *loss_out = instance(handle).train_step(step_of(step)); });
-  }
-  static weft_status* eval_step(weft_strategy* handle, const weft_step_info* step,
-                                double* loss_sum_out, int64_t* tokens_out) noexcept {
-    return call(handle, [&] {
-      const EvalResult result = instance(handle).eval_step(step_of(step));
-      *loss_sum_out = result.loss_sum;
-      *tokens_out = result.tokens;
-    });
-  }
-  static weft_status* global_grad_norm_sq(weft_strategy* handle, double local_sq,
-                                          double* global_sq_out) noexcept {
-    return call(handle, [&] { *global_sq_out = instance(handle).global_grad_norm_sq(local_sq); });
-  }
-  static weft_status* comm_point(weft_strategy* handle, weft_comm_point point,
-                                 weft_direction direction, int64_t layer, DLTensor* tensor) noexcept {
-    return call(handle, [&] { instance(handle).comm_point(point, direction, layer, *tensor); });
-  }
-  static weft_status* flat_shard(weft_strategy* handle, int64_t index, weft_flat_shard* out) noexcept {
-    return call(handle, [&] { *out = instance(handle).flat_shard(index); });
-  }
-  static weft_status* after_optimizer_step(weft_strategy* handle) noexcept {
-    return call(handle, [&] { instance(handle).after_optimizer_step(); });
-  }
-  static weft_status* materialize_parameters(weft_strategy* handle, int32_t whole) noexcept {
-    return call(handle, [&] { instance(handle).materialize_parameters(whole != 0); });
-  }
-  static weft_status* memory_plan(weft_strategy* handle, weft_memory_plan* plan) noexcept {
-    return call(handle, [&] {
-      weft_memory_plan local{};  // as plan: untouched on error, only the host's struct_size copied
-      const size_t bytes = std::min<size_t>(plan->struct_size, sizeof local);
-      std::memcpy(&local, plan, bytes);
-      if (bytes < offsetof(weft_memory_plan, stage_tokens) + sizeof(local.stage_tokens)) {
-        local.stage_tokens = local.seq_len;  // a pre-1.13 host: whole sequences between stages
-      }
-      instance(handle).memory_plan(local);
-      local.struct_size = plan->struct_size;
-      std::memcpy(plan, &local, bytes);
-    });
-  }
-  static weft_status* context_exchange(weft_strategy* handle, int64_t layer, weft_direction direction,
-                                        const DLTensor* send, DLTensor* recv) noexcept {
-    return call(handle, [&] { instance(handle).context_exchange(layer, direction, *send, *recv); });
-  }
-  static weft_status* context_attention(weft_strategy* handle, const weft_attention_call* attention) noexcept {
-    return call(handle, [&] { instance(handle).context_attention(*attention); });
-  }
-  static weft_status* sequence_region(weft_strategy* handle, weft_comm_point point, weft_direction direction,
-                                      int64_t layer, const DLTensor* input, DLTensor* output) noexcept {
-    return call(handle, [&] { instance(handle).sequence_region(point, direction, layer, *input, *output); });
-  }
-  static weft_status* finish_step(weft_strategy* handle, const weft_step_info* step, double* loss_inout) noexcept {
-    return call(handle, [&] { *loss_inout = instance(handle).finish_step(step_of(step), *loss_inout); });
-  }
-  static weft_status* finish_eval(weft_strategy* handle, const weft_step_info* step, double* loss_sum_inout,
-                                  int64_t* tokens_inout) noexcept {
-    return call(handle, [&] {
-      EvalResult sums;
-      sums.loss_sum = *loss_sum_inout;
-      sums.tokens = *tokens_inout;
-      const EvalResult result = instance(handle).finish_eval(step_of(step), sums);
-      *loss_sum_inout = result.loss_sum;
-      *tokens_inout = result.tokens;
-    });
-  }
-  static weft_status* gradient_copies(weft_strategy* handle, int64_t index, int32_t* copies_out) noexcept {
-    return call(handle, [&] { *copies_out = instance(handle).gradient_copies(index); });
-  }
-};
-
-// The table for strategy class T. Optional slots are NULL unless T overrides the method.
-template <class T>
-weft_strategy_api make_table(const char* name, const char* version, const char* description) {
-  static_assert(std::is_base_of<Strategy, T>::value, "WEFT_STRATEGY: the class must derive from weft::sdk::Strategy");
-  static_assert(std::is_constructible<T, Host>::value, "WEFT_STRATEGY: the class needs a constructor taking weft::sdk::Host");
-  static_assert(!std::is_abstract<T>::value, "WEFT_STRATEGY: the class must implement train_step");
-  weft_strategy_api table{};
-  table.header.struct_size = static_cast<uint32_t>(sizeof(weft_strategy_api));
-  table.header.abi_major = WEFT_ABI_VERSION_MAJOR;
-  table.header.abi_minor = WEFT_ABI_VERSION_MINOR;
-  table.min_host_minor = T::min_host_minor;
-  table.name = name;
-  table.version = version;
-  table.description = description;
-  table.create = &Slots<T>::create;
-  table.destroy = &Slots<T>::destroy;
-  table.plan = overrides_plan<T>() ? &Slots<T>::plan : nullptr;
-  table.shard_parameter = overrides_shard_parameter<T>() ? &Slots<T>::shard_parameter : nullptr;
-  table.setup = overrides_setup<T>() ? &Slots<T>::setup : nullptr;
-  table.train_step = &Slots<T>::train_step;
-  table.eval_step = overrides_eval_step<T>() ? &Slots<T>::eval_step : nullptr;
-  table.global_grad_norm_sq =
-      overrides_global_grad_norm_sq<T>() ? &Slots<T>::global_grad_norm_sq : nullptr;
-  table.comm_point = overrides_comm_point<T>() ? &Slots<T>::comm_point : nullptr;
-  table.flat_shard = overrides_flat_shard<T>() ? &Slots<T>::flat_shard : nullptr;
-  table.after_optimizer_step = overrides_after_optimizer_step<T>() ? &Slots<T>::after_optimizer_step : nullptr;
-  table.materialize_parameters =
-      overrides_materialize_parameters<T>() ? &Slots<T>::materialize_parameters : nullptr;
-  table.memory_plan = overrides_memory_plan<T>() ? &Slots<T>::memory_plan : nullptr;
-  table.context_exchange = overrides_context_exchange<T>() ? &Slots<T>::context_exchange : nullptr;
-  table.context_attention = overrides_context_attention<T>() ? &Slots<T>::context_attention : nullptr;
-  table.sequence_region = overrides_sequence_region<T>() ? &Slots<T>::sequence_region : nullptr;
-  table.mesh_dimensions = T::mesh_dimensions;
-  table.finish_step = overrides_finish_step<T>() ? &Slots<T>::finish_step : nullptr;
-  table.finish_eval = overrides_finish_eval<T>() ? &Slots<T>::finish_eval : nullptr;
-  table.gradient_copies = overrides_gradient_copies<T>() ? &Slots<T>::gradient_copies : nullptr;
-  return table;
-}
-
-// The entry point's body: the table (static storage) for the host's major, else NULL.
-template <class T>
-const weft_strategy_api* entry(uint16_t host_abi_major, const char* name, const char* version,
-                               const char* description) noexcept {
-  static const weft_strategy_api table = make_table<T>(name, version, description);
-  return host_abi_major == WEFT_ABI_VERSION_MAJOR ? &table : nullptr;
-}
-
 }  // namespace detail
 }  // namespace sdk
 }  // namespace weft
-
-// Emits the plugin's entry point for strategy class `ClassName` (use once per library, at
-// global or namespace scope after the class). `name`, `version`, `description`: string
-// literals (static storage), e.g. WEFT_STRATEGY(Ddp, "ddp", "1.0.0", "data parallel").
-#define WEFT_STRATEGY(ClassName, name, version, description)                                     \
-  extern "C" WEFT_EXPORT const weft_strategy_api* weft_strategy_entry(uint16_t host_abi_major,   \
-                                                                      uint16_t host_abi_minor) { \
-    (void)host_abi_minor;                                                                        \
-    return ::weft::sdk::detail::entry<ClassName>(host_abi_major, name, version, description);    \
-  }
 
 #endif  // WEFT_STRATEGY_HPP

@@ -1,4 +1,4 @@
-// The device mesh of a run that composes several strategy plugins (ABI 1.12): sizes along pp, dp,
+// The device mesh of a run that composes several strategy plugins: sizes along pp, dp,
 // cp and tp (the order of weft_mesh_dim), world rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i
 // (tp fastest, as torchtitan and Megatron lay out theirs), and the slices of ranks that differ
 // along one dimension only, each of which gets its own process group.

@@ -173,7 +173,7 @@ TORCH_MODULE(DecoderBlock);
 // Sets the compute dtype of every weft::Linear under `module`.
 void set_compute_dtype(torch::nn::Module& module, torch::Dtype dtype);
 // Lets (or stops) every weft::Linear under `module` defer its trainable weight's gradient
-// (weight_grad.h; a split backward, ABI 1.11).
+// (weight_grad.h; a split backward).
 void set_weight_grads_deferrable(torch::nn::Module& module, bool deferrable);
 
 }  // namespace weft

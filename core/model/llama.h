@@ -35,7 +35,7 @@ struct StageRange {
 };
 
 // The stages a process holds: one range, or several disjoint ones in ascending order (a
-// pipeline rank's virtual stages, ABI 1.10 stage_chunks). Default: every stage.
+// pipeline rank's virtual stages, stage_chunks). Default: every stage.
 struct StageSet {
   std::vector<StageRange> ranges{StageRange{}};
   StageSet() = default;
@@ -61,8 +61,8 @@ struct ModelOptions {
   // Context parallelism (parallel.h ContextSplit): forward() takes this process's tokens of each sequence
   // and the attention core exchanges them (none, or size 1: whole sequences).
   std::shared_ptr<const ContextSplit> context;
-  // Megatron sequence parallelism inside the tensor-parallel group (parallel.h SequenceShards,
-  // ABI 1.9): between the regions the residual stream holds this process's tokens; the regions'
+  // Megatron sequence parallelism inside the tensor-parallel group (parallel.h SequenceShards):
+  // between the regions the residual stream holds this process's tokens; the regions'
   // entries all-gather and their exits reduce-scatter through it instead of `comm` (none, or size
   // 1: whole sequences). Needs a vocabulary-parallel embedding and whole sequences otherwise;
   // cached decoding ignores it.
@@ -72,7 +72,7 @@ struct ModelOptions {
   // with load_weights / init_weights).
   QuantConfig quantize;
   // The linear layers' trainable weights may have their gradients deferred (weight_grad.h): a
-  // plugin that splits backward passes (ABI 1.11 split_backward, zero-bubble schedules).
+  // plugin that splits backward passes (split_backward, zero-bubble schedules).
   bool deferrable_weight_grads = false;
 };
 

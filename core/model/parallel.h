@@ -58,9 +58,9 @@ enum class CommPoint {
   kHeadInput = 7,        // before a vocabulary-parallel LM head: identity forward, all-reduce
                          // backward (the hidden state's gradient sums over the vocabulary)
   kRowAbsMax = 8,        // per-token absmax of a row-parallel int8 layer's input columns
-                         // (int8_linear): all-reduce(max) forward; never backward (ABI 1.7)
+                         // (int8_linear): all-reduce(max) forward; never backward
   kAdapterSum = 9,       // sums over the slices of split layers' AdaLoRA factors (sum_over_slices):
-                         // all-reduce forward; never backward (ABI 1.8)
+                         // all-reduce forward; never backward
 };
 
 // The points by name, as plugins of ABI 2 register hooks at them (weft/plugin.h, "weft_hooks"):
@@ -86,7 +86,7 @@ torch::Tensor comm_point(const CommHook* hook, CommPoint point, int64_t layer, c
 // (in place of g's all-reduce). `collective(point, backward, layer, input, output)`: all-gather
 // when output is [size, ...input] (slice i from process i), reduce-scatter (sum of every process's
 // slice `rank`) when input is [size, ...output]; every process of the group calls it in the same
-// order (ABI 1.9 sequence_region).
+// order (sequence_region).
 struct SequenceShards {
   int64_t rank = 0;
   int64_t size = 1;

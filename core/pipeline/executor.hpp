@@ -8,7 +8,7 @@
 //    handed over in memory, not sent;
 //  - RECV_ACTIVATION / RECV_GRADIENT post an asynchronous receive into a plugin-owned fp32
 //    buffer [rows, stage_tokens, hidden] (hidden states and their gradients are fp32 in every
-//    precision, see weft_model_info; stage_tokens < seq_len when the plan splits sequences, ABI 1.13);
+//    precision, see weft_model_info; stage_tokens < seq_len when the plan splits sequences);
 //  - FORWARD takes the micro-batch's token ids (stage 0) or waits for its received activation
 //    and makes it a leaf that requires grad, runs the stage's layers (and the loss, scaled by
 //    1 / micro-batches, on the last stage) and keeps input and output for the backward;
@@ -17,7 +17,7 @@
 //  - BACKWARD back-propagates from the scaled loss (last stage) or from the output with the
 //    received gradient, then releases the micro-batch's activations (its autograd graph);
 //  - with a split backward (zero-bubble schedules), BACKWARD is the host's backward_input and
-//    BACKWARD_WEIGHT its backward_weight on the pass that BACKWARD kept (ABI 1.11);
+//    BACKWARD_WEIGHT its backward_weight on the pass that BACKWARD kept;
 //  - OPTIMIZER_STEP waits for every outstanding send (the flush).
 // Pipeline micro-batch k of a step is the host's micro-batch k / splits, split k % splits, so
 // gradient accumulation and pipeline micro-batches compose.

@@ -88,11 +88,6 @@ void PipelineStrategy::plan(weft_model_plan& plan) {
   const weft_model_info info = host().model_info();
   const int64_t layers = info.num_layers;
   const int32_t parts = placement_.stages * chunks_;  // virtual stages
-  if (chunks_ > 1 && (host().negotiated_minor() < 10 ||
-                      plan.struct_size < offsetof(weft_model_plan, chunk_stages) + sizeof(plan.chunk_stages))) {
-    throw Error(WEFT_STATUS_UNSUPPORTED, plugin_ + ": plugin.chunks = " + std::to_string(chunks_) +
-                                             " needs a host with ABI >= 1.10 (virtual pipeline stages)");
-  }
   try {
     if (!balance_.empty()) {
       partition_ = partition_from_balance(balance_, layers);
@@ -286,7 +281,7 @@ void PipelineStrategy::memory_plan(weft_memory_plan& plan) {
     // Each waiting W is one chunk's: the mean chunk's share of the rank's blocks.
     plan.activation_bytes += rows * pending * deferred_weight_bytes_per_row(plan.seq_len) / chunks;
   }
-  // Receive buffers and gradients of the boundaries: this rank's tokens of a split sequence (ABI 1.13).
+  // Receive buffers and gradients of the boundaries: this rank's tokens of a split sequence.
   plan.buffer_bytes += rows * (inputs + outputs) * 2 * plan.stage_tokens / std::max<int64_t>(1, plan.seq_len);
   if (placement_.is_last() && !placement_.is_first() && host().model_info().tie_word_embeddings) {
     const weft_stage_memory embedding = host().stage_memory(0);

@@ -40,7 +40,7 @@ class PipelineStrategy : public weft::sdk::Strategy {
   double train_step(const weft_step_info& step) override;
   weft::sdk::EvalResult eval_step(const weft_step_info& step) override;
   double global_grad_norm_sq(double local_sq) override;
-  // The tied embedding's two copies (first and last stage) hold the same gradient (ABI 1.12).
+  // The tied embedding's two copies (first and last stage) hold the same gradient.
   void memory_plan(weft_memory_plan& plan) override;
 
   // --- introspection (tests) ---

@@ -21,7 +21,7 @@ inline std::vector<double> sum_over(const weft::sdk::Host& host, weft::sdk::Grou
   return values;
 }
 
-// A held-out batch's sums added over `group` (ABI 1.12 finish_eval of a plugin whose ranks see
+// A held-out batch's sums added over `group` (finish_eval of a plugin whose ranks see
 // different rows or tokens). Collective.
 inline weft::sdk::EvalResult eval_sums_over(const weft::sdk::Host& host, weft::sdk::Group group,
                                             const weft::sdk::EvalResult& sums) {

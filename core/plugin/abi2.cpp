@@ -1,7 +1,7 @@
-// The host's step for ABI 2 plugins, and the host services they find by name. The step is written
-// as a strategy over the host's own services (the SDK's C++ layer over weft_host_api), so that the
-// strategy session runs it as it runs any plugin of ABI 1; the ABI 2 plugin behind it gives its
-// layout, placements and hooks, and the collectives those lower to are placement_collectives.h's.
+// The host's step for ABI 2 plugins, and the host services they find by name. The step is an
+// sdk::Strategy over the host's own step services (core/plugin/internal/weft/strategy.hpp), whose
+// methods the strategy session calls; the ABI 2 plugin behind it gives its layout, placements and
+// hooks, and the collectives those lower to are placement_collectives.h's.
 #include "core/plugin/abi2.h"
 #include "core/plugin/abi2_context.h"
 
@@ -29,32 +29,30 @@ namespace {
 
 // --- the host's services, by name ---
 
-const weft_host_api* g_api = nullptr;  // the host's ABI 1 table: one static table for every PluginHost
-
 weft_status* service_status_create(weft_status_code code, const char* message) {
-  return g_api->status_create(code, message ? message : "");
+  return status_create(code, message ? message : "");
 }
 void service_log(weft_host_context* c, weft_log_level level, const char* message) { c->host.log(level, message); }
 void service_world(weft_host_context* c, int32_t* rank, int32_t* size) {
-  const sdk::Group world = c->group != nullptr ? sdk::Group(c->host.api(), c->group) : c->host.world();
+  const sdk::Group world = c->group != nullptr ? sdk::Group(c->group) : c->host.world();
   if (rank) *rank = world.rank();
   if (size) *size = world.size();
 }
 weft_host* settings_of(weft_host_context* c) { return c->settings != nullptr ? c->settings : c->host.handle(); }
 weft_status* service_config_int(weft_host_context* c, const char* key, int64_t fallback, int64_t* out) {
-  return c->host.api()->config_int(settings_of(c), key, fallback, out);
+  return host::config_int(settings_of(c), key, fallback, out);
 }
 weft_status* service_config_float(weft_host_context* c, const char* key, double fallback, double* out) {
-  return c->host.api()->config_float(settings_of(c), key, fallback, out);
+  return host::config_float(settings_of(c), key, fallback, out);
 }
 weft_status* service_config_bool(weft_host_context* c, const char* key, int32_t fallback, int32_t* out) {
-  return c->host.api()->config_bool(settings_of(c), key, fallback, out);
+  return host::config_bool(settings_of(c), key, fallback, out);
 }
 weft_status* service_config_string(weft_host_context* c, const char* key, const char* fallback, const char** out) {
-  return c->host.api()->config_string(settings_of(c), key, fallback, out);
+  return host::config_string(settings_of(c), key, fallback, out);
 }
 weft_status* service_config_int_list(weft_host_context* c, const char* key, int64_t* out, int32_t capacity, int32_t* count) {
-  return c->host.api()->config_int_list(settings_of(c), key, out, capacity, count);
+  return host::config_int_list(settings_of(c), key, out, capacity, count);
 }
 
 // Since 2.1: the parameters, collectives over the plugin's dimension and metrics, for hooks.
@@ -66,17 +64,17 @@ int64_t service_parameter_count(weft_host_context* c) {
   }
 }
 weft_status* service_parameter(weft_host_context* c, int64_t index, weft_parameter_desc* desc, DLTensor* data) {
-  if (desc == nullptr || data == nullptr) return g_api->status_create(WEFT_STATUS_INVALID_ARGUMENT, "weft_parameter: desc or data is NULL");
+  if (desc == nullptr || data == nullptr) return status_create(WEFT_STATUS_INVALID_ARGUMENT, "weft_parameter: desc or data is NULL");
   const int64_t count = service_parameter_count(c);
   if (index < 0 || index >= count) {
-    return g_api->status_create(WEFT_STATUS_INVALID_ARGUMENT,
+    return status_create(WEFT_STATUS_INVALID_ARGUMENT,
                                 fmt::format("weft_parameter: index {} is not one of the {} parameters", index, count).c_str());
   }
   if (desc->struct_size < offsetof(weft_parameter_desc, trainable) + sizeof desc->trainable) {
-    return g_api->status_create(WEFT_STATUS_INVALID_ARGUMENT, "weft_parameter: desc->struct_size is smaller than ABI 2.0's");
+    return status_create(WEFT_STATUS_INVALID_ARGUMENT, "weft_parameter: desc->struct_size is smaller than ABI 2.0's");
   }
-  weft_status* status = c->host.api()->parameter_info(c->host.handle(), index, &c->info);
-  if (status == nullptr) status = c->host.api()->parameter_data(c->host.handle(), index, data);
+  weft_status* status = host::parameter_info(c->host.handle(), index, &c->info);
+  if (status == nullptr) status = host::parameter_data(c->host.handle(), index, data);
   if (status != nullptr) return status;
   weft_parameter_desc whole{};
   whole.struct_size = std::min<uint32_t>(desc->struct_size, sizeof whole);
@@ -98,61 +96,61 @@ DLTensor flat_view(const DLTensor& t, int64_t (&shape_and_stride)[2]) {
 // A collective's status, or its wait's: it returns when done.
 weft_status* waited(weft_host_context* c, weft_status* status, weft_work** work) {
   if (status != nullptr) return status;
-  status = c->host.api()->work_wait(c->host.handle(), *work);
-  c->host.api()->work_release(c->host.handle(), *work);
+  status = host::work_wait(c->host.handle(), *work);
+  host::work_release(c->host.handle(), *work);
   return status;
 }
 weft_status* service_all_reduce(weft_host_context* c, DLTensor* tensor, weft_reduce_op op) {
-  if (tensor == nullptr) return g_api->status_create(WEFT_STATUS_INVALID_ARGUMENT, "weft_all_reduce: tensor is NULL");
+  if (tensor == nullptr) return status_create(WEFT_STATUS_INVALID_ARGUMENT, "weft_all_reduce: tensor is NULL");
   if (!collective_dtype(*tensor)) {
-    return g_api->status_create(WEFT_STATUS_INVALID_ARGUMENT, "weft_all_reduce: the tensor is not fp32, fp64, bf16 or fp16");
+    return status_create(WEFT_STATUS_INVALID_ARGUMENT, "weft_all_reduce: the tensor is not fp32, fp64, bf16 or fp16");
   }
   weft_work* work = nullptr;
-  return waited(c, c->host.api()->all_reduce(c->host.handle(), c->group, tensor, op, &work), &work);
+  return waited(c, host::all_reduce(c->host.handle(), c->group, tensor, op, &work), &work);
 }
 // Since 2.3: all-gather and reduce-scatter over the plugin's dimension (sequence parallelism).
 weft_status* service_all_gather(weft_host_context* c, DLTensor* output, const DLTensor* input) {
   if (output == nullptr || input == nullptr || !collective_dtype(*output) || !collective_dtype(*input)) {
-    return g_api->status_create(WEFT_STATUS_INVALID_ARGUMENT,
+    return status_create(WEFT_STATUS_INVALID_ARGUMENT,
                                 "weft_all_gather: an output and an input of fp32, fp64, bf16 or fp16 are required");
   }
   int64_t out_shape[2], in_shape[2];
   DLTensor out = flat_view(*output, out_shape);
   const DLTensor in = flat_view(*input, in_shape);
   weft_work* work = nullptr;
-  return waited(c, c->host.api()->all_gather(c->host.handle(), c->group, &out, &in, &work), &work);
+  return waited(c, host::all_gather(c->host.handle(), c->group, &out, &in, &work), &work);
 }
 weft_status* service_reduce_scatter(weft_host_context* c, DLTensor* output, const DLTensor* input) {
   if (output == nullptr || input == nullptr || !collective_dtype(*output) || !collective_dtype(*input)) {
-    return g_api->status_create(WEFT_STATUS_INVALID_ARGUMENT,
+    return status_create(WEFT_STATUS_INVALID_ARGUMENT,
                                 "weft_reduce_scatter: an output and an input of fp32, fp64, bf16 or fp16 are required");
   }
   int64_t out_shape[2], in_shape[2];
   DLTensor out = flat_view(*output, out_shape);
   const DLTensor in = flat_view(*input, in_shape);
   weft_work* work = nullptr;
-  return waited(c, c->host.api()->reduce_scatter(c->host.handle(), c->group, &out, &in, WEFT_REDUCE_SUM, &work), &work);
+  return waited(c, host::reduce_scatter(c->host.handle(), c->group, &out, &in, WEFT_REDUCE_SUM, &work), &work);
 }
 // Since 2.4: all-to-all and point-to-point transfers over the plugin's dimension (context parallelism).
 weft_group* dimension_group(weft_host_context* c) { return c->group != nullptr ? c->group : c->host.world().get(); }
 weft_status* service_all_to_all(weft_host_context* c, DLTensor* output, const DLTensor* input) {
   if (output == nullptr || input == nullptr || output->ndim < 1 || input->ndim < 1) {
-    return g_api->status_create(WEFT_STATUS_INVALID_ARGUMENT, "weft_all_to_all: an output and an input [size, ...] are required");
+    return status_create(WEFT_STATUS_INVALID_ARGUMENT, "weft_all_to_all: an output and an input [size, ...] are required");
   }
   weft_work* work = nullptr;
-  return waited(c, c->host.api()->all_to_all(c->host.handle(), dimension_group(c), output, input, &work), &work);
+  return waited(c, host::all_to_all(c->host.handle(), dimension_group(c), output, input, &work), &work);
 }
 weft_status* service_send(weft_host_context* c, const DLTensor* tensor, int32_t peer, int32_t tag, weft_transfer** out) {
-  if (tensor == nullptr || out == nullptr) return g_api->status_create(WEFT_STATUS_INVALID_ARGUMENT, "weft_send: a tensor and an output are required");
+  if (tensor == nullptr || out == nullptr) return status_create(WEFT_STATUS_INVALID_ARGUMENT, "weft_send: a tensor and an output are required");
   weft_work* work = nullptr;
-  weft_status* status = c->host.api()->send(c->host.handle(), dimension_group(c), tensor, peer, tag, &work);
+  weft_status* status = host::send(c->host.handle(), dimension_group(c), tensor, peer, tag, &work);
   *out = reinterpret_cast<weft_transfer*>(work);
   return status;
 }
 weft_status* service_recv(weft_host_context* c, DLTensor* tensor, int32_t peer, int32_t tag, weft_transfer** out) {
-  if (tensor == nullptr || out == nullptr) return g_api->status_create(WEFT_STATUS_INVALID_ARGUMENT, "weft_recv: a tensor and an output are required");
+  if (tensor == nullptr || out == nullptr) return status_create(WEFT_STATUS_INVALID_ARGUMENT, "weft_recv: a tensor and an output are required");
   weft_work* work = nullptr;
-  weft_status* status = c->host.api()->recv(c->host.handle(), dimension_group(c), tensor, peer, tag, &work);
+  weft_status* status = host::recv(c->host.handle(), dimension_group(c), tensor, peer, tag, &work);
   *out = reinterpret_cast<weft_transfer*>(work);
   return status;
 }
@@ -165,10 +163,10 @@ weft_status* service_transfer_wait(weft_host_context* c, weft_transfer* transfer
 weft_status* service_model_config_int(weft_host_context* c, const char* key, int64_t* out) {
   const PluginHost::State& state = *c->host.handle()->state;
   if (key == nullptr || out == nullptr) {
-    return g_api->status_create(WEFT_STATUS_INVALID_ARGUMENT, "weft_model_config_int: a key and an output are required");
+    return status_create(WEFT_STATUS_INVALID_ARGUMENT, "weft_model_config_int: a key and an output are required");
   }
   if (state.model_config == nullptr) {
-    return g_api->status_create(WEFT_STATUS_INVALID_ARGUMENT,
+    return status_create(WEFT_STATUS_INVALID_ARGUMENT,
                                 "weft_model_config_int: the model's configuration is known from weft_place on");
   }
   const ModelConfig& m = *state.model_config;
@@ -185,7 +183,7 @@ weft_status* service_model_config_int(weft_host_context* c, const char* key, int
   if (it == values.end()) {
     std::vector<std::string> keys;
     for (const auto& [k, v] : values) keys.push_back(k);
-    return g_api->status_create(WEFT_STATUS_INVALID_ARGUMENT,
+    return status_create(WEFT_STATUS_INVALID_ARGUMENT,
                                 fmt::format("weft_model_config_int: no key \"{}\" (the host has: {})", key,
                                             fmt::join(keys, ", ")).c_str());
   }
@@ -195,7 +193,7 @@ weft_status* service_model_config_int(weft_host_context* c, const char* key, int
 weft_status* service_state_tensor(weft_host_context* c, const char* name, DLDataType dtype, int32_t ndim,
                                   const int64_t* shape, DLTensor* out, int32_t* restored) {
   const auto refuse = [](const std::string& message) {
-    return g_api->status_create(WEFT_STATUS_INVALID_ARGUMENT, ("weft_state_tensor: " + message).c_str());
+    return status_create(WEFT_STATUS_INVALID_ARGUMENT, ("weft_state_tensor: " + message).c_str());
   };
   if (name == nullptr || *name == '\0' || out == nullptr) return refuse("a name and an output view are required");
   if (ndim < 0 || (ndim > 0 && shape == nullptr)) return refuse(fmt::format("'{}': no shape for {} dimensions", name, ndim));
@@ -238,12 +236,12 @@ weft_status* service_state_tensor(weft_host_context* c, const char* name, DLData
     if (restored) *restored = from_checkpoint;
     return nullptr;
   } catch (const std::exception& e) {
-    return g_api->status_create(WEFT_STATUS_INTERNAL, fmt::format("weft_state_tensor: {}", e.what()).c_str());
+    return status_create(WEFT_STATUS_INTERNAL, fmt::format("weft_state_tensor: {}", e.what()).c_str());
   }
 }
 void service_report_metric(weft_host_context* c, const char* name, double value) {
   if (name == nullptr) return;
-  if (weft_status* status = c->host.api()->report_metric(c->host.handle(), name, value)) g_api->status_release(status);
+  if (weft_status* status = host::report_metric(c->host.handle(), name, value)) status_release(status);
 }
 
 template <class F>
@@ -1041,9 +1039,9 @@ Abi2ShardShares abi2_shard_shares(const sdk::Host& host, const std::string& plug
       desc.trainable = 1;
       weft_parameter_layout where{};
       if (weft_status* status = place(instance, &desc, &where)) {
-        const weft_status_code code = g_api->status_code(status);
-        const std::string message = g_api->status_message(status);
-        g_api->status_release(status);
+        const weft_status_code code = status_code(status);
+        const std::string message = status_message(status);
+        status_release(status);
         throw sdk::Error(code, fmt::format("{} (weft_place, for the memory plan): {}", plugin, message));
       }
       double n = 1.0;
@@ -1137,7 +1135,6 @@ Abi2Plugin validate_abi2_table(const weft_plugin& table, const std::string& path
 }
 
 std::unique_ptr<sdk::Strategy> create_abi2_step(const Abi2Plugin& plugin, sdk::Host host) {
-  g_api = host.api();
   if (plugin.table.mesh_dimensions == (1u << WEFT_MESH_PP)) return create_abi2_pipeline_step(host, plugin);
   if (plugin.table.mesh_dimensions == (1u << WEFT_MESH_TP)) return std::make_unique<TensorStep>(host, plugin);
   return std::make_unique<HostStep>(host, plugin);

@@ -42,20 +42,18 @@ using Companion = Abi2Instance;
 
 void check_status(const sdk::Host& host, const std::string& name, weft_status* status, const char* what) {
   if (status == nullptr) return;
-  const weft_host_api* api = host.api();
-  const weft_status_code code = api->status_code(status);
-  const std::string message = api->status_message(status);
-  api->status_release(status);
+  const weft_status_code code = status_code(status);
+  const std::string message = status_message(status);
+  status_release(status);
   throw sdk::Error(code, fmt::format("{} ({}): {}", name, what, message));
 }
 
 // A status from the plugin becomes an Error naming it and the function (`what`, unless null).
 void check_status(const PipelinePlugin& o, weft_status* status, const char* what) {
   if (status == nullptr) return;
-  const weft_host_api* api = o.context.host.api();
-  const weft_status_code code = api->status_code(status);
-  const std::string message = api->status_message(status);
-  api->status_release(status);
+  const weft_status_code code = status_code(status);
+  const std::string message = status_message(status);
+  status_release(status);
   throw sdk::Error(code, what ? fmt::format("{} ({}): {}", plugin_name(o), what, message) : message);
 }
 

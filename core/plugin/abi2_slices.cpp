@@ -10,10 +10,9 @@ namespace weft {
 
 void abi2_check(const Abi2Instance& o, weft_status* status, const char* what) {
   if (status == nullptr) return;
-  const weft_host_api* api = o.context.host.api();
-  const weft_status_code code = api->status_code(status);
-  const std::string message = api->status_message(status);
-  api->status_release(status);
+  const weft_status_code code = status_code(status);
+  const std::string message = status_message(status);
+  status_release(status);
   throw sdk::Error(code, what ? fmt::format("{} ({}): {}", o.name(), what, message) : message);
 }
 

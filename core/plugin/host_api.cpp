@@ -1,4 +1,4 @@
-// The plugin ABI's host services table (weft_host_api) and PluginHost, which binds it to one
+// PluginHost, which binds the host's step services (core/plugin/internal/weft/strategy.h) to one
 // process's run. The services themselves are in host_config.cpp, host_collectives.cpp,
 // host_model.cpp, host_memory.cpp and host_telemetry.cpp (declared in host_services.h).
 #include "core/plugin/host_api.h"
@@ -8,85 +8,10 @@
 #include <utility>
 
 namespace weft {
-namespace {
 
-using host::State;
-
-weft_host_api make_table() {
-  weft_host_api t{};
-  t.header = {static_cast<uint32_t>(sizeof(weft_host_api)), WEFT_ABI_VERSION_MAJOR, WEFT_ABI_VERSION_MINOR};
-  t.status_create = status_create;
-  t.status_code = status_code;
-  t.status_message = status_message;
-  t.status_release = status_release;
-  t.log = host::log_line;
-  t.config_int = host::config_int;
-  t.config_float = host::config_float;
-  t.config_bool = host::config_bool;
-  t.config_string = host::config_string;
-  t.group_world = host::group_world;
-  t.group_rank = host::group_rank;
-  t.group_size = host::group_size;
-  t.group_create = host::group_create;
-  t.all_reduce = host::all_reduce;
-  t.reduce_scatter = host::reduce_scatter;
-  t.all_gather = host::all_gather;
-  t.broadcast = host::broadcast;
-  t.all_to_all = host::all_to_all;
-  t.send = host::send;
-  t.recv = host::recv;
-  t.barrier = host::barrier;
-  t.work_wait = host::work_wait;
-  t.work_release = host::work_release;
-  t.model_num_stages = host::model_num_stages;
-  t.parameter_count = host::parameter_count;
-  t.parameter_info = host::parameter_info;
-  t.parameter_data = host::parameter_data;
-  t.parameter_grad = host::parameter_grad;
-  t.set_grad_ready_callback = host::set_grad_ready_callback;
-  t.batch = host::batch;
-  t.forward = host::forward;
-  t.loss = host::loss;
-  t.backward = host::backward;
-  t.activation_view = host::activation_view;
-  t.activation_grad = host::activation_grad;
-  t.activation_empty = host::activation_empty;
-  t.activation_from_tensor = host::activation_from_tensor;
-  t.activation_release = host::activation_release;
-  t.model_info = host::model_info;
-  t.trace_begin = host::trace_begin;
-  t.trace_end = host::trace_end;
-  t.report_metric = host::report_metric;
-  t.config_int_list = host::config_int_list;
-  t.profile_stages = host::profile_stages;
-  t.buffer_create = host::buffer_create;
-  t.buffer_release = host::buffer_release;
-  t.tensor_copy = host::tensor_copy;
-  t.tensor_scale = host::tensor_scale;
-  t.tensor_add = host::tensor_add;
-  t.tensor_squared_norm = host::tensor_squared_norm;
-  t.parameter_shard = host::parameter_shard;
-  t.parameter_grad_shard = host::parameter_grad_shard;
-  t.parameter_grad_release = host::parameter_grad_release;
-  t.parameter_release = host::parameter_release;
-  t.parameter_materialize = host::parameter_materialize;
-  t.stage_memory = host::stage_memory;
-  t.attention_block = nullptr;  // a plugin computes its attention core itself
-  t.backward_input = host::backward_input;
-  t.backward_weight = host::backward_weight;
-  t.weight_pass_release = host::weight_pass_release;
-  t.mesh_info = host::mesh_info;
-  t.group_mesh = host::group_mesh;
-  t.parameter_grad_step = host::parameter_grad_step;
-  static_assert(Mesh::kPP == WEFT_MESH_PP && Mesh::kDP == WEFT_MESH_DP && Mesh::kCP == WEFT_MESH_CP &&
-                    Mesh::kTP == WEFT_MESH_TP && Mesh::kDims == WEFT_MESH_DIMS,
-                "the host's mesh dimensions are the ABI's");
-  return t;
-}
-
-const weft_host_api kHostApi = make_table();
-
-}  // namespace
+static_assert(Mesh::kPP == WEFT_MESH_PP && Mesh::kDP == WEFT_MESH_DP && Mesh::kCP == WEFT_MESH_CP &&
+                  Mesh::kTP == WEFT_MESH_TP && Mesh::kDims == WEFT_MESH_DIMS,
+              "the host's mesh dimensions are the ABI's");
 
 PluginHost::PluginHost(std::string plugin_name, toml::table plugin_config, Communicator& communicator)
     : state_(std::make_unique<State>()) {
@@ -106,8 +31,6 @@ PluginHost::PluginHost(std::string plugin_name, toml::table plugin_config, Commu
 PluginHost::~PluginHost() = default;
 
 const std::vector<std::pair<std::string, std::string>>& PluginHost::settings_read() const { return state_->settings; }
-
-const weft_host_api* PluginHost::api() const { return &kHostApi; }
 
 weft_host* PluginHost::handle() { return &state_->handle; }
 

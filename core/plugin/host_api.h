@@ -1,6 +1,6 @@
-// The host side of weft_host_api (sdk/include/weft/strategy.h): the services a strategy plugin
-// calls, bound to one process's run. StrategySession creates one PluginHost per plugin instance
-// and tells it, as the run proceeds, which model and which step the services refer to.
+// The host's step services (core/plugin/internal/weft/strategy.h), bound to one process's run.
+// StrategySession creates one PluginHost per plugin and tells it, as the run proceeds, which model
+// and which step the services refer to.
 #pragma once
 
 #include <array>
@@ -37,8 +37,7 @@ class PluginHost {
   PluginHost(const PluginHost&) = delete;
   PluginHost& operator=(const PluginHost&) = delete;
 
-  // The table and the context to hand to the plugin's create(); valid for this object's life.
-  const weft_host_api* api() const;
+  // The handle the step's services take (sdk::Host); valid for this object's life.
   weft_host* handle();
 
   // The [plugin] keys the plugin has asked for, in order, each with the value it got (configured,
@@ -48,7 +47,7 @@ class PluginHost {
   // The model's shape for model_info and profile_stages (before plan; bf16: the compute dtype;
   // seq_len and batch_rows: the run's sequence length and train.batch_size).
   void set_model_info(const ModelConfig& config, torch::Dtype compute_dtype, int64_t seq_len, int64_t batch_rows);
-  // Context parallelism (ABI 1.4's "sequence parallelism"; the layout since 1.5): batch() returns
+  // Context parallelism (the plan's context_parallel_*): batch() returns
   // this rank's tokens of every row from now on (ContextSplit::token_runs; size 1: whole rows).
   void set_context_split(int64_t rank, int64_t size, ContextLayout layout = ContextLayout::kContiguous);
   // The model the services refer to (after it is built). Enumerates the parameters it holds.
@@ -108,7 +107,7 @@ class PluginHost {
   // Calls the registered grad-ready callback machinery's bookkeeping (tests).
   int64_t parameter_count() const;
 
-  // --- ABI 1.3: sharded training state (host_shards.cpp) ---
+  // --- sharded training state (host_shards.cpp) ---
   // Records the flat shard the plugin chose for parameter `index` (after set_model): refuses a
   // range outside the parameter; a whole range without flags means "not sharded". Allocates the
   // gradient shard of a trainable parameter and the own storage of a releasable shard.
@@ -136,7 +135,7 @@ class PluginHost {
   // True when some parameter's training state is sharded.
   bool sharded() const;
   // While true (the host's materialize_parameters(1)), parameter_materialize gives fp32 whole
-  // parameters whatever WEFT_FLAT_SHARD_COMPUTE_DTYPE says (ABI 1.6).
+  // parameters whatever WEFT_FLAT_SHARD_COMPUTE_DTYPE says.
   void set_materialize_masters(bool masters);
   // Zeroes every gradient shard (after the optimizer step).
   void zero_grad_shards();

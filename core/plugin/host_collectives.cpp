@@ -21,8 +21,6 @@ weft_group* wrap_group(State& s, ProcessGroup& group) {
 weft_group* group_world(weft_host* host) {
   try {
     auto& s = state_of(host);
-    // ABI 1.12: a composed plugin's world is its mesh dimension's slice.
-    if (s.mesh_dimension >= 0) return wrap_group(s, *s.mesh_groups[static_cast<size_t>(s.mesh_dimension)]);
     return wrap_group(s, s.communicator->world());
   } catch (...) {
     return nullptr;
@@ -35,57 +33,8 @@ weft_status* group_create(weft_host* host, const int32_t* ranks, int32_t count, 
   return guarded([&] {
     WEFT_CHECK(ranks && count > 0 && out, "group_create: empty rank list");
     auto& s = state_of(host);
-    const std::vector<int32_t> listed(ranks, ranks + count);
-    if (s.mesh_dimension < 0) {
-      *out = wrap_group(s, s.communicator->create_group(listed));
-      return;
-    }
-    // ABI 1.12: ranks of the plugin's slice. Every slice along the dimension makes its own copy of
-    // the group, in slice order, so that the world's ranks all take part in every creation.
-    const auto slices = s.mesh->slices(s.mesh_dimension);
-    const int32_t mine = s.mesh->slice_of(s.communicator->world().rank, s.mesh_dimension);
-    for (size_t j = 0; j < slices.size(); ++j) {
-      std::vector<int32_t> global;
-      for (int32_t r : listed) {
-        WEFT_CHECK(0 <= r && r < static_cast<int32_t>(slices[j].size()),
-                   "group_create: rank {} is outside this plugin's {} ranks (mesh dimension {})", r, slices[j].size(),
-                   Mesh::name(s.mesh_dimension));
-        global.push_back(slices[j][static_cast<size_t>(r)]);
-      }
-      auto& group = s.communicator->create_group(global);
-      if (static_cast<int32_t>(j) == mine) *out = wrap_group(s, group);
-    }
+    *out = wrap_group(s, s.communicator->create_group(std::vector<int32_t>(ranks, ranks + count)));
   });
-}
-
-weft_status* mesh_info(weft_host* host, weft_mesh_info* out) {
-  return guarded([&] {
-    WEFT_CHECK(out != nullptr && out->struct_size >= sizeof(uint32_t), "mesh_info: null or unsized output");
-    auto& s = state_of(host);
-    weft_mesh_info info{};
-    info.struct_size = static_cast<uint32_t>(std::min<size_t>(out->struct_size, sizeof(weft_mesh_info)));
-    info.dimension = s.mesh_dimension;
-    info.driver = s.mesh_driver ? 1 : 0;
-    info.plugins = s.mesh_plugins;
-    const auto& world = s.communicator->world();
-    for (int d = 0; d < Mesh::kDims; ++d) {
-      info.size[d] = s.mesh ? s.mesh->size(d) : (d == Mesh::kDP ? world.size : 1);
-      info.coord[d] = s.mesh ? s.mesh->coords(world.rank)[static_cast<size_t>(d)] : (d == Mesh::kDP ? world.rank : 0);
-    }
-    std::memcpy(out, &info, info.struct_size);
-  });
-}
-
-weft_group* group_mesh(weft_host* host, int32_t dimension) {
-  try {
-    auto& s = state_of(host);
-    if (dimension < 0 || dimension >= Mesh::kDims) return nullptr;
-    if (!s.mesh) return dimension == Mesh::kDP ? wrap_group(s, s.communicator->world()) : nullptr;
-    ProcessGroup* group = s.mesh_groups[static_cast<size_t>(dimension)];
-    return group ? wrap_group(s, *group) : nullptr;
-  } catch (...) {
-    return nullptr;
-  }
 }
 
 weft_status* all_reduce(weft_host* host, weft_group* group, DLTensor* tensor, weft_reduce_op op, weft_work** work) {
@@ -148,15 +97,6 @@ weft_status* recv(weft_host* host, weft_group* group, DLTensor* tensor, int32_t 
     *work = new_work(host, communicator_of(host).recv(g, contiguous_view(tensor, "recv"), peer, tag));
   });
 }
-
-weft_status* barrier(weft_host* host, weft_group* group, weft_work** work) {
-  return guarded([&] {
-    WEFT_CHECK(work, "barrier: null work output");
-    auto& g = group_of(group);
-    *work = new_work(host, communicator_of(host).barrier(g));
-  });
-}
-
 
 weft_status* work_wait(weft_host* host, weft_work* work) {
   return guarded([&] {

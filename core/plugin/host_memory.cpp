@@ -1,4 +1,4 @@
-// The host services for plugins' own memory (since ABI 1.2): buffers on the rank's device, and
+// The host services for plugins' own memory: buffers on the rank's device, and
 // copy, scale and squared norm on views of any device the host knows (what a plugin cannot do
 // with plain C++ on a GPU's memory).
 #include "core/plugin/host_services.h"

@@ -291,15 +291,6 @@ weft_status* activation_grad(weft_host*, weft_activation* input, weft_activation
   });
 }
 
-weft_status* activation_empty(weft_host* host, int32_t ndim, const int64_t* shape, DLDataType dtype, weft_activation** out) {
-  return guarded([&] {
-    WEFT_CHECK(out && ndim >= 0 && (shape || ndim == 0), "activation_empty: bad arguments");
-    const auto type = sdk::from_dl_dtype(dtype);
-    *out = new_activation(torch::empty(std::vector<int64_t>(shape, shape + ndim),
-                                       torch::TensorOptions().dtype(type).device(state_of(host).device)));
-  });
-}
-
 weft_status* activation_from_tensor(weft_host* host, const DLTensor* data, int32_t requires_grad, weft_activation** out) {
   return guarded([&] {
     WEFT_CHECK(data && out, "activation_from_tensor: null argument");

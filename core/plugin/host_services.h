@@ -1,8 +1,8 @@
-// The host side of the plugin ABI, shared by the files that implement its services by concern:
+// The host side of the step services (strategy.h), shared by the files that implement them by concern:
 // host_config.cpp (configuration), host_collectives.cpp (process groups and collectives),
 // host_model.cpp (the model and the step), host_memory.cpp (plugins' buffers on the device and
 // operations on views), host_telemetry.cpp (logging, tracing, metrics, communication
-// accounting); host_api.cpp assembles the table. Internal to core/plugin.
+// accounting); host_api.cpp holds PluginHost. Internal to core/plugin.
 #pragma once
 
 #include <array>
@@ -53,19 +53,19 @@ namespace weft {
 struct Abi2Plugin;  // core/plugin/abi2.h
 
 // A parameter the plugin sees: its name, tensor, owning stage and full (unsharded) shape, and
-// (ABI 1.3) the flat shard of its training state this rank keeps.
+// the flat shard of its training state this rank keeps.
 struct ParameterEntry {
   std::string name;
   at::Tensor tensor;
   int64_t stage = 0;
   std::vector<int64_t> shape;        // the ABI's: the whole parameter, before tensor-parallel slicing
   std::vector<int64_t> local_shape;  // this rank's tensor when it is whole (parameter_materialize)
-  // ABI 1.3 (flat_shard): elements [shard_begin, shard_begin + shard_count) of the flattened
+  // flat_shard: elements [shard_begin, shard_begin + shard_count) of the flattened
   // local tensor. `shard` is the master copy of them (a view into `tensor`, or storage of its own
   // when releasable); `grad_shard` (trainable only) their gradient, which `shard.grad()` refers
   // to so that the optimizer and clipping read it.
   bool sharded = false, releasable = false, released = false;
-  // ABI 1.6 (WEFT_FLAT_SHARD_COMPUTE_DTYPE): the dtype parameter_materialize gives the whole
+  // WEFT_FLAT_SHARD_COMPUTE_DTYPE: the dtype parameter_materialize gives the whole
   // parameter outside materialize_parameters(1) (the compute dtype for a matrix, else fp32).
   at::ScalarType materialize_dtype = at::kFloat;
   int64_t shard_begin = 0, shard_count = 0;
@@ -94,7 +94,7 @@ struct PluginHost::State {
   torch::Device device = torch::kCPU;
   double loss_scale = 1.0;  // fp16: multiplies the loss handed back for backward (set_loss_scale)  // where the model computes: batches and activations go there
   std::vector<ParameterEntry> parameters;
-  // Inside materialize_parameters(1): whole parameters are materialised in fp32 (ABI 1.6).
+  // Inside materialize_parameters(1): whole parameters are materialised in fp32.
   bool materialize_masters = false;
   std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators;
   weft_grad_ready_fn grad_ready = nullptr;
@@ -116,7 +116,7 @@ struct PluginHost::State {
   weft_model_info model_info{};
   std::shared_ptr<ModelConfig> model_config;  // for profile_stages
   int64_t seq_len = 0, batch_rows = 0;
-  // Context parallelism (ABI 1.4 plan's "sequence parallelism"; the layout since 1.5): batch() hands out this rank's
+  // Context parallelism (the plan's context_parallel_*): batch() hands out this rank's
   // tokens of each row (rank, size and layout only; the model's own split holds the callbacks).
   ContextSplit context;
   // The host's memory estimate per model stage (set_stage_memory, before the model is built).
@@ -137,14 +137,6 @@ struct PluginHost::State {
   // how many times this rank computed them, by sequence index; undefined when not recording.
   at::Tensor sequence_loss_sums, sequence_counts;
   at::Tensor sequence_outputs;  // classification: each sequence's summed head outputs [sequences, labels]
-  // ABI 1.12: the mesh of a composed run (null when the plugin runs alone), the dimension this
-  // plugin owns, whether it drives the step, how many plugins the run composes, and this rank's
-  // group along each dimension (null where none was made).
-  const Mesh* mesh = nullptr;
-  int mesh_dimension = -1;
-  bool mesh_driver = true;
-  int mesh_plugins = 1;
-  std::array<ProcessGroup*, Mesh::kDims> mesh_groups{};
   // ABI 2 composition: the data-parallel plugin composed with this pipeline plugin on the mesh
   // pp x dp (the pipeline's step executes its layout over the dp dimension), and the host that
   // reads its [plugin] settings; null otherwise. Both are the session's.
@@ -251,81 +243,9 @@ inline Communicator& communicator_of(weft_host* host) {
 // Adds the time since `start` to the time this rank spent blocked on communication.
 void add_wait_time(weft_host* host, std::chrono::steady_clock::time_point start);
 
-// The services, by concern (the slots of weft_host_api they fill).
-// host_telemetry.cpp
-void log_line(weft_host* host, weft_log_level level, const char* message);
-void trace_begin(weft_host*, const char* category, const char* name);
-void trace_end(weft_host*);
-weft_status* report_metric(weft_host* host, const char* name, double value);
-// host_config.cpp
-weft_status* config_int(weft_host* h, const char* key, int64_t fallback, int64_t* out);
-weft_status* config_float(weft_host* h, const char* key, double fallback, double* out);
-weft_status* config_bool(weft_host* h, const char* key, int32_t fallback, int32_t* out);
-weft_status* config_string(weft_host* host, const char* key, const char* fallback, const char** out);
-weft_status* config_int_list(weft_host* host, const char* key, int64_t* out, int32_t capacity, int32_t* count_out);
-// host_collectives.cpp
-weft_group* group_world(weft_host* host);
-int32_t group_rank(const weft_group* group);
-int32_t group_size(const weft_group* group);
-weft_status* group_create(weft_host* host, const int32_t* ranks, int32_t count, weft_group** out);
-weft_status* mesh_info(weft_host* host, weft_mesh_info* out);
-weft_group* group_mesh(weft_host* host, int32_t dimension);
-weft_status* all_reduce(weft_host* host, weft_group* group, DLTensor* tensor, weft_reduce_op op, weft_work** work);
-weft_status* reduce_scatter(weft_host* host, weft_group* group, DLTensor* output, const DLTensor* input,
-                            weft_reduce_op op, weft_work** work);
-weft_status* all_gather(weft_host* host, weft_group* group, DLTensor* output, const DLTensor* input, weft_work** work);
-weft_status* broadcast(weft_host* host, weft_group* group, DLTensor* tensor, int32_t root, weft_work** work);
-weft_status* all_to_all(weft_host* host, weft_group* group, DLTensor* output, const DLTensor* input, weft_work** work);
-weft_status* send(weft_host* host, weft_group* group, const DLTensor* tensor, int32_t peer, int32_t tag,
-                  weft_work** work);
-weft_status* recv(weft_host* host, weft_group* group, DLTensor* tensor, int32_t peer, int32_t tag, weft_work** work);
-weft_status* barrier(weft_host* host, weft_group* group, weft_work** work);
-weft_status* work_wait(weft_host* host, weft_work* work);
-void work_release(weft_host* host, weft_work* work);
-// host_model.cpp
-int64_t model_num_stages(weft_host* host);
-int64_t parameter_count(weft_host* host);
-weft_status* parameter_info(weft_host* host, int64_t index, weft_parameter_info* out);
-weft_status* parameter_data(weft_host* host, int64_t index, DLTensor* out);
-weft_status* parameter_grad(weft_host* host, int64_t index, DLTensor* out);
-weft_status* parameter_grad_step(weft_host* host, int64_t index, DLTensor* out);
-weft_status* set_grad_ready_callback(weft_host* host, weft_grad_ready_fn callback, void* user_data);
-void install_grad_hooks(State& s);
-weft_status* batch(weft_host* host, int32_t micro_batch, int32_t split, int32_t splits, weft_activation** inputs,
-                   weft_activation** targets);
-weft_status* forward(weft_host* host, int64_t first, int64_t last, weft_activation* input, uint32_t flags,
-                     weft_activation** output);
-weft_status* loss(weft_host* host, weft_activation* logits, weft_activation* targets, double scale,
-                  weft_activation** loss_out, double* value_out, int64_t* tokens_out);
-weft_status* backward(weft_host*, weft_activation* output, weft_activation* grad_output);
-weft_status* backward_input(weft_host* host, weft_activation* output, weft_activation* grad_output,
-                            weft_weight_pass** pass_out);
-weft_status* backward_weight(weft_host* host, weft_weight_pass* pass);
-void weight_pass_release(weft_host* host, weft_weight_pass* pass);
-weft_status* activation_view(weft_host*, weft_activation* activation, DLTensor* out);
-weft_status* activation_grad(weft_host*, weft_activation* input, weft_activation** out);
-weft_status* activation_empty(weft_host*, int32_t ndim, const int64_t* shape, DLDataType dtype, weft_activation** out);
-weft_status* activation_from_tensor(weft_host*, const DLTensor* data, int32_t requires_grad, weft_activation** out);
-void activation_release(weft_host*, weft_activation* activation);
-weft_status* model_info(weft_host* host, weft_model_info* out);
-weft_status* profile_stages(weft_host* host, int64_t rows, int32_t repeats, double* seconds_out, int64_t count);
-// host_memory.cpp
-weft_status* buffer_create(weft_host* host, int32_t ndim, const int64_t* shape, DLDataType dtype, weft_buffer** out,
-                           DLTensor* view_out);
-void buffer_release(weft_host* host, weft_buffer* buffer);
-weft_status* tensor_copy(weft_host* host, DLTensor* dst, const DLTensor* src);
-weft_status* tensor_scale(weft_host* host, DLTensor* tensor, double factor);
-weft_status* tensor_add(weft_host* host, DLTensor* dst, const DLTensor* src, double alpha);
-weft_status* tensor_squared_norm(weft_host* host, const DLTensor* tensor, double* out);
-// host_shards.cpp (ABI 1.3)
-weft_status* parameter_shard(weft_host* host, int64_t index, DLTensor* out);
-weft_status* parameter_grad_shard(weft_host* host, int64_t index, DLTensor* out);
-weft_status* parameter_grad_release(weft_host* host, int64_t index);
-weft_status* parameter_release(weft_host* host, int64_t index);
-weft_status* parameter_materialize(weft_host* host, int64_t index, DLTensor* out);
-weft_status* stage_memory(weft_host* host, int64_t stage, weft_stage_memory* out);
-// host_model.cpp
-ParameterEntry& parameter_at(State& s, int64_t index);
+// The services are declared in strategy.h (weft::host); these are the helpers they share.
+void install_grad_hooks(State& s);  // host_model.cpp
+ParameterEntry& parameter_at(State& s, int64_t index);  // host_model.cpp
 
 }  // namespace host
 }  // namespace weft

@@ -1,4 +1,4 @@
-// The host services for sharded training state (since ABI 1.3: ZeRO / FSDP): the flat shard of
+// The host services for sharded training state (ZeRO / FSDP): the flat shard of
 // each parameter a plugin keeps, its master copy and gradient, and whole parameters and gradients
 // the plugin frees and brings back; and the per-stage memory estimate behind the memory plan.
 #include "core/plugin/host_services.h"
@@ -30,16 +30,6 @@ weft_status* parameter_grad_shard(weft_host* host, int64_t index, DLTensor* out)
     const auto& p = sharded_parameter(state_of(host), index, "parameter_grad_shard");
     WEFT_CHECK(p.grad_shard.defined(), "parameter_grad_shard: parameter '{}' is frozen (no gradient)", p.name);
     *out = sdk::to_dl_view(p.grad_shard);
-  });
-}
-
-weft_status* parameter_grad_step(weft_host* host, int64_t index, DLTensor* out) {
-  return guarded([&] {
-    WEFT_CHECK(out, "parameter_grad_step: null output");
-    const auto& p = parameter_at(state_of(host), index);
-    const auto& grad = p.tensor.grad();
-    WEFT_CHECK(grad.defined(), "parameter '{}' has no gradient in this step", p.name);  // INVALID_ARGUMENT
-    *out = sdk::to_dl_view(grad);
   });
 }
 

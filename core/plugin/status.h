@@ -1,7 +1,8 @@
-// The host's weft_status (sdk/include/weft/strategy.h): the error object that crosses the plugin
+// The host's weft_status (sdk/include/weft/common.h): the error object that crosses the plugin
 // boundary. Every status is allocated here, by the host, whoever reports the error, so whoever
-// receives one releases it with status_release. The four status_* functions are the ones the
-// host puts into weft_host_api; the helpers bridge statuses and C++ exceptions on the host side.
+// receives one releases it with status_release. The four status_* functions back the plugins'
+// status services and the host's own step services (strategy.h); the helpers bridge statuses and
+// C++ exceptions on the host side.
 #pragma once
 
 #include <memory>
@@ -18,7 +19,7 @@ struct weft_status {
 
 namespace weft {
 
-// --- the weft_host_api status slots (noexcept: they are called from plugins) ---
+// --- the status services (noexcept: they are called from plugins) ---
 
 // Creates a status with a copy of `message` (NULL is read as ""). A code of WEFT_STATUS_OK is a
 // caller bug and is stored as WEFT_STATUS_INTERNAL. Never fails: when memory runs out it returns

@@ -60,7 +60,7 @@ StrategySession::StrategySession(const std::string& path_or_name, toml::table pl
   library_ = step_.library;
   host_ = step_.host.get();
   state_host_ = host_;
-  call("create", [&] { step_.step = create_abi2_step(step_.library->plugin(), sdk::Host(host_->api(), host_->handle())); });
+  call("create", [&] { step_.step = create_abi2_step(step_.library->plugin(), sdk::Host(host_->handle())); });
   check_settings_read(plugin_config);
   instance_ = step_.step.get();
 }
@@ -198,7 +198,7 @@ void StrategySession::check(weft_status* status, const char* what) const {
 }
 
 void StrategySession::call(const char* what, const std::function<void()>& body) const {
-  check(sdk::detail::guarded(host_->api(), body), what);
+  check(sdk::detail::guarded(body), what);
 }
 
 std::string StrategySession::names() const {
@@ -508,7 +508,7 @@ void StrategySession::after_optimizer_step(StepReport& report) {
 
 void StrategySession::materialize_parameters(bool whole) {
   host_->set_materialize_masters(whole);  // whole for the host: the fp32 masters
-  weft_status* status = sdk::detail::guarded(host_->api(), [&] { instance_->materialize_parameters(whole); });
+  weft_status* status = sdk::detail::guarded([&] { instance_->materialize_parameters(whole); });
   host_->set_materialize_masters(false);
   check(status, "materialize_parameters");
 }

@@ -31,16 +31,16 @@ class Communicator;
 
 // Where the plugin puts this rank: the model stages it holds and its data-parallel coordinates.
 struct Placement {
-  StageSet stages;  // one range, or a pipeline rank's virtual stages (ABI 1.10)
+  StageSet stages;  // one range, or a pipeline rank's virtual stages
   int data_parallel_rank = 0;
   int data_parallel_size = 1;
-  int context_parallel_rank = 0;  // ABI 1.4 (its plan's sequence_parallel_*): this rank's share of every sequence
+  int context_parallel_rank = 0;  // the plan's context_parallel_*: this rank's share of every sequence
   int context_parallel_size = 1;
-  bool split_backward = false;  // ABI 1.11: the plugin splits backward passes (input, then weight gradients)
+  bool split_backward = false;  // the plugin splits backward passes (input, then weight gradients)
 };
 
 // Bytes one rank will hold at its peak, by kind: the host's one-process estimate of the stages and
-// slices the plugin chose, adjusted by the plugin (ABI 1.3 memory_plan).
+// slices the plugin chose, adjusted by the plugin (memory_plan).
 struct MemoryPlan {
   int64_t parameters = 0, gradients = 0, optimizer = 0, activations = 0, buffers = 0;
   int64_t total() const { return parameters + gradients + optimizer + activations + buffers; }
@@ -102,20 +102,19 @@ class StrategySession {
                          int64_t rows, int64_t seq_len);
   // The communication the model runs at its fixed points, or null for a plugin without any.
   std::shared_ptr<const CommHook> comm_hook();
-  // Context parallelism: the sequence split the plan chose (ABI 1.4's sequence_parallel_*), its
-  // all-to-all the plugin's context_exchange, or (1.5) its attention core the plugin's
-  // context_attention; nullptr when the plan keeps whole sequences.
+  // Context parallelism: the sequence split the plan chose (context_parallel_*), its all-to-all
+  // the step's context_exchange, or its attention core the step's context_attention; nullptr
+  // when the plan keeps whole sequences.
   std::shared_ptr<const ContextSplit> context_split();
-  // Megatron sequence parallelism the plan chose (ABI 1.9), its collectives the plugin's
-  // sequence_region; nullptr when the residual stream keeps whole sequences.
+  // Megatron sequence parallelism the plan chose, its collectives the step's sequence_region; nullptr when the residual stream keeps whole sequences.
   std::shared_ptr<const SequenceShards> sequence_parallel();
   int64_t sequence_parallel_size() const { return sequence_parallel_.size; }
-  // Tokens per row of the hidden states between stages on this rank (ABI 1.13 stage_tokens):
+  // Tokens per row of the hidden states between stages on this rank (stage_tokens):
   // seq_len over the plan's sequence splits.
   int64_t stage_tokens(int64_t seq_len) const {
     return seq_len / std::max<int64_t>(1, context_.size) / std::max<int64_t>(1, sequence_parallel_.size);
   }
-  // Whether the plan has the plugin run the attention core over split sequences (ABI 1.5).
+  // Whether the plan has the plugin run the attention core over split sequences.
   bool plugin_attention() const { return plugin_attention_ && context_.size > 1; }
 
   // --- after ---
@@ -131,7 +130,7 @@ class StrategySession {
   // The global squared gradient norm from this rank's share.
   double global_grad_norm_sq(double local_sq);
   // What the optimizer updates (the parameters, or their shards under a plugin that shards the
-  // training state: ABI 1.3 flat_shard, asked in attach), and whether anything is sharded.
+  // training state: the step's flat_shard, asked in attach), and whether anything is sharded.
   std::vector<PluginHost::TrainingTensor> training_tensors() const { return state_host_->training_tensors(); }
   bool shards_training_state() const { return state_host_->sharded(); }
   // The process group the training state is sharded over: the sharding plugin's mesh dimension in a

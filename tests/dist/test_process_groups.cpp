@@ -255,7 +255,9 @@ TEST(ProcessGroups, ATimedOutCollectiveNamesTheRanksThatNeverJoinedIt) {
           EXPECT_EQ(records[1].group, "world");
           EXPECT_EQ(records[1].bytes, 4);
           EXPECT_EQ(records[1].state, e.timed_out() ? "timed out" : "failed");
-          if (e.timed_out()) EXPECT_GE(records[1].ended_s, records[1].issued_s + 1.9);
+          if (e.timed_out()) {
+            EXPECT_GE(records[1].ended_s, records[1].issued_s + 1.9);
+          }
           std::ifstream in(record);
           std::stringstream text;
           text << in.rdbuf();

@@ -1,4 +1,4 @@
-// The host's weft_status: the status slots of weft_host_api and the status <-> exception bridges.
+// The host's weft_status: its status services and the status <-> exception bridges.
 #include <cstring>
 #include <new>
 #include <string>

@@ -3,8 +3,9 @@
  * (core/plugin/abi2.cpp, abi2_pipeline.cpp) and the pipeline runtime (core/pipeline) call, as a
  * table of C functions (weft_host_api) that PluginHost serves, with the structs they exchange. No
  * plugin sees it: plugins use weft/plugin.h, and the host refuses a library exporting ABI 1's
- * weft_strategy_entry. It began as ABI 1's host table (1.0 to 1.14; history: sdk/CHANGELOG.md),
- * so its comments still give the minor that added each service; the host serves all of them.
+ * weft_strategy_entry. It began as ABI 1's host table (history: sdk/CHANGELOG.md). "The
+ * plugin" below is the step (sdk::Strategy, weft/strategy.hpp) that calls these services, and
+ * "slot" one of that step's methods.
  *
  * Division of labour. The host keeps the model (as stages: embedding, decoder blocks,
  * norm + head), autograd, the data loader and the optimizer. The plugin decides what runs
@@ -14,7 +15,7 @@
  *
  * Conventions that hold for every function below unless its comment says otherwise:
  *  - Errors: functions return weft_status*; NULL means success. A non-NULL status is owned by
- *    the receiver, who releases it with weft_host_api.status_release (every status is created
+ *    the receiver, who releases it with status_release (every status is created
  *    by the host, including the ones a plugin returns: plugins create them with status_create).
  *    Out-parameters are left untouched when a function fails.
  *  - No C++ exception, longjmp or signal may cross this boundary in either direction.
@@ -49,25 +50,6 @@
 extern "C" {
 #endif
 
-/* ------------------------------------------------------------------------------------------
- * Versioning
- * ---------------------------------------------------------------------------------------- */
-
-/* The ABI version this header describes. Major: incompatible changes; it must match exactly.
- * Minor: append-only additions; host and plugin use min(host minor, plugin minor). */
-#define WEFT_ABI_VERSION_MAJOR 1
-#define WEFT_ABI_VERSION_MINOR 14
-
-
-
-/* First member of both function tables; its layout never changes.
- * struct_size: sizeof the whole table as compiled by its producer, so a consumer can tell
- * which slots exist. */
-typedef struct weft_abi_header {
-  uint32_t struct_size;
-  uint16_t abi_major;
-  uint16_t abi_minor;
-} weft_abi_header;
 
 /* ------------------------------------------------------------------------------------------
  * Opaque handles
@@ -77,14 +59,14 @@ typedef struct weft_host weft_host;             /* the host side of one plugin i
 typedef struct weft_group weft_group;           /* a process group; lives until the run ends */
 typedef struct weft_work weft_work;             /* an asynchronous communication in flight */
 typedef struct weft_activation weft_activation; /* a host tensor, possibly with autograd history */
-typedef struct weft_buffer weft_buffer;         /* memory on the rank's device owned by a plugin (since 1.2) */
-typedef struct weft_weight_pass weft_weight_pass; /* weight gradients deferred by backward_input (since 1.11) */
+typedef struct weft_buffer weft_buffer;         /* memory on the rank's device owned by a plugin */
+typedef struct weft_weight_pass weft_weight_pass; /* weight gradients deferred by backward_input */
 
 /* ------------------------------------------------------------------------------------------
- * Plain data exchanged through the tables
+ * Plain data exchanged between the host and its step
  * ---------------------------------------------------------------------------------------- */
 
-/* One parameter of the full model, as the host describes it. Since 1.0.
+/* One parameter of the full model, as the host describes it.
  * LoRA (train.mode = lora): the base weights are frozen (trainable 0) and each adapted layer
  * "<base>" adds "<base>.lora_A.weight" [r, in] and "<base>.lora_B.weight" [out, r] (PEFT's
  * names). shard_parameter is asked about base weights only; adapters follow their base's
@@ -102,7 +84,7 @@ typedef struct weft_parameter_info {
 } weft_parameter_info;
 
 /* How one rank holds a parameter: the slice [index * size / parts, (index + 1) * size / parts)
- * along `dim`, or the whole tensor when parts == 1. Since 1.0. */
+ * along `dim`, or the whole tensor when parts == 1. */
 typedef struct weft_shard {
   int32_t dim;
   int32_t parts;
@@ -114,7 +96,7 @@ typedef struct weft_shard {
  * tensor-parallel slice, if any, in row-major order). Returned by the plugin's flat_shard slot.
  * For a trainable parameter with count < its element count, the host keeps AdamW's state for
  * those elements only and updates only them, from the gradient shard the plugin writes
- * (parameter_grad_shard). flags: WEFT_FLAT_SHARD_*. Since 1.3. */
+ * (parameter_grad_shard). flags: WEFT_FLAT_SHARD_*. */
 typedef struct weft_flat_shard {
   int64_t begin;
   int64_t count;
@@ -125,7 +107,7 @@ typedef struct weft_flat_shard {
 /* The plugin will release the whole parameter between uses (parameter_release, ZeRO-3): the host
  * keeps the shard's elements in storage of their own (the persistent master copy, read and
  * written through parameter_shard) instead of as a view of the whole parameter. Allowed for
- * frozen parameters too (their shard is kept, no optimizer state). Since 1.3. */
+ * frozen parameters too (their shard is kept, no optimizer state). */
 #define WEFT_FLAT_SHARD_RELEASABLE 1u
 /* With RELEASABLE: parameter_materialize gives the whole parameter in the run's compute dtype
  * (weft_model_info.compute_dtype: bf16 / fp16) when it is a matrix (two or more dimensions: the
@@ -139,11 +121,11 @@ typedef struct weft_flat_shard {
  * gathered parameters and their gradients, as FSDP's MixedPrecisionPolicy(param_dtype=bf16).
  * The grad-ready callback (set_grad_ready_callback) does not follow a parameter whose dtype
  * changed (autograd gives it a new accumulator): use the flag where the plugin drives the
- * backward itself and reads gradients after it. Since 1.6. */
+ * backward itself and reads gradients after it. */
 #define WEFT_FLAT_SHARD_COMPUTE_DTYPE 2u
 
 /* What one model stage costs in memory as this rank would hold it, estimated by the host before
- * the model is built (weft_host_api.stage_memory). Bytes. Since 1.3. */
+ * the model is built (stage_memory). Bytes. */
 typedef struct weft_stage_memory {
   uint32_t struct_size;            /* set by the CALLER to sizeof its struct (as model_info) */
   uint32_t reserved;
@@ -157,7 +139,7 @@ typedef struct weft_stage_memory {
                                       backward (bf16 / fp16 compute over fp32 masters; 0 in fp32) */
   int64_t output_bytes_per_row;    /* the stage's output for one sequence: fp32 hidden states, or
                                       the logits for the last stage */
-  /* Since 1.6 (present when struct_size covers them): */
+  /* */
   int64_t compute_parameter_bytes; /* parameter_bytes with the matrices in the compute dtype: the
                                       stage whole as WEFT_FLAT_SHARD_COMPUTE_DTYPE materialises it */
   int64_t compute_trainable_bytes; /* trainable_bytes likewise: its whole gradients under that flag */
@@ -169,7 +151,7 @@ typedef struct weft_stage_memory {
  * it holds, AdamW's two fp32 moments per trainable element, one micro-batch's activations through
  * its stages plus the weight copies, no buffers) and the step's geometry, then hands it to the
  * plugin's memory_plan slot to adjust for what the plugin does differently (shards, micro-batches
- * in flight, its own buffers). Since 1.3. */
+ * in flight, its own buffers). */
 typedef struct weft_memory_plan {
   uint32_t struct_size;            /* set by the host */
   int32_t micro_batches;           /* in: gradient-accumulation micro-batches per step */
@@ -181,19 +163,19 @@ typedef struct weft_memory_plan {
   int64_t activation_bytes;        /* in/out: activations (and weight copies) kept for backward */
   int64_t buffer_bytes;            /* in/out: the plugin's own memory at the peak (gradient buckets,
                                       receive buffers, gathered parameters) */
-  int64_t stage_tokens;            /* in, since 1.13 (present when struct_size covers it): tokens per
+  int64_t stage_tokens;            /* in: tokens per
                                       row of the hidden states between stages, as weft_step_info's */
 } weft_memory_plan;
 
 /* What this rank materialises; filled by the plugin in `plan` before the model is built.
- * The host pre-fills it with the one-process layout (all stages, no sharding). Since 1.0. */
+ * The host pre-fills it with the one-process layout (all stages, no sharding). */
 typedef struct weft_model_plan {
   uint32_t struct_size;    /* set by the host */
   int64_t first_stage;     /* stages [first_stage, last_stage) are built on this rank */
   int64_t last_stage;
   int32_t data_parallel_size;  /* ranks that see different data for the same stages/shards */
   int32_t data_parallel_rank;  /* selects this rank's share of each global batch */
-  /* Since 1.4: sequence (context) parallelism. context_parallel_size ranks (>= 1; 1 = whole
+  /* Context parallelism. context_parallel_size ranks (>= 1; 1 = whole
    * sequences, the pre-filled value) split every sequence of their rows between them, and this
    * rank is number context_parallel_rank among them: batch() then returns tokens
    * [r * L / size, (r + 1) * L / size) of every row (L = seq_len, which size must divide), the
@@ -203,19 +185,17 @@ typedef struct weft_model_plan {
    * divide are repeated to one per query head). The loss of batch() is the mean over this
    * rank's tokens: with every rank holding as many target tokens, the mean of the ranks' losses
    * and gradients is the whole sequence's. Everything else (embeddings, norms, MLP, head) runs
-   * on this rank's tokens. A plugin writes these fields only when plan->struct_size covers
-   * them (a 1.4 host); a size above 1 needs the context_exchange slot, and every stage held
-   * unless the plugin that splits the stages negotiated 1.13: each rank of a split sequence then
-   * passes its tokens to the same rank of the next stage (weft_step_info.stage_tokens). */
+   * on this rank's tokens. Each rank of a split sequence passes its tokens to the same rank of
+   * the next stage (weft_step_info.stage_tokens). */
   int32_t context_parallel_size;
   int32_t context_parallel_rank;
-  /* Since 1.5 (written only when plan->struct_size covers them; pre-filled 0, 0). Which tokens
+  /* Pre-filled 0, 0. Which tokens
    * of each sequence this rank holds (weft_sequence_layout) and who runs the attention core over
    * the split sequence (weft_sequence_attention). The layout applies to batch(), RoPE and the
    * loss as above; BALANCED needs seq_len divisible by 2 x size and the PLUGIN attention. */
   int32_t context_parallel_layout;
   int32_t context_parallel_attention;
-  /* Since 1.9 (written only when plan->struct_size covers them; pre-filled 1, 0): Megatron
+  /* Pre-filled 1, 0: Megatron
    * sequence parallelism (Korthikanti et al. 2022) inside a tensor-parallel group of
    * sequence_parallel_size ranks, this rank number sequence_parallel_rank in it. Between the
    * tensor-parallel regions (the embedding's output, the residual stream, the RMSNorms and the
@@ -225,19 +205,17 @@ typedef struct weft_model_plan {
    * ATTENTION_INPUT, MLP_INPUT, HEAD_INPUT (all-gather forward) and ATTENTION_OUTPUT, MLP_OUTPUT,
    * EMBEDDING_OUTPUT (reduce-scatter forward) would be, instead of comm_point; LOSS_*, ROW_ABSMAX
    * and ADAPTER_SUM stay comm points, and cached decoding (generation) keeps whole sequences and
-   * the 1.0 comm points. batch() still returns whole sequences (the group's ranks see the same
+   * the whole-model comm points. batch() still returns whole sequences (the group's ranks see the same
    * rows). The RMSNorm weights' gradients then hold this rank's tokens' share: the plugin sums
    * them over the group. Needs: a vocabulary-parallel
    * embedding (its all-reduce becomes the reduce-scatter), seq_len divisible by size, whole
-   * sequences otherwise (context_parallel_size 1; hosts of 1.14 also take a context-parallel
-   * split: the regions then gather this rank's seq_len / context_parallel_size tokens, which size
-   * must divide), the sequence_region slot, and every stage held
-   * unless the plugin that splits the stages negotiated 1.13 (the stages then pass this rank's
-   * tokens: weft_step_info.stage_tokens); the host refuses the plan before the model is built
-   * otherwise. */
+   * sequences otherwise, or a context-parallel split (the regions then gather this rank's
+   * seq_len / context_parallel_size tokens, which size must divide). With a split of the stages,
+   * the stages pass this rank's tokens (weft_step_info.stage_tokens). The host refuses the plan
+   * before the model is built otherwise. */
   int32_t sequence_parallel_size;
   int32_t sequence_parallel_rank;
-  /* Since 1.10 (written only when plan->struct_size covers them; pre-filled 1, 0 and zeros):
+  /* Pre-filled 1, 0 and zeros:
    * virtual pipeline stages (Megatron's interleaved schedule). stage_chunks > 1 says this rank
    * holds stage_chunks disjoint ranges of model stages: chunk i is stages
    * [chunk_stages[2 i], chunk_stages[2 i + 1]), ascending, non-empty and not adjacent
@@ -246,38 +224,24 @@ typedef struct weft_model_plan {
    * chunk; parameters, shards, the memory plan and checkpoints cover the chunks' stages. At most
    * WEFT_MAX_STAGE_CHUNKS chunks. 1 (the pre-filled value): [first_stage, last_stage) alone;
    * chunk_stages is then ignored. The sequence splits above combine with chunks as with any
-   * split of the stages (1.13). */
+   * split of the stages. */
   int32_t stage_chunks;
   int32_t reserved_1_10;  /* 0; alignment */
   int64_t chunk_stages[2 * 16];
-  /* Since 1.11 (written only when plan->struct_size covers it; pre-filled 0): 1 = this plugin
+  /* Pre-filled 0: 1 = this plugin
    * splits backward passes (zero-bubble schedules, Qi et al. 2023) with backward_input and
    * backward_weight; the host then builds its linear layers so that their trainable weights'
    * gradients can be computed apart. 0: backward_input is refused. */
   int32_t split_backward;
   int32_t reserved_1_11;  /* 0; alignment */
-  /* Since 1.14 (written only when plan->struct_size covers it; pre-filled 0; read in a composed
-   * run only): 1 = this plugin runs the model stage by stage itself in train_step and eval_step
-   * (ZeRO-3 / FSDP gathering each stage's parameters before its forward and backward and
-   * reduce-scattering its gradients right after its backward), so it must drive the step. Where
-   * no plugin of the run splits the stages, the host makes it the driver: the plugin that would
-   * have driven (tp, else cp) finishes instead, and the others keep their order (tp, cp, dp);
-   * every plugin's weft_mesh_info.driver says so from setup on. The finishing plugins then find
-   * the gradients the driver sharded already reduced into its flat shards: they combine them
-   * through parameter_grad_step. With a plugin owning pp (which runs several micro-batches of a
-   * stage in flight), or beside a finishing plugin negotiated below 1.14 (it would look for whole
-   * gradients), the host refuses the plan before the model is built. At most one plugin per run
-   * sets it. */
-  int32_t drives_stages;
-  int32_t reserved_1_14;  /* 0; alignment */
 } weft_model_plan;
 
-/* The most chunks weft_model_plan.stage_chunks may name (the length of chunk_stages / 2). Since 1.10. */
+/* The most chunks weft_model_plan.stage_chunks may name (the length of chunk_stages / 2). */
 #define WEFT_MAX_STAGE_CHUNKS 16
 
-/* Which tokens of every sequence sequence-parallel rank r of N holds. Since 1.5. */
+/* Which tokens of every sequence sequence-parallel rank r of N holds. */
 typedef enum weft_sequence_layout {
-  /* Tokens [r L / N, (r + 1) L / N): the 1.4 layout. Under a causal mask the last rank's
+  /* Tokens [r L / N, (r + 1) L / N). Under a causal mask the last rank's
    * queries see N times the keys of the first rank's. */
   WEFT_CONTEXT_CONTIGUOUS = 0,
   /* The sequence cut into 2N equal chunks; rank r holds chunk r then chunk 2N - 1 - r (local
@@ -286,14 +250,13 @@ typedef enum weft_sequence_layout {
   WEFT_CONTEXT_BALANCED = 1
 } weft_sequence_layout;
 
-/* Who runs the attention core when sequences are split. Since 1.5. */
+/* Who runs the attention core when sequences are split. */
 typedef enum weft_sequence_attention {
-  /* Ulysses (1.4): the host runs the core over the whole sequence for 1/N of the heads, between
+  /* Ulysses: the host runs the core over the whole sequence for 1/N of the heads, between
    * the plugin's context_exchange all-to-alls. */
   WEFT_CONTEXT_ATTENTION_EXCHANGE = 0,
   /* The plugin's context_attention slot computes the core's output for this rank's queries
-   * (e.g. ring attention: key/value blocks travel between the ranks), with the host's
-   * attention_block doing the arithmetic. */
+   * (e.g. ring attention: key/value blocks travel between the ranks). */
   WEFT_CONTEXT_ATTENTION_PLUGIN = 1
 } weft_sequence_attention;
 
@@ -302,7 +265,7 @@ typedef enum weft_sequence_attention {
  * contiguous, on the rank's device and valid during the call; B rows, H query heads, Hkv key/value
  * heads (H a multiple of Hkv: query head h uses kv head h / (H / Hkv)), s local tokens in the
  * plan's layout, D head dim. The core is causal softmax(scale q k^T) v over the whole sequence's
- * keys, each token at its global position. Since 1.5. */
+ * keys, each token at its global position. */
 typedef struct weft_attention_call {
   uint32_t struct_size;       /* set by the host */
   int32_t direction;          /* weft_direction */
@@ -322,33 +285,8 @@ typedef struct weft_attention_call {
   DLTensor* grad_v;           /* rank's queries); NULL in the forward */
 } weft_attention_call;
 
-/* One block of blockwise attention for the host's attention_block: queries q [B, H, sq, D] at
- * global positions q_position .. q_position + sq - 1 against keys and values k, v [B, Hkv, sk, D]
- * at k_position .. k_position + sk - 1. Any strides (views of parts of a call's tensors or of the
- * plugin's buffers), on the rank's device. Since 1.5. */
-typedef struct weft_attention_block {
-  uint32_t struct_size;       /* set by the caller */
-  int32_t causal;             /* 1: the key at position pk is seen by the query at pq iff
-                                 pk <= pq (a query that sees no key of the block gets nothing
-                                 from it); 0: every key is seen */
-  int64_t q_position;
-  int64_t k_position;
-  double scale;
-  int32_t accumulate;         /* forward: 0 writes out and lse with this block's; 1 merges this
-                                 block into them (online softmax over log-sum-exp) */
-  int32_t reserved;           /* 0 */
-  const DLTensor* q;          /* compute dtype (as the call's) */
-  const DLTensor* k;
-  const DLTensor* v;
-  DLTensor* out;              /* fp32 [B, H, sq, D]: forward: in/out; backward: the final output */
-  DLTensor* lse;              /* fp32 [B, H, sq]: forward: in/out; backward: the final lse */
-  const DLTensor* grad_out;   /* backward: [B, H, sq, D], any floating dtype */
-  DLTensor* grad_q;           /* backward: fp32 [B, H, sq, D]; the block's gradient is ADDED */
-  DLTensor* grad_k;           /* backward: fp32 [B, Hkv, sk, D]; added */
-  DLTensor* grad_v;           /* backward: fp32 [B, Hkv, sk, D]; added */
-} weft_attention_block;
 
-/* The step the host asks the plugin to run. Since 1.0. */
+/* The step the host asks the plugin to run. */
 typedef struct weft_step_info {
   uint32_t struct_size;
   int64_t step;              /* 0-based optimizer step */
@@ -358,17 +296,15 @@ typedef struct weft_step_info {
   int64_t rows_per_micro_batch;     /* this rank's sequences per micro-batch */
   int64_t seq_len;                  /* tokens per sequence (batch() returns fewer under a
                                        context_parallel_size > 1 plan: see weft_model_plan) */
-  /* Since 1.13 (present when struct_size covers it): tokens per row of the hidden states this
-   * rank's forward() takes and returns between model stages, and of their gradients - seq_len
-   * divided by the plan's context_parallel_size and sequence_parallel_size (each rank of a split
-   * sequence passes its own tokens to the same rank of the next stage). A reader whose host's
-   * struct_size stops before it uses seq_len: a pre-1.13 host never splits sequences across a
-   * split of the stages. */
+  /* Tokens per row of the hidden states this rank's forward() takes and returns between model
+   * stages, and of their gradients - seq_len divided by the plan's context_parallel_size and
+   * sequence_parallel_size (each rank of a split sequence passes its own tokens to the same rank
+   * of the next stage). */
   int64_t stage_tokens;
 } weft_step_info;
 
 /* Places inside the model where the host calls the plugin (Megatron's f and g, vocabulary-
- * parallel reductions). The plugin communicates in place; it may do nothing. Since 1.0. */
+ * parallel reductions). The plugin communicates in place; it may do nothing. */
 typedef enum weft_comm_point {
   WEFT_COMM_ATTENTION_INPUT = 0, /* before q/k/v (column-parallel input) */
   WEFT_COMM_ATTENTION_OUTPUT = 1,/* after o_proj (row-parallel output) */
@@ -377,9 +313,9 @@ typedef enum weft_comm_point {
   WEFT_COMM_EMBEDDING_OUTPUT = 4,/* after a vocabulary-sharded embedding lookup */
   WEFT_COMM_LOSS_MAX = 5,        /* per-token max of sharded logits (vocab-parallel loss) */
   WEFT_COMM_LOSS_SUM = 6,        /* per-token sums of sharded logits (vocab-parallel loss) */
-  WEFT_COMM_HEAD_INPUT = 7,      /* before a vocabulary-parallel LM head (since 1.1) */
-  WEFT_COMM_ROW_ABSMAX = 8,      /* per-token absmax of a row-parallel int8 layer's input (since 1.7) */
-  WEFT_COMM_ADAPTER_SUM = 9      /* sums over the slices of split AdaLoRA adapters (since 1.8) */
+  WEFT_COMM_HEAD_INPUT = 7,      /* before a vocabulary-parallel LM head */
+  WEFT_COMM_ROW_ABSMAX = 8,      /* per-token absmax of a row-parallel int8 layer's input */
+  WEFT_COMM_ADAPTER_SUM = 9      /* sums over the slices of split AdaLoRA adapters */
 } weft_comm_point;
 
 typedef enum weft_direction {
@@ -387,27 +323,13 @@ typedef enum weft_direction {
   WEFT_BACKWARD = 1
 } weft_direction;
 
-/* The device mesh's dimensions (weft_mesh_dim, WEFT_MESH_DIMS) are in weft/common.h. Since 1.12. */
+/* The device mesh's dimensions (weft_mesh_dim, WEFT_MESH_DIMS) are in weft/common.h. */
 
-/* Where this rank stands in the run's device mesh and which dimension the calling plugin owns
- * (weft_host_api.mesh_info). Since 1.12. */
-typedef struct weft_mesh_info {
-  uint32_t struct_size;   /* set by the CALLER to sizeof its struct (as model_info) */
-  int32_t dimension;      /* the weft_mesh_dim this plugin owns; -1 when it runs alone (no mesh) */
-  int32_t driver;         /* 1: the host calls this plugin's train_step and eval_step; 0: its
-                             finish_step and finish_eval after the driver's. Fixed from setup
-                             on; until the plans are merged it is the mesh's guess (pp, else tp,
-                             cp, dp), which a drives_stages plan changes (1.14) */
-  int32_t plugins;        /* how many plugins the run composes (1 when alone) */
-  int32_t size[WEFT_MESH_DIMS];  /* ranks along each dimension (indexed by weft_mesh_dim); their
-                                    product is the world size */
-  int32_t coord[WEFT_MESH_DIMS]; /* this rank's coordinate along each */
-} weft_mesh_info;
 
 /* The model's shape, known from `plan` on (before the model is built), e.g. to size
  * receive buffers or check that heads divide by a tensor-parallel degree. Hidden states
- * between stages are always fp32 [rows, stage_tokens, hidden_size] (weft_step_info; seq_len
- * before 1.13 - the residual stream stays fp32 in every precision), as are their gradients. Filled by weft_host_api.model_info. Since 1.1. */
+ * between stages are always fp32 [rows, stage_tokens, hidden_size] (weft_step_info; the residual
+ * stream stays fp32 in every precision), as are their gradients. Filled by model_info. */
 typedef struct weft_model_info {
   uint32_t struct_size;        /* set by the CALLER to sizeof its struct; see model_info */
   int32_t num_layers;          /* decoder blocks (the model has num_layers + 2 stages) */
@@ -425,335 +347,282 @@ typedef struct weft_model_info {
   DLDataType compute_dtype;    /* of matrix multiplications: fp32 or bf16 */
 } weft_model_info;
 
-/* Flags for weft_host_api.forward. */
+/* Flags for forward. */
 #define WEFT_FORWARD_NO_GRAD 1u /* evaluation: record no autograd history */
 /* Keep only each decoder block's input and recompute the block's activations during backward
- * (GPipe's re-materialisation; less memory, about one more forward of compute). Since 1.1;
- * a 1.0 host rejects unknown flags. */
+ * (GPipe's re-materialisation; less memory, about one more forward of compute). */
 #define WEFT_FORWARD_RECOMPUTE 2u
 
 /* Called by the host during backward once a parameter's gradient for this backward pass is
- * complete (accumulated into its .grad). `parameter_index` indexes weft_host_api.parameter_*.
+ * complete (accumulated into its .grad). `parameter_index` indexes parameter_*.
  * Runs on the autograd thread; must not call forward/backward. It cannot fail: a plugin keeps
  * any error it meets (e.g. a collective that could not start) and returns it from train_step.
- * Since 1.0. */
+ * */
 typedef void (*weft_grad_ready_fn)(void* user_data, int64_t parameter_index);
 
-/* ------------------------------------------------------------------------------------------
- * Host services: the table the host passes to create(). Slots since 1.0 unless marked.
- * ---------------------------------------------------------------------------------------- */
-typedef struct weft_host_api {
-  weft_abi_header header;
-
-  /* --- status --- */
-  /* Creates a status (code must not be WEFT_STATUS_OK); the message is copied. Never fails
-   * (returns a preallocated out-of-memory status if it must). */
-  weft_status* (*status_create)(weft_status_code code, const char* message);
-  weft_status_code (*status_code)(const weft_status* status);
-  /* The message; valid until the status is released. */
-  const char* (*status_message)(const weft_status* status);
-  /* Releases a status; NULL is allowed. Cannot fail. */
-  void (*status_release)(weft_status* status);
-
-  /* --- logging --- */
-  /* Logs one line through the host's logger (prefixed with the rank and plugin name). */
-  void (*log)(weft_host* host, weft_log_level level, const char* message);
-
-  /* --- configuration: the plugin's own section ([plugin] in the TOML config) --- */
-  /* Each reads `key` from the plugin's section; when absent, *out = fallback. A value of the
-   * wrong type is WEFT_STATUS_BAD_CONFIG naming the key. Strings stay valid for the run. */
-  weft_status* (*config_int)(weft_host* host, const char* key, int64_t fallback, int64_t* out);
-  weft_status* (*config_float)(weft_host* host, const char* key, double fallback, double* out);
-  weft_status* (*config_bool)(weft_host* host, const char* key, int32_t fallback, int32_t* out);
-  weft_status* (*config_string)(weft_host* host, const char* key, const char* fallback,
-                                const char** out);
-
-  /* --- process groups --- */
-  /* All ranks of the job. */
-  weft_group* (*group_world)(weft_host* host);
-  int32_t (*group_rank)(const weft_group* group); /* this process's rank in the group, or -1 */
-  int32_t (*group_size)(const weft_group* group);
-  /* Creates a sub-group of the world from `count` world ranks. Collective: every rank of the
-   * world must call it with the same list in the same order (as c10d's new_group), including
-   * ranks not in the list (they get a group whose group_rank is -1). Host-owned. */
-  weft_status* (*group_create)(weft_host* host, const int32_t* world_ranks, int32_t count,
-                               weft_group** out);
-
-  /* --- collectives: asynchronous; every one returns a work handle to wait on ---
-   * The tensors' memory must stay alive and unmodified (inputs) / unread (outputs) until
-   * work_wait returns. All tensors are contiguous, on one device, of one dtype, any dtype. A
-   * collective goes over NCCL when its tensors are CUDA tensors and the run has NCCL groups
-   * (train.device = cuda with a LibTorch that has NCCL), else over Gloo (a CUDA tensor is then
-   * copied to host memory and back). Where the backend cannot reduce the dtype (Gloo: fp16,
-   * bf16) the host reduces an fp32 copy and writes the result back; where it cannot move it, the
-   * host moves its bytes. */
-  weft_status* (*all_reduce)(weft_host* host, weft_group* group, DLTensor* tensor,
-                             weft_reduce_op op, weft_work** work);
-  /* output = this rank's part (dim 0, equal parts) of the reduction of `input` over the group. */
-  weft_status* (*reduce_scatter)(weft_host* host, weft_group* group, DLTensor* output,
-                                 const DLTensor* input, weft_reduce_op op, weft_work** work);
-  /* output = the inputs of all ranks concatenated along dim 0, in rank order. */
-  weft_status* (*all_gather)(weft_host* host, weft_group* group, DLTensor* output,
-                             const DLTensor* input, weft_work** work);
-  weft_status* (*broadcast)(weft_host* host, weft_group* group, DLTensor* tensor,
-                            int32_t root_group_rank, weft_work** work);
-  /* input split into group_size equal parts along dim 0; part i goes to rank i; output holds
-   * the parts received, in rank order. */
-  weft_status* (*all_to_all)(weft_host* host, weft_group* group, DLTensor* output,
-                             const DLTensor* input, weft_work** work);
-  /* Point-to-point. `tag` tells a pair's transfers apart over Gloo; NCCL ignores it and pairs the
-   * sends and receives between two ranks in the order they were posted, so post them in the same
-   * order at both ends (and, between two ranks that send to each other, not both send first). */
-  weft_status* (*send)(weft_host* host, weft_group* group, const DLTensor* tensor,
-                       int32_t peer_group_rank, int32_t tag, weft_work** work);
-  weft_status* (*recv)(weft_host* host, weft_group* group, DLTensor* tensor,
-                       int32_t peer_group_rank, int32_t tag, weft_work** work);
-  weft_status* (*barrier)(weft_host* host, weft_group* group, weft_work** work);
-  /* Blocks until the work completes (or the configured collective timeout passes:
-   * WEFT_STATUS_TIMEOUT naming the operation and, for a collective, the ranks that never joined
-   * it). The handle stays valid until released. */
-  weft_status* (*work_wait)(weft_host* host, weft_work* work);
-  /* Releases a work handle; releasing one that has not been waited for waits first. */
-  void (*work_release)(weft_host* host, weft_work* work);
-
-  /* --- model --- */
-  int64_t (*model_num_stages)(weft_host* host); /* num_hidden_layers + 2 */
-  /* The parameters this rank holds (after plan and shard_parameter), in the model's order:
-   * the same list on every rank that holds the same stages. */
-  int64_t (*parameter_count)(weft_host* host);
-  weft_status* (*parameter_info)(weft_host* host, int64_t index, weft_parameter_info* out);
-  /* A view of this rank's master copy (writable; e.g. to broadcast initial values into it).
-   * Valid for the run (the optimizer updates it in place). */
-  weft_status* (*parameter_data)(weft_host* host, int64_t index, DLTensor* out);
-  /* A view of the parameter's gradient (writable: e.g. to average it in place). Valid from the
-   * first backward of a step until the optimizer step; WEFT_STATUS_INVALID_ARGUMENT before. */
-  weft_status* (*parameter_grad)(weft_host* host, int64_t index, DLTensor* out);
-  /* Registers the callback for gradient readiness (one per instance; NULL unregisters). */
-  weft_status* (*set_grad_ready_callback)(weft_host* host, weft_grad_ready_fn callback,
-                                          void* user_data);
-
-  /* --- the step: data, forward and backward over stage ranges --- */
-  /* This rank's rows of micro-batch `micro_batch` of the current step, split further into
-   * `splits` equal pipeline micro-batches of which `split` is returned (splits = 1 for the
-   * whole micro-batch). inputs: int64 token ids [rows, seq_len]; targets likewise. A plugin
-   * hands targets to loss unchanged and never reads them: in a sequence-classification run
-   * (the host's train.task = "classification", any 1.x host) every target is -100 but the one at
-   * each row's last token, which holds the row's class (or a regression score's bits), the rows
-   * are padded after that token, and loss's tokens_out counts those labeled positions (one per
-   * row). Such a run does not start under a plan with context_parallel_size > 1. */
-  weft_status* (*batch)(weft_host* host, int32_t micro_batch, int32_t split, int32_t splits,
-                        weft_activation** inputs, weft_activation** targets);
-  /* Runs stages [first_stage, last_stage) on `input` (token ids when first_stage == 0, hidden
-   * states otherwise) and returns the output with its autograd history (unless
-   * WEFT_FORWARD_NO_GRAD). The input is borrowed. */
-  weft_status* (*forward)(weft_host* host, int64_t first_stage, int64_t last_stage,
-                          weft_activation* input, uint32_t flags, weft_activation** output);
-  /* Mean cross-entropy of `logits` against `targets`, multiplied by `scale` (e.g. 1 /
-   * micro-batches) and, in a training step under train.precision = fp16, by the host's dynamic
-   * loss scale (so gradients, also those a pipeline passes between stages, hold that factor; the
-   * host removes it before the optimizer and skips a step whose gradients are not finite).
-   * value_out: the unscaled mean (double); tokens_out: target tokens. */
-  weft_status* (*loss)(weft_host* host, weft_activation* logits, weft_activation* targets,
-                       double scale, weft_activation** loss_out, double* value_out,
-                       int64_t* tokens_out);
-  /* Back-propagates from `output`: a scalar loss (grad_output NULL) or a stage output with the
-   * gradient received for it. Parameter gradients accumulate; inputs created with
-   * activation_from_tensor(requires_grad = 1) receive a gradient (activation_grad). A stage
-   * output that depends on nothing trainable (a frozen embedding alone, under LoRA) takes its
-   * gradient and does nothing (host behaviour since 2026-11-27; before, an error). */
-  weft_status* (*backward)(weft_host* host, weft_activation* output,
-                           weft_activation* grad_output);
-  /* A read-only view of the activation's data (e.g. to send it). Valid until it is released. */
-  weft_status* (*activation_view)(weft_host* host, weft_activation* activation, DLTensor* out);
-  /* The gradient accumulated into an input activation by backward, as a new activation. */
-  weft_status* (*activation_grad)(weft_host* host, weft_activation* input,
-                                  weft_activation** out);
-  /* A new uninitialised activation (e.g. a receive buffer), on the model's device. Batches,
-   * activations and parameters all live on the device the rank computes on (train.device: the
-   * CPU, or cuda:LOCAL_RANK); a DLTensor view says which in its `device`. */
-  weft_status* (*activation_empty)(weft_host* host, int32_t ndim, const int64_t* shape,
-                                   DLDataType dtype, weft_activation** out);
-  /* A new leaf activation holding a copy of `data` (from any device the host's LibTorch knows,
-   * copied to the model's device), optionally requiring grad (a stage input received from the
-   * previous stage). */
-  weft_status* (*activation_from_tensor)(weft_host* host, const DLTensor* data,
-                                         int32_t requires_grad, weft_activation** out);
-  /* Releases an activation and, with it, the autograd graph only it kept alive. NULL allowed. */
-  void (*activation_release)(weft_host* host, weft_activation* activation);
-
-  /* ---------------------------------- since 1.1 ---------------------------------------- */
-  /* The model's shape. The caller sets out->struct_size to sizeof(weft_model_info) as it was
-   * compiled; the host fills the fields that both versions know and sets out->struct_size to
-   * the size it wrote. Callable from plan on (the shape is resolved after create).
-   * Since 1.1. */
-  weft_status* (*model_info)(weft_host* host, weft_model_info* out);
-  /* Tracing. When the user asked for a trace (trainer --trace FILE), the host records spans in
-   * a Chrome/Perfetto trace per rank; otherwise these return at once. trace_begin opens a span
-   * on the calling thread (name and category are copied; categories the host's tools know:
-   * "forward", "backward", "send", "recv", "optimizer", "comm"); trace_end closes the calling
-   * thread's innermost open span. Spans nest; the host itself adds spans for each step and for
-   * time blocked in work_wait (category "wait"). Since 1.1. */
-  void (*trace_begin)(weft_host* host, const char* category, const char* name);
-  void (*trace_end)(weft_host* host);
-  /* Adds a named value to this rank's record of the current training step (metrics.jsonl on
-   * rank 0, as "plugin.<name>"); the run summary reports each name's mean over the steps.
-   * Reporting a name twice in one step keeps the last value. `name` is copied; it must be
-   * [a-z0-9_]+. Since 1.1. */
-  weft_status* (*report_metric)(weft_host* host, const char* name, double value);
-  /* An array of integers from the plugin's configuration section (e.g. balance = [3, 3]).
-   * Writes up to `capacity` values to `out` and the array's length to `count_out`; a missing
-   * key gives count 0 (and `out` untouched); a value that is not an array of integers is
-   * WEFT_STATUS_BAD_CONFIG naming the key. Call with capacity 0 to learn the length.
-   * Since 1.1. */
-  weft_status* (*config_int_list)(weft_host* host, const char* key, int64_t* out,
-                                  int32_t capacity, int32_t* count_out);
-  /* Measures what each model stage costs: the median seconds of a forward and a backward on
-   * `rows` sequences of the run's length (0: the run's train.batch_size), over `repeats` runs
-   * after one warm-up; stage 0 includes the embedding, the last stage the head and the loss.
-   * The host builds temporary copies of the embedding, one decoder block (all blocks have the
-   * same shape and cost) and the head, never the whole model, on random data in the run's
-   * precision. Writes `count` (= the number of model stages) values to seconds_out. Callable
-   * in plan (before the model is built). Local: ranks measure separately (average them, e.g.
-   * with an all_reduce, so that every rank picks the same plan). Since 1.1. */
-  weft_status* (*profile_stages)(weft_host* host, int64_t rows, int32_t repeats,
-                                 double* seconds_out, int64_t count);
-
-  /* ---------------------------------- since 1.2 ---------------------------------------- */
-  /* Memory where the model is. A plugin that keeps its own buffers (gradient buckets, receive
-   * buffers, stashed weights) asks the host for them, so that they live on the rank's device
-   * (train.device: the CPU, or cuda:LOCAL_RANK), and works on views it cannot touch itself
-   * (plain loads, stores and memcpy work only on kDLCPU memory) through the operations below.
-   * They run in order with the host's other work on that device: a collective, a forward or a
-   * copy issued after one sees its result. Since 1.2. */
-  /* A new zero-filled contiguous buffer of `shape` and `dtype` on the rank's device, owned by
-   * the caller (buffer_release). *view_out receives its view (shape and strides owned by the
-   * host), valid until the buffer is released; byte_offset and narrower shapes make views of
-   * parts of it. Since 1.2. */
-  weft_status* (*buffer_create)(weft_host* host, int32_t ndim, const int64_t* shape,
-                                DLDataType dtype, weft_buffer** out, DLTensor* view_out);
-  /* Releases a buffer (NULL allowed); its views die with it. Since 1.2. */
-  void (*buffer_release)(weft_host* host, weft_buffer* buffer);
-  /* dst[i] = src[i] over the elements of two views of the same element count and dtype (their
-   * shapes may differ; each may be strided), on any devices the host knows, between host and
-   * device memory too. Since 1.2. Since 1.6 the two floating-point dtypes may differ (fp32, bf16,
-   * fp16): values are converted as ATen's copy_ does (rounded to nearest even). */
-  weft_status* (*tensor_copy)(weft_host* host, DLTensor* dst, const DLTensor* src);
-  /* tensor *= factor, in place, for a floating-point view; factor 0 writes zeros (NaN and inf
-   * included) in a view of any dtype. Since 1.2. */
-  weft_status* (*tensor_scale)(weft_host* host, DLTensor* tensor, double factor);
-  /* dst += alpha * src, element by element, for floating-point views of the same element count
-   * and dtype (on any devices). Since 1.2. */
-  weft_status* (*tensor_add)(weft_host* host, DLTensor* dst, const DLTensor* src, double alpha);
-  /* The sum of the squares of a floating-point view's elements, accumulated in fp64 (it waits
-   * for the device). Since 1.2. */
-  weft_status* (*tensor_squared_norm)(weft_host* host, const DLTensor* tensor, double* out);
-
-  /* ---------------------------------- since 1.3 ---------------------------------------- */
-  /* Sharded training state (ZeRO / FSDP). The host asks the plugin's flat_shard slot, once per
-   * parameter after setup, which elements of each parameter this rank keeps; these services
-   * then give the plugin the pieces it moves. Indices are weft_host_api.parameter_* indices. A
-   * parameter whose shard is whole (the default) has none of this: parameter_shard and
-   * parameter_grad_shard are WEFT_STATUS_INVALID_ARGUMENT for it. Since 1.3. */
-  /* A writable view of this rank's master copy of the shard's elements: 1-D, `count` elements,
-   * the parameter's dtype, on the rank's device. A view into the whole parameter, or, for a
-   * RELEASABLE shard, storage of its own that outlives parameter_release (the plugin gathers
-   * whole parameters from the ranks' shards). The optimizer updates it in place. Valid for the
-   * run. Since 1.3. */
-  weft_status* (*parameter_shard)(weft_host* host, int64_t index, DLTensor* out);
-  /* A writable view of the gradient of a trainable parameter's shard: 1-D, `count` fp32 elements,
-   * on the rank's device, zero at the start of every step (the host zeroes it after the
-   * optimizer step). The plugin leaves it holding the shard's gradient averaged over the data-
-   * parallel ranks (summed over micro-batches with the loss scaled by 1 / micro_batches, as
-   * train_step says for whole gradients); the optimizer, gradient clipping and the fp16 loss
-   * scaler then read it instead of the whole gradient. Valid for the run. Since 1.3. */
-  weft_status* (*parameter_grad_shard)(weft_host* host, int64_t index, DLTensor* out);
-  /* Frees the parameter's whole gradient (e.g. once its shard has been reduce-scattered into
-   * parameter_grad_shard): parameter_grad fails until the next backward accumulates a new one.
-   * Views of the old gradient die. Since 1.3. */
-  weft_status* (*parameter_grad_release)(weft_host* host, int64_t index);
-  /* Frees the whole parameter's storage (its shard must be RELEASABLE): views from
-   * parameter_data die, and the parameter must be materialised again before a forward or
-   * backward that uses it. The shard (parameter_shard) is kept. Releasing a released parameter
-   * does nothing. Since 1.3. */
-  weft_status* (*parameter_release)(weft_host* host, int64_t index);
-  /* Gives a released parameter whole storage again and returns its writable view (the local
-   * shape, contiguous, on the rank's device) with UNDEFINED contents: the plugin fills it (e.g.
-   * all-gathers the ranks' shards into it) before the model uses it. A parameter that is
-   * whole already keeps its storage and values; the view is of it. Autograd sees the new
-   * storage: a backward after a release and a materialisation uses the values written here.
-   * Valid until the next parameter_release of it. Since 1.3. Since 1.6, a shard flagged
-   * WEFT_FLAT_SHARD_COMPUTE_DTYPE materialises a matrix in the compute dtype (see the flag); a
-   * whole parameter in the other dtype is converted, keeping its values. */
-  weft_status* (*parameter_materialize)(weft_host* host, int64_t index, DLTensor* out);
-  /* The host's memory estimate for model stage `stage` as this rank would hold it
-   * (weft_stage_memory; the caller sets out->struct_size, the host sets it to the size it wrote).
-   * Callable from the plugin's memory_plan on (after plan and shard_parameter, before the model is
-   * built): stages this rank does not hold are estimated whole. Since 1.3. */
-  weft_status* (*stage_memory)(weft_host* host, int64_t stage, weft_stage_memory* out);
-
-  /* ---------------------------------- since 1.5 ---------------------------------------- */
-  /* Blockwise attention (the arithmetic of ring attention; the plugin moves the blocks). Forward:
-   * computes the block's causal softmax(scale q k^T) v and the log-sum-exp of its scaled scores
-   * per query, in fp32, and writes them to out / lse (accumulate 0) or merges them into the
-   * running out / lse (accumulate 1: lse' = log(e^lse + e^lse_b), out' = out e^(lse - lse') +
-   * out_b e^(lse_b - lse')), so that after every block of keys has been merged, out and lse are
-   * attention over all of them. Backward: given the final out, lse and grad_out, ADDS the
-   * block's contribution to grad_q, grad_k and grad_v (FlashAttention's backward: the scores
-   * are recomputed, never stored). On the rank's device, in order with the host's other work;
-   * the caller owns every tensor. Since 1.5. */
-  weft_status* (*attention_block)(weft_host* host, weft_direction direction,
-                                  const weft_attention_block* block);
-
-  /* ---------------------------------- since 1.11 --------------------------------------- */
-  /* The input-gradient half of a split backward (ZB-H1's B pass; needs plan.split_backward = 1):
-   * back-propagates like backward, giving every input and parameter its gradient except the
-   * trainable weights of the model's linear layers (attention and MLP projections, an untied
-   * LM head), whose inputs and output gradients are kept in *pass_out instead. Frozen weights
-   * (LoRA's base, quantized layers) defer nothing; adapters, norms and the embedding get their
-   * gradients here. The plugin owns *pass_out and hands it to backward_weight (or
-   * weight_pass_release) exactly once, before the optimizer step. Since 1.11. */
-  weft_status* (*backward_input)(weft_host* host, weft_activation* output, weft_activation* grad_output,
-                                 weft_weight_pass** pass_out);
-  /* The weight-gradient half (ZB-H1's W pass): computes dW = dY^T x for every weight `pass`
-   * deferred and accumulates it into the parameter's gradient, then (as backward would have)
-   * calls the grad-ready callback for it. Consumes `pass`, also when it fails. Since 1.11. */
-  weft_status* (*backward_weight)(weft_host* host, weft_weight_pass* pass);
-  /* Frees `pass` without computing its gradients (an abandoned step). Since 1.11. */
-  void (*weight_pass_release)(weft_host* host, weft_weight_pass* pass);
-
-  /* ---------------------------------- since 1.12 --------------------------------------- */
-  /* Composition over a device mesh. When the run names several plugins (train.plugin =
-   * "tensor_parallel,gpipe", [mesh] tp = 2, pp = 2), each owns one dimension, and for it
-   * group_world returns the group of the ranks that differ from this one only along that
-   * dimension (its "world", in coordinate order), and group_create numbers ranks within that group
-   * (the host creates the same group in every parallel slice, so the call stays collective over
-   * the world). A plugin written for a world of N ranks thus runs unchanged over its dimension. */
-  /* This rank's place in the mesh (weft_mesh_info). The caller sets out->struct_size to
-   * sizeof(weft_mesh_info) as it was compiled; the host fills what both know. Alone: dimension -1,
-   * driver 1, plugins 1, every size 1 but the world's dp (coord: the rank). Since 1.12. */
-  weft_status* (*mesh_info)(weft_host* host, weft_mesh_info* out);
-  /* The group of the ranks that differ from this rank only along `dimension` (weft_mesh_dim), in
-   * coordinate order; made once by the host, host-owned. NULL for a bad dimension, or one of size 1
-   * that no plugin of the run owns (the host makes no group for it). Alone: the world for
-   * WEFT_MESH_DP, NULL for the others. Since 1.12. */
-  weft_group* (*group_mesh)(weft_host* host, int32_t dimension);
-
-  /* ---------------------------------- since 1.14 --------------------------------------- */
-  /* The gradient of parameter `index` as the driver's train_step left it, for a plugin finishing
-   * the step along its dimension (finish_step) to combine: the whole gradient (parameter_grad),
-   * except where the driver runs the model stage by stage and shards the training state
-   * (weft_model_plan.drives_stages, ZeRO-3), which reduce-scatters every trainable gradient into
-   * its flat shard during the step and frees the whole one: then that shard's gradient (1-D,
-   * fp32, the view parameter_grad_shard gives the sharding plugin). Every rank of another
-   * dimension holds the same local parameter and so the same flat range, and sums and means are
-   * linear: combining the shards over tp or cp gives the shards of the combined gradient. A
-   * writable view, valid until the next backward or optimizer step; WEFT_STATUS_INVALID_ARGUMENT
-   * where the parameter has no gradient this step (frozen, or unused). Since 1.14. */
-  weft_status* (*parameter_grad_step)(weft_host* host, int64_t index, DLTensor* out);
-} weft_host_api;
 
 #ifdef __cplusplus
 } /* extern "C" */
+#endif
+
+/* ------------------------------------------------------------------------------------------
+ * The host's services, which PluginHost serves (core/plugin/host_*.cpp). Each takes the
+ * weft_host of the step that calls it.
+ * ---------------------------------------------------------------------------------------- */
+#ifdef __cplusplus
+namespace weft {
+// Statuses (core/plugin/status.h): every status is the host's; the receiver releases it.
+weft_status* status_create(weft_status_code code, const char* message) noexcept;
+weft_status_code status_code(const weft_status* status) noexcept;
+const char* status_message(const weft_status* status) noexcept;
+void status_release(weft_status* status) noexcept;
+
+namespace host {
+
+/* --- logging --- */
+/* Logs one line through the host's logger (prefixed with the rank and plugin name). */
+void log_line(weft_host* host, weft_log_level level, const char* message);
+
+/* --- configuration: the plugin's own section ([plugin] in the TOML config) --- */
+/* Each reads `key` from the plugin's section; when absent, *out = fallback. A value of the
+ * wrong type is WEFT_STATUS_BAD_CONFIG naming the key. Strings stay valid for the run. */
+weft_status* config_int(weft_host* host, const char* key, int64_t fallback, int64_t* out);
+weft_status* config_float(weft_host* host, const char* key, double fallback, double* out);
+weft_status* config_bool(weft_host* host, const char* key, int32_t fallback, int32_t* out);
+weft_status* config_string(weft_host* host, const char* key, const char* fallback,
+                              const char** out);
+
+/* --- process groups --- */
+/* All ranks of the job. */
+weft_group* group_world(weft_host* host);
+int32_t group_rank(const weft_group* group); /* this process's rank in the group, or -1 */
+int32_t group_size(const weft_group* group);
+/* Creates a sub-group of the world from `count` world ranks. Collective: every rank of the
+ * world must call it with the same list in the same order (as c10d's new_group), including
+ * ranks not in the list (they get a group whose group_rank is -1). Host-owned. */
+weft_status* group_create(weft_host* host, const int32_t* world_ranks, int32_t count,
+                             weft_group** out);
+
+/* --- collectives: asynchronous; every one returns a work handle to wait on ---
+ * The tensors' memory must stay alive and unmodified (inputs) / unread (outputs) until
+ * work_wait returns. All tensors are contiguous, on one device, of one dtype, any dtype. A
+ * collective goes over NCCL when its tensors are CUDA tensors and the run has NCCL groups
+ * (train.device = cuda with a LibTorch that has NCCL), else over Gloo (a CUDA tensor is then
+ * copied to host memory and back). Where the backend cannot reduce the dtype (Gloo: fp16,
+ * bf16) the host reduces an fp32 copy and writes the result back; where it cannot move it, the
+ * host moves its bytes. */
+weft_status* all_reduce(weft_host* host, weft_group* group, DLTensor* tensor,
+                           weft_reduce_op op, weft_work** work);
+/* output = this rank's part (dim 0, equal parts) of the reduction of `input` over the group. */
+weft_status* reduce_scatter(weft_host* host, weft_group* group, DLTensor* output,
+                               const DLTensor* input, weft_reduce_op op, weft_work** work);
+/* output = the inputs of all ranks concatenated along dim 0, in rank order. */
+weft_status* all_gather(weft_host* host, weft_group* group, DLTensor* output,
+                           const DLTensor* input, weft_work** work);
+weft_status* broadcast(weft_host* host, weft_group* group, DLTensor* tensor,
+                          int32_t root_group_rank, weft_work** work);
+/* input split into group_size equal parts along dim 0; part i goes to rank i; output holds
+ * the parts received, in rank order. */
+weft_status* all_to_all(weft_host* host, weft_group* group, DLTensor* output,
+                           const DLTensor* input, weft_work** work);
+/* Point-to-point. `tag` tells a pair's transfers apart over Gloo; NCCL ignores it and pairs the
+ * sends and receives between two ranks in the order they were posted, so post them in the same
+ * order at both ends (and, between two ranks that send to each other, not both send first). */
+weft_status* send(weft_host* host, weft_group* group, const DLTensor* tensor,
+                     int32_t peer_group_rank, int32_t tag, weft_work** work);
+weft_status* recv(weft_host* host, weft_group* group, DLTensor* tensor,
+                     int32_t peer_group_rank, int32_t tag, weft_work** work);
+/* Blocks until the work completes (or the configured collective timeout passes:
+ * WEFT_STATUS_TIMEOUT naming the operation and, for a collective, the ranks that never joined
+ * it). The handle stays valid until released. */
+weft_status* work_wait(weft_host* host, weft_work* work);
+/* Releases a work handle; releasing one that has not been waited for waits first. */
+void work_release(weft_host* host, weft_work* work);
+
+/* --- model --- */
+int64_t model_num_stages(weft_host* host); /* num_hidden_layers + 2 */
+/* The parameters this rank holds (after plan and shard_parameter), in the model's order:
+ * the same list on every rank that holds the same stages. */
+int64_t parameter_count(weft_host* host);
+weft_status* parameter_info(weft_host* host, int64_t index, weft_parameter_info* out);
+/* A view of this rank's master copy (writable; e.g. to broadcast initial values into it).
+ * Valid for the run (the optimizer updates it in place). */
+weft_status* parameter_data(weft_host* host, int64_t index, DLTensor* out);
+/* A view of the parameter's gradient (writable: e.g. to average it in place). Valid from the
+ * first backward of a step until the optimizer step; WEFT_STATUS_INVALID_ARGUMENT before. */
+weft_status* parameter_grad(weft_host* host, int64_t index, DLTensor* out);
+/* Registers the callback for gradient readiness (one per instance; NULL unregisters). */
+weft_status* set_grad_ready_callback(weft_host* host, weft_grad_ready_fn callback,
+                                        void* user_data);
+
+/* --- the step: data, forward and backward over stage ranges --- */
+/* This rank's rows of micro-batch `micro_batch` of the current step, split further into
+ * `splits` equal pipeline micro-batches of which `split` is returned (splits = 1 for the
+ * whole micro-batch). inputs: int64 token ids [rows, seq_len]; targets likewise. A plugin
+ * hands targets to loss unchanged and never reads them: in a sequence-classification run
+ * (the host's train.task = "classification", any 1.x host) every target is -100 but the one at
+ * each row's last token, which holds the row's class (or a regression score's bits), the rows
+ * are padded after that token, and loss's tokens_out counts those labeled positions (one per
+ * row). Such a run does not start under a plan with context_parallel_size > 1. */
+weft_status* batch(weft_host* host, int32_t micro_batch, int32_t split, int32_t splits,
+                      weft_activation** inputs, weft_activation** targets);
+/* Runs stages [first_stage, last_stage) on `input` (token ids when first_stage == 0, hidden
+ * states otherwise) and returns the output with its autograd history (unless
+ * WEFT_FORWARD_NO_GRAD). The input is borrowed. */
+weft_status* forward(weft_host* host, int64_t first_stage, int64_t last_stage,
+                        weft_activation* input, uint32_t flags, weft_activation** output);
+/* Mean cross-entropy of `logits` against `targets`, multiplied by `scale` (e.g. 1 /
+ * micro-batches) and, in a training step under train.precision = fp16, by the host's dynamic
+ * loss scale (so gradients, also those a pipeline passes between stages, hold that factor; the
+ * host removes it before the optimizer and skips a step whose gradients are not finite).
+ * value_out: the unscaled mean (double); tokens_out: target tokens. */
+weft_status* loss(weft_host* host, weft_activation* logits, weft_activation* targets,
+                     double scale, weft_activation** loss_out, double* value_out,
+                     int64_t* tokens_out);
+/* Back-propagates from `output`: a scalar loss (grad_output NULL) or a stage output with the
+ * gradient received for it. Parameter gradients accumulate; inputs created with
+ * activation_from_tensor(requires_grad = 1) receive a gradient (activation_grad). A stage
+ * output that depends on nothing trainable (a frozen embedding alone, under LoRA) takes its
+ * gradient and does nothing (host behaviour since 2026-11-27; before, an error). */
+weft_status* backward(weft_host* host, weft_activation* output,
+                         weft_activation* grad_output);
+/* A read-only view of the activation's data (e.g. to send it). Valid until it is released. */
+weft_status* activation_view(weft_host* host, weft_activation* activation, DLTensor* out);
+/* The gradient accumulated into an input activation by backward, as a new activation. */
+weft_status* activation_grad(weft_host* host, weft_activation* input,
+                                weft_activation** out);
+/* A new leaf activation holding a copy of `data` (from any device the host's LibTorch knows,
+ * copied to the model's device), optionally requiring grad (a stage input received from the
+ * previous stage). */
+weft_status* activation_from_tensor(weft_host* host, const DLTensor* data,
+                                       int32_t requires_grad, weft_activation** out);
+/* Releases an activation and, with it, the autograd graph only it kept alive. NULL allowed. */
+void activation_release(weft_host* host, weft_activation* activation);
+
+/* The model's shape. The caller sets out->struct_size to sizeof(weft_model_info) as it was
+ * compiled; the host fills the fields that both versions know and sets out->struct_size to
+ * the size it wrote. Callable from plan on (the shape is resolved after create).
+ * */
+weft_status* model_info(weft_host* host, weft_model_info* out);
+/* Tracing. When the user asked for a trace (trainer --trace FILE), the host records spans in
+ * a Chrome/Perfetto trace per rank; otherwise these return at once. trace_begin opens a span
+ * on the calling thread (name and category are copied; categories the host's tools know:
+ * "forward", "backward", "send", "recv", "optimizer", "comm"); trace_end closes the calling
+ * thread's innermost open span. Spans nest; the host itself adds spans for each step and for
+ * time blocked in work_wait (category "wait"). */
+void trace_begin(weft_host* host, const char* category, const char* name);
+void trace_end(weft_host* host);
+/* Adds a named value to this rank's record of the current training step (metrics.jsonl on
+ * rank 0, as "plugin.<name>"); the run summary reports each name's mean over the steps.
+ * Reporting a name twice in one step keeps the last value. `name` is copied; it must be
+ * [a-z0-9_]+. */
+weft_status* report_metric(weft_host* host, const char* name, double value);
+/* An array of integers from the plugin's configuration section (e.g. balance = [3, 3]).
+ * Writes up to `capacity` values to `out` and the array's length to `count_out`; a missing
+ * key gives count 0 (and `out` untouched); a value that is not an array of integers is
+ * WEFT_STATUS_BAD_CONFIG naming the key. Call with capacity 0 to learn the length.
+ * */
+weft_status* config_int_list(weft_host* host, const char* key, int64_t* out,
+                                int32_t capacity, int32_t* count_out);
+/* Measures what each model stage costs: the median seconds of a forward and a backward on
+ * `rows` sequences of the run's length (0: the run's train.batch_size), over `repeats` runs
+ * after one warm-up; stage 0 includes the embedding, the last stage the head and the loss.
+ * The host builds temporary copies of the embedding, one decoder block (all blocks have the
+ * same shape and cost) and the head, never the whole model, on random data in the run's
+ * precision. Writes `count` (= the number of model stages) values to seconds_out. Callable
+ * in plan (before the model is built). Local: ranks measure separately (average them, e.g.
+ * with an all_reduce, so that every rank picks the same plan). */
+weft_status* profile_stages(weft_host* host, int64_t rows, int32_t repeats,
+                               double* seconds_out, int64_t count);
+
+/* Memory where the model is. A plugin that keeps its own buffers (gradient buckets, receive
+ * buffers, stashed weights) asks the host for them, so that they live on the rank's device
+ * (train.device: the CPU, or cuda:LOCAL_RANK), and works on views it cannot touch itself
+ * (plain loads, stores and memcpy work only on kDLCPU memory) through the operations below.
+ * They run in order with the host's other work on that device: a collective, a forward or a
+ * copy issued after one sees its result. */
+/* A new zero-filled contiguous buffer of `shape` and `dtype` on the rank's device, owned by
+ * the caller (buffer_release). *view_out receives its view (shape and strides owned by the
+ * host), valid until the buffer is released; byte_offset and narrower shapes make views of
+ * parts of it. */
+weft_status* buffer_create(weft_host* host, int32_t ndim, const int64_t* shape,
+                              DLDataType dtype, weft_buffer** out, DLTensor* view_out);
+/* Releases a buffer (NULL allowed); its views die with it. */
+void buffer_release(weft_host* host, weft_buffer* buffer);
+/* dst[i] = src[i] over the elements of two views of the same element count and dtype (their
+ * shapes may differ; each may be strided), on any devices the host knows, between host and
+ * device memory too. The two floating-point dtypes may differ (fp32, bf16, fp16): values are converted as ATen's copy_ does (rounded to nearest even). */
+weft_status* tensor_copy(weft_host* host, DLTensor* dst, const DLTensor* src);
+/* tensor *= factor, in place, for a floating-point view; factor 0 writes zeros (NaN and inf
+ * included) in a view of any dtype. */
+weft_status* tensor_scale(weft_host* host, DLTensor* tensor, double factor);
+/* dst += alpha * src, element by element, for floating-point views of the same element count
+ * and dtype (on any devices). */
+weft_status* tensor_add(weft_host* host, DLTensor* dst, const DLTensor* src, double alpha);
+/* The sum of the squares of a floating-point view's elements, accumulated in fp64 (it waits
+ * for the device). */
+weft_status* tensor_squared_norm(weft_host* host, const DLTensor* tensor, double* out);
+
+/* Sharded training state (ZeRO / FSDP). The host asks the plugin's flat_shard slot, once per
+ * parameter after setup, which elements of each parameter this rank keeps; these services
+ * then give the plugin the pieces it moves. Indices are parameter_* indices. A
+ * parameter whose shard is whole (the default) has none of this: parameter_shard and
+ * parameter_grad_shard are WEFT_STATUS_INVALID_ARGUMENT for it. */
+/* A writable view of this rank's master copy of the shard's elements: 1-D, `count` elements,
+ * the parameter's dtype, on the rank's device. A view into the whole parameter, or, for a
+ * RELEASABLE shard, storage of its own that outlives parameter_release (the plugin gathers
+ * whole parameters from the ranks' shards). The optimizer updates it in place. Valid for the
+ * run. */
+weft_status* parameter_shard(weft_host* host, int64_t index, DLTensor* out);
+/* A writable view of the gradient of a trainable parameter's shard: 1-D, `count` fp32 elements,
+ * on the rank's device, zero at the start of every step (the host zeroes it after the
+ * optimizer step). The plugin leaves it holding the shard's gradient averaged over the data-
+ * parallel ranks (summed over micro-batches with the loss scaled by 1 / micro_batches, as
+ * train_step says for whole gradients); the optimizer, gradient clipping and the fp16 loss
+ * scaler then read it instead of the whole gradient. Valid for the run. */
+weft_status* parameter_grad_shard(weft_host* host, int64_t index, DLTensor* out);
+/* Frees the parameter's whole gradient (e.g. once its shard has been reduce-scattered into
+ * parameter_grad_shard): parameter_grad fails until the next backward accumulates a new one.
+ * Views of the old gradient die. */
+weft_status* parameter_grad_release(weft_host* host, int64_t index);
+/* Frees the whole parameter's storage (its shard must be RELEASABLE): views from
+ * parameter_data die, and the parameter must be materialised again before a forward or
+ * backward that uses it. The shard (parameter_shard) is kept. Releasing a released parameter
+ * does nothing. */
+weft_status* parameter_release(weft_host* host, int64_t index);
+/* Gives a released parameter whole storage again and returns its writable view (the local
+ * shape, contiguous, on the rank's device) with UNDEFINED contents: the plugin fills it (e.g.
+ * all-gathers the ranks' shards into it) before the model uses it. A parameter that is
+ * whole already keeps its storage and values; the view is of it. Autograd sees the new
+ * storage: a backward after a release and a materialisation uses the values written here.
+ * Valid until the next parameter_release of it. A shard flagged
+ * WEFT_FLAT_SHARD_COMPUTE_DTYPE materialises a matrix in the compute dtype (see the flag); a
+ * whole parameter in the other dtype is converted, keeping its values. */
+weft_status* parameter_materialize(weft_host* host, int64_t index, DLTensor* out);
+/* The host's memory estimate for model stage `stage` as this rank would hold it
+ * (weft_stage_memory; the caller sets out->struct_size, the host sets it to the size it wrote).
+ * Callable from the plugin's memory_plan on (after plan and shard_parameter, before the model is
+ * built): stages this rank does not hold are estimated whole. */
+weft_status* stage_memory(weft_host* host, int64_t stage, weft_stage_memory* out);
+
+/* The input-gradient half of a split backward (ZB-H1's B pass; needs plan.split_backward = 1):
+ * back-propagates like backward, giving every input and parameter its gradient except the
+ * trainable weights of the model's linear layers (attention and MLP projections, an untied
+ * LM head), whose inputs and output gradients are kept in *pass_out instead. Frozen weights
+ * (LoRA's base, quantized layers) defer nothing; adapters, norms and the embedding get their
+ * gradients here. The plugin owns *pass_out and hands it to backward_weight (or
+ * weight_pass_release) exactly once, before the optimizer step. */
+weft_status* backward_input(weft_host* host, weft_activation* output, weft_activation* grad_output,
+                               weft_weight_pass** pass_out);
+/* The weight-gradient half (ZB-H1's W pass): computes dW = dY^T x for every weight `pass`
+ * deferred and accumulates it into the parameter's gradient, then (as backward would have)
+ * calls the grad-ready callback for it. Consumes `pass`, also when it fails. */
+weft_status* backward_weight(weft_host* host, weft_weight_pass* pass);
+/* Frees `pass` without computing its gradients (an abandoned step). */
+void weight_pass_release(weft_host* host, weft_weight_pass* pass);
+
+}  // namespace host
+}  // namespace weft
 #endif
 
 #endif /* WEFT_STRATEGY_H */

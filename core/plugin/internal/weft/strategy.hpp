@@ -29,8 +29,8 @@ namespace sdk {
 // Errors
 // ------------------------------------------------------------------------------------------
 
-// An error with an ABI status code. Throw it from strategy methods to return that code to the
-// host; Host methods throw it when a host service fails. A code of WEFT_STATUS_OK is stored as
+// An error with a status code. The step throws it to refuse (the session turns it into a
+// weft::Error naming the plugin); Host methods throw it when a host service fails. A code of WEFT_STATUS_OK is stored as
 // WEFT_STATUS_INTERNAL (an error always has an error code).
 class Error : public std::runtime_error {
  public:
@@ -66,14 +66,13 @@ class Activation {
  public:
   Activation() noexcept = default;
   // Adopts `handle` (may be NULL), which `host` created.
-  Activation(const weft_host_api* api, weft_host* host, weft_activation* handle) noexcept
-      : api_(api), host_(host), handle_(handle) {}
+  Activation(weft_host* host, weft_activation* handle) noexcept
+      : host_(host), handle_(handle) {}
   Activation(Activation&& other) noexcept
-      : api_(other.api_), host_(other.host_), handle_(std::exchange(other.handle_, nullptr)) {}
+      : host_(other.host_), handle_(std::exchange(other.handle_, nullptr)) {}
   Activation& operator=(Activation&& other) noexcept {
     if (this != &other) {
       reset();
-      api_ = other.api_;
       host_ = other.host_;
       handle_ = std::exchange(other.handle_, nullptr);
     }
@@ -89,30 +88,28 @@ class Activation {
   weft_activation* release() noexcept { return std::exchange(handle_, nullptr); }
   // Releases the handle now (if any).
   void reset() noexcept {
-    if (handle_ != nullptr) api_->activation_release(host_, std::exchange(handle_, nullptr));
+    if (handle_ != nullptr) ::weft::host::activation_release(host_, std::exchange(handle_, nullptr));
   }
 
  private:
-  const weft_host_api* api_ = nullptr;
   weft_host* host_ = nullptr;
   weft_activation* handle_ = nullptr;
 };
 
-// Owns one weft_weight_pass (the weight gradients a split backward deferred, since ABI 1.11):
+// Owns one weft_weight_pass (the weight gradients a split backward deferred):
 // Host::backward_weight consumes it; the destructor frees one never consumed without computing
 // its gradients. Move-only.
 class WeightPass {
  public:
   WeightPass() noexcept = default;
   // Adopts `handle` (may be NULL), which `host` created.
-  WeightPass(const weft_host_api* api, weft_host* host, weft_weight_pass* handle) noexcept
-      : api_(api), host_(host), handle_(handle) {}
+  WeightPass(weft_host* host, weft_weight_pass* handle) noexcept
+      : host_(host), handle_(handle) {}
   WeightPass(WeightPass&& other) noexcept
-      : api_(other.api_), host_(other.host_), handle_(std::exchange(other.handle_, nullptr)) {}
+      : host_(other.host_), handle_(std::exchange(other.handle_, nullptr)) {}
   WeightPass& operator=(WeightPass&& other) noexcept {
     if (this != &other) {
       reset();
-      api_ = other.api_;
       host_ = other.host_;
       handle_ = std::exchange(other.handle_, nullptr);
     }
@@ -127,11 +124,10 @@ class WeightPass {
   weft_weight_pass* release() noexcept { return std::exchange(handle_, nullptr); }
   // Frees the pass without computing its gradients (if any).
   void reset() noexcept {
-    if (handle_ != nullptr) api_->weight_pass_release(host_, std::exchange(handle_, nullptr));
+    if (handle_ != nullptr) ::weft::host::weight_pass_release(host_, std::exchange(handle_, nullptr));
   }
 
  private:
-  const weft_host_api* api_ = nullptr;
   weft_host* host_ = nullptr;
   weft_weight_pass* handle_ = nullptr;
 };
@@ -143,14 +139,13 @@ class Work {
  public:
   Work() noexcept = default;
   // Adopts `handle` (may be NULL), which `host` created.
-  Work(const weft_host_api* api, weft_host* host, weft_work* handle) noexcept
-      : api_(api), host_(host), handle_(handle) {}
+  Work(weft_host* host, weft_work* handle) noexcept
+      : host_(host), handle_(handle) {}
   Work(Work&& other) noexcept
-      : api_(other.api_), host_(other.host_), handle_(std::exchange(other.handle_, nullptr)) {}
+      : host_(other.host_), handle_(std::exchange(other.handle_, nullptr)) {}
   Work& operator=(Work&& other) noexcept {
     if (this != &other) {
       reset();
-      api_ = other.api_;
       host_ = other.host_;
       handle_ = std::exchange(other.handle_, nullptr);
     }
@@ -168,11 +163,10 @@ class Work {
   explicit operator bool() const noexcept { return handle_ != nullptr; }
   weft_work* release() noexcept { return std::exchange(handle_, nullptr); }
   void reset() noexcept {
-    if (handle_ != nullptr) api_->work_release(host_, std::exchange(handle_, nullptr));
+    if (handle_ != nullptr) ::weft::host::work_release(host_, std::exchange(handle_, nullptr));
   }
 
  private:
-  const weft_host_api* api_ = nullptr;
   weft_host* host_ = nullptr;
   weft_work* handle_ = nullptr;
 };
@@ -192,114 +186,16 @@ inline DLTensor flat_part(const DLTensor& t, int64_t offset, int64_t count, int6
 
 namespace detail {
 
-// What Host::copy, scale and squared_norm do for a host older than ABI 1.2 (CPU memory only).
 inline int64_t elements_of(const DLTensor& t) {
   int64_t n = 1;
   for (int32_t d = 0; d < t.ndim; ++d) n *= t.shape[d];
   return n;
 }
 inline size_t element_bytes(const DLTensor& t) { return static_cast<size_t>((t.dtype.bits * t.dtype.lanes + 7) / 8); }
-// The byte offset of element `index` (row-major order over the shape) in a possibly strided view.
-inline int64_t byte_offset_of(const DLTensor& t, int64_t index) {
-  if (t.strides == nullptr) return index * static_cast<int64_t>(element_bytes(t));
-  int64_t offset = 0;
-  for (int32_t d = t.ndim - 1; d >= 0; --d) {
-    offset += (index % t.shape[d]) * t.strides[d];
-    index /= t.shape[d];
-  }
-  return offset * static_cast<int64_t>(element_bytes(t));
-}
-inline char* bytes_of(const DLTensor& t) { return static_cast<char*>(t.data) + t.byte_offset; }
-inline void require_cpu(const DLTensor& t, const char* what) {
-  if (t.device.device_type != kDLCPU) {
-    throw Error(WEFT_STATUS_UNSUPPORTED, std::string(what) + ": a view of device memory needs host ABI >= 1.2");
-  }
-}
-inline void cpu_copy(DLTensor& dst, const DLTensor& src) {
-  require_cpu(dst, "copy");
-  require_cpu(src, "copy");
-  const int64_t n = elements_of(src);
-  if (n != elements_of(dst) || element_bytes(src) != element_bytes(dst) || src.dtype.code != dst.dtype.code) {
-    throw Error(WEFT_STATUS_INVALID_ARGUMENT, "copy: the views differ in element count or dtype");
-  }
-  const size_t size = element_bytes(src);
-  for (int64_t i = 0; i < n; ++i) std::memcpy(bytes_of(dst) + byte_offset_of(dst, i), bytes_of(src) + byte_offset_of(src, i), size);
-}
-inline void cpu_scale(DLTensor& t, double factor) {
-  require_cpu(t, "scale");
-  const int64_t n = elements_of(t);
-  for (int64_t i = 0; i < n; ++i) {
-    char* p = bytes_of(t) + byte_offset_of(t, i);
-    if (factor == 0.0) {
-      std::memset(p, 0, element_bytes(t));
-    } else if (t.dtype.code == kDLFloat && t.dtype.bits == 32) {
-      float v;
-      std::memcpy(&v, p, sizeof v);
-      v = static_cast<float>(v * factor);
-      std::memcpy(p, &v, sizeof v);
-    } else if (t.dtype.code == kDLFloat && t.dtype.bits == 64) {
-      double v;
-      std::memcpy(&v, p, sizeof v);
-      v *= factor;
-      std::memcpy(p, &v, sizeof v);
-    } else {
-      throw Error(WEFT_STATUS_UNSUPPORTED, "scale: only fp32 and fp64 views on a host older than ABI 1.2");
-    }
-  }
-}
-inline void cpu_add(DLTensor& dst, const DLTensor& src, double alpha) {
-  require_cpu(dst, "add");
-  require_cpu(src, "add");
-  const int64_t n = elements_of(src);
-  const bool f32 = src.dtype.code == kDLFloat && src.dtype.bits == 32, f64 = src.dtype.code == kDLFloat && src.dtype.bits == 64;
-  if (n != elements_of(dst) || src.dtype.code != dst.dtype.code || src.dtype.bits != dst.dtype.bits || !(f32 || f64)) {
-    throw Error(WEFT_STATUS_INVALID_ARGUMENT, "add: fp32 or fp64 views of the same element count and dtype needed");
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    char* d = bytes_of(dst) + byte_offset_of(dst, i);
-    const char* s = bytes_of(src) + byte_offset_of(src, i);
-    if (f32) {
-      float a, b;
-      std::memcpy(&a, d, sizeof a);
-      std::memcpy(&b, s, sizeof b);
-      a = static_cast<float>(a + alpha * b);
-      std::memcpy(d, &a, sizeof a);
-    } else {
-      double a, b;
-      std::memcpy(&a, d, sizeof a);
-      std::memcpy(&b, s, sizeof b);
-      a += alpha * b;
-      std::memcpy(d, &a, sizeof a);
-    }
-  }
-}
-inline double cpu_squared_norm(const DLTensor& t) {
-  require_cpu(t, "squared_norm");
-  if (t.dtype.code != kDLFloat || (t.dtype.bits != 32 && t.dtype.bits != 64)) {
-    throw Error(WEFT_STATUS_UNSUPPORTED, "squared_norm: only fp32 and fp64 views on a host older than ABI 1.2");
-  }
-  double sum = 0.0;
-  for (int64_t i = 0, n = elements_of(t); i < n; ++i) {
-    const char* p = bytes_of(t) + byte_offset_of(t, i);
-    double v;
-    if (t.dtype.bits == 32) {
-      float f;
-      std::memcpy(&f, p, sizeof f);
-      v = f;
-    } else {
-      std::memcpy(&v, p, sizeof v);
-    }
-    sum += v * v;
-  }
-  return sum;
-}
-
 }  // namespace detail
 
-// Memory for a plugin's own data where the model is (Host::buffer): on a 1.2 host the host's,
-// on the rank's device; on an older host, host memory the SDK allocates itself (kDLCPU), so
-// plugins written against 1.2 still run there on CPU models. Zero-filled. Move-only; the memory
-// goes with the object.
+// Memory on the rank's device (Host::buffer), zero-filled. Move-only; the memory goes with the
+// object.
 class Buffer {
  public:
   Buffer() noexcept = default;
@@ -307,16 +203,9 @@ class Buffer {
   Buffer& operator=(Buffer&& other) noexcept {
     if (this != &other) {
       reset();
-      api_ = other.api_;
       host_ = other.host_;
       handle_ = std::exchange(other.handle_, nullptr);
-      local_ = std::move(other.local_);
-      shape_ = std::move(other.shape_);
       view_ = other.view_;
-      if (handle_ == nullptr && !local_.empty()) {  // the view points into our own vectors
-        view_.data = local_.data();
-        view_.shape = shape_.data();
-      }
       other.view_ = DLTensor{};
     }
     return *this;
@@ -338,18 +227,14 @@ class Buffer {
     return flat_part(view_, offset, count, shape_and_stride);
   }
   void reset() noexcept {
-    if (handle_ != nullptr) api_->buffer_release(host_, std::exchange(handle_, nullptr));
-    local_.clear();
+    if (handle_ != nullptr) ::weft::host::buffer_release(host_, std::exchange(handle_, nullptr));
     view_ = DLTensor{};
   }
 
  private:
   friend class Host;
-  const weft_host_api* api_ = nullptr;
   weft_host* host_ = nullptr;
   weft_buffer* handle_ = nullptr;
-  std::vector<uint8_t> local_;  // a pre-1.2 host: the SDK's own memory
-  std::vector<int64_t> shape_;
   DLTensor view_{};
 };
 
@@ -358,20 +243,19 @@ class Buffer {
 class Group {
  public:
   Group() noexcept = default;
-  Group(const weft_host_api* api, weft_group* handle) noexcept : api_(api), handle_(handle) {}
+  explicit Group(weft_group* handle) noexcept : handle_(handle) {}
   weft_group* get() const noexcept { return handle_; }
   // This process's rank in the group, or -1 if it is not a member.
-  int32_t rank() const noexcept { return api_->group_rank(handle_); }
-  int32_t size() const noexcept { return api_->group_size(handle_); }
+  int32_t rank() const noexcept { return ::weft::host::group_rank(handle_); }
+  int32_t size() const noexcept { return ::weft::host::group_size(handle_); }
   bool contains_self() const noexcept { return rank() >= 0; }
 
  private:
-  const weft_host_api* api_ = nullptr;
   weft_group* handle_ = nullptr;
 };
 
 // ------------------------------------------------------------------------------------------
-// Host: the services table of one plugin instance
+// Host: the services of one PluginHost
 // ------------------------------------------------------------------------------------------
 
 // A micro-batch's token ids and targets (int64 [rows, seq_len]), see Host::batch.
@@ -387,43 +271,31 @@ struct Loss {
   int64_t tokens = 0;  // target tokens it averaged over
 };
 
-// A thin, copyable wrapper around (const weft_host_api*, weft_host*): valid for as long as the
-// plugin instance lives (until destroy). Every method that calls a fallible host service
-// throws Error with the host's code and message when it fails; handles it returns are RAII.
-// The method comments only add to the slot comments in strategy.h.
+// A thin, copyable wrapper around the weft_host of one PluginHost: valid for as long as that host
+// lives. Every method that calls a fallible host service throws Error with the host's code and
+// message when it fails; handles it returns are RAII. The method comments only add to the
+// services' comments in strategy.h.
 class Host {
  public:
-  Host(const weft_host_api* api, weft_host* host) noexcept : api_(api), host_(host) {}
+  explicit Host(weft_host* host) noexcept : host_(host) {}
 
-  const weft_host_api* api() const noexcept { return api_; }
   weft_host* handle() const noexcept { return host_; }
-
-  // The ABI minor both sides speak: min(host's minor, the minor of this header). Check it
-  // before calling a slot added after 1.0.
-  uint16_t negotiated_minor() const noexcept {
-    return std::min<uint16_t>(api_->header.abi_minor, WEFT_ABI_VERSION_MINOR);
-  }
 
   // --- statuses ---
   // Throws Error(code, message) if `status` is non-NULL, releasing it first. No-op on NULL.
   void check(weft_status* status) const {
     if (status == nullptr) return;
-    const weft_status_code code = api_->status_code(status);
-    const char* message = api_->status_message(status);
+    const weft_status_code code = ::weft::status_code(status);
+    const char* message = ::weft::status_message(status);
     std::string text = message != nullptr ? message : "";
-    api_->status_release(status);
+    ::weft::status_release(status);
     throw Error(code, text);
-  }
-  // A new host status (owned by the caller; code WEFT_STATUS_OK is turned into INTERNAL).
-  weft_status* make_status(weft_status_code code, const char* message) const noexcept {
-    return api_->status_create(code == WEFT_STATUS_OK ? WEFT_STATUS_INTERNAL : code,
-                               message != nullptr ? message : "");
   }
 
   // --- logging ---
   // Logs one line; never throws.
   void log(weft_log_level level, const char* message) const noexcept {
-    api_->log(host_, level, message != nullptr ? message : "");
+    ::weft::host::log_line(host_, level, message != nullptr ? message : "");
   }
   void log(weft_log_level level, const std::string& message) const noexcept {
     log(level, message.c_str());
@@ -433,121 +305,115 @@ class Host {
   // of the wrong type throws Error(WEFT_STATUS_BAD_CONFIG) naming the key ---
   int64_t config_int(const char* key, int64_t fallback) const {
     int64_t out = fallback;
-    check(api_->config_int(host_, key, fallback, &out));
+    check(::weft::host::config_int(host_, key, fallback, &out));
     return out;
   }
   double config_float(const char* key, double fallback) const {
     double out = fallback;
-    check(api_->config_float(host_, key, fallback, &out));
+    check(::weft::host::config_float(host_, key, fallback, &out));
     return out;
   }
   bool config_bool(const char* key, bool fallback) const {
     int32_t out = fallback ? 1 : 0;
-    check(api_->config_bool(host_, key, out, &out));
+    check(::weft::host::config_bool(host_, key, out, &out));
     return out != 0;
   }
   std::string config_string(const char* key, const std::string& fallback) const {
     const char* out = nullptr;
-    check(api_->config_string(host_, key, fallback.c_str(), &out));
+    check(::weft::host::config_string(host_, key, fallback.c_str(), &out));
     return out != nullptr ? std::string(out) : fallback;
   }
 
   // --- process groups ---
-  Group world() const noexcept { return Group(api_, api_->group_world(host_)); }
+  Group world() const noexcept { return Group(::weft::host::group_world(host_)); }
   // Collective over the world: every rank calls it with the same list (see strategy.h).
   Group create_group(const std::vector<int32_t>& world_ranks) const {
     weft_group* out = nullptr;
-    check(api_->group_create(host_, world_ranks.data(), static_cast<int32_t>(world_ranks.size()),
+    check(::weft::host::group_create(host_, world_ranks.data(), static_cast<int32_t>(world_ranks.size()),
                              &out));
-    return Group(api_, out);
+    return Group(out);
   }
 
   // --- collectives: asynchronous; the tensors' memory must outlive the returned Work's wait ---
   Work all_reduce(Group group, DLTensor& tensor, weft_reduce_op op = WEFT_REDUCE_SUM) const {
     weft_work* out = nullptr;
-    check(api_->all_reduce(host_, group.get(), &tensor, op, &out));
+    check(::weft::host::all_reduce(host_, group.get(), &tensor, op, &out));
     return work(out);
   }
   Work reduce_scatter(Group group, DLTensor& output, const DLTensor& input,
                       weft_reduce_op op = WEFT_REDUCE_SUM) const {
     weft_work* out = nullptr;
-    check(api_->reduce_scatter(host_, group.get(), &output, &input, op, &out));
+    check(::weft::host::reduce_scatter(host_, group.get(), &output, &input, op, &out));
     return work(out);
   }
   Work all_gather(Group group, DLTensor& output, const DLTensor& input) const {
     weft_work* out = nullptr;
-    check(api_->all_gather(host_, group.get(), &output, &input, &out));
+    check(::weft::host::all_gather(host_, group.get(), &output, &input, &out));
     return work(out);
   }
   Work broadcast(Group group, DLTensor& tensor, int32_t root_group_rank) const {
     weft_work* out = nullptr;
-    check(api_->broadcast(host_, group.get(), &tensor, root_group_rank, &out));
+    check(::weft::host::broadcast(host_, group.get(), &tensor, root_group_rank, &out));
     return work(out);
   }
   Work all_to_all(Group group, DLTensor& output, const DLTensor& input) const {
     weft_work* out = nullptr;
-    check(api_->all_to_all(host_, group.get(), &output, &input, &out));
+    check(::weft::host::all_to_all(host_, group.get(), &output, &input, &out));
     return work(out);
   }
   Work send(Group group, const DLTensor& tensor, int32_t peer_group_rank, int32_t tag) const {
     weft_work* out = nullptr;
-    check(api_->send(host_, group.get(), &tensor, peer_group_rank, tag, &out));
+    check(::weft::host::send(host_, group.get(), &tensor, peer_group_rank, tag, &out));
     return work(out);
   }
   Work recv(Group group, DLTensor& tensor, int32_t peer_group_rank, int32_t tag) const {
     weft_work* out = nullptr;
-    check(api_->recv(host_, group.get(), &tensor, peer_group_rank, tag, &out));
+    check(::weft::host::recv(host_, group.get(), &tensor, peer_group_rank, tag, &out));
     return work(out);
   }
-  Work barrier(Group group) const {
-    weft_work* out = nullptr;
-    check(api_->barrier(host_, group.get(), &out));
-    return work(out);
-  }
-
   // --- model ---
-  int64_t model_num_stages() const noexcept { return api_->model_num_stages(host_); }
-  int64_t parameter_count() const noexcept { return api_->parameter_count(host_); }
+  int64_t model_num_stages() const noexcept { return ::weft::host::model_num_stages(host_); }
+  int64_t parameter_count() const noexcept { return ::weft::host::parameter_count(host_); }
   weft_parameter_info parameter_info(int64_t index) const {
     weft_parameter_info out{};
-    check(api_->parameter_info(host_, index, &out));
+    check(::weft::host::parameter_info(host_, index, &out));
     return out;
   }
   // Views of this rank's master copy / gradient; see strategy.h for how long they stay valid.
   DLTensor parameter_data(int64_t index) const {
     DLTensor out{};
-    check(api_->parameter_data(host_, index, &out));
+    check(::weft::host::parameter_data(host_, index, &out));
     return out;
   }
   DLTensor parameter_grad(int64_t index) const {
     DLTensor out{};
-    check(api_->parameter_grad(host_, index, &out));
+    check(::weft::host::parameter_grad(host_, index, &out));
     return out;
   }
   // `user_data` must outlive the registration (unregister with callback = nullptr, e.g. in
   // the strategy's destructor).
   void set_grad_ready_callback(weft_grad_ready_fn callback, void* user_data) const {
-    check(api_->set_grad_ready_callback(host_, callback, user_data));
+    check(::weft::host::set_grad_ready_callback(host_, callback, user_data));
   }
 
   // --- the step ---
   Batch batch(int32_t micro_batch, int32_t split = 0, int32_t splits = 1) const {
     weft_activation* inputs = nullptr;
     weft_activation* targets = nullptr;
-    check(api_->batch(host_, micro_batch, split, splits, &inputs, &targets));
+    check(::weft::host::batch(host_, micro_batch, split, splits, &inputs, &targets));
     return Batch{activation(inputs), activation(targets)};
   }
   Activation forward(int64_t first_stage, int64_t last_stage, const Activation& input,
                      uint32_t flags = 0) const {
     weft_activation* out = nullptr;
-    check(api_->forward(host_, first_stage, last_stage, input.get(), flags, &out));
+    check(::weft::host::forward(host_, first_stage, last_stage, input.get(), flags, &out));
     return activation(out);
   }
   Loss loss(const Activation& logits, const Activation& targets, double scale) const {
     weft_activation* out = nullptr;
     double value = 0.0;
     int64_t tokens = 0;
-    check(api_->loss(host_, logits.get(), targets.get(), scale, &out, &value, &tokens));
+    check(::weft::host::loss(host_, logits.get(), targets.get(), scale, &out, &value, &tokens));
     Loss result;
     result.loss = activation(out);
     result.value = value;
@@ -556,232 +422,118 @@ class Host {
   }
   // From a scalar loss.
   void backward(const Activation& loss) const {
-    check(api_->backward(host_, loss.get(), nullptr));
+    check(::weft::host::backward(host_, loss.get(), nullptr));
   }
   // From a stage output and the gradient received for it.
   void backward(const Activation& output, const Activation& grad_output) const {
-    check(api_->backward(host_, output.get(), grad_output.get()));
+    check(::weft::host::backward(host_, output.get(), grad_output.get()));
   }
   // A read-only view, valid while `activation` is not released.
   DLTensor activation_view(const Activation& activation) const {
     DLTensor out{};
-    check(api_->activation_view(host_, activation.get(), &out));
+    check(::weft::host::activation_view(host_, activation.get(), &out));
     return out;
   }
   Activation activation_grad(const Activation& input) const {
     weft_activation* out = nullptr;
-    check(api_->activation_grad(host_, input.get(), &out));
-    return activation(out);
-  }
-  Activation activation_empty(const std::vector<int64_t>& shape, DLDataType dtype) const {
-    weft_activation* out = nullptr;
-    check(api_->activation_empty(host_, static_cast<int32_t>(shape.size()), shape.data(), dtype,
-                                 &out));
+    check(::weft::host::activation_grad(host_, input.get(), &out));
     return activation(out);
   }
   Activation activation_from_tensor(const DLTensor& data, bool requires_grad) const {
     weft_activation* out = nullptr;
-    check(api_->activation_from_tensor(host_, &data, requires_grad ? 1 : 0, &out));
+    check(::weft::host::activation_from_tensor(host_, &data, requires_grad ? 1 : 0, &out));
     return activation(out);
   }
 
-  // --- since ABI 1.1 (each degrades as stated on a 1.0 host) ---
-  // The model's shape (from plan on). Throws Error(UNSUPPORTED) on a 1.0 host.
+  // The model's shape (from plan on).
   weft_model_info model_info() const {
-    if (negotiated_minor() < 1) throw Error(WEFT_STATUS_UNSUPPORTED, "model_info needs host ABI >= 1.1");
     weft_model_info out{};
     out.struct_size = sizeof(weft_model_info);
-    check(api_->model_info(host_, &out));
+    check(::weft::host::model_info(host_, &out));
     return out;
   }
-  // Opens / closes a trace span on the calling thread (no-op on a 1.0 host or with tracing
-  // off). Prefer TraceSpan.
+  // Opens / closes a trace span on the calling thread (no-op with tracing off). Prefer TraceSpan.
   void trace_begin(const char* category, const char* name) const noexcept {
-    if (negotiated_minor() >= 1) api_->trace_begin(host_, category, name);
+    ::weft::host::trace_begin(host_, category, name);
   }
-  void trace_end() const noexcept {
-    if (negotiated_minor() >= 1) api_->trace_end(host_);
-  }
-  // Adds a value to this step's metrics ("plugin.<name>"); ignored on a 1.0 host.
-  void report_metric(const char* name, double value) const {
-    if (negotiated_minor() >= 1) check(api_->report_metric(host_, name, value));
-  }
-
-  // An integer array from the configuration (empty when missing). Throws
-  // Error(UNSUPPORTED) on a 1.0 host.
-  std::vector<int64_t> config_int_list(const char* key) const {
-    if (negotiated_minor() < 1) throw Error(WEFT_STATUS_UNSUPPORTED, "config_int_list needs host ABI >= 1.1");
-    int32_t count = 0;
-    check(api_->config_int_list(host_, key, nullptr, 0, &count));
-    std::vector<int64_t> values(static_cast<size_t>(count));
-    if (count > 0) check(api_->config_int_list(host_, key, values.data(), count, &count));
-    return values;
-  }
+  void trace_end() const noexcept { ::weft::host::trace_end(host_); }
+  // Adds a value to this step's metrics ("plugin.<name>").
+  void report_metric(const char* name, double value) const { check(::weft::host::report_metric(host_, name, value)); }
 
   // Seconds per model stage (see strategy.h); `count` = the number of model stages.
-  // Throws Error(UNSUPPORTED) on a 1.0 host.
   std::vector<double> profile_stages(int64_t count, int64_t rows = 0, int32_t repeats = 3) const {
-    if (negotiated_minor() < 1) throw Error(WEFT_STATUS_UNSUPPORTED, "profile_stages needs host ABI >= 1.1");
     std::vector<double> seconds(static_cast<size_t>(count), 0.0);
-    check(api_->profile_stages(host_, rows, repeats, seconds.data(), count));
+    check(::weft::host::profile_stages(host_, rows, repeats, seconds.data(), count));
     return seconds;
   }
 
-  // --- since ABI 1.2: memory where the model is, and operations on views (strategy.h). On an
-  // older host (CPU models only) the SDK does the same in host memory; a view of another device
-  // there throws Error(UNSUPPORTED). ---
+  // --- memory where the model is, and operations on views (strategy.h) ---
   // A zero-filled contiguous buffer of `shape` and `dtype` on the rank's device.
   Buffer buffer(const std::vector<int64_t>& shape, DLDataType dtype) const {
     Buffer buffer;
-    buffer.api_ = api_;
     buffer.host_ = host_;
-    if (negotiated_minor() >= 2) {
-      check(api_->buffer_create(host_, static_cast<int32_t>(shape.size()), shape.data(), dtype, &buffer.handle_,
-                                &buffer.view_));
-      return buffer;
-    }
-    int64_t elements = 1;
-    for (int64_t extent : shape) elements *= extent;
-    buffer.shape_ = shape;
-    buffer.local_.assign(static_cast<size_t>(elements) * ((dtype.bits * dtype.lanes + 7) / 8), 0);
-    buffer.view_.data = buffer.local_.data();
-    buffer.view_.device = DLDevice{kDLCPU, 0};
-    buffer.view_.ndim = static_cast<int32_t>(shape.size());
-    buffer.view_.dtype = dtype;
-    buffer.view_.shape = buffer.shape_.data();
-    buffer.view_.strides = nullptr;  // contiguous
+    check(::weft::host::buffer_create(host_, static_cast<int32_t>(shape.size()), shape.data(), dtype, &buffer.handle_,
+                                      &buffer.view_));
     return buffer;
   }
   // dst = src, element by element (same element count and dtype).
-  void copy(DLTensor& dst, const DLTensor& src) const {
-    if (negotiated_minor() >= 2) return check(api_->tensor_copy(host_, &dst, &src));
-    detail::cpu_copy(dst, src);
-  }
+  void copy(DLTensor& dst, const DLTensor& src) const { check(::weft::host::tensor_copy(host_, &dst, &src)); }
   // tensor *= factor (0: zeros).
-  void scale(DLTensor& tensor, double factor) const {
-    if (negotiated_minor() >= 2) return check(api_->tensor_scale(host_, &tensor, factor));
-    detail::cpu_scale(tensor, factor);
-  }
+  void scale(DLTensor& tensor, double factor) const { check(::weft::host::tensor_scale(host_, &tensor, factor)); }
   // dst += alpha * src.
   void add(DLTensor& dst, const DLTensor& src, double alpha) const {
-    if (negotiated_minor() >= 2) return check(api_->tensor_add(host_, &dst, &src, alpha));
-    detail::cpu_add(dst, src, alpha);
+    check(::weft::host::tensor_add(host_, &dst, &src, alpha));
   }
   // Sum of squares in fp64.
   double squared_norm(const DLTensor& tensor) const {
-    if (negotiated_minor() >= 2) {
-      double out = 0.0;
-      check(api_->tensor_squared_norm(host_, &tensor, &out));
-      return out;
-    }
-    return detail::cpu_squared_norm(tensor);
+    double out = 0.0;
+    check(::weft::host::tensor_squared_norm(host_, &tensor, &out));
+    return out;
   }
 
-  // --- since ABI 1.3: sharded training state (strategy.h). Each throws Error(UNSUPPORTED) on an
-  // older host; a plugin that shards sets min_host_minor = 3. ---
+  // --- sharded training state (strategy.h) ---
   // This rank's master copy of the parameter's shard (1-D).
-  DLTensor parameter_shard(int64_t index) const {
-    return view_since_1_3(&weft_host_api::parameter_shard, index, "parameter_shard");
-  }
+  DLTensor parameter_shard(int64_t index) const { return view(::weft::host::parameter_shard, index); }
   // The gradient of the parameter's shard (1-D fp32; zero at the start of a step).
-  DLTensor parameter_grad_shard(int64_t index) const {
-    return view_since_1_3(&weft_host_api::parameter_grad_shard, index, "parameter_grad_shard");
-  }
+  DLTensor parameter_grad_shard(int64_t index) const { return view(::weft::host::parameter_grad_shard, index); }
   // Frees the parameter's whole gradient.
-  void release_parameter_grad(int64_t index) const {
-    require_minor(3, "parameter_grad_release");
-    check(api_->parameter_grad_release(host_, index));
-  }
+  void release_parameter_grad(int64_t index) const { check(::weft::host::parameter_grad_release(host_, index)); }
   // Frees the whole parameter (a RELEASABLE shard).
-  void release_parameter(int64_t index) const {
-    require_minor(3, "parameter_release");
-    check(api_->parameter_release(host_, index));
-  }
+  void release_parameter(int64_t index) const { check(::weft::host::parameter_release(host_, index)); }
   // Whole storage again, contents undefined until the caller fills it; returns its view.
-  DLTensor materialize_parameter(int64_t index) const {
-    return view_since_1_3(&weft_host_api::parameter_materialize, index, "parameter_materialize");
-  }
+  DLTensor materialize_parameter(int64_t index) const { return view(::weft::host::parameter_materialize, index); }
 
   // The host's estimate for model stage `stage` as this rank would hold it (from memory_plan on).
   weft_stage_memory stage_memory(int64_t stage) const {
-    require_minor(3, "stage_memory");
     weft_stage_memory out{};
     out.struct_size = sizeof(weft_stage_memory);
-    check(api_->stage_memory(host_, stage, &out));
+    check(::weft::host::stage_memory(host_, stage, &out));
     return out;
   }
 
-  // --- since ABI 1.5 ---
-  // Blockwise attention (weft_host_api.attention_block): merges a block into out / lse in the
-  // forward, adds its gradients in the backward. Throws Error(UNSUPPORTED) on an older host.
-  void attention_block(weft_direction direction, const weft_attention_block& block) const {
-    require_minor(5, "attention_block");
-    check(api_->attention_block(host_, direction, &block));
-  }
-
-  // --- since ABI 1.11 ---
   // The split backward of zero-bubble schedules (needs plan.split_backward = 1): the input
   // gradients now (from a scalar loss, or from a stage output with its received gradient), the
-  // linear weights' gradients later, from the returned pass. Throw Error(UNSUPPORTED) on an
-  // older host.
+  // linear weights' gradients later, from the returned pass.
   WeightPass backward_input(const Activation& loss) const {
-    require_minor(11, "backward_input");
     weft_weight_pass* pass = nullptr;
-    check(api_->backward_input(host_, loss.get(), nullptr, &pass));
-    return WeightPass(api_, host_, pass);
+    check(::weft::host::backward_input(host_, loss.get(), nullptr, &pass));
+    return WeightPass(host_, pass);
   }
   WeightPass backward_input(const Activation& output, const Activation& grad_output) const {
-    require_minor(11, "backward_input");
     weft_weight_pass* pass = nullptr;
-    check(api_->backward_input(host_, output.get(), grad_output.get(), &pass));
-    return WeightPass(api_, host_, pass);
+    check(::weft::host::backward_input(host_, output.get(), grad_output.get(), &pass));
+    return WeightPass(host_, pass);
   }
   // Computes and accumulates the pass's weight gradients; consumes it.
-  void backward_weight(WeightPass& pass) const {
-    require_minor(11, "backward_weight");
-    check(api_->backward_weight(host_, pass.release()));
-  }
+  void backward_weight(WeightPass& pass) const { check(::weft::host::backward_weight(host_, pass.release())); }
 
-  // --- since ABI 1.12 (composition over a device mesh; see strategy.h) ---
-  // This rank's place in the mesh and the dimension this plugin owns. On an older host: the
-  // plugin runs alone (dimension -1, driver, the world as data-parallel ranks).
-  weft_mesh_info mesh_info() const {
-    weft_mesh_info out{};
-    out.struct_size = sizeof(weft_mesh_info);
-    if (negotiated_minor() < 12) {
-      const Group w = world();
-      out.dimension = -1;
-      out.driver = 1;
-      out.plugins = 1;
-      for (int32_t d = 0; d < WEFT_MESH_DIMS; ++d) out.size[d] = 1;
-      out.size[WEFT_MESH_DP] = w.size();
-      out.coord[WEFT_MESH_DP] = w.rank();
-      return out;
-    }
-    check(api_->mesh_info(host_, &out));
-    return out;
-  }
-  // Whether this plugin is one of several in a composed run (1.12).
-  bool composed() const { return negotiated_minor() >= 12 && mesh_info().plugins > 1; }
-  // The group of the ranks that differ from this one only along `dimension` (weft_mesh_dim).
-  Group mesh_group(int32_t dimension) const {
-    require_minor(12, "group_mesh");
-    weft_group* group = api_->group_mesh(host_, dimension);
-    if (group == nullptr) throw Error(WEFT_STATUS_INVALID_ARGUMENT, "group_mesh: no mesh dimension " + std::to_string(dimension));
-    return Group(api_, group);
-  }
-
-  // --- since ABI 1.14 ---
-  // The gradient of parameter `index` that a finishing plugin combines after the driver's step
-  // (strategy.h parameter_grad_step): the whole gradient, or the flat shard's where a stage-driving
-  // ZeRO-3 already reduce-scattered it. False (out untouched) where the parameter has no gradient
-  // this step. On an older host: parameter_grad (drivers there never shard before finish_step).
+  // The gradient of parameter `index` this step left: false (out untouched) where the parameter
+  // has no gradient this step.
   bool step_gradient(int64_t index, DLTensor& out) const {
     DLTensor view{};
-    weft_status* status = negotiated_minor() >= 14 ? api_->parameter_grad_step(host_, index, &view)
-                                                   : api_->parameter_grad(host_, index, &view);
-    if (status != nullptr && api_->status_code(status) == WEFT_STATUS_INVALID_ARGUMENT) {
-      api_->status_release(status);
+    weft_status* status = ::weft::host::parameter_grad(host_, index, &view);
+    if (status != nullptr && ::weft::status_code(status) == WEFT_STATUS_INVALID_ARGUMENT) {
+      ::weft::status_release(status);
       return false;
     }
     check(status);
@@ -791,27 +543,17 @@ class Host {
 
   // Adopts raw handles this host created.
   Activation activation(weft_activation* handle) const noexcept {
-    return Activation(api_, host_, handle);
+    return Activation(host_, handle);
   }
-  Work work(weft_work* handle) const noexcept { return Work(api_, host_, handle); }
+  Work work(weft_work* handle) const noexcept { return Work(host_, handle); }
 
  private:
-  void require_minor(uint16_t minor, const char* slot) const {
-    if (negotiated_minor() < minor) {
-      throw Error(WEFT_STATUS_UNSUPPORTED, std::string(slot) + " needs host ABI >= 1." + std::to_string(minor));
-    }
-  }
-  // A 1.3 service that writes a view of parameter `index`. The slot is named by member pointer and
-  // read only after the version check (an older host's table does not have it).
-  using ViewSlot = weft_status* (*)(weft_host*, int64_t, DLTensor*);
-  DLTensor view_since_1_3(ViewSlot weft_host_api::*slot, int64_t index, const char* name) const {
-    require_minor(3, name);
+  DLTensor view(weft_status* (*service)(weft_host*, int64_t, DLTensor*), int64_t index) const {
     DLTensor out{};
-    check((api_->*slot)(host_, index, &out));
+    check(service(host_, index, &out));
     return out;
   }
 
-  const weft_host_api* api_;
   weft_host* host_;
 };
 
@@ -833,16 +575,11 @@ class TraceSpan {
 
 inline void Work::wait() const {
   if (handle_ == nullptr) throw Error(WEFT_STATUS_INVALID_ARGUMENT, "wait on an empty Work");
-  Host(api_, host_).check(api_->work_wait(host_, handle_));
+  Host(host_).check(::weft::host::work_wait(host_, handle_));
 }
 
-// ------------------------------------------------------------------------------------------
-// Logging macros: printf-style, e.g. WEFT_LOG_INFO(host(), "step %lld: loss %.4f", s, loss).
-// `host` is a weft::sdk::Host. They share their names with the weft_log_level enumerators;
-// as function-like macros they only expand when followed by '(', so the enumerators keep
-// working (host.log(WEFT_LOG_INFO, "...")). Messages longer than 1023 bytes are truncated.
-// ------------------------------------------------------------------------------------------
-
+// Logging, printf-style: WEFT_LOG_INFO(host(), "step %lld: loss %.4f", s, loss). `host` is a
+// weft::sdk::Host; messages longer than 1023 bytes are truncated.
 namespace detail {
 #if defined(__GNUC__) || defined(__clang__)
 __attribute__((format(printf, 3, 4)))
@@ -857,11 +594,8 @@ inline void log_printf(const Host& host, weft_log_level level, const char* forma
 }
 }  // namespace detail
 
-#define WEFT_LOG_TRACE(host, ...) ::weft::sdk::detail::log_printf((host), WEFT_LOG_TRACE, __VA_ARGS__)
 #define WEFT_LOG_DEBUG(host, ...) ::weft::sdk::detail::log_printf((host), WEFT_LOG_DEBUG, __VA_ARGS__)
 #define WEFT_LOG_INFO(host, ...) ::weft::sdk::detail::log_printf((host), WEFT_LOG_INFO, __VA_ARGS__)
-#define WEFT_LOG_WARN(host, ...) ::weft::sdk::detail::log_printf((host), WEFT_LOG_WARN, __VA_ARGS__)
-#define WEFT_LOG_ERROR(host, ...) ::weft::sdk::detail::log_printf((host), WEFT_LOG_ERROR, __VA_ARGS__)
 
 // ------------------------------------------------------------------------------------------
 // Strategy: the base class of C++ plugins
@@ -910,7 +644,7 @@ class Strategy {
     (void)layer;
     (void)tensor;
   }
-  // --- since ABI 1.3 (sharded training state; see strategy.h) ---
+  // --- sharded training state (strategy.h) ---
   // Which elements of parameter `index` this rank keeps. Default: all of them, no flags.
   virtual weft_flat_shard flat_shard(int64_t index) {
     const DLTensor data = host_.parameter_data(index);
@@ -922,7 +656,7 @@ class Strategy {
   virtual void materialize_parameters(bool whole) { (void)whole; }
   // Adjusts this rank's memory plan (pre-filled by the host). Not collective. Default: nothing.
   virtual void memory_plan(weft_memory_plan& plan) { (void)plan; }
-  // --- since ABI 1.4 (sequence parallelism; see strategy.h) ---
+  // --- sequence parallelism (strategy.h) ---
   // The all-to-all between the ranks that split the same sequences. Default: refuses (only a
   // plugin whose plan splits sequences is asked).
   virtual void context_exchange(int64_t layer, weft_direction direction, const DLTensor& send, DLTensor& recv) {
@@ -932,14 +666,14 @@ class Strategy {
     (void)recv;
     throw Error(WEFT_STATUS_UNSUPPORTED, "context_exchange: this plugin does not split sequences");
   }
-  // --- since ABI 1.5 (ring attention; see strategy.h) ---
+  // --- ring attention (strategy.h) ---
   // The attention core over this rank's queries (weft_attention_call). Default: refuses (only a
   // plugin whose plan chose WEFT_CONTEXT_ATTENTION_PLUGIN is asked).
   virtual void context_attention(const weft_attention_call& call) {
     (void)call;
     throw Error(WEFT_STATUS_UNSUPPORTED, "context_attention: this plugin does not run the attention core");
   }
-  // --- since ABI 1.9 (Megatron sequence parallelism; see strategy.h) ---
+  // --- Megatron sequence parallelism (strategy.h) ---
   // The all-gather (output has one more dimension than input) or reduce-scatter (input has one
   // more) over the tensor-sequence group at `point`. Default: refuses (only a plugin whose plan
   // chose sequence_parallel_size > 1 is asked).
@@ -962,18 +696,18 @@ class Strategy {
 
 namespace detail {
 
-// Runs `body`, turning every exception into a status created by `api` (NULL on success).
+// Runs `body`, turning every exception into a host status (NULL on success).
 template <class Body>
-weft_status* guarded(const weft_host_api* api, Body&& body) noexcept {
+weft_status* guarded(Body&& body) noexcept {
   try {
     body();
     return nullptr;
   } catch (const Error& e) {
-    return api->status_create(e.code(), e.what());
+    return ::weft::status_create(e.code(), e.what());
   } catch (const std::exception& e) {
-    return api->status_create(WEFT_STATUS_INTERNAL, e.what());
+    return ::weft::status_create(WEFT_STATUS_INTERNAL, e.what());
   } catch (...) {
-    return api->status_create(WEFT_STATUS_INTERNAL, "unknown exception");
+    return ::weft::status_create(WEFT_STATUS_INTERNAL, "unknown exception");
   }
 }
 

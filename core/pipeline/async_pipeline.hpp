@@ -28,7 +28,7 @@
 #include <map>
 #include <vector>
 
-#include <weft/strategy.hpp>
+#include "core/plugin/step/step.hpp"
 
 #include "executor.hpp"
 

@@ -1,14 +1,14 @@
 // dl_views.hpp - small helpers over DLTensor views for the pipeline runtime: element counts, the
 // dtype check, and views of small host vectors (loss and timing sums) to hand to the host's
 // collectives. Data on the model's device lives in Host::buffer and is copied, scaled and measured
-// through the host step interface (strategy.hpp), never with memcpy. Header-only, no LibTorch.
+// through the host step interface (core/plugin/step/step.hpp), never with memcpy. Header-only, no LibTorch.
 #ifndef WEFT_CORE_PIPELINE_DL_VIEWS_HPP
 #define WEFT_CORE_PIPELINE_DL_VIEWS_HPP
 
 #include <cstdint>
 #include <vector>
 
-#include <weft/strategy.h>
+#include "core/plugin/step/services.h"
 
 namespace weft {
 namespace plugins {

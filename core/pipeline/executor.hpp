@@ -30,7 +30,7 @@
 #include <utility>
 #include <vector>
 
-#include <weft/strategy.hpp>
+#include "core/plugin/step/step.hpp"
 
 #include "schedule.hpp"
 

@@ -11,7 +11,7 @@
 #include <map>
 #include <vector>
 
-#include <weft/strategy.hpp>
+#include "core/plugin/step/step.hpp"
 
 #include "buckets.hpp"
 

@@ -23,7 +23,7 @@
 #include <string>
 #include <vector>
 
-#include <weft/strategy.hpp>
+#include "core/plugin/step/step.hpp"
 
 #include "grad_average.hpp"
 #include "executor.hpp"

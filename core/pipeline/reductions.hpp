@@ -5,7 +5,7 @@
 
 #include <vector>
 
-#include <weft/strategy.hpp>
+#include "core/plugin/step/step.hpp"
 
 #include "dl_views.hpp"
 

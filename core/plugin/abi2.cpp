@@ -1,5 +1,5 @@
 // The host's step for ABI 2 plugins, and the host services they find by name. The step is an
-// sdk::Strategy over the host's own step services (core/plugin/internal/weft/strategy.hpp), whose
+// sdk::Strategy over the host's own step services (core/plugin/step/step.hpp), whose
 // methods the strategy session calls; the ABI 2 plugin behind it gives its layout, placements and
 // hooks, and the collectives those lower to are placement_collectives.h's.
 #include "core/plugin/abi2.h"
@@ -13,7 +13,7 @@
 #include <vector>
 
 #include <fmt/format.h>
-#include <weft/strategy.hpp>
+#include "core/plugin/step/step.hpp"
 
 #include "core/model/parallel.h"
 #include "core/plugin/host_services.h"

@@ -8,7 +8,7 @@
 #include <string>
 
 #include <weft/plugin.h>
-#include <weft/strategy.hpp>
+#include "core/plugin/step/step.hpp"
 
 namespace weft {
 

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include <weft/plugin.h>
-#include <weft/strategy.hpp>
+#include "core/plugin/step/step.hpp"
 
 #include "core/plugin/abi2.h"
 

@@ -1,4 +1,4 @@
-// PluginHost, which binds the host's step services (core/plugin/internal/weft/strategy.h) to one
+// PluginHost, which binds the host's step services (core/plugin/step/services.h) to one
 // process's run. The services themselves are in host_config.cpp, host_collectives.cpp,
 // host_model.cpp, host_memory.cpp and host_telemetry.cpp (declared in host_services.h).
 #include "core/plugin/host_api.h"

@@ -1,4 +1,4 @@
-// The host's step services (core/plugin/internal/weft/strategy.h), bound to one process's run.
+// The host's step services (core/plugin/step/services.h), bound to one process's run.
 // StrategySession creates one PluginHost per plugin and tells it, as the run proceeds, which model
 // and which step the services refer to.
 #pragma once
@@ -13,7 +13,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <toml++/toml.h>
-#include <weft/strategy.h>
+#include "core/plugin/step/services.h"
 
 #include "core/model/parallel.h"
 

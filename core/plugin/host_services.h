@@ -1,4 +1,4 @@
-// The host side of the step services (strategy.h), shared by the files that implement them by concern:
+// The host side of the step services (core/plugin/step/services.h), shared by the files that implement them by concern:
 // host_config.cpp (configuration), host_collectives.cpp (process groups and collectives),
 // host_model.cpp (the model and the step), host_memory.cpp (plugins' buffers on the device and
 // operations on views), host_telemetry.cpp (logging, tracing, metrics, communication
@@ -15,8 +15,9 @@
 #include <vector>
 
 #include <torch/torch.h>
-#include <weft/strategy.h>
-#include <weft/strategy_torch.hpp>
+#include "core/plugin/step/services.h"
+#include <weft/plugin_torch.hpp>
+#include "core/plugin/step/step.hpp"
 
 #include "core/dist/mesh.h"
 #include "core/dist/process_groups.h"
@@ -243,7 +244,7 @@ inline Communicator& communicator_of(weft_host* host) {
 // Adds the time since `start` to the time this rank spent blocked on communication.
 void add_wait_time(weft_host* host, std::chrono::steady_clock::time_point start);
 
-// The services are declared in strategy.h (weft::host); these are the helpers they share.
+// The services are declared in core/plugin/step/services.h (weft::host); these are the helpers they share.
 void install_grad_hooks(State& s);  // host_model.cpp
 ParameterEntry& parameter_at(State& s, int64_t index);  // host_model.cpp
 

@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-#include <weft/strategy.hpp>
+#include "core/plugin/step/step.hpp"
 
 namespace weft {
 

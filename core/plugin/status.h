@@ -1,17 +1,17 @@
 // The host's weft_status (sdk/include/weft/common.h): the error object that crosses the plugin
 // boundary. Every status is allocated here, by the host, whoever reports the error, so whoever
 // receives one releases it with status_release. The four status_* functions back the plugins'
-// status services and the host's own step services (strategy.h); the helpers bridge statuses and
+// status services and the host's own step services (step/services.h); the helpers bridge statuses and
 // C++ exceptions on the host side.
 #pragma once
 
 #include <memory>
 #include <string>
 
-#include <weft/strategy.h>
-#include <weft/strategy.hpp>
+#include "core/plugin/step/services.h"
+#include "core/plugin/step/step.hpp"
 
-// Defined at global scope because strategy.h declares it there (`typedef struct weft_status`).
+// Defined at global scope because weft/common.h declares it there (`typedef struct weft_status`).
 struct weft_status {
   weft_status_code code;
   std::string message;

@@ -8,7 +8,8 @@
 
 #include <fmt/format.h>
 #include <torch/torch.h>
-#include <weft/strategy_torch.hpp>
+#include <weft/plugin_torch.hpp>
+#include "core/plugin/step/step.hpp"
 
 #include "core/data/loader.h"
 #include "core/dist/process_groups.h"

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include <toml++/toml.h>
-#include <weft/strategy.h>
+#include "core/plugin/step/services.h"
 
 #include "core/dist/mesh.h"
 #include "core/model/llama.h"

@@ -430,7 +430,7 @@ TEST(Schedule, ReductionsFollowEachChunksLastBackwardAndItsSends) {
   EXPECT_THROW(weft::pipeline::lower_reductions(s), std::invalid_argument);  // lowered twice
 
   // Interleaved (2 chunks per stage) and ZB-H1 (after the last W): every shipped schedule verifies.
-  for (const std::string& name : {"gpipe", "1f1b", "interleaved1f1b", "zbh1"}) {
+  for (const std::string name : {"gpipe", "1f1b", "interleaved1f1b", "zbh1"}) {
     Schedule t = make_schedule(name, 2, 4, name == "interleaved1f1b" ? 2 : 1);
     weft::pipeline::lower_reductions(t);
     const auto v = weft::pipeline::verify(t);

@@ -1,10 +1,10 @@
 /*
- * weft/strategy.h - INTERNAL to the host: the services its own step for ABI 2 plugins
+ * core/plugin/step/services.h - INTERNAL to the host: the services its own step for ABI 2 plugins
  * (core/plugin/abi2.cpp, abi2_pipeline.cpp) and the pipeline runtime (core/pipeline) call, as a
  * table of C functions (weft_host_api) that PluginHost serves, with the structs they exchange. No
  * plugin sees it: plugins use weft/plugin.h, and the host refuses a library exporting ABI 1's
  * weft_strategy_entry. It began as ABI 1's host table (history: sdk/CHANGELOG.md). "The
- * plugin" below is the step (sdk::Strategy, weft/strategy.hpp) that calls these services, and
+ * plugin" below is the step (sdk::Strategy, step.hpp) that calls these services, and
  * "slot" one of that step's methods.
  *
  * Division of labour. The host keeps the model (as stages: embedding, decoder blocks,
@@ -36,8 +36,8 @@
  *    Host services may be called from any thread that the host is currently calling into
  *    (including from a callback).
  */
-#ifndef WEFT_STRATEGY_H
-#define WEFT_STRATEGY_H
+#ifndef WEFT_CORE_PLUGIN_STEP_SERVICES_H
+#define WEFT_CORE_PLUGIN_STEP_SERVICES_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -625,4 +625,4 @@ void weight_pass_release(weft_host* host, weft_weight_pass* pass);
 }  // namespace weft
 #endif
 
-#endif /* WEFT_STRATEGY_H */
+#endif /* WEFT_CORE_PLUGIN_STEP_SERVICES_H */

@@ -1,12 +1,12 @@
-// weft/strategy.hpp - the host's internal C++ layer over its step services (weft/strategy.h).
+// core/plugin/step/step.hpp - the host's internal C++ layer over its step services (services.h).
 //
 // The host's step for ABI 2 plugins (core/plugin/abi2.cpp, abi2_pipeline.cpp) and the pipeline
 // runtime (core/pipeline) are written against it: weft::sdk::Host wraps the services, and
 // weft::sdk::Strategy is the step whose methods the strategy session calls. Host methods throw
 // weft::sdk::Error when a service fails (after copying and releasing the host's status); the
 // session turns every exception into a weft::Error naming the plugin (detail::guarded).
-#ifndef WEFT_STRATEGY_HPP
-#define WEFT_STRATEGY_HPP
+#ifndef WEFT_CORE_PLUGIN_STEP_STEP_HPP
+#define WEFT_CORE_PLUGIN_STEP_STEP_HPP
 
 #include <algorithm>
 #include <cstdarg>
@@ -20,7 +20,7 @@
 #include <utility>
 #include <vector>
 
-#include <weft/strategy.h>
+#include "core/plugin/step/services.h"
 
 namespace weft {
 namespace sdk {
@@ -274,7 +274,7 @@ struct Loss {
 // A thin, copyable wrapper around the weft_host of one PluginHost: valid for as long as that host
 // lives. Every method that calls a fallible host service throws Error with the host's code and
 // message when it fails; handles it returns are RAII. The method comments only add to the
-// services' comments in strategy.h.
+// services' comments in services.h.
 class Host {
  public:
   explicit Host(weft_host* host) noexcept : host_(host) {}
@@ -326,7 +326,7 @@ class Host {
 
   // --- process groups ---
   Group world() const noexcept { return Group(::weft::host::group_world(host_)); }
-  // Collective over the world: every rank calls it with the same list (see strategy.h).
+  // Collective over the world: every rank calls it with the same list (see services.h).
   Group create_group(const std::vector<int32_t>& world_ranks) const {
     weft_group* out = nullptr;
     check(::weft::host::group_create(host_, world_ranks.data(), static_cast<int32_t>(world_ranks.size()),
@@ -379,7 +379,7 @@ class Host {
     check(::weft::host::parameter_info(host_, index, &out));
     return out;
   }
-  // Views of this rank's master copy / gradient; see strategy.h for how long they stay valid.
+  // Views of this rank's master copy / gradient; see services.h for how long they stay valid.
   DLTensor parameter_data(int64_t index) const {
     DLTensor out{};
     check(::weft::host::parameter_data(host_, index, &out));
@@ -460,14 +460,14 @@ class Host {
   // Adds a value to this step's metrics ("plugin.<name>").
   void report_metric(const char* name, double value) const { check(::weft::host::report_metric(host_, name, value)); }
 
-  // Seconds per model stage (see strategy.h); `count` = the number of model stages.
+  // Seconds per model stage (see services.h); `count` = the number of model stages.
   std::vector<double> profile_stages(int64_t count, int64_t rows = 0, int32_t repeats = 3) const {
     std::vector<double> seconds(static_cast<size_t>(count), 0.0);
     check(::weft::host::profile_stages(host_, rows, repeats, seconds.data(), count));
     return seconds;
   }
 
-  // --- memory where the model is, and operations on views (strategy.h) ---
+  // --- memory where the model is, and operations on views (services.h) ---
   // A zero-filled contiguous buffer of `shape` and `dtype` on the rank's device.
   Buffer buffer(const std::vector<int64_t>& shape, DLDataType dtype) const {
     Buffer buffer;
@@ -491,7 +491,7 @@ class Host {
     return out;
   }
 
-  // --- sharded training state (strategy.h) ---
+  // --- sharded training state (services.h) ---
   // This rank's master copy of the parameter's shard (1-D).
   DLTensor parameter_shard(int64_t index) const { return view(::weft::host::parameter_shard, index); }
   // The gradient of the parameter's shard (1-D fp32; zero at the start of a step).
@@ -644,7 +644,7 @@ class Strategy {
     (void)layer;
     (void)tensor;
   }
-  // --- sharded training state (strategy.h) ---
+  // --- sharded training state (services.h) ---
   // Which elements of parameter `index` this rank keeps. Default: all of them, no flags.
   virtual weft_flat_shard flat_shard(int64_t index) {
     const DLTensor data = host_.parameter_data(index);
@@ -656,7 +656,7 @@ class Strategy {
   virtual void materialize_parameters(bool whole) { (void)whole; }
   // Adjusts this rank's memory plan (pre-filled by the host). Not collective. Default: nothing.
   virtual void memory_plan(weft_memory_plan& plan) { (void)plan; }
-  // --- sequence parallelism (strategy.h) ---
+  // --- sequence parallelism (services.h) ---
   // The all-to-all between the ranks that split the same sequences. Default: refuses (only a
   // plugin whose plan splits sequences is asked).
   virtual void context_exchange(int64_t layer, weft_direction direction, const DLTensor& send, DLTensor& recv) {
@@ -666,14 +666,14 @@ class Strategy {
     (void)recv;
     throw Error(WEFT_STATUS_UNSUPPORTED, "context_exchange: this plugin does not split sequences");
   }
-  // --- ring attention (strategy.h) ---
+  // --- ring attention (services.h) ---
   // The attention core over this rank's queries (weft_attention_call). Default: refuses (only a
   // plugin whose plan chose WEFT_CONTEXT_ATTENTION_PLUGIN is asked).
   virtual void context_attention(const weft_attention_call& call) {
     (void)call;
     throw Error(WEFT_STATUS_UNSUPPORTED, "context_attention: this plugin does not run the attention core");
   }
-  // --- Megatron sequence parallelism (strategy.h) ---
+  // --- Megatron sequence parallelism (services.h) ---
   // The all-gather (output has one more dimension than input) or reduce-scatter (input has one
   // more) over the tensor-sequence group at `point`. Default: refuses (only a plugin whose plan
   // chose sequence_parallel_size > 1 is asked).
@@ -715,4 +715,4 @@ weft_status* guarded(Body&& body) noexcept {
 }  // namespace sdk
 }  // namespace weft
 
-#endif  // WEFT_STRATEGY_HPP
+#endif  // WEFT_CORE_PLUGIN_STEP_STEP_HPP

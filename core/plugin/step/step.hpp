@@ -191,7 +191,6 @@ inline int64_t elements_of(const DLTensor& t) {
   for (int32_t d = 0; d < t.ndim; ++d) n *= t.shape[d];
   return n;
 }
-inline size_t element_bytes(const DLTensor& t) { return static_cast<size_t>((t.dtype.bits * t.dtype.lanes + 7) / 8); }
 }  // namespace detail
 
 // Memory on the rank's device (Host::buffer), zero-filled. Move-only; the memory goes with the
@@ -248,7 +247,6 @@ class Group {
   // This process's rank in the group, or -1 if it is not a member.
   int32_t rank() const noexcept { return ::weft::host::group_rank(handle_); }
   int32_t size() const noexcept { return ::weft::host::group_size(handle_); }
-  bool contains_self() const noexcept { return rank() >= 0; }
 
  private:
   weft_group* handle_ = nullptr;
@@ -299,29 +297,6 @@ class Host {
   }
   void log(weft_log_level level, const std::string& message) const noexcept {
     log(level, message.c_str());
-  }
-
-  // --- configuration (the plugin's [plugin] section); a missing key gives `fallback`; a value
-  // of the wrong type throws Error(WEFT_STATUS_BAD_CONFIG) naming the key ---
-  int64_t config_int(const char* key, int64_t fallback) const {
-    int64_t out = fallback;
-    check(::weft::host::config_int(host_, key, fallback, &out));
-    return out;
-  }
-  double config_float(const char* key, double fallback) const {
-    double out = fallback;
-    check(::weft::host::config_float(host_, key, fallback, &out));
-    return out;
-  }
-  bool config_bool(const char* key, bool fallback) const {
-    int32_t out = fallback ? 1 : 0;
-    check(::weft::host::config_bool(host_, key, out, &out));
-    return out != 0;
-  }
-  std::string config_string(const char* key, const std::string& fallback) const {
-    const char* out = nullptr;
-    check(::weft::host::config_string(host_, key, fallback.c_str(), &out));
-    return out != nullptr ? std::string(out) : fallback;
   }
 
   // --- process groups ---

@@ -669,8 +669,12 @@ class HostStep : public sdk::Strategy {
       abi2_register_hooks(*o, published, hooks_);
     }
     if (!reduced.empty()) {
+      std::vector<int64_t> stage_of;  // staged: each stage's buckets start after that stage's backward
+      if (gatherer_) {
+        for (int64_t i = 0; i < count; ++i) stage_of.push_back(h.parameter_info(i).stage);
+      }
       reducer_ = std::make_unique<GradientReducer>(h, dp_group_, shard_group_, replica_group_, reduced,
-                                                   std::max<int64_t>(1, dp_->layout.reduce_bucket_bytes));
+                                                   std::max<int64_t>(1, dp_->layout.reduce_bucket_bytes), stage_of);
       reducer_->set_explicit(gatherer_ != nullptr);
     }
     GradientReducer* whole_partial = slices_ ? slices_->make_reducers(tp_->layout.reduce_bucket_bytes) : nullptr;

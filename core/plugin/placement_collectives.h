@@ -67,19 +67,26 @@ class GradientReducer {
   // `group`: the dimension (REPLICATE gradients are averaged over it). FLAT_SHARD ones are
   // reduce-scattered over `shards` (the dimension, or the group of it the layout names) and then, where the
   // dimension holds several such groups, summed over `replicas` (the ranks of the same position in
-  // the other groups) before the average.
+  // the other groups) before the average. `unit_of` (by parameter index; empty: none): a bucket
+  // never spans two units, e.g. the model stages a staged step gathers and releases one by one, so
+  // that each stage's reduction starts as soon as that stage's backward is done (as FSDP's per
+  // module).
   GradientReducer(sdk::Host host, sdk::Group group, sdk::Group shards, sdk::Group replicas, std::vector<Reduced> parameters,
-                  int64_t bucket_bytes)
+                  int64_t bucket_bytes, const std::vector<int64_t>& unit_of = {})
       : host_(host), group_(group), shards_(shards), replicas_(replicas), ranks_(shards.size()), rank_(shards.rank()) {
     std::reverse(parameters.begin(), parameters.end());
     of_.assign(static_cast<size_t>(host.parameter_count()), -1);
     ready_.assign(of_.size(), 0);
-    int64_t elements = 0;
+    int64_t elements = 0, unit = -1;
     for (const Reduced& p : parameters) {
       const DLTensor data = host.parameter_data(p.index);
       int64_t n = 1;
       for (int32_t d = 0; d < data.ndim; ++d) n *= data.shape[d];
-      if (buckets_.empty() || buckets_.back().scatter != p.scatter || (elements > 0 && (elements + n) * 4 > bucket_bytes)) {
+      const int64_t u = unit_of.empty() ? -1 : unit_of.at(static_cast<size_t>(p.index));
+      const bool new_unit = u != unit;
+      unit = u;
+      if (buckets_.empty() || buckets_.back().scatter != p.scatter || new_unit ||
+          (elements > 0 && (elements + n) * 4 > bucket_bytes)) {
         buckets_.emplace_back();
         buckets_.back().scatter = p.scatter;
         elements = 0;

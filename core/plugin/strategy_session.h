@@ -154,7 +154,7 @@ class StrategySession {
   // communication and metrics go into the step's `report`. Collective.
   void after_optimizer_step(StepReport& report);
   // Every parameter whole (true, e.g. to save the model) or back to the plugin's layout (false).
-  // Collective; nothing for a plugin without the slot.
+  // Collective; nothing where the step keeps every parameter whole anyway.
   void materialize_parameters(bool whole);
   // fp16: the factor the host's loss service multiplies every training loss by before the
   // plugin's backward (1: none). The plugin sees the scaled gradients; the trainer unscales them.

@@ -693,67 +693,103 @@ class HostStep : public sdk::Strategy {
       run_hooks("train.begin", step.step);
     }
     step_ = step.step;
-    if (program_micro_batches_ != step.micro_batches) {
-      StepProgram program = one_chunk_program(step.micro_batches);
-      if (reducer_ || (slices_ && slices_->sums())) program = lower_reductions(program, {0});
-      verify_program(program, step.micro_batches, 1);
-      program_ = std::move(program);
-      program_micro_batches_ = step.micro_batches;
-      WEFT_LOG_DEBUG(host(), "%s: step program %s", name().c_str(), describe(program_).c_str());
-    }
     const sdk::Host h = host();
     const int64_t stages = h.model_num_stages();
-    const double scale = 1.0 / step.micro_batches;
-    std::map<int, sdk::Loss> losses;  // by micro-batch, from its forward to its backward
-    std::map<int, StagedPass> passes;  // FLAT_SHARD parameters: each stage's input and output
+    const int M = step.micro_batches;
+    // Parameters FLAT_SHARD: each model stage is a chunk, whole only between its GATHER and RELEASE.
+    const int chunks = gatherer_ ? static_cast<int>(stages) : 1;
+    const int first_trained = gatherer_ ? static_cast<int>(first_trainable_stage_) : 0;
+    if (program_micro_batches_ != M) {
+      const ProgramShape shape{M, chunks, first_trained, gatherer_ != nullptr};
+      StepProgram program = gatherer_ ? sharded_program(shape, tied_, dp_->layout.shard_keep_after_forward != 0)
+                                      : one_chunk_program(M);
+      if (reducer_ || (slices_ && slices_->sums())) program = lower_reductions(program, {first_trained});
+      verify_program(program, shape);
+      program_ = std::move(program);
+      program_micro_batches_ = M;
+      WEFT_LOG_DEBUG(host(), "%s: step program %s", name().c_str(), describe(program_).c_str());
+    }
+    // Chunk c runs model stages [c, c + 1) (sharded) or all of them.
+    const auto first_stage = [&](int c) { return gatherer_ ? static_cast<int64_t>(c) : 0; };
+    const auto end_stage = [&](int c) { return gatherer_ ? static_cast<int64_t>(c) + 1 : stages; };
+    const double scale = 1.0 / M;
+    struct Pass {  // a micro-batch from its first forward to its last backward
+      sdk::Batch batch;
+      std::vector<sdk::Activation> inputs, outputs;  // inputs[c]: chunk c's input as a leaf (c > 0)
+      sdk::Loss loss;
+    };
+    std::map<int, Pass> passes;
     double loss_sum = 0.0;
     try {
       if (gatherer_) {
         if (!resting_) gatherer_->release_all();  // whole since the last materialisation (a save, setup)
         resting_ = true;
-        if (tied_) gatherer_->gather(0);  // the head uses the embedding: whole through the step
       }
-      for (size_t i = 0; i < program_.size(); ++i) {
-        const StepAction& a = program_[i];
+      for (const StepAction& a : program_) {
         switch (a.kind) {
-          case WEFT_ACTION_FORWARD: {
-            sdk::Batch batch = h.batch(a.micro_batch);
-            sdk::Activation whole;  // the logits, or in `passes` stage by stage
-            const sdk::Activation& logits =
-                gatherer_ ? staged_forward(batch, passes[a.micro_batch]) : (whole = h.forward(0, stages, batch.inputs));
-            sdk::Loss loss = h.loss(logits, batch.targets, scale);
-            loss_sum += loss.value;
-            losses.emplace(a.micro_batch, std::move(loss));
-            break;
-          }
-          case WEFT_ACTION_BACKWARD: {
-            const bool final = i + 1 < program_.size() && program_[i + 1].kind == WEFT_ACTION_REDUCE;
-            if (final && armed_) armed_->arm();
-            auto it = losses.find(a.micro_batch);
-            if (gatherer_) {
-              staged_backward(it->second, passes[a.micro_batch]);
-              passes.erase(a.micro_batch);
+          case StepKind::kForward: {
+            Pass& pass = passes[a.micro_batch];
+            const auto c = static_cast<size_t>(a.chunk);
+            if (a.chunk == 0) {
+              pass.batch = h.batch(a.micro_batch);
+              pass.inputs.resize(static_cast<size_t>(chunks));
+              pass.outputs.resize(static_cast<size_t>(chunks));
+              pass.outputs[0] = h.forward(first_stage(0), end_stage(0), pass.batch.inputs);
             } else {
-              h.backward(it->second.loss);
+              pass.inputs[c] = h.activation_from_tensor(h.activation_view(pass.outputs[c - 1]), true);
+              pass.outputs[c] = h.forward(first_stage(a.chunk), end_stage(a.chunk), pass.inputs[c]);
             }
-            losses.erase(it);
-            if (armed_) armed_->disarm();
+            if (a.chunk + 1 == chunks) {
+              pass.loss = h.loss(pass.outputs[c], pass.batch.targets, scale);
+              loss_sum += pass.loss.value;
+            }
             break;
           }
-          case WEFT_ACTION_REDUCE:
+          case StepKind::kBackward: {
+            // The last micro-batch's backwards make the gradients final: buckets start as they fill.
+            const bool final = a.micro_batch + 1 == M;
+            if (final && a.chunk + 1 == chunks && armed_) armed_->arm();
+            auto it = passes.find(a.micro_batch);
+            Pass& pass = it->second;
+            const auto c = static_cast<size_t>(a.chunk);
+            if (a.chunk + 1 == chunks) {
+              h.backward(pass.loss.loss);
+              pass.loss.loss.reset();
+            } else {
+              sdk::Activation grad = h.activation_grad(pass.inputs[c + 1]);
+              h.backward(pass.outputs[c], grad);
+              pass.inputs[c + 1].reset();
+            }
+            pass.outputs[c].reset();  // its graph is spent
+            if (gatherer_ && reducer_) {  // explicit readiness: the chunk's gradients are final for this micro-batch
+              for (int64_t index : stage_trainable_[c]) reducer_->ready(index);
+            }
+            if (a.chunk == first_trained) {
+              passes.erase(it);
+              if (final && armed_) armed_->disarm();
+            }
+            break;
+          }
+          case StepKind::kReduce:
             start_reductions();
             break;
-          case WEFT_ACTION_OPTIMIZER_STEP:
+          case StepKind::kOptimizerStep:
             finish_reductions();  // the host's optimizer runs when train_step returns
             shard_gradients();
             break;
-          case WEFT_ACTION_BACKWARD_INPUT:  // pipeline schedules' (abi2_pipeline.cpp); not in this program
-          case WEFT_ACTION_BACKWARD_WEIGHT:
-            throw sdk::Error(WEFT_STATUS_INTERNAL, "a split backward in the data-parallel step's program");
+          case StepKind::kGather:
+            gatherer_->gather(a.chunk);
+            break;
+          case StepKind::kPrefetch:
+            gatherer_->prefetch(a.chunk);
+            break;
+          case StepKind::kRelease:
+            gatherer_->release(a.chunk);
+            break;
         }
       }
-      if (gatherer_ && tied_) gatherer_->release(0);
     } catch (...) {
+      if (armed_) armed_->disarm();
       if (reducer_) reducer_->abandon();
       if (slices_) slices_->abandon();
       throw;
@@ -819,56 +855,8 @@ class HostStep : public sdk::Strategy {
     return result;
   }
 
-  // Parameters FLAT_SHARD: the model stage by stage, each gathered for its forward and released
-  // after it (the last stays whole for its backward; with tied embeddings, stage 0 the whole step;
-  // with weft_layout.shard_keep_after_forward, every stage until its backward).
-  struct StagedPass {
-    std::vector<sdk::Activation> inputs, outputs;  // inputs[s]: stage s's input as a leaf (s > 0)
-  };
-  const sdk::Activation& staged_forward(const sdk::Batch& batch, StagedPass& pass) {
-    const sdk::Host h = host();
-    const int64_t S = gatherer_->stages();
-    pass.inputs.resize(static_cast<size_t>(S));
-    pass.outputs.resize(static_cast<size_t>(S));
-    for (int64_t s = 0; s < S; ++s) {
-      gatherer_->gather(s);
-      gatherer_->prefetch(s + 1);
-      if (s == 0) {
-        pass.outputs[0] = h.forward(0, 1, batch.inputs);
-      } else {
-        pass.inputs[s] = h.activation_from_tensor(h.activation_view(pass.outputs[s - 1]), true);
-        pass.outputs[s] = h.forward(s, s + 1, pass.inputs[s]);
-      }
-      if (s + 1 < S && !(tied_ && s == 0) && dp_->layout.shard_keep_after_forward == 0) gatherer_->release(s);
-    }
-    return pass.outputs[static_cast<size_t>(S - 1)];
-  }
-  void staged_backward(sdk::Loss& loss, StagedPass& pass) {
-    const sdk::Host h = host();
-    const int64_t S = gatherer_->stages();
-    for (int64_t s = S - 1; s >= 0; --s) {
-      if (s < first_trainable_stage_) {  // nothing before it trains (a frozen embedding): no backward
-        if (!(tied_ && s == 0)) gatherer_->release(s);
-        continue;
-      }
-      gatherer_->gather(s);
-      if (s - 1 >= first_trainable_stage_) gatherer_->prefetch(s - 1);
-      if (s + 1 == S) {
-        h.backward(loss.loss);
-        loss.loss.reset();
-      } else {
-        sdk::Activation grad = h.activation_grad(pass.inputs[static_cast<size_t>(s + 1)]);
-        h.backward(pass.outputs[static_cast<size_t>(s)], grad);
-        pass.inputs[static_cast<size_t>(s + 1)].reset();
-      }
-      pass.outputs[static_cast<size_t>(s)].reset();  // its graph is spent
-      if (reducer_) {
-        for (int64_t index : stage_trainable_[static_cast<size_t>(s)]) reducer_->ready(index);
-      }
-      if (!(tied_ && s == 0)) gatherer_->release(s);
-    }
-  }
-
+  // Evaluation with parameters FLAT_SHARD: each model stage gathered for its forward and, if the
+  // parameters were at rest, released after it (with tied embeddings, stage 0 through the pass).
   sdk::Activation staged_eval_forward(const sdk::Batch& batch) {
     const sdk::Host h = host();
     const int64_t S = gatherer_->stages();

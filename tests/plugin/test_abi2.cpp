@@ -27,9 +27,9 @@ using ::testing::HasSubstr;
 using weft::StepAction;
 using weft::StepProgram;
 
-std::string program_error(const StepProgram& program, int micro_batches, int chunks) {
+std::string program_error(const StepProgram& program, const weft::ProgramShape& shape) {
   try {
-    weft::verify_program(program, micro_batches, chunks);
+    weft::verify_program(program, shape);
   } catch (const weft::Error& e) {
     return e.what();
   }
@@ -70,49 +70,92 @@ void expect_half_the_parameters(const std::string& a, const std::string& b, size
   for (size_t r = 0; r < ranks; ++r) EXPECT_NEAR(range[r], whole[r] / 2, 0.02 * whole[r]) << "rank " << r;
 }
 
-StepAction F(int chunk, int mb) { return {WEFT_ACTION_FORWARD, chunk, mb}; }
-StepAction B(int chunk, int mb) { return {WEFT_ACTION_BACKWARD, chunk, mb}; }
-StepAction R(int chunk) { return {WEFT_ACTION_REDUCE, chunk, -1}; }
-StepAction OPT() { return {WEFT_ACTION_OPTIMIZER_STEP, 0, -1}; }
+using weft::StepKind;
+StepAction F(int chunk, int mb) { return {StepKind::kForward, chunk, mb}; }
+StepAction B(int chunk, int mb) { return {StepKind::kBackward, chunk, mb}; }
+StepAction R(int chunk) { return {StepKind::kReduce, chunk, -1}; }
+StepAction G(int chunk) { return {StepKind::kGather, chunk, -1}; }
+StepAction P(int chunk) { return {StepKind::kPrefetch, chunk, -1}; }
+StepAction X(int chunk) { return {StepKind::kRelease, chunk, -1}; }
+StepAction OPT() { return {StepKind::kOptimizerStep, 0, -1}; }
 
 TEST(StepProgram, OneChunkLowersItsReductionAfterTheLastBackward) {
   const StepProgram plain = weft::one_chunk_program(3);
   EXPECT_EQ(weft::describe(plain), "F0.0 B0.0 F0.1 B0.1 F0.2 B0.2 OPT");
-  EXPECT_EQ(program_error(plain, 3, 1), "");
+  EXPECT_EQ(program_error(plain, {3, 1}), "");
   const StepProgram reduced = weft::lower_reductions(plain, {0});
   EXPECT_EQ(weft::describe(reduced), "F0.0 B0.0 F0.1 B0.1 F0.2 B0.2 R0 OPT");
-  EXPECT_EQ(program_error(reduced, 3, 1), "");
+  EXPECT_EQ(program_error(reduced, {3, 1}), "");
   // Two chunks in a pipeline's order (1F1B on the last stage): each chunk's REDUCE follows its own
   // last backward, so chunk 1's reduction overlaps chunk 0's backward.
   const StepProgram two{F(0, 0), F(1, 0), B(1, 0), B(0, 0), F(0, 1), F(1, 1), B(1, 1), B(0, 1), OPT()};
   EXPECT_EQ(weft::describe(weft::lower_reductions(two, {0, 1})),
             "F0.0 F1.0 B1.0 B0.0 F0.1 F1.1 B1.1 R1 B0.1 R0 OPT");
-  EXPECT_EQ(program_error(weft::lower_reductions(two, {0, 1}), 2, 2), "");
+  EXPECT_EQ(program_error(weft::lower_reductions(two, {0, 1}), {2, 2}), "");
   EXPECT_THROW(weft::lower_reductions({F(0, 0), OPT()}, {0}), weft::Error);
+}
+
+// ZeRO-3 / FSDP without a pipeline: each model stage a chunk, whole only around its compute, the
+// next one's all-gathers under way while one computes; chunk 0 stays whole from one micro-batch's
+// backward to the next one's forward.
+TEST(StepProgram, ShardedParametersAreGatheredAroundEachChunksCompute) {
+  const weft::ProgramShape three{2, 3, 0, true};
+  const StepProgram plain = weft::sharded_program(three, false, false);
+  EXPECT_EQ(weft::describe(plain),
+            "G0 P1 F0.0 X0 G1 P2 F1.0 X1 G2 F2.0 P1 B2.0 X2 G1 P0 B1.0 X1 G0 B0.0 "
+            "P1 F0.1 X0 G1 P2 F1.1 X1 G2 F2.1 P1 B2.1 X2 G1 P0 B1.1 X1 G0 B0.1 X0 OPT");
+  EXPECT_EQ(program_error(weft::lower_reductions(plain, {0}), three), "");
+  // Tied embeddings: chunk 0 (the embedding the head uses) whole through the step.
+  const StepProgram tied = weft::sharded_program({1, 3, 0, true}, true, false);
+  EXPECT_EQ(weft::describe(tied), "G0 P1 F0.0 G1 P2 F1.0 X1 G2 F2.0 P1 B2.0 X2 G1 B1.0 X1 B0.0 X0 OPT");
+  EXPECT_EQ(program_error(tied, {1, 3, 0, true}), "");
+  // A frozen embedding (LoRA): no backward below chunk 1, so chunk 0 is not gathered again.
+  const weft::ProgramShape frozen{1, 3, 1, true};
+  const StepProgram lora = weft::lower_reductions(weft::sharded_program(frozen, false, false), {1});
+  EXPECT_EQ(weft::describe(lora), "G0 P1 F0.0 X0 G1 P2 F1.0 X1 G2 F2.0 P1 B2.0 X2 G1 B1.0 R1 X1 OPT");
+  EXPECT_EQ(program_error(lora, frozen), "");
+  // Kept whole from the forward to the backward (weft_layout.shard_keep_after_forward).
+  const StepProgram kept = weft::sharded_program(frozen, false, true);
+  EXPECT_EQ(weft::describe(kept), "G0 P1 F0.0 G1 P2 F1.0 G2 F2.0 B2.0 X2 B1.0 X1 X0 OPT");
+  EXPECT_EQ(program_error(kept, frozen), "");
 }
 
 TEST(StepProgram, TheVerifierNamesTheFirstActionThatBreaksARule) {
   struct Case {
     StepProgram program;
-    int micro_batches, chunks;
+    weft::ProgramShape shape;
     std::string expected;
   };
   const std::vector<Case> cases{
-      {{B(0, 0), F(0, 0), OPT()}, 1, 1, "action 0 (B0.0) comes before its forward"},
-      {{F(0, 0), F(0, 0), B(0, 0), OPT()}, 1, 1, "action 1 (F0.0) repeats a forward"},
-      {{F(0, 0), B(0, 0), F(0, 1), R(0), B(0, 1), OPT()}, 2, 1,
+      {{B(0, 0), F(0, 0), OPT()}, {1, 1}, "action 0 (B0.0) comes before its forward"},
+      {{F(0, 0), F(0, 0), B(0, 0), OPT()}, {1, 1}, "action 1 (F0.0) repeats a forward"},
+      {{F(0, 0), B(0, 0), F(0, 1), R(0), B(0, 1), OPT()}, {2, 1},
        "action 3 (R0) comes before the backward of micro-batch 1"},
-      {{F(0, 0), B(0, 0), R(0), B(0, 0), OPT()}, 1, 1, "action 3 (B0.0) repeats a backward"},
-      {{F(0, 0), B(0, 0), F(0, 1), OPT(), B(0, 1)}, 2, 1, "action 3 (OPT) comes after 1 of the 2 backwards"},
-      {{F(0, 0), B(0, 0), OPT(), R(0)}, 1, 1, "action 3 (R0) comes after OPTIMIZER_STEP"},
-      {{F(0, 0), B(0, 0)}, 1, 1, "no OPTIMIZER_STEP"},
-      {{F(1, 0), F(0, 0), B(1, 0), B(0, 0), OPT()}, 1, 2, "action 0 (F1.0) comes before the previous chunk's forward"},
-      {{F(0, 0), F(1, 0), B(0, 0), B(1, 0), OPT()}, 1, 2, "action 2 (B0.0) comes before the next chunk's backward"},
-      {{F(0, 0), B(0, 0), F(0, 2), OPT()}, 2, 1, "action 2 (F0.2) names micro-batch 2, the step has 2"},
-      {{F(0, 0), B(0, 0), R(0), R(0), OPT()}, 1, 1, "action 3 (R0) repeats a REDUCE"},
+      {{F(0, 0), B(0, 0), R(0), B(0, 0), OPT()}, {1, 1}, "action 3 (B0.0) repeats a backward"},
+      {{F(0, 0), B(0, 0), F(0, 1), OPT(), B(0, 1)}, {2, 1}, "action 3 (OPT) comes after 1 of the 2 backwards"},
+      {{F(0, 0), B(0, 0), OPT(), R(0)}, {1, 1}, "action 3 (R0) comes after OPTIMIZER_STEP"},
+      {{F(0, 0), B(0, 0)}, {1, 1}, "no OPTIMIZER_STEP"},
+      {{F(1, 0), F(0, 0), B(1, 0), B(0, 0), OPT()}, {1, 2}, "action 0 (F1.0) comes before the previous chunk's forward"},
+      {{F(0, 0), F(1, 0), B(0, 0), B(1, 0), OPT()}, {1, 2}, "action 2 (B0.0) comes before the next chunk's backward"},
+      {{F(0, 0), B(0, 0), F(0, 2), OPT()}, {2, 1}, "action 2 (F0.2) names micro-batch 2, the step has 2"},
+      {{F(0, 0), B(0, 0), R(0), R(0), OPT()}, {1, 1}, "action 3 (R0) repeats a REDUCE"},
+      // Sharded parameters: a chunk computes only while whole, and nothing is whole at the step.
+      {{G(0), F(0, 0), B(0, 0), X(0), OPT()}, {1, 1}, "action 0 (G0) gathers or releases parameters, but none are sharded"},
+      {{G(0), F(0, 0), X(0), F(1, 0), B(1, 0), B(0, 0), OPT()}, {1, 2, 0, true},
+       "action 3 (F1.0) computes a chunk whose parameters are not gathered"},
+      {{G(0), F(0, 0), X(0), B(0, 0), OPT()}, {1, 1, 0, true},
+       "action 3 (B0.0) computes a chunk whose parameters are not gathered"},
+      {{G(0), G(0), F(0, 0), B(0, 0), X(0), OPT()}, {1, 1, 0, true}, "action 1 (G0) gathers a chunk that is whole"},
+      {{G(0), P(0), F(0, 0), B(0, 0), X(0), OPT()}, {1, 1, 0, true}, "action 1 (P0) prefetches a chunk that is whole"},
+      {{G(0), P(1), P(1), F(0, 0), X(0), G(1), F(1, 0), B(1, 0), X(1), OPT()}, {1, 2, 1, true},
+       "action 2 (P1) prefetches a chunk that is whole or under way"},
+      {{G(0), F(0, 0), B(0, 0), X(0), X(0), OPT()}, {1, 1, 0, true}, "action 4 (X0) releases a chunk that is not whole"},
+      {{G(0), F(0, 0), B(0, 0), OPT()}, {1, 1, 0, true}, "action 3 (OPT) comes while chunk 0 is whole or under way"},
+      {{G(0), F(0, 0), X(0), G(1), F(1, 0), B(1, 0), X(1), G(0), B(0, 0), X(0), OPT()}, {1, 2, 1, true},
+       "action 8 (B0.0) is a backward below the first trained chunk (1)"},
   };
   for (const Case& c : cases) {
-    const std::string message = program_error(c.program, c.micro_batches, c.chunks);
+    const std::string message = program_error(c.program, c.shape);
     EXPECT_THAT(message, HasSubstr(c.expected)) << weft::describe(c.program);
     EXPECT_THAT(message, HasSubstr("[" + weft::describe(c.program) + "]"));  // the whole list, for context
   }

@@ -13,7 +13,8 @@
 #
 # Targets (fuzz/*.cpp): config (TOML with `extends` and overrides, validated against a schema),
 # tokenizer_json (BPE vocab/merges, pre-tokenizer regex, added tokens; then encode/decode),
-# jsonl (JSONL records, text documents), token_file (u16/u32 token files, document boundaries);
+# jsonl (JSONL records, text documents), token_file (u16/u32 token files, document boundaries),
+# gguf (GGUF metadata, tensor table, every type weft dequantizes);
 # and, linked with the LibTorch that tools/setup.sh installs: safetensors (header, tensor table,
 # metadata, data), checkpoint_state (trainer_state.json), adapter_config (PEFT's
 # adapter_config.json), shard_index (a sharded checkpoint's index.json and piece metadata).
@@ -24,7 +25,7 @@ cd "$(dirname "$0")/.."
 seconds=${1:-60}
 shift || true
 targets=("$@")
-all_targets=(config tokenizer_json jsonl token_file labeled safetensors checkpoint_state adapter_config shard_index)
+all_targets=(config tokenizer_json jsonl token_file labeled gguf safetensors checkpoint_state adapter_config shard_index)
 runs=${WEFT_FUZZ_RUNS:--1}
 
 if ! command -v clang++ >/dev/null || ! compgen -G "/usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a" >/dev/null; then

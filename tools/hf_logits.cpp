@@ -5,7 +5,7 @@
 //             [--write-adapter DIR R ALPHA SEED TARGET,TARGET,...]
 //             [--write-adalora DIR INIT_R TARGET_R ALPHA SEED TARGET,...] [--save-pretrained DIR]
 //             [--replay-adalora TRACE.safetensors OUT2.safetensors]
-// MODEL_DIR holds config.json and safetensors weights; TOKENS holds "tokens" (int64 [B, T]). OUT
+// MODEL_DIR holds config.json and safetensors weights, or is a GGUF file (llama architecture); TOKENS holds "tokens" (int64 [B, T]). OUT
 // gets "logits" (fp32 [B, T, V]) of the model: with the LoRA or AdaLoRA adapter of DIR loaded
 // (--adapter); or with new adapters on the named targets, seeded random values, written to DIR in
 // PEFT's layout (--write-adapter: LoRA; --write-adalora: AdaLoRA with a rank pattern), so that PEFT
@@ -23,6 +23,7 @@
 #include "core/io/safetensors.h"
 #include "core/model/adalora.h"
 #include "core/model/config.h"
+#include "core/model/gguf_model.h"
 #include "core/model/llama.h"
 #include "core/model/lora.h"
 #include "core/model/weights.h"
@@ -97,7 +98,8 @@ int main(int argc, char** argv) {
   try {
     torch::NoGradGuard no_grad;
     const std::string model_dir = argv[1];
-    weft::LlamaForCausalLM model(weft::load_hf_config(model_dir + "/config.json"));
+    weft::LlamaForCausalLM model(weft::is_gguf_path(model_dir) ? weft::load_gguf_model_config(model_dir)
+                                                                : weft::load_hf_config(model_dir + "/config.json"));
     weft::load_weights(*model, model_dir);
     for (int i = 4; i < argc;) {
       const std::string option = argv[i];

@@ -62,14 +62,15 @@ if [[ "$blas" != *openblas* ]]; then
   exit 1
 fi
 
-# The Python environment, made again only when tools/requirements.txt changed.
+# The Python environment, made again only when tools/requirements*.txt changed.
 stamp="$WEFT_VENV/.weft-requirements.sha256"
-want=$(sha256sum tools/requirements.txt | cut -d' ' -f1)
+want=$(cat tools/requirements.txt tools/requirements-nodeps.txt | sha256sum | cut -d' ' -f1)
 if [[ ! -x "$WEFT_VENV/bin/python" || "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
   echo "setup: installing tools/requirements.txt (PyTorch's wheel and the reference libraries) into $WEFT_VENV"
   started=$(date +%s)
   /usr/bin/python3 -m venv "$WEFT_VENV"
   "$WEFT_VENV/bin/python" -m pip install -q --disable-pip-version-check -r tools/requirements.txt
+  "$WEFT_VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -r tools/requirements-nodeps.txt
   echo "$want" > "$stamp"
   echo "setup: Python environment ready in $(( $(date +%s) - started )) s, $(du -sh "$WEFT_VENV" | cut -f1)"
 fi

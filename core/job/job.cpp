@@ -11,6 +11,7 @@
 #include <torch/torch.h>
 
 #include "core/data/documents.h"
+#include "core/model/gguf_model.h"
 #include "core/model/memory_estimate.h"
 #include "core/model/weights.h"
 #include "core/plugin/library.h"
@@ -37,6 +38,8 @@ ModelConfig resolve_model_config(const TrainOptions& options, const Tokenizer* t
     config = load_hf_config(m.config_path);
   } else if (!m.weights.empty() && fs::is_directory(m.weights) && fs::exists(weights_config)) {
     config = load_hf_config(weights_config);
+  } else if (!m.weights.empty() && is_gguf_path(m.weights) && fs::is_regular_file(m.weights)) {
+    config = load_gguf_model_config(m.weights);  // the shape is in the file's metadata
   } else {
     std::error_code ec;
     const bool weights_dir = !m.weights.empty() && fs::is_directory(m.weights, ec);

@@ -91,7 +91,9 @@ const std::vector<Row>& rows() {
                  {"tiny", "small", "llama-3.2-1b", "llama-3.2-3b", ""}),
       string_key("model.config", WEFT_MEMBER(model.config_path), "", "Path to an HF config.json describing the model shape."),
       string_key("model.weights", WEFT_MEMBER(model.weights), "",
-                 "Safetensors file, directory or index to load; empty = seeded random init."),
+                 "Weights to load: a safetensors file, an HF model folder or index, or a GGUF file of the llama "
+                 "architecture (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, dequantized to fp32; the "
+                 "model's shape from its metadata); empty = seeded random init."),
       string_key("model.adapter", WEFT_MEMBER(model.adapter), "",
                  "A LoRA adapter directory (PEFT: adapter_config.json, adapter_model.safetensors) applied on top "
                  "of model.weights; train it further with train.mode = \"lora\". Empty = none."),

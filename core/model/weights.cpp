@@ -2,10 +2,14 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <memory>
 
 #include <torch/torch.h>
 
+#include "core/io/gguf.h"
 #include "core/io/safetensors.h"
+#include "core/model/gguf_model.h"
 #include "core/util/error.h"
 #include "core/util/fs.h"
 #include "core/util/hash.h"
@@ -79,8 +83,40 @@ void init_weights(LlamaForCausalLMImpl& model, uint64_t seed, double std) {
   }
 }
 
+namespace {
+
+// What load_weights reads from: a safetensors checkpoint, or a GGUF file under HF names.
+struct WeightSource {
+  std::function<bool(const std::string&)> contains;
+  std::function<std::vector<int64_t>(const std::string&)> shape;
+  std::function<torch::Tensor(const std::string&, torch::Dtype)> load;
+  std::function<torch::Tensor(const std::string&, int64_t dim, int64_t start, int64_t length, torch::Dtype)> load_slice;
+};
+
+WeightSource weight_source(const std::string& path) {
+  if (is_gguf_path(path)) {
+    auto file = GgufFile::open(path);
+    auto weights = std::make_shared<GgufWeights>(file, gguf_model_config(*file));
+    return {[weights](const std::string& name) { return weights->contains(name); },
+            [weights](const std::string& name) { return weights->shape(name); },
+            [weights](const std::string& name, torch::Dtype dtype) { return weights->load(name, dtype); },
+            [weights](const std::string& name, int64_t dim, int64_t start, int64_t length, torch::Dtype dtype) {
+              return weights->load(name).narrow(dim, start, length).to(dtype).contiguous();  // dequantized whole
+            }};
+  }
+  auto checkpoint = std::make_shared<SafetensorsCheckpoint>(SafetensorsCheckpoint::open(path));
+  return {[checkpoint](const std::string& name) { return checkpoint->contains(name); },
+          [checkpoint](const std::string& name) { return checkpoint->info(name).shape; },
+          [checkpoint](const std::string& name, torch::Dtype dtype) { return checkpoint->load(name, dtype); },
+          [checkpoint](const std::string& name, int64_t dim, int64_t start, int64_t length, torch::Dtype dtype) {
+            return checkpoint->load_slice(name, dim, start, length, dtype);
+          }};
+}
+
+}  // namespace
+
 void load_weights(LlamaForCausalLMImpl& model, const std::string& path, uint64_t seed, double init_std) {
-  const auto checkpoint = SafetensorsCheckpoint::open(path);
+  const WeightSource checkpoint = weight_source(path);
   torch::NoGradGuard no_grad;
   std::vector<std::string> missing;
   for (auto& item : model.named_parameters()) {
@@ -96,16 +132,16 @@ void load_weights(LlamaForCausalLMImpl& model, const std::string& path, uint64_t
       continue;
     }
     auto& param = item.value();
-    const auto& info = checkpoint.info(name);
+    const std::vector<int64_t> shape = checkpoint.shape(name);
     const ParameterShard shard = shard_of(model.options().shards, name);
     std::vector<int64_t> expected = param.sizes().vec();
     if (!shard.whole()) expected[shard.dim] *= shard.parts;
-    WEFT_CHECK(info.shape == expected, "{}: tensor '{}' has shape {} but the model expects {}", path, name,
-               fmt::join(info.shape, "x"), fmt::join(expected, "x"));
+    WEFT_CHECK(shape == expected, "{}: tensor '{}' has shape {} but the model expects {}", path, name,
+               fmt::join(shape, "x"), fmt::join(expected, "x"));
     if (shard.whole()) {
       param.copy_(checkpoint.load(name, param.scalar_type()));  // fp32, or a bf16-stored frozen matrix
     } else {  // only this process's slice leaves the memory-mapped file
-      const auto [start, length] = shard.range(info.shape[static_cast<size_t>(shard.dim)]);
+      const auto [start, length] = shard.range(shape[static_cast<size_t>(shard.dim)]);
       param.copy_(checkpoint.load_slice(name, shard.dim, start, length, param.scalar_type()));
     }
   }
@@ -116,10 +152,10 @@ void load_weights(LlamaForCausalLMImpl& model, const std::string& path, uint64_t
       missing.push_back(name);
       continue;
     }
-    const auto& info = checkpoint.info(name);
+    const std::vector<int64_t> shape = checkpoint.shape(name);
     const auto expected = whole_shape(*linear);
-    WEFT_CHECK(info.shape == expected, "{}: tensor '{}' has shape {} but the model expects {}", path, name,
-               fmt::join(info.shape, "x"), fmt::join(expected, "x"));
+    WEFT_CHECK(shape == expected, "{}: tensor '{}' has shape {} but the model expects {}", path, name,
+               fmt::join(shape, "x"), fmt::join(expected, "x"));
     // A slice is quantized as part of its whole tensor (one at a time), so that every split holds
     // the unsplit model's quantized values.
     linear->set_weight(checkpoint.load(name, torch::kFloat32), device);

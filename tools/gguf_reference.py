@@ -2,7 +2,7 @@
 and dequantizer) and transformers' GGUF loader (PyPI, tools/requirements.txt). Run by ctest as
 Reference.GgufReadsAsGgufPyAndTransformersDo:
 
-    python3 tools/gguf_reference.py GGUF_TENSORS HF_LOGITS WORK_DIR
+    python3 tools/gguf_reference.py GGUF_TENSORS HF_LOGITS TOKENIZER_ENCODE WORK_DIR TEXT_FILE...
 
 1. Every type weft dequantizes (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K): gguf-py
    writes a file of a few tensors of it (quantized by gguf-py where it quantizes the type; random
@@ -14,7 +14,11 @@ Reference.GgufReadsAsGgufPyAndTransformersDo:
    un-permuted): weft's model from the file, saved under HF names (hf_logits --save-pretrained),
    holds the same tensors bit for bit, and weft's logits on a few token sequences equal
    transformers' within 1e-5 of the largest logit (fp32, different summation orders).
+4. The tokenizer in the file's metadata: weft's ids for each TEXT_FILE (tokenizer_encode, no BOS or
+   EOS added) equal those of transformers' tokenizer from the same file, and its BOS and EOS are
+   the metadata's (SmolLM2: 1 <|im_start|> and 2 <|im_end|>, not 0 <|endoftext|>).
 Exit status 0 when every comparison holds, 1 otherwise."""
+import json
 import os
 import subprocess
 import sys
@@ -100,7 +104,8 @@ def compare_file(gguf_tensors, path, out, seen):
 
 
 def main():
-    gguf_tensors, hf_logits, work = sys.argv[1], sys.argv[2], sys.argv[3]
+    gguf_tensors, hf_logits, tokenizer_encode, work = sys.argv[1:5]
+    texts = sys.argv[5:]
     os.makedirs(work, exist_ok=True)
     print(f"gguf {gguf.__version__ if hasattr(gguf, '__version__') else '?'}, transformers {transformers.__version__}, "
           f"torch {torch.__version__}")
@@ -159,6 +164,24 @@ def main():
     print(f"{'ok  ' if ok else 'FAIL'} logits {tuple(tokens.shape)}: largest difference {worst:.3g} "
           f"(largest logit {scale:.3g}, tolerance {TOLERANCE * scale:.3g})")
     failures += 0 if ok else 1
+
+    # 4. The tokenizer in the metadata.
+    from transformers import AutoTokenizer
+    reference_tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(model), gguf_file=os.path.basename(model))
+    run = subprocess.run([tokenizer_encode, model, *texts], check=True, capture_output=True, text=True)
+    special = f"bos {reference_tokenizer.bos_token_id}, eos {reference_tokenizer.eos_token_id}"
+    if special not in run.stderr or reference_tokenizer.bos_token_id != 1:
+        print(f"FAIL special tokens: weft says {run.stderr.splitlines()[0]!r}, transformers {special}")
+        failures += 1
+    for path, ids in zip(texts, json.loads(run.stdout)):
+        with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:  # CR LF kept
+            expected_ids = reference_tokenizer(f.read(), add_special_tokens=False)["input_ids"]
+        first = next((i for i, (a, b) in enumerate(zip(ids, expected_ids)) if a != b), None)
+        if ids != expected_ids:
+            print(f"FAIL {path}: {len(ids)} ids vs transformers' {len(expected_ids)}, first difference at {first}")
+            failures += 1
+        else:
+            print(f"ok   {os.path.basename(path)}: {len(ids)} ids equal transformers' ({special})")
     print("gguf reference: all comparisons hold" if failures == 0 else f"gguf reference: {failures} failures")
     return 1 if failures else 0
 

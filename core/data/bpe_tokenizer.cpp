@@ -453,6 +453,17 @@ BpeTokenizer::BpeTokenizer(std::string_view json_text, const std::string& source
   }
 }
 
+BpeTokenizer::BpeTokenizer(std::string_view json_text, const std::string& source, const SpecialIds& special)
+    : BpeTokenizer(json_text, source) {
+  for (const auto& id : {special.bos, special.eos}) {
+    if (id && (*id < 0 || *id >= state_->vocab_size || !state_->id_known[*id])) {
+      state_->error(fmt::format("special token id {} is not in the vocabulary (vocab size {})", *id, state_->vocab_size));
+    }
+  }
+  state_->bos = special.bos;
+  state_->eos = special.eos;
+}
+
 BpeTokenizer::~BpeTokenizer() = default;
 
 std::unique_ptr<BpeTokenizer> BpeTokenizer::from_file(const std::string& path) {

@@ -36,6 +36,11 @@ class BpeTokenizer final : public Tokenizer {
   // Builds the tokenizer from the contents of a tokenizer.json; `source` (the file name) is
   // named in error messages. Throws weft::Error on malformed or unsupported contents.
   BpeTokenizer(std::string_view json_text, const std::string& source);
+  // The same, with BOS and EOS given (a GGUF file's ids) rather than found as described above.
+  struct SpecialIds {
+    std::optional<int32_t> bos, eos;
+  };
+  BpeTokenizer(std::string_view json_text, const std::string& source, const SpecialIds& special);
   ~BpeTokenizer() override;
 
   // Reads and parses a tokenizer.json file. Throws weft::Error if it cannot be read.

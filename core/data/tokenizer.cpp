@@ -4,12 +4,15 @@
 
 #include "core/data/bpe_tokenizer.h"
 #include "core/data/byte_tokenizer.h"
+#include "core/data/gguf_tokenizer.h"
+#include "core/io/gguf.h"
 #include "core/util/error.h"
 
 namespace weft {
 
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec) {
   if (spec == "byte") return std::make_unique<ByteTokenizer>();
+  if (is_gguf_path(spec)) return load_gguf_tokenizer(spec);  // the tokenizer in its metadata
   namespace fs = std::filesystem;
   std::error_code ec;
   fs::path path(spec);

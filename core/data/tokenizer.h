@@ -44,8 +44,9 @@ class Tokenizer {
   virtual std::string kind() const = 0;
 };
 
-// Creates a tokenizer from a spec: "byte" for the built-in byte-level tokenizer, or a path to an
-// HF tokenizer.json (or to a directory containing one). Throws weft::Error naming the file and
+// Creates a tokenizer from a spec: "byte" for the built-in byte-level tokenizer, a path to an
+// HF tokenizer.json (or to a directory containing one), or a GGUF file (the tokenizer in its
+// metadata: core/data/gguf_tokenizer.h). Throws weft::Error naming the file and
 // the problem on unreadable or malformed input.
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec);
 

@@ -215,6 +215,13 @@ void skip_array(Reader& in, int depth, const std::string& key) {
 
 }  // namespace
 
+bool is_gguf_path(const std::string& path) {
+  if (path.size() < 5) return false;
+  std::string tail = path.substr(path.size() - 5);
+  std::transform(tail.begin(), tail.end(), tail.begin(), [](unsigned char ch) { return std::tolower(ch); });
+  return tail == ".gguf";
+}
+
 std::string ggml_type_name(uint32_t type) {
   switch (type) {
     case 0: return "F32";

@@ -37,6 +37,9 @@ enum GgmlType : uint32_t {
   kGgmlBF16 = 30,
 };
 
+// Whether `path` names a GGUF file (by its extension, .gguf, in any case).
+bool is_gguf_path(const std::string& path);
+
 // "Q4_K" for 12; "type N" for a value ggml does not define.
 std::string ggml_type_name(uint32_t type);
 // Whether weft dequantizes the type: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K.

@@ -84,7 +84,7 @@ void check_input_paths(const TrainOptions& o, bool reads_data) {
   };
   if (!o.plugin.empty()) resolve_plugin_paths(o.plugin);  // an unknown name: the plugins there, the closest
   WEFT_CHECK(o.tokenizer == "byte" || exists(o.tokenizer),
-             "data.tokenizer = '{}' does not exist (\"byte\", a tokenizer.json, or a folder holding one)", o.tokenizer);
+             "data.tokenizer = '{}' does not exist (\"byte\", a tokenizer.json or a folder holding one, or a GGUF file)", o.tokenizer);
   WEFT_CHECK(o.model.weights.empty() || exists(o.model.weights),
              "model.weights = '{}' does not exist: it names the weights to start from (an HF model folder, a "
              ".safetensors or .gguf file, or a finished run's final/ or best/ folder); run the training that writes "

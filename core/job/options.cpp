@@ -149,7 +149,8 @@ const std::vector<Row>& rows() {
       string_key("data.text_document", WEFT_MEMBER(data.text_document), "paragraph", "How plain text is cut into documents.",
                  {"file", "paragraph", "line"}),
       string_key("data.tokenizer", WEFT_MEMBER(tokenizer), "byte",
-                 "\"byte\" for the built-in byte tokenizer, or a tokenizer.json (or its directory)."),
+                 "\"byte\" for the built-in byte tokenizer, a tokenizer.json (or its directory), or a GGUF file (the "
+                 "tokenizer in its metadata)."),
       int_key("data.seq_len", WEFT_MEMBER(data.seq_len), 256, "Tokens per training sequence.", 2),
       float_key("data.heldout_fraction", WEFT_MEMBER(data.heldout_fraction), 0.1, "Fraction of documents held out for evaluation.", 0,
                 0.9),

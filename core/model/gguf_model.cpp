@@ -83,13 +83,6 @@ RopeScaling rope_scaling_from_factors(const GgufFile& file, const std::vector<fl
 
 }  // namespace
 
-bool is_gguf_path(const std::string& path) {
-  if (path.size() < 5) return false;
-  std::string tail = path.substr(path.size() - 5);
-  std::transform(tail.begin(), tail.end(), tail.begin(), [](unsigned char ch) { return std::tolower(ch); });
-  return tail == ".gguf";
-}
-
 ModelConfig gguf_model_config(const GgufFile& file) {
   const auto arch = file.get_string("general.architecture");
   WEFT_CHECK(arch.has_value(), "{}: GGUF metadata has no general.architecture", file.path());

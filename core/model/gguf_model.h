@@ -11,14 +11,12 @@
 
 #include <ATen/ATen.h>
 
+#include "core/io/gguf.h"
 #include "core/model/config.h"
 
 namespace weft {
 
 class GgufFile;  // core/io/gguf.h
-
-// Whether `path` names a GGUF file (by its extension, .gguf).
-bool is_gguf_path(const std::string& path);
 
 // The model's shape from the metadata: general.architecture "llama" and its llama.* keys (block
 // count, embedding and feed-forward lengths, head counts, context length, RMS epsilon, RoPE base),

@@ -2,7 +2,7 @@
 and dequantizer) and transformers' GGUF loader (PyPI, tools/requirements.txt). Run by ctest as
 Reference.GgufReadsAsGgufPyAndTransformersDo:
 
-    python3 tools/gguf_reference.py GGUF_TENSORS HF_LOGITS TOKENIZER_ENCODE WORK_DIR TEXT_FILE...
+    python3 tools/gguf_reference.py GGUF_TENSORS HF_LOGITS TOKENIZER_ENCODE TRAINER CONFIG WORK_DIR TEXT_FILE...
 
 1. Every type weft dequantizes (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K): gguf-py
    writes a file of a few tensors of it (quantized by gguf-py where it quantizes the type; random
@@ -17,6 +17,11 @@ Reference.GgufReadsAsGgufPyAndTransformersDo:
 4. The tokenizer in the file's metadata: weft's ids for each TEXT_FILE (tokenizer_encode, no BOS or
    EOS added) equal those of transformers' tokenizer from the same file, and its BOS and EOS are
    the metadata's (SmolLM2: 1 <|im_start|> and 2 <|im_end|>, not 0 <|endoftext|>).
+5. The checkpoint's own framing, end to end through `trainer` (CONFIG with model.weights and
+   data.tokenizer the bundled file): SmolLM2 adds neither BOS nor EOS, so a document's held-out
+   loss (trainer eval --data, one sequence of the whole document) equals transformers' loss on
+   tokenizer(text) within 1e-4 relative; and greedy generation (trainer generate, its `tokens:`
+   line) equals transformers' generate token for token, up to the checkpoint's EOS or 48 tokens.
 Exit status 0 when every comparison holds, 1 otherwise."""
 import json
 import os
@@ -104,8 +109,8 @@ def compare_file(gguf_tensors, path, out, seen):
 
 
 def main():
-    gguf_tensors, hf_logits, tokenizer_encode, work = sys.argv[1:5]
-    texts = sys.argv[5:]
+    gguf_tensors, hf_logits, tokenizer_encode, trainer, config, work = sys.argv[1:7]
+    texts = sys.argv[7:]
     os.makedirs(work, exist_ok=True)
     print(f"gguf {gguf.__version__ if hasattr(gguf, '__version__') else '?'}, transformers {transformers.__version__}, "
           f"torch {torch.__version__}")
@@ -182,6 +187,47 @@ def main():
             failures += 1
         else:
             print(f"ok   {os.path.basename(path)}: {len(ids)} ids equal transformers' ({special})")
+
+    # 5. Framing, losses and greedy text through the trainer.
+    weft_run = [trainer, "--config", config, "--set", f"model.weights={model}", "--set", f"data.tokenizer={model}",
+                "--set", "data.cache_dir=", "--set", "log.level=warn"]
+    documents = ["It is a truth universally acknowledged, that a single man in possession of a good fortune, must be "
+                 "in want of a wife.",
+                 "Emma Woodhouse, handsome, clever, and rich, with a comfortable home and happy disposition, seemed "
+                 "to unite some of the best blessings of existence; and had lived nearly twenty-one years in the world "
+                 "with very little to distress or vex her.",
+                 "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"]
+    for k, text in enumerate(documents):
+        ids = reference_tokenizer(text, return_tensors="pt")["input_ids"]  # the checkpoint's framing
+        with torch.no_grad():
+            expected_loss = reference(ids, labels=ids).loss.item()
+        path = os.path.join(work, f"document{k}.jsonl")
+        with open(path, "w") as f:
+            f.write(json.dumps({"text": text}) + "\n")
+        out = os.path.join(work, f"eval{k}.json")
+        subprocess.run(weft_run[:1] + ["eval"] + weft_run[1:] + ["--set", f"data.seq_len={ids.shape[1] - 1}",
+                                                               "--data", path, "--json", out], check=True)
+        result = json.load(open(out))
+        ok = result["sequences"] == 1 and abs(result["loss"] - expected_loss) <= 1e-4 * abs(expected_loss)
+        print(f"{'ok  ' if ok else 'FAIL'} document {k}: {ids.shape[1]} tokens, weft's loss {result['loss']:.7f}, "
+              f"transformers' {expected_loss:.7f}")
+        failures += 0 if ok else 1
+    eos = reference_tokenizer.eos_token_id
+    for prompt in ["It is a truth universally acknowledged, that", "Once upon a time, in a small village by the sea,",
+                   "The three most important things to know about Jane Austen are"]:
+        ids = reference_tokenizer(prompt, return_tensors="pt")["input_ids"]
+        expected_ids = reference.generate(ids, max_new_tokens=48, do_sample=False)[0, ids.shape[1]:].tolist()
+        if expected_ids and expected_ids[-1] == eos:
+            expected_ids = expected_ids[:-1]  # weft stops at EOS without printing it
+        run = subprocess.run(weft_run[:1] + ["generate"] + weft_run[1:] + ["--set", "generate.max_new_tokens=48",
+                                                                       "--prompt", prompt],
+                             check=True, capture_output=True, text=True)
+        line = next(l for l in run.stdout.splitlines() if l.startswith("tokens:"))
+        got = [int(x) for x in line.split()[1:]]
+        ok = got == expected_ids and len(expected_ids) >= 40
+        print(f"{'ok  ' if ok else 'FAIL'} greedy: {len(got)} new tokens, transformers' {len(expected_ids)}: "
+              f"{reference_tokenizer.decode(got)[:60]!r}")
+        failures += 0 if ok else 1
     print("gguf reference: all comparisons hold" if failures == 0 else f"gguf reference: {failures} failures")
     return 1 if failures else 0
 

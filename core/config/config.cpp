@@ -446,6 +446,10 @@ std::string Config::to_toml() const {
     for (const auto& entry : schema_->entries) {
       if (entry.section() != section.name) continue;
       const ConfigValue* value = explicit_value(entry.key);
+      if (value == nullptr && !entry.default_text.empty()) {  // left to the run: stays unset when read back
+        out << "# " << entry.name() << ": " << entry.default_text << "\n";
+        continue;
+      }
       out << entry.name() << " = " << value_to_toml(value ? *value : entry.default_value) << "\n";
     }
     out << "\n";

@@ -158,8 +158,8 @@ std::string render_help(const Schema& schema) {
     out << "\n[" << section.name << "]  " << section.doc << "\n";
     for (const auto& entry : schema.entries) {
       if (entry.section() != section.name) continue;
-      out << "  " << entry.key << " (" << type_name(entry.type)
-          << ", default " << value_to_toml(entry.default_value);
+      out << "  " << entry.key << " (" << type_name(entry.type) << ", default "
+          << (entry.default_text.empty() ? value_to_toml(entry.default_value) : entry.default_text);
       const std::string limits = constraints(entry);
       if (!limits.empty()) out << "; " << limits;
       out << ")\n      " << entry.doc << "\n";
@@ -179,8 +179,8 @@ std::string render_markdown_reference(const Schema& schema) {
       std::string description = entry.doc;
       const std::string limits = constraints(entry);
       if (!limits.empty()) description += " (" + limits + ")";
-      out << "| `" << entry.name() << "` | " << type_name(entry.type) << " | `"
-          << value_to_toml(entry.default_value) << "` | "
+      out << "| `" << entry.name() << "` | " << type_name(entry.type) << " | "
+          << (entry.default_text.empty() ? "`" + value_to_toml(entry.default_value) + "`" : entry.default_text) << " | "
           << markdown_cell(description) << " |\n";
     }
     out << "\n";

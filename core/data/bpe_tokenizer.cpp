@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <optional>
@@ -93,6 +94,7 @@ struct BpeTokenizer::State {
   std::vector<bool> id_known;
   int64_t vocab_size = 0;
   std::optional<int32_t> bos, eos;
+  bool adds_bos = false, adds_eos = false;
 
   std::mutex cache_mutex;
   std::unordered_map<std::string, std::vector<int32_t>> cache;
@@ -339,6 +341,8 @@ void BpeTokenizer::State::choose_bos_eos(const json& root) {
   const auto back = processing ? template_special_token(*processing, false) : std::nullopt;
   bos = front ? resolve(*front) : named("<|begin_of_text|>");
   eos = back ? resolve(*back) : named("<|end_of_text|>");
+  adds_bos = front.has_value();
+  adds_eos = back.has_value();
 }
 
 const AddedToken* BpeTokenizer::State::added_at(std::string_view text, size_t pos) const {
@@ -460,8 +464,13 @@ BpeTokenizer::BpeTokenizer(std::string_view json_text, const std::string& source
       state_->error(fmt::format("special token id {} is not in the vocabulary (vocab size {})", *id, state_->vocab_size));
     }
   }
-  state_->bos = special.bos;
-  state_->eos = special.eos;
+  // The ids take part in the fingerprint: a token cache made with other special ids is not reused.
+  state_->fingerprint = hex64(hash64(std::string(json_text) + fmt::format("\nbos {} eos {}", special.bos.value_or(-1),
+                                                                           special.eos.value_or(-1))));
+  if (special.bos) state_->bos = special.bos;
+  if (special.eos) state_->eos = special.eos;
+  if (special.adds_bos) state_->adds_bos = *special.adds_bos;
+  if (special.adds_eos) state_->adds_eos = *special.adds_eos;
 }
 
 BpeTokenizer::~BpeTokenizer() = default;
@@ -472,7 +481,41 @@ std::unique_ptr<BpeTokenizer> BpeTokenizer::from_file(const std::string& path) {
   std::ostringstream contents;
   contents << in.rdbuf();
   if (in.bad()) fail("tokenizer {}: read error", path);
-  return std::make_unique<BpeTokenizer>(contents.str(), path);
+  auto tokenizer = std::make_unique<BpeTokenizer>(contents.str(), path);
+  // transformers' tokenizer_config.json beside it: the checkpoint's BOS, EOS and framing.
+  const std::string config_path = (std::filesystem::path(path).parent_path() / "tokenizer_config.json").string();
+  std::ifstream config_in(config_path, std::ios::binary);
+  if (!config_in) return tokenizer;
+  std::ostringstream config_text;
+  config_text << config_in.rdbuf();
+  json config;
+  try {
+    config = json::parse(config_text.str());
+  } catch (const json::exception& e) {
+    fail("tokenizer {}: invalid JSON: {}", config_path, e.what());
+  }
+  if (!config.is_object()) fail("tokenizer {}: top level is not a JSON object", config_path);
+  State& state = *tokenizer->state_;
+  const auto special = [&](const char* key) -> std::optional<int32_t> {
+    if (!config.contains(key) || config[key].is_null()) return std::nullopt;
+    const json& value = config[key];
+    const json& content = value.is_object() ? value.value("content", json()) : value;  // AddedToken's form
+    if (!content.is_string()) fail("tokenizer {}: {} is not a token", config_path, key);
+    const auto id = state.token_id(content.get<std::string>());
+    if (!id) fail("tokenizer {}: {} '{}' is not in the vocabulary of {}", config_path, key, content.get<std::string>(), path);
+    return id;
+  };
+  const auto flag = [&](const char* key) -> std::optional<bool> {
+    if (!config.contains(key) || config[key].is_null()) return std::nullopt;
+    if (!config[key].is_boolean()) fail("tokenizer {}: {} is not a boolean", config_path, key);
+    return config[key].get<bool>();
+  };
+  if (const auto bos = special("bos_token")) state.bos = bos;
+  if (const auto eos = special("eos_token")) state.eos = eos;
+  if (const auto adds = flag("add_bos_token")) state.adds_bos = *adds;
+  if (const auto adds = flag("add_eos_token")) state.adds_eos = *adds;
+  state.fingerprint = hex64(hash64(contents.str() + "\n" + config_text.str()));
+  return tokenizer;
 }
 
 std::vector<int32_t> BpeTokenizer::encode(std::string_view text) const {
@@ -507,6 +550,8 @@ std::string BpeTokenizer::decode(const std::vector<int32_t>& ids) const {
 int64_t BpeTokenizer::vocab_size() const { return state_->vocab_size; }
 std::optional<int32_t> BpeTokenizer::bos_id() const { return state_->bos; }
 std::optional<int32_t> BpeTokenizer::eos_id() const { return state_->eos; }
+bool BpeTokenizer::adds_bos() const { return state_->adds_bos; }
+bool BpeTokenizer::adds_eos() const { return state_->adds_eos; }
 std::string BpeTokenizer::fingerprint() const { return state_->fingerprint; }
 
 }  // namespace weft

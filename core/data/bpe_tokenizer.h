@@ -18,7 +18,8 @@
 // bos_id/eos_id: when the post_processor is (or contains, in a Sequence) a TemplateProcessing
 // whose "single" template starts (ends) with a SpecialToken, that token is BOS (EOS). Otherwise
 // BOS is the token "<|begin_of_text|>" and EOS "<|end_of_text|>" (Llama 3), falling back to
-// "<|endoftext|>" for both (GPT-2); nullopt when none exists.
+// "<|endoftext|>" for both (GPT-2); nullopt when none exists. adds_bos/adds_eos: whether that
+// template has them (no post_processor: neither).
 //
 // encode() caches the ids of each pre-token (a bounded per-word cache behind a mutex), so a
 // BpeTokenizer may be shared between threads.
@@ -36,14 +37,19 @@ class BpeTokenizer final : public Tokenizer {
   // Builds the tokenizer from the contents of a tokenizer.json; `source` (the file name) is
   // named in error messages. Throws weft::Error on malformed or unsupported contents.
   BpeTokenizer(std::string_view json_text, const std::string& source);
-  // The same, with BOS and EOS given (a GGUF file's ids) rather than found as described above.
+  // The same, with BOS and EOS, and whether encoding adds them, given (a GGUF file's metadata, a
+  // tokenizer_config.json) where set rather than found as described above.
   struct SpecialIds {
     std::optional<int32_t> bos, eos;
+    std::optional<bool> adds_bos, adds_eos;
   };
   BpeTokenizer(std::string_view json_text, const std::string& source, const SpecialIds& special);
   ~BpeTokenizer() override;
 
-  // Reads and parses a tokenizer.json file. Throws weft::Error if it cannot be read.
+  // Reads and parses a tokenizer.json file, and the tokenizer_config.json beside it where there is
+  // one (transformers' file: its bos_token and eos_token name BOS and EOS, its add_bos_token and
+  // add_eos_token say whether encoding adds them). Throws weft::Error if either cannot be read or
+  // names a token the vocabulary does not have.
   static std::unique_ptr<BpeTokenizer> from_file(const std::string& path);
 
   std::vector<int32_t> encode(std::string_view text) const override;
@@ -51,6 +57,9 @@ class BpeTokenizer final : public Tokenizer {
   int64_t vocab_size() const override;
   std::optional<int32_t> bos_id() const override;
   std::optional<int32_t> eos_id() const override;
+  // The post_processor's template starts (ends) with a special token.
+  bool adds_bos() const override;
+  bool adds_eos() const override;
   // 16 hex digits: weft::hash64 of the tokenizer.json contents.
   std::string fingerprint() const override;
   std::string kind() const override { return "bpe"; }

@@ -19,6 +19,9 @@ class ByteTokenizer final : public Tokenizer {
   int64_t vocab_size() const override { return kVocabSize; }
   std::optional<int32_t> bos_id() const override { return kBeginOfText; }
   std::optional<int32_t> eos_id() const override { return kEndOfText; }
+  // weft's own framing for models that ship no tokenizer: every document between the two.
+  bool adds_bos() const override { return true; }
+  bool adds_eos() const override { return true; }
   std::string fingerprint() const override { return "byte-v1"; }
   std::string kind() const override { return "byte"; }
 };

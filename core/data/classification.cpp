@@ -34,7 +34,7 @@ Encoded encode_all(const std::vector<LabeledExample>& examples, const Classifica
   out.tokens.reserve(examples.size());
   for (const auto& example : examples) {
     bool cut = false;
-    out.tokens.push_back(encode_example(example, tokenizer, options.seq_len, options.add_bos, &cut));
+    out.tokens.push_back(encode_example(example, tokenizer, options.seq_len, options.bos_for(tokenizer), &cut));
     truncated += cut ? 1 : 0;
   }
   return out;

@@ -28,7 +28,7 @@ int64_t heldout_count(int64_t n_documents, double fraction) {
 
 }  // namespace
 
-CorpusOptions DatasetOptions::corpus_options() const {
+CorpusOptions DatasetOptions::corpus_options(const Tokenizer& tokenizer) const {
   CorpusOptions corpus;
   corpus.paths = paths;
   corpus.format = parse_data_format(format);
@@ -36,8 +36,8 @@ CorpusOptions DatasetOptions::corpus_options() const {
   corpus.text_document = parse_text_document_mode(text_document);
   corpus.max_documents = max_documents;
   corpus.cache_dir = cache_dir;
-  corpus.add_bos = add_bos;
-  corpus.add_eos = add_eos;
+  corpus.add_bos = bos_for(tokenizer);
+  corpus.add_eos = eos_for(tokenizer);
   corpus.tokenize_threads = tokenize_threads;
   return corpus;
 }
@@ -163,7 +163,7 @@ DatasetSplits prepare_dataset(const DatasetOptions& options, const Tokenizer& to
   WEFT_CHECK(options.seq_len > 0, "seq_len must be positive, got {}", options.seq_len);
   WEFT_CHECK(options.heldout_fraction >= 0 && options.heldout_fraction < 1,
              "heldout_fraction must be in [0, 1), got {}", options.heldout_fraction);
-  const CorpusLoad load = load_corpus(options.corpus_options(), tokenizer);
+  const CorpusLoad load = load_corpus(options.corpus_options(tokenizer), tokenizer);
   const TokenizedCorpus& corpus = load.corpus;
   const DocumentSplit split =
       split_documents(corpus.n_documents(), options.heldout_fraction, options.split_seed);

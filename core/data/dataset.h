@@ -29,13 +29,17 @@ struct DatasetOptions {
   uint64_t split_seed = 0;              // seeds the document split
   int64_t max_documents = 0;            // keep only the first N documents (0 = all)
   std::string cache_dir;                // token cache directory; empty = no cache
-  bool add_bos = true;                  // prepend the tokenizer's bos id to each text document
-  bool add_eos = true;                  // append the tokenizer's eos id to each text document
+  // Prepend the tokenizer's BOS id to each text document, append its EOS id; unset: what the
+  // tokenizer's checkpoint does (Tokenizer::adds_bos, adds_eos).
+  std::optional<bool> add_bos, add_eos;
   int tokenize_threads = 0;             // 0 = hardware concurrency (see CorpusOptions)
   std::string train_name = "train";     // what the first split is called in logs ("evaluated" for eval --data)
 
-  // Validates format/text_document names and converts. Throws weft::Error on unknown names.
-  CorpusOptions corpus_options() const;
+  // Validates format/text_document names and converts, with the framing decided for `tokenizer`.
+  // Throws weft::Error on unknown names.
+  CorpusOptions corpus_options(const Tokenizer& tokenizer) const;
+  bool bos_for(const Tokenizer& tokenizer) const { return add_bos.value_or(tokenizer.adds_bos()); }
+  bool eos_for(const Tokenizer& tokenizer) const { return add_eos.value_or(tokenizer.adds_eos()); }
 };
 
 // Returns a permutation of 0..n-1 fully determined by `seed`: Fisher-Yates driven by

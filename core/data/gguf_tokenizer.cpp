@@ -88,6 +88,9 @@ std::unique_ptr<Tokenizer> gguf_tokenizer(const GgufFile& file) {
   };
   special.bos = id("tokenizer.ggml.bos_token_id");
   special.eos = id("tokenizer.ggml.eos_token_id");
+  // Whether encoding adds them: llama.cpp's flags (absent: not added, as transformers' loader reads them).
+  special.adds_bos = file.get_bool("tokenizer.ggml.add_bos_token").value_or(false);
+  special.adds_eos = file.get_bool("tokenizer.ggml.add_eos_token").value_or(false);
   return std::make_unique<BpeTokenizer>(root.dump(), path, special);
 }
 

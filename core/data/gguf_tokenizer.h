@@ -3,7 +3,7 @@
 // merges, control tokens (token type 3) as special added tokens and user-defined ones (4) as added
 // tokens, and the pre-tokenizer `tokenizer.ggml.pre` names: "smollm", "gpt-2" and "default" split
 // as GPT-2 does, "llama-bpe" as Llama 3 does (with its ignore_merges). BOS and EOS are the
-// metadata's ids. This is the tokenizer.json transformers' GGUF loader builds from the same file.
+// metadata's ids, added when tokenizer.ggml.add_bos_token (add_eos_token) says so. This is the tokenizer.json transformers' GGUF loader builds from the same file.
 // A SentencePiece model (tokenizer.ggml.model "llama") or another pre-tokenizer is an error
 // naming it.
 #pragma once

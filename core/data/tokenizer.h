@@ -36,6 +36,11 @@ class Tokenizer {
   virtual std::optional<int32_t> bos_id() const = 0;
   virtual std::optional<int32_t> eos_id() const = 0;
 
+  // Whether the checkpoint's own encoding of a text adds them (transformers' tokenizer(text)): the
+  // defaults of data.add_bos and data.add_eos. Llama 3 adds BOS; SmolLM2 and GPT-2 add nothing.
+  virtual bool adds_bos() const = 0;
+  virtual bool adds_eos() const = 0;
+
   // A stable fingerprint of everything that changes the encoding (used as part of the token
   // cache key): for BPE, a hash of the tokenizer.json contents; for bytes, a constant.
   virtual std::string fingerprint() const = 0;

@@ -51,7 +51,9 @@ GenerateResult generate(Job& job, const std::string& prompt) {
   torch::NoGradGuard no_grad;
   model.eval();
   std::vector<int32_t> ids;
-  if (const auto bos = tokenizer.bos_id()) ids.push_back(*bos);
+  if (options.data.bos_for(tokenizer)) {  // framed as the training documents were
+    if (const auto bos = tokenizer.bos_id()) ids.push_back(*bos);
+  }
   const auto encoded = tokenizer.encode(prompt);
   ids.insert(ids.end(), encoded.begin(), encoded.end());
   WEFT_CHECK(!ids.empty(), "trainer generate: the prompt encodes to no tokens");

@@ -52,6 +52,12 @@ Row list_key(std::string key, Access member, std::vector<std::string> def, std::
   return {{std::move(key), ValueType::StringList, std::move(def), std::move(doc), {}, none, none},
           [member](TrainOptions& o, const ConfigValue& v) { member(o) = std::get<std::vector<std::string>>(v); }};
 }
+// A key whose default the run decides (`text` says what it is): its member is a std::optional,
+// left empty unless a file or an override sets the key.
+Row decided_by_run(Row row, std::string text) {
+  row.entry.default_text = std::move(text);
+  return row;
+}
 // A bound that the value may not equal: exclusive(float_key(...), /*min=*/true, /*max=*/false).
 Row exclusive(Row row, bool min, bool max) {
   row.entry.min_exclusive = min;
@@ -157,8 +163,11 @@ const std::vector<Row>& rows() {
       int_key("data.split_seed", WEFT_MEMBER(data.split_seed), 1234, "Seed of the train/held-out document split."),
       int_key("data.max_documents", WEFT_MEMBER(data.max_documents), 0, "Use at most this many documents (classification: examples, drawn by data.split_seed); 0 = all.", 0),
       string_key("data.cache_dir", WEFT_MEMBER(data.cache_dir), ".cache/weft", "Directory for cached tokenized data."),
-      bool_key("data.add_bos", WEFT_MEMBER(data.add_bos), true, "Prepend the BOS token to each document."),
-      bool_key("data.add_eos", WEFT_MEMBER(data.add_eos), true, "Append the EOS token to each document."),
+      decided_by_run(bool_key("data.add_bos", WEFT_MEMBER(data.add_bos), true,
+                              "Prepend the BOS token to each document (and to a generation prompt)."),
+                     "the tokenizer's"),
+      decided_by_run(bool_key("data.add_eos", WEFT_MEMBER(data.add_eos), true, "Append the EOS token to each document."),
+                     "the tokenizer's"),
       // [train]
       string_key("train.mode", WEFT_MEMBER(mode), "full",
                  "Train all weights (full), LoRA adapters only (lora) or AdaLoRA's adapters with their rank budget (adalora).",
@@ -336,7 +345,9 @@ const Schema& run_schema() {
 }
 
 TrainOptions::TrainOptions() {
-  for (const Row& row : rows()) row.set(*this, row.entry.default_value);
+  for (const Row& row : rows()) {
+    if (row.entry.default_text.empty()) row.set(*this, row.entry.default_value);
+  }
 }
 
 Config load_run_config(const std::string& path, const std::vector<std::string>& overrides) {
@@ -345,7 +356,9 @@ Config load_run_config(const std::string& path, const std::vector<std::string>& 
 
 TrainOptions train_options_from_config(const Config& config) {
   TrainOptions o;
-  for (const Row& row : rows()) row.set(o, config.value(row.entry.key));
+  for (const Row& row : rows()) {
+    if (row.entry.default_text.empty() || config.is_set(row.entry.key)) row.set(o, config.value(row.entry.key));
+  }
   o.plugin_config = config.section_table("plugin");
   if (o.metrics_file.empty()) o.metrics_file = o.out_dir + "/metrics.jsonl";
   return o;

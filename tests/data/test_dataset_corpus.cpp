@@ -74,6 +74,28 @@ TEST(DatasetCorpus, TextDocumentsAreFramedWithBosAndEos) {
             (std::vector<Tokens>{{'a', 'b'}, {'c', 'd'}}));
 }
 
+// data.add_bos / add_eos unset: the tokenizer's checkpoint decides (Llama 3 adds BOS, SmolLM2
+// nothing); set, they override it either way.
+TEST(DatasetCorpus, UnsetFramingIsWhatTheTokenizersCheckpointDoes) {
+  const FakeTokenizer frames, smollm2("fake", /*has_bos=*/true, /*has_eos=*/true, /*frames=*/false);
+  DatasetOptions options;
+  options.seq_len = 4;
+  EXPECT_TRUE(options.corpus_options(frames).add_bos);
+  EXPECT_TRUE(options.corpus_options(frames).add_eos);
+  EXPECT_FALSE(options.corpus_options(smollm2).add_bos);
+  EXPECT_FALSE(options.corpus_options(smollm2).add_eos);
+  options.add_bos = true;
+  options.add_eos = false;
+  EXPECT_TRUE(options.corpus_options(smollm2).add_bos);
+  EXPECT_FALSE(options.corpus_options(frames).add_eos);
+  TempDir dir;
+  options.paths = {dir.write("a.txt", "ab\n\ncd\n")};
+  options.add_bos.reset();
+  options.add_eos.reset();
+  EXPECT_EQ(documents_of(load_corpus(options.corpus_options(smollm2), smollm2).corpus),
+            (std::vector<Tokens>{{'a', 'b'}, {'c', 'd'}}));
+}
+
 TEST(DatasetCorpus, MixedDirectoryReadsEachFileInSortedOrder) {
   TempDir dir;
   dir.write("d/b.jsonl", "{\"text\": \"j1\"}\n{\"text\": \"j2\"}\n");

@@ -20,9 +20,11 @@ namespace weft::dataset_test {
 // One id per byte (0..255), bos = 256, eos = 257 (both optional), vocab 258.
 class FakeTokenizer : public Tokenizer {
  public:
+  // `frames`: whether its encoding adds the BOS and EOS it has (the byte tokenizer's framing);
+  // false as SmolLM2's checkpoint, which has both and adds neither.
   explicit FakeTokenizer(std::string fingerprint = "fake-v1", bool has_bos = true,
-                         bool has_eos = true)
-      : fingerprint_(std::move(fingerprint)), has_bos_(has_bos), has_eos_(has_eos) {}
+                         bool has_eos = true, bool frames = true)
+      : fingerprint_(std::move(fingerprint)), has_bos_(has_bos), has_eos_(has_eos), frames_(frames) {}
 
   std::vector<int32_t> encode(std::string_view text) const override {
     ++encode_calls;
@@ -44,6 +46,8 @@ class FakeTokenizer : public Tokenizer {
   std::optional<int32_t> eos_id() const override {
     return has_eos_ ? std::optional<int32_t>(257) : std::nullopt;
   }
+  bool adds_bos() const override { return has_bos_ && frames_; }
+  bool adds_eos() const override { return has_eos_ && frames_; }
   std::string fingerprint() const override { return fingerprint_; }
   std::string kind() const override { return "fake"; }
 
@@ -51,7 +55,7 @@ class FakeTokenizer : public Tokenizer {
 
  private:
   std::string fingerprint_;
-  bool has_bos_, has_eos_;
+  bool has_bos_, has_eos_, frames_;
 };
 
 inline constexpr uint32_t kBos = 256;

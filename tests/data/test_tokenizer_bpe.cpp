@@ -249,6 +249,8 @@ TEST_F(BpeTokenizerTest, BosAndEosFromLlama3PostProcessor) {
   EXPECT_EQ(tokenizer->bos_id(), 300);
   EXPECT_EQ(tokenizer->eos_id(), 301);
   EXPECT_EQ(tokenizer->vocab_size(), 303);
+  EXPECT_TRUE(tokenizer->adds_bos());  // Llama 3's framing: BOS, no EOS
+  EXPECT_FALSE(tokenizer->adds_eos());
 }
 
 TEST_F(BpeTokenizerTest, BosAndEosFromTemplateOrEndOfText) {
@@ -257,6 +259,8 @@ TEST_F(BpeTokenizerTest, BosAndEosFromTemplateOrEndOfText) {
   const auto gpt2 = load(value);
   EXPECT_EQ(gpt2->bos_id(), 256);
   EXPECT_EQ(gpt2->eos_id(), 256);
+  EXPECT_FALSE(gpt2->adds_bos());  // no post-processor: a text is encoded as it is
+  EXPECT_FALSE(gpt2->adds_eos());
 
   value["added_tokens"] = {added_token(256, "<|endoftext|>"), added_token(257, "<s>"), added_token(258, "</s>")};
   value["post_processor"] = {
@@ -267,6 +271,40 @@ TEST_F(BpeTokenizerTest, BosAndEosFromTemplateOrEndOfText) {
   const auto templated = load(value);
   EXPECT_EQ(templated->bos_id(), 257);
   EXPECT_EQ(templated->eos_id(), 258);
+  EXPECT_TRUE(templated->adds_bos());
+  EXPECT_TRUE(templated->adds_eos());
+}
+
+// SmolLM2's files: tokenizer.json's template adds nothing, and tokenizer_config.json beside it names
+// BOS <|im_start|> and EOS <|im_end|> (not <|endoftext|>, the GPT-2 fallback); add_bos_token turns
+// the framing on where a checkpoint's config says so.
+TEST_F(BpeTokenizerTest, TokenizerConfigBesideItNamesBosAndEosAndTheFraming) {
+  auto value = tokenizer_json(byte_vocab(), json::array());
+  value["added_tokens"] = {added_token(256, "<|endoftext|>"), added_token(257, "<|im_start|>"),
+                           added_token(258, "<|im_end|>")};
+  value["post_processor"] = {{"type", "TemplateProcessing"}, {"single", {{{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}}};
+  const std::string path = write("smol/tokenizer.json", value.dump());
+  const auto bare = load_tokenizer(path);
+  EXPECT_EQ(bare->bos_id(), 256);
+  EXPECT_FALSE(bare->adds_bos());
+  write("smol/tokenizer_config.json",
+        R"({"bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>", "special": true}})");
+  const auto smol = load_tokenizer(path);
+  EXPECT_EQ(smol->bos_id(), 257);
+  EXPECT_EQ(smol->eos_id(), 258);
+  EXPECT_FALSE(smol->adds_bos());
+  EXPECT_FALSE(smol->adds_eos());
+  EXPECT_NE(smol->fingerprint(), bare->fingerprint());  // a token cache of the other framing is not reused
+  write("smol/tokenizer_config.json", R"({"bos_token": "<|im_start|>", "add_bos_token": true})");
+  EXPECT_TRUE(load_tokenizer(path)->adds_bos());
+  write("smol/tokenizer_config.json", R"({"bos_token": "<s>"})");
+  try {
+    load_tokenizer(path);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("tokenizer_config.json: bos_token '<s>' is not in the vocabulary"), std::string::npos)
+        << e.what();
+  }
 }
 
 TEST_F(BpeTokenizerTest, FingerprintHashesTheFileContents) {

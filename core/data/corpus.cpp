@@ -81,10 +81,10 @@ uint64_t cache_key(const std::vector<InputFile>& files, const CorpusOptions& opt
   }
   material += fmt::format(
       "format {}\ntext_field {}\ntext_document {}\nmax_documents {}\nadd_bos {}\nadd_eos {}\n"
-      "vocab_size {}\ntokenizer {}\n",
+      "vocab_size {}\ntokenizer {}\ntoken_vocab_size {}\n",
       data_format_name(options.format), options.text_field,
       text_document_mode_name(options.text_document), options.max_documents, options.add_bos,
-      options.add_eos, tokenizer.vocab_size(), tokenizer.fingerprint());
+      options.add_eos, tokenizer.vocab_size(), tokenizer.fingerprint(), options.token_vocab_size);
   return hash_bytes(material.data(), material.size());
 }
 
@@ -122,7 +122,9 @@ class CorpusBuilder {
       case DataFormat::kTokensU16:
       case DataFormat::kTokensU32:
         return add_tokens(
-            decode_token_file(bytes, file.format, file.path, tokenizer_.vocab_size()));
+            options_.token_vocab_size > 0
+                ? decode_token_file(bytes, file.format, file.path, options_.token_vocab_size, "the model's")
+                : decode_token_file(bytes, file.format, file.path, tokenizer_.vocab_size(), "the tokenizer's"));
       case DataFormat::kAuto:
         break;
     }

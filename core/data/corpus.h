@@ -41,6 +41,9 @@ struct CorpusOptions {
   int64_t max_documents = 0;           // keep only the first N documents (0 = all)
   bool add_bos = true;
   bool add_eos = true;
+  // Token files: every id must be below this (the model's vocab_size: such files need no tokenizer
+  // of the model); 0 = the tokenizer's vocab_size.
+  int64_t token_vocab_size = 0;
   std::string cache_dir;               // empty = no cache (always tokenize)
   // Threads tokenizing documents in parallel (0 = hardware concurrency). Tokenizer::encode is
   // called concurrently from these threads; the result does not depend on the thread count.

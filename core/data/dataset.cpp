@@ -38,6 +38,7 @@ CorpusOptions DatasetOptions::corpus_options(const Tokenizer& tokenizer) const {
   corpus.cache_dir = cache_dir;
   corpus.add_bos = bos_for(tokenizer);
   corpus.add_eos = eos_for(tokenizer);
+  corpus.token_vocab_size = token_vocab_size;
   corpus.tokenize_threads = tokenize_threads;
   return corpus;
 }

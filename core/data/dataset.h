@@ -32,6 +32,7 @@ struct DatasetOptions {
   // Prepend the tokenizer's BOS id to each text document, append its EOS id; unset: what the
   // tokenizer's checkpoint does (Tokenizer::adds_bos, adds_eos).
   std::optional<bool> add_bos, add_eos;
+  int64_t token_vocab_size = 0;         // token files: ids below the model's vocab_size (0: the tokenizer's)
   int tokenize_threads = 0;             // 0 = hardware concurrency (see CorpusOptions)
   std::string train_name = "train";     // what the first split is called in logs ("evaluated" for eval --data)
 

@@ -229,7 +229,7 @@ std::vector<std::string> parse_jsonl_documents(std::string_view content, const s
 }
 
 std::vector<uint32_t> decode_token_file(std::string_view bytes, DataFormat format,
-                                        const std::string& path, int64_t vocab_size) {
+                                        const std::string& path, int64_t vocab_size, const char* whose) {
   WEFT_CHECK(format == DataFormat::kTokensU16 || format == DataFormat::kTokensU32,
              "decode_token_file: '{}' is not a token format", data_format_name(format));
   const size_t width = format == DataFormat::kTokensU16 ? 2 : 4;
@@ -247,9 +247,8 @@ std::vector<uint32_t> decode_token_file(std::string_view bytes, DataFormat forma
   }
   for (size_t i = 0; i < n; ++i) {
     WEFT_CHECK(static_cast<int64_t>(tokens[i]) < vocab_size,
-               "token file '{}': token {} at index {} (byte offset {}) is >= the tokenizer's "
-               "vocab_size {}",
-               path, tokens[i], i, i * width, vocab_size);
+               "token file '{}': token {} at index {} (byte offset {}) is >= {} vocab_size {}", path, tokens[i], i,
+               i * width, whose, vocab_size);
   }
   return tokens;
 }

@@ -76,10 +76,12 @@ std::vector<std::string> parse_jsonl_documents(std::string_view content, const s
                                                const std::string& text_field);
 
 // Decodes raw little-endian token ids (element size 2 for kTokensU16, 4 for kTokensU32) and
-// checks each id against vocab_size. Throws weft::Error naming `path` when the size is not a
-// multiple of the element size, or naming the token index and byte offset of an id >= vocab_size.
+// checks each id against vocab_size (`whose`: "the tokenizer's" or "the model's", for the message).
+// Throws weft::Error naming `path` when the size is not a multiple of the element size, or naming
+// the token index and byte offset of an id >= vocab_size.
 std::vector<uint32_t> decode_token_file(std::string_view bytes, DataFormat format,
-                                        const std::string& path, int64_t vocab_size);
+                                        const std::string& path, int64_t vocab_size,
+                                        const char* whose = "the tokenizer's");
 
 // Document boundaries of a pre-tokenized stream, as offsets (first 0, last tokens.size()).
 // With an eos id that occurs in the stream, each document ends right after an eos token (a

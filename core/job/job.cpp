@@ -177,7 +177,10 @@ Job::Job(TrainOptions options, RunContext context, Data data) : options_(std::mo
   if (classification_) {
     data_ = classification_->splits;
   } else if (data == Data::kSplits) {
-    data_ = prepare_dataset(options_.data, *tokenizer_);
+    DatasetOptions data_options = options_.data;
+    // Token files are checked against the model's vocabulary: they need no tokenizer of the model.
+    data_options.token_vocab_size = model_->config().vocab_size;
+    data_ = prepare_dataset(data_options, *tokenizer_);
     spdlog::info("{}", data_.summary.describe());
   }
 }

@@ -162,6 +162,31 @@ TEST_F(Eval, DataFilesAreEvaluatedWholeAndTokenFilesAsTheyAre) {
   EXPECT_NE(all.output.find("data: "), std::string::npos) << all.output;
 }
 
+// Token files from another tokenizer need none of the model's: their ids are checked against the
+// model's vocabulary (the tiny preset's 512), not the configured tokenizer's (the byte one's 258).
+TEST_F(Eval, TokenFilesAreCheckedAgainstTheModelsVocabulary) {
+  const auto write_ids = [&](const std::string& name, uint16_t top) {
+    const std::string path = dir_ + "/" + name;
+    std::ofstream out(path, std::ios::binary);
+    for (uint16_t i = 0; i < 1 + 32; ++i) {
+      const uint16_t id = i == 5 ? top : static_cast<uint16_t>(300 + i);
+      out.write(reinterpret_cast<const char*>(&id), sizeof id);
+    }
+    return path;
+  };
+  const std::string weights = " --set model.weights=" + dir_ + "/out/final";
+  const std::string fits = write_ids("fits.u16", 511);
+  const auto r = run_trainer(args_ + weights + " --data " + fits + " --json " + dir_ + "/fits.json eval");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(read_json(dir_ + "/fits.json")["tokens"], 32);
+  const std::string beyond = write_ids("beyond.u16", 512);
+  const auto refused = run_trainer(args_ + weights + " --data " + beyond + " eval");
+  EXPECT_NE(refused.exit_code, 0);
+  EXPECT_NE(refused.output.find("token 512 at index 5 (byte offset 10) is >= the model's vocab_size 512"),
+            std::string::npos)
+      << refused.output;
+}
+
 TEST_F(Eval, ALoraAdapterIsEvaluatedOnItsBase) {
   // Adapters trained on the final model: evaluating base + model.adapter gives the held-out loss
   // the LoRA run reported.

@@ -159,6 +159,7 @@ int run_eval(const CommandLine& cli) {
     options.data.heldout_fraction = 0;
     options.data.max_documents = 0;
     options.data.train_name = "evaluated";  // its only split: not a training split
+    options.data.fit_short_split = true;    // a short file is one shorter sequence
   }
   Job job(options, run.context, Job::Data::kSplits);
   if (run.context.rank == 0) job.warn_if_random_weights("eval");

@@ -170,8 +170,18 @@ DatasetSplits prepare_dataset(const DatasetOptions& options, const Tokenizer& to
       split_documents(corpus.n_documents(), options.heldout_fraction, options.split_seed);
 
   DatasetSplits result;
+  int64_t train_seq_len = options.seq_len;
+  if (options.fit_short_split) {
+    int64_t tokens = 0;
+    for (const int64_t d : split.train) tokens += static_cast<int64_t>(corpus.document_size(d));
+    if (tokens >= 2 && tokens < options.seq_len + 1) {
+      train_seq_len = tokens - 1;
+      spdlog::info("dataset: the {} split has {} tokens, fewer than seq_len + 1 = {}: one sequence of {}",
+                   options.train_name, tokens, options.seq_len + 1, train_seq_len);
+    }
+  }
   result.train = std::make_shared<const PackedSequences>(
-      pack_documents(corpus, split.train, options.seq_len, options.train_name));
+      pack_documents(corpus, split.train, train_seq_len, options.train_name));
   if (!split.heldout.empty()) {
     result.heldout = std::make_shared<const PackedSequences>(
         pack_documents(corpus, split.heldout, options.seq_len, "held-out"));

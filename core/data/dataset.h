@@ -35,6 +35,9 @@ struct DatasetOptions {
   int64_t token_vocab_size = 0;         // token files: ids below the model's vocab_size (0: the tokenizer's)
   int tokenize_threads = 0;             // 0 = hardware concurrency (see CorpusOptions)
   std::string train_name = "train";     // what the first split is called in logs ("evaluated" for eval --data)
+  // The first split shorter than seq_len + 1 tokens (at least 2) is one sequence of all of them
+  // rather than an error (trainer eval --data on a short file), as transformers scores a text.
+  bool fit_short_split = false;
 
   // Validates format/text_document names and converts, with the framing decided for `tokenizer`.
   // Throws weft::Error on unknown names.

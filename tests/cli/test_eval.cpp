@@ -235,6 +235,24 @@ TEST_F(Eval, AnAdaLoraAdapterIsEvaluatedOnItsBase) {
   EXPECT_NE(again.output.find("is an AdaLoRA adapter"), std::string::npos) << again.output;
 }
 
+// A file shorter than seq_len + 1 tokens is one sequence of all of them (as transformers scores a
+// text), with the loss of the same file evaluated at that seq_len.
+TEST_F(Eval, AShortFileIsOneShorterSequence) {
+  const std::string path = dir_ + "/short.jsonl";
+  std::ofstream(path) << "{\"text\": \"a short note\"}\n";  // 12 bytes + BOS + EOS: 14 tokens
+  const std::string weights = " --set model.weights=" + dir_ + "/out/final";
+  const auto r = run_trainer(args_ + weights + " --data " + path + " --json " + dir_ + "/short.json eval");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const json whole = read_json(dir_ + "/short.json");
+  EXPECT_EQ(whole["sequences"], 1);
+  EXPECT_EQ(whole["seq_len"], 13);
+  EXPECT_EQ(whole["tokens"], 13);
+  const auto fitted = run_trainer(args_ + weights + " --set data.seq_len=13 --data " + path + " --json " + dir_ +
+                                  "/fitted.json eval");
+  ASSERT_EQ(fitted.exit_code, 0) << fitted.output;
+  EXPECT_EQ(read_json(dir_ + "/fitted.json")["loss"], whole["loss"]);
+}
+
 TEST_F(Eval, NoHeldOutSplitIsOneError) {
   const auto r = run_trainer(args_ + " --set data.heldout_fraction=0 eval");
   EXPECT_EQ(r.exit_code, 1) << r.output;

@@ -44,7 +44,7 @@ struct ProgramShape {
 // The whole model as one chunk: F0 B0 F1 B1 ... F(M-1) B(M-1), then OPTIMIZER_STEP.
 StepProgram one_chunk_program(int micro_batches);
 
-// Parameters FLAT_SHARD without a pipeline (ZeRO-3, FSDP): each model stage a chunk, gathered
+// Parameters FLAT_SHARD without a pipeline (FSDP's full sharding): each model stage a chunk, gathered
 // before its forward and released after it, then gathered again for its backward, micro-batch by
 // micro-batch; the next chunk's all-gathers start (kPrefetch) before the current one computes. A
 // chunk released and gathered again with nothing between (chunk 0 from one micro-batch's backward

@@ -30,7 +30,7 @@ struct SchemaEntry {
   bool max_exclusive = false;        // the value must be less than max (not equal)
   // A default the run decides (e.g. from the checkpoint), shown in the docs instead of
   // default_value; the key's consumer sees whether it was set (Config::is_set).
-  std::string default_text;
+  std::string default_text{};
 
   std::string section() const;  // "train" for "train.lr"
   std::string name() const;     // "lr" for "train.lr"

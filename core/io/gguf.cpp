@@ -45,43 +45,28 @@ uint64_t scalar_bytes(uint32_t type) {
   }
 }
 
-// ggml's block sizes (values, bytes) by type; {0, 0} for a value ggml does not define.
-std::pair<int64_t, int64_t> block_of(uint32_t type) {
-  switch (type) {
-    case 0: return {1, 4};     // F32
-    case 1: return {1, 2};     // F16
-    case 2: return {32, 18};   // Q4_0
-    case 3: return {32, 20};   // Q4_1
-    case 6: return {32, 22};   // Q5_0
-    case 7: return {32, 24};   // Q5_1
-    case 8: return {32, 34};   // Q8_0
-    case 9: return {32, 40};   // Q8_1
-    case 10: return {256, 84};   // Q2_K
-    case 11: return {256, 110};  // Q3_K
-    case 12: return {256, 144};  // Q4_K
-    case 13: return {256, 176};  // Q5_K
-    case 14: return {256, 210};  // Q6_K
-    case 15: return {256, 292};  // Q8_K
-    case 16: return {256, 66};   // IQ2_XXS
-    case 17: return {256, 74};   // IQ2_XS
-    case 18: return {256, 98};   // IQ3_XXS
-    case 19: return {256, 50};   // IQ1_S
-    case 20: return {32, 18};    // IQ4_NL
-    case 21: return {256, 110};  // IQ3_S
-    case 22: return {256, 82};   // IQ2_S
-    case 23: return {256, 136};  // IQ4_XS
-    case 24: return {1, 1};      // I8
-    case 25: return {1, 2};      // I16
-    case 26: return {1, 4};      // I32
-    case 27: return {1, 8};      // I64
-    case 28: return {1, 8};      // F64
-    case 29: return {256, 56};   // IQ1_M
-    case 30: return {1, 2};      // BF16
-    case 34: return {256, 54};   // TQ1_0
-    case 35: return {256, 66};   // TQ2_0
-    case 39: return {32, 17};    // MXFP4
-    default: return {0, 0};
+// ggml's types (ggml.h): name and block (values, bytes); one entry per value ggml defines.
+struct TypeInfo {
+  uint32_t type;
+  const char* name;
+  int64_t block_values, block_bytes;
+};
+constexpr TypeInfo kTypes[] = {
+    {0, "F32", 1, 4},         {1, "F16", 1, 2},         {2, "Q4_0", 32, 18},      {3, "Q4_1", 32, 20},
+    {6, "Q5_0", 32, 22},      {7, "Q5_1", 32, 24},      {8, "Q8_0", 32, 34},      {9, "Q8_1", 32, 40},
+    {10, "Q2_K", 256, 84},    {11, "Q3_K", 256, 110},   {12, "Q4_K", 256, 144},   {13, "Q5_K", 256, 176},
+    {14, "Q6_K", 256, 210},   {15, "Q8_K", 256, 292},   {16, "IQ2_XXS", 256, 66}, {17, "IQ2_XS", 256, 74},
+    {18, "IQ3_XXS", 256, 98}, {19, "IQ1_S", 256, 50},   {20, "IQ4_NL", 32, 18},   {21, "IQ3_S", 256, 110},
+    {22, "IQ2_S", 256, 82},   {23, "IQ4_XS", 256, 136}, {24, "I8", 1, 1},         {25, "I16", 1, 2},
+    {26, "I32", 1, 4},        {27, "I64", 1, 8},        {28, "F64", 1, 8},        {29, "IQ1_M", 256, 56},
+    {30, "BF16", 1, 2},       {34, "TQ1_0", 256, 54},   {35, "TQ2_0", 256, 66},   {39, "MXFP4", 32, 17},
+};
+
+const TypeInfo* type_info(uint32_t type) {
+  for (const TypeInfo& info : kTypes) {
+    if (info.type == type) return &info;
   }
+  return nullptr;
 }
 
 // Bounded reads over the mapping: every read checks the bytes that remain.
@@ -223,41 +208,8 @@ bool is_gguf_path(const std::string& path) {
 }
 
 std::string ggml_type_name(uint32_t type) {
-  switch (type) {
-    case 0: return "F32";
-    case 1: return "F16";
-    case 2: return "Q4_0";
-    case 3: return "Q4_1";
-    case 6: return "Q5_0";
-    case 7: return "Q5_1";
-    case 8: return "Q8_0";
-    case 9: return "Q8_1";
-    case 10: return "Q2_K";
-    case 11: return "Q3_K";
-    case 12: return "Q4_K";
-    case 13: return "Q5_K";
-    case 14: return "Q6_K";
-    case 15: return "Q8_K";
-    case 16: return "IQ2_XXS";
-    case 17: return "IQ2_XS";
-    case 18: return "IQ3_XXS";
-    case 19: return "IQ1_S";
-    case 20: return "IQ4_NL";
-    case 21: return "IQ3_S";
-    case 22: return "IQ2_S";
-    case 23: return "IQ4_XS";
-    case 24: return "I8";
-    case 25: return "I16";
-    case 26: return "I32";
-    case 27: return "I64";
-    case 28: return "F64";
-    case 29: return "IQ1_M";
-    case 30: return "BF16";
-    case 34: return "TQ1_0";
-    case 35: return "TQ2_0";
-    case 39: return "MXFP4";
-    default: return fmt::format("type {}", type);
-  }
+  const TypeInfo* info = type_info(type);
+  return info != nullptr ? info->name : fmt::format("type {}", type);
 }
 
 std::shared_ptr<GgufFile> GgufFile::open(const std::string& path) {
@@ -308,8 +260,9 @@ std::shared_ptr<GgufFile> GgufFile::open(const std::string& path) {
       numel *= static_cast<int64_t>(n);
     }
     tensor.type = in.read<uint32_t>("a tensor's type");
-    const auto [block_values, block_bytes] = block_of(tensor.type);
-    if (block_values == 0) in.fail(fmt::format("tensor '{}' has ggml type {}, which ggml does not define", tensor.name, tensor.type));
+    const TypeInfo* info = type_info(tensor.type);
+    if (info == nullptr) in.fail(fmt::format("tensor '{}' has ggml type {}, which ggml does not define", tensor.name, tensor.type));
+    const int64_t block_values = info->block_values, block_bytes = info->block_bytes;
     if (ne[0] % block_values != 0) {
       in.fail(fmt::format("tensor '{}' is {} with rows of {} values, not whole blocks of {}", tensor.name,
                           ggml_type_name(tensor.type), ne[0], block_values));
@@ -399,9 +352,8 @@ std::optional<bool> GgufFile::get_bool(const std::string& key) const {
 const uint8_t* GgufFile::data(const GgufTensor& tensor) const { return mapping_->data() + tensor.offset; }
 
 void GgufFile::dequantize(const GgufTensor& tensor, float* out) const {
-  WEFT_CHECK(ggml_type_dequantizable(tensor.type),
-             "{}: tensor '{}' is {}, a type weft does not dequantize (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, "
-             "Q6_K)", path_, tensor.name, ggml_type_name(tensor.type));
+  WEFT_CHECK(ggml_type_dequantizable(tensor.type), "{}: tensor '{}' is {}, a type weft does not dequantize ({})", path_,
+             tensor.name, ggml_type_name(tensor.type), ggml_dequantizable_names());
   dequantize_ggml(tensor.type, data(tensor), tensor.numel, out);
 }
 

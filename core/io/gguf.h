@@ -44,6 +44,8 @@ bool is_gguf_path(const std::string& path);
 std::string ggml_type_name(uint32_t type);
 // Whether weft dequantizes the type: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K.
 bool ggml_type_dequantizable(uint32_t type);
+// Those types' names, for messages: "F32, F16, ...".
+const char* ggml_dequantizable_names();
 // Dequantizes `count` values of `type` (a multiple of its block size) from `in` into `out`, as
 // gguf-py's gguf.quants.dequantize computes them (fp32, the same operations in the same order:
 // the same bits). Throws weft::Error for a type weft does not dequantize.

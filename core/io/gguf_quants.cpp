@@ -152,6 +152,8 @@ bool ggml_type_dequantizable(uint32_t type) {
   }
 }
 
+const char* ggml_dequantizable_names() { return "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K"; }
+
 void dequantize_ggml(uint32_t type, const uint8_t* in, int64_t count, float* out) {
   switch (type) {
     case kGgmlF32:
@@ -180,8 +182,8 @@ void dequantize_ggml(uint32_t type, const uint8_t* in, int64_t count, float* out
     case kGgmlQ5_K: blocks = {kQK, 176, q5_k}; break;
     case kGgmlQ6_K: blocks = {kQK, 210, q6_k}; break;
     default:
-      throw Error(fmt::format("ggml type {} is not one weft dequantizes (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, "
-                              "Q5_K, Q6_K)", ggml_type_name(type)));
+      throw Error(fmt::format("ggml type {} is not one weft dequantizes ({})", ggml_type_name(type),
+                              ggml_dequantizable_names()));
   }
   WEFT_CHECK(count % blocks.values == 0, "{} values of {} are not whole blocks of {}", count, ggml_type_name(type),
              blocks.values);

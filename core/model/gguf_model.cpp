@@ -1,7 +1,6 @@
 #include "core/model/gguf_model.h"
 
 #include <algorithm>
-#include <cctype>
 #include <cmath>
 #include <regex>
 

@@ -207,6 +207,8 @@ def summary_rows(run):
     add("Status", status)
 
     plugin = run.cfg("train", "plugin") or ""
+    if isinstance(plugin, list):  # a composition over a device mesh: its plugins in order
+        plugin = ",".join(str(p) for p in plugin)
     plugin_text = f"`{plugin}`" if plugin else "single (built into the trainer: one process)"
     settings = run.config.get("plugin")
     if isinstance(settings, dict) and settings:
@@ -217,10 +219,18 @@ def summary_rows(run):
     add("Plugin", plugin_text)
 
     model = run.cfg("model", "config") or ""
-    model_text = f"`{model}`" if model else (f"preset `{run.cfg('model', 'preset')}`" if run.cfg("model", "preset")
-                                             else "n/a")
-    if run.cfg("model", "weights"):
-        model_text += f", weights `{run.cfg('model', 'weights')}`"
+    trained = s.get("model") if isinstance(s.get("model"), dict) else None
+    if trained:  # what the trainer loaded: the weights' file or folder and the shape it had
+        model_text = (f"`{trained.get('weights')}`: {trained.get('layers')} layers, hidden {trained.get('hidden_size')}, "
+                      f"{trained.get('heads')} heads ({trained.get('kv_heads')} kv), vocab {trained.get('vocab_size')}, "
+                      f"{fmt_num(trained.get('parameters', 0) / 1e6, 2)}M parameters")
+        if trained.get("trainable_parameters") not in (None, trained.get("parameters")):
+            model_text += f" ({fmt_num(trained['trainable_parameters'] / 1e6, 2)}M trained)"
+    else:
+        model_text = f"`{model}`" if model else (f"preset `{run.cfg('model', 'preset')}`" if run.cfg("model", "preset")
+                                                 else "n/a")
+        if run.cfg("model", "weights"):
+            model_text += f", weights `{run.cfg('model', 'weights')}`"
     mode = run.cfg("train", "mode")
     if mode:
         model_text += f", {mode} fine-tuning"
@@ -293,6 +303,9 @@ def summary_rows(run):
         add("Final held-out loss", fmt_loss(final_loss) + where)
         add("Final held-out perplexity", fmt_ppl(final_ppl) + where)
         evals = [e for e in run.evals if finite(e.get("loss")) is not None]
+        start = next((e for e in evals if e.get("step") == 0), None)
+        if start:  # eval.on_start: the model the run started from
+            add("Held-out before training", f"loss {fmt_loss(start['loss'])}, perplexity {fmt_ppl(start.get('perplexity'))} (step 0)")
         if evals:
             best = min(evals, key=lambda e: e["loss"])
             add("Best held-out loss", f"{fmt_loss(best['loss'])} (step {best['step']}, perplexity {fmt_ppl(best.get('perplexity'))})")

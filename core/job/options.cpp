@@ -266,6 +266,9 @@ const std::vector<Row>& rows() {
       int_key("eval.batch_size", WEFT_MEMBER(eval_batch_size), 0, "Sequences per evaluation batch; 0 = train.batch_size.", 0),
       int_key("eval.patience", WEFT_MEMBER(patience), 0,
               "Evaluations without improvement before early stopping; 0 = off.", 0),
+      bool_key("eval.on_start", WEFT_MEMBER(eval_on_start), false,
+               "Also evaluate the starting model before the first step (step 0 in metrics.jsonl: a pretrained "
+               "model's held-out loss to compare the run with); a resumed run does not evaluate again."),
       // [checkpoint]
       int_key("checkpoint.every_steps", WEFT_MEMBER(checkpoint_every), 0, "Save a checkpoint every N optimizer steps; 0 = off.", 0),
       int_key("checkpoint.keep_last", WEFT_MEMBER(keep_last), 2, "Periodic checkpoints to keep (older ones are deleted).",

@@ -67,6 +67,7 @@ struct TrainOptions {
   double memory_limit_gib;    // train.memory_limit_gib: 0 = the machine's memory (CPU) / the device's (CUDA)
   bool save_merged;           // lora.save_merged
   int64_t eval_every, eval_max_batches, eval_batch_size, patience;
+  bool eval_on_start;         // eval.on_start: evaluate the starting model before the first step
   int64_t checkpoint_every, keep_last;
   std::string resume;
   bool save_final, keep_best;

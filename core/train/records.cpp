@@ -136,6 +136,11 @@ const TrainResult& RunRecords::finish(Communicator& communicator, int rank, int6
                  100.0 * result.mfu_whole_run, result.tokens_per_second, setting_.flops_per_token, setting_.world,
                  setting_.peak_tflops, setting_.precision);
   }
+  summary["model"] = {{"weights", setting_.model_weights}, {"layers", setting_.layers},
+                      {"hidden_size", setting_.hidden},     {"heads", setting_.heads},
+                      {"kv_heads", setting_.kv_heads},      {"vocab_size", setting_.vocab},
+                      {"parameters", setting_.parameters},
+                      {"trainable_parameters", setting_.trainable >= 0 ? setting_.trainable : setting_.parameters}};
   if (setting_.precision == "fp16") summary["skipped_steps"] = skipped_steps;
   if (!result.adalora_ranks.empty()) summary["adalora_ranks"] = result.adalora_ranks;
   if (result.backup_failures > 0) summary["backup_failures"] = result.backup_failures;

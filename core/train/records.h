@@ -55,6 +55,10 @@ struct RunSetting {
   double flops_per_token = 0;  // training FLOPs per token (core/train/flops.h)
   double peak_tflops = 0;      // the device's peak at this precision, 0 if unknown
   double memory_plan_mib = 0;  // this rank's memory plan (core/job: parameters .. buffers, no runtime)
+  // The model trained, for the records: where its weights came from (a file or folder, or the
+  // random init), its shape, its parameters and those trained (-1: all of them).
+  std::string model_weights;
+  int64_t layers = 0, hidden = 0, heads = 0, kv_heads = 0, vocab = 0, parameters = 0, trainable = -1;
 };
 
 // One optimizer step as it is recorded.

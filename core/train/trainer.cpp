@@ -64,6 +64,8 @@ Trainer::Trainer(TrainOptions options, RunContext context)
   if (options_.max_steps > 0) total_steps_ = std::min(total_steps_, options_.max_steps);
   WEFT_CHECK(data.heldout || options_.eval_every == 0,
              "eval.every_steps is set but data.heldout_fraction is 0: there is nothing to evaluate");
+  WEFT_CHECK(data.heldout || !options_.eval_on_start,
+             "eval.on_start is set but data.heldout_fraction is 0: there is nothing to evaluate");
   state_.data_identity = fmt::format("{} sequences x {} tokens, {} train tokens", data.train->n_sequences(),
                                      data.train->seq_len(), data.train->n_tokens());
   for (const auto& t : job_->strategy().training_tensors()) optimized_.push_back({t.tensor, t.matrix});
@@ -224,6 +226,10 @@ TrainResult Trainer::run() {
                steps_per_epoch_, total_steps_, records.tokens_per_step(), options_.optim.lr,
                options_.mode == "lora" ? "LoRA" : options_.mode == "adalora" ? "AdaLoRA" : "full fine-tuning");
   bool stop = state_.early_stopped || state_.global_step >= total_steps_;
+  // The starting model's held-out loss (a pretrained checkpoint's, before any update): step 0.
+  if (options_.eval_on_start && state_.global_step == 0 && job_->data().heldout && !stop) {
+    stop = evaluate_and_track(records);
+  }
   while (!stop && state_.epoch < options_.epochs) {
     stop = run_epoch_steps(records);
     if (state_.step_in_epoch < steps_per_epoch_) break;  // max_steps, early stop or interrupt
@@ -286,6 +292,14 @@ RunSetting Trainer::run_setting() {
     adapters /= std::max(job_->placement().data_parallel_size, 1);  // data-parallel copies hold the same
   }
   setting.flops_per_token = training_flops_per_token(config, options_.data.seq_len, adapters);
+  setting.model_weights = job_->weights_source();
+  setting.layers = config.num_hidden_layers;
+  setting.hidden = config.hidden_size;
+  setting.heads = config.num_attention_heads;
+  setting.kv_heads = config.num_key_value_heads;
+  setting.vocab = config.vocab_size;
+  setting.parameters = config.parameter_count();
+  setting.trainable = adapters;
   setting.peak_tflops = peak_tflops(setting.device_name, options_.precision, options_.peak_tflops).value_or(0.0);
   const auto& plans = job_->memory().ranks;
   if (static_cast<size_t>(job_->context().rank) < plans.size()) {
@@ -509,7 +523,7 @@ bool Trainer::evaluate_and_track(RunRecords& records) {
     state_.best_eval_loss = eval.loss;
     state_.best_step = state_.global_step;
     state_.evals_since_best = 0;
-    if (options_.keep_best) {
+    if (options_.keep_best && state_.global_step > 0) {  // step 0 (eval.on_start): the model it started from
       with_whole_model([&](LlamaForCausalLMImpl& whole) {
         save_model_atomically(whole, job_->lora(), options_.out_dir + "/best", options_.model.weights);
       });

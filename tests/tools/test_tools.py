@@ -176,6 +176,34 @@ class ReportTest(unittest.TestCase):
             self.assertIn(f"report/{image}", text)
             png_size(os.path.join(run_dir, "report", image))
 
+    def test_pretrained_model_run(self):
+        """A run from a checkpoint (the quick start's): the summary's model (the file the weights came
+        from, its shape), the held-out loss before training (eval.on_start's step 0), a plugin list."""
+        run_dir = os.path.join(self.dir, "run-gguf")
+        os.makedirs(run_dir)
+        t0 = 1795384972.0
+        records = [{"type": "eval", "step": 0, "epoch": 1, "loss": 3.6636, "perplexity": 39.001, "tokens": 7860,
+                    "seconds": 14.0, "best": True, "time": t0}]
+        records += [{"type": "step", "step": s, "epoch": 1, "loss": 3.5 - 0.1 * s, "lr": 0.001, "tokens_per_s": 260.0,
+                     "time": t0 + s} for s in range(1, 5)]
+        records.append({"type": "eval", "step": 4, "epoch": 1, "loss": 3.3056, "perplexity": 27.264, "tokens": 7860,
+                        "seconds": 14.0, "best": True, "time": t0 + 5})
+        records.append({"type": "summary", "steps": 4, "time": t0 + 6,
+                        "model": {"weights": "data/models/SmolLM2-135M-Instruct.Q4_1.gguf", "layers": 30,
+                                  "hidden_size": 576, "heads": 9, "kv_heads": 3, "vocab_size": 49152,
+                                  "parameters": 134515008, "trainable_parameters": 4884480}})
+        write_lines(os.path.join(run_dir, "metrics.jsonl"), records)
+        with open(os.path.join(run_dir, "config.toml"), "w") as f:
+            f.write(CONFIG.replace('plugin = "ddp"', 'plugin = ["ddp"]'))
+        self.report(run_dir)
+        with open(os.path.join(run_dir, "report.md")) as f:
+            text = f.read()
+        self.assertIn("| Model | `data/models/SmolLM2-135M-Instruct.Q4_1.gguf`: 30 layers, hidden 576, 9 heads (3 kv), "
+                      "vocab 49152, 134.52M parameters (4.88M trained)", text)
+        self.assertIn("| Held-out before training | loss 3.6636, perplexity 39.001 (step 0) |", text)
+        self.assertIn("| Final held-out perplexity | 27.264 (step 4) |", text)
+        self.assertIn("| Plugin | `ddp`", text)
+
     def test_default_output_in_run_dir(self):
         run_dir = os.path.join(self.dir, "run-b")
         fake_run(run_dir)

@@ -203,6 +203,45 @@ TEST(Training, PeriodicEvaluationsDoNotRepeatTheEpochEndsOne) {
   EXPECT_EQ(evaluated, (std::vector<int64_t>{per_epoch, 2 * per_epoch}));  // not per_epoch + 1
 }
 
+// eval.on_start: the starting model's held-out loss is step 0's evaluation (the loss of the model
+// before any update), it does not save best/ (that is the model the run started from), and a run
+// resumed from a checkpoint does not evaluate at its start again.
+TEST(Training, OnStartEvaluatesTheStartingModelOnceAndNotAgainOnResume) {
+  const auto dir = fresh_dir("eval_on_start");
+  auto o = tiny_options(dir);
+  o.max_steps = 4;
+  o.checkpoint_every = 2;
+  o.keep_best = true;
+  o.eval_on_start = true;
+  const double before = Trainer(o).evaluate().loss;  // the same seeded model, not trained
+  Trainer(o).run();
+  const auto evals = read_metrics(o.metrics_file, "eval");
+  ASSERT_EQ(evals.size(), 2u);  // step 0, and the end of the run
+  EXPECT_EQ(evals[0]["step"].get<int64_t>(), 0);
+  EXPECT_DOUBLE_EQ(evals[0]["loss"].get<double>(), before);
+  EXPECT_EQ(evals[1]["step"].get<int64_t>(), 4);
+  EXPECT_LT(evals[1]["loss"].get<double>(), before);
+  EXPECT_TRUE(fs::exists(o.out_dir + "/best/model.safetensors"));  // step 4's, the best
+
+  auto resumed = o;
+  resumed.max_steps = 6;
+  resumed.resume = o.out_dir + "/checkpoints/step-00000004";
+  Trainer(resumed).run();
+  std::vector<int64_t> steps;
+  for (const auto& e : read_metrics(o.metrics_file, "eval")) steps.push_back(e["step"].get<int64_t>());
+  EXPECT_EQ(steps, (std::vector<int64_t>{0, 4, 6}));
+
+  o.data.heldout_fraction = 0;
+  o.out_dir = dir + "/no-heldout";
+  o.metrics_file = "";
+  try {
+    Trainer trainer(o);
+    ADD_FAILURE() << "eval.on_start without a held-out split was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("eval.on_start is set but data.heldout_fraction is 0"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Training, GradientAccumulationMatchesOneLargeBatch) {
   const auto dir = fresh_dir("accum");
   auto big = tiny_options(dir);

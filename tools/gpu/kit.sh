@@ -126,10 +126,10 @@ check_step() {
   run check_single_cuda_fp32 300 "$t" check --plugin single --set train.device=cuda
   run check_single_cuda_bf16 300 "$t" check --plugin single --set train.device=cuda --set train.precision=bf16
   run check_single_cuda_fp16 300 "$t" check --plugin single --set train.device=cuda --set train.precision=fp16
-  # The quick start on CUDA (its first 200 steps).
-  if run quickstart_cuda 400 "$t" --config configs/quickstart.toml --set train.device=cuda --set train.max_steps=200 \
-      --set train.out_dir="$out/quickstart" --set train.overwrite=true --set log.progress=lines; then
-    say "  quick start on CUDA: $(summary_of "$out/quickstart/metrics.jsonl")"
+  # configs/austen-mini.toml on CUDA (its first 200 steps).
+  if run austen_mini_cuda 400 "$t" --config configs/austen-mini.toml --set train.device=cuda --set train.max_steps=200 \
+      --set train.out_dir="$out/austen-mini" --set train.overwrite=true --set log.progress=lines; then
+    say "  austen-mini on CUDA: $(summary_of "$out/austen-mini/metrics.jsonl")"
   fi
   # Every plugin's multi-rank logic on CUDA tensors: one GPU per rank where there are enough,
   # else two ranks sharing one (WEFT_SHARE_GPUS=1: Gloo through host memory, as NCCL refuses a

@@ -224,21 +224,21 @@ TEST(PipeDreamAsync, EachBackwardUsesTheWeightsItsForwardUsed) {
   EXPECT_LT(run.steps.back()["loss"].get<double>(), run.steps.front()["loss"].get<double>() - 0.3);
 }
 
-// ~17 s (2-core Xeon): convergence takes steps. Sequences of 128 bytes (quickstart's are 256: a
+// ~17 s (2-core Xeon): convergence takes steps. Sequences of 128 bytes (austen-mini.toml's are 256: a
 // step costs a third). At 60 steps the held-out loss (2.96) is about what byte frequencies alone
 // give; at 120 (2.70; one process, synchronous, reaches 2.23) the model has learnt more than that.
 TEST(PipeDreamAsync, ConvergesOnTheBundledCorpus) {
   const std::string corpus = std::string(WEFT_SOURCE_DIR) + "/data/austen/austen.jsonl";
   ASSERT_TRUE(std::ifstream(corpus).good()) << corpus << " is missing: tools/setup.sh fetches it";
   const std::string dir = weft::testing::fresh_dir("weft_test_pipeline", "converge");
-  const auto r = run_trainer("--config " + std::string(WEFT_SOURCE_DIR) + "/configs/quickstart.toml --set data.path=" +
+  const auto r = run_trainer("--config " + std::string(WEFT_SOURCE_DIR) + "/configs/austen-mini.toml --set data.path=" +
                              corpus + " --set model.config=" + WEFT_SOURCE_DIR +
                              "/configs/models/austen-mini/config.json --set data.cache_dir=" + dir + "/cache"
                              " --set train.max_steps=120 --set data.seq_len=128 --set eval.every_steps=0 --set eval.max_batches=8"
                              " --set log.progress=off --set checkpoint.keep_best=false --set checkpoint.save_final=false"
                              " --set train.out_dir=" + dir + "/out --plugin pipedream --set plugin.mode=async --nproc 2"
                              // fp32: on a CPU without bf16 instructions (an AMD EPYC without AVX-512)
-                             // quickstart's bf16 took over 600 s for these 120 steps, fp32 58 s
+                             // austen-mini.toml's bf16 took over 600 s for these 120 steps, fp32 58 s
                              " --set train.precision=fp32");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   std::ifstream in(dir + "/out/metrics.jsonl");

@@ -1,17 +1,24 @@
 #include "core/job/generate.h"
 
+#include <algorithm>
 #include <chrono>
+#include <filesystem>
 
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
+#include <nlohmann/json.hpp>
+
+#include "core/io/gguf.h"
 #include "core/job/job.h"
+#include "core/util/fs.h"
 #include "core/util/error.h"
 
 namespace weft {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+namespace fs = std::filesystem;
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -40,6 +47,50 @@ int32_t pick_token(const torch::Tensor& logits, double temperature, double top_p
   auto kept = sorted * keep.to(torch::kFloat32);
   const int64_t choice = torch::multinomial(kept / kept.sum(), 1, false, generator).item<int64_t>();
   return static_cast<int32_t>(order[choice].item<int64_t>());
+}
+
+// The ids generation stops at: the checkpoint's end tokens (config.json's or the GGUF file's, and
+// the generation_config.json beside a model folder's weights, as transformers' generate reads it)
+// and the tokenizer's EOS.
+std::vector<int32_t> stop_tokens(const TrainOptions& options, const ModelConfig& config, const Tokenizer& tokenizer) {
+  std::vector<int64_t> ids = config.eos_token_ids;
+  if (config.eos_token_id) ids.push_back(*config.eos_token_id);
+  if (const auto eos = tokenizer.eos_id()) ids.push_back(*eos);
+  const std::string& weights = options.model.weights;
+  std::error_code ec;
+  if (!weights.empty() && !is_gguf_path(weights)) {
+    const fs::path folder = fs::is_directory(weights, ec) ? fs::path(weights) : fs::path(weights).parent_path();
+    const fs::path path = folder / "generation_config.json";
+    if (fs::is_regular_file(path, ec)) {
+      nlohmann::json j;
+      try {
+        j = nlohmann::json::parse(read_file(path.string()));
+      } catch (const nlohmann::json::exception& e) {
+        fail("{}: not valid JSON ({})", path.string(), e.what());
+      }
+      WEFT_CHECK(j.is_object(), "{}: not a JSON object", path.string());
+      if (j.contains("eos_token_id")) {
+        const auto& v = j.at("eos_token_id");
+        WEFT_CHECK(v.is_null() || v.is_number_integer() || v.is_array(),
+                   "{}: eos_token_id must be a token id or a list of them, got {}", path.string(), v.dump());
+        if (v.is_number_integer()) ids.push_back(v.get<int64_t>());
+        if (v.is_array()) {
+          for (const auto& id : v) {
+            WEFT_CHECK(id.is_number_integer(), "{}: eos_token_id must be a token id or a list of them, got {}",
+                       path.string(), v.dump());
+            ids.push_back(id.get<int64_t>());
+          }
+        }
+      }
+    }
+  }
+  std::vector<int32_t> stop;
+  for (int64_t id : ids) {
+    if (id >= 0 && id < config.vocab_size && std::find(stop.begin(), stop.end(), id) == stop.end()) {
+      stop.push_back(static_cast<int32_t>(id));
+    }
+  }
+  return stop;
 }
 
 }  // namespace
@@ -71,7 +122,7 @@ GenerateResult generate(Job& job, const std::string& prompt) {
                  "(max_position_embeddings), fewer than generate.max_new_tokens = {} needs",
                  max_new_tokens, prompt_tokens, positions, options.max_new_tokens);
   }
-  const std::optional<int32_t> stop = tokenizer.eos_id();
+  const std::vector<int32_t> stop = stop_tokens(options, model.config(), tokenizer);
   auto generator = at::make_generator<at::CPUGeneratorImpl>(options.generate_seed);
   std::vector<LayerKvCache> cache;
   GenerateResult result;
@@ -86,7 +137,7 @@ GenerateResult generate(Job& job, const std::string& prompt) {
         full_vocabulary(model, logits[0][logits.size(1) - 1]).narrow(0, 0, tokenizer.vocab_size()).to(torch::kCPU);
     const int32_t next = pick_token(last, options.temperature, options.top_p, generator);
     if (n == 0) result.first_token_seconds = seconds_since(start);
-    if (stop && next == *stop) break;
+    if (std::find(stop.begin(), stop.end(), next) != stop.end()) break;
     result.tokens.push_back(next);
     input = torch::tensor({static_cast<int64_t>(next)}, torch::kLong).unsqueeze(0).to(job.device());
   }

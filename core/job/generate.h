@@ -24,7 +24,9 @@ struct GenerateResult {
 };
 
 // Continues `prompt` for up to generate.max_new_tokens tokens (fewer where the model's positions
-// end, with a warning), stopping at the tokenizer's end token. Collective: every rank runs it and
+// end, with a warning), stopping at any of the checkpoint's end tokens (config.json's eos_token_id,
+// a list too, or a GGUF file's EOS, EOT and EOM; the generation_config.json beside the weights;
+// the tokenizer's EOS). Collective: every rank runs it and
 // gets the same tokens.
 GenerateResult generate(Job& job, const std::string& prompt);
 

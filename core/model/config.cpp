@@ -31,6 +31,20 @@ std::optional<int64_t> token_id(const json& j, const char* key) {
   return std::nullopt;
 }
 
+// Every id of an int or a list of ints (config.json's eos_token_id may be either).
+std::vector<int64_t> token_ids(const json& j, const char* key) {
+  std::vector<int64_t> ids;
+  if (!j.contains(key)) return ids;
+  const json& v = j.at(key);
+  if (v.is_number_integer()) ids.push_back(v.get<int64_t>());
+  if (v.is_array()) {
+    for (const json& id : v) {
+      if (id.is_number_integer()) ids.push_back(id.get<int64_t>());
+    }
+  }
+  return ids;
+}
+
 // The RoPE scaling of `rs` (a rope_scaling or rope_parameters object; `key` names it in errors).
 std::optional<RopeScaling> parse_rope_scaling(const json& rs, const char* key, const std::string& origin) {
   if (rs.is_null()) return std::nullopt;
@@ -128,6 +142,7 @@ ModelConfig parse_hf_config(const std::string& text, const std::string& origin) 
   c.tie_word_embeddings = field<bool>(j, "tie_word_embeddings", false, origin);
   c.bos_token_id = token_id(j, "bos_token_id");
   c.eos_token_id = token_id(j, "eos_token_id");
+  c.eos_token_ids = token_ids(j, "eos_token_id");
   c.torch_dtype = field<std::string>(j, "torch_dtype", field<std::string>(j, "dtype", "float32", origin), origin);
   c.pad_token_id = token_id(j, "pad_token_id");
   // LlamaForSequenceClassification: its head's size from id2label (as PretrainedConfig's num_labels).
@@ -193,7 +208,9 @@ std::string to_hf_config_json(const ModelConfig& c) {
     };
   }
   j["bos_token_id"] = c.bos_token_id ? json(*c.bos_token_id) : json(nullptr);
-  j["eos_token_id"] = c.eos_token_id ? json(*c.eos_token_id) : json(nullptr);
+  j["eos_token_id"] = c.eos_token_ids.size() > 1 ? json(c.eos_token_ids)
+                      : c.eos_token_id             ? json(*c.eos_token_id)
+                                                   : json(nullptr);
   if (c.pad_token_id) j["pad_token_id"] = *c.pad_token_id;
   if (c.classification()) {
     json id2label = json::object(), label2id = json::object();

@@ -31,6 +31,10 @@ struct ModelConfig {
   bool tie_word_embeddings = false;
   std::optional<int64_t> bos_token_id;
   std::optional<int64_t> eos_token_id;
+  // Every end token the checkpoint names (config.json's eos_token_id may be a list, as Llama 3
+  // Instruct's [128001, 128008, 128009]; a GGUF file's EOS, EOT and EOM ids); eos_token_id is the
+  // first. Generation stops at any of them.
+  std::vector<int64_t> eos_token_ids;
   std::string torch_dtype = "float32";  // dtype recorded in config.json; training keeps fp32 masters
   // Sequence classification (LlamaForSequenceClassification): num_labels > 0 replaces the LM head
   // by `score` [num_labels, hidden] (no bias), applied to every position; the loss pools the

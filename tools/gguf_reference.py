@@ -21,11 +21,17 @@ Reference.GgufReadsAsGgufPyAndTransformersDo:
    data.tokenizer the bundled file): SmolLM2 adds neither BOS nor EOS, so a document's held-out
    loss (trainer eval --data, one sequence of the whole document) equals transformers' loss on
    tokenizer(text) within 1e-4 relative; and greedy generation (trainer generate, its `tokens:`
-   line) equals transformers' generate token for token, up to the checkpoint's EOS or 48 tokens.
+   line) equals transformers' generate token for token, up to the checkpoint's EOS or 48 tokens,
+   in one process and under tensor_parallel on 3 ranks (the last prompt).
+6. GGUF out (trainer export --type f16, bf16, q8_0): every tensor's bytes equal gguf-py's
+   quantization of the source file's values, the tokenizer's metadata is the source's, and
+   transformers' logits from the file (BF16, Q8_0) equal weft's; a PEFT adapter merged at export (f32) gives
+   PEFT's merged model's logits in transformers.
 Exit status 0 when every comparison holds, 1 otherwise."""
 import json
 import os
 import subprocess
+import time
 import sys
 
 import numpy as np
@@ -116,7 +122,10 @@ def main():
           f"torch {torch.__version__}")
     rng = np.random.default_rng(0)
     failures = 0
+    started = time.time()
+    phase = lambda name: print(f"[{time.time() - started:6.1f} s] {name}", flush=True)  # noqa: E731
 
+    phase("types")
     # 1. Every type, on files gguf-py writes.
     typed = os.path.join(work, "types.gguf")
     typed_file(typed, rng)
@@ -128,6 +137,7 @@ def main():
         failures += 1
     print(f"types: {', '.join(f'{k} x{v}' for k, v in seen.items())} bit for bit")
 
+    phase("bundled tensors")
     # 2. The bundled model's tensors.
     model = bundled_model()
     seen = {}
@@ -135,6 +145,7 @@ def main():
     print(f"{os.path.basename(model)}: {sum(seen.values())} tensors ({', '.join(f'{k} x{v}' for k, v in seen.items())}) "
           "bit for bit")
 
+    phase("transformers' loader")
     # 3. transformers' loader: the same tensors under HF names, the same logits.
     reference = AutoModelForCausalLM.from_pretrained(os.path.dirname(model), gguf_file=os.path.basename(model),
                                                      dtype=torch.float32)
@@ -170,6 +181,7 @@ def main():
           f"(largest logit {scale:.3g}, tolerance {TOLERANCE * scale:.3g})")
     failures += 0 if ok else 1
 
+    phase("tokenizer")
     # 4. The tokenizer in the metadata.
     from transformers import AutoTokenizer
     reference_tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(model), gguf_file=os.path.basename(model))
@@ -188,6 +200,7 @@ def main():
         else:
             print(f"ok   {os.path.basename(path)}: {len(ids)} ids equal transformers' ({special})")
 
+    phase("trainer: losses and greedy text")
     # 5. Framing, losses and greedy text through the trainer.
     weft_run = [trainer, "--config", config, "--set", f"model.weights={model}", "--set", f"data.tokenizer={model}",
                 "--set", "data.cache_dir=", "--set", "log.level=warn"]
@@ -228,6 +241,101 @@ def main():
         print(f"{'ok  ' if ok else 'FAIL'} greedy: {len(got)} new tokens, transformers' {len(expected_ids)}: "
               f"{reference_tokenizer.decode(got)[:60]!r}")
         failures += 0 if ok else 1
+    # 5b. Tensor parallelism over the model's 3 kv heads (3 ranks: 3 query heads, a third of the FFN
+    # and of the vocabulary each): the same greedy tokens as transformers' (and single's, above).
+    phase("tensor_parallel on 3 ranks")
+    run = subprocess.run(weft_run[:1] + ["generate"] + weft_run[1:] + ["--set", "generate.max_new_tokens=48",
+                                                                   "--prompt", prompt, "--plugin", "tensor_parallel",
+                                                                   "--nproc", "3"],
+                         check=True, capture_output=True, text=True)
+    line = next(l for l in run.stdout.splitlines() if l.startswith("tokens:"))
+    got = [int(x) for x in line.split()[1:]]
+    ok = got == expected_ids and len(expected_ids) >= 40
+    print(f"{'ok  ' if ok else 'FAIL'} greedy under tensor_parallel, 3 ranks: {len(got)} new tokens equal "
+          f"transformers' {len(expected_ids)}" if ok else f"FAIL greedy under tensor_parallel, 3 ranks: {got} vs {expected_ids}")
+    failures += 0 if ok else 1
+
+    # 6. GGUF out: weft's export of the model read back by gguf-py and transformers. Each tensor's
+    # bytes are gguf-py's quantization of the source file's values (names, q/k order, types and
+    # quantizers all checked at once); the tokenizer's metadata is the source's; transformers'
+    # logits from the exported file equal weft's from it.
+    phase("GGUF out")
+    source = gguf.GGUFReader(model)
+    source_values = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in source.tensors}
+    export = [trainer, "export", "--config", config, "--set", f"model.weights={model}", "--set", f"data.tokenizer={model}",
+              "--set", "data.cache_dir=", "--log-level", "warn"]
+    for qtype in ("f16", "bf16", "q8_0"):
+        target = getattr(gguf.GGMLQuantizationType, qtype.upper())
+        out_name = f"smollm2-export.{qtype}.gguf"
+        subprocess.run(export + ["--out", os.path.join(work, out_name), "--type", qtype], check=True)
+        written = gguf.GGUFReader(os.path.join(work, out_name))
+        names = [t.name for t in written.tensors]
+        bad = []
+        if sorted(names) != sorted(source_values):
+            bad.append(f"tensors {sorted(set(names) ^ set(source_values))[:4]} differ from the source's")
+        for t in written.tensors:
+            values = source_values.get(t.name)
+            if values is None:
+                continue
+            want = gguf.GGMLQuantizationType.F32 if values.ndim == 1 else target
+            if want == gguf.GGMLQuantizationType.Q8_0 and values.shape[-1] % 32:
+                want = gguf.GGMLQuantizationType.F16
+            expected = values if want == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(values, want)
+            if t.tensor_type != want or np.asarray(t.data).tobytes() != np.ascontiguousarray(expected).tobytes():
+                bad.append(f"{t.name} ({t.tensor_type.name}, expected {want.name})")
+        for key, field in source.fields.items():
+            if key.startswith("tokenizer.") and (key not in written.fields or
+                                                 written.fields[key].contents() != field.contents()):
+                bad.append(f"metadata {key}")
+        for b in bad[:5]:
+            print(f"FAIL {out_name}: {b}")
+        failures += 1 if bad else 0
+        if qtype == "f16":  # its bytes are checked above; transformers reads BF16 and Q8_0 below
+            print(f"{'ok  ' if not bad else 'FAIL'} export {qtype}: {len(names)} tensors as gguf-py quantizes them, "
+                  "the tokenizer's metadata")
+            continue
+        exported_logits = os.path.join(work, f"logits.{qtype}.safetensors")
+        subprocess.run([hf_logits, os.path.join(work, out_name), os.path.join(work, "tokens.safetensors"), exported_logits],
+                       check=True)
+        readback = AutoModelForCausalLM.from_pretrained(work, gguf_file=out_name, dtype=torch.float32)
+        with torch.no_grad():
+            theirs = readback(tokens).logits
+        mine_logits = load_file(exported_logits)["logits"]
+        worst = (mine_logits - theirs).abs().max().item()
+        scale = theirs.abs().max().item()
+        ok = not bad and worst <= TOLERANCE * scale
+        print(f"{'ok  ' if ok else 'FAIL'} export {qtype}: {len(names)} tensors as gguf-py quantizes them, the "
+              f"tokenizer's metadata; transformers' logits from it within {worst:.3g} of weft's (largest {scale:.3g})")
+        failures += 0 if worst <= TOLERANCE * scale else 1
+        del readback
+
+    # A LoRA adapter PEFT made (random, nonzero) merged by weft's export: transformers' logits from the
+    # F32 file equal PEFT's merged model's.
+    phase("GGUF out: PEFT adapter merged")
+    from peft import LoraConfig, get_peft_model
+    with torch.no_grad():
+        base_logits = reference(tokens).logits
+    torch.manual_seed(0)
+    adapted = get_peft_model(reference, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj",
+                                                                                      "o_proj", "down_proj"],
+                                                   init_lora_weights=False))
+    adapter_dir = os.path.join(work, "peft-adapter")
+    adapted.save_pretrained(adapter_dir)
+    with torch.no_grad():
+        expected = adapted.merge_and_unload()(tokens).logits
+    subprocess.run(export + ["--set", f"model.adapter={adapter_dir}", "--set", "train.mode=lora", "--out",
+                             os.path.join(work, "smollm2-merged.f32.gguf"), "--type", "f32"], check=True)
+    readback = AutoModelForCausalLM.from_pretrained(work, gguf_file="smollm2-merged.f32.gguf", dtype=torch.float32)
+    with torch.no_grad():
+        theirs = readback(tokens).logits
+    worst = (theirs - expected).abs().max().item()
+    scale = expected.abs().max().item()
+    moved = (expected - base_logits).abs().max().item()  # the adapter changes the model
+    ok = worst <= TOLERANCE * scale and moved > 100 * TOLERANCE * scale
+    print(f"{'ok  ' if ok else 'FAIL'} export with a PEFT adapter merged (f32): transformers' logits from it within "
+          f"{worst:.3g} of PEFT's merged model (largest {scale:.3g}; the adapter moved them by up to {moved:.3g})")
+    failures += 0 if ok else 1
+    phase("done")
     print("gguf reference: all comparisons hold" if failures == 0 else f"gguf reference: {failures} failures")
     return 1 if failures else 0
 

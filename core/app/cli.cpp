@@ -39,12 +39,13 @@ po::options_description describe_options() {
        "only cases of at most N ranks; --plugin NAME: only the cases that run NAME; --set applies to every case)")
       ("repetitions", po::value<int64_t>(), "trainer bench: runs per variant, alternated (default 3)")
       ("baseline", po::value<std::string>(), "trainer bench: 'pytorch' adds PyTorch DDP, DTensor tensor parallelism beside a plugin that owns tp and PyTorch's pipeline schedules beside one that owns pp (python/pytorch_baseline.py)")
-      ("out,o", po::value<std::string>(), "trainer bench: output directory; trainer report: the Markdown file")
+      ("out,o", po::value<std::string>(), "trainer bench: output directory; trainer report: the Markdown file; trainer export: the GGUF file")
       ("log-level", po::value<std::string>(), "trace, debug, info, warn or error (default: log.level)")
       ("prompt", po::value<std::string>(), "trainer generate: the text to continue")
       ("data", po::value<std::vector<std::string>>()->composing(),
        "trainer eval: evaluate every sequence of these files (repeatable) instead of the held-out split")
       ("json", po::value<std::string>(), "trainer eval: write tokens, loss, perplexity and every sequence's loss to FILE")
+      ("type", po::value<std::string>(), "trainer export: the GGUF tensor type of the matrices: f16 (default), bf16, q8_0 or f32")
       ("trace", po::value<std::string>(),
        "write a Chrome/Perfetto trace of the run to FILE (FILE.rank<r>.json per rank; same as --set log.trace=FILE)");
   return options;
@@ -57,6 +58,7 @@ void check_flags_of_command(const po::variables_map& vm, const std::string& comm
       {"train", {"config", "plugin", "set", "nproc", "trace", "log-level"}},
       {"eval", {"config", "plugin", "set", "nproc", "trace", "log-level", "data", "json"}},
       {"generate", {"config", "plugin", "set", "nproc", "trace", "log-level", "prompt"}},
+      {"export", {"config", "set", "log-level", "out", "type"}},
       {"plan", {"config", "plugin", "set", "nproc", "log-level"}},
       {"check", {"plugin", "set", "nproc", "steps", "all", "log-level"}},
       {"bench", {"config", "plugin", "set", "nproc", "warmup", "steps", "repetitions", "baseline", "out", "log-level"}},
@@ -148,6 +150,7 @@ CommandLine parse_command_line(int argc, char** argv) {
   if (vm.count("prompt")) cli.prompt = vm["prompt"].as<std::string>();
   if (vm.count("data")) cli.data = vm["data"].as<std::vector<std::string>>();
   if (vm.count("json")) cli.json = vm["json"].as<std::string>();
+  if (vm.count("type")) cli.type = vm["type"].as<std::string>();
   if (vm.count("trace")) cli.overrides.push_back("log.trace=" + vm["trace"].as<std::string>());
   if (vm.count("log-level")) cli.log_level = vm["log-level"].as<std::string>();
   return cli;
@@ -167,6 +170,8 @@ void print_help() {
                "  trainer bench --config FILE --plugin A --plugin B [--nproc N] [--baseline pytorch] [--warmup W]\n"
                "        [--steps S] [--repetitions R] [--out DIR]   A/B timing: table, bench.json, plots\n"
                "  trainer report RUN_DIR [--out REPORT.md]   a finished run as a Markdown report with plots\n"
+               "  trainer export --config FILE --out MODEL.gguf [--type f16|bf16|q8_0|f32]   the model (LoRA merged)\n"
+               "        as a GGUF file of the llama architecture, with its tokenizer\n"
                "  trainer config-reference      print the configuration reference as Markdown\n\n"
             << describe_options() << "\n"
             << render_help(run_schema());

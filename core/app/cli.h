@@ -25,6 +25,8 @@ struct CommandLine {
   // trainer eval: files to evaluate instead of the held-out split, and where to write the JSON.
   std::vector<std::string> data;
   std::string json;
+  // trainer export: the GGUF tensor type (f16 when empty).
+  std::string type;
   // trainer check: the conformance matrix (conformance_matrix()); with --plugin, its cases that run it.
   bool all = false;
 };

@@ -22,6 +22,9 @@
 #include "core/dist/process_groups.h"
 #include "core/job/evaluate.h"
 #include "core/job/generate.h"
+#include "core/job/gguf_export.h"
+#include "core/io/gguf.h"
+#include "core/model/lora.h"
 #include "core/job/job.h"
 #include "core/plugin/library.h"
 #include "core/train/classification_eval.h"
@@ -145,6 +148,32 @@ int run_generate(const CommandLine& cli) {
                    result.seconds - result.comm_wait_seconds);
     }
   }
+  return 0;
+}
+
+// `trainer export --out FILE.gguf [--type f16|bf16|q8_0|f32]`: the configured model (model.weights
+// with model.adapter's LoRA merged in) as a GGUF file of the llama architecture, with the
+// tokenizer's metadata (core/job/gguf_export.h). One process.
+int run_export(const CommandLine& cli) {
+  if (cli.out.empty()) throw Error("trainer export needs --out FILE.gguf");
+  if (!is_gguf_path(cli.out)) throw Error(fmt::format("trainer export writes GGUF: --out '{}' must end in .gguf", cli.out));
+  const uint32_t type = gguf_export_type(cli.type.empty() ? "f16" : cli.type);
+  RunSetup run = prepare_run(cli);
+  if (run.context.world > 1 || !run.options.plugin.empty()) {
+    throw Error("trainer export runs in one process: leave out --plugin, --nproc and train.plugin");
+  }
+  if (run.options.task == "classification") {
+    throw Error("trainer export writes causal LMs as GGUF: train.task = \"classification\" has a score head instead");
+  }
+  Job job(run.options, run.context, Job::Data::kNone);
+  job.warn_if_random_weights("export");
+  if (job.lora()) merge_lora(job.model());  // the adapters folded into the base (quantized layers dequantized)
+  const auto& m = run.options.model;
+  std::string name = m.weights.empty() ? "weft" : std::filesystem::path(m.weights).filename().string();
+  if (!m.adapter.empty()) name += " + " + std::filesystem::path(m.adapter).filename().string();
+  export_gguf(job.model(), job.tokenizer(), run.options.tokenizer, cli.out, type, name);
+  spdlog::info("wrote {} ({}, {:.1f} MB)", cli.out, ggml_type_name(type),
+               static_cast<double>(std::filesystem::file_size(cli.out)) / 1e6);
   return 0;
 }
 

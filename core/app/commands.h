@@ -9,6 +9,7 @@ namespace weft::app {
 int run_train(const CommandLine& cli);
 int run_eval(const CommandLine& cli);
 int run_generate(const CommandLine& cli);
+int run_export(const CommandLine& cli);
 int run_check(const CommandLine& cli);
 int run_plan(const CommandLine& cli);
 int run_bench(const CommandLine& cli);

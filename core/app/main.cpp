@@ -49,6 +49,7 @@ int run(int argc, char** argv) {
     if (cli.command == "train") return run_train(cli);
     if (cli.command == "eval") return run_eval(cli);
     if (cli.command == "generate") return run_generate(cli);
+    if (cli.command == "export") return run_export(cli);
     if (cli.command == "check") return run_check(cli);
     if (cli.command == "plan") return run_plan(cli);
     if (cli.command == "bench") return run_bench(cli);

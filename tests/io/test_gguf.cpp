@@ -1,14 +1,20 @@
 // GGUF files (core/io/gguf.h): what a valid file holds, read back, and every malformed header
 // refused with one line naming the file and the problem. The values of every type against gguf-py
 // and transformers, on the bundled pretrained model too: Reference.GgufReadsAsGgufPyAndTransformersDo.
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include "core/io/gguf.h"
+#include "core/io/gguf_writer.h"
 #include "core/model/gguf_model.h"
 #include "io_test_util.h"
 
@@ -198,3 +204,120 @@ TEST_F(GgufTest, TheModelShapeComesFromTheMetadata) {
 }
 
 }  // namespace
+
+namespace {
+
+uint16_t bits16(const std::vector<uint8_t>& bytes, size_t i) {
+  uint16_t v;
+  std::memcpy(&v, bytes.data() + 2 * i, 2);
+  return v;
+}
+
+// Every 65,537th fp32 bit pattern (all exponents, both signs, subnormals, infinities, NaNs) and the
+// cases at the edges of half's range.
+std::vector<float> float_sweep() {
+  std::vector<float> out;
+  for (uint64_t b = 0; b <= 0xffffffffull; b += 65537) {
+    const auto bits = static_cast<uint32_t>(b);
+    float f;
+    std::memcpy(&f, &bits, 4);
+    out.push_back(f);
+  }
+  for (float f : {0.0f, -0.0f, 65504.0f, 65519.99f, 65520.0f, 1e-8f, 5.96e-8f, 2.98e-8f, 2.9802322e-08f, 6.1035156e-05f,
+                  1.0f + 1.0f / 2048, 1.0f + 3.0f / 2048, std::numeric_limits<float>::infinity(),
+                  std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::denorm_min()}) {
+    out.push_back(f);
+    out.push_back(-f);
+  }
+  return out;
+}
+
+}  // namespace
+
+// F16 rounds as IEEE (and numpy's astype(float16)) does: to nearest even, with subnormals,
+// overflow to infinity and NaN kept NaN; BF16 as ggml (and gguf-py) does: to nearest even, NaN
+// made quiet. c10's conversions are the reference here; gguf_reference.py checks the writer's
+// bytes against gguf-py's on a real model.
+TEST(GgufWriter, HalfAndBfloat16RoundToNearestEven) {
+  const auto values = float_sweep();
+  const auto half = weft::quantize_ggml(weft::kGgmlF16, values.data(), static_cast<int64_t>(values.size()));
+  const auto bf16 = weft::quantize_ggml(weft::kGgmlBF16, values.data(), static_cast<int64_t>(values.size()));
+  ASSERT_EQ(half.size(), 2 * values.size());
+  int64_t checked = 0;
+  for (size_t i = 0; i < values.size(); ++i) {
+    const float v = values[i];
+    const c10::Half h(v);
+    const c10::BFloat16 b(v);
+    if (std::isnan(v)) {
+      EXPECT_TRUE(std::isnan(static_cast<float>(c10::Half(bits16(half, i), c10::Half::from_bits())))) << v;
+      EXPECT_EQ(bits16(bf16, i) & 0x7fc0, 0x7fc0) << v;  // a quiet NaN
+      continue;
+    }
+    ASSERT_EQ(bits16(half, i), h.x) << "F16 of " << v;
+    ASSERT_EQ(bits16(bf16, i), b.x) << "BF16 of " << v;
+    ++checked;
+  }
+  EXPECT_GT(checked, 60000);
+}
+
+// A file the writer wrote reads back: every kind of metadata value (a copied GgufValue keeps its
+// types), the tensors' shapes (outermost first) and values (Q8_0 within half a step of its block).
+TEST_F(GgufTest, TheWriterWritesWhatTheReaderReadsBack) {
+  weft::GgufWriter out;
+  out.set("general.architecture", weft::GgufWriter::string("llama"));
+  out.set("llama.block_count", weft::GgufWriter::u32(7));
+  out.set("llama.rope.freq_base", weft::GgufWriter::f32(500000.0f));
+  out.set("tokenizer.ggml.add_bos_token", weft::GgufWriter::boolean(true));
+  out.set("tokenizer.ggml.tokens", weft::GgufWriter::strings({"a", "bc", "<|x|>"}));
+  out.set("tokenizer.ggml.token_type", weft::GgufWriter::i32s({1, 1, 3}));
+  out.set("scores", weft::GgufWriter::f32s({0.5f, -1.0f}));
+  out.set("llama.block_count", weft::GgufWriter::u32(2));  // replaced in place
+  std::vector<float> w(3 * 64);
+  for (size_t i = 0; i < w.size(); ++i) w[i] = std::sin(0.37f * static_cast<float>(i)) * (i % 7 == 0 ? 40.0f : 1.0f);
+  for (uint32_t type : {weft::kGgmlF32, weft::kGgmlF16, weft::kGgmlBF16, weft::kGgmlQ8_0}) {
+    out.add_tensor("w." + weft::ggml_type_name(type), {3, 64}, type, weft::quantize_ggml(type, w.data(), 192));
+  }
+  out.add_tensor("norm", {5}, weft::kGgmlF32, weft::quantize_ggml(weft::kGgmlF32, w.data(), 5));
+  EXPECT_THAT(error_of([&] { out.add_tensor("norm", {5}, weft::kGgmlF32, weft::quantize_ggml(weft::kGgmlF32, w.data(), 5)); }),
+              HasSubstr("GGUF tensor 'norm' added twice"));
+  EXPECT_THAT(error_of([&] { (void)weft::quantize_ggml(weft::kGgmlQ8_0, w.data(), 40); }),
+              HasSubstr("40 values are not whole blocks of Q8_0"));
+  EXPECT_THAT(error_of([&] { (void)weft::quantize_ggml(weft::kGgmlQ4_K, w.data(), 256); }),
+              HasSubstr("weft does not write GGUF tensors of type Q4_K"));
+  out.write(path("written.gguf"));
+
+  const auto file = weft::GgufFile::open(path("written.gguf"));
+  EXPECT_EQ(file->keys(), (std::vector<std::string>{"general.architecture", "llama.block_count", "llama.rope.freq_base",
+                                                    "tokenizer.ggml.add_bos_token", "tokenizer.ggml.tokens",
+                                                    "tokenizer.ggml.token_type", "scores"}));
+  EXPECT_EQ(file->get_int("llama.block_count"), 2);
+  EXPECT_EQ(file->get_float("llama.rope.freq_base"), 500000.0);
+  EXPECT_EQ(file->get_bool("tokenizer.ggml.add_bos_token"), true);
+  EXPECT_EQ(file->value("tokenizer.ggml.tokens")->texts, (std::vector<std::string>{"a", "bc", "<|x|>"}));
+  EXPECT_EQ(file->value("tokenizer.ggml.token_type")->integers, (std::vector<int64_t>{1, 1, 3}));
+  EXPECT_EQ(file->value("scores")->numbers, (std::vector<double>{0.5, -1.0}));
+  for (uint32_t type : {weft::kGgmlF32, weft::kGgmlF16, weft::kGgmlBF16, weft::kGgmlQ8_0}) {
+    const weft::GgufTensor* t = file->find("w." + weft::ggml_type_name(type));
+    ASSERT_NE(t, nullptr);
+    EXPECT_EQ(t->type, type);
+    EXPECT_EQ(t->shape, (std::vector<int64_t>{3, 64}));
+    std::vector<float> back(192);
+    file->dequantize(*t, back.data());
+    for (size_t i = 0; i < back.size(); ++i) {
+      const float block_max = 40.0f;  // the largest magnitude in any block of 32
+      const float tolerance = type == weft::kGgmlF32  ? 0.0f
+                              : type == weft::kGgmlF16 ? std::abs(w[i]) * 1e-3f
+                              : type == weft::kGgmlBF16 ? std::abs(w[i]) * 8e-3f
+                                                        : block_max / 127.0f / 2.0f * 1.01f;
+      ASSERT_LE(std::abs(back[i] - w[i]), tolerance) << weft::ggml_type_name(type) << " value " << i;
+    }
+  }
+  // Copying every value of the file into a second one gives the same metadata.
+  weft::GgufWriter copy;
+  for (const auto& key : file->keys()) copy.set(key, *file->value(key));
+  copy.write(path("copy.gguf"));
+  const auto again = weft::GgufFile::open(path("copy.gguf"));
+  EXPECT_EQ(again->keys(), file->keys());
+  EXPECT_EQ(again->value("tokenizer.ggml.token_type")->element_type, 5u);  // int32, as written
+  EXPECT_EQ(again->value("scores")->numbers, (std::vector<double>{0.5, -1.0}));
+}

@@ -34,9 +34,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama3_tokenizer  # noqa: E402
 
 TOLERANCE = 1e-5
-CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
-                 "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
-                 "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
+# Meta-Llama-3-8B-Instruct's tokenizer_config.json chat_template, as that file holds it.
+CHAT_TEMPLATE = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+                 "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + "
+                 "'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+                 "{{ content }}{% endfor %}{% if add_generation_prompt %}"
+                 "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
 
 
 def converter_rope_factors(config):
@@ -143,6 +146,14 @@ def main():
     ok = got == want
     print(f"{'ok  ' if ok else 'FAIL'} tokenizer from the GGUF metadata: {len(got)} ids, HF tokenizers' {len(want)}")
     failures += 0 if ok else 1
+    # 4. Llama 3's chat template, from the tokenizer_config.json beside the tokenizer.json and from the
+    # exported GGUF file's metadata: transformers' apply_chat_template's text and ids.
+    from gguf_reference import check_chat_template
+    reference_tokenizer = PreTrainedTokenizerFast(tokenizer_file=tokenizer_json, bos_token="<|begin_of_text|>",
+                                                  eos_token="<|eot_id|>")
+    reference_tokenizer.chat_template = CHAT_TEMPLATE
+    failures += check_chat_template(tokenizer_encode, tokenizer_json, reference_tokenizer, work)
+    failures += check_chat_template(tokenizer_encode, out, reference_tokenizer, work)
     print("llama 3 gguf: all comparisons hold" if failures == 0 else f"llama 3 gguf: {failures} failures")
     return 1 if failures else 0
 

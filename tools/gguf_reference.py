@@ -114,6 +114,37 @@ def compare_file(gguf_tensors, path, out, seen):
     return failures
 
 
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi!"}],
+    [{"role": "system", "content": "You answer in one line."}, {"role": "user", "content": "What is 2+2?"},
+     {"role": "assistant", "content": "4."}, {"role": "user", "content": "  And 3+3?\nThen 4+4.  "}],
+    [{"role": "user", "content": "Who is Elinor Dashwood?"},
+     {"role": "assistant", "content": "The elder Dashwood sister in Sense and Sensibility: sensible, reserved."}],
+]
+
+
+def check_chat_template(tokenizer_encode, spec, reference_tokenizer, work):
+    """weft's rendering and ids of CONVERSATIONS (tokenizer_encode --chat) against transformers'
+    apply_chat_template(add_generation_prompt=False and True), encoded without special tokens added."""
+    path = os.path.join(work, "conversations.json")
+    with open(path, "w") as f:
+        json.dump(CONVERSATIONS, f)
+    run = subprocess.run([tokenizer_encode, spec, "--chat", path], check=True, capture_output=True, text=True)
+    failures = 0
+    for conversation, both in zip(CONVERSATIONS, json.loads(run.stdout)):
+        for generation_prompt, (text, ids) in zip((False, True), both):
+            expected = reference_tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                               add_generation_prompt=generation_prompt)
+            expected_ids = reference_tokenizer(expected, add_special_tokens=False)["input_ids"]
+            if text != expected or ids != expected_ids:
+                print(f"FAIL chat template, {len(conversation)} messages, generation prompt {generation_prompt}: "
+                      f"weft {text!r} vs transformers {expected!r}")
+                failures += 1
+    print(f"{'ok  ' if failures == 0 else 'FAIL'} chat template of {os.path.basename(spec)}: {len(CONVERSATIONS)} "
+          "conversations x 2 rendered and encoded as transformers' apply_chat_template")
+    return 1 if failures else 0
+
+
 def main():
     gguf_tensors, hf_logits, tokenizer_encode, trainer, config, work = sys.argv[1:7]
     texts = sys.argv[7:]
@@ -201,6 +232,10 @@ def main():
             print(f"ok   {os.path.basename(path)}: {len(ids)} ids equal transformers' ({special})")
 
     phase("trainer: losses and greedy text")
+    # 4b. The chat template in the metadata (ChatML, with a default system message): rendered and
+    # encoded as transformers' apply_chat_template renders it, with and without the generation prompt.
+    failures += check_chat_template(tokenizer_encode, model, reference_tokenizer, work)
+
     # 5. Framing, losses and greedy text through the trainer.
     weft_run = [trainer, "--config", config, "--set", f"model.weights={model}", "--set", f"data.tokenizer={model}",
                 "--set", "data.cache_dir=", "--set", "log.level=warn"]
@@ -241,6 +276,24 @@ def main():
         print(f"{'ok  ' if ok else 'FAIL'} greedy: {len(got)} new tokens, transformers' {len(expected_ids)}: "
               f"{reference_tokenizer.decode(got)[:60]!r}")
         failures += 0 if ok else 1
+    # A chat turn: trainer generate --chat answers as transformers' generate does from
+    # apply_chat_template(add_generation_prompt=True), up to the end of the turn (<|im_end|>, EOS).
+    question = "What is the capital of France?"
+    chat_ids = reference_tokenizer(reference_tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False, return_tensors="pt")["input_ids"]
+    answer = reference.generate(chat_ids, max_new_tokens=48, do_sample=False)[0, chat_ids.shape[1]:].tolist()
+    if answer and answer[-1] == eos:
+        answer = answer[:-1]
+    run = subprocess.run(weft_run[:1] + ["generate"] + weft_run[1:] + ["--set", "generate.max_new_tokens=48",
+                                                                   "--prompt", question, "--chat"],
+                         check=True, capture_output=True, text=True)
+    got = [int(x) for x in next(l for l in run.stdout.splitlines() if l.startswith("tokens:")).split()[1:]]
+    ok = got == answer and len(answer) > 0
+    print(f"{'ok  ' if ok else 'FAIL'} generate --chat: {len(got)} tokens, transformers' {len(answer)}: "
+          f"{reference_tokenizer.decode(got)[:60]!r}")
+    failures += 0 if ok else 1
+
     # 5b. Tensor parallelism over the model's 3 kv heads (3 ranks: 3 query heads, a third of the FFN
     # and of the vocabulary each): the same greedy tokens as transformers' (and single's, above).
     phase("tensor_parallel on 3 ranks")

@@ -2,6 +2,10 @@
 // stdout, and the encoding speed on stderr. Built with the tests (tests/CMakeLists.txt); the
 // tokenizer test runs it next to the reference encoders (tools/llama3_tokenizer.py check):
 //   tokenizer_encode SPEC FILE...     (SPEC as for weft::load_tokenizer)
+//   tokenizer_encode SPEC --chat CONVERSATIONS.json
+//       renders each conversation (a list of {role, content}) with the tokenizer's chat template,
+//       with add_generation_prompt false and true, and prints [[text, ids], [text, ids]] per
+//       conversation (ids: the text encoded as the template wrote it, no BOS added).
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -11,6 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/data/chat_template.h"
 #include "core/data/tokenizer.h"
 #include "core/util/error.h"
 
@@ -27,6 +32,23 @@ int main(int argc, char** argv) {
                  id_text(tokenizer->bos_id()).c_str(), id_text(tokenizer->eos_id()).c_str(),
                  tokenizer->fingerprint().c_str());
     nlohmann::json all = nlohmann::json::array();
+    if (std::string(argv[2]) == "--chat" && argc == 4) {
+      const auto chat = weft::load_chat_template(argv[1], *tokenizer);
+      if (!chat) weft::fail("{}: no chat template", argv[1]);
+      std::ifstream in(argv[3]);
+      for (const auto& conversation : nlohmann::json::parse(in)) {
+        std::vector<weft::ChatMessage> messages;
+        for (const auto& m : conversation) messages.push_back({m.at("role"), m.at("content")});
+        nlohmann::json both = nlohmann::json::array();
+        for (bool generation_prompt : {false, true}) {
+          const std::string text = chat->render(messages, generation_prompt);
+          both.push_back({text, tokenizer->encode(text)});
+        }
+        all.push_back(both);
+      }
+      std::cout << all.dump() << "\n";
+      return 0;
+    }
     for (int i = 2; i < argc; ++i) {
       std::ifstream in(argv[i], std::ios::binary);
       if (!in) weft::fail("cannot open {}", argv[i]);

@@ -42,6 +42,8 @@ po::options_description describe_options() {
       ("out,o", po::value<std::string>(), "trainer bench: output directory; trainer report: the Markdown file; trainer export: the GGUF file")
       ("log-level", po::value<std::string>(), "trace, debug, info, warn or error (default: log.level)")
       ("prompt", po::value<std::string>(), "trainer generate: the text to continue")
+      ("chat", po::bool_switch(), "trainer generate: the prompt is a user message, rendered with the tokenizer's chat "
+       "template and its generation prompt; the reply is generated")
       ("data", po::value<std::vector<std::string>>()->composing(),
        "trainer eval: evaluate every sequence of these files (repeatable) instead of the held-out split")
       ("json", po::value<std::string>(), "trainer eval: write tokens, loss, perplexity and every sequence's loss to FILE")
@@ -57,7 +59,7 @@ void check_flags_of_command(const po::variables_map& vm, const std::string& comm
   static const std::map<std::string, std::set<std::string>> takes{
       {"train", {"config", "plugin", "set", "nproc", "trace", "log-level"}},
       {"eval", {"config", "plugin", "set", "nproc", "trace", "log-level", "data", "json"}},
-      {"generate", {"config", "plugin", "set", "nproc", "trace", "log-level", "prompt"}},
+      {"generate", {"config", "plugin", "set", "nproc", "trace", "log-level", "prompt", "chat"}},
       {"export", {"config", "set", "log-level", "out", "type"}},
       {"plan", {"config", "plugin", "set", "nproc", "log-level"}},
       {"check", {"plugin", "set", "nproc", "steps", "all", "log-level"}},
@@ -148,6 +150,7 @@ CommandLine parse_command_line(int argc, char** argv) {
     }
   }
   if (vm.count("prompt")) cli.prompt = vm["prompt"].as<std::string>();
+  cli.chat = vm.count("chat") > 0 && vm["chat"].as<bool>();
   if (vm.count("data")) cli.data = vm["data"].as<std::vector<std::string>>();
   if (vm.count("json")) cli.json = vm["json"].as<std::string>();
   if (vm.count("type")) cli.type = vm["type"].as<std::string>();
@@ -163,7 +166,8 @@ void print_help() {
                "  trainer plugins               list the strategy plugins found, with versions and ABI\n"
                "  trainer eval --config FILE [--plugin NAME] [--nproc N] [--data FILE ...] [--json OUT]   held-out\n"
                "        loss and perplexity of the configured model (or of every sequence of the --data files)\n"
-               "  trainer generate --config FILE [--plugin NAME] [--nproc N] --prompt TEXT   continue TEXT (generate.*)\n"
+               "  trainer generate --config FILE [--plugin NAME] [--nproc N] --prompt TEXT [--chat]   continue TEXT, or\n"
+               "        answer it as a user message in the chat template (generate.*)\n"
                "  trainer check --plugin NAME [--nproc N] [--steps S] [--set plugin.KEY=VALUE ...]   conformance: S (20) steps under NAME vs single.so\n"
                "  trainer plan --config FILE [--plugin NAME] [--nproc N]   the memory plan per rank (parameters,\n"
                "        gradients, optimizer, activations, buffers) and whether it fits, without building the model\n"

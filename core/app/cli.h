@@ -14,6 +14,7 @@ struct CommandLine {
   std::vector<std::string> overrides;
   std::string log_level;
   std::string prompt;
+  bool chat = false;  // trainer generate --chat: the prompt is a user message in the chat template
   std::string plugin;
   int nproc = 0;
   bool help = false;

@@ -131,11 +131,12 @@ int run_generate(const CommandLine& cli) {
   if (run.options.task == "classification") throw Error("trainer generate continues text: train.task = \"classification\" has no LM head");
   Job job(run.options, run.context, Job::Data::kNone);
   if (run.context.rank == 0) job.warn_if_random_weights("generate");
-  const auto result = generate(job, cli.prompt);
+  const auto result = generate(job, cli.prompt, cli.chat);
   if (run.context.rank == 0) {
     std::string ids;
     for (int32_t id : result.tokens) ids += (ids.empty() ? "" : " ") + std::to_string(id);
-    std::cout << "tokens: " << ids << "\n" << cli.prompt << result.text << "\n";
+    // The text: the prompt continued, or (--chat) the user's message and the reply on the next line.
+    std::cout << "tokens: " << ids << "\n" << cli.prompt << (cli.chat ? "\n" : "") << result.text << "\n";
     spdlog::info("generated {} tokens after a {}-token prompt in {:.2f} s ({:.1f} tokens/s; first token after {:.3f} s)",
                  result.tokens.size(), result.prompt_tokens, result.seconds,
                  result.seconds > 0 ? static_cast<double>(result.tokens.size()) / result.seconds : 0.0,

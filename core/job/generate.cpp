@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/data/chat_template.h"
 #include "core/io/gguf.h"
 #include "core/job/job.h"
 #include "core/util/fs.h"
@@ -95,17 +96,25 @@ std::vector<int32_t> stop_tokens(const TrainOptions& options, const ModelConfig&
 
 }  // namespace
 
-GenerateResult generate(Job& job, const std::string& prompt) {
+GenerateResult generate(Job& job, const std::string& prompt, bool chat) {
   const TrainOptions& options = job.options();
   const Tokenizer& tokenizer = job.tokenizer();
   LlamaForCausalLMImpl& model = job.model();
   torch::NoGradGuard no_grad;
   model.eval();
   std::vector<int32_t> ids;
-  if (options.data.bos_for(tokenizer)) {  // framed as the training documents were
+  std::string text = prompt;
+  if (chat) {  // the template frames the conversation, BOS included where the checkpoint wants it
+    const auto chat_template = load_chat_template(options.tokenizer, tokenizer);
+    WEFT_CHECK(chat_template != nullptr,
+               "trainer generate --chat: the tokenizer '{}' has no chat template (tokenizer_config.json's "
+               "chat_template, chat_template.jinja, or a GGUF file's tokenizer.chat_template)",
+               options.tokenizer);
+    text = chat_template->render({{"user", prompt}}, /*add_generation_prompt=*/true);
+  } else if (options.data.bos_for(tokenizer)) {  // framed as the training documents were
     if (const auto bos = tokenizer.bos_id()) ids.push_back(*bos);
   }
-  const auto encoded = tokenizer.encode(prompt);
+  const auto encoded = tokenizer.encode(text);
   ids.insert(ids.end(), encoded.begin(), encoded.end());
   WEFT_CHECK(!ids.empty(), "trainer generate: the prompt encodes to no tokens");
   // The model has positions for max_position_embeddings tokens, prompt included.

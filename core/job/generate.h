@@ -28,6 +28,9 @@ struct GenerateResult {
 // a list too, or a GGUF file's EOS, EOT and EOM; the generation_config.json beside the weights;
 // the tokenizer's EOS). Collective: every rank runs it and
 // gets the same tokens.
-GenerateResult generate(Job& job, const std::string& prompt);
+// chat: `prompt` is a user message, rendered with the tokenizer's chat template and the
+// generation prompt (core/data/chat_template.h; the template writes BOS where it wants one), as
+// transformers' apply_chat_template(add_generation_prompt=True) renders it.
+GenerateResult generate(Job& job, const std::string& prompt, bool chat = false);
 
 }  // namespace weft

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/data/bpe_tokenizer.h"
+#include "core/data/chat_template.h"
 #include "core/data/tokenizer.h"
 #include "core/data/unicode.h"
 #include "core/util/error.h"
@@ -304,6 +305,63 @@ TEST_F(BpeTokenizerTest, TokenizerConfigBesideItNamesBosAndEosAndTheFraming) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("tokenizer_config.json: bos_token '<s>' is not in the vocabulary"), std::string::npos)
         << e.what();
+  }
+}
+
+// The chat template beside a tokenizer.json: tokenizer_config.json's chat_template (a string, or
+// transformers' list of named templates), chat_template.jinja first where both exist; none, and
+// the byte tokenizer, have none. Rendering as transformers does: trim_blocks, the messages,
+// add_generation_prompt, bos_token; a template's raise_exception and a template that does not parse
+// are one error naming where it came from. (Against transformers' apply_chat_template on real
+// templates: Reference.Gguf*.)
+TEST_F(BpeTokenizerTest, TheChatTemplateBesideTheTokenizerRendersAsTransformersDoes) {
+  auto value = tokenizer_json(byte_vocab(), json::array());
+  value["added_tokens"] = {added_token(256, "<|endoftext|>"), added_token(257, "<|im_start|>"),
+                           added_token(258, "<|im_end|>")};
+  const std::string path = write("chat/tokenizer.json", value.dump());
+  const auto tokenizer = load_tokenizer(path);
+  EXPECT_EQ(load_chat_template(path, *tokenizer), nullptr);
+  EXPECT_EQ(load_chat_template("byte", *tokenizer), nullptr);
+  const std::string chatml =
+      "{% for message in messages %}\n{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+      "'<|im_end|>\\n'}}\n{% endfor %}\n{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+  write("chat/tokenizer_config.json", json({{"chat_template", chatml}}).dump());
+  const auto chat = load_chat_template(path, *tokenizer);
+  ASSERT_NE(chat, nullptr);
+  const std::vector<ChatMessage> messages = {{"system", "Be brief."}, {"user", "Hi"}};
+  // trim_blocks drops the newline after {% ... %}, not after {{ ... }} (jinja2 renders these same strings).
+  EXPECT_EQ(chat->render(messages, false), "<|im_start|>system\nBe brief.<|im_end|>\n\n<|im_start|>user\nHi<|im_end|>\n\n");
+  EXPECT_EQ(chat->render(messages, true),
+            "<|im_start|>system\nBe brief.<|im_end|>\n\n<|im_start|>user\nHi<|im_end|>\n\n<|im_start|>assistant\n");
+  EXPECT_EQ(tokenizer->encode(chat->render({{"user", "Hi"}}, false)),
+            (Ids{257, 'u', 's', 'e', 'r', '\n', 'H', 'i', 258, '\n', '\n'}));
+
+  write("chat/tokenizer_config.json",
+        json({{"chat_template", {{{"name", "tool_use"}, {"template", "tools"}}, {{"name", "default"}, {"template", "{{ bos_token }}default"}}}}})
+            .dump());
+  EXPECT_EQ(load_chat_template(path, *tokenizer)->render(messages, false), "<|endoftext|>default");
+  write("chat/chat_template.jinja", "jinja {{ messages | length }}");
+  EXPECT_EQ(load_chat_template(path, *tokenizer)->render(messages, false), "jinja 2");
+  fs::remove(dir_ / "chat/chat_template.jinja");
+
+  write("chat/tokenizer_config.json",
+        json({{"chat_template", "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}ok"}}).dump());
+  const auto strict = load_chat_template(path, *tokenizer);
+  EXPECT_EQ(strict->render({{"user", "Hi"}}, false), "ok");
+  try {
+    strict->render(messages, false);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("chat template of " + (dir_ / "chat/tokenizer_config.json").string() + ": "),
+              std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("user first"), std::string::npos) << e.what();
+  }
+  write("chat/tokenizer_config.json", json({{"chat_template", "{% for m in messages %}unclosed"}}).dump());
+  try {
+    load_chat_template(path, *tokenizer);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("does not parse"), std::string::npos) << e.what();
   }
 }
 

@@ -13,6 +13,7 @@
 #include "core/data/tokenizer.h"
 #include "core/io/gguf.h"
 #include "core/io/gguf_writer.h"
+#include "core/model/gguf_model.h"
 #include "core/model/weights.h"
 #include "core/util/error.h"
 #include "core/util/fs.h"
@@ -24,29 +25,6 @@ using nlohmann::json;
 namespace fs = std::filesystem;
 
 constexpr int32_t kNormal = 1, kControl = 3, kUserDefined = 4;  // llama.cpp's token types
-
-// llama.cpp's name for a tensor transformers names `hf` ("" for one GGUF does not hold).
-std::string gguf_name_of(const std::string& hf) {
-  if (hf == "model.embed_tokens.weight") return "token_embd.weight";
-  if (hf == "model.norm.weight") return "output_norm.weight";
-  if (hf == "lm_head.weight") return "output.weight";
-  static const std::vector<std::pair<std::string, std::string>> block = {
-      {"input_layernorm.weight", "attn_norm.weight"},   {"self_attn.q_proj.weight", "attn_q.weight"},
-      {"self_attn.k_proj.weight", "attn_k.weight"},     {"self_attn.v_proj.weight", "attn_v.weight"},
-      {"self_attn.o_proj.weight", "attn_output.weight"}, {"post_attention_layernorm.weight", "ffn_norm.weight"},
-      {"mlp.gate_proj.weight", "ffn_gate.weight"},      {"mlp.up_proj.weight", "ffn_up.weight"},
-      {"mlp.down_proj.weight", "ffn_down.weight"},
-  };
-  const std::string prefix = "model.layers.";
-  if (hf.rfind(prefix, 0) != 0) return "";
-  const size_t dot = hf.find('.', prefix.size());
-  if (dot == std::string::npos) return "";
-  const std::string layer = hf.substr(prefix.size(), dot - prefix.size()), rest = hf.substr(dot + 1);
-  for (const auto& [from, to] : block) {
-    if (rest == from) return "blk." + layer + "." + to;
-  }
-  return "";
-}
 
 // Llama 3's RoPE scaling as llama.cpp's converter stores it: one factor per frequency.
 std::vector<float> rope_factors(const ModelConfig& c) {
@@ -225,7 +203,7 @@ void export_gguf(LlamaForCausalLMImpl& model, const Tokenizer& tokenizer, const 
   int64_t fell_back = 0;
   for (auto& [hf, tensor] : hf_state(model, torch::kFloat32)) {
     if (hf == "lm_head.weight" && c.tie_word_embeddings) continue;  // the embedding (no output.weight: tied)
-    const std::string gguf = gguf_name_of(hf);
+    const std::string gguf = gguf_tensor_name(hf);
     WEFT_CHECK(!gguf.empty(), "GGUF export: no llama.cpp name for tensor '{}'", hf);
     torch::Tensor t = tensor.to(torch::kCPU).contiguous();
     const bool q = hf.find(".q_proj.") != std::string::npos, k = hf.find(".k_proj.") != std::string::npos;

@@ -41,6 +41,24 @@ std::string hf_name_of(const std::string& gguf_name, int64_t layers) {
   return "";
 }
 
+}  // namespace
+
+std::string gguf_tensor_name(const std::string& hf_name) {
+  if (hf_name == "model.embed_tokens.weight") return "token_embd.weight";
+  if (hf_name == "model.norm.weight") return "output_norm.weight";
+  if (hf_name == "lm_head.weight") return "output.weight";
+  static const std::regex block(R"(model\.layers\.(\d+)\.(.+))");
+  std::smatch m;
+  if (std::regex_match(hf_name, m, block)) {
+    for (const auto& [gguf, hf] : block_names()) {
+      if (m[2].str() == hf) return fmt::format("blk.{}.{}", m[1].str(), gguf);
+    }
+  }
+  return "";
+}
+
+namespace {
+
 std::vector<float> dequantized(const GgufFile& file, const GgufTensor& tensor) {
   std::vector<float> values(static_cast<size_t>(tensor.numel));
   file.dequantize(tensor, values.data());

@@ -28,6 +28,10 @@ ModelConfig gguf_model_config(const GgufFile& file);
 // The same for the file at `path` (opened and validated: core/io/gguf.h).
 ModelConfig load_gguf_model_config(const std::string& path);
 
+// llama.cpp's name for the tensor transformers names `hf_name` (model.layers.3.self_attn.q_proj.weight
+// -> blk.3.attn_q.weight), "" for a tensor GGUF's llama architecture does not hold.
+std::string gguf_tensor_name(const std::string& hf_name);
+
 // The file's tensors under HF names (model.embed_tokens.weight, model.layers.0.self_attn.q_proj.weight,
 // ...). A tensor that is not part of the model weft builds is an error naming it.
 class GgufWeights {

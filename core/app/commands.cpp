@@ -166,6 +166,10 @@ int run_export(const CommandLine& cli) {
   if (run.options.task == "classification") {
     throw Error("trainer export writes causal LMs as GGUF: train.task = \"classification\" has a score head instead");
   }
+  if (run.options.tokenizer == "byte") {  // refused before the model is loaded
+    throw Error("trainer export writes the tokenizer into the GGUF file, and data.tokenizer = \"byte\" is not one GGUF "
+                "holds: set data.tokenizer to the model's tokenizer.json or GGUF file");
+  }
   Job job(run.options, run.context, Job::Data::kNone);
   job.warn_if_random_weights("export");
   if (job.lora()) merge_lora(job.model());  // the adapters folded into the base (quantized layers dequantized)

@@ -491,6 +491,29 @@ TEST(Cli, GenerationStopsAtEveryEndTokenTheCheckpointNames) {
       << bad.output;
 }
 
+// trainer export refuses, in one line and before loading a model, what it cannot write: no --out, an
+// --out that is not .gguf, an unknown --type, several ranks, the byte tokenizer (GGUF holds a BPE).
+TEST(Cli, ExportRefusesWhatItCannotWriteInOneLine) {
+  const auto dir = fresh_dir("export_refusals");
+  const std::string tiny = tiny_args(dir) + " export";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {tiny, "trainer export needs --out FILE.gguf"},
+      {tiny + " --out " + dir + "/m.safetensors", "--out '" + dir + "/m.safetensors' must end in .gguf"},
+      {tiny + " --out " + dir + "/m.gguf --type q4_k", "GGUF type 'q4_k' is not one weft writes (f32, f16, bf16, q8_0)"},
+      {tiny + " --out " + dir + "/m.gguf --plugin ddp", "trainer export does not take --plugin"},
+      {tiny + " --out " + dir + "/m.gguf --set train.plugin=ddp", "trainer export runs in one process"},
+      {tiny + " --out " + dir + "/m.gguf", "data.tokenizer = \"byte\" is not one GGUF holds"},
+      {tiny + " --out " + dir + "/m.gguf --nproc 2", "does not take --nproc"},
+  };
+  for (const auto& [args, problem] : cases) {
+    const auto r = run_trainer(args);
+    EXPECT_EQ(r.exit_code, 1) << args << "\n" << r.output;
+    EXPECT_NE(r.output.find(problem), std::string::npos) << args << "\n" << r.output;
+    EXPECT_EQ(r.output.find("model: "), std::string::npos) << "a model was built: " << r.output;
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir + "/m.gguf"));
+}
+
 // A weights folder without config.json takes its shape from model.preset, which the log says, and a
 // checkpoint of another shape is refused with an error that says where the shape came from.
 TEST(Cli, AWeightsFolderWithoutConfigJsonTakesThePresetAndSaysSo) {

@@ -86,6 +86,8 @@ ln -sfn "$model" data/models/SmolLM2-135M-Instruct.Q4_1.gguf
 # of the same novels, and Debian's fortunes packages (apt-get download; nothing installed).
 /usr/bin/python3 tools/classification_data.py austen-novel
 /usr/bin/python3 tools/classification_data.py fortunes
+# The bundled instruction set (configs/instruct.toml): questions about those passages, as chat messages.
+/usr/bin/python3 tools/instruct_data.py
 phase_done "set-up: data"
 
 cmake_args=(-DCMAKE_BUILD_TYPE=Release -DWEFT_PYTHON="$WEFT_VENV/bin/python")

@@ -6,6 +6,10 @@
 //       renders each conversation (a list of {role, content}) with the tokenizer's chat template,
 //       with add_generation_prompt false and true, and prints [[text, ids], [text, ids]] per
 //       conversation (ids: the text encoded as the template wrote it, no BOS added).
+//   tokenizer_encode SPEC --sft CHAT.jsonl LOSS_ON SEQ_LEN
+//       prepares instruction data as training does (data.format = "chat", data.loss_on = LOSS_ON,
+//       no held-out split) and prints each row as [inputs, targets] (targets -100 where the loss
+//       does not count), and {"truncated": N, "dropped": N} on stderr's last line.
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -15,7 +19,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/data/chat_data.h"
 #include "core/data/chat_template.h"
+#include "core/data/loader.h"
 #include "core/data/tokenizer.h"
 #include "core/util/error.h"
 
@@ -47,6 +53,28 @@ int main(int argc, char** argv) {
         all.push_back(both);
       }
       std::cout << all.dump() << "\n";
+      return 0;
+    }
+    if (std::string(argv[2]) == "--sft" && argc == 6) {
+      const auto chat = weft::load_chat_template(argv[1], *tokenizer);
+      weft::DatasetOptions options;
+      options.paths = {argv[3]};
+      options.seq_len = std::stoll(argv[5]);
+      weft::ChatOptions chat_options;
+      chat_options.loss_on = argv[4];
+      const weft::ChatData data = weft::prepare_chat(options, chat_options, *tokenizer, chat.get());
+      const auto& rows = *data.splits.train;
+      std::vector<int64_t> all(static_cast<size_t>(rows.n_sequences()));
+      for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int64_t>(i);
+      const weft::Batch batch = weft::make_batch(rows, all);
+      for (int64_t r = 0; r < batch.rows(); ++r) {
+        const auto row = [&](const at::Tensor& t) {
+          const auto x = t[r].contiguous();
+          return std::vector<int64_t>(x.data_ptr<int64_t>(), x.data_ptr<int64_t>() + x.numel());
+        };
+        std::cout << nlohmann::json::array({row(batch.inputs), row(batch.targets)}).dump() << "\n";
+      }
+      std::cerr << nlohmann::json{{"truncated", data.truncated}, {"dropped", data.dropped}}.dump() << "\n";
       return 0;
     }
     for (int i = 2; i < argc; ++i) {

@@ -90,6 +90,7 @@ PackedSequences PackedSequences::examples(std::string name, const std::vector<st
              targets.size());
   WEFT_CHECK(!examples.empty(), "{} split has no examples", name);
   PackedSequences s;
+  s.kind_ = Kind::kLabeled;
   s.name_ = std::move(name);
   s.seq_len_ = seq_len;
   s.pad_ = pad;
@@ -107,9 +108,48 @@ PackedSequences PackedSequences::examples(std::string name, const std::vector<st
   return s;
 }
 
+PackedSequences PackedSequences::chat(std::string name, const std::vector<std::vector<uint32_t>>& examples,
+                                      const std::vector<std::vector<uint8_t>>& trained, int64_t seq_len, uint32_t pad) {
+  WEFT_CHECK(seq_len > 0, "seq_len must be positive, got {}", seq_len);
+  WEFT_CHECK(examples.size() == trained.size(), "{} split: {} examples but {} masks", name, examples.size(),
+             trained.size());
+  WEFT_CHECK(!examples.empty(), "{} split has no examples", name);
+  PackedSequences s;
+  s.kind_ = Kind::kChat;
+  s.name_ = std::move(name);
+  s.seq_len_ = seq_len;
+  s.pad_ = pad;
+  s.offsets_.push_back(0);
+  for (size_t i = 0; i < examples.size(); ++i) {
+    const auto n = static_cast<int64_t>(examples[i].size());
+    WEFT_CHECK(n >= 2 && n <= seq_len + 1, "{} split: example {} has {} tokens (2 to seq_len + 1 = {} allowed)",
+               s.name_, i, n, seq_len + 1);
+    WEFT_CHECK(trained[i].size() == examples[i].size(), "{} split: example {} has {} tokens but {} mask flags",
+               s.name_, i, n, trained[i].size());
+    int64_t counted = 0;
+    for (int64_t t = 1; t < n; ++t) counted += trained[i][static_cast<size_t>(t)] != 0 ? 1 : 0;
+    WEFT_CHECK(counted > 0, "{} split: example {} has no token in the loss", s.name_, i);
+    s.tokens_.insert(s.tokens_.end(), examples[i].begin(), examples[i].end());
+    s.trained_.insert(s.trained_.end(), trained[i].begin(), trained[i].end());
+    s.offsets_.push_back(static_cast<int64_t>(s.tokens_.size()));
+    s.targets_.push_back(counted);
+  }
+  s.n_documents_ = s.n_sequences_ = static_cast<int64_t>(examples.size());
+  return s;
+}
+
 int64_t PackedSequences::length(int64_t i) const {
-  WEFT_CHECK(labeled(), "{} split: not labeled examples", name_);
+  WEFT_CHECK(kind_ != Kind::kPacked, "{} split: not examples", name_);
   return offsets_.at(static_cast<size_t>(i) + 1) - offsets_.at(static_cast<size_t>(i));
+}
+
+int64_t PackedSequences::counted_targets(int64_t i) const {
+  switch (kind_) {
+    case Kind::kLabeled: return 1;
+    case Kind::kChat: return targets_.at(static_cast<size_t>(i));
+    case Kind::kPacked: break;
+  }
+  return seq_len_;
 }
 
 void PackedSequences::copy_sequence(int64_t i, int64_t* inputs, int64_t* targets) const {
@@ -120,6 +160,15 @@ void PackedSequences::copy_sequence(int64_t i, int64_t* inputs, int64_t* targets
       targets[t] = kUnlabeledTarget;
     }
     targets[n - 1] = targets_[static_cast<size_t>(i)];
+    return;
+  }
+  if (kind_ == Kind::kChat) {
+    const int64_t begin = offsets_[static_cast<size_t>(i)], n = length(i);
+    for (int64_t t = 0; t < seq_len_; ++t) {
+      const auto next = static_cast<size_t>(begin + t + 1);
+      inputs[t] = t < n - 1 ? tokens_[next - 1] : pad_;
+      targets[t] = t < n - 1 && trained_[next] != 0 ? static_cast<int64_t>(tokens_[next]) : kUnlabeledTarget;
+    }
     return;
   }
   const uint32_t* window = tokens_.data() + i * seq_len_;

@@ -87,25 +87,42 @@ class PackedSequences {
   // bits). Throws weft::Error when the counts differ, an example is empty or longer than seq_len.
   static PackedSequences examples(std::string name, const std::vector<std::vector<uint32_t>>& examples,
                                   std::vector<int64_t> targets, int64_t seq_len, uint32_t pad);
-  bool labeled() const { return !offsets_.empty(); }
-  // Labeled: example i's target and its token count.
+  bool labeled() const { return kind_ == Kind::kLabeled; }
+  // Labeled: example i's target; labeled and chat: its token count.
   int64_t target(int64_t i) const { return targets_.at(static_cast<size_t>(i)); }
   int64_t length(int64_t i) const;
+
+  // Instruction examples (data.format = "chat"): sequence i is example i's tokens (2 to seq_len + 1
+  // of them) as inputs [0, n - 1) and targets [1, n), padded to seq_len with `pad` (inputs) and
+  // kUnlabeledTarget (targets); a target whose `trained` flag is 0 is kUnlabeledTarget too. Throws
+  // weft::Error when the sizes differ, an example has fewer than 2 or more than seq_len + 1 tokens,
+  // or none of its targets is trained.
+  static PackedSequences chat(std::string name, const std::vector<std::vector<uint32_t>>& examples,
+                              const std::vector<std::vector<uint8_t>>& trained, int64_t seq_len, uint32_t pad);
+  // Whether some target positions carry no token for the loss (chat): losses then weigh each
+  // counted target alike over a whole step (transformers' num_items_in_batch).
+  bool masked() const { return kind_ == Kind::kChat; }
+  // The targets of sequence i the loss counts: seq_len (packed text), 1 (labeled), the trained
+  // ones (chat).
+  int64_t counted_targets(int64_t i) const;
 
   // Writes sequence i's L inputs and L targets. Precondition: 0 <= i < n_sequences().
   void copy_sequence(int64_t i, int64_t* inputs, int64_t* targets) const;
 
  private:
   PackedSequences() = default;
+  enum class Kind { kPacked, kLabeled, kChat };
+  Kind kind_ = Kind::kPacked;
 
   std::string name_;
   std::vector<uint32_t> tokens_;
   int64_t seq_len_ = 0;
   int64_t n_documents_ = 0;
   int64_t n_sequences_ = 0;
-  // Labeled examples: example i is tokens_[offsets_[i], offsets_[i + 1]).
+  // Labeled and chat examples: example i is tokens_[offsets_[i], offsets_[i + 1]).
   std::vector<int64_t> offsets_;
-  std::vector<int64_t> targets_;
+  std::vector<int64_t> targets_;  // labeled: each example's target; chat: its counted targets
+  std::vector<uint8_t> trained_;  // chat: per token, whether it is a target the loss counts
   uint32_t pad_ = 0;
 };
 

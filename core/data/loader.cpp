@@ -85,6 +85,18 @@ Batch BatchLoader::batch(int64_t epoch, int64_t index) const {
   return make_batch(*seqs_, sequence_indices(epoch, index));
 }
 
+int64_t BatchLoader::counted_targets(int64_t epoch, int64_t index) const {
+  WEFT_CHECK(epoch >= 0, "epoch must be >= 0, got {}", epoch);
+  WEFT_CHECK(index >= 0 && index < batches_per_epoch_,
+             "batch index {} is outside the epoch's {} batches", index, batches_per_epoch_);
+  const auto order = shuffle_ ? epoch_order(epoch) : nullptr;
+  int64_t counted = 0;
+  for (int64_t p = index * global_batch_; p < (index + 1) * global_batch_; ++p) {
+    counted += seqs_->counted_targets(order ? (*order)[static_cast<size_t>(p)] : p);
+  }
+  return counted;
+}
+
 EvalLoader::EvalLoader(std::shared_ptr<const PackedSequences> seqs, int64_t global_batch,
                        int rank, int world)
     : seqs_(std::move(seqs)), global_batch_(global_batch), rank_(rank), world_(world) {

@@ -54,6 +54,10 @@ class BatchLoader {
   // The sequence indices of this rank's rows of that batch (what batch() copies).
   std::vector<int64_t> sequence_indices(int64_t epoch, int64_t index) const;
 
+  // The targets the loss counts in global batch `index` of `epoch`, over every rank's rows
+  // (PackedSequences::counted_targets): what a token-weighted loss divides by. Throws like batch().
+  int64_t counted_targets(int64_t epoch, int64_t index) const;
+
  private:
   std::shared_ptr<const std::vector<int64_t>> epoch_order(int64_t epoch) const;
 

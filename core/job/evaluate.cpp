@@ -58,11 +58,11 @@ EvalResult evaluate(Job& job, const std::shared_ptr<const PackedSequences>& sequ
     job.communicator().wait(add);
     auto count = job.communicator().all_reduce(world, counts, c10d::ReduceOp::SUM);
     job.communicator().wait(count);
-    const double per_sequence_tokens = sequences->labeled() ? 1.0 : static_cast<double>(sequences->seq_len());
     for (int64_t s = 0; s < result.sequences; ++s) {
       const double n = counts[s].item<double>();
       WEFT_CHECK(n > 0, "evaluation: no rank computed the loss of sequence {}", s);
-      if (options.per_sequence) result.sequence_losses.push_back(sums[s].item<double>() / n / per_sequence_tokens);
+      const auto counted = static_cast<double>(sequences->counted_targets(s));
+      if (options.per_sequence) result.sequence_losses.push_back(sums[s].item<double>() / n / counted);
     }
     if (outputs > 0) {
       auto summed = strategy.take_sequence_outputs();

@@ -1,5 +1,8 @@
 #include "core/job/job.h"
 
+#include "core/data/chat_data.h"
+#include "core/data/chat_template.h"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -97,7 +100,9 @@ void check_input_paths(const TrainOptions& o, bool reads_data) {
              "model.config = '{}' does not exist: it names a Hugging Face config.json", o.model.config_path);
   // Text and token data (a classification task's labeled files and GLUE folders have their own reader,
   // which runs before the model is built too).
-  if (reads_data && o.task != "classification" && o.data.format != "glue") resolve_inputs(o.data.paths, parse_data_format(o.data.format));
+  if (reads_data && o.task != "classification" && o.data.format != "glue") {
+    resolve_inputs(o.data.paths, o.data.format == "chat" ? DataFormat::kJsonl : parse_data_format(o.data.format));
+  }
 }
 
 // trainer plan works from the shapes: the inputs that only the run reads (the tokenizer, the weights
@@ -146,6 +151,8 @@ Job::Job(TrainOptions options, RunContext context, Data data) : options_(std::mo
     Tracer::instance().enable(Tracer::rank_path(options_.trace_file, context_.rank, context_.world), context_.rank);
   }
   const bool classify = options_.task == "classification";
+  WEFT_CHECK(!classify || options_.data.format != "chat",
+             "data.format = \"chat\" is for train.task = \"causal_lm\" (instruction tuning)");
   WEFT_CHECK(classify || (options_.data.format != "glue" && options_.classification.glue_task.empty()),
              "data.format = \"glue\" and data.glue_task are for train.task = \"classification\"");
   WEFT_CHECK(!classify || (options_.data.format == "glue") == !options_.classification.glue_task.empty(),
@@ -176,6 +183,15 @@ Job::Job(TrainOptions options, RunContext context, Data data) : options_(std::mo
   build_model();
   if (classification_) {
     data_ = classification_->splits;
+  } else if (data == Data::kSplits && options_.data.format == "chat") {
+    const auto chat_template = load_chat_template(options_.tokenizer, *tokenizer_);
+    const ChatData chat = prepare_chat(options_.data, options_.chat, *tokenizer_, chat_template.get());
+    data_ = chat.splits;
+    spdlog::info("chat data: {} examples ({} cut to seq_len + 1 = {}, {} left with no token in the loss and dropped), "
+                 "loss on {} tokens | {}: {} examples, {} tokens | held-out: {} examples, {} tokens, in {:.2f}s",
+                 chat.examples, chat.truncated, options_.data.seq_len + 1, chat.dropped, options_.chat.loss_on,
+                 data_.summary.train_name, data_.summary.train_sequences, data_.summary.train_tokens,
+                 data_.summary.heldout_sequences, data_.summary.heldout_tokens, data_.summary.seconds);
   } else if (data == Data::kSplits) {
     DatasetOptions data_options = options_.data;
     // Token files are checked against the model's vocabulary: they need no tokenizer of the model.

@@ -134,8 +134,15 @@ const std::vector<Row>& rows() {
                "Training files or directories: text .txt, JSONL .jsonl, or tokens .u16/.u32/.bin."),
       string_key("data.format", WEFT_MEMBER(data.format), "auto",
                  "Input format; auto = by file extension; glue = a GLUE task's directory of TSV files as "
-                 "distributed (train.task = \"classification\", with data.glue_task).",
-                 {"auto", "text", "jsonl", "tokens-u16", "tokens-u32", "glue"}),
+                 "distributed (train.task = \"classification\", with data.glue_task); chat = instruction JSONL "
+                 "as TRL's SFTTrainer reads it ({\"messages\": [...]}, or \"prompt\" and \"completion\"), "
+                 "rendered with the tokenizer's chat template, one example per sequence.",
+                 {"auto", "text", "jsonl", "tokens-u16", "tokens-u32", "glue", "chat"}),
+      string_key("data.loss_on", WEFT_MEMBER(chat.loss_on), "assistant",
+                 "data.format = \"chat\": the tokens the loss counts; assistant = the assistant messages' "
+                 "(or the completion's) tokens, as TRL's assistant_only_loss / completion_only_loss; all = every "
+                 "token.",
+                 {"assistant", "all"}),
       string_key("data.text_field", WEFT_MEMBER(data.text_field), "text", "Field of each JSONL record that holds the text."),
       string_key("data.glue_task", WEFT_MEMBER(classification.glue_task), "",
                  "data.format = \"glue\": the task whose files data.path holds (train.tsv, dev.tsv; MNLI also "

@@ -12,6 +12,7 @@
 #include <toml++/toml.h>
 
 #include "core/config/config.h"
+#include "core/data/chat_data.h"
 #include "core/data/classification.h"
 #include "core/data/dataset.h"
 #include "core/io/checkpoint_backup.h"
@@ -48,6 +49,7 @@ struct TrainOptions {
   DatasetOptions data;
   std::string tokenizer;      // data.tokenizer
   std::string task;           // train.task: causal_lm | classification
+  ChatOptions chat;                      // data.loss_on (data.format = "chat")
   ClassificationOptions classification;  // data.glue_task, data.pair_field, data.label_field, data.labels, data.regression
   OptimOptions optim;
   std::string mode;           // train.mode: full | lora | adalora

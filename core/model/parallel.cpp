@@ -404,7 +404,8 @@ torch::Tensor vocab_parallel_token_losses(const torch::Tensor& logits, const tor
   auto target_logit = shifted.gather(1, index).squeeze(1) * mine.to(torch::kFloat32);
   auto sums = torch::stack({shifted.exp().sum(1), target_logit});
   sums = comm_point(hook, CommPoint::kLossSum, -1, sums);
-  return sums[0].log() - sums[1];
+  // An ignored target (kIgnoreTarget, outside every shard) adds nothing, as cross_entropy's ignore_index.
+  return (sums[0].log() - sums[1]) * (t >= 0).to(torch::kFloat32);
 }
 
 }  // namespace weft

@@ -214,11 +214,22 @@ weft_status* loss(weft_host* host, weft_activation* logits, weft_activation* tar
     } else {
       mean = s.model->loss(tensor_of(logits), t);  // vocabulary-parallel: shards combined at comm points
     }
-    const double value = mean.item<double>();
+    // Classification counts its labeled positions (one per sequence), language modelling the targets
+    // its loss counts: every position of text, the trained ones of chat data.
+    const bool classify = s.model->config().classification();
+    const int64_t counted = classify || s.masked_targets ? (t != kIgnoreTarget).sum().item<int64_t>() : t.numel();
+    double value = mean.item<double>();
+    if (!classify && s.masked_targets) {
+      if (s.train_loader != nullptr) {  // the step's token-weighted mean (State::loss_weight)
+        mean = mean * s.loss_weight;
+        value *= s.loss_weight;
+      } else {  // evaluation sums value x tokens: the mean over the counted targets
+        value = counted > 0 ? value * static_cast<double>(t.numel()) / static_cast<double>(counted) : 0.0;
+      }
+    }
     if (loss_out) *loss_out = new_activation(mean * (scale * s.loss_scale));
     if (value_out) *value_out = value;
-    // Classification counts its labeled positions (one per sequence), language modelling its tokens.
-    if (tokens_out) *tokens_out = s.model->config().classification() ? (t != kIgnoreTarget).sum().item<int64_t>() : t.numel();
+    if (tokens_out) *tokens_out = counted;
   });
 }
 

@@ -105,6 +105,13 @@ struct PluginHost::State {
   const EvalLoader* eval_loader = nullptr;
   int64_t epoch = 0, index = 0;
   int32_t micro_batches = 0;
+  // Training on masked targets (chat data): every counted target of the step weighs alike, as
+  // transformers' num_items_in_batch weighs them. The model's loss is a micro-batch's summed token
+  // losses over its positions; times (the step's positions / its counted targets, every micro-batch
+  // and rank together) it is the step's token-weighted mean once the plugin has averaged its
+  // micro-batches and ranks as it does for text. 1 for text, whose every position counts.
+  double loss_weight = 1.0;
+  bool masked_targets = false;  // the current step's split is masked (PackedSequences::masked)
   // Communication since the last take_comm_stats (collectives may be issued and waited on
   // from the autograd thread, hence the lock).
   std::mutex comm_mutex;

@@ -29,7 +29,25 @@ namespace {
 
 // A deterministic pseudo-English JSONL corpus, so the check needs no data files. Classification:
 // 1100 texts of 1 to 12 words (rows of different lengths, some cut to seq_len), each labeled by how
-// many animals it names, modulo 3.
+// many animals it names, modulo 3. Chat: 1100 prompt-completion pairs of 1 to 5 and 1 to 8 words (rows
+// with different numbers of trained tokens, some cut to seq_len + 1).
+std::string write_chat_corpus(const std::string& dir) {
+  static const char* words[] = {"the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "and"};
+  std::mt19937 rng(7);
+  const std::string path = dir + "/chat.jsonl";
+  std::ofstream out(path);
+  const auto text = [&](int most) {
+    std::string t;
+    for (int w = 0, n = 1 + static_cast<int>(rng() % most); w < n; ++w) t += std::string(w ? " " : "") + words[rng() % 10];
+    return t;
+  };
+  for (int d = 0; d < 1100; ++d) {
+    const std::string prompt = text(5);
+    out << "{\"prompt\": \"" << prompt << "?\", \"completion\": \" " << text(8) << ".\"}\n";
+  }
+  return path;
+}
+
 std::string write_corpus(const std::string& dir, bool classification) {
   static const char* words[] = {"the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "and",
                                 "runs", "away", "from", "her", "sister", "at", "noon", "with", "grace"};
@@ -123,7 +141,8 @@ std::string run_arguments(const ConformanceOptions& c, const std::string& corpus
   if (c.activation_checkpointing) plugin_settings += " --set model.activation_checkpointing=true";
   if (c.int8_threshold != 6.0) plugin_settings += fmt::format(" --set model.int8_threshold={}", c.int8_threshold);
   if (c.quantize == "int8" && !int8_gemm_checked(c)) plugin_settings += " --set model.int8_gemm=false";
-  if (c.task != "causal_lm") plugin_settings += " --set train.task=" + c.task;
+  if (c.task == "chat") plugin_settings += " --set data.format=chat";
+  else if (c.task != "causal_lm") plugin_settings += " --set train.task=" + c.task;
   return fmt::format(
       "train --plugin {} --nproc {} --set model.config={} --set data.path={} --set data.seq_len=32"
       " --set data.heldout_fraction=0.1 --set data.split_seed=1 --set data.tokenizer=byte --set data.cache_dir="
@@ -213,7 +232,8 @@ TrainOptions run_options(const ConformanceOptions& c, const std::string& corpus,
   o.model.frozen_dtype = c.frozen_dtype;
   o.model.activation_checkpointing = c.activation_checkpointing;
   o.model.int8_gemm = int8_gemm_checked(c);  // the reference computes as the plugin's run does (see int8_gemm_loss_rtol)
-  o.task = c.task;
+  o.task = c.task == "chat" ? "causal_lm" : c.task;
+  if (c.task == "chat") o.data.format = "chat";
   return o;
 }
 
@@ -263,6 +283,10 @@ void apply_check_setting(ConformanceOptions& o, const std::string& setting) {
     o.task = setting.substr(std::string("train.task=").size());
     return;
   }
+  if (setting == "data.format=chat") {  // instruction tuning: the loss on the completions' tokens
+    o.task = "chat";
+    return;
+  }
   if (setting == "train.device=cpu" || setting == "train.device=cuda" || setting == "train.device=auto") {
     o.device = setting.substr(std::string("train.device=").size());
     return;
@@ -275,7 +299,8 @@ void apply_check_setting(ConformanceOptions& o, const std::string& setting) {
     throw Error(fmt::format("trainer check takes only --set plugin.KEY=VALUE (the plugin's settings), --set mesh.DIM=N, --set "
                             "train.mode=full|lora|adalora, --set train.precision=fp32|bf16|fp16, --set model.quantize=none|int8|nf4, "
                             "--set model.int8_threshold=X, --set model.frozen_dtype=fp32|bf16, --set "
-                            "model.activation_checkpointing=true|false, --set train.task=causal_lm|classification and "
+                            "model.activation_checkpointing=true|false, --set train.task=causal_lm|classification, --set "
+                            "data.format=chat and "
                             "--set train.device=cpu|cuda|auto, got '{}'",
                             setting));
   }
@@ -356,9 +381,9 @@ ConformanceReport check_conformance(const ConformanceOptions& c) {
       if (!keep && !dir.empty()) std::filesystem::remove_all(dir, ignored);
     }
   } work{c.work_dir.empty() ? dir : std::string()};
-  WEFT_CHECK(c.task == "causal_lm" || c.task == "classification",
-             "conformance check: task must be causal_lm or classification, got '{}'", c.task);
-  const std::string corpus = write_corpus(dir, c.task == "classification");
+  WEFT_CHECK(c.task == "causal_lm" || c.task == "classification" || c.task == "chat",
+             "conformance check: task must be causal_lm, classification or chat, got '{}'", c.task);
+  const std::string corpus = c.task == "chat" ? write_chat_corpus(dir) : write_corpus(dir, c.task == "classification");
   const std::string model_config = write_model_config(dir, c.quantize);
   TrainOptions reference_options = run_options(c, corpus, model_config, c.reference, dir + "/reference");
   reference_options.device = "cpu";  // the reference computes on the CPU whatever the candidate's device

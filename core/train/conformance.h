@@ -57,7 +57,9 @@ struct ConformanceOptions {
   double int8_gemm_loss_rtol = 3e-5;
   double int8_gemm_param_atol = 1e-3;
   // train.task for both runs: "causal_lm", or "classification": a labeled corpus of rows of
-  // different lengths (3 classes), the classification head pooled at each row's last token.
+  // different lengths (3 classes), the classification head pooled at each row's last token; or
+  // "chat" (causal_lm on data.format = "chat"): prompt-completion pairs, one per row, the loss on the
+  // completions' tokens, which differ in number between rows, micro-batches and ranks.
   std::string task = "causal_lm";
   // "fp32", or "bf16" / "fp16": both runs compute in that half precision (fp32 weights and
   // optimizer; fp16 with dynamic loss scaling), compared with the half-precision tolerances

@@ -9,7 +9,9 @@ quotation mark, at least two sentences, drawn with a fixed seed) and the answer,
   - "Which of Jane Austen's novels is this passage from?" -> the novel's title ("Emma.");
   - "Quote the first sentence of this passage." -> its first sentence, verbatim.
 Writes OUT_DIR (default data/austen-instruct)/austen-instruct.jsonl and a README beside it with the
-counts and the file's SHA-256, and does nothing when that file already matches it."""
+counts and the file's SHA-256, and does nothing when that file already matches it; and questions.jsonl:
+4 more conversations of the same kinds on passages the set does not hold (tools/instruct.sh asks them
+before and after tuning)."""
 import collections
 import hashlib
 import json
@@ -64,11 +66,13 @@ def main():
     random.Random(SEED).shuffle(candidates)
     rows = conversations(candidates[:EXAMPLES])
     body = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "questions.jsonl"), "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in conversations(candidates[EXAMPLES:EXAMPLES + 4]))
     digest = hashlib.sha256(body).hexdigest()
     path = os.path.join(out_dir, "austen-instruct.jsonl")
     if os.path.exists(path) and hashlib.sha256(open(path, "rb").read()).hexdigest() == digest:
         return
-    os.makedirs(out_dir, exist_ok=True)
     with open(path, "wb") as f:
         f.write(body)
     novels = collections.Counter(r["messages"][2]["content"].rstrip(".") for k, r in enumerate(rows) if k % 2 == 0)

@@ -110,7 +110,10 @@ GenerateResult generate(Job& job, const std::string& prompt, bool chat) {
                "trainer generate --chat: the tokenizer '{}' has no chat template (tokenizer_config.json's "
                "chat_template, chat_template.jinja, or a GGUF file's tokenizer.chat_template)",
                options.tokenizer);
-    text = chat_template->render({{"user", prompt}}, /*add_generation_prompt=*/true);
+    std::vector<ChatMessage> messages;
+    if (!options.chat_system.empty()) messages.push_back({"system", options.chat_system});
+    messages.push_back({"user", prompt});
+    text = chat_template->render(messages, /*add_generation_prompt=*/true);
   } else if (options.data.bos_for(tokenizer)) {  // framed as the training documents were
     if (const auto bos = tokenizer.bos_id()) ids.push_back(*bos);
   }

@@ -312,6 +312,9 @@ const std::vector<Row>& rows() {
                           "probabilities sum to top_p (with temperature > 0).", 0.0, 1.0),
                 true, false),
       int_key("generate.seed", WEFT_MEMBER(generate_seed), 0, "Seed of the sampler (every rank draws the same tokens).", 0),
+      string_key("generate.system", WEFT_MEMBER(chat_system), "",
+                 "trainer generate --chat: a system message before the user's; empty = none (the template's "
+                 "default, if it has one)."),
       // [log]
       string_key("log.level", WEFT_MEMBER(log_level), "info", "Console log level.",
                  {"trace", "debug", "info", "warn", "error"}),

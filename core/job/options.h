@@ -81,6 +81,7 @@ struct TrainOptions {
   std::string torch_profile;  // log.torch_profile: Kineto trace of a few steps ("" = off)
   int64_t torch_profile_from;
   int64_t torch_profile_steps;
+  std::string chat_system;     // generate.system: the system message of trainer generate --chat
   int64_t max_new_tokens;     // generate.*
   double temperature, top_p;
   uint64_t generate_seed;

@@ -6,13 +6,14 @@
 //             [--write-adalora DIR INIT_R TARGET_R ALPHA SEED TARGET,...] [--save-pretrained DIR]
 //             [--replay-adalora TRACE.safetensors OUT2.safetensors]
 // MODEL_DIR holds config.json and safetensors weights, or is a GGUF file (llama architecture); TOKENS holds "tokens" (int64 [B, T]). OUT
-// gets "logits" (fp32 [B, T, V]) of the model: with the LoRA or AdaLoRA adapter of DIR loaded
-// (--adapter); or with new adapters on the named targets, seeded random values, written to DIR in
+// gets "logits" (fp32 [B, T, V]) of the model: with the LoRA, AdaLoRA or prompt-tuning adapter of DIR
+// loaded (--adapter; a prompt's virtual tokens go before the tokens, and the logits are the tokens'); or with new adapters on the named targets, seeded random values, written to DIR in
 // PEFT's layout (--write-adapter: LoRA; --write-adalora: AdaLoRA with a rank pattern), so that PEFT
 // can load what weft writes. --save-pretrained writes the model as weft saves a checkpoint
 // (config.json, model.safetensors), for transformers. --replay-adalora runs weft's rank allocator
 // on the parameters and gradients PEFT's saw (replay_adalora below).
 #include <cstdlib>
+#include <optional>
 #include <iostream>
 #include <sstream>
 #include <string>
@@ -26,6 +27,7 @@
 #include "core/model/gguf_model.h"
 #include "core/model/llama.h"
 #include "core/model/lora.h"
+#include "core/model/prompt_tuning.h"
 #include "core/model/weights.h"
 #include "core/util/error.h"
 
@@ -98,13 +100,25 @@ int main(int argc, char** argv) {
   try {
     torch::NoGradGuard no_grad;
     const std::string model_dir = argv[1];
+    std::optional<weft::PromptTuningConfig> prompt;  // a prompt-tuning adapter shapes the model it goes on
+    for (int i = 4; i + 1 < argc; ++i) {
+      if (std::string(argv[i]) == "--adapter" && weft::adapter_peft_type(argv[i + 1]) == "PROMPT_TUNING") {
+        prompt = weft::read_prompt_adapter_config(argv[i + 1]);
+      }
+    }
+    weft::ModelOptions options;
+    options.prompt_tokens = prompt ? prompt->num_virtual_tokens : 0;
     weft::LlamaForCausalLM model(weft::is_gguf_path(model_dir) ? weft::load_gguf_model_config(model_dir)
-                                                                : weft::load_hf_config(model_dir + "/config.json"));
+                                                                : weft::load_hf_config(model_dir + "/config.json"),
+                                 options);
     weft::load_weights(*model, model_dir);
     for (int i = 4; i < argc;) {
       const std::string option = argv[i];
       if (option == "--adapter" && i + 1 < argc) {
-        if (weft::adapter_peft_type(argv[i + 1]) == "ADALORA") {
+        if (prompt) {
+          weft::apply_prompt_tuning(*model, *prompt, /*seed=*/0);
+          weft::load_prompt_adapter(*model, argv[i + 1]);
+        } else if (weft::adapter_peft_type(argv[i + 1]) == "ADALORA") {
           weft::apply_adalora(*model, weft::read_adalora_adapter_config(argv[i + 1]), /*seed=*/0);
           weft::load_adalora_adapter(*model, argv[i + 1]);
         } else {
@@ -165,8 +179,10 @@ int main(int argc, char** argv) {
       }
     }
     model->eval();
-    const auto tokens = weft::SafetensorsFile::open(argv[2])->load("tokens", torch::kLong);
-    const auto logits = model->forward(tokens).to(torch::kFloat32).contiguous();
+    auto tokens = weft::SafetensorsFile::open(argv[2])->load("tokens", torch::kLong);
+    const int64_t p = model->options().prompt_tokens;
+    if (p > 0) tokens = torch::cat({-torch::arange(1, p + 1, torch::kLong).expand({tokens.size(0), p}), tokens}, 1);
+    const auto logits = model->forward(tokens).narrow(1, p, tokens.size(1) - p).to(torch::kFloat32).contiguous();
     weft::save_safetensors(argv[3], {{"logits", logits}});
   } catch (const std::exception& e) {
     std::cerr << "hf_logits: " << e.what() << "\n";

@@ -166,6 +166,11 @@ int run_export(const CommandLine& cli) {
   if (run.options.task == "classification") {
     throw Error("trainer export writes causal LMs as GGUF: train.task = \"classification\" has a score head instead");
   }
+  if (run.options.mode == "prompt_tuning" ||
+      (!run.options.model.adapter.empty() && adapter_peft_type(run.options.model.adapter) == "PROMPT_TUNING")) {
+    throw Error("trainer export writes a model's weights as GGUF, and a prompt-tuning adapter is not weights a GGUF "
+                "model holds (its virtual tokens go before every input): export the base, and keep the adapter");
+  }
   if (run.options.tokenizer == "byte") {  // refused before the model is loaded
     throw Error("trainer export writes the tokenizer into the GGUF file, and data.tokenizer = \"byte\" is not one GGUF "
                 "holds: set data.tokenizer to the model's tokenizer.json or GGUF file");

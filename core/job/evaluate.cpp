@@ -22,6 +22,7 @@ EvalResult evaluate(Job& job, const std::shared_ptr<const PackedSequences>& sequ
   int64_t batches = loader.num_batches();
   if (options.max_batches > 0) batches = std::min(batches, options.max_batches);
   auto& strategy = job.strategy();
+  const int64_t prompt_tokens = job.prompt_tuning() ? job.prompt_tuning()->num_virtual_tokens : 0;
   const int64_t outputs = job.model().config().num_labels;  // > 0: a classifier, whose outputs are the result
   const bool record = options.per_sequence || outputs > 0;
   if (record) strategy.record_sequence_losses(sequences->n_sequences(), outputs);
@@ -33,7 +34,7 @@ EvalResult evaluate(Job& job, const std::shared_ptr<const PackedSequences>& sequ
     for (int64_t i = 0; i < batches; ++i) {
       fault_point("eval");
       const EvalSums sums =
-          strategy.eval_batch(loader, i, options.global_step, options.epoch, sequences->seq_len());
+          strategy.eval_batch(loader, i, options.global_step, options.epoch, sequences->seq_len() + prompt_tokens);
       loss_sum += sums.loss_sum;
       tokens += sums.tokens;
     }

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/data/chat_template.h"
+#include "core/model/prompt_tuning.h"
 #include "core/io/gguf.h"
 #include "core/job/job.h"
 #include "core/util/fs.h"
@@ -120,6 +121,8 @@ GenerateResult generate(Job& job, const std::string& prompt, bool chat) {
   const auto encoded = tokenizer.encode(text);
   ids.insert(ids.end(), encoded.begin(), encoded.end());
   WEFT_CHECK(!ids.empty(), "trainer generate: the prompt encodes to no tokens");
+  // Prompt tuning: the virtual tokens first, as every training sequence had them.
+  for (int64_t k = model.options().prompt_tokens - 1; k >= 0; --k) ids.insert(ids.begin(), static_cast<int32_t>(prompt_slot_id(k)));
   // The model has positions for max_position_embeddings tokens, prompt included.
   const int64_t positions = model.config().max_position_embeddings;
   const int64_t prompt_tokens = static_cast<int64_t>(ids.size());

@@ -133,8 +133,9 @@ Job::Job(TrainOptions options, RunContext context, Data data) : options_(std::mo
   } else {
     check_input_paths(options_, data == Data::kSplits);
   }
-  WEFT_CHECK(options_.mode == "full" || options_.mode == "lora" || options_.mode == "adalora",
-             "train.mode must be full, lora or adalora, got '{}'", options_.mode);
+  WEFT_CHECK(options_.mode == "full" || options_.mode == "lora" || options_.mode == "adalora" ||
+                 options_.mode == "prompt_tuning",
+             "train.mode must be full, lora, adalora or prompt_tuning, got '{}'", options_.mode);
   WEFT_CHECK(options_.precision == "fp32" || options_.precision == "bf16" || options_.precision == "fp16",
              "train.precision must be fp32, bf16 or fp16, got '{}'", options_.precision);
   const DeviceInventory devices = this_process_devices();
@@ -244,7 +245,17 @@ void Job::build_model() {
   model_options.activation_checkpointing = options_.model.activation_checkpointing;
   model_options.quantize = QuantConfig(parse_quant_format(options_.model.quantize), options_.model.int8_threshold,
                                        options_.model.int8_gemm);
-  placement_ = strategy_->place(config, model_options.compute_dtype, options_.data.seq_len, options_.batch_size);
+  if (!options_.model.adapter.empty() && adapter_peft_type(options_.model.adapter) == "PROMPT_TUNING") {
+    prompt_ = read_prompt_adapter_config(options_.model.adapter);
+  } else if (options_.mode == "prompt_tuning") {
+    prompt_ = options_.prompt_tuning;
+  }
+  WEFT_CHECK(!prompt_ || !config.classification(), "prompt tuning is for train.task = \"causal_lm\"");
+  WEFT_CHECK(model_seq_len() <= config.max_position_embeddings,
+             "data.seq_len {} and {} virtual tokens exceed the model's max_position_embeddings {}", options_.data.seq_len,
+             model_seq_len() - options_.data.seq_len, config.max_position_embeddings);
+  model_options.prompt_tokens = prompt_ ? prompt_->num_virtual_tokens : 0;
+  placement_ = strategy_->place(config, model_options.compute_dtype, model_seq_len(), options_.batch_size);
   model_options.stages = placement_.stages;
   model_options.deferrable_weight_grads = placement_.split_backward;
   WEFT_CHECK(!config.classification() || placement_.context_parallel_size == 1,
@@ -255,6 +266,7 @@ void Job::build_model() {
   if (!options_.model.adapter.empty() && adapter_peft_type(options_.model.adapter) == "ADALORA") {
     const AdaLoraConfig adalora = read_adalora_adapter_config(options_.model.adapter);
     lora_ = LoraConfig{adalora.spec, adalora.target_modules, adalora};
+  } else if (prompt_) {  // no LoRA adapters
   } else if (!options_.model.adapter.empty()) {
     lora_ = read_lora_adapter_config(options_.model.adapter);
   } else if (options_.mode == "lora") {
@@ -280,7 +292,7 @@ void Job::build_model() {
   model_options.context = strategy_->context_split();
   model_options.sequence_parallel = strategy_->sequence_parallel();
   model_ = LlamaForCausalLM(config, model_options);
-  if (lora_ && options_.model.frozen_dtype == "bf16") {  // before the values arrive: never held in fp32
+  if ((lora_ || prompt_) && options_.model.frozen_dtype == "bf16") {  // before the values arrive: never held in fp32
     torch::NoGradGuard no_grad;
     for (auto& item : model_->named_parameters()) {  // the base's (adapters come later)
       auto& p = item.value();
@@ -322,6 +334,19 @@ void Job::build_model() {
       spdlog::info("LoRA: {} layers adapted (r={}, alpha={}){}", adapted, lora_->spec.r, lora_->spec.alpha,
                    options_.model.adapter.empty() ? "" : ", adapters from " + options_.model.adapter);
     }
+  }
+  if (prompt_) {
+    std::vector<int32_t> init_ids;
+    if (prompt_->init == "text") {  // tokenized as PEFT's tokenizer(init_text) does: with the checkpoint's framing
+      if (options_.data.bos_for(*tokenizer_) && tokenizer_->bos_id()) init_ids.push_back(*tokenizer_->bos_id());
+      for (int32_t id : tokenizer_->encode(prompt_->init_text)) init_ids.push_back(id);
+      if (options_.data.eos_for(*tokenizer_) && tokenizer_->eos_id()) init_ids.push_back(*tokenizer_->eos_id());
+    }
+    apply_prompt_tuning(*model_, *prompt_, options_.seed, init_ids);
+    if (!options_.model.adapter.empty()) load_prompt_adapter(*model_, options_.model.adapter);
+    spdlog::info("prompt tuning: {} virtual tokens ({}){}", prompt_->num_virtual_tokens,
+                 options_.model.adapter.empty() ? "init " + prompt_->init : "from " + options_.model.adapter,
+                 model_->holds_stage(0) ? "" : ", on the embedding's stage");
   }
   int64_t total = 0, trainable = 0;
   for (auto& [name, param] : trainable_parameters(*model_)) {
@@ -405,7 +430,7 @@ std::string describe_rank(const MemoryPlan& p, int64_t runtime) {
 // holds, adjusted by the plugin(s). Local (no collective); the plugin keeps the stage sizes of the
 // last call, so the run's own plan is made last.
 MemoryPlan Job::rank_plan(const ModelConfig& config, torch::Dtype dtype, const PlanSettings& settings) {
-  const auto estimate = estimate_stage_memory(config, shards_, settings.lora, dtype, options_.data.seq_len,
+  const auto estimate = estimate_stage_memory(config, shards_, settings.lora, dtype, model_seq_len(),
                                               settings.checkpointing, strategy_->plugin_attention(), quantize_,
                                               settings.lora && options_.model.frozen_dtype == "bf16" ? torch::kBFloat16
                                                                                                      : torch::kFloat32,
@@ -423,7 +448,7 @@ MemoryPlan Job::rank_plan(const ModelConfig& config, torch::Dtype dtype, const P
     s.compute_trainable_bytes = e.compute_trainable_bytes;
     stages.push_back(s);
   }
-  return strategy_->memory_plan(stages, placement_.stages, settings.micro_batches, settings.rows, options_.data.seq_len);
+  return strategy_->memory_plan(stages, placement_.stages, settings.micro_batches, settings.rows, model_seq_len());
 }
 
 // Every rank's plan, gathered, and checked against the limit: on the CPU the ranks of a machine
@@ -571,7 +596,7 @@ void Job::advise(const ModelConfig& config, torch::Dtype dtype, const PlanSettin
   // What the plan's shares say a plugin could do, each with the bound it would bring this machine
   // (device) to, said only where that bound fits: a rank's state as its plan has it, measured
   // against the state of the same stages whole (the plan before any plugin).
-  const auto estimate = estimate_stage_memory(config, shards_, run.lora, dtype, options_.data.seq_len, run.checkpointing,
+  const auto estimate = estimate_stage_memory(config, shards_, run.lora, dtype, model_seq_len(), run.checkpointing,
                                               strategy_->plugin_attention(), quantize_,
                                               run.lora && options_.model.frozen_dtype == "bf16" ? torch::kBFloat16
                                                                                                : torch::kFloat32,

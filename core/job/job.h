@@ -83,6 +83,12 @@ class Job {
   const std::vector<torch::Tensor>& trainable() const { return trainable_; }
   // The LoRA adapters the model carries (model.adapter's, or new ones with train.mode = lora).
   const std::optional<LoraConfig>& lora() const { return lora_; }
+  // Prompt tuning (train.mode = "prompt_tuning", or model.adapter a PROMPT_TUNING adapter): its
+  // virtual tokens; unset otherwise.
+  const std::optional<PromptTuningConfig>& prompt_tuning() const { return prompt_; }
+  // Positions of a sequence as the model and the strategy see them: data.seq_len, and the virtual
+  // tokens before it under prompt tuning.
+  int64_t model_seq_len() const { return options_.data.seq_len + (prompt_ ? prompt_->num_virtual_tokens : 0); }
   // How the frozen base's linear weights are stored (model.quantize).
   QuantFormat quantize() const { return quantize_; }
   // Data::kSplits: the splits (held-out null when data.heldout_fraction = 0).
@@ -133,6 +139,7 @@ class Job {
   bool nccl_ = false;  // NCCL groups for CUDA tensors
   std::vector<torch::Tensor> trainable_;
   std::optional<LoraConfig> lora_;
+  std::optional<PromptTuningConfig> prompt_;
   QuantFormat quantize_ = QuantFormat::kNone;
   DatasetSplits data_;
   std::optional<ClassificationData> classification_;

@@ -72,6 +72,7 @@ const std::vector<SchemaSection>& sections() {
       {"train", "Optimisation: mode, batch, learning-rate schedule, AdamW, precision.", false},
       {"lora", "LoRA adapters (used when train.mode = \"lora\", and for \"adalora\" their alpha, dropout and targets).", false},
       {"adalora", "AdaLoRA's rank budget (used when train.mode = \"adalora\"; PEFT's AdaLoraConfig).", false},
+      {"prompt_tuning", "Virtual tokens (used when train.mode = \"prompt_tuning\"; PEFT's PromptTuningConfig).", false},
       {"eval", "Held-out evaluation and early stopping.", false},
       {"checkpoint", "Checkpoint saving and resuming.", false},
       {"backup", "Checkpoints backed up to S3-compatible storage (AWS S3, MinIO, Ceph RGW) while training; "
@@ -177,8 +178,9 @@ const std::vector<Row>& rows() {
                      "the tokenizer's"),
       // [train]
       string_key("train.mode", WEFT_MEMBER(mode), "full",
-                 "Train all weights (full), LoRA adapters only (lora) or AdaLoRA's adapters with their rank budget (adalora).",
-                 {"full", "lora", "adalora"}),
+                 "Train all weights (full), LoRA adapters only (lora), AdaLoRA's adapters with their rank budget "
+                 "(adalora), or virtual-token embeddings before every sequence (prompt_tuning, PEFT's prompt tuning).",
+                 {"full", "lora", "adalora", "prompt_tuning"}),
       string_key("train.task", WEFT_MEMBER(task), "causal_lm",
                  "causal_lm = next-token prediction on text; classification = LlamaForSequenceClassification's head "
                  "on labeled examples (data.format = \"glue\", or JSONL with data.label_field), with the task's "
@@ -250,6 +252,15 @@ const std::vector<Row>& rows() {
                "Linear layers that get LoRA adapters (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj lm_head)."),
       bool_key("lora.save_merged", WEFT_MEMBER(save_merged), false,
                "At the end, also save the base model with the adapters merged in (<out_dir>/final-merged)."),
+      // [prompt_tuning]
+      int_key("prompt_tuning.num_virtual_tokens", WEFT_MEMBER(prompt_tuning.num_virtual_tokens), 32,
+              "Trainable embeddings put before every sequence (each sequence grows by this many positions).", 1),
+      string_key("prompt_tuning.init", WEFT_MEMBER(prompt_tuning.init), "random",
+                 "How they start: random = N(0, 1) as PEFT's RANDOM; text = the embeddings of "
+                 "prompt_tuning.init_text's tokens, repeated or cut to num_virtual_tokens (PEFT's TEXT).",
+                 {"random", "text"}),
+      string_key("prompt_tuning.init_text", WEFT_MEMBER(prompt_tuning.init_text), "",
+                 "prompt_tuning.init = \"text\": the text (tokenized with the checkpoint's framing, as PEFT does)."),
       // [adalora]
       int_key("adalora.init_r", WEFT_MEMBER(adalora.spec.r), 12, "Rank every adapted layer starts at.", 1),
       int_key("adalora.target_r", WEFT_MEMBER(adalora.target_r), 8,

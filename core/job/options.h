@@ -17,6 +17,7 @@
 #include "core/data/dataset.h"
 #include "core/io/checkpoint_backup.h"
 #include "core/model/lora.h"
+#include "core/model/prompt_tuning.h"
 
 namespace weft {
 
@@ -55,6 +56,7 @@ struct TrainOptions {
   std::string mode;           // train.mode: full | lora | adalora
   LoraConfig lora;            // lora.*: also AdaLoRA's alpha, dropout and target modules
   AdaLoraConfig adalora;      // adalora.* (its spec and target_modules unused: lora's)
+  PromptTuningConfig prompt_tuning;  // prompt_tuning.*
   uint64_t seed;
   int64_t epochs, max_steps, batch_size, grad_accum_steps, threads;
   std::string precision;

@@ -225,6 +225,15 @@ torch::Tensor LlamaForCausalLMImpl::run_stage(int64_t stage, const torch::Tensor
                std::string(c10::toString(input.scalar_type())), input.dim());
     // The residual stream is fp32: an embedding materialised in the compute dtype (a sharded
     // plugin's WEFT_FLAT_SHARD_COMPUTE_DTYPE) looks up its values and widens them.
+    if (options_.prompt_tokens > 0) {  // virtual-token slots (ids < 0) take the prompt's rows
+      WEFT_CHECK(model->prompt_embeddings.defined() && !vocab_parallel(),
+                 "prompt tuning: the model has no prompt embedding on its (whole) embedding stage");
+      const auto slot = input < 0;
+      const auto x = model->embed_tokens(input.clamp_min(0)).to(torch::kFloat32);
+      const auto rows = (-input - 1).clamp(0, options_.prompt_tokens - 1).reshape({-1});
+      const auto prompt = model->prompt_embeddings.index_select(0, rows).view_as(x).to(torch::kFloat32);
+      return torch::where(slot.unsqueeze(-1), prompt, x);
+    }
     if (!vocab_parallel()) return model->embed_tokens(input).to(torch::kFloat32);
     // This process's rows of the vocabulary; other tokens contribute zeros, summed over shards.
     auto local = input - local_.vocab_start;
@@ -300,7 +309,7 @@ torch::Tensor LlamaForCausalLMImpl::forward_cached(const torch::Tensor& tokens, 
 
 int64_t stage_of_parameter(const std::string& name, int64_t num_layers) {
   const std::string layers = "model.layers.";
-  if (name.rfind("model.embed_tokens.", 0) == 0) return 0;
+  if (name.rfind("model.embed_tokens.", 0) == 0 || name == "model.prompt_embeddings") return 0;
   if (name.rfind(layers, 0) == 0) return 1 + std::stoll(name.substr(layers.size()));
   return num_layers + 1;
 }

@@ -74,6 +74,9 @@ struct ModelOptions {
   // The linear layers' trainable weights may have their gradients deferred (weight_grad.h): a
   // plugin that splits backward passes (split_backward, zero-bubble schedules).
   bool deferrable_weight_grads = false;
+  // Prompt tuning (prompt_tuning.h): each row's inputs begin with this many virtual-token slots
+  // (ids -1..-P), which the embedding stage takes from model.prompt_embeddings.
+  int64_t prompt_tokens = 0;
 };
 
 // What a process's slices amount to, checked against the Megatron layout: local head counts,
@@ -99,11 +102,13 @@ class LlamaBackboneImpl : public torch::nn::Module {
   std::shared_ptr<torch::nn::Module> layers;   // children "i" -> DecoderBlock for held blocks
   RMSNorm norm{nullptr};                       // present when the last stage is held
   std::map<int64_t, DecoderBlock> blocks;      // held blocks by layer index
+  torch::Tensor prompt_embeddings;             // prompt tuning: [P, hidden] (prompt_tuning.h), else undefined
 };
 TORCH_MODULE(LlamaBackbone);
 
 // The model stage that owns a parameter, from its HF name: 0 for the embedding (also the
-// tied head's weight), 1 + i for "model.layers.<i>.*", num_layers + 1 for the norm and head.
+// tied head's weight) and a prompt-tuning embedding, 1 + i for "model.layers.<i>.*", num_layers + 1
+// for the norm and head.
 int64_t stage_of_parameter(const std::string& name, int64_t num_layers);
 
 class LlamaForCausalLMImpl : public torch::nn::Module {

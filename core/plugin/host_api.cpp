@@ -121,13 +121,14 @@ void PluginHost::begin_train_step(const BatchLoader* loader, int64_t epoch, int6
   state_->epoch = epoch;
   state_->index = index;
   state_->micro_batches = micro_batches;
-  state_->masked_targets = loader->sequences().masked();
+  const int64_t prompt = state_->model != nullptr ? state_->model->options().prompt_tokens : 0;
+  state_->masked_targets = loader->sequences().masked() || prompt > 0;
   state_->loss_weight = 1.0;
   if (state_->masked_targets) {
     int64_t counted = 0;
     for (int32_t m = 0; m < micro_batches; ++m) counted += loader->counted_targets(epoch, index * micro_batches + m);
-    const double positions =
-        static_cast<double>(micro_batches) * static_cast<double>(loader->global_batch() * loader->sequences().seq_len());
+    const double positions = static_cast<double>(micro_batches) *
+                             static_cast<double>(loader->global_batch() * (loader->sequences().seq_len() + prompt));
     state_->loss_weight = counted > 0 ? positions / static_cast<double>(counted) : 0.0;
   }
 }
@@ -137,7 +138,7 @@ void PluginHost::begin_eval_step(const EvalLoader* loader, int64_t index) {
   state_->eval_loader = loader;
   state_->index = index;
   state_->micro_batches = 1;
-  state_->masked_targets = loader->sequences().masked();
+  state_->masked_targets = loader->sequences().masked() || (state_->model != nullptr && state_->model->options().prompt_tokens > 0);
   state_->loss_weight = 1.0;
 }
 

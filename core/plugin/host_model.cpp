@@ -148,6 +148,12 @@ weft_status* batch(weft_host* host, int32_t micro_batch, int32_t split, int32_t 
       sequences = std::vector<int64_t>(sequences.begin() + split * part, sequences.begin() + (split + 1) * part);
     }
     auto rows_inputs = b.inputs.narrow(0, split * part, part), rows_targets = b.targets.narrow(0, split * part, part);
+    if (const int64_t prompt = s.model != nullptr ? s.model->options().prompt_tokens : 0; prompt > 0) {
+      // Prompt tuning: the virtual tokens' slots (-1..-P) before each row, their targets ignored.
+      const auto slots = -torch::arange(1, prompt + 1, torch::kLong).expand({part, prompt});
+      rows_inputs = torch::cat({slots, rows_inputs}, 1);
+      rows_targets = torch::cat({torch::full({part, prompt}, kIgnoreTarget, torch::kLong), rows_targets}, 1);
+    }
     if (s.context.size > 1) {  // context parallelism: this rank's tokens of every row, in its layout
       const auto positions = s.context.positions(rows_inputs.size(1));
       rows_inputs = rows_inputs.index_select(1, positions);

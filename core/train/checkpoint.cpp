@@ -19,6 +19,7 @@
 
 #include "core/model/config.h"
 #include "core/model/parallel.h"
+#include "core/model/prompt_tuning.h"
 #include "core/model/weights.h"
 #include "core/train/named_state.h"
 #include "core/util/error.h"
@@ -35,7 +36,9 @@ namespace {
 
 void write_model_files(LlamaForCausalLMImpl& model, const std::optional<LoraConfig>& lora,
                        const std::string& dir, const std::string& base_model) {
-  if (lora) {
+  if (has_prompt_tuning(model)) {
+    save_prompt_adapter(model, dir, base_model);
+  } else if (lora) {
     save_lora_adapter(model, *lora, dir, base_model);
   } else {
     save_pretrained(model, dir);
@@ -319,7 +322,8 @@ std::string CheckpointStore::save_sharded(const TrainerState& state, LlamaForCau
         extra.push_back({name, tensor, *parameter});
       }
     }
-    save_rank_shard((staged / "shards").string(), rank, model, optimizer, lora_.has_value(), writes, extra);
+    save_rank_shard((staged / "shards").string(), rank, model, optimizer, lora_.has_value() || has_prompt_tuning(model),
+                    writes, extra);
     // Each rank's generators: a pipeline's stages (and the ranks of any split) draw dropout masks
     // of their own layers, so their generators differ.
     const auto states = generator_states(device_of(model));
@@ -360,7 +364,11 @@ void CheckpointStore::restore(const std::string& dir, LlamaForCausalLMImpl& mode
                               int32_t rank, int32_t world_size) const {
   const NamedState state = NamedState::open(dir);
   if (state.sharded()) {
-    state.restore_parameters(model, lora_.has_value());
+    state.restore_parameters(model, lora_.has_value() || has_prompt_tuning(model));
+  } else if (has_prompt_tuning(model)) {
+    WEFT_CHECK(fs::exists(dir + "/adapter_model.safetensors"),
+               "checkpoint '{}' has no prompt-tuning adapter, but train.mode is prompt_tuning", dir);
+    load_prompt_adapter(model, dir);
   } else if (lora_) {
     WEFT_CHECK(fs::exists(dir + "/adapter_model.safetensors"),
                "checkpoint '{}' has no LoRA adapter, but train.mode is lora", dir);

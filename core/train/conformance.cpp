@@ -131,6 +131,7 @@ std::string run_arguments(const ConformanceOptions& c, const std::string& corpus
                                    " --set 'lora.target_modules=[\"{}\"]'",
                                    c.mode, fmt::join(lora_targetable_modules(), "\", \""));
   }
+  if (c.mode == "prompt_tuning") plugin_settings += " --set train.mode=prompt_tuning --set prompt_tuning.num_virtual_tokens=8";
   if (c.mode == "adalora") {  // and a checkpoint at the end: its allocator state holds every triplet whole
     plugin_settings += fmt::format(" --set adalora.init_r=4 --set adalora.target_r=2 --set adalora.tinit=2"
                                    " --set adalora.tfinal=4 --set adalora.deltaT=2 --set checkpoint.every_steps={}",
@@ -220,6 +221,10 @@ TrainOptions run_options(const ConformanceOptions& c, const std::string& corpus,
     o.lora.spec.dropout = 0;
     o.lora.target_modules = lora_targetable_modules();
   }
+  if (c.mode == "prompt_tuning") {  // 8 virtual tokens (random init) before each row of 32
+    o.mode = c.mode;
+    o.prompt_tuning.num_virtual_tokens = 8;
+  }
   if (c.mode == "adalora") {
     o.adalora.spec.r = 4;
     o.adalora.target_r = 2;
@@ -248,7 +253,8 @@ std::string ConformanceReport::describe() const {
 }
 
 void apply_check_setting(ConformanceOptions& o, const std::string& setting) {
-  if (setting == "train.mode=lora" || setting == "train.mode=full" || setting == "train.mode=adalora") {
+  if (setting == "train.mode=lora" || setting == "train.mode=full" || setting == "train.mode=adalora" ||
+      setting == "train.mode=prompt_tuning") {
     o.mode = setting.substr(std::string("train.mode=").size());
     return;
   }
@@ -297,7 +303,7 @@ void apply_check_setting(ConformanceOptions& o, const std::string& setting) {
   }
   if (setting.rfind("plugin.", 0) != 0) {
     throw Error(fmt::format("trainer check takes only --set plugin.KEY=VALUE (the plugin's settings), --set mesh.DIM=N, --set "
-                            "train.mode=full|lora|adalora, --set train.precision=fp32|bf16|fp16, --set model.quantize=none|int8|nf4, "
+                            "train.mode=full|lora|adalora|prompt_tuning, --set train.precision=fp32|bf16|fp16, --set model.quantize=none|int8|nf4, "
                             "--set model.int8_threshold=X, --set model.frozen_dtype=fp32|bf16, --set "
                             "model.activation_checkpointing=true|false, --set train.task=causal_lm|classification, --set "
                             "data.format=chat and "
@@ -421,6 +427,9 @@ ConformanceReport check_conformance(const ConformanceOptions& c) {
         const auto adapter = SafetensorsFile::open(out + "/final/adapter_model.safetensors");
         candidate_params["score.weight"] = adapter->load("base_model.model.score.weight");
       }
+    } else if (c.mode == "prompt_tuning") {  // PEFT's adapter file: "prompt_embeddings"
+      const auto adapter = SafetensorsFile::open(out + "/final/adapter_model.safetensors");
+      candidate_params["model.prompt_embeddings"] = adapter->load("prompt_embeddings");
     } else if (c.mode == "lora") {  // PEFT's adapter file: "base_model.model." + the parameter name
       const auto adapter = SafetensorsFile::open(out + "/final/adapter_model.safetensors");
       const std::string prefix = "base_model.model.";

@@ -32,6 +32,8 @@ struct ConformanceOptions {
   // adapters (init_r 4, target_r 2, tinit 2, tfinal 4, deltaT 2 over the run's steps, alpha 8,
   // no dropout) on the same layers, every triplet's P, Lambda and Q compared whole (a different
   // mask on any rank shows as a Lambda that is zero on one side only).
+  // Or "prompt_tuning": 8 virtual tokens (random init) before each row, the base frozen, the
+  // prompt compared.
   std::string mode = "full";
   // model.quantize for both runs ("none", "int8", "nf4"; not "none" needs mode "lora"): the frozen
   // base held quantized, each rank quantizing the slices it holds.

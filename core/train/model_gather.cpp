@@ -6,6 +6,7 @@
 
 #include "core/dist/process_groups.h"
 #include "core/model/adalora.h"
+#include "core/model/prompt_tuning.h"
 #include "core/util/error.h"
 
 namespace weft {
@@ -139,6 +140,7 @@ LlamaForCausalLMImpl* ModelGather::gather() {
     options.context.reset();
     full_ = LlamaForCausalLM(local_.config(), options);
     if (lora_) apply_lora(*full_, *lora_, 0);
+    add_prompt_parameter(*full_);  // prompt tuning: the prompt's place (its values are gathered)
   }
   if (sliced_ && !staged_) {
     // Every parameter, in the same order everywhere: all-gather the slices, keep one per index.

@@ -31,8 +31,9 @@ double seconds_since(Clock::time_point start) { return std::chrono::duration<dou
 
 Trainer::Trainer(TrainOptions options, RunContext context)
     : options_(options), scaler_(/*enabled=*/options.precision == "fp16", LossScalerOptions{options.loss_scale}) {
-  WEFT_CHECK(options_.model.adapter.empty() || options_.mode == "lora",
-             "model.adapter loads LoRA adapters, which train further with train.mode = \"lora\" (it is \"{}\")",
+  WEFT_CHECK(options_.model.adapter.empty() || options_.mode == "lora" || options_.mode == "prompt_tuning",
+             "model.adapter loads adapters, which train further with train.mode = \"lora\" (LoRA's) or "
+             "\"prompt_tuning\" (a prompt's); it is \"{}\"",
              options_.mode);
   WEFT_CHECK(parse_quant_format(options_.model.quantize) == QuantFormat::kNone || options_.mode != "full",
              "model.quantize = \"{}\" stores the base weights frozen: training needs adapters (train.mode = \"lora\" "
@@ -43,7 +44,10 @@ Trainer::Trainer(TrainOptions options, RunContext context)
              "or \"adalora\"); train.mode = \"full\" trains them in fp32",
              options_.model.frozen_dtype);
   job_ = std::make_unique<Job>(std::move(options), context, Job::Data::kSplits);
-  WEFT_CHECK(options_.model.adapter.empty() || !job_->lora()->adalora,
+  WEFT_CHECK(options_.model.adapter.empty() || (options_.mode == "prompt_tuning") == job_->prompt_tuning().has_value(),
+             "model.adapter '{}' is {} adapter, and train.mode = \"{}\"", options_.model.adapter,
+             job_->prompt_tuning() ? "a prompt-tuning" : "a LoRA", options_.mode);
+  WEFT_CHECK(options_.model.adapter.empty() || !job_->lora() || !job_->lora()->adalora,
              "model.adapter '{}' is an AdaLoRA adapter: continuing one in training is not supported yet (trainer eval "
              "and generate take it; train.mode = \"adalora\" starts new adapters)",
              options_.model.adapter);
@@ -283,7 +287,7 @@ RunSetting Trainer::run_setting() {
   setting.precision = options_.precision;
   setting.world = job_->context().world;
   int64_t adapters = -1;
-  if (job_->lora()) {  // the whole model's adapters: this rank's, summed over the ranks that hold different ones
+  if (job_->lora() || job_->prompt_tuning()) {  // the whole model's adapters (or prompt): this rank's, summed over the ranks that hold different ones
     adapters = 0;
     for (const auto& p : job_->trainable()) adapters += p.numel();
     const auto counts = job_->communicator().all_gather(static_cast<double>(adapters));  // collective
@@ -291,7 +295,7 @@ RunSetting Trainer::run_setting() {
     for (double c : counts) adapters += static_cast<int64_t>(c);
     adapters /= std::max(job_->placement().data_parallel_size, 1);  // data-parallel copies hold the same
   }
-  setting.flops_per_token = training_flops_per_token(config, options_.data.seq_len, adapters);
+  setting.flops_per_token = training_flops_per_token(config, job_->model_seq_len(), adapters);
   setting.model_weights = job_->weights_source();
   setting.layers = config.num_hidden_layers;
   setting.hidden = config.hidden_size;
@@ -362,7 +366,7 @@ StepReport Trainer::train_step(int64_t epoch, int64_t step_in_epoch) {
   auto& strategy = job_->strategy();
   strategy.set_loss_scale(scaler_.scale());  // fp16: the backward runs on the scaled loss
   StepReport report = strategy.train_step(*train_loader_, state_.global_step, epoch, step_in_epoch,
-                                          static_cast<int32_t>(options_.grad_accum_steps), options_.data.seq_len);
+                                          static_cast<int32_t>(options_.grad_accum_steps), job_->model_seq_len());
   strategy.set_loss_scale(1.0);
   last_loss_scale_ = scaler_.scale();
   if (allocator_ && allocator_->config().orth_reg_weight > 0) {

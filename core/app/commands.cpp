@@ -259,7 +259,7 @@ int run_plan(const CommandLine& cli) {
                            "seq_len {}{}\n",
                            job.strategy().names(), v.ranks.size(), run.options.precision, run.options.batch_size,
                            run.options.grad_accum_steps, run.options.data.seq_len,
-                           run.options.mode == "lora" ? ", LoRA" : run.options.mode == "adalora" ? ", AdaLoRA" : "");
+                           run.options.mode == "lora" ? ", LoRA" : run.options.mode == "adalora" ? ", AdaLoRA" : run.options.mode == "prompt_tuning" ? ", prompt tuning" : "");
   std::cout << fmt::format("{:>5} {:>8} {:>11} {:>10} {:>10} {:>12} {:>8} {:>8} {:>8}\n", "rank", "machine", "parameters",
                            "gradients", "optimizer", "activations", "buffers", "runtime", "total");
   for (size_t r = 0; r < v.ranks.size(); ++r) {

@@ -429,12 +429,31 @@ std::string describe_rank(const MemoryPlan& p, int64_t runtime) {
 // This rank's plan for the run's shapes with the given settings: the host's estimate of what it
 // holds, adjusted by the plugin(s). Local (no collective); the plugin keeps the stage sizes of the
 // last call, so the run's own plan is made last.
+std::vector<StageMemory> Job::stage_estimate(const ModelConfig& config, torch::Dtype dtype,
+                                             const PlanSettings& settings) const {
+  // Prompt tuning: the base frozen as under adapters (none of them), and the prompt trained on the embedding's stage.
+  std::optional<LoraConfig> frozen = settings.lora;
+  if (!frozen && prompt_) {
+    frozen = LoraConfig{};
+    frozen->target_modules.clear();
+  }
+  auto estimate = estimate_stage_memory(config, shards_, frozen, dtype, model_seq_len(), settings.checkpointing,
+                                        strategy_->plugin_attention(), quantize_,
+                                        frozen && options_.model.frozen_dtype == "bf16" ? torch::kBFloat16 : torch::kFloat32,
+                                        strategy_->sequence_parallel_size());
+  if (prompt_ && !settings.lora) {
+    const int64_t elements = prompt_->num_virtual_tokens * config.hidden_size;
+    auto& embedding = estimate.front();
+    embedding.parameter_bytes += 4 * elements;
+    embedding.trainable_bytes += 4 * elements;
+    embedding.compute_parameter_bytes += 4 * elements;
+    embedding.compute_trainable_bytes += 4 * elements;
+  }
+  return estimate;
+}
+
 MemoryPlan Job::rank_plan(const ModelConfig& config, torch::Dtype dtype, const PlanSettings& settings) {
-  const auto estimate = estimate_stage_memory(config, shards_, settings.lora, dtype, model_seq_len(),
-                                              settings.checkpointing, strategy_->plugin_attention(), quantize_,
-                                              settings.lora && options_.model.frozen_dtype == "bf16" ? torch::kBFloat16
-                                                                                                     : torch::kFloat32,
-                                              strategy_->sequence_parallel_size());
+  const auto estimate = stage_estimate(config, dtype, settings);
   std::vector<weft_stage_memory> stages;
   for (const auto& e : estimate) {
     weft_stage_memory s{};
@@ -585,7 +604,7 @@ void Job::advise(const ModelConfig& config, torch::Dtype dtype, const PlanSettin
       break;
     }
   }
-  if (!run.lora) {
+  if (!run.lora && !prompt_) {
     PlanSettings s = run;
     s.lora = options_.lora;
     if (const int64_t need = try_settings(s); need >= 0) {
@@ -596,11 +615,7 @@ void Job::advise(const ModelConfig& config, torch::Dtype dtype, const PlanSettin
   // What the plan's shares say a plugin could do, each with the bound it would bring this machine
   // (device) to, said only where that bound fits: a rank's state as its plan has it, measured
   // against the state of the same stages whole (the plan before any plugin).
-  const auto estimate = estimate_stage_memory(config, shards_, run.lora, dtype, model_seq_len(), run.checkpointing,
-                                              strategy_->plugin_attention(), quantize_,
-                                              run.lora && options_.model.frozen_dtype == "bf16" ? torch::kBFloat16
-                                                                                               : torch::kFloat32,
-                                              strategy_->sequence_parallel_size());
+  const auto estimate = stage_estimate(config, dtype, run);
   const auto stage_count = static_cast<int64_t>(estimate.size());
   int64_t whole_parameters = 0, whole_trainable = 0;
   for (int64_t s = 0; s < stage_count; ++s) {

@@ -17,6 +17,7 @@
 #include "core/data/dataset.h"
 #include "core/data/tokenizer.h"
 #include "core/dist/process_groups.h"
+#include "core/model/memory_estimate.h"
 #include "core/dist/rendezvous.h"
 #include "core/job/options.h"
 #include "core/model/llama.h"
@@ -121,6 +122,8 @@ class Job {
     int32_t micro_batches = 1;  // train.grad_accum_steps
   };
   void plan_memory(const ModelConfig& config, torch::Dtype dtype);
+  // Every stage's memory as the host estimates it for `settings` (memory_estimate.h), prompt tuning's included.
+  std::vector<StageMemory> stage_estimate(const ModelConfig& config, torch::Dtype dtype, const PlanSettings& settings) const;
   MemoryPlan rank_plan(const ModelConfig& config, torch::Dtype dtype, const PlanSettings& settings);
   std::vector<MemoryPlan> gather_plans(const MemoryPlan& mine);
   bool counted_here(int rank) const;

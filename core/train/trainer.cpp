@@ -228,7 +228,7 @@ TrainResult Trainer::run() {
                      run_setting());
   spdlog::info("training: {} epochs x {} steps (total {}), {} tokens per step, lr {:.2e}, {}", options_.epochs,
                steps_per_epoch_, total_steps_, records.tokens_per_step(), options_.optim.lr,
-               options_.mode == "lora" ? "LoRA" : options_.mode == "adalora" ? "AdaLoRA" : "full fine-tuning");
+               options_.mode == "lora" ? "LoRA" : options_.mode == "adalora" ? "AdaLoRA" : options_.mode == "prompt_tuning" ? "prompt tuning" : "full fine-tuning");
   bool stop = state_.early_stopped || state_.global_step >= total_steps_;
   // The starting model's held-out loss (a pretrained checkpoint's, before any update): step 0.
   if (options_.eval_on_start && state_.global_step == 0 && job_->data().heldout && !stop) {

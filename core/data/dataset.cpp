@@ -83,19 +83,25 @@ PackedSequences::PackedSequences(std::string name, std::vector<uint32_t> tokens,
   n_sequences_ = (n_tokens() - 1) / seq_len;
 }
 
-PackedSequences PackedSequences::examples(std::string name, const std::vector<std::vector<uint32_t>>& examples,
-                                          std::vector<int64_t> targets, int64_t seq_len, uint32_t pad) {
+PackedSequences PackedSequences::empty_examples(Kind kind, std::string name, size_t examples, size_t labels,
+                                                const char* what, int64_t seq_len, uint32_t pad) {
   WEFT_CHECK(seq_len > 0, "seq_len must be positive, got {}", seq_len);
-  WEFT_CHECK(examples.size() == targets.size(), "{} split: {} examples but {} targets", name, examples.size(),
-             targets.size());
-  WEFT_CHECK(!examples.empty(), "{} split has no examples", name);
+  WEFT_CHECK(examples == labels, "{} split: {} examples but {} {}", name, examples, labels, what);
+  WEFT_CHECK(examples > 0, "{} split has no examples", name);
   PackedSequences s;
-  s.kind_ = Kind::kLabeled;
+  s.kind_ = kind;
   s.name_ = std::move(name);
   s.seq_len_ = seq_len;
   s.pad_ = pad;
-  s.offsets_.reserve(examples.size() + 1);
+  s.offsets_.reserve(examples + 1);
   s.offsets_.push_back(0);
+  return s;
+}
+
+PackedSequences PackedSequences::examples(std::string name, const std::vector<std::vector<uint32_t>>& examples,
+                                          std::vector<int64_t> targets, int64_t seq_len, uint32_t pad) {
+  PackedSequences s = empty_examples(Kind::kLabeled, std::move(name), examples.size(), targets.size(), "targets",
+                                     seq_len, pad);
   for (size_t i = 0; i < examples.size(); ++i) {
     const auto n = static_cast<int64_t>(examples[i].size());
     WEFT_CHECK(n >= 1 && n <= seq_len, "{} split: example {} has {} tokens (1 to seq_len = {} allowed)", s.name_, i, n,
@@ -110,16 +116,7 @@ PackedSequences PackedSequences::examples(std::string name, const std::vector<st
 
 PackedSequences PackedSequences::chat(std::string name, const std::vector<std::vector<uint32_t>>& examples,
                                       const std::vector<std::vector<uint8_t>>& trained, int64_t seq_len, uint32_t pad) {
-  WEFT_CHECK(seq_len > 0, "seq_len must be positive, got {}", seq_len);
-  WEFT_CHECK(examples.size() == trained.size(), "{} split: {} examples but {} masks", name, examples.size(),
-             trained.size());
-  WEFT_CHECK(!examples.empty(), "{} split has no examples", name);
-  PackedSequences s;
-  s.kind_ = Kind::kChat;
-  s.name_ = std::move(name);
-  s.seq_len_ = seq_len;
-  s.pad_ = pad;
-  s.offsets_.push_back(0);
+  PackedSequences s = empty_examples(Kind::kChat, std::move(name), examples.size(), trained.size(), "masks", seq_len, pad);
   for (size_t i = 0; i < examples.size(); ++i) {
     const auto n = static_cast<int64_t>(examples[i].size());
     WEFT_CHECK(n >= 2 && n <= seq_len + 1, "{} split: example {} has {} tokens (2 to seq_len + 1 = {} allowed)",

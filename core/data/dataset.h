@@ -112,6 +112,9 @@ class PackedSequences {
  private:
   PackedSequences() = default;
   enum class Kind { kPacked, kLabeled, kChat };
+  // Checks what examples() and chat() share and starts their sequences (offsets [0]).
+  static PackedSequences empty_examples(Kind kind, std::string name, size_t examples, size_t labels, const char* what,
+                                        int64_t seq_len, uint32_t pad);
   Kind kind_ = Kind::kPacked;
 
   std::string name_;

@@ -112,12 +112,7 @@ TEST(Chat, TheInstructionConfigTunesTheBundledModel) {
                              " --set log.progress=off --set train.out_dir=" + dir + "/out";
   const auto r = run_trainer(config + " --set train.max_steps=2 --set eval.max_batches=1 --plugin ddp --nproc 2");
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  std::vector<json> evals;
-  std::ifstream in(dir + "/out/metrics.jsonl");
-  for (std::string line; std::getline(in, line);) {
-    const auto j = json::parse(line);
-    if (j["type"] == "eval") evals.push_back(j);
-  }
+  const std::vector<json> evals = weft::testing::records_of(dir + "/out/metrics.jsonl", "eval");
   ASSERT_EQ(evals.size(), 2u) << r.output;
   EXPECT_EQ(evals[0]["step"], 0);
   // Measured 0.889 over all 40 held-out conversations; the first batch's 8 hold about 110 answer tokens.

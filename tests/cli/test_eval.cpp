@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/corpus.h"
+#include "common/metrics.h"
 #include "common/process.h"
 #include "test_paths.h"
 
@@ -35,15 +36,7 @@ std::string tiny_args(const std::string& dir) {
 json read_json(const std::string& path) { return json::parse(read_text(path)); }
 
 // The last held-out evaluation training recorded in its metrics.
-json last_eval(const std::string& metrics) {
-  json last;
-  std::ifstream in(metrics);
-  for (std::string line; std::getline(in, line);) {
-    const auto j = json::parse(line);
-    if (j["type"] == "eval") last = j;
-  }
-  return last;
-}
+json last_eval(const std::string& metrics) { return weft::testing::last_record(metrics, "eval"); }
 
 class Eval : public ::testing::Test {
  protected:

@@ -30,16 +30,6 @@ std::string tiny_args(const std::string& dir, const std::string& out) {
          " --set train.overwrite=true --set train.out_dir=" + out;
 }
 
-json last_eval(const std::string& metrics) {
-  json last;
-  std::ifstream in(metrics);
-  for (std::string line; std::getline(in, line);) {
-    const auto j = json::parse(line);
-    if (j["type"] == "eval") last = j;
-  }
-  return last;
-}
-
 TEST(PromptTuning, TrainsThePromptAloneSavesItAsPeftAndEvalTakesItBack) {
   const std::string dir = fresh_dir("train");
   const auto trained = run_trainer(tiny_args(dir, dir + "/out") + " --set train.max_steps=4");
@@ -50,15 +40,10 @@ TEST(PromptTuning, TrainsThePromptAloneSavesItAsPeftAndEvalTakesItBack) {
   EXPECT_EQ(config["token_dim"], 64);
   EXPECT_FALSE(std::filesystem::exists(dir + "/out/final/model.safetensors"));  // the base is not saved
   // The summary counts the prompt alone as trained: 6 x 64.
-  std::ifstream in(dir + "/out/metrics.jsonl");
-  json summary;
-  for (std::string line; std::getline(in, line);) {
-    const auto j = json::parse(line);
-    if (j["type"] == "summary") summary = j;
-  }
+  const json summary = weft::testing::last_record(dir + "/out/metrics.jsonl", "summary");
   EXPECT_EQ(summary["model"]["trainable_parameters"], 6 * 64) << summary;
   // The same weights (seeded random base) with the saved prompt: the held-out loss training reported.
-  const double reported = last_eval(dir + "/out/metrics.jsonl")["loss"].get<double>();
+  const double reported = weft::testing::last_record(dir + "/out/metrics.jsonl", "eval")["loss"].get<double>();
   const auto evaluated = run_trainer("eval " + tiny_args(dir, dir + "/eval") + " --set train.mode=full" +
                                      " --set model.adapter=" + dir + "/out/final --json " + dir + "/eval.json");
   ASSERT_EQ(evaluated.exit_code, 0) << evaluated.output;

@@ -34,4 +34,22 @@ inline std::vector<double> state_mib_per_rank(const std::string& metrics, const 
   return mib;
 }
 
+// The records of one type ("eval", "summary", ...) of a metrics.jsonl, in order.
+inline std::vector<nlohmann::json> records_of(const std::string& metrics, const std::string& type) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(metrics);
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty()) continue;
+    auto record = nlohmann::json::parse(line);
+    if (record["type"] == type) out.push_back(std::move(record));
+  }
+  return out;
+}
+
+// The last record of that type (null when there is none).
+inline nlohmann::json last_record(const std::string& metrics, const std::string& type) {
+  auto all = records_of(metrics, type);
+  return all.empty() ? nlohmann::json() : all.back();
+}
+
 }  // namespace weft::testing

@@ -1,5 +1,6 @@
 """Instruction data (data.format = "chat") against TRL's SFTTrainer and transformers, on the bundled
-SmolLM2-135M-Instruct GGUF (its tokenizer and ChatML template from the metadata).
+SmolLM2-135M-Instruct GGUF (its tokenizer and ChatML template from the metadata) and on Llama 3
+Instruct's template and tokenizer (from Meta's tokenizer.model, tools/llama3_tokenizer.py).
 
     sft_reference.py TOKENIZER_ENCODE TRAINER CONFIG WORK_DIR
 
@@ -12,7 +13,8 @@ SmolLM2-135M-Instruct GGUF (its tokenizer and ChatML template from the metadata)
    needs {% generation %} marks in the template (assistant_only_loss=True), so the reference is the
    bundled template with the marks around what it writes for an assistant turn after
    "<|im_start|>assistant\n" (its content, "<|im_end|>" and "\n", where TRL's own training templates
-   put them); weft finds the same tokens from the unmarked template.
+   put them); weft finds the same tokens from the unmarked template. The same for Llama 3 (its
+   template writes BOS; plain text gets the BOS its tokenizer adds), read from a checkpoint folder.
 2. Losses: `trainer eval --data` on the messages (seq_len long enough for each) gives each
    conversation's mean loss over its assistant tokens equal to transformers' LlamaForCausalLM loss
    with TRL's labels (fp32, 1e-4 relative), and the token-weighted mean over all of them.
@@ -131,6 +133,57 @@ def compare(name, expected, got, pad):
     return failures
 
 
+def check_masks(label, tokenizer_encode, spec, tokenizer, marked, paths):
+    """weft's rows of every dataset type and data.loss_on against TRL's, `marked` being `tokenizer`
+    with {% generation %} marks (the reference of assistant turns in conversations)."""
+    for m in MESSAGES:  # the marks change nothing in the text
+        assert marked.apply_chat_template(m, tokenize=False) == tokenizer.apply_chat_template(m, tokenize=False)
+    pad = tokenizer.eos_token_id
+    failures = 0
+    rows = [{"messages": m} for m in MESSAGES]
+    failures += compare(f"{label} messages, loss on assistant", trl_rows(marked, rows, assistant_only=True),
+                        weft_rows(tokenizer_encode, spec, paths["messages"], "assistant"), pad)
+    failures += compare(f"{label} messages, loss on all", trl_rows(tokenizer, rows, assistant_only=False, all_tokens=True),
+                        weft_rows(tokenizer_encode, spec, paths["messages"], "all"), pad)
+    for name, rows in [("prompt-completion", PROMPT_COMPLETION), ("text prompt-completion", TEXT_PROMPT_COMPLETION)]:
+        failures += compare(f"{label} {name}, loss on completion", trl_rows(tokenizer, rows, assistant_only=False),
+                            weft_rows(tokenizer_encode, spec, paths[name], "assistant"), pad)
+        failures += compare(f"{label} {name}, loss on all",
+                            trl_rows(tokenizer, rows, assistant_only=False, all_tokens=True),
+                            weft_rows(tokenizer_encode, spec, paths[name], "all"), pad)
+    return failures
+
+
+def check_llama3_masks(tokenizer_encode, work, paths):
+    """Llama 3 Instruct's template and tokenizer (BOS written by the template, added to plain text):
+    a tokenizer.json from Meta's tokenizer.model (tools/llama3_tokenizer.py) with Meta-Llama-3-8B-Instruct's
+    tokenizer_config.json beside it, as weft reads a checkpoint's folder."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import llama3_tokenizer
+    from gguf_llama3 import CHAT_TEMPLATE
+    from transformers import PreTrainedTokenizerFast
+    folder = os.path.join(work, "llama3")
+    os.makedirs(folder, exist_ok=True)
+    tokenizer_json = os.path.join(folder, "tokenizer.json")
+    if not os.path.exists(tokenizer_json):
+        with open(tokenizer_json, "w", encoding="utf-8") as f:
+            json.dump(llama3_tokenizer.build_tokenizer_json(llama3_tokenizer.meta_tokenizer()), f, ensure_ascii=False)
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "chat_template": CHAT_TEMPLATE}, f)
+    turn = "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}"
+    assert turn in CHAT_TEMPLATE, "Llama 3's template changed: update check_llama3_masks"
+    marked_turn = ("{% if loop.index0 == 0 %}{{ bos_token }}{% endif %}{{ '<|start_header_id|>' + message['role'] + "
+                   "'<|end_header_id|>\n\n' }}{% if message['role'] == 'assistant' %}{% generation %}"
+                   "{{ message['content'] | trim + '<|eot_id|>' }}{% endgeneration %}{% else %}"
+                   "{{ message['content'] | trim + '<|eot_id|>' }}{% endif %}")
+    tokenizers = []
+    for template in (CHAT_TEMPLATE, CHAT_TEMPLATE.replace(turn, marked_turn)):
+        t = PreTrainedTokenizerFast(tokenizer_file=tokenizer_json, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+        t.chat_template = template
+        tokenizers.append(t)
+    return check_masks("Llama 3", tokenizer_encode, folder, *tokenizers, paths)
+
+
 def main():
     tokenizer_encode, trainer, config, work = sys.argv[1:5]
     os.makedirs(work, exist_ok=True)
@@ -139,7 +192,6 @@ def main():
     started = time.time()
     model = bundled_model()
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(model), gguf_file=os.path.basename(model))
-    pad = tokenizer.eos_token_id
     failures = 0
 
     paths = {}
@@ -149,21 +201,11 @@ def main():
         with open(paths[name], "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
-    # 1. Rows and masks.
+    # 1. Rows and masks: the bundled model's ChatML template (from the GGUF file), then Llama 3 Instruct's.
     marked = AutoTokenizer.from_pretrained(os.path.dirname(model), gguf_file=os.path.basename(model))
     marked.chat_template = marked_template(tokenizer.chat_template)
-    for m in MESSAGES:  # the marks change nothing in the text
-        assert marked.apply_chat_template(m, tokenize=False) == tokenizer.apply_chat_template(m, tokenize=False)
-    rows = [{"messages": m} for m in MESSAGES]
-    failures += compare("messages, loss on assistant", trl_rows(marked, rows, assistant_only=True),
-                        weft_rows(tokenizer_encode, model, paths["messages"], "assistant"), pad)
-    failures += compare("messages, loss on all", trl_rows(tokenizer, rows, assistant_only=False, all_tokens=True),
-                        weft_rows(tokenizer_encode, model, paths["messages"], "all"), pad)
-    for name, rows in [("prompt-completion", PROMPT_COMPLETION), ("text prompt-completion", TEXT_PROMPT_COMPLETION)]:
-        failures += compare(f"{name}, loss on completion", trl_rows(tokenizer, rows, assistant_only=False),
-                            weft_rows(tokenizer_encode, model, paths[name], "assistant"), pad)
-        failures += compare(f"{name}, loss on all", trl_rows(tokenizer, rows, assistant_only=False, all_tokens=True),
-                            weft_rows(tokenizer_encode, model, paths[name], "all"), pad)
+    failures += check_masks("ChatML", tokenizer_encode, model, tokenizer, marked, paths)
+    failures += check_llama3_masks(tokenizer_encode, work, paths)
     print(f"[{time.time() - started:6.1f} s] masks done", flush=True)
 
     # 2. Losses on the assistant tokens: transformers' loss with TRL's labels, per conversation and overall.

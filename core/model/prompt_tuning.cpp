@@ -33,8 +33,8 @@ void apply_prompt_tuning(LlamaForCausalLMImpl& model, const PromptTuningConfig& 
              "prompt tuning: the model was built for {} virtual tokens, the config has {}", model.options().prompt_tokens,
              p);
   WEFT_CHECK(!model.vocab_parallel(),
-             "train.mode = \"prompt_tuning\" needs the whole embedding on its stage; tensor parallelism splits it over "
-             "the vocabulary: use ddp, zero, a pipeline or context_parallel");
+             "train.mode = \"prompt_tuning\" needs the whole embedding on its stage, and this layout splits it over "
+             "the vocabulary (tensor parallelism): use data, pipeline or context parallelism");
   for (auto& param : model.parameters()) param.set_requires_grad(false);
   if (!model.holds_stage(0)) return;  // a pipeline's later stage: the prompt lives with the embedding
   const auto device = model.model->embed_tokens->weight.device();

@@ -15,6 +15,13 @@ Instruct's template and tokenizer (from Meta's tokenizer.model, tools/llama3_tok
    "<|im_start|>assistant\n" (its content, "<|im_end|>" and "\n", where TRL's own training templates
    put them); weft finds the same tokens from the unmarked template. The same for Llama 3 (its
    template writes BOS; plain text gets the BOS its tokenizer adds), read from a checkpoint folder.
+3. Packing (data.packing, TRL's packing = True, "bfd"): weft's packed rows (tokenizer_encode --sft
+   ... packed) equal TRL's pack_dataset(max_length = seq_len + 1) of the prepared examples, bin for
+   bin in TRL's order (weft drops the examples with no trained token first, as TRL does without
+   packing; TRL packs them too, with no loss), shifted as transformers' padding-free collator and
+   model shift them (no target across an example's end), with each token's position_ids; and each
+   packed row's loss in `trainer eval --set data.packing=true` equals transformers' on TRL's packed
+   row with its position_ids (transformers keeps packed examples apart by them).
 2. Losses: `trainer eval --data` on the messages (seq_len long enough for each) gives each
    conversation's mean loss over its assistant tokens equal to transformers' LlamaForCausalLM loss
    with TRL's labels (fp32, 1e-4 relative), and the token-weighted mean over all of them.
@@ -32,7 +39,7 @@ import transformers
 import trl
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from trl import SFTConfig, SFTTrainer
+from trl import SFTConfig, SFTTrainer, pack_dataset
 
 SEQ_LEN = 48  # TRL's max_length = SEQ_LEN + 1
 
@@ -106,9 +113,9 @@ def trl_rows(tokenizer, rows, assistant_only, all_tokens=False, seq_len=SEQ_LEN)
     return [(r["input_ids"], r["labels"]) for r in prepared]
 
 
-def weft_rows(tokenizer_encode, model, path, loss_on):
-    run = subprocess.run([tokenizer_encode, model, "--sft", path, loss_on, str(SEQ_LEN)], check=True,
-                         capture_output=True, text=True)
+def weft_rows(tokenizer_encode, model, path, loss_on, packed=False):
+    run = subprocess.run([tokenizer_encode, model, "--sft", path, loss_on, str(SEQ_LEN)] + (["packed"] if packed else []),
+                         check=True, capture_output=True, text=True)
     return [json.loads(line) for line in run.stdout.splitlines() if line.strip()]
 
 
@@ -151,6 +158,50 @@ def check_masks(label, tokenizer_encode, spec, tokenizer, marked, paths):
         failures += compare(f"{label} {name}, loss on all",
                             trl_rows(tokenizer, rows, assistant_only=False, all_tokens=True),
                             weft_rows(tokenizer_encode, spec, paths[name], "all"), pad)
+    return failures
+
+
+def trl_packed(rows, seq_len=SEQ_LEN):
+    """TRL's packing ("bfd", max_length = seq_len + 1) of prepared (input_ids, labels) rows, as its padding-free
+    collator hands a packed row to the model: [(input_ids, labels with each example's first token -100,
+    position_ids)]."""
+    packed = pack_dataset(Dataset.from_dict({"input_ids": [ids for ids, _ in rows], "labels": [l for _, l in rows]}),
+                          seq_len + 1, strategy="bfd")
+    out = []
+    for r in packed:
+        positions = [p for n in r["seq_lengths"] for p in range(n)]
+        labels = [-100 if p == 0 else label for p, label in zip(positions, r["labels"])]
+        out.append((r["input_ids"], labels, positions))
+    return out
+
+
+def compare_packed(name, expected, got, pad):
+    """TRL's packed rows against weft's [inputs, targets, positions], shifted as the model shifts."""
+    if len(expected) != len(got):
+        print(f"FAIL {name}: TRL packs {len(expected)} rows, weft {len(got)}")
+        return 1
+    failures = 0
+    for k, ((ids, labels, positions), row) in enumerate(zip(expected, got)):
+        want = [(ids + [pad] * SEQ_LEN)[:SEQ_LEN], (labels[1:] + [-100] * SEQ_LEN)[:SEQ_LEN],
+                (positions + [0] * SEQ_LEN)[:SEQ_LEN]]
+        if row != want:
+            print(f"FAIL {name} row {k}: weft's packed row differs from TRL's\n  TRL  {want}\n  weft {row}")
+            failures += 1
+    examples = sum(p.count(0) for _, _, p in expected)
+    print(f"{'ok  ' if failures == 0 else 'FAIL'} {name}: {examples} examples in {len(got)} rows, as TRL packs them")
+    return failures
+
+
+def check_packing(tokenizer_encode, spec, tokenizer, marked, paths):
+    pad = tokenizer.eos_token_id
+    failures = 0
+    for name, rows, reference in [("messages", [{"messages": m} for m in MESSAGES], marked),
+                                  ("prompt-completion", PROMPT_COMPLETION, tokenizer),
+                                  ("text prompt-completion", TEXT_PROMPT_COMPLETION, tokenizer)]:
+        assistant_only = name == "messages"
+        failures += compare_packed(f"ChatML {name} packed, loss on assistant",
+                                   trl_packed(trl_rows(reference, rows, assistant_only=assistant_only)),
+                                   weft_rows(tokenizer_encode, spec, paths[name], "assistant", packed=True), pad)
     return failures
 
 
@@ -206,6 +257,7 @@ def main():
     marked.chat_template = marked_template(tokenizer.chat_template)
     failures += check_masks("ChatML", tokenizer_encode, model, tokenizer, marked, paths)
     failures += check_llama3_masks(tokenizer_encode, work, paths)
+    failures += check_packing(tokenizer_encode, model, tokenizer, marked, paths)
     print(f"[{time.time() - started:6.1f} s] masks done", flush=True)
 
     # 2. Losses on the assistant tokens: transformers' loss with TRL's labels, per conversation and overall.
@@ -242,6 +294,25 @@ def main():
     print(f"{'ok  ' if ok else 'FAIL'} all conversations: {result['tokens']} tokens (transformers' labels: "
           f"{sum(counts)}), weft's loss {result['loss']:.7f}, transformers' {mean:.7f}")
     failures += 0 if ok else 1
+    # 3. Packed rows' losses: transformers' on TRL's packed rows with their position_ids.
+    packed = trl_packed(expected, seq_len=eval_len)
+    assert any(p.count(0) > 1 for _, _, p in packed), "nothing was packed: change the examples"
+    out = os.path.join(work, "eval-packed.json")
+    subprocess.run([trainer, "eval", "--config", config, "--set", f"model.weights={model}", "--set",
+                    f"data.tokenizer={model}", "--set", "data.format=chat", "--set", f"data.seq_len={eval_len}",
+                    "--set", "data.packing=true", "--set", "data.cache_dir=", "--set", "log.level=warn", "--data", path,
+                    "--json", out], check=True)
+    result = json.load(open(out))
+    with torch.no_grad():
+        for k, (ids, labels, positions) in enumerate(packed):
+            # use_cache=False: with a cache transformers ignores position_ids' packing (masking_utils)
+            want = reference(torch.tensor([ids]), position_ids=torch.tensor([positions]), labels=torch.tensor([labels]),
+                             use_cache=False).loss.item()
+            got = result["sequence_losses"][k]
+            ok = abs(got - want) <= 1e-4 * abs(want)
+            print(f"{'ok  ' if ok else 'FAIL'} packed row {k}: {positions.count(0)} conversations, weft's loss {got:.7f}, "
+                  f"transformers' with position_ids {want:.7f}")
+            failures += 0 if ok else 1
     print(f"[{time.time() - started:6.1f} s] losses done")
     print("sft_reference:", "ok" if failures == 0 else f"{failures} failure(s)")
     return 1 if failures else 0

@@ -6,10 +6,11 @@
 //       renders each conversation (a list of {role, content}) with the tokenizer's chat template,
 //       with add_generation_prompt false and true, and prints [[text, ids], [text, ids]] per
 //       conversation (ids: the text encoded as the template wrote it, no BOS added).
-//   tokenizer_encode SPEC --sft CHAT.jsonl LOSS_ON SEQ_LEN
+//   tokenizer_encode SPEC --sft CHAT.jsonl LOSS_ON SEQ_LEN [packed]
 //       prepares instruction data as training does (data.format = "chat", data.loss_on = LOSS_ON,
-//       no held-out split) and prints each row as [inputs, targets] (targets -100 where the loss
-//       does not count), and {"truncated": N, "dropped": N} on stderr's last line.
+//       no held-out split; "packed": data.packing) and prints each row as [inputs, targets] (targets
+//       -100 where the loss does not count; packed: [inputs, targets, positions]), and
+//       {"truncated": N, "dropped": N} on stderr's last line.
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -55,13 +56,14 @@ int main(int argc, char** argv) {
       std::cout << all.dump() << "\n";
       return 0;
     }
-    if (std::string(argv[2]) == "--sft" && argc == 6) {
+    if (std::string(argv[2]) == "--sft" && (argc == 6 || (argc == 7 && std::string(argv[6]) == "packed"))) {
       const auto chat = weft::load_chat_template(argv[1], *tokenizer);
       weft::DatasetOptions options;
       options.paths = {argv[3]};
       options.seq_len = std::stoll(argv[5]);
       weft::ChatOptions chat_options;
       chat_options.loss_on = argv[4];
+      chat_options.packing = argc == 7;
       const weft::ChatData data = weft::prepare_chat(options, chat_options, *tokenizer, chat.get());
       const auto& rows = *data.splits.train;
       std::vector<int64_t> all(static_cast<size_t>(rows.n_sequences()));
@@ -72,7 +74,9 @@ int main(int argc, char** argv) {
           const auto x = t[r].contiguous();
           return std::vector<int64_t>(x.data_ptr<int64_t>(), x.data_ptr<int64_t>() + x.numel());
         };
-        std::cout << nlohmann::json::array({row(batch.inputs), row(batch.targets)}).dump() << "\n";
+        auto line = nlohmann::json::array({row(batch.inputs), row(batch.targets)});
+        if (batch.positions.defined()) line.push_back(row(batch.positions));
+        std::cout << line.dump() << "\n";
       }
       std::cerr << nlohmann::json{{"truncated", data.truncated}, {"dropped", data.dropped}}.dump() << "\n";
       return 0;

@@ -167,8 +167,23 @@ ChatData prepare_chat(const DatasetOptions& options, const ChatOptions& chat, co
     }
     WEFT_CHECK(!examples.empty(), "the {} split has no example left with a token in the loss ({} cut to seq_len + 1 = {})",
                name, data.truncated, options.seq_len + 1);
+    if (!chat.packing) {
+      return std::make_shared<const PackedSequences>(PackedSequences::chat(name, examples, trained, options.seq_len, data.pad));
+    }
+    // TRL's pack_dataset(max_length = seq_len + 1, "bfd"), which datasets.map runs on batches of
+    // 1000 examples: best fit decreasing within each run of 1000.
+    std::vector<std::vector<int64_t>> bins;
+    for (size_t begin = 0; begin < examples.size(); begin += kPackingGroup) {
+      const size_t end = std::min(examples.size(), begin + kPackingGroup);
+      std::vector<int64_t> lengths;
+      for (size_t i = begin; i < end; ++i) lengths.push_back(static_cast<int64_t>(examples[i].size()));
+      for (auto& bin : best_fit_decreasing(lengths, options.seq_len + 1)) {
+        for (auto& i : bin) i += static_cast<int64_t>(begin);
+        bins.push_back(std::move(bin));
+      }
+    }
     return std::make_shared<const PackedSequences>(
-        PackedSequences::chat(name, examples, trained, options.seq_len, data.pad));
+        PackedSequences::chat(name, examples, trained, options.seq_len, data.pad, bins));
   };
   DatasetSummary& s = data.splits.summary;
   data.splits.train = pack(split.train, options.train_name, s.train_tokens);
@@ -176,8 +191,12 @@ ChatData prepare_chat(const DatasetOptions& options, const ChatOptions& chat, co
   s.files = static_cast<int64_t>(files.size());
   s.documents = data.examples;
   s.train_name = options.train_name;
-  s.train_documents = s.train_sequences = data.splits.train->n_sequences();
-  if (data.splits.heldout) s.heldout_documents = s.heldout_sequences = data.splits.heldout->n_sequences();
+  s.train_documents = data.splits.train->n_documents();
+  s.train_sequences = data.splits.train->n_sequences();
+  if (data.splits.heldout) {
+    s.heldout_documents = data.splits.heldout->n_documents();
+    s.heldout_sequences = data.splits.heldout->n_sequences();
+  }
   s.tokens = s.train_tokens + s.heldout_tokens;
   s.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return data;

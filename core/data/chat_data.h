@@ -1,7 +1,8 @@
 // Instruction data (data.format = "chat"), prepared as TRL's SFTTrainer (1.16) prepares it without
-// packing: each example rendered with the checkpoint's chat template, tokenized, its loss limited
-// to the assistant's (or the completion's) tokens, cut to the sequence length and padded to a row of
-// its own, so that no example ever attends to another.
+// packing (or with it, data.packing): each example rendered with the checkpoint's chat template,
+// tokenized, its loss limited to the assistant's (or the completion's) tokens, cut to the sequence
+// length and padded to a row of its own (or packed with others into rows whose positions restart
+// at each example, which the model keeps apart), so that no example ever attends to another.
 //
 //   ChatData data = prepare_chat(options, chat, tokenizer, chat_template.get());
 //
@@ -63,7 +64,11 @@ ChatEncoding encode_chat(const ChatRecord& record, const Tokenizer& tokenizer, c
 
 struct ChatOptions {
   std::string loss_on = "assistant";  // data.loss_on: assistant | all
+  bool packing = false;               // data.packing: several examples per row (see prepare_chat)
 };
+
+// TRL packs each batch of datasets.map (1000 examples) on its own.
+constexpr size_t kPackingGroup = 1000;
 
 struct ChatData {
   DatasetSplits splits;
@@ -75,7 +80,10 @@ struct ChatData {
 
 // Reads every file of options.paths (JSONL), holds out options.heldout_fraction of the examples
 // (seeded by options.split_seed; options.max_documents keeps the first N), encodes and packs each
-// split one example per row (PackedSequences::chat). Throws weft::Error for what read_chat_jsonl
+// split one example per row (PackedSequences::chat), or with chat.packing several per row as TRL's
+// packing = True makes them (best_fit_decreasing into rows of seq_len + 1 tokens, within each run of
+// kPackingGroup examples; the examples are cut and dropped as without packing first, where TRL
+// packs examples without a trained token too, which add no loss). Throws weft::Error for what read_chat_jsonl
 // and encode_chat refuse, an unknown loss_on, and a split left without examples.
 ChatData prepare_chat(const DatasetOptions& options, const ChatOptions& chat, const Tokenizer& tokenizer,
                       const ChatTemplate* chat_template);

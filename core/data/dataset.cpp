@@ -1,7 +1,10 @@
 #include "core/data/dataset.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <deque>
+#include <map>
 #include <random>
 #include <spdlog/spdlog.h>
 
@@ -116,23 +119,104 @@ PackedSequences PackedSequences::examples(std::string name, const std::vector<st
 
 PackedSequences PackedSequences::chat(std::string name, const std::vector<std::vector<uint32_t>>& examples,
                                       const std::vector<std::vector<uint8_t>>& trained, int64_t seq_len, uint32_t pad) {
-  PackedSequences s = empty_examples(Kind::kChat, std::move(name), examples.size(), trained.size(), "masks", seq_len, pad);
-  for (size_t i = 0; i < examples.size(); ++i) {
-    const auto n = static_cast<int64_t>(examples[i].size());
-    WEFT_CHECK(n >= 2 && n <= seq_len + 1, "{} split: example {} has {} tokens (2 to seq_len + 1 = {} allowed)",
-               s.name_, i, n, seq_len + 1);
-    WEFT_CHECK(trained[i].size() == examples[i].size(), "{} split: example {} has {} tokens but {} mask flags",
-               s.name_, i, n, trained[i].size());
-    int64_t counted = 0;
-    for (int64_t t = 1; t < n; ++t) counted += trained[i][static_cast<size_t>(t)] != 0 ? 1 : 0;
-    WEFT_CHECK(counted > 0, "{} split: example {} has no token in the loss", s.name_, i);
-    s.tokens_.insert(s.tokens_.end(), examples[i].begin(), examples[i].end());
-    s.trained_.insert(s.trained_.end(), trained[i].begin(), trained[i].end());
-    s.offsets_.push_back(static_cast<int64_t>(s.tokens_.size()));
-    s.targets_.push_back(counted);
-  }
-  s.n_documents_ = s.n_sequences_ = static_cast<int64_t>(examples.size());
+  std::vector<std::vector<int64_t>> rows(examples.size());
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = {static_cast<int64_t>(i)};
+  PackedSequences s = chat(std::move(name), examples, trained, seq_len, pad, rows);
+  s.segmented_ = false;
   return s;
+}
+
+PackedSequences PackedSequences::chat(std::string name, const std::vector<std::vector<uint32_t>>& examples,
+                                      const std::vector<std::vector<uint8_t>>& trained, int64_t seq_len, uint32_t pad,
+                                      const std::vector<std::vector<int64_t>>& bins) {
+  PackedSequences s = empty_examples(Kind::kChat, std::move(name), examples.size(), trained.size(), "masks", seq_len, pad);
+  std::vector<uint8_t> placed(examples.size(), 0);
+  s.row_first_.push_back(0);
+  for (size_t b = 0; b < bins.size(); ++b) {
+    WEFT_CHECK(!bins[b].empty(), "{} split: packed sequence {} holds no example", s.name_, b);
+    int64_t stream = 0, counted_row = 0;
+    for (const int64_t i : bins[b]) {
+      WEFT_CHECK(0 <= i && i < static_cast<int64_t>(examples.size()) && placed[static_cast<size_t>(i)] == 0,
+                 "{} split: packed sequence {} names example {}, which is not one of the {} examples or is placed twice",
+                 s.name_, b, i, examples.size());
+      placed[static_cast<size_t>(i)] = 1;
+      const auto& tokens = examples[static_cast<size_t>(i)];
+      const auto& flags = trained[static_cast<size_t>(i)];
+      const auto n = static_cast<int64_t>(tokens.size());
+      WEFT_CHECK(n >= 2 && n <= seq_len + 1, "{} split: example {} has {} tokens (2 to seq_len + 1 = {} allowed)",
+                 s.name_, i, n, seq_len + 1);
+      WEFT_CHECK(flags.size() == tokens.size(), "{} split: example {} has {} tokens but {} mask flags", s.name_, i, n,
+                 flags.size());
+      int64_t counted = 0;
+      for (int64_t t = 1; t < n; ++t) counted += flags[static_cast<size_t>(t)] != 0 ? 1 : 0;
+      WEFT_CHECK(counted > 0, "{} split: example {} has no token in the loss", s.name_, i);
+      s.tokens_.insert(s.tokens_.end(), tokens.begin(), tokens.end());
+      s.trained_.insert(s.trained_.end(), flags.begin(), flags.end());
+      s.offsets_.push_back(static_cast<int64_t>(s.tokens_.size()));
+      s.targets_.push_back(counted);
+      stream += n;
+      counted_row += counted;
+    }
+    WEFT_CHECK(stream <= seq_len + 1, "{} split: packed sequence {} holds {} tokens, more than seq_len + 1 = {}",
+               s.name_, b, stream, seq_len + 1);
+    s.row_first_.push_back(static_cast<int64_t>(s.offsets_.size()) - 1);
+    s.row_counted_.push_back(counted_row);
+  }
+  const auto missing = std::find(placed.begin(), placed.end(), 0);
+  WEFT_CHECK(missing == placed.end(), "{} split: example {} is in no packed sequence", s.name_, missing - placed.begin());
+  s.segmented_ = true;
+  s.n_documents_ = static_cast<int64_t>(examples.size());
+  s.n_sequences_ = static_cast<int64_t>(bins.size());
+  return s;
+}
+
+std::pair<int64_t, int64_t> PackedSequences::examples_of(int64_t i) const {
+  WEFT_CHECK(kind_ == Kind::kChat && 0 <= i && i < n_sequences_, "{} split: sequence {} holds no chat examples", name_, i);
+  return {row_first_[static_cast<size_t>(i)], row_first_[static_cast<size_t>(i) + 1]};
+}
+
+void PackedSequences::copy_positions(int64_t i, int64_t* positions) const {
+  WEFT_CHECK(segmented_, "{} split: sequences hold one example each (no positions)", name_);
+  const auto [first, last] = examples_of(i);
+  int64_t t = 0;
+  for (int64_t e = first; e < last && t < seq_len_; ++e) {
+    for (int64_t p = 0; p < length(e) && t < seq_len_; ++p) positions[t++] = p;
+  }
+  for (; t < seq_len_; ++t) positions[t] = 0;
+}
+
+std::vector<std::vector<int64_t>> best_fit_decreasing(const std::vector<int64_t>& lengths, int64_t capacity) {
+  WEFT_CHECK(capacity > 0, "packing: the capacity must be positive, got {}", capacity);
+  std::vector<int64_t> order(lengths.size());
+  for (size_t i = 0; i < order.size(); ++i) {
+    WEFT_CHECK(lengths[i] >= 1 && lengths[i] <= capacity, "packing: item {} has length {} (1 to {} allowed)", i,
+               lengths[i], capacity);
+    order[i] = static_cast<int64_t>(i);
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return lengths[static_cast<size_t>(a)] > lengths[static_cast<size_t>(b)];
+  });
+  std::vector<std::vector<int64_t>> bins;
+  std::vector<int64_t> room;                           // each bin's free space
+  std::map<int64_t, std::deque<size_t>> with_room;     // free space (> 0) -> bins, first filled to it first
+  for (const int64_t item : order) {
+    const int64_t length = lengths[static_cast<size_t>(item)];
+    size_t bin;
+    auto fit = with_room.lower_bound(length);
+    if (fit != with_room.end() && fit->first < capacity) {
+      bin = fit->second.front();
+      fit->second.pop_front();
+      if (fit->second.empty()) with_room.erase(fit);
+    } else {
+      bin = bins.size();
+      bins.emplace_back();
+      room.push_back(capacity);
+    }
+    bins[bin].push_back(item);
+    room[bin] -= length;
+    if (room[bin] > 0) with_room[room[bin]].push_back(bin);
+  }
+  return bins;
 }
 
 int64_t PackedSequences::length(int64_t i) const {
@@ -143,7 +227,7 @@ int64_t PackedSequences::length(int64_t i) const {
 int64_t PackedSequences::counted_targets(int64_t i) const {
   switch (kind_) {
     case Kind::kLabeled: return 1;
-    case Kind::kChat: return targets_.at(static_cast<size_t>(i));
+    case Kind::kChat: return row_counted_.at(static_cast<size_t>(i));
     case Kind::kPacked: break;
   }
   return seq_len_;
@@ -159,12 +243,21 @@ void PackedSequences::copy_sequence(int64_t i, int64_t* inputs, int64_t* targets
     targets[n - 1] = targets_[static_cast<size_t>(i)];
     return;
   }
-  if (kind_ == Kind::kChat) {
-    const int64_t begin = offsets_[static_cast<size_t>(i)], n = length(i);
-    for (int64_t t = 0; t < seq_len_; ++t) {
-      const auto next = static_cast<size_t>(begin + t + 1);
-      inputs[t] = t < n - 1 ? tokens_[next - 1] : pad_;
-      targets[t] = t < n - 1 && trained_[next] != 0 ? static_cast<int64_t>(tokens_[next]) : kUnlabeledTarget;
+  if (kind_ == Kind::kChat) {  // the row's examples as one stream, padded to seq_len + 1 tokens
+    const auto [first, last] = examples_of(i);
+    int64_t t = 0;
+    for (int64_t e = first; e < last; ++e) {
+      // One example per row: its last token is no input (it has no target), padding is.
+      const int64_t begin = offsets_[static_cast<size_t>(e)], n = length(e), written = segmented_ ? n : n - 1;
+      for (int64_t p = 0; p < written && t < seq_len_; ++p, ++t) {
+        const auto at = static_cast<size_t>(begin + p);
+        inputs[t] = tokens_[at];
+        targets[t] = p + 1 < n && trained_[at + 1] != 0 ? static_cast<int64_t>(tokens_[at + 1]) : kUnlabeledTarget;
+      }
+    }
+    for (; t < seq_len_; ++t) {
+      inputs[t] = pad_;
+      targets[t] = kUnlabeledTarget;
     }
     return;
   }

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/data/corpus.h"
@@ -99,6 +100,23 @@ class PackedSequences {
   // or none of its targets is trained.
   static PackedSequences chat(std::string name, const std::vector<std::vector<uint32_t>>& examples,
                               const std::vector<std::vector<uint8_t>>& trained, int64_t seq_len, uint32_t pad);
+  // Packed instruction examples (data.packing, TRL's packing = True): sequence r holds the
+  // examples bins[r] names, one after another, as one stream of at most seq_len + 1 tokens padded
+  // to seq_len + 1 (inputs the first seq_len, targets the last seq_len). Each example's tokens
+  // have positions 0, 1, ... of their own (positions()), and an example's last token has no
+  // target, so no example predicts or sees another's tokens (the model keeps them apart by
+  // position); padding has position 0 and no target. Throws weft::Error as chat() does, and when
+  // a bin is empty, exceeds seq_len + 1 tokens, or the bins do not name every example once.
+  static PackedSequences chat(std::string name, const std::vector<std::vector<uint32_t>>& examples,
+                              const std::vector<std::vector<uint8_t>>& trained, int64_t seq_len, uint32_t pad,
+                              const std::vector<std::vector<int64_t>>& bins);
+  // Whether sequences hold several examples each (packed chat): batches then carry positions.
+  bool segmented() const { return segmented_; }
+  // Writes sequence i's seq_len positions: each input token's position within its example
+  // (0, 1, ... from each example's first token; 0 for padding). Precondition: segmented().
+  void copy_positions(int64_t i, int64_t* positions) const;
+  // The examples of sequence i (chat): [first, last) in storage order.
+  std::pair<int64_t, int64_t> examples_of(int64_t i) const;
   // Whether some target positions carry no token for the loss (chat): losses then weigh each
   // counted target alike over a whole step (transformers' num_items_in_batch).
   bool masked() const { return kind_ == Kind::kChat; }
@@ -126,8 +144,18 @@ class PackedSequences {
   std::vector<int64_t> offsets_;
   std::vector<int64_t> targets_;  // labeled: each example's target; chat: its counted targets
   std::vector<uint8_t> trained_;  // chat: per token, whether it is a target the loss counts
+  std::vector<int64_t> row_first_;    // chat: sequence i holds examples [row_first_[i], row_first_[i + 1])
+  std::vector<int64_t> row_counted_;  // chat: sequence i's counted targets
+  bool segmented_ = false;
   uint32_t pad_ = 0;
 };
+
+// Best-fit-decreasing bins of `lengths` (each in [1, capacity]) of at most `capacity` each, as
+// TRL's pack_dataset(strategy = "bfd") makes them: items by decreasing length (ties in index
+// order), each into the partly filled bin with the least room that fits it (the first such bin to
+// have reached that room), else a new bin; bins in creation order, each listing its items'
+// indices in insertion order. Throws weft::Error for a length outside [1, capacity].
+std::vector<std::vector<int64_t>> best_fit_decreasing(const std::vector<int64_t>& lengths, int64_t capacity);
 
 // The target of a position that carries no label in a classification batch (the model's
 // kIgnoreTarget, and PyTorch's cross_entropy ignore_index default).

@@ -40,6 +40,10 @@ Batch make_batch(const PackedSequences& seqs, const std::vector<int64_t>& sequen
   for (int64_t r = 0; r < rows; ++r) {
     seqs.copy_sequence(sequence_indices[r], inputs + r * len, targets + r * len);
   }
+  if (seqs.segmented()) {
+    batch.positions = torch::empty({rows, len}, torch::kInt64);
+    for (int64_t r = 0; r < rows; ++r) seqs.copy_positions(sequence_indices[r], batch.positions.data_ptr<int64_t>() + r * len);
+  }
   return batch;
 }
 

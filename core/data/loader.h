@@ -20,6 +20,9 @@ namespace weft {
 struct Batch {
   at::Tensor inputs;
   at::Tensor targets;
+  // Rows that hold several examples (PackedSequences::segmented): each input token's position
+  // within its example, int64 [rows, seq_len]; undefined otherwise (positions 0, 1, ... of the row).
+  at::Tensor positions;
 
   int64_t rows() const { return inputs.size(0); }
   // Number of target tokens (for token-weighted losses and evaluation): rows * seq_len.

@@ -154,6 +154,8 @@ Job::Job(TrainOptions options, RunContext context, Data data) : options_(std::mo
   const bool classify = options_.task == "classification";
   WEFT_CHECK(!classify || options_.data.format != "chat",
              "data.format = \"chat\" is for train.task = \"causal_lm\" (instruction tuning)");
+  WEFT_CHECK(!options_.chat.packing || options_.data.format == "chat",
+             "data.packing is for data.format = \"chat\" (text is packed into sequences already)");
   WEFT_CHECK(classify || (options_.data.format != "glue" && options_.classification.glue_task.empty()),
              "data.format = \"glue\" and data.glue_task are for train.task = \"classification\"");
   WEFT_CHECK(!classify || (options_.data.format == "glue") == !options_.classification.glue_task.empty(),
@@ -189,10 +191,13 @@ Job::Job(TrainOptions options, RunContext context, Data data) : options_(std::mo
     const ChatData chat = prepare_chat(options_.data, options_.chat, *tokenizer_, chat_template.get());
     data_ = chat.splits;
     spdlog::info("chat data: {} examples ({} cut to seq_len + 1 = {}, {} left with no token in the loss and dropped), "
-                 "loss on {} tokens | {}: {} examples, {} tokens | held-out: {} examples, {} tokens, in {:.2f}s",
+                 "loss on {} tokens, {} | {}: {} examples in {} sequences, {} tokens | held-out: {} examples in {} "
+                 "sequences, {} tokens, in {:.2f}s",
                  chat.examples, chat.truncated, options_.data.seq_len + 1, chat.dropped, options_.chat.loss_on,
-                 data_.summary.train_name, data_.summary.train_sequences, data_.summary.train_tokens,
-                 data_.summary.heldout_sequences, data_.summary.heldout_tokens, data_.summary.seconds);
+                 options_.chat.packing ? "packed" : "one per sequence", data_.summary.train_name,
+                 data_.summary.train_documents, data_.summary.train_sequences, data_.summary.train_tokens,
+                 data_.summary.heldout_documents, data_.summary.heldout_sequences, data_.summary.heldout_tokens,
+                 data_.summary.seconds);
   } else if (data == Data::kSplits) {
     DatasetOptions data_options = options_.data;
     // Token files are checked against the model's vocabulary: they need no tokenizer of the model.
@@ -258,6 +263,12 @@ void Job::build_model() {
   placement_ = strategy_->place(config, model_options.compute_dtype, model_seq_len(), options_.batch_size);
   model_options.stages = placement_.stages;
   model_options.deferrable_weight_grads = placement_.split_backward;
+  WEFT_CHECK(!options_.chat.packing || !prompt_, "data.packing: prompt tuning prepends its virtual tokens to every "
+             "sequence, not to each packed example: set data.packing = false");
+  WEFT_CHECK(!options_.chat.packing || !strategy_->plugin_attention(),
+             "data.packing keeps packed examples apart with an attention mask, which plugin {} computing the attention "
+             "core itself (ring attention) does not take: set data.packing = false, or split sequences with the "
+             "all-to-all", strategy_->names());
   WEFT_CHECK(!config.classification() || placement_.context_parallel_size == 1,
              "train.task = \"classification\" pools each sequence at its last token, which one rank holds when "
              "plugin {} splits sequences over {} ranks: not supported (use ddp, tensor_parallel or a pipeline)",

@@ -144,6 +144,11 @@ const std::vector<Row>& rows() {
                  "(or the completion's) tokens, as TRL's assistant_only_loss / completion_only_loss; all = every "
                  "token.",
                  {"assistant", "all"}),
+      bool_key("data.packing", WEFT_MEMBER(chat.packing), false,
+               "data.format = \"chat\": several examples per sequence, as TRL's packing = True (best fit "
+               "decreasing into sequences of seq_len + 1 tokens, in runs of 1000 examples); each example keeps "
+               "its own positions and attends to itself only. Not with prompt tuning or a plugin's own attention "
+               "core (ring attention)."),
       string_key("data.text_field", WEFT_MEMBER(data.text_field), "text", "Field of each JSONL record that holds the text."),
       string_key("data.glue_task", WEFT_MEMBER(classification.glue_task), "",
                  "data.format = \"glue\": the task whose files data.path holds (train.tsv, dev.tsv; MNLI also "

@@ -399,13 +399,13 @@ WEFT_SIMD_CLONES void rotate_row_dispatch(const Bf16Bits* src, Bf16Bits* dst, co
 // Forward (inverse=false): qkv -> q, k, v. Backward (inverse=true): gq, gk, gv -> gqkv.
 template <typename T>
 void qkv_rope_pass(const QkvShape& s, T* qkv, T* q, T* k, T* v, const float* cos, const float* sin,
-                   bool inverse) {
+                   bool inverse, bool per_row) {
   const int64_t nh = s.total_heads(), d = s.dim;
   at::parallel_for(0, s.batch * s.seq, rows_grain(nh * d), [&](int64_t begin, int64_t end) {
     for (int64_t bt = begin; bt < end; ++bt) {
       const int64_t b = bt / s.seq, t = bt % s.seq;
-      const float* c = cos + t * d;
-      const float* sn = sin + t * d;
+      const float* c = cos + (per_row ? bt : t) * d;  // per_row: tables [B, T, D]
+      const float* sn = sin + (per_row ? bt : t) * d;
       for (int64_t n = 0; n < nh; ++n) {
         T* fused = qkv + (bt * nh + n) * d;
         T* split;
@@ -441,8 +441,10 @@ class QkvRopeFunction : public torch::autograd::Function<QkvRopeFunction> {
     qkv = qkv.contiguous();
     const QkvShape s{qkv.size(0), qkv.size(1), heads, kv_heads, qkv.size(2) / (heads + 2 * kv_heads)};
     const auto c = cos.to(torch::kFloat32).contiguous(), sn = sin.to(torch::kFloat32).contiguous();
-    WEFT_CHECK(c.dim() == 2 && c.size(0) == s.seq && c.size(1) == s.dim && sn.sizes() == c.sizes(),
-               "split_qkv_with_rope: cos/sin must be [{}, {}]", s.seq, s.dim);
+    const bool per_row = c.dim() == 3;
+    WEFT_CHECK((c.dim() == 2 || (per_row && c.size(0) == s.batch)) && c.size(-2) == s.seq && c.size(-1) == s.dim &&
+                   sn.sizes() == c.sizes(),
+               "split_qkv_with_rope: cos/sin must be [{}, {}] or [{}, {}, {}]", s.seq, s.dim, s.batch, s.seq, s.dim);
     auto q = torch::empty({s.batch, heads, s.seq, s.dim}, qkv.options());
     auto k = torch::empty({s.batch, kv_heads, s.seq, s.dim}, qkv.options());
     auto v = torch::empty({s.batch, kv_heads, s.seq, s.dim}, qkv.options());
@@ -458,7 +460,7 @@ class QkvRopeFunction : public torch::autograd::Function<QkvRopeFunction> {
     dispatch_float_or_bf16(qkv.scalar_type(), "split_qkv_with_rope", [&](auto tag) {
       using T = decltype(tag);
       qkv_rope_pass<T>(s, data<T>(qkv), data<T>(q), data<T>(k), data<T>(v),
-                       data<float>(c), data<float>(sn), /*inverse=*/false);
+                       data<float>(c), data<float>(sn), /*inverse=*/false, per_row);
     });
     ctx->save_for_backward({c, sn});
     ctx->saved_data["shape"] = std::vector<int64_t>{s.batch, s.seq, heads, kv_heads, s.dim};
@@ -489,7 +491,7 @@ class QkvRopeFunction : public torch::autograd::Function<QkvRopeFunction> {
       WEFT_CHECK(gk.scalar_type() == gq.scalar_type() && gv.scalar_type() == gq.scalar_type(),
                  "split_qkv_with_rope backward: gradients of mixed dtypes");
       qkv_rope_pass<T>(s, data<T>(gqkv), data<T>(gq), data<T>(gk), data<T>(gv),
-                       saved[0].data_ptr<float>(), saved[1].data_ptr<float>(), /*inverse=*/true);
+                       saved[0].data_ptr<float>(), saved[1].data_ptr<float>(), /*inverse=*/true, saved[0].dim() == 3);
     });
     return {gqkv, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
@@ -558,11 +560,13 @@ torch::Tensor aten_swiglu(const torch::Tensor& gate_up) {
 }
 
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> aten_split_qkv_with_rope(
-    const torch::Tensor& qkv, int64_t num_heads, int64_t num_kv_heads, const torch::Tensor& cos,
-    const torch::Tensor& sin) {
+    const torch::Tensor& qkv, int64_t num_heads, int64_t num_kv_heads, const torch::Tensor& cos_in,
+    const torch::Tensor& sin_in) {
   const int64_t batch = qkv.size(0), seq = qkv.size(1);
   const int64_t dim = qkv.size(2) / (num_heads + 2 * num_kv_heads);
   auto heads = qkv.view({batch, seq, num_heads + 2 * num_kv_heads, dim}).transpose(1, 2);
+  // Per-row tables [B, T, D] broadcast over the heads.
+  const auto cos = cos_in.dim() == 3 ? cos_in.unsqueeze(1) : cos_in, sin = sin_in.dim() == 3 ? sin_in.unsqueeze(1) : sin_in;
   auto rotate = [&](const torch::Tensor& x) {  // fp32 math, HF's rotate_half, in x's dtype
     const auto xf = x.to(torch::kFloat32);
     const int64_t half = dim / 2;
@@ -590,7 +594,10 @@ torch::Tensor fused_swiglu(const torch::Tensor& gate_up) {
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> split_qkv_with_rope(
     const torch::Tensor& qkv, int64_t num_heads, int64_t num_kv_heads, const torch::Tensor& cos,
     const torch::Tensor& sin) {
-  if (!fused_applies(qkv) || cos.device() != qkv.device()) return aten_split_qkv_with_rope(qkv, num_heads, num_kv_heads, cos, sin);
+  // The CUDA kernel takes one table for every row: per-row tables (packed rows) go through ATen there.
+  if (!fused_applies(qkv) || cos.device() != qkv.device() || (qkv.is_cuda() && cos.dim() == 3)) {
+    return aten_split_qkv_with_rope(qkv, num_heads, num_kv_heads, cos, sin);
+  }
   auto out = QkvRopeFunction::apply(qkv, cos, sin, num_heads, num_kv_heads);
   return {out[0], out[1], out[2]};
 }

@@ -31,8 +31,8 @@ torch::Tensor fused_swiglu(const torch::Tensor& gate_up);
 
 // Splits a fused q/k/v projection qkv [B, T, (H + 2 KVH) * D] into q [B, H, T, D] and
 // k, v [B, KVH, T, D] (contiguous, in qkv's dtype) and applies rotary embeddings to q and k
-// with cos/sin [T, D] (fp32, HF rotate_half layout: both halves of a row equal): the same values as transposing the heads
-// and calling apply_rotary, in one pass.
+// with cos/sin [T, D], or [B, T, D] for a table per row (fp32, HF rotate_half layout: both halves of a row equal): the
+// same values as transposing the heads and calling apply_rotary, in one pass.
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> split_qkv_with_rope(
     const torch::Tensor& qkv, int64_t num_heads, int64_t num_kv_heads, const torch::Tensor& cos,
     const torch::Tensor& sin);

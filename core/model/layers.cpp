@@ -82,9 +82,39 @@ torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& cos, con
   return (xf * cos + rotated * sin).to(x.scalar_type());
 }
 
-torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               const torch::Tensor& mask) {
+  if (mask.defined()) {
+    return at::scaled_dot_product_attention(q, k, v, mask, /*dropout_p=*/0.0, /*is_causal=*/false,
+                                            /*scale=*/std::nullopt, /*enable_gqa=*/q.size(1) != k.size(1));
+  }
   return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true,
                                           /*scale=*/std::nullopt, /*enable_gqa=*/q.size(1) != k.size(1));
+}
+
+TokenLayout make_token_layout(const RotaryEmbedding& rope, const torch::Tensor& positions, const torch::Tensor& local,
+                              const torch::Device& device) {
+  torch::NoGradGuard no_grad;
+  WEFT_CHECK(positions.dim() == 2 && positions.scalar_type() == torch::kLong, "token layout: positions must be int64 "
+             "[rows, tokens]");
+  const int64_t rows = positions.size(0), tokens = positions.size(1);
+  const auto pos = positions.to(device);
+  if (pos.numel() > 0) {
+    WEFT_CHECK(pos.min().item<int64_t>() >= 0 && pos.max().item<int64_t>() < tokens,
+               "token layout: positions must lie in [0, {})", tokens);
+  }
+  // A new example wherever a position is not the previous one's plus 1 (transformers'
+  // find_packed_sequence_indices); each query sees its own example's keys up to itself.
+  const auto step = torch::diff(pos, 1, -1, pos.narrow(1, 0, 1) - 1);
+  const auto example = (step != 1).cumsum(-1);
+  const auto causal = torch::ones({tokens, tokens}, torch::TensorOptions().dtype(torch::kBool).device(device)).tril();
+  TokenLayout layout;
+  layout.mask = (example.unsqueeze(2) == example.unsqueeze(1)).logical_and(causal).unsqueeze(1);
+  const auto held = local.defined() ? pos.index_select(1, local.to(device)) : pos;
+  const auto [whole_cos, whole_sin] = rope.tables(0, tokens, device);
+  layout.cos = whole_cos.index_select(0, held.reshape({-1})).view({rows, held.size(1), -1});
+  layout.sin = whole_sin.index_select(0, held.reshape({-1})).view({rows, held.size(1), -1});
+  return layout;
 }
 
 BlockShape BlockShape::whole(const ModelConfig& c, QuantConfig quantize) {
@@ -112,22 +142,40 @@ AttentionImpl::AttentionImpl(const ModelConfig& c, const BlockShape& shape)
              "attention: {} heads and {} kv heads are not the slices q_proj and k_proj hold", num_heads_, num_kv_heads_);
 }
 
-torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const RotaryEmbedding& rope) {
-  if (context_ != nullptr && context_->size > 1) return forward_context_split(x, rope);
+torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const RotaryEmbedding& rope, const TokenLayout* layout) {
+  if (context_ != nullptr && context_->size > 1) return forward_context_split(x, rope, layout);
   const int64_t batch = x.size(0), seq = x.size(1);
   // One GEMM for q, k and v; one pass splits the heads and applies RoPE to q and k.
   auto qkv = fused_linear(x, {q_proj.get(), k_proj.get(), v_proj.get()});
-  auto [cos, sin] = rope.tables(0, seq, x.device());
+  auto [cos, sin] = layout != nullptr ? std::pair{layout->cos, layout->sin} : rope.tables(0, seq, x.device());
   auto [q, k, v] = split_qkv_with_rope(qkv, num_heads_, num_kv_heads_, cos, sin);
-  auto out = causal_attention(q, k, v);
+  auto out = causal_attention(q, k, v, layout != nullptr ? layout->mask : torch::Tensor());
   return o_proj(out.transpose(1, 2).reshape({batch, seq, num_heads_ * head_dim_}));
 }
 
-torch::Tensor AttentionImpl::forward_context_split(const torch::Tensor& x, const RotaryEmbedding& rope) {
+torch::Tensor AttentionImpl::forward_context_split(const torch::Tensor& x, const RotaryEmbedding& rope,
+                                                   const TokenLayout* layout) {
   const int64_t batch = x.size(0), seq = x.size(1), parts = context_->size;
   WEFT_CHECK(context_->attention || num_heads_ % parts == 0,
              "context parallelism: {} attention heads cannot be split over {} processes", num_heads_, parts);
+  WEFT_CHECK(layout == nullptr || !context_->attention,
+             "context parallelism: packed rows need the attention over whole sequences (the all-to-all), not the "
+             "plugin's attention core");
   auto qkv = fused_linear(x, {q_proj.get(), k_proj.get(), v_proj.get()});
+  if (layout != nullptr) {  // packed rows: RoPE at each token's position in its example, the rows' mask
+    WEFT_CHECK(context_->layout == ContextLayout::kContiguous,
+               "context parallelism: the all-to-all (Ulysses) needs the contiguous layout");
+    auto [q, k, v] = split_qkv_with_rope(qkv, num_heads_, num_kv_heads_, layout->cos, layout->sin);
+    if (num_kv_heads_ % parts != 0) {
+      k = k.repeat_interleave(num_heads_ / num_kv_heads_, 1);
+      v = v.repeat_interleave(num_heads_ / num_kv_heads_, 1);
+    }
+    q = sequence_to_heads(q, *context_, layer_);
+    k = sequence_to_heads(k, *context_, layer_);
+    v = sequence_to_heads(v, *context_, layer_);
+    auto out = heads_to_sequence(causal_attention(q, k, v, layout->mask), *context_, layer_);
+    return o_proj(out.transpose(1, 2).reshape({batch, seq, num_heads_ * head_dim_}));
+  }
   // RoPE at the global positions of this process's tokens (one or two runs of the sequence), cut
   // from the whole sequence's tables (cached: the same for every block and step).
   const auto [whole_cos, whole_sin] = rope.tables(0, parts * seq, x.device());
@@ -223,7 +271,7 @@ torch::Tensor residual_add(const torch::Tensor& x, const torch::Tensor& a) {
 
 }  // namespace
 
-torch::Tensor DecoderBlockImpl::forward(const torch::Tensor& x, const RotaryEmbedding& rope) {
+torch::Tensor DecoderBlockImpl::forward(const torch::Tensor& x, const RotaryEmbedding& rope, const TokenLayout* layout) {
   // The residual stream stays fp32; sublayer outputs (compute dtype) are promoted on add.
   // Norms write their output directly in the compute dtype the projections read.
   // With tensor parallelism, comm points wrap each sublayer: f before (all-reduce backward),
@@ -234,7 +282,7 @@ torch::Tensor DecoderBlockImpl::forward(const torch::Tensor& x, const RotaryEmbe
     // backward (release_gathered): between the two only this process's tokens are kept.
     const auto a_local = input_layernorm->normalize(x, dtype);
     const auto a_all = sequence_gather(*shards_, CommPoint::kAttentionInput, layer_, a_local);
-    auto a = release_gathered(*shards_, CommPoint::kAttentionInput, layer_, self_attn->forward(a_all, rope), a_local, a_all);
+    auto a = release_gathered(*shards_, CommPoint::kAttentionInput, layer_, self_attn->forward(a_all, rope, layout), a_local, a_all);
     a = sequence_reduce_scatter(*shards_, CommPoint::kAttentionOutput, layer_, a);
     auto h = residual_add(x, a);
     const auto m_local = post_attention_layernorm->normalize(h, dtype);
@@ -244,11 +292,11 @@ torch::Tensor DecoderBlockImpl::forward(const torch::Tensor& x, const RotaryEmbe
     return residual_add(h, m);
   }
   if (comm_ == nullptr || !*comm_) {
-    auto h = residual_add(x, self_attn->forward(input_layernorm->normalize(x, dtype), rope));
+    auto h = residual_add(x, self_attn->forward(input_layernorm->normalize(x, dtype), rope, layout));
     return residual_add(h, mlp(post_attention_layernorm->normalize(h, dtype)));
   }
   auto a = comm_point(comm_, CommPoint::kAttentionInput, layer_, input_layernorm->normalize(x, dtype));
-  a = comm_point(comm_, CommPoint::kAttentionOutput, layer_, self_attn->forward(a, rope));
+  a = comm_point(comm_, CommPoint::kAttentionOutput, layer_, self_attn->forward(a, rope, layout));
   auto h = residual_add(x, a);
   auto m = comm_point(comm_, CommPoint::kMlpInput, layer_, post_attention_layernorm->normalize(h, dtype));
   m = comm_point(comm_, CommPoint::kMlpOutput, layer_, mlp(m));

@@ -65,6 +65,20 @@ class RotaryEmbedding {
   std::shared_ptr<TableCache> cache_ = std::make_shared<TableCache>();
 };
 
+// Rows that hold several examples (packed instruction data, data.packing): RoPE takes each token's
+// position within its example, and each query attends to the keys of its own example up to itself
+// (transformers' packed position_ids: a new example wherever a position is not the previous one
+// plus 1). Built once per forward (make_token_layout); a null layout: one sequence per row.
+struct TokenLayout {
+  torch::Tensor cos, sin;  // [B, T, head_dim] fp32: the tables of the tokens the attention's input holds
+  torch::Tensor mask;      // [B, 1, S, S] bool over whole rows: query i may attend to key j
+};
+// positions: int64 [B, S], each token's position within its example over whole rows. `local`: the
+// indices of the tokens the attention's input holds of each row (context parallelism:
+// ContextSplit::positions), undefined for all of them. Throws weft::Error for a position outside [0, S).
+TokenLayout make_token_layout(const RotaryEmbedding& rope, const torch::Tensor& positions, const torch::Tensor& local,
+                              const torch::Device& device);
+
 // Applies RoPE to x [batch, heads, seq, head_dim] with cos/sin [seq, head_dim]; fp32 math,
 // result in x's dtype.
 torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
@@ -73,7 +87,10 @@ torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& cos, con
 // q [B, H, T, D], k/v [B, KVH, T, D] with H % KVH == 0; query head h uses kv head h / (H / KVH).
 // Returns [B, H, T, D] in q's dtype: at::scaled_dot_product_attention (fused flash-attention
 // kernels on CPU and CUDA that keep the softmax statistics in fp32).
-torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
+// With a defined `mask` [B, 1, T, T] (bool; TokenLayout::mask), query i attends to the keys the mask allows
+// instead of the causal ones.
+torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               const torch::Tensor& mask = {});
 
 // The heads and MLP width a process holds of each block (all of them without tensor
 // parallelism), and which slices of the whole block they are: q_proj's, k_proj's / v_proj's and
@@ -105,8 +122,9 @@ class AttentionImpl : public torch::nn::Module {
   // This process's `shape.heads` query and `shape.kv_heads` key/value heads (column-parallel
   // q/k/v, row-parallel o: the output is a partial sum over the processes' heads).
   AttentionImpl(const ModelConfig& config, const BlockShape& shape);
-  // x [B, T, hidden] -> [B, T, hidden]; rope gives the position tables.
-  torch::Tensor forward(const torch::Tensor& x, const RotaryEmbedding& rope);
+  // x [B, T, hidden] -> [B, T, hidden]; rope gives the position tables, or `layout` (packed rows;
+  // not with ring attention) the positions and the mask.
+  torch::Tensor forward(const torch::Tensor& x, const RotaryEmbedding& rope, const TokenLayout* layout = nullptr);
   // The same for new tokens at positions cache.length() .. + T - 1, attending to the cached
   // keys and values too; appends the new keys and values to `cache` (inference, no autograd).
   torch::Tensor forward_cached(const torch::Tensor& x, const RotaryEmbedding& rope, LayerKvCache& cache);
@@ -125,7 +143,7 @@ class AttentionImpl : public torch::nn::Module {
   Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
 
  private:
-  torch::Tensor forward_context_split(const torch::Tensor& x, const RotaryEmbedding& rope);
+  torch::Tensor forward_context_split(const torch::Tensor& x, const RotaryEmbedding& rope, const TokenLayout* layout);
 
   int64_t num_heads_, num_kv_heads_, head_dim_;
   const ContextSplit* context_ = nullptr;
@@ -152,7 +170,7 @@ class DecoderBlockImpl : public torch::nn::Module {
   // at the four Megatron points around attention and MLP, and at kRowAbsMax by o_proj and
   // down_proj when they are row-split int8 layers computing with int8_linear.
   DecoderBlockImpl(const ModelConfig& config, const BlockShape& shape, int64_t layer, const CommHook* comm);
-  torch::Tensor forward(const torch::Tensor& x, const RotaryEmbedding& rope);
+  torch::Tensor forward(const torch::Tensor& x, const RotaryEmbedding& rope, const TokenLayout* layout = nullptr);
   // Incremental decoding with this block's cache (see AttentionImpl::forward_cached).
   torch::Tensor forward_cached(const torch::Tensor& x, const RotaryEmbedding& rope, LayerKvCache& cache);
   // Megatron sequence parallelism (must outlive the block; null: off): forward() then takes and

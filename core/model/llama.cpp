@@ -213,7 +213,8 @@ torch::Tensor LlamaForCausalLMImpl::head_weight() const {
   return lm_head.is_empty() ? model->embed_tokens->weight : lm_head->weight;
 }
 
-torch::Tensor LlamaForCausalLMImpl::run_stage(int64_t stage, const torch::Tensor& input, bool shard_tokens) {
+torch::Tensor LlamaForCausalLMImpl::run_stage(int64_t stage, const torch::Tensor& input, bool shard_tokens,
+                                             const TokenLayout* layout) {
   const int64_t final_stage = num_stages() - 1;
   const SequenceShards* tokens =
       shard_tokens && options_.sequence_parallel != nullptr && options_.sequence_parallel->size > 1
@@ -245,9 +246,9 @@ torch::Tensor LlamaForCausalLMImpl::run_stage(int64_t stage, const torch::Tensor
   if (stage < final_stage) {
     auto& block = model->blocks.at(stage - 1);
     if (options_.activation_checkpointing && is_training() && torch::GradMode::is_enabled()) {
-      return checkpointed_block(*block, rope_, input);
+      return checkpointed_block(*block, rope_, input, layout);
     }
-    return block->forward(input, rope_);
+    return block->forward(input, rope_, layout);
   }
   const auto local = model->norm(input);
   auto h = local;
@@ -276,14 +277,23 @@ bool LlamaForCausalLMImpl::holds_stage(int64_t stage) const {
   return std::any_of(held_.begin(), held_.end(), [&](const StageRange& r) { return r.first <= stage && stage < r.last; });
 }
 
-torch::Tensor LlamaForCausalLMImpl::forward_stages(int64_t first, int64_t last, const torch::Tensor& input) {
+torch::Tensor LlamaForCausalLMImpl::forward_stages(int64_t first, int64_t last, const torch::Tensor& input,
+                                                   const torch::Tensor& positions) {
   const bool held = std::any_of(held_.begin(), held_.end(),
                                 [&](const StageRange& r) { return r.first <= first && first <= last && last <= r.last; });
   WEFT_CHECK(held, "stages [{}, {}) requested but this model holds stages {}", first, last,
              StageSet(held_).describe(num_stages()));
+  std::optional<TokenLayout> layout;
+  if (positions.defined() && first < num_stages() - 1 && last > 1) {  // some decoder block runs
+    const ContextSplit* context = options_.context != nullptr && options_.context->size > 1 ? options_.context.get() : nullptr;
+    WEFT_CHECK(positions.dim() == 2 && positions.size(0) == input.size(0), "packed rows: positions of {} rows for {} rows",
+               positions.size(0), input.size(0));
+    layout = make_token_layout(rope_, positions, context ? context->positions(positions.size(1)) : torch::Tensor(),
+                               input.device());
+  }
   torch::Tensor x = input;
   for (int64_t stage = first; stage < last; ++stage) {
-    x = run_stage(stage, x);
+    x = run_stage(stage, x, /*shard_tokens=*/true, layout ? &*layout : nullptr);
     if (fault_injection_armed() && is_training() && torch::GradMode::is_enabled()) {  // the fault tests' points
       fault_point("forward");
       if (x.requires_grad()) x.register_hook([](const torch::Tensor&) { fault_point("backward"); });

@@ -124,8 +124,12 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   bool holds_every_stage() const { return held_.size() == 1 && held_[0].first == 0 && held_[0].last == num_stages(); }
 
   // Runs stages [first, last) on `input` (tokens if first == 0, else hidden states).
+  // `positions` (packed rows, int64 [B, S] over whole rows even when this process holds a share of
+  // each: Batch::positions): each token's position within its example, which the blocks' RoPE and
+  // attention follow (TokenLayout); undefined: one sequence per row.
   // Throws weft::Error if a stage in the range is not held by this model.
-  torch::Tensor forward_stages(int64_t first, int64_t last, const torch::Tensor& input);
+  torch::Tensor forward_stages(int64_t first, int64_t last, const torch::Tensor& input,
+                               const torch::Tensor& positions = {});
   // Full model: tokens -> logits. Requires all stages.
   torch::Tensor forward(const torch::Tensor& tokens);
   // Incremental decoding (inference, no autograd; requires all stages): logits for `tokens`
@@ -161,7 +165,8 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
  private:
   // `shard_tokens`: with options().tensor_sequence, stage 0 returns this process's tokens and the
   // last stage takes them (false: whole sequences, for cached decoding).
-  torch::Tensor run_stage(int64_t stage, const torch::Tensor& input, bool shard_tokens = true);
+  torch::Tensor run_stage(int64_t stage, const torch::Tensor& input, bool shard_tokens = true,
+                          const TokenLayout* layout = nullptr);
 
   ModelConfig config_;
   ModelOptions options_;
@@ -185,6 +190,7 @@ torch::Tensor cross_entropy_sum(const torch::Tensor& logits, const torch::Tensor
 // Runs `block` so that its activations are recomputed in backward instead of stored
 // (activation checkpointing). Gradients of the block's parameters accumulate as usual; dropout
 // masks are reproduced by restoring the CPU RNG state.
-torch::Tensor checkpointed_block(DecoderBlockImpl& block, const RotaryEmbedding& rope, const torch::Tensor& x);
+torch::Tensor checkpointed_block(DecoderBlockImpl& block, const RotaryEmbedding& rope, const torch::Tensor& x,
+                                 const TokenLayout* layout = nullptr);
 
 }  // namespace weft

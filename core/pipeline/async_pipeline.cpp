@@ -94,6 +94,7 @@ void AsyncPipeline::backward(int64_t minibatch, std::vector<Work>& sends) {
   Activation input = placement_.is_first()
                          ? std::move(flight.input)
                          : host_.activation_from_tensor(host_.activation_view(flight.input), /*requires_grad=*/true);
+  if (!placement_.is_first()) host_.share_layout(input, flight.input);
   {
     Activation output = host_.forward(placement_.first_model_stage, placement_.last_model_stage, input);
     last_recompute_difference_ = std::abs(host_.squared_norm(host_.activation_view(output)) - flight.output_squares);
@@ -125,6 +126,7 @@ double AsyncPipeline::step(int64_t t, int64_t rows, int64_t stage_tokens) {
     TraceSpan wait(host_, "recv", "recv A" + std::to_string(t));
     host_.recv(world_, view, peer(/*next=*/false), async_tag(t, false)).wait();
     input = host_.activation_from_tensor(view, /*requires_grad=*/placement_.is_last());
+    host_.share_layout(input, batch.inputs);  // packed rows' positions
   }
   if (placement_.is_last()) {
     // Forward and backward of minibatch t at once, with the current weights.

@@ -68,16 +68,17 @@ void Executor::forward(Slot& slot, const Action& action, const Schedule& schedul
   const int32_t host_micro_batch = micro_batch / splits_;
   const int32_t split = micro_batch % splits_;
   const bool first = placement_.is_first_virtual(chunk), last = placement_.is_last_virtual(chunk);
-  if (first || last) {
-    weft::sdk::Batch batch = host_.batch(host_micro_batch, split, splits_);
-    if (first) slot.input = std::move(batch.inputs);
-    if (last) slot.targets = std::move(batch.targets);
-  }
-  if (!first && slot.activation_local >= 0) {
+  // Every chunk reads the micro-batch: the first its tokens, the last its targets, the others the
+  // rows' layout (packed rows' positions), which the received input takes.
+  weft::sdk::Batch batch = host_.batch(host_micro_batch, split, splits_);
+  if (last) slot.targets = std::move(batch.targets);
+  if (first) {
+    slot.input = std::move(batch.inputs);
+  } else if (slot.activation_local >= 0) {
     slot.input = host_.activation_from_tensor(host_.activation_view(take_local(slot.activation_local, action)),
                                               /*requires_grad=*/train_);
     slot.activation_local = -1;
-  } else if (!first) {
+  } else {
     {
       TraceSpan wait(host_, "recv", "recv A" + name.substr(1));
       slot.activation_work.wait();
@@ -86,6 +87,7 @@ void Executor::forward(Slot& slot, const Action& action, const Schedule& schedul
     slot.input = host_.activation_from_tensor(slot.activation_buffer.view(), /*requires_grad=*/train_);
     slot.activation_buffer.reset();  // the host copied it
   }
+  if (!first) host_.share_layout(slot.input, batch.inputs);
   const auto start = Clock::now();
   TraceSpan span(host_, "forward", name);
   uint32_t flags = train_ ? (recompute_ ? WEFT_FORWARD_RECOMPUTE : 0u) : WEFT_FORWARD_NO_GRAD;

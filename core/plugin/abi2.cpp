@@ -737,6 +737,7 @@ class HostStep : public sdk::Strategy {
               pass.outputs[0] = h.forward(first_stage(0), end_stage(0), pass.batch.inputs);
             } else {
               pass.inputs[c] = h.activation_from_tensor(h.activation_view(pass.outputs[c - 1]), true);
+              h.share_layout(pass.inputs[c], pass.batch.inputs);
               pass.outputs[c] = h.forward(first_stage(a.chunk), end_stage(a.chunk), pass.inputs[c]);
             }
             if (a.chunk + 1 == chunks) {

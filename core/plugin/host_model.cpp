@@ -148,7 +148,9 @@ weft_status* batch(weft_host* host, int32_t micro_batch, int32_t split, int32_t 
       sequences = std::vector<int64_t>(sequences.begin() + split * part, sequences.begin() + (split + 1) * part);
     }
     auto rows_inputs = b.inputs.narrow(0, split * part, part), rows_targets = b.targets.narrow(0, split * part, part);
+    const auto rows_positions = b.positions.defined() ? b.positions.narrow(0, split * part, part) : at::Tensor();
     if (const int64_t prompt = s.model != nullptr ? s.model->options().prompt_tokens : 0; prompt > 0) {
+      WEFT_CHECK(!rows_positions.defined(), "prompt tuning with packed rows (data.packing) is not supported");
       // Prompt tuning: the virtual tokens' slots (-1..-P) before each row, their targets ignored.
       const auto slots = -torch::arange(1, prompt + 1, torch::kLong).expand({part, prompt});
       rows_inputs = torch::cat({slots, rows_inputs}, 1);
@@ -160,6 +162,7 @@ weft_status* batch(weft_host* host, int32_t micro_batch, int32_t split, int32_t 
       rows_targets = rows_targets.index_select(1, positions);
     }
     *inputs = new_activation(rows_inputs.contiguous().to(s.device));
+    if (rows_positions.defined()) (*inputs)->positions = rows_positions.contiguous().to(s.device);
     *targets = new_activation(rows_targets.contiguous().to(s.device), std::move(sequences));
   });
 }
@@ -173,22 +176,24 @@ weft_status* forward(weft_host* host, int64_t first, int64_t last, weft_activati
     WEFT_CHECK((flags & ~(WEFT_FORWARD_NO_GRAD | WEFT_FORWARD_RECOMPUTE)) == 0, "forward: unknown flags {:#x}", flags);
     const ComputeTimer timer(s, /*backward=*/false);
     const auto& x = tensor_of(input);
+    const auto& positions = input->positions;  // packed rows: passed on to the next stage's input
     if (flags & WEFT_FORWARD_NO_GRAD) {
       torch::NoGradGuard no_grad;
-      *output = new_activation(s.model->forward_stages(first, last, x));
+      *output = new_activation(s.model->forward_stages(first, last, x, positions));
     } else if (flags & WEFT_FORWARD_RECOMPUTE) {
       const bool was = s.model->options().activation_checkpointing;
       s.model->set_activation_checkpointing(true);
       try {
-        *output = new_activation(s.model->forward_stages(first, last, x));
+        *output = new_activation(s.model->forward_stages(first, last, x, positions));
       } catch (...) {
         s.model->set_activation_checkpointing(was);
         throw;
       }
       s.model->set_activation_checkpointing(was);
     } else {
-      *output = new_activation(s.model->forward_stages(first, last, x));
+      *output = new_activation(s.model->forward_stages(first, last, x, positions));
     }
+    (*output)->positions = positions;
   });
 }
 
@@ -314,6 +319,13 @@ weft_status* activation_from_tensor(weft_host* host, const DLTensor* data, int32
     auto copy = sdk::from_dl_view(*data).to(state_of(host).device, /*non_blocking=*/false, /*copy=*/true);
     if (requires_grad) copy.set_requires_grad(true);
     *out = new_activation(copy);
+  });
+}
+
+weft_status* activation_share_layout(weft_host*, weft_activation* to, const weft_activation* from) {
+  return guarded([&] {
+    WEFT_CHECK(to != nullptr && from != nullptr, "activation_share_layout: null activation");
+    to->positions = from->positions;
   });
 }
 

@@ -41,6 +41,9 @@ struct weft_work {
 struct weft_activation {
   at::Tensor tensor;
   std::vector<int64_t> sequences;  // targets handed out by batch(): the sequence of each row
+  // Packed rows: each token's position within its example over whole rows (Batch::positions, on
+  // the device), which forward() gives the model and passes on to its output; undefined otherwise.
+  at::Tensor positions;
 };
 struct weft_buffer {
   at::Tensor tensor;  // contiguous, on the rank's device; its sizes and strides back the view

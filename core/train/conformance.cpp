@@ -142,7 +142,7 @@ std::string run_arguments(const ConformanceOptions& c, const std::string& corpus
   if (c.activation_checkpointing) plugin_settings += " --set model.activation_checkpointing=true";
   if (c.int8_threshold != 6.0) plugin_settings += fmt::format(" --set model.int8_threshold={}", c.int8_threshold);
   if (c.quantize == "int8" && !int8_gemm_checked(c)) plugin_settings += " --set model.int8_gemm=false";
-  if (c.task == "chat") plugin_settings += " --set data.format=chat";
+  if (c.task == "chat") plugin_settings += c.packing ? " --set data.format=chat --set data.packing=true" : " --set data.format=chat";
   else if (c.task != "causal_lm") plugin_settings += " --set train.task=" + c.task;
   return fmt::format(
       "train --plugin {} --nproc {} --set model.config={} --set data.path={} --set data.seq_len=32"
@@ -239,6 +239,7 @@ TrainOptions run_options(const ConformanceOptions& c, const std::string& corpus,
   o.model.int8_gemm = int8_gemm_checked(c);  // the reference computes as the plugin's run does (see int8_gemm_loss_rtol)
   o.task = c.task == "chat" ? "causal_lm" : c.task;
   if (c.task == "chat") o.data.format = "chat";
+  o.chat.packing = c.packing;
   return o;
 }
 
@@ -293,6 +294,11 @@ void apply_check_setting(ConformanceOptions& o, const std::string& setting) {
     o.task = "chat";
     return;
   }
+  if (setting == "data.packing=true") {  // instruction tuning with several pairs per row
+    o.task = "chat";
+    o.packing = true;
+    return;
+  }
   if (setting == "train.device=cpu" || setting == "train.device=cuda" || setting == "train.device=auto") {
     o.device = setting.substr(std::string("train.device=").size());
     return;
@@ -306,7 +312,7 @@ void apply_check_setting(ConformanceOptions& o, const std::string& setting) {
                             "train.mode=full|lora|adalora|prompt_tuning, --set train.precision=fp32|bf16|fp16, --set model.quantize=none|int8|nf4, "
                             "--set model.int8_threshold=X, --set model.frozen_dtype=fp32|bf16, --set "
                             "model.activation_checkpointing=true|false, --set train.task=causal_lm|classification, --set "
-                            "data.format=chat and "
+                            "data.format=chat, data.packing=true and "
                             "--set train.device=cpu|cuda|auto, got '{}'",
                             setting));
   }

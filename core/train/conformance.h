@@ -63,6 +63,9 @@ struct ConformanceOptions {
   // "chat" (causal_lm on data.format = "chat"): prompt-completion pairs, one per row, the loss on the
   // completions' tokens, which differ in number between rows, micro-batches and ranks.
   std::string task = "causal_lm";
+  // data.packing for both runs (task "chat"): several pairs per row, each with its own positions and
+  // attending to itself only.
+  bool packing = false;
   // "fp32", or "bf16" / "fp16": both runs compute in that half precision (fp32 weights and
   // optimizer; fp16 with dynamic loss scaling), compared with the half-precision tolerances
   // (bf16_loss_rtol, bf16_param_atol) instead of fp32's.

@@ -67,6 +67,65 @@ TEST(Chat, TheStepLossIsTheMeanOverEveryTrainedTokenOfTheStep) {
   }
 }
 
+// data.packing: the 8 pairs of 16 to 46 tokens packed into 6 rows train as they do one per row. A
+// step over all of them has the same token-weighted loss, hence the same gradients and the same next
+// steps, on one process and under ddp; evaluation gives the same loss over fewer rows.
+TEST(Chat, PackedRowsTrainAsOneExamplePerRow) {
+  const std::string dir = fresh_dir("packed");
+  const std::string path = dir + "/pairs.jsonl";
+  {
+    std::ofstream out(path);
+    for (int i = 0; i < 8; ++i) {
+      std::string completion = " yes";
+      for (int k = 0; k < i % 4; ++k) completion += " and so on";
+      out << json{{"prompt", "Question " + std::to_string(i) + "?"}, {"completion", completion}}.dump() << "\n";
+    }
+  }
+  const std::string args = tiny_args(dir, path) + " --set train.epochs=3 --set train.max_steps=0";
+  const auto evaluate = [&](const std::string& packing) {
+    const auto r = run_trainer("eval " + tiny_args(dir, path) + " --set data.packing=" + packing + " --data " + path +
+                               " --json " + dir + "/eval.json");
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return json::parse(read_text(dir + "/eval.json"));
+  };
+  const json one = evaluate("false"), packed = evaluate("true");
+  EXPECT_EQ(one["sequences"], 8);
+  EXPECT_EQ(packed["sequences"], 6);
+  EXPECT_EQ(packed["tokens"], one["tokens"]);
+  EXPECT_NEAR(packed["loss"].get<double>(), one["loss"].get<double>(), 1e-6 * one["loss"].get<double>());
+  const auto train = [&](const std::string& run) {
+    const auto r = run_trainer(args + run);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return weft::testing::step_losses(dir + "/out/metrics.jsonl");
+  };
+  const auto expected = train(" --set train.batch_size=8");
+  ASSERT_EQ(expected.size(), 3u);
+  for (const std::string& run : {std::string(), std::string(" --plugin ddp --nproc 2")}) {
+    const auto losses = train(" --set data.packing=true --set train.batch_size=6" + run);
+    ASSERT_EQ(losses.size(), 3u) << run;
+    for (size_t k = 0; k < 3; ++k) EXPECT_NEAR(losses[k], expected[k], 1e-5 * expected[k]) << "step " << k + 1 << run;
+  }
+  // What packing cannot do is refused in one line before the first step.
+  const struct {
+    std::string settings, message;
+  } refused[] = {
+      {" --set train.mode=prompt_tuning", "data.packing: prompt tuning prepends its virtual tokens to every sequence"},
+      {" --plugin context_parallel --nproc 2 --set plugin.mode=ring",
+       "data.packing keeps packed examples apart with an attention mask, which plugin context_parallel computing the "
+       "attention core itself (ring attention) does not take"},
+  };
+  for (const auto& c : refused) {
+    const auto r = run_trainer(args + " --set data.packing=true --set train.batch_size=6" + c.settings);
+    EXPECT_NE(r.exit_code, 0) << c.settings;
+    EXPECT_NE(r.output.find(c.message), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("step 1"), std::string::npos) << r.output;
+  }
+  const auto text = run_trainer("--config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set data.packing=true "
+                                "--set data.path=" + path + " --set train.max_steps=1 --set train.out_dir=" + dir + "/text --set log.progress=off");
+  EXPECT_NE(text.exit_code, 0);
+  EXPECT_NE(text.output.find("data.packing is for data.format = \"chat\""), std::string::npos) << text.output;
+}
+
 TEST(Chat, BadDataIsOneErrorNamingTheLine) {
   const std::string dir = fresh_dir("bad");
   const struct {

@@ -116,6 +116,26 @@ TEST(FusedKernels, TheAtenPathEqualsTheFusedKernelsItStandsInFor) {
   const auto probe_qkv = torch::randn({qkv.numel()});
   EXPECT_TRUE(torch::allclose(grads_of(qkv_of(true), {qkv}, probe_qkv)[0], grads_of(qkv_of(false), {qkv}, probe_qkv)[0],
                               1e-5, 1e-6));
+  // A table per row (packed rows: each row's positions), [B, T, D]: row 0 at positions 0..5, row 1
+  // at 0, 1, 0, 1, 2, 3.
+  const auto [whole_cos, whole_sin] = rope.tables(0, 6);
+  const auto rows = torch::tensor(std::vector<int64_t>{0, 1, 2, 3, 4, 5, 0, 1, 0, 1, 2, 3});
+  const auto row_cos = whole_cos.index_select(0, rows).view({2, 6, -1}), row_sin = whole_sin.index_select(0, rows).view({2, 6, -1});
+  auto per_row = [&](bool aten) {
+    return [&, aten](std::vector<torch::Tensor> in) {
+      auto [q, k, v] = aten ? aten_split_qkv_with_rope(in[0], h, kvh, row_cos, row_sin)
+                            : split_qkv_with_rope(in[0], h, kvh, row_cos, row_sin);
+      return torch::cat({q.flatten(), k.flatten(), v.flatten()});
+    };
+  };
+  EXPECT_TRUE(torch::allclose(per_row(true)({qkv}), per_row(false)({qkv}), 1e-6, 1e-6));
+  EXPECT_TRUE(torch::allclose(grads_of(per_row(true), {qkv}, probe_qkv)[0], grads_of(per_row(false), {qkv}, probe_qkv)[0],
+                              1e-5, 1e-6));
+  // Row 0's table is the shared one: its q equals the [T, D] table's; row 1's differs from it.
+  const auto q_rows = std::get<0>(split_qkv_with_rope(qkv, h, kvh, row_cos, row_sin));
+  const auto q_shared = std::get<0>(split_qkv_with_rope(qkv, h, kvh, cos, sin));
+  EXPECT_TRUE(torch::allclose(q_rows[0], q_shared[0], 1e-6, 1e-6));
+  EXPECT_FALSE(torch::allclose(q_rows[1], q_shared[1], 1e-3, 1e-3));
 
   // fp16 (CUDA's other half-precision) is not a dtype of the fused kernels: ATen's path runs.
   const auto y16 = fused_rms_norm(x.to(torch::kHalf), w, 1e-5, torch::kHalf);

@@ -262,6 +262,55 @@ TEST(Model, ActivationCheckpointingGivesIdenticalGradients) {
   for (size_t i = 0; i < ga.size(); ++i) EXPECT_TRUE(torch::allclose(ga[i], gb[i], 1e-6, 1e-7)) << i;
 }
 
+// Packed rows (data.packing): several sequences in one row, each with positions 0, 1, ... of its own,
+// compute what each computes alone (its RoPE positions, attention to its own tokens only), with and
+// without activation checkpointing; without the positions the row is one sequence and differs.
+TEST(Model, PackedRowsComputeEachSequenceAsItsOwn) {
+  const std::vector<torch::Tensor> parts = {tokens(1, 5, 1), tokens(1, 7, 2), tokens(1, 4, 3)};
+  // Row 0: parts 0, 1, 2 (16 tokens); row 1: parts 1 and 0, then 4 padding tokens (position 0 each).
+  const auto row1 = torch::cat({parts[1], parts[0], torch::zeros({1, 4}, torch::kLong)}, 1);
+  const auto x = torch::cat({torch::cat({parts[0], parts[1], parts[2]}, 1), row1});
+  std::vector<int64_t> p0, p1;
+  for (int64_t n : {5, 7, 4}) for (int64_t t = 0; t < n; ++t) p0.push_back(t);
+  for (int64_t n : {7, 5}) for (int64_t t = 0; t < n; ++t) p1.push_back(t);
+  for (int k = 0; k < 4; ++k) p1.push_back(0);
+  const auto positions = torch::stack({torch::tensor(p0), torch::tensor(p1)});
+  for (const bool checkpointing : {false, true}) {
+    ModelOptions options;
+    options.activation_checkpointing = checkpointing;
+    auto model = tiny_model(3, options);
+    model->train();
+    const auto packed = model->forward_stages(0, model->num_stages(), x, positions);
+    const auto alone = [&](int i) { return model->forward(parts[static_cast<size_t>(i)]).detach(); };
+    const auto slice = [&](int64_t row, int64_t start, int64_t n) { return packed.detach()[row].narrow(0, start, n); };
+    EXPECT_TRUE(torch::allclose(slice(0, 0, 5), alone(0)[0], 1e-5, 1e-5)) << checkpointing;
+    EXPECT_TRUE(torch::allclose(slice(0, 5, 7), alone(1)[0], 1e-5, 1e-5)) << checkpointing;
+    EXPECT_TRUE(torch::allclose(slice(0, 12, 4), alone(2)[0], 1e-5, 1e-5)) << checkpointing;
+    EXPECT_TRUE(torch::allclose(slice(1, 0, 7), alone(1)[0], 1e-5, 1e-5)) << checkpointing;
+    EXPECT_TRUE(torch::allclose(slice(1, 7, 5), alone(0)[0], 1e-5, 1e-5)) << checkpointing;
+    // The gradients of a loss over the packed row equal those of the same loss over the parts alone.
+    const auto targets = tokens(2, 16, 9);
+    model->zero_grad();
+    cross_entropy_sum(packed.narrow(1, 0, 12), targets.narrow(1, 0, 12)).backward();
+    std::vector<torch::Tensor> packed_grads;
+    for (auto& p : model->parameters()) packed_grads.push_back(p.grad().clone());
+    model->zero_grad();
+    const auto part_loss = [&](int i, int64_t row, int64_t start, int64_t n) {
+      return cross_entropy_sum(model->forward(parts[static_cast<size_t>(i)]), targets[row].narrow(0, start, n).unsqueeze(0));
+    };
+    (part_loss(0, 0, 0, 5) + part_loss(1, 0, 5, 7) + part_loss(1, 1, 0, 7) + part_loss(0, 1, 7, 5)).backward();
+    size_t i = 0;
+    for (auto& p : model->parameters()) {
+      EXPECT_TRUE(torch::allclose(packed_grads[i], p.grad(), 1e-4, 1e-6)) << checkpointing << " parameter " << i;
+      ++i;
+    }
+  }
+  // Without the positions, the second part attends to the first and sits at positions 5..11.
+  auto model = tiny_model(3);
+  const auto whole = model->forward(x).detach();
+  EXPECT_FALSE(torch::allclose(whole[0].narrow(0, 5, 7), model->forward(parts[1]).detach()[0], 1e-3, 1e-3));
+}
+
 TEST(Model, Bf16ComputeStaysCloseToFp32) {
   auto model = tiny_model();
   auto x = tokens(2, 16);

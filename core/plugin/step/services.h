@@ -496,6 +496,11 @@ weft_status* activation_grad(weft_host* host, weft_activation* input,
  * previous stage). */
 weft_status* activation_from_tensor(weft_host* host, const DLTensor* data,
                                        int32_t requires_grad, weft_activation** out);
+/* Packed rows (several examples per row): batch() gives its inputs each token's position within
+ * its example, and forward() follows them and passes them on to its output. This gives them to
+ * `to`, a stage input made with activation_from_tensor (received from another stage or chunk),
+ * from `from` (the same micro-batch's inputs from batch()); nothing when `from` has none. */
+weft_status* activation_share_layout(weft_host* host, weft_activation* to, const weft_activation* from);
 /* Releases an activation and, with it, the autograd graph only it kept alive. NULL allowed. */
 void activation_release(weft_host* host, weft_activation* activation);
 

@@ -414,6 +414,10 @@ class Host {
     check(::weft::host::activation_grad(host_, input.get(), &out));
     return activation(out);
   }
+  // A received stage input takes the layout of the same micro-batch's batch() inputs (packed rows).
+  void share_layout(const Activation& to, const Activation& from) const {
+    check(::weft::host::activation_share_layout(host_, to.get(), from.get()));
+  }
   Activation activation_from_tensor(const DLTensor& data, bool requires_grad) const {
     weft_activation* out = nullptr;
     check(::weft::host::activation_from_tensor(host_, &data, requires_grad ? 1 : 0, &out));

@@ -4,7 +4,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
@@ -366,6 +368,77 @@ class SwigluFunction : public torch::autograd::Function<SwigluFunction> {
   }
 };
 
+// Dropout's mask: a 32-bit hash of (seed, element index), MurmurHash3's finalizer twice with the
+// seed's halves mixed in (32-bit arithmetic, so the loops vectorise on AVX2 and AVX-512).
+WEFT_ALWAYS_INLINE uint32_t fmix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  h ^= h >> 16;
+  return h;
+}
+// Elements [begin, end): out = in * scale where the hash of (seed, index) is at least `threshold`
+// (kept), else 0. The index's high word is mixed into the seed once per run of 2^32 elements, so
+// the loop itself is 32-bit.
+template <typename T>
+WEFT_ALWAYS_INLINE void dropout_range(const T* in, T* out, int64_t begin, int64_t end, uint32_t seed_lo,
+                                      uint32_t seed_hi, uint32_t threshold, float scale) {
+  for (int64_t start = begin; start < end;) {
+    const int64_t stop = std::min<int64_t>(end, (start | int64_t{0xFFFFFFFF}) + 1);
+    const uint32_t hi = seed_hi ^ (static_cast<uint32_t>(static_cast<uint64_t>(start) >> 32) * 0x9E3779B9u);
+    const auto first = static_cast<uint32_t>(start);
+    const T* src = in + start;
+    T* dst = out + start;
+    for (int64_t k = 0, n = stop - start; k < n; ++k) {
+      const uint32_t h = fmix32(fmix32((first + static_cast<uint32_t>(k)) ^ seed_lo) + hi);
+      dst[k] = from_float<T>(h >= threshold ? to_float(src[k]) * scale : 0.0f);
+    }
+    start = stop;
+  }
+}
+WEFT_SIMD_CLONES void dropout_range_dispatch(const float* in, float* out, int64_t begin, int64_t end, uint32_t seed_lo,
+                                             uint32_t seed_hi, uint32_t threshold, float scale) {
+  dropout_range(in, out, begin, end, seed_lo, seed_hi, threshold, scale);
+}
+WEFT_SIMD_CLONES void dropout_range_dispatch(const Bf16Bits* in, Bf16Bits* out, int64_t begin, int64_t end,
+                                             uint32_t seed_lo, uint32_t seed_hi, uint32_t threshold, float scale) {
+  dropout_range(in, out, begin, end, seed_lo, seed_hi, threshold, scale);
+}
+
+// x's elements through the mask of (seed, p): forward on the input, backward on its gradient.
+torch::Tensor apply_dropout_mask(const torch::Tensor& x, double p, uint64_t seed) {
+  const auto in = x.contiguous();
+  auto out = torch::empty_like(in);
+  // Kept where the hash >= p * 2^32: probability 1 - p to within 2^-32.
+  const double cut = std::ldexp(p, 32);
+  const auto threshold = static_cast<uint32_t>(std::min(cut, 4294967295.0));
+  const auto scale = static_cast<float>(1.0 / (1.0 - p));
+  const auto seed_lo = static_cast<uint32_t>(seed), seed_hi = static_cast<uint32_t>(seed >> 32);
+  dispatch_float_or_bf16(in.scalar_type(), "dropout", [&](auto tag) {
+    using T = decltype(tag);
+    const T* ip = data<T>(in);
+    T* op = data<T>(out);
+    at::parallel_for(0, in.numel(), 16384, [&](int64_t begin, int64_t end) {
+      dropout_range_dispatch(ip, op, begin, end, seed_lo, seed_hi, threshold, scale);
+    });
+  });
+  return out;
+}
+
+class DropoutFunction : public torch::autograd::Function<DropoutFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, double p, int64_t seed) {
+    ctx->saved_data["p"] = p;
+    ctx->saved_data["seed"] = seed;
+    return apply_dropout_mask(x, p, static_cast<uint64_t>(seed));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto seed = static_cast<uint64_t>(ctx->saved_data["seed"].toInt());
+    return {apply_dropout_mask(grads[0], ctx->saved_data["p"].toDouble(), seed), torch::Tensor(), torch::Tensor()};
+  }
+};
+
 // Shapes of a fused qkv projection.
 struct QkvShape {
   int64_t batch, seq, heads, kv_heads, dim;
@@ -600,6 +673,21 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> split_qkv_with_rope(
   }
   auto out = QkvRopeFunction::apply(qkv, cos, sin, num_heads, num_kv_heads);
   return {out[0], out[1], out[2]};
+}
+
+torch::Tensor fused_dropout(const torch::Tensor& x, double p) {
+  WEFT_CHECK(p >= 0.0 && p < 1.0, "dropout: p must be in [0, 1), got {}", p);
+  if (p == 0.0) return x;
+  if (!x.device().is_cpu() || (x.scalar_type() != torch::kFloat32 && x.scalar_type() != torch::kBFloat16)) {
+    return torch::nn::functional::dropout(x, torch::nn::functional::DropoutFuncOptions().p(p).training(true));
+  }
+  uint64_t seed = 0;
+  {
+    auto generator = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    seed = generator.get<at::CPUGeneratorImpl>()->random64();
+  }
+  return DropoutFunction::apply(x, p, static_cast<int64_t>(seed));
 }
 
 torch::Tensor cross_entropy_sum_of(const torch::Tensor& logits, const torch::Tensor& targets) {

@@ -43,6 +43,13 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> split_qkv_with_rope(
 // elsewhere ATen's cross_entropy over an fp32 copy.
 torch::Tensor cross_entropy_sum_of(const torch::Tensor& logits, const torch::Tensor& targets);
 
+// Inverted dropout (training): each element kept with probability 1 - p and scaled by 1 / (1 - p),
+// else 0, in x's dtype. On CPU tensors of fp32 or bf16 one pass draws the mask from a counter-based
+// hash of (a seed drawn from LibTorch's default CPU generator, the element's index), and backward
+// draws it again from the same pair: no mask is stored, and a restored generator state (activation
+// checkpointing's recomputation) gives the same mask. Elsewhere ATen's dropout. p in [0, 1).
+torch::Tensor fused_dropout(const torch::Tensor& x, double p);
+
 // The ATen formulations: the same values up to rounding order, on every device and dtype.
 torch::Tensor aten_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, torch::Dtype out_dtype);
 torch::Tensor aten_swiglu(const torch::Tensor& gate_up);

@@ -5,6 +5,7 @@
 
 #include <torch/torch.h>
 
+#include "core/model/kernels.h"
 #include "core/model/weight_grad.h"
 #include "core/util/error.h"
 
@@ -94,9 +95,7 @@ torch::Tensor slice_like(const torch::Tensor& factor, const ParameterShard& slic
 }  // namespace
 
 torch::Tensor Adapter::forward(const torch::Tensor& input, torch::Dtype dtype, bool training) const {
-  const auto h = dropout_ > 0 ? torch::nn::functional::dropout(
-                                    input, torch::nn::functional::DropoutFuncOptions().p(dropout_).training(training))
-                              : input;
+  const auto h = dropout_ > 0 && training ? fused_dropout(input, dropout_) : input;
   return product(h, dtype) * scale_;
 }
 

@@ -5,6 +5,7 @@
 
 #include "core/model/kernels.h"
 #include "core/model/layers.h"
+#include "core/util/error.h"
 
 namespace weft {
 namespace {
@@ -142,6 +143,40 @@ TEST(FusedKernels, TheAtenPathEqualsTheFusedKernelsItStandsInFor) {
   EXPECT_EQ(y16.scalar_type(), torch::kHalf);
   EXPECT_TRUE(torch::allclose(y16.to(torch::kFloat32), norm_fused({x, w}), 2e-3, 2e-3));
   EXPECT_EQ(fused_swiglu(gate_up.to(torch::kHalf)).scalar_type(), torch::kHalf);
+}
+
+// LoRA's dropout: each element kept with probability 1 - p and scaled by 1 / (1 - p), the backward
+// through the same mask (drawn again, not stored), the mask a function of the generator's state, and
+// neither neighbouring elements' nor successive calls' masks related.
+TEST(FusedKernels, DropoutKeepsOneMinusPScaledAndBackwardUsesTheSameMask) {
+  torch::manual_seed(3);
+  const auto x = torch::rand({1000, 1000}) + 0.1;  // no zeros
+  for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    const auto xi = x.to(dtype).clone().requires_grad_(true);
+    const auto y = fused_dropout(xi, 0.1);
+    EXPECT_EQ(y.scalar_type(), dtype);
+    const auto kept = y != 0;
+    const double fraction = kept.to(torch::kFloat64).mean().item<double>();
+    EXPECT_NEAR(fraction, 0.9, 0.002) << dtype;  // 6 standard deviations of a million draws
+    const auto scaled = (xi.detach().to(torch::kFloat32) / 0.9).masked_fill(kept.logical_not(), 0);
+    EXPECT_TRUE(torch::allclose(y.to(torch::kFloat32), scaled, dtype == torch::kFloat32 ? 1e-6 : 1e-2, 0)) << dtype;
+    y.backward(torch::ones_like(y));
+    EXPECT_TRUE(torch::equal(xi.grad() != 0, kept)) << dtype;
+    EXPECT_TRUE(torch::allclose(xi.grad().to(torch::kFloat32).masked_select(kept),
+                                torch::full({kept.sum().item<int64_t>()}, 1.0 / 0.9), 1e-2, 0)) << dtype;
+  }
+  torch::manual_seed(5);
+  const auto a = fused_dropout(x, 0.5) != 0;
+  torch::manual_seed(5);
+  const auto b = fused_dropout(x, 0.5) != 0;
+  const auto c = fused_dropout(x, 0.5) != 0;
+  EXPECT_TRUE(torch::equal(a, b));
+  EXPECT_NEAR((a == c).to(torch::kFloat64).mean().item<double>(), 0.5, 0.003);
+  const auto flat = a.flatten();
+  EXPECT_NEAR((flat.narrow(0, 0, flat.numel() - 1) == flat.narrow(0, 1, flat.numel() - 1)).to(torch::kFloat64).mean().item<double>(),
+              0.5, 0.003);
+  EXPECT_TRUE(fused_dropout(x, 0.0).is_same(x));
+  EXPECT_THROW(fused_dropout(x, 1.0), Error);
 }
 
 // The CUDA backend (core/model/cuda) against the ATen formulations on the same GPU, values and

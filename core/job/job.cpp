@@ -266,9 +266,9 @@ void Job::build_model() {
   WEFT_CHECK(!options_.chat.packing || !prompt_, "data.packing: prompt tuning prepends its virtual tokens to every "
              "sequence, not to each packed example: set data.packing = false");
   WEFT_CHECK(!options_.chat.packing || !strategy_->plugin_attention(),
-             "data.packing keeps packed examples apart with an attention mask, which plugin {} computing the attention "
-             "core itself (ring attention) does not take: set data.packing = false, or split sequences with the "
-             "all-to-all", strategy_->names());
+             "data.packing keeps packed examples apart with an attention mask, which plugin {} does not take: it "
+             "computes the attention core itself; set data.packing = false, or split sequences with the all-to-all",
+             strategy_->names());
   WEFT_CHECK(!config.classification() || placement_.context_parallel_size == 1,
              "train.task = \"classification\" pools each sequence at its last token, which one rank holds when "
              "plugin {} splits sequences over {} ranks: not supported (use ddp, tensor_parallel or a pipeline)",

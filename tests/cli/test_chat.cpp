@@ -111,8 +111,8 @@ TEST(Chat, PackedRowsTrainAsOneExamplePerRow) {
   } refused[] = {
       {" --set train.mode=prompt_tuning", "data.packing: prompt tuning prepends its virtual tokens to every sequence"},
       {" --plugin context_parallel --nproc 2 --set plugin.mode=ring",
-       "data.packing keeps packed examples apart with an attention mask, which plugin context_parallel computing the "
-       "attention core itself (ring attention) does not take"},
+       "data.packing keeps packed examples apart with an attention mask, which plugin context_parallel does not take: it "
+       "computes the attention core itself"},
   };
   for (const auto& c : refused) {
     const auto r = run_trainer(args + " --set data.packing=true --set train.batch_size=6" + c.settings);

@@ -18,18 +18,26 @@ norm and head (tied embeddings: the two copies' gradients summed). Standard libr
 tools/setup.sh's virtual environment (PyTorch's wheel; WEFT_PYTHON chooses another). Attention is
 F.scaled_dot_product_attention, as transformers' default.
 
+With --model transformers (DDP only) the model is transformers' own LlamaForCausalLM loaded from
+run.json's weights (the job's checkpoint: a GGUF file dequantized as transformers loads it, an HF
+folder or a safetensors file), with PEFT's LoRA (get_peft_model with run.json's r, alpha, dropout
+and target modules) when run.json's mode is "lora": what a user runs instead of weft.
+
   ~/.cache/weft/venv/bin/python python/pytorch_baseline.py --data DIR --nproc N --out RUN_DIR [--steps K]
       [--parallel ddp|tp|pp] [--schedule gpipe|1f1b|interleaved1f1b] [--microbatches M]
+      [--model llama|transformers]
 
 Inputs (DIR, written by trainer bench):
   config.json  a Hugging Face LLaMA config.json (head_dim, rope_scaling optional)
   tokens.u32   the training split, raw little-endian uint32 tokens; sequence i is
                tokens[i*L : i*L + L + 1] (inputs are its first L, targets its last L)
+  order.u32    optional: the sequence at each global batch position, in weft's order (uint32)
   run.json     seq_len, batch_size (global sequences per micro-batch), grad_accum_steps, lr,
                weight_decay, beta1, beta2, eps, warmup_steps, grad_clip (0 = off), seed, steps,
                threads (intra-op threads per process), precision ("fp32", "bf16" or "fp16": autocast
                over fp32 weights, fp16 with torch.amp.GradScaler), device ("cpu", the default, or
-               "cuda")
+               "cuda"); for --model transformers also mode ("full" or "lora"), weights (a path, "" =
+               transformers' initialisation) and lora (r, alpha, dropout, target_modules)
 
 Output: RUN_DIR/metrics.jsonl in weft's format: one {"type": "step", ...} line per optimizer step
 (loss averaged over the global batch, step_time_s and tokens_per_s measured on rank 0, and the
@@ -208,6 +216,59 @@ def tensor_parallel(model, cfg, world):
     return loss, loss_parallel
 
 
+def transformers_model(cfg, run):
+    """transformers' LlamaForCausalLM on run.json's weights (a GGUF file, dequantized as
+    transformers loads one; a safetensors file or an HF model folder; none: transformers' own
+    initialisation of config.json's shape), attention by SDPA, no KV cache; for mode "lora", PEFT's
+    LoRA on run.json's target modules (r, alpha, dropout): what a user runs instead of weft.
+    Returns (model, loss function of (model, tokens, targets))."""
+    mode = run.get("mode", "full")
+    if mode not in ("full", "lora"):
+        raise BaselineError(f"--model transformers trains train.mode full or lora, not {mode!r}")
+    try:
+        import transformers
+    except ImportError as e:
+        raise BaselineError(f"--model transformers needs transformers ({e})")
+    weights = run.get("weights", "")
+    options = {"dtype": torch.float32, "attn_implementation": "sdpa"}
+    if not weights:
+        config = transformers.LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"})
+        config._attn_implementation = "sdpa"
+        model = transformers.LlamaForCausalLM(config)
+    elif weights.endswith(".gguf"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(weights),
+                                                                  gguf_file=os.path.basename(weights), **options)
+    elif os.path.isdir(weights):
+        model = transformers.AutoModelForCausalLM.from_pretrained(weights, **options)
+    else:  # one safetensors file: the shape from config.json
+        from safetensors.torch import load_file
+        config = transformers.LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"})
+        config._attn_implementation = "sdpa"
+        model = transformers.LlamaForCausalLM(config)
+        model.load_state_dict(load_file(weights), strict=False)
+    if model.config.vocab_size != cfg["vocab_size"] or model.config.hidden_size != cfg["hidden_size"]:
+        raise BaselineError(f"{weights}: transformers reads vocab {model.config.vocab_size}, hidden "
+                            f"{model.config.hidden_size}; weft's job has {cfg['vocab_size']}, {cfg['hidden_size']}")
+    model.config.use_cache = False
+    model.train()
+    if mode == "lora":
+        try:
+            import peft
+        except ImportError as e:
+            raise BaselineError(f"--model transformers with train.mode lora needs peft ({e})")
+        lora = run["lora"]
+        model = peft.get_peft_model(model, peft.LoraConfig(r=lora["r"], lora_alpha=lora["alpha"],
+                                                           lora_dropout=lora["dropout"],
+                                                           target_modules=list(lora["target_modules"]),
+                                                           bias="none", task_type="CAUSAL_LM"))
+
+    def loss(model, tokens, targets):  # transformers' ForCausalLMLoss on logits upcast to fp32
+        logits = model(input_ids=tokens).logits
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+    return model, loss
+
+
 def clip_split_grad_norm(parameters, clip):
     """clip_grad_norm_ for a model that DTensor splits only partly (its norms stay plain tensors,
     which PyTorch's foreach norm refuses to mix with DTensors): the squares of the sharded
@@ -348,15 +409,19 @@ def load_tokens(path):
 
 
 class Batches:
-    """Global sequence position p -> sequence perm_e[p % n] with e = p // n, where perm_e is a
-    permutation of range(n) drawn from a torch.Generator seeded with seed + e."""
+    """Global sequence position p -> sequence order[p] where weft's order is given (order.u32: the
+    trainer's own batches), else perm_e[p % n] with e = p // n, where perm_e is a permutation of
+    range(n) drawn from a torch.Generator seeded with seed + e."""
 
-    def __init__(self, tokens, seq_len, seed):
-        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
+    def __init__(self, tokens, seq_len, seed, order=None):
+        self.tokens, self.seq_len, self.seed, self.order = tokens, seq_len, seed, order
         self.n = (tokens.numel() - 1) // seq_len
         self.epoch, self.perm = -1, None
 
     def sequence(self, position):
+        if self.order is not None and position < self.order.numel():
+            start = int(self.order[position]) * self.seq_len
+            return self.tokens[start:start + self.seq_len + 1]
         epoch = position // self.n
         if epoch != self.epoch:
             g = torch.Generator().manual_seed(self.seed + epoch)
@@ -391,7 +456,8 @@ def peak_rss_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def worker(rank, world, port, cfg, run, data_dir, out_dir, parallel="ddp", schedule="1f1b", microbatches=4):
+def worker(rank, world, port, cfg, run, data_dir, out_dir, parallel="ddp", schedule="1f1b", microbatches=4,
+           model_kind="llama"):
     torch.set_num_threads(run["threads"])
     torch.manual_seed(run["seed"])
     cuda = run.get("device", "cpu") == "cuda"
@@ -403,11 +469,16 @@ def worker(rank, world, port, cfg, run, data_dir, out_dir, parallel="ddp", sched
     if world > 1:
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)
-    model = Llama(cfg).to(device)
+    loss_of, backward_context, pipeline = (lambda m, x, y: m(x, y)), contextlib.nullcontext, None
+    if model_kind == "transformers":
+        model, loss_of = transformers_model(cfg, run)
+        model = model.to(device)
+    else:
+        model = Llama(cfg).to(device)
     n_params = sum(p.numel() for p in model.parameters())
+    n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     split = parallel == "tp" and world > 1
     L, B, G = run["seq_len"], run["batch_size"], run["grad_accum_steps"]
-    loss_of, backward_context, pipeline = (lambda m, x, y: m(x, y)), contextlib.nullcontext, None
     if parallel == "pp":
         if world < 2:
             raise BaselineError("--parallel pp needs 2 or more processes (the pipeline's stages)")
@@ -421,8 +492,10 @@ def worker(rank, world, port, cfg, run, data_dir, out_dir, parallel="ddp", sched
         model = DDP(model, device_ids=[rank] if cuda else None)
     whole_batch = split or pipeline is not None  # every rank (every stage) sees the whole batch
     local_b = B if whole_batch else B // world
-    batches = Batches(load_tokens(os.path.join(data_dir, "tokens.u32")), L, run["seed"])
-    opt = torch.optim.AdamW(model.parameters(), lr=run["lr"], betas=(run["beta1"], run["beta2"]),
+    order_path = os.path.join(data_dir, "order.u32")
+    batches = Batches(load_tokens(os.path.join(data_dir, "tokens.u32")), L, run["seed"],
+                      load_tokens(order_path) if os.path.exists(order_path) else None)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=run["lr"], betas=(run["beta1"], run["beta2"]),
                             eps=run["eps"], weight_decay=run["weight_decay"])
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run["precision"])
     autocast = (lambda: torch.autocast(device.type, dtype=half)) if half is not None else contextlib.nullcontext
@@ -433,7 +506,10 @@ def worker(rank, world, port, cfg, run, data_dir, out_dir, parallel="ddp", sched
     if rank == 0:
         kind = (f"torch.distributed.pipelining {schedule}, {microbatches} micro-batches" if pipeline else
                 "DTensor tensor parallelism" if split else "DDP")
-        print(f"pytorch baseline ({kind}): {n_params:,} parameters, "
+        if model_kind == "transformers":
+            kind = f"transformers {transformers_version()}" + (
+                f" + PEFT {peft_version()} LoRA" if run.get("mode") == "lora" else "") + f", {kind}"
+        print(f"pytorch baseline ({kind}): {n_params:,} parameters ({n_trained:,} trained), "
               f"{world} process(es), {run['threads']} thread(s) "
               f"each, {batches.n} sequences of {L}, {tokens_per_step} tokens per step, {run['precision']}",
               flush=True)
@@ -509,10 +585,15 @@ def worker(rank, world, port, cfg, run, data_dir, out_dir, parallel="ddp", sched
         summary = {"type": "summary", "steps": run["steps"], "steps_per_epoch": batches.n // (B * G),
                    "tokens_per_s": tokens_per_step * len(times) / total if total > 0 else 0.0,
                    "peak_rss_mib": rss[0], "peak_rss_mib_per_rank": rss, "world_size": world,
-                   "parameters": n_params, "torch_version": torch.__version__, "device": str(device),
+                   "parameters": n_params, "trained_parameters": n_trained, "model": model_kind,
+                   "torch_version": torch.__version__, "device": str(device),
                    "precision": run["precision"], "parallel": parallel if world > 1 else "ddp", "time": time.time()}
         if pipeline is not None:
             summary.update(schedule=schedule, microbatches=microbatches)
+        if model_kind == "transformers":
+            summary.update(transformers_version=transformers_version(), mode=run.get("mode", "full"))
+            if run.get("mode") == "lora":
+                summary["peft_version"] = peft_version()
         if cuda:
             summary["device_name"] = torch.cuda.get_device_name(device)
             summary["device_peak_allocated_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
@@ -526,14 +607,25 @@ def worker(rank, world, port, cfg, run, data_dir, out_dir, parallel="ddp", sched
         dist.barrier()
 
 
-def spawned(rank, world, port, cfg, run, data_dir, out_dir, errors, parallel="ddp", schedule="1f1b", microbatches=4):
+def transformers_version():
+    import transformers
+    return transformers.__version__
+
+
+def peft_version():
+    import peft
+    return peft.__version__
+
+
+def spawned(rank, world, port, cfg, run, data_dir, out_dir, errors, parallel="ddp", schedule="1f1b", microbatches=4,
+            model_kind="llama"):
     """mp.spawn entry point. Leaves with os._exit, so that tearing down DDP's Gloo process group at
     interpreter exit cannot hang the parent (an older torch deadlocked there: its worker thread
     waited for the GIL that the joining main thread held). A failure goes to the parent through
     `errors`."""
     code = 0
     try:
-        worker(rank, world, port, cfg, run, data_dir, out_dir, parallel, schedule, microbatches)
+        worker(rank, world, port, cfg, run, data_dir, out_dir, parallel, schedule, microbatches, model_kind)
     except BaseException as e:  # noqa: BLE001 - reported by the parent as one line
         first = (str(e).strip().splitlines() or [""])[0]
         errors.put(f"rank {rank}: {first}" if isinstance(e, BaselineError) else
@@ -598,6 +690,10 @@ def main():
                              "one pipeline whose stages are the processes (pp)")
     parser.add_argument("--schedule", choices=PIPELINE_SCHEDULES, default="1f1b", help="the pipeline's schedule (pp)")
     parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per pipeline step (pp)")
+    parser.add_argument("--model", choices=("llama", "transformers"), default="llama",
+                        help="this file's Llama from random weights, every weight trained (llama), or transformers' "
+                             "LlamaForCausalLM on run.json's weights with PEFT's LoRA for mode lora (transformers; "
+                             "ddp only)")
     args = parser.parse_args()
     try:
         cfg, run = load_inputs(args.data, args.nproc, args.steps, args.parallel)
@@ -606,13 +702,15 @@ def main():
             raise BaselineError(f"--microbatches {args.microbatches}: must be >= 1")
         if args.parallel == "pp":
             check_pipeline(cfg, args.nproc, args.schedule)
+        if args.model == "transformers" and args.parallel != "ddp":
+            raise BaselineError("--model transformers runs under --parallel ddp only")
         if args.nproc == 1:
-            worker(0, 1, 0, cfg, run, args.data, args.out, args.parallel, args.schedule, args.microbatches)
+            worker(0, 1, 0, cfg, run, args.data, args.out, args.parallel, args.schedule, args.microbatches, args.model)
         else:
             errors = mp.get_context("spawn").SimpleQueue()
             try:
                 mp.spawn(spawned, args=(args.nproc, free_port(), cfg, run, args.data, args.out, errors, args.parallel,
-                                        args.schedule, args.microbatches),
+                                        args.schedule, args.microbatches, args.model),
                          nprocs=args.nproc, join=True)
             except Exception as e:  # a child failed: prefer its own message to "exited with code 1"
                 raise BaselineError(errors.get() if not errors.empty() else str(e)) from e

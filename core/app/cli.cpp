@@ -38,7 +38,7 @@ po::options_description describe_options() {
       ("all", po::bool_switch(), "trainer check: every shipped strategy and layout against single, as a table (--nproc N: "
        "only cases of at most N ranks; --plugin NAME: only the cases that run NAME; --set applies to every case)")
       ("repetitions", po::value<int64_t>(), "trainer bench: runs per variant, alternated (default 3)")
-      ("baseline", po::value<std::string>(), "trainer bench: 'pytorch' adds PyTorch DDP, DTensor tensor parallelism beside a plugin that owns tp and PyTorch's pipeline schedules beside one that owns pp (python/pytorch_baseline.py)")
+      ("baseline", po::value<std::string>(), "trainer bench: 'pytorch' adds PyTorch DDP, DTensor tensor parallelism beside a plugin that owns tp, PyTorch's pipeline schedules beside one that owns pp, and transformers (+ PEFT's LoRA) on the job's checkpoint (python/pytorch_baseline.py)")
       ("out,o", po::value<std::string>(), "trainer bench: output directory; trainer report: the Markdown file; trainer export: the GGUF file")
       ("log-level", po::value<std::string>(), "trace, debug, info, warn or error (default: log.level)")
       ("prompt", po::value<std::string>(), "trainer generate: the text to continue")

@@ -88,6 +88,7 @@ std::string variant_name(const BenchVariant& v) {
   // The baseline keeps one name at every size (one process runs without the DDP wrapper), so
   // that it is one line in the scaling plots.
   std::string name = !v.pytorch                  ? short_plugin_name(v.plugin)
+                     : !v.transformers.empty()    ? (v.transformers == "lora" ? "transformers-peft" : "transformers")
                      : v.pytorch_parallel == "pp" ? "pytorch-" + v.pytorch_schedule
                                                   : "pytorch-" + v.pytorch_parallel;
   for (const auto& s : v.settings) name += " " + (s.rfind("plugin.", 0) == 0 ? s.substr(7) : s);
@@ -148,6 +149,7 @@ std::vector<std::string> pytorch_run_command(const BenchOptions& o, const BenchV
                                              const std::string& job_dir, const std::string& run_dir) {
   std::vector<std::string> args{o.python,  o.python_dir + "/pytorch_baseline.py", "--data", job_dir, "--nproc",
                                 std::to_string(v.nproc), "--out", run_dir, "--parallel", v.pytorch_parallel};
+  if (!v.transformers.empty()) args.insert(args.end(), {"--model", "transformers"});
   if (v.pytorch_parallel == "pp") {
     args.insert(args.end(), {"--schedule", v.pytorch_schedule, "--microbatches", std::to_string(v.pytorch_microbatches)});
   }
@@ -223,6 +225,20 @@ std::vector<BenchVariant> plan_bench(const BenchOptions& o) {
         BenchVariant v;
         v.pytorch = true;
         v.pytorch_parallel = parallel;
+        v.nproc = n;
+        v.name = variant_name(v);
+        variants.push_back(v);
+      }
+    }
+    // transformers (+ PEFT) on the job's checkpoint: what a user fine-tuning it would otherwise run.
+    const TrainOptions job = train_options_from_config(load_run_config(o.config, o.overrides));
+    if (!job.model.weights.empty() && (job.mode == "full" || job.mode == "lora") && job.task == "causal_lm" &&
+        job.model.quantize == "none" && job.data.format != "chat") {
+      for (int n : sizes) {
+        BenchVariant v;
+        v.pytorch = true;
+        v.pytorch_parallel = "ddp";
+        v.transformers = job.mode;
         v.nproc = n;
         v.name = variant_name(v);
         variants.push_back(v);

@@ -27,6 +27,8 @@ struct BenchVariant {
                                       // torch.distributed.pipelining pipeline over all processes)
   std::string pytorch_schedule;       // pp: "gpipe", "1f1b" or "interleaved1f1b"
   int pytorch_microbatches = 4;       // pp: micro-batches per pipeline step
+  std::string transformers;           // ddp: "full" or "lora" for transformers' LlamaForCausalLM on the
+                                      // job's checkpoint (+ PEFT's LoRA) instead of the script's Llama
 };
 
 struct BenchOptions {
@@ -50,7 +52,9 @@ struct BenchOptions {
 // every count of 2 or more at which a plugin that owns the tp dimension runs alone, and PyTorch's
 // pipeline schedules ("pytorch-gpipe", "pytorch-1f1b", "pytorch-interleaved1f1b") at every count of
 // 2 or more and plugin.microbatches at which a plugin that owns pp runs alone (with the baseline,
-// the plugins are loaded to read their dimensions). Throws weft::Error for a malformed --plugin or
+// the plugins are loaded to read their dimensions), and, when the job loads a checkpoint
+// (model.weights) with train.mode full or lora, transformers on it at every process count
+// ("transformers-peft" for LoRA, "transformers" for full fine-tuning; DDP beyond one process). Throws weft::Error for a malformed --plugin or
 // --nproc, a count list that matches neither one nor every plugin, no plugin at all, or, with the
 // baseline, a plugin that does not load.
 std::vector<BenchVariant> plan_bench(const BenchOptions& options);

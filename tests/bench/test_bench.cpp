@@ -386,4 +386,67 @@ TEST(BenchCommand, ThePytorchPipelineBaselinesTrainWhatItsDdpBaselineTrains) {
       << refused.output;
 }
 
+// Beside a job that fine-tunes a checkpoint, --baseline pytorch runs transformers' LlamaForCausalLM
+// with PEFT's LoRA on that checkpoint (the bundled SmolLM2 GGUF, which transformers dequantizes
+// itself): the same model (its parameter and trained-parameter counts are weft's), the same first
+// batch (LoRA's B starts at zero, so the first step's loss is the checkpoint's own on that batch:
+// equal to weft's to fp32 rounding), the same number of steps; with train.mode = "full" its name
+// says transformers alone. ~40 s (2-core Xeon): transformers dequantizes the GGUF file (~19 s).
+TEST(BenchCommand, TransformersAndPeftTrainTheSameCheckpointBesideWeft) {
+  const std::string source = WEFT_SOURCE_DIR;
+  const std::string model = source + "/data/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+  ASSERT_TRUE(std::filesystem::exists(model)) << model << ": tools/setup.sh links the bundled model there";
+  const auto dir = fresh_dir("weft_bench", "transformers");
+  const std::string out = dir + "/bench";
+  const auto result = run_trainer(
+      "bench --config " + source + "/configs/quickstart.toml --set model.weights=" + model + " --set data.tokenizer=" +
+      model + " --set data.path=" + source + "/data/austen/austen.jsonl --set data.cache_dir= --set data.seq_len=32 --set train.batch_size=2 --set "
+      "data.max_documents=2 --set lora.r=4 --plugin single --nproc 1 --baseline pytorch --warmup 0 --steps 2 "
+      "--repetitions 1 --out " + out);
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  const auto json = nlohmann::json::parse(read_text(out + "/bench.json"));
+  ASSERT_EQ(json["variants"].size(), 3u) << json.dump(2);
+  EXPECT_EQ(json["variants"][1]["name"], "pytorch-ddp x1");
+  EXPECT_EQ(json["variants"][2]["name"], "transformers-peft x1");
+  EXPECT_EQ(json["variants"][2]["kind"], "pytorch");
+  const auto records = [&](const std::string& variant) {
+    std::vector<double> losses;
+    nlohmann::json summary;
+    std::ifstream metrics(out + "/runs/" + variant + "/rep1/metrics.jsonl");
+    for (std::string line; std::getline(metrics, line);) {
+      const auto j = nlohmann::json::parse(line);
+      if (j["type"] == "step") losses.push_back(j["loss"].get<double>());
+      if (j["type"] == "summary") summary = j;
+    }
+    return std::pair{losses, summary};
+  };
+  const auto [weft_losses, weft_summary] = records("single_x1");
+  const auto [peft_losses, peft_summary] = records("transformers-peft_x1");
+  ASSERT_EQ(weft_losses.size(), 2u) << result.output;
+  ASSERT_EQ(peft_losses.size(), 2u) << result.output;
+  EXPECT_NEAR(peft_losses[0], weft_losses[0], 1e-4 * weft_losses[0]);
+  EXPECT_GT(weft_losses[0], 1.0);  // a real loss, not a degenerate one
+  EXPECT_EQ(peft_summary["mode"], "lora");
+  EXPECT_EQ(peft_summary["model"], "transformers");
+  EXPECT_EQ(peft_summary["parameters"], weft_summary["model"]["parameters"].get<int64_t>() +
+                                            weft_summary["model"]["trainable_parameters"].get<int64_t>());
+  EXPECT_EQ(peft_summary["trained_parameters"], weft_summary["model"]["trainable_parameters"]);
+
+  // Full fine-tuning: transformers alone (no PEFT), every parameter trained.
+  weft::BenchOptions full;
+  full.config = source + "/configs/quickstart.toml";
+  full.overrides = {"train.mode=full", "model.weights=" + model, "data.tokenizer=" + model};
+  full.plugins = {"single"};
+  full.nproc = {"1,2"};
+  full.pytorch_baseline = true;
+  const auto variants = weft::plan_bench(full);
+  EXPECT_EQ(names(variants), (std::vector<std::string>{"single x1", "single x2", "pytorch-ddp x1", "pytorch-ddp x2",
+                                                        "transformers x1", "transformers x2"}));
+  EXPECT_EQ(variants[5].transformers, "full");
+  // Without a checkpoint there is nothing of transformers' to load: no such variant.
+  full.overrides.push_back("model.weights=");
+  full.overrides.push_back("model.preset=tiny");
+  EXPECT_EQ(names(weft::plan_bench(full)).size(), 4u);
+}
+
 }  // namespace

@@ -248,6 +248,7 @@ void Job::build_model() {
   ModelOptions model_options;
   model_options.compute_dtype = compute_dtype(options_.precision);
   model_options.activation_checkpointing = options_.model.activation_checkpointing;
+  model_options.chunked_loss = options_.model.chunked_loss;
   model_options.quantize = QuantConfig(parse_quant_format(options_.model.quantize), options_.model.int8_threshold,
                                        options_.model.int8_gemm);
   if (!options_.model.adapter.empty() && adapter_peft_type(options_.model.adapter) == "PROMPT_TUNING") {

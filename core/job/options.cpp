@@ -110,6 +110,11 @@ const std::vector<Row>& rows() {
               0),
       bool_key("model.activation_checkpointing", WEFT_MEMBER(model.activation_checkpointing), false,
                "Recompute each decoder block in backward instead of storing its activations."),
+      bool_key("model.chunked_loss", WEFT_MEMBER(model.chunked_loss), true,
+               "Compute the LM head with its cross-entropy in chunks of rows (Liger's fused linear + cross-entropy: "
+               "the gradients in the same pass), never holding the whole logits: a causal LM whose whole "
+               "vocabulary and tokens are on the last stage's rank, a head without an adapter. false: the "
+               "logits [rows, seq, vocab], then the loss."),
       string_key("model.quantize", WEFT_MEMBER(model.quantize), "none",
                  "Store the decoder blocks' frozen linear weights quantized (adapter training only): int8 = "
                  "LLM.int8's per-row absmax, nf4 = QLoRA's 4-bit NormalFloat (blocks of 64, double-quantized "

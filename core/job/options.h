@@ -29,6 +29,7 @@ struct ModelSource {
   double init_std;
   int64_t vocab_size;
   bool activation_checkpointing;
+  bool chunked_loss = true;  // model.chunked_loss
   std::string quantize;     // model.quantize (QuantFormat, core/model/quantize.h)
   double int8_threshold = 6.0;  // model.int8_threshold (QuantConfig)
   bool int8_gemm = true;        // model.int8_gemm

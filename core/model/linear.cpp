@@ -176,6 +176,7 @@ LinearImpl::LinearImpl(const LinearSpec& spec) : spec_(spec) {
 }
 
 torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
+  if (adapter_ != nullptr && lora_linear_applies({this})) return lora_linear(x, {this});
   const auto input = x.to(compute_dtype_);
   auto y = base_->forward(input, compute_dtype_);
   if (adapter_ != nullptr) y = y + adapter_->forward(input, compute_dtype_, is_training());
@@ -240,8 +241,151 @@ void LinearImpl::set_row_absmax_sync(RowAbsmaxSync sync) {
   if (int8 != nullptr && !spec_.slice.whole() && spec_.slice.dim == 1) int8->set_row_absmax_sync(std::move(sync));
 }
 
+namespace {
+
+// lora_linear's node. Inputs: x [..., in] in the compute dtype, each layer's frozen base weight,
+// and the adapters' A [r, in] and B [out, r] (of the layers that have one, in order). `layout`
+// holds, per layer, its output width and its adapter's index (-1: none); `scales` the adapters'.
+class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               torch::TensorList weights, torch::TensorList a, torch::TensorList b,
+                               std::vector<int64_t> widths, std::vector<int64_t> adapters, std::vector<double> scales,
+                               int64_t dtype_code) {
+    const auto dtype = static_cast<torch::Dtype>(dtype_code);
+    const auto x2 = x.reshape({-1, x.size(-1)}).to(dtype).contiguous();
+    const auto w = stacked(weights, dtype);
+    const auto a_all = stacked(a, dtype);
+    auto y = torch::mm(x2, w.t());
+    const auto u = torch::mm(x2, a_all.t());  // every adapter's x A^T, side by side
+    int64_t offset = 0, rank_offset = 0;
+    for (size_t i = 0; i < widths.size(); ++i) {
+      if (adapters[i] >= 0) {
+        const auto& bi = b[static_cast<size_t>(adapters[i])];
+        const int64_t r = bi.size(1);
+        y.narrow(1, offset, widths[i]).addmm_(u.narrow(1, rank_offset, r), bi.to(dtype).t(), 1.0, scales[i]);
+        rank_offset += r;
+      }
+      offset += widths[i];
+    }
+    // A fresh copy of the bases (cast or stacked) is kept for backward as autograd keeps a
+    // product's operand; one layer's cast is made again there instead (frozen_cast_linear's way).
+    const bool recast = weights.size() == 1 && weights[0].scalar_type() != dtype;
+    ctx->save_for_backward({x2, u, recast ? weights[0] : w});
+    std::vector<torch::Tensor> saved_a(a.begin(), a.end()), saved_b(b.begin(), b.end());
+    ctx->saved_data["a"] = saved_a;
+    ctx->saved_data["b"] = saved_b;
+    ctx->saved_data["widths"] = widths;
+    ctx->saved_data["adapters"] = adapters;
+    ctx->saved_data["scales"] = scales;
+    ctx->saved_data["dtype"] = dtype_code;
+    ctx->saved_data["weights"] = static_cast<int64_t>(weights.size());
+    auto shape = x.sizes().vec();
+    shape.back() = y.size(1);
+    return y.view(shape);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &x2 = saved[0], &u = saved[1];
+    const auto dtype = static_cast<torch::Dtype>(ctx->saved_data["dtype"].toInt());
+    const auto w = saved[2].to(dtype);
+    const auto a = ctx->saved_data["a"].toTensorVector(), b = ctx->saved_data["b"].toTensorVector();
+    const auto widths = ctx->saved_data["widths"].toIntVector(), adapters = ctx->saved_data["adapters"].toIntVector();
+    const auto scales = ctx->saved_data["scales"].toDoubleVector();
+    const int64_t n_weights = ctx->saved_data["weights"].toInt();
+    const auto g = grads[0].reshape({-1, w.size(0)}).to(dtype).contiguous();
+    // v = each adapter's scaled g B, side by side as u: x's gradient through A and A's gradient.
+    auto v = torch::empty_like(u);
+    std::vector<torch::Tensor> grad_a(a.size()), grad_b(b.size());
+    int64_t offset = 0, rank_offset = 0;
+    for (size_t i = 0; i < widths.size(); ++i) {
+      if (adapters[i] >= 0) {
+        const auto k = static_cast<size_t>(adapters[i]);
+        const int64_t r = b[k].size(1);
+        const auto gi = g.narrow(1, offset, widths[i]);
+        const auto ui = u.narrow(1, rank_offset, r);
+        v.narrow(1, rank_offset, r).copy_(torch::mm(gi, b[k].to(dtype)).mul_(scales[i]));
+        grad_b[k] = torch::mm(gi.t(), ui).mul_(scales[i]).to(b[k].scalar_type());
+        rank_offset += r;
+      }
+      offset += widths[i];
+    }
+    const auto a_all = stacked(a, dtype);
+    torch::Tensor grad_x;
+    if (ctx->needs_input_grad(0)) {
+      grad_x = torch::mm(g, w).addmm_(v, a_all);
+      auto shape = grads[0].sizes().vec();
+      shape.back() = x2.size(1);
+      grad_x = grad_x.view(shape);
+    }
+    const auto grad_a_all = torch::mm(v.t(), x2);
+    rank_offset = 0;
+    for (size_t k = 0; k < a.size(); ++k) {
+      const int64_t r = a[k].size(0);
+      grad_a[k] = grad_a_all.narrow(0, rank_offset, r).to(a[k].scalar_type());
+      rank_offset += r;
+    }
+    torch::autograd::variable_list out{grad_x};
+    for (int64_t i = 0; i < n_weights; ++i) out.emplace_back();  // frozen bases
+    out.insert(out.end(), grad_a.begin(), grad_a.end());
+    out.insert(out.end(), grad_b.begin(), grad_b.end());
+    for (int i = 0; i < 4; ++i) out.emplace_back();  // widths, adapters, scales, dtype
+    return out;
+  }
+
+ private:
+  static torch::Tensor stacked(torch::TensorList parts, torch::Dtype dtype) {
+    if (parts.size() == 1) return parts[0].to(dtype);
+    std::vector<torch::Tensor> cast;
+    for (const auto& p : parts) cast.push_back(p.to(dtype));  // cast, then stack: half the bytes in bf16
+    return torch::cat(cast);
+  }
+};
+
+}  // namespace
+
+bool lora_linear_applies(const std::vector<LinearImpl*>& layers) {
+  if (layers.empty()) return false;
+  bool any = false;
+  for (auto* layer : layers) {
+    if (layer->quantized() || !layer->weight.defined() || layer->weight.requires_grad() ||
+        layer->compute_dtype() != layers.front()->compute_dtype()) {
+      return false;
+    }
+    if (!layer->has_lora()) continue;
+    const auto* lora = dynamic_cast<const LoraAdapter*>(layer->adapter());
+    if (lora == nullptr || (lora->dropout() > 0 && layer->is_training())) return false;
+    any = true;
+  }
+  return any;
+}
+
+torch::Tensor lora_linear(const torch::Tensor& x, const std::vector<LinearImpl*>& layers) {
+  WEFT_CHECK(lora_linear_applies(layers), "lora_linear: the layers are not frozen dense bases with plain LoRA adapters");
+  std::vector<torch::Tensor> weights, a, b;
+  std::vector<int64_t> widths, adapters;
+  std::vector<double> scales;
+  for (auto* layer : layers) {
+    weights.push_back(layer->weight);
+    widths.push_back(layer->out_features());
+    const auto* lora = layer->has_lora() ? dynamic_cast<const LoraAdapter*>(layer->adapter()) : nullptr;
+    adapters.push_back(lora != nullptr ? static_cast<int64_t>(a.size()) : -1);
+    scales.push_back(lora != nullptr ? lora->scale() : 0.0);
+    if (lora != nullptr) {
+      a.push_back(lora->A->weight);
+      b.push_back(lora->B->weight);
+    }
+  }
+  const auto dtype = layers.front()->compute_dtype();
+  return LoraLinearFunction::apply(x.to(dtype), torch::TensorList(weights), torch::TensorList(a), torch::TensorList(b),
+                                   widths, adapters, scales, static_cast<int64_t>(dtype));
+}
+
 torch::Tensor fused_linear(const torch::Tensor& x, const std::vector<LinearImpl*>& layers) {
   WEFT_CHECK(!layers.empty(), "fused_linear needs at least one layer");
+  if (lora_linear_applies(layers)) return lora_linear(x, layers);
   const auto dtype = layers.front()->compute_dtype();
   const auto input = x.to(dtype);
   std::vector<torch::Tensor> weights, params;

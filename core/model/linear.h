@@ -153,6 +153,7 @@ class Adapter {
   // Removes its parameters from the layer (after a merge).
   virtual void remove_from(LinearImpl& owner) = 0;
   double scale() const { return scale_; }
+  double dropout() const { return dropout_; }
 
  protected:
   // The unscaled term for a dropped-out input.
@@ -267,6 +268,16 @@ TORCH_MODULE(Linear);
 // one GEMM against their stacked dense weights (plus each layer's adapter term). Equals
 // cat({layer(x) ...}, -1) up to rounding order. The layers must share a compute dtype.
 torch::Tensor fused_linear(const torch::Tensor& x, const std::vector<LinearImpl*>& layers);
+
+// Whether lora_linear computes `layers` (sharing their input): dense frozen bases, plain LoRA
+// adapters (on some of them at least) without dropout in training, one compute dtype.
+bool lora_linear_applies(const std::vector<LinearImpl*>& layers);
+// The layers' outputs concatenated, as fused_linear gives them, from one autograd node: y = x W^T
+// over the stacked bases, x's products with every A in one GEMM, each B's product added into its
+// slice of y in place; backward: x's gradient from two GEMMs (the bases, then every A), A's
+// gradients from one. No per-layer output, sum or concatenation is made, and no zero-filled
+// gradient of a slice.
+torch::Tensor lora_linear(const torch::Tensor& x, const std::vector<LinearImpl*>& layers);
 
 // x [..., in] @ w^T in `dtype` for a frozen w [out, in] stored in another dtype (model.frozen_dtype
 // = "bf16" under fp32 compute): w is cast `chunk_rows` rows at a time (0: blocks of at most 64 MiB

@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include "core/model/kernels.h"
+#include "core/model/linear_cross_entropy.h"
 #include "core/util/error.h"
 #include "core/util/fault_injection.h"
 
@@ -214,7 +215,7 @@ torch::Tensor LlamaForCausalLMImpl::head_weight() const {
 }
 
 torch::Tensor LlamaForCausalLMImpl::run_stage(int64_t stage, const torch::Tensor& input, bool shard_tokens,
-                                             const TokenLayout* layout) {
+                                             const TokenLayout* layout, bool head) {
   const int64_t final_stage = num_stages() - 1;
   const SequenceShards* tokens =
       shard_tokens && options_.sequence_parallel != nullptr && options_.sequence_parallel->size > 1
@@ -251,6 +252,10 @@ torch::Tensor LlamaForCausalLMImpl::run_stage(int64_t stage, const torch::Tensor
     return block->forward(input, rope_, layout);
   }
   const auto local = model->norm(input);
+  if (!head) {
+    WEFT_CHECK(fuses_head_loss(), "the LM head can be left to the loss only where fuses_head_loss()");
+    return local;
+  }
   auto h = local;
   if (!score.is_empty()) {  // whole on every rank: no communication but the tokens' all-gather
     if (tokens == nullptr) return score(h);
@@ -262,15 +267,38 @@ torch::Tensor LlamaForCausalLMImpl::run_stage(int64_t stage, const torch::Tensor
   } else if (vocab_parallel()) {
     h = comm_point(options_.comm.get(), CommPoint::kHeadInput, -1, h);
   }
-  const auto logits = [&] {
-    if (!lm_head.is_empty()) return lm_head(h);
-    const auto head = head_weight();
-    if (!head.requires_grad() && head.scalar_type() != options_.compute_dtype) {  // a bf16-stored frozen head
-      return frozen_cast_linear(h, head, options_.compute_dtype);
-    }
-    return torch::nn::functional::linear(h.to(options_.compute_dtype), head.to(options_.compute_dtype));
-  }();
+  const auto logits = head_logits(h);
   return tokens != nullptr ? release_gathered(*tokens, CommPoint::kHeadInput, -1, logits, local, h) : logits;
+}
+
+torch::Tensor LlamaForCausalLMImpl::head_logits(const torch::Tensor& h) {
+  if (!lm_head.is_empty()) return lm_head->forward(h);
+  const auto head = head_weight();
+  if (!head.requires_grad() && head.scalar_type() != options_.compute_dtype) {  // a bf16-stored frozen head
+    return frozen_cast_linear(h, head, options_.compute_dtype);
+  }
+  return torch::nn::functional::linear(h.to(options_.compute_dtype), head.to(options_.compute_dtype));
+}
+
+bool LlamaForCausalLMImpl::fuses_head_loss() const {
+  const bool tokens_split = options_.sequence_parallel != nullptr && options_.sequence_parallel->size > 1;
+  if (!options_.chunked_loss || config_.classification() || vocab_parallel() || tokens_split ||
+      !holds_stage(num_stages() - 1)) {
+    return false;
+  }
+  if (lm_head.is_empty()) return !model->embed_tokens.is_empty();  // tied: the embedding's weight
+  return !lm_head->has_lora() && !lm_head->quantized() && lm_head->weight.defined();
+}
+
+torch::Tensor LlamaForCausalLMImpl::head_loss(const torch::Tensor& hidden, const torch::Tensor& targets,
+                                              torch::Tensor* token_losses) const {
+  WEFT_CHECK(fuses_head_loss(), "head_loss: this model's head cannot be fused with its loss");
+  WEFT_CHECK(hidden.dim() == 3 && targets.sizes() == hidden.sizes().slice(0, 2),
+             "head_loss: hidden states [rows, seq, {}] and targets [rows, seq] expected", config_.hidden_size);
+  const double n = static_cast<double>(targets.numel());
+  const auto sum = linear_cross_entropy_sum(hidden.reshape({-1, hidden.size(-1)}), head_weight(), targets.reshape({-1}),
+                                            options_.compute_dtype, kIgnoreTarget, token_losses, 0, 1.0 / n);
+  return sum / n;
 }
 
 bool LlamaForCausalLMImpl::holds_stage(int64_t stage) const {
@@ -278,7 +306,7 @@ bool LlamaForCausalLMImpl::holds_stage(int64_t stage) const {
 }
 
 torch::Tensor LlamaForCausalLMImpl::forward_stages(int64_t first, int64_t last, const torch::Tensor& input,
-                                                   const torch::Tensor& positions) {
+                                                   const torch::Tensor& positions, bool head) {
   const bool held = std::any_of(held_.begin(), held_.end(),
                                 [&](const StageRange& r) { return r.first <= first && first <= last && last <= r.last; });
   WEFT_CHECK(held, "stages [{}, {}) requested but this model holds stages {}", first, last,
@@ -293,7 +321,7 @@ torch::Tensor LlamaForCausalLMImpl::forward_stages(int64_t first, int64_t last, 
   }
   torch::Tensor x = input;
   for (int64_t stage = first; stage < last; ++stage) {
-    x = run_stage(stage, x, /*shard_tokens=*/true, layout ? &*layout : nullptr);
+    x = run_stage(stage, x, /*shard_tokens=*/true, layout ? &*layout : nullptr, head);
     if (fault_injection_armed() && is_training() && torch::GradMode::is_enabled()) {  // the fault tests' points
       fault_point("forward");
       if (x.requires_grad()) x.register_hook([](const torch::Tensor&) { fault_point("backward"); });

@@ -77,6 +77,9 @@ struct ModelOptions {
   // Prompt tuning (prompt_tuning.h): each row's inputs begin with this many virtual-token slots
   // (ids -1..-P), which the embedding stage takes from model.prompt_embeddings.
   int64_t prompt_tokens = 0;
+  // The host may defer the LM head to the loss, which computes it with its cross-entropy in row
+  // chunks (linear_cross_entropy.h) where fuses_head_loss() allows; false: logits always (model.chunked_loss).
+  bool chunked_loss = true;
 };
 
 // What a process's slices amount to, checked against the Megatron layout: local head counts,
@@ -128,8 +131,10 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   // each: Batch::positions): each token's position within its example, which the blocks' RoPE and
   // attention follow (TokenLayout); undefined: one sequence per row.
   // Throws weft::Error if a stage in the range is not held by this model.
+  // `head` false (fuses_head_loss() models only): the last stage stops at the final norm, whose
+  // output head_logits() or head_loss() take.
   torch::Tensor forward_stages(int64_t first, int64_t last, const torch::Tensor& input,
-                               const torch::Tensor& positions = {});
+                               const torch::Tensor& positions = {}, bool head = true);
   // Full model: tokens -> logits. Requires all stages.
   torch::Tensor forward(const torch::Tensor& tokens);
   // Incremental decoding (inference, no autograd; requires all stages): logits for `tokens`
@@ -154,6 +159,17 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   // classification: each labeled position's loss, in row order.
   torch::Tensor token_losses(const torch::Tensor& logits, const torch::Tensor& targets) const;
 
+  // Whether the LM head's product and the loss may be one chunked pass over the final norm's output
+  // (options().chunked_loss, a causal LM whose whole vocabulary and every token of its rows are
+  // here, a dense head without an adapter).
+  bool fuses_head_loss() const;
+  // The last stage's logits from the final norm's output `hidden` [B, T, hidden].
+  torch::Tensor head_logits(const torch::Tensor& hidden);
+  // loss(head_logits(hidden), targets) without the whole logits (linear_cross_entropy_sum); with
+  // `token_losses`, also what token_losses() would give, outside the graph.
+  torch::Tensor head_loss(const torch::Tensor& hidden, const torch::Tensor& targets,
+                          torch::Tensor* token_losses = nullptr) const;
+
   // Sequence classification (config.num_labels > 0): the logits of every position, the rows whose
   // target is not kIgnoreTarget (each sequence's last token), and those targets.
   std::pair<torch::Tensor, torch::Tensor> labeled_rows(const torch::Tensor& logits, const torch::Tensor& targets) const;
@@ -166,7 +182,7 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   // `shard_tokens`: with options().tensor_sequence, stage 0 returns this process's tokens and the
   // last stage takes them (false: whole sequences, for cached decoding).
   torch::Tensor run_stage(int64_t stage, const torch::Tensor& input, bool shard_tokens = true,
-                          const TokenLayout* layout = nullptr);
+                          const TokenLayout* layout = nullptr, bool head = true);
 
   ModelConfig config_;
   ModelOptions options_;

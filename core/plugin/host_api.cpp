@@ -154,6 +154,11 @@ PluginHost::CommStats PluginHost::take_comm_stats() {
   return taken;
 }
 
+int PluginHost::chunked_loss() const {
+  if (state_->logits_head_losses > 0) return 0;
+  return state_->chunked_head_losses > 0 ? 1 : -1;
+}
+
 PluginHost::ComputeStats PluginHost::take_compute_stats() {
   std::lock_guard<std::mutex> lock(state_->compute_mutex);
   const ComputeStats taken = state_->compute;

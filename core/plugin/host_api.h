@@ -80,6 +80,9 @@ class PluginHost {
     bool timed = false;
   };
   ComputeStats take_compute_stats();
+  // How this rank's loss service computed causal-LM losses so far: 1 in row chunks from the final
+  // norm's output alone (model.chunked_loss), 0 from whole logits at least once, -1 none computed.
+  int chunked_loss() const;
   // The values the plugin reported with report_metric since the last call (which clears them).
   std::map<std::string, double> take_step_metrics();
   // ABI 2.1 ("weft_state_tensor"): the plugin's training state the host keeps for it, by name (the

@@ -177,6 +177,37 @@ weft_status* forward(weft_host* host, int64_t first, int64_t last, weft_activati
     const ComputeTimer timer(s, /*backward=*/false);
     const auto& x = tensor_of(input);
     const auto& positions = input->positions;  // packed rows: passed on to the next stage's input
+    // Not where a plugin releases the head's parameters between its stage's forward and the loss
+    // (flat shards, ZeRO stage 3 / FSDP): there the head runs in the forward.
+    const auto head_resident = [&] {
+      const auto* head = s.model->head_weight().unsafeGetTensorImpl();
+      return std::none_of(s.parameters.begin(), s.parameters.end(), [&](const ParameterEntry& p) {
+        return p.releasable && p.tensor.unsafeGetTensorImpl() == head;
+      });
+    };
+    if (last == s.model->num_stages() && s.model->fuses_head_loss() && head_resident()) {
+      // The LM head is left to loss(), which runs it with the cross-entropy in row chunks.
+      torch::Tensor hidden;
+      if (flags & WEFT_FORWARD_NO_GRAD) {
+        torch::NoGradGuard no_grad;
+        hidden = s.model->forward_stages(first, last, x, positions, /*head=*/false);
+      } else {
+        const bool was = s.model->options().activation_checkpointing;
+        if (flags & WEFT_FORWARD_RECOMPUTE) s.model->set_activation_checkpointing(true);
+        try {
+          hidden = s.model->forward_stages(first, last, x, positions, /*head=*/false);
+        } catch (...) {
+          s.model->set_activation_checkpointing(was);
+          throw;
+        }
+        s.model->set_activation_checkpointing(was);
+      }
+      *output = new_activation(torch::Tensor());
+      (*output)->head_input = hidden;
+      (*output)->head = [model = s.model](const at::Tensor& h) { return model->head_logits(h); };
+      (*output)->positions = positions;
+      return;
+    }
     if (flags & WEFT_FORWARD_NO_GRAD) {
       torch::NoGradGuard no_grad;
       *output = new_activation(s.model->forward_stages(first, last, x, positions));
@@ -204,14 +235,22 @@ weft_status* loss(weft_host* host, weft_activation* logits, weft_activation* tar
     auto& s = state_of(host);
     WEFT_CHECK(s.model != nullptr, "loss: the model is not built yet");
     const ComputeTimer timer(s, /*backward=*/false);
+    WEFT_CHECK(logits != nullptr, "loss: null logits");
+    // A deferred head (forward() left it to the loss): its product and the cross-entropy in row chunks.
+    const bool deferred = !logits->tensor.defined() && logits->head_input.defined();
+    if (!s.model->config().classification()) ++(deferred ? s.chunked_head_losses : s.logits_head_losses);
     at::Tensor mean;
     if (s.sequence_loss_sums.defined() && !targets->sequences.empty()) {
       // Evaluation that records each sequence's loss: per-token losses once, summed per row.
       // (classification: one labeled position per row, whose head outputs are recorded too)
       const bool classify = s.model->config().classification();
-      const auto tokens = s.model->token_losses(tensor_of(logits), t)
-                              .reshape({t.size(0), classify ? 1 : -1})
-                              .to(torch::kCPU, torch::kFloat64);
+      at::Tensor token_losses;
+      if (deferred) {
+        s.model->head_loss(logits->head_input, t, &token_losses);
+      } else {
+        token_losses = s.model->token_losses(tensor_of(logits), t);
+      }
+      const auto tokens = token_losses.reshape({t.size(0), classify ? 1 : -1}).to(torch::kCPU, torch::kFloat64);
       const auto rows = torch::tensor(targets->sequences, torch::kLong);
       s.sequence_loss_sums.index_add_(0, rows, tokens.sum(1));
       if (classify && s.sequence_outputs.defined()) {
@@ -223,7 +262,8 @@ weft_status* loss(weft_host* host, weft_activation* logits, weft_activation* tar
                                                         torch::kFloat64));
       mean = tokens.mean();  // in float64, as the per-sequence sums
     } else {
-      mean = s.model->loss(tensor_of(logits), t);  // vocabulary-parallel: shards combined at comm points
+      mean = deferred ? s.model->head_loss(logits->head_input, t)
+                      : s.model->loss(tensor_of(logits), t);  // vocabulary-parallel: shards combined at comm points
     }
     // Classification counts its labeled positions (one per sequence), language modelling the targets
     // its loss counts: every position of text, the trained ones of chat data.
@@ -297,8 +337,10 @@ void weight_pass_release(weft_host*, weft_weight_pass* pass) { delete pass; }
 weft_status* activation_view(weft_host*, weft_activation* activation, DLTensor* out) {
   return guarded([&] {
     WEFT_CHECK(out, "activation_view: null output");
+    WEFT_CHECK(activation != nullptr && (activation->tensor.defined() || activation->head_input.defined()),
+               "activation_view: empty activation");
+    tensor_of(activation);  // a deferred head's logits, made
     auto& t = activation->tensor;
-    WEFT_CHECK(t.defined(), "activation_view: empty activation");
     if (!t.is_contiguous()) t = t.contiguous();
     *out = sdk::to_dl_view(t);  // t, not a detached copy: the view points into its sizes and strides
   });

@@ -8,6 +8,7 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -44,6 +45,11 @@ struct weft_activation {
   // Packed rows: each token's position within its example over whole rows (Batch::positions, on
   // the device), which forward() gives the model and passes on to its output; undefined otherwise.
   at::Tensor positions;
+  // The last stage's output when the host leaves the LM head to the loss (a chunked linear +
+  // cross-entropy, LlamaForCausalLMImpl::head_loss): `tensor` stays undefined, `head_input` holds the
+  // final norm's output and `head` makes the logits from it for whatever else asks (tensor_of).
+  at::Tensor head_input;
+  std::function<at::Tensor(const at::Tensor&)> head;
 };
 struct weft_buffer {
   at::Tensor tensor;  // contiguous, on the rank's device; its sizes and strides back the view
@@ -96,6 +102,9 @@ struct PluginHost::State {
   std::vector<std::unique_ptr<weft_group>> groups;
   LlamaForCausalLMImpl* model = nullptr;
   torch::Device device = torch::kCPU;
+  // How this rank's loss service computed causal-LM losses: in row chunks from the final norm's
+  // output (a deferred head) or from whole logits; counts since the run began.
+  int64_t chunked_head_losses = 0, logits_head_losses = 0;
   double loss_scale = 1.0;  // fp16: multiplies the loss handed back for backward (set_loss_scale)  // where the model computes: batches and activations go there
   std::vector<ParameterEntry> parameters;
   // Inside materialize_parameters(1): whole parameters are materialised in fp32.
@@ -211,8 +220,13 @@ inline weft_activation* new_activation(at::Tensor tensor, std::vector<int64_t> s
   return new weft_activation{std::move(tensor), std::move(sequences)};
 }
 
+// The activation's tensor (a deferred head's logits made now, once).
 inline const at::Tensor& tensor_of(weft_activation* activation) {
-  WEFT_CHECK(activation != nullptr && activation->tensor.defined(), "null or empty weft_activation");
+  WEFT_CHECK(activation != nullptr, "null weft_activation");
+  if (!activation->tensor.defined() && activation->head_input.defined()) {
+    activation->tensor = activation->head(activation->head_input);
+  }
+  WEFT_CHECK(activation->tensor.defined(), "empty weft_activation");
   return activation->tensor;
 }
 

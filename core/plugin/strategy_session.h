@@ -149,6 +149,8 @@ class StrategySession {
   // The parameters each rank holds as its own (ABI 2.1 LOCAL placements over several ranks):
   // checkpoints keep every rank's values and optimizer state of them (set up after setup()).
   std::vector<std::string> local_parameters() const { return host_->local_parameters(); }
+  // PluginHost::chunked_loss of the step's host.
+  int chunked_loss() const { return host_->chunked_loss(); }
   // After the optimizer step (whether it ran or fp16 skipped it): zeroes the gradient shards and
   // lets the plugin act (e.g. all-gather the updated shards, hooks at "step.end"); their
   // communication and metrics go into the step's `report`. Collective.

@@ -140,6 +140,7 @@ std::string run_arguments(const ConformanceOptions& c, const std::string& corpus
   if (c.quantize != "none") plugin_settings += " --set model.quantize=" + c.quantize;
   if (c.frozen_dtype != "fp32") plugin_settings += " --set model.frozen_dtype=" + c.frozen_dtype;
   if (c.activation_checkpointing) plugin_settings += " --set model.activation_checkpointing=true";
+  if (!c.chunked_loss) plugin_settings += " --set model.chunked_loss=false";
   if (c.int8_threshold != 6.0) plugin_settings += fmt::format(" --set model.int8_threshold={}", c.int8_threshold);
   if (c.quantize == "int8" && !int8_gemm_checked(c)) plugin_settings += " --set model.int8_gemm=false";
   if (c.task == "chat") plugin_settings += c.packing ? " --set data.format=chat --set data.packing=true" : " --set data.format=chat";
@@ -186,6 +187,21 @@ std::vector<double> logged_losses(const std::string& metrics) {
     if (j["type"] == "step") losses.push_back(j["loss"].get<double>());
   }
   return losses;
+}
+
+// Whether some rank of a run computed its LM head's loss from whole logits (its summary's
+// chunked_loss_per_rank holds a 0).
+bool logged_logits_loss(const std::string& metrics) {
+  std::ifstream in(metrics);
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto j = nlohmann::json::parse(line);
+    if (j["type"] != "summary" || !j.contains("chunked_loss_per_rank")) continue;
+    for (const auto& rank : j["chunked_loss_per_rank"]) {
+      if (rank.get<double>() == 0.0) return true;
+    }
+  }
+  return false;
 }
 
 TrainOptions run_options(const ConformanceOptions& c, const std::string& corpus, const std::string& model_config,
@@ -236,6 +252,7 @@ TrainOptions run_options(const ConformanceOptions& c, const std::string& corpus,
   o.model.int8_threshold = c.int8_threshold;
   o.model.frozen_dtype = c.frozen_dtype;
   o.model.activation_checkpointing = c.activation_checkpointing;
+  o.model.chunked_loss = c.chunked_loss;
   o.model.int8_gemm = int8_gemm_checked(c);  // the reference computes as the plugin's run does (see int8_gemm_loss_rtol)
   o.task = c.task == "chat" ? "causal_lm" : c.task;
   if (c.task == "chat") o.data.format = "chat";
@@ -275,6 +292,10 @@ void apply_check_setting(ConformanceOptions& o, const std::string& setting) {
     o.activation_checkpointing = setting == "model.activation_checkpointing=true";
     return;
   }
+  if (setting == "model.chunked_loss=true" || setting == "model.chunked_loss=false") {
+    o.chunked_loss = setting == "model.chunked_loss=true";
+    return;
+  }
   if (setting.rfind("model.int8_threshold=", 0) == 0) {
     const auto value = setting.substr(std::string("model.int8_threshold=").size());
     try {
@@ -311,7 +332,8 @@ void apply_check_setting(ConformanceOptions& o, const std::string& setting) {
     throw Error(fmt::format("trainer check takes only --set plugin.KEY=VALUE (the plugin's settings), --set mesh.DIM=N, --set "
                             "train.mode=full|lora|adalora|prompt_tuning, --set train.precision=fp32|bf16|fp16, --set model.quantize=none|int8|nf4, "
                             "--set model.int8_threshold=X, --set model.frozen_dtype=fp32|bf16, --set "
-                            "model.activation_checkpointing=true|false, --set train.task=causal_lm|classification, --set "
+                            "model.activation_checkpointing=true|false, --set model.chunked_loss=true|false, --set "
+                            "train.task=causal_lm|classification, --set "
                             "data.format=chat, data.packing=true and "
                             "--set train.device=cpu|cuda|auto, got '{}'",
                             setting));
@@ -399,9 +421,10 @@ ConformanceReport check_conformance(const ConformanceOptions& c) {
   const std::string model_config = write_model_config(dir, c.quantize);
   TrainOptions reference_options = run_options(c, corpus, model_config, c.reference, dir + "/reference");
   reference_options.device = "cpu";  // the reference computes on the CPU whatever the candidate's device
-  Trainer reference(reference_options);
-  const auto r = reference.run();
+  auto reference = std::make_unique<Trainer>(reference_options);
+  auto r = reference->run();
   std::map<std::string, torch::Tensor> candidate_params;
+  bool candidate_logits = false;  // some rank of the candidate computed the head's loss from whole logits
   std::vector<double> candidate_losses;
   if (c.nproc > 1) {
     // The plugin under test in real processes; rank 0 saves the final model.
@@ -414,6 +437,7 @@ ConformanceReport check_conformance(const ConformanceOptions& c) {
     WEFT_CHECK(status == 0, "the {}-rank run of {} failed{} (see {}/candidate.log)", c.nproc, c.plugin,
                first_error(dir + "/candidate.log"), dir);
     candidate_losses = logged_losses(out + "/metrics.jsonl");
+    candidate_logits = logged_logits_loss(out + "/metrics.jsonl");
     if (c.mode == "adalora") {  // the last checkpoint's allocator state: "adalora.param." + the parameter name
       // (in pieces of the rank files when the plugin splits the model)
       const std::string checkpoint = out + "/checkpoints/step-" + fmt::format("{:08}", c.steps);
@@ -448,8 +472,18 @@ ConformanceReport check_conformance(const ConformanceOptions& c) {
     TrainOptions options = run_options(c, corpus, model_config, c.plugin, dir + "/candidate");
     options.plugin_config = plugin_table(c.plugin_settings);
     Trainer candidate(options);
-    candidate_losses = candidate.run().step_losses;
+    const auto result = candidate.run();
+    candidate_losses = result.step_losses;
+    candidate_logits = result.chunked_loss == 0;
     candidate_params = candidate.whole_parameters();  // as its save would write them
+  }
+  if (candidate_logits && r.chunked_loss == 1) {
+    // The candidate's head could not be left to the loss (a plugin that releases it between the
+    // two: ZeRO stage 3): the reference computes the loss from whole logits too, as it did.
+    reference_options.model.chunked_loss = false;
+    reference_options.out_dir = dir + "/reference-logits";
+    reference = std::make_unique<Trainer>(reference_options);
+    r = reference->run();
   }
 
   ConformanceReport report;
@@ -463,7 +497,7 @@ ConformanceReport check_conformance(const ConformanceOptions& c) {
     report.max_loss_rel_diff = std::max(report.max_loss_rel_diff, std::abs(a - b) / std::max(std::abs(a), 1e-12));
   }
   bool all_parameters = true;
-  for (auto& item : reference.model().named_parameters()) {
+  for (auto& item : reference->model().named_parameters()) {
     if (!item.value().requires_grad()) continue;  // frozen under LoRA (the same by construction)
     const auto it = candidate_params.find(item.key());
     if (it == candidate_params.end()) {

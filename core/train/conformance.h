@@ -46,6 +46,9 @@ struct ConformanceOptions {
   // model.activation_checkpointing for both runs: each decoder block recomputed in the backward (so
   // the plugin's communication inside a block runs again there, in the same order on every rank).
   bool activation_checkpointing = false;
+  // model.chunked_loss for both runs (the LM head and its loss in row chunks where the candidate's
+  // head allows; where it computed whole logits instead, the reference is run again that way).
+  bool chunked_loss = true;
   // int8 multiplied in the CPU's int8 GEMM (LLM.int8, activations rounded to 7 bits per token):
   // a rounding step in the forward, so the inputs' last-bit differences between two runs that
   // split the work differently move some values by a whole step. Measured on LibTorch 2.11 (AMD

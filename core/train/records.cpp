@@ -148,6 +148,9 @@ const TrainResult& RunRecords::finish(Communicator& communicator, int rank, int6
   // The memory plan made before the model was built, next to what the ranks' tensors peaked at.
   summary["memory_plan_mib_per_rank"] = communicator.all_gather(setting_.memory_plan_mib);  // collective
   summary["tensor_peak_mib_per_rank"] = communicator.all_gather(tensor_peak_mib);           // collective
+  // How each rank computed the LM head's loss: 1 in row chunks (model.chunked_loss), 0 from whole
+  // logits, -1 none (a pipeline stage without the head).
+  summary["chunked_loss_per_rank"] = communicator.all_gather(static_cast<double>(result.chunked_loss));  // collective
   summary["state_mib_per_rank"] = {
       {"parameters", communicator.all_gather(result.state_parameters_mib)},  // collective
       {"gradients", communicator.all_gather(result.state_gradients_mib)},    // collective

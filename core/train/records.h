@@ -43,6 +43,7 @@ struct TrainResult {
   double device_peak_allocated_mib = 0;  // CUDA: this rank's peak tensor memory (0 on a CPU)
   double device_peak_reserved_mib = 0;   // CUDA: this rank's peak memory held by the caching allocator
   int64_t skipped_steps = 0;           // fp16: steps skipped for non-finite gradients
+  int chunked_loss = -1;               // PluginHost::chunked_loss: 1 chunked, 0 logits, -1 no loss here
   std::map<std::string, int64_t> adalora_ranks;  // AdaLoRA: each adapted layer's kept rank at the end
 };
 

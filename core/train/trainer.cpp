@@ -268,6 +268,7 @@ TrainResult Trainer::run() {
   result.best_eval_loss = state_.best_eval_loss;
   result.early_stopped = state_.early_stopped;
   tensor_peak_bytes_ = std::max(tensor_peak_bytes_, tensor_bytes_peak());
+  result.chunked_loss = job_->strategy().chunked_loss();
   {  // what the training state holds between steps, as stored (whole or sharded)
     constexpr double kMiB = 1024.0 * 1024.0;
     const auto [parameters, gradients] = job_->strategy().parameter_and_gradient_bytes();

@@ -5,6 +5,8 @@
 
 #include "core/model/kernels.h"
 #include "core/model/layers.h"
+#include "core/model/linear.h"
+#include "core/model/linear_cross_entropy.h"
 #include "core/util/error.h"
 
 namespace weft {
@@ -242,6 +244,141 @@ TEST(FusedKernels, OnCudaEachKernelEqualsItsAtenFormulation) {
     EXPECT_TRUE(close(gl_f, gl_a, bf16 ? 1e-2 : 1e-5, 1e-7));
     EXPECT_EQ(gl_f[3].abs().sum().item<float>(), 0.0f);
   }
+}
+
+// The LM head and its cross-entropy in row chunks (Liger's fused linear + cross-entropy) against
+// linear then cross_entropy(reduction sum): the loss, each row's loss, and the gradients of h and
+// of a trained head, with rows ignored, a last chunk shorter than the others, a scaled loss, under
+// no_grad, and in bf16 (the product rounded to bf16 as the head's linear rounds it).
+TEST(FusedKernels, ChunkedLinearCrossEntropyEqualsLinearThenCrossEntropy) {
+  torch::manual_seed(11);
+  const int64_t rows = 37, hidden = 24, vocab = 101;
+  const auto h0 = torch::randn({rows, hidden});
+  const auto w0 = torch::randn({vocab, hidden}) * 0.3;
+  auto targets = torch::randint(0, vocab, {rows}, torch::kLong);
+  targets.index_put_({torch::tensor({0, 5, 36})}, -100);
+  const auto reference = [&](torch::Dtype dtype) {
+    auto h = h0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+    const auto logits = torch::nn::functional::linear(h.to(dtype), w.to(dtype)).to(torch::kFloat32);
+    const auto per_row = torch::nn::functional::cross_entropy(
+        logits, targets, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone).ignore_index(-100));
+    const auto loss = per_row.sum();
+    (loss * 3.0).backward();
+    return std::tuple{loss.detach(), per_row.detach(), h.grad(), w.grad()};
+  };
+  for (const int64_t chunk : {int64_t{8}, int64_t{0}}) {  // 5 chunks (the last of 5 rows), or one
+    const auto [loss, per_row, grad_h, grad_w] = reference(torch::kFloat32);
+    auto h = h0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+    torch::Tensor rows_out;
+    const auto fused = linear_cross_entropy_sum(h, w, targets, torch::kFloat32, -100, nullptr, chunk);
+    (fused * 3.0).backward();
+    EXPECT_EQ(fused.scalar_type(), torch::kFloat32);
+    EXPECT_NEAR(fused.item<double>(), loss.item<double>(), 1e-5 * loss.item<double>()) << chunk;
+    EXPECT_TRUE(torch::allclose(h.grad(), grad_h, 1e-5, 1e-6)) << chunk;
+    EXPECT_TRUE(torch::allclose(w.grad(), grad_w, 1e-5, 1e-6)) << chunk;
+    EXPECT_EQ(h.grad().select(0, 5).abs().sum().item<double>(), 0.0);  // an ignored row: no gradient
+    {
+      torch::NoGradGuard no_grad;
+      const auto value = linear_cross_entropy_sum(h0, w0, targets, torch::kFloat32, -100, &rows_out, chunk);
+      EXPECT_NEAR(value.item<double>(), loss.item<double>(), 1e-5 * loss.item<double>());
+      EXPECT_TRUE(torch::allclose(rows_out, per_row, 1e-5, 1e-6));
+      EXPECT_EQ(rows_out[36].item<double>(), 0.0);
+    }
+  }
+  {  // a frozen head: h's gradient alone
+    auto h = h0.clone().requires_grad_(true);
+    linear_cross_entropy_sum(h, w0, targets, torch::kFloat32, -100, nullptr, 8).backward();
+    const auto [loss, per_row, grad_h, grad_w] = reference(torch::kFloat32);
+    EXPECT_TRUE(torch::allclose(h.grad() * 3.0, grad_h, 1e-5, 1e-6));
+  }
+  {  // bf16 compute: within bf16 rounding of the bf16 reference
+    const auto [loss, per_row, grad_h, grad_w] = reference(torch::kBFloat16);
+    auto h = h0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+    const auto fused = linear_cross_entropy_sum(h, w, targets, torch::kBFloat16, -100, nullptr, 8);
+    (fused * 3.0).backward();
+    EXPECT_NEAR(fused.item<double>(), loss.item<double>(), 1e-3 * loss.item<double>());
+    EXPECT_TRUE(torch::allclose(h.grad(), grad_h, 2e-2, 2e-2));
+    EXPECT_EQ(w.grad().scalar_type(), torch::kFloat32);
+    EXPECT_TRUE(torch::allclose(w.grad(), grad_w, 2e-2, 2e-2));
+  }
+  EXPECT_THROW(linear_cross_entropy_sum(h0, w0.narrow(1, 0, 8), targets, torch::kFloat32, -100), Error);
+  EXPECT_THROW(linear_cross_entropy_sum(h0, w0, targets.narrow(0, 0, 5), torch::kFloat32, -100), Error);
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(128256), 128);  // 64 MiB of fp32 logits per chunk
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(49152), 336);
+}
+
+// lora_linear (frozen bases, plain LoRA adapters: one node for a group of layers reading the same
+// x) against each layer's x W^T + s (x A^T) B^T composed of ATen ops: the output, and the
+// gradients of x and of every A and B, for a group of three (the middle one without an adapter)
+// and one layer alone (LinearImpl::forward), in fp32 and bf16; where it does not apply (dropout in
+// training, an AdaLoRA adapter, a trained base) the layers take the composed path.
+TEST(FusedKernels, LoraLinearEqualsEachLayersProductsComposed) {
+  for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    torch::manual_seed(8);
+    Linear q(16, 5), k(16, 3), v(16, 4);
+    for (auto* layer : {q.get(), k.get(), v.get()}) {
+      torch::nn::init::normal_(layer->weight);
+      layer->set_compute_dtype(dtype);
+    }
+    q->add_lora(LoraSpec{2, 4.0, 0.0}, 1);
+    v->add_lora(LoraSpec{3, 6.0, 0.0}, 2);
+    k->weight.set_requires_grad(false);
+    {
+      torch::NoGradGuard no_grad;
+      q->adapter_as<LoraAdapter>()->B->weight.normal_();
+      v->adapter_as<LoraAdapter>()->B->weight.normal_();
+    }
+    const std::vector<LinearImpl*> group{q.get(), k.get(), v.get()};
+    ASSERT_TRUE(lora_linear_applies(group));
+    const auto x0 = torch::randn({2, 4, 16});
+    const auto probe = torch::randn({2, 4, 12});
+    const auto composed = [&](const torch::Tensor& x) {
+      std::vector<torch::Tensor> parts;
+      for (auto* layer : group) {
+        const auto xd = x.to(dtype);
+        auto y = torch::nn::functional::linear(xd, layer->weight.to(dtype));
+        if (auto* lora = layer->adapter_as<LoraAdapter>()) {
+          y = y + torch::nn::functional::linear(torch::nn::functional::linear(xd, lora->A->weight.to(dtype)),
+                                                lora->B->weight.to(dtype)) * lora->scale();
+        }
+        parts.push_back(y);
+      }
+      return torch::cat(parts, -1);
+    };
+    const auto run = [&](bool fused) {
+      auto x = x0.clone().requires_grad_(true);
+      const auto y = fused ? lora_linear(x, group) : composed(x);
+      (y.to(torch::kFloat32) * probe).sum().backward();
+      std::vector<torch::Tensor> out{y.detach().to(torch::kFloat32), x.grad()};
+      for (auto* layer : {q.get(), v.get()}) {
+        auto* lora = layer->adapter_as<LoraAdapter>();
+        out.push_back(lora->A->weight.grad().clone());
+        out.push_back(lora->B->weight.grad().clone());
+        lora->A->weight.mutable_grad() = torch::Tensor();
+        lora->B->weight.mutable_grad() = torch::Tensor();
+      }
+      return out;
+    };
+    const auto expected = run(false), got = run(true);
+    const double tolerance = dtype == torch::kFloat32 ? 1e-5 : 3e-2;
+    for (size_t i = 0; i < expected.size(); ++i) {
+      EXPECT_EQ(got[i].scalar_type(), expected[i].scalar_type()) << i;
+      EXPECT_TRUE(torch::allclose(got[i], expected[i], tolerance, tolerance)) << i << " " << c10::toString(dtype);
+    }
+    // One layer through its own forward equals the composed products too.
+    EXPECT_TRUE(torch::allclose(v(x0).to(torch::kFloat32), composed(x0).narrow(-1, 8, 4).to(torch::kFloat32),
+                                tolerance, tolerance));
+  }
+  Linear dropped(8, 4), trained(8, 4), ada(8, 4);
+  dropped->add_lora(LoraSpec{2, 4.0, 0.1}, 1);
+  trained->add_lora(LoraSpec{2, 4.0, 0.0}, 1);
+  trained->weight.set_requires_grad(true);
+  ada->add_adalora(LoraSpec{2, 4.0, 0.0}, 1);
+  EXPECT_FALSE(lora_linear_applies({dropped.get()}));  // dropout in training
+  dropped->eval();
+  EXPECT_TRUE(lora_linear_applies({dropped.get()}));   // no dropout in evaluation
+  EXPECT_FALSE(lora_linear_applies({trained.get()}));
+  EXPECT_FALSE(lora_linear_applies({ada.get()}));
 }
 
 TEST(FusedKernels, FusedLinearEqualsSeparateLayersWithAndWithoutLora) {

@@ -1,5 +1,6 @@
 // The staged LLaMA model: configs and presets, stage ranges, checkpointing, precision, weights, LoRA.
 #include <filesystem>
+#include <map>
 #include <set>
 
 #include <gtest/gtest.h>
@@ -260,6 +261,64 @@ TEST(Model, ActivationCheckpointingGivesIdenticalGradients) {
   EXPECT_DOUBLE_EQ(loss_a, loss_b);
   ASSERT_EQ(ga.size(), gb.size());
   for (size_t i = 0; i < ga.size(); ++i) EXPECT_TRUE(torch::allclose(ga[i], gb[i], 1e-6, 1e-7)) << i;
+}
+
+// The LM head left to the loss (model.chunked_loss: the final norm's output, then the head and its
+// cross-entropy in row chunks) gives the loss, the per-token losses and every parameter's gradient
+// of logits-then-cross_entropy: a trained head (full fine-tuning, untied and tied to the embedding)
+// and a frozen one under LoRA; a head with an adapter, a classifier or chunked_loss = false keep
+// the logits.
+TEST(Model, TheChunkedHeadLossEqualsTheLossOfTheLogits) {
+  const auto x = tokens(2, 16);
+  auto y = tokens(2, 16, 2);
+  y.index_put_({0, torch::indexing::Slice(0, 5)}, kIgnoreTarget);
+  for (const bool tied : {false, true}) {
+    for (const bool lora : {false, true}) {
+      auto config = preset_config("tiny");
+      config.tie_word_embeddings = tied;
+      const auto run = [&](bool chunked) {
+        LlamaForCausalLM model(config);
+        init_weights(*model, 5, 0.05);
+        if (lora) apply_lora(*model, LoraConfig{{4, 8.0, 0.0}, {"q_proj", "v_proj", "down_proj"}, std::nullopt}, 1);
+        model->train();
+        torch::Tensor loss, per_token;
+        if (chunked) {
+          EXPECT_TRUE(model->fuses_head_loss());
+          const auto hidden = model->forward_stages(0, model->num_stages(), x, {}, /*head=*/false);
+          EXPECT_EQ(hidden.size(-1), config.hidden_size);
+          loss = model->head_loss(hidden, y, &per_token);
+        } else {
+          const auto logits = model->forward(x);
+          loss = model->loss(logits, y);
+          per_token = model->token_losses(logits, y);
+        }
+        loss.backward();
+        std::map<std::string, torch::Tensor> grads;
+        for (const auto& item : model->named_parameters()) {
+          if (item.value().grad().defined()) grads[item.key()] = item.value().grad().clone();
+        }
+        return std::tuple{loss.item<double>(), per_token.detach(), grads};
+      };
+      const auto [loss_a, tokens_a, grads_a] = run(false);
+      const auto [loss_b, tokens_b, grads_b] = run(true);
+      EXPECT_NEAR(loss_a, loss_b, 1e-6 * loss_a) << tied << lora;
+      EXPECT_TRUE(torch::allclose(tokens_a, tokens_b, 1e-5, 1e-6)) << tied << lora;
+      ASSERT_EQ(grads_a.size(), grads_b.size()) << tied << lora;
+      EXPECT_GT(grads_a.size(), 0u);
+      for (const auto& [name, g] : grads_a) {
+        EXPECT_TRUE(torch::allclose(g, grads_b.at(name), 1e-4, 1e-6)) << name << " tied " << tied << " lora " << lora;
+      }
+    }
+  }
+  ModelOptions keep;
+  keep.chunked_loss = false;
+  EXPECT_FALSE(tiny_model(7, keep)->fuses_head_loss());
+  auto untied = preset_config("tiny");
+  untied.tie_word_embeddings = false;
+  LlamaForCausalLM adapted(untied);
+  adapted->lm_head->add_lora({4, 8.0, 0.0}, 1);
+  EXPECT_FALSE(adapted->fuses_head_loss());
+  EXPECT_THROW(adapted->forward_stages(0, adapted->num_stages(), x, {}, /*head=*/false), Error);
 }
 
 // Packed rows (data.packing): several sequences in one row, each with positions 0, 1, ... of its own,

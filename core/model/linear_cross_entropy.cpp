@@ -1,0 +1,116 @@
+#include "core/model/linear_cross_entropy.h"
+
+#include <algorithm>
+
+#include "core/util/error.h"
+
+namespace weft {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct Pass {
+  torch::Tensor loss;       // fp32 scalar
+  torch::Tensor rows;       // [N] fp32, when asked
+  torch::Tensor grad_h;     // [N, H] in h's dtype, when h requires a gradient
+  torch::Tensor grad_w;     // [V, H] fp32, when the weight requires one
+};
+
+// The chunked pass: the loss, and the gradients of a unit loss where asked.
+Pass run_chunks(const torch::Tensor& h, const torch::Tensor& weight, const torch::Tensor& targets,
+                torch::Dtype compute_dtype, int64_t ignore_index, bool want_rows, bool grad_h, bool grad_w,
+                int64_t chunk_rows, double grad_hint) {
+  torch::NoGradGuard no_grad;
+  const int64_t n = h.size(0);
+  const auto w = weight.to(compute_dtype).contiguous();
+  const auto hc = h.to(compute_dtype).contiguous();
+  const auto t = targets.to(h.device(), torch::kLong).contiguous();
+  Pass out;
+  auto total = torch::zeros({}, h.options().dtype(torch::kFloat64));
+  if (want_rows) out.rows = torch::zeros({n}, h.options().dtype(torch::kFloat32));
+  if (grad_h) out.grad_h = torch::empty({n, h.size(1)}, h.options());
+  if (grad_w) out.grad_w = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat32));
+  const int64_t step = chunk_rows > 0 ? chunk_rows : linear_cross_entropy_chunk_rows(weight.size(0));
+  for (int64_t start = 0; start < n; start += step) {
+    const int64_t rows = std::min(step, n - start);
+    const auto x = hc.narrow(0, start, rows);
+    const auto target = t.narrow(0, start, rows);
+    auto logits = torch::mm(x, w.t());
+    if (logits.scalar_type() != torch::kFloat32) logits = logits.to(torch::kFloat32);
+    // log-softmax and its gradient as ATen's log_softmax and nll_loss compute them (the same
+    // roundings as the whole logits' loss), in place over the chunk's logits.
+    auto logp = torch::log_softmax(logits, 1);
+    logits = torch::Tensor();
+    const auto valid = target != ignore_index;
+    const auto safe = torch::where(valid, target, torch::zeros_like(target)).unsqueeze(1);
+    const auto loss = torch::where(valid, -logp.gather(1, safe).squeeze(1), torch::zeros({}, logp.options()));
+    total += loss.sum(torch::kFloat64);
+    if (want_rows) out.rows.narrow(0, start, rows).copy_(loss);
+    if (!grad_h && !grad_w) continue;
+    // d loss / d logits = softmax - one-hot, 0 on ignored rows.
+    auto& d = logp;
+    d.exp_();
+    d.scatter_add_(1, safe, -torch::ones_like(safe, d.options()));
+    d.mul_(valid.unsqueeze(1).to(torch::kFloat32));
+    if (grad_hint != 1.0) d.mul_(grad_hint);
+    const auto dc = d.to(compute_dtype);
+    if (grad_h) out.grad_h.narrow(0, start, rows).copy_(torch::mm(dc, w));
+    if (grad_w) out.grad_w.add_(torch::mm(dc.t(), x));
+  }
+  out.loss = total.to(torch::kFloat32);
+  return out;
+}
+
+class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossEntropyFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& h, const torch::Tensor& weight,
+                               const torch::Tensor& targets, int64_t compute_dtype, int64_t ignore_index,
+                               int64_t chunk_rows, double grad_hint) {
+    auto pass = run_chunks(h, weight, targets, static_cast<torch::Dtype>(compute_dtype), ignore_index,
+                           /*want_rows=*/false, h.requires_grad(), weight.requires_grad(), chunk_rows, grad_hint);
+    ctx->saved_data["hint"] = grad_hint;
+    ctx->save_for_backward({pass.grad_h, pass.grad_w});
+    ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
+    return pass.loss;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto g = grads[0] / ctx->saved_data["hint"].toDouble();  // exactly 1 where the hint was right
+    torch::Tensor grad_h, grad_w;
+    if (saved[0].defined()) grad_h = saved[0] * g.to(saved[0].scalar_type());
+    if (saved[1].defined()) {
+      grad_w = (saved[1] * g.to(torch::kFloat32)).to(static_cast<torch::Dtype>(ctx->saved_data["weight_dtype"].toInt()));
+    }
+    return {grad_h, grad_w, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+int64_t linear_cross_entropy_chunk_rows(int64_t vocab) {
+  constexpr int64_t kChunkElements = int64_t{1} << 24;  // 64 MiB of fp32 logits
+  const int64_t rows = kChunkElements / std::max<int64_t>(vocab, 1);
+  return std::max<int64_t>(16, rows / 16 * 16);
+}
+
+torch::Tensor linear_cross_entropy_sum(const torch::Tensor& h, const torch::Tensor& weight, const torch::Tensor& targets,
+                                       torch::Dtype compute_dtype, int64_t ignore_index, torch::Tensor* row_losses,
+                                       int64_t chunk_rows, double grad_hint) {
+  WEFT_CHECK(h.dim() == 2 && weight.dim() == 2 && h.size(1) == weight.size(1),
+             "linear_cross_entropy: hidden states [rows, {}] against a head of {} columns", h.size(-1),
+             weight.size(-1));
+  WEFT_CHECK(targets.numel() == h.size(0), "linear_cross_entropy: {} targets for {} rows", targets.numel(), h.size(0));
+  const bool differentiable = torch::GradMode::is_enabled() && (h.requires_grad() || weight.requires_grad());
+  if (!differentiable || row_losses != nullptr) {
+    auto pass = run_chunks(h, weight, targets.reshape({-1}), compute_dtype, ignore_index, row_losses != nullptr,
+                           false, false, chunk_rows, 1.0);
+    if (row_losses != nullptr) *row_losses = pass.rows;
+    if (!differentiable) return pass.loss;
+  }
+  return LinearCrossEntropyFunction::apply(h, weight, targets.reshape({-1}), static_cast<int64_t>(compute_dtype),
+                                           ignore_index, chunk_rows, grad_hint);
+}
+
+}  // namespace weft

@@ -675,19 +675,28 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> split_qkv_with_rope(
   return {out[0], out[1], out[2]};
 }
 
+bool seeded_dropout_applies(const torch::Tensor& x) {
+  return x.device().is_cpu() && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16);
+}
+
+uint64_t draw_dropout_seed() {
+  auto generator = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  return generator.get<at::CPUGeneratorImpl>()->random64();
+}
+
+torch::Tensor seeded_dropout(const torch::Tensor& x, double p, uint64_t seed) {
+  WEFT_CHECK(seeded_dropout_applies(x), "seeded_dropout: a CPU tensor of fp32 or bf16 expected");
+  return apply_dropout_mask(x, p, seed);
+}
+
 torch::Tensor fused_dropout(const torch::Tensor& x, double p) {
   WEFT_CHECK(p >= 0.0 && p < 1.0, "dropout: p must be in [0, 1), got {}", p);
   if (p == 0.0) return x;
-  if (!x.device().is_cpu() || (x.scalar_type() != torch::kFloat32 && x.scalar_type() != torch::kBFloat16)) {
+  if (!seeded_dropout_applies(x)) {
     return torch::nn::functional::dropout(x, torch::nn::functional::DropoutFuncOptions().p(p).training(true));
   }
-  uint64_t seed = 0;
-  {
-    auto generator = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    seed = generator.get<at::CPUGeneratorImpl>()->random64();
-  }
-  return DropoutFunction::apply(x, p, static_cast<int64_t>(seed));
+  return DropoutFunction::apply(x, p, static_cast<int64_t>(draw_dropout_seed()));
 }
 
 torch::Tensor cross_entropy_sum_of(const torch::Tensor& logits, const torch::Tensor& targets) {

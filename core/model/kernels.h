@@ -49,6 +49,12 @@ torch::Tensor cross_entropy_sum_of(const torch::Tensor& logits, const torch::Ten
 // draws it again from the same pair: no mask is stored, and a restored generator state (activation
 // checkpointing's recomputation) gives the same mask. Elsewhere ATen's dropout. p in [0, 1).
 torch::Tensor fused_dropout(const torch::Tensor& x, double p);
+// fused_dropout's parts, for a caller that draws the mask again itself: whether x takes the hashed
+// mask (a CPU tensor of fp32 or bf16), a seed drawn from LibTorch's default CPU generator, and x
+// through the mask of (p, seed) (the same on x's gradient gives the gradient's).
+bool seeded_dropout_applies(const torch::Tensor& x);
+uint64_t draw_dropout_seed();
+torch::Tensor seeded_dropout(const torch::Tensor& x, double p, uint64_t seed);
 
 // The ATen formulations: the same values up to rounding order, on every device and dtype.
 torch::Tensor aten_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, torch::Dtype out_dtype);

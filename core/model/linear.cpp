@@ -251,13 +251,25 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
                                torch::TensorList weights, torch::TensorList a, torch::TensorList b,
                                std::vector<int64_t> widths, std::vector<int64_t> adapters, std::vector<double> scales,
-                               int64_t dtype_code) {
+                               std::vector<double> dropouts, std::vector<int64_t> seeds, int64_t dtype_code) {
     const auto dtype = static_cast<torch::Dtype>(dtype_code);
     const auto x2 = x.reshape({-1, x.size(-1)}).to(dtype).contiguous();
     const auto w = stacked(weights, dtype);
     const auto a_all = stacked(a, dtype);
     auto y = torch::mm(x2, w.t());
-    const auto u = torch::mm(x2, a_all.t());  // every adapter's x A^T, side by side
+    // Every adapter's (dropped-out) x A^T, side by side: one GEMM without dropout.
+    const bool dropped = std::any_of(dropouts.begin(), dropouts.end(), [](double p) { return p > 0; });
+    torch::Tensor u;
+    if (!dropped) {
+      u = torch::mm(x2, a_all.t());
+    } else {
+      std::vector<torch::Tensor> parts;
+      for (size_t k = 0; k < a.size(); ++k) {
+        const auto input = dropouts[k] > 0 ? seeded_dropout(x2, dropouts[k], static_cast<uint64_t>(seeds[k])) : x2;
+        parts.push_back(torch::mm(input, a[k].to(dtype).t()));
+      }
+      u = torch::cat(parts, 1);
+    }
     int64_t offset = 0, rank_offset = 0;
     for (size_t i = 0; i < widths.size(); ++i) {
       if (adapters[i] >= 0) {
@@ -278,6 +290,8 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     ctx->saved_data["widths"] = widths;
     ctx->saved_data["adapters"] = adapters;
     ctx->saved_data["scales"] = scales;
+    ctx->saved_data["dropouts"] = dropouts;
+    ctx->saved_data["seeds"] = seeds;
     ctx->saved_data["dtype"] = dtype_code;
     ctx->saved_data["weights"] = static_cast<int64_t>(weights.size());
     auto shape = x.sizes().vec();
@@ -312,26 +326,48 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
       }
       offset += widths[i];
     }
-    const auto a_all = stacked(a, dtype);
-    torch::Tensor grad_x;
-    if (ctx->needs_input_grad(0)) {
-      grad_x = torch::mm(g, w).addmm_(v, a_all);
+    const auto dropouts = ctx->saved_data["dropouts"].toDoubleVector();
+    const auto seeds = ctx->saved_data["seeds"].toIntVector();
+    const bool dropped = std::any_of(dropouts.begin(), dropouts.end(), [](double p) { return p > 0; });
+    const bool want_x = ctx->needs_input_grad(0);
+    torch::Tensor grad_x = want_x ? torch::mm(g, w) : torch::Tensor();
+    if (!dropped) {  // every A at once
+      const auto a_all = stacked(a, dtype);
+      if (want_x) grad_x.addmm_(v, a_all);
+      const auto grad_a_all = torch::mm(v.t(), x2);
+      rank_offset = 0;
+      for (size_t k = 0; k < a.size(); ++k) {
+        const int64_t r = a[k].size(0);
+        grad_a[k] = grad_a_all.narrow(0, rank_offset, r).to(a[k].scalar_type());
+        rank_offset += r;
+      }
+    } else {  // each adapter's mask drawn again from its seed, on its input and on x's gradient
+      rank_offset = 0;
+      for (size_t k = 0; k < a.size(); ++k) {
+        const int64_t r = a[k].size(0);
+        const auto vk = v.narrow(1, rank_offset, r);
+        const auto ak = a[k].to(dtype);
+        const auto seed = static_cast<uint64_t>(seeds[k]);
+        if (dropouts[k] > 0) {
+          if (want_x) grad_x.add_(seeded_dropout(torch::mm(vk, ak), dropouts[k], seed));
+          grad_a[k] = torch::mm(vk.t(), seeded_dropout(x2, dropouts[k], seed)).to(a[k].scalar_type());
+        } else {
+          if (want_x) grad_x.addmm_(vk, ak);
+          grad_a[k] = torch::mm(vk.t(), x2).to(a[k].scalar_type());
+        }
+        rank_offset += r;
+      }
+    }
+    if (want_x) {
       auto shape = grads[0].sizes().vec();
       shape.back() = x2.size(1);
       grad_x = grad_x.view(shape);
-    }
-    const auto grad_a_all = torch::mm(v.t(), x2);
-    rank_offset = 0;
-    for (size_t k = 0; k < a.size(); ++k) {
-      const int64_t r = a[k].size(0);
-      grad_a[k] = grad_a_all.narrow(0, rank_offset, r).to(a[k].scalar_type());
-      rank_offset += r;
     }
     torch::autograd::variable_list out{grad_x};
     for (int64_t i = 0; i < n_weights; ++i) out.emplace_back();  // frozen bases
     out.insert(out.end(), grad_a.begin(), grad_a.end());
     out.insert(out.end(), grad_b.begin(), grad_b.end());
-    for (int i = 0; i < 4; ++i) out.emplace_back();  // widths, adapters, scales, dtype
+    for (int i = 0; i < 6; ++i) out.emplace_back();  // widths, adapters, scales, dropouts, seeds, dtype
     return out;
   }
 
@@ -356,7 +392,12 @@ bool lora_linear_applies(const std::vector<LinearImpl*>& layers) {
     }
     if (!layer->has_lora()) continue;
     const auto* lora = dynamic_cast<const LoraAdapter*>(layer->adapter());
-    if (lora == nullptr || (lora->dropout() > 0 && layer->is_training())) return false;
+    if (lora == nullptr) return false;
+    // Dropout in training: fused_dropout's mask, drawn again in backward (a CPU tensor of fp32 or bf16).
+    const bool dropped = lora->dropout() > 0 && layer->is_training();
+    if (dropped && !seeded_dropout_applies(torch::empty({0}, layer->weight.options().dtype(layer->compute_dtype())))) {
+      return false;
+    }
     any = true;
   }
   return any;
@@ -366,7 +407,8 @@ torch::Tensor lora_linear(const torch::Tensor& x, const std::vector<LinearImpl*>
   WEFT_CHECK(lora_linear_applies(layers), "lora_linear: the layers are not frozen dense bases with plain LoRA adapters");
   std::vector<torch::Tensor> weights, a, b;
   std::vector<int64_t> widths, adapters;
-  std::vector<double> scales;
+  std::vector<double> scales, dropouts;
+  std::vector<int64_t> seeds;
   for (auto* layer : layers) {
     weights.push_back(layer->weight);
     widths.push_back(layer->out_features());
@@ -376,11 +418,15 @@ torch::Tensor lora_linear(const torch::Tensor& x, const std::vector<LinearImpl*>
     if (lora != nullptr) {
       a.push_back(lora->A->weight);
       b.push_back(lora->B->weight);
+      // Seeds drawn in layer order, as each adapter's fused_dropout would draw them.
+      const double p = layer->is_training() ? lora->dropout() : 0.0;
+      dropouts.push_back(p);
+      seeds.push_back(p > 0 ? static_cast<int64_t>(draw_dropout_seed()) : 0);
     }
   }
   const auto dtype = layers.front()->compute_dtype();
   return LoraLinearFunction::apply(x.to(dtype), torch::TensorList(weights), torch::TensorList(a), torch::TensorList(b),
-                                   widths, adapters, scales, static_cast<int64_t>(dtype));
+                                   widths, adapters, scales, dropouts, seeds, static_cast<int64_t>(dtype));
 }
 
 torch::Tensor fused_linear(const torch::Tensor& x, const std::vector<LinearImpl*>& layers) {

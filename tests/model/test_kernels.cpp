@@ -369,16 +369,74 @@ TEST(FusedKernels, LoraLinearEqualsEachLayersProductsComposed) {
     EXPECT_TRUE(torch::allclose(v(x0).to(torch::kFloat32), composed(x0).narrow(-1, 8, 4).to(torch::kFloat32),
                                 tolerance, tolerance));
   }
-  Linear dropped(8, 4), trained(8, 4), ada(8, 4);
-  dropped->add_lora(LoraSpec{2, 4.0, 0.1}, 1);
+  Linear trained(8, 4), ada(8, 4);
   trained->add_lora(LoraSpec{2, 4.0, 0.0}, 1);
   trained->weight.set_requires_grad(true);
   ada->add_adalora(LoraSpec{2, 4.0, 0.0}, 1);
-  EXPECT_FALSE(lora_linear_applies({dropped.get()}));  // dropout in training
-  dropped->eval();
-  EXPECT_TRUE(lora_linear_applies({dropped.get()}));   // no dropout in evaluation
   EXPECT_FALSE(lora_linear_applies({trained.get()}));
   EXPECT_FALSE(lora_linear_applies({ada.get()}));
+}
+
+// LoRA dropout inside lora_linear: the same masks as each adapter's fused_dropout from the same
+// generator state (the seeds drawn in layer order), so the same output and the same gradients of
+// x, A and B; the masks are drawn again in backward, and evaluation drops nothing.
+TEST(FusedKernels, LoraLinearDropsOutAsEachAdaptersDropout) {
+  torch::manual_seed(9);
+  Linear q(16, 6), v(16, 5);
+  for (auto* layer : {q.get(), v.get()}) {
+    torch::nn::init::normal_(layer->weight);
+    layer->add_lora(LoraSpec{3, 6.0, 0.25}, 3);
+    torch::NoGradGuard no_grad;
+    layer->adapter_as<LoraAdapter>()->B->weight.normal_();
+  }
+  const std::vector<LinearImpl*> group{q.get(), v.get()};
+  ASSERT_TRUE(lora_linear_applies(group));
+  const auto x0 = torch::randn({3, 5, 16});
+  const auto probe = torch::randn({3, 5, 11});
+  const auto run = [&](bool fused) {
+    torch::manual_seed(21);  // the dropout seeds' generator
+    auto x = x0.clone().requires_grad_(true);
+    torch::Tensor y;
+    if (fused) {
+      y = lora_linear(x, group);
+    } else {
+      std::vector<torch::Tensor> parts;
+      for (auto* layer : group) {
+        auto* lora = layer->adapter_as<LoraAdapter>();
+        const auto dropped = fused_dropout(x, 0.25);
+        parts.push_back(torch::nn::functional::linear(x, layer->weight) +
+                        torch::nn::functional::linear(torch::nn::functional::linear(dropped, lora->A->weight),
+                                                      lora->B->weight) *
+                            lora->scale());
+      }
+      y = torch::cat(parts, -1);
+    }
+    (y * probe).sum().backward();
+    std::vector<torch::Tensor> out{y.detach(), x.grad()};
+    for (auto* layer : group) {
+      auto* lora = layer->adapter_as<LoraAdapter>();
+      out.push_back(lora->A->weight.grad().clone());
+      out.push_back(lora->B->weight.grad().clone());
+      lora->A->weight.mutable_grad() = torch::Tensor();
+      lora->B->weight.mutable_grad() = torch::Tensor();
+    }
+    return out;
+  };
+  const auto expected = run(false), got = run(true);
+  for (size_t i = 0; i < expected.size(); ++i) EXPECT_TRUE(torch::allclose(got[i], expected[i], 1e-5, 1e-5)) << i;
+  q->eval();
+  v->eval();
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> parts;
+  for (auto* layer : group) {
+    auto* lora = layer->adapter_as<LoraAdapter>();
+    parts.push_back(torch::nn::functional::linear(x0, layer->weight) +
+                    torch::nn::functional::linear(torch::nn::functional::linear(x0, lora->A->weight), lora->B->weight) *
+                        lora->scale());
+  }
+  const auto kept = lora_linear(x0, group);
+  EXPECT_TRUE(torch::allclose(kept, torch::cat(parts, -1), 1e-5, 1e-5));  // nothing dropped
+  EXPECT_FALSE(torch::allclose(kept, expected[0], 1e-3, 1e-3));            // training dropped some
 }
 
 TEST(FusedKernels, FusedLinearEqualsSeparateLayersWithAndWithoutLora) {

@@ -307,6 +307,17 @@ TEST(FusedKernels, ChunkedLinearCrossEntropyEqualsLinearThenCrossEntropy) {
   EXPECT_EQ(linear_cross_entropy_chunk_rows(49152), 336);
 }
 
+// Appends each layer's LoRA A and B gradients to `out` and clears them.
+void take_adapter_grads(const std::vector<LinearImpl*>& layers, std::vector<torch::Tensor>& out) {
+  for (auto* layer : layers) {
+    auto* lora = layer->adapter_as<LoraAdapter>();
+    for (auto* factor : {&lora->A->weight, &lora->B->weight}) {
+      out.push_back(factor->grad().clone());
+      factor->mutable_grad() = torch::Tensor();
+    }
+  }
+}
+
 // lora_linear (frozen bases, plain LoRA adapters: one node for a group of layers reading the same
 // x) against each layer's x W^T + s (x A^T) B^T composed of ATen ops: the output, and the
 // gradients of x and of every A and B, for a group of three (the middle one without an adapter)
@@ -350,13 +361,7 @@ TEST(FusedKernels, LoraLinearEqualsEachLayersProductsComposed) {
       const auto y = fused ? lora_linear(x, group) : composed(x);
       (y.to(torch::kFloat32) * probe).sum().backward();
       std::vector<torch::Tensor> out{y.detach().to(torch::kFloat32), x.grad()};
-      for (auto* layer : {q.get(), v.get()}) {
-        auto* lora = layer->adapter_as<LoraAdapter>();
-        out.push_back(lora->A->weight.grad().clone());
-        out.push_back(lora->B->weight.grad().clone());
-        lora->A->weight.mutable_grad() = torch::Tensor();
-        lora->B->weight.mutable_grad() = torch::Tensor();
-      }
+      take_adapter_grads({q.get(), v.get()}, out);
       return out;
     };
     const auto expected = run(false), got = run(true);
@@ -413,13 +418,7 @@ TEST(FusedKernels, LoraLinearDropsOutAsEachAdaptersDropout) {
     }
     (y * probe).sum().backward();
     std::vector<torch::Tensor> out{y.detach(), x.grad()};
-    for (auto* layer : group) {
-      auto* lora = layer->adapter_as<LoraAdapter>();
-      out.push_back(lora->A->weight.grad().clone());
-      out.push_back(lora->B->weight.grad().clone());
-      lora->A->weight.mutable_grad() = torch::Tensor();
-      lora->B->weight.mutable_grad() = torch::Tensor();
-    }
+    take_adapter_grads(group, out);
     return out;
   };
   const auto expected = run(false), got = run(true);

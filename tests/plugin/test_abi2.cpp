@@ -671,11 +671,14 @@ TEST(Abi2, ADataParallelPluginComposesWithAPipelineAndReducesDuringTheBackward) 
 // rank, stage 2 half its gradients too, stage 3 half its parameters (GATHER before a chunk's first
 // forward, RELEASE after its reduction), each with ddp,gpipe's losses to the bit, and
 // plans for it; a stage-3 checkpoint resumes exactly under stage 3 and under ddp (parameters
-// and optimizer state gathered whole).
+// and optimizer state gathered whole). Every run computes its loss from whole logits
+// (model.chunked_loss = false), as stage 3 must (it releases the head before the loss), for the
+// losses to agree to the bit.
 TEST(Abi2, ZeroUnderAPipelineShardsOverEachStagesReplicasAndResumesUnderAnyLayout) {
   const std::string dir = weft::testing::fresh_dir("weft_test_abi2", "zero_pp");
   const std::string mesh = " --set mesh.pp=2 --set mesh.dp=2";
-  const std::string run = tiny_run("--nproc 4 --set train.max_steps=4 --set train.batch_size=8 --set checkpoint.every_steps=2");
+  const std::string run = tiny_run("--nproc 4 --set train.max_steps=4 --set train.batch_size=8 --set checkpoint.every_steps=2 "
+                                   "--set model.chunked_loss=false");
   const auto ddp = weft::testing::run_trainer(run + mesh + " --plugin ddp,gpipe --set train.out_dir=" + dir + "/ddp");
   ASSERT_EQ(ddp.exit_code, 0) << ddp.output;
   const auto losses = weft::testing::step_losses(dir + "/ddp/metrics.jsonl");

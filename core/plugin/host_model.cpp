@@ -178,7 +178,7 @@ weft_status* forward(weft_host* host, int64_t first, int64_t last, weft_activati
     const auto& x = tensor_of(input);
     const auto& positions = input->positions;  // packed rows: passed on to the next stage's input
     // Not where a plugin releases the head's parameters between its stage's forward and the loss
-    // (flat shards, ZeRO stage 3 / FSDP): there the head runs in the forward.
+    // (a releasable flat shard): there the head runs in the forward.
     const auto head_resident = [&] {
       const auto* head = s.model->head_weight().unsafeGetTensorImpl();
       return std::none_of(s.parameters.begin(), s.parameters.end(), [&](const ParameterEntry& p) {

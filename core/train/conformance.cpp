@@ -479,7 +479,7 @@ ConformanceReport check_conformance(const ConformanceOptions& c) {
   }
   if (candidate_logits && r.chunked_loss == 1) {
     // The candidate's head could not be left to the loss (a plugin that releases it between the
-    // two: ZeRO stage 3): the reference computes the loss from whole logits too, as it did.
+    // two: a releasable flat shard): the reference computes the loss from whole logits too, as it did.
     reference_options.model.chunked_loss = false;
     reference_options.out_dir = dir + "/reference-logits";
     reference = std::make_unique<Trainer>(reference_options);

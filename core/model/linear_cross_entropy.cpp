@@ -52,9 +52,16 @@ Pass run_chunks(const torch::Tensor& h, const torch::Tensor& weight, const torch
     auto& d = logp;
     d.exp_();
     d.scatter_add_(1, safe, -torch::ones_like(safe, d.options()));
-    d.mul_(valid.unsqueeze(1).to(torch::kFloat32));
-    if (grad_hint != 1.0) d.mul_(grad_hint);
-    const auto dc = d.to(compute_dtype);
+    const auto ignored = (~valid).nonzero().reshape({-1});
+    if (ignored.numel() > 0) d.index_fill_(0, ignored, 0.0f);
+    // Scaled by the hint and cast to the compute dtype in one pass.
+    torch::Tensor dc = d;
+    if (compute_dtype != torch::kFloat32) {
+      dc = torch::empty(d.sizes(), d.options().dtype(compute_dtype));
+      torch::mul_out(dc, d, torch::scalar_tensor(grad_hint, d.options()));
+    } else if (grad_hint != 1.0) {
+      d.mul_(grad_hint);
+    }
     if (grad_h) out.grad_h.narrow(0, start, rows).copy_(torch::mm(dc, w));
     if (grad_w) out.grad_w.add_(torch::mm(dc.t(), x));
   }
@@ -90,7 +97,7 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
 }  // namespace
 
 int64_t linear_cross_entropy_chunk_rows(int64_t vocab) {
-  constexpr int64_t kChunkElements = int64_t{1} << 24;  // 64 MiB of fp32 logits
+  constexpr int64_t kChunkElements = int64_t{1} << 26;  // 256 MiB of fp32 logits
   const int64_t rows = kChunkElements / std::max<int64_t>(vocab, 1);
   return std::max<int64_t>(16, rows / 16 * 16);
 }

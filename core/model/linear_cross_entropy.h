@@ -2,7 +2,7 @@
 // (Liger-Kernel's FusedLinearCrossEntropy): for each chunk of rows the logits h W^T, their
 // log-sum-exp and loss, and when a gradient is wanted the chunk's softmax - one-hot turned at once
 // into the gradients of h (and of W where it trains). Backward only scales those by the loss's
-// gradient. The head's memory is then one chunk's logits (about 64 MiB) instead of several copies
+// gradient. The head's memory is then one chunk's logits (about 256 MiB) instead of several copies
 // of [rows, vocab] (the logits, their fp32 copy, the saved log-softmax and the gradient).
 #pragma once
 
@@ -12,7 +12,7 @@
 
 namespace weft {
 
-// Rows per chunk for a vocabulary of `vocab`: one chunk's fp32 logits within about 64 MiB.
+// Rows per chunk for a vocabulary of `vocab`: one chunk's fp32 logits within about 256 MiB.
 int64_t linear_cross_entropy_chunk_rows(int64_t vocab);
 
 // The sum over rows of -log softmax(h W^T)[target] in fp32, rows whose target is `ignore_index`

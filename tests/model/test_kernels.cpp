@@ -303,8 +303,8 @@ TEST(FusedKernels, ChunkedLinearCrossEntropyEqualsLinearThenCrossEntropy) {
   }
   EXPECT_THROW(linear_cross_entropy_sum(h0, w0.narrow(1, 0, 8), targets, torch::kFloat32, -100), Error);
   EXPECT_THROW(linear_cross_entropy_sum(h0, w0, targets.narrow(0, 0, 5), torch::kFloat32, -100), Error);
-  EXPECT_EQ(linear_cross_entropy_chunk_rows(128256), 128);  // 64 MiB of fp32 logits per chunk
-  EXPECT_EQ(linear_cross_entropy_chunk_rows(49152), 336);
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(128256), 512);  // 256 MiB of fp32 logits per chunk
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(49152), 1360);
 }
 
 // Appends each layer's LoRA A and B gradients to `out` and clears them.

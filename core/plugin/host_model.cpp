@@ -185,44 +185,29 @@ weft_status* forward(weft_host* host, int64_t first, int64_t last, weft_activati
         return p.releasable && p.tensor.unsafeGetTensorImpl() == head;
       });
     };
-    if (last == s.model->num_stages() && s.model->fuses_head_loss() && head_resident()) {
-      // The LM head is left to loss(), which runs it with the cross-entropy in row chunks.
-      torch::Tensor hidden;
-      if (flags & WEFT_FORWARD_NO_GRAD) {
-        torch::NoGradGuard no_grad;
-        hidden = s.model->forward_stages(first, last, x, positions, /*head=*/false);
-      } else {
-        const bool was = s.model->options().activation_checkpointing;
-        if (flags & WEFT_FORWARD_RECOMPUTE) s.model->set_activation_checkpointing(true);
-        try {
-          hidden = s.model->forward_stages(first, last, x, positions, /*head=*/false);
-        } catch (...) {
-          s.model->set_activation_checkpointing(was);
-          throw;
-        }
-        s.model->set_activation_checkpointing(was);
-      }
-      *output = new_activation(torch::Tensor());
-      (*output)->head_input = hidden;
-      (*output)->head = [model = s.model](const at::Tensor& h) { return model->head_logits(h); };
-      (*output)->positions = positions;
-      return;
-    }
+    // The LM head is left to loss(), which runs it with the cross-entropy in row chunks.
+    const bool head = !(last == s.model->num_stages() && s.model->fuses_head_loss() && head_resident());
+    torch::Tensor y;
     if (flags & WEFT_FORWARD_NO_GRAD) {
       torch::NoGradGuard no_grad;
-      *output = new_activation(s.model->forward_stages(first, last, x, positions));
-    } else if (flags & WEFT_FORWARD_RECOMPUTE) {
+      y = s.model->forward_stages(first, last, x, positions, head);
+    } else {
       const bool was = s.model->options().activation_checkpointing;
-      s.model->set_activation_checkpointing(true);
+      if (flags & WEFT_FORWARD_RECOMPUTE) s.model->set_activation_checkpointing(true);
       try {
-        *output = new_activation(s.model->forward_stages(first, last, x, positions));
+        y = s.model->forward_stages(first, last, x, positions, head);
       } catch (...) {
         s.model->set_activation_checkpointing(was);
         throw;
       }
       s.model->set_activation_checkpointing(was);
+    }
+    if (head) {
+      *output = new_activation(std::move(y));
     } else {
-      *output = new_activation(s.model->forward_stages(first, last, x, positions));
+      *output = new_activation(torch::Tensor());
+      (*output)->head_input = std::move(y);
+      (*output)->head = [model = s.model](const at::Tensor& h) { return model->head_logits(h); };
     }
     (*output)->positions = positions;
   });

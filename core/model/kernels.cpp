@@ -4,10 +4,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <optional>
+#include <vector>
 #include <mutex>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <torch/torch.h>
 
 #include "core/util/error.h"
@@ -570,6 +574,66 @@ class QkvRopeFunction : public torch::autograd::Function<QkvRopeFunction> {
   }
 };
 
+// One row of cross-entropy over logits x[0, v): returns lse(x) - x[target] (0 where `target` is
+// ignored, < 0); where `grad` is set, writes scale * (softmax(x) - onehot(target)) into it in T
+// (0 on an ignored row), which may be x itself. A non-finite logit gives a NaN loss, as ATen's
+// would for +inf or NaN. Three passes over the row (its maximum, the sum of exponentials, the
+// gradient), the second and third from cache.
+template <typename T>
+WEFT_ALWAYS_INLINE float cross_entropy_row(const T* x, int64_t v, int64_t target, float scale, T* grad) {
+  constexpr int kLanes = 16;
+  float mx[kLanes], bad[kLanes];
+  for (int j = 0; j < kLanes; ++j) mx[j] = -std::numeric_limits<float>::infinity(), bad[j] = 0.0f;
+  int64_t i = 0;
+  for (; i + kLanes <= v; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      const float e = to_float(x[i + j]);
+      mx[j] = e > mx[j] ? e : mx[j];
+      bad[j] += e - e;  // NaN from a NaN or an infinity
+    }
+  }
+  float m = -std::numeric_limits<float>::infinity(), nonfinite = 0.0f;
+  for (; i < v; ++i) {
+    const float e = to_float(x[i]);
+    m = e > m ? e : m;
+    nonfinite += e - e;
+  }
+  for (int j = 0; j < kLanes; ++j) m = mx[j] > m ? mx[j] : m, nonfinite += bad[j];
+  float acc[kLanes] = {};
+  for (i = 0; i + kLanes <= v; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      acc[j] += exp_approx(to_float(x[i + j]) - m);
+    }
+  }
+  float sum = 0.0f;
+  for (; i < v; ++i) sum += exp_approx(to_float(x[i]) - m);
+  for (int j = 0; j < kLanes; ++j) sum += acc[j];
+  if (nonfinite != 0.0f || nonfinite != nonfinite) {
+    if (grad != nullptr) {
+      for (i = 0; i < v; ++i) grad[i] = from_float<T>(std::numeric_limits<float>::quiet_NaN());
+    }
+    return std::numeric_limits<float>::quiet_NaN();
+  }
+  const float loss = target < 0 ? 0.0f : m + std::log(sum) - to_float(x[target]);
+  if (grad != nullptr) {
+    // softmax as ATen's backward of log_softmax takes it: exp(x - lse).
+    const float lse = m + std::log(sum);
+    const float s = target < 0 ? 0.0f : scale;
+    const float t_logit = target < 0 ? 0.0f : to_float(x[target]);
+    for (i = 0; i < v; ++i) grad[i] = from_float<T>(exp_approx(to_float(x[i]) - lse) * s);
+    if (target >= 0) grad[target] = from_float<T>((exp_approx(t_logit - lse) - 1.0f) * s);
+  }
+  return loss;
+}
+
+WEFT_SIMD_CLONES float cross_entropy_row_dispatch(const float* x, int64_t v, int64_t target, float scale, float* grad) {
+  return cross_entropy_row(x, v, target, scale, grad);
+}
+WEFT_SIMD_CLONES float cross_entropy_row_dispatch(const Bf16Bits* x, int64_t v, int64_t target, float scale,
+                                                  Bf16Bits* grad) {
+  return cross_entropy_row(x, v, target, scale, grad);
+}
+
 #ifdef WEFT_WITH_CUDA
 // The sum of the per-token cross-entropy of logits [N, V] (fp32 or bf16) against targets [N], in
 // fp32; backward writes the logits' gradient in their dtype from the saved logits and per-row
@@ -697,6 +761,41 @@ torch::Tensor fused_dropout(const torch::Tensor& x, double p) {
     return torch::nn::functional::dropout(x, torch::nn::functional::DropoutFuncOptions().p(p).training(true));
   }
   return DropoutFunction::apply(x, p, static_cast<int64_t>(draw_dropout_seed()));
+}
+
+bool cross_entropy_rows_applies(const torch::Tensor& logits) {
+  return logits.device().is_cpu() && logits.dim() == 2 && logits.is_contiguous() &&
+         (logits.scalar_type() == torch::kFloat32 || logits.scalar_type() == torch::kBFloat16);
+}
+
+torch::Tensor cross_entropy_rows(torch::Tensor& logits, const torch::Tensor& targets, int64_t ignore_index,
+                                 std::optional<double> grad_scale) {
+  WEFT_CHECK(cross_entropy_rows_applies(logits), "cross_entropy_rows: contiguous fp32 or bf16 CPU logits [N, V] expected");
+  RECORD_FUNCTION("weft::cross_entropy_rows", std::vector<c10::IValue>());  // named in profiles
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  const auto t = targets.to(torch::kLong).contiguous();
+  WEFT_CHECK(t.numel() == rows, "cross_entropy: {} targets for {} rows of logits", t.numel(), rows);
+  const int64_t* tp = t.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    WEFT_CHECK(tp[r] == ignore_index || (tp[r] >= 0 && tp[r] < vocab),
+               "cross_entropy: target {} of row {} is outside the vocabulary of {} (ignore_index {})", tp[r], r,
+               vocab, ignore_index);
+  }
+  auto loss = torch::empty({rows}, logits.options().dtype(torch::kFloat32));
+  float* lp = loss.data_ptr<float>();
+  const float scale = static_cast<float>(grad_scale.value_or(0.0));
+  dispatch_float_or_bf16(logits.scalar_type(), "cross_entropy_rows", [&](auto tag) {
+    using T = decltype(tag);
+    T* xp = data<T>(logits);
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        T* row = xp + r * vocab;
+        const int64_t target = tp[r] == ignore_index ? -1 : tp[r];
+        lp[r] = cross_entropy_row_dispatch(row, vocab, target, scale, grad_scale ? row : nullptr);
+      }
+    });
+  });
+  return loss;
 }
 
 torch::Tensor cross_entropy_sum_of(const torch::Tensor& logits, const torch::Tensor& targets) {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "core/model/kernels.h"
 #include "core/util/error.h"
 
 namespace weft {
@@ -37,30 +38,35 @@ Pass run_chunks(const torch::Tensor& h, const torch::Tensor& weight, const torch
     const auto x = hc.narrow(0, start, rows);
     const auto target = t.narrow(0, start, rows);
     auto logits = torch::mm(x, w.t());
-    if (logits.scalar_type() != torch::kFloat32) logits = logits.to(torch::kFloat32);
-    // log-softmax and its gradient as ATen's log_softmax and nll_loss compute them (the same
-    // roundings as the whole logits' loss), in place over the chunk's logits.
-    auto logp = torch::log_softmax(logits, 1);
-    logits = torch::Tensor();
-    const auto valid = target != ignore_index;
-    const auto safe = torch::where(valid, target, torch::zeros_like(target)).unsqueeze(1);
-    const auto loss = torch::where(valid, -logp.gather(1, safe).squeeze(1), torch::zeros({}, logp.options()));
-    total += loss.sum(torch::kFloat64);
-    if (want_rows) out.rows.narrow(0, start, rows).copy_(loss);
-    if (!grad_h && !grad_w) continue;
-    // d loss / d logits = softmax - one-hot, 0 on ignored rows.
-    auto& d = logp;
-    d.exp_();
-    d.scatter_add_(1, safe, -torch::ones_like(safe, d.options()));
-    const auto ignored = (~valid).nonzero().reshape({-1});
-    if (ignored.numel() > 0) d.index_fill_(0, ignored, 0.0f);
-    // Scaled by the hint and cast to the compute dtype in one pass.
-    torch::Tensor dc = d;
-    if (compute_dtype != torch::kFloat32) {
-      dc = torch::empty(d.sizes(), d.options().dtype(compute_dtype));
-      torch::mul_out(dc, d, torch::scalar_tensor(grad_hint, d.options()));
-    } else if (grad_hint != 1.0) {
-      d.mul_(grad_hint);
+    const bool want_grad = grad_h || grad_w;
+    torch::Tensor dc;  // d loss / d logits (softmax - one-hot, 0 on ignored rows) times the hint, in the compute dtype
+    if (cross_entropy_rows_applies(logits)) {
+      // The CPU: one kernel per row reads the logits in their dtype and overwrites them with the gradient.
+      const auto loss = cross_entropy_rows(logits, target, ignore_index,
+                                           want_grad ? std::optional<double>(grad_hint) : std::nullopt);
+      total += loss.sum(torch::kFloat64);
+      if (want_rows) out.rows.narrow(0, start, rows).copy_(loss);
+      if (!want_grad) continue;
+      dc = logits;
+    } else {
+      if (logits.scalar_type() != torch::kFloat32) logits = logits.to(torch::kFloat32);
+      // log-softmax and its gradient as ATen's log_softmax and nll_loss compute them (the same
+      // roundings as the whole logits' loss), in place over the chunk's logits.
+      auto logp = torch::log_softmax(logits, 1);
+      logits = torch::Tensor();
+      const auto valid = target != ignore_index;
+      const auto safe = torch::where(valid, target, torch::zeros_like(target)).unsqueeze(1);
+      const auto loss = torch::where(valid, -logp.gather(1, safe).squeeze(1), torch::zeros({}, logp.options()));
+      total += loss.sum(torch::kFloat64);
+      if (want_rows) out.rows.narrow(0, start, rows).copy_(loss);
+      if (!want_grad) continue;
+      auto& d = logp;
+      d.exp_();
+      d.scatter_add_(1, safe, -torch::ones_like(safe, d.options()));
+      const auto ignored = (~valid).nonzero().reshape({-1});
+      if (ignored.numel() > 0) d.index_fill_(0, ignored, 0.0f);
+      if (grad_hint != 1.0) d.mul_(grad_hint);
+      dc = d.to(compute_dtype);
     }
     if (grad_h) out.grad_h.narrow(0, start, rows).copy_(torch::mm(dc, w));
     if (grad_w) out.grad_w.add_(torch::mm(dc.t(), x));

@@ -247,6 +247,72 @@ TEST(FusedKernels, OnCudaEachKernelEqualsItsAtenFormulation) {
 }
 
 // The LM head and its cross-entropy in row chunks (Liger's fused linear + cross-entropy) against
+// cross_entropy_rows against ATen's cross_entropy over an fp32 copy: each row's loss and, in
+// place, the scaled gradient of their sum, in fp32 and bf16, over a vocabulary that is no multiple
+// of the kernel's 16 lanes, with an ignored row, a row whose target holds its maximum, and large
+// logits (exp's range reduction). A NaN or +inf logit gives its row a NaN loss; a target outside
+// the vocabulary is refused before anything is written.
+TEST(FusedKernels, CrossEntropyRowsEqualAtenCrossEntropyAndItsGradient) {
+  torch::manual_seed(5);
+  const int64_t rows = 9, vocab = 1037;
+  auto base = torch::randn({rows, vocab}) * 4.0;
+  base[3] *= 20.0;  // logits in the hundreds
+  auto targets = torch::randint(0, vocab, {rows}, torch::kLong);
+  targets[2] = -100;
+  targets[4] = base[4].argmax().item<int64_t>();
+  for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    const auto logits = base.to(dtype);
+    auto ref_in = logits.to(torch::kFloat32).clone().requires_grad_(true);
+    const auto ref = torch::nn::functional::cross_entropy(
+        ref_in, targets, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone).ignore_index(-100));
+    (ref.sum() * 0.25).backward();
+    auto values = logits.clone();
+    const auto loss = cross_entropy_rows(values, targets, -100, std::nullopt);
+    EXPECT_TRUE(torch::equal(values, logits)) << "no gradient asked: the logits are left as they were";
+    EXPECT_TRUE(torch::allclose(loss, ref.detach(), 1e-6, 2e-5)) << (loss - ref).abs().max();
+    EXPECT_EQ(loss[2].item<float>(), 0.0f);
+    auto grad = logits.clone();
+    EXPECT_TRUE(torch::allclose(cross_entropy_rows(grad, targets, -100, 0.25), loss));
+    EXPECT_EQ(grad.scalar_type(), dtype);
+    const auto expected = ref_in.grad().to(dtype).to(torch::kFloat32);
+    const double tol = dtype == torch::kFloat32 ? 1e-5 : 8e-3;  // bf16: one rounding of the gradient
+    EXPECT_TRUE(torch::allclose(grad.to(torch::kFloat32), expected, tol, 1e-8))
+        << (grad.to(torch::kFloat32) - expected).abs().max();
+    EXPECT_EQ(grad[2].abs().sum().item<double>(), 0.0);
+  }
+  // Over a real vocabulary's width the kernel is no further from fp64 than ATen's fp32 is.
+  {
+    auto wide = torch::randn({16, 49152}) * 2.0;
+    const auto t = torch::randint(0, 49152, {16}, torch::kLong);
+    auto r64 = wide.to(torch::kFloat64).requires_grad_();
+    const auto opts = torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone);
+    const auto l64 = torch::nn::functional::cross_entropy(r64, t, opts);
+    l64.sum().backward();
+    auto r32 = wide.clone().requires_grad_();
+    const auto l32 = torch::nn::functional::cross_entropy(r32, t, opts);
+    l32.sum().backward();
+    auto grad = wide.clone();
+    const auto loss = cross_entropy_rows(grad, t, -100, 1.0);
+    const auto err = [&](const torch::Tensor& a, const torch::Tensor& b) {
+      return (a.to(torch::kFloat64) - b).abs().max().item<double>();
+    };
+    EXPECT_LE(err(loss, l64.detach()), 1.5 * err(l32.detach(), l64.detach()));
+    EXPECT_LE(err(grad, r64.grad()), 1.5 * err(r32.grad(), r64.grad()));
+  }
+  auto bad = torch::randn({3, 40});
+  bad[0][7] = std::numeric_limits<float>::quiet_NaN();
+  bad[1][9] = std::numeric_limits<float>::infinity();
+  const auto loss = cross_entropy_rows(bad, torch::tensor({1, 2, 3}), -100, 1.0);
+  EXPECT_TRUE(std::isnan(loss[0].item<float>()));
+  EXPECT_TRUE(std::isnan(loss[1].item<float>()));
+  EXPECT_TRUE(std::isfinite(loss[2].item<float>()));
+  auto untouched = torch::randn({2, 40});
+  const auto before = untouched.clone();
+  EXPECT_THROW(cross_entropy_rows(untouched, torch::tensor({1, 40}), -100, 1.0), Error);
+  EXPECT_TRUE(torch::equal(untouched, before));
+  EXPECT_THROW(cross_entropy_rows(untouched, torch::tensor({1}), -100, 1.0), Error);
+}
+
 // linear then cross_entropy(reduction sum): the loss, each row's loss, and the gradients of h and
 // of a trained head, with rows ignored, a last chunk shorter than the others, a scaled loss, under
 // no_grad, and in bf16 (the product rounded to bf16 as the head's linear rounds it).

@@ -86,7 +86,8 @@ torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& cos, con
 // Causal scaled-dot-product attention with grouped-query heads:
 // q [B, H, T, D], k/v [B, KVH, T, D] with H % KVH == 0; query head h uses kv head h / (H / KVH).
 // Returns [B, H, T, D] in q's dtype: at::scaled_dot_product_attention (fused flash-attention
-// kernels on CPU and CUDA that keep the softmax statistics in fp32).
+// kernels on CPU and CUDA that keep the softmax statistics in fp32). bf16 on the CPU, causal, in
+// training: the backward runs LibTorch's fp32 kernel over fp32 copies (faster there, and nearer fp32).
 // With a defined `mask` [B, 1, T, T] (bool; TokenLayout::mask), query i attends to the keys the mask allows
 // instead of the causal ones.
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,

@@ -136,13 +136,35 @@ TEST(Attention, GradientsMatchTheNaiveReference) {
   }
 }
 
-// bf16 inputs stay within bf16's rounding of the fp32 result.
+// bf16 inputs stay within bf16's rounding of the fp32 result, values and (in training, where the
+// CPU's backward runs in fp32) gradients: bf16 in and out, and the forward the same as without grad.
 TEST(Attention, Bf16StaysNearTheFp32Result) {
+  torch::manual_seed(4);
   auto q = torch::randn({2, 4, 33, 16}), k = torch::randn({2, 2, 33, 16}), v = torch::randn({2, 2, 33, 16});
-  const auto exact = causal_attention(q, k, v);
-  const auto bf16 = causal_attention(q.to(torch::kBFloat16), k.to(torch::kBFloat16), v.to(torch::kBFloat16));
-  EXPECT_EQ(bf16.scalar_type(), torch::kBFloat16);
-  EXPECT_LT((bf16.to(torch::kFloat32) - exact).abs().max().item<double>(), 0.05);
+  const auto upstream = torch::randn({2, 4, 33, 16});
+  std::vector<torch::Tensor> grads[2];
+  torch::Tensor outs[2];
+  for (int bf16 = 0; bf16 < 2; ++bf16) {
+    const auto dtype = bf16 ? torch::kBFloat16 : torch::kFloat32;
+    const auto leaf = [&](const torch::Tensor& t) { return t.to(dtype).clone().requires_grad_(); };
+    auto qi = leaf(q), ki = leaf(k), vi = leaf(v);
+    outs[bf16] = causal_attention(qi, ki, vi);
+    (outs[bf16] * upstream.to(dtype)).sum().backward();
+    grads[bf16] = {qi.grad(), ki.grad(), vi.grad()};
+  }
+  EXPECT_EQ(outs[1].scalar_type(), torch::kBFloat16);
+  EXPECT_LT((outs[1].to(torch::kFloat32) - outs[0]).abs().max().item<double>(), 0.05);
+  {
+    torch::NoGradGuard no_grad;
+    const auto plain = causal_attention(q.to(torch::kBFloat16), k.to(torch::kBFloat16), v.to(torch::kBFloat16));
+    EXPECT_TRUE(torch::equal(plain, outs[1].detach()));
+  }
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(grads[1][i].scalar_type(), torch::kBFloat16);
+    const double scale = grads[0][i].abs().max().item<double>();
+    EXPECT_LT((grads[1][i].to(torch::kFloat32) - grads[0][i]).abs().max().item<double>(), 0.02 * scale)
+        << "gradient of " << "qkv"[i];
+  }
 }
 
 TEST(Attention, FirstPositionAttendsOnlyToItself) {

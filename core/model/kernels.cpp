@@ -383,9 +383,9 @@ WEFT_ALWAYS_INLINE uint32_t fmix32(uint32_t h) {
   return h;
 }
 // Elements [begin, end): out = in * scale where the hash of (seed, index) is at least `threshold`
-// (kept), else 0. The index's high word is mixed into the seed once per run of 2^32 elements, so
-// the loop itself is 32-bit.
-template <typename T>
+// (kept), else 0; with Accumulate, out += that instead (in fp32, rounded once). The index's high
+// word is mixed into the seed once per run of 2^32 elements, so the loop itself is 32-bit.
+template <bool Accumulate, typename T>
 WEFT_ALWAYS_INLINE void dropout_range(const T* in, T* out, int64_t begin, int64_t end, uint32_t seed_lo,
                                       uint32_t seed_hi, uint32_t threshold, float scale) {
   for (int64_t start = begin; start < end;) {
@@ -396,24 +396,25 @@ WEFT_ALWAYS_INLINE void dropout_range(const T* in, T* out, int64_t begin, int64_
     T* dst = out + start;
     for (int64_t k = 0, n = stop - start; k < n; ++k) {
       const uint32_t h = fmix32(fmix32((first + static_cast<uint32_t>(k)) ^ seed_lo) + hi);
-      dst[k] = from_float<T>(h >= threshold ? to_float(src[k]) * scale : 0.0f);
+      const float kept = h >= threshold ? to_float(src[k]) * scale : 0.0f;
+      dst[k] = from_float<T>(Accumulate ? to_float(dst[k]) + kept : kept);
     }
     start = stop;
   }
 }
+template <bool Accumulate>
 WEFT_SIMD_CLONES void dropout_range_dispatch(const float* in, float* out, int64_t begin, int64_t end, uint32_t seed_lo,
                                              uint32_t seed_hi, uint32_t threshold, float scale) {
-  dropout_range(in, out, begin, end, seed_lo, seed_hi, threshold, scale);
+  dropout_range<Accumulate>(in, out, begin, end, seed_lo, seed_hi, threshold, scale);
 }
+template <bool Accumulate>
 WEFT_SIMD_CLONES void dropout_range_dispatch(const Bf16Bits* in, Bf16Bits* out, int64_t begin, int64_t end,
                                              uint32_t seed_lo, uint32_t seed_hi, uint32_t threshold, float scale) {
-  dropout_range(in, out, begin, end, seed_lo, seed_hi, threshold, scale);
+  dropout_range<Accumulate>(in, out, begin, end, seed_lo, seed_hi, threshold, scale);
 }
 
-// x's elements through the mask of (seed, p): forward on the input, backward on its gradient.
-torch::Tensor apply_dropout_mask(const torch::Tensor& x, double p, uint64_t seed) {
-  const auto in = x.contiguous();
-  auto out = torch::empty_like(in);
+// x's elements through the mask of (p, seed), into a new tensor or (accumulate) added into `out`.
+void dropout_mask_into(const torch::Tensor& in, torch::Tensor& out, double p, uint64_t seed, bool accumulate) {
   // Kept where the hash >= p * 2^32: probability 1 - p to within 2^-32.
   const double cut = std::ldexp(p, 32);
   const auto threshold = static_cast<uint32_t>(std::min(cut, 4294967295.0));
@@ -424,9 +425,20 @@ torch::Tensor apply_dropout_mask(const torch::Tensor& x, double p, uint64_t seed
     const T* ip = data<T>(in);
     T* op = data<T>(out);
     at::parallel_for(0, in.numel(), 16384, [&](int64_t begin, int64_t end) {
-      dropout_range_dispatch(ip, op, begin, end, seed_lo, seed_hi, threshold, scale);
+      if (accumulate) {
+        dropout_range_dispatch<true>(ip, op, begin, end, seed_lo, seed_hi, threshold, scale);
+      } else {
+        dropout_range_dispatch<false>(ip, op, begin, end, seed_lo, seed_hi, threshold, scale);
+      }
     });
   });
+}
+
+// x's elements through the mask of (seed, p): forward on the input, backward on its gradient.
+torch::Tensor apply_dropout_mask(const torch::Tensor& x, double p, uint64_t seed) {
+  const auto in = x.contiguous();
+  auto out = torch::empty_like(in);
+  dropout_mask_into(in, out, p, seed, /*accumulate=*/false);
   return out;
 }
 
@@ -752,6 +764,13 @@ uint64_t draw_dropout_seed() {
 torch::Tensor seeded_dropout(const torch::Tensor& x, double p, uint64_t seed) {
   WEFT_CHECK(seeded_dropout_applies(x), "seeded_dropout: a CPU tensor of fp32 or bf16 expected");
   return apply_dropout_mask(x, p, seed);
+}
+
+void seeded_dropout_add_(torch::Tensor& out, const torch::Tensor& x, double p, uint64_t seed) {
+  WEFT_CHECK(seeded_dropout_applies(x) && out.scalar_type() == x.scalar_type() && out.sizes() == x.sizes() &&
+                 out.device() == x.device() && out.is_contiguous(),
+             "seeded_dropout_add_: a contiguous CPU tensor of x's fp32 or bf16 dtype and shape expected");
+  dropout_mask_into(x.contiguous(), out, p, seed, /*accumulate=*/true);
 }
 
 torch::Tensor fused_dropout(const torch::Tensor& x, double p) {

@@ -66,6 +66,9 @@ torch::Tensor fused_dropout(const torch::Tensor& x, double p);
 bool seeded_dropout_applies(const torch::Tensor& x);
 uint64_t draw_dropout_seed();
 torch::Tensor seeded_dropout(const torch::Tensor& x, double p, uint64_t seed);
+// out += seeded_dropout(x, p, seed) in one pass, without the dropped copy (out: contiguous, x's
+// dtype and shape; each sum in fp32, rounded once).
+void seeded_dropout_add_(torch::Tensor& out, const torch::Tensor& x, double p, uint64_t seed);
 
 // The ATen formulations: the same values up to rounding order, on every device and dtype.
 torch::Tensor aten_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, torch::Dtype out_dtype);

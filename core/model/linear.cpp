@@ -349,7 +349,7 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
         const auto ak = a[k].to(dtype);
         const auto seed = static_cast<uint64_t>(seeds[k]);
         if (dropouts[k] > 0) {
-          if (want_x) grad_x.add_(seeded_dropout(torch::mm(vk, ak), dropouts[k], seed));
+          if (want_x) seeded_dropout_add_(grad_x, torch::mm(vk, ak), dropouts[k], seed);
           grad_a[k] = torch::mm(vk.t(), seeded_dropout(x2, dropouts[k], seed)).to(a[k].scalar_type());
         } else {
           if (want_x) grad_x.addmm_(vk, ak);

@@ -179,6 +179,19 @@ TEST(FusedKernels, DropoutKeepsOneMinusPScaledAndBackwardUsesTheSameMask) {
               0.5, 0.003);
   EXPECT_TRUE(fused_dropout(x, 0.0).is_same(x));
   EXPECT_THROW(fused_dropout(x, 1.0), Error);
+  // seeded_dropout_add_: out + seeded_dropout(x) in one pass, each sum rounded once.
+  for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    const auto xi = x.to(dtype), base = torch::randn({1000, 1000}).to(dtype);
+    auto out = base.clone();
+    seeded_dropout_add_(out, xi, 0.2, 1234);
+    const auto expected = base.to(torch::kFloat32) + seeded_dropout(xi, 0.2, 1234).to(torch::kFloat32);
+    const bool fp32 = dtype == torch::kFloat32;  // bf16: the sum's rounding, and the copy's of x * scale
+    EXPECT_TRUE(torch::allclose(out.to(torch::kFloat32), expected, fp32 ? 1e-6 : 8e-3, fp32 ? 1e-6 : 1e-2)) << dtype;
+    EXPECT_TRUE(torch::equal(out.to(torch::kFloat32) == base.to(torch::kFloat32), seeded_dropout(xi, 0.2, 1234) == 0))
+        << dtype;  // the dropped elements (x has no zeros) and only they are left as they were
+  }
+  auto narrow = torch::zeros({1000, 999});
+  EXPECT_THROW(seeded_dropout_add_(narrow, x, 0.2, 1), Error);
 }
 
 // The CUDA backend (core/model/cuda) against the ATen formulations on the same GPU, values and

@@ -817,10 +817,37 @@ torch::Tensor cross_entropy_rows(torch::Tensor& logits, const torch::Tensor& tar
   return loss;
 }
 
+namespace {
+
+// cross_entropy_sum_of on the CPU: cross_entropy_rows forward (the logits saved in their dtype, no
+// fp32 copy) and again in backward over a copy, which it overwrites with the gradient.
+class CpuCrossEntropySumFunction : public torch::autograd::Function<CpuCrossEntropySumFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor logits, const torch::Tensor& targets) {
+    logits = logits.contiguous();
+    const auto t = targets.to(torch::kLong).contiguous();
+    const auto loss = cross_entropy_rows(logits, t, /*ignore_index=*/-100, std::nullopt).sum();
+    ctx->save_for_backward({logits, t});
+    return loss;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    auto grad = saved[0].clone();
+    cross_entropy_rows(grad, saved[1], /*ignore_index=*/-100, grads[0].item<double>());
+    return {grad, torch::Tensor()};
+  }
+};
+
+}  // namespace
+
 torch::Tensor cross_entropy_sum_of(const torch::Tensor& logits, const torch::Tensor& targets) {
 #ifdef WEFT_WITH_CUDA
   if (logits.is_cuda() && fused_applies(logits) && logits.dim() == 2) return CrossEntropySumFunction::apply(logits, targets);
 #endif
+  if (logits.dim() == 2 && logits.device().is_cpu() &&
+      (logits.scalar_type() == torch::kFloat32 || logits.scalar_type() == torch::kBFloat16)) {
+    return CpuCrossEntropySumFunction::apply(logits, targets);
+  }
   return torch::nn::functional::cross_entropy(logits.to(torch::kFloat32), targets,
                                               torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
 }

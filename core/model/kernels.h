@@ -38,9 +38,10 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> split_qkv_with_rope(
     const torch::Tensor& qkv, int64_t num_heads, int64_t num_kv_heads, const torch::Tensor& cos,
     const torch::Tensor& sin);
 
-// The sum over rows of the cross-entropy of logits [N, V] against targets [N] (int64; -100, or any
-// target outside [0, V), is ignored), in fp32. On CUDA tensors of fp32 or bf16 a fused kernel pair
-// that reads the logits in their dtype (no fp32 copy of the [N, V] logits, forward or backward);
+// The sum over rows of the cross-entropy of logits [N, V] against targets [N] (int64; -100 is
+// ignored; on CUDA any target outside [0, V) is too, elsewhere it is an error), in fp32. On CUDA
+// tensors of fp32 or bf16 a fused kernel pair that reads the logits in their dtype (no fp32 copy of
+// the [N, V] logits, forward or backward); on CPU ones cross_entropy_rows forward and backward;
 // elsewhere ATen's cross_entropy over an fp32 copy.
 torch::Tensor cross_entropy_sum_of(const torch::Tensor& logits, const torch::Tensor& targets);
 

@@ -260,8 +260,8 @@ TEST(FusedKernels, OnCudaEachKernelEqualsItsAtenFormulation) {
 }
 
 // The LM head and its cross-entropy in row chunks (Liger's fused linear + cross-entropy) against
-// cross_entropy_rows against ATen's cross_entropy over an fp32 copy: each row's loss and, in
-// place, the scaled gradient of their sum, in fp32 and bf16, over a vocabulary that is no multiple
+// cross_entropy_rows (and cross_entropy_sum_of, which runs it on the CPU) against ATen's
+// cross_entropy over an fp32 copy: each row's loss and, in place, the scaled gradient of their sum, in fp32 and bf16, over a vocabulary that is no multiple
 // of the kernel's 16 lanes, with an ignored row, a row whose target holds its maximum, and large
 // logits (exp's range reduction). A NaN or +inf logit gives its row a NaN loss; a target outside
 // the vocabulary is refused before anything is written.
@@ -292,6 +292,13 @@ TEST(FusedKernels, CrossEntropyRowsEqualAtenCrossEntropyAndItsGradient) {
     EXPECT_TRUE(torch::allclose(grad.to(torch::kFloat32), expected, tol, 1e-8))
         << (grad.to(torch::kFloat32) - expected).abs().max();
     EXPECT_EQ(grad[2].abs().sum().item<double>(), 0.0);
+    // cross_entropy_sum_of on the CPU runs it forward and backward: ATen's sum and gradient.
+    auto in = logits.clone().requires_grad_(true);
+    const auto sum = cross_entropy_sum_of(in, targets);
+    (sum * 0.25).backward();
+    EXPECT_NEAR(sum.item<double>(), ref.sum().item<double>(), 1e-5 * ref.sum().item<double>());
+    EXPECT_EQ(in.grad().scalar_type(), dtype);
+    EXPECT_TRUE(torch::allclose(in.grad().to(torch::kFloat32), expected, tol, 1e-8));
   }
   // Over a real vocabulary's width the kernel is no further from fp64 than ATen's fp32 is.
   {

@@ -495,8 +495,14 @@ def worker(rank, world, port, cfg, run, data_dir, out_dir, parallel="ddp", sched
     order_path = os.path.join(data_dir, "order.u32")
     batches = Batches(load_tokens(os.path.join(data_dir, "tokens.u32")), L, run["seed"],
                       load_tokens(order_path) if os.path.exists(order_path) else None)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=run["lr"], betas=(run["beta1"], run["beta2"]),
-                            eps=run["eps"], weight_decay=run["weight_decay"])
+    params = [p for p in model.parameters() if p.requires_grad]
+    # AdamW's fused kernel (one pass over each tensor) where it takes the tensors: transformers'
+    # Trainer default (optim "adamw_torch_fused"), and what weft steps fp32 tensors with. tp's
+    # DTensors keep PyTorch's default step.
+    fused = not split and all(type(p) is torch.nn.Parameter and p.dtype == torch.float32 and
+                              p.device.type in ("cpu", "cuda") for p in params)
+    opt = torch.optim.AdamW(params, lr=run["lr"], betas=(run["beta1"], run["beta2"]), eps=run["eps"],
+                            weight_decay=run["weight_decay"], fused=True if fused else None)
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run["precision"])
     autocast = (lambda: torch.autocast(device.type, dtype=half)) if half is not None else contextlib.nullcontext
     scaler = torch.amp.GradScaler(device.type) if run["precision"] == "fp16" else NoScaler()

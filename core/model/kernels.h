@@ -55,6 +55,14 @@ bool cross_entropy_rows_applies(const torch::Tensor& logits);
 torch::Tensor cross_entropy_rows(torch::Tensor& logits, const torch::Tensor& targets, int64_t ignore_index,
                                  std::optional<double> grad_scale);
 
+// sum(t^2) accumulated in fp64, as a 0-dim fp64 tensor on t's device (what gradient clipping and
+// the host's tensor_squared_norm compute), in bounded memory. On contiguous CPU tensors of fp32 or
+// bf16 one pass over t in its dtype (fixed blocks summed in order: the same result at any thread
+// count); elsewhere chunks of at most kSquaredSumChunk elements widened to fp64 (a whole fp64 copy
+// of a 128k x 2048 embedding's gradient would cost 1-2 GiB at the step's peak).
+inline constexpr int64_t kSquaredSumChunk = int64_t{1} << 22;  // 32 MiB of fp64
+at::Tensor squared_sum_fp64(const at::Tensor& t);
+
 // Inverted dropout (training): each element kept with probability 1 - p and scaled by 1 / (1 - p),
 // else 0, in x's dtype. On CPU tensors of fp32 or bf16 one pass draws the mask from a counter-based
 // hash of (a seed drawn from LibTorch's default CPU generator, the element's index), and backward

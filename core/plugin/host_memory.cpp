@@ -2,7 +2,8 @@
 // copy, scale and squared norm on views of any device the host knows (what a plugin cannot do
 // with plain C++ on a GPU's memory).
 #include "core/plugin/host_services.h"
-#include "core/util/tensor_norm.h"
+
+#include "core/model/kernels.h"
 
 namespace weft {
 namespace host {

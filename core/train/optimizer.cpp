@@ -6,8 +6,8 @@
 
 #include <torch/torch.h>
 
+#include "core/model/kernels.h"
 #include "core/util/error.h"
-#include "core/util/tensor_norm.h"
 
 namespace weft {
 
@@ -66,12 +66,12 @@ void set_learning_rate(torch::optim::AdamW& optimizer, double lr) {
 namespace {
 
 // Whether every tensor of `group` with a gradient can take the fused kernel: fp32, dense, on CUDA
-// (or on the CPU where `cpu`).
-bool fusable(const torch::optim::OptimizerParamGroup& group, bool cpu) {
+// or the CPU.
+bool fusable(const torch::optim::OptimizerParamGroup& group) {
   bool any = false;
   for (const auto& p : group.params()) {
     if (!p.grad().defined()) continue;
-    const bool device_ok = p.is_cuda() || (cpu && p.is_cpu());
+    const bool device_ok = p.is_cuda() || p.is_cpu();
     if (!device_ok || p.scalar_type() != torch::kFloat32 || p.grad().scalar_type() != torch::kFloat32 ||
         p.is_sparse() || p.grad().is_sparse()) {
       return false;
@@ -118,11 +118,11 @@ void fused_group_step(torch::optim::AdamW& optimizer, torch::optim::OptimizerPar
 
 void adamw_step(torch::optim::AdamW& optimizer, AdamWKernel kernel) {
   torch::NoGradGuard no_grad;
-  bool all_fusable = true;
+  bool all_fusable = kernel != AdamWKernel::kUnfused;
   for (const auto& group : optimizer.param_groups()) {
     WEFT_CHECK(!static_cast<const torch::optim::AdamWOptions&>(group.options()).amsgrad(),
                "adamw_step: amsgrad is not used by weft");
-    all_fusable = all_fusable && fusable(group, kernel == AdamWKernel::kFused);
+    all_fusable = all_fusable && fusable(group);
   }
   WEFT_CHECK(all_fusable || kernel != AdamWKernel::kFused,
              "adamw_step: no fused AdamW kernel for these tensors (fp32 and dense, on CUDA or the CPU)");

@@ -37,12 +37,13 @@ void set_adamw_state(torch::optim::AdamW& optimizer, const torch::Tensor& tensor
 int64_t optimizer_state_bytes(torch::optim::AdamW& optimizer);
 
 // One AdamW step of `optimizer` (the update torch::optim::AdamW::step makes). When every tensor
-// with a gradient is fp32 on a CUDA device, the whole step is aten::_fused_adamw_,
-// one multi-tensor kernel per parameter group, instead of ~10 kernels per tensor; the state it
-// leaves (step counts, moments) is the optimizer's own, as the unfused step leaves it.
-// `kernel`: kAuto as above; kFused also on the CPU (tests compare the two there), throwing
-// weft::Error where a tensor is not fp32 and dense.
-enum class AdamWKernel { kAuto, kFused };
+// with a gradient is fp32 and dense, on a CUDA device or the CPU, the whole step is
+// aten::_fused_adamw_, one multi-tensor kernel per parameter group that reads and writes each
+// tensor once, instead of ~10 passes per tensor (on one core of an Intel Xeon, 135M parameters:
+// 0.19 s against 0.60 s); the state it leaves (step counts, moments) is the optimizer's own, as
+// the unfused step leaves it. `kernel`: kAuto as above; kFused throws weft::Error where a tensor
+// is not fp32 and dense; kUnfused is torch::optim::AdamW::step (tests compare the two).
+enum class AdamWKernel { kAuto, kFused, kUnfused };
 void adamw_step(torch::optim::AdamW& optimizer, AdamWKernel kernel = AdamWKernel::kAuto);
 
 // Sets the learning rate of every parameter group.

@@ -336,6 +336,48 @@ TEST(FusedKernels, CrossEntropyRowsEqualAtenCrossEntropyAndItsGradient) {
 // linear then cross_entropy(reduction sum): the loss, each row's loss, and the gradients of h and
 // of a trained head, with rows ignored, a last chunk shorter than the others, a scaled loss, under
 // no_grad, and in bf16 (the product rounded to bf16 as the head's linear rounds it).
+TEST(FusedKernels, SquaredSumFp64EqualsTheWidenedSumOfSquares) {
+  torch::manual_seed(0);
+  // Sizes around the kernel's 16 lanes and 65,536-element blocks, and past ATen's 4M-element chunks.
+  for (const int64_t n : {int64_t{0}, int64_t{1}, int64_t{15}, int64_t{17}, int64_t{65536}, int64_t{65536 * 3 + 7},
+                          kSquaredSumChunk + 5}) {
+    for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+      const auto t = (torch::randn({n}) * 3).to(dtype);
+      const double expected = t.to(torch::kDouble).pow(2).sum().item<double>();
+      const auto got = squared_sum_fp64(t);
+      EXPECT_EQ(got.scalar_type(), torch::kDouble);
+      EXPECT_EQ(got.dim(), 0);
+      EXPECT_NEAR(got.item<double>(), expected, 1e-12 * expected) << n << " " << dtype;
+    }
+  }
+  // Beyond fp32's range the squares are still finite in fp64, as the widened sum's.
+  const auto big = torch::full({40}, 3e30f);
+  const double widened = big.to(torch::kDouble).pow(2).sum().item<double>();
+  EXPECT_GT(widened, 3.5e62);
+  EXPECT_NEAR(squared_sum_fp64(big).item<double>(), widened, 1e-12 * widened);
+  // A transposed view and an fp16 tensor take ATen's path, to the same value.
+  const auto m = torch::randn({300, 70});
+  EXPECT_NEAR(squared_sum_fp64(m.t()).item<double>(), m.to(torch::kDouble).pow(2).sum().item<double>(), 1e-9);
+  const auto h = torch::randn({1000}).to(torch::kHalf);
+  EXPECT_NEAR(squared_sum_fp64(h).item<double>(), h.to(torch::kDouble).pow(2).sum().item<double>(), 1e-9);
+  // NaN and infinity reach the sum, as gradient clipping needs to see them.
+  auto nan = torch::ones({100});
+  nan[37] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_TRUE(std::isnan(squared_sum_fp64(nan).item<double>()));
+  auto inf = torch::ones({100}).to(torch::kBFloat16);
+  inf[99] = -std::numeric_limits<float>::infinity();
+  EXPECT_TRUE(std::isinf(squared_sum_fp64(inf).item<double>()));
+  // At one thread and at two: the same bits.
+  const auto x = torch::randn({65536 * 5 + 3});
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  const double one = squared_sum_fp64(x).item<double>();
+  at::set_num_threads(2);
+  const double two = squared_sum_fp64(x).item<double>();
+  at::set_num_threads(threads);
+  EXPECT_EQ(one, two);
+}
+
 TEST(FusedKernels, ChunkedLinearCrossEntropyEqualsLinearThenCrossEntropy) {
   torch::manual_seed(11);
   const int64_t rows = 37, hidden = 24, vocab = 101;

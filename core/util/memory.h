@@ -1,6 +1,8 @@
 // Tensor memory accounting: a CPU allocator that wraps LibTorch's (same alignment, same
 // malloc) and counts live and peak bytes, so the trainer can report what a step's activations
-// cost on each rank (a pipeline stage holding M micro-batches versus 1F1B's at most S).
+// cost on each rank (a pipeline stage holding M micro-batches versus 1F1B's at most S). It keeps
+// freed blocks of 1 MiB and more for the next allocation of the same size (the next step's), as
+// long as the live and kept bytes together stay within 256 MiB above the most live bytes so far.
 #pragma once
 
 #include <cstdint>
@@ -18,5 +20,9 @@ int64_t tensor_bytes_live();
 int64_t tensor_bytes_peak();
 // Starts a new peak window at the current live bytes.
 void reset_tensor_peak();
+// The most live bytes since installation (never reset): what the kept blocks are bounded by.
+int64_t tensor_bytes_high_water();
+// Bytes of freed blocks kept for reuse (resident, not live).
+int64_t tensor_bytes_cached();
 
 }  // namespace weft

@@ -16,6 +16,7 @@
 #include "core/train/schedule.h"
 #include "core/train/trainer.h"
 #include "core/util/error.h"
+#include "core/util/memory.h"
 #include "train_test_util.h"
 
 namespace weft {
@@ -67,13 +68,14 @@ TEST(Optimizer, ClipGradNormRemovesTheLossScaleAndLeavesNonFiniteGradientsAlone)
   EXPECT_TRUE(std::isnan(clip_grad_norm({a}, 1.0, {}, 1024.0)));
 }
 
-// The fused step (what CUDA runs) against torch::optim::AdamW's own step, on the CPU: the same parameters, moments and step counts after steps
-// with different learning rates, decay and no-decay groups, and a tensor without a gradient.
+// The fused step (what CUDA and the CPU run by default) against torch::optim::AdamW's own step, on
+// the CPU: the same parameters, moments and step counts after steps with different learning rates,
+// decay and no-decay groups, a tensor longer than the kernel's vectors, and one without a gradient.
 TEST(Optimizer, TheFusedStepEqualsTheUnfusedOne) {
   auto make = [] {
     torch::manual_seed(7);
     std::vector<OptimizedTensor> tensors{{torch::randn({5, 3}), true}, {torch::randn({3}), false},
-                                         {torch::randn({4, 2}), true}};
+                                         {torch::randn({70, 33}), true}, {torch::randn({4, 2}), true}};
     for (auto& t : tensors) t.tensor.set_requires_grad(true);
     return tensors;
   };
@@ -83,25 +85,31 @@ TEST(Optimizer, TheFusedStepEqualsTheUnfusedOne) {
   o.beta1 = 0.9;
   o.beta2 = 0.95;
   o.eps = 1e-8;
-  auto plain = make(), fused = make();
-  auto plain_opt = make_adamw(plain, o), fused_opt = make_adamw(fused, o);
+  auto plain = make(), fused = make(), automatic = make();
+  auto plain_opt = make_adamw(plain, o), fused_opt = make_adamw(fused, o), auto_opt = make_adamw(automatic, o);
   for (int step = 0; step < 4; ++step) {
     torch::manual_seed(100 + step);
     for (size_t i = 0; i + 1 < plain.size(); ++i) {  // the last tensor never gets a gradient
       const auto g = torch::randn_like(plain[i].tensor);
       plain[i].tensor.mutable_grad() = g.clone();
       fused[i].tensor.mutable_grad() = g.clone();
+      automatic[i].tensor.mutable_grad() = g.clone();
     }
     set_learning_rate(*plain_opt, 1e-2 * (step + 1));
     set_learning_rate(*fused_opt, 1e-2 * (step + 1));
-    adamw_step(*plain_opt);  // CPU tensors: the unfused step
+    set_learning_rate(*auto_opt, 1e-2 * (step + 1));
+    adamw_step(*plain_opt, AdamWKernel::kUnfused);
     adamw_step(*fused_opt, AdamWKernel::kFused);
+    adamw_step(*auto_opt);
+  }
+  for (size_t i = 0; i < fused.size(); ++i) {  // kAuto on CPU fp32 tensors is the fused kernel
+    EXPECT_TRUE(torch::equal(automatic[i].tensor, fused[i].tensor)) << "tensor " << i;
   }
   for (size_t i = 0; i < plain.size(); ++i) {
     EXPECT_TRUE(torch::allclose(plain[i].tensor, fused[i].tensor, 1e-5, 1e-6)) << "tensor " << i;
   }
-  EXPECT_EQ(plain_opt->state().size(), 2u);
-  ASSERT_EQ(fused_opt->state().size(), 2u);
+  EXPECT_EQ(plain_opt->state().size(), 3u);
+  ASSERT_EQ(fused_opt->state().size(), 3u);
   for (size_t i = 0; i + 1 < plain.size(); ++i) {
     const auto* a = adamw_state(*plain_opt, plain[i].tensor);
     const auto* b = adamw_state(*fused_opt, fused[i].tensor);
@@ -112,6 +120,46 @@ TEST(Optimizer, TheFusedStepEqualsTheUnfusedOne) {
     EXPECT_TRUE(torch::allclose(a->exp_avg_sq(), b->exp_avg_sq(), 1e-6, 1e-7));
   }
   EXPECT_EQ(optimizer_state_bytes(*plain_opt), optimizer_state_bytes(*fused_opt));
+}
+
+// The tracker's kept blocks: a freed block of 1 MiB or more serves the next allocation of its size
+// (the same memory, no page faults), smaller ones go back to malloc, the live count excludes kept
+// blocks, and live + kept never exceed the high-water mark by more than 256 MiB.
+TEST(TensorMemory, FreedBlocksServeTheNextAllocationOfTheirSizeWithinTheHighWaterMark) {
+  install_memory_tracker();
+  ASSERT_TRUE(memory_tracker_installed());
+  const int64_t live0 = tensor_bytes_live();
+  void* first = nullptr;
+  {
+    const auto t = torch::empty({3 << 20}, torch::kFloat32);  // 12 MiB
+    first = t.data_ptr();
+    EXPECT_EQ(tensor_bytes_live(), live0 + (int64_t{12} << 20));
+  }
+  EXPECT_EQ(tensor_bytes_live(), live0);
+  const int64_t kept = tensor_bytes_cached();
+  EXPECT_GE(kept, int64_t{12} << 20);
+  {
+    const auto again = torch::empty({3 << 20}, torch::kFloat32);
+    EXPECT_EQ(again.data_ptr(), first);
+    EXPECT_EQ(tensor_bytes_cached(), kept - (int64_t{12} << 20) - 64);  // the block and its header
+  }
+  {
+    const auto small = torch::empty({1000}, torch::kFloat32);  // below 1 MiB: malloc's
+  }
+  EXPECT_EQ(tensor_bytes_cached(), kept);
+  constexpr int64_t kMiB = int64_t{1} << 20;
+  {  // 40 blocks of distinct sizes (40-79 MiB), all live at once, then freed: kept within the bound
+    std::vector<torch::Tensor> blocks;
+    for (int i = 0; i < 40; ++i) blocks.push_back(torch::empty({(40 + i) * kMiB}, torch::kUInt8));
+  }
+  EXPECT_LE(tensor_bytes_live() + tensor_bytes_cached(), tensor_bytes_high_water() + 256 * kMiB);
+  EXPECT_GE(tensor_bytes_cached(), 40 * 40 * kMiB);
+  {  // a new size past the mark releases kept blocks first
+    const auto big = torch::empty({tensor_bytes_high_water() + 300 * kMiB}, torch::kUInt8);
+    EXPECT_LE(tensor_bytes_live() + tensor_bytes_cached(), tensor_bytes_high_water() + 256 * kMiB);
+    EXPECT_LT(tensor_bytes_cached(), 256 * kMiB);
+  }
+  EXPECT_EQ(tensor_bytes_live(), live0);
 }
 
 TEST(Training, OverfitsOneBatch) {

@@ -31,7 +31,6 @@ Pass run_chunks(const torch::Tensor& h, const torch::Tensor& weight, const torch
   auto total = torch::zeros({}, h.options().dtype(torch::kFloat64));
   if (want_rows) out.rows = torch::zeros({n}, h.options().dtype(torch::kFloat32));
   if (grad_h) out.grad_h = torch::empty({n, h.size(1)}, h.options());
-  if (grad_w) out.grad_w = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat32));
   const int64_t step = chunk_rows > 0 ? chunk_rows : linear_cross_entropy_chunk_rows(weight.size(0));
   for (int64_t start = 0; start < n; start += step) {
     const int64_t rows = std::min(step, n - start);
@@ -69,8 +68,17 @@ Pass run_chunks(const torch::Tensor& h, const torch::Tensor& weight, const torch
       dc = d.to(compute_dtype);
     }
     if (grad_h) out.grad_h.narrow(0, start, rows).copy_(torch::mm(dc, w));
-    if (grad_w) out.grad_w.add_(torch::mm(dc.t(), x));
+    if (grad_w) {
+      // The first chunk's product is the sum so far (no zeroed [V, H] to add it to).
+      auto part = torch::mm(dc.t(), x);
+      if (!out.grad_w.defined()) {
+        out.grad_w = part.to(torch::kFloat32);
+      } else {
+        out.grad_w.add_(part.to(torch::kFloat32));
+      }
+    }
   }
+  if (grad_w && !out.grad_w.defined()) out.grad_w = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat32));
   out.loss = total.to(torch::kFloat32);
   return out;
 }
@@ -91,10 +99,13 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto g = grads[0] / ctx->saved_data["hint"].toDouble();  // exactly 1 where the hint was right
+    // On the CPU, a gradient of exactly 1 (the hint was right) returns the saved ones as they are.
+    const bool unit = g.device().is_cpu() && g.item<double>() == 1.0;
     torch::Tensor grad_h, grad_w;
-    if (saved[0].defined()) grad_h = saved[0] * g.to(saved[0].scalar_type());
+    if (saved[0].defined()) grad_h = unit ? saved[0] : saved[0] * g.to(saved[0].scalar_type());
     if (saved[1].defined()) {
-      grad_w = (saved[1] * g.to(torch::kFloat32)).to(static_cast<torch::Dtype>(ctx->saved_data["weight_dtype"].toInt()));
+      grad_w = (unit ? saved[1] : saved[1] * g.to(torch::kFloat32))
+                   .to(static_cast<torch::Dtype>(ctx->saved_data["weight_dtype"].toInt()));
     }
     return {grad_h, grad_w, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }

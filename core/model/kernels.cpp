@@ -383,9 +383,9 @@ WEFT_ALWAYS_INLINE uint32_t fmix32(uint32_t h) {
   return h;
 }
 // Elements [begin, end): out = in * scale where the hash of (seed, index) is at least `threshold`
-// (kept), else 0; with Accumulate, out += that instead (in fp32, rounded once). The index's high
-// word is mixed into the seed once per run of 2^32 elements, so the loop itself is 32-bit.
-template <bool Accumulate, typename T>
+// (kept), else 0. The index's high word is mixed into the seed once per run of 2^32 elements, so
+// the loop itself is 32-bit.
+template <typename T>
 WEFT_ALWAYS_INLINE void dropout_range(const T* in, T* out, int64_t begin, int64_t end, uint32_t seed_lo,
                                       uint32_t seed_hi, uint32_t threshold, float scale) {
   for (int64_t start = begin; start < end;) {
@@ -396,25 +396,22 @@ WEFT_ALWAYS_INLINE void dropout_range(const T* in, T* out, int64_t begin, int64_
     T* dst = out + start;
     for (int64_t k = 0, n = stop - start; k < n; ++k) {
       const uint32_t h = fmix32(fmix32((first + static_cast<uint32_t>(k)) ^ seed_lo) + hi);
-      const float kept = h >= threshold ? to_float(src[k]) * scale : 0.0f;
-      dst[k] = from_float<T>(Accumulate ? to_float(dst[k]) + kept : kept);
+      dst[k] = from_float<T>(h >= threshold ? to_float(src[k]) * scale : 0.0f);
     }
     start = stop;
   }
 }
-template <bool Accumulate>
 WEFT_SIMD_CLONES void dropout_range_dispatch(const float* in, float* out, int64_t begin, int64_t end, uint32_t seed_lo,
                                              uint32_t seed_hi, uint32_t threshold, float scale) {
-  dropout_range<Accumulate>(in, out, begin, end, seed_lo, seed_hi, threshold, scale);
+  dropout_range(in, out, begin, end, seed_lo, seed_hi, threshold, scale);
 }
-template <bool Accumulate>
 WEFT_SIMD_CLONES void dropout_range_dispatch(const Bf16Bits* in, Bf16Bits* out, int64_t begin, int64_t end,
                                              uint32_t seed_lo, uint32_t seed_hi, uint32_t threshold, float scale) {
-  dropout_range<Accumulate>(in, out, begin, end, seed_lo, seed_hi, threshold, scale);
+  dropout_range(in, out, begin, end, seed_lo, seed_hi, threshold, scale);
 }
 
-// x's elements through the mask of (p, seed), into a new tensor or (accumulate) added into `out`.
-void dropout_mask_into(const torch::Tensor& in, torch::Tensor& out, double p, uint64_t seed, bool accumulate) {
+// x's elements through the mask of (p, seed), into `out` (x's shape and dtype, contiguous).
+void dropout_mask_into(const torch::Tensor& in, torch::Tensor& out, double p, uint64_t seed) {
   // Kept where the hash >= p * 2^32: probability 1 - p to within 2^-32.
   const double cut = std::ldexp(p, 32);
   const auto threshold = static_cast<uint32_t>(std::min(cut, 4294967295.0));
@@ -425,11 +422,7 @@ void dropout_mask_into(const torch::Tensor& in, torch::Tensor& out, double p, ui
     const T* ip = data<T>(in);
     T* op = data<T>(out);
     at::parallel_for(0, in.numel(), 16384, [&](int64_t begin, int64_t end) {
-      if (accumulate) {
-        dropout_range_dispatch<true>(ip, op, begin, end, seed_lo, seed_hi, threshold, scale);
-      } else {
-        dropout_range_dispatch<false>(ip, op, begin, end, seed_lo, seed_hi, threshold, scale);
-      }
+      dropout_range_dispatch(ip, op, begin, end, seed_lo, seed_hi, threshold, scale);
     });
   });
 }
@@ -438,8 +431,72 @@ void dropout_mask_into(const torch::Tensor& in, torch::Tensor& out, double p, ui
 torch::Tensor apply_dropout_mask(const torch::Tensor& x, double p, uint64_t seed) {
   const auto in = x.contiguous();
   auto out = torch::empty_like(in);
-  dropout_mask_into(in, out, p, seed, /*accumulate=*/false);
+  dropout_mask_into(in, out, p, seed);
   return out;
+}
+
+// The mask as bits: word w holds elements [32w, 32w + 32) (bit j: element 32w + j kept), the same
+// hash as dropout_range's (a word never straddles a run of 2^32 elements). With Make, the mask is
+// drawn, written to `bits` and applied (out = in * scale where kept); else it is read from `bits`
+// and applied, added into out with Accumulate (in fp32, rounded once).
+template <bool Make, bool Accumulate, typename T>
+WEFT_ALWAYS_INLINE void dropout_bits_range(const T* in, T* out, uint32_t* bits, int64_t wbegin, int64_t wend,
+                                           int64_t n, uint32_t seed_lo, uint32_t seed_hi, uint32_t threshold,
+                                           float scale) {
+  for (int64_t w = wbegin; w < wend; ++w) {
+    const int64_t start = w * 32;
+    const int count = static_cast<int>(std::min<int64_t>(32, n - start));
+    const T* src = in + start;
+    T* dst = out + start;
+    uint32_t word = 0;
+    if constexpr (Make) {
+      const uint32_t hi = seed_hi ^ (static_cast<uint32_t>(static_cast<uint64_t>(start) >> 32) * 0x9E3779B9u);
+      const auto first = static_cast<uint32_t>(start);
+      for (int j = 0; j < count; ++j) {
+        const uint32_t h = fmix32(fmix32((first + static_cast<uint32_t>(j)) ^ seed_lo) + hi);
+        const bool keep = h >= threshold;
+        dst[j] = from_float<T>(keep ? to_float(src[j]) * scale : 0.0f);
+        word |= static_cast<uint32_t>(keep) << j;
+      }
+      bits[w] = word;
+    } else {
+      word = bits[w];
+      for (int j = 0; j < count; ++j) {
+        const float kept = ((word >> j) & 1u) != 0 ? to_float(src[j]) * scale : 0.0f;
+        dst[j] = from_float<T>(Accumulate ? to_float(dst[j]) + kept : kept);
+      }
+    }
+  }
+}
+template <bool Make, bool Accumulate>
+WEFT_SIMD_CLONES void dropout_bits_dispatch(const float* in, float* out, uint32_t* bits, int64_t wbegin, int64_t wend,
+                                            int64_t n, uint32_t seed_lo, uint32_t seed_hi, uint32_t threshold,
+                                            float scale) {
+  dropout_bits_range<Make, Accumulate>(in, out, bits, wbegin, wend, n, seed_lo, seed_hi, threshold, scale);
+}
+template <bool Make, bool Accumulate>
+WEFT_SIMD_CLONES void dropout_bits_dispatch(const Bf16Bits* in, Bf16Bits* out, uint32_t* bits, int64_t wbegin,
+                                            int64_t wend, int64_t n, uint32_t seed_lo, uint32_t seed_hi,
+                                            uint32_t threshold, float scale) {
+  dropout_bits_range<Make, Accumulate>(in, out, bits, wbegin, wend, n, seed_lo, seed_hi, threshold, scale);
+}
+
+// Runs dropout_bits_range over contiguous `in` and `out` of n elements, in words of 32.
+template <bool Make, bool Accumulate>
+void dropout_bits_pass(const torch::Tensor& in, torch::Tensor& out, uint32_t* bits, double p, uint64_t seed) {
+  const double cut = std::ldexp(p, 32);
+  const auto threshold = static_cast<uint32_t>(std::min(cut, 4294967295.0));
+  const auto scale = static_cast<float>(1.0 / (1.0 - p));
+  const auto seed_lo = static_cast<uint32_t>(seed), seed_hi = static_cast<uint32_t>(seed >> 32);
+  const int64_t n = in.numel(), words = (n + 31) / 32;
+  dispatch_float_or_bf16(in.scalar_type(), "dropout", [&](auto tag) {
+    using T = decltype(tag);
+    const T* ip = data<T>(in);
+    T* op = data<T>(out);
+    at::parallel_for(0, words, 512, [&](int64_t begin, int64_t end) {
+      dropout_bits_dispatch<Make, Accumulate>(ip, op, bits, begin, end, n, seed_lo, seed_hi, threshold, scale);
+    });
+  });
 }
 
 class DropoutFunction : public torch::autograd::Function<DropoutFunction> {
@@ -791,11 +848,37 @@ torch::Tensor seeded_dropout(const torch::Tensor& x, double p, uint64_t seed) {
   return apply_dropout_mask(x, p, seed);
 }
 
-void seeded_dropout_add_(torch::Tensor& out, const torch::Tensor& x, double p, uint64_t seed) {
-  WEFT_CHECK(seeded_dropout_applies(x) && out.scalar_type() == x.scalar_type() && out.sizes() == x.sizes() &&
-                 out.device() == x.device() && out.is_contiguous(),
-             "seeded_dropout_add_: a contiguous CPU tensor of x's fp32 or bf16 dtype and shape expected");
-  dropout_mask_into(x.contiguous(), out, p, seed, /*accumulate=*/true);
+std::pair<torch::Tensor, torch::Tensor> seeded_dropout_with_bits(const torch::Tensor& x, double p, uint64_t seed) {
+  WEFT_CHECK(seeded_dropout_applies(x), "seeded_dropout_with_bits: a CPU tensor of fp32 or bf16 expected");
+  const auto in = x.contiguous();
+  auto out = torch::empty_like(in);
+  auto bits = torch::empty({(in.numel() + 31) / 32}, in.options().dtype(torch::kInt32));
+  dropout_bits_pass<true, false>(in, out, reinterpret_cast<uint32_t*>(bits.data_ptr<int32_t>()), p, seed);
+  return {out, bits};
+}
+
+namespace {
+void check_bits(const torch::Tensor& x, const torch::Tensor& bits, const char* what) {
+  WEFT_CHECK(seeded_dropout_applies(x) && bits.scalar_type() == torch::kInt32 && bits.is_contiguous() &&
+                 bits.numel() == (x.numel() + 31) / 32,
+             "{}: a CPU tensor of fp32 or bf16 and its mask's {} int32 words expected", what, (x.numel() + 31) / 32);
+}
+}  // namespace
+
+torch::Tensor dropout_by_bits(const torch::Tensor& x, const torch::Tensor& bits, double p) {
+  check_bits(x, bits, "dropout_by_bits");
+  const auto in = x.contiguous();
+  auto out = torch::empty_like(in);
+  dropout_bits_pass<false, false>(in, out, reinterpret_cast<uint32_t*>(bits.data_ptr<int32_t>()), p, 0);
+  return out;
+}
+
+void dropout_by_bits_add_(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& bits, double p) {
+  check_bits(x, bits, "dropout_by_bits_add_");
+  WEFT_CHECK(out.scalar_type() == x.scalar_type() && out.sizes() == x.sizes() && out.device() == x.device() &&
+                 out.is_contiguous(),
+             "dropout_by_bits_add_: a contiguous CPU tensor of x's dtype and shape expected");
+  dropout_bits_pass<false, true>(x.contiguous(), out, reinterpret_cast<uint32_t*>(bits.data_ptr<int32_t>()), p, 0);
 }
 
 torch::Tensor fused_dropout(const torch::Tensor& x, double p) {

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <utility>
 
 #include <torch/types.h>
 
@@ -75,9 +76,16 @@ torch::Tensor fused_dropout(const torch::Tensor& x, double p);
 bool seeded_dropout_applies(const torch::Tensor& x);
 uint64_t draw_dropout_seed();
 torch::Tensor seeded_dropout(const torch::Tensor& x, double p, uint64_t seed);
-// out += seeded_dropout(x, p, seed) in one pass, without the dropped copy (out: contiguous, x's
-// dtype and shape; each sum in fp32, rounded once).
-void seeded_dropout_add_(torch::Tensor& out, const torch::Tensor& x, double p, uint64_t seed);
+
+// seeded_dropout that also returns its mask, one bit per element (int32 words [ceil(n / 32)], bit j
+// of word w: element 32w + j kept), for a backward to apply again without drawing it: x's and its
+// gradient's passes through the same mask read the bits instead of hashing each index again.
+std::pair<torch::Tensor, torch::Tensor> seeded_dropout_with_bits(const torch::Tensor& x, double p, uint64_t seed);
+// x (a CPU tensor of fp32 or bf16 of the masked tensor's element count) through such a mask and
+// the 1 / (1 - p) scale; the _add_ form adds that into `out` (contiguous, x's dtype and shape; each
+// sum in fp32, rounded once) without the dropped copy.
+torch::Tensor dropout_by_bits(const torch::Tensor& x, const torch::Tensor& bits, double p);
+void dropout_by_bits_add_(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& bits, double p);
 
 // The ATen formulations: the same values up to rounding order, on every device and dtype.
 torch::Tensor aten_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, torch::Dtype out_dtype);

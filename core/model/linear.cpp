@@ -260,12 +260,16 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     // Every adapter's (dropped-out) x A^T, side by side: one GEMM without dropout.
     const bool dropped = std::any_of(dropouts.begin(), dropouts.end(), [](double p) { return p > 0; });
     torch::Tensor u;
+    std::vector<torch::Tensor> masks(a.size());  // each dropped-out adapter's mask, as bits
     if (!dropped) {
       u = torch::mm(x2, a_all.t());
     } else {
       std::vector<torch::Tensor> parts;
       for (size_t k = 0; k < a.size(); ++k) {
-        const auto input = dropouts[k] > 0 ? seeded_dropout(x2, dropouts[k], static_cast<uint64_t>(seeds[k])) : x2;
+        torch::Tensor input = x2;
+        if (dropouts[k] > 0) {
+          std::tie(input, masks[k]) = seeded_dropout_with_bits(x2, dropouts[k], static_cast<uint64_t>(seeds[k]));
+        }
         parts.push_back(torch::mm(input, a[k].to(dtype).t()));
       }
       u = torch::cat(parts, 1);
@@ -291,7 +295,7 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     ctx->saved_data["adapters"] = adapters;
     ctx->saved_data["scales"] = scales;
     ctx->saved_data["dropouts"] = dropouts;
-    ctx->saved_data["seeds"] = seeds;
+    ctx->saved_data["masks"] = masks;
     ctx->saved_data["dtype"] = dtype_code;
     ctx->saved_data["weights"] = static_cast<int64_t>(weights.size());
     auto shape = x.sizes().vec();
@@ -327,7 +331,7 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
       offset += widths[i];
     }
     const auto dropouts = ctx->saved_data["dropouts"].toDoubleVector();
-    const auto seeds = ctx->saved_data["seeds"].toIntVector();
+    const auto masks = ctx->saved_data["masks"].toTensorVector();
     const bool dropped = std::any_of(dropouts.begin(), dropouts.end(), [](double p) { return p > 0; });
     const bool want_x = ctx->needs_input_grad(0);
     torch::Tensor grad_x = want_x ? torch::mm(g, w) : torch::Tensor();
@@ -341,16 +345,15 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
         grad_a[k] = grad_a_all.narrow(0, rank_offset, r).to(a[k].scalar_type());
         rank_offset += r;
       }
-    } else {  // each adapter's mask drawn again from its seed, on its input and on x's gradient
+    } else {  // each adapter's mask, kept as bits, on its input again and on x's gradient
       rank_offset = 0;
       for (size_t k = 0; k < a.size(); ++k) {
         const int64_t r = a[k].size(0);
         const auto vk = v.narrow(1, rank_offset, r);
         const auto ak = a[k].to(dtype);
-        const auto seed = static_cast<uint64_t>(seeds[k]);
         if (dropouts[k] > 0) {
-          if (want_x) seeded_dropout_add_(grad_x, torch::mm(vk, ak), dropouts[k], seed);
-          grad_a[k] = torch::mm(vk.t(), seeded_dropout(x2, dropouts[k], seed)).to(a[k].scalar_type());
+          if (want_x) dropout_by_bits_add_(grad_x, torch::mm(vk, ak), masks[k], dropouts[k]);
+          grad_a[k] = torch::mm(vk.t(), dropout_by_bits(x2, masks[k], dropouts[k])).to(a[k].scalar_type());
         } else {
           if (want_x) grad_x.addmm_(vk, ak);
           grad_a[k] = torch::mm(vk.t(), x2).to(a[k].scalar_type());
@@ -393,7 +396,7 @@ bool lora_linear_applies(const std::vector<LinearImpl*>& layers) {
     if (!layer->has_lora()) continue;
     const auto* lora = dynamic_cast<const LoraAdapter*>(layer->adapter());
     if (lora == nullptr) return false;
-    // Dropout in training: fused_dropout's mask, drawn again in backward (a CPU tensor of fp32 or bf16).
+    // Dropout in training: fused_dropout's mask, kept as bits for backward (a CPU tensor of fp32 or bf16).
     const bool dropped = lora->dropout() > 0 && layer->is_training();
     if (dropped && !seeded_dropout_applies(torch::empty({0}, layer->weight.options().dtype(layer->compute_dtype())))) {
       return false;

@@ -179,19 +179,32 @@ TEST(FusedKernels, DropoutKeepsOneMinusPScaledAndBackwardUsesTheSameMask) {
               0.5, 0.003);
   EXPECT_TRUE(fused_dropout(x, 0.0).is_same(x));
   EXPECT_THROW(fused_dropout(x, 1.0), Error);
-  // seeded_dropout_add_: out + seeded_dropout(x) in one pass, each sum rounded once.
+  // The mask kept as bits: the same dropped-out x as seeded_dropout's, bit j of word w set where
+  // element 32w + j is kept; applied again to another tensor (a gradient) as seeded_dropout would,
+  // and added into one in a pass, each sum rounded once. 999,000 elements: a partial last word.
+  const auto odd = x.narrow(1, 0, 999).contiguous();
   for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
-    const auto xi = x.to(dtype), base = torch::randn({1000, 1000}).to(dtype);
+    const auto xi = odd.to(dtype), g = torch::randn({1000, 999}).to(dtype), base = torch::randn({1000, 999}).to(dtype);
+    const auto [dropped, bits] = seeded_dropout_with_bits(xi, 0.2, 1234);
+    EXPECT_TRUE(torch::equal(dropped, seeded_dropout(xi, 0.2, 1234))) << dtype;
+    ASSERT_EQ(bits.numel(), (999000 + 31) / 32);
+    const auto words = bits.to(torch::kInt64).bitwise_and(0xFFFFFFFFLL);
+    const auto shifts = torch::arange(32, torch::kInt64);
+    const auto decoded = words.unsqueeze(1).bitwise_right_shift(shifts).bitwise_and(1).flatten().narrow(0, 0, 999000);
+    EXPECT_TRUE(torch::equal(decoded.to(torch::kBool), (dropped != 0).flatten())) << dtype;
+    EXPECT_TRUE(torch::equal(dropout_by_bits(g, bits, 0.2), seeded_dropout(g, 0.2, 1234))) << dtype;
     auto out = base.clone();
-    seeded_dropout_add_(out, xi, 0.2, 1234);
-    const auto expected = base.to(torch::kFloat32) + seeded_dropout(xi, 0.2, 1234).to(torch::kFloat32);
+    dropout_by_bits_add_(out, xi, bits, 0.2);
+    const auto expected = base.to(torch::kFloat32) + dropped.to(torch::kFloat32);
     const bool fp32 = dtype == torch::kFloat32;  // bf16: the sum's rounding, and the copy's of x * scale
     EXPECT_TRUE(torch::allclose(out.to(torch::kFloat32), expected, fp32 ? 1e-6 : 8e-3, fp32 ? 1e-6 : 1e-2)) << dtype;
-    EXPECT_TRUE(torch::equal(out.to(torch::kFloat32) == base.to(torch::kFloat32), seeded_dropout(xi, 0.2, 1234) == 0))
+    EXPECT_TRUE(torch::equal(out.to(torch::kFloat32) == base.to(torch::kFloat32), dropped == 0))
         << dtype;  // the dropped elements (x has no zeros) and only they are left as they were
   }
-  auto narrow = torch::zeros({1000, 999});
-  EXPECT_THROW(seeded_dropout_add_(narrow, x, 0.2, 1), Error);
+  const auto bits = seeded_dropout_with_bits(odd, 0.2, 1).second;
+  auto narrow = torch::zeros({1000, 998});
+  EXPECT_THROW(dropout_by_bits_add_(narrow, odd, bits, 0.2), Error);
+  EXPECT_THROW(dropout_by_bits(x, bits, 0.2), Error);  // 1,000,000 elements against 999,000's words
 }
 
 // The CUDA backend (core/model/cuda) against the ATen formulations on the same GPU, values and

@@ -410,13 +410,21 @@ WEFT_SIMD_CLONES void dropout_range_dispatch(const Bf16Bits* in, Bf16Bits* out, 
   dropout_range(in, out, begin, end, seed_lo, seed_hi, threshold, scale);
 }
 
+// A mask's constants for (p, seed): kept where the hash >= p * 2^32 (probability 1 - p to within
+// 2^-32), scaled by 1 / (1 - p); the seed's halves.
+struct MaskParams {
+  uint32_t threshold;
+  float scale;
+  uint32_t seed_lo, seed_hi;
+};
+MaskParams mask_params(double p, uint64_t seed) {
+  return {static_cast<uint32_t>(std::min(std::ldexp(p, 32), 4294967295.0)), static_cast<float>(1.0 / (1.0 - p)),
+          static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)};
+}
+
 // x's elements through the mask of (p, seed), into `out` (x's shape and dtype, contiguous).
 void dropout_mask_into(const torch::Tensor& in, torch::Tensor& out, double p, uint64_t seed) {
-  // Kept where the hash >= p * 2^32: probability 1 - p to within 2^-32.
-  const double cut = std::ldexp(p, 32);
-  const auto threshold = static_cast<uint32_t>(std::min(cut, 4294967295.0));
-  const auto scale = static_cast<float>(1.0 / (1.0 - p));
-  const auto seed_lo = static_cast<uint32_t>(seed), seed_hi = static_cast<uint32_t>(seed >> 32);
+  const auto [threshold, scale, seed_lo, seed_hi] = mask_params(p, seed);
   dispatch_float_or_bf16(in.scalar_type(), "dropout", [&](auto tag) {
     using T = decltype(tag);
     const T* ip = data<T>(in);
@@ -484,10 +492,7 @@ WEFT_SIMD_CLONES void dropout_bits_dispatch(const Bf16Bits* in, Bf16Bits* out, u
 // Runs dropout_bits_range over contiguous `in` and `out` of n elements, in words of 32.
 template <bool Make, bool Accumulate>
 void dropout_bits_pass(const torch::Tensor& in, torch::Tensor& out, uint32_t* bits, double p, uint64_t seed) {
-  const double cut = std::ldexp(p, 32);
-  const auto threshold = static_cast<uint32_t>(std::min(cut, 4294967295.0));
-  const auto scale = static_cast<float>(1.0 / (1.0 - p));
-  const auto seed_lo = static_cast<uint32_t>(seed), seed_hi = static_cast<uint32_t>(seed >> 32);
+  const auto [threshold, scale, seed_lo, seed_hi] = mask_params(p, seed);
   const int64_t n = in.numel(), words = (n + 31) / 32;
   dispatch_float_or_bf16(in.scalar_type(), "dropout", [&](auto tag) {
     using T = decltype(tag);

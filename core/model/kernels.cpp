@@ -372,8 +372,15 @@ class SwigluFunction : public torch::autograd::Function<SwigluFunction> {
   }
 };
 
-// Dropout's mask: a 32-bit hash of (seed, element index), MurmurHash3's finalizer twice with the
-// seed's halves mixed in (32-bit arithmetic, so the loops vectorise on AVX2 and AVX-512).
+// Dropout's mask, as the ascending indices of its dropped elements. Elements are taken in blocks of
+// kDropBlock (block b: [b kDropBlock, (b + 1) kDropBlock)), each an independent stream of gaps: the
+// number of kept elements before the next dropped one is geometric, floor(log U / log(1 - p)) for U
+// uniform on (0, 1), so that each element is dropped with probability p independently of every other
+// (to within U's 24 bits), and only the dropped elements cost a draw. Draw t of block b: U from a
+// 32-bit hash of (seed, b, t), MurmurHash3's finalizer twice with the seed's halves mixed in.
+constexpr int64_t kDropBlock = int64_t{1} << 16;
+constexpr int kDraws = 16;  // gaps drawn at once, so that the hash and the logarithm vectorise
+
 WEFT_ALWAYS_INLINE uint32_t fmix32(uint32_t h) {
   h ^= h >> 16;
   h *= 0x85EBCA6Bu;
@@ -382,127 +389,239 @@ WEFT_ALWAYS_INLINE uint32_t fmix32(uint32_t h) {
   h ^= h >> 16;
   return h;
 }
-// Elements [begin, end): out = in * scale where the hash of (seed, index) is at least `threshold`
-// (kept), else 0. The index's high word is mixed into the seed once per run of 2^32 elements, so
-// the loop itself is 32-bit.
-template <typename T>
-WEFT_ALWAYS_INLINE void dropout_range(const T* in, T* out, int64_t begin, int64_t end, uint32_t seed_lo,
-                                      uint32_t seed_hi, uint32_t threshold, float scale) {
-  for (int64_t start = begin; start < end;) {
-    const int64_t stop = std::min<int64_t>(end, (start | int64_t{0xFFFFFFFF}) + 1);
-    const uint32_t hi = seed_hi ^ (static_cast<uint32_t>(static_cast<uint64_t>(start) >> 32) * 0x9E3779B9u);
-    const auto first = static_cast<uint32_t>(start);
-    const T* src = in + start;
-    T* dst = out + start;
-    for (int64_t k = 0, n = stop - start; k < n; ++k) {
-      const uint32_t h = fmix32(fmix32((first + static_cast<uint32_t>(k)) ^ seed_lo) + hi);
-      dst[k] = from_float<T>(h >= threshold ? to_float(src[k]) * scale : 0.0f);
-    }
-    start = stop;
+// ln(u) for u in (0, 1], normal: Cephes' logf (relative error ~1e-7), branch-free.
+WEFT_ALWAYS_INLINE float log_approx(float u) {
+  uint32_t bits;
+  std::memcpy(&bits, &u, sizeof(bits));
+  float e = static_cast<float>(static_cast<int32_t>(bits >> 23) - 126);
+  bits = (bits & 0x007FFFFFu) | 0x3F000000u;  // mantissa in [0.5, 1)
+  float m;
+  std::memcpy(&m, &bits, sizeof(m));
+  const bool small = m < 0.707106781186547524f;
+  e = small ? e - 1.0f : e;
+  const float x = (small ? m + m : m) - 1.0f;
+  const float z = x * x;
+  float y = 7.0376836292E-2f;
+  y = y * x - 1.1514610310E-1f;
+  y = y * x + 1.1676998740E-1f;
+  y = y * x - 1.2420140846E-1f;
+  y = y * x + 1.4249322787E-1f;
+  y = y * x - 1.6668057665E-1f;
+  y = y * x + 2.0000714765E-1f;
+  y = y * x - 2.4999993993E-1f;
+  y = y * x + 3.3333331174E-1f;
+  y = y * x * z;
+  y += -2.12194440e-4f * e;
+  y += -0.5f * z;
+  return x + y + 0.693359375f * e;
+}
+// Gaps t .. t + kDraws - 1 of a block's stream (`hi`: the seed's high half with the block mixed in),
+// each at most kDropBlock.
+WEFT_SIMD_CLONES void draw_gaps(uint32_t t, uint32_t seed_lo, uint32_t hi, float inv_log_keep, int32_t* gaps) {
+  for (int k = 0; k < kDraws; ++k) {
+    const uint32_t h = fmix32(fmix32((t + static_cast<uint32_t>(k)) ^ seed_lo) + hi);
+    const float u = (static_cast<float>(h >> 8) + 0.5f) * 0x1p-24f;  // (0, 1), 24 bits
+    const float gap = log_approx(u) * inv_log_keep;  // (std::min would not inline under this file's pragma)
+    gaps[k] = static_cast<int32_t>(gap < static_cast<float>(kDropBlock) ? gap : static_cast<float>(kDropBlock));
   }
 }
-WEFT_SIMD_CLONES void dropout_range_dispatch(const float* in, float* out, int64_t begin, int64_t end, uint32_t seed_lo,
-                                             uint32_t seed_hi, uint32_t threshold, float scale) {
-  dropout_range(in, out, begin, end, seed_lo, seed_hi, threshold, scale);
-}
-WEFT_SIMD_CLONES void dropout_range_dispatch(const Bf16Bits* in, Bf16Bits* out, int64_t begin, int64_t end,
-                                             uint32_t seed_lo, uint32_t seed_hi, uint32_t threshold, float scale) {
-  dropout_range(in, out, begin, end, seed_lo, seed_hi, threshold, scale);
-}
 
-// A mask's constants for (p, seed): kept where the hash >= p * 2^32 (probability 1 - p to within
-// 2^-32), scaled by 1 / (1 - p); the seed's halves.
+// A mask's constants for (p, seed): 1 / ln(1 - p) (the gaps' scale), 1 / (1 - p) (the kept
+// elements'), the seed's halves.
 struct MaskParams {
-  uint32_t threshold;
-  float scale;
+  float inv_log_keep, scale;
   uint32_t seed_lo, seed_hi;
 };
 MaskParams mask_params(double p, uint64_t seed) {
-  return {static_cast<uint32_t>(std::min(std::ldexp(p, 32), 4294967295.0)), static_cast<float>(1.0 / (1.0 - p)),
-          static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)};
+  return {static_cast<float>(1.0 / std::log1p(-p)), static_cast<float>(1.0 / (1.0 - p)), static_cast<uint32_t>(seed),
+          static_cast<uint32_t>(seed >> 32)};
 }
 
-// x's elements through the mask of (p, seed), into `out` (x's shape and dtype, contiguous).
-void dropout_mask_into(const torch::Tensor& in, torch::Tensor& out, double p, uint64_t seed) {
-  const auto [threshold, scale, seed_lo, seed_hi] = mask_params(p, seed);
+// The dropped indices of block b of n elements, ascending, appended to `out`.
+void dropped_in_block(int64_t b, int64_t n, const MaskParams& m, std::vector<int32_t>& out) {
+  const int64_t end = std::min(n, (b + 1) * kDropBlock);
+  const uint32_t hi = m.seed_hi ^ (static_cast<uint32_t>(b) * 0x9E3779B9u);
+  alignas(64) int32_t gaps[kDraws];
+  int64_t position = b * kDropBlock - 1;
+  for (uint32_t t = 0;; t += kDraws) {
+    draw_gaps(t, m.seed_lo, hi, m.inv_log_keep, gaps);
+    for (int k = 0; k < kDraws; ++k) {
+      position += gaps[k] + 1;
+      if (position >= end) return;
+      out.push_back(static_cast<int32_t>(position));
+    }
+  }
+}
+
+// The mask of (p, seed) over n elements: the dropped ones' indices, ascending (int32 [count]).
+torch::Tensor dropped_indices(int64_t n, double p, uint64_t seed) {
+  WEFT_CHECK(n >= 0 && n <= std::numeric_limits<int32_t>::max(),
+             "dropout: at most 2^31 - 1 elements per tensor, got {}", n);
+  const MaskParams m = mask_params(p, seed);
+  const int64_t blocks = (n + kDropBlock - 1) / kDropBlock;
+  std::vector<std::vector<int32_t>> parts(static_cast<size_t>(blocks));
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      auto& part = parts[static_cast<size_t>(b)];
+      part.reserve(static_cast<size_t>(static_cast<double>(std::min(kDropBlock, n - b * kDropBlock)) * p * 1.1) + 64);
+      dropped_in_block(b, n, m, part);
+    }
+  });
+  int64_t count = 0;
+  for (const auto& part : parts) count += static_cast<int64_t>(part.size());
+  auto out = torch::empty({count}, torch::kInt32);
+  int32_t* o = out.data_ptr<int32_t>();
+  for (const auto& part : parts) o = std::copy(part.begin(), part.end(), o);
+  return out;
+}
+
+// x through the mask of `dropped` (indices into x's elements): x * scale, 0 at the dropped elements.
+template <typename T>
+WEFT_ALWAYS_INLINE void scale_range(const T* in, T* out, int64_t begin, int64_t end, float scale) {
+  for (int64_t i = begin; i < end; ++i) out[i] = from_float<T>(to_float(in[i]) * scale);
+}
+WEFT_SIMD_CLONES void scale_range_dispatch(const float* in, float* out, int64_t begin, int64_t end, float scale) {
+  scale_range(in, out, begin, end, scale);
+}
+WEFT_SIMD_CLONES void scale_range_dispatch(const Bf16Bits* in, Bf16Bits* out, int64_t begin, int64_t end, float scale) {
+  scale_range(in, out, begin, end, scale);
+}
+
+// x's elements through the mask of (p, seed): forward on the input, backward on its gradient.
+torch::Tensor apply_dropout_mask(const torch::Tensor& x, double p, uint64_t seed) {
+  const auto in = x.contiguous();
+  auto out = torch::empty_like(in);
+  const auto dropped = dropped_indices(in.numel(), p, seed);
+  const float scale = mask_params(p, seed).scale;
+  const int32_t* d = dropped.data_ptr<int32_t>();
+  const int64_t count = dropped.numel();
   dispatch_float_or_bf16(in.scalar_type(), "dropout", [&](auto tag) {
     using T = decltype(tag);
     const T* ip = data<T>(in);
     T* op = data<T>(out);
     at::parallel_for(0, in.numel(), 16384, [&](int64_t begin, int64_t end) {
-      dropout_range_dispatch(ip, op, begin, end, seed_lo, seed_hi, threshold, scale);
+      scale_range_dispatch(ip, op, begin, end, scale);
     });
+    for (int64_t k = 0; k < count; ++k) op[d[k]] = from_float<T>(0.0f);
   });
-}
-
-// x's elements through the mask of (seed, p): forward on the input, backward on its gradient.
-torch::Tensor apply_dropout_mask(const torch::Tensor& x, double p, uint64_t seed) {
-  const auto in = x.contiguous();
-  auto out = torch::empty_like(in);
-  dropout_mask_into(in, out, p, seed);
   return out;
 }
 
-// The mask as bits: word w holds elements [32w, 32w + 32) (bit j: element 32w + j kept), the same
-// hash as dropout_range's (a word never straddles a run of 2^32 elements). With Make, the mask is
-// drawn, written to `bits` and applied (out = in * scale where kept); else it is read from `bits`
-// and applied, added into out with Accumulate (in fp32, rounded once).
-template <bool Make, bool Accumulate, typename T>
-WEFT_ALWAYS_INLINE void dropout_bits_range(const T* in, T* out, uint32_t* bits, int64_t wbegin, int64_t wend,
-                                           int64_t n, uint32_t seed_lo, uint32_t seed_hi, uint32_t threshold,
-                                           float scale) {
-  for (int64_t w = wbegin; w < wend; ++w) {
-    const int64_t start = w * 32;
-    const int count = static_cast<int>(std::min<int64_t>(32, n - start));
-    const T* src = in + start;
-    T* dst = out + start;
-    uint32_t word = 0;
-    if constexpr (Make) {
-      const uint32_t hi = seed_hi ^ (static_cast<uint32_t>(static_cast<uint64_t>(start) >> 32) * 0x9E3779B9u);
-      const auto first = static_cast<uint32_t>(start);
-      for (int j = 0; j < count; ++j) {
-        const uint32_t h = fmix32(fmix32((first + static_cast<uint32_t>(j)) ^ seed_lo) + hi);
-        const bool keep = h >= threshold;
-        dst[j] = from_float<T>(keep ? to_float(src[j]) * scale : 0.0f);
-        word |= static_cast<uint32_t>(keep) << j;
-      }
-      bits[w] = word;
-    } else {
-      word = bits[w];
-      for (int j = 0; j < count; ++j) {
-        const float kept = ((word >> j) & 1u) != 0 ? to_float(src[j]) * scale : 0.0f;
-        dst[j] = from_float<T>(Accumulate ? to_float(dst[j]) + kept : kept);
-      }
-    }
-  }
-}
-template <bool Make, bool Accumulate>
-WEFT_SIMD_CLONES void dropout_bits_dispatch(const float* in, float* out, uint32_t* bits, int64_t wbegin, int64_t wend,
-                                            int64_t n, uint32_t seed_lo, uint32_t seed_hi, uint32_t threshold,
-                                            float scale) {
-  dropout_bits_range<Make, Accumulate>(in, out, bits, wbegin, wend, n, seed_lo, seed_hi, threshold, scale);
-}
-template <bool Make, bool Accumulate>
-WEFT_SIMD_CLONES void dropout_bits_dispatch(const Bf16Bits* in, Bf16Bits* out, uint32_t* bits, int64_t wbegin,
-                                            int64_t wend, int64_t n, uint32_t seed_lo, uint32_t seed_hi,
-                                            uint32_t threshold, float scale) {
-  dropout_bits_range<Make, Accumulate>(in, out, bits, wbegin, wend, n, seed_lo, seed_hi, threshold, scale);
+// The complement's sums (kernels.h, dropped_product and friends) over x [R, I]'s dropped elements
+// `d` [lo, hi) (ascending indices), in column blocks of kLanes of the r-wide operands (one vector
+// register of fp32 on AVX-512).
+constexpr int64_t kLanes = 16;
+typedef float Lanes16 __attribute__((vector_size(64)));
+typedef float Lanes8 __attribute__((vector_size(32)));
+typedef float Lanes4 __attribute__((vector_size(16)));
+
+// The dropped indices of rows [begin, end) of a [R, cols] matrix: d's range [lo, hi).
+std::pair<int64_t, int64_t> rows_range(const int32_t* d, int64_t count, int64_t begin, int64_t end, int64_t cols) {
+  const auto lo = std::lower_bound(d, d + count, begin * cols) - d;
+  const auto hi = std::lower_bound(d + lo, d + count, end * cols) - d;
+  return {lo, hi};
 }
 
-// Runs dropout_bits_range over contiguous `in` and `out` of n elements, in words of 32.
-template <bool Make, bool Accumulate>
-void dropout_bits_pass(const torch::Tensor& in, torch::Tensor& out, uint32_t* bits, double p, uint64_t seed) {
-  const auto [threshold, scale, seed_lo, seed_hi] = mask_params(p, seed);
-  const int64_t n = in.numel(), words = (n + 31) / 32;
-  dispatch_float_or_bf16(in.scalar_type(), "dropout", [&](auto tag) {
-    using T = decltype(tag);
-    const T* ip = data<T>(in);
-    T* op = data<T>(out);
-    at::parallel_for(0, words, 512, [&](int64_t begin, int64_t end) {
-      dropout_bits_dispatch<Make, Accumulate>(ip, op, bits, begin, end, n, seed_lo, seed_hi, threshold, scale);
-    });
-  });
+// out[i, :] (rows of the range, zeroed first) += x[i, j] at[j, :] for each dropped (i, j). Where r
+// is 16 (LoRA's usual rank) a row's sum stays in a register until the row ends.
+template <typename T>
+WEFT_ALWAYS_INLINE void dropped_product_span(const T* __restrict x, const int32_t* __restrict d, int64_t lo,
+                                             int64_t hi, const float* __restrict at, float* __restrict out,
+                                             int64_t cols, int64_t r) {
+  int64_t i = lo < hi ? d[lo] / cols : 0, row = i * cols;  // the row of d[k], tracked (d ascends)
+  if (r == kLanes) {
+    Lanes16 acc = {};
+    for (int64_t k = lo; k < hi; ++k) {
+      const int64_t e = d[k];
+      if (e >= row + cols) {
+        std::memcpy(out + i * r, &acc, sizeof(acc));
+        acc = Lanes16{};
+        do ++i, row += cols;
+        while (e >= row + cols);
+      }
+      Lanes16 a;
+      std::memcpy(&a, at + (e - row) * r, sizeof(a));
+      acc += to_float(x[e]) * a;
+    }
+    if (lo < hi) std::memcpy(out + i * r, &acc, sizeof(acc));
+    return;
+  }
+  for (int64_t k = lo; k < hi; ++k) {
+    const int64_t e = d[k];
+    while (e >= row + cols) ++i, row += cols;
+    const float xv = to_float(x[e]);
+    const float* __restrict a = at + (e - row) * r;
+    float* __restrict o = out + i * r;
+    for (int64_t c = 0; c < r; ++c) o[c] += xv * a[c];
+  }
 }
+// out[j, :] (columns [jbegin, jend), zeroed first) += x[i, j] v[i, :] for each dropped (i, j), rows in order.
+template <typename T>
+WEFT_ALWAYS_INLINE void dropped_product_t_span(const T* __restrict x, const int32_t* __restrict d, int64_t count,
+                                               const float* __restrict v, float* __restrict out, int64_t jbegin,
+                                               int64_t jend, int64_t cols, int64_t r) {
+  int64_t i = 0, row = 0;  // the row of d[k], tracked (d ascends)
+  for (int64_t k = 0; k < count; ++k) {
+    const int64_t e = d[k];
+    while (e >= row + cols) ++i, row += cols;
+    const int64_t j = e - row;
+    if (j < jbegin || j >= jend) continue;
+    const float xv = to_float(x[e]);
+    const float* __restrict vi = v + i * r;
+    float* __restrict o = out + j * r;
+    int64_t c0 = 0;
+    for (; c0 + kLanes <= r; c0 += kLanes) {
+      for (int64_t c = 0; c < kLanes; ++c) o[c0 + c] += xv * vi[c0 + c];
+    }
+    for (int64_t c = c0; c < r; ++c) o[c] += xv * vi[c];
+  }
+}
+// g[i, j] -= v[i, :] . at[j, :] for each dropped (i, j) of d's range.
+template <typename T>
+WEFT_ALWAYS_INLINE void subtract_dropped_span(T* __restrict g, const int32_t* __restrict d, int64_t lo, int64_t hi,
+                                              const float* __restrict v, const float* __restrict at, int64_t cols,
+                                              int64_t r) {
+  int64_t i = lo < hi ? d[lo] / cols : 0, row = i * cols;  // the row of d[k], tracked (d ascends)
+  for (int64_t k = lo; k < hi; ++k) {
+    const int64_t e = d[k];
+    while (e >= row + cols) ++i, row += cols;
+    const float* __restrict vi = v + i * r;
+    const float* __restrict a = at + (e - row) * r;
+    // The dot product in one vector of 16 lanes, reduced in registers (GCC's vector extensions: a
+    // plain loop's reduction would not be reassociated, and a reduction through memory stalls).
+    Lanes16 lanes = {};
+    int64_t c0 = 0;
+    for (; c0 + kLanes <= r; c0 += kLanes) {
+      Lanes16 vv, av;
+      std::memcpy(&vv, vi + c0, sizeof(vv));
+      std::memcpy(&av, a + c0, sizeof(av));
+      lanes += vv * av;
+    }
+    const Lanes8 half = __builtin_shufflevector(lanes, lanes, 0, 1, 2, 3, 4, 5, 6, 7) +
+                        __builtin_shufflevector(lanes, lanes, 8, 9, 10, 11, 12, 13, 14, 15);
+    const Lanes4 quarter = __builtin_shufflevector(half, half, 0, 1, 2, 3) + __builtin_shufflevector(half, half, 4, 5, 6, 7);
+    float dot = (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
+    for (int64_t c = c0; c < r; ++c) dot += vi[c] * a[c];
+    g[e] = from_float<T>(to_float(g[e]) - dot);
+  }
+}
+#define WEFT_COMPLEMENT_CLONES(T)                                                                                   \
+  WEFT_SIMD_CLONES void dropped_product_dispatch(const T* x, const int32_t* d, int64_t lo, int64_t hi,             \
+                                                 const float* at, float* out, int64_t cols, int64_t r) {            \
+    dropped_product_span(x, d, lo, hi, at, out, cols, r);                                                           \
+  }                                                                                                                 \
+  WEFT_SIMD_CLONES void dropped_product_t_dispatch(const T* x, const int32_t* d, int64_t count, const float* v,    \
+                                                   float* out, int64_t jbegin, int64_t jend, int64_t cols,          \
+                                                   int64_t r) {                                                     \
+    dropped_product_t_span(x, d, count, v, out, jbegin, jend, cols, r);                                             \
+  }                                                                                                                 \
+  WEFT_SIMD_CLONES void subtract_dropped_dispatch(T* g, const int32_t* d, int64_t lo, int64_t hi, const float* v, \
+                                                  const float* at, int64_t cols, int64_t r) {                       \
+    subtract_dropped_span(g, d, lo, hi, v, at, cols, r);                                                            \
+  }
+WEFT_COMPLEMENT_CLONES(float)
+WEFT_COMPLEMENT_CLONES(Bf16Bits)
+#undef WEFT_COMPLEMENT_CLONES
 
 class DropoutFunction : public torch::autograd::Function<DropoutFunction> {
  public:
@@ -853,37 +972,86 @@ torch::Tensor seeded_dropout(const torch::Tensor& x, double p, uint64_t seed) {
   return apply_dropout_mask(x, p, seed);
 }
 
-std::pair<torch::Tensor, torch::Tensor> seeded_dropout_with_bits(const torch::Tensor& x, double p, uint64_t seed) {
-  WEFT_CHECK(seeded_dropout_applies(x), "seeded_dropout_with_bits: a CPU tensor of fp32 or bf16 expected");
-  const auto in = x.contiguous();
-  auto out = torch::empty_like(in);
-  auto bits = torch::empty({(in.numel() + 31) / 32}, in.options().dtype(torch::kInt32));
-  dropout_bits_pass<true, false>(in, out, reinterpret_cast<uint32_t*>(bits.data_ptr<int32_t>()), p, seed);
-  return {out, bits};
+torch::Tensor dropout_mask_indices(int64_t n, double p, uint64_t seed) {
+  WEFT_CHECK(p > 0.0 && p < 1.0, "dropout_mask_indices: p in (0, 1) expected, got {}", p);
+  return dropped_indices(n, p, seed);
 }
 
 namespace {
-void check_bits(const torch::Tensor& x, const torch::Tensor& bits, const char* what) {
-  WEFT_CHECK(seeded_dropout_applies(x) && bits.scalar_type() == torch::kInt32 && bits.is_contiguous() &&
-                 bits.numel() == (x.numel() + 31) / 32,
-             "{}: a CPU tensor of fp32 or bf16 and its mask's {} int32 words expected", what, (x.numel() + 31) / 32);
+// x [R, I] contiguous CPU fp32 or bf16 and its mask's ascending indices; `other` [rows, r]
+// contiguous fp32.
+void check_complement(const torch::Tensor& x, const torch::Tensor& dropped, const torch::Tensor& other, int64_t rows,
+                      const char* what) {
+  WEFT_CHECK(seeded_dropout_applies(x) && x.dim() == 2 && x.is_contiguous(),
+             "{}: x must be a contiguous 2-d CPU tensor of fp32 or bf16", what);
+  WEFT_CHECK(dropped.device().is_cpu() && dropped.scalar_type() == torch::kInt32 && dropped.dim() == 1 &&
+                 dropped.is_contiguous() && dropped.numel() <= x.numel() &&
+                 (dropped.numel() == 0 || (dropped.data_ptr<int32_t>()[0] >= 0 &&
+                                           dropped.data_ptr<int32_t>()[dropped.numel() - 1] < x.numel())),
+             "{}: x's mask as int32 indices of its {} elements expected", what, x.numel());
+  WEFT_CHECK(other.device().is_cpu() && other.scalar_type() == torch::kFloat32 && other.is_contiguous() &&
+                 other.dim() == 2 && other.size(0) == rows,
+             "{}: a contiguous fp32 CPU matrix of {} rows expected, got {} dimensions of {} rows", what, rows,
+             other.dim(), other.dim() > 0 ? other.size(0) : 0);
 }
 }  // namespace
 
-torch::Tensor dropout_by_bits(const torch::Tensor& x, const torch::Tensor& bits, double p) {
-  check_bits(x, bits, "dropout_by_bits");
-  const auto in = x.contiguous();
-  auto out = torch::empty_like(in);
-  dropout_bits_pass<false, false>(in, out, reinterpret_cast<uint32_t*>(bits.data_ptr<int32_t>()), p, 0);
+namespace {
+// Calls f(T{}, lo, hi) (T: the element type of `dtype`) on chunks of the rows of a [rows, cols]
+// matrix, with each chunk's range [lo, hi) of the ascending indices `dropped`.
+template <typename F>
+void over_dropped_rows(torch::Dtype dtype, const char* what, const torch::Tensor& dropped, int64_t rows, int64_t cols,
+                       F&& f) {
+  const int32_t* d = dropped.data_ptr<int32_t>();
+  const int64_t count = dropped.numel();
+  dispatch_float_or_bf16(dtype, what, [&](auto tag) {
+    at::parallel_for(0, rows, rows_grain(cols), [&](int64_t begin, int64_t end) {
+      const auto [lo, hi] = rows_range(d, count, begin, end, cols);
+      f(tag, d, lo, hi);
+    });
+  });
+}
+}  // namespace
+
+torch::Tensor dropped_product(const torch::Tensor& x, const torch::Tensor& dropped, const torch::Tensor& at) {
+  check_complement(x, dropped, at, x.size(1), "dropped_product");
+  const int64_t cols = x.size(1), r = at.size(1);
+  auto out = torch::zeros({x.size(0), r}, torch::kFloat32);
+  over_dropped_rows(x.scalar_type(), "dropped_product", dropped, x.size(0), cols,
+                    [&](auto tag, const int32_t* d, int64_t lo, int64_t hi) {
+                      using T = decltype(tag);
+                      dropped_product_dispatch(data<T>(x), d, lo, hi, at.data_ptr<float>(), out.data_ptr<float>(),
+                                               cols, r);
+                    });
   return out;
 }
 
-void dropout_by_bits_add_(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& bits, double p) {
-  check_bits(x, bits, "dropout_by_bits_add_");
-  WEFT_CHECK(out.scalar_type() == x.scalar_type() && out.sizes() == x.sizes() && out.device() == x.device() &&
-                 out.is_contiguous(),
-             "dropout_by_bits_add_: a contiguous CPU tensor of x's dtype and shape expected");
-  dropout_bits_pass<false, true>(x.contiguous(), out, reinterpret_cast<uint32_t*>(bits.data_ptr<int32_t>()), p, 0);
+torch::Tensor dropped_product_t(const torch::Tensor& x, const torch::Tensor& dropped, const torch::Tensor& v) {
+  check_complement(x, dropped, v, x.size(0), "dropped_product_t");
+  const int64_t cols = x.size(1), r = v.size(1);
+  auto out = torch::zeros({cols, r}, torch::kFloat32);
+  dispatch_float_or_bf16(x.scalar_type(), "dropped_product_t", [&](auto tag) {
+    using T = decltype(tag);
+    at::parallel_for(0, cols, 64, [&](int64_t begin, int64_t end) {  // each column's sum over rows in order
+      dropped_product_t_dispatch(data<T>(x), dropped.data_ptr<int32_t>(), dropped.numel(), v.data_ptr<float>(),
+                                 out.data_ptr<float>(), begin, end, cols, r);
+    });
+  });
+  return out;
+}
+
+void subtract_dropped_(torch::Tensor& g, const torch::Tensor& dropped, const torch::Tensor& v, const torch::Tensor& at) {
+  check_complement(g, dropped, v, g.size(0), "subtract_dropped_");
+  check_complement(g, dropped, at, g.size(1), "subtract_dropped_");
+  WEFT_CHECK(v.size(1) == at.size(1), "subtract_dropped_: v and at of one width expected, got {} and {}", v.size(1),
+             at.size(1));
+  const int64_t cols = g.size(1), r = v.size(1);
+  over_dropped_rows(g.scalar_type(), "subtract_dropped_", dropped, g.size(0), cols,
+                    [&](auto tag, const int32_t* d, int64_t lo, int64_t hi) {
+                      using T = decltype(tag);
+                      subtract_dropped_dispatch(data<T>(g), d, lo, hi, v.data_ptr<float>(), at.data_ptr<float>(), cols,
+                                                r);
+                    });
 }
 
 torch::Tensor fused_dropout(const torch::Tensor& x, double p) {

@@ -65,10 +65,12 @@ inline constexpr int64_t kSquaredSumChunk = int64_t{1} << 22;  // 32 MiB of fp64
 at::Tensor squared_sum_fp64(const at::Tensor& t);
 
 // Inverted dropout (training): each element kept with probability 1 - p and scaled by 1 / (1 - p),
-// else 0, in x's dtype. On CPU tensors of fp32 or bf16 one pass draws the mask from a counter-based
-// hash of (a seed drawn from LibTorch's default CPU generator, the element's index), and backward
-// draws it again from the same pair: no mask is stored, and a restored generator state (activation
-// checkpointing's recomputation) gives the same mask. Elsewhere ATen's dropout. p in [0, 1).
+// else 0, in x's dtype. On CPU tensors of fp32 or bf16 the mask is drawn from a counter-based hash
+// of (a seed drawn from LibTorch's default CPU generator, the position), as geometric gaps between
+// dropped elements (only those cost a draw; each element dropped independently with probability p
+// to within 2^-24), and backward draws it again from the same seed: no mask is stored, and a
+// restored generator state (activation checkpointing's recomputation) gives the same mask.
+// Elsewhere ATen's dropout. p in [0, 1).
 torch::Tensor fused_dropout(const torch::Tensor& x, double p);
 // fused_dropout's parts, for a caller that draws the mask again itself: whether x takes the hashed
 // mask (a CPU tensor of fp32 or bf16), a seed drawn from LibTorch's default CPU generator, and x
@@ -77,15 +79,25 @@ bool seeded_dropout_applies(const torch::Tensor& x);
 uint64_t draw_dropout_seed();
 torch::Tensor seeded_dropout(const torch::Tensor& x, double p, uint64_t seed);
 
-// seeded_dropout that also returns its mask, one bit per element (int32 words [ceil(n / 32)], bit j
-// of word w: element 32w + j kept), for a backward to apply again without drawing it: x's and its
-// gradient's passes through the same mask read the bits instead of hashing each index again.
-std::pair<torch::Tensor, torch::Tensor> seeded_dropout_with_bits(const torch::Tensor& x, double p, uint64_t seed);
-// x (a CPU tensor of fp32 or bf16 of the masked tensor's element count) through such a mask and
-// the 1 / (1 - p) scale; the _add_ form adds that into `out` (contiguous, x's dtype and shape; each
-// sum in fp32, rounded once) without the dropped copy.
-torch::Tensor dropout_by_bits(const torch::Tensor& x, const torch::Tensor& bits, double p);
-void dropout_by_bits_add_(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& bits, double p);
+// seeded_dropout's mask for n elements (of any tensor; at most 2^31 - 1), drawn without applying
+// it: the ascending indices of its dropped elements (int32 [count], about p n), for a caller that
+// keeps it for backward instead of drawing it again. p in (0, 1).
+torch::Tensor dropout_mask_indices(int64_t n, double p, uint64_t seed);
+
+// LoRA's products through its dropout, by the mask's complement (lora_linear): with p small nearly
+// every element is kept, so D(x) A^T = (x A^T - x_dropped A^T) / (1 - p), where x_dropped holds x's
+// dropped elements and zeros: the dense product over all of x (one GEMM with the other adapters'
+// products, as without dropout), less the dropped elements' few terms, which these add up from the
+// mask's indices (dropout_mask_indices over x's elements in order). x: [R, I] contiguous CPU fp32 or
+// bf16; at: A^T [I, r] and v: [R, r], contiguous fp32. Each sum in fp32 in a fixed order: the same
+// result at any thread count.
+//   dropped_product(x, dropped, at)    [R, r]: row i = sum over dropped (i, j) of x[i, j] at[j, :]
+//   dropped_product_t(x, dropped, v)   [I, r]: row j = sum over dropped (i, j) of x[i, j] v[i, :]
+//   subtract_dropped_(g, dropped, v, at): g[i, j] -= v[i, :] . at[j, :] at each dropped (i, j), for
+//                                         g [R, I] contiguous of x's dtypes (each rounded once)
+torch::Tensor dropped_product(const torch::Tensor& x, const torch::Tensor& dropped, const torch::Tensor& at);
+torch::Tensor dropped_product_t(const torch::Tensor& x, const torch::Tensor& dropped, const torch::Tensor& v);
+void subtract_dropped_(torch::Tensor& g, const torch::Tensor& dropped, const torch::Tensor& v, const torch::Tensor& at);
 
 // The ATen formulations: the same values up to rounding order, on every device and dtype.
 torch::Tensor aten_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, torch::Dtype out_dtype);

@@ -243,6 +243,9 @@ void LinearImpl::set_row_absmax_sync(RowAbsmaxSync sync) {
 
 namespace {
 
+// Inverted dropout's scale 1 / (1 - p), as the mask's passes take it (fp32).
+double dropout_scale(double p) { return static_cast<float>(1.0 / (1.0 - p)); }
+
 // lora_linear's node. Inputs: x [..., in] in the compute dtype, each layer's frozen base weight,
 // and the adapters' A [r, in] and B [out, r] (of the layers that have one, in order). `layout`
 // holds, per layer, its output width and its adapter's index (-1: none); `scales` the adapters'.
@@ -257,22 +260,16 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     const auto w = stacked(weights, dtype);
     const auto a_all = stacked(a, dtype);
     auto y = torch::mm(x2, w.t());
-    // Every adapter's (dropped-out) x A^T, side by side: one GEMM without dropout.
-    const bool dropped = std::any_of(dropouts.begin(), dropouts.end(), [](double p) { return p > 0; });
-    torch::Tensor u;
-    std::vector<torch::Tensor> masks(a.size());  // each dropped-out adapter's mask, as bits
-    if (!dropped) {
-      u = torch::mm(x2, a_all.t());
-    } else {
-      std::vector<torch::Tensor> parts;
-      for (size_t k = 0; k < a.size(); ++k) {
-        torch::Tensor input = x2;
-        if (dropouts[k] > 0) {
-          std::tie(input, masks[k]) = seeded_dropout_with_bits(x2, dropouts[k], static_cast<uint64_t>(seeds[k]));
-        }
-        parts.push_back(torch::mm(input, a[k].to(dtype).t()));
-      }
-      u = torch::cat(parts, 1);
+    // Every adapter's x A^T, side by side in one GEMM; a dropped-out adapter's less its dropped
+    // elements' terms, scaled by 1 / (1 - p) (the mask's complement, kernels.h): its D(x) A^T.
+    auto u = torch::mm(x2, a_all.t());
+    std::vector<torch::Tensor> masks(a.size());  // each dropped-out adapter's mask: its dropped indices
+    for (size_t k = 0, column = 0; k < a.size(); column += static_cast<size_t>(a[k].size(0)), ++k) {
+      if (dropouts[k] <= 0) continue;
+      masks[k] = dropout_mask_indices(x2.numel(), dropouts[k], static_cast<uint64_t>(seeds[k]));
+      auto uk = u.narrow(1, static_cast<int64_t>(column), a[k].size(0));
+      const auto dropped = dropped_product(x2, masks[k], a[k].to(torch::kFloat32).t().contiguous());
+      uk.copy_(uk.to(torch::kFloat32).sub_(dropped).mul_(dropout_scale(dropouts[k])));
     }
     int64_t offset = 0, rank_offset = 0;
     for (size_t i = 0; i < widths.size(); ++i) {
@@ -332,34 +329,28 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     }
     const auto dropouts = ctx->saved_data["dropouts"].toDoubleVector();
     const auto masks = ctx->saved_data["masks"].toTensorVector();
-    const bool dropped = std::any_of(dropouts.begin(), dropouts.end(), [](double p) { return p > 0; });
+    // A dropped-out adapter's share: D(v A) for x and v^T D(x) for A, each the dense product of v
+    // scaled by 1 / (1 - p) less the dropped elements' terms (its mask's complement).
+    for (size_t k = 0, column = 0; k < a.size(); column += static_cast<size_t>(a[k].size(0)), ++k) {
+      if (dropouts[k] > 0) v.narrow(1, static_cast<int64_t>(column), a[k].size(0)).mul_(dropout_scale(dropouts[k]));
+    }
     const bool want_x = ctx->needs_input_grad(0);
+    const auto a_all = stacked(a, dtype);
     torch::Tensor grad_x = want_x ? torch::mm(g, w) : torch::Tensor();
-    if (!dropped) {  // every A at once
-      const auto a_all = stacked(a, dtype);
-      if (want_x) grad_x.addmm_(v, a_all);
-      const auto grad_a_all = torch::mm(v.t(), x2);
-      rank_offset = 0;
-      for (size_t k = 0; k < a.size(); ++k) {
-        const int64_t r = a[k].size(0);
-        grad_a[k] = grad_a_all.narrow(0, rank_offset, r).to(a[k].scalar_type());
-        rank_offset += r;
+    if (want_x) grad_x.addmm_(v, a_all);
+    const auto grad_a_all = torch::mm(v.t(), x2);
+    rank_offset = 0;
+    for (size_t k = 0; k < a.size(); ++k) {
+      const int64_t r = a[k].size(0);
+      const auto grad_ak = grad_a_all.narrow(0, rank_offset, r);
+      if (dropouts[k] > 0) {
+        const auto vk = v.narrow(1, rank_offset, r).to(torch::kFloat32).contiguous();
+        if (want_x) subtract_dropped_(grad_x, masks[k], vk, a[k].to(torch::kFloat32).t().contiguous());
+        grad_a[k] = grad_ak.to(torch::kFloat32).sub_(dropped_product_t(x2, masks[k], vk).t()).to(a[k].scalar_type());
+      } else {
+        grad_a[k] = grad_ak.to(a[k].scalar_type());
       }
-    } else {  // each adapter's mask, kept as bits, on its input again and on x's gradient
-      rank_offset = 0;
-      for (size_t k = 0; k < a.size(); ++k) {
-        const int64_t r = a[k].size(0);
-        const auto vk = v.narrow(1, rank_offset, r);
-        const auto ak = a[k].to(dtype);
-        if (dropouts[k] > 0) {
-          if (want_x) dropout_by_bits_add_(grad_x, torch::mm(vk, ak), masks[k], dropouts[k]);
-          grad_a[k] = torch::mm(vk.t(), dropout_by_bits(x2, masks[k], dropouts[k])).to(a[k].scalar_type());
-        } else {
-          if (want_x) grad_x.addmm_(vk, ak);
-          grad_a[k] = torch::mm(vk.t(), x2).to(a[k].scalar_type());
-        }
-        rank_offset += r;
-      }
+      rank_offset += r;
     }
     if (want_x) {
       auto shape = grads[0].sizes().vec();
@@ -396,7 +387,7 @@ bool lora_linear_applies(const std::vector<LinearImpl*>& layers) {
     if (!layer->has_lora()) continue;
     const auto* lora = dynamic_cast<const LoraAdapter*>(layer->adapter());
     if (lora == nullptr) return false;
-    // Dropout in training: fused_dropout's mask, kept as bits for backward (a CPU tensor of fp32 or bf16).
+    // Dropout in training: fused_dropout's mask, kept as its dropped indices for backward (a CPU tensor of fp32 or bf16).
     const bool dropped = lora->dropout() > 0 && layer->is_training();
     if (dropped && !seeded_dropout_applies(torch::empty({0}, layer->weight.options().dtype(layer->compute_dtype())))) {
       return false;

@@ -179,32 +179,70 @@ TEST(FusedKernels, DropoutKeepsOneMinusPScaledAndBackwardUsesTheSameMask) {
               0.5, 0.003);
   EXPECT_TRUE(fused_dropout(x, 0.0).is_same(x));
   EXPECT_THROW(fused_dropout(x, 1.0), Error);
-  // The mask kept as bits: the same dropped-out x as seeded_dropout's, bit j of word w set where
-  // element 32w + j is kept; applied again to another tensor (a gradient) as seeded_dropout would,
-  // and added into one in a pass, each sum rounded once. 999,000 elements: a partial last word.
+  // The mask alone, as its dropped elements' indices: ascending, each once, where seeded_dropout
+  // drops (x has no zeros), over several of the mask's blocks of 2^16 and a partial last one.
   const auto odd = x.narrow(1, 0, 999).contiguous();
+  const auto dropped = dropout_mask_indices(999000, 0.2, 1234);
+  ASSERT_EQ(dropped.scalar_type(), torch::kInt32);
+  EXPECT_NEAR(static_cast<double>(dropped.numel()) / 999000, 0.2, 0.0024);  // 6 standard deviations
+  const auto as64 = dropped.to(torch::kInt64);
+  EXPECT_TRUE((as64.narrow(0, 1, as64.numel() - 1) > as64.narrow(0, 0, as64.numel() - 1)).all().item<bool>());
   for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
-    const auto xi = odd.to(dtype), g = torch::randn({1000, 999}).to(dtype), base = torch::randn({1000, 999}).to(dtype);
-    const auto [dropped, bits] = seeded_dropout_with_bits(xi, 0.2, 1234);
-    EXPECT_TRUE(torch::equal(dropped, seeded_dropout(xi, 0.2, 1234))) << dtype;
-    ASSERT_EQ(bits.numel(), (999000 + 31) / 32);
-    const auto words = bits.to(torch::kInt64).bitwise_and(0xFFFFFFFFLL);
-    const auto shifts = torch::arange(32, torch::kInt64);
-    const auto decoded = words.unsqueeze(1).bitwise_right_shift(shifts).bitwise_and(1).flatten().narrow(0, 0, 999000);
-    EXPECT_TRUE(torch::equal(decoded.to(torch::kBool), (dropped != 0).flatten())) << dtype;
-    EXPECT_TRUE(torch::equal(dropout_by_bits(g, bits, 0.2), seeded_dropout(g, 0.2, 1234))) << dtype;
-    auto out = base.clone();
-    dropout_by_bits_add_(out, xi, bits, 0.2);
-    const auto expected = base.to(torch::kFloat32) + dropped.to(torch::kFloat32);
-    const bool fp32 = dtype == torch::kFloat32;  // bf16: the sum's rounding, and the copy's of x * scale
-    EXPECT_TRUE(torch::allclose(out.to(torch::kFloat32), expected, fp32 ? 1e-6 : 8e-3, fp32 ? 1e-6 : 1e-2)) << dtype;
-    EXPECT_TRUE(torch::equal(out.to(torch::kFloat32) == base.to(torch::kFloat32), dropped == 0))
-        << dtype;  // the dropped elements (x has no zeros) and only they are left as they were
+    const auto zeros = (seeded_dropout(odd.to(dtype), 0.2, 1234) == 0).flatten().nonzero().flatten();
+    EXPECT_TRUE(torch::equal(zeros, as64)) << dtype;
   }
-  const auto bits = seeded_dropout_with_bits(odd, 0.2, 1).second;
-  auto narrow = torch::zeros({1000, 998});
-  EXPECT_THROW(dropout_by_bits_add_(narrow, odd, bits, 0.2), Error);
-  EXPECT_THROW(dropout_by_bits(x, bits, 0.2), Error);  // 1,000,000 elements against 999,000's words
+  EXPECT_THROW(dropout_mask_indices(10, 1.0, 1), Error);
+  EXPECT_THROW(dropout_mask_indices(10, 0.0, 1), Error);
+}
+
+// LoRA's dropout by the mask's complement (lora_linear): the dropped elements' terms of x's
+// products, against the dense products of x less its kept elements, in fp32 and bf16, at widths
+// whose rows straddle the mask's words; x A^T less them, scaled by 1 / (1 - p), is seeded_dropout(x)
+// A^T; each sum in a fixed order, so two threads give the bits one gives.
+TEST(FusedKernels, DroppedProductsAreTheMaskComplementsTerms) {
+  torch::manual_seed(12);
+  const int64_t rows = 37, cols = 45;
+  const double p = 0.3;
+  const auto bits = dropout_mask_indices(rows * cols, p, 99);
+  auto kept = torch::ones({rows * cols}, torch::kBool);
+  kept.index_fill_(0, bits.to(torch::kInt64), false);
+  kept = kept.view({rows, cols});
+  for (const int64_t r : {5, 16, 20}) {  // 16: the kernels' one-register path
+    const auto at = torch::randn({cols, r}), v = torch::randn({rows, r});
+    for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+      const auto x = torch::randn({rows, cols}).to(dtype);
+      const auto xf = x.to(torch::kFloat64);
+      EXPECT_TRUE(torch::equal((seeded_dropout(x, p, 99) != 0) | (x == 0), kept)) << dtype;
+      const auto only_dropped = xf.masked_fill(kept, 0);
+      const auto prod = dropped_product(x, bits, at);
+      EXPECT_TRUE(torch::allclose(prod.to(torch::kFloat64), only_dropped.mm(at.to(torch::kFloat64)), 1e-5, 1e-5))
+          << dtype << " r " << r;
+      const auto prod_t = dropped_product_t(x, bits, v);
+      EXPECT_TRUE(torch::allclose(prod_t.to(torch::kFloat64), only_dropped.t().mm(v.to(torch::kFloat64)), 1e-5, 1e-5))
+          << dtype << " r " << r;
+      const auto scale = 1.0 / (1.0 - p);
+      const auto complement = (xf.mm(at.to(torch::kFloat64)) - prod.to(torch::kFloat64)) * scale;
+      const auto dropped_x = seeded_dropout(x.to(torch::kFloat32), p, 99).to(torch::kFloat64);  // x * scale unrounded
+      EXPECT_TRUE(torch::allclose(complement, dropped_x.mm(at.to(torch::kFloat64)), 1e-4, 1e-4)) << dtype << " r " << r;
+      auto g = torch::randn({rows, cols}).to(dtype);
+      const auto g0 = g.to(torch::kFloat64);
+      subtract_dropped_(g, bits, v, at);
+      const auto expected = g0 - v.to(torch::kFloat64).mm(at.t().to(torch::kFloat64)).masked_fill(kept, 0);
+      const bool fp32 = dtype == torch::kFloat32;
+      EXPECT_TRUE(torch::allclose(g.to(torch::kFloat64), expected, fp32 ? 1e-5 : 1e-2, fp32 ? 1e-5 : 2e-2))
+          << dtype << " r " << r;
+      EXPECT_TRUE(torch::equal(g.to(torch::kFloat64).masked_select(kept), g0.masked_select(kept))) << dtype;
+      const int threads = at::get_num_threads();
+      at::set_num_threads(2);
+      const auto prod2 = dropped_product(x, bits, at), prod_t2 = dropped_product_t(x, bits, v);
+      at::set_num_threads(threads);
+      EXPECT_TRUE(torch::equal(prod2, prod) && torch::equal(prod_t2, prod_t)) << dtype << " r " << r;
+    }
+  }
+  const auto x = torch::randn({rows, cols}), at = torch::randn({cols, 5}), v = torch::randn({rows, 5});
+  EXPECT_THROW(dropped_product(x, dropout_mask_indices(rows * cols + 400, p, 1), at), Error);  // a larger tensor's mask
+  EXPECT_THROW(dropped_product(x, bits, at.narrow(0, 0, cols - 1).contiguous()), Error);
+  EXPECT_THROW(dropped_product_t(x, bits, v.to(torch::kFloat64)), Error);
 }
 
 // The CUDA backend (core/model/cuda) against the ATen formulations on the same GPU, values and
@@ -527,56 +565,59 @@ TEST(FusedKernels, LoraLinearEqualsEachLayersProductsComposed) {
 // generator state (the seeds drawn in layer order), so the same output and the same gradients of
 // x, A and B; the masks are drawn again in backward, and evaluation drops nothing.
 TEST(FusedKernels, LoraLinearDropsOutAsEachAdaptersDropout) {
-  torch::manual_seed(9);
-  Linear q(16, 6), v(16, 5);
-  for (auto* layer : {q.get(), v.get()}) {
-    torch::nn::init::normal_(layer->weight);
-    layer->add_lora(LoraSpec{3, 6.0, 0.25}, 3);
-    torch::NoGradGuard no_grad;
-    layer->adapter_as<LoraAdapter>()->B->weight.normal_();
-  }
-  const std::vector<LinearImpl*> group{q.get(), v.get()};
-  ASSERT_TRUE(lora_linear_applies(group));
-  const auto x0 = torch::randn({3, 5, 16});
-  const auto probe = torch::randn({3, 5, 11});
-  const auto run = [&](bool fused) {
-    torch::manual_seed(21);  // the dropout seeds' generator
-    auto x = x0.clone().requires_grad_(true);
-    torch::Tensor y;
-    if (fused) {
-      y = lora_linear(x, group);
-    } else {
-      std::vector<torch::Tensor> parts;
-      for (auto* layer : group) {
-        auto* lora = layer->adapter_as<LoraAdapter>();
-        const auto dropped = fused_dropout(x, 0.25);
-        parts.push_back(torch::nn::functional::linear(x, layer->weight) +
-                        torch::nn::functional::linear(torch::nn::functional::linear(dropped, lora->A->weight),
-                                                      lora->B->weight) *
-                            lora->scale());
-      }
-      y = torch::cat(parts, -1);
+  for (const int64_t rank : {3, 16}) {  // 16: the complement kernels' one-register path
+    SCOPED_TRACE("rank " + std::to_string(rank));
+    torch::manual_seed(9);
+    Linear q(16, 6), v(16, 5);
+    for (auto* layer : {q.get(), v.get()}) {
+      torch::nn::init::normal_(layer->weight);
+      layer->add_lora(LoraSpec{rank, 6.0, 0.25}, 3);
+      torch::NoGradGuard no_grad;
+      layer->adapter_as<LoraAdapter>()->B->weight.normal_();
     }
-    (y * probe).sum().backward();
-    std::vector<torch::Tensor> out{y.detach(), x.grad()};
-    take_adapter_grads(group, out);
-    return out;
-  };
-  const auto expected = run(false), got = run(true);
-  for (size_t i = 0; i < expected.size(); ++i) EXPECT_TRUE(torch::allclose(got[i], expected[i], 1e-5, 1e-5)) << i;
-  q->eval();
-  v->eval();
-  torch::NoGradGuard no_grad;
-  std::vector<torch::Tensor> parts;
-  for (auto* layer : group) {
-    auto* lora = layer->adapter_as<LoraAdapter>();
-    parts.push_back(torch::nn::functional::linear(x0, layer->weight) +
-                    torch::nn::functional::linear(torch::nn::functional::linear(x0, lora->A->weight), lora->B->weight) *
-                        lora->scale());
+    const std::vector<LinearImpl*> group{q.get(), v.get()};
+    ASSERT_TRUE(lora_linear_applies(group));
+    const auto x0 = torch::randn({3, 5, 16});
+    const auto probe = torch::randn({3, 5, 11});
+    const auto run = [&](bool fused) {
+      torch::manual_seed(21);  // the dropout seeds' generator
+      auto x = x0.clone().requires_grad_(true);
+      torch::Tensor y;
+      if (fused) {
+        y = lora_linear(x, group);
+      } else {
+        std::vector<torch::Tensor> parts;
+        for (auto* layer : group) {
+          auto* lora = layer->adapter_as<LoraAdapter>();
+          const auto dropped = fused_dropout(x, 0.25);
+          parts.push_back(torch::nn::functional::linear(x, layer->weight) +
+                          torch::nn::functional::linear(torch::nn::functional::linear(dropped, lora->A->weight),
+                                                        lora->B->weight) *
+                              lora->scale());
+        }
+        y = torch::cat(parts, -1);
+      }
+      (y * probe).sum().backward();
+      std::vector<torch::Tensor> out{y.detach(), x.grad()};
+      take_adapter_grads(group, out);
+      return out;
+    };
+    const auto expected = run(false), got = run(true);
+    for (size_t i = 0; i < expected.size(); ++i) EXPECT_TRUE(torch::allclose(got[i], expected[i], 1e-5, 1e-5)) << i;
+    q->eval();
+    v->eval();
+    torch::NoGradGuard no_grad;
+    std::vector<torch::Tensor> parts;
+    for (auto* layer : group) {
+      auto* lora = layer->adapter_as<LoraAdapter>();
+      parts.push_back(torch::nn::functional::linear(x0, layer->weight) +
+                      torch::nn::functional::linear(torch::nn::functional::linear(x0, lora->A->weight), lora->B->weight) *
+                          lora->scale());
+    }
+    const auto kept = lora_linear(x0, group);
+    EXPECT_TRUE(torch::allclose(kept, torch::cat(parts, -1), 1e-5, 1e-5));  // nothing dropped
+    EXPECT_FALSE(torch::allclose(kept, expected[0], 1e-3, 1e-3));            // training dropped some
   }
-  const auto kept = lora_linear(x0, group);
-  EXPECT_TRUE(torch::allclose(kept, torch::cat(parts, -1), 1e-5, 1e-5));  // nothing dropped
-  EXPECT_FALSE(torch::allclose(kept, expected[0], 1e-3, 1e-3));            // training dropped some
 }
 
 TEST(FusedKernels, FusedLinearEqualsSeparateLayersWithAndWithoutLora) {

@@ -53,7 +53,6 @@ import json
 import math
 import os
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -467,8 +466,8 @@ def worker(rank, world, port, cfg, run, data_dir, out_dir, parallel="ddp", sched
             raise BaselineError(f"rank {rank} needs cuda:{rank}, but {torch.cuda.device_count()} CUDA devices are visible")
         torch.cuda.set_device(device)
     if world > 1:
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False)  # the parent's (main)
+        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world)
     loss_of, backward_context, pipeline = (lambda m, x, y: m(x, y)), contextlib.nullcontext, None
     if model_kind == "transformers":
         model, loss_of = transformers_model(cfg, run)
@@ -679,12 +678,6 @@ def load_inputs(data_dir, nproc, steps, parallel="ddp"):
     return cfg, run
 
 
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", required=True, help="directory with config.json, tokens.u32, run.json")
@@ -714,8 +707,11 @@ def main():
             worker(0, 1, 0, cfg, run, args.data, args.out, args.parallel, args.schedule, args.microbatches, args.model)
         else:
             errors = mp.get_context("spawn").SimpleQueue()
+            # The ranks' store, hosted here on a port the kernel picks while it listens: a port found
+            # free and bound later by a rank could be taken in between (by another run's ranks).
+            store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
             try:
-                mp.spawn(spawned, args=(args.nproc, free_port(), cfg, run, args.data, args.out, errors, args.parallel,
+                mp.spawn(spawned, args=(args.nproc, store.port, cfg, run, args.data, args.out, errors, args.parallel,
                                         args.schedule, args.microbatches, args.model),
                          nprocs=args.nproc, join=True)
             except Exception as e:  # a child failed: prefer its own message to "exited with code 1"

@@ -376,7 +376,7 @@ class SwigluFunction : public torch::autograd::Function<SwigluFunction> {
 // kDropBlock (block b: [b kDropBlock, (b + 1) kDropBlock)), each an independent stream of gaps: the
 // number of kept elements before the next dropped one is geometric, floor(log U / log(1 - p)) for U
 // uniform on (0, 1), so that each element is dropped with probability p independently of every other
-// (to within U's 24 bits), and only the dropped elements cost a draw. Draw t of block b: U from a
+// (to within U's 23 bits), and only the dropped elements cost a draw. Draw t of block b: U from a
 // 32-bit hash of (seed, b, t), MurmurHash3's finalizer twice with the seed's halves mixed in.
 constexpr int64_t kDropBlock = int64_t{1} << 16;
 constexpr int kDraws = 16;  // gaps drawn at once, so that the hash and the logarithm vectorise
@@ -420,7 +420,8 @@ WEFT_ALWAYS_INLINE float log_approx(float u) {
 WEFT_SIMD_CLONES void draw_gaps(uint32_t t, uint32_t seed_lo, uint32_t hi, float inv_log_keep, int32_t* gaps) {
   for (int k = 0; k < kDraws; ++k) {
     const uint32_t h = fmix32(fmix32((t + static_cast<uint32_t>(k)) ^ seed_lo) + hi);
-    const float u = (static_cast<float>(h >> 8) + 0.5f) * 0x1p-24f;  // (0, 1), 24 bits
+    // (m + 1/2) / 2^23 for m < 2^23: exact in fp32, uniform on (0, 1) to 23 bits, never 0 or 1
+    const float u = (static_cast<float>(h >> 9) + 0.5f) * 0x1p-23f;
     const float gap = log_approx(u) * inv_log_keep;  // (std::min would not inline under this file's pragma)
     gaps[k] = static_cast<int32_t>(gap < static_cast<float>(kDropBlock) ? gap : static_cast<float>(kDropBlock));
   }

@@ -68,7 +68,7 @@ at::Tensor squared_sum_fp64(const at::Tensor& t);
 // else 0, in x's dtype. On CPU tensors of fp32 or bf16 the mask is drawn from a counter-based hash
 // of (a seed drawn from LibTorch's default CPU generator, the position), as geometric gaps between
 // dropped elements (only those cost a draw; each element dropped independently with probability p
-// to within 2^-24), and backward draws it again from the same seed: no mask is stored, and a
+// to within 2^-23), and backward draws it again from the same seed: no mask is stored, and a
 // restored generator state (activation checkpointing's recomputation) gives the same mask.
 // Elsewhere ATen's dropout. p in [0, 1).
 torch::Tensor fused_dropout(const torch::Tensor& x, double p);

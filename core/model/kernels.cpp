@@ -434,7 +434,7 @@ struct MaskParams {
   uint32_t seed_lo, seed_hi;
 };
 MaskParams mask_params(double p, uint64_t seed) {
-  return {static_cast<float>(1.0 / std::log1p(-p)), static_cast<float>(1.0 / (1.0 - p)), static_cast<uint32_t>(seed),
+  return {static_cast<float>(1.0 / std::log1p(-p)), dropout_scale(p), static_cast<uint32_t>(seed),
           static_cast<uint32_t>(seed >> 32)};
 }
 
@@ -972,6 +972,8 @@ torch::Tensor seeded_dropout(const torch::Tensor& x, double p, uint64_t seed) {
   WEFT_CHECK(seeded_dropout_applies(x), "seeded_dropout: a CPU tensor of fp32 or bf16 expected");
   return apply_dropout_mask(x, p, seed);
 }
+
+float dropout_scale(double p) { return static_cast<float>(1.0 / (1.0 - p)); }
 
 torch::Tensor dropout_mask_indices(int64_t n, double p, uint64_t seed) {
   WEFT_CHECK(p > 0.0 && p < 1.0, "dropout_mask_indices: p in (0, 1) expected, got {}", p);

@@ -83,6 +83,8 @@ torch::Tensor seeded_dropout(const torch::Tensor& x, double p, uint64_t seed);
 // it: the ascending indices of its dropped elements (int32 [count], about p n), for a caller that
 // keeps it for backward instead of drawing it again. p in (0, 1).
 torch::Tensor dropout_mask_indices(int64_t n, double p, uint64_t seed);
+// The kept elements' scale 1 / (1 - p), in fp32 as the mask's passes apply it.
+float dropout_scale(double p);
 
 // LoRA's products through its dropout, by the mask's complement (lora_linear): with p small nearly
 // every element is kept, so D(x) A^T = (x A^T - x_dropped A^T) / (1 - p), where x_dropped holds x's

@@ -243,9 +243,6 @@ void LinearImpl::set_row_absmax_sync(RowAbsmaxSync sync) {
 
 namespace {
 
-// Inverted dropout's scale 1 / (1 - p), as the mask's passes take it (fp32).
-double dropout_scale(double p) { return static_cast<float>(1.0 / (1.0 - p)); }
-
 // lora_linear's node. Inputs: x [..., in] in the compute dtype, each layer's frozen base weight,
 // and the adapters' A [r, in] and B [out, r] (of the layers that have one, in order). `layout`
 // holds, per layer, its output width and its adapter's index (-1: none); `scales` the adapters'.

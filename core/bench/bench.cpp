@@ -231,8 +231,12 @@ std::vector<BenchVariant> plan_bench(const BenchOptions& o) {
       }
     }
     // transformers (+ PEFT) on the job's checkpoint: what a user fine-tuning it would otherwise run.
+    // A LoRA job without a checkpoint (a preset's shape) gets transformers + PEFT on transformers'
+    // own initialisation of that shape: the same model, batch and steps, other initial weights
+    // (times compare, losses do not); PyTorch's plain model trains every weight.
     const TrainOptions job = train_options_from_config(load_run_config(o.config, o.overrides));
-    if (!job.model.weights.empty() && (job.mode == "full" || job.mode == "lora") && job.task == "causal_lm" &&
+    if ((!job.model.weights.empty() || job.mode == "lora") && (job.mode == "full" || job.mode == "lora") &&
+        job.task == "causal_lm" &&
         job.model.quantize == "none" && job.data.format != "chat") {
       for (int n : sizes) {
         BenchVariant v;

@@ -443,10 +443,16 @@ TEST(BenchCommand, TransformersAndPeftTrainTheSameCheckpointBesideWeft) {
   EXPECT_EQ(names(variants), (std::vector<std::string>{"single x1", "single x2", "pytorch-ddp x1", "pytorch-ddp x2",
                                                         "transformers x1", "transformers x2"}));
   EXPECT_EQ(variants[5].transformers, "full");
-  // Without a checkpoint there is nothing of transformers' to load: no such variant.
+  // Without a checkpoint there is nothing of transformers' to load for full fine-tuning (PyTorch's
+  // own model trains the same shape from weft's weights): no such variant.
   full.overrides.push_back("model.weights=");
   full.overrides.push_back("model.preset=tiny");
   EXPECT_EQ(names(weft::plan_bench(full)).size(), 4u);
+  // A LoRA job on a preset's shape: transformers + PEFT on transformers' initialisation of it.
+  full.overrides.push_back("train.mode=lora");
+  EXPECT_EQ(names(weft::plan_bench(full)), (std::vector<std::string>{"single x1", "single x2", "pytorch-ddp x1",
+                                                                     "pytorch-ddp x2", "transformers-peft x1",
+                                                                     "transformers-peft x2"}));
 }
 
 }  // namespace

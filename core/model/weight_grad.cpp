@@ -23,8 +23,13 @@ std::vector<torch::Tensor> weight_grads(const torch::Tensor& x, const torch::Ten
   int64_t row = 0;
   for (const auto& w : weights) {
     const int64_t rows = w.size(0);
-    if (w.requires_grad()) grads.push_back(dy2.narrow(1, row, rows).t().mm(x2).to(w.scalar_type()));
-    else grads.emplace_back();
+    if (!w.requires_grad()) {
+      grads.emplace_back();
+    } else if (wide_weight_grad_applies(w, dy2.scalar_type())) {
+      grads.push_back(at::mm(dy2.narrow(1, row, rows).t(), x2, w.scalar_type()));  // fp32 out (mm.dtype)
+    } else {
+      grads.push_back(dy2.narrow(1, row, rows).t().mm(x2).to(w.scalar_type()));
+    }
     row += rows;
   }
   return grads;
@@ -33,13 +38,14 @@ std::vector<torch::Tensor> weight_grads(const torch::Tensor& x, const torch::Ten
 class DeferrableLinear : public torch::autograd::Function<DeferrableLinear> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, torch::TensorList weights,
-                               torch::Dtype dtype) {
+                               torch::Dtype dtype, bool defer) {
     std::vector<torch::Tensor> cast;
     for (const auto& w : weights) cast.push_back(w.to(dtype));
     const auto w = cast.size() == 1 ? cast.front() : torch::cat(cast);
     ctx->save_for_backward({x});
     ctx->saved_data["w"] = w;
     ctx->saved_data["weights"] = weights.vec();
+    ctx->saved_data["defer"] = defer;
     return torch::nn::functional::linear(x, w);
   }
 
@@ -53,7 +59,7 @@ class DeferrableLinear : public torch::autograd::Function<DeferrableLinear> {
     grads.push_back(ctx->needs_input_grad(0) ? torch::matmul(dy, w) : torch::Tensor());
     bool any = false;
     for (size_t i = 0; i < weights.size(); ++i) any = any || ctx->needs_input_grad(1 + i);
-    WeightGradQueue* queue = active_queue.load();
+    WeightGradQueue* queue = ctx->saved_data["defer"].toBool() ? active_queue.load() : nullptr;
     if (any && queue != nullptr) {
       // W later: the same products, accumulated through autograd (views of the leaves), so the
       // parameters' post-accumulation hooks run as they would have in this backward.
@@ -75,6 +81,7 @@ class DeferrableLinear : public torch::autograd::Function<DeferrableLinear> {
       for (size_t i = 0; i < weights.size(); ++i) grads.push_back(ctx->needs_input_grad(1 + i) ? computed[i] : torch::Tensor());
     }
     grads.emplace_back();  // dtype
+    grads.emplace_back();  // defer
     return grads;
   }
 };
@@ -100,10 +107,16 @@ DeferWeightGradients::DeferWeightGradients(WeightGradQueue& queue) : previous_(a
 
 DeferWeightGradients::~DeferWeightGradients() { active_queue.store(previous_); }
 
-torch::Tensor deferrable_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& weights, torch::Dtype dtype) {
+torch::Tensor deferrable_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& weights, torch::Dtype dtype,
+                                bool defer) {
   WEFT_CHECK(!weights.empty(), "deferrable_linear needs at least one weight");
   // As an ArrayRef, so that autograd counts each weight as an input (a std::vector would not be).
-  return DeferrableLinear::apply(x.to(dtype), torch::TensorList(weights), dtype);
+  return DeferrableLinear::apply(x.to(dtype), torch::TensorList(weights), dtype, defer);
+}
+
+bool wide_weight_grad_applies(const torch::Tensor& weight, torch::Dtype dtype) {
+  return weight.is_cuda() && weight.requires_grad() && weight.scalar_type() == torch::kFloat32 &&
+         (dtype == torch::kBFloat16 || dtype == torch::kFloat16);
 }
 
 }  // namespace weft

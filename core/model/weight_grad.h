@@ -50,8 +50,16 @@ class DeferWeightGradients {
 };
 
 // x [..., in] @ cat(weights, 0)^T in `dtype` (each weight [out_i, in], cast to `dtype`), with the
-// weights' gradients deferred under a DeferWeightGradients scope. The weights are the parameters
-// themselves (leaves), so their gradients reach them in their own dtype.
-torch::Tensor deferrable_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& weights, torch::Dtype dtype);
+// weights' gradients deferred under a DeferWeightGradients scope where `defer` is set. The weights
+// are the parameters themselves (leaves), so their gradients reach them in their own dtype: on CUDA,
+// an fp32 weight computing in bf16 or fp16 takes dW from a GEMM with fp32 output (fp32
+// accumulation, no bf16 rounding of dW and no cast kernel after it); elsewhere dW in `dtype`, cast.
+torch::Tensor deferrable_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& weights, torch::Dtype dtype,
+                                bool defer = true);
+
+// Whether a trainable weight's product in `dtype` takes its gradient from deferrable_linear's
+// fp32-output GEMM (CUDA, an fp32 weight, bf16 or fp16 compute) rather than autograd's product in
+// `dtype` and a cast back to fp32.
+bool wide_weight_grad_applies(const torch::Tensor& weight, torch::Dtype dtype);
 
 }  // namespace weft

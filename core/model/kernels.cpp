@@ -1098,15 +1098,44 @@ at::Tensor squared_sum_fp64(const at::Tensor& t) {
 }
 
 bool cross_entropy_rows_applies(const torch::Tensor& logits) {
-  return logits.device().is_cpu() && logits.dim() == 2 && logits.is_contiguous() &&
+  bool device_ok = logits.device().is_cpu();
+#ifdef WEFT_WITH_CUDA
+  device_ok = device_ok || logits.is_cuda();
+#endif
+  return device_ok && logits.dim() == 2 && logits.is_contiguous() &&
          (logits.scalar_type() == torch::kFloat32 || logits.scalar_type() == torch::kBFloat16);
 }
 
 torch::Tensor cross_entropy_rows(torch::Tensor& logits, const torch::Tensor& targets, int64_t ignore_index,
                                  std::optional<double> grad_scale) {
-  WEFT_CHECK(cross_entropy_rows_applies(logits), "cross_entropy_rows: contiguous fp32 or bf16 CPU logits [N, V] expected");
+  WEFT_CHECK(cross_entropy_rows_applies(logits),
+             "cross_entropy_rows: contiguous fp32 or bf16 CPU or CUDA logits [N, V] expected");
   RECORD_FUNCTION("weft::cross_entropy_rows", std::vector<c10::IValue>());  // named in profiles
   const int64_t rows = logits.size(0), vocab = logits.size(1);
+#ifdef WEFT_WITH_CUDA
+  if (logits.is_cuda()) {
+    // The kernels ignore any target outside [0, vocab): ignore_index's rows, and (unchecked, as
+    // reading the targets back would wait for the device) out-of-range ones.
+    auto t = targets.to(logits.device(), torch::kLong).contiguous();
+    WEFT_CHECK(t.numel() == rows, "cross_entropy: {} targets for {} rows of logits", t.numel(), rows);
+    if (ignore_index >= 0 && ignore_index < vocab) t = t.masked_fill(t == ignore_index, -1);
+    auto loss = torch::empty({rows}, logits.options().dtype(torch::kFloat32));
+    auto lse = torch::empty({rows}, logits.options().dtype(torch::kFloat32));
+    on_cuda(logits, "cross_entropy_rows", [&](cudaStream_t stream) {
+      return cuda::cross_entropy_forward(logits.data_ptr(), cuda_dtype(logits), t.data_ptr<int64_t>(),
+                                         loss.data_ptr<float>(), lse.data_ptr<float>(), rows, vocab, stream);
+    });
+    if (grad_scale) {  // in place: each thread reads an element, then writes its gradient over it
+      const auto scale = torch::full({}, *grad_scale, logits.options().dtype(torch::kFloat32));
+      on_cuda(logits, "cross_entropy_rows backward", [&](cudaStream_t stream) {
+        return cuda::cross_entropy_backward(logits.data_ptr(), cuda_dtype(logits), t.data_ptr<int64_t>(),
+                                            lse.data_ptr<float>(), scale.data_ptr<float>(), logits.data_ptr(), rows,
+                                            vocab, stream);
+      });
+    }
+    return loss;
+  }
+#endif
   const auto t = targets.to(torch::kLong).contiguous();
   WEFT_CHECK(t.numel() == rows, "cross_entropy: {} targets for {} rows of logits", t.numel(), rows);
   const int64_t* tp = t.data_ptr<int64_t>();

@@ -46,12 +46,13 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> split_qkv_with_rope(
 // elsewhere ATen's cross_entropy over an fp32 copy.
 torch::Tensor cross_entropy_sum_of(const torch::Tensor& logits, const torch::Tensor& targets);
 
-// Per-row cross-entropy of CPU logits [N, V] (contiguous, fp32 or bf16) against targets [N]
-// (ignore_index: loss 0; any other target outside [0, V) is an error): lse(row) - row[target] in
-// fp32, each row read in its dtype with no fp32 copy of the logits. With `grad_scale`, the logits
-// are then overwritten in place by grad_scale * (softmax(row) - onehot(target)) in their dtype (0
-// on ignored rows): the gradient of grad_scale * the losses' sum. On the CPU exp() is
-// exp_approx's polynomial (about 1 ulp in fp32); a non-finite logit gives a NaN loss.
+// Per-row cross-entropy of CPU or CUDA logits [N, V] (contiguous, fp32 or bf16) against targets
+// [N] (ignore_index: loss 0; any other target outside [0, V) is an error on the CPU and ignored on
+// CUDA, as cross_entropy_sum_of): lse(row) - row[target] in fp32, each row read in its dtype with
+// no fp32 copy of the logits. With `grad_scale`, the logits are then overwritten in place by
+// grad_scale * (softmax(row) - onehot(target)) in their dtype (0 on ignored rows): the gradient of
+// grad_scale * the losses' sum. On the CPU exp() is exp_approx's polynomial (about 1 ulp in fp32);
+// on CUDA cross_entropy_sum_of's kernels. A non-finite logit gives a NaN loss.
 bool cross_entropy_rows_applies(const torch::Tensor& logits);
 torch::Tensor cross_entropy_rows(torch::Tensor& logits, const torch::Tensor& targets, int64_t ignore_index,
                                  std::optional<double> grad_scale);

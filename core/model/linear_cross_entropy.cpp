@@ -1,6 +1,7 @@
 #include "core/model/linear_cross_entropy.h"
 
 #include <algorithm>
+#include <atomic>
 
 #include "core/model/kernels.h"
 #include "core/util/error.h"
@@ -17,6 +18,27 @@ struct Pass {
   torch::Tensor grad_h;     // [N, H] in h's dtype, when h requires a gradient
   torch::Tensor grad_w;     // [V, H] fp32, when the weight requires one
 };
+
+// On CUDA, products of bf16 or fp16 factors for an fp32 sum: cuBLAS writes (and accumulates)
+// them in fp32 itself (mm.dtype, addmm.dtype), with no cast of a half-precision product after it.
+bool wide_accumulation_applies(const torch::Tensor& factor) {
+  return factor.is_cuda() && (factor.scalar_type() == torch::kBFloat16 || factor.scalar_type() == torch::kFloat16);
+}
+
+// sum += a b in fp32 from half-precision a, b: one GEMM accumulating into `sum` where this
+// LibTorch's addmm.dtype takes an fp32 `self` (newer ones do), else an fp32-output product added.
+void accumulate_wide(torch::Tensor& sum, const torch::Tensor& a, const torch::Tensor& b) {
+  static std::atomic<bool> addmm_takes_fp32_self{true};
+  if (addmm_takes_fp32_self.load()) {
+    try {
+      at::addmm_out(sum, sum, a, b, torch::kFloat32);
+      return;
+    } catch (const c10::Error&) {  // this LibTorch's addmm.dtype wants self in the factors' dtype
+      addmm_takes_fp32_self.store(false);
+    }
+  }
+  sum.add_(at::mm(a, b, torch::kFloat32));
+}
 
 // The chunked pass: the loss, and the gradients of a unit loss where asked.
 Pass run_chunks(const torch::Tensor& h, const torch::Tensor& weight, const torch::Tensor& targets,
@@ -40,7 +62,7 @@ Pass run_chunks(const torch::Tensor& h, const torch::Tensor& weight, const torch
     const bool want_grad = grad_h || grad_w;
     torch::Tensor dc;  // d loss / d logits (softmax - one-hot, 0 on ignored rows) times the hint, in the compute dtype
     if (cross_entropy_rows_applies(logits)) {
-      // The CPU: one kernel per row reads the logits in their dtype and overwrites them with the gradient.
+      // CPU and CUDA: one kernel per row reads the logits in their dtype and overwrites them with the gradient.
       const auto loss = cross_entropy_rows(logits, target, ignore_index,
                                            want_grad ? std::optional<double>(grad_hint) : std::nullopt);
       total += loss.sum(torch::kFloat64);
@@ -67,14 +89,29 @@ Pass run_chunks(const torch::Tensor& h, const torch::Tensor& weight, const torch
       if (grad_hint != 1.0) d.mul_(grad_hint);
       dc = d.to(compute_dtype);
     }
-    if (grad_h) out.grad_h.narrow(0, start, rows).copy_(torch::mm(dc, w));
+    if (grad_h) {
+      auto slice = out.grad_h.narrow(0, start, rows);  // rows of a contiguous [N, H]: contiguous
+      if (slice.scalar_type() == dc.scalar_type()) {
+        torch::mm_out(slice, dc, w);
+      } else {
+        slice.copy_(torch::mm(dc, w));
+      }
+    }
     if (grad_w) {
       // The first chunk's product is the sum so far (no zeroed [V, H] to add it to).
-      auto part = torch::mm(dc.t(), x);
-      if (!out.grad_w.defined()) {
-        out.grad_w = part.to(torch::kFloat32);
+      if (wide_accumulation_applies(dc)) {
+        if (!out.grad_w.defined()) {
+          out.grad_w = at::mm(dc.t(), x, torch::kFloat32);
+        } else {
+          accumulate_wide(out.grad_w, dc.t(), x);
+        }
       } else {
-        out.grad_w.add_(part.to(torch::kFloat32));
+        auto part = torch::mm(dc.t(), x);
+        if (!out.grad_w.defined()) {
+          out.grad_w = part.to(torch::kFloat32);
+        } else {
+          out.grad_w.add_(part.to(torch::kFloat32));
+        }
       }
     }
   }

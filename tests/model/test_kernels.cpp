@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include "core/model/kernels.h"
+#include "core/model/weight_grad.h"
 #include "core/model/layers.h"
 #include "core/model/linear.h"
 #include "core/model/linear_cross_entropy.h"
@@ -307,7 +308,35 @@ TEST(FusedKernels, OnCudaEachKernelEqualsItsAtenFormulation) {
     EXPECT_EQ(gl_f.scalar_type(), dtype);
     EXPECT_TRUE(close(gl_f, gl_a, bf16 ? 1e-2 : 1e-5, 1e-7));
     EXPECT_EQ(gl_f[3].abs().sum().item<float>(), 0.0f);
+    // cross_entropy_rows (the chunked head's loss): the same per-row losses, and the gradient of
+    // 0.5 * their sum written over the logits in place; an ignore_index inside the vocabulary too.
+    auto rows = logits.clone();
+    const auto row_losses = cross_entropy_rows(rows, targets, -100, 0.5);
+    EXPECT_TRUE(close(row_losses.sum(), loss_aten({logits}), 1e-5, 1e-3));
+    EXPECT_EQ(row_losses[2000].item<float>(), 0.0f);
+    EXPECT_TRUE(close(rows, gl_a, bf16 ? 1e-2 : 1e-5, 1e-7));
+    auto seven = targets.masked_fill(targets == -100, 7);
+    auto copy = logits.clone();
+    const auto ignored_seven = cross_entropy_rows(copy, seven, 7, std::nullopt);
+    EXPECT_TRUE(torch::equal(copy, logits));  // no gradient asked: untouched
+    EXPECT_TRUE(close(ignored_seven, row_losses.masked_fill(seven == 7, 0), 0, 0));
   }
+  // A trainable fp32 weight computing in bf16 (fused_linear, deferrable_linear): dW from cuBLAS's
+  // fp32-output GEMM equals the fp64 product of the same bf16 factors to the tensor cores' fp32
+  // accumulation error (entries ~45 summed over 2,048 products: a few 1e-4, up to ~1e-3), well
+  // inside what a bf16 output would have lost (its rounding alone moves entries by up to ~0.1).
+  const auto w = (torch::randn({96, 2048}, gpu) * 0.02).requires_grad_(true);
+  const auto xin = torch::randn({4, 512, 2048}, gpu).to(torch::kBFloat16);
+  const auto dy = torch::randn({4, 512, 96}, gpu).to(torch::kBFloat16);
+  ASSERT_TRUE(wide_weight_grad_applies(w, torch::kBFloat16));
+  deferrable_linear(xin, {w}, torch::kBFloat16, /*defer=*/false).backward(dy);
+  const auto expected = torch::mm(dy.reshape({-1, 96}).t().to(torch::kFloat64), xin.reshape({-1, 2048}).to(torch::kFloat64));
+  EXPECT_EQ(w.grad().scalar_type(), torch::kFloat32);
+  const double error = (w.grad().to(torch::kCPU, torch::kFloat64) - expected.cpu()).abs().max().item<double>();
+  const double bf16_rounding =
+      (expected.to(torch::kBFloat16).to(torch::kFloat64) - expected).abs().max().item<double>();
+  EXPECT_LT(error, 1e-2) << "bf16 rounding alone: " << bf16_rounding;
+  EXPECT_GT(bf16_rounding, 5e-2);  // so the bound above tells an fp32 output from a bf16 one
 }
 
 // The LM head and its cross-entropy in row chunks (Liger's fused linear + cross-entropy) against

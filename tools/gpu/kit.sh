@@ -9,6 +9,8 @@
 #                                                           weft against python3's own libtorch
 #                              tools/gpu/kit.sh check        the checks below, in order
 #                              tools/gpu/kit.sh throughput   Llama 3.2 1B shape, bf16: weft vs PyTorch
+#                              tools/gpu/kit.sh profile      the same shape's step: MFU, GPU time by kernel
+#                              tools/gpu/kit.sh lora         LoRA on the 1B shape: weft vs transformers + PEFT
 #                              tools/gpu/kit.sh quick        the CUDA kernels and single on CUDA only
 #                              tools/gpu/kit.sh zero         ZeRO-3 of the 1B shape on CUDA, 2 ranks
 #                              tools/gpu/kit.sh quantized    LoRA over int8 / nf4 bases on CUDA
@@ -189,6 +191,40 @@ throughput_step() {
       --plugin single --baseline pytorch --warmup 3 --steps 10 --repetitions 2 --out "$out/bench"
 }
 
+# LoRA r 16 / alpha 32 on all seven projections of the Llama 3.2 1B shape (bf16, 4 x 2048 tokens per
+# step, no dropout) against transformers + PEFT's LoRA eager on the same GPU (`trainer bench
+# --baseline pytorch`: transformers' initialisation of the same shape); weft with the frozen base
+# stored in fp32 (cast to bf16 by each product, as autocast does) and in bf16 (model.frozen_dtype:
+# the same products); then where weft's LoRA step spends its GPU time (3 profiled steps after 5).
+lora_step() {
+  mkdir -p "$out"
+  say "## lora ($(date -u +%FT%TZ))"
+  local t=$build/trainer
+  local lora=(--config configs/llama-3.2-1b-throughput.toml --set train.mode=lora --set lora.r=16 --set lora.alpha=32
+              --set lora.dropout=0 --set 'lora.target_modules=["q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj"]')
+  WEFT_PLOT_PYTHON=${WEFT_PLOT_PYTHON:-python3} KIT_TAIL=30 run lora_weft_vs_peft 580 "$t" bench "${lora[@]}" \
+      --plugin single --plugin "single --set model.frozen_dtype=bf16" --baseline pytorch --warmup 3 --steps 10 \
+      --repetitions 2 --out "$out/lora-bench"
+  if run profile_lora 300 "$t" "${lora[@]}" --set train.out_dir="$out/lora-profile" --set train.overwrite=true \
+      --set log.progress=off --set train.max_steps=8 --set eval.max_batches=1 --set log.torch_profile="$out/lora-profile.json" \
+      --set log.torch_profile_from=5 --set log.torch_profile_steps=3; then
+    { echo '  ```'; python3 tools/gpu/profile_summary.py "$out/lora-profile.json" --steps 3 --top 30 | sed 's/^/  /'; echo '  ```'; } >> "$report"
+  fi
+}
+
+# Where the full fine-tuning step of the Llama 3.2 1B shape spends its GPU time, and its MFU.
+profile_step() {
+  mkdir -p "$out"
+  say "## profile ($(date -u +%FT%TZ))"
+  local t=$build/trainer
+  if run profile_weft 300 "$t" --config configs/llama-3.2-1b-throughput.toml --set train.out_dir="$out/1b-profile" \
+      --set train.overwrite=true --set log.progress=off --set train.max_steps=20 --set eval.max_batches=1 \
+      --set log.torch_profile="$out/1b-profile.json" --set log.torch_profile_from=15 --set log.torch_profile_steps=3; then
+    say "  weft, Llama 3.2 1B shape, bf16, 20 steps, 3 profiled: $(summary_of "$out/1b-profile/metrics.jsonl")"
+    { echo '  ```'; python3 tools/gpu/profile_summary.py "$out/1b-profile.json" --steps 3 --top 40 | sed 's/^/  /'; echo '  ```'; } >> "$report"
+  fi
+}
+
 # LoRA over a quantized base (model.quantize) on CUDA: the dequantization kernels against the CPU's
 # values (test_model's Quantize.*), single against the CPU reference for int8 and nf4, the per-GEMM
 # costs of the ways to multiply by a quantized weight (tools/gpu/quant_gemm_bench.py), and the
@@ -329,6 +365,8 @@ case "${1:-}" in
   classification) classification_step ;;
   mesh) mesh_step ;;
   resume) resume_step ;;
-  *) echo "usage: tools/gpu/kit.sh fetch|build|check|quick|throughput|zero|quantized|adalora|classification|mesh|resume (see the top of this file)" >&2; exit 2 ;;
+  lora) lora_step ;;
+  profile) profile_step ;;
+  *) echo "usage: tools/gpu/kit.sh fetch|build|check|quick|throughput|profile|lora|zero|quantized|adalora|classification|mesh|resume (see the top of this file)" >&2; exit 2 ;;
 esac
 exit "$failed"

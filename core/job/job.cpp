@@ -397,6 +397,9 @@ void Job::build_model() {
     }
   }
   strategy_->attach(*model_);
+  // After the plugin's setup: a plugin that releases parameters between uses (ZeRO-3) gathers
+  // them again each time, and a kept copy would hold what it frees.
+  model_->set_cache_frozen_casts(options_.model.cache_frozen_casts && !strategy_->releases_parameters());
   // The model's size, and this rank's share beside it where the plugin splits the model (tensor
   // slices, pipeline stages): the base's parameters held here against the whole base's.
   int64_t local_base = quantized;
@@ -452,7 +455,7 @@ std::vector<StageMemory> Job::stage_estimate(const ModelConfig& config, torch::D
   auto estimate = estimate_stage_memory(config, shards_, frozen, dtype, model_seq_len(), settings.checkpointing,
                                         strategy_->plugin_attention(), quantize_,
                                         frozen && options_.model.frozen_dtype == "bf16" ? torch::kBFloat16 : torch::kFloat32,
-                                        strategy_->sequence_parallel_size());
+                                        strategy_->sequence_parallel_size(), frozen && options_.model.cache_frozen_casts);
   if (prompt_ && !settings.lora) {
     const int64_t elements = prompt_->num_virtual_tokens * config.hidden_size;
     auto& embedding = estimate.front();

@@ -135,6 +135,12 @@ const std::vector<Row>& rows() {
                  "loads the base in bf16. Each product casts its layer to the compute dtype; norms, adapters and "
                  "a classifier's head stay fp32.",
                  {"fp32", "bf16"}),
+      bool_key("model.cache_frozen_casts", WEFT_MEMBER(model.cache_frozen_casts), true,
+               "Adapter training with a compute dtype narrower than the frozen base's storage (fp32 weights, "
+               "train.precision = \"bf16\"): keep each frozen matrix's compute-dtype copy (a fused group's "
+               "stacked) between steps instead of casting it in every forward, made again when the weights "
+               "change. Costs that copy (bf16: half the fp32 base), which a forward without checkpointing holds "
+               "for backward anyway; off under a plugin that releases parameters between uses (ZeRO-3)."),
       // [data]
       list_key("data.path", WEFT_MEMBER(data.paths), {"data/austen/austen.jsonl"},
                "Training files or directories: text .txt, JSONL .jsonl, or tokens .u16/.u32/.bin."),

@@ -34,6 +34,7 @@ struct ModelSource {
   double int8_threshold = 6.0;  // model.int8_threshold (QuantConfig)
   bool int8_gemm = true;        // model.int8_gemm
   std::string frozen_dtype = "fp32";  // model.frozen_dtype
+  bool cache_frozen_casts = true;     // model.cache_frozen_casts
 };
 
 struct OptimOptions {

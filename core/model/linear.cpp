@@ -151,6 +151,51 @@ void AdaLoraAdapter::remove_from(LinearImpl& owner) {
   A = E = B = torch::Tensor();
 }
 
+// ---- the cast cache ----------------------------------------------------------------------------
+
+bool CastCache::applies(torch::TensorList parts, torch::Dtype dtype) {
+  if (parts.empty()) return false;
+  for (const auto& p : parts) {
+    if (!p.defined() || p.requires_grad() || p.dim() != 2 || p.size(1) != parts[0].size(1) ||
+        p.device() != parts[0].device() ||
+        c10::elementSize(dtype) > c10::elementSize(p.scalar_type())) {
+      return false;
+    }
+  }
+  return parts.size() > 1 || parts[0].scalar_type() != dtype;
+}
+
+torch::Tensor CastCache::get(torch::TensorList parts, torch::Dtype dtype) {
+  WEFT_CHECK(applies(parts, dtype), "CastCache: the weights are trained, of several devices, or narrower than {}",
+             c10::toString(dtype));
+  std::vector<Part> key;
+  key.reserve(parts.size());
+  for (const auto& p : parts) key.push_back({p.unsafeGetTensorImpl(), p.data_ptr(), p._version()});
+  if (value_.defined() && dtype == dtype_ && key == key_) return value_;
+  value_ = torch::Tensor();  // the old copy goes before the new one is made
+  torch::NoGradGuard no_grad;
+  if (parts.size() == 1) {
+    value_ = parts[0].to(dtype).contiguous();
+  } else {
+    int64_t rows = 0;
+    for (const auto& p : parts) rows += p.size(0);
+    value_ = torch::empty({rows, parts[0].size(1)}, parts[0].options().dtype(dtype));
+    int64_t row = 0;
+    for (const auto& p : parts) {  // cast straight into its rows: no intermediate copy
+      value_.narrow(0, row, p.size(0)).copy_(p);
+      row += p.size(0);
+    }
+  }
+  key_ = std::move(key);
+  dtype_ = dtype;
+  return value_;
+}
+
+void CastCache::clear() {
+  value_ = torch::Tensor();
+  key_.clear();
+}
+
 // ---- the layer ----------------------------------------------------------------------------------
 
 LinearImpl::LinearImpl(const LinearSpec& spec) : spec_(spec) {
@@ -178,7 +223,8 @@ LinearImpl::LinearImpl(const LinearSpec& spec) : spec_(spec) {
 torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
   if (adapter_ != nullptr && lora_linear_applies({this})) return lora_linear(x, {this});
   const auto input = x.to(compute_dtype_);
-  auto y = base_->forward(input, compute_dtype_);
+  const auto cached = quantized() ? torch::Tensor() : cached_cast({weight});
+  auto y = cached.defined() ? torch::nn::functional::linear(input, cached) : base_->forward(input, compute_dtype_);
   if (adapter_ != nullptr) y = y + adapter_->forward(input, compute_dtype_, is_training());
   return y;
 }
@@ -227,6 +273,23 @@ void LinearImpl::merge_lora() {
   adapter_.reset();
 }
 
+void LinearImpl::set_cache_frozen_casts(bool enabled) {
+  cache_casts_ = enabled;
+  if (!enabled) cast_cache_.clear();
+}
+
+torch::Tensor LinearImpl::cached_cast(torch::TensorList parts) {
+  if (!cache_casts_ || !CastCache::applies(parts, compute_dtype_)) return {};
+  return cast_cache_.get(parts, compute_dtype_);
+}
+
+void set_cache_frozen_casts(torch::nn::Module& module, bool enabled) {
+  if (auto* self = module.as<LinearImpl>()) self->set_cache_frozen_casts(enabled);
+  for (auto& child : module.modules(/*include_self=*/false)) {
+    if (auto* linear = child->as<LinearImpl>()) linear->set_cache_frozen_casts(enabled);
+  }
+}
+
 void LinearImpl::set_weight_grad_deferrable(bool deferrable) {
   if (auto* dense = dynamic_cast<DenseWeight*>(base_.get())) dense->set_deferrable(deferrable);
 }
@@ -249,12 +312,13 @@ namespace {
 class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
-                               torch::TensorList weights, torch::TensorList a, torch::TensorList b,
+                               torch::TensorList weights, torch::TensorList cache, torch::TensorList a, torch::TensorList b,
                                std::vector<int64_t> widths, std::vector<int64_t> adapters, std::vector<double> scales,
                                std::vector<double> dropouts, std::vector<int64_t> seeds, int64_t dtype_code) {
     const auto dtype = static_cast<torch::Dtype>(dtype_code);
     const auto x2 = x.reshape({-1, x.size(-1)}).to(dtype).contiguous();
-    const auto w = stacked(weights, dtype);
+    const auto cached = cache.empty() ? torch::Tensor() : cache[0];
+    const auto w = cached.defined() ? cached : stacked(weights, dtype);
     const auto a_all = stacked(a, dtype);
     auto y = torch::mm(x2, w.t());
     // Every adapter's x A^T, side by side in one GEMM; a dropped-out adapter's less its dropped
@@ -280,7 +344,8 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     }
     // A fresh copy of the bases (cast or stacked) is kept for backward as autograd keeps a
     // product's operand; one layer's cast is made again there instead (frozen_cast_linear's way).
-    const bool recast = weights.size() == 1 && weights[0].scalar_type() != dtype;
+    // The cache's copy (model.cache_frozen_casts) lives anyway: kept, never made again.
+    const bool recast = !cached.defined() && weights.size() == 1 && weights[0].scalar_type() != dtype;
     ctx->save_for_backward({x2, u, recast ? weights[0] : w});
     std::vector<torch::Tensor> saved_a(a.begin(), a.end()), saved_b(b.begin(), b.end());
     ctx->saved_data["a"] = saved_a;
@@ -292,6 +357,7 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     ctx->saved_data["masks"] = masks;
     ctx->saved_data["dtype"] = dtype_code;
     ctx->saved_data["weights"] = static_cast<int64_t>(weights.size());
+    ctx->saved_data["cached"] = cached.defined();
     auto shape = x.sizes().vec();
     shape.back() = y.size(1);
     return y.view(shape);
@@ -356,6 +422,7 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     }
     torch::autograd::variable_list out{grad_x};
     for (int64_t i = 0; i < n_weights; ++i) out.emplace_back();  // frozen bases
+    if (ctx->saved_data["cached"].toBool()) out.emplace_back();  // their cached cast
     out.insert(out.end(), grad_a.begin(), grad_a.end());
     out.insert(out.end(), grad_b.begin(), grad_b.end());
     for (int i = 0; i < 6; ++i) out.emplace_back();  // widths, adapters, scales, dropouts, seeds, dtype
@@ -416,7 +483,12 @@ torch::Tensor lora_linear(const torch::Tensor& x, const std::vector<LinearImpl*>
     }
   }
   const auto dtype = layers.front()->compute_dtype();
-  return LoraLinearFunction::apply(x.to(dtype), torch::TensorList(weights), torch::TensorList(a), torch::TensorList(b),
+  // The group's cached cast (its first layer keeps it), or none: a list of one tensor or empty
+  // (a custom function's input cannot be an undefined tensor).
+  std::vector<torch::Tensor> cache;
+  if (auto cached = layers.front()->cached_cast(weights); cached.defined()) cache.push_back(std::move(cached));
+  return LoraLinearFunction::apply(x.to(dtype), torch::TensorList(weights), torch::TensorList(cache), torch::TensorList(a),
+                                   torch::TensorList(b),
                                    widths, adapters, scales, dropouts, seeds, static_cast<int64_t>(dtype));
 }
 
@@ -434,14 +506,18 @@ torch::Tensor fused_linear(const torch::Tensor& x, const std::vector<LinearImpl*
       for (auto* l : layers) outputs.push_back(l->forward(input));
       return torch::cat(outputs, -1);
     }
-    weights.push_back(layer->weight.to(dtype));  // cast, then concatenate: half the bytes moved in bf16
     params.push_back(layer->weight);
     any_adapter = any_adapter || layer->has_lora();
     deferrable = deferrable && layer->weight_grad_deferrable();
     wide = wide && wide_weight_grad_applies(layer->weight, dtype);
   }
+  const auto cached = deferrable || wide ? torch::Tensor() : layers.front()->cached_cast(params);
+  if (!deferrable && !wide && !cached.defined()) {
+    for (const auto& p : params) weights.push_back(p.to(dtype));  // cast, then concatenate: half the bytes in bf16
+  }
   auto y = deferrable || wide ? deferrable_linear(input, params, dtype, deferrable)
-                      : torch::nn::functional::linear(input, weights.size() == 1 ? weights[0] : torch::cat(weights));
+           : cached.defined() ? torch::nn::functional::linear(input, cached)
+                              : torch::nn::functional::linear(input, weights.size() == 1 ? weights[0] : torch::cat(weights));
   if (!any_adapter) return y;
   std::vector<torch::Tensor> parts;
   int64_t offset = 0;

@@ -214,6 +214,18 @@ torch::Tensor LlamaForCausalLMImpl::head_weight() const {
   return lm_head.is_empty() ? model->embed_tokens->weight : lm_head->weight;
 }
 
+void LlamaForCausalLMImpl::set_cache_frozen_casts(bool enabled) {
+  cache_casts_ = enabled;
+  if (!enabled) head_cast_.clear();
+  weft::set_cache_frozen_casts(*this, enabled);
+}
+
+torch::Tensor LlamaForCausalLMImpl::head_weight_to_compute() const {
+  auto head = head_weight();
+  if (!cache_casts_ || !CastCache::applies({head}, options_.compute_dtype)) return head;
+  return head_cast_.get({head}, options_.compute_dtype);
+}
+
 torch::Tensor LlamaForCausalLMImpl::run_stage(int64_t stage, const torch::Tensor& input, bool shard_tokens,
                                              const TokenLayout* layout, bool head) {
   const int64_t final_stage = num_stages() - 1;
@@ -273,7 +285,7 @@ torch::Tensor LlamaForCausalLMImpl::run_stage(int64_t stage, const torch::Tensor
 
 torch::Tensor LlamaForCausalLMImpl::head_logits(const torch::Tensor& h) {
   if (!lm_head.is_empty()) return lm_head->forward(h);
-  const auto head = head_weight();
+  const auto head = head_weight_to_compute();
   if (!head.requires_grad() && head.scalar_type() != options_.compute_dtype) {  // a bf16-stored frozen head
     return frozen_cast_linear(h, head, options_.compute_dtype);
   }
@@ -296,7 +308,7 @@ torch::Tensor LlamaForCausalLMImpl::head_loss(const torch::Tensor& hidden, const
   WEFT_CHECK(hidden.dim() == 3 && targets.sizes() == hidden.sizes().slice(0, 2),
              "head_loss: hidden states [rows, seq, {}] and targets [rows, seq] expected", config_.hidden_size);
   const double n = static_cast<double>(targets.numel());
-  const auto sum = linear_cross_entropy_sum(hidden.reshape({-1, hidden.size(-1)}), head_weight(), targets.reshape({-1}),
+  const auto sum = linear_cross_entropy_sum(hidden.reshape({-1, hidden.size(-1)}), head_weight_to_compute(), targets.reshape({-1}),
                                             options_.compute_dtype, kIgnoreTarget, token_losses, 0, 1.0 / n);
   return sum / n;
 }

@@ -145,6 +145,9 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
 
   void set_compute_dtype(torch::Dtype dtype);
   void set_activation_checkpointing(bool enabled) { options_.activation_checkpointing = enabled; }
+  // Keep the frozen weights' compute-dtype copies between steps (model.cache_frozen_casts: every
+  // linear layer's, CastCache, and a frozen LM head's); off drops them.
+  void set_cache_frozen_casts(bool enabled);
 
   // The LM head weight: lm_head.weight, or the embedding when tied.
   torch::Tensor head_weight() const;
@@ -189,6 +192,11 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   std::vector<StageRange> held_;
   LocalShape local_;
   RotaryEmbedding rope_;
+  // The head's weight for the compute dtype: a frozen head's cached copy (set_cache_frozen_casts),
+  // else head_weight() as it is.
+  torch::Tensor head_weight_to_compute() const;
+  bool cache_casts_ = false;
+  mutable CastCache head_cast_;
 };
 TORCH_MODULE(LlamaForCausalLM);
 

@@ -28,7 +28,7 @@ std::vector<StageMemory> estimate_stage_memory(const ModelConfig& c, const Shard
                                                const std::optional<LoraConfig>& lora, torch::Dtype compute_dtype,
                                                int64_t seq_len, bool checkpointing,
                                                bool blockwise_attention, QuantFormat quantize, torch::Dtype frozen_dtype,
-                                               int64_t sequence_shards) {
+                                               int64_t sequence_shards, bool frozen_cast_cache) {
   const int64_t layers = c.num_hidden_layers, stages = layers + 2;
   const int64_t cb = compute_dtype == torch::kFloat32 ? 4 : 2;  // bytes per compute element
   std::vector<StageMemory> out(static_cast<size_t>(stages));
@@ -54,8 +54,10 @@ std::vector<StageMemory> estimate_stage_memory(const ModelConfig& c, const Shard
     s.parameter_bytes += bytes;
     s.compute_parameter_bytes += compute_bytes;
     // Compute-dtype copies of the weights stay saved for backward, except in checkpointed blocks,
-    // which make them again one block at a time, and quantized weights, dequantized again in backward.
-    if (matrix && !quantized && compute_dtype != torch::kFloat32 && !(checkpointing && block)) {
+    // which make them again one block at a time (unless the frozen ones are cached), and quantized
+    // weights, dequantized again in backward.
+    const bool cached = frozen_cast_cache && lora && module != "score";
+    if (matrix && !quantized && compute_dtype != torch::kFloat32 && (!(checkpointing && block) || cached)) {
       s.weight_copy_bytes += cb * elements_of(local);
     }
     if (!lora || module == "score") {  // the classification head trains with the adapters (PEFT's modules_to_save)

@@ -22,7 +22,7 @@ struct StageMemory {
   int64_t parameter_bytes = 0;           // fp32 masters of the stage as this rank holds them
   int64_t trainable_bytes = 0;           // the optimizer's part (LoRA: the adapters)
   int64_t activation_bytes_per_row = 0;  // kept for backward per sequence of seq_len
-  int64_t weight_copy_bytes = 0;         // compute-dtype weight copies kept for backward (0 in fp32)
+  int64_t weight_copy_bytes = 0;         // compute-dtype weight copies kept for backward or cached (0 in fp32)
   int64_t output_bytes_per_row = 0;      // fp32 hidden states, or the last stage's logits
   int64_t compute_parameter_bytes = 0;   // parameter_bytes with the matrices in the compute dtype
   int64_t compute_trainable_bytes = 0;   // trainable_bytes likewise
@@ -38,13 +38,14 @@ struct StageMemory {
 // are not quantized are stored in (the embedding, the head, the blocks' weights; not a
 // classification head, which trains). `sequence_shards` (Megatron sequence parallelism,
 // SequenceShards::size): the fp32 residual stream between the tensor-parallel regions holds 1 / that
-// of each sequence's tokens.
+// of each sequence's tokens. `frozen_cast_cache` (adapter training, model.cache_frozen_casts): the
+// frozen matrices' compute-dtype copies live between steps, checkpointed blocks' too.
 std::vector<StageMemory> estimate_stage_memory(const ModelConfig& config, const ShardMap& shards,
                                                const std::optional<LoraConfig>& lora, torch::Dtype compute_dtype,
                                                int64_t seq_len, bool checkpointing,
                                                bool blockwise_attention = false,
                                                QuantFormat quantize = QuantFormat::kNone,
                                                torch::Dtype frozen_dtype = torch::kFloat32,
-                                               int64_t sequence_shards = 1);
+                                               int64_t sequence_shards = 1, bool frozen_cast_cache = false);
 
 }  // namespace weft

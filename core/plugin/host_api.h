@@ -137,6 +137,8 @@ class PluginHost {
   std::vector<ShardedTensor> trainable_shards() const;
   // True when some parameter's training state is sharded.
   bool sharded() const;
+  // True when some parameter's shard is WEFT_FLAT_SHARD_RELEASABLE (the plugin frees and gathers it).
+  bool releases_parameters() const;
   // While true (the host's materialize_parameters(1)), parameter_materialize gives fp32 whole
   // parameters whatever WEFT_FLAT_SHARD_COMPUTE_DTYPE says.
   void set_materialize_masters(bool masters);

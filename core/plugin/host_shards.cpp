@@ -162,6 +162,13 @@ bool PluginHost::sharded() const {
   return false;
 }
 
+bool PluginHost::releases_parameters() const {
+  for (const auto& p : state_->parameters) {
+    if (p.releasable) return true;
+  }
+  return false;
+}
+
 void PluginHost::set_materialize_masters(bool masters) { state_->materialize_masters = masters; }
 
 void PluginHost::zero_grad_shards() {

@@ -133,6 +133,8 @@ class StrategySession {
   // training state: the step's flat_shard, asked in attach), and whether anything is sharded.
   std::vector<PluginHost::TrainingTensor> training_tensors() const { return state_host_->training_tensors(); }
   bool shards_training_state() const { return state_host_->sharded(); }
+  // Whether a plugin may release parameters between uses (WEFT_FLAT_SHARD_RELEASABLE shards).
+  bool releases_parameters() const { return host_->releases_parameters() || state_host_->releases_parameters(); }
   // The process group the training state is sharded over: the sharding plugin's mesh dimension in a
   // composed run, null (the world) alone.
   ProcessGroup* state_group() const { return state_group_; }

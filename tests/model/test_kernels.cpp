@@ -649,6 +649,34 @@ TEST(FusedKernels, LoraLinearDropsOutAsEachAdaptersDropout) {
   }
 }
 
+// CastCache (model.cache_frozen_casts): which weights it keeps, that it stacks a group's parts in
+// the compute dtype as torch::cat of their casts, hands back the same copy while they are unchanged,
+// and makes it again after an in-place write or new storage.
+TEST(FusedKernels, CastCacheKeepsAStackedCastUntilAPartChanges) {
+  torch::manual_seed(4);
+  auto q = torch::randn({5, 8}), k = torch::randn({3, 8});
+  EXPECT_TRUE(CastCache::applies({q}, torch::kBFloat16));
+  EXPECT_TRUE(CastCache::applies({q, k}, torch::kFloat32));              // stacked: a concatenation kept
+  EXPECT_FALSE(CastCache::applies({q}, torch::kFloat32));                // already the weight itself
+  EXPECT_FALSE(CastCache::applies({q.to(torch::kBFloat16)}, torch::kFloat32));  // wider than stored
+  EXPECT_FALSE(CastCache::applies({q, torch::randn({3, 4})}, torch::kBFloat16));
+  EXPECT_FALSE(CastCache::applies({q.clone().requires_grad_(true)}, torch::kBFloat16));  // trained
+  CastCache cache;
+  const auto first = cache.get({q, k}, torch::kBFloat16);
+  EXPECT_TRUE(torch::equal(first, torch::cat({q.to(torch::kBFloat16), k.to(torch::kBFloat16)})));
+  EXPECT_TRUE(cache.get({q, k}, torch::kBFloat16).is_same(first));
+  k.mul_(2);  // an in-place write
+  const auto second = cache.get({q, k}, torch::kBFloat16);
+  EXPECT_FALSE(second.is_same(first));
+  EXPECT_TRUE(torch::equal(second, torch::cat({q.to(torch::kBFloat16), k.to(torch::kBFloat16)})));
+  q.set_data(torch::randn({5, 8}));  // new storage in the same tensor
+  EXPECT_TRUE(torch::equal(cache.get({q, k}, torch::kBFloat16).narrow(0, 0, 5), q.to(torch::kBFloat16)));
+  EXPECT_FALSE(cache.get({k, q}, torch::kBFloat16).is_same(cache.get({q, k}, torch::kBFloat16)));  // another group
+  cache.clear();
+  EXPECT_FALSE(cache.holds());
+  EXPECT_THROW(cache.get({q}, torch::kFloat32), Error);
+}
+
 TEST(FusedKernels, FusedLinearEqualsSeparateLayersWithAndWithoutLora) {
   torch::manual_seed(6);
   Linear a(8, 5), b(8, 3);

@@ -475,6 +475,68 @@ TEST(Lora, OnlyAdaptersTrainAndStartAsIdentity) {
   EXPECT_THROW(apply_lora(*tiny_model(), LoraConfig{{4, 8, 0}, {"qproj"}, std::nullopt}, 1), Error);
 }
 
+// model.cache_frozen_casts: LoRA on every projection of a bf16-computing model over an fp32 frozen
+// base gives the same bits with the base's casts kept between steps as with them made in each
+// forward (loss, per-token losses, every adapter gradient; logits and the chunked head; with
+// dropout from the same seeds), across steps whose weights change, and after the base changes
+// (merge_lora, an in-place write) the cache follows it. Each layer's and the head's copy exist
+// only while caching is on.
+TEST(Lora, CachedFrozenCastsGiveTheUncachedBits) {
+  const auto x = tokens(2, 16), y = tokens(2, 16, 2);
+  for (const double dropout : {0.0, 0.1}) {
+    for (const bool chunked : {false, true}) {
+      SCOPED_TRACE("dropout " + std::to_string(dropout) + " chunked " + std::to_string(chunked));
+      const auto run = [&](bool cache) {
+        auto model = tiny_model(5);
+        model->set_compute_dtype(torch::kBFloat16);
+        LoraConfig lora;
+        lora.spec = {4, 8.0, dropout};
+        lora.target_modules = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+        apply_lora(*model, lora, 2);
+        model->set_cache_frozen_casts(cache);
+        model->train();
+        torch::manual_seed(17);  // the dropout seeds
+        std::vector<torch::Tensor> out;
+        for (int step = 0; step < 2; ++step) {
+          torch::Tensor loss;
+          if (chunked) {
+            loss = model->head_loss(model->forward_stages(0, model->num_stages(), x, {}, /*head=*/false), y);
+          } else {
+            loss = model->loss(model->forward(x), y);
+          }
+          loss.backward();
+          out.push_back(loss.detach());
+          torch::NoGradGuard no_grad;
+          for (auto& [name, p] : trainable_parameters(*model)) {
+            out.push_back(p.grad().clone());
+            p.add_(p.grad(), -0.5);  // a step, so the next one's adapters differ
+            p.grad().zero_();
+          }
+        }
+        int64_t cached = 0;
+        for (auto& module : model->modules()) {
+          if (const auto* linear = module->as<LinearImpl>()) cached += linear->holds_cached_cast();
+        }
+        EXPECT_EQ(cached > 0, cache);  // o_proj and down_proj take theirs alone
+        model->eval();
+        torch::NoGradGuard no_grad;
+        out.push_back(model->forward(x));
+        merge_lora(*model);  // the base changes in place: the cache is made again
+        out.push_back(model->forward(x));
+        for (auto& p : model->parameters()) {
+          if (p.dim() == 2) p.mul_(1.5);
+        }
+        out.push_back(model->forward(x));
+        return out;
+      };
+      const auto fresh = run(false), kept = run(true);
+      ASSERT_EQ(fresh.size(), kept.size());
+      for (size_t i = 0; i < fresh.size(); ++i) EXPECT_TRUE(torch::equal(fresh[i], kept[i])) << i;
+      EXPECT_FALSE(torch::equal(fresh[fresh.size() - 2], fresh.back()));  // the last write changed the model
+    }
+  }
+}
+
 TEST(Lora, MergeComputesTheSameFunctionAndAdaptersRoundTrip) {
   auto model = tiny_model();
   LoraConfig lora;

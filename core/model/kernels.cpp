@@ -820,6 +820,123 @@ WEFT_ALWAYS_INLINE float cross_entropy_row(const T* x, int64_t v, int64_t target
   return loss;
 }
 
+// Attention's causal softmax over one row of scores x[0, S) (query `n - 1` of its sequence, so keys
+// [0, n) are visible): p[j] = exp(scale x[j] - max) / sum for j < n, 0 after; in place (p == x
+// allowed). `tmp` holds n floats. In GCC's vector types of 16 lanes (the plain loops' stores to
+// tmp beside the reduction did not vectorise): exp_approx16 is exp_approx lane by lane.
+typedef int32_t Int16s __attribute__((vector_size(64)));
+typedef uint32_t Uint16s __attribute__((vector_size(64)));
+typedef uint16_t Half16s __attribute__((vector_size(32)));
+WEFT_ALWAYS_INLINE Lanes16 load16(const float* x) {
+  Lanes16 v;
+  std::memcpy(&v, x, sizeof(v));
+  return v;
+}
+WEFT_ALWAYS_INLINE Lanes16 load16(const Bf16Bits* x) {
+  Half16s h;
+  std::memcpy(&h, x, sizeof(h));
+  return reinterpret_cast<Lanes16>(__builtin_convertvector(h, Uint16s) << 16);
+}
+WEFT_ALWAYS_INLINE void store16(float* x, Lanes16 v) { std::memcpy(x, &v, sizeof(v)); }
+WEFT_ALWAYS_INLINE void store16(Bf16Bits* x, Lanes16 v) {  // from_float's rounding, lane by lane
+  const Uint16s bits = reinterpret_cast<Uint16s>(v);
+  const Uint16s rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const Uint16s out = v != v ? Uint16s{} + 0x7FC0u : rounded;
+  const Half16s h = __builtin_convertvector(out, Half16s);
+  std::memcpy(x, &h, sizeof(h));
+}
+WEFT_ALWAYS_INLINE Lanes16 exp_approx16(Lanes16 x) {
+  x = x < -87.3f ? Lanes16{} - 87.3f : x;
+  x = x > 88.3f ? Lanes16{} + 88.3f : x;
+  const Int16s biased = __builtin_convertvector(x * 1.44269504088896341f + 127.5f, Int16s);
+  const Lanes16 n = __builtin_convertvector(biased - 127, Lanes16);
+  Lanes16 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  Lanes16 p = Lanes16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * reinterpret_cast<Lanes16>(biased << 23);
+}
+// Rows whose width is a multiple of 16 run the last, partial block of visible keys as a whole
+// vector with the keys past the query masked (its lanes read the row's masked scores, never past
+// the row); other widths finish it lane by lane.
+template <typename T>
+WEFT_ALWAYS_INLINE void causal_softmax_row(const T* x, T* p, int64_t n, int64_t width, float scale,
+                                           float* __restrict tmp) {
+  const Int16s iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const bool whole_blocks = width % kLanes == 0;
+  const int64_t full = n / kLanes * kLanes, end = whole_blocks ? (n + kLanes - 1) / kLanes * kLanes : full;
+  const float inf = std::numeric_limits<float>::infinity();
+  Lanes16 mx = Lanes16{} - inf;
+  for (int64_t i = 0; i < end; i += kLanes) {
+    Lanes16 e = load16(x + i);
+    e = iota + static_cast<int32_t>(i) < static_cast<int32_t>(n) ? e : Lanes16{} - inf;
+    mx = e > mx ? e : mx;
+  }
+  float m = -inf;
+  for (int64_t i = end; i < n; ++i) m = to_float(x[i]) > m ? to_float(x[i]) : m;
+  for (int j = 0; j < kLanes; ++j) m = mx[j] > m ? mx[j] : m;
+  const float shift = m * scale;  // scale > 0: the maximum of the scaled row
+  Lanes16 acc = {};
+  for (int64_t i = 0; i < end; i += kLanes) {
+    Lanes16 e = exp_approx16(load16(x + i) * scale - shift);
+    e = iota + static_cast<int32_t>(i) < static_cast<int32_t>(n) ? e : Lanes16{};
+    store16(tmp + i, e);
+    acc += e;
+  }
+  float sum = 0.0f;
+  for (int64_t i = end; i < n; ++i) {
+    tmp[i] = exp_approx(to_float(x[i]) * scale - shift);
+    sum += tmp[i];
+  }
+  for (int j = 0; j < kLanes; ++j) sum += acc[j];
+  const float inv = 1.0f / sum;
+  for (int64_t i = 0; i < end; i += kLanes) store16(p + i, load16(tmp + i) * inv);  // 0 past the query
+  for (int64_t i = end; i < n; ++i) p[i] = from_float<T>(tmp[i] * inv);
+  int64_t i = std::max(n, end);
+  for (; i < width && i % kLanes != 0; ++i) p[i] = from_float<T>(0.0f);
+  for (; i + kLanes <= width; i += kLanes) store16(p + i, Lanes16{});
+  for (; i < width; ++i) p[i] = from_float<T>(0.0f);
+}
+// Its backward over one row: dp[j] := scale p[j] (dp[j] - sum_k p[k] dp[k]) for j < n, 0 after (p
+// is 0 past the query, so whole blocks may run over it).
+template <typename T>
+WEFT_ALWAYS_INLINE void causal_softmax_backward_row(const T* p, T* dp, int64_t n, int64_t width, float scale) {
+  const bool whole_blocks = width % kLanes == 0;
+  const int64_t end = whole_blocks ? (n + kLanes - 1) / kLanes * kLanes : n / kLanes * kLanes;
+  Lanes16 acc = {};
+  for (int64_t i = 0; i < end; i += kLanes) acc += load16(p + i) * load16(dp + i);
+  float dot = 0.0f;
+  for (int64_t i = end; i < n; ++i) dot += to_float(p[i]) * to_float(dp[i]);
+  for (int j = 0; j < kLanes; ++j) dot += acc[j];
+  for (int64_t i = 0; i < end; i += kLanes) store16(dp + i, load16(p + i) * (load16(dp + i) - dot) * scale);
+  for (int64_t i = end; i < n; ++i) dp[i] = from_float<T>(scale * to_float(p[i]) * (to_float(dp[i]) - dot));
+  int64_t i = std::max(n, end);
+  for (; i < width && i % kLanes != 0; ++i) dp[i] = from_float<T>(0.0f);
+  for (; i + kLanes <= width; i += kLanes) store16(dp + i, Lanes16{});
+  for (; i < width; ++i) dp[i] = from_float<T>(0.0f);
+}
+#define WEFT_SOFTMAX_CLONES(T)                                                                                   \
+  WEFT_SIMD_CLONES void causal_softmax_rows_dispatch(T* x, int64_t begin, int64_t end, int64_t width, float scale, \
+                                                     float* tmp) {                                                \
+    for (int64_t r = begin; r < end; ++r) {                                                                        \
+      causal_softmax_row(x + r * width, x + r * width, r % width + 1, width, scale, tmp);                          \
+    }                                                                                                              \
+  }                                                                                                                \
+  WEFT_SIMD_CLONES void causal_softmax_backward_rows_dispatch(const T* p, T* dp, int64_t begin, int64_t end,      \
+                                                              int64_t width, float scale) {                       \
+    for (int64_t r = begin; r < end; ++r) {                                                                        \
+      causal_softmax_backward_row(p + r * width, dp + r * width, r % width + 1, width, scale);                      \
+    }                                                                                                              \
+  }
+WEFT_SOFTMAX_CLONES(float)
+WEFT_SOFTMAX_CLONES(Bf16Bits)
+#undef WEFT_SOFTMAX_CLONES
+
 WEFT_SIMD_CLONES float cross_entropy_row_dispatch(const float* x, int64_t v, int64_t target, float scale, float* grad) {
   return cross_entropy_row(x, v, target, scale, grad);
 }
@@ -1095,6 +1212,49 @@ at::Tensor squared_sum_fp64(const at::Tensor& t) {
     total += flat.narrow(0, begin, std::min(kSquaredSumChunk, n - begin)).to(at::kDouble).pow(2).sum();
   }
   return total;
+}
+
+namespace {
+void check_score_rows(const torch::Tensor& t, const char* what) {
+  WEFT_CHECK(t.device().is_cpu() && t.dim() == 3 && t.is_contiguous() && t.size(1) % std::max<int64_t>(1, t.size(2)) == 0 &&
+                 (t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16),
+             "{}: contiguous fp32 or bf16 CPU scores [N, G * S, S] expected, got {} of {}", what,
+             fmt::join(t.sizes().vec(), "x"), c10::toString(t.scalar_type()));
+}
+}  // namespace
+
+void causal_softmax_rows_(torch::Tensor& scores, double scale) {
+  check_score_rows(scores, "causal_softmax_rows_");
+  RECORD_FUNCTION("weft::causal_softmax_rows_", std::vector<c10::IValue>());  // named in profiles
+  const int64_t width = scores.size(2), rows = scores.size(0) * scores.size(1);
+  dispatch_float_or_bf16(scores.scalar_type(), "causal_softmax_rows_", [&](auto tag) {
+    using T = decltype(tag);
+    T* x = data<T>(scores);
+    // Chunks of whole sequences' rows (r % width is the query's position in each).
+    at::parallel_for(0, rows / width, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> tmp(static_cast<size_t>(width));
+      causal_softmax_rows_dispatch(x + begin * width * width, 0, (end - begin) * width, width,
+                                   static_cast<float>(scale), tmp.data());
+    });
+  });
+}
+
+void causal_softmax_backward_rows_(const torch::Tensor& p, torch::Tensor& dp, double scale) {
+  check_score_rows(p, "causal_softmax_backward_rows_");
+  check_score_rows(dp, "causal_softmax_backward_rows_");
+  WEFT_CHECK(p.sizes() == dp.sizes() && p.scalar_type() == dp.scalar_type(),
+             "causal_softmax_backward_rows_: probabilities and their gradient of one shape and dtype expected");
+  RECORD_FUNCTION("weft::causal_softmax_backward_rows_", std::vector<c10::IValue>());
+  const int64_t width = p.size(2), rows = p.size(0) * p.size(1);
+  dispatch_float_or_bf16(p.scalar_type(), "causal_softmax_backward_rows_", [&](auto tag) {
+    using T = decltype(tag);
+    const T* pp = data<T>(p);
+    T* g = data<T>(dp);
+    at::parallel_for(0, rows / width, 1, [&](int64_t begin, int64_t end) {
+      causal_softmax_backward_rows_dispatch(pp + begin * width * width, g + begin * width * width, 0,
+                                            (end - begin) * width, width, static_cast<float>(scale));
+    });
+  });
 }
 
 bool cross_entropy_rows_applies(const torch::Tensor& logits) {

@@ -107,10 +107,95 @@ class Bf16CpuAttentionFunction : public torch::autograd::Function<Bf16CpuAttenti
   }
 };
 
+// Causal attention of bf16 CPU tensors of short sequences as GEMMs: the scores of each sequence's
+// grouped-query heads against their shared kv head in one batched product ([B * KVH, G * T, D] x
+// [B * KVH, D, T], no copy of k or v per query head), the softmax in fp32 over bf16 scores by one
+// row kernel (causal_softmax_rows_), and P V; backward recomputes P (nothing of T^2 is kept) and
+// takes dV = P^T dO, dP = dO V^T, dS (causal_softmax_backward_rows_), dQ = dS K, dK = dS^T Q. Every
+// product runs in bf16 on the CPU's bf16 GEMM (AMX, AVX512_BF16) at the cost of computing the
+// masked half; LibTorch's flash kernels skip it but run far below the GEMM's rate at these lengths
+// (kMathAttentionMaxTokens). Scores and P are rounded to bf16, as eager attention under autocast
+// rounds them. Work goes in chunks of sequences so that its [G * T, T] temporaries stay within
+// kMathAttentionChunkBytes.
+constexpr int64_t kMathAttentionMaxTokens = 1024;
+constexpr int64_t kMathAttentionChunkBytes = int64_t{64} << 20;
+
+class Bf16CpuMathAttentionFunction : public torch::autograd::Function<Bf16CpuMathAttentionFunction> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v) {
+    const auto [q3, k3, v3] = grouped(q, k, v);
+    auto out = torch::empty_like(q3);
+    for_chunks(q3, k3, [&](int64_t n0, int64_t n) {
+      auto p = probabilities(q3.narrow(0, n0, n), k3.narrow(0, n0, n), scale_of(q));
+      auto o = out.narrow(0, n0, n);
+      at::bmm_out(o, p, v3.narrow(0, n0, n));
+    });
+    ctx->save_for_backward({q3, k3, v3});
+    ctx->saved_data["shape"] = q.sizes().vec();
+    return out.view(q.sizes());
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const auto &q3 = s[0], &k3 = s[1], &v3 = s[2];
+    const auto shape = ctx->saved_data["shape"].toIntVector();
+    const double scale = 1.0 / std::sqrt(static_cast<double>(shape.back()));
+    const auto go = grads[0].to(torch::kBFloat16).contiguous().view(q3.sizes());
+    auto gq = torch::empty_like(q3), gk = torch::empty_like(k3), gv = torch::empty_like(v3);
+    for_chunks(q3, k3, [&](int64_t n0, int64_t n) {
+      const auto qc = q3.narrow(0, n0, n), kc = k3.narrow(0, n0, n), vc = v3.narrow(0, n0, n);
+      const auto gc = go.narrow(0, n0, n);
+      const auto p = probabilities(qc, kc, scale);
+      auto gvc = gv.narrow(0, n0, n), gqc = gq.narrow(0, n0, n), gkc = gk.narrow(0, n0, n);
+      at::bmm_out(gvc, p.transpose(1, 2), gc);
+      auto ds = at::bmm(gc, vc.transpose(1, 2));  // dP, then the scores' gradient over it
+      causal_softmax_backward_rows_(p, ds, scale);
+      at::bmm_out(gqc, ds, kc);
+      at::bmm_out(gkc, ds.transpose(1, 2), qc);
+    });
+    auto kv_shape = shape;
+    kv_shape[1] = k3.size(0) / shape[0];
+    return {gq.view(shape), gk.view(kv_shape), gv.view(kv_shape)};
+  }
+
+ private:
+  static double scale_of(const torch::Tensor& q) { return 1.0 / std::sqrt(static_cast<double>(q.size(-1))); }
+  // q [B, H, T, D] -> [B * KVH, G * T, D] (query head h uses kv head h / G); k, v -> [B * KVH, T, D].
+  static std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> grouped(const torch::Tensor& q, const torch::Tensor& k,
+                                                                        const torch::Tensor& v) {
+    const int64_t b = q.size(0), t = q.size(2), d = q.size(3), kvh = k.size(1);
+    return {q.contiguous().view({b * kvh, -1, d}), k.contiguous().view({b * kvh, t, d}),
+            v.contiguous().view({b * kvh, t, d})};
+  }
+  static torch::Tensor probabilities(const torch::Tensor& q3, const torch::Tensor& k3, double scale) {
+    auto p = at::bmm(q3, k3.transpose(1, 2));
+    causal_softmax_rows_(p, scale);
+    return p;
+  }
+  // f(first, count) over chunks of the [B * KVH] sequence groups whose two bf16 [G * T, T]
+  // temporaries (P and dP) fit kMathAttentionChunkBytes (at least one group each).
+  template <typename F>
+  static void for_chunks(const torch::Tensor& q3, const torch::Tensor& k3, F&& f) {
+    const int64_t n = q3.size(0), each = std::max<int64_t>(1, 2 * 2 * q3.size(1) * k3.size(1));
+    const int64_t step = std::max<int64_t>(1, kMathAttentionChunkBytes / each);
+    for (int64_t n0 = 0; n0 < n; n0 += step) f(n0, std::min(step, n - n0));
+  }
+};
+
 }  // namespace
+
+bool math_attention_applies(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+  return q.device().is_cpu() && q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16 &&
+         v.scalar_type() == torch::kBFloat16 && q.dim() == 4 && k.dim() == 4 && v.dim() == 4 &&
+         q.size(2) == k.size(2) && q.size(2) <= kMathAttentionMaxTokens && k.size(1) > 0 &&
+         q.size(1) % k.size(1) == 0 && k.sizes() == v.sizes() && q.size(3) == k.size(3) && q.size(0) == k.size(0);
+}
 
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const torch::Tensor& mask) {
+  if (!mask.defined() && math_attention_applies(q, k, v)) return Bf16CpuMathAttentionFunction::apply(q, k, v);
   if (!mask.defined() && q.device().is_cpu() && q.scalar_type() == torch::kBFloat16 &&
       k.scalar_type() == torch::kBFloat16 && v.scalar_type() == torch::kBFloat16 && torch::GradMode::is_enabled() &&
       (q.requires_grad() || k.requires_grad() || v.requires_grad())) {

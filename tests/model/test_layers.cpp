@@ -1,5 +1,6 @@
 // RMSNorm, RoPE (incl. Llama 3 scaling), attention masking and grouped-query attention.
 #include <cmath>
+#include <cstdio>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -165,6 +166,44 @@ TEST(Attention, Bf16StaysNearTheFp32Result) {
     EXPECT_LT((grads[1][i].to(torch::kFloat32) - grads[0][i]).abs().max().item<double>(), 0.02 * scale)
         << "gradient of " << "qkv"[i];
   }
+}
+
+// bf16 on the CPU up to 1024 tokens (math_attention_applies): bf16 GEMMs over whole score
+// matrices, in chunks of sequence groups (1024 tokens, 8 groups of 3 query heads: two chunks). Values
+// and gradients against fp32 attention: within bf16's rounding, and no further from it than
+// LibTorch's bf16 flash kernels (the path before, and past 1024 tokens) are. No-grad forward equals
+// the training forward.
+TEST(Attention, Bf16GemmPathStaysAsNearFp32AsTheFlashKernels) {
+  torch::manual_seed(5);
+  const int64_t t = 1024;
+  auto q = torch::randn({4, 6, t, 32}), k = torch::randn({4, 2, t, 32}), v = torch::randn({4, 2, t, 32});
+  const auto upstream = torch::randn({4, 6, t, 32});
+  const auto run = [&](torch::Dtype dtype, bool flash) {
+    const auto leaf = [&](const torch::Tensor& x) { return x.to(dtype).clone().requires_grad_(); };
+    auto qi = leaf(q), ki = leaf(k), vi = leaf(v);
+    const auto out = flash ? at::scaled_dot_product_attention(qi, ki, vi, {}, 0.0, true, std::nullopt, true)
+                           : causal_attention(qi, ki, vi);
+    (out * upstream.to(dtype)).sum().backward();
+    return std::vector<torch::Tensor>{out.detach().to(torch::kFloat32), qi.grad().to(torch::kFloat32),
+                                      ki.grad().to(torch::kFloat32), vi.grad().to(torch::kFloat32)};
+  };
+  EXPECT_TRUE(math_attention_applies(q.to(torch::kBFloat16), k.to(torch::kBFloat16), v.to(torch::kBFloat16)));
+  EXPECT_FALSE(math_attention_applies(q, k, v));  // fp32
+  const auto longer = torch::zeros({1, 6, t + 1, 32}, torch::kBFloat16);
+  EXPECT_FALSE(math_attention_applies(longer, longer.narrow(1, 0, 2), longer.narrow(1, 0, 2)));
+  const auto exact = run(torch::kFloat32, false), gemm = run(torch::kBFloat16, false), flash = run(torch::kBFloat16, true);
+  for (size_t i = 0; i < exact.size(); ++i) {
+    const double scale = exact[i].abs().max().item<double>();
+    const double e_gemm = (gemm[i] - exact[i]).abs().max().item<double>() / scale;
+    const double e_flash = (flash[i] - exact[i]).abs().max().item<double>() / scale;
+    const char* what[] = {"output", "dq", "dk", "dv"};
+    EXPECT_LT(e_gemm, 0.02) << what[i];
+    EXPECT_LT(e_gemm, 2.0 * e_flash + 4e-3) << what[i] << ": " << e_gemm << " against the flash kernels' " << e_flash;
+    std::printf("%s: relative error %.2e (flash %.2e)\n", what[i], e_gemm, e_flash);
+  }
+  torch::NoGradGuard no_grad;
+  const auto plain = causal_attention(q.to(torch::kBFloat16), k.to(torch::kBFloat16), v.to(torch::kBFloat16));
+  EXPECT_TRUE(torch::equal(plain.to(torch::kFloat32), gemm[0]));
 }
 
 TEST(Attention, FirstPositionAttendsOnlyToItself) {

@@ -65,8 +65,9 @@ def main():
     groups = collections.Counter()
     for name, us in total.items():
         low = name.lower()
-        key = ("gemm" if any(k in low for k in ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")) else
-               "attention" if any(k in low for k in ("flash", "fmha", "attention", "sdpa")) else
+        cpu_gemm = low in ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", "aten::addbmm")
+        key = ("gemm" if cpu_gemm or any(k in low for k in ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")) else
+               "attention" if any(k in low for k in ("flash", "fmha", "attention", "sdpa", "causal_softmax")) else
                "memcpy/memset" if "memcpy" in low or "memset" in low else
                "optimizer" if any(k in low for k in ("adam", "multi_tensor", "foreach")) else
                "reduction" if "reduce" in low else "elementwise/other")

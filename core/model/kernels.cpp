@@ -116,6 +116,20 @@ float sum_of_squares(const X* x, int64_t n) {
   return total;
 }
 
+// exp(x - n ln2) for a float or a GCC vector of floats: the range reduction by ln2 in two parts and
+// Cephes' degree-6 polynomial (exp_approx and exp_approx16 scale it by 2^n).
+template <typename F>
+WEFT_ALWAYS_INLINE F exp_of_reduced(F x, F n) {
+  F r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  F p = F{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  return p * r * r + r + 1.0f;
+}
 // exp(x) for x in fp32 without branches or library calls, so loops over it vectorise: Cephes'
 // range reduction x = n ln2 + r and degree-6 polynomial, then scaling by 2^n through the
 // exponent bits. Inputs are clamped to [-87.3, 88.3] (the results stay normal and finite).
@@ -124,20 +138,10 @@ WEFT_ALWAYS_INLINE float exp_approx(float x) {
   x = x > 88.3f ? 88.3f : x;
   // t > 0, so truncation is floor: n = round(x / ln2), biased by 127 as in the exponent field.
   const int32_t biased = static_cast<int32_t>(x * 1.44269504088896341f + 127.5f);
-  const float n = static_cast<float>(biased - 127);
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
   const int32_t bits = biased << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
+  return exp_of_reduced(x, static_cast<float>(biased - 127)) * scale;
 }
 
 int64_t rows_grain(int64_t row_size) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_size)); }
@@ -849,17 +853,7 @@ WEFT_ALWAYS_INLINE Lanes16 exp_approx16(Lanes16 x) {
   x = x < -87.3f ? Lanes16{} - 87.3f : x;
   x = x > 88.3f ? Lanes16{} + 88.3f : x;
   const Int16s biased = __builtin_convertvector(x * 1.44269504088896341f + 127.5f, Int16s);
-  const Lanes16 n = __builtin_convertvector(biased - 127, Lanes16);
-  Lanes16 r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  Lanes16 p = Lanes16{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  return p * reinterpret_cast<Lanes16>(biased << 23);
+  return exp_of_reduced(x, __builtin_convertvector(biased - 127, Lanes16)) * reinterpret_cast<Lanes16>(biased << 23);
 }
 // Rows whose width is a multiple of 16 run the last, partial block of visible keys as a whole
 // vector with the keys past the query masked (its lanes read the row's masked scores, never past

@@ -397,7 +397,7 @@ void Job::build_model() {
     }
   }
   strategy_->attach(*model_);
-  // After the plugin's setup: a plugin that releases parameters between uses (ZeRO-3) gathers
+  // After the plugin's setup: a plugin that releases parameters between uses (RELEASABLE shards) gathers
   // them again each time, and a kept copy would hold what it frees.
   model_->set_cache_frozen_casts(options_.model.cache_frozen_casts && !strategy_->releases_parameters());
   // The model's size, and this rank's share beside it where the plugin splits the model (tensor

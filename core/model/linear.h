@@ -205,8 +205,10 @@ class AdaLoraAdapter : public Adapter {
 // A compute-dtype copy of frozen weights kept between steps (model.cache_frozen_casts): `parts` cast
 // to `dtype` and stacked on dim 0, made on the first get() and made again whenever a part is another
 // tensor, holds other storage (moved, resharded, released) or was written in place (its version
-// counter: a load, merge_lora). What a product without it makes each step: casts(parts) and the
-// concatenation of a fused group, 6 bytes of traffic per fp32 element.
+// counter: a load, merge_lora). A write that bypasses ATen (raw bytes through a DLTensor view) is
+// not seen: the host drops the model's casts where it hands a plugin a frozen weight's view
+// (parameter_data). What a product without it makes each step: casts(parts) and the concatenation
+// of a fused group, 6 bytes of traffic per fp32 element.
 class CastCache {
  public:
   // Whether `parts` are worth caching in `dtype`: frozen, on one device, never wider in `dtype` than
@@ -280,6 +282,7 @@ class LinearImpl : public torch::nn::Module {
   // not apply (CastCache::applies).
   torch::Tensor cached_cast(torch::TensorList parts);
   bool holds_cached_cast() const { return cast_cache_.holds(); }
+  void drop_cached_cast() { cast_cache_.clear(); }
   // Whether a trainable dense weight's gradient may be deferred (DenseWeight::deferrable).
   void set_weight_grad_deferrable(bool deferrable);
   bool weight_grad_deferrable() const;

@@ -220,6 +220,13 @@ void LlamaForCausalLMImpl::set_cache_frozen_casts(bool enabled) {
   weft::set_cache_frozen_casts(*this, enabled);
 }
 
+void LlamaForCausalLMImpl::drop_frozen_casts() {
+  head_cast_.clear();
+  for (auto& module : modules(/*include_self=*/false)) {
+    if (auto* linear = module->as<LinearImpl>()) linear->drop_cached_cast();
+  }
+}
+
 torch::Tensor LlamaForCausalLMImpl::head_weight_to_compute() const {
   auto head = head_weight();
   if (!cache_casts_ || !CastCache::applies({head}, options_.compute_dtype)) return head;

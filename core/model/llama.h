@@ -148,6 +148,9 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   // Keep the frozen weights' compute-dtype copies between steps (model.cache_frozen_casts: every
   // linear layer's, CastCache, and a frozen LM head's); off drops them.
   void set_cache_frozen_casts(bool enabled);
+  // Drops the kept casts (caching stays as it is): the next forward makes them again. For writers
+  // that bypass ATen's version counters (a plugin writing through a parameter's DLTensor view).
+  void drop_frozen_casts();
 
   // The LM head weight: lm_head.weight, or the embedding when tied.
   torch::Tensor head_weight() const;

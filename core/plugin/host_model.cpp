@@ -77,7 +77,12 @@ weft_status* parameter_info(weft_host* host, int64_t index, weft_parameter_info*
 weft_status* parameter_data(weft_host* host, int64_t index, DLTensor* out) {
   return guarded([&] {
     WEFT_CHECK(out, "parameter_data: null output");
-    *out = sdk::to_dl_view(parameter_at(state_of(host), index).tensor);
+    auto& s = state_of(host);
+    const auto& tensor = parameter_at(s, index).tensor;
+    // The plugin may write a frozen weight through this view, which no version counter sees: the
+    // model's kept casts of frozen weights (model.cache_frozen_casts) are made again from it.
+    if (!tensor.requires_grad() && s.model != nullptr) s.model->drop_frozen_casts();
+    *out = sdk::to_dl_view(tensor);
   });
 }
 

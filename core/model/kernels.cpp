@@ -1221,6 +1221,7 @@ void causal_softmax_rows_(torch::Tensor& scores, double scale) {
   check_score_rows(scores, "causal_softmax_rows_");
   RECORD_FUNCTION("weft::causal_softmax_rows_", std::vector<c10::IValue>());  // named in profiles
   const int64_t width = scores.size(2), rows = scores.size(0) * scores.size(1);
+  if (width == 0 || rows == 0) return;
   dispatch_float_or_bf16(scores.scalar_type(), "causal_softmax_rows_", [&](auto tag) {
     using T = decltype(tag);
     T* x = data<T>(scores);
@@ -1240,6 +1241,7 @@ void causal_softmax_backward_rows_(const torch::Tensor& p, torch::Tensor& dp, do
              "causal_softmax_backward_rows_: probabilities and their gradient of one shape and dtype expected");
   RECORD_FUNCTION("weft::causal_softmax_backward_rows_", std::vector<c10::IValue>());
   const int64_t width = p.size(2), rows = p.size(0) * p.size(1);
+  if (width == 0 || rows == 0) return;
   dispatch_float_or_bf16(p.scalar_type(), "causal_softmax_backward_rows_", [&](auto tag) {
     using T = decltype(tag);
     const T* pp = data<T>(p);

@@ -189,7 +189,7 @@ class Bf16CpuMathAttentionFunction : public torch::autograd::Function<Bf16CpuMat
 bool math_attention_applies(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
   return q.device().is_cpu() && q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16 &&
          v.scalar_type() == torch::kBFloat16 && q.dim() == 4 && k.dim() == 4 && v.dim() == 4 &&
-         q.size(2) == k.size(2) && q.size(2) <= kMathAttentionMaxTokens && k.size(1) > 0 &&
+         q.size(2) == k.size(2) && q.size(2) > 0 && q.size(2) <= kMathAttentionMaxTokens && k.size(1) > 0 &&
          q.size(1) % k.size(1) == 0 && k.sizes() == v.sizes() && q.size(3) == k.size(3) && q.size(0) == k.size(0);
 }
 

@@ -678,6 +678,9 @@ TEST(FusedKernels, CausalSoftmaxRowsEqualAtensMaskedSoftmaxAndItsGradient) {
   }
   auto wrong = torch::zeros({2, 5, 4});  // 5 rows are not whole sequences of 4 queries
   EXPECT_THROW(causal_softmax_rows_(wrong, 1.0), Error);
+  auto empty = torch::zeros({2, 0, 0});
+  causal_softmax_rows_(empty, 1.0);  // nothing to do, and no division by the width
+  causal_softmax_backward_rows_(empty, empty, 1.0);
 }
 
 // CastCache (model.cache_frozen_casts): which weights it keeps, that it stacks a group's parts in

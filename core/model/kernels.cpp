@@ -144,6 +144,42 @@ WEFT_ALWAYS_INLINE float exp_approx(float x) {
   return exp_of_reduced(x, static_cast<float>(biased - 127)) * scale;
 }
 
+// GCC's vector types of 16 fp32 lanes (one AVX-512 register; two AVX2 ones): loops written on
+// them vectorise as written, where a plain loop may not, or may be if-converted into computing
+// both sides of a branch for every lane (SwiGLU's did: a division by exp(87.3) whose denormal
+// results, blended away, still cost microcode assists on every vector).
+constexpr int64_t kLanes = 16;
+typedef float Lanes16 __attribute__((vector_size(64)));
+typedef float Lanes8 __attribute__((vector_size(32)));
+typedef float Lanes4 __attribute__((vector_size(16)));
+typedef int32_t Int16s __attribute__((vector_size(64)));
+typedef uint32_t Uint16s __attribute__((vector_size(64)));
+typedef uint16_t Half16s __attribute__((vector_size(32)));
+WEFT_ALWAYS_INLINE Lanes16 load16(const float* x) {
+  Lanes16 v;
+  std::memcpy(&v, x, sizeof(v));
+  return v;
+}
+WEFT_ALWAYS_INLINE Lanes16 load16(const Bf16Bits* x) {
+  Half16s h;
+  std::memcpy(&h, x, sizeof(h));
+  return reinterpret_cast<Lanes16>(__builtin_convertvector(h, Uint16s) << 16);
+}
+WEFT_ALWAYS_INLINE void store16(float* x, Lanes16 v) { std::memcpy(x, &v, sizeof(v)); }
+WEFT_ALWAYS_INLINE void store16(Bf16Bits* x, Lanes16 v) {  // from_float's rounding, lane by lane
+  const Uint16s bits = reinterpret_cast<Uint16s>(v);
+  const Uint16s rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const Uint16s out = v != v ? Uint16s{} + 0x7FC0u : rounded;
+  const Half16s h = __builtin_convertvector(out, Half16s);
+  std::memcpy(x, &h, sizeof(h));
+}
+WEFT_ALWAYS_INLINE Lanes16 exp_approx16(Lanes16 x) {
+  x = x < -87.3f ? Lanes16{} - 87.3f : x;
+  x = x > 88.3f ? Lanes16{} + 88.3f : x;
+  const Int16s biased = __builtin_convertvector(x * 1.44269504088896341f + 127.5f, Int16s);
+  return exp_of_reduced(x, __builtin_convertvector(biased - 127, Lanes16)) * reinterpret_cast<Lanes16>(biased << 23);
+}
+
 int64_t rows_grain(int64_t row_size) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_size)); }
 
 #ifdef WEFT_WITH_CUDA
@@ -267,14 +303,20 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
   }
 };
 
-// SwiGLU over rows [begin, end) of `width` gate and `width` up values each: out = silu(g) * u.
+// SwiGLU over rows [begin, end) of `width` gate and `width` up values each: out = silu(g) * u,
+// in vectors of 16 lanes (see Lanes16), the rest lane by lane with the same operations.
 template <typename T>
 WEFT_ALWAYS_INLINE void swiglu_rows(const T* in, T* out, int64_t begin, int64_t end, int64_t width) {
   for (int64_t r = begin; r < end; ++r) {
     const T* g = in + r * 2 * width;
     const T* u = g + width;
     T* o = out + r * width;
-    for (int64_t i = 0; i < width; ++i) {
+    int64_t i = 0;
+    for (; i + kLanes <= width; i += kLanes) {
+      const Lanes16 gi = load16(g + i);
+      store16(o + i, gi / (1.0f + exp_approx16(-gi)) * load16(u + i));
+    }
+    for (; i < width; ++i) {
       const float gi = to_float(g[i]);
       o[i] = from_float<T>(gi / (1.0f + exp_approx(-gi)) * to_float(u[i]));
     }
@@ -290,7 +332,14 @@ WEFT_ALWAYS_INLINE void swiglu_backward_rows(const T* in, const T* go, T* grad, 
     const T* gor = go + r * width;
     T* gg = grad + r * 2 * width;
     T* gu = gg + width;
-    for (int64_t i = 0; i < width; ++i) {
+    int64_t i = 0;
+    for (; i + kLanes <= width; i += kLanes) {
+      const Lanes16 gi = load16(g + i), ui = load16(u + i), goi = load16(gor + i);
+      const Lanes16 sig = 1.0f / (1.0f + exp_approx16(-gi));
+      store16(gg + i, goi * ui * (sig * (1.0f + gi * (1.0f - sig))));
+      store16(gu + i, goi * (gi * sig));
+    }
+    for (; i < width; ++i) {
       const float gi = to_float(g[i]), ui = to_float(u[i]), goi = to_float(gor[i]);
       const float sig = 1.0f / (1.0f + exp_approx(-gi));
       gg[i] = from_float<T>(goi * ui * (sig * (1.0f + gi * (1.0f - sig))));
@@ -515,10 +564,6 @@ torch::Tensor apply_dropout_mask(const torch::Tensor& x, double p, uint64_t seed
 // The complement's sums (kernels.h, dropped_product and friends) over x [R, I]'s dropped elements
 // `d` [lo, hi) (ascending indices), in column blocks of kLanes of the r-wide operands (one vector
 // register of fp32 on AVX-512).
-constexpr int64_t kLanes = 16;
-typedef float Lanes16 __attribute__((vector_size(64)));
-typedef float Lanes8 __attribute__((vector_size(32)));
-typedef float Lanes4 __attribute__((vector_size(16)));
 
 // The dropped indices of rows [begin, end) of a [R, cols] matrix: d's range [lo, hi).
 std::pair<int64_t, int64_t> rows_range(const int32_t* d, int64_t count, int64_t begin, int64_t end, int64_t cols) {
@@ -828,33 +873,6 @@ WEFT_ALWAYS_INLINE float cross_entropy_row(const T* x, int64_t v, int64_t target
 // [0, n) are visible): p[j] = exp(scale x[j] - max) / sum for j < n, 0 after; in place (p == x
 // allowed). `tmp` holds n floats. In GCC's vector types of 16 lanes (the plain loops' stores to
 // tmp beside the reduction did not vectorise): exp_approx16 is exp_approx lane by lane.
-typedef int32_t Int16s __attribute__((vector_size(64)));
-typedef uint32_t Uint16s __attribute__((vector_size(64)));
-typedef uint16_t Half16s __attribute__((vector_size(32)));
-WEFT_ALWAYS_INLINE Lanes16 load16(const float* x) {
-  Lanes16 v;
-  std::memcpy(&v, x, sizeof(v));
-  return v;
-}
-WEFT_ALWAYS_INLINE Lanes16 load16(const Bf16Bits* x) {
-  Half16s h;
-  std::memcpy(&h, x, sizeof(h));
-  return reinterpret_cast<Lanes16>(__builtin_convertvector(h, Uint16s) << 16);
-}
-WEFT_ALWAYS_INLINE void store16(float* x, Lanes16 v) { std::memcpy(x, &v, sizeof(v)); }
-WEFT_ALWAYS_INLINE void store16(Bf16Bits* x, Lanes16 v) {  // from_float's rounding, lane by lane
-  const Uint16s bits = reinterpret_cast<Uint16s>(v);
-  const Uint16s rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  const Uint16s out = v != v ? Uint16s{} + 0x7FC0u : rounded;
-  const Half16s h = __builtin_convertvector(out, Half16s);
-  std::memcpy(x, &h, sizeof(h));
-}
-WEFT_ALWAYS_INLINE Lanes16 exp_approx16(Lanes16 x) {
-  x = x < -87.3f ? Lanes16{} - 87.3f : x;
-  x = x > 88.3f ? Lanes16{} + 88.3f : x;
-  const Int16s biased = __builtin_convertvector(x * 1.44269504088896341f + 127.5f, Int16s);
-  return exp_of_reduced(x, __builtin_convertvector(biased - 127, Lanes16)) * reinterpret_cast<Lanes16>(biased << 23);
-}
 // Rows whose width is a multiple of 16 run the last, partial block of visible keys as a whole
 // vector with the keys past the query masked (its lanes read the row's masked scores, never past
 // the row); other widths finish it lane by lane.

@@ -53,9 +53,15 @@ TEST(FusedKernels, SwigluMatchesSiluTimesUpWithGradients) {
   EXPECT_TRUE(torch::allclose(fused({gate_up}), reference({gate_up}), 1e-5, 1e-6));
   EXPECT_TRUE(torch::allclose(grads_of(fused, {gate_up}, probe)[0], grads_of(reference, {gate_up}, probe)[0],
                               1e-5, 1e-5));
-  // Saturated inputs stay finite: silu(-100) = 0, silu(100) = 100.
-  const auto extreme = torch::tensor({-100.0f, 100.0f, 1.0f, 1.0f}).view({1, 4});
-  EXPECT_TRUE(torch::allclose(fused_swiglu(extreme), torch::tensor({0.0f, 100.0f}).view({1, 2}), 0, 1e-4));
+  // Saturated inputs stay finite: silu(-100) = 0, silu(100) = 100, on the 16-lane path and the
+  // lane-by-lane rest (17 gates).
+  const auto gates = torch::tensor({-100.0f, 100.0f}).repeat({9}).narrow(0, 0, 17);
+  const auto extreme = torch::cat({gates, torch::ones({17})}).view({1, 34}).requires_grad_(true);
+  const auto saturated = fused_swiglu(extreme);
+  EXPECT_TRUE(torch::allclose(saturated, (gates > 0).to(torch::kFloat32).mul(100.0f).view({1, 17}), 0, 1e-4));
+  saturated.sum().backward();
+  EXPECT_TRUE(torch::isfinite(extreme.grad()).all().item<bool>());
+  EXPECT_TRUE(torch::allclose(extreme.grad().narrow(1, 17, 17), saturated.detach(), 0, 1e-4));  // d/du = silu(g)
   const auto bf = fused_swiglu(gate_up.to(torch::kBFloat16));
   EXPECT_EQ(bf.scalar_type(), torch::kBFloat16);
   EXPECT_TRUE(torch::allclose(bf.to(torch::kFloat32), reference({gate_up}), 2e-2, 2e-2));

@@ -823,33 +823,39 @@ class QkvRopeFunction : public torch::autograd::Function<QkvRopeFunction> {
 // would for +inf or NaN. Three passes over the row (its maximum, the sum of exponentials, the
 // gradient), the second and third from cache.
 template <typename T>
-WEFT_ALWAYS_INLINE float cross_entropy_row(const T* x, int64_t v, int64_t target, float scale, T* grad) {
-  constexpr int kLanes = 16;
-  float mx[kLanes], bad[kLanes];
-  for (int j = 0; j < kLanes; ++j) mx[j] = -std::numeric_limits<float>::infinity(), bad[j] = 0.0f;
+WEFT_ALWAYS_INLINE float cross_entropy_row(const T* x, int64_t v, int64_t target, float scale, T* grad,
+                                           float* __restrict tmp) {
+  // In vectors of 16 lanes (see Lanes16; the plain loops' in-place gradient did not vectorise),
+  // the rest lane by lane with the same operations. With a gradient, tmp (v floats) keeps each
+  // exp(x - max) for it.
+  const float inf = std::numeric_limits<float>::infinity();
+  Lanes16 mx = Lanes16{} - inf, bad = {};
   int64_t i = 0;
   for (; i + kLanes <= v; i += kLanes) {
-    for (int j = 0; j < kLanes; ++j) {
-      const float e = to_float(x[i + j]);
-      mx[j] = e > mx[j] ? e : mx[j];
-      bad[j] += e - e;  // NaN from a NaN or an infinity
-    }
+    const Lanes16 e = load16(x + i);
+    mx = e > mx ? e : mx;
+    bad += e - e;  // NaN from a NaN or an infinity
   }
-  float m = -std::numeric_limits<float>::infinity(), nonfinite = 0.0f;
+  float m = -inf, nonfinite = 0.0f;
   for (; i < v; ++i) {
     const float e = to_float(x[i]);
     m = e > m ? e : m;
     nonfinite += e - e;
   }
   for (int j = 0; j < kLanes; ++j) m = mx[j] > m ? mx[j] : m, nonfinite += bad[j];
-  float acc[kLanes] = {};
-  for (i = 0; i + kLanes <= v; i += kLanes) {
-    for (int j = 0; j < kLanes; ++j) {
-      acc[j] += exp_approx(to_float(x[i + j]) - m);
-    }
-  }
+  Lanes16 acc = {};
   float sum = 0.0f;
-  for (; i < v; ++i) sum += exp_approx(to_float(x[i]) - m);
+  if (grad != nullptr) {
+    for (i = 0; i + kLanes <= v; i += kLanes) {
+      const Lanes16 e = exp_approx16(load16(x + i) - m);
+      store16(tmp + i, e);
+      acc += e;
+    }
+    for (; i < v; ++i) sum += tmp[i] = exp_approx(to_float(x[i]) - m);
+  } else {
+    for (i = 0; i + kLanes <= v; i += kLanes) acc += exp_approx16(load16(x + i) - m);
+    for (; i < v; ++i) sum += exp_approx(to_float(x[i]) - m);
+  }
   for (int j = 0; j < kLanes; ++j) sum += acc[j];
   if (nonfinite != 0.0f || nonfinite != nonfinite) {
     if (grad != nullptr) {
@@ -859,12 +865,12 @@ WEFT_ALWAYS_INLINE float cross_entropy_row(const T* x, int64_t v, int64_t target
   }
   const float loss = target < 0 ? 0.0f : m + std::log(sum) - to_float(x[target]);
   if (grad != nullptr) {
-    // softmax as ATen's backward of log_softmax takes it: exp(x - lse).
-    const float lse = m + std::log(sum);
-    const float s = target < 0 ? 0.0f : scale;
-    const float t_logit = target < 0 ? 0.0f : to_float(x[target]);
-    for (i = 0; i < v; ++i) grad[i] = from_float<T>(exp_approx(to_float(x[i]) - lse) * s);
-    if (target >= 0) grad[target] = from_float<T>((exp_approx(t_logit - lse) - 1.0f) * s);
+    // softmax(x) = exp(x - max) / sum, from tmp.
+    const float s = target < 0 ? 0.0f : scale, ratio = s / sum;
+    const float t_exp = target < 0 ? 0.0f : tmp[target];
+    for (i = 0; i + kLanes <= v; i += kLanes) store16(grad + i, load16(tmp + i) * ratio);
+    for (; i < v; ++i) grad[i] = from_float<T>(tmp[i] * ratio);
+    if (target >= 0) grad[target] = from_float<T>((t_exp / sum - 1.0f) * s);
   }
   return loss;
 }
@@ -949,12 +955,13 @@ WEFT_SOFTMAX_CLONES(float)
 WEFT_SOFTMAX_CLONES(Bf16Bits)
 #undef WEFT_SOFTMAX_CLONES
 
-WEFT_SIMD_CLONES float cross_entropy_row_dispatch(const float* x, int64_t v, int64_t target, float scale, float* grad) {
-  return cross_entropy_row(x, v, target, scale, grad);
+WEFT_SIMD_CLONES float cross_entropy_row_dispatch(const float* x, int64_t v, int64_t target, float scale, float* grad,
+                                                  float* tmp) {
+  return cross_entropy_row(x, v, target, scale, grad, tmp);
 }
 WEFT_SIMD_CLONES float cross_entropy_row_dispatch(const Bf16Bits* x, int64_t v, int64_t target, float scale,
-                                                  Bf16Bits* grad) {
-  return cross_entropy_row(x, v, target, scale, grad);
+                                                  Bf16Bits* grad, float* tmp) {
+  return cross_entropy_row(x, v, target, scale, grad, tmp);
 }
 
 // sum(x[i]^2) over [0, n) in fp64: each square is exact in fp64 (a 24-bit significand squared),
@@ -1325,10 +1332,11 @@ torch::Tensor cross_entropy_rows(torch::Tensor& logits, const torch::Tensor& tar
     using T = decltype(tag);
     T* xp = data<T>(logits);
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> tmp(grad_scale ? static_cast<size_t>(vocab) : 0);
       for (int64_t r = begin; r < end; ++r) {
         T* row = xp + r * vocab;
         const int64_t target = tp[r] == ignore_index ? -1 : tp[r];
-        lp[r] = cross_entropy_row_dispatch(row, vocab, target, scale, grad_scale ? row : nullptr);
+        lp[r] = cross_entropy_row_dispatch(row, vocab, target, scale, grad_scale ? row : nullptr, tmp.data());
       }
     });
   });

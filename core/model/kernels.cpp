@@ -561,9 +561,25 @@ torch::Tensor apply_dropout_mask(const torch::Tensor& x, double p, uint64_t seed
   return out;
 }
 
-// The complement's sums (kernels.h, dropped_product and friends) over x [R, I]'s dropped elements
-// `d` [lo, hi) (ascending indices), in column blocks of kLanes of the r-wide operands (one vector
-// register of fp32 on AVX-512).
+// The complement's sums (kernels.h, subtract_dropped_products_ and dropped_backward_) over x [R, I]'s
+// dropped elements, for the adapters that share x in one pass over its rows (they are memory-bound:
+// nearly every cache line of x, and of x's gradient, holds a dropped element, so each row is read
+// once for all of them), in column blocks of kLanes of the r-wide operands (one vector register of
+// fp32 on AVX-512).
+
+// One adapter's operands: its mask's ascending indices d[0, count), A^T [cols, r] fp32, its rows
+// (u forward, v backward: [R, r] of x's type, row stride `stride`), forward's scale, and backward's
+// parts of A's gradient ([blocks, cols, r] fp32).
+struct Complement {
+  const int32_t* d;
+  int64_t count;
+  const float* at;
+  void* rows;
+  int64_t stride, r;
+  float scale;
+  float* part;
+};
+constexpr int64_t kMaxComplements = 16;  // adapters per pass (more go in further passes)
 
 // The dropped indices of rows [begin, end) of a [R, cols] matrix: d's range [lo, hi).
 std::pair<int64_t, int64_t> rows_range(const int32_t* d, int64_t count, int64_t begin, int64_t end, int64_t cols) {
@@ -572,102 +588,143 @@ std::pair<int64_t, int64_t> rows_range(const int32_t* d, int64_t count, int64_t 
   return {lo, hi};
 }
 
-// out[i, :] (rows of the range, zeroed first) += x[i, j] at[j, :] for each dropped (i, j). Where r
-// is 16 (LoRA's usual rank) a row's sum stays in a register until the row ends.
+// Forward over rows [begin, end), for each adapter: u[i, :] = (u[i, :] - sum over dropped (i, j) of
+// x[i, j] at[j, :]) * scale, each sum in fp32 in two alternating partial sums (independent chains),
+// each element rounded once.
 template <typename T>
-WEFT_ALWAYS_INLINE void dropped_product_span(const T* __restrict x, const int32_t* __restrict d, int64_t lo,
-                                             int64_t hi, const float* __restrict at, float* __restrict out,
-                                             int64_t cols, int64_t r) {
-  int64_t i = lo < hi ? d[lo] / cols : 0, row = i * cols;  // the row of d[k], tracked (d ascends)
-  if (r == kLanes) {
-    Lanes16 acc = {};
-    for (int64_t k = lo; k < hi; ++k) {
-      const int64_t e = d[k];
-      if (e >= row + cols) {
-        std::memcpy(out + i * r, &acc, sizeof(acc));
-        acc = Lanes16{};
-        do ++i, row += cols;
-        while (e >= row + cols);
+WEFT_ALWAYS_INLINE void complement_forward_span(const T* __restrict x, int64_t cols, const Complement* ops, int64_t n_ops,
+                                                int64_t begin, int64_t end) {
+  int64_t cursor[kMaxComplements];
+  for (int64_t o = 0; o < n_ops; ++o) cursor[o] = rows_range(ops[o].d, ops[o].count, begin, end, cols).first;
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t row = i * cols;
+    for (int64_t o = 0; o < n_ops; ++o) {
+      const Complement& op = ops[o];
+      const int32_t* __restrict d = op.d;
+      const float* __restrict at = op.at;
+      const int64_t r = op.r, k = cursor[o];
+      int64_t k1 = k;
+      while (k1 < op.count && d[k1] < row + cols) ++k1;
+      T* __restrict ui = static_cast<T*>(op.rows) + i * op.stride;
+      int64_t c0 = 0;
+      for (; c0 + kLanes <= r; c0 += kLanes) {
+        Lanes16 acc0 = {}, acc1 = {};
+        int64_t q = k;
+        for (; q + 1 < k1; q += 2) {
+          acc0 += to_float(x[d[q]]) * load16(at + (d[q] - row) * r + c0);
+          acc1 += to_float(x[d[q + 1]]) * load16(at + (d[q + 1] - row) * r + c0);
+        }
+        if (q < k1) acc0 += to_float(x[d[q]]) * load16(at + (d[q] - row) * r + c0);
+        store16(ui + c0, (load16(ui + c0) - (acc0 + acc1)) * op.scale);
       }
-      Lanes16 a;
-      std::memcpy(&a, at + (e - row) * r, sizeof(a));
-      acc += to_float(x[e]) * a;
+      for (int64_t c = c0; c < r; ++c) {
+        float acc = 0.0f;
+        for (int64_t q = k; q < k1; ++q) acc += to_float(x[d[q]]) * at[(d[q] - row) * r + c];
+        ui[c] = from_float<T>((to_float(ui[c]) - acc) * op.scale);
+      }
+      cursor[o] = k1;
     }
-    if (lo < hi) std::memcpy(out + i * r, &acc, sizeof(acc));
-    return;
-  }
-  for (int64_t k = lo; k < hi; ++k) {
-    const int64_t e = d[k];
-    while (e >= row + cols) ++i, row += cols;
-    const float xv = to_float(x[e]);
-    const float* __restrict a = at + (e - row) * r;
-    float* __restrict o = out + i * r;
-    for (int64_t c = 0; c < r; ++c) o[c] += xv * a[c];
   }
 }
-// out[j, :] (columns [jbegin, jend), zeroed first) += x[i, j] v[i, :] for each dropped (i, j), rows in order.
-template <typename T>
-WEFT_ALWAYS_INLINE void dropped_product_t_span(const T* __restrict x, const int32_t* __restrict d, int64_t count,
-                                               const float* __restrict v, float* __restrict out, int64_t jbegin,
-                                               int64_t jend, int64_t cols, int64_t r) {
-  int64_t i = 0, row = 0;  // the row of d[k], tracked (d ascends)
-  for (int64_t k = 0; k < count; ++k) {
-    const int64_t e = d[k];
-    while (e >= row + cols) ++i, row += cols;
-    const int64_t j = e - row;
-    if (j < jbegin || j >= jend) continue;
-    const float xv = to_float(x[e]);
-    const float* __restrict vi = v + i * r;
-    float* __restrict o = out + j * r;
-    int64_t c0 = 0;
-    for (; c0 + kLanes <= r; c0 += kLanes) {
-      for (int64_t c = 0; c < kLanes; ++c) o[c0 + c] += xv * vi[c0 + c];
-    }
-    for (int64_t c = c0; c < r; ++c) o[c] += xv * vi[c];
+
+// The lane sums of 16 vectors at once, sums[l] = the sum of p[kSum16Slot[l]]'s lanes: a
+// transposing tree of two-source shuffles (30 shuffles and 15 additions for 16 sums, against 3
+// shuffles and 4 additions each one by one). A caller that wants element l's sum in lane l puts it
+// in p[kSum16Slot[l]].
+constexpr int kSum16Slot[kLanes] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+WEFT_ALWAYS_INLINE Lanes16 sum16x16(const Lanes16* p) {
+  Lanes16 q[8], r4[4], t[2];
+  for (int m = 0; m < 8; ++m) {  // lanes 0-7: p[2m]'s halves added; 8-15: p[2m + 1]'s
+    q[m] = __builtin_shufflevector(p[2 * m], p[2 * m + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(p[2 * m], p[2 * m + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
   }
+  for (int m = 0; m < 4; ++m) {  // quarters: p[4m], p[4m + 2], p[4m + 1], p[4m + 3]
+    r4[m] = __builtin_shufflevector(q[2 * m], q[2 * m + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+            __builtin_shufflevector(q[2 * m], q[2 * m + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  }
+  for (int m = 0; m < 2; ++m) {  // pairs: p[8m + 0, 4, 2, 6, 1, 5, 3, 7]
+    t[m] = __builtin_shufflevector(r4[2 * m], r4[2 * m + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(r4[2 * m], r4[2 * m + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  }
+  return __builtin_shufflevector(t[0], t[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         __builtin_shufflevector(t[0], t[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
 }
-// g[i, j] -= v[i, :] . at[j, :] for each dropped (i, j) of d's range.
+
+// g[at_of[l]] -= the lane sum of products[kSum16Slot[l]], for l < n in order (the other slots are
+// zeroed).
 template <typename T>
-WEFT_ALWAYS_INLINE void subtract_dropped_span(T* __restrict g, const int32_t* __restrict d, int64_t lo, int64_t hi,
-                                              const float* __restrict v, const float* __restrict at, int64_t cols,
-                                              int64_t r) {
-  int64_t i = lo < hi ? d[lo] / cols : 0, row = i * cols;  // the row of d[k], tracked (d ascends)
-  for (int64_t k = lo; k < hi; ++k) {
-    const int64_t e = d[k];
-    while (e >= row + cols) ++i, row += cols;
-    const float* __restrict vi = v + i * r;
-    const float* __restrict a = at + (e - row) * r;
-    // The dot product in one vector of 16 lanes, reduced in registers (GCC's vector extensions: a
-    // plain loop's reduction would not be reassociated, and a reduction through memory stalls).
-    Lanes16 lanes = {};
-    int64_t c0 = 0;
-    for (; c0 + kLanes <= r; c0 += kLanes) {
-      Lanes16 vv, av;
-      std::memcpy(&vv, vi + c0, sizeof(vv));
-      std::memcpy(&av, a + c0, sizeof(av));
-      lanes += vv * av;
+WEFT_ALWAYS_INLINE void subtract_sums(T* __restrict g, Lanes16* products, const int64_t* at_of, int n) {
+  for (int l = n; l < kLanes; ++l) products[kSum16Slot[l]] = Lanes16{};
+  const Lanes16 sums = sum16x16(products);
+  for (int l = 0; l < n; ++l) g[at_of[l]] = from_float<T>(to_float(g[at_of[l]]) - sums[l]);
+}
+
+// Backward over rows [begin, end), for each adapter: g[i, j] -= v[i, :] . at[j, :] at each dropped
+// (i, j) (g may be null; an element dropped by several adapters takes their terms in adapter
+// order, each rounded), and part[j, :] += x[i, j] v[i, :] (`part`: this block's [cols, r], summed
+// in row order). Where r is a multiple of 16 the dot products go 16 at a time through sum16x16.
+template <typename T>
+WEFT_ALWAYS_INLINE void complement_backward_span(T* __restrict g, const T* __restrict x, int64_t cols,
+                                                 const Complement* ops, int64_t n_ops, int64_t block, int64_t begin,
+                                                 int64_t end) {
+  int64_t cursor[kMaxComplements];
+  for (int64_t o = 0; o < n_ops; ++o) cursor[o] = rows_range(ops[o].d, ops[o].count, begin, end, cols).first;
+  Lanes16 products[kLanes];
+  int64_t at_of[kLanes];
+  int n = 0;
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t row = i * cols;
+    for (int64_t o = 0; o < n_ops; ++o) {
+      const Complement& op = ops[o];
+      const int32_t* __restrict d = op.d;
+      const float* __restrict at = op.at;
+      const int64_t r = op.r;
+      const T* __restrict vi = static_cast<const T*>(op.rows) + i * op.stride;
+      float* __restrict part = op.part + block * cols * r;
+      int64_t k = cursor[o];
+      for (; k < op.count && d[k] < row + cols; ++k) {
+        const int64_t e = d[k];
+        const float xv = to_float(x[e]);
+        const float* a = at + (e - row) * r;
+        float* out = part + (e - row) * r;
+        if (r % kLanes == 0) {
+          Lanes16 prod = {};
+          for (int64_t c0 = 0; c0 < r; c0 += kLanes) {
+            const Lanes16 vv = load16(vi + c0);
+            prod += vv * load16(a + c0);
+            store16(out + c0, load16(out + c0) + xv * vv);
+          }
+          if (g != nullptr) {
+            products[kSum16Slot[n]] = prod;
+            at_of[n++] = e;
+            if (n == kLanes) subtract_sums(g, products, at_of, n), n = 0;
+          }
+        } else {
+          float dot = 0.0f;
+          for (int64_t c = 0; c < r; ++c) {
+            const float vc = to_float(vi[c]);
+            dot += vc * a[c];
+            out[c] += xv * vc;
+          }
+          if (g != nullptr) {
+            if (n > 0) subtract_sums(g, products, at_of, n), n = 0;  // keep each element's terms in order
+            g[e] = from_float<T>(to_float(g[e]) - dot);
+          }
+        }
+      }
+      cursor[o] = k;
     }
-    const Lanes8 half = __builtin_shufflevector(lanes, lanes, 0, 1, 2, 3, 4, 5, 6, 7) +
-                        __builtin_shufflevector(lanes, lanes, 8, 9, 10, 11, 12, 13, 14, 15);
-    const Lanes4 quarter = __builtin_shufflevector(half, half, 0, 1, 2, 3) + __builtin_shufflevector(half, half, 4, 5, 6, 7);
-    float dot = (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
-    for (int64_t c = c0; c < r; ++c) dot += vi[c] * a[c];
-    g[e] = from_float<T>(to_float(g[e]) - dot);
   }
+  if (g != nullptr && n > 0) subtract_sums(g, products, at_of, n);
 }
 #define WEFT_COMPLEMENT_CLONES(T)                                                                                   \
-  WEFT_SIMD_CLONES void dropped_product_dispatch(const T* x, const int32_t* d, int64_t lo, int64_t hi,             \
-                                                 const float* at, float* out, int64_t cols, int64_t r) {            \
-    dropped_product_span(x, d, lo, hi, at, out, cols, r);                                                           \
+  WEFT_SIMD_CLONES void complement_forward_dispatch(const T* x, int64_t cols, const Complement* ops, int64_t n_ops, \
+                                                    int64_t begin, int64_t end) {                                    \
+    complement_forward_span(x, cols, ops, n_ops, begin, end);                                                        \
   }                                                                                                                 \
-  WEFT_SIMD_CLONES void dropped_product_t_dispatch(const T* x, const int32_t* d, int64_t count, const float* v,    \
-                                                   float* out, int64_t jbegin, int64_t jend, int64_t cols,          \
-                                                   int64_t r) {                                                     \
-    dropped_product_t_span(x, d, count, v, out, jbegin, jend, cols, r);                                             \
-  }                                                                                                                 \
-  WEFT_SIMD_CLONES void subtract_dropped_dispatch(T* g, const int32_t* d, int64_t lo, int64_t hi, const float* v, \
-                                                  const float* at, int64_t cols, int64_t r) {                       \
-    subtract_dropped_span(g, d, lo, hi, v, at, cols, r);                                                            \
+  WEFT_SIMD_CLONES void complement_backward_dispatch(T* g, const T* x, int64_t cols, const Complement* ops,        \
+                                                     int64_t n_ops, int64_t block, int64_t begin, int64_t end) {    \
+    complement_backward_span(g, x, cols, ops, n_ops, block, begin, end);                                             \
   }
 WEFT_COMPLEMENT_CLONES(float)
 WEFT_COMPLEMENT_CLONES(Bf16Bits)
@@ -1117,80 +1174,96 @@ torch::Tensor dropout_mask_indices(int64_t n, double p, uint64_t seed) {
 }
 
 namespace {
-// x [R, I] contiguous CPU fp32 or bf16 and its mask's ascending indices; `other` [rows, r]
-// contiguous fp32.
-void check_complement(const torch::Tensor& x, const torch::Tensor& dropped, const torch::Tensor& other, int64_t rows,
-                      const char* what) {
+// x [R, I] contiguous CPU fp32 or bf16; each adapter's mask as ascending indices of x's elements,
+// at [I, r] contiguous fp32, and rows (u or v) [R, r] of x's dtype with unit column stride; their
+// kernel operands.
+std::vector<Complement> complements(const torch::Tensor& x, const std::vector<DroppedAdapter>& adapters,
+                                    const char* what) {
   WEFT_CHECK(seeded_dropout_applies(x) && x.dim() == 2 && x.is_contiguous(),
              "{}: x must be a contiguous 2-d CPU tensor of fp32 or bf16", what);
-  WEFT_CHECK(dropped.device().is_cpu() && dropped.scalar_type() == torch::kInt32 && dropped.dim() == 1 &&
-                 dropped.is_contiguous() && dropped.numel() <= x.numel() &&
-                 (dropped.numel() == 0 || (dropped.data_ptr<int32_t>()[0] >= 0 &&
-                                           dropped.data_ptr<int32_t>()[dropped.numel() - 1] < x.numel())),
-             "{}: x's mask as int32 indices of its {} elements expected", what, x.numel());
-  WEFT_CHECK(other.device().is_cpu() && other.scalar_type() == torch::kFloat32 && other.is_contiguous() &&
-                 other.dim() == 2 && other.size(0) == rows,
-             "{}: a contiguous fp32 CPU matrix of {} rows expected, got {} dimensions of {} rows", what, rows,
-             other.dim(), other.dim() > 0 ? other.size(0) : 0);
+  std::vector<Complement> ops;
+  for (const auto& a : adapters) {
+    const auto& dropped = a.dropped;
+    WEFT_CHECK(dropped.defined() && dropped.device().is_cpu() && dropped.scalar_type() == torch::kInt32 &&
+                   dropped.dim() == 1 && dropped.is_contiguous() && dropped.numel() <= x.numel() &&
+                   (dropped.numel() == 0 || (dropped.data_ptr<int32_t>()[0] >= 0 &&
+                                             dropped.data_ptr<int32_t>()[dropped.numel() - 1] < x.numel())),
+               "{}: x's mask as int32 indices of its {} elements expected", what, x.numel());
+    WEFT_CHECK(a.at.defined() && a.at.device().is_cpu() && a.at.scalar_type() == torch::kFloat32 &&
+                   a.at.is_contiguous() && a.at.dim() == 2 && a.at.size(0) == x.size(1),
+               "{}: A^T as a contiguous fp32 CPU matrix of {} rows expected", what, x.size(1));
+    const auto& rows = a.rows;
+    WEFT_CHECK(rows.defined() && rows.device().is_cpu() && rows.scalar_type() == x.scalar_type() && rows.dim() == 2 &&
+                   rows.size(0) == x.size(0) && rows.size(1) == a.at.size(1) && (rows.size(1) <= 1 || rows.stride(1) == 1) &&
+                   (rows.size(0) <= 1 || rows.stride(0) >= rows.size(1)),
+               "{}: a [{}, {}] CPU matrix of x's dtype with unit column stride expected", what, x.size(0),
+               a.at.size(1));
+    ops.push_back(Complement{dropped.data_ptr<int32_t>(), dropped.numel(), a.at.data_ptr<float>(), rows.data_ptr(),
+                             rows.stride(0), a.at.size(1), a.scale, nullptr});
+  }
+  return ops;
 }
 }  // namespace
 
-namespace {
-// Calls f(T{}, lo, hi) (T: the element type of `dtype`) on chunks of the rows of a [rows, cols]
-// matrix, with each chunk's range [lo, hi) of the ascending indices `dropped`.
-template <typename F>
-void over_dropped_rows(torch::Dtype dtype, const char* what, const torch::Tensor& dropped, int64_t rows, int64_t cols,
-                       F&& f) {
-  const int32_t* d = dropped.data_ptr<int32_t>();
-  const int64_t count = dropped.numel();
-  dispatch_float_or_bf16(dtype, what, [&](auto tag) {
-    at::parallel_for(0, rows, rows_grain(cols), [&](int64_t begin, int64_t end) {
-      const auto [lo, hi] = rows_range(d, count, begin, end, cols);
-      f(tag, d, lo, hi);
-    });
-  });
-}
-}  // namespace
-
-torch::Tensor dropped_product(const torch::Tensor& x, const torch::Tensor& dropped, const torch::Tensor& at) {
-  check_complement(x, dropped, at, x.size(1), "dropped_product");
-  const int64_t cols = x.size(1), r = at.size(1);
-  auto out = torch::zeros({x.size(0), r}, torch::kFloat32);
-  over_dropped_rows(x.scalar_type(), "dropped_product", dropped, x.size(0), cols,
-                    [&](auto tag, const int32_t* d, int64_t lo, int64_t hi) {
-                      using T = decltype(tag);
-                      dropped_product_dispatch(data<T>(x), d, lo, hi, at.data_ptr<float>(), out.data_ptr<float>(),
-                                               cols, r);
-                    });
-  return out;
-}
-
-torch::Tensor dropped_product_t(const torch::Tensor& x, const torch::Tensor& dropped, const torch::Tensor& v) {
-  check_complement(x, dropped, v, x.size(0), "dropped_product_t");
-  const int64_t cols = x.size(1), r = v.size(1);
-  auto out = torch::zeros({cols, r}, torch::kFloat32);
-  dispatch_float_or_bf16(x.scalar_type(), "dropped_product_t", [&](auto tag) {
+void subtract_dropped_products_(const torch::Tensor& x, const std::vector<DroppedAdapter>& adapters) {
+  const auto ops = complements(x, adapters, "subtract_dropped_products_");
+  const int64_t rows = x.size(0), cols = x.size(1);
+  dispatch_float_or_bf16(x.scalar_type(), "subtract_dropped_products_", [&](auto tag) {
     using T = decltype(tag);
-    at::parallel_for(0, cols, 64, [&](int64_t begin, int64_t end) {  // each column's sum over rows in order
-      dropped_product_t_dispatch(data<T>(x), dropped.data_ptr<int32_t>(), dropped.numel(), v.data_ptr<float>(),
-                                 out.data_ptr<float>(), begin, end, cols, r);
+    at::parallel_for(0, rows, rows_grain(cols), [&](int64_t begin, int64_t end) {
+      for (size_t o = 0; o < ops.size(); o += kMaxComplements) {
+        complement_forward_dispatch(data<T>(x), cols, ops.data() + o,
+                                    std::min<int64_t>(kMaxComplements, static_cast<int64_t>(ops.size() - o)), begin, end);
+      }
     });
   });
-  return out;
 }
 
-void subtract_dropped_(torch::Tensor& g, const torch::Tensor& dropped, const torch::Tensor& v, const torch::Tensor& at) {
-  check_complement(g, dropped, v, g.size(0), "subtract_dropped_");
-  check_complement(g, dropped, at, g.size(1), "subtract_dropped_");
-  WEFT_CHECK(v.size(1) == at.size(1), "subtract_dropped_: v and at of one width expected, got {} and {}", v.size(1),
-             at.size(1));
-  const int64_t cols = g.size(1), r = v.size(1);
-  over_dropped_rows(g.scalar_type(), "subtract_dropped_", dropped, g.size(0), cols,
-                    [&](auto tag, const int32_t* d, int64_t lo, int64_t hi) {
-                      using T = decltype(tag);
-                      subtract_dropped_dispatch(data<T>(g), d, lo, hi, v.data_ptr<float>(), at.data_ptr<float>(), cols,
-                                                r);
-                    });
+void dropped_backward_(torch::Tensor& grad_x, const torch::Tensor& x, const std::vector<DroppedAdapter>& adapters) {
+  auto ops = complements(x, adapters, "dropped_backward_");
+  const int64_t rows = x.size(0), cols = x.size(1);
+  WEFT_CHECK(!grad_x.defined() || (grad_x.sizes() == x.sizes() && grad_x.scalar_type() == x.scalar_type() &&
+                                   grad_x.device().is_cpu() && grad_x.is_contiguous()),
+             "dropped_backward_: x's gradient must be a contiguous CPU tensor of x's shape and dtype");
+  // A's shares in fixed blocks of rows, each summed in row order into its own [cols, r] part, the
+  // parts then added in block order: the same bits at any thread count.
+  constexpr int64_t kBlockRows = 256;
+  const int64_t blocks = (rows + kBlockRows - 1) / kBlockRows;
+  std::vector<torch::Tensor> parts;
+  for (size_t o = 0; o < ops.size(); ++o) {
+    const auto& ga = adapters[o].grad_a;
+    WEFT_CHECK(ga.defined() && ga.device().is_cpu() && ga.scalar_type() == torch::kFloat32 && ga.is_contiguous() &&
+                   ga.dim() == 2 && ga.size(0) == ops[o].r && ga.size(1) == cols,
+               "dropped_backward_: A's gradient as a contiguous fp32 CPU matrix [{}, {}] expected", ops[o].r, cols);
+    parts.push_back(torch::zeros({blocks, cols, ops[o].r}, torch::kFloat32));
+    ops[o].part = parts.back().data_ptr<float>();
+  }
+  dispatch_float_or_bf16(x.scalar_type(), "dropped_backward_", [&](auto tag) {
+    using T = decltype(tag);
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        for (size_t o = 0; o < ops.size(); o += kMaxComplements) {
+          complement_backward_dispatch(grad_x.defined() ? data<T>(grad_x) : nullptr, data<T>(x), cols, ops.data() + o,
+                                       std::min<int64_t>(kMaxComplements, static_cast<int64_t>(ops.size() - o)), b,
+                                       b * kBlockRows, std::min(rows, (b + 1) * kBlockRows));
+        }
+      }
+    });
+  });
+  for (size_t o = 0; o < ops.size(); ++o) {
+    const float* pp = ops[o].part;
+    float* ga = adapters[o].grad_a.data_ptr<float>();
+    const int64_t r = ops[o].r;
+    at::parallel_for(0, cols, 64, [&](int64_t j0, int64_t j1) {
+      for (int64_t j = j0; j < j1; ++j) {
+        for (int64_t c = 0; c < r; ++c) {
+          float sum = 0.0f;
+          for (int64_t b = 0; b < blocks; ++b) sum += pp[(b * cols + j) * r + c];
+          ga[c * cols + j] -= sum;
+        }
+      }
+    });
+  }
 }
 
 torch::Tensor fused_dropout(const torch::Tensor& x, double p) {

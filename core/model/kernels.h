@@ -100,16 +100,24 @@ float dropout_scale(double p);
 // every element is kept, so D(x) A^T = (x A^T - x_dropped A^T) / (1 - p), where x_dropped holds x's
 // dropped elements and zeros: the dense product over all of x (one GEMM with the other adapters'
 // products, as without dropout), less the dropped elements' few terms, which these add up from the
-// mask's indices (dropout_mask_indices over x's elements in order). x: [R, I] contiguous CPU fp32 or
-// bf16; at: A^T [I, r] and v: [R, r], contiguous fp32. Each sum in fp32 in a fixed order: the same
-// result at any thread count.
-//   dropped_product(x, dropped, at)    [R, r]: row i = sum over dropped (i, j) of x[i, j] at[j, :]
-//   dropped_product_t(x, dropped, v)   [I, r]: row j = sum over dropped (i, j) of x[i, j] v[i, :]
-//   subtract_dropped_(g, dropped, v, at): g[i, j] -= v[i, :] . at[j, :] at each dropped (i, j), for
-//                                         g [R, I] contiguous of x's dtypes (each rounded once)
-torch::Tensor dropped_product(const torch::Tensor& x, const torch::Tensor& dropped, const torch::Tensor& at);
-torch::Tensor dropped_product_t(const torch::Tensor& x, const torch::Tensor& dropped, const torch::Tensor& v);
-void subtract_dropped_(torch::Tensor& g, const torch::Tensor& dropped, const torch::Tensor& v, const torch::Tensor& at);
+// mask's indices (dropout_mask_indices over x's elements in order); backward likewise. For the
+// adapters that take the same x, in one pass over x's rows. x: [R, I] contiguous CPU fp32 or bf16.
+// Each sum in fp32 in a fixed order: the same result at any thread count.
+struct DroppedAdapter {
+  torch::Tensor dropped;  // its mask: the dropped elements' ascending indices (int32)
+  torch::Tensor at;       // A^T [I, r], contiguous fp32
+  torch::Tensor rows;     // u (forward) or v (backward): [R, r] of x's dtype, unit column stride (a view will do)
+  float scale = 1.0f;     // forward's: 1 / (1 - p)
+  torch::Tensor grad_a;   // backward's: A's gradient [r, I], contiguous fp32, updated in place
+};
+// u[i, :] = (u[i, :] - sum over dropped (i, j) of x[i, j] at[j, :]) * scale for each adapter, each
+// element rounded once: u = x A^T becomes D(x) A^T.
+void subtract_dropped_products_(const torch::Tensor& x, const std::vector<DroppedAdapter>& adapters);
+// For v the scaled gradient through each adapter's D(x) A^T, turns the dense products' gradients
+// (grad_x + sum v A, grad_a + v^T x) into D's: grad_x[i, j] -= v[i, :] . at[j, :] at each dropped
+// (i, j) (grad_x [R, I] contiguous of x's dtype, each adapter's term rounded in adapter order;
+// undefined: skipped), and grad_a -= (x_dropped^T v)^T.
+void dropped_backward_(torch::Tensor& grad_x, const torch::Tensor& x, const std::vector<DroppedAdapter>& adapters);
 
 // The ATen formulations: the same values up to rounding order, on every device and dtype.
 torch::Tensor aten_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, torch::Dtype out_dtype);

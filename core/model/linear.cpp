@@ -324,14 +324,17 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     // Every adapter's x A^T, side by side in one GEMM; a dropped-out adapter's less its dropped
     // elements' terms, scaled by 1 / (1 - p) (the mask's complement, kernels.h): its D(x) A^T.
     auto u = torch::mm(x2, a_all.t());
-    std::vector<torch::Tensor> masks(a.size());  // each dropped-out adapter's mask: its dropped indices
+    // Each dropped-out adapter's mask (its dropped indices) and A^T in fp32, kept for backward.
+    std::vector<torch::Tensor> masks(a.size()), ats(a.size());
+    std::vector<DroppedAdapter> dropped;
     for (size_t k = 0, column = 0; k < a.size(); column += static_cast<size_t>(a[k].size(0)), ++k) {
       if (dropouts[k] <= 0) continue;
       masks[k] = dropout_mask_indices(x2.numel(), dropouts[k], static_cast<uint64_t>(seeds[k]));
-      auto uk = u.narrow(1, static_cast<int64_t>(column), a[k].size(0));
-      const auto dropped = dropped_product(x2, masks[k], a[k].to(torch::kFloat32).t().contiguous());
-      uk.copy_(uk.to(torch::kFloat32).sub_(dropped).mul_(dropout_scale(dropouts[k])));
+      ats[k] = a[k].to(torch::kFloat32).t().contiguous();
+      dropped.push_back({masks[k], ats[k], u.narrow(1, static_cast<int64_t>(column), a[k].size(0)),
+                         dropout_scale(dropouts[k]), {}});
     }
+    if (!dropped.empty()) subtract_dropped_products_(x2, dropped);
     int64_t offset = 0, rank_offset = 0;
     for (size_t i = 0; i < widths.size(); ++i) {
       if (adapters[i] >= 0) {
@@ -355,6 +358,7 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     ctx->saved_data["scales"] = scales;
     ctx->saved_data["dropouts"] = dropouts;
     ctx->saved_data["masks"] = masks;
+    ctx->saved_data["ats"] = ats;
     ctx->saved_data["dtype"] = dtype_code;
     ctx->saved_data["weights"] = static_cast<int64_t>(weights.size());
     ctx->saved_data["cached"] = cached.defined();
@@ -374,7 +378,10 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     const auto scales = ctx->saved_data["scales"].toDoubleVector();
     const int64_t n_weights = ctx->saved_data["weights"].toInt();
     const auto g = grads[0].reshape({-1, w.size(0)}).to(dtype).contiguous();
-    // v = each adapter's scaled g B, side by side as u: x's gradient through A and A's gradient.
+    // v = each adapter's scaled g B, side by side as u: x's gradient through A and A's gradient;
+    // a dropped-out adapter's also by 1 / (1 - p) (its share: D(v A) for x and v^T D(x) for A, each
+    // the dense product of v less the dropped elements' terms, its mask's complement).
+    const auto dropouts = ctx->saved_data["dropouts"].toDoubleVector();
     auto v = torch::empty_like(u);
     std::vector<torch::Tensor> grad_a(a.size()), grad_b(b.size());
     int64_t offset = 0, rank_offset = 0;
@@ -384,37 +391,35 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
         const int64_t r = b[k].size(1);
         const auto gi = g.narrow(1, offset, widths[i]);
         const auto ui = u.narrow(1, rank_offset, r);
-        v.narrow(1, rank_offset, r).copy_(torch::mm(gi, b[k].to(dtype)).mul_(scales[i]));
+        const double scale = scales[i] * (dropouts[k] > 0 ? dropout_scale(dropouts[k]) : 1.0);
+        v.narrow(1, rank_offset, r).copy_(torch::mm(gi, b[k].to(dtype)).mul_(scale));
         grad_b[k] = torch::mm(gi.t(), ui).mul_(scales[i]).to(b[k].scalar_type());
         rank_offset += r;
       }
       offset += widths[i];
     }
-    const auto dropouts = ctx->saved_data["dropouts"].toDoubleVector();
-    const auto masks = ctx->saved_data["masks"].toTensorVector();
-    // A dropped-out adapter's share: D(v A) for x and v^T D(x) for A, each the dense product of v
-    // scaled by 1 / (1 - p) less the dropped elements' terms (its mask's complement).
-    for (size_t k = 0, column = 0; k < a.size(); column += static_cast<size_t>(a[k].size(0)), ++k) {
-      if (dropouts[k] > 0) v.narrow(1, static_cast<int64_t>(column), a[k].size(0)).mul_(dropout_scale(dropouts[k]));
-    }
+    const auto masks = ctx->saved_data["masks"].toTensorVector(), ats = ctx->saved_data["ats"].toTensorVector();
     const bool want_x = ctx->needs_input_grad(0);
     const auto a_all = stacked(a, dtype);
     torch::Tensor grad_x = want_x ? torch::mm(g, w) : torch::Tensor();
     if (want_x) grad_x.addmm_(v, a_all);
     const auto grad_a_all = torch::mm(v.t(), x2);
+    std::vector<DroppedAdapter> dropped;
+    std::vector<size_t> dropped_k;
     rank_offset = 0;
     for (size_t k = 0; k < a.size(); ++k) {
       const int64_t r = a[k].size(0);
       const auto grad_ak = grad_a_all.narrow(0, rank_offset, r);
-      if (dropouts[k] > 0) {
-        const auto vk = v.narrow(1, rank_offset, r).to(torch::kFloat32).contiguous();
-        if (want_x) subtract_dropped_(grad_x, masks[k], vk, a[k].to(torch::kFloat32).t().contiguous());
-        grad_a[k] = grad_ak.to(torch::kFloat32).sub_(dropped_product_t(x2, masks[k], vk).t()).to(a[k].scalar_type());
+      if (dropouts[k] > 0) {  // A's gradient in fp32 until the dropped terms are taken out
+        dropped.push_back({masks[k], ats[k], v.narrow(1, rank_offset, r), 1.0f, grad_ak.to(torch::kFloat32).contiguous()});
+        dropped_k.push_back(k);
       } else {
         grad_a[k] = grad_ak.to(a[k].scalar_type());
       }
       rank_offset += r;
     }
+    if (!dropped.empty()) dropped_backward_(grad_x, x2, dropped);
+    for (size_t n = 0; n < dropped.size(); ++n) grad_a[dropped_k[n]] = dropped[n].grad_a.to(a[dropped_k[n]].scalar_type());
     if (want_x) {
       auto shape = grads[0].sizes().vec();
       shape.back() = x2.size(1);

@@ -322,9 +322,9 @@ bool lora_linear_applies(const std::vector<LinearImpl*>& layers);
 // gradients from one. No per-layer output, sum or concatenation is made, and no zero-filled
 // gradient of a slice. With dropout, each adapter's A takes its input through fused_dropout's mask
 // (the seeds drawn in layer order, as the adapters' own dropout draws them), kept as its dropped
-// elements' indices (dropout_mask_indices) for backward, and taken by its complement: the same GEMMs as without
-// dropout, less the dropped elements' terms (dropped_product and friends, kernels.h). No dropped
-// copy of x is made or kept, and no index is hashed twice.
+// elements' indices (dropout_mask_indices) for backward, and taken by its complement: the same
+// GEMMs as without dropout, less the dropped elements' terms (subtract_dropped_products_ and
+// dropped_backward_, kernels.h). No dropped copy of x is made or kept, and no index is hashed twice.
 torch::Tensor lora_linear(const torch::Tensor& x, const std::vector<LinearImpl*>& layers);
 
 // x [..., in] @ w^T in `dtype` for a frozen w [out, in] stored in another dtype (model.frozen_dtype

@@ -202,54 +202,124 @@ TEST(FusedKernels, DropoutKeepsOneMinusPScaledAndBackwardUsesTheSameMask) {
   EXPECT_THROW(dropout_mask_indices(10, 0.0, 1), Error);
 }
 
-// LoRA's dropout by the mask's complement (lora_linear): the dropped elements' terms of x's
-// products, against the dense products of x less its kept elements, in fp32 and bf16, at widths
-// whose rows straddle the mask's words; x A^T less them, scaled by 1 / (1 - p), is seeded_dropout(x)
-// A^T; each sum in a fixed order, so two threads give the bits one gives.
+// LoRA's dropout by the mask's complement (lora_linear), for three adapters that share x in one
+// call: against the dense products of x less each adapter's kept elements, in fp32 and bf16, for
+// ranks on the kernels' vector path (16, 32) and off it (5), on u and v that are column slices of
+// one wider matrix (as lora_linear's), over more rows than one of backward's blocks of 256; x A^T
+// less the dropped terms, scaled by 1 / (1 - p), is seeded_dropout(x) A^T; each sum in a fixed
+// order, so two threads give the bits one gives, and an adapter's A gradient is the same alone or
+// in the group; more adapters than one pass takes (16) give each one's own result.
 TEST(FusedKernels, DroppedProductsAreTheMaskComplementsTerms) {
   torch::manual_seed(12);
-  const int64_t rows = 37, cols = 45;
-  const double p = 0.3;
-  const auto bits = dropout_mask_indices(rows * cols, p, 99);
-  auto kept = torch::ones({rows * cols}, torch::kBool);
-  kept.index_fill_(0, bits.to(torch::kInt64), false);
-  kept = kept.view({rows, cols});
-  for (const int64_t r : {5, 16, 20}) {  // 16: the kernels' one-register path
-    const auto at = torch::randn({cols, r}), v = torch::randn({rows, r});
-    for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
-      const auto x = torch::randn({rows, cols}).to(dtype);
-      const auto xf = x.to(torch::kFloat64);
-      EXPECT_TRUE(torch::equal((seeded_dropout(x, p, 99) != 0) | (x == 0), kept)) << dtype;
-      const auto only_dropped = xf.masked_fill(kept, 0);
-      const auto prod = dropped_product(x, bits, at);
-      EXPECT_TRUE(torch::allclose(prod.to(torch::kFloat64), only_dropped.mm(at.to(torch::kFloat64)), 1e-5, 1e-5))
-          << dtype << " r " << r;
-      const auto prod_t = dropped_product_t(x, bits, v);
-      EXPECT_TRUE(torch::allclose(prod_t.to(torch::kFloat64), only_dropped.t().mm(v.to(torch::kFloat64)), 1e-5, 1e-5))
-          << dtype << " r " << r;
-      const auto scale = 1.0 / (1.0 - p);
-      const auto complement = (xf.mm(at.to(torch::kFloat64)) - prod.to(torch::kFloat64)) * scale;
-      const auto dropped_x = seeded_dropout(x.to(torch::kFloat32), p, 99).to(torch::kFloat64);  // x * scale unrounded
-      EXPECT_TRUE(torch::allclose(complement, dropped_x.mm(at.to(torch::kFloat64)), 1e-4, 1e-4)) << dtype << " r " << r;
-      auto g = torch::randn({rows, cols}).to(dtype);
-      const auto g0 = g.to(torch::kFloat64);
-      subtract_dropped_(g, bits, v, at);
-      const auto expected = g0 - v.to(torch::kFloat64).mm(at.t().to(torch::kFloat64)).masked_fill(kept, 0);
-      const bool fp32 = dtype == torch::kFloat32;
-      EXPECT_TRUE(torch::allclose(g.to(torch::kFloat64), expected, fp32 ? 1e-5 : 1e-2, fp32 ? 1e-5 : 2e-2))
-          << dtype << " r " << r;
-      EXPECT_TRUE(torch::equal(g.to(torch::kFloat64).masked_select(kept), g0.masked_select(kept))) << dtype;
-      const int threads = at::get_num_threads();
-      at::set_num_threads(2);
-      const auto prod2 = dropped_product(x, bits, at), prod_t2 = dropped_product_t(x, bits, v);
-      at::set_num_threads(threads);
-      EXPECT_TRUE(torch::equal(prod2, prod) && torch::equal(prod_t2, prod_t)) << dtype << " r " << r;
-    }
+  const int64_t rows = 600, cols = 45;
+  const std::vector<int64_t> ranks{16, 5, 32};
+  const std::vector<double> ps{0.3, 0.2, 0.5};
+  const auto f64 = [](const torch::Tensor& t) { return t.to(torch::kFloat64); };
+  std::vector<torch::Tensor> masks, kept, ats;
+  for (size_t k = 0; k < ranks.size(); ++k) {
+    masks.push_back(dropout_mask_indices(rows * cols, ps[k], 99 + k));
+    auto keep = torch::ones({rows * cols}, torch::kBool);
+    keep.index_fill_(0, masks.back().to(torch::kInt64), false);
+    kept.push_back(keep.view({rows, cols}));
+    ats.push_back(torch::randn({cols, ranks[k]}));
   }
-  const auto x = torch::randn({rows, cols}), at = torch::randn({cols, 5}), v = torch::randn({rows, 5});
-  EXPECT_THROW(dropped_product(x, dropout_mask_indices(rows * cols + 400, p, 1), at), Error);  // a larger tensor's mask
-  EXPECT_THROW(dropped_product(x, bits, at.narrow(0, 0, cols - 1).contiguous()), Error);
-  EXPECT_THROW(dropped_product_t(x, bits, v.to(torch::kFloat64)), Error);
+  const int64_t width = 16 + 5 + 32;
+  for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const bool fp32 = dtype == torch::kFloat32;
+    const double tol = fp32 ? 1e-5 : 1e-2, tol_abs = fp32 ? 1e-5 : 3e-2;
+    const auto x = torch::randn({rows, cols}).to(dtype);
+    // Forward: u = x A^T becomes D(x) A^T in place; the wide matrix's other columns untouched.
+    const auto wide_u = torch::randn({rows, width + 2}).to(dtype);
+    std::vector<DroppedAdapter> group;
+    for (int64_t k = 0, column = 1; k < 3; column += ranks[k], ++k) {
+      wide_u.narrow(1, column, ranks[k]).copy_(f64(x).mm(f64(ats[k])));
+      group.push_back({masks[k], ats[k], wide_u.narrow(1, column, ranks[k]), dropout_scale(ps[k]), {}});
+    }
+    const auto u_before = wide_u.clone();
+    subtract_dropped_products_(x, group);
+    for (int64_t k = 0, column = 1; k < 3; column += ranks[k], ++k) {
+      SCOPED_TRACE("adapter " + std::to_string(k));
+      EXPECT_TRUE(seeded_dropout_applies(x) && torch::equal((seeded_dropout(x, ps[k], 99 + k) != 0) | (x == 0), kept[k]));
+      const auto only_dropped = f64(x).masked_fill(kept[k], 0);
+      const auto expected = (f64(u_before.narrow(1, column, ranks[k])) - only_dropped.mm(f64(ats[k]))) * dropout_scale(ps[k]);
+      EXPECT_TRUE(torch::allclose(f64(group[k].rows), expected, tol, tol_abs));
+      if (fp32) {
+        const auto dropped_x = f64(seeded_dropout(x, ps[k], 99 + k));  // x * scale, unrounded in fp32
+        EXPECT_TRUE(torch::allclose(f64(group[k].rows), dropped_x.mm(f64(ats[k])), 1e-4, 1e-4));
+      }
+    }
+    EXPECT_TRUE(torch::equal(wide_u.narrow(1, 0, 1), u_before.narrow(1, 0, 1)));
+    EXPECT_TRUE(torch::equal(wide_u.narrow(1, width + 1, 1), u_before.narrow(1, width + 1, 1)));
+    // Backward: x's gradient less each v A at its dropped elements only, each A's less v^T x_dropped.
+    const auto wide_v = torch::randn({rows, width + 2}).to(dtype);
+    const auto g0 = torch::randn({rows, cols}).to(dtype);
+    std::vector<torch::Tensor> ga0;
+    auto expected_g = f64(g0);
+    auto kept_by_all = torch::ones({rows, cols}, torch::kBool);
+    group.clear();
+    for (int64_t k = 0, column = 1; k < 3; column += ranks[k], ++k) {
+      ga0.push_back(torch::randn({ranks[k], cols}));
+      const auto v = wide_v.narrow(1, column, ranks[k]);
+      group.push_back({masks[k], ats[k], v, 1.0f, ga0[k].clone()});
+      expected_g -= f64(v).mm(f64(ats[k]).t()).masked_fill(kept[k], 0);
+      kept_by_all &= kept[k];
+    }
+    auto g = g0.clone();
+    dropped_backward_(g, x, group);
+    EXPECT_TRUE(torch::allclose(f64(g), expected_g, tol, tol_abs));
+    EXPECT_TRUE(torch::equal(f64(g).masked_select(kept_by_all), f64(g0).masked_select(kept_by_all)));
+    for (int64_t k = 0; k < 3; ++k) {
+      SCOPED_TRACE("adapter " + std::to_string(k));
+      const auto only_dropped = f64(x).masked_fill(kept[k], 0);
+      EXPECT_TRUE(torch::allclose(f64(group[k].grad_a), f64(ga0[k]) - only_dropped.t().mm(f64(group[k].rows)).t(), 1e-4, 1e-4));
+      torch::Tensor none;
+      std::vector<DroppedAdapter> alone{{masks[k], ats[k], group[k].rows, 1.0f, ga0[k].clone()}};
+      dropped_backward_(none, x, alone);  // no x gradient wanted, one adapter: A's the same bits
+      EXPECT_TRUE(torch::equal(alone[0].grad_a, group[k].grad_a));
+    }
+    // Two threads: the same bits.
+    const int threads = at::get_num_threads();
+    at::set_num_threads(2);
+    const auto wide_u2 = u_before.clone();
+    std::vector<DroppedAdapter> group2;
+    for (int64_t k = 0, column = 1; k < 3; column += ranks[k], ++k) {
+      group2.push_back({masks[k], ats[k], wide_u2.narrow(1, column, ranks[k]), dropout_scale(ps[k]), {}});
+    }
+    subtract_dropped_products_(x, group2);
+    auto g2 = g0.clone();
+    for (int64_t k = 0; k < 3; ++k) group2[k] = {masks[k], ats[k], group[k].rows, 1.0f, ga0[k].clone()};
+    dropped_backward_(g2, x, group2);
+    at::set_num_threads(threads);
+    EXPECT_TRUE(torch::equal(wide_u2, wide_u) && torch::equal(g2, g));
+    for (int64_t k = 0; k < 3; ++k) EXPECT_TRUE(torch::equal(group2[k].grad_a, group[k].grad_a)) << k;
+  }
+  // 17 adapters (two passes): each one's u as when alone.
+  const auto x = torch::randn({rows, cols});
+  const auto at = torch::randn({cols, 16});
+  const auto u0 = torch::randn({rows, 16});
+  std::vector<DroppedAdapter> many;
+  for (int k = 0; k < 17; ++k) many.push_back({dropout_mask_indices(rows * cols, 0.1, 500 + k), at, u0.clone(), 1.1f, {}});
+  subtract_dropped_products_(x, many);
+  for (int k = 0; k < 17; ++k) {
+    std::vector<DroppedAdapter> one{{many[k].dropped, at, u0.clone(), 1.1f, {}}};
+    subtract_dropped_products_(x, one);
+    EXPECT_TRUE(torch::equal(one[0].rows, many[k].rows)) << k;
+  }
+  // Bad operands: one clear error each.
+  const auto u = torch::randn({rows, 5}), at5 = torch::randn({cols, 5});
+  const auto bits = dropout_mask_indices(rows * cols, 0.2, 1);
+  const auto fails = [&](DroppedAdapter a, bool backward) {
+    std::vector<DroppedAdapter> one{std::move(a)};
+    auto g = torch::randn({rows, cols});
+    EXPECT_THROW(backward ? dropped_backward_(g, x, one) : subtract_dropped_products_(x, one), Error);
+  };
+  fails({dropout_mask_indices(rows * cols + 400, 0.2, 1), at5, u, 1.0f, {}}, false);  // a larger tensor's mask
+  fails({bits, at5.narrow(0, 0, cols - 1).contiguous(), u, 1.0f, {}}, false);         // A^T of other rows
+  fails({bits, at5, u.to(torch::kBFloat16), 1.0f, {}}, false);                        // not x's dtype
+  fails({bits, at5, torch::randn({5, rows}).t(), 1.0f, torch::zeros({5, cols})}, true);  // v's columns strided
+  fails({bits, at5, u, 1.0f, torch::zeros({cols, 5}).t()}, true);                      // A's gradient transposed
+  fails({bits, at5, u, 1.0f, {}}, true);                                              // no A gradient
 }
 
 // The CUDA backend (core/model/cuda) against the ATen formulations on the same GPU, values and

@@ -317,14 +317,15 @@ torch::Tensor fused_linear(const torch::Tensor& x, const std::vector<LinearImpl*
 // or bf16 (fused_dropout's hashed masks, kept as the dropped indices for backward).
 bool lora_linear_applies(const std::vector<LinearImpl*>& layers);
 // The layers' outputs concatenated, as fused_linear gives them, from one autograd node: y = x W^T
-// over the stacked bases, x's products with every A in one GEMM, each B's product added into its
-// slice of y in place; backward: x's gradient from two GEMMs (the bases, then every A), A's
-// gradients from one. No per-layer output, sum or concatenation is made, and no zero-filled
-// gradient of a slice. With dropout, each adapter's A takes its input through fused_dropout's mask
-// (the seeds drawn in layer order, as the adapters' own dropout draws them), kept as its dropped
-// elements' indices (dropout_mask_indices) for backward, and taken by its complement: the same
-// GEMMs as without dropout, less the dropped elements' terms (subtract_dropped_products_ and
-// dropped_backward_, kernels.h). No dropped copy of x is made or kept, and no index is hashed twice.
+// over the stacked bases, x's products with every A in one GEMM, each B's product written into its
+// slice of y first and the bases' GEMM added over them (y written once, read once); backward: x's
+// gradient from two GEMMs (the bases, then every A), A's gradients from one. No per-layer output,
+// sum or concatenation is made, and no zero-filled gradient of a slice. With dropout, each
+// adapter's A takes its input through fused_dropout's mask (the seeds drawn in layer order, as the
+// adapters' own dropout draws them), kept as its dropped elements' indices (dropout_mask_indices)
+// for backward, and taken by its complement: the same GEMMs as without dropout, less the dropped
+// elements' terms (subtract_dropped_products_ and dropped_backward_, kernels.h). No dropped copy of
+// x is made or kept, and no index is hashed twice.
 torch::Tensor lora_linear(const torch::Tensor& x, const std::vector<LinearImpl*>& layers);
 
 // x [..., in] @ w^T in `dtype` for a frozen w [out, in] stored in another dtype (model.frozen_dtype

@@ -588,43 +588,55 @@ std::pair<int64_t, int64_t> rows_range(const int32_t* d, int64_t count, int64_t 
   return {lo, hi};
 }
 
+// Calls f(op, i, row, k, k1) for each row i of [begin, end) (row: its first element's index) and
+// each adapter in order, [k, k1) being the adapter's dropped indices in that row. f must be
+// always-inline, so that it compiles for the caller's target clone.
+template <typename F>
+WEFT_ALWAYS_INLINE void over_rows_and_adapters(const Complement* ops, int64_t n_ops, int64_t cols, int64_t begin,
+                                               int64_t end, F&& f) {
+  int64_t cursor[kMaxComplements];
+  for (int64_t o = 0; o < n_ops; ++o) cursor[o] = rows_range(ops[o].d, ops[o].count, begin, end, cols).first;
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t row = i * cols;
+    for (int64_t o = 0; o < n_ops; ++o) {
+      int64_t k1 = cursor[o];
+      while (k1 < ops[o].count && ops[o].d[k1] < row + cols) ++k1;
+      f(ops[o], i, row, cursor[o], k1);
+      cursor[o] = k1;
+    }
+  }
+}
+
 // Forward over rows [begin, end), for each adapter: u[i, :] = (u[i, :] - sum over dropped (i, j) of
 // x[i, j] at[j, :]) * scale, each sum in fp32 in two alternating partial sums (independent chains),
 // each element rounded once.
 template <typename T>
 WEFT_ALWAYS_INLINE void complement_forward_span(const T* __restrict x, int64_t cols, const Complement* ops, int64_t n_ops,
                                                 int64_t begin, int64_t end) {
-  int64_t cursor[kMaxComplements];
-  for (int64_t o = 0; o < n_ops; ++o) cursor[o] = rows_range(ops[o].d, ops[o].count, begin, end, cols).first;
-  for (int64_t i = begin; i < end; ++i) {
-    const int64_t row = i * cols;
-    for (int64_t o = 0; o < n_ops; ++o) {
-      const Complement& op = ops[o];
-      const int32_t* __restrict d = op.d;
-      const float* __restrict at = op.at;
-      const int64_t r = op.r, k = cursor[o];
-      int64_t k1 = k;
-      while (k1 < op.count && d[k1] < row + cols) ++k1;
-      T* __restrict ui = static_cast<T*>(op.rows) + i * op.stride;
-      int64_t c0 = 0;
-      for (; c0 + kLanes <= r; c0 += kLanes) {
-        Lanes16 acc0 = {}, acc1 = {};
-        int64_t q = k;
-        for (; q + 1 < k1; q += 2) {
-          acc0 += to_float(x[d[q]]) * load16(at + (d[q] - row) * r + c0);
-          acc1 += to_float(x[d[q + 1]]) * load16(at + (d[q + 1] - row) * r + c0);
-        }
-        if (q < k1) acc0 += to_float(x[d[q]]) * load16(at + (d[q] - row) * r + c0);
-        store16(ui + c0, (load16(ui + c0) - (acc0 + acc1)) * op.scale);
+  over_rows_and_adapters(ops, n_ops, cols, begin, end,
+                         [&](const Complement& op, int64_t i, int64_t row, int64_t k, int64_t k1)
+                             __attribute__((always_inline)) {
+    const int32_t* __restrict d = op.d;
+    const float* __restrict at = op.at;
+    const int64_t r = op.r;
+    T* __restrict ui = static_cast<T*>(op.rows) + i * op.stride;
+    int64_t c0 = 0;
+    for (; c0 + kLanes <= r; c0 += kLanes) {
+      Lanes16 acc0 = {}, acc1 = {};
+      int64_t q = k;
+      for (; q + 1 < k1; q += 2) {
+        acc0 += to_float(x[d[q]]) * load16(at + (d[q] - row) * r + c0);
+        acc1 += to_float(x[d[q + 1]]) * load16(at + (d[q + 1] - row) * r + c0);
       }
-      for (int64_t c = c0; c < r; ++c) {
-        float acc = 0.0f;
-        for (int64_t q = k; q < k1; ++q) acc += to_float(x[d[q]]) * at[(d[q] - row) * r + c];
-        ui[c] = from_float<T>((to_float(ui[c]) - acc) * op.scale);
-      }
-      cursor[o] = k1;
+      if (q < k1) acc0 += to_float(x[d[q]]) * load16(at + (d[q] - row) * r + c0);
+      store16(ui + c0, (load16(ui + c0) - (acc0 + acc1)) * op.scale);
     }
-  }
+    for (int64_t c = c0; c < r; ++c) {
+      float acc = 0.0f;
+      for (int64_t q = k; q < k1; ++q) acc += to_float(x[d[q]]) * at[(d[q] - row) * r + c];
+      ui[c] = from_float<T>((to_float(ui[c]) - acc) * op.scale);
+    }
+  });
 }
 
 // The lane sums of 16 vectors at once, sums[l] = the sum of p[kSum16Slot[l]]'s lanes: a
@@ -667,54 +679,48 @@ template <typename T>
 WEFT_ALWAYS_INLINE void complement_backward_span(T* __restrict g, const T* __restrict x, int64_t cols,
                                                  const Complement* ops, int64_t n_ops, int64_t block, int64_t begin,
                                                  int64_t end) {
-  int64_t cursor[kMaxComplements];
-  for (int64_t o = 0; o < n_ops; ++o) cursor[o] = rows_range(ops[o].d, ops[o].count, begin, end, cols).first;
   Lanes16 products[kLanes];
   int64_t at_of[kLanes];
   int n = 0;
-  for (int64_t i = begin; i < end; ++i) {
-    const int64_t row = i * cols;
-    for (int64_t o = 0; o < n_ops; ++o) {
-      const Complement& op = ops[o];
-      const int32_t* __restrict d = op.d;
-      const float* __restrict at = op.at;
-      const int64_t r = op.r;
-      const T* __restrict vi = static_cast<const T*>(op.rows) + i * op.stride;
-      float* __restrict part = op.part + block * cols * r;
-      int64_t k = cursor[o];
-      for (; k < op.count && d[k] < row + cols; ++k) {
-        const int64_t e = d[k];
-        const float xv = to_float(x[e]);
-        const float* a = at + (e - row) * r;
-        float* out = part + (e - row) * r;
-        if (r % kLanes == 0) {
-          Lanes16 prod = {};
-          for (int64_t c0 = 0; c0 < r; c0 += kLanes) {
-            const Lanes16 vv = load16(vi + c0);
-            prod += vv * load16(a + c0);
-            store16(out + c0, load16(out + c0) + xv * vv);
-          }
-          if (g != nullptr) {
-            products[kSum16Slot[n]] = prod;
-            at_of[n++] = e;
-            if (n == kLanes) subtract_sums(g, products, at_of, n), n = 0;
-          }
-        } else {
-          float dot = 0.0f;
-          for (int64_t c = 0; c < r; ++c) {
-            const float vc = to_float(vi[c]);
-            dot += vc * a[c];
-            out[c] += xv * vc;
-          }
-          if (g != nullptr) {
-            if (n > 0) subtract_sums(g, products, at_of, n), n = 0;  // keep each element's terms in order
-            g[e] = from_float<T>(to_float(g[e]) - dot);
-          }
+  over_rows_and_adapters(ops, n_ops, cols, begin, end,
+                         [&](const Complement& op, int64_t i, int64_t row, int64_t k0, int64_t k1)
+                             __attribute__((always_inline)) {
+    const int32_t* __restrict d = op.d;
+    const float* __restrict at = op.at;
+    const int64_t r = op.r;
+    const T* __restrict vi = static_cast<const T*>(op.rows) + i * op.stride;
+    float* __restrict part = op.part + block * cols * r;
+    for (int64_t k = k0; k < k1; ++k) {
+      const int64_t e = d[k];
+      const float xv = to_float(x[e]);
+      const float* a = at + (e - row) * r;
+      float* out = part + (e - row) * r;
+      if (r % kLanes == 0) {
+        Lanes16 prod = {};
+        for (int64_t c0 = 0; c0 < r; c0 += kLanes) {
+          const Lanes16 vv = load16(vi + c0);
+          prod += vv * load16(a + c0);
+          store16(out + c0, load16(out + c0) + xv * vv);
+        }
+        if (g != nullptr) {
+          products[kSum16Slot[n]] = prod;
+          at_of[n++] = e;
+          if (n == kLanes) subtract_sums(g, products, at_of, n), n = 0;
+        }
+      } else {
+        float dot = 0.0f;
+        for (int64_t c = 0; c < r; ++c) {
+          const float vc = to_float(vi[c]);
+          dot += vc * a[c];
+          out[c] += xv * vc;
+        }
+        if (g != nullptr) {
+          if (n > 0) subtract_sums(g, products, at_of, n), n = 0;  // keep each element's terms in order
+          g[e] = from_float<T>(to_float(g[e]) - dot);
         }
       }
-      cursor[o] = k;
     }
-  }
+  });
   if (g != nullptr && n > 0) subtract_sums(g, products, at_of, n);
 }
 #define WEFT_COMPLEMENT_CLONES(T)                                                                                   \

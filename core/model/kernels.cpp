@@ -150,8 +150,6 @@ WEFT_ALWAYS_INLINE float exp_approx(float x) {
 // results, blended away, still cost microcode assists on every vector).
 constexpr int64_t kLanes = 16;
 typedef float Lanes16 __attribute__((vector_size(64)));
-typedef float Lanes8 __attribute__((vector_size(32)));
-typedef float Lanes4 __attribute__((vector_size(16)));
 typedef int32_t Int16s __attribute__((vector_size(64)));
 typedef uint32_t Uint16s __attribute__((vector_size(64)));
 typedef uint16_t Half16s __attribute__((vector_size(32)));

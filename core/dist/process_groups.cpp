@@ -4,7 +4,9 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <set>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -24,14 +26,33 @@
 namespace weft {
 namespace {
 
+std::string first_line_of(const std::string& text) { return text.substr(0, text.find('\n')); }
+
 c10::intrusive_ptr<c10d::Backend> make_backend(const std::string& backend,
                                                  const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                                 std::chrono::milliseconds timeout) {
+                                                 std::chrono::milliseconds timeout, const GlooNetwork& network) {
   if (backend == "gloo") {
     auto options = c10d::ProcessGroupGloo::Options::create();
     options->timeout = timeout;
-    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-    return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+    try {
+      for (const auto& interface : network.interfaces) {
+        options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(interface));
+      }
+      if (network.interfaces.empty()) {
+        options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(network.address));
+      }
+    } catch (const std::exception& e) {
+      fail("rank {} cannot open Gloo's connections on {}: {}", rank, network.describe(), first_line_of(e.what()));
+    }
+    try {
+      return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+    } catch (const std::exception& e) {
+      // Each rank connects to the address every other one published (gloo_network, rendezvous.h).
+      fail("rank {} (Gloo on {}) could not connect to the other {} ranks of a group: {} (each rank listens on "
+           "the address it publishes; across nodes set MASTER_ADDR to an address every node reaches, or "
+           "GLOO_SOCKET_IFNAME to the interface they share)",
+           rank, network.describe(), size - 1, first_line_of(e.what()));
+    }
   }
   WEFT_CHECK(backend == "nccl", "unknown collective backend '{}' (gloo or nccl)", backend);
 #ifdef USE_C10D_NCCL
@@ -51,6 +72,13 @@ c10::intrusive_ptr<c10d::Backend> make_backend(const std::string& backend,
 
 }  // namespace
 
+std::string GlooNetwork::describe() const {
+  if (interfaces.empty()) return address;
+  std::string list;
+  for (const auto& interface : interfaces) list += (list.empty() ? "" : ", ") + interface;
+  return (interfaces.size() == 1 ? "interface " : "interfaces ") + list;
+}
+
 bool Communicator::nccl_compiled() {
 #ifdef USE_C10D_NCCL
   return true;
@@ -60,8 +88,13 @@ bool Communicator::nccl_compiled() {
 }
 
 Communicator::Communicator(c10::intrusive_ptr<c10d::Store> store, int rank, int world,
-                           std::chrono::milliseconds timeout, std::string backend)
-    : store_(std::move(store)), rank_(rank), world_size_(world), timeout_(timeout), backend_(std::move(backend)) {
+                           std::chrono::milliseconds timeout, std::string backend, GlooNetwork network)
+    : store_(std::move(store)),
+      rank_(rank),
+      world_size_(world),
+      timeout_(timeout),
+      backend_(std::move(backend)),
+      network_(std::move(network)) {
   auto group = std::make_unique<ProcessGroup>();
   group->name = "world";
   group->rank = rank;
@@ -91,10 +124,11 @@ Communicator::~Communicator() {
 void Communicator::attach_backends(ProcessGroup& group, const std::string& prefix) {
   WEFT_CHECK(backend_ == "gloo" || backend_ == "nccl", "unknown collective backend '{}' (gloo or nccl)", backend_);
   group.backend =
-      make_backend("gloo", c10::make_intrusive<c10d::PrefixStore>(prefix, store_), group.rank, group.size, timeout_);
+      make_backend("gloo", c10::make_intrusive<c10d::PrefixStore>(prefix, store_), group.rank, group.size, timeout_,
+                   network_);
   if (backend_ == "nccl") {
     group.nccl = make_backend("nccl", c10::make_intrusive<c10d::PrefixStore>(prefix + "/nccl", store_), group.rank,
-                              group.size, timeout_);
+                              group.size, timeout_, network_);
   }
 }
 
@@ -165,10 +199,8 @@ std::string Communicator::answer_key(int rank) { return "weft/answer/" + std::to
 
 void Communicator::declare_exit_status_an_answer() {
   if (world_size_ <= 1 || !store_) return;  // no launcher to tell
-  try {
-    store_->set(answer_key(rank_), std::vector<uint8_t>{'1'});
-  } catch (const std::exception&) {  // the launcher then reports the exit as a failure: still correct
-  }
+  // Unanswered or failed: the launcher then reports the exit as a failure, still correct.
+  ask_store([key = answer_key(rank_)](c10d::Store& store) { store.set(key, std::vector<uint8_t>{'1'}); });
 }
 
 Operation Communicator::issue(ProcessGroup& group, std::string name, bool collective, int64_t bytes, int32_t peer) {
@@ -381,25 +413,82 @@ std::string reached_key(const Operation& operation, int32_t world_rank) {
 
 // A member that waits on a collective for half the timeout says so in the store, so that the one
 // whose wait times out can tell who was there.
-void Communicator::mark_reached(const Operation& operation) {
-  try {
-    store_->set(reached_key(operation, rank_), std::vector<uint8_t>{'1'});
-  } catch (const std::exception&) {
-    // the store is gone too: the timeout's message will say so
+bool Communicator::ask_store(std::function<void(c10d::Store&)> query) {
+  if (store_unresponsive_) return false;
+  auto answered = std::make_shared<std::promise<bool>>();
+  auto answer = answered->get_future();
+  std::thread([store = store_, query = std::move(query), answered] {
+    bool ok = true;
+    try {
+      query(*store);
+    } catch (const std::exception&) {
+      ok = false;
+    }
+    answered->set_value(ok);
+  }).detach();
+  const auto limit = std::min(timeout_ / 2, std::chrono::milliseconds(kStoreAnswerLimitMs));
+  if (answer.wait_for(limit) != std::future_status::ready) {
+    store_unresponsive_ = true;  // its thread holds the store's client: no one else may use it
+    return false;
   }
+  return answer.get();
+}
+
+std::string Communicator::store_silence() const {
+  return fmt::format("the rendezvous store{} did not answer within {:.0f} s: the link to the node that hosts it "
+                     "may be down",
+                     store_address_.empty() ? "" : " at " + store_address_,
+                     std::chrono::duration<double>(std::min(timeout_ / 2, std::chrono::milliseconds(kStoreAnswerLimitMs)))
+                         .count());
+}
+
+void Communicator::mark_reached(const Operation& operation) {
+  // The check is a round trip (a set is not answered): a store that does not answer it within
+  // the wait's second half is known to be unreachable by the time the collective times out.
+  const std::string key = reached_key(operation, rank_);
+  ask_store([key](c10d::Store& store) {
+    store.set(key, std::vector<uint8_t>{'1'});
+    store.check({key});
+  });
+  // unanswered: the store is gone too, and the timeout's message will say so
 }
 
 std::string Communicator::who_did_not_arrive(const Operation& operation) {
-  std::vector<int32_t> absent;
-  try {
-    for (int32_t world_rank : operation.group->world_ranks) {
-      if (world_rank != rank_ && !store_->check({reached_key(operation, world_rank)})) absent.push_back(world_rank);
-    }
-  } catch (const std::exception& e) {
-    return fmt::format("the rendezvous store did not answer to tell which ranks were missing ({})", e.what());
+  std::vector<std::pair<int32_t, std::string>> keys;
+  for (int32_t world_rank : operation.group->world_ranks) {
+    if (world_rank != rank_) keys.emplace_back(world_rank, reached_key(operation, world_rank));
   }
-  if (absent.empty()) return "every other member had joined it";
-  return fmt::format("rank{} {} did not join it", absent.size() > 1 ? "s" : "", rank_list(absent));
+  // The absent ranks, and where they ran as each published it at the rendezvous (join_world).
+  auto absent = std::make_shared<std::vector<int32_t>>();
+  auto where = std::make_shared<std::string>();
+  auto error = std::make_shared<std::string>();
+  const bool answered = ask_store([keys, absent, where, error](c10d::Store& store) {
+    try {
+      for (const auto& [world_rank, key] : keys) {
+        if (!store.check({key})) absent->push_back(world_rank);
+      }
+    } catch (const std::exception& e) {
+      *error = e.what();
+      return;
+    }
+    try {
+      for (size_t i = 0; i < absent->size() && i < 4; ++i) {
+        const std::string key = "weft/rendezvous/rank/" + std::to_string((*absent)[i]);
+        if (!store.check({key})) continue;
+        const auto bytes = store.get(key);
+        *where += fmt::format("{}rank {}: {}", where->empty() ? " (" : "; ", (*absent)[i],
+                              std::string(bytes.begin(), bytes.end()));
+      }
+    } catch (const std::exception&) {
+    }
+    if (!where->empty()) *where += ")";
+  });
+  if (!answered && error->empty()) return store_silence();
+  if (!error->empty()) {
+    return fmt::format("the rendezvous store did not answer to tell which ranks were missing ({})", *error);
+  }
+  if (absent->empty()) return "every other member had joined it";
+  return fmt::format("rank{} {} did not join it{}", absent->size() > 1 ? "s" : "", rank_list(*absent), *where);
 }
 
 void Communicator::wait(Operation& operation) {
@@ -445,10 +534,10 @@ void Communicator::wait(Operation& operation) {
     }
     const std::string message = fmt::format("rank {}: {} timed out after {:.0f} s (train.collective_timeout_s): {}{}",
                                             rank_, where, seconds, who, record_note);
-    try {  // for the launcher, which names the rank that did not join rather than the one that noticed
-      store_->set(fault_key(rank_), std::vector<uint8_t>(message.begin(), message.end()));
-    } catch (const std::exception&) {
-    }
+    // For the launcher, which names the rank that did not join rather than the one that noticed.
+    ask_store([key = fault_key(rank_), message](c10d::Store& store) {
+      store.set(key, std::vector<uint8_t>(message.begin(), message.end()));
+    });
     throw CommError(message, true);
   }
   end_flight(operation, "completed");

@@ -88,15 +88,25 @@ struct Route {
   bool staged = false;  // a CUDA tensor through Gloo: copied to host memory and back
 };
 
+// Where this process's Gloo connections listen: the address it gives its peers through the store.
+// One Gloo device per entry of `interfaces` (GLOO_SOCKET_IFNAME's, PyTorch's convention: Gloo
+// spreads a group's pairs over them), otherwise one device on `address` (an IP address or a host
+// name). gloo_network (rendezvous.h) chooses it for a job.
+struct GlooNetwork {
+  std::vector<std::string> interfaces;
+  std::string address = "127.0.0.1";
+  std::string describe() const;  // "10.0.0.2" or "interface eth0" / "interfaces eth0, eth1"
+};
+
 class Communicator {
  public:
   // Joins the world group through `store` (rank, world size). Collective operations time out
   // after `timeout`. `backend`: "gloo" (every group has Gloo, for CPU tensors), or "nccl" (Gloo
   // and, for CUDA tensors, NCCL; only where LibTorch was built with NCCL, see nccl_compiled(), and
-  // the process sees a CUDA device: bind_device (core/util/device.h) first). Throws weft::Error
-  // naming the problem otherwise.
+  // the process sees a CUDA device: bind_device (core/util/device.h) first). `network`: where
+  // every group's Gloo connections listen. Throws weft::Error naming the problem otherwise.
   Communicator(c10::intrusive_ptr<c10d::Store> store, int rank, int world, std::chrono::milliseconds timeout,
-               std::string backend = "gloo");
+               std::string backend = "gloo", GlooNetwork network = {});
   // Whether this weft was compiled against a LibTorch with c10d's NCCL process group.
   static bool nccl_compiled();
   // A one-process world on an in-memory store.
@@ -110,6 +120,8 @@ class Communicator {
   ProcessGroup& create_group(const std::vector<int32_t>& world_ranks);
   std::chrono::milliseconds timeout() const { return timeout_; }
   c10d::Store& store();  // the rendezvous store (for start-up key exchanges)
+  // Where the store is ("10.0.0.1:29500"), for the messages that say it stopped answering.
+  void set_store_address(std::string address) { store_address_ = std::move(address); }
   // Every rank's `value`, in rank order. Collective over the world.
   std::vector<double> all_gather(double value);
 
@@ -170,11 +182,22 @@ class Communicator {
   // Which members of `operation`'s group never reached it (asked through the store).
   std::string who_did_not_arrive(const Operation& operation);
   void mark_reached(const Operation& operation);
+  // Runs `query` on the store, waiting at most kStoreAnswerLimitMs (or half the timeout, if
+  // shorter) for it; false if it failed or did not answer. TCPStore's replies have no timeout of their own:
+  // behind a link that is down a check or get waits forever, so the query runs on a thread of its
+  // own, left behind if it does not answer, and the store is not used again (that thread holds
+  // its client).
+  bool ask_store(std::function<void(c10d::Store&)> query);
+  std::string store_silence() const;  // "the rendezvous store at ... did not answer within 5 s: ..."
 
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_, world_size_;
   std::chrono::milliseconds timeout_;
   std::string backend_;
+  GlooNetwork network_;
+  std::string store_address_;  // "host:port", for messages (set_store_address)
+  std::atomic<bool> store_unresponsive_{false};
+  static constexpr int64_t kStoreAnswerLimitMs = 5000;
   std::vector<std::unique_ptr<ProcessGroup>> groups_;
   // The flight recorder (issue may run on the autograd thread, hence the lock).
   mutable std::mutex flight_mutex_;

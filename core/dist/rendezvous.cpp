@@ -1,6 +1,9 @@
 #include "core/dist/rendezvous.h"
 
 #include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -49,6 +52,17 @@ c10::intrusive_ptr<c10d::Store> make_tcp_store(const std::string& host, c10d::TC
   return c10::make_intrusive<c10d::TCPStore>(host, options);
 }
 
+bool is_loopback_interface(const std::string& name) {
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return false;
+  bool loopback = false;
+  for (const ifaddrs* a = list; a; a = a->ifa_next) {
+    if (a->ifa_name && name == a->ifa_name && (a->ifa_flags & IFF_LOOPBACK)) loopback = true;
+  }
+  ::freeifaddrs(list);
+  return loopback;
+}
+
 }  // namespace
 
 int free_local_port() {
@@ -74,11 +88,13 @@ DistributedEnv detect_distributed_env() {
     e.rank = env_int("RANK", 0, 0);
     e.world = env_int("WORLD_SIZE", 1, 1);
     e.local_rank = env_int("LOCAL_RANK", e.rank, 0);
+    e.spans_nodes = env_int("LOCAL_WORLD_SIZE", e.world, 1) < e.world;
   } else if (env("SLURM_PROCID") && env("SLURM_NTASKS")) {
     e.source = "slurm";
     e.rank = env_int("SLURM_PROCID", 0, 0);
     e.world = env_int("SLURM_NTASKS", 1, 1);
     e.local_rank = env_int("SLURM_LOCALID", 0, 0);
+    e.spans_nodes = env_int("SLURM_NNODES", 1, 1) > 1;
     WEFT_CHECK(e.world == 1 || env("MASTER_ADDR"),
                "running under Slurm with {} tasks: set MASTER_ADDR to the first host of SLURM_JOB_NODELIST", e.world);
   } else {
@@ -90,6 +106,56 @@ DistributedEnv detect_distributed_env() {
   e.master_port = env_int("MASTER_PORT", 29500, 1);
   WEFT_CHECK(e.master_port <= 65535, "MASTER_PORT {} is not a TCP port", e.master_port);
   return e;
+}
+
+GlooNetwork gloo_network(const DistributedEnv& e) {
+  GlooNetwork network;
+  if (const char* names = env("GLOO_SOCKET_IFNAME")) {
+    std::string list = names;
+    for (size_t start = 0; start <= list.size();) {
+      const size_t end = std::min(list.find(',', start), list.size());
+      const std::string name = list.substr(start, end - start);
+      WEFT_CHECK(!name.empty() && ::if_nametoindex(name.c_str()) != 0,
+                 "GLOO_SOCKET_IFNAME='{}' names '{}', which is not a network interface of this node", list, name);
+      WEFT_CHECK(!e.spans_nodes || !is_loopback_interface(name),
+                 "GLOO_SOCKET_IFNAME='{}' names the loopback interface '{}', but the job spans nodes: name the "
+                 "interface the nodes share", list, name);
+      network.interfaces.push_back(name);
+      start = end + 1;
+    }
+    return network;
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  const int status = ::getaddrinfo(e.master_addr.c_str(), nullptr, &hints, &found);
+  WEFT_CHECK(status == 0 && found, "MASTER_ADDR '{}' does not resolve to an IPv4 address on this node ({})",
+             e.master_addr, ::gai_strerror(status));
+  sockaddr_in master = *reinterpret_cast<const sockaddr_in*>(found->ai_addr);
+  ::freeaddrinfo(found);
+  if ((ntohl(master.sin_addr.s_addr) >> 24) == 127) {
+    WEFT_CHECK(!e.spans_nodes,
+               "MASTER_ADDR '{}' is a loopback address on this node, but the job spans nodes: set MASTER_ADDR to an "
+               "address the other nodes reach (or GLOO_SOCKET_IFNAME to the interface they share)",
+               e.master_addr);
+    return network;
+  }
+  // A connected UDP socket sends nothing; it asks the kernel which source address the route uses.
+  master.sin_port = htons(static_cast<uint16_t>(e.master_port));
+  const int fd = ::socket(AF_INET, SOCK_DGRAM, 0);
+  WEFT_CHECK(fd >= 0, "cannot create a socket");
+  sockaddr_in local{};
+  socklen_t length = sizeof(local);
+  const bool routed = ::connect(fd, reinterpret_cast<sockaddr*>(&master), sizeof(master)) == 0 &&
+                      ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0;
+  ::close(fd);
+  char text[INET_ADDRSTRLEN] = {};
+  WEFT_CHECK(routed && ::inet_ntop(AF_INET, &local.sin_addr, text, sizeof(text)),
+             "this node has no route to MASTER_ADDR '{}': set MASTER_ADDR to an address it reaches, or "
+             "GLOO_SOCKET_IFNAME to the interface to use", e.master_addr);
+  network.address = text;
+  return network;
 }
 
 namespace {
@@ -119,6 +185,8 @@ c10::intrusive_ptr<c10d::Store> host_store(const std::string& host, int& port, s
 std::unique_ptr<Communicator> join_world(const DistributedEnv& e, std::chrono::milliseconds timeout,
                                          const std::string& backend) {
   if (e.world == 1) return Communicator::single_process(timeout);
+  const GlooNetwork network = gloo_network(e);  // a bad address fails here, before the rendezvous
+  spdlog::debug("rank {}: Gloo listens on {}", e.rank, network.describe());
   const double seconds = std::chrono::duration<double>(timeout).count();
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   // Reach the store (or host it: rank 0 without a launcher's store).
@@ -142,7 +210,9 @@ std::unique_ptr<Communicator> join_world(const DistributedEnv& e, std::chrono::m
   }
   // Arrive, and wait for the others: the last to arrive opens the door.
   const std::string prefix = "weft/rendezvous/";
-  const std::string me = fmt::format("pid {}", ::getpid());
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  const std::string me = fmt::format("pid {} on {}, Gloo on {}", ::getpid(), host, network.describe());
   store->set(prefix + "rank/" + std::to_string(e.rank), std::vector<uint8_t>(me.begin(), me.end()));
   if (store->add(prefix + "arrived", 1) == e.world) store->set(prefix + "complete", std::vector<uint8_t>{'1'});
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
@@ -163,7 +233,9 @@ std::unique_ptr<Communicator> join_world(const DistributedEnv& e, std::chrono::m
          describe_rendezvous(e), missing.empty() ? std::string("some") : std::to_string(missing.size()), e.world,
          seconds, missing.empty() ? "" : ": rank" + std::string(missing.size() > 1 ? "s " : " ") + list);
   }
-  return std::make_unique<Communicator>(store, e.rank, e.world, timeout, backend);
+  auto communicator = std::make_unique<Communicator>(store, e.rank, e.world, timeout, backend, network);
+  communicator->set_store_address(fmt::format("{}:{}", e.master_addr, e.master_port));
+  return communicator;
 }
 
 void check_same_everywhere(Communicator& communicator, const std::string& what, const std::string& fingerprint) {

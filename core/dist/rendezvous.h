@@ -15,6 +15,7 @@ class Store;
 namespace weft {
 
 class Communicator;
+struct GlooNetwork;
 
 struct DistributedEnv {
   int rank = 0;
@@ -26,6 +27,9 @@ struct DistributedEnv {
   // The rendezvous store is hosted by the launcher (torchrun's agent, trainer --nproc), not by
   // rank 0: every rank connects as a client (TORCHELASTIC_USE_AGENT_STORE=True).
   bool agent_store = false;
+  // The job has ranks on more than one node: torchrun's LOCAL_WORLD_SIZE below WORLD_SIZE, or
+  // Slurm's SLURM_NNODES above 1.
+  bool spans_nodes = false;
 };
 
 // Reads the environment:
@@ -37,11 +41,21 @@ struct DistributedEnv {
 // Partial or invalid values are a weft::Error naming the variable.
 DistributedEnv detect_distributed_env();
 
+// Where this rank's Gloo connections listen (the address its peers connect to):
+//  - GLOO_SOCKET_IFNAME=eth0[,eth1...] (PyTorch's convention): those interfaces;
+//  - MASTER_ADDR a loopback address (one node: trainer --nproc, torchrun's default): 127.0.0.1;
+//  - otherwise: this node's address on the route to MASTER_ADDR (the kernel's choice of source
+//    address for it; nothing is sent), so that a node with several networks uses the one its
+//    peers share with the rendezvous.
+// A weft::Error names the problem: an interface that does not exist, a MASTER_ADDR that does not
+// resolve or has no route, or a loopback MASTER_ADDR in a job that spans nodes.
+GlooNetwork gloo_network(const DistributedEnv& env);
+
 // A TCP port on 127.0.0.1 that was free a moment ago (the kernel's choice), for local jobs.
 int free_local_port();
 
 // Connects to the job's TCPStore (the launcher's, or rank 0 hosts it), waits until every rank has
-// arrived, and builds the world process group. Each rank has `timeout` to reach the store and
+// arrived, and builds the world process group (Gloo on gloo_network(env)). Each rank has `timeout` to reach the store and
 // the whole world to arrive; past it, a weft::Error names the rendezvous address, where it came
 // from, the ranks that never arrived and train.collective_timeout_s. `backend`: Communicator's
 // ("nccl" adds NCCL groups for CUDA tensors; a one-process world always has Gloo only).

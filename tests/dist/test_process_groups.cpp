@@ -10,6 +10,10 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netinet/in.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
@@ -53,6 +57,61 @@ TEST(Rendezvous, TwoRanksJoinWithTheDefaultStoreAndWithUseLibuvOff) {
   ::setenv("USE_LIBUV", "0", 1);
   two_ranks_rendezvous(free_local_port());
   ::unsetenv("USE_LIBUV");
+}
+
+// Where a rank's Gloo listens (gloo_network): GLOO_SOCKET_IFNAME's interfaces, loopback for a
+// loopback MASTER_ADDR on one node, otherwise this node's address on the route to MASTER_ADDR;
+// the misconfigurations that would leave ranks unable to reach each other are refused by name.
+TEST(Rendezvous, GlooListensWhereThePeersCanReachIt) {
+  auto env_at = [](const std::string& master, bool spans_nodes) {
+    DistributedEnv e;
+    e.source = "torchrun";
+    e.world = 2;
+    e.master_addr = master;
+    e.spans_nodes = spans_nodes;
+    return e;
+  };
+  auto error_of = [](const DistributedEnv& e) -> std::string {
+    try {
+      gloo_network(e);
+    } catch (const Error& error) {
+      return error.what();
+    }
+    return "";
+  };
+  ::unsetenv("GLOO_SOCKET_IFNAME");
+  EXPECT_EQ(gloo_network(env_at("127.0.0.1", false)).address, "127.0.0.1");
+  EXPECT_EQ(gloo_network(env_at("localhost", false)).address, "127.0.0.1");
+  EXPECT_TRUE(gloo_network(env_at("127.0.0.1", false)).interfaces.empty());
+  EXPECT_NE(error_of(env_at("127.0.0.1", true)).find("MASTER_ADDR '127.0.0.1' is a loopback address on this node, "
+                                                     "but the job spans nodes"),
+            std::string::npos);
+  EXPECT_NE(error_of(env_at("no-such-host.invalid", false)).find("MASTER_ADDR 'no-such-host.invalid' does not resolve"),
+            std::string::npos);
+  // A non-loopback address of this machine (where it has one) routes to itself.
+  ifaddrs* list = nullptr;
+  ASSERT_EQ(::getifaddrs(&list), 0);
+  std::string own;
+  for (const ifaddrs* a = list; a && own.empty(); a = a->ifa_next) {
+    if (a->ifa_addr && a->ifa_addr->sa_family == AF_INET && !(a->ifa_flags & IFF_LOOPBACK) && (a->ifa_flags & IFF_UP)) {
+      char text[INET_ADDRSTRLEN] = {};
+      ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(a->ifa_addr)->sin_addr, text, sizeof(text));
+      own = text;
+    }
+  }
+  ::freeifaddrs(list);
+  if (!own.empty()) EXPECT_EQ(gloo_network(env_at(own, true)).address, own);
+
+  ::setenv("GLOO_SOCKET_IFNAME", "lo", 1);
+  const auto on_lo = gloo_network(env_at("10.1.2.3", false));
+  EXPECT_EQ(on_lo.interfaces, std::vector<std::string>{"lo"});
+  EXPECT_EQ(on_lo.describe(), "interface lo");
+  EXPECT_NE(error_of(env_at("10.1.2.3", true)).find("names the loopback interface 'lo', but the job spans nodes"),
+            std::string::npos);
+  ::setenv("GLOO_SOCKET_IFNAME", "lo,weftnope0", 1);
+  EXPECT_NE(error_of(env_at("127.0.0.1", false)).find("names 'weftnope0', which is not a network interface"),
+            std::string::npos);
+  ::unsetenv("GLOO_SOCKET_IFNAME");
 }
 
 // CMake's finding (WEFT_TORCH_NCCL: LibTorch's torch_cuda carries USE_C10D_NCCL) and the code's

@@ -1,0 +1,310 @@
+// weft across nodes: each node a network namespace that tools/cluster.sh makes (its own loopback,
+// one interface through a bridge, an optional rate limit), the job started in every node the way
+// users start it on machines (torchrun --nnodes --node-rank --master-addr). Needs root and
+// namespaces; where the machine has neither the tests skip with the tool's reason.
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <sstream>
+#include <cmath>
+#include <filesystem>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "core/io/safetensors.h"
+#include "common/corpus.h"
+#include "common/metrics.h"
+#include "common/process.h"
+#include "test_paths.h"
+
+namespace cluster_test {  // named: its helpers share a unity-build unit with other files' (CMAKE_UNITY_BUILD)
+
+using weft::testing::run_command;
+
+const std::string kTool = std::string(WEFT_SOURCE_DIR) + "/tools/cluster.sh";
+
+// Why this machine cannot make a cluster, or "" where it can.
+std::string unavailable() {
+  const auto r = run_command(kTool + " check");
+  return r.exit_code == 0 ? "" : "tools/cluster.sh check: " + r.output;
+}
+
+// A cluster for one test: made by the constructor, removed by the destructor whatever happened
+// (and by `up` itself if a previous run of this process id left one behind).
+class Cluster {
+ public:
+  explicit Cluster(int nodes, const std::string& rate = "none")
+      : name_("wt" + std::to_string(::getpid()) + "x" + std::to_string(count_++)), nodes_(nodes) {
+    remove_orphans();
+    const auto r = run_command(kTool + " up " + name_ + " " + std::to_string(nodes) + " " + rate);
+    made_ = r.exit_code == 0;
+    output_ = r.output;
+  }
+  ~Cluster() { run_command(kTool + " down " + name_); }
+  Cluster(const Cluster&) = delete;
+  Cluster& operator=(const Cluster&) = delete;
+
+  bool made() const { return made_; }
+  const std::string& output() const { return output_; }
+  const std::string& name() const { return name_; }
+  std::string namespace_of(int node) const { return name_ + "-n" + std::to_string(node); }
+  static std::string address(int node) { return "10.99.0." + std::to_string(node + 1); }
+  // A shell command prefix that runs what follows in `node`.
+  std::string in(int node) const { return kTool + " exec " + name_ + " " + std::to_string(node) + " "; }
+  // Bytes sent and received so far on the node's interface.
+  std::pair<int64_t, int64_t> bytes(int node) const {
+    const auto r = run_command(kTool + " bytes " + name_ + " " + std::to_string(node));
+    int64_t tx = -1, rx = -1;
+    std::sscanf(r.output.c_str(), "%ld %ld", &tx, &rx);
+    return {tx, rx};
+  }
+
+ private:
+  // Clusters of test processes that are gone (killed by a timeout before their destructor ran).
+  static void remove_orphans() {
+    std::istringstream lines(run_command("ip netns list").output);
+    std::string line;
+    while (std::getline(lines, line)) {
+      const auto dash = line.find('-');
+      const auto x = line.find('x');
+      if (line.rfind("wt", 0) != 0 || dash == std::string::npos || x == std::string::npos || x > dash) continue;
+      const std::string pid = line.substr(2, x - 2);
+      if (pid.empty() || pid.find_first_not_of("0123456789") != std::string::npos) continue;
+      if (!std::filesystem::exists("/proc/" + pid)) run_command(kTool + " down " + line.substr(0, dash));
+    }
+  }
+  static inline std::atomic<int> count_{0};
+  std::string name_;
+  int nodes_;
+  bool made_ = false;
+  std::string output_;
+};
+
+std::vector<std::string> namespaces() {
+  std::vector<std::string> names;
+  std::istringstream lines(run_command("ip netns list").output);
+  std::string line;
+  while (std::getline(lines, line)) names.push_back(line.substr(0, line.find(' ')));
+  return names;
+}
+
+bool has(const std::vector<std::string>& names, const std::string& name) {
+  return std::find(names.begin(), names.end(), name) != names.end();
+}
+
+nlohmann::json ip_json(const std::string& command) {
+  const auto r = run_command(command);
+  EXPECT_EQ(r.exit_code, 0) << command << ": " << r.output;
+  return nlohmann::json::parse(r.output, nullptr, /*allow_exceptions=*/false);
+}
+
+TEST(Cluster, TheToolMakesIsolatedRateLimitedNodesAndRemovesThemWithTheirProcesses) {
+  if (const auto why = unavailable(); !why.empty()) GTEST_SKIP() << why;
+  const auto links_before = ip_json("ip -j link show").size();
+  std::string name;
+  {
+    Cluster cluster(3, "100mbit");
+    ASSERT_TRUE(cluster.made()) << cluster.output();
+    name = cluster.name();
+    const auto names = namespaces();
+    for (int node = 0; node < 3; ++node) {
+      ASSERT_TRUE(has(names, cluster.namespace_of(node))) << node;
+      // One interface besides loopback, with the node's address.
+      const auto addresses = ip_json("ip -n " + cluster.namespace_of(node) + " -j -4 addr show");
+      std::vector<std::string> seen;
+      for (const auto& link : addresses) {
+        for (const auto& a : link["addr_info"]) seen.push_back(link["ifname"].get<std::string>() + " " +
+                                                               a["local"].get<std::string>());
+      }
+      EXPECT_EQ(seen, (std::vector<std::string>{"lo 127.0.0.1", "eth0 " + Cluster::address(node)}));
+      // Its link limited to the rate, in both directions.
+      for (const auto& [ns, device] : {std::pair{cluster.namespace_of(node), std::string("eth0")},
+                                       std::pair{name + "-sw", "p" + std::to_string(node)}}) {
+        const auto qdiscs = ip_json("tc -n " + ns + " -j qdisc show dev " + device);
+        ASSERT_FALSE(qdiscs.empty()) << ns << " " << device;
+        EXPECT_EQ(qdiscs[0]["kind"], "tbf") << qdiscs.dump();
+        EXPECT_EQ(qdiscs[0]["options"]["rate"].get<int64_t>(), 100000000 / 8) << qdiscs.dump();
+      }
+    }
+    // Nodes reach each other over their links (node 2 fetches from node 0's listener) ...
+    const std::string listen = cluster.in(0) + "python3 -c \"import socket; s=socket.socket(); s.bind(('" +
+                               Cluster::address(0) + "', 7001)); s.listen(); c, _ = s.accept(); c.sendall(b'weft')\" &";
+    const auto fetched = run_command(listen + " sleep 0.5; " + cluster.in(2) +
+                                     "python3 -c \"import socket; print(socket.create_connection(('" +
+                                     Cluster::address(0) + "', 7001), timeout=10).recv(4).decode())\"; wait");
+    EXPECT_EQ(weft::testing::last_line(fetched.output), "weft") << fetched.output;
+    // ... and nothing of the cluster is in this machine's own namespace.
+    EXPECT_EQ(ip_json("ip -j link show").size(), links_before);
+    // A process left running in a node goes with the cluster.
+    ASSERT_EQ(run_command(cluster.in(1) + "sleep 600 > /dev/null 2>&1 &").exit_code, 0);
+  }
+  const auto names = namespaces();
+  for (const auto& ns : {name + "-n0", name + "-n1", name + "-n2", name + "-sw"}) EXPECT_FALSE(has(names, ns)) << ns;
+  EXPECT_EQ(run_command("pgrep -f '^sleep 600$'").exit_code, 1) << "the node's sleep outlived its cluster";
+}
+
+// The tiny preset for 10 fp32 steps; `out` is the run directory.
+std::string tiny_args(const std::string& dir, const std::string& corpus, const std::string& out) {
+  return "--config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set data.path=" + corpus +
+         " --set data.cache_dir=" + dir + "/cache --set data.seq_len=32 --set train.batch_size=6"
+         " --set train.max_steps=10 --set train.precision=fp32 --set log.progress=off --set train.out_dir=" +
+         out + " --set train.collective_timeout_s=60";
+}
+
+// The command that starts node `node`'s part of a 2-node job (one rank per node) the torchrun way,
+// node 0 hosting the rendezvous; its output goes to `log`.
+std::string torchrun(const Cluster& cluster, int node, const std::string& trainer_args, const std::string& log) {
+  return cluster.in(node) + "env OMP_NUM_THREADS=1 " + WEFT_TEST_TORCHRUN + " --nnodes 2 --nproc-per-node 1" +
+         " --node-rank " + std::to_string(node) + " --master-addr " + Cluster::address(0) +
+         " --master-port 29400 --no-python " + WEFT_TRAINER_PATH + " " + trainer_args + " > " + log + " 2>&1";
+}
+
+// ddp over two nodes, one rank each, started by torchrun in each node with node 0's address as
+// the rendezvous: the same losses and parameters as one process, and the gradients' all-reduces
+// crossed the nodes' interfaces.
+TEST(Cluster, DdpAcrossTwoNodesStartedByTorchrunMatchesOneProcess) {
+  if (const auto why = unavailable(); !why.empty()) GTEST_SKIP() << why;
+  if (std::string(WEFT_TEST_TORCHRUN).empty()) {
+    GTEST_SKIP() << "no torchrun of this LibTorch's version (WEFT_PYTHON; tests/CMakeLists.txt)";
+  }
+  const auto dir = weft::testing::fresh_dir("weft_test_cluster", "ddp");
+  const auto corpus = weft::testing::write_word_corpus(dir);
+  const auto reference = weft::testing::run_trainer(tiny_args(dir, corpus, dir + "/reference"));
+  ASSERT_EQ(reference.exit_code, 0) << reference.output;
+
+  Cluster cluster(2);
+  ASSERT_TRUE(cluster.made()) << cluster.output();
+  const auto before = cluster.bytes(1);
+  // One shared run directory, as on machines that share a file system.
+  const std::string args = tiny_args(dir, corpus, dir + "/ddp") + " --plugin ddp --log-level debug";
+  const auto run = run_command(torchrun(cluster, 1, args, dir + "/node1.txt") + " & " +
+                               torchrun(cluster, 0, args, dir + "/node0.txt") + "; a=$?; wait %1; echo $a$?");
+  const std::string log0 = weft::testing::read_text(dir + "/node0.txt");
+  const std::string log1 = weft::testing::read_text(dir + "/node1.txt");
+  ASSERT_EQ(weft::testing::last_line(run.output), "00") << log0 << "\n--- node 1:\n" << log1;
+  // Each rank's Gloo listened on its node's address, not on loopback.
+  EXPECT_NE(log0.find("rank 0: Gloo listens on " + Cluster::address(0)), std::string::npos) << log0;
+  EXPECT_NE(log1.find("rank 1: Gloo listens on " + Cluster::address(1)), std::string::npos) << log1;
+
+  const auto a = weft::testing::step_losses(dir + "/reference/metrics.jsonl");
+  const auto b = weft::testing::step_losses(dir + "/ddp/metrics.jsonl");
+  ASSERT_EQ(a.size(), 10u);
+  ASSERT_EQ(b.size(), 10u);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(b[i], a[i], 1e-5 * std::abs(a[i])) << "step " << i + 1;
+  auto ra = weft::SafetensorsFile::open(dir + "/reference/final/model.safetensors");
+  auto rb = weft::SafetensorsFile::open(dir + "/ddp/final/model.safetensors");
+  ASSERT_EQ(ra->tensors().size(), rb->tensors().size());
+  double worst = 0;
+  int64_t parameters = 0;
+  for (const auto& info : ra->tensors()) {
+    const auto x = ra->load(info.name);
+    parameters += x.numel();
+    worst = std::max(worst, (x - rb->load(info.name)).abs().max().item<double>());
+  }
+  EXPECT_LT(worst, 1e-5);
+  // The gradients crossed node 1's link: an all-reduce of two ranks moves each rank's buffer (4
+  // bytes per parameter) out and back, about once each way per step; at least half of that, far
+  // beyond the rendezvous' few kilobytes.
+  const auto after = cluster.bytes(1);
+  EXPECT_GT(after.first - before.first, 10 * 2 * parameters) << "parameters " << parameters;
+  EXPECT_GT(after.second - before.second, 10 * 2 * parameters) << "parameters " << parameters;
+}
+
+// The (step, loss) records of a run's metrics.jsonl in file order, across restarts.
+std::vector<std::pair<int64_t, double>> step_records(const std::string& metrics) {
+  std::vector<std::pair<int64_t, double>> steps;
+  for (const auto& j : weft::testing::records_of(metrics, "step")) {
+    steps.emplace_back(j["step"].get<int64_t>(), j["loss"].get<double>());
+  }
+  return steps;
+}
+
+// A 2-node ddp run whose node 1 loses its link after the checkpoint of step 100: both ranks stop
+// with an error within train.collective_timeout_s (+ 3 s) naming what they lost, the checkpoints
+// stay whole, and checkpoint.resume=auto, once the link is back, finishes the run with exactly
+// the losses of the same run uninterrupted.
+TEST(Cluster, ALinkThatGoesDownStopsEveryRankAndTheRunResumesExactly) {
+  if (const auto why = unavailable(); !why.empty()) GTEST_SKIP() << why;
+  if (std::string(WEFT_TEST_TORCHRUN).empty()) {
+    GTEST_SKIP() << "no torchrun of this LibTorch's version (WEFT_PYTHON; tests/CMakeLists.txt)";
+  }
+  const auto dir = weft::testing::fresh_dir("weft_test_cluster", "link");
+  const auto corpus = weft::testing::write_word_corpus(dir);
+  const double timeout_s = 10;
+  auto args = [&](const std::string& out) {
+    return tiny_args(dir, corpus, out) + " --set train.max_steps=300 --set train.epochs=100" +
+           " --set checkpoint.every_steps=10 --set checkpoint.keep_last=2 --set checkpoint.resume=auto" +
+           " --set train.collective_timeout_s=" + std::to_string(timeout_s) + " --plugin ddp";
+  };
+  Cluster cluster(2);
+  ASSERT_TRUE(cluster.made()) << cluster.output();
+  auto both = [&](const std::string& out, const std::string& tag) {
+    return run_command(torchrun(cluster, 1, args(out), dir + "/" + tag + "1.txt") + " & " +
+                       torchrun(cluster, 0, args(out), dir + "/" + tag + "0.txt") + "; a=$?; wait %1; echo $a$?");
+  };
+  const auto reference = both(dir + "/reference", "reference");
+  ASSERT_EQ(weft::testing::last_line(reference.output), "00") << weft::testing::read_text(dir + "/reference0.txt");
+
+  // Each node's job ends by writing "exit status, time" to end<node>; the link goes down once
+  // the checkpoint of step 100 is there.
+  const std::string out = dir + "/run";
+  std::string script;
+  for (int node = 1; node >= 0; --node) {
+    const std::string n = std::to_string(node);
+    script += "(" + torchrun(cluster, node, args(out), dir + "/cut" + n + ".txt") + "; echo $? $(date +%s.%N) > " +
+              dir + "/end" + n + ") & ";
+  }
+  script += "for i in $(seq 600); do [ -e " + out + "/checkpoints/step-00000100 ] && break; sleep 0.05; done; " +
+            kTool + " link " + cluster.name() + " 1 down; date +%s.%N > " + dir + "/cut; wait";
+  run_command(script);
+  const std::string log0 = weft::testing::read_text(dir + "/cut0.txt");
+  const std::string log1 = weft::testing::read_text(dir + "/cut1.txt");
+  double cut = 0;
+  std::sscanf(weft::testing::read_text(dir + "/cut").c_str(), "%lf", &cut);
+  for (int node = 0; node < 2; ++node) {
+    int status = -1;
+    double end = 0;
+    std::sscanf(weft::testing::read_text(dir + "/end" + std::to_string(node)).c_str(), "%d %lf", &status, &end);
+    EXPECT_NE(status, 0) << "node " << node << "\n" << (node ? log1 : log0);
+    EXPECT_LT(end - cut, timeout_s + 3) << "node " << node << "\n" << (node ? log1 : log0);
+  }
+  // Rank 0 names the rank that stopped answering and its node's address; rank 1, cut off from
+  // node 0, names the rendezvous it can no longer reach.
+  EXPECT_NE(log0.find("rank 1 did not join it (rank 1: pid"), std::string::npos) << log0;
+  EXPECT_NE(log0.find("Gloo on " + Cluster::address(1)), std::string::npos) << log0;
+  EXPECT_NE(log1.find("the rendezvous store at " + Cluster::address(0) + ":29400 did not answer"), std::string::npos)
+      << log1;
+  // The checkpoints are whole: latest names a folder with the model, optimizer and trainer state.
+  const std::string latest = weft::testing::read_text(out + "/checkpoints/latest");
+  const std::string folder = out + "/checkpoints/" + latest.substr(0, latest.find_last_not_of(" \n") + 1);
+  for (const char* file : {"trainer_state.json", "model.safetensors", "optimizer.safetensors"}) {
+    EXPECT_TRUE(std::filesystem::exists(folder + "/" + file)) << folder << " lacks " << file;
+  }
+
+  ASSERT_EQ(run_command(kTool + " link " + cluster.name() + " 1 up").exit_code, 0);
+  const auto resumed = both(out, "resume");
+  ASSERT_EQ(weft::testing::last_line(resumed.output), "00") << weft::testing::read_text(dir + "/resume0.txt");
+  const auto expected = step_records(dir + "/reference/metrics.jsonl");
+  const auto got = step_records(out + "/metrics.jsonl");
+  ASSERT_EQ(expected.size(), 300u);
+  // The resumed run's records start where the step number goes back.
+  size_t restart = 1;
+  while (restart < got.size() && got[restart].first > got[restart - 1].first) ++restart;
+  ASSERT_LT(restart, got.size()) << "no resumed steps in " << out << "/metrics.jsonl";
+  EXPECT_GE(got[restart].first, 101) << "resumed from before the checkpoint of step 100";
+  EXPECT_EQ(got.back().first, 300);
+  for (size_t i = restart; i < got.size(); ++i) {
+    const auto step = got[i].first;
+    ASSERT_GE(step, 1);
+    EXPECT_EQ(got[i].second, expected[static_cast<size_t>(step - 1)].second) << "step " << step;
+  }
+}
+
+}  // namespace cluster_test

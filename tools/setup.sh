@@ -41,6 +41,7 @@ packages=(
   libdlpack-dev                          # DLPack: tensors across the plugin ABI (sdk/)
   libgloo-dev                            # c10d's ProcessGroupGloo.hpp includes gloo's headers (no LibTorch ships them)
   libcurl4-openssl-dev libssl-dev        # checkpoint backup to S3: libcurl's SigV4 signing, OpenSSL's SHA-256
+  iproute2                               # tools/cluster.sh: nodes as network namespaces (ip, tc)
 )
 
 if [[ "${WEFT_SKIP_APT:-0}" != 1 ]]; then

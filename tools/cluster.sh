@@ -13,6 +13,7 @@
 #   tools/cluster.sh down NAME              kill every process in NAME's namespaces, remove them
 #   tools/cluster.sh exec NAME I CMD...     run CMD in node I
 #   tools/cluster.sh link NAME I up|down    bring node I's cable (its switch port) up or down
+#   tools/cluster.sh kill NAME I            kill every process in node I (SIGKILL), as a node dying
 #   tools/cluster.sh rate NAME I RATE|none  change node I's rate
 #   tools/cluster.sh bytes NAME I           bytes node I's eth0 has sent and received: "TX RX"
 #
@@ -111,6 +112,11 @@ case "$command" in
     check_name "$2"; check_node "$2" "$3"
     ip -n "$(switch_ns "$2")" link set "p$3" "$4"
     ;;
+  kill)
+    [[ $# -eq 3 ]] || die "usage: cluster.sh kill NAME I"
+    check_name "$2"; check_node "$2" "$3"
+    ip netns pids "$(node_ns "$2" "$3")" | xargs -r kill -9
+    ;;
   rate)
     [[ $# -eq 4 ]] || die "usage: cluster.sh rate NAME I RATE|none"
     check_name "$2"; check_node "$2" "$3"
@@ -125,6 +131,6 @@ case "$command" in
          "$(ip netns exec "$ns" cat /sys/class/net/eth0/statistics/rx_bytes)"
     ;;
   *)
-    die "usage: cluster.sh check | up NAME N [RATE] | down NAME | exec NAME I CMD... | link NAME I up|down | rate NAME I RATE | bytes NAME I"
+    die "usage: cluster.sh check | up NAME N [RATE] | down NAME | exec NAME I CMD... | link NAME I up|down | kill NAME I | rate NAME I RATE | bytes NAME I"
     ;;
 esac

@@ -226,16 +226,13 @@ std::vector<std::pair<int64_t, double>> step_records(const std::string& metrics)
   return steps;
 }
 
-// A 2-node ddp run whose node 1 loses its link after the checkpoint of step 100: both ranks stop
-// with an error within train.collective_timeout_s (+ 3 s) naming what they lost, the checkpoints
-// stay whole, and checkpoint.resume=auto, once the link is back, finishes the run with exactly
-// the losses of the same run uninterrupted.
-TEST(Cluster, ALinkThatGoesDownStopsEveryRankAndTheRunResumesExactly) {
-  if (const auto why = unavailable(); !why.empty()) GTEST_SKIP() << why;
-  if (std::string(WEFT_TEST_TORCHRUN).empty()) {
-    GTEST_SKIP() << "no torchrun of this LibTorch's version (WEFT_PYTHON; tests/CMakeLists.txt)";
-  }
-  const auto dir = weft::testing::fresh_dir("weft_test_cluster", "link");
+// A 2-node ddp run whose node 1 fails after the checkpoint of step 100, by `fault`: "link" (its
+// cable unplugged) or "kill" (every process in it killed). The surviving ranks stop with an error
+// within train.collective_timeout_s (+ 3 s) naming what they lost, the checkpoints stay whole,
+// and checkpoint.resume=auto, once the node is back, finishes the run with exactly the losses of
+// the same run uninterrupted.
+void fail_a_node_then_resume(const std::string& fault) {
+  const auto dir = weft::testing::fresh_dir("weft_test_cluster", fault);
   const auto corpus = weft::testing::write_word_corpus(dir);
   const double timeout_s = 10;
   auto args = [&](const std::string& out) {
@@ -252,8 +249,8 @@ TEST(Cluster, ALinkThatGoesDownStopsEveryRankAndTheRunResumesExactly) {
   const auto reference = both(dir + "/reference", "reference");
   ASSERT_EQ(weft::testing::last_line(reference.output), "00") << weft::testing::read_text(dir + "/reference0.txt");
 
-  // Each node's job ends by writing "exit status, time" to end<node>; the link goes down once
-  // the checkpoint of step 100 is there.
+  // Each node's job ends by writing "exit status, time" to end<node>; the fault comes once the
+  // checkpoint of step 100 is there.
   const std::string out = dir + "/run";
   std::string script;
   for (int node = 1; node >= 0; --node) {
@@ -262,7 +259,8 @@ TEST(Cluster, ALinkThatGoesDownStopsEveryRankAndTheRunResumesExactly) {
               dir + "/end" + n + ") & ";
   }
   script += "for i in $(seq 600); do [ -e " + out + "/checkpoints/step-00000100 ] && break; sleep 0.05; done; " +
-            kTool + " link " + cluster.name() + " 1 down; date +%s.%N > " + dir + "/cut; wait";
+            (fault == "link" ? kTool + " link " + cluster.name() + " 1 down" : kTool + " kill " + cluster.name() + " 1") +
+            "; date +%s.%N > " + dir + "/cut; wait";
   run_command(script);
   const std::string log0 = weft::testing::read_text(dir + "/cut0.txt");
   const std::string log1 = weft::testing::read_text(dir + "/cut1.txt");
@@ -275,36 +273,54 @@ TEST(Cluster, ALinkThatGoesDownStopsEveryRankAndTheRunResumesExactly) {
     EXPECT_NE(status, 0) << "node " << node << "\n" << (node ? log1 : log0);
     EXPECT_LT(end - cut, timeout_s + 3) << "node " << node << "\n" << (node ? log1 : log0);
   }
-  // Rank 0 names the rank that stopped answering and its node's address; rank 1, cut off from
-  // node 0, names the rendezvous it can no longer reach.
+  // Rank 0 names the rank it lost and that rank's node address; rank 1, cut off from node 0,
+  // names the rendezvous it can no longer reach.
   EXPECT_NE(log0.find("rank 1 did not join it (rank 1: pid"), std::string::npos) << log0;
   EXPECT_NE(log0.find("Gloo on " + Cluster::address(1)), std::string::npos) << log0;
-  EXPECT_NE(log1.find("the rendezvous store at " + Cluster::address(0) + ":29400 did not answer"), std::string::npos)
-      << log1;
+  if (fault == "link") {
+    EXPECT_NE(log1.find("the rendezvous store at " + Cluster::address(0) + ":29400 did not answer"),
+              std::string::npos)
+        << log1;
+  }
   // The checkpoints are whole: latest names a folder with the model, optimizer and trainer state.
   const std::string latest = weft::testing::read_text(out + "/checkpoints/latest");
   const std::string folder = out + "/checkpoints/" + latest.substr(0, latest.find_last_not_of(" \n") + 1);
   for (const char* file : {"trainer_state.json", "model.safetensors", "optimizer.safetensors"}) {
     EXPECT_TRUE(std::filesystem::exists(folder + "/" + file)) << folder << " lacks " << file;
   }
+  const int64_t saved = std::stoll(latest.substr(latest.find('-') + 1));
+  ASSERT_GE(saved, 100) << latest;
 
-  ASSERT_EQ(run_command(kTool + " link " + cluster.name() + " 1 up").exit_code, 0);
+  if (fault == "link") ASSERT_EQ(run_command(kTool + " link " + cluster.name() + " 1 up").exit_code, 0);
   const auto resumed = both(out, "resume");
   ASSERT_EQ(weft::testing::last_line(resumed.output), "00") << weft::testing::read_text(dir + "/resume0.txt");
   const auto expected = step_records(dir + "/reference/metrics.jsonl");
   const auto got = step_records(out + "/metrics.jsonl");
   ASSERT_EQ(expected.size(), 300u);
-  // The resumed run's records start where the step number goes back.
-  size_t restart = 1;
-  while (restart < got.size() && got[restart].first > got[restart - 1].first) ++restart;
-  ASSERT_LT(restart, got.size()) << "no resumed steps in " << out << "/metrics.jsonl";
-  EXPECT_GE(got[restart].first, 101) << "resumed from before the checkpoint of step 100";
-  EXPECT_EQ(got.back().first, 300);
-  for (size_t i = restart; i < got.size(); ++i) {
-    const auto step = got[i].first;
-    ASSERT_GE(step, 1);
-    EXPECT_EQ(got[i].second, expected[static_cast<size_t>(step - 1)].second) << "step " << step;
+  // The resumed run's records are the last 300 - saved: steps saved + 1 ... 300, each with the
+  // uninterrupted run's loss.
+  const auto resumed_steps = static_cast<size_t>(300 - saved);
+  ASSERT_GE(got.size(), resumed_steps);
+  for (size_t i = got.size() - resumed_steps, step = static_cast<size_t>(saved) + 1; i < got.size(); ++i, ++step) {
+    ASSERT_EQ(got[i].first, static_cast<int64_t>(step)) << "record " << i;
+    EXPECT_EQ(got[i].second, expected[step - 1].second) << "step " << step;
   }
+}
+
+TEST(Cluster, ALinkThatGoesDownStopsEveryRankAndTheRunResumesExactly) {
+  if (const auto why = unavailable(); !why.empty()) GTEST_SKIP() << why;
+  if (std::string(WEFT_TEST_TORCHRUN).empty()) {
+    GTEST_SKIP() << "no torchrun of this LibTorch's version (WEFT_PYTHON; tests/CMakeLists.txt)";
+  }
+  fail_a_node_then_resume("link");
+}
+
+TEST(Cluster, ANodeKilledOutrightStopsTheOthersAndTheRunResumesExactly) {
+  if (const auto why = unavailable(); !why.empty()) GTEST_SKIP() << why;
+  if (std::string(WEFT_TEST_TORCHRUN).empty()) {
+    GTEST_SKIP() << "no torchrun of this LibTorch's version (WEFT_PYTHON; tests/CMakeLists.txt)";
+  }
+  fail_a_node_then_resume("kill");
 }
 
 }  // namespace cluster_test

@@ -411,8 +411,6 @@ std::string reached_key(const Operation& operation, int32_t world_rank) {
 
 }  // namespace
 
-// A member that waits on a collective for half the timeout says so in the store, so that the one
-// whose wait times out can tell who was there.
 bool Communicator::ask_store(std::function<void(c10d::Store&)> query) {
   if (store_unresponsive_) return false;
   auto answered = std::make_shared<std::promise<bool>>();
@@ -426,8 +424,7 @@ bool Communicator::ask_store(std::function<void(c10d::Store&)> query) {
     }
     answered->set_value(ok);
   }).detach();
-  const auto limit = std::min(timeout_ / 2, std::chrono::milliseconds(kStoreAnswerLimitMs));
-  if (answer.wait_for(limit) != std::future_status::ready) {
+  if (answer.wait_for(store_answer_limit()) != std::future_status::ready) {
     store_unresponsive_ = true;  // its thread holds the store's client: no one else may use it
     return false;
   }
@@ -438,10 +435,11 @@ std::string Communicator::store_silence() const {
   return fmt::format("the rendezvous store{} did not answer within {:.0f} s: the link to the node that hosts it "
                      "may be down",
                      store_address_.empty() ? "" : " at " + store_address_,
-                     std::chrono::duration<double>(std::min(timeout_ / 2, std::chrono::milliseconds(kStoreAnswerLimitMs)))
-                         .count());
+                     std::chrono::duration<double>(store_answer_limit()).count());
 }
 
+// A member that waits on a collective for half the timeout says so in the store, so that the one
+// whose wait times out can tell who was there.
 void Communicator::mark_reached(const Operation& operation) {
   // The check is a round trip (a set is not answered): a store that does not answer it within
   // the wait's second half is known to be unreachable by the time the collective times out.
@@ -453,7 +451,7 @@ void Communicator::mark_reached(const Operation& operation) {
   // unanswered: the store is gone too, and the timeout's message will say so
 }
 
-std::string Communicator::who_did_not_arrive(const Operation& operation) {
+std::string Communicator::who_did_not_arrive(const Operation& operation, std::string* where_they_ran) {
   std::vector<std::pair<int32_t, std::string>> keys;
   for (int32_t world_rank : operation.group->world_ranks) {
     if (world_rank != rank_) keys.emplace_back(world_rank, reached_key(operation, world_rank));
@@ -488,7 +486,9 @@ std::string Communicator::who_did_not_arrive(const Operation& operation) {
     return fmt::format("the rendezvous store did not answer to tell which ranks were missing ({})", *error);
   }
   if (absent->empty()) return "every other member had joined it";
-  return fmt::format("rank{} {} did not join it{}", absent->size() > 1 ? "s" : "", rank_list(*absent), *where);
+  if (where_they_ran) *where_they_ran = *where;
+  return fmt::format("rank{} {} did not join it{}", absent->size() > 1 ? "s" : "", rank_list(*absent),
+                     where_they_ran ? "" : *where);
 }
 
 void Communicator::wait(Operation& operation) {
@@ -519,8 +519,9 @@ void Communicator::wait(Operation& operation) {
       // timing out; the ranks that never joined are still the cause worth naming.
       std::string absent;
       if (operation.sequence > 0) {
-        const std::string who = who_did_not_arrive(operation);
-        if (who.find("did not join") != std::string::npos) absent = " (" + who + ")";
+        std::string where_they_ran;
+        const std::string who = who_did_not_arrive(operation, &where_they_ran);
+        if (who.find("did not join") != std::string::npos) absent = " (" + who + ")" + where_they_ran;
       }
       throw CommError(fmt::format("{} failed: {}{}{}", where, first_line, absent, record_note), false);
     }

@@ -8,6 +8,7 @@
 // when a collective times out, asks the store which ranks never reached it.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -179,16 +180,20 @@ class Communicator {
   std::string dump_flight_records() const;
   // Gives `group` (this rank a member) its Gloo backend and, with "nccl", its NCCL one.
   void attach_backends(ProcessGroup& group, const std::string& prefix);
-  // Which members of `operation`'s group never reached it (asked through the store).
-  std::string who_did_not_arrive(const Operation& operation);
+  // Which members of `operation`'s group never reached it (asked through the store), followed by
+  // where they ran, " (rank 1: pid P on HOST, Gloo on ADDRESS)", or with that put in
+  // `where_they_ran` instead.
+  std::string who_did_not_arrive(const Operation& operation, std::string* where_they_ran = nullptr);
   void mark_reached(const Operation& operation);
-  // Runs `query` on the store, waiting at most kStoreAnswerLimitMs (or half the timeout, if
-  // shorter) for it; false if it failed or did not answer. TCPStore's replies have no timeout of their own:
-  // behind a link that is down a check or get waits forever, so the query runs on a thread of its
-  // own, left behind if it does not answer, and the store is not used again (that thread holds
-  // its client).
+  // Runs `query` on the store, waiting at most store_answer_limit() for it; false if it failed or
+  // did not answer. TCPStore's replies have no timeout of their own: behind a link that is down a
+  // check or get waits forever, so the query runs on a thread of its own, left behind if it does
+  // not answer, and the store is not used again (that thread holds its client).
   bool ask_store(std::function<void(c10d::Store&)> query);
   std::string store_silence() const;  // "the rendezvous store at ... did not answer within 5 s: ..."
+  std::chrono::milliseconds store_answer_limit() const {
+    return std::min(timeout_ / 2, std::chrono::milliseconds(kStoreAnswerLimitMs));
+  }
 
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_, world_size_;

@@ -275,7 +275,10 @@ void fail_a_node_then_resume(const std::string& fault) {
   }
   // Rank 0 names the rank it lost and that rank's node address; rank 1, cut off from node 0,
   // names the rendezvous it can no longer reach.
-  EXPECT_NE(log0.find("rank 1 did not join it (rank 1: pid"), std::string::npos) << log0;
+  // (After a timeout: "rank 1 did not join it (rank 1: pid ..."; after a failed collective: "(rank 1
+  // did not join it) (rank 1: pid ...".)
+  EXPECT_NE(log0.find("rank 1 did not join it"), std::string::npos) << log0;
+  EXPECT_NE(log0.find("(rank 1: pid"), std::string::npos) << log0;
   EXPECT_NE(log0.find("Gloo on " + Cluster::address(1)), std::string::npos) << log0;
   if (fault == "link") {
     EXPECT_NE(log1.find("the rendezvous store at " + Cluster::address(0) + ":29400 did not answer"),

@@ -1,6 +1,7 @@
 #include "core/dist/rendezvous.h"
 
 #include <arpa/inet.h>
+#include <signal.h>
 #include <ifaddrs.h>
 #include <net/if.h>
 #include <netdb.h>
@@ -185,6 +186,12 @@ c10::intrusive_ptr<c10d::Store> host_store(const std::string& host, int& port, s
 std::unique_ptr<Communicator> join_world(const DistributedEnv& e, std::chrono::milliseconds timeout,
                                          const std::string& backend) {
   if (e.world == 1) return Communicator::single_process(timeout);
+  // A peer that dies leaves sockets whose next write raises SIGPIPE, and its default action ends
+  // this rank on the spot: no message naming the lost rank, exit status 128+13. Ignored (as Python,
+  // and so PyTorch's own ranks, do), the write fails with EPIPE and the collective reports it.
+  if (struct sigaction current {}; ::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+    ::signal(SIGPIPE, SIG_IGN);
+  }
   const GlooNetwork network = gloo_network(e);  // a bad address fails here, before the rendezvous
   spdlog::debug("rank {}: Gloo listens on {}", e.rank, network.describe());
   const double seconds = std::chrono::duration<double>(timeout).count();

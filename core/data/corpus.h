@@ -76,7 +76,5 @@ bool read_corpus_cache(const std::string& path, uint64_t key, TokenizedCorpus* c
                        std::string* problem);
 void write_corpus_cache(const std::string& path, uint64_t key, const TokenizedCorpus& corpus);
 
-// A fast, platform-independent 64-bit hash of bytes (not cryptographic).
-uint64_t hash_bytes(const void* data, size_t size, uint64_t seed = 0);
 
 }  // namespace weft

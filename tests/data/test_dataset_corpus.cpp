@@ -7,6 +7,7 @@
 #include "core/data/corpus.h"
 #include "core/data/dataset.h"
 #include "core/util/error.h"
+#include "core/util/hash.h"
 #include "test_dataset_util.h"
 
 namespace weft {

@@ -19,6 +19,7 @@
 #include "core/plugin/host_services.h"
 #include "core/plugin/abi2_slices.h"
 #include "core/plugin/placement_collectives.h"
+#include "core/plugin/replicas.h"
 #include "core/plugin/step_program.h"
 #include "core/util/error.h"
 
@@ -594,7 +595,7 @@ class HostStep : public sdk::Strategy {
     const int64_t count = h.parameter_count();
     h.handle()->state->local_parameters.clear();
     std::vector<GradientReducer::Reduced> reduced;
-    std::vector<sdk::Work> broadcasts;
+    std::vector<int64_t> replicated;  // every parameter, when there are replicas: they start equal
     for (int64_t i = 0; i < count; ++i) {
       const weft_parameter_info info = h.parameter_info(i);
       DLTensor data = h.parameter_data(i);
@@ -627,7 +628,7 @@ class HostStep : public sdk::Strategy {
         parameter_stages_.emplace_back(i, info.stage);
       }
       if (replicas() > 1) {
-        broadcasts.push_back(h.broadcast(dp_group_, data, 0));  // replicas start equal
+        replicated.push_back(i);
         if (info.trainable && !local) {
           if (data.dtype.code != kDLFloat || data.dtype.bits != 32) {
             throw sdk::Error(WEFT_STATUS_UNSUPPORTED, fmt::format("{}: parameter {} is not fp32", dp_->name(), info.name));
@@ -638,7 +639,7 @@ class HostStep : public sdk::Strategy {
         }
       }
     }
-    for (const sdk::Work& work : broadcasts) work.wait();
+    make_replicas_equal(h, dp_group_, replicated);
     shards_state_ = !state_shards_.empty();
     std::vector<std::pair<int64_t, int64_t>> state_stages;  // optimizer state FLAT_SHARD, parameter whole
     for (int64_t index : state_shards_) {

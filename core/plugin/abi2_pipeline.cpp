@@ -19,6 +19,7 @@
 #include "core/plugin/abi2_slices.h"
 #include "core/plugin/host_services.h"
 #include "core/plugin/placement_collectives.h"
+#include "core/plugin/replicas.h"
 #include "async_pipeline.hpp"
 #include "pipeline_strategy.hpp"
 #include "schedule.hpp"
@@ -169,7 +170,7 @@ class PipelineStep : public pipeline::PipelineStrategy {
     const auto place =
         companion_ ? reinterpret_cast<weft_place_fn>(companion_->proc("weft_place")) : static_cast<weft_place_fn>(nullptr);
     std::vector<GradientReducer::Reduced> reduced;
-    std::vector<sdk::Work> broadcasts;
+    std::vector<int64_t> replicated;  // every parameter: replicas start equal
     std::vector<std::pair<int64_t, int64_t>> parameter_stages, state_stages;  // (index, model stage)
     const auto& chunks = placement().chunk_stages;
     chunk_parameters_.assign(chunks.size(), {});
@@ -201,7 +202,7 @@ class PipelineStep : public pipeline::PipelineStrategy {
         parameter_shards_.push_back(i);
         parameter_stages.emplace_back(i, info.stage);
       }
-      broadcasts.push_back(h.broadcast(replica_group(), data, 0));  // replicas start equal
+      replicated.push_back(i);
       if (!info.trainable) continue;
       ++trainable;
       if (!fp32) {
@@ -223,7 +224,7 @@ class PipelineStep : public pipeline::PipelineStrategy {
         }
       }
     }
-    for (const sdk::Work& work : broadcasts) work.wait();
+    make_replicas_equal(h, replica_group(), replicated);
     // Reduce-scattered gradients take each chunk's whole gradients at its REDUCE: its PARTIAL sums come
     // first, there, instead of after the flush (and none of its buckets starts during the backward).
     tp_first_ = slices_ && slices_->sums() && !grad_shards_.empty();

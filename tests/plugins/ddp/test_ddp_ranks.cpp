@@ -111,4 +111,50 @@ TEST(Ddp, LoraMatchesOneProcess) {
                 "adapter_model.safetensors");
 }
 
+// Replicas start equal from rank 0, and cost no copy of the model when they already are. A rank
+// whose weights differ (its working directory holds other weights under the configured relative
+// path, as a node with a stale copy of a checkpoint would) trains rank 0's: the run equals one whose
+// ranks all loaded rank 0's, and rank 0 says how many parameters were broadcast; where the ranks
+// loaded the same file, nothing was.
+TEST(Ddp, ARankWhoseWeightsDifferTrainsRankZeros) {
+  const auto dir = fresh_dir("differing_weights");
+  const auto corpus = write_corpus(dir);
+  const auto trained = train(dir, "trained", corpus, 0, "");
+  const auto other = train(dir, "other", corpus, 0, "--set train.seed=7");
+  for (const auto& [node, from] : {std::pair{"node0", trained}, std::pair{"node1", other}}) {
+    std::filesystem::create_directories(dir + "/" + node);
+    std::filesystem::copy_file(from + "/final/model.safetensors", dir + "/" + node + "/weights.safetensors");
+  }
+  const auto args = [&](const std::string& out, const std::string& weights) {
+    return "--config " + std::string(WEFT_SOURCE_DIR) + "/configs/tiny.toml --set data.path=" + corpus +
+           " --set data.cache_dir=" + dir + "/cache --set data.seq_len=32 --set train.batch_size=6"
+           " --set train.max_steps=20 --set train.epochs=3 --set train.precision=fp32 --set log.progress=off"
+           " --set train.out_dir=" + dir + "/" + out + " --set model.weights=" + weights + " --plugin ddp";
+  };
+  const auto same = run_trainer(args("same", dir + "/node0/weights.safetensors") + " --nproc 2 --log-level debug");
+  ASSERT_EQ(same.exit_code, 0) << same.output;
+  EXPECT_NE(same.output.find("nothing broadcast"), std::string::npos) << same.output;
+  EXPECT_EQ(same.output.find("were broadcast"), std::string::npos) << same.output;
+  // By hand, torchrun's variables, each rank in its node's directory.
+  const std::string env = "MASTER_ADDR=127.0.0.1 MASTER_PORT=29641 WORLD_SIZE=2 OMP_NUM_THREADS=1";
+  const auto rank = [&](int r) {
+    return "(cd " + dir + "/node" + std::to_string(r) + " && " + env + " RANK=" + std::to_string(r) +
+           " LOCAL_RANK=" + std::to_string(r) + " " + WEFT_TRAINER_PATH + " " + args("mixed", "weights.safetensors") +
+           " > " + dir + "/r" +
+           std::to_string(r) + ".txt 2>&1)";
+  };
+  const auto status = weft::testing::run_command(rank(1) + " & " + rank(0) + "; a=$?; wait %1; b=$?; echo $a$b");
+  const std::string log = weft::testing::read_text(dir + "/r0.txt");
+  ASSERT_EQ(weft::testing::last_line(status.output), "00") << log << weft::testing::read_text(dir + "/r1.txt");
+  const auto expected = step_losses(dir + "/same/metrics.jsonl");
+  ASSERT_EQ(expected.size(), 20u);
+  EXPECT_EQ(step_losses(dir + "/mixed/metrics.jsonl"), expected);  // the same arithmetic, bit for bit
+  auto a = weft::SafetensorsFile::open(dir + "/same/final/model.safetensors");
+  auto b = weft::SafetensorsFile::open(dir + "/mixed/final/model.safetensors");
+  for (const auto& info : a->tensors()) EXPECT_TRUE(torch::equal(a->load(info.name), b->load(info.name))) << info.name;
+  // Every tensor of the two seeds' runs differs.
+  const auto count = std::to_string(a->tensors().size());
+  EXPECT_NE(log.find("replicas: " + count + " of " + count + " parameters"), std::string::npos) << log;
+}
+
 }  // namespace

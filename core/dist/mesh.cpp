@@ -102,6 +102,16 @@ int32_t Mesh::slice_of(int32_t rank, int dim) const {
   fail("rank {} is outside the mesh {}", rank, describe());
 }
 
+bool Mesh::crosses_nodes(int dim, int32_t per_node) const {
+  WEFT_CHECK(per_node > 0, "nodes of {} ranks", per_node);
+  for (const auto& slice : slices(dim)) {
+    for (int32_t r : slice) {
+      if (r / per_node != slice.front() / per_node) return true;
+    }
+  }
+  return false;
+}
+
 std::string Mesh::describe() const {
   std::string out;
   for (int d = 0; d < kDims; ++d) {

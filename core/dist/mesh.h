@@ -32,6 +32,9 @@ class Mesh {
   // coordinate order; slices ordered by their lowest rank. slice_of says which one holds `rank`.
   std::vector<std::vector<int32_t>> slices(int dim) const;
   int32_t slice_of(int32_t rank, int dim) const;
+  // Whether some slice along `dim` holds ranks of two nodes, for nodes of `per_node` consecutive
+  // ranks (torchrun's and Slurm's numbering).
+  bool crosses_nodes(int dim, int32_t per_node) const;
   // "pp 2 x tp 2" (the dimensions above 1; "1" when none).
   std::string describe() const;
 

@@ -89,13 +89,16 @@ DistributedEnv detect_distributed_env() {
     e.rank = env_int("RANK", 0, 0);
     e.world = env_int("WORLD_SIZE", 1, 1);
     e.local_rank = env_int("LOCAL_RANK", e.rank, 0);
-    e.spans_nodes = env_int("LOCAL_WORLD_SIZE", e.world, 1) < e.world;
+    e.local_world = env_int("LOCAL_WORLD_SIZE", e.world, 1);
+    e.spans_nodes = e.local_world < e.world;
   } else if (env("SLURM_PROCID") && env("SLURM_NTASKS")) {
     e.source = "slurm";
     e.rank = env_int("SLURM_PROCID", 0, 0);
     e.world = env_int("SLURM_NTASKS", 1, 1);
     e.local_rank = env_int("SLURM_LOCALID", 0, 0);
-    e.spans_nodes = env_int("SLURM_NNODES", 1, 1) > 1;
+    const int nodes = env_int("SLURM_NNODES", 1, 1);
+    e.spans_nodes = nodes > 1;
+    e.local_world = e.world % nodes == 0 ? e.world / nodes : 0;
     WEFT_CHECK(e.world == 1 || env("MASTER_ADDR"),
                "running under Slurm with {} tasks: set MASTER_ADDR to the first host of SLURM_JOB_NODELIST", e.world);
   } else {

@@ -30,6 +30,10 @@ struct DistributedEnv {
   // The job has ranks on more than one node: torchrun's LOCAL_WORLD_SIZE below WORLD_SIZE, or
   // Slurm's SLURM_NNODES above 1.
   bool spans_nodes = false;
+  // Ranks per node where every node has as many (torchrun's LOCAL_WORLD_SIZE; Slurm's tasks over
+  // SLURM_NNODES when they divide evenly), numbered node by node as torchrun and Slurm's block
+  // distribution number them; 0 where unknown.
+  int local_world = 1;
 };
 
 // Reads the environment:

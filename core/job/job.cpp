@@ -10,10 +10,12 @@
 #include <functional>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
 #include "core/data/documents.h"
+#include "core/dist/mesh.h"
 #include "core/model/gguf_model.h"
 #include "core/model/memory_estimate.h"
 #include "core/model/weights.h"
@@ -227,6 +229,32 @@ void Job::join() {
   check_same_everywhere(*communicator_, "plugin and config",
                         fmt::format("{}, config {}", strategy_->fingerprint(), options_.config_hash));
   spdlog::info("strategy: {}, {} process(es)", strategy_->describe(), context_.world);
+  describe_nodes();
+}
+
+// Where a job spans nodes: which mesh dimensions stay within a node and which cross the network.
+// The mesh puts tp fastest, then cp, dp and pp, so a tensor- or context-parallel size that divides
+// the ranks per node keeps those per-layer collectives on the node; one that does not is warned of.
+void Job::describe_nodes() const {
+  const auto& e = context_.env;
+  if (!e.spans_nodes || e.local_world <= 0) return;
+  const Mesh* mesh = strategy_->mesh();
+  const Mesh whole = mesh != nullptr ? *mesh : Mesh({1, context_.world, 1, 1});  // one plugin: data-parallel
+  std::vector<std::string> within, across;
+  for (int d : {Mesh::kTP, Mesh::kCP, Mesh::kDP, Mesh::kPP}) {
+    if (whole.size(d) <= 1) continue;
+    const bool crosses = whole.crosses_nodes(d, e.local_world);
+    (crosses ? across : within).push_back(fmt::format("{} {}", Mesh::name(d), whole.size(d)));
+    if (crosses && (d == Mesh::kTP || d == Mesh::kCP)) {
+      spdlog::warn("the {} groups of {} ranks span nodes of {} ranks: their collectives in every layer cross the "
+                   "network; a mesh.{} that divides {} keeps them within a node",
+                   d == Mesh::kTP ? "tensor-parallel" : "context-parallel", whole.size(d), e.local_world,
+                   Mesh::name(d), e.local_world);
+    }
+  }
+  spdlog::info("nodes: {} of {} ranks; within each node: {}; across nodes: {}", context_.world / e.local_world,
+               e.local_world, within.empty() ? "none" : fmt::format("{}", fmt::join(within, ", ")),
+               across.empty() ? "none" : fmt::format("{}", fmt::join(across, ", ")));
 }
 
 void Job::build_model() {

@@ -113,6 +113,7 @@ class Job {
 
  private:
   void join();
+  void describe_nodes() const;
   void build_model();
   // The settings a memory plan depends on that the host controls.
   struct PlanSettings {

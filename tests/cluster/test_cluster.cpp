@@ -158,63 +158,109 @@ std::string tiny_args(const std::string& dir, const std::string& corpus, const s
          out + " --set train.collective_timeout_s=60";
 }
 
-// The command that starts node `node`'s part of a 2-node job (one rank per node) the torchrun way,
-// node 0 hosting the rendezvous; its output goes to `log`.
-std::string torchrun(const Cluster& cluster, int node, const std::string& trainer_args, const std::string& log) {
-  return cluster.in(node) + "env OMP_NUM_THREADS=1 " + WEFT_TEST_TORCHRUN + " --nnodes 2 --nproc-per-node 1" +
-         " --node-rank " + std::to_string(node) + " --master-addr " + Cluster::address(0) +
+// The command that starts node `node`'s part of a 2-node job (`per_node` ranks in each) the
+// torchrun way, node 0 hosting the rendezvous; its output goes to `log`.
+std::string torchrun(const Cluster& cluster, int node, const std::string& trainer_args, const std::string& log,
+                     int per_node = 1) {
+  return cluster.in(node) + "env OMP_NUM_THREADS=1 " + WEFT_TEST_TORCHRUN + " --nnodes 2 --nproc-per-node " +
+         std::to_string(per_node) + " --node-rank " + std::to_string(node) + " --master-addr " + Cluster::address(0) +
          " --master-port 29400 --no-python " + WEFT_TRAINER_PATH + " " + trainer_args + " > " + log + " 2>&1";
 }
 
-// ddp over two nodes, one rank each, started by torchrun in each node with node 0's address as
-// the rendezvous: the same losses and parameters as one process, and the gradients' all-reduces
-// crossed the nodes' interfaces.
-TEST(Cluster, DdpAcrossTwoNodesStartedByTorchrunMatchesOneProcess) {
-  if (const auto why = unavailable(); !why.empty()) GTEST_SKIP() << why;
-  if (std::string(WEFT_TEST_TORCHRUN).empty()) {
-    GTEST_SKIP() << "no torchrun of this LibTorch's version (WEFT_PYTHON; tests/CMakeLists.txt)";
-  }
-  const auto dir = weft::testing::fresh_dir("weft_test_cluster", "ddp");
+// `plugin` over two nodes of `per_node` ranks, started by torchrun in each node with node 0's
+// address as the rendezvous: the same losses and parameters as one process (the conformance
+// tolerances: 1e-5), each node's first rank's Gloo on its node's address, rank 0's account of
+// which mesh dimensions stay within a node containing `placement`, and the collectives crossed
+// node 1's interface (at least `min_bytes` each way). Returns rank 0's log.
+std::string expect_one_process_across_nodes(const std::string& name, const std::string& plugin, int per_node,
+                                            const std::string& placement, int64_t min_bytes = 0) {
+  const auto dir = weft::testing::fresh_dir("weft_test_cluster", name);
   const auto corpus = weft::testing::write_word_corpus(dir);
   const auto reference = weft::testing::run_trainer(tiny_args(dir, corpus, dir + "/reference"));
-  ASSERT_EQ(reference.exit_code, 0) << reference.output;
+  EXPECT_EQ(reference.exit_code, 0) << reference.output;
 
   Cluster cluster(2);
-  ASSERT_TRUE(cluster.made()) << cluster.output();
+  EXPECT_TRUE(cluster.made()) << cluster.output();
+  if (!cluster.made()) return "";
   const auto before = cluster.bytes(1);
   // One shared run directory, as on machines that share a file system.
-  const std::string args = tiny_args(dir, corpus, dir + "/ddp") + " --plugin ddp --log-level debug";
-  const auto run = run_command(torchrun(cluster, 1, args, dir + "/node1.txt") + " & " +
-                               torchrun(cluster, 0, args, dir + "/node0.txt") + "; a=$?; wait %1; echo $a$?");
+  const std::string args = tiny_args(dir, corpus, dir + "/run") + " --plugin " + plugin + " --log-level debug";
+  const auto run = run_command(torchrun(cluster, 1, args, dir + "/node1.txt", per_node) + " & " +
+                               torchrun(cluster, 0, args, dir + "/node0.txt", per_node) + "; a=$?; wait %1; echo $a$?");
   const std::string log0 = weft::testing::read_text(dir + "/node0.txt");
   const std::string log1 = weft::testing::read_text(dir + "/node1.txt");
-  ASSERT_EQ(weft::testing::last_line(run.output), "00") << log0 << "\n--- node 1:\n" << log1;
+  EXPECT_EQ(weft::testing::last_line(run.output), "00") << log0 << "\n--- node 1:\n" << log1;
   // Each rank's Gloo listened on its node's address, not on loopback.
   EXPECT_NE(log0.find("rank 0: Gloo listens on " + Cluster::address(0)), std::string::npos) << log0;
-  EXPECT_NE(log1.find("rank 1: Gloo listens on " + Cluster::address(1)), std::string::npos) << log1;
+  EXPECT_NE(log1.find("rank " + std::to_string(per_node) + ": Gloo listens on " + Cluster::address(1)),
+            std::string::npos) << log1;
+  EXPECT_NE(log0.find("nodes: 2 of " + std::to_string(per_node) + " ranks; " + placement), std::string::npos) << log0;
+  EXPECT_EQ(log0.find("span nodes"), std::string::npos) << log0;
 
   const auto a = weft::testing::step_losses(dir + "/reference/metrics.jsonl");
-  const auto b = weft::testing::step_losses(dir + "/ddp/metrics.jsonl");
-  ASSERT_EQ(a.size(), 10u);
-  ASSERT_EQ(b.size(), 10u);
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(b[i], a[i], 1e-5 * std::abs(a[i])) << "step " << i + 1;
+  const auto b = weft::testing::step_losses(dir + "/run/metrics.jsonl");
+  EXPECT_EQ(a.size(), 10u);
+  EXPECT_EQ(b.size(), 10u);
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+    EXPECT_NEAR(b[i], a[i], 1e-5 * std::abs(a[i])) << "step " << i + 1;
+  }
   auto ra = weft::SafetensorsFile::open(dir + "/reference/final/model.safetensors");
-  auto rb = weft::SafetensorsFile::open(dir + "/ddp/final/model.safetensors");
-  ASSERT_EQ(ra->tensors().size(), rb->tensors().size());
+  auto rb = weft::SafetensorsFile::open(dir + "/run/final/model.safetensors");
+  EXPECT_EQ(ra->tensors().size(), rb->tensors().size());
   double worst = 0;
-  int64_t parameters = 0;
   for (const auto& info : ra->tensors()) {
-    const auto x = ra->load(info.name);
-    parameters += x.numel();
-    worst = std::max(worst, (x - rb->load(info.name)).abs().max().item<double>());
+    worst = std::max(worst, (ra->load(info.name) - rb->load(info.name)).abs().max().item<double>());
   }
   EXPECT_LT(worst, 1e-5);
-  // The gradients crossed node 1's link: an all-reduce of two ranks moves each rank's buffer (4
-  // bytes per parameter) out and back, about once each way per step; at least half of that, far
-  // beyond the rendezvous' few kilobytes.
   const auto after = cluster.bytes(1);
-  EXPECT_GT(after.first - before.first, 10 * 2 * parameters) << "parameters " << parameters;
-  EXPECT_GT(after.second - before.second, 10 * 2 * parameters) << "parameters " << parameters;
+  EXPECT_GT(after.first - before.first, min_bytes);
+  EXPECT_GT(after.second - before.second, min_bytes);
+  return log0;
+}
+
+// The tiny preset's parameter count.
+int64_t tiny_parameters() {
+  const auto dir = weft::testing::fresh_dir("weft_test_cluster", "count");
+  const auto corpus = weft::testing::write_word_corpus(dir);
+  const auto r = weft::testing::run_trainer(tiny_args(dir, corpus, dir + "/run") + " --set train.max_steps=1");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  auto weights = weft::SafetensorsFile::open(dir + "/run/final/model.safetensors");
+  int64_t parameters = 0;
+  for (const auto& info : weights->tensors()) parameters += weights->load(info.name).numel();
+  return parameters;
+}
+
+bool skip_without_torchrun() { return std::string(WEFT_TEST_TORCHRUN).empty(); }
+const char* const kNoTorchrun = "no torchrun of this LibTorch's version (WEFT_PYTHON; tests/CMakeLists.txt)";
+
+// ddp over two nodes, one rank each: the gradients' all-reduces crossed node 1's link (an
+// all-reduce of two ranks moves each rank's buffer, 4 bytes per parameter, out and back about
+// once each way per step: at least half of that, far beyond the rendezvous' few kilobytes).
+TEST(Cluster, DdpAcrossTwoNodesStartedByTorchrunMatchesOneProcess) {
+  if (const auto why = unavailable(); !why.empty()) GTEST_SKIP() << why;
+  if (skip_without_torchrun()) GTEST_SKIP() << kNoTorchrun;
+  expect_one_process_across_nodes("ddp", "ddp", 1, "within each node: none; across nodes: dp 2",
+                                  10 * 2 * tiny_parameters());
+}
+
+// ZeRO stage 3 over two nodes: parameters gathered and gradients reduce-scattered across them.
+TEST(Cluster, ZeroAcrossTwoNodesMatchesOneProcess) {
+  if (const auto why = unavailable(); !why.empty()) GTEST_SKIP() << why;
+  if (skip_without_torchrun()) GTEST_SKIP() << kNoTorchrun;
+  expect_one_process_across_nodes("zero", "zero", 1, "within each node: none; across nodes: dp 2",
+                                  10 * tiny_parameters());
+}
+
+// Two nodes of two ranks: tensor parallelism within each node (over its loopback), data
+// parallelism across them, and a pipeline across them with tensor parallelism within; the mesh
+// puts tp fastest, so its groups are each node's ranks.
+TEST(Cluster, TensorParallelWithinNodesAndDataOrPipelineAcrossMatchOneProcess) {
+  if (const auto why = unavailable(); !why.empty()) GTEST_SKIP() << why;
+  if (skip_without_torchrun()) GTEST_SKIP() << kNoTorchrun;
+  expect_one_process_across_nodes("tp_dp", "tensor_parallel,ddp --set mesh.tp=2", 2,
+                                  "within each node: tp 2; across nodes: dp 2");
+  expect_one_process_across_nodes("tp_pp", "tensor_parallel,gpipe --set mesh.tp=2 --set plugin.microbatches=2", 2,
+                                  "within each node: tp 2; across nodes: pp 2");
 }
 
 // The (step, loss) records of a run's metrics.jsonl in file order, across restarts.
@@ -312,17 +358,13 @@ void fail_a_node_then_resume(const std::string& fault) {
 
 TEST(Cluster, ALinkThatGoesDownStopsEveryRankAndTheRunResumesExactly) {
   if (const auto why = unavailable(); !why.empty()) GTEST_SKIP() << why;
-  if (std::string(WEFT_TEST_TORCHRUN).empty()) {
-    GTEST_SKIP() << "no torchrun of this LibTorch's version (WEFT_PYTHON; tests/CMakeLists.txt)";
-  }
+  if (skip_without_torchrun()) GTEST_SKIP() << kNoTorchrun;
   fail_a_node_then_resume("link");
 }
 
 TEST(Cluster, ANodeKilledOutrightStopsTheOthersAndTheRunResumesExactly) {
   if (const auto why = unavailable(); !why.empty()) GTEST_SKIP() << why;
-  if (std::string(WEFT_TEST_TORCHRUN).empty()) {
-    GTEST_SKIP() << "no torchrun of this LibTorch's version (WEFT_PYTHON; tests/CMakeLists.txt)";
-  }
+  if (skip_without_torchrun()) GTEST_SKIP() << kNoTorchrun;
   fail_a_node_then_resume("kill");
 }
 

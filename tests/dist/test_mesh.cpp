@@ -28,6 +28,23 @@ TEST(Mesh, RanksVaryFastestAlongTensorParallelismAndSlowestAlongPipelineStages) 
   EXPECT_EQ(mesh.slice_of(6, Mesh::kPP), 2);
 }
 
+// Nodes of consecutive ranks (torchrun, Slurm): tp fastest stays within a node when its size
+// divides the ranks per node; the slower dimensions cross nodes.
+TEST(Mesh, TensorParallelismStaysWithinANodeWhenItsSizeDividesTheRanksPerNode) {
+  const Mesh mesh({2, 2, 1, 2});  // pp 2 x dp 2 x tp 2 on 8 ranks
+  EXPECT_FALSE(mesh.crosses_nodes(Mesh::kTP, 2));  // 4 nodes of 2: tp within
+  EXPECT_TRUE(mesh.crosses_nodes(Mesh::kDP, 2));
+  EXPECT_TRUE(mesh.crosses_nodes(Mesh::kPP, 2));
+  EXPECT_FALSE(mesh.crosses_nodes(Mesh::kDP, 4));  // 2 nodes of 4: tp and dp within, pp across
+  EXPECT_TRUE(mesh.crosses_nodes(Mesh::kPP, 4));
+  EXPECT_FALSE(mesh.crosses_nodes(Mesh::kCP, 1));  // size 1: nothing to cross
+  const Mesh wide({1, 1, 1, 4});                   // tp 4 on 2 nodes of 2: each tp group spans both
+  EXPECT_TRUE(wide.crosses_nodes(Mesh::kTP, 2));
+  const Mesh odd({1, 2, 1, 3});  // tp 3 on nodes of 2: ranks 0-2 are on nodes 0 and 1
+  EXPECT_TRUE(odd.crosses_nodes(Mesh::kTP, 2));
+  EXPECT_THROW(odd.crosses_nodes(Mesh::kTP, 0), Error);
+}
+
 TEST(Mesh, UnsetSizesTakeWhatIsLeftWhenThatIsUnambiguous) {
   // dp takes the rest by default.
   EXPECT_EQ(Mesh::resolve({2, 0, 0, 2}, owning({Mesh::kPP, Mesh::kTP, Mesh::kDP}), 8).describe(), "pp 2 x dp 2 x tp 2");

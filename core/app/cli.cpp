@@ -33,6 +33,10 @@ po::options_description describe_options() {
       ("nproc", po::value<std::vector<std::string>>()->composing(),
        "run N local ranks of this command (TCPStore on 127.0.0.1); under torchrun or Slurm leave it out; "
        "trainer bench: N or a list 1,2 for every plugin, or one per --plugin")
+      ("nnodes", po::value<int>(), "with --nproc: the job's nodes (run the same command on each, with its --node-rank)")
+      ("node-rank", po::value<int>(), "with --nnodes: this node, 0 to nnodes - 1 (its ranks: node-rank x nproc onwards)")
+      ("master-addr", po::value<std::string>(), "with --nnodes: node 0's address (its launcher hosts the rendezvous)")
+      ("master-port", po::value<int>(), "with --nnodes: the rendezvous port on node 0 (default 29500)")
       ("warmup", po::value<int64_t>(), "trainer bench: steps per run not counted (default 3)")
       ("steps", po::value<int64_t>(), "trainer bench: counted steps per run (default 10); trainer check: steps (default 20)")
       ("all", po::bool_switch(), "trainer check: every shipped strategy and layout against single, as a table (--nproc N: "
@@ -57,11 +61,11 @@ po::options_description describe_options() {
 // commands that take it and, where one exists, the setting the user may have meant.
 void check_flags_of_command(const po::variables_map& vm, const std::string& command) {
   static const std::map<std::string, std::set<std::string>> takes{
-      {"train", {"config", "plugin", "set", "nproc", "trace", "log-level"}},
-      {"eval", {"config", "plugin", "set", "nproc", "trace", "log-level", "data", "json"}},
-      {"generate", {"config", "plugin", "set", "nproc", "trace", "log-level", "prompt", "chat"}},
+      {"train", {"config", "plugin", "set", "nproc", "nnodes", "node-rank", "master-addr", "master-port", "trace", "log-level"}},
+      {"eval", {"config", "plugin", "set", "nproc", "nnodes", "node-rank", "master-addr", "master-port", "trace", "log-level", "data", "json"}},
+      {"generate", {"config", "plugin", "set", "nproc", "nnodes", "node-rank", "master-addr", "master-port", "trace", "log-level", "prompt", "chat"}},
       {"export", {"config", "set", "log-level", "out", "type"}},
-      {"plan", {"config", "plugin", "set", "nproc", "log-level"}},
+      {"plan", {"config", "plugin", "set", "nproc", "nnodes", "node-rank", "master-addr", "master-port", "log-level"}},
       {"check", {"plugin", "set", "nproc", "steps", "all", "log-level"}},
       {"bench", {"config", "plugin", "set", "nproc", "warmup", "steps", "repetitions", "baseline", "out", "log-level"}},
       {"report", {"out", "log-level"}},
@@ -149,6 +153,16 @@ CommandLine parse_command_line(int argc, char** argv) {
       throw Error(fmt::format("--nproc {}: the number of processes must be at least 1", cli.nproc));
     }
   }
+  if (vm.count("nnodes")) cli.nnodes = vm["nnodes"].as<int>();
+  if (vm.count("node-rank")) cli.node_rank = vm["node-rank"].as<int>();
+  if (vm.count("master-addr")) cli.master_addr = vm["master-addr"].as<std::string>();
+  if (vm.count("master-port")) cli.master_port = vm["master-port"].as<int>();
+  if (cli.nproc == 0 && (vm.count("nnodes") || vm.count("node-rank") || vm.count("master-addr") || vm.count("master-port"))) {
+    throw Error("--nnodes, --node-rank, --master-addr and --master-port go with --nproc (the ranks of each node)");
+  }
+  if (cli.nnodes > 1 && (!vm.count("node-rank") || cli.master_addr.empty())) {
+    throw Error(fmt::format("--nnodes {}: each node needs its --node-rank and node 0's --master-addr", cli.nnodes));
+  }
   if (vm.count("prompt")) cli.prompt = vm["prompt"].as<std::string>();
   cli.chat = vm.count("chat") > 0 && vm["chat"].as<bool>();
   if (vm.count("data")) cli.data = vm["data"].as<std::vector<std::string>>();
@@ -163,6 +177,8 @@ void print_help() {
   std::cout << "weft trainer: fine-tunes LLaMA-family models.\n\n"
                "Usage:\n"
                "  trainer [train] --config FILE [--plugin NAME] [--nproc N] [--set section.key=value ...]\n"
+               "  trainer [train] ... --nproc N --nnodes M --node-rank R --master-addr NODE0 [--master-port P]   on\n"
+               "        each of M machines: N ranks each (or use torchrun / Slurm, docs/distributed.md)\n"
                "  trainer plugins               list the strategy plugins found, with versions and ABI\n"
                "  trainer eval --config FILE [--plugin NAME] [--nproc N] [--data FILE ...] [--json OUT]   held-out\n"
                "        loss and perplexity of the configured model (or of every sequence of the --data files)\n"

@@ -17,6 +17,10 @@ struct CommandLine {
   bool chat = false;  // trainer generate --chat: the prompt is a user message in the chat template
   std::string plugin;
   int nproc = 0;
+  // --nproc across machines (torchrun's static rendezvous): this node of nnodes, node 0's address
+  // and the store's port there.
+  int nnodes = 1, node_rank = 0, master_port = 29500;
+  std::string master_addr;
   bool help = false;
   // trainer bench: every --plugin and --nproc as given; trainer report: the run directory.
   std::vector<std::string> plugins, nprocs;

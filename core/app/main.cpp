@@ -41,7 +41,8 @@ int run(int argc, char** argv) {
         cli.command == "train" || cli.command == "eval" || cli.command == "generate" || cli.command == "plan";
     if (runs_ranks && cli.nproc > 0 && std::getenv("RANK") == nullptr) {
       if (!cli.log_level.empty()) weft::set_log_level(cli.log_level);  // the launcher's own lines
-      const weft::LaunchResult launched = weft::launch_local_ranks(cli.nproc, argc, argv);
+      const weft::LaunchPlan plan{cli.nproc, cli.nnodes, cli.node_rank, cli.master_addr, cli.master_port};
+      const weft::LaunchResult launched = weft::launch_local_ranks(plan, argc, argv);
       if (!launched.rank_process) return launched.exit_code;
       cli.nproc = 0;  // a rank: the command runs here, as torchrun's ranks run it
       cli.nprocs.clear();

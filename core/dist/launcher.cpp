@@ -14,10 +14,14 @@
 #include <iostream>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <future>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include <fmt/format.h>
 #include <spdlog/spdlog.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -46,28 +50,55 @@ std::string describe_status(int status) {
   return "status " + std::to_string(status);
 }
 
-// torchrun's variables for rank `rank` of this job.
-std::vector<std::pair<std::string, std::string>> rank_variables(int rank, int nproc, int port) {
-  return {{"RANK", std::to_string(rank)},        {"LOCAL_RANK", std::to_string(rank)},
-          {"WORLD_SIZE", std::to_string(nproc)}, {"LOCAL_WORLD_SIZE", std::to_string(nproc)},
-          {"MASTER_ADDR", "127.0.0.1"},          {"MASTER_PORT", std::to_string(port)},
-          {"TORCHELASTIC_USE_AGENT_STORE", "True"},  // the launcher hosts the store
+LaunchPlan plan_;  // this launcher's
+
+int first_rank() { return plan_.node_rank * plan_.nproc; }
+int world_size() { return plan_.nnodes * plan_.nproc; }
+std::string store_host() { return plan_.nnodes > 1 ? plan_.master_addr : "127.0.0.1"; }
+
+// torchrun's variables for this node's rank `local` of the job.
+std::vector<std::pair<std::string, std::string>> rank_variables(int local, int port) {
+  return {{"RANK", std::to_string(first_rank() + local)},
+          {"LOCAL_RANK", std::to_string(local)},
+          {"WORLD_SIZE", std::to_string(world_size())},
+          {"LOCAL_WORLD_SIZE", std::to_string(plan_.nproc)},
+          {"GROUP_RANK", std::to_string(plan_.node_rank)},
+          {"MASTER_ADDR", store_host()},
+          {"MASTER_PORT", std::to_string(port)},
+          {"TORCHELASTIC_USE_AGENT_STORE", "True"},  // the launchers host the store (node 0's)
           {"WEFT_LAUNCHER", "1"}};
 }
 
-// The command line without --nproc N / --nproc=N.
+// The command line without the launcher's flags (--nproc N, --nproc=N, ...).
 std::vector<std::string> rank_arguments(int argc, char** argv) {
   std::vector<std::string> args;
   for (int i = 0; i < argc; ++i) {
     const std::string arg = argv[i];
-    if (arg == "--nproc") {
+    if (is_launcher_flag(arg)) {
       ++i;
       continue;
     }
-    if (arg.rfind("--nproc=", 0) == 0) continue;
+    if (const auto eq = arg.find('='); eq != std::string::npos && is_launcher_flag(arg.substr(0, eq))) continue;
     args.push_back(arg);
   }
   return args;
+}
+
+// Runs `query` on the store from a thread of its own, given `limit`: false if it did not answer (a
+// store on another node whose link is down never does; its replies have no timeout). The thread
+// keeps the store alive until the query returns.
+bool ask_store(const c10::intrusive_ptr<c10d::Store>& store, const std::function<void(c10d::Store&)>& query,
+               std::chrono::milliseconds limit = std::chrono::seconds(5)) {
+  auto answered = std::make_shared<std::promise<void>>();
+  auto done = answered->get_future();
+  std::thread([store, query, answered] {
+    try {
+      query(*store);
+    } catch (...) {
+    }
+    answered->set_value();
+  }).detach();
+  return done.wait_for(limit) == std::future_status::ready;
 }
 
 // How many threads this process has (/proc/self/task).
@@ -127,7 +158,7 @@ void stop_all(const std::vector<pid_t> pids, std::vector<bool>& done, std::chron
   for (size_t r = 0; r < pids.size(); ++r) {
     if (done[r]) continue;
     if (is_stopped(pids[r])) {
-      spdlog::error("rank {} is stopped (SIGSTOP or a debugger); killing it", r);
+      spdlog::error("rank {} is stopped (SIGSTOP or a debugger); killing it", first_rank() + static_cast<int>(r));
       ::kill(pids[r], SIGKILL);
     } else {
       ::kill(pids[r], SIGTERM);
@@ -155,40 +186,74 @@ int stop_signal(int status) {
   return 0;
 }
 
-// What the ranks left in the store about a collective that timed out (Communicator::wait), or "".
-std::string reported_faults(c10d::Store& store, int nproc) {
-  std::string text;
-  try {
-    for (int r = 0; r < nproc; ++r) {
+// What the job's ranks left in the store about a collective that timed out (Communicator::wait),
+// or "".
+std::string reported_faults(const c10::intrusive_ptr<c10d::Store>& store) {
+  auto text = std::make_shared<std::string>();
+  const int world = world_size();
+  const bool answered = ask_store(store, [text, world](c10d::Store& s) {
+    for (int r = 0; r < world; ++r) {
       const std::string key = Communicator::fault_key(r);
-      if (!store.check({key})) continue;
-      const auto bytes = store.get(key);
-      text += (text.empty() ? "" : "; ") + std::string(bytes.begin(), bytes.end());
+      if (!s.check({key})) continue;
+      const auto bytes = s.get(key);
+      *text += (text->empty() ? "" : "; ") + std::string(bytes.begin(), bytes.end());
     }
-  } catch (const std::exception&) {
-  }
-  return text;
+  });
+  return answered ? *text : "";
 }
 
-// Whether `rank` said its exit status is the command's answer (Communicator::answer_key).
-bool declared_an_answer(c10d::Store& store, int rank) {
+// Whether rank `rank` said its exit status is the command's answer (Communicator::answer_key).
+bool declared_an_answer(const c10::intrusive_ptr<c10d::Store>& store, int rank) {
+  auto declared = std::make_shared<std::atomic<bool>>(false);
+  ask_store(store, [declared, rank](c10d::Store& s) { *declared = s.check({Communicator::answer_key(rank)}); });
+  return declared->load();
+}
+
+// The job's store: hosted here on one node (127.0.0.1, a free port) and on node 0 of several (at
+// --master-addr's port, on every interface); the other nodes' launchers connect to node 0's,
+// waiting up to 300 s for it (the nodes need not start together).
+c10::intrusive_ptr<c10d::Store> job_store(int& port) {
+  if (plan_.nnodes == 1) return host_store("127.0.0.1", port, std::chrono::seconds(30));
+  port = plan_.master_port;
+  if (plan_.node_rank == 0) return host_store(plan_.master_addr, port, std::chrono::seconds(300));
   try {
-    return store.check({Communicator::answer_key(rank)});
-  } catch (const std::exception&) {
-    return false;
+    return connect_store(plan_.master_addr, port, std::chrono::seconds(300));
+  } catch (const std::exception& e) {
+    fail("node {} of {}: the rendezvous store at {}:{} (node 0's launcher) did not answer within 300 s: {}",
+         plan_.node_rank, plan_.nnodes, plan_.master_addr, port, e.what());
   }
 }
 
-int supervise(int nproc, c10d::Store& store);
-LaunchResult launch_executed_ranks(int nproc, const std::vector<std::string>& args);
+std::string describe_launch(int port) {
+  if (plan_.nnodes == 1) return fmt::format("launching {} local ranks (rendezvous 127.0.0.1:{})", plan_.nproc, port);
+  return fmt::format("node {} of {}: launching ranks {}-{} of {} (rendezvous {}:{}, {})", plan_.node_rank, plan_.nnodes,
+                     first_rank(), first_rank() + plan_.nproc - 1, world_size(), plan_.master_addr, port,
+                     plan_.node_rank == 0 ? "hosted here" : "node 0's");
+}
+
+int supervise(const c10::intrusive_ptr<c10d::Store>& store);
+LaunchResult launch_executed_ranks(const std::vector<std::string>& args);
 
 }  // namespace
 
-LaunchResult launch_local_ranks(int nproc, int argc, char** argv) {
+bool is_launcher_flag(const std::string& arg) {
+  return arg == "--nproc" || arg == "--nnodes" || arg == "--node-rank" || arg == "--master-addr" ||
+         arg == "--master-port";
+}
+
+LaunchResult launch_local_ranks(const LaunchPlan& plan, int argc, char** argv) {
+  const int nproc = plan.nproc;
   WEFT_CHECK(nproc >= 1 && nproc <= 256, "--nproc must be between 1 and 256, got {}", nproc);
+  WEFT_CHECK(plan.nnodes >= 1 && plan.nnodes <= 4096, "--nnodes must be between 1 and 4096, got {}", plan.nnodes);
+  WEFT_CHECK(plan.node_rank >= 0 && plan.node_rank < plan.nnodes, "--node-rank {} is not a node of --nnodes {} (0 to {})",
+             plan.node_rank, plan.nnodes, plan.nnodes - 1);
+  WEFT_CHECK(plan.nnodes == 1 || !plan.master_addr.empty(),
+             "--nnodes {}: --master-addr must name node 0 (where its launcher hosts the rendezvous)", plan.nnodes);
+  WEFT_CHECK(plan.master_port > 0 && plan.master_port < 65536, "--master-port {} is not a port", plan.master_port);
+  plan_ = plan;
   if (const int threads = thread_count(); threads != 1) {  // a fork would copy other threads' locks
     spdlog::debug("launcher: {} threads before the ranks start: each rank executes the trainer afresh", threads);
-    return launch_executed_ranks(nproc, rank_arguments(argc, argv));
+    return launch_executed_ranks(rank_arguments(argc, argv));
   }
   // The ranks are forks of this process, made before it has any thread (the store's server below
   // runs one): each goes on with the command as its rank, with LibTorch already loaded and
@@ -220,7 +285,7 @@ LaunchResult launch_local_ranks(int nproc, int argc, char** argv) {
       int port = 0;
       if (!read_port(fds[0], port)) ::_exit(1);  // the launcher failed before it had a store
       ::close(fds[0]);
-      for (const auto& [key, value] : rank_variables(r, nproc, port)) ::setenv(key.c_str(), value.c_str(), 1);
+      for (const auto& [key, value] : rank_variables(r, port)) ::setenv(key.c_str(), value.c_str(), 1);
       children.clear();
       return LaunchResult{true, 0};
     }
@@ -234,7 +299,7 @@ LaunchResult launch_local_ranks(int nproc, int argc, char** argv) {
   int port = 0;
   c10::intrusive_ptr<c10d::Store> store;
   try {
-    store = host_store("127.0.0.1", port, std::chrono::seconds(30));
+    store = job_store(port);
   } catch (...) {
     for (int fd : port_pipes) ::close(fd);  // each rank reads end of file and exits 1
     for (pid_t pid : children) ::waitpid(pid, nullptr, 0);
@@ -244,17 +309,18 @@ LaunchResult launch_local_ranks(int nproc, int argc, char** argv) {
     [[maybe_unused]] const auto written = ::write(fd, &port, sizeof port);  // a dead rank shows at waitpid
     ::close(fd);
   }
-  spdlog::info("launching {} local ranks (rendezvous 127.0.0.1:{})", nproc, port);
+  spdlog::info("{}", describe_launch(port));
   ::signal(SIGINT, forward_signal);  // the ranks are in process groups of their own
   ::signal(SIGTERM, forward_signal);
-  return LaunchResult{false, supervise(nproc, *store)};
+  return LaunchResult{false, supervise(store)};
 }
 
 namespace {
 
 // Waits for the ranks (`children`): the launcher's exit status once every rank ended, or once one
 // failed and the others were stopped.
-int supervise(int nproc, c10d::Store& store) {
+int supervise(const c10::intrusive_ptr<c10d::Store>& store) {
+  const int nproc = plan_.nproc;
   std::vector<bool> done(static_cast<size_t>(nproc), false);
   int remaining = nproc;
   int answer = 0;  // the largest exit status a rank declared the command's answer
@@ -274,7 +340,8 @@ int supervise(int nproc, c10d::Store& store) {
     children[static_cast<size_t>(rank)] = -1;  // reaped: its pid may be reused, never signal it again
     --remaining;
     if (WIFEXITED(status) && WEXITSTATUS(status) == 0) continue;
-    if (WIFEXITED(status) && declared_an_answer(store, rank)) {  // trainer plan's "does not fit", not a failure
+    const int global = first_rank() + rank;  // the job's numbering, as the ranks log it
+    if (WIFEXITED(status) && declared_an_answer(store, global)) {  // trainer plan's "does not fit", not a failure
       answer = std::max(answer, WEXITSTATUS(status));
       continue;
     }
@@ -282,16 +349,16 @@ int supervise(int nproc, c10d::Store& store) {
     // training starts (nothing to save) the signal ends it.
     const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
     if (const int stop = stop_signal(status); stop != 0) {
-      spdlog::info("rank {} stopped on signal {}{}", rank, stop, code > 0 ? " after saving its work" : "");
+      spdlog::info("rank {} stopped on signal {}{}", global, stop, code > 0 ? " after saving its work" : "");
       if (forwarded_signal.load() == 0) forward_signal(stop);  // the others stop at the same step
       continue;
     }
-    const std::string faults = reported_faults(store, nproc);
+    const std::string faults = reported_faults(store);
     if (!faults.empty()) {
-      spdlog::error("rank {} failed ({}) because a collective timed out: {}; stopping the other ranks", rank,
+      spdlog::error("rank {} failed ({}) because a collective timed out: {}; stopping the other ranks", global,
                     describe_status(status), faults);
     } else {
-      spdlog::error("rank {} failed ({}); stopping the other ranks", rank, describe_status(status));
+      spdlog::error("rank {} failed ({}); stopping the other ranks", global, describe_status(status));
     }
     settle(children, done, std::chrono::milliseconds(1500));
     stop_all(children, done, std::chrono::seconds(5));
@@ -304,8 +371,8 @@ int supervise(int nproc, c10d::Store& store) {
 // Starts one rank by executing the trainer afresh (the launcher already has threads, so it cannot
 // fork ranks that go on running). Everything the child does between fork and exec is
 // async-signal-safe: argv and the environment are built before fork.
-pid_t spawn_rank(int rank, int nproc, int port, const std::vector<std::string>& args) {
-  const auto job = rank_variables(rank, nproc, port);
+pid_t spawn_rank(int local, int port, const std::vector<std::string>& args) {
+  const auto job = rank_variables(local, port);
   std::vector<std::string> environment;
   for (char** entry = environ; *entry != nullptr; ++entry) {
     const std::string variable = *entry;
@@ -333,15 +400,16 @@ pid_t spawn_rank(int rank, int nproc, int port, const std::vector<std::string>& 
   ::_exit(127);
 }
 
-LaunchResult launch_executed_ranks(int nproc, const std::vector<std::string>& args) {
+LaunchResult launch_executed_ranks(const std::vector<std::string>& args) {
+  const int nproc = plan_.nproc;
   int port = 0;
-  auto store = host_store("127.0.0.1", port, std::chrono::seconds(30));
-  spdlog::info("launching {} local ranks (rendezvous 127.0.0.1:{})", nproc, port);
+  auto store = job_store(port);
+  spdlog::info("{}", describe_launch(port));
   children.assign(static_cast<size_t>(nproc), -1);
   ::signal(SIGINT, forward_signal);
   ::signal(SIGTERM, forward_signal);
-  for (int r = 0; r < nproc; ++r) children[static_cast<size_t>(r)] = spawn_rank(r, nproc, port, args);
-  return LaunchResult{false, supervise(nproc, *store)};
+  for (int r = 0; r < nproc; ++r) children[static_cast<size_t>(r)] = spawn_rank(r, port, args);
+  return LaunchResult{false, supervise(store)};
 }
 
 }  // namespace

@@ -186,6 +186,15 @@ c10::intrusive_ptr<c10d::Store> host_store(const std::string& host, int& port, s
   return store;
 }
 
+c10::intrusive_ptr<c10d::Store> connect_store(const std::string& host, int port, std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<uint16_t>(port);
+  options.isServer = false;
+  options.waitWorkers = false;
+  options.timeout = timeout;
+  return make_tcp_store(host, options);
+}
+
 std::unique_ptr<Communicator> join_world(const DistributedEnv& e, std::chrono::milliseconds timeout,
                                          const std::string& backend) {
   if (e.world == 1) return Communicator::single_process(timeout);

@@ -69,6 +69,8 @@ std::unique_ptr<Communicator> join_world(const DistributedEnv& env, std::chrono:
 // A TCPStore server on `host`:`port` (0: a free port the kernel picks), as a launcher hosts it
 // for its ranks; `port` is set to the port it listens on.
 c10::intrusive_ptr<c10d::Store> host_store(const std::string& host, int& port, std::chrono::milliseconds timeout);
+// A client of the TCPStore at `host`:`port`, waiting up to `timeout` for it to listen.
+c10::intrusive_ptr<c10d::Store> connect_store(const std::string& host, int port, std::chrono::milliseconds timeout);
 
 // Every rank publishes `fingerprint` (plugin name, version, ABI, config hash) through the store;
 // each then compares all of them and throws weft::Error naming the first rank that differs.

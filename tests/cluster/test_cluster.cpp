@@ -167,16 +167,27 @@ std::string torchrun(const Cluster& cluster, int node, const std::string& traine
          " --master-port 29400 --no-python " + WEFT_TRAINER_PATH + " " + trainer_args + " > " + log + " 2>&1";
 }
 
-// `plugin` over two nodes of `per_node` ranks, started by torchrun in each node with node 0's
-// address as the rendezvous: the same losses and parameters as one process (the conformance
+// The same with the trainer's own launcher: trainer --nproc --nnodes 2 --node-rank r --master-addr.
+std::string own_launcher(const Cluster& cluster, int node, const std::string& trainer_args, const std::string& log,
+                         int per_node = 1) {
+  return cluster.in(node) + "env OMP_NUM_THREADS=1 " + WEFT_TRAINER_PATH + " " + trainer_args + " --nproc " +
+         std::to_string(per_node) + " --nnodes 2 --node-rank " + std::to_string(node) + " --master-addr " +
+         Cluster::address(0) + " --master-port 29400 > " + log + " 2>&1";
+}
+
+using Launch = std::string (*)(const Cluster&, int, const std::string&, const std::string&, int);
+
+// `plugin` over two nodes of `per_node` ranks, started by `launch` (torchrun by default) in each
+// node with node 0's address as the rendezvous: the same losses and parameters as one process (the conformance
 // tolerances: 1e-5), each node's first rank's Gloo on its node's address, rank 0's account of
 // which mesh dimensions stay within a node containing `placement`, and the collectives crossed
 // node 1's interface (at least `min_bytes` each way). Returns rank 0's log.
 std::string expect_one_process_across_nodes(const std::string& name, const std::string& plugin, int per_node,
-                                            const std::string& placement, int64_t min_bytes = 0) {
+                                            const std::string& placement, int64_t min_bytes = 0,
+                                            Launch launch = torchrun, const std::string& extra = "") {
   const auto dir = weft::testing::fresh_dir("weft_test_cluster", name);
   const auto corpus = weft::testing::write_word_corpus(dir);
-  const auto reference = weft::testing::run_trainer(tiny_args(dir, corpus, dir + "/reference"));
+  const auto reference = weft::testing::run_trainer(tiny_args(dir, corpus, dir + "/reference") + extra);
   EXPECT_EQ(reference.exit_code, 0) << reference.output;
 
   Cluster cluster(2);
@@ -184,9 +195,9 @@ std::string expect_one_process_across_nodes(const std::string& name, const std::
   if (!cluster.made()) return "";
   const auto before = cluster.bytes(1);
   // One shared run directory, as on machines that share a file system.
-  const std::string args = tiny_args(dir, corpus, dir + "/run") + " --plugin " + plugin + " --log-level debug";
-  const auto run = run_command(torchrun(cluster, 1, args, dir + "/node1.txt", per_node) + " & " +
-                               torchrun(cluster, 0, args, dir + "/node0.txt", per_node) + "; a=$?; wait %1; echo $a$?");
+  const std::string args = tiny_args(dir, corpus, dir + "/run") + extra + " --plugin " + plugin + " --log-level debug";
+  const auto run = run_command(launch(cluster, 1, args, dir + "/node1.txt", per_node) + " & " +
+                               launch(cluster, 0, args, dir + "/node0.txt", per_node) + "; a=$?; wait %1; echo $a$?");
   const std::string log0 = weft::testing::read_text(dir + "/node0.txt");
   const std::string log1 = weft::testing::read_text(dir + "/node1.txt");
   EXPECT_EQ(weft::testing::last_line(run.output), "00") << log0 << "\n--- node 1:\n" << log1;
@@ -261,6 +272,43 @@ TEST(Cluster, TensorParallelWithinNodesAndDataOrPipelineAcrossMatchOneProcess) {
                                   "within each node: tp 2; across nodes: dp 2");
   expect_one_process_across_nodes("tp_pp", "tensor_parallel,gpipe --set mesh.tp=2 --set plugin.microbatches=2", 2,
                                   "within each node: tp 2; across nodes: pp 2");
+}
+
+// The trainer's own launcher across two nodes of two ranks (no torchrun): node 0's launcher hosts
+// the rendezvous at its address, node 1's ranks are 2 and 3; ddp over the four equals one process.
+// When rank 3 dies (fault injection), node 1's launcher names it and both launchers exit non-zero,
+// node 0's ranks naming rank 3.
+TEST(Cluster, TheTrainersOwnLauncherRunsAJobAcrossNodes) {
+  if (const auto why = unavailable(); !why.empty()) GTEST_SKIP() << why;
+  const auto log0 = expect_one_process_across_nodes("launcher", "ddp", 2, "within each node: none; across nodes: dp 4",
+                                                    0, own_launcher, " --set train.batch_size=8");
+  EXPECT_NE(log0.find("node 0 of 2: launching ranks 0-1 of 4 (rendezvous " + Cluster::address(0) +
+                      ":29400, hosted here)"), std::string::npos) << log0;
+
+  const auto dir = weft::testing::fresh_dir("weft_test_cluster", "launcher_fault");
+  const auto corpus = weft::testing::write_word_corpus(dir);
+  Cluster cluster(2);
+  ASSERT_TRUE(cluster.made()) << cluster.output();
+  const std::string args = tiny_args(dir, corpus, dir + "/run") + " --set train.max_steps=200 --set train.epochs=100" +
+                           " --set train.batch_size=8" +
+                           " --set train.collective_timeout_s=10 --plugin ddp";
+  const std::string node1 = cluster.in(1) + "env OMP_NUM_THREADS=1 WEFT_FAULT_INJECT=3:backward:20 " +
+                            WEFT_TRAINER_PATH + " " + args + " --nproc 2 --nnodes 2 --node-rank 1 --master-addr " +
+                            Cluster::address(0) + " --master-port 29400 > " + dir + "/node1.txt 2>&1";
+  run_command("(" + node1 + "; echo $? > " + dir + "/end1) & " + own_launcher(cluster, 0, args, dir + "/node0.txt", 2) +
+              "; echo $? > " + dir + "/end0; wait");
+  const std::string out0 = weft::testing::read_text(dir + "/node0.txt");
+  const std::string out1 = weft::testing::read_text(dir + "/node1.txt");
+  const auto killed = out1.find("fault injection: SIGKILL");
+  ASSERT_NE(killed, std::string::npos) << out1;
+  EXPECT_NE(out1.find("rank 3 failed"), std::string::npos) << out1;
+  for (int node = 0; node < 2; ++node) {
+    int status = 0;
+    std::sscanf(weft::testing::read_text(dir + "/end" + std::to_string(node)).c_str(), "%d", &status);
+    EXPECT_NE(status, 0) << "node " << node << "\n" << (node ? out1 : out0);
+  }
+  // Node 0's ranks name rank 3 as the one that did not join their collective.
+  EXPECT_NE(out0.find("rank 3"), std::string::npos) << out0;
 }
 
 // The (step, loss) records of a run's metrics.jsonl in file order, across restarts.

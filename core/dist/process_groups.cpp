@@ -311,15 +311,47 @@ Operation Communicator::reduce_scatter(ProcessGroup& group, const at::Tensor& ou
              output.size(0));
   auto operation = issue(group, "reduce_scatter", true, static_cast<int64_t>(input.nbytes()));
   const Route route = Communicator::route(group, input.device());
-  // Gloo has no reduce_scatter: all-reduce a (widened) copy and keep this rank's part.
-  at::Tensor full = on_route(route, input);
-  full = reduces_natively(route.name, input.scalar_type()) ? (full.is_same(input) ? full.clone() : full)
-                                                           : full.to(at::kFloat);
+  const bool widen = !reduces_natively(route.name, input.scalar_type());
+  at::Tensor sent = on_route(route, input);
+  sent = widen ? sent.to(at::kFloat).contiguous() : sent.contiguous();
+  const int64_t part = output.size(0), rank = group.rank, ranks = group.size;
+  if (route.name == "nccl") {  // NCCL's own: each rank sends and receives each part once
+    at::Tensor received = landing(route, output);
+    if (!received.is_contiguous()) received = at::empty(received.sizes(), received.options());
+    c10d::ReduceScatterOptions options;
+    options.reduceOp = op;
+    operation.work = route.backend->_reduce_scatter_base(received, sent, options);
+    operation.finish = copy_back(output, received);
+    operation.tensors = {output, input, sent, received};
+    return operation;
+  }
+  const auto kind = op.op_;
+  if (kind == c10d::ReduceOp::SUM || kind == c10d::ReduceOp::AVG || kind == c10d::ReduceOp::MIN ||
+      kind == c10d::ReduceOp::MAX || kind == c10d::ReduceOp::PRODUCT) {
+    // Gloo's reduce_scatter all-reduces (measured: a whole all-reduce's bytes on the link). An
+    // all-to-all sends each rank's part to it once instead, (N - 1) / N of the input each way, as
+    // a ring reduce-scatter does, and the parts are reduced here in rank order.
+    at::Tensor received = at::empty(sent.sizes(), sent.options());
+    std::vector<int64_t> equal_splits;
+    operation.work = route.backend->alltoall_base(received, sent, equal_splits, equal_splits);
+    operation.finish = [received, output, ranks, kind]() mutable {
+      const auto parts = received.view({ranks, -1});
+      at::Tensor reduced = kind == c10d::ReduceOp::MIN   ? parts.amin(0)
+                           : kind == c10d::ReduceOp::MAX ? parts.amax(0)
+                           : kind == c10d::ReduceOp::PRODUCT ? parts.prod(0)
+                                                             : parts.sum(0);
+      if (kind == c10d::ReduceOp::AVG) reduced.div_(static_cast<double>(ranks));
+      output.copy_(reduced.view(output.sizes()));
+    };
+    operation.tensors = {output, input, sent, received};
+    return operation;
+  }
+  // Any other operation: all-reduce a (widened) copy and keep this rank's part.
+  at::Tensor full = sent.is_same(input) ? sent.clone() : sent;
   std::vector<at::Tensor> tensors{full};
   c10d::AllreduceOptions options;
   options.reduceOp = op;
   operation.work = route.backend->allreduce(tensors, options);
-  const int64_t part = output.size(0), rank = group.rank;
   operation.finish = [full, output, part, rank]() mutable { output.copy_(full.narrow(0, rank * part, part)); };
   operation.tensors = {full, output};
   return operation;

@@ -202,6 +202,7 @@ class Communicator {
   GlooNetwork network_;
   std::string store_address_;  // "host:port", for messages (set_store_address)
   std::atomic<bool> store_unresponsive_{false};
+
   static constexpr int64_t kStoreAnswerLimitMs = 5000;
   std::vector<std::unique_ptr<ProcessGroup>> groups_;
   // The flight recorder (issue may run on the autograd thread, hence the lock).

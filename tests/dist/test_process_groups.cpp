@@ -249,6 +249,16 @@ TEST(ProcessGroups, Bf16IsReducedInFp32AndMovedAsBytes) {
     auto mine = torch::empty({2}, bf16);
     run(c.reduce_scatter(world, mine, parts, c10d::ReduceOp::SUM));
     EXPECT_TRUE(torch::equal(mine, (3 * torch::arange(2 * rank, 2 * rank + 2, torch::kFloat)).to(torch::kBFloat16)));
+    // ... of 2-D rows, and by the other operations (fp32: rank r sent (r + 1) x [0 .. 5]).
+    const auto rows = (rank + 1) * torch::arange(12, torch::kFloat).view({6, 2});
+    for (const auto [op, factor] : {std::pair{c10d::ReduceOp::MAX, 3.0}, {c10d::ReduceOp::MIN, 1.0},
+                                    {c10d::ReduceOp::AVG, 2.0}, {c10d::ReduceOp::PRODUCT, 6.0}}) {
+      auto part = torch::empty({2, 2});
+      run(c.reduce_scatter(world, part, rows, c10d::ReduceOp(op)));
+      const auto base = torch::arange(4 * rank, 4 * rank + 4, torch::kFloat).view({2, 2});
+      const auto expected = op == c10d::ReduceOp::PRODUCT ? base.pow(3) * factor : base * factor;
+      EXPECT_TRUE(torch::equal(part, expected)) << part << " op " << static_cast<int>(op);
+    }
     // broadcast, all_gather and all_to_all move bf16's bytes unchanged (values fp16 cannot hold).
     auto shared = rank == 1 ? torch::tensor({1e30, -3e-30, 7.0}).to(torch::kBFloat16) : torch::zeros({3}, bf16);
     run(c.broadcast(world, shared, 1));

@@ -15,7 +15,6 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
-#include <future>
 #include <memory>
 #include <string>
 #include <thread>
@@ -84,21 +83,10 @@ std::vector<std::string> rank_arguments(int argc, char** argv) {
   return args;
 }
 
-// Runs `query` on the store from a thread of its own, given `limit`: false if it did not answer (a
-// store on another node whose link is down never does; its replies have no timeout). The thread
-// keeps the store alive until the query returns.
-bool ask_store(const c10::intrusive_ptr<c10d::Store>& store, const std::function<void(c10d::Store&)>& query,
-               std::chrono::milliseconds limit = std::chrono::seconds(5)) {
-  auto answered = std::make_shared<std::promise<void>>();
-  auto done = answered->get_future();
-  std::thread([store, query, answered] {
-    try {
-      query(*store);
-    } catch (...) {
-    }
-    answered->set_value();
-  }).detach();
-  return done.wait_for(limit) == std::future_status::ready;
+// A store query on the failure path, bounded: a store on another node whose link is down never
+// answers.
+bool ask_store(const c10::intrusive_ptr<c10d::Store>& store, std::function<void(c10d::Store&)> query) {
+  return query_store_within(store, std::move(query), std::chrono::seconds(5)) == StoreAnswer::kAnswered;
 }
 
 // How many threads this process has (/proc/self/task).

@@ -443,11 +443,11 @@ std::string reached_key(const Operation& operation, int32_t world_rank) {
 
 }  // namespace
 
-bool Communicator::ask_store(std::function<void(c10d::Store&)> query) {
-  if (store_unresponsive_) return false;
+StoreAnswer query_store_within(const c10::intrusive_ptr<c10d::Store>& store, std::function<void(c10d::Store&)> query,
+                               std::chrono::milliseconds limit) {
   auto answered = std::make_shared<std::promise<bool>>();
   auto answer = answered->get_future();
-  std::thread([store = store_, query = std::move(query), answered] {
+  std::thread([store, query = std::move(query), answered] {
     bool ok = true;
     try {
       query(*store);
@@ -456,11 +456,15 @@ bool Communicator::ask_store(std::function<void(c10d::Store&)> query) {
     }
     answered->set_value(ok);
   }).detach();
-  if (answer.wait_for(store_answer_limit()) != std::future_status::ready) {
-    store_unresponsive_ = true;  // its thread holds the store's client: no one else may use it
-    return false;
-  }
-  return answer.get();
+  if (answer.wait_for(limit) != std::future_status::ready) return StoreAnswer::kSilent;
+  return answer.get() ? StoreAnswer::kAnswered : StoreAnswer::kFailed;
+}
+
+bool Communicator::ask_store(std::function<void(c10d::Store&)> query) {
+  if (store_unresponsive_) return false;
+  const StoreAnswer answer = query_store_within(store_, std::move(query), store_answer_limit());
+  if (answer == StoreAnswer::kSilent) store_unresponsive_ = true;  // its thread holds the store's client
+  return answer == StoreAnswer::kAnswered;
 }
 
 std::string Communicator::store_silence() const {

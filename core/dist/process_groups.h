@@ -99,6 +99,13 @@ struct GlooNetwork {
   std::string describe() const;  // "10.0.0.2" or "interface eth0" / "interfaces eth0, eth1"
 };
 
+// Runs `query` on `store` from a thread of its own and waits at most `limit` for it. TCPStore's
+// replies have no timeout of their own: behind a link that is down a check or get waits forever,
+// so the query's thread is left behind then (it keeps the store alive until the query returns).
+enum class StoreAnswer { kAnswered, kFailed, kSilent };
+StoreAnswer query_store_within(const c10::intrusive_ptr<c10d::Store>& store, std::function<void(c10d::Store&)> query,
+                               std::chrono::milliseconds limit);
+
 class Communicator {
  public:
   // Joins the world group through `store` (rank, world size). Collective operations time out
@@ -185,10 +192,8 @@ class Communicator {
   // `where_they_ran` instead.
   std::string who_did_not_arrive(const Operation& operation, std::string* where_they_ran = nullptr);
   void mark_reached(const Operation& operation);
-  // Runs `query` on the store, waiting at most store_answer_limit() for it; false if it failed or
-  // did not answer. TCPStore's replies have no timeout of their own: behind a link that is down a
-  // check or get waits forever, so the query runs on a thread of its own, left behind if it does
-  // not answer, and the store is not used again (that thread holds its client).
+  // query_store_within store_answer_limit(); once one did not answer, the store is not used again
+  // (the query's thread holds its client).
   bool ask_store(std::function<void(c10d::Store&)> query);
   std::string store_silence() const;  // "the rendezvous store at ... did not answer within 5 s: ..."
   std::chrono::milliseconds store_answer_limit() const {

@@ -931,15 +931,9 @@ class HostStep : public sdk::Strategy {
   void check(const Owner& o, weft_status* status, const char* what) const { abi2_check(o, status, what); }
   void all_reduce(std::vector<double>& values) const { all_reduce(values, dp_group_); }
   void all_reduce(std::vector<double>& values, sdk::Group group) const {
-    int64_t shape[1] = {static_cast<int64_t>(values.size())};
-    DLTensor view{};
-    view.data = values.data();
-    view.device = DLDevice{kDLCPU, 0};
-    view.ndim = 1;
-    view.dtype = DLDataType{kDLFloat, 64, 1};
-    view.shape = shape;
-    int64_t strides[1] = {1};
-    view.strides = strides;
+    int64_t shape_and_stride[2];
+    DLTensor view = cpu_vector_view(values.data(), static_cast<int64_t>(values.size()), DLDataType{kDLFloat, 64, 1},
+                                    shape_and_stride);
     host().all_reduce(group, view, WEFT_REDUCE_SUM).wait();
   }
 

@@ -18,6 +18,21 @@ namespace weft {
 using sdk::flat_part;
 inline int64_t element_count(const DLTensor& t) { return sdk::detail::elements_of(t); }
 
+// A 1-D view of `count` elements of `dtype` at `data` in this process's memory, for the host's
+// collectives; `shape_and_stride` ({count, 1}) must outlive it.
+inline DLTensor cpu_vector_view(void* data, int64_t count, DLDataType dtype, int64_t (&shape_and_stride)[2]) {
+  shape_and_stride[0] = count;
+  shape_and_stride[1] = 1;
+  DLTensor view{};
+  view.data = data;
+  view.device = DLDevice{kDLCPU, 0};
+  view.ndim = 1;
+  view.dtype = dtype;
+  view.shape = &shape_and_stride[0];
+  view.strides = &shape_and_stride[1];
+  return view;
+}
+
 // Rank `rank`'s flat range of `elements` over `ranks` (ceil(n / N) elements in rank order, the last
 // ones shorter or empty) for a parameter whose optimizer state is FLAT_SHARD; `parameter`: the
 // parameter is FLAT_SHARD too (whole only around its uses: its range is the master copy).

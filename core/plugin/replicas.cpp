@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <spdlog/spdlog.h>
 
+#include "core/plugin/placement_collectives.h"
 #include "core/util/error.h"
 #include "core/util/hash.h"
 
@@ -37,19 +38,6 @@ uint64_t fingerprint(const DLTensor& t) {
   return h;
 }
 
-DLTensor int64_view(std::vector<int64_t>& values, int64_t (&shape)[1], int64_t (&strides)[1]) {
-  shape[0] = static_cast<int64_t>(values.size());
-  strides[0] = 1;
-  DLTensor view{};
-  view.data = values.data();
-  view.device = DLDevice{kDLCPU, 0};
-  view.ndim = 1;
-  view.dtype = DLDataType{kDLInt, 64, 1};
-  view.shape = shape;
-  view.strides = strides;
-  return view;
-}
-
 }  // namespace
 
 ReplicaSync make_replicas_equal(const sdk::Host& h, sdk::Group group, const std::vector<int64_t>& parameters) {
@@ -63,8 +51,9 @@ ReplicaSync make_replicas_equal(const sdk::Host& h, sdk::Group group, const std:
     marks[i] = f;                                              // max over the ranks
     marks[n + i] = static_cast<int64_t>(kFingerprintMask) - f;  // mask - min
   }
-  int64_t shape[1], strides[1];
-  DLTensor view = int64_view(marks, shape, strides);
+  int64_t shape_and_stride[2];
+  DLTensor view = cpu_vector_view(marks.data(), static_cast<int64_t>(marks.size()), DLDataType{kDLInt, 64, 1},
+                                  shape_and_stride);
   h.all_reduce(group, view, WEFT_REDUCE_MAX).wait();
   std::vector<sdk::Work> broadcasts;
   for (size_t i = 0; i < n; ++i) {

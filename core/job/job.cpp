@@ -239,7 +239,14 @@ void Job::describe_nodes() const {
   const auto& e = context_.env;
   if (!e.spans_nodes || e.local_world <= 0) return;
   const Mesh* mesh = strategy_->mesh();
-  const Mesh whole = mesh != nullptr ? *mesh : Mesh({1, context_.world, 1, 1});  // one plugin: data-parallel
+  std::array<int32_t, Mesh::kDims> alone{1, 1, 1, 1};  // one plugin: the world along the dimension it owns
+  const uint32_t owns = strategy_->library().plugin().table.mesh_dimensions;
+  int dimension = Mesh::kDP;
+  for (int d = 0; d < Mesh::kDims; ++d) {
+    if (owns == (1u << d)) dimension = d;
+  }
+  alone[static_cast<size_t>(dimension)] = static_cast<int32_t>(context_.world);
+  const Mesh whole = mesh != nullptr ? *mesh : Mesh(alone);
   std::vector<std::string> within, across;
   for (int d : {Mesh::kTP, Mesh::kCP, Mesh::kDP, Mesh::kPP}) {
     if (whole.size(d) <= 1) continue;
@@ -252,8 +259,8 @@ void Job::describe_nodes() const {
                    Mesh::name(d), e.local_world);
     }
   }
-  spdlog::info("nodes: {} of {} ranks; within each node: {}; across nodes: {}", context_.world / e.local_world,
-               e.local_world, within.empty() ? "none" : fmt::format("{}", fmt::join(within, ", ")),
+  spdlog::info("nodes: {}, {} rank{} each; within each node: {}; across nodes: {}", context_.world / e.local_world,
+               e.local_world, e.local_world == 1 ? "" : "s", within.empty() ? "none" : fmt::format("{}", fmt::join(within, ", ")),
                across.empty() ? "none" : fmt::format("{}", fmt::join(across, ", ")));
 }
 

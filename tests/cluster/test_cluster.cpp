@@ -206,7 +206,10 @@ std::string expect_one_process_across_nodes(const std::string& name, const std::
   EXPECT_NE(log0.find("rank 0: Gloo listens on " + Cluster::address(0)), std::string::npos) << log0;
   EXPECT_NE(log1.find("rank " + std::to_string(per_node) + ": Gloo listens on " + Cluster::address(1)),
             std::string::npos) << log1;
-  EXPECT_NE(log0.find("nodes: 2 of " + std::to_string(per_node) + " ranks; " + placement), std::string::npos) << log0;
+  EXPECT_NE(log0.find("nodes: 2, " + std::to_string(per_node) + (per_node == 1 ? " rank" : " ranks") + " each; " +
+                      placement),
+            std::string::npos)
+      << log0;
   EXPECT_EQ(log0.find("span nodes"), std::string::npos) << log0;
 
   const auto a = weft::testing::step_losses(dir + "/reference/metrics.jsonl");
@@ -273,7 +276,7 @@ TEST(Cluster, ZeroAcrossTwoNodesMatchesOneProcess) {
 
 // Two nodes of two ranks: tensor parallelism within each node (over its loopback), data
 // parallelism across them, and a pipeline across them with tensor parallelism within; the mesh
-// puts tp fastest, so its groups are each node's ranks.
+// puts tp fastest, so its groups are each node's ranks. And a pipeline alone over two nodes.
 TEST(Cluster, TensorParallelWithinNodesAndDataOrPipelineAcrossMatchOneProcess) {
   if (const auto why = unavailable(); !why.empty()) GTEST_SKIP() << why;
   if (skip_without_torchrun()) GTEST_SKIP() << kNoTorchrun;
@@ -281,6 +284,8 @@ TEST(Cluster, TensorParallelWithinNodesAndDataOrPipelineAcrossMatchOneProcess) {
                                   "within each node: tp 2; across nodes: dp 2");
   expect_one_process_across_nodes("tp_pp", "tensor_parallel,gpipe --set mesh.tp=2 --set plugin.microbatches=2", 2,
                                   "within each node: tp 2; across nodes: pp 2");
+  // A pipeline alone: its stages are the nodes.
+  expect_one_process_across_nodes("pp", "gpipe --set plugin.microbatches=2", 1, "within each node: none; across nodes: pp 2");
 }
 
 // The trainer's own launcher across two nodes of two ranks (no torchrun): node 0's launcher hosts

@@ -298,7 +298,15 @@ TEST(Cli, AFlagOfAnotherCommandOrAnAbbreviationIsOneError) {
                                             "rate's warm-up: --set train.warmup_steps=N"},
            {"generate " + tiny + " --prompt hi --data x.jsonl", "trainer generate does not take --data (an option of trainer eval)"},
            {"check --plugin ddp " + tiny, "trainer check does not take --config"},
-           {tiny + " --all", "trainer train does not take --all (an option of trainer check)"}}) {
+           {tiny + " --all", "trainer train does not take --all (an option of trainer check)"},
+           // The launcher's flags across machines go with --nproc, and a node needs its rank and node 0.
+           {tiny + " --nnodes 2 --node-rank 1 --master-addr 10.0.0.1",
+            "--nnodes, --node-rank, --master-addr and --master-port go with --nproc (the ranks of each node)"},
+           {tiny + " --nproc 2 --nnodes 2 --node-rank 1",
+            "--nnodes 2: each node needs its --node-rank and node 0's --master-addr"},
+           {tiny + " --nproc 2 --nnodes 2 --node-rank 2 --master-addr 127.0.0.1",
+            "--node-rank 2 is not a node of --nnodes 2 (0 to 1)"},
+           {"bench " + tiny + " --plugin ddp --nnodes 2", "trainer bench does not take --nnodes"}}) {
     expect_refused_before_the_model(args, needle, dir);
   }
 }

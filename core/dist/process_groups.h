@@ -138,6 +138,8 @@ class Communicator {
   // by every member in the same order.
   Operation all_reduce(ProcessGroup& group, const at::Tensor& tensor, c10d::ReduceOp op);
   // input: dim 0 = group size x output's dim 0; the group rank's part of the reduction lands in output.
+  // Over Gloo an all-to-all of the parts, reduced here in rank order (Gloo's own reduce_scatter moves
+  // an all-reduce's bytes); over NCCL, NCCL's own.
   Operation reduce_scatter(ProcessGroup& group, const at::Tensor& output, const at::Tensor& input, c10d::ReduceOp op);
   // output: dim 0 = group size x input's dim 0, filled in group-rank order.
   Operation all_gather(ProcessGroup& group, const at::Tensor& output, const at::Tensor& input);

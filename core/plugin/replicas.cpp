@@ -15,8 +15,11 @@ namespace {
 constexpr int64_t kDeviceChunkBytes = int64_t{64} << 20;
 constexpr uint64_t kFingerprintMask = (uint64_t{1} << 62) - 1;  // a MAX over int64 of it and its complement
 
+int64_t bytes_of(const DLTensor& t) {
+  return sdk::detail::elements_of(t) * ((t.dtype.bits * t.dtype.lanes + 7) / 8);
+}
+
 uint64_t fingerprint(const DLTensor& t) {
-  const int64_t elements = sdk::detail::elements_of(t);
   if (t.strides != nullptr) {
     int64_t expected = 1;
     for (int32_t d = t.ndim - 1; d >= 0; --d) {
@@ -24,7 +27,7 @@ uint64_t fingerprint(const DLTensor& t) {
       expected *= t.shape[d];
     }
   }
-  const int64_t bytes = elements * ((t.dtype.bits * t.dtype.lanes + 7) / 8);
+  const int64_t bytes = bytes_of(t);
   const auto* data = static_cast<const unsigned char*>(t.data) + t.byte_offset;
   if (t.device.device_type == kDLCPU) return hash_bytes(data, static_cast<size_t>(bytes));
   WEFT_CHECK(t.device.device_type == kDLCUDA, "replicas: a parameter on a device that is neither the CPU nor CUDA");
@@ -60,7 +63,7 @@ ReplicaSync make_replicas_equal(const sdk::Host& h, sdk::Group group, const std:
     if (marks[i] == static_cast<int64_t>(kFingerprintMask) - marks[n + i]) continue;  // max == min: equal
     DLTensor data = h.parameter_data(parameters[i]);
     ++sync.differed;
-    sync.bytes += sdk::detail::elements_of(data) * ((data.dtype.bits * data.dtype.lanes + 7) / 8);
+    sync.bytes += bytes_of(data);
     broadcasts.push_back(h.broadcast(group, data, 0));
   }
   for (const sdk::Work& work : broadcasts) work.wait();

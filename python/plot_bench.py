@@ -8,7 +8,8 @@ plugin tokens/s and time per epoch against world size.
 Writes OUT_DIR/tokens_per_s.png, epoch_time.png, scaling.png and scaling_epoch.png, and where
 pipeline variants measured their bubble ("gpipe microbatches=8 x2"), bubble.png: the measured
 bubble against micro-batches per step, one line per schedule and world size, each world size's
-formula dashed (OUT_DIR defaults to the JSON's folder). Prints each path written. Plots with
+formula dashed, and where variants evaluated (--eval-every), held_out_loss.png: held-out loss
+against training time, one line per variant (OUT_DIR defaults to the JSON's folder). Prints each path written. Plots with
 matplotlib (python/charts.py).
 """
 import argparse
@@ -149,6 +150,21 @@ def bubble(path, variants, sub):
                       "bubble (idle share of the step)", x_ticks=ticks, subtitle=sub, y_from_zero=True)
 
 
+def held_out(path, variants, colors, sub):
+    """Held-out loss against training time (the step times up to each evaluation), one line per
+    variant that evaluated (trainer bench --eval-every); None when none did."""
+    series = []
+    for v, color in zip(variants, colors):
+        points = [(finite(e.get("train_seconds")), finite(e.get("loss"))) for e in v.get("held_out") or []
+                  if isinstance(e, dict)]
+        if points:
+            series.append((str(v.get("name", "")), points, {"color": color}))
+    if not series:
+        return None
+    return line_chart(path, "Held-out loss against training time", series, "training time (s)", "held-out loss",
+                      subtitle=sub)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("bench_json")
@@ -189,6 +205,9 @@ def main():
         div, unit = time_unit(max(known))
         written.append(scaling(os.path.join(out, "scaling_epoch.png"), "Time per epoch against world size",
                                variants, "epoch_s", div, unit, subtitle(bench, False)))
+    held_out_png = held_out(os.path.join(out, "held_out_loss.png"), variants, colors, subtitle(bench, False))
+    if held_out_png:
+        written.append(held_out_png)
     bubble_png = bubble(os.path.join(out, "bubble.png"), variants, subtitle(bench, False))
     if bubble_png:
         written.append(bubble_png)

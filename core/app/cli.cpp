@@ -42,6 +42,7 @@ po::options_description describe_options() {
       ("all", po::bool_switch(), "trainer check: every shipped strategy and layout against single, as a table (--nproc N: "
        "only cases of at most N ranks; --plugin NAME: only the cases that run NAME; --set applies to every case)")
       ("repetitions", po::value<int64_t>(), "trainer bench: runs per variant, alternated (default 3)")
+      ("eval-every", po::value<int64_t>(), "trainer bench: held-out loss every N steps, against training time (default: none)")
       ("baseline", po::value<std::string>(), "trainer bench: 'pytorch' adds PyTorch DDP, DTensor tensor parallelism beside a plugin that owns tp, PyTorch's pipeline schedules beside one that owns pp, and transformers (+ PEFT's LoRA) on the job's checkpoint (python/pytorch_baseline.py)")
       ("out,o", po::value<std::string>(), "trainer bench: output directory; trainer report: the Markdown file; trainer export: the GGUF file")
       ("log-level", po::value<std::string>(), "trace, debug, info, warn or error (default: log.level)")
@@ -67,7 +68,8 @@ void check_flags_of_command(const po::variables_map& vm, const std::string& comm
       {"export", {"config", "set", "log-level", "out", "type"}},
       {"plan", {"config", "plugin", "set", "nproc", "nnodes", "node-rank", "master-addr", "master-port", "log-level"}},
       {"check", {"plugin", "set", "nproc", "steps", "all", "log-level"}},
-      {"bench", {"config", "plugin", "set", "nproc", "warmup", "steps", "repetitions", "baseline", "out", "log-level"}},
+      {"bench", {"config", "plugin", "set", "nproc", "nnodes", "node-rank", "master-addr", "master-port", "warmup", "steps",
+                 "repetitions", "eval-every", "baseline", "out", "log-level"}},
       {"report", {"out", "log-level"}},
       {"plugins", {"log-level"}},
       {"config-reference", {}},
@@ -134,6 +136,11 @@ CommandLine parse_command_line(int argc, char** argv) {
   if (!cli.target.empty() && cli.command != "report") {
     throw Error(fmt::format("unexpected argument '{}' after '{}'", cli.target, cli.command));
   }
+  if (vm.count("eval-every")) cli.eval_every = vm["eval-every"].as<int64_t>();
+  if (vm.count("nnodes")) cli.nnodes = vm["nnodes"].as<int>();
+  if (vm.count("node-rank")) cli.node_rank = vm["node-rank"].as<int>();
+  if (vm.count("master-addr")) cli.master_addr = vm["master-addr"].as<std::string>();
+  if (vm.count("master-port")) cli.master_port = vm["master-port"].as<int>();
   if (cli.command == "bench") return cli;
   if (cli.plugins.size() > 1) throw Error("--plugin is given more than once (only trainer bench takes several)");
   if (cli.nprocs.size() > 1) throw Error("--nproc is given more than once (only trainer bench takes several)");
@@ -153,10 +160,6 @@ CommandLine parse_command_line(int argc, char** argv) {
       throw Error(fmt::format("--nproc {}: the number of processes must be at least 1", cli.nproc));
     }
   }
-  if (vm.count("nnodes")) cli.nnodes = vm["nnodes"].as<int>();
-  if (vm.count("node-rank")) cli.node_rank = vm["node-rank"].as<int>();
-  if (vm.count("master-addr")) cli.master_addr = vm["master-addr"].as<std::string>();
-  if (vm.count("master-port")) cli.master_port = vm["master-port"].as<int>();
   if (cli.nproc == 0 && (vm.count("nnodes") || vm.count("node-rank") || vm.count("master-addr") || vm.count("master-port"))) {
     throw Error("--nnodes, --node-rank, --master-addr and --master-port go with --nproc (the ranks of each node)");
   }
@@ -188,7 +191,8 @@ void print_help() {
                "  trainer plan --config FILE [--plugin NAME] [--nproc N]   the memory plan per rank (parameters,\n"
                "        gradients, optimizer, activations, buffers) and whether it fits, without building the model\n"
                "  trainer bench --config FILE --plugin A --plugin B [--nproc N] [--baseline pytorch] [--warmup W]\n"
-               "        [--steps S] [--repetitions R] [--out DIR]   A/B timing: table, bench.json, plots\n"
+               "        [--steps S] [--repetitions R] [--eval-every E] [--out DIR]   A/B timing: table, bench.json, plots;\n"
+               "        across nodes: the same command on each with --nnodes M --node-rank R --master-addr NODE0\n"
                "  trainer report RUN_DIR [--out REPORT.md]   a finished run as a Markdown report with plots\n"
                "  trainer export --config FILE --out MODEL.gguf [--type f16|bf16|q8_0|f32]   the model (LoRA merged)\n"
                "        as a GGUF file of the llama architecture, with its tokenizer\n"

@@ -26,7 +26,7 @@ struct CommandLine {
   std::vector<std::string> plugins, nprocs;
   std::string target, out, baseline;
   // steps: trainer bench's counted steps per run, trainer check's steps; 0 = the command's default.
-  int64_t warmup = 3, steps = 0, repetitions = 3;
+  int64_t warmup = 3, steps = 0, repetitions = 3, eval_every = 0;  // trainer bench
   // trainer eval: files to evaluate instead of the held-out split, and where to write the JSON.
   std::vector<std::string> data;
   std::string json;

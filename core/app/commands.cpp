@@ -422,6 +422,11 @@ int run_bench(const CommandLine& cli) {
   options.warmup_steps = cli.warmup;
   if (cli.steps > 0) options.steps = cli.steps;
   options.repetitions = cli.repetitions;
+  options.eval_every = cli.eval_every;
+  options.nnodes = cli.nnodes;
+  options.node_rank = cli.node_rank;
+  options.master_addr = cli.master_addr;
+  options.master_port = cli.master_port;
   options.out_dir = cli.out;
   options.trainer_path = std::filesystem::read_symlink("/proc/self/exe").string();
   options.python_dir = python_dir();

@@ -92,7 +92,7 @@ std::string variant_name(const BenchVariant& v) {
                      : v.pytorch_parallel == "pp" ? "pytorch-" + v.pytorch_schedule
                                                   : "pytorch-" + v.pytorch_parallel;
   for (const auto& s : v.settings) name += " " + (s.rfind("plugin.", 0) == 0 ? s.substr(7) : s);
-  return name + " x" + std::to_string(v.nproc);
+  return name + " x" + std::to_string(v.nproc * v.nnodes);
 }
 
 std::string slug(const std::string& name) {
@@ -129,17 +129,25 @@ struct Failure {
   int64_t repetition = 0;
 };
 
-std::vector<std::string> weft_run_command(const BenchOptions& o, const BenchVariant& v, const std::string& run_dir) {
+// `run`: the run's number in the bench (0, 1, ...), the same on every node: its rendezvous port.
+std::vector<std::string> weft_run_command(const BenchOptions& o, const BenchVariant& v, const std::string& run_dir,
+                                          int64_t run) {
   std::vector<std::string> args{o.trainer_path, "train"};
   if (!o.config.empty()) args.insert(args.end(), {"--config", o.config});
   for (const auto& s : o.overrides) args.insert(args.end(), {"--set", s});
   args.insert(args.end(), {"--plugin", v.plugin, "--nproc", std::to_string(v.nproc)});
+  if (o.nnodes > 1) {
+    args.insert(args.end(), {"--nnodes", std::to_string(o.nnodes), "--node-rank", std::to_string(o.node_rank),
+                             "--master-addr", o.master_addr, "--master-port", std::to_string(o.master_port + run)});
+  }
   for (const auto& s : v.settings) args.insert(args.end(), {"--set", s});
-  const std::vector<std::string> fixed{
+  // Without --eval-every only the final evaluation runs, on one batch (the run's end, not timed).
+  std::vector<std::string> fixed{
       "train.max_steps=" + std::to_string(o.warmup_steps + o.steps), "train.out_dir=" + run_dir,
-      "train.overwrite=true", "log.progress=off", "eval.every_steps=0", "eval.max_batches=1",
+      "train.overwrite=true", "log.progress=off", "eval.every_steps=" + std::to_string(o.eval_every),
       "checkpoint.save_final=false", "checkpoint.keep_best=false", "checkpoint.every_steps=0",
       "checkpoint.resume=", "log.trace="};
+  if (o.eval_every == 0) fixed.push_back("eval.max_batches=1");
   for (const auto& s : fixed) args.insert(args.end(), {"--set", s});
   args.insert(args.end(), {"--log-level", "warn"});
   return args;
@@ -187,6 +195,14 @@ std::vector<BenchVariant> plan_bench(const BenchOptions& o) {
   std::vector<std::vector<int>> counts;
   for (const auto& text : o.nproc) counts.push_back(parse_counts(text));
   if (counts.empty()) counts.push_back({1});
+  WEFT_CHECK(o.nnodes >= 1 && o.node_rank >= 0 && o.node_rank < o.nnodes,
+             "trainer bench --nnodes {} --node-rank {}: the node rank must be 0 to {}", o.nnodes, o.node_rank,
+             o.nnodes - 1);
+  WEFT_CHECK(o.nnodes == 1 || !o.master_addr.empty(),
+             "trainer bench --nnodes {}: each node needs its --node-rank and node 0's --master-addr", o.nnodes);
+  WEFT_CHECK(o.nnodes == 1 || !o.pytorch_baseline,
+             "trainer bench --nnodes {}: --baseline pytorch runs on one node only; leave it out across nodes", o.nnodes);
+  WEFT_CHECK(o.eval_every >= 0, "trainer bench --eval-every {}: expected 0 (none) or a number of steps", o.eval_every);
   WEFT_CHECK(counts.size() == 1 || counts.size() == o.plugins.size(),
              "trainer bench: {} --nproc values for {} --plugin values (give one for all, or one per plugin in order)",
              counts.size(), o.plugins.size());
@@ -196,6 +212,7 @@ std::vector<BenchVariant> plan_bench(const BenchOptions& o) {
     for (int n : counts.size() == 1 ? counts[0] : counts[i]) {
       BenchVariant v = parse_plugin_spec(o.plugins[i]);
       v.nproc = n;
+      v.nnodes = o.nnodes;
       v.name = variant_name(v);
       variants.push_back(v);
       sizes.insert(n);
@@ -281,6 +298,9 @@ int run_bench(const BenchOptions& options) {
   for (const auto& v : variants) {
     if (!v.pytorch) resolve_plugin_paths(v.plugin);  // throws naming a plugin that is not found
   }
+  // The runs' directories are part of their configuration, which every rank checks is the same.
+  WEFT_CHECK(o.nnodes == 1 || !o.out_dir.empty(),
+             "trainer bench --nnodes {}: give every node the same --out (the runs' directories must match)", o.nnodes);
   if (o.out_dir.empty()) o.out_dir = "runs/bench-" + timestamp();
   fs::create_directories(o.out_dir);
   o.out_dir = fs::absolute(o.out_dir).lexically_normal().string();
@@ -289,38 +309,60 @@ int run_bench(const BenchOptions& options) {
     check_python_has_torch(o.python, o.out_dir);
     export_job_for_baseline(o, job_dir);
   }
-  spdlog::info("bench: {} variants x {} repetitions, {} warm-up + {} measured steps each, {} tokens per step",
-               variants.size(), o.repetitions, o.warmup_steps, o.steps, tokens_per_step);
+  spdlog::info("bench: {} variants x {} repetitions, {} warm-up + {} measured steps each, {} tokens per step{}",
+               variants.size(), o.repetitions, o.warmup_steps, o.steps, tokens_per_step,
+               o.nnodes > 1 ? fmt::format(", node {} of {}", o.node_rank, o.nnodes) : "");
+  // Across nodes, node 0's rank 0 writes each run's metrics; the other nodes' files are named by node
+  // (a run directory may be shared between nodes, as on a shared file system).
+  const bool reads_metrics = o.node_rank == 0;
+  const std::string node_suffix = reads_metrics ? "" : fmt::format(".node{}", o.node_rank);
   std::vector<std::vector<RunMeasurement>> runs(variants.size());
   std::vector<std::optional<Failure>> failures(variants.size());
+  nlohmann::json outcomes = nlohmann::json::array();  // the other nodes: each run's outcome
   for (int64_t rep = 1; rep <= o.repetitions; ++rep) {
     for (size_t i = 0; i < variants.size(); ++i) {  // alternated: A B C, A B C, ...
       const auto& v = variants[i];
       if (failures[i]) continue;  // failed once: its other repetitions would fail alike
       const std::string run_dir = fmt::format("{}/runs/{}/rep{}", o.out_dir, slug(v.name), rep);
       fs::create_directories(run_dir);
-      const auto args = v.pytorch ? pytorch_run_command(o, v, job_dir, run_dir) : weft_run_command(o, v, run_dir);
-      write_file_atomically(run_dir + "/command.txt", shell_join(args) + "\n");
+      const int64_t run = (rep - 1) * static_cast<int64_t>(variants.size()) + static_cast<int64_t>(i);
+      const auto args = v.pytorch ? pytorch_run_command(o, v, job_dir, run_dir) : weft_run_command(o, v, run_dir, run);
+      write_file_atomically(run_dir + "/command" + node_suffix + ".txt", shell_join(args) + "\n");
       try {
-        run_logged(shell_join(args), run_dir + "/output.log");
-        runs[i].push_back(read_run(run_dir + "/metrics.jsonl", o.warmup_steps));
+        run_logged(shell_join(args), run_dir + "/output" + node_suffix + ".log");
+        if (reads_metrics) runs[i].push_back(read_run(run_dir + "/metrics.jsonl", o.warmup_steps));
       } catch (const Error& e) {
         failures[i] = Failure{e.what(), rep};
         spdlog::error("bench: repetition {}/{} {} failed: {}; the bench goes on without it", rep, o.repetitions,
                       v.name, e.what());
+        if (!reads_metrics) outcomes.push_back({{"name", v.name}, {"repetition", rep}, {"ok", false}, {"error", e.what()}});
         continue;
       }
+      if (!reads_metrics) {
+        outcomes.push_back({{"name", v.name}, {"repetition", rep}, {"ok", true}});
+        spdlog::info("bench: repetition {}/{} {}: node {}'s ranks done", rep, o.repetitions, v.name, o.node_rank);
+        continue;
+      }
+      if (o.eval_every == 0) runs[i].back().held_out.clear();  // only the final one-batch evaluation
       const double step = median_of(runs[i].back().step_seconds);
       spdlog::info("bench: repetition {}/{} {}: median step {:.3f} s, {:.0f} tokens/s", rep, o.repetitions, v.name,
                    step, tokens_per_step / step);
     }
+  }
+  if (!reads_metrics) {
+    const int64_t failed = std::count_if(failures.begin(), failures.end(), [](const auto& f) { return f.has_value(); });
+    const nlohmann::json json = {{"node_rank", o.node_rank}, {"nnodes", o.nnodes}, {"runs", outcomes}};
+    write_file_atomically(o.out_dir + "/bench" + node_suffix + ".json", json.dump(2) + "\n");
+    spdlog::info("bench: node {} of {} took part in {} runs ({} variants failed); node 0 writes the table", o.node_rank,
+                 o.nnodes, outcomes.size(), failed);
+    return failed > 0 ? 1 : 0;
   }
   std::vector<VariantSummary> summaries;
   int64_t steps_per_epoch = 0;
   for (size_t i = 0; i < variants.size(); ++i) {
     const auto& v = variants[i];
     if (failures[i]) continue;
-    summaries.push_back(summarise(v.name, v.plugin, v.nproc, v.pytorch, runs[i], tokens_per_step));
+    summaries.push_back(summarise(v.name, v.plugin, v.nproc * v.nnodes, v.pytorch, runs[i], tokens_per_step));
     steps_per_epoch = runs[i].front().steps_per_epoch;
   }
   const auto ratios = pair_ratios(summaries);
@@ -332,6 +374,8 @@ int run_bench(const BenchOptions& options) {
                          {"warmup_steps", o.warmup_steps},
                          {"steps", o.steps},
                          {"repetitions", o.repetitions},
+                         {"nnodes", o.nnodes},
+                         {"eval_every", o.eval_every},
                          {"tokens_per_step", tokens_per_step},
                          {"steps_per_epoch", steps_per_epoch},
                          {"variants", nlohmann::json::array()},

@@ -29,6 +29,7 @@ struct BenchVariant {
   int pytorch_microbatches = 4;       // pp: micro-batches per pipeline step
   std::string transformers;           // ddp: "full" or "lora" for transformers' LlamaForCausalLM on the
                                       // job's checkpoint (+ PEFT's LoRA) instead of the script's Llama
+  int nnodes = 1;                     // nodes the run spans, nproc ranks on each (named by the total)
 };
 
 struct BenchOptions {
@@ -40,6 +41,15 @@ struct BenchOptions {
   int64_t warmup_steps = 3;                // not counted
   int64_t steps = 10;                      // counted, per run
   int64_t repetitions = 3;
+  int64_t eval_every = 0;                  // --eval-every: held-out loss every N steps (0: none)
+  // --nnodes M --node-rank R --master-addr HOST [--master-port P]: every run spans M nodes, as
+  // `trainer --nproc N --nnodes M ...` (--nproc: ranks per node). The same bench runs on each node;
+  // its runs meet in the same order, run k's rendezvous at HOST:P+k on node 0. Node 0 reads the
+  // results and writes the table; the others take part and record whether each run succeeded.
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr;
+  int master_port = 29500;
   std::string out_dir;                     // bench.json, bench.md, plots, runs/
   std::string trainer_path;                // the trainer executable (for the child runs)
   std::string python_dir;                  // python/ (plots, the PyTorch baseline)
@@ -59,7 +69,8 @@ struct BenchOptions {
 // baseline, a plugin that does not load.
 std::vector<BenchVariant> plan_bench(const BenchOptions& options);
 
-// Runs the bench and writes out_dir/bench.json, out_dir/bench.md (the table) and the plots;
+// Runs the bench and writes (on node 0 of a bench across nodes; the other nodes write bench.json
+// with each run's outcome) out_dir/bench.json, out_dir/bench.md (the table) and the plots;
 // prints the table. A variant whose run fails is not run again; the others go on, and the table
 // and bench.json ("failed") name it with its error and log. Returns 0, or 1 when a variant failed.
 int run_bench(const BenchOptions& options);

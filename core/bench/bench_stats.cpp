@@ -34,13 +34,20 @@ RunMeasurement read_run(const std::string& metrics_path, int64_t warmup_steps) {
   WEFT_CHECK(in.good(), "{}: cannot read the run's metrics", metrics_path);
   RunMeasurement run;
   bool summary = false;
+  double train_seconds = 0;  // every step's time so far, warm-up included
   std::string line;
   while (std::getline(in, line)) {
     if (line.empty()) continue;
     const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
     WEFT_CHECK(!j.is_discarded() && j.is_object(), "{}: a line is not a JSON object: {}", metrics_path, line);
     const std::string type = j.value("type", "");
-    if (type == "step" && j.value("step", int64_t{0}) > warmup_steps) {
+    if (type == "step") train_seconds += j.value("step_time_s", 0.0);
+    if (type == "eval") {  // the final evaluation repeats a periodic one at the last step: one point
+      const HeldOut e{j.value("step", int64_t{0}), train_seconds, j.value("loss", 0.0)};
+      if (!run.held_out.empty() && run.held_out.back().step == e.step) run.held_out.pop_back();
+      run.held_out.push_back(e);
+    } else if (type == "step" && j.value("step", int64_t{0}) > warmup_steps) {
+      if (j.contains("link_bytes")) run.link_bytes.push_back(j["link_bytes"].get<double>());
       run.step_seconds.push_back(j.at("step_time_s").get<double>());
       run.tokens_per_second.push_back(j.value("tokens_per_s", 0.0));
       if (j.contains("comm_wait_s")) {
@@ -81,7 +88,7 @@ VariantSummary summarise(const std::string& name, const std::string& plugin, int
   v.nproc = nproc;
   v.pytorch = pytorch;
   v.tokens_per_step = tokens_per_step;
-  std::vector<double> steps, bytes, bubble, forward, backward;
+  std::vector<double> steps, bytes, bubble, forward, backward, link;
   double wait = 0, busy = 0;
   bool comm = false;
   for (const auto& run : runs) {
@@ -89,6 +96,7 @@ VariantSummary summarise(const std::string& name, const std::string& plugin, int
     v.run_step_seconds.push_back(median_of(run.step_seconds));
     bytes.insert(bytes.end(), run.comm_bytes.begin(), run.comm_bytes.end());
     bubble.insert(bubble.end(), run.bubble.begin(), run.bubble.end());
+    link.insert(link.end(), run.link_bytes.begin(), run.link_bytes.end());
     forward.insert(forward.end(), run.forward_seconds.begin(), run.forward_seconds.end());
     backward.insert(backward.end(), run.backward_seconds.begin(), run.backward_seconds.end());
     if (run.bubble_formula) v.bubble_formula = run.bubble_formula;
@@ -121,6 +129,16 @@ VariantSummary summarise(const std::string& name, const std::string& plugin, int
     v.comm_bytes_per_step = median_of(bytes);
   }
   if (!bubble.empty()) v.bubble = median_of(bubble);
+  if (!link.empty()) v.link_bytes_per_step = median_of(link);
+  for (size_t e = 0; e < runs.front().held_out.size(); ++e) {
+    std::vector<double> seconds, losses;
+    for (const auto& run : runs) {
+      if (e >= run.held_out.size()) continue;
+      seconds.push_back(run.held_out[e].train_seconds);
+      losses.push_back(run.held_out[e].loss);
+    }
+    v.held_out.push_back({runs.front().held_out[e].step, median_of(seconds), median_of(losses)});
+  }
   if (!forward.empty()) {
     v.forward_seconds = median_of(forward);
     v.backward_seconds = median_of(backward);
@@ -178,6 +196,19 @@ std::string format_bench_table(const std::vector<VariantSummary>& variants, cons
       out += fmt::format("| {} vs {} | {:.2f}x | {} |\n", r.b, r.a, r.tokens_per_second, reps);
     }
   }
+  const bool link = std::any_of(variants.begin(), variants.end(), [](const auto& v) { return v.link_bytes_per_step; });
+  const bool held_out = std::any_of(variants.begin(), variants.end(), [](const auto& v) { return !v.held_out.empty(); });
+  if (link || held_out) {
+    out += "\n| variant | link MB per step (rank 0's node, received + sent) | last held-out loss (step, training time) |\n"
+           "|---|---|---|\n";
+    for (const auto& v : variants) {
+      const std::string loss = v.held_out.empty() ? "-"
+                                                  : fmt::format("{:.4f} (step {}, {:.1f} s)", v.held_out.back().loss,
+                                                                v.held_out.back().step, v.held_out.back().train_seconds);
+      out += fmt::format("| {} | {} | {} |\n", v.name,
+                         v.link_bytes_per_step ? fmt::format("{:.2f}", *v.link_bytes_per_step / 1e6) : "-", loss);
+    }
+  }
   return out;
 }
 
@@ -188,6 +219,10 @@ nlohmann::json to_json(const VariantSummary& v) {
   for (size_t k = 0; k < v.run_step_seconds.size(); ++k) {
     runs.push_back({{"repetition", k + 1}, {"step_time_s", v.run_step_seconds[k]},
                     {"tokens_per_s", static_cast<double>(v.tokens_per_step) / v.run_step_seconds[k]}});
+  }
+  nlohmann::json held_out = nlohmann::json::array();
+  for (const auto& e : v.held_out) {
+    held_out.push_back({{"step", e.step}, {"train_seconds", e.train_seconds}, {"loss", e.loss}});
   }
   return {{"name", v.name},
           {"plugin", v.plugin},
@@ -206,6 +241,8 @@ nlohmann::json to_json(const VariantSummary& v) {
           {"bubble_formula", optional(v.bubble_formula)},
           {"forward_s", optional(v.forward_seconds)},
           {"backward_s", optional(v.backward_seconds)},
+          {"link_bytes_per_step", optional(v.link_bytes_per_step)},
+          {"held_out", held_out},
           {"runs", runs}};
 }
 

@@ -13,6 +13,13 @@
 
 namespace weft {
 
+// A held-out evaluation: after `step` steps, `train_seconds` of training (the step times of every
+// step up to it, warm-up included; the evaluations' own time left out).
+struct HeldOut {
+  int64_t step = 0;
+  double train_seconds = 0, loss = 0;
+};
+
 // One run's measured steps (those after the warm-up) and its summary line.
 struct RunMeasurement {
   std::vector<double> step_seconds;
@@ -27,6 +34,8 @@ struct RunMeasurement {
   int64_t steps_per_epoch = 0;
   std::vector<double> peak_rss_mib_per_rank;
   std::vector<double> activation_peak_mib_per_rank;  // tensor bytes a step added at its peak (weft)
+  std::vector<double> link_bytes;         // per measured step: rank 0's node's link (a job across nodes)
+  std::vector<HeldOut> held_out;          // every evaluation of the run, in order
 };
 
 // Reads `metrics_path` (weft's metrics.jsonl, or the PyTorch baseline's in the same format),
@@ -59,6 +68,10 @@ struct VariantSummary {
   std::optional<double> comm_bytes_per_step;  // median
   std::optional<double> bubble, bubble_formula;
   std::optional<double> forward_seconds, backward_seconds;  // medians per step (rank 0), where timed
+  std::optional<double> link_bytes_per_step;  // median: rank 0's node's link, received + sent (across nodes)
+  // The held-out loss against training time: per evaluation, the median over repetitions of its
+  // train_seconds and loss (each repetition evaluates at the same steps).
+  std::vector<HeldOut> held_out;
 };
 
 
@@ -76,7 +89,8 @@ struct PairRatio {
 std::vector<PairRatio> pair_ratios(const std::vector<VariantSummary>& variants);
 
 // The terminal / Markdown table: one row per variant, then the ratios (every pair for up to 3
-// variants, otherwise each variant against the first).
+// variants, otherwise each variant against the first), and where runs crossed nodes or evaluated,
+// a table of each variant's link bytes per step and last held-out loss.
 std::string format_bench_table(const std::vector<VariantSummary>& variants, const std::vector<PairRatio>& ratios);
 
 // bench.json's "variants" entry and "ratios" entry.

@@ -44,6 +44,11 @@ void RunRecords::step(const StepRecord& s) {
                            {"activation_peak_mib", s.activation_mib},
                            {"comm_wait_s", s.report.comm.wait_seconds},
                            {"comm_bytes", s.report.comm.bytes}};
+  if (s.link_bytes) {
+    record["link_bytes"] = *s.link_bytes;
+    link_bytes_ += *s.link_bytes;
+    ++link_steps_;
+  }
   if (s.report.compute.timed) {  // this rank's time in the host's forward (loss included) and backward
     record["forward_s"] = s.report.compute.forward_seconds;
     record["backward_s"] = s.report.compute.backward_seconds;
@@ -123,6 +128,10 @@ const TrainResult& RunRecords::finish(Communicator& communicator, int rank, int6
       spdlog::info("communication: waiting {:.1f}% of step time ({:.3f} s per step), {:.2f} MB per step (rank {})",
                    100.0 * comm_wait_seconds_ / seconds_, comm_wait_seconds_ / steps, comm_bytes_ / steps / 1e6, rank);
     }
+  }
+  if (link_steps_ > 0) {
+    summary["link_bytes_per_step"] = static_cast<double>(link_bytes_) / link_steps_;
+    spdlog::info("this node's link: {:.2f} MB per step (received + sent)", link_bytes_ / 1e6 / link_steps_);
   }
   if (setting_.peak_tflops > 0) {
     summary["peak_tflops"] = setting_.peak_tflops;

@@ -69,6 +69,9 @@ struct StepRecord {
   double loss_scale = 0;        // fp16: the loss scale of the step (0: no scaling)
   bool skipped = false;         // fp16: gradients were not finite, the optimizer did not step
   double activation_mib = 0;    // tensor memory the step added on this rank at its peak
+  // A job across nodes, rank 0: bytes its node's link carried during the step (received + sent on
+  // the interfaces its Gloo uses; core/dist/link_counter.h).
+  std::optional<int64_t> link_bytes;
   StepReport report;            // loss, communication, plugin metrics
 };
 
@@ -105,6 +108,7 @@ class RunRecords {
   double activation_peak_mib_ = 0.0;
   double comm_wait_seconds_ = 0.0;   // this rank's time blocked on the plugin's communication
   int64_t comm_bytes_ = 0;
+  int64_t link_bytes_ = 0, link_steps_ = 0;  // steps that counted their node's link bytes
   std::map<std::string, std::pair<double, int64_t>> plugin_metric_sums_;  // name -> (sum, steps)
 };
 

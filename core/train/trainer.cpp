@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
@@ -226,6 +227,10 @@ TrainResult Trainer::run() {
   RunRecords records(rank0 ? options_.metrics_file : "", state_.global_step > 0, rank0 ? options_.progress : "off",
                      options_.log_every, options_.batch_size * options_.grad_accum_steps * options_.data.seq_len,
                      run_setting());
+  if (rank0) {
+    link_ = LinkCounter::for_job(job_->context().env);
+    if (link_) spdlog::info("bytes on this node's link counted per step on {}", fmt::join(link_->interfaces(), ", "));
+  }
   spdlog::info("training: {} epochs x {} steps (total {}), {} tokens per step, lr {:.2e}, {}", options_.epochs,
                steps_per_epoch_, total_steps_, records.tokens_per_step(), options_.optim.lr,
                options_.mode == "lora" ? "LoRA" : options_.mode == "adalora" ? "AdaLoRA" : options_.mode == "prompt_tuning" ? "prompt tuning" : "full fine-tuning");
@@ -404,6 +409,7 @@ bool Trainer::run_epoch_steps(RunRecords& records) {
     const int64_t bytes_before = tensor_bytes_live();
     tensor_peak_bytes_ = std::max(tensor_peak_bytes_, tensor_bytes_peak());  // what came before (evaluation)
     reset_tensor_peak();
+    const int64_t link_before = link_ ? link_->bytes() : -1;
     const auto step_start = Clock::now();
     StepRecord step;
     {
@@ -412,6 +418,9 @@ bool Trainer::run_epoch_steps(RunRecords& records) {
     }
     synchronize(job_->device());  // a GPU's queued work is part of the step
     step.seconds = seconds_since(step_start);
+    if (link_before >= 0) {
+      if (const int64_t link_after = link_->bytes(); link_after >= link_before) step.link_bytes = link_after - link_before;
+    }
     step.activation_mib = static_cast<double>(tensor_bytes_peak() - bytes_before) / (1024.0 * 1024.0);
     ++state_.global_step;
     ++state_.step_in_epoch;

@@ -19,6 +19,7 @@
 #include <torch/optim/adamw.h>
 
 #include "core/data/loader.h"
+#include "core/dist/link_counter.h"
 #include "core/util/torch_profiler.h"
 #include "core/job/evaluate.h"
 #include "core/job/job.h"
@@ -80,6 +81,7 @@ class Trainer {
   std::unique_ptr<Job> job_;
   std::unique_ptr<ModelGather> gather_;
   std::unique_ptr<BatchLoader> train_loader_;
+  std::optional<LinkCounter> link_;  // rank 0 of a job across nodes: its node's link, per step
   int64_t tensor_peak_bytes_ = 0;  // the run's peak of tracked tensor memory (before each step's reset)
   std::vector<OptimizedTensor> optimized_;  // what optimizer_ updates (parameters or their shards)
   std::unique_ptr<torch::optim::AdamW> optimizer_;

@@ -98,6 +98,62 @@ TEST(BenchPlan, RefusesWhatItCannotRun) {
   weft::BenchOptions twice;
   twice.plugins = {"ddp", "ddp"};
   EXPECT_NE(plan_error(twice).find("'ddp x1' is listed twice"), std::string::npos);
+  // Across nodes: a node rank in range, node 0's address, no PyTorch baseline (it runs on one node).
+  weft::BenchOptions nodes;
+  nodes.plugins = {"ddp"};
+  nodes.nnodes = 2;
+  nodes.node_rank = 2;
+  nodes.master_addr = "10.0.0.1";
+  EXPECT_NE(plan_error(nodes).find("--nnodes 2 --node-rank 2: the node rank must be 0 to 1"), std::string::npos);
+  nodes.node_rank = 1;
+  nodes.master_addr = "";
+  EXPECT_NE(plan_error(nodes).find("node 0's --master-addr"), std::string::npos);
+  nodes.master_addr = "10.0.0.1";
+  nodes.pytorch_baseline = true;
+  EXPECT_NE(plan_error(nodes).find("--baseline pytorch runs on one node only"), std::string::npos);
+  nodes.pytorch_baseline = false;
+  nodes.eval_every = -1;
+  EXPECT_NE(plan_error(nodes).find("--eval-every -1"), std::string::npos);
+  nodes.eval_every = 0;
+  // A run of 2 ranks per node on 2 nodes is named by its 4 processes.
+  nodes.nproc = {"2"};
+  EXPECT_EQ(names(weft::plan_bench(nodes)), (std::vector<std::string>{"ddp x4"}));
+}
+
+// The held-out loss against training time and the link's bytes, as read from a run's metrics:
+// the train time of an evaluation is every step's time before it (warm-up included), the final
+// evaluation at the last step is one point with a periodic one there, and link bytes are the
+// measured steps' median (over repetitions, as every figure).
+TEST(BenchStats, HeldOutLossIsPlacedAtTheTrainingTimeBeforeItAndLinkBytesAreMedians) {
+  const auto dir = fresh_dir("weft_bench", "held_out");
+  auto write = [&](const std::string& name, double scale) {
+    const std::string path = dir + "/" + name + ".jsonl";
+    std::ofstream out(path);
+    for (int step = 1; step <= 4; ++step) {
+      out << nlohmann::json{{"type", "step"}, {"step", step}, {"step_time_s", scale * step},
+                            {"link_bytes", 1000.0 * step * scale}}.dump() << "\n";
+      if (step % 2 == 0) out << nlohmann::json{{"type", "eval"}, {"step", step}, {"loss", 5.0 - step}}.dump() << "\n";
+    }
+    out << nlohmann::json{{"type", "eval"}, {"step", 4}, {"loss", 1.0}}.dump() << "\n";  // the final one
+    out << nlohmann::json{{"type", "summary"}, {"steps_per_epoch", 10}}.dump() << "\n";
+    return path;
+  };
+  const auto one = weft::read_run(write("one", 1.0), 1);
+  ASSERT_EQ(one.held_out.size(), 2u);
+  EXPECT_EQ(one.held_out[0].step, 2);
+  EXPECT_DOUBLE_EQ(one.held_out[0].train_seconds, 1.0 + 2.0);
+  EXPECT_DOUBLE_EQ(one.held_out[1].train_seconds, 1.0 + 2.0 + 3.0 + 4.0);
+  EXPECT_DOUBLE_EQ(one.held_out[1].loss, 1.0);
+  EXPECT_EQ(one.link_bytes, (std::vector<double>{2000.0, 3000.0, 4000.0}));  // after the warm-up step
+  const auto two = weft::read_run(write("two", 3.0), 1);
+  const auto v = weft::summarise("ddp x2", "ddp", 2, false, {one, two}, 100);
+  ASSERT_TRUE(v.link_bytes_per_step.has_value());
+  EXPECT_DOUBLE_EQ(*v.link_bytes_per_step, 5000.0);  // {2, 3, 4, 6, 9, 12} thousand
+  ASSERT_EQ(v.held_out.size(), 2u);
+  EXPECT_DOUBLE_EQ(v.held_out[1].train_seconds, (10.0 + 30.0) / 2);
+  const std::string table = weft::format_bench_table({v}, {});
+  EXPECT_NE(table.find("| ddp x2 | 0.01 | 1.0000 (step 4, 20.0 s) |"), std::string::npos) << table;
+  EXPECT_EQ(weft::to_json(v)["held_out"][1]["step"], 4);
 }
 
 // A metrics.jsonl with the given step times (steps 1..n), comm on every step, and a summary.
@@ -241,6 +297,30 @@ TEST(BenchCommand, AlternatesTwoPluginsAndWritesTheTableJsonAndRunReports) {
   EXPECT_NE(missing.exit_code, 0);
   EXPECT_NE(missing.output.find("nosuch"), std::string::npos) << missing.output;
   EXPECT_FALSE(std::filesystem::exists(dir + "/bench2/runs"));
+}
+
+// --eval-every: the held-out loss every N steps, the same for two plugins that train alike, placed at
+// increasing training times, in bench.json, the table and held_out_loss.png.
+TEST(BenchCommand, EvalEveryRecordsHeldOutLossAgainstTrainingTime) {
+  const auto dir = fresh_dir("weft_bench", "eval_every");
+  const auto result = run_tiny_bench(dir, "--plugin single --plugin ddp --nproc 1 --nproc 2 --repetitions 1 "
+                                          "--eval-every 1 --set data.heldout_fraction=0.2");
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  const auto json = nlohmann::json::parse(read_text(dir + "/bench/bench.json"));
+  EXPECT_EQ(json["eval_every"], 1);
+  ASSERT_EQ(json["variants"].size(), 2u);
+  const auto& single = json["variants"][0]["held_out"];
+  const auto& ddp = json["variants"][1]["held_out"];
+  ASSERT_EQ(single.size(), 3u) << json.dump();  // steps 1, 2, 3
+  ASSERT_EQ(ddp.size(), 3u) << json.dump();
+  for (size_t e = 0; e < 3; ++e) {
+    EXPECT_EQ(single[e]["step"], static_cast<int>(e) + 1);
+    EXPECT_NEAR(ddp[e]["loss"].get<double>(), single[e]["loss"].get<double>(), 1e-4);
+    if (e > 0) EXPECT_GT(single[e]["train_seconds"].get<double>(), single[e - 1]["train_seconds"].get<double>());
+  }
+  EXPECT_NE(result.output.find("last held-out loss"), std::string::npos) << result.output;
+  EXPECT_TRUE(std::filesystem::exists(dir + "/bench/held_out_loss.png")) << read_text(dir + "/bench/plots.log");
+  EXPECT_NE(read_text(dir + "/bench/runs/ddp_x2/rep1/command.txt").find("eval.every_steps=1"), std::string::npos);
 }
 
 TEST(BenchCommand, AFailingVariantIsNamedAndTheOthersAreStillMeasured) {

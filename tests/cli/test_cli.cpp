@@ -306,7 +306,12 @@ TEST(Cli, AFlagOfAnotherCommandOrAnAbbreviationIsOneError) {
             "--nnodes 2: each node needs its --node-rank and node 0's --master-addr"},
            {tiny + " --nproc 2 --nnodes 2 --node-rank 2 --master-addr 127.0.0.1",
             "--node-rank 2 is not a node of --nnodes 2 (0 to 1)"},
-           {"bench " + tiny + " --plugin ddp --nnodes 2", "trainer bench does not take --nnodes"}}) {
+           // trainer bench across nodes: the same command on each node, with its rank and node 0's address.
+           {"bench " + tiny + " --plugin ddp --nnodes 2 --out " + dir + "/bench",
+            "trainer bench --nnodes 2: each node needs its --node-rank and node 0's --master-addr"},
+           {"bench " + tiny + " --plugin ddp --nnodes 2 --node-rank 1 --master-addr 127.0.0.1",
+            "trainer bench --nnodes 2: give every node the same --out"},
+           {tiny + " --eval-every 2", "trainer train does not take --eval-every (an option of trainer bench)"}}) {
     expect_refused_before_the_model(args, needle, dir);
   }
 }

@@ -143,7 +143,12 @@ TEST(Cluster, TheToolMakesIsolatedRateLimitedNodesAndRemovesThemWithTheirProcess
     // ... and nothing of the cluster is in this machine's own namespace.
     EXPECT_EQ(ip_json("ip -j link show").size(), links_before);
     // A process left running in a node goes with the cluster.
-    ASSERT_EQ(run_command(cluster.in(1) + "sleep 600 > /dev/null 2>&1 &").exit_code, 0);
+    // (Once it runs there: `ip netns exec` enters the node after the shell has returned, and a
+    // process still entering when the node is removed would land in a namespace without a name.)
+    ASSERT_EQ(run_command(cluster.in(1) + "sleep 600 > /dev/null 2>&1 & for i in $(seq 100); do ip netns pids " +
+                          cluster.namespace_of(1) + " | grep -q . && break; sleep 0.05; done")
+                  .exit_code,
+              0);
   }
   const auto names = namespaces();
   for (const auto& ns : {name + "-n0", name + "-n1", name + "-n2", name + "-sw"}) EXPECT_FALSE(has(names, ns)) << ns;
@@ -323,6 +328,72 @@ TEST(Cluster, TheTrainersOwnLauncherRunsAJobAcrossNodes) {
   }
   // Node 0's ranks name rank 3 as the one that did not join their collective.
   EXPECT_NE(out0.find("rank 3"), std::string::npos) << out0;
+}
+
+// trainer bench across two nodes of one rank each, the same command in each node (--nnodes 2
+// --node-rank r --master-addr node 0's address; node 0's links rate-limited to 1 Gbit/s): ddp and
+// zero run in order on both nodes, each run's rendezvous on a port of its own. Node 0's bench.json
+// and table hold each variant's bytes on rank 0's node's link per step (an fp32 all-reduce of two
+// ranks moves 4 bytes per parameter out and 4 in; ZeRO stage 3 gathers the parameters twice and
+// reduce-scatters the gradients: about 12) and the held-out losses (equal: both train as one
+// process would); node 1 records that it took part in both runs.
+TEST(Cluster, TrainerBenchTimesStrategiesAcrossNodes) {
+  if (const auto why = unavailable(); !why.empty()) GTEST_SKIP() << why;
+  const auto dir = weft::testing::fresh_dir("weft_test_cluster", "bench");
+  const auto corpus = weft::testing::write_word_corpus(dir);
+  const double parameters = static_cast<double>(tiny_parameters());
+  Cluster cluster(2, "1gbit");
+  ASSERT_TRUE(cluster.made()) << cluster.output();
+  const std::string args = std::string(WEFT_TRAINER_PATH) + " bench --config " + WEFT_SOURCE_DIR +
+                           "/configs/tiny.toml --set data.path=" + corpus + " --set data.cache_dir=" + dir +
+                           "/cache --set data.seq_len=32 --set train.batch_size=6 --set train.precision=fp32"
+                           " --set train.collective_timeout_s=60 --plugin ddp --plugin 'zero --set plugin.stage=3'"
+                           " --nproc 1 --nnodes 2 --master-addr " + Cluster::address(0) +
+                           " --master-port 29400 --warmup 1 --steps 3 --repetitions 1 --eval-every 2 --out " + dir +
+                           "/bench";
+  auto node = [&](int n) {
+    return "(" + cluster.in(n) + "env OMP_NUM_THREADS=1 " + args + " --node-rank " + std::to_string(n) + " > " + dir +
+           "/node" + std::to_string(n) + ".txt 2>&1; echo $? > " + dir + "/end" + std::to_string(n) + ")";
+  };
+  run_command(node(1) + " & " + node(0) + "; wait");
+  const std::string out0 = weft::testing::read_text(dir + "/node0.txt");
+  const std::string out1 = weft::testing::read_text(dir + "/node1.txt");
+  EXPECT_EQ(weft::testing::read_text(dir + "/end0"), "0\n") << out0;
+  EXPECT_EQ(weft::testing::read_text(dir + "/end1"), "0\n") << out1;
+  const auto json = nlohmann::json::parse(weft::testing::read_text(dir + "/bench/bench.json"), nullptr, false);
+  ASSERT_TRUE(json.is_object()) << out0;
+  EXPECT_EQ(json["nnodes"], 2);
+  ASSERT_EQ(json["variants"].size(), 2u) << json.dump(1);
+  const auto& ddp = json["variants"][0];
+  const auto& zero = json["variants"][1];
+  EXPECT_EQ(ddp["name"], "ddp x2");
+  EXPECT_EQ(zero["name"], "zero stage=3 x2");
+  EXPECT_EQ(ddp["nproc"], 2);
+  ASSERT_TRUE(ddp["link_bytes_per_step"].is_number()) << ddp.dump(1);
+  ASSERT_TRUE(zero["link_bytes_per_step"].is_number()) << zero.dump(1);
+  const double ddp_bytes = ddp["link_bytes_per_step"].get<double>() / parameters;
+  const double zero_bytes = zero["link_bytes_per_step"].get<double>() / parameters;
+  std::printf("bench across nodes: link bytes per parameter per step: ddp %.2f, zero-3 %.2f\n", ddp_bytes, zero_bytes);
+  EXPECT_GT(ddp_bytes, 7.0);
+  EXPECT_LT(ddp_bytes, 10.0);
+  EXPECT_GT(zero_bytes, 11.0);
+  EXPECT_LT(zero_bytes, 15.0);
+  ASSERT_EQ(ddp["held_out"].size(), 2u) << ddp.dump(1);
+  ASSERT_EQ(zero["held_out"].size(), 2u) << zero.dump(1);
+  for (size_t e = 0; e < 2; ++e) {
+    EXPECT_EQ(ddp["held_out"][e]["step"], 2 * static_cast<int>(e) + 2);
+    const double loss = ddp["held_out"][e]["loss"].get<double>();
+    EXPECT_NEAR(zero["held_out"][e]["loss"].get<double>(), loss, 1e-5 * loss);
+  }
+  EXPECT_NE(weft::testing::read_text(dir + "/bench/bench.md").find("link MB per step"), std::string::npos);
+  const auto node1 = nlohmann::json::parse(weft::testing::read_text(dir + "/bench/bench.node1.json"), nullptr, false);
+  ASSERT_TRUE(node1.is_object()) << out1;
+  ASSERT_EQ(node1["runs"].size(), 2u) << node1.dump(1);
+  for (const auto& run : node1["runs"]) EXPECT_TRUE(run["ok"].get<bool>()) << node1.dump(1);
+  // Each run met at its own port: node 0's second run's command names 29401.
+  EXPECT_NE(weft::testing::read_text(dir + "/bench/runs/zero_stage_3_x2/rep1/command.node1.txt")
+                .find("--master-port 29401"),
+            std::string::npos);
 }
 
 // The (step, loss) records of a run's metrics.jsonl in file order, across restarts.

@@ -118,6 +118,7 @@ VariantSummary summarise(const std::string& name, const std::string& plugin, int
     }
   }
   v.step_seconds = spread_of(steps);
+  v.step_seconds_mean = mean_of(steps);
   v.step_percentiles = {percentile_of(steps, 50), percentile_of(steps, 95), percentile_of(steps, 99)};
   const double tokens = static_cast<double>(tokens_per_step);
   v.tokens_per_second = {tokens / v.step_seconds.median, tokens / v.step_seconds.max, tokens / v.step_seconds.min};
@@ -126,10 +127,10 @@ VariantSummary summarise(const std::string& name, const std::string& plugin, int
                      per_epoch * v.step_seconds.max};
   if (comm) {
     v.comm_wait_fraction = busy > 0 ? wait / busy : 0.0;
-    v.comm_bytes_per_step = median_of(bytes);
+    v.comm_bytes_per_step = mean_of(bytes);  // bytes add up: a strategy that syncs every H steps counts 1/H
   }
   if (!bubble.empty()) v.bubble = median_of(bubble);
-  if (!link.empty()) v.link_bytes_per_step = median_of(link);
+  if (!link.empty()) v.link_bytes_per_step = mean_of(link);
   for (size_t e = 0; e < runs.front().held_out.size(); ++e) {
     std::vector<double> seconds, losses;
     for (const auto& run : runs) {
@@ -199,13 +200,13 @@ std::string format_bench_table(const std::vector<VariantSummary>& variants, cons
   const bool link = std::any_of(variants.begin(), variants.end(), [](const auto& v) { return v.link_bytes_per_step; });
   const bool held_out = std::any_of(variants.begin(), variants.end(), [](const auto& v) { return !v.held_out.empty(); });
   if (link || held_out) {
-    out += "\n| variant | link MB per step (rank 0's node, received + sent) | last held-out loss (step, training time) |\n"
-           "|---|---|---|\n";
+    out += "\n| variant | step time mean | link MB per step (rank 0's node, received + sent) | last held-out loss (step, "
+           "training time) |\n|---|---|---|---|\n";
     for (const auto& v : variants) {
       const std::string loss = v.held_out.empty() ? "-"
                                                   : fmt::format("{:.4f} (step {}, {:.1f} s)", v.held_out.back().loss,
                                                                 v.held_out.back().step, v.held_out.back().train_seconds);
-      out += fmt::format("| {} | {} | {} |\n", v.name,
+      out += fmt::format("| {} | {:.3f} s | {} | {} |\n", v.name, v.step_seconds_mean,
                          v.link_bytes_per_step ? fmt::format("{:.2f}", *v.link_bytes_per_step / 1e6) : "-", loss);
     }
   }
@@ -229,6 +230,7 @@ nlohmann::json to_json(const VariantSummary& v) {
           {"nproc", v.nproc},
           {"kind", v.pytorch ? "pytorch" : "weft"},
           {"step_time_s", spread(v.step_seconds)},
+          {"step_time_mean_s", v.step_seconds_mean},
           {"step_time_percentiles_s",
            {{"p50", v.step_percentiles.p50}, {"p95", v.step_percentiles.p95}, {"p99", v.step_percentiles.p99}}},
           {"tokens_per_s", spread(v.tokens_per_second)},

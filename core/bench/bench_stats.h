@@ -58,6 +58,8 @@ struct VariantSummary {
   bool pytorch = false;
   int64_t tokens_per_step = 0;   // the global batch in tokens (the same for every variant)
   Spread step_seconds;           // over every measured step of every repetition
+  double step_seconds_mean = 0;  // the same steps' mean: with a strategy whose steps differ in kind
+                                 // (a sync every H steps), the time a step costs on average
   Percentiles step_percentiles;  // the same steps' p50 / p95 / p99
   Spread tokens_per_second;      // global tokens per step / step time (min from the slowest step)
   Spread epoch_seconds;          // steps per epoch x step time
@@ -65,10 +67,10 @@ struct VariantSummary {
   std::vector<double> peak_rss_mib_per_rank;  // the largest over repetitions, per rank
   std::vector<double> activation_peak_mib_per_rank;  // the largest over repetitions, per rank (weft)
   std::optional<double> comm_wait_fraction;   // rank 0's time blocked on communication / step time
-  std::optional<double> comm_bytes_per_step;  // median
+  std::optional<double> comm_bytes_per_step;  // mean over the measured steps
   std::optional<double> bubble, bubble_formula;
   std::optional<double> forward_seconds, backward_seconds;  // medians per step (rank 0), where timed
-  std::optional<double> link_bytes_per_step;  // median: rank 0's node's link, received + sent (across nodes)
+  std::optional<double> link_bytes_per_step;  // mean: rank 0's node's link, received + sent (across nodes)
   // The held-out loss against training time: per evaluation, the median over repetitions of its
   // train_seconds and loss (each repetition evaluates at the same steps).
   std::vector<HeldOut> held_out;
@@ -90,7 +92,7 @@ std::vector<PairRatio> pair_ratios(const std::vector<VariantSummary>& variants);
 
 // The terminal / Markdown table: one row per variant, then the ratios (every pair for up to 3
 // variants, otherwise each variant against the first), and where runs crossed nodes or evaluated,
-// a table of each variant's link bytes per step and last held-out loss.
+// a table of each variant's mean step time, link bytes per step and last held-out loss.
 std::string format_bench_table(const std::vector<VariantSummary>& variants, const std::vector<PairRatio>& ratios);
 
 // bench.json's "variants" entry and "ratios" entry.

@@ -13,6 +13,13 @@ double median_of(std::vector<double> values) {
   return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
 }
 
+double mean_of(const std::vector<double>& values) {
+  if (values.empty()) return 0.0;
+  double sum = 0;
+  for (double v : values) sum += v;
+  return sum / static_cast<double>(values.size());
+}
+
 double percentile_of(std::vector<double> values, double p) {
   if (values.empty()) return 0.0;
   WEFT_CHECK(p >= 0 && p <= 100, "percentile {} outside [0, 100]", p);

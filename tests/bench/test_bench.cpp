@@ -123,7 +123,7 @@ TEST(BenchPlan, RefusesWhatItCannotRun) {
 // The held-out loss against training time and the link's bytes, as read from a run's metrics:
 // the train time of an evaluation is every step's time before it (warm-up included), the final
 // evaluation at the last step is one point with a periodic one there, and link bytes are the
-// measured steps' median (over repetitions, as every figure).
+// measured steps' mean over repetitions (bytes add up: a step that syncs once in H counts 1/H).
 TEST(BenchStats, HeldOutLossIsPlacedAtTheTrainingTimeBeforeItAndLinkBytesAreMedians) {
   const auto dir = fresh_dir("weft_bench", "held_out");
   auto write = [&](const std::string& name, double scale) {
@@ -148,11 +148,11 @@ TEST(BenchStats, HeldOutLossIsPlacedAtTheTrainingTimeBeforeItAndLinkBytesAreMedi
   const auto two = weft::read_run(write("two", 3.0), 1);
   const auto v = weft::summarise("ddp x2", "ddp", 2, false, {one, two}, 100);
   ASSERT_TRUE(v.link_bytes_per_step.has_value());
-  EXPECT_DOUBLE_EQ(*v.link_bytes_per_step, 5000.0);  // {2, 3, 4, 6, 9, 12} thousand
+  EXPECT_DOUBLE_EQ(*v.link_bytes_per_step, 6000.0);  // the mean of {2, 3, 4, 6, 9, 12} thousand
   ASSERT_EQ(v.held_out.size(), 2u);
   EXPECT_DOUBLE_EQ(v.held_out[1].train_seconds, (10.0 + 30.0) / 2);
   const std::string table = weft::format_bench_table({v}, {});
-  EXPECT_NE(table.find("| ddp x2 | 0.01 | 1.0000 (step 4, 20.0 s) |"), std::string::npos) << table;
+  EXPECT_NE(table.find("| ddp x2 | 6.000 s | 0.01 | 1.0000 (step 4, 20.0 s) |"), std::string::npos) << table;
   EXPECT_EQ(weft::to_json(v)["held_out"][1]["step"], 4);
 }
 

@@ -35,6 +35,7 @@ RunMeasurement read_run(const std::string& metrics_path, int64_t warmup_steps) {
   RunMeasurement run;
   bool summary = false;
   double train_seconds = 0;  // every step's time so far, warm-up included
+  double eval_seconds = 0;   // every evaluation's time so far
   std::string line;
   while (std::getline(in, line)) {
     if (line.empty()) continue;
@@ -43,7 +44,8 @@ RunMeasurement read_run(const std::string& metrics_path, int64_t warmup_steps) {
     const std::string type = j.value("type", "");
     if (type == "step") train_seconds += j.value("step_time_s", 0.0);
     if (type == "eval") {  // the final evaluation repeats a periodic one at the last step: one point
-      const HeldOut e{j.value("step", int64_t{0}), train_seconds, j.value("loss", 0.0)};
+      eval_seconds += j.value("seconds", 0.0);
+      const HeldOut e{j.value("step", int64_t{0}), train_seconds, j.value("loss", 0.0), train_seconds + eval_seconds};
       if (!run.held_out.empty() && run.held_out.back().step == e.step) run.held_out.pop_back();
       run.held_out.push_back(e);
     } else if (type == "step" && j.value("step", int64_t{0}) > warmup_steps) {
@@ -132,13 +134,14 @@ VariantSummary summarise(const std::string& name, const std::string& plugin, int
   if (!bubble.empty()) v.bubble = median_of(bubble);
   if (!link.empty()) v.link_bytes_per_step = mean_of(link);
   for (size_t e = 0; e < runs.front().held_out.size(); ++e) {
-    std::vector<double> seconds, losses;
+    std::vector<double> seconds, losses, wall;
     for (const auto& run : runs) {
       if (e >= run.held_out.size()) continue;
       seconds.push_back(run.held_out[e].train_seconds);
       losses.push_back(run.held_out[e].loss);
+      wall.push_back(run.held_out[e].wall_seconds);
     }
-    v.held_out.push_back({runs.front().held_out[e].step, median_of(seconds), median_of(losses)});
+    v.held_out.push_back({runs.front().held_out[e].step, median_of(seconds), median_of(losses), median_of(wall)});
   }
   if (!forward.empty()) {
     v.forward_seconds = median_of(forward);
@@ -223,7 +226,8 @@ nlohmann::json to_json(const VariantSummary& v) {
   }
   nlohmann::json held_out = nlohmann::json::array();
   for (const auto& e : v.held_out) {
-    held_out.push_back({{"step", e.step}, {"train_seconds", e.train_seconds}, {"loss", e.loss}});
+    held_out.push_back(
+        {{"step", e.step}, {"train_seconds", e.train_seconds}, {"wall_seconds", e.wall_seconds}, {"loss", e.loss}});
   }
   return {{"name", v.name},
           {"plugin", v.plugin},

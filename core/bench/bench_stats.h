@@ -14,10 +14,11 @@
 namespace weft {
 
 // A held-out evaluation: after `step` steps, `train_seconds` of training (the step times of every
-// step up to it, warm-up included; the evaluations' own time left out).
+// step up to it, warm-up included; the evaluations' own time left out) and `wall_seconds` (the
+// same with the evaluations' time, this one's included).
 struct HeldOut {
   int64_t step = 0;
-  double train_seconds = 0, loss = 0;
+  double train_seconds = 0, loss = 0, wall_seconds = 0;
 };
 
 // One run's measured steps (those after the warm-up) and its summary line.

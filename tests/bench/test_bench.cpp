@@ -132,9 +132,11 @@ TEST(BenchStats, HeldOutLossIsPlacedAtTheTrainingTimeBeforeItAndLinkBytesAreMedi
     for (int step = 1; step <= 4; ++step) {
       out << nlohmann::json{{"type", "step"}, {"step", step}, {"step_time_s", scale * step},
                             {"link_bytes", 1000.0 * step * scale}}.dump() << "\n";
-      if (step % 2 == 0) out << nlohmann::json{{"type", "eval"}, {"step", step}, {"loss", 5.0 - step}}.dump() << "\n";
+      if (step % 2 == 0) {
+        out << nlohmann::json{{"type", "eval"}, {"step", step}, {"loss", 5.0 - step}, {"seconds", 0.5}}.dump() << "\n";
+      }
     }
-    out << nlohmann::json{{"type", "eval"}, {"step", 4}, {"loss", 1.0}}.dump() << "\n";  // the final one
+    out << nlohmann::json{{"type", "eval"}, {"step", 4}, {"loss", 1.0}, {"seconds", 0.25}}.dump() << "\n";  // the final one
     out << nlohmann::json{{"type", "summary"}, {"steps_per_epoch", 10}}.dump() << "\n";
     return path;
   };
@@ -144,6 +146,8 @@ TEST(BenchStats, HeldOutLossIsPlacedAtTheTrainingTimeBeforeItAndLinkBytesAreMedi
   EXPECT_DOUBLE_EQ(one.held_out[0].train_seconds, 1.0 + 2.0);
   EXPECT_DOUBLE_EQ(one.held_out[1].train_seconds, 1.0 + 2.0 + 3.0 + 4.0);
   EXPECT_DOUBLE_EQ(one.held_out[1].loss, 1.0);
+  EXPECT_DOUBLE_EQ(one.held_out[0].wall_seconds, 3.0 + 0.5);  // with the evaluations' time
+  EXPECT_DOUBLE_EQ(one.held_out[1].wall_seconds, 10.0 + 0.5 + 0.5 + 0.25);
   EXPECT_EQ(one.link_bytes, (std::vector<double>{2000.0, 3000.0, 4000.0}));  // after the warm-up step
   const auto two = weft::read_run(write("two", 3.0), 1);
   const auto v = weft::summarise("ddp x2", "ddp", 2, false, {one, two}, 100);

@@ -124,7 +124,7 @@ TEST(BenchPlan, RefusesWhatItCannotRun) {
 // the train time of an evaluation is every step's time before it (warm-up included), the final
 // evaluation at the last step is one point with a periodic one there, and link bytes are the
 // measured steps' mean over repetitions (bytes add up: a step that syncs once in H counts 1/H).
-TEST(BenchStats, HeldOutLossIsPlacedAtTheTrainingTimeBeforeItAndLinkBytesAreMedians) {
+TEST(BenchStats, HeldOutLossIsPlacedAtTheTrainingTimeBeforeItAndLinkBytesAreMeans) {
   const auto dir = fresh_dir("weft_bench", "held_out");
   auto write = [&](const std::string& name, double scale) {
     const std::string path = dir + "/" + name + ".jsonl";
@@ -320,7 +320,9 @@ TEST(BenchCommand, EvalEveryRecordsHeldOutLossAgainstTrainingTime) {
   for (size_t e = 0; e < 3; ++e) {
     EXPECT_EQ(single[e]["step"], static_cast<int>(e) + 1);
     EXPECT_NEAR(ddp[e]["loss"].get<double>(), single[e]["loss"].get<double>(), 1e-4);
-    if (e > 0) EXPECT_GT(single[e]["train_seconds"].get<double>(), single[e - 1]["train_seconds"].get<double>());
+    if (e > 0) {
+      EXPECT_GT(single[e]["train_seconds"].get<double>(), single[e - 1]["train_seconds"].get<double>());
+    }
   }
   EXPECT_NE(result.output.find("last held-out loss"), std::string::npos) << result.output;
   EXPECT_TRUE(std::filesystem::exists(dir + "/bench/held_out_loss.png")) << read_text(dir + "/bench/plots.log");

@@ -237,7 +237,9 @@ std::string expect_one_process_across_nodes(const std::string& name, const std::
   EXPECT_GT(after.second - before.second, min_bytes);
   const int64_t moved = after.first - before.first + after.second - before.second;
   std::printf("%s: %.2f MB over node 1's link\n", name.c_str(), moved / 1e6);
-  if (max_bytes > 0) EXPECT_LT(moved, max_bytes);
+  if (max_bytes > 0) {
+    EXPECT_LT(moved, max_bytes);
+  }
   return log0;
 }
 
@@ -473,7 +475,9 @@ void fail_a_node_then_resume(const std::string& fault) {
   const int64_t saved = std::stoll(latest.substr(latest.find('-') + 1));
   ASSERT_GE(saved, 100) << latest;
 
-  if (fault == "link") ASSERT_EQ(run_command(kTool + " link " + cluster.name() + " 1 up").exit_code, 0);
+  if (fault == "link") {
+    ASSERT_EQ(run_command(kTool + " link " + cluster.name() + " 1 up").exit_code, 0);
+  }
   const auto resumed = both(out, "resume");
   ASSERT_EQ(weft::testing::last_line(resumed.output), "00") << weft::testing::read_text(dir + "/resume0.txt");
   const auto expected = step_records(dir + "/reference/metrics.jsonl");

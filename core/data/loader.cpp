@@ -34,7 +34,7 @@ std::pair<int64_t, int64_t> rank_rows(int64_t begin, int64_t rows, int rank, int
 Batch make_batch(const PackedSequences& seqs, const std::vector<int64_t>& sequence_indices) {
   const int64_t rows = static_cast<int64_t>(sequence_indices.size());
   const int64_t len = seqs.seq_len();
-  Batch batch{torch::empty({rows, len}, torch::kInt64), torch::empty({rows, len}, torch::kInt64)};
+  Batch batch{torch::empty({rows, len}, torch::kInt64), torch::empty({rows, len}, torch::kInt64), at::Tensor()};
   int64_t* inputs = batch.inputs.data_ptr<int64_t>();
   int64_t* targets = batch.targets.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r) {

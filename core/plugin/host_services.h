@@ -217,7 +217,7 @@ weft_status* guarded(Body&& body) {
 }
 
 inline weft_activation* new_activation(at::Tensor tensor, std::vector<int64_t> sequences = {}) {
-  return new weft_activation{std::move(tensor), std::move(sequences)};
+  return new weft_activation{std::move(tensor), std::move(sequences), at::Tensor(), at::Tensor(), nullptr};
 }
 
 // The activation's tensor (a deferred head's logits made now, once).

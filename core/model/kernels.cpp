@@ -999,17 +999,18 @@ WEFT_ALWAYS_INLINE void causal_softmax_backward_row(const T* p, T* dp, int64_t n
   for (; i + kLanes <= width; i += kLanes) store16(dp + i, Lanes16{});
   for (; i < width; ++i) dp[i] = from_float<T>(0.0f);
 }
+// Rows [0, rows) of one score block: row r is the query at position first + r / group.
 #define WEFT_SOFTMAX_CLONES(T)                                                                                   \
-  WEFT_SIMD_CLONES void causal_softmax_rows_dispatch(T* x, int64_t begin, int64_t end, int64_t width, float scale, \
-                                                     float* tmp) {                                                \
-    for (int64_t r = begin; r < end; ++r) {                                                                        \
-      causal_softmax_row(x + r * width, x + r * width, r % width + 1, width, scale, tmp);                          \
+  WEFT_SIMD_CLONES void causal_softmax_rows_dispatch(T* x, int64_t rows, int64_t width, int64_t group,            \
+                                                     int64_t first, float scale, float* tmp) {                    \
+    for (int64_t r = 0; r < rows; ++r) {                                                                           \
+      causal_softmax_row(x + r * width, x + r * width, first + r / group + 1, width, scale, tmp);                  \
     }                                                                                                              \
   }                                                                                                                \
-  WEFT_SIMD_CLONES void causal_softmax_backward_rows_dispatch(const T* p, T* dp, int64_t begin, int64_t end,      \
-                                                              int64_t width, float scale) {                       \
-    for (int64_t r = begin; r < end; ++r) {                                                                        \
-      causal_softmax_backward_row(p + r * width, dp + r * width, r % width + 1, width, scale);                      \
+  WEFT_SIMD_CLONES void causal_softmax_backward_rows_dispatch(const T* p, T* dp, int64_t rows, int64_t width,      \
+                                                              int64_t group, int64_t first, float scale) {        \
+    for (int64_t r = 0; r < rows; ++r) {                                                                           \
+      causal_softmax_backward_row(p + r * width, dp + r * width, first + r / group + 1, width, scale);             \
     }                                                                                                              \
   }
 WEFT_SOFTMAX_CLONES(float)
@@ -1311,46 +1312,53 @@ at::Tensor squared_sum_fp64(const at::Tensor& t) {
 }
 
 namespace {
-void check_score_rows(const torch::Tensor& t, const char* what) {
-  WEFT_CHECK(t.device().is_cpu() && t.dim() == 3 && t.is_contiguous() && t.size(1) % std::max<int64_t>(1, t.size(2)) == 0 &&
+void check_score_rows(const torch::Tensor& t, int64_t group, int64_t first, const char* what) {
+  WEFT_CHECK(t.device().is_cpu() && t.dim() == 3 && t.is_contiguous() &&
                  (t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16),
-             "{}: contiguous fp32 or bf16 CPU scores [N, G * S, S] expected, got {} of {}", what,
+             "{}: contiguous fp32 or bf16 CPU scores [N, rows, keys] expected, got {} of {}", what,
              fmt::join(t.sizes().vec(), "x"), c10::toString(t.scalar_type()));
+  WEFT_CHECK(group > 0 && first >= 0 && t.size(1) % group == 0 && (t.size(1) == 0 || first + t.size(1) / group <= t.size(2)),
+             "{}: {} rows of {} per position from position {} do not fit {} keys", what, t.size(1), group, first,
+             t.size(2));
 }
 }  // namespace
 
-void causal_softmax_rows_(torch::Tensor& scores, double scale) {
-  check_score_rows(scores, "causal_softmax_rows_");
+void causal_softmax_rows_(torch::Tensor& scores, double scale, int64_t group, int64_t first) {
+  check_score_rows(scores, group, first, "causal_softmax_rows_");
   RECORD_FUNCTION("weft::causal_softmax_rows_", std::vector<c10::IValue>());  // named in profiles
-  const int64_t width = scores.size(2), rows = scores.size(0) * scores.size(1);
+  const int64_t n = scores.size(0), rows = scores.size(1), width = scores.size(2);
   if (width == 0 || rows == 0) return;
   dispatch_float_or_bf16(scores.scalar_type(), "causal_softmax_rows_", [&](auto tag) {
     using T = decltype(tag);
     T* x = data<T>(scores);
-    // Chunks of whole sequences' rows (r % width is the query's position in each).
-    at::parallel_for(0, rows / width, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> tmp(static_cast<size_t>(width));
-      causal_softmax_rows_dispatch(x + begin * width * width, 0, (end - begin) * width, width,
-                                   static_cast<float>(scale), tmp.data());
+      for (int64_t i = begin; i < end; ++i) {
+        causal_softmax_rows_dispatch(x + i * rows * width, rows, width, group, first, static_cast<float>(scale),
+                                     tmp.data());
+      }
     });
   });
 }
 
-void causal_softmax_backward_rows_(const torch::Tensor& p, torch::Tensor& dp, double scale) {
-  check_score_rows(p, "causal_softmax_backward_rows_");
-  check_score_rows(dp, "causal_softmax_backward_rows_");
+void causal_softmax_backward_rows_(const torch::Tensor& p, torch::Tensor& dp, double scale, int64_t group,
+                                   int64_t first) {
+  check_score_rows(p, group, first, "causal_softmax_backward_rows_");
+  check_score_rows(dp, group, first, "causal_softmax_backward_rows_");
   WEFT_CHECK(p.sizes() == dp.sizes() && p.scalar_type() == dp.scalar_type(),
              "causal_softmax_backward_rows_: probabilities and their gradient of one shape and dtype expected");
   RECORD_FUNCTION("weft::causal_softmax_backward_rows_", std::vector<c10::IValue>());
-  const int64_t width = p.size(2), rows = p.size(0) * p.size(1);
+  const int64_t n = p.size(0), rows = p.size(1), width = p.size(2);
   if (width == 0 || rows == 0) return;
   dispatch_float_or_bf16(p.scalar_type(), "causal_softmax_backward_rows_", [&](auto tag) {
     using T = decltype(tag);
     const T* pp = data<T>(p);
     T* g = data<T>(dp);
-    at::parallel_for(0, rows / width, 1, [&](int64_t begin, int64_t end) {
-      causal_softmax_backward_rows_dispatch(pp + begin * width * width, g + begin * width * width, 0,
-                                            (end - begin) * width, width, static_cast<float>(scale));
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        causal_softmax_backward_rows_dispatch(pp + i * rows * width, g + i * rows * width, rows, width, group, first,
+                                              static_cast<float>(scale));
+      }
     });
   });
 }

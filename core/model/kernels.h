@@ -46,14 +46,16 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> split_qkv_with_rope(
 // elsewhere ATen's cross_entropy over an fp32 copy.
 torch::Tensor cross_entropy_sum_of(const torch::Tensor& logits, const torch::Tensor& targets);
 
-// Attention's causal softmax over score rows [N, G * S, S] (CPU, fp32 or bf16, contiguous): row r
-// holds query (r % S)'s scores over the S keys (G grouped-query heads' rows stacked per sequence),
-// and keys past the query are masked. In place: P = softmax(scale * scores) over keys <= query in
-// fp32, 0 after, in the scores' dtype.
-void causal_softmax_rows_(torch::Tensor& scores, double scale);
+// Attention's causal softmax over blocks of score rows [N, R, W] (CPU, fp32 or bf16, contiguous):
+// in each of the N, row r holds the scores of the query at position first + r / group (`group`
+// grouped-query heads' rows per position, position-major) over keys 0..W-1, and the keys past the
+// query are masked (first + R / group <= W). In place: P = softmax(scale * scores) over keys <=
+// query in fp32, 0 after, in the scores' dtype.
+void causal_softmax_rows_(torch::Tensor& scores, double scale, int64_t group = 1, int64_t first = 0);
 // Its backward in place over dp, the gradient of P: scale * P * (dp - rowsum(P * dp)) (the scores'
 // gradient), 0 past the query.
-void causal_softmax_backward_rows_(const torch::Tensor& p, torch::Tensor& dp, double scale);
+void causal_softmax_backward_rows_(const torch::Tensor& p, torch::Tensor& dp, double scale, int64_t group = 1,
+                                   int64_t first = 0);
 
 // Per-row cross-entropy of CPU or CUDA logits [N, V] (contiguous, fp32 or bf16) against targets
 // [N] (ignore_index: loss 0; any other target outside [0, V) is an error on the CPU and ignored on

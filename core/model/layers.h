@@ -85,18 +85,20 @@ torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& cos, con
 
 // Causal scaled-dot-product attention with grouped-query heads:
 // q [B, H, T, D], k/v [B, KVH, T, D] with H % KVH == 0; query head h uses kv head h / (H / KVH).
-// Returns [B, H, T, D] in q's dtype: at::scaled_dot_product_attention (fused flash-attention
-// kernels on CPU and CUDA that keep the softmax statistics in fp32); bf16 on the CPU, causal, up to
-// 1024 tokens: bf16 GEMMs (math_attention_applies); longer, in training: the flash backward runs
-// LibTorch's fp32 kernel over fp32 copies (faster there, and nearer fp32).
+// Returns [B, H, T, D] in q's dtype. On the CPU, causal, fp32 or bf16, up to 1024 tokens: GEMMs over
+// blocks of queries (math_attention_applies). Elsewhere at::scaled_dot_product_attention (fused
+// flash-attention kernels on CPU and CUDA that keep the softmax statistics in fp32); bf16 on the CPU
+// past 1024 tokens, in training: the flash backward runs LibTorch's fp32 kernel over fp32 copies
+// (faster there, and nearer fp32).
 // With a defined `mask` [B, 1, T, T] (bool; TokenLayout::mask), query i attends to the keys the mask allows
 // instead of the causal ones.
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const torch::Tensor& mask = {});
-// Whether causal_attention (without a mask) computes q, k, v as bf16 GEMMs over whole score
-// matrices (CPU bf16, q and k of one length of at most 1024 tokens): one batched product per
-// sequence group for the scores, a fused fp32 softmax over them, P V; the backward recomputes P
-// and keeps nothing of T^2. Elsewhere LibTorch's flash kernels.
+// Whether causal_attention (without a mask) computes q, k, v as GEMMs (CPU fp32 or bf16, q and k of
+// one length of at most 1024 tokens): per block of max(64, T / 8) query positions and sequence
+// group, one batched product for the scores over the keys up to the block's last position (the
+// masked blocks are skipped), a fused fp32 softmax over them, P V; the backward recomputes P and
+// keeps nothing of T^2. Elsewhere LibTorch's flash kernels.
 bool math_attention_applies(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
 
 // The heads and MLP width a process holds of each block (all of them without tensor

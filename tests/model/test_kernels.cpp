@@ -725,35 +725,44 @@ TEST(FusedKernels, LoraLinearDropsOutAsEachAdaptersDropout) {
   }
 }
 
-// Attention's causal softmax rows (the bf16 GEMM attention's): against ATen's softmax over the
+// Attention's causal softmax rows (the GEMM attention's blocks): against ATen's softmax over the
 // masked, scaled scores and its backward, in fp32 and bf16, for widths that are whole vectors of 16
 // (the masked last block) and ones that are not (lanes one by one), with two query heads' rows per
-// sequence.
+// position (position-major) and blocks that start at position 0 or further in (first > 0: the
+// block's rows see every key of the earlier blocks).
 TEST(FusedKernels, CausalSoftmaxRowsEqualAtensMaskedSoftmaxAndItsGradient) {
   for (const int64_t t : {16, 37, 64}) {
-    for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
-      SCOPED_TRACE("width " + std::to_string(t) + " " + c10::toString(dtype));
-      torch::manual_seed(t);
-      const auto scores = (torch::randn({3, 2 * t, t}) * 4).to(dtype);
-      const auto upstream = torch::randn({3, 2 * t, t}).to(dtype);
-      const double scale = 0.3;
-      const auto mask = torch::ones({t, t}, torch::kBool).tril().repeat({2, 1});  // row r sees keys <= r % t
-      auto s = scores.to(torch::kFloat32).clone().requires_grad_(true);
-      const auto expected = (s * scale).masked_fill(mask.logical_not(), -INFINITY).softmax(-1);
-      (expected * upstream.to(torch::kFloat32)).sum().backward();
-      auto p = scores.clone();
-      causal_softmax_rows_(p, scale);
-      auto dp = upstream.clone();
-      causal_softmax_backward_rows_(p, dp, scale);
-      const double tol = dtype == torch::kFloat32 ? 1e-5 : 1e-2;
-      EXPECT_TRUE(torch::allclose(p.to(torch::kFloat32), expected.detach(), tol, tol));
-      EXPECT_TRUE(torch::allclose(dp.to(torch::kFloat32), s.grad(), tol, tol));
-      EXPECT_EQ(p.masked_select(mask.logical_not()).abs().sum().item<double>(), 0.0);  // nothing past the query
-      EXPECT_EQ(dp.masked_select(mask.logical_not()).abs().sum().item<double>(), 0.0);
+    for (const int64_t first : {int64_t{0}, int64_t{11}}) {
+      for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+        SCOPED_TRACE("block of " + std::to_string(t) + " positions from " + std::to_string(first) + " " +
+                     c10::toString(dtype));
+        torch::manual_seed(t + first);
+        const int64_t group = 2, width = first + t;
+        const auto scores = (torch::randn({3, group * t, width}) * 4).to(dtype);
+        const auto upstream = torch::randn({3, group * t, width}).to(dtype);
+        const double scale = 0.3;
+        // row r is the query at position first + r / group and sees keys <= it
+        const auto position = torch::arange(group * t).floor_divide(group) + first;
+        const auto mask = torch::arange(width).unsqueeze(0) <= position.unsqueeze(1);
+        auto s = scores.to(torch::kFloat32).clone().requires_grad_(true);
+        const auto expected = (s * scale).masked_fill(mask.logical_not(), -INFINITY).softmax(-1);
+        (expected * upstream.to(torch::kFloat32)).sum().backward();
+        auto p = scores.clone();
+        causal_softmax_rows_(p, scale, group, first);
+        auto dp = upstream.clone();
+        causal_softmax_backward_rows_(p, dp, scale, group, first);
+        const double tol = dtype == torch::kFloat32 ? 1e-5 : 1e-2;
+        EXPECT_TRUE(torch::allclose(p.to(torch::kFloat32), expected.detach(), tol, tol));
+        EXPECT_TRUE(torch::allclose(dp.to(torch::kFloat32), s.grad(), tol, tol));
+        EXPECT_EQ(p.masked_select(mask.logical_not()).abs().sum().item<double>(), 0.0);  // nothing past the query
+        EXPECT_EQ(dp.masked_select(mask.logical_not()).abs().sum().item<double>(), 0.0);
+      }
     }
   }
-  auto wrong = torch::zeros({2, 5, 4});  // 5 rows are not whole sequences of 4 queries
-  EXPECT_THROW(causal_softmax_rows_(wrong, 1.0), Error);
+  auto odd = torch::zeros({2, 5, 4});  // 5 rows are not whole positions of 2 heads
+  EXPECT_THROW(causal_softmax_rows_(odd, 1.0, 2, 0), Error);
+  auto narrow = torch::zeros({2, 4, 4});  // positions 2..5 need 6 keys
+  EXPECT_THROW(causal_softmax_rows_(narrow, 1.0, 1, 2), Error);
   auto empty = torch::zeros({2, 0, 0});
   causal_softmax_rows_(empty, 1.0);  // nothing to do, and no division by the width
   causal_softmax_backward_rows_(empty, empty, 1.0);

@@ -168,42 +168,78 @@ TEST(Attention, Bf16StaysNearTheFp32Result) {
   }
 }
 
-// bf16 on the CPU up to 1024 tokens (math_attention_applies): bf16 GEMMs over whole score
-// matrices, in chunks of sequence groups (1024 tokens, 8 groups of 3 query heads: two chunks). Values
-// and gradients against fp32 attention: within bf16's rounding, and no further from it than
-// LibTorch's bf16 flash kernels (the path before, and past 1024 tokens) are. No-grad forward equals
-// the training forward.
-TEST(Attention, Bf16GemmPathStaysAsNearFp32AsTheFlashKernels) {
-  torch::manual_seed(5);
-  const int64_t t = 1024;
-  auto q = torch::randn({4, 6, t, 32}), k = torch::randn({4, 2, t, 32}), v = torch::randn({4, 2, t, 32});
-  const auto upstream = torch::randn({4, 6, t, 32});
-  const auto run = [&](torch::Dtype dtype, bool flash) {
-    const auto leaf = [&](const torch::Tensor& x) { return x.to(dtype).clone().requires_grad_(); };
-    auto qi = leaf(q), ki = leaf(k), vi = leaf(v);
-    const auto out = flash ? at::scaled_dot_product_attention(qi, ki, vi, {}, 0.0, true, std::nullopt, true)
-                           : causal_attention(qi, ki, vi);
-    (out * upstream.to(dtype)).sum().backward();
-    return std::vector<torch::Tensor>{out.detach().to(torch::kFloat32), qi.grad().to(torch::kFloat32),
-                                      ki.grad().to(torch::kFloat32), vi.grad().to(torch::kFloat32)};
+// fp32 and bf16 on the CPU up to 1024 tokens (math_attention_applies): GEMMs over blocks of
+// queries that skip the masked blocks, in chunks of sequence groups. Values and gradients against
+// fp64 attention: fp32 within 1e-5 and bf16 within its rounding, neither further from it than
+// LibTorch's flash kernels of the same dtype. Shapes: 3 query heads per kv head at 1024 tokens
+// (blocks of 128 positions); 12 per kv head (fp32: two chunks of groups); one (no grouping) at 300
+// tokens (a last block of 44 positions); 5 tokens (one block shorter than 64). No-grad forward
+// equals the training forward.
+TEST(Attention, GemmPathStaysAsNearExactAsTheFlashKernels) {
+  struct Shape {
+    int64_t b, h, kvh, t, d;
   };
-  EXPECT_TRUE(math_attention_applies(q.to(torch::kBFloat16), k.to(torch::kBFloat16), v.to(torch::kBFloat16)));
-  EXPECT_FALSE(math_attention_applies(q, k, v));  // fp32
-  const auto longer = torch::zeros({1, 6, t + 1, 32}, torch::kBFloat16);
-  EXPECT_FALSE(math_attention_applies(longer, longer.narrow(1, 0, 2), longer.narrow(1, 0, 2)));
-  const auto exact = run(torch::kFloat32, false), gemm = run(torch::kBFloat16, false), flash = run(torch::kBFloat16, true);
-  for (size_t i = 0; i < exact.size(); ++i) {
-    const double scale = exact[i].abs().max().item<double>();
-    const double e_gemm = (gemm[i] - exact[i]).abs().max().item<double>() / scale;
-    const double e_flash = (flash[i] - exact[i]).abs().max().item<double>() / scale;
-    const char* what[] = {"output", "dq", "dk", "dv"};
-    EXPECT_LT(e_gemm, 0.02) << what[i];
-    EXPECT_LT(e_gemm, 2.0 * e_flash + 4e-3) << what[i] << ": " << e_gemm << " against the flash kernels' " << e_flash;
-    std::printf("%s: relative error %.2e (flash %.2e)\n", what[i], e_gemm, e_flash);
+  for (const auto& sh : {Shape{4, 6, 2, 1024, 32}, Shape{6, 12, 1, 1024, 16}, Shape{2, 4, 4, 300, 16},
+                         Shape{3, 2, 1, 5, 8}}) {
+    SCOPED_TRACE(fmt::format("{} x {} heads over {} kv heads, {} tokens", sh.b, sh.h, sh.kvh, sh.t));
+    torch::manual_seed(sh.t + sh.h);
+    const auto q = torch::randn({sh.b, sh.h, sh.t, sh.d}), k = torch::randn({sh.b, sh.kvh, sh.t, sh.d}),
+               v = torch::randn({sh.b, sh.kvh, sh.t, sh.d});
+    const auto upstream = torch::randn({sh.b, sh.h, sh.t, sh.d});
+    const auto run = [&](torch::Dtype dtype, bool flash, int64_t row) {
+      const auto leaf = [&](const torch::Tensor& x) { return x.narrow(0, row, 1).to(dtype).clone().requires_grad_(); };
+      auto qi = leaf(q), ki = leaf(k), vi = leaf(v);
+      const auto out = flash ? at::scaled_dot_product_attention(qi, ki, vi, {}, 0.0, true, std::nullopt, true)
+                             : causal_attention(qi, ki, vi);
+      (out * upstream.narrow(0, row, 1).to(dtype)).sum().backward();
+      return std::vector<torch::Tensor>{out.detach().to(torch::kFloat64), qi.grad().to(torch::kFloat64),
+                                        ki.grad().to(torch::kFloat64), vi.grad().to(torch::kFloat64)};
+    };
+    const auto whole = [&](torch::Dtype dtype, bool flash) {  // one sequence at a time: fp64's T^2 stays small
+      if (dtype != torch::kFloat64) {
+        const auto leaf = [&](const torch::Tensor& x) { return x.to(dtype).clone().requires_grad_(); };
+        auto qi = leaf(q), ki = leaf(k), vi = leaf(v);
+        const auto out = flash ? at::scaled_dot_product_attention(qi, ki, vi, {}, 0.0, true, std::nullopt, true)
+                               : causal_attention(qi, ki, vi);
+        (out * upstream.to(dtype)).sum().backward();
+        return std::vector<torch::Tensor>{out.detach().to(torch::kFloat64), qi.grad().to(torch::kFloat64),
+                                          ki.grad().to(torch::kFloat64), vi.grad().to(torch::kFloat64)};
+      }
+      std::vector<std::vector<torch::Tensor>> rows;
+      for (int64_t row = 0; row < sh.b; ++row) rows.push_back(run(dtype, flash, row));
+      std::vector<torch::Tensor> all;
+      for (size_t i = 0; i < 4; ++i) {
+        std::vector<torch::Tensor> parts;
+        for (const auto& r : rows) parts.push_back(r[i]);
+        all.push_back(torch::cat(parts, 0));
+      }
+      return all;
+    };
+    const auto exact = whole(torch::kFloat64, true);
+    for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+      EXPECT_TRUE(math_attention_applies(q.to(dtype), k.to(dtype), v.to(dtype)));
+      const auto gemm = whole(dtype, false), flash = whole(dtype, true);
+      for (size_t i = 0; i < exact.size(); ++i) {
+        const double scale = exact[i].abs().max().item<double>();
+        const double e_gemm = (gemm[i] - exact[i]).abs().max().item<double>() / scale;
+        const double e_flash = (flash[i] - exact[i]).abs().max().item<double>() / scale;
+        const char* what[] = {"output", "dq", "dk", "dv"};
+        const bool fp32 = dtype == torch::kFloat32;
+        EXPECT_LT(e_gemm, fp32 ? 1e-5 : 0.02) << what[i];
+        EXPECT_LT(e_gemm, 2.0 * e_flash + (fp32 ? 1e-6 : 4e-3))
+            << what[i] << ": " << e_gemm << " against the flash kernels' " << e_flash;
+        std::printf("%s %s: relative error %.2e (flash %.2e)\n", c10::toString(dtype), what[i], e_gemm, e_flash);
+      }
+      torch::NoGradGuard no_grad;
+      const auto plain = causal_attention(q.to(dtype), k.to(dtype), v.to(dtype));
+      EXPECT_TRUE(torch::equal(plain.to(torch::kFloat64), gemm[0]));
+    }
   }
-  torch::NoGradGuard no_grad;
-  const auto plain = causal_attention(q.to(torch::kBFloat16), k.to(torch::kBFloat16), v.to(torch::kBFloat16));
-  EXPECT_TRUE(torch::equal(plain.to(torch::kFloat32), gemm[0]));
+  const auto q = torch::zeros({1, 6, 8, 32});
+  EXPECT_FALSE(math_attention_applies(q.to(torch::kFloat64), q.narrow(1, 0, 2).to(torch::kFloat64),
+                                      q.narrow(1, 0, 2).to(torch::kFloat64)));
+  const auto longer = torch::zeros({1, 6, 1025, 32}, torch::kBFloat16);
+  EXPECT_FALSE(math_attention_applies(longer, longer.narrow(1, 0, 2), longer.narrow(1, 0, 2)));
 }
 
 TEST(Attention, FirstPositionAttendsOnlyToItself) {

@@ -520,7 +520,9 @@ TEST(Lora, CachedFrozenCastsGiveTheUncachedBits) {
         EXPECT_EQ(cached > 0, cache);  // o_proj and down_proj take theirs alone
         model->drop_frozen_casts();      // a write no version counter sees: made again from the weights
         for (auto& module : model->modules()) {
-          if (const auto* linear = module->as<LinearImpl>()) EXPECT_FALSE(linear->holds_cached_cast());
+          if (const auto* linear = module->as<LinearImpl>()) {
+            EXPECT_FALSE(linear->holds_cached_cast());
+          }
         }
         model->eval();
         torch::NoGradGuard no_grad;

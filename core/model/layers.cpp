@@ -133,9 +133,10 @@ class CpuMathAttentionFunction : public torch::autograd::Function<CpuMathAttenti
     const auto k3 = k.contiguous().view({b * kvh, t, d}), v3 = v.contiguous().view({b * kvh, t, d});
     const double scale = 1.0 / std::sqrt(static_cast<double>(d));
     auto out3 = torch::empty_like(q3);
+    Scratch scores(q3, g, t);
     for_blocks(q3, g, t, [&](int64_t n0, int64_t n, int64_t p0, int64_t p1) {
       const auto rows = q3.narrow(0, n0, n).narrow(1, p0 * g, (p1 - p0) * g);
-      auto p = probabilities(rows, k3.narrow(0, n0, n).narrow(1, 0, p1), scale, g, p0);
+      auto p = probabilities(scores.take(rows, p1), rows, k3.narrow(0, n0, n).narrow(1, 0, p1), scale, g, p0);
       auto o = out3.narrow(0, n0, n).narrow(1, p0 * g, (p1 - p0) * g);
       at::bmm_out(o, p, v3.narrow(0, n0, n).narrow(1, 0, p1));
     });
@@ -165,13 +166,15 @@ class CpuMathAttentionFunction : public torch::autograd::Function<CpuMathAttenti
         sum.add_(at::bmm(a, m));
       }
     };
+    Scratch scores(q3, g, t), score_grads(q3, g, t);
     for_blocks(q3, g, t, [&](int64_t n0, int64_t n, int64_t p0, int64_t p1) {
       const auto qb = q3.narrow(0, n0, n).narrow(1, p0 * g, (p1 - p0) * g);
       const auto gb = go.narrow(0, n0, n).narrow(1, p0 * g, (p1 - p0) * g);
       const auto kc = k3.narrow(0, n0, n).narrow(1, 0, p1), vc = v3.narrow(0, n0, n).narrow(1, 0, p1);
-      const auto p = probabilities(qb, kc, scale, g, p0);
+      const auto p = probabilities(scores.take(qb, p1), qb, kc, scale, g, p0);
       accumulate(gv.narrow(0, n0, n).narrow(1, 0, p1), p.transpose(1, 2), gb);
-      auto ds = at::bmm(gb, vc.transpose(1, 2));  // dP, then the scores' gradient over it
+      auto ds = score_grads.take(gb, p1);  // dP, then the scores' gradient over it
+      at::bmm_out(ds, gb, vc.transpose(1, 2));
       causal_softmax_backward_rows_(p, ds, scale, g, p0);
       auto gqb = gq.narrow(0, n0, n).narrow(1, p0 * g, (p1 - p0) * g);
       at::bmm_out(gqb, ds, kc);
@@ -184,9 +187,26 @@ class CpuMathAttentionFunction : public torch::autograd::Function<CpuMathAttenti
   }
 
  private:
-  static torch::Tensor probabilities(const torch::Tensor& q_rows, const torch::Tensor& keys, double scale,
-                                     int64_t group, int64_t first) {
-    auto p = at::bmm(q_rows, keys.transpose(1, 2));
+  // One buffer for a call's blocks of scores (or their gradients): each block is a contiguous
+  // [groups, rows, keys] prefix of it, so every layer's call allocates the same size whatever its
+  // block (the allocator's cache of freed blocks keys on size).
+  struct Scratch {
+    torch::Tensor flat;
+    Scratch(const torch::Tensor& q3, int64_t g, int64_t t)
+        : flat(torch::empty({std::min(q3.size(0), chunk_groups(q3, g, t)) * std::min(block_of(t), t) * g * t},
+                            q3.options())) {}
+    torch::Tensor take(const torch::Tensor& rows, int64_t keys) const {
+      return flat.narrow(0, 0, rows.size(0) * rows.size(1) * keys).view({rows.size(0), rows.size(1), keys});
+    }
+  };
+  static int64_t block_of(int64_t t) { return std::max<int64_t>(64, (t + 7) / 8); }
+  static int64_t chunk_groups(const torch::Tensor& q3, int64_t g, int64_t t) {
+    const int64_t each = std::max<int64_t>(1, 2 * q3.element_size() * std::min(block_of(t), t) * g * t);
+    return std::max<int64_t>(1, kMathAttentionChunkBytes / each);
+  }
+  static torch::Tensor probabilities(torch::Tensor p, const torch::Tensor& q_rows, const torch::Tensor& keys,
+                                     double scale, int64_t group, int64_t first) {
+    at::bmm_out(p, q_rows, keys.transpose(1, 2));
     causal_softmax_rows_(p, scale, group, first);
     return p;
   }
@@ -195,9 +215,7 @@ class CpuMathAttentionFunction : public torch::autograd::Function<CpuMathAttenti
   // within each over the blocks of positions [p0, p1).
   template <typename F>
   static void for_blocks(const torch::Tensor& q3, int64_t g, int64_t t, F&& f) {
-    const int64_t block = std::max<int64_t>(64, (t + 7) / 8);
-    const int64_t n = q3.size(0), each = std::max<int64_t>(1, 2 * q3.element_size() * std::min(block, t) * g * t);
-    const int64_t step = std::max<int64_t>(1, kMathAttentionChunkBytes / each);
+    const int64_t block = block_of(t), n = q3.size(0), step = chunk_groups(q3, g, t);
     for (int64_t n0 = 0; n0 < n; n0 += step) {
       for (int64_t p0 = 0; p0 < t; p0 += block) f(n0, std::min(step, n - n0), p0, std::min(t, p0 + block));
     }

@@ -112,8 +112,10 @@ class Bf16CpuAttentionFunction : public torch::autograd::Function<Bf16CpuAttenti
 // out position-major ([B * KVH, T * G, D]: row t * G + g is query head g's position t, no copy of k
 // or v per query head), so the queries of positions [p0, p1) are one run of rows and see keys
 // [0, p1). Per block: S = Q K^T [rows, p1], the softmax in fp32 by one row kernel
-// (causal_softmax_rows_), O = P V; backward recomputes P (nothing of T^2 is kept) and takes dV +=
-// P^T dO, dP = dO V^T, dS (causal_softmax_backward_rows_), dQ = dS K, dK += dS^T Q, summing dK and dV
+// (causal_softmax_rows_), O = P V; backward takes the blocks' P kept by a training forward of at
+// most kKeptProbabilitiesMaxTokens tokens (53-62% of T^2 values a head, ~12-16% more activation
+// memory on this model's and llama-3.2-1b's shapes, for the recomputed product and softmax, ~15% of
+// the attention's time), recomputes them past that, and takes dV += P^T dO, dP = dO V^T, dS (causal_softmax_backward_rows_), dQ = dS K, dK += dS^T Q, summing dK and dV
 // over the blocks in fp32. Blocks of max(64, T / 8) positions compute 53-62% of the whole score
 // matrix's products, and on the bundled model's shapes ran fwd + bwd in 0.6x the whole matrix's time
 // on an AMD Zen 4 core, 0.76x LibTorch's fp32 flash kernels' (which skip the masked blocks too but
@@ -123,24 +125,33 @@ class Bf16CpuAttentionFunction : public torch::autograd::Function<Bf16CpuAttenti
 // temporaries stay within kMathAttentionChunkBytes.
 constexpr int64_t kMathAttentionMaxTokens = 1024;
 constexpr int64_t kMathAttentionChunkBytes = int64_t{64} << 20;
+constexpr int64_t kKeptProbabilitiesMaxTokens = 256;
 
 class CpuMathAttentionFunction : public torch::autograd::Function<CpuMathAttentionFunction> {
  public:
+  // Positions per block of queries.
+  static int64_t block_of(int64_t t) { return std::max<int64_t>(64, (t + 7) / 8); }
+
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v) {
+                               const torch::Tensor& v, bool keep_probabilities) {
     const int64_t b = q.size(0), h = q.size(1), t = q.size(2), d = q.size(3), kvh = k.size(1), g = h / kvh;
     const auto q3 = q.reshape({b, kvh, g, t, d}).transpose(2, 3).contiguous().view({b * kvh, t * g, d});
     const auto k3 = k.contiguous().view({b * kvh, t, d}), v3 = v.contiguous().view({b * kvh, t, d});
     const double scale = 1.0 / std::sqrt(static_cast<double>(d));
     auto out3 = torch::empty_like(q3);
+    const auto blocks = blocks_of(q3, g, t);
+    // Every block's P, one after the other, where backward is to read them instead of recomputing.
+    const auto kept = keep_probabilities ? torch::empty({blocks.back().offset + blocks.back().elements()}, q3.options())
+                                         : torch::Tensor();
     Scratch scores(q3, g, t);
-    for_blocks(q3, g, t, [&](int64_t n0, int64_t n, int64_t p0, int64_t p1) {
-      const auto rows = q3.narrow(0, n0, n).narrow(1, p0 * g, (p1 - p0) * g);
-      auto p = probabilities(scores.take(rows, p1), rows, k3.narrow(0, n0, n).narrow(1, 0, p1), scale, g, p0);
-      auto o = out3.narrow(0, n0, n).narrow(1, p0 * g, (p1 - p0) * g);
-      at::bmm_out(o, p, v3.narrow(0, n0, n).narrow(1, 0, p1));
-    });
-    ctx->save_for_backward({q3, k3, v3});
+    for (const auto& blk : blocks) {
+      const auto rows = q3.narrow(0, blk.n0, blk.n).narrow(1, blk.p0 * g, (blk.p1 - blk.p0) * g);
+      auto p = probabilities(kept.defined() ? blk.view(kept, rows) : scores.take(rows, blk.p1), rows,
+                             k3.narrow(0, blk.n0, blk.n).narrow(1, 0, blk.p1), scale, g, blk.p0);
+      auto o = out3.narrow(0, blk.n0, blk.n).narrow(1, blk.p0 * g, (blk.p1 - blk.p0) * g);
+      at::bmm_out(o, p, v3.narrow(0, blk.n0, blk.n).narrow(1, 0, blk.p1));
+    }
+    ctx->save_for_backward({q3, k3, v3, kept});
     ctx->saved_data["shape"] = q.sizes().vec();
     // [B, H, T, D] as the transpose of a [B, T, H, D] tensor: the caller's merge of the heads is a view.
     return out3.view({b, kvh, t, g, d}).permute({0, 2, 1, 3, 4}).contiguous().view({b, t, h, d}).transpose(1, 2);
@@ -149,41 +160,52 @@ class CpuMathAttentionFunction : public torch::autograd::Function<CpuMathAttenti
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto s = ctx->get_saved_variables();
-    const auto &q3 = s[0], &k3 = s[1], &v3 = s[2];
+    const auto &q3 = s[0], &k3 = s[1], &v3 = s[2], &kept = s[3];
     const auto shape = ctx->saved_data["shape"].toIntVector();
     const int64_t b = shape[0], h = shape[1], t = shape[2], d = shape[3], kvh = k3.size(0) / b, g = h / kvh;
     const double scale = 1.0 / std::sqrt(static_cast<double>(d));
     const auto dtype = q3.scalar_type();
     const auto go = grads[0].to(dtype).reshape({b, kvh, g, t, d}).transpose(2, 3).contiguous().view(q3.sizes());
     auto gq = torch::empty_like(q3);
-    // dK and dV sum over the query blocks: in fp32 (bf16 products are added to them once per block).
-    auto gk = torch::zeros(k3.sizes(), k3.options().dtype(torch::kFloat32));
-    auto gv = torch::zeros(v3.sizes(), v3.options().dtype(torch::kFloat32));
-    const auto accumulate = [&](torch::Tensor sum, const torch::Tensor& a, const torch::Tensor& m) {
+    // dK and dV sum over the query blocks in fp32 (bf16 products are added to them once per block).
+    // The blocks go last to first: a group chunk's last block sees every key, so its products are
+    // written (no zero fill) and the earlier blocks' added to their prefixes.
+    auto gk = torch::empty(k3.sizes(), k3.options().dtype(torch::kFloat32));
+    auto gv = torch::empty(v3.sizes(), v3.options().dtype(torch::kFloat32));
+    const auto accumulate = [&](torch::Tensor sum, const torch::Tensor& a, const torch::Tensor& m, bool first) {
       if (dtype == torch::kFloat32) {
-        sum.baddbmm_(a, m);
+        if (first) {
+          at::bmm_out(sum, a, m);
+        } else {
+          sum.baddbmm_(a, m);
+        }
+      } else if (first) {
+        sum.copy_(at::bmm(a, m));
       } else {
         sum.add_(at::bmm(a, m));
       }
     };
     Scratch scores(q3, g, t), score_grads(q3, g, t);
-    for_blocks(q3, g, t, [&](int64_t n0, int64_t n, int64_t p0, int64_t p1) {
-      const auto qb = q3.narrow(0, n0, n).narrow(1, p0 * g, (p1 - p0) * g);
-      const auto gb = go.narrow(0, n0, n).narrow(1, p0 * g, (p1 - p0) * g);
-      const auto kc = k3.narrow(0, n0, n).narrow(1, 0, p1), vc = v3.narrow(0, n0, n).narrow(1, 0, p1);
-      const auto p = probabilities(scores.take(qb, p1), qb, kc, scale, g, p0);
-      accumulate(gv.narrow(0, n0, n).narrow(1, 0, p1), p.transpose(1, 2), gb);
-      auto ds = score_grads.take(gb, p1);  // dP, then the scores' gradient over it
+    const auto blocks = blocks_of(q3, g, t);
+    for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) {
+      const Block& blk = *it;
+      const bool first = blk.p1 == t;  // the chunk's first block in this order
+      const auto qb = q3.narrow(0, blk.n0, blk.n).narrow(1, blk.p0 * g, (blk.p1 - blk.p0) * g);
+      const auto gb = go.narrow(0, blk.n0, blk.n).narrow(1, blk.p0 * g, (blk.p1 - blk.p0) * g);
+      const auto kc = k3.narrow(0, blk.n0, blk.n).narrow(1, 0, blk.p1), vc = v3.narrow(0, blk.n0, blk.n).narrow(1, 0, blk.p1);
+      const auto p = kept.defined() ? blk.view(kept, qb) : probabilities(scores.take(qb, blk.p1), qb, kc, scale, g, blk.p0);
+      accumulate(gv.narrow(0, blk.n0, blk.n).narrow(1, 0, blk.p1), p.transpose(1, 2), gb, first);
+      auto ds = score_grads.take(gb, blk.p1);  // dP, then the scores' gradient over it
       at::bmm_out(ds, gb, vc.transpose(1, 2));
-      causal_softmax_backward_rows_(p, ds, scale, g, p0);
-      auto gqb = gq.narrow(0, n0, n).narrow(1, p0 * g, (p1 - p0) * g);
+      causal_softmax_backward_rows_(p, ds, scale, g, blk.p0);
+      auto gqb = gq.narrow(0, blk.n0, blk.n).narrow(1, blk.p0 * g, (blk.p1 - blk.p0) * g);
       at::bmm_out(gqb, ds, kc);
-      accumulate(gk.narrow(0, n0, n).narrow(1, 0, p1), ds.transpose(1, 2), qb);
-    });
+      accumulate(gk.narrow(0, blk.n0, blk.n).narrow(1, 0, blk.p1), ds.transpose(1, 2), qb, first);
+    }
     auto kv_shape = shape;
     kv_shape[1] = kvh;
     return {gq.view({b, kvh, t, g, d}).transpose(2, 3).reshape(shape), gk.to(dtype).view(kv_shape),
-            gv.to(dtype).view(kv_shape)};
+            gv.to(dtype).view(kv_shape), torch::Tensor()};
   }
 
  private:
@@ -199,7 +221,6 @@ class CpuMathAttentionFunction : public torch::autograd::Function<CpuMathAttenti
       return flat.narrow(0, 0, rows.size(0) * rows.size(1) * keys).view({rows.size(0), rows.size(1), keys});
     }
   };
-  static int64_t block_of(int64_t t) { return std::max<int64_t>(64, (t + 7) / 8); }
   static int64_t chunk_groups(const torch::Tensor& q3, int64_t g, int64_t t) {
     const int64_t each = std::max<int64_t>(1, 2 * q3.element_size() * std::min(block_of(t), t) * g * t);
     return std::max<int64_t>(1, kMathAttentionChunkBytes / each);
@@ -210,19 +231,45 @@ class CpuMathAttentionFunction : public torch::autograd::Function<CpuMathAttenti
     causal_softmax_rows_(p, scale, group, first);
     return p;
   }
-  // f(first group, groups, p0, p1) over chunks of the [B * KVH] sequence groups whose two
-  // [block rows, T] temporaries (P and dP) fit kMathAttentionChunkBytes (at least one group each), and
-  // within each over the blocks of positions [p0, p1).
-  template <typename F>
-  static void for_blocks(const torch::Tensor& q3, int64_t g, int64_t t, F&& f) {
-    const int64_t block = block_of(t), n = q3.size(0), step = chunk_groups(q3, g, t);
-    for (int64_t n0 = 0; n0 < n; n0 += step) {
-      for (int64_t p0 = 0; p0 < t; p0 += block) f(n0, std::min(step, n - n0), p0, std::min(t, p0 + block));
+  // Groups [n0, n0 + n) of the [B * KVH] sequence groups, positions [p0, p1); `offset`: where the
+  // block's P starts in a buffer of every block's, in this order.
+  struct Block {
+    int64_t n0, n, p0, p1, offset, group;
+    int64_t elements() const { return n * (p1 - p0) * group * p1; }
+    torch::Tensor view(const torch::Tensor& flat, const torch::Tensor& rows) const {
+      return flat.narrow(0, offset, elements()).view({n, rows.size(1), p1});
     }
+  };
+  // The blocks over chunks of the sequence groups whose two [block rows, T] temporaries (P and dP)
+  // fit kMathAttentionChunkBytes (at least one group each), and within each the blocks of positions
+  // [p0, p1) in order.
+  static std::vector<Block> blocks_of(const torch::Tensor& q3, int64_t g, int64_t t) {
+    const int64_t block = block_of(t), n = q3.size(0), step = chunk_groups(q3, g, t);
+    std::vector<Block> blocks;
+    int64_t offset = 0;
+    for (int64_t n0 = 0; n0 < n; n0 += step) {
+      for (int64_t p0 = 0; p0 < t; p0 += block) {
+        blocks.push_back(Block{n0, std::min(step, n - n0), p0, std::min(t, p0 + block), offset, g});
+        offset += blocks.back().elements();
+      }
+    }
+    return blocks;
   }
 };
 
 }  // namespace
+
+bool math_attention_keeps_probabilities(int64_t tokens) { return tokens <= kKeptProbabilitiesMaxTokens; }
+
+int64_t math_attention_kept_values(int64_t tokens) {
+  if (tokens <= 0 || tokens > kMathAttentionMaxTokens || !math_attention_keeps_probabilities(tokens)) return 0;
+  int64_t values = 0;
+  for (int64_t p0 = 0, block = CpuMathAttentionFunction::block_of(tokens); p0 < tokens; p0 += block) {
+    const int64_t p1 = std::min(tokens, p0 + block);
+    values += (p1 - p0) * p1;
+  }
+  return values;
+}
 
 bool math_attention_applies(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
   const auto dtype = q.scalar_type();
@@ -234,7 +281,10 @@ bool math_attention_applies(const torch::Tensor& q, const torch::Tensor& k, cons
 
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const torch::Tensor& mask) {
-  if (!mask.defined() && math_attention_applies(q, k, v)) return CpuMathAttentionFunction::apply(q, k, v);
+  if (!mask.defined() && math_attention_applies(q, k, v)) {
+    const bool training = torch::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
+    return CpuMathAttentionFunction::apply(q, k, v, training && math_attention_keeps_probabilities(q.size(2)));
+  }
   if (!mask.defined() && q.device().is_cpu() && q.scalar_type() == torch::kBFloat16 &&
       k.scalar_type() == torch::kBFloat16 && v.scalar_type() == torch::kBFloat16 && torch::GradMode::is_enabled() &&
       (q.requires_grad() || k.requires_grad() || v.requires_grad())) {

@@ -97,9 +97,13 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, c
 // Whether causal_attention (without a mask) computes q, k, v as GEMMs (CPU fp32 or bf16, q and k of
 // one length of at most 1024 tokens): per block of max(64, T / 8) query positions and sequence
 // group, one batched product for the scores over the keys up to the block's last position (the
-// masked blocks are skipped), a fused fp32 softmax over them, P V; the backward recomputes P and
-// keeps nothing of T^2. Elsewhere LibTorch's flash kernels.
+// masked blocks are skipped), a fused fp32 softmax over them, P V. Elsewhere LibTorch's flash kernels.
 bool math_attention_applies(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
+// Whether that path's training forward over `tokens` keeps every block's P (in q's dtype) for the
+// backward, which recomputes them otherwise; and how many values of P that is per query head and
+// sequence (0 where it keeps none).
+bool math_attention_keeps_probabilities(int64_t tokens);
+int64_t math_attention_kept_values(int64_t tokens);
 
 // The heads and MLP width a process holds of each block (all of them without tensor
 // parallelism), and which slices of the whole block they are: q_proj's, k_proj's / v_proj's and

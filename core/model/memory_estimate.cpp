@@ -1,5 +1,7 @@
 #include "core/model/memory_estimate.h"
 
+#include "core/model/layers.h"
+
 #include <algorithm>
 #include <string>
 
@@ -28,7 +30,8 @@ std::vector<StageMemory> estimate_stage_memory(const ModelConfig& c, const Shard
                                                const std::optional<LoraConfig>& lora, torch::Dtype compute_dtype,
                                                int64_t seq_len, bool checkpointing,
                                                bool blockwise_attention, QuantFormat quantize, torch::Dtype frozen_dtype,
-                                               int64_t sequence_shards, bool frozen_cast_cache) {
+                                               int64_t sequence_shards, bool frozen_cast_cache,
+                                               bool kept_probabilities) {
   const int64_t layers = c.num_hidden_layers, stages = layers + 2;
   const int64_t cb = compute_dtype == torch::kFloat32 ? 4 : 2;  // bytes per compute element
   std::vector<StageMemory> out(static_cast<size_t>(stages));
@@ -87,8 +90,10 @@ std::vector<StageMemory> estimate_stage_memory(const ModelConfig& c, const Shard
   int64_t block = 8 * H / T + 2 * cb * H + cb * (q_width + 2 * kv_width) + 2 * cb * q_width + 3 * cb * inter;
   if (blockwise_attention) block += (4 - cb) * q_width + 4 * heads;
   if (checkpointing) block = 4 * H / T;  // the block's input; its activations come back one block at a time
+  // The attention's kept probabilities: per query head, each block's rows over the keys up to it.
+  const int64_t kept = kept_probabilities && !checkpointing && !blockwise_attention ? heads * cb * math_attention_kept_values(S) : 0;
   for (int64_t l = 1; l <= layers; ++l) {
-    out[static_cast<size_t>(l)].activation_bytes_per_row = block * S;
+    out[static_cast<size_t>(l)].activation_bytes_per_row = block * S + kept;
     out[static_cast<size_t>(l)].output_bytes_per_row = 4 * H * S;
   }
   // The embedding keeps the token ids; the head the residual at the norm, the norm's output, the

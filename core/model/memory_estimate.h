@@ -40,12 +40,15 @@ struct StageMemory {
 // SequenceShards::size): the fp32 residual stream between the tensor-parallel regions holds 1 / that
 // of each sequence's tokens. `frozen_cast_cache` (adapter training, model.cache_frozen_casts): the
 // frozen matrices' compute-dtype copies live between steps, checkpointed blocks' too.
+// `kept_probabilities`: the attention keeps each block's softmax probabilities for the backward
+// (the CPU's GEMM attention over short sequences: math_attention_kept_values).
 std::vector<StageMemory> estimate_stage_memory(const ModelConfig& config, const ShardMap& shards,
                                                const std::optional<LoraConfig>& lora, torch::Dtype compute_dtype,
                                                int64_t seq_len, bool checkpointing,
                                                bool blockwise_attention = false,
                                                QuantFormat quantize = QuantFormat::kNone,
                                                torch::Dtype frozen_dtype = torch::kFloat32,
-                                               int64_t sequence_shards = 1, bool frozen_cast_cache = false);
+                                               int64_t sequence_shards = 1, bool frozen_cast_cache = false,
+                                               bool kept_probabilities = false);
 
 }  // namespace weft

@@ -179,9 +179,16 @@ TEST(Attention, GemmPathStaysAsNearExactAsTheFlashKernels) {
   struct Shape {
     int64_t b, h, kvh, t, d;
   };
+  // Up to 256 tokens the training forward keeps P for the backward (4 blocks of 64 at 256, a partial
+  // last one at 200); past that the backward recomputes it.
+  EXPECT_EQ(math_attention_kept_values(256), 64 * 64 * (1 + 2 + 3 + 4));
+  EXPECT_EQ(math_attention_kept_values(200), 64 * (64 + 128 + 192) + 8 * 200);
+  EXPECT_EQ(math_attention_kept_values(5), 25);
+  EXPECT_EQ(math_attention_kept_values(300), 0);
   for (const auto& sh : {Shape{4, 6, 2, 1024, 32}, Shape{6, 12, 1, 1024, 16}, Shape{2, 4, 4, 300, 16},
-                         Shape{3, 2, 1, 5, 8}}) {
+                         Shape{3, 6, 2, 256, 32}, Shape{2, 3, 3, 200, 16}, Shape{3, 2, 1, 5, 8}}) {
     SCOPED_TRACE(fmt::format("{} x {} heads over {} kv heads, {} tokens", sh.b, sh.h, sh.kvh, sh.t));
+    EXPECT_EQ(math_attention_keeps_probabilities(sh.t), sh.t <= 256);
     torch::manual_seed(sh.t + sh.h);
     const auto q = torch::randn({sh.b, sh.h, sh.t, sh.d}), k = torch::randn({sh.b, sh.kvh, sh.t, sh.d}),
                v = torch::randn({sh.b, sh.kvh, sh.t, sh.d});

@@ -1051,6 +1051,11 @@ WEFT_ALWAYS_INLINE double squared_sum_range(const T* x, int64_t n) {
 WEFT_SIMD_CLONES double squared_sum_dispatch(const float* x, int64_t n) { return squared_sum_range(x, n); }
 WEFT_SIMD_CLONES double squared_sum_dispatch(const Bf16Bits* x, int64_t n) { return squared_sum_range(x, n); }
 
+WEFT_SIMD_CLONES void add_widened_dispatch(float* sum, const Bf16Bits* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) sum[i] += to_float(x[i]);
+}
+
+
 #ifdef WEFT_WITH_CUDA
 // The sum of the per-token cross-entropy of logits [N, V] (fp32 or bf16) against targets [N], in
 // fp32; backward writes the logits' gradient in their dtype from the saved logits and per-row
@@ -1278,6 +1283,20 @@ torch::Tensor fused_dropout(const torch::Tensor& x, double p) {
     return torch::nn::functional::dropout(x, torch::nn::functional::DropoutFuncOptions().p(p).training(true));
   }
   return DropoutFunction::apply(x, p, static_cast<int64_t>(draw_dropout_seed()));
+}
+
+void add_into_fp32_(at::Tensor& sum, const at::Tensor& x) {
+  if (sum.device().is_cpu() && x.device().is_cpu() && sum.scalar_type() == torch::kFloat32 &&
+      x.scalar_type() == torch::kBFloat16 && sum.is_contiguous() && x.is_contiguous() && sum.sizes() == x.sizes()) {
+    RECORD_FUNCTION("weft::add_into_fp32_", std::vector<c10::IValue>());  // named in profiles
+    float* out = data<float>(sum);
+    const Bf16Bits* in = data<Bf16Bits>(x);
+    at::parallel_for(0, sum.numel(), int64_t{1} << 16, [&](int64_t begin, int64_t end) {
+      add_widened_dispatch(out + begin, in + begin, end - begin);
+    });
+    return;
+  }
+  sum.add_(x);
 }
 
 at::Tensor squared_sum_fp64(const at::Tensor& t) {

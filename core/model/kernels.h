@@ -76,6 +76,10 @@ torch::Tensor cross_entropy_rows(torch::Tensor& logits, const torch::Tensor& tar
 inline constexpr int64_t kSquaredSumChunk = int64_t{1} << 22;  // 32 MiB of fp64
 at::Tensor squared_sum_fp64(const at::Tensor& t);
 
+// sum += x, x widened to sum's dtype: on contiguous CPU tensors of the same shape, fp32 += bf16 in
+// one pass over both (ATen's add_ of mixed dtypes first makes an fp32 copy of x); elsewhere add_.
+void add_into_fp32_(at::Tensor& sum, const at::Tensor& x);
+
 // Inverted dropout (training): each element kept with probability 1 - p and scaled by 1 / (1 - p),
 // else 0, in x's dtype. On CPU tensors of fp32 or bf16 the mask is drawn from a counter-based hash
 // of (a seed drawn from LibTorch's default CPU generator, the position), as geometric gaps between

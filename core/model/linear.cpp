@@ -18,7 +18,7 @@ DenseWeight::DenseWeight(torch::nn::Module& owner, int64_t out_features, int64_t
 
 torch::Tensor DenseWeight::forward(const torch::Tensor& input, torch::Dtype dtype) {
   if (!weight.requires_grad() && weight.scalar_type() != dtype) return frozen_cast_linear(input, weight, dtype);
-  if (deferrable() || wide_weight_grad_applies(weight, dtype)) return deferrable_linear(input, {weight}, dtype, deferrable());
+  if (deferrable() || master_weight_grad_applies(weight, dtype)) return deferrable_linear(input, {weight}, dtype, deferrable());
   return torch::nn::functional::linear(input, weight.to(dtype));
 }
 
@@ -511,7 +511,7 @@ torch::Tensor fused_linear(const torch::Tensor& x, const std::vector<LinearImpl*
   const auto dtype = layers.front()->compute_dtype();
   const auto input = x.to(dtype);
   std::vector<torch::Tensor> weights, params;
-  bool any_adapter = false, deferrable = true, wide = true;
+  bool any_adapter = false, deferrable = true, master = true;
   for (auto* layer : layers) {
     WEFT_CHECK(layer->compute_dtype() == dtype, "fused_linear: layers with different compute dtypes");
     if (layer->quantized()) {  // one product per layer: a concatenation would dequantize them all at once
@@ -522,13 +522,13 @@ torch::Tensor fused_linear(const torch::Tensor& x, const std::vector<LinearImpl*
     params.push_back(layer->weight);
     any_adapter = any_adapter || layer->has_lora();
     deferrable = deferrable && layer->weight_grad_deferrable();
-    wide = wide && wide_weight_grad_applies(layer->weight, dtype);
+    master = master && master_weight_grad_applies(layer->weight, dtype);
   }
-  const auto cached = deferrable || wide ? torch::Tensor() : layers.front()->cached_cast(params);
-  if (!deferrable && !wide && !cached.defined()) {
+  const auto cached = deferrable || master ? torch::Tensor() : layers.front()->cached_cast(params);
+  if (!deferrable && !master && !cached.defined()) {
     for (const auto& p : params) weights.push_back(p.to(dtype));  // cast, then concatenate: half the bytes in bf16
   }
-  auto y = deferrable || wide ? deferrable_linear(input, params, dtype, deferrable)
+  auto y = deferrable || master ? deferrable_linear(input, params, dtype, deferrable)
            : cached.defined() ? torch::nn::functional::linear(input, cached)
                               : torch::nn::functional::linear(input, weights.size() == 1 ? weights[0] : torch::cat(weights));
   if (!any_adapter) return y;

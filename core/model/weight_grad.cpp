@@ -5,6 +5,7 @@
 
 #include <torch/torch.h>
 
+#include "core/model/kernels.h"
 #include "core/util/error.h"
 
 namespace weft {
@@ -13,24 +14,46 @@ namespace {
 // The scope's queue; read on whichever thread autograd runs a layer's backward on.
 std::atomic<WeightGradQueue*> active_queue{nullptr};
 
-// dW_i = dY_i^T x for the rows of each weight (dY's columns are the weights' rows, in order),
-// in the weight's own dtype.
+// dW added into the weight's fp32 gradient where one is there (gradients stay defined between
+// steps, zeroed: zero_gradients), in one mixed-dtype pass instead of a cast to fp32 and autograd's
+// accumulator adding that; the sum goes back to the accumulator with the weight's gradient unset, and
+// the accumulator adopts it (the same storage), so its post-accumulation hooks run as before.
+// Elsewhere (no gradient yet, or a shape or dtype the gradient does not have) dW cast.
+torch::Tensor into_master_gradient(const torch::Tensor& w, const torch::Tensor& dw) {
+  const auto& sum = w.grad();
+  if (!torch::GradMode::is_enabled() && sum.defined() && sum.scalar_type() == w.scalar_type() &&
+      sum.device() == dw.device() && sum.sizes() == dw.sizes() && sum.is_contiguous() && !sum.is_sparse()) {
+    auto adopted = sum;
+    w.mutable_grad() = torch::Tensor();
+    add_into_fp32_(adopted, dw);
+    return adopted;
+  }
+  return dw.to(w.scalar_type());
+}
+
+// dW_i = dY_i^T x for the rows of each weight (dY's columns are the weights' rows, in order; `rows`
+// their counts, as the forward saw them), in the weight's own dtype. `into_gradients`: added into
+// the weights' existing gradients (into_master_gradient) and returned for autograd to adopt.
 std::vector<torch::Tensor> weight_grads(const torch::Tensor& x, const torch::Tensor& dy,
-                                        const std::vector<torch::Tensor>& weights) {
+                                        const std::vector<torch::Tensor>& weights, const std::vector<int64_t>& rows,
+                                        bool into_gradients) {
   const auto x2 = x.reshape({-1, x.size(-1)});
   const auto dy2 = dy.reshape({-1, dy.size(-1)});
   std::vector<torch::Tensor> grads;
   int64_t row = 0;
-  for (const auto& w : weights) {
-    const int64_t rows = w.size(0);
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const auto& w = weights[i];
+    const auto dy_rows = dy2.narrow(1, row, rows[i]).t();
+    row += rows[i];
     if (!w.requires_grad()) {
       grads.emplace_back();
     } else if (wide_weight_grad_applies(w, dy2.scalar_type())) {
-      grads.push_back(at::mm(dy2.narrow(1, row, rows).t(), x2, w.scalar_type()));  // fp32 out (mm.dtype)
+      grads.push_back(at::mm(dy_rows, x2, w.scalar_type()));  // fp32 out (mm.dtype)
+    } else if (into_gradients && w.scalar_type() != dy2.scalar_type()) {
+      grads.push_back(into_master_gradient(w, dy_rows.mm(x2)));
     } else {
-      grads.push_back(dy2.narrow(1, row, rows).t().mm(x2).to(w.scalar_type()));
+      grads.push_back(dy_rows.mm(x2).to(w.scalar_type()));
     }
-    row += rows;
   }
   return grads;
 }
@@ -39,12 +62,28 @@ class DeferrableLinear : public torch::autograd::Function<DeferrableLinear> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, torch::TensorList weights,
                                torch::Dtype dtype, bool defer) {
-    std::vector<torch::Tensor> cast;
-    for (const auto& w : weights) cast.push_back(w.to(dtype));
-    const auto w = cast.size() == 1 ? cast.front() : torch::cat(cast);
+    // Each weight cast into its rows of the product's operand (no concatenation after the casts).
+    std::vector<int64_t> rows;
+    int64_t total = 0;
+    for (const auto& w : weights) {
+      rows.push_back(w.size(0));
+      total += w.size(0);
+    }
+    torch::Tensor w;
+    if (weights.size() == 1) {
+      w = weights[0].to(dtype);
+    } else {
+      w = torch::empty({total, weights[0].size(1)}, weights[0].options().dtype(dtype).requires_grad(false));
+      int64_t row = 0;
+      for (size_t i = 0; i < weights.size(); ++i) {
+        w.narrow(0, row, rows[i]).copy_(weights[i]);
+        row += rows[i];
+      }
+    }
     ctx->save_for_backward({x});
     ctx->saved_data["w"] = w;
     ctx->saved_data["weights"] = weights.vec();
+    ctx->saved_data["rows"] = rows;
     ctx->saved_data["defer"] = defer;
     return torch::nn::functional::linear(x, w);
   }
@@ -54,6 +93,7 @@ class DeferrableLinear : public torch::autograd::Function<DeferrableLinear> {
     const auto x = ctx->get_saved_variables()[0];
     const auto w = ctx->saved_data["w"].toTensor();
     const auto weights = ctx->saved_data["weights"].toTensorVector();
+    const auto rows = ctx->saved_data["rows"].toIntVector();
     const auto& dy = grad_outputs[0];
     torch::autograd::variable_list grads;
     grads.push_back(ctx->needs_input_grad(0) ? torch::matmul(dy, w) : torch::Tensor());
@@ -64,8 +104,8 @@ class DeferrableLinear : public torch::autograd::Function<DeferrableLinear> {
       // W later: the same products, accumulated through autograd (views of the leaves), so the
       // parameters' post-accumulation hooks run as they would have in this backward.
       queue->push(
-          [x, dy, weights] {
-            const auto computed = weight_grads(x, dy, weights);
+          [x, dy, weights, rows] {
+            const auto computed = weight_grads(x, dy, weights, rows, /*into_gradients=*/false);
             std::vector<torch::Tensor> outputs, values;
             for (size_t i = 0; i < weights.size(); ++i) {
               if (!computed[i].defined()) continue;
@@ -77,7 +117,8 @@ class DeferrableLinear : public torch::autograd::Function<DeferrableLinear> {
           static_cast<int64_t>(x.numel() * x.element_size() + dy.numel() * dy.element_size()));
       for (size_t i = 0; i < weights.size(); ++i) grads.emplace_back();
     } else {
-      const auto computed = any ? weight_grads(x, dy, weights) : std::vector<torch::Tensor>(weights.size());
+      const auto computed =
+          any ? weight_grads(x, dy, weights, rows, /*into_gradients=*/true) : std::vector<torch::Tensor>(weights.size());
       for (size_t i = 0; i < weights.size(); ++i) grads.push_back(ctx->needs_input_grad(1 + i) ? computed[i] : torch::Tensor());
     }
     grads.emplace_back();  // dtype
@@ -112,6 +153,11 @@ torch::Tensor deferrable_linear(const torch::Tensor& x, const std::vector<torch:
   WEFT_CHECK(!weights.empty(), "deferrable_linear needs at least one weight");
   // As an ArrayRef, so that autograd counts each weight as an input (a std::vector would not be).
   return DeferrableLinear::apply(x.to(dtype), torch::TensorList(weights), dtype, defer);
+}
+
+bool master_weight_grad_applies(const torch::Tensor& weight, torch::Dtype dtype) {
+  return weight.requires_grad() && weight.scalar_type() == torch::kFloat32 &&
+         (dtype == torch::kBFloat16 || dtype == torch::kFloat16);
 }
 
 bool wide_weight_grad_applies(const torch::Tensor& weight, torch::Dtype dtype) {

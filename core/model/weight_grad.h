@@ -53,9 +53,18 @@ class DeferWeightGradients {
 // weights' gradients deferred under a DeferWeightGradients scope where `defer` is set. The weights
 // are the parameters themselves (leaves), so their gradients reach them in their own dtype: on CUDA,
 // an fp32 weight computing in bf16 or fp16 takes dW from a GEMM with fp32 output (fp32
-// accumulation, no bf16 rounding of dW and no cast kernel after it); elsewhere dW in `dtype`, cast.
+// accumulation, no bf16 rounding of dW and no cast kernel after it); elsewhere dW in `dtype`, added
+// into the weight's existing fp32 gradient in one pass (add_into_fp32_) for autograd's accumulator
+// to adopt, or cast where the weight has no gradient yet (the same bits as autograd's cast and sum).
 torch::Tensor deferrable_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& weights, torch::Dtype dtype,
                                 bool defer = true);
+
+// Whether a trainable weight's product in `dtype` goes through deferrable_linear (an fp32 weight,
+// bf16 or fp16 compute, any device): its cast goes straight into the product's operand (no
+// concatenation of fused weights' casts), and dW reaches the fp32 gradient without autograd's cast:
+// from an fp32-output GEMM (wide_weight_grad_applies), or added into the gradient there (one
+// mixed-dtype pass instead of a cast and the accumulator's addition).
+bool master_weight_grad_applies(const torch::Tensor& weight, torch::Dtype dtype);
 
 // Whether a trainable weight's product in `dtype` takes its gradient from deferrable_linear's
 // fp32-output GEMM (CUDA, an fp32 weight, bf16 or fp16 compute) rather than autograd's product in

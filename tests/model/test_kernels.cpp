@@ -2,6 +2,7 @@
 // and the rope table cache against the plain ATen formulations they replace, values and gradients.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
 #include "core/model/kernels.h"
 #include "core/model/weight_grad.h"
@@ -413,6 +414,64 @@ TEST(FusedKernels, OnCudaEachKernelEqualsItsAtenFormulation) {
       (expected.to(torch::kBFloat16).to(torch::kFloat64) - expected).abs().max().item<double>();
   EXPECT_LT(error, 1e-2) << "bf16 rounding alone: " << bf16_rounding;
   EXPECT_GT(bf16_rounding, 5e-2);  // so the bound above tells an fp32 output from a bf16 one
+}
+
+// add_into_fp32_: fp32 += bf16 widened, the same bits as ATen's add of an fp32 copy, over a length
+// that is no multiple of the vector width; other dtypes and layouts fall back to add_.
+TEST(FusedKernels, AddIntoFp32IsAtensAddOfTheWidenedCopy) {
+  torch::manual_seed(11);
+  auto sum = torch::randn({1000003});
+  const auto x = (torch::randn({1000003}) * 1e-3).to(torch::kBFloat16);
+  const auto expected = sum + x.to(torch::kFloat32);
+  add_into_fp32_(sum, x);
+  EXPECT_TRUE(torch::equal(sum, expected));
+  auto strided = torch::zeros({8, 6}).t();
+  add_into_fp32_(strided, torch::ones({6, 8}, torch::kBFloat16));
+  EXPECT_EQ(strided.sum().item<float>(), 48.0f);
+}
+
+// A trainable fp32 weight computing in bf16 on the CPU (deferrable_linear, which fused_linear and
+// Linear use for it): each weight is cast into its rows of the product's operand, and dW is added
+// straight into the weight's existing gradient, which autograd's accumulator then adopts (the same
+// storage, its post-accumulation hooks once per backward). Over two backwards (the first into no
+// gradient, the second into the first's), the gradients and the output equal plain autograd's
+// (cast, concatenate, product, cast back, accumulate) bit for bit.
+TEST(FusedKernels, MasterWeightGradientsOnTheCpuEqualAutogradsCastAndSumBitForBit) {
+  torch::manual_seed(12);
+  const auto make = [](int64_t rows) { return (torch::randn({rows, 48}) * 0.05).requires_grad_(true); };
+  std::vector<torch::Tensor> ours = {make(40), make(16), make(16)}, plain;
+  for (const auto& w : ours) plain.push_back(w.detach().clone().requires_grad_(true));
+  ASSERT_TRUE(master_weight_grad_applies(ours[0], torch::kBFloat16));
+  EXPECT_FALSE(master_weight_grad_applies(ours[0], torch::kFloat32));
+  EXPECT_FALSE(master_weight_grad_applies(ours[0].detach(), torch::kBFloat16));
+  int hooks = 0;
+  auto accumulator = torch::autograd::impl::grad_accumulator(ours[1]);
+  accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+      [&hooks](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+        ++hooks;
+        return outputs;
+      }));
+  const void* storage = nullptr;
+  for (int pass = 0; pass < 2; ++pass) {
+    const auto x = torch::randn({3, 7, 48}).to(torch::kBFloat16).requires_grad_(true);
+    const auto x_plain = x.detach().clone().requires_grad_(true);
+    const auto dy = torch::randn({3, 7, 72}).to(torch::kBFloat16);
+    const auto y = deferrable_linear(x, ours, torch::kBFloat16, /*defer=*/false);
+    std::vector<torch::Tensor> cast;
+    for (const auto& w : plain) cast.push_back(w.to(torch::kBFloat16));
+    const auto y_plain = torch::nn::functional::linear(x_plain, torch::cat(cast));
+    ASSERT_TRUE(torch::equal(y, y_plain));
+    y.backward(dy);
+    y_plain.backward(dy);
+    EXPECT_TRUE(torch::equal(x.grad(), x_plain.grad()));
+    for (size_t i = 0; i < ours.size(); ++i) {
+      ASSERT_EQ(ours[i].grad().scalar_type(), torch::kFloat32);
+      EXPECT_TRUE(torch::equal(ours[i].grad(), plain[i].grad())) << "weight " << i << ", backward " << pass;
+    }
+    if (pass == 0) storage = ours[1].grad().data_ptr();
+  }
+  EXPECT_EQ(ours[1].grad().data_ptr(), storage) << "the second backward's sum is the first's gradient, adopted";
+  EXPECT_EQ(hooks, 2);
 }
 
 // The LM head and its cross-entropy in row chunks (Liger's fused linear + cross-entropy) against

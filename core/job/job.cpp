@@ -490,7 +490,8 @@ std::vector<StageMemory> Job::stage_estimate(const ModelConfig& config, torch::D
   auto estimate = estimate_stage_memory(config, shards_, frozen, dtype, model_seq_len(), settings.checkpointing,
                                         strategy_->plugin_attention(), quantize_,
                                         frozen && options_.model.frozen_dtype == "bf16" ? torch::kBFloat16 : torch::kFloat32,
-                                        strategy_->sequence_parallel_size(), frozen && options_.model.cache_frozen_casts,
+                                        strategy_->sequence_parallel_size(),
+                                        frozen && options_.model.cache_frozen_casts,
                                         device_.is_cpu() && (dtype == torch::kFloat32 || dtype == torch::kBFloat16));
   if (prompt_ && !settings.lora) {
     const int64_t elements = prompt_->num_virtual_tokens * config.hidden_size;

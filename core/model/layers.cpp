@@ -112,11 +112,12 @@ class Bf16CpuAttentionFunction : public torch::autograd::Function<Bf16CpuAttenti
 // out position-major ([B * KVH, T * G, D]: row t * G + g is query head g's position t, no copy of k
 // or v per query head), so the queries of positions [p0, p1) are one run of rows and see keys
 // [0, p1). Per block: S = Q K^T [rows, p1], the softmax in fp32 by one row kernel
-// (causal_softmax_rows_), O = P V; backward takes the blocks' P kept by a training forward of at
-// most kKeptProbabilitiesMaxTokens tokens (53-62% of T^2 values a head, ~12-16% more activation
-// memory on this model's and llama-3.2-1b's shapes, for the recomputed product and softmax, ~15% of
-// the attention's time), recomputes them past that, and takes dV += P^T dO, dP = dO V^T, dS (causal_softmax_backward_rows_), dQ = dS K, dK += dS^T Q, summing dK and dV
-// over the blocks in fp32. Blocks of max(64, T / 8) positions compute 53-62% of the whole score
+// (causal_softmax_rows_), O = P V. Backward reads the blocks' P, which a training forward of at
+// most kKeptProbabilitiesMaxTokens tokens keeps (53-62% of T^2 values per head: ~12-16% more
+// activation memory on this model's and llama-3.2-1b's shapes, for the recomputed product and
+// softmax, ~13% of the attention's time), or recomputes them past that; then dV += P^T dO,
+// dP = dO V^T, dS (causal_softmax_backward_rows_), dQ = dS K, dK += dS^T Q, summing dK and dV over
+// the blocks in fp32. Blocks of max(64, T / 8) positions compute 53-62% of the whole score
 // matrix's products, and on the bundled model's shapes ran fwd + bwd in 0.6x the whole matrix's time
 // on an AMD Zen 4 core, 0.76x LibTorch's fp32 flash kernels' (which skip the masked blocks too but
 // run below the GEMM's rate at these lengths, kMathAttentionMaxTokens). bf16 runs every product on
@@ -143,7 +144,7 @@ class CpuMathAttentionFunction : public torch::autograd::Function<CpuMathAttenti
     // Every block's P, one after the other, where backward is to read them instead of recomputing.
     const auto kept = keep_probabilities ? torch::empty({blocks.back().offset + blocks.back().elements()}, q3.options())
                                          : torch::Tensor();
-    Scratch scores(q3, g, t);
+    Scratch scores(q3, g, t, /*needed=*/!kept.defined());
     for (const auto& blk : blocks) {
       const auto rows = q3.narrow(0, blk.n0, blk.n).narrow(1, blk.p0 * g, (blk.p1 - blk.p0) * g);
       auto p = probabilities(kept.defined() ? blk.view(kept, rows) : scores.take(rows, blk.p1), rows,
@@ -185,15 +186,17 @@ class CpuMathAttentionFunction : public torch::autograd::Function<CpuMathAttenti
         sum.add_(at::bmm(a, m));
       }
     };
-    Scratch scores(q3, g, t), score_grads(q3, g, t);
+    Scratch scores(q3, g, t, /*needed=*/!kept.defined()), score_grads(q3, g, t);
     const auto blocks = blocks_of(q3, g, t);
     for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) {
       const Block& blk = *it;
       const bool first = blk.p1 == t;  // the chunk's first block in this order
       const auto qb = q3.narrow(0, blk.n0, blk.n).narrow(1, blk.p0 * g, (blk.p1 - blk.p0) * g);
       const auto gb = go.narrow(0, blk.n0, blk.n).narrow(1, blk.p0 * g, (blk.p1 - blk.p0) * g);
-      const auto kc = k3.narrow(0, blk.n0, blk.n).narrow(1, 0, blk.p1), vc = v3.narrow(0, blk.n0, blk.n).narrow(1, 0, blk.p1);
-      const auto p = kept.defined() ? blk.view(kept, qb) : probabilities(scores.take(qb, blk.p1), qb, kc, scale, g, blk.p0);
+      const auto kc = k3.narrow(0, blk.n0, blk.n).narrow(1, 0, blk.p1);
+      const auto vc = v3.narrow(0, blk.n0, blk.n).narrow(1, 0, blk.p1);
+      const auto p =
+          kept.defined() ? blk.view(kept, qb) : probabilities(scores.take(qb, blk.p1), qb, kc, scale, g, blk.p0);
       accumulate(gv.narrow(0, blk.n0, blk.n).narrow(1, 0, blk.p1), p.transpose(1, 2), gb, first);
       auto ds = score_grads.take(gb, blk.p1);  // dP, then the scores' gradient over it
       at::bmm_out(ds, gb, vc.transpose(1, 2));
@@ -214,9 +217,10 @@ class CpuMathAttentionFunction : public torch::autograd::Function<CpuMathAttenti
   // block (the allocator's cache of freed blocks keys on size).
   struct Scratch {
     torch::Tensor flat;
-    Scratch(const torch::Tensor& q3, int64_t g, int64_t t)
-        : flat(torch::empty({std::min(q3.size(0), chunk_groups(q3, g, t)) * std::min(block_of(t), t) * g * t},
-                            q3.options())) {}
+    Scratch(const torch::Tensor& q3, int64_t g, int64_t t, bool needed = true)
+        : flat(needed ? torch::empty({std::min(q3.size(0), chunk_groups(q3, g, t)) * std::min(block_of(t), t) * g * t},
+                                     q3.options())
+                      : torch::Tensor()) {}
     torch::Tensor take(const torch::Tensor& rows, int64_t keys) const {
       return flat.narrow(0, 0, rows.size(0) * rows.size(1) * keys).view({rows.size(0), rows.size(1), keys});
     }
@@ -282,7 +286,8 @@ bool math_attention_applies(const torch::Tensor& q, const torch::Tensor& k, cons
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const torch::Tensor& mask) {
   if (!mask.defined() && math_attention_applies(q, k, v)) {
-    const bool training = torch::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
+    const bool training =
+        torch::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
     return CpuMathAttentionFunction::apply(q, k, v, training && math_attention_keeps_probabilities(q.size(2)));
   }
   if (!mask.defined() && q.device().is_cpu() && q.scalar_type() == torch::kBFloat16 &&

@@ -18,7 +18,9 @@ DenseWeight::DenseWeight(torch::nn::Module& owner, int64_t out_features, int64_t
 
 torch::Tensor DenseWeight::forward(const torch::Tensor& input, torch::Dtype dtype) {
   if (!weight.requires_grad() && weight.scalar_type() != dtype) return frozen_cast_linear(input, weight, dtype);
-  if (deferrable() || master_weight_grad_applies(weight, dtype)) return deferrable_linear(input, {weight}, dtype, deferrable());
+  if (deferrable() || master_weight_grad_applies(weight, dtype)) {
+    return deferrable_linear(input, {weight}, dtype, deferrable());
+  }
   return torch::nn::functional::linear(input, weight.to(dtype));
 }
 

@@ -91,7 +91,8 @@ std::vector<StageMemory> estimate_stage_memory(const ModelConfig& c, const Shard
   if (blockwise_attention) block += (4 - cb) * q_width + 4 * heads;
   if (checkpointing) block = 4 * H / T;  // the block's input; its activations come back one block at a time
   // The attention's kept probabilities: per query head, each block's rows over the keys up to it.
-  const int64_t kept = kept_probabilities && !checkpointing && !blockwise_attention ? heads * cb * math_attention_kept_values(S) : 0;
+  const int64_t kept =
+      kept_probabilities && !checkpointing && !blockwise_attention ? heads * cb * math_attention_kept_values(S) : 0;
   for (int64_t l = 1; l <= layers; ++l) {
     out[static_cast<size_t>(l)].activation_bytes_per_row = block * S + kept;
     out[static_cast<size_t>(l)].output_bytes_per_row = 4 * H * S;

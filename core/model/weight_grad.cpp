@@ -39,21 +39,31 @@ std::vector<torch::Tensor> weight_grads(const torch::Tensor& x, const torch::Ten
                                         bool into_gradients) {
   const auto x2 = x.reshape({-1, x.size(-1)});
   const auto dy2 = dy.reshape({-1, dy.size(-1)});
+  // Where every weight is wider than dY and takes dW in dY's dtype (then added or cast), one product
+  // for all of them, each weight's rows of it contiguous: narrow ones (k_proj's, v_proj's) ran ~10%
+  // slower alone on an AMD Zen 4 core.
+  bool joint = weights.size() > 1;
+  for (const auto& w : weights) {
+    joint = joint && w.requires_grad() && w.scalar_type() != dy2.scalar_type() &&
+            !wide_weight_grad_applies(w, dy2.scalar_type());
+  }
+  const auto all = joint ? dy2.t().mm(x2) : torch::Tensor();
   std::vector<torch::Tensor> grads;
   int64_t row = 0;
   for (size_t i = 0; i < weights.size(); ++i) {
     const auto& w = weights[i];
     const auto dy_rows = dy2.narrow(1, row, rows[i]).t();
-    row += rows[i];
+    const auto product = [&] { return joint ? all.narrow(0, row, rows[i]) : dy_rows.mm(x2); };
     if (!w.requires_grad()) {
       grads.emplace_back();
     } else if (wide_weight_grad_applies(w, dy2.scalar_type())) {
       grads.push_back(at::mm(dy_rows, x2, w.scalar_type()));  // fp32 out (mm.dtype)
     } else if (into_gradients && w.scalar_type() != dy2.scalar_type()) {
-      grads.push_back(into_master_gradient(w, dy_rows.mm(x2)));
+      grads.push_back(into_master_gradient(w, product()));
     } else {
-      grads.push_back(dy_rows.mm(x2).to(w.scalar_type()));
+      grads.push_back(product().to(w.scalar_type()));
     }
+    row += rows[i];
   }
   return grads;
 }
@@ -117,8 +127,8 @@ class DeferrableLinear : public torch::autograd::Function<DeferrableLinear> {
           static_cast<int64_t>(x.numel() * x.element_size() + dy.numel() * dy.element_size()));
       for (size_t i = 0; i < weights.size(); ++i) grads.emplace_back();
     } else {
-      const auto computed =
-          any ? weight_grads(x, dy, weights, rows, /*into_gradients=*/true) : std::vector<torch::Tensor>(weights.size());
+      const auto computed = any ? weight_grads(x, dy, weights, rows, /*into_gradients=*/true)
+                                : std::vector<torch::Tensor>(weights.size());
       for (size_t i = 0; i < weights.size(); ++i) grads.push_back(ctx->needs_input_grad(1 + i) ? computed[i] : torch::Tensor());
     }
     grads.emplace_back();  // dtype

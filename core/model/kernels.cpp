@@ -1055,7 +1055,6 @@ WEFT_SIMD_CLONES void add_widened_dispatch(float* sum, const Bf16Bits* x, int64_
   for (int64_t i = 0; i < n; ++i) sum[i] += to_float(x[i]);
 }
 
-
 #ifdef WEFT_WITH_CUDA
 // The sum of the per-token cross-entropy of logits [N, V] (fp32 or bf16) against targets [N], in
 // fp32; backward writes the logits' gradient in their dtype from the saved logits and per-row

@@ -46,6 +46,17 @@ void set_adamw_state(torch::optim::AdamW& optimizer, const torch::Tensor& tensor
   optimizer.state()[tensor.unsafeGetTensorImpl()] = std::move(state);
 }
 
+void materialize_adamw_state(torch::optim::AdamW& optimizer) {
+  torch::NoGradGuard no_grad;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) {
+      if (adamw_state(optimizer, p) != nullptr) continue;
+      set_adamw_state(optimizer, p, 0, torch::zeros_like(p, torch::MemoryFormat::Preserve),
+                      torch::zeros_like(p, torch::MemoryFormat::Preserve));
+    }
+  }
+}
+
 int64_t optimizer_state_bytes(torch::optim::AdamW& optimizer) {
   int64_t bytes = 0;
   for (const auto& [key, state] : optimizer.state()) {

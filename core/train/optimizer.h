@@ -33,6 +33,12 @@ const torch::optim::AdamWParamState* adamw_state(torch::optim::AdamW& optimizer,
 void set_adamw_state(torch::optim::AdamW& optimizer, const torch::Tensor& tensor, int64_t step, torch::Tensor exp_avg,
                      torch::Tensor exp_avg_sq);
 
+// Gives every tensor of `optimizer` that has no state yet the state its first step would create
+// (step 0, zero moments), so that the moments are allocated with the rest of the training state
+// before the first step rather than at its end: there they pushed the CPU allocator's kept
+// blocks over its bound, and the second step's activations were allocated and touched afresh.
+void materialize_adamw_state(torch::optim::AdamW& optimizer);
+
 // Bytes of AdamW's state tensors (the moments of every tensor it has stepped).
 int64_t optimizer_state_bytes(torch::optim::AdamW& optimizer);
 

@@ -126,6 +126,7 @@ Trainer::Trainer(TrainOptions options, RunContext context)
     if (!options_.backup.url.empty()) backup_ = std::make_unique<CheckpointBackup>(options_.backup, options_.keep_last);
   }
   maybe_resume();
+  materialize_adamw_state(*optimizer_);  // what a resumed checkpoint did not bring: zeros, step 0
   protect_saved_work();
 }
 

@@ -122,6 +122,67 @@ TEST(Optimizer, TheFusedStepEqualsTheUnfusedOne) {
   EXPECT_EQ(optimizer_state_bytes(*plain_opt), optimizer_state_bytes(*fused_opt));
 }
 
+// The state made before the first step (materialize_adamw_state): step 0 and zero moments shaped as
+// each tensor, a tensor's existing state (a resumed checkpoint's) kept as it was, and steps from it,
+// fused and unfused, equal those of an optimizer that made its state in its first step, bit for bit.
+TEST(Optimizer, StateMadeBeforeTheFirstStepStepsAsTheFirstStepsOwn) {
+  auto make = [] {
+    torch::manual_seed(9);
+    std::vector<OptimizedTensor> tensors{{torch::randn({5, 3}), true}, {torch::randn({3}), false},
+                                         {torch::randn({70, 33}), true}};
+    for (auto& t : tensors) t.tensor.set_requires_grad(true);
+    return tensors;
+  };
+  OptimOptions o;
+  o.lr = 1e-2;
+  o.weight_decay = 0.1;
+  o.beta1 = 0.9;
+  o.beta2 = 0.95;
+  o.eps = 1e-8;
+  for (const auto kernel : {AdamWKernel::kFused, AdamWKernel::kUnfused}) {
+    auto early = make(), lazy = make();
+    auto early_opt = make_adamw(early, o), lazy_opt = make_adamw(lazy, o);
+    materialize_adamw_state(*early_opt);
+    ASSERT_EQ(early_opt->state().size(), 3u);
+    EXPECT_TRUE(lazy_opt->state().empty());
+    int64_t bytes = 0;
+    for (const auto& t : early) {
+      const auto* state = adamw_state(*early_opt, t.tensor);
+      ASSERT_NE(state, nullptr);
+      EXPECT_EQ(state->step(), 0);
+      EXPECT_EQ(state->exp_avg().sizes(), t.tensor.sizes());
+      EXPECT_TRUE(torch::equal(state->exp_avg(), torch::zeros_like(t.tensor)));
+      EXPECT_TRUE(torch::equal(state->exp_avg_sq(), torch::zeros_like(t.tensor)));
+      bytes += 2 * static_cast<int64_t>(t.tensor.nbytes());
+    }
+    EXPECT_EQ(optimizer_state_bytes(*early_opt), bytes);
+    for (int step = 0; step < 3; ++step) {
+      torch::manual_seed(200 + step);
+      for (size_t i = 0; i < early.size(); ++i) {
+        const auto g = torch::randn_like(early[i].tensor);
+        early[i].tensor.mutable_grad() = g.clone();
+        lazy[i].tensor.mutable_grad() = g.clone();
+      }
+      adamw_step(*early_opt, kernel);
+      adamw_step(*lazy_opt, kernel);
+    }
+    for (size_t i = 0; i < early.size(); ++i) {
+      EXPECT_TRUE(torch::equal(early[i].tensor, lazy[i].tensor)) << "tensor " << i;
+      const auto *a = adamw_state(*early_opt, early[i].tensor), *b = adamw_state(*lazy_opt, lazy[i].tensor);
+      ASSERT_TRUE(a != nullptr && b != nullptr);
+      EXPECT_EQ(a->step(), 3);
+      EXPECT_EQ(b->step(), 3);
+      EXPECT_TRUE(torch::equal(a->exp_avg(), b->exp_avg()) && torch::equal(a->exp_avg_sq(), b->exp_avg_sq()));
+    }
+    // A tensor that has state keeps it.
+    const auto moment = torch::full_like(early[0].tensor, 0.5);
+    set_adamw_state(*early_opt, early[0].tensor, 7, moment, moment);
+    materialize_adamw_state(*early_opt);
+    EXPECT_EQ(adamw_state(*early_opt, early[0].tensor)->step(), 7);
+    EXPECT_TRUE(torch::equal(adamw_state(*early_opt, early[0].tensor)->exp_avg(), moment));
+  }
+}
+
 // The tracker's kept blocks: a freed block of 1 MiB or more serves the next allocation of its size
 // (the same memory, no page faults), smaller ones go back to malloc, the live count excludes kept
 // blocks, and live + kept never exceed the high-water mark by more than 256 MiB.

@@ -27,7 +27,7 @@ std::unique_ptr<torch::optim::AdamW> make_adamw(const std::vector<OptimizedTenso
                                                 const OptimOptions& options);
 
 // AdamW's state of `tensor` (keyed by the tensor, as the optimizer steps it), or nullptr before
-// its first step.
+// its first step (the trainer makes every tensor's before the first: materialize_adamw_state).
 const torch::optim::AdamWParamState* adamw_state(torch::optim::AdamW& optimizer, const torch::Tensor& tensor);
 // Replaces the state of `tensor` with these step count and moments (shaped as the tensor).
 void set_adamw_state(torch::optim::AdamW& optimizer, const torch::Tensor& tensor, int64_t step, torch::Tensor exp_avg,
@@ -39,7 +39,7 @@ void set_adamw_state(torch::optim::AdamW& optimizer, const torch::Tensor& tensor
 // blocks over its bound, and the second step's activations were allocated and touched afresh.
 void materialize_adamw_state(torch::optim::AdamW& optimizer);
 
-// Bytes of AdamW's state tensors (the moments of every tensor it has stepped).
+// Bytes of AdamW's state tensors (the moments of every tensor that has state).
 int64_t optimizer_state_bytes(torch::optim::AdamW& optimizer);
 
 // One AdamW step of `optimizer` (the update torch::optim::AdamW::step makes). When every tensor

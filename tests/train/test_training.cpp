@@ -68,23 +68,37 @@ TEST(Optimizer, ClipGradNormRemovesTheLossScaleAndLeavesNonFiniteGradientsAlone)
   EXPECT_TRUE(std::isnan(clip_grad_norm({a}, 1.0, {}, 1024.0)));
 }
 
-// The fused step (what CUDA and the CPU run by default) against torch::optim::AdamW's own step, on
-// the CPU: the same parameters, moments and step counts after steps with different learning rates,
-// decay and no-decay groups, a tensor longer than the kernel's vectors, and one without a gradient.
-TEST(Optimizer, TheFusedStepEqualsTheUnfusedOne) {
-  auto make = [] {
-    torch::manual_seed(7);
-    std::vector<OptimizedTensor> tensors{{torch::randn({5, 3}), true}, {torch::randn({3}), false},
-                                         {torch::randn({70, 33}), true}, {torch::randn({4, 2}), true}};
-    for (auto& t : tensors) t.tensor.set_requires_grad(true);
-    return tensors;
-  };
+namespace {
+
+// The optimizer tests' tensors, drawn from `seed`: a decayed matrix, a vector without decay, a
+// matrix longer than the fused kernel's vectors and, `with_unused`, one more small matrix.
+std::vector<OptimizedTensor> optimized_tensors(uint64_t seed, bool with_unused) {
+  torch::manual_seed(seed);
+  std::vector<OptimizedTensor> tensors{{torch::randn({5, 3}), true}, {torch::randn({3}), false},
+                                       {torch::randn({70, 33}), true}};
+  if (with_unused) tensors.push_back({torch::randn({4, 2}), true});
+  for (auto& t : tensors) t.tensor.set_requires_grad(true);
+  return tensors;
+}
+
+OptimOptions adamw_test_options() {
   OptimOptions o;
   o.lr = 1e-2;
   o.weight_decay = 0.1;
   o.beta1 = 0.9;
   o.beta2 = 0.95;
   o.eps = 1e-8;
+  return o;
+}
+
+}  // namespace
+
+// The fused step (what CUDA and the CPU run by default) against torch::optim::AdamW's own step, on
+// the CPU: the same parameters, moments and step counts after steps with different learning rates,
+// decay and no-decay groups, a tensor longer than the kernel's vectors, and one without a gradient.
+TEST(Optimizer, TheFusedStepEqualsTheUnfusedOne) {
+  const auto make = [] { return optimized_tensors(7, /*with_unused=*/true); };
+  const OptimOptions o = adamw_test_options();
   auto plain = make(), fused = make(), automatic = make();
   auto plain_opt = make_adamw(plain, o), fused_opt = make_adamw(fused, o), auto_opt = make_adamw(automatic, o);
   for (int step = 0; step < 4; ++step) {
@@ -126,19 +140,8 @@ TEST(Optimizer, TheFusedStepEqualsTheUnfusedOne) {
 // each tensor, a tensor's existing state (a resumed checkpoint's) kept as it was, and steps from it,
 // fused and unfused, equal those of an optimizer that made its state in its first step, bit for bit.
 TEST(Optimizer, StateMadeBeforeTheFirstStepStepsAsTheFirstStepsOwn) {
-  auto make = [] {
-    torch::manual_seed(9);
-    std::vector<OptimizedTensor> tensors{{torch::randn({5, 3}), true}, {torch::randn({3}), false},
-                                         {torch::randn({70, 33}), true}};
-    for (auto& t : tensors) t.tensor.set_requires_grad(true);
-    return tensors;
-  };
-  OptimOptions o;
-  o.lr = 1e-2;
-  o.weight_decay = 0.1;
-  o.beta1 = 0.9;
-  o.beta2 = 0.95;
-  o.eps = 1e-8;
+  const auto make = [] { return optimized_tensors(9, /*with_unused=*/false); };
+  const OptimOptions o = adamw_test_options();
   for (const auto kernel : {AdamWKernel::kFused, AdamWKernel::kUnfused}) {
     auto early = make(), lazy = make();
     auto early_opt = make_adamw(early, o), lazy_opt = make_adamw(lazy, o);

@@ -16,11 +16,14 @@
 #include <spdlog/spdlog.h>
 
 #include "core/bench/bench_stats.h"
+#include "core/bench/gemm_peak.h"
 #include "core/config/config.h"
 #include "core/plugin/abi2.h"
 #include "core/plugin/library.h"
 #include "core/job/export.h"
+#include "core/job/job.h"
 #include "core/job/options.h"
+#include "core/model/linear_cross_entropy.h"
 #include "core/util/error.h"
 #include "core/util/fs.h"
 #include "core/util/shell.h"
@@ -188,6 +191,49 @@ void draw_plots(const BenchOptions& o, const std::string& json_path) {
   }
 }
 
+// On a CPU job, the GEMM peak of the job's products on this machine (gemm_peak.h), for the
+// largest batch one process of the bench multiplies; none on a GPU (its MFU is in each run's own
+// summary, against the data sheet's peak).
+std::optional<GemmPeak> cpu_gemm_peak(const TrainOptions& job, const std::vector<BenchVariant>& variants,
+                                      int64_t tokens_per_step) {
+  const bool cpu = job.device == "cpu" || (job.device == "auto" && !torch::cuda::is_available());
+  if (!cpu || variants.empty()) return std::nullopt;
+  int fewest = variants.front().nproc * variants.front().nnodes;
+  for (const auto& v : variants) fewest = std::min(fewest, v.nproc * v.nnodes);
+  const int64_t tokens = std::max<int64_t>(tokens_per_step / job.grad_accum_steps / fewest, 1);
+  const ModelConfig config = resolve_model_config(job, nullptr);
+  const auto shapes = model_gemm_shapes(config, tokens, linear_cross_entropy_chunk_rows(config.vocab_size));
+  auto peak = measure_gemm_peak(shapes, compute_dtype(job.precision), static_cast<int>(job.threads));
+  const auto best = std::max_element(peak.rates.begin(), peak.rates.end(),
+                                     [](const GemmRate& a, const GemmRate& b) { return a.gflops < b.gflops; });
+  spdlog::info("bench: this CPU's GEMM peak in {} with {} thread{}: {:.0f} GFLOP/s ({}: [{} x {}] by [{} x {}]); the "
+               "table's MFU is against it",
+               peak.dtype, peak.threads, peak.threads == 1 ? "" : "s", peak.gflops, best->shape.what, best->shape.m,
+               best->shape.k, best->shape.k, best->shape.n);
+  return peak;
+}
+
+// Each variant's MFU against `peak`: a weft variant's from its runs' FLOPs per token; transformers'
+// (the same job) and, for full fine-tuning, PyTorch's baselines (the same model, every weight
+// trained) from weft's. PyTorch's model on a LoRA job trains every weight: other FLOPs, none.
+void set_mfu(std::vector<VariantSummary>& summaries, const std::vector<std::vector<RunMeasurement>>& runs,
+             const std::vector<BenchVariant>& variants, const std::string& mode, const GemmPeak& peak) {
+  std::optional<double> job_flops;
+  for (size_t i = 0; i < variants.size() && !job_flops; ++i) {
+    if (!variants[i].pytorch && !runs[i].empty()) job_flops = runs[i].front().flops_per_token;
+  }
+  for (auto& s : summaries) {
+    const auto v = std::find_if(variants.begin(), variants.end(), [&](const BenchVariant& b) { return b.name == s.name; });
+    std::optional<double> flops;
+    if (!v->pytorch) {
+      flops = runs[static_cast<size_t>(v - variants.begin())].front().flops_per_token;
+    } else if (!v->transformers.empty() || mode == "full") {
+      flops = job_flops;
+    }
+    if (flops && peak.gflops > 0) s.mfu = s.tokens_per_second.median / s.nproc * *flops / (peak.gflops * 1e9);
+  }
+}
+
 }  // namespace
 
 std::vector<BenchVariant> plan_bench(const BenchOptions& o) {
@@ -315,6 +361,8 @@ int run_bench(const BenchOptions& options) {
   // Across nodes, node 0's rank 0 writes each run's metrics; the other nodes' files are named by node
   // (a run directory may be shared between nodes, as on a shared file system).
   const bool reads_metrics = o.node_rank == 0;
+  // Measured before the runs, on the quiet machine they will have.
+  const auto peak = reads_metrics ? cpu_gemm_peak(job, variants, tokens_per_step) : std::nullopt;
   const std::string node_suffix = reads_metrics ? "" : fmt::format(".node{}", o.node_rank);
   std::vector<std::vector<RunMeasurement>> runs(variants.size());
   std::vector<std::optional<Failure>> failures(variants.size());
@@ -365,6 +413,7 @@ int run_bench(const BenchOptions& options) {
     summaries.push_back(summarise(v.name, v.plugin, v.nproc * v.nnodes, v.pytorch, runs[i], tokens_per_step));
     steps_per_epoch = runs[i].front().steps_per_epoch;
   }
+  if (peak) set_mfu(summaries, runs, variants, job.mode, *peak);
   const auto ratios = pair_ratios(summaries);
   std::string table = summaries.empty() ? std::string() : format_bench_table(summaries, ratios);
   const char* command = std::getenv("WEFT_COMMAND_LINE");  // set by the trainer's main
@@ -380,7 +429,8 @@ int run_bench(const BenchOptions& options) {
                          {"steps_per_epoch", steps_per_epoch},
                          {"variants", nlohmann::json::array()},
                          {"ratios", nlohmann::json::array()},
-                         {"failed", nlohmann::json::array()}};
+                         {"failed", nlohmann::json::array()},
+                         {"gemm_peak", peak ? to_json(*peak) : nlohmann::json(nullptr)}};
   for (const auto& s : summaries) json["variants"].push_back(to_json(s));
   for (const auto& r : ratios) json["ratios"].push_back(to_json(r));
   int failed = 0;
@@ -395,6 +445,11 @@ int run_bench(const BenchOptions& options) {
     table += fmt::format("{}- **{} failed** in repetition {} (no figures): {}\n",
                          table.empty() || failed > 1 ? "" : "\nFailed variants:\n\n", variants[i].name,
                          failures[i]->repetition, failures[i]->error);
+  }
+  if (peak) {
+    table += fmt::format("\nMFU: model FLOPs per second per process over this CPU's GEMM peak, {:.0f} GFLOP/s in {} with {} "
+                         "thread{} (torch::mm on the job's products, measured before the runs; bench.json's gemm_peak).\n",
+                         peak->gflops, peak->dtype, peak->threads, peak->threads == 1 ? "" : "s");
   }
   std::cout << table;
   const std::string json_path = o.out_dir + "/bench.json";

@@ -66,6 +66,7 @@ RunMeasurement read_run(const std::string& metrics_path, int64_t warmup_steps) {
     } else if (type == "summary") {
       summary = true;
       run.steps_per_epoch = j.value("steps_per_epoch", int64_t{0});
+      if (j.contains("model_flops_per_token")) run.flops_per_token = j["model_flops_per_token"].get<double>();
       if (j.contains("peak_rss_mib_per_rank")) {
         run.peak_rss_mib_per_rank = j["peak_rss_mib_per_rank"].get<std::vector<double>>();
       } else {
@@ -169,8 +170,8 @@ std::string format_bench_table(const std::vector<VariantSummary>& variants, cons
   std::string out =
       "| variant | processes | step time median [min-max] | step p50 / p95 / p99 | tokens/s median [min-max] | time "
       "per epoch median [min-max] | forward / backward per step (rank 0) | peak RSS MiB per rank | activation peak MiB "
-      "per rank | waiting on comm (rank 0) | MB sent per step | bubble (formula) |\n"
-      "|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+      "per rank | waiting on comm (rank 0) | MB sent per step | bubble (formula) | MFU (of the measured GEMM peak) |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const auto& v : variants) {
     const std::string bubble =
         v.bubble ? fmt::format("{:.3f} ({})", *v.bubble, v.bubble_formula ? fmt::format("{:.3f}", *v.bubble_formula) : "-")
@@ -178,7 +179,7 @@ std::string format_bench_table(const std::vector<VariantSummary>& variants, cons
     const std::string compute =
         v.forward_seconds ? fmt::format("{:.3f} / {:.3f} s", *v.forward_seconds, *v.backward_seconds) : "-";
     out += fmt::format("| {} | {} | {:.3f} s [{:.3f}-{:.3f}] | {:.3f} / {:.3f} / {:.3f} s | {:.0f} [{:.0f}-{:.0f}] | {} "
-                       "[{}-{}] | {} | {} | {} | {} | {} | {} |\n",
+                       "[{}-{}] | {} | {} | {} | {} | {} | {} | {} |\n",
                        v.name, v.nproc, v.step_seconds.median, v.step_seconds.min, v.step_seconds.max,
                        v.step_percentiles.p50, v.step_percentiles.p95, v.step_percentiles.p99,
                        v.tokens_per_second.median, v.tokens_per_second.min, v.tokens_per_second.max,
@@ -186,7 +187,8 @@ std::string format_bench_table(const std::vector<VariantSummary>& variants, cons
                        format_duration(v.epoch_seconds.max), compute, ranks_text(v.peak_rss_mib_per_rank),
                        ranks_text(v.activation_peak_mib_per_rank),
                        v.pytorch ? "n/a" : optional_percent(v.comm_wait_fraction),
-                       v.comm_bytes_per_step ? fmt::format("{:.2f}", *v.comm_bytes_per_step / 1e6) : "-", bubble);
+                       v.comm_bytes_per_step ? fmt::format("{:.2f}", *v.comm_bytes_per_step / 1e6) : "-", bubble,
+                       optional_percent(v.mfu));
   }
   if (!ratios.empty()) {
     // Every pair of up to 3 variants; beyond that (28 pairs for 8) each against the first.
@@ -248,6 +250,7 @@ nlohmann::json to_json(const VariantSummary& v) {
           {"forward_s", optional(v.forward_seconds)},
           {"backward_s", optional(v.backward_seconds)},
           {"link_bytes_per_step", optional(v.link_bytes_per_step)},
+          {"mfu", optional(v.mfu)},
           {"held_out", held_out},
           {"runs", runs}};
 }

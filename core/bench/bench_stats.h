@@ -37,6 +37,7 @@ struct RunMeasurement {
   std::vector<double> activation_peak_mib_per_rank;  // tensor bytes a step added at its peak (weft)
   std::vector<double> link_bytes;         // per measured step: rank 0's node's link (a job across nodes)
   std::vector<HeldOut> held_out;          // every evaluation of the run, in order
+  std::optional<double> flops_per_token;  // the summary's model_flops_per_token (weft's runs)
 };
 
 // Reads `metrics_path` (weft's metrics.jsonl, or the PyTorch baseline's in the same format),
@@ -75,6 +76,9 @@ struct VariantSummary {
   // The held-out loss against training time: per evaluation, the median over repetitions of its
   // train_seconds and loss (each repetition evaluates at the same steps).
   std::vector<HeldOut> held_out;
+  // Model FLOP utilisation at the median tokens/s: per process, against the GEMM peak trainer bench
+  // measured (gemm_peak.h); set by the bench where the peak and the job's FLOPs per token apply.
+  std::optional<double> mfu;
 };
 
 

@@ -1,6 +1,7 @@
 // trainer bench: the plan of variants (names, process counts, the baseline, refusals), the
 // figures from metrics files with hand-computed medians and ratios, and a real two-plugin
 // bench end to end (runs alternated, bench.json, the table, the run report of a child run).
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -14,6 +15,7 @@
 #include "common/process.h"
 #include "core/bench/bench.h"
 #include "core/bench/bench_stats.h"
+#include "core/bench/gemm_peak.h"
 #include "core/model/config.h"
 #include "core/util/error.h"
 
@@ -180,6 +182,7 @@ std::string write_metrics(const std::string& dir, const std::string& name, const
   nlohmann::json summary = {{"type", "summary"}, {"steps_per_epoch", 100}, {"peak_rss_mib_per_rank", {300.0, 200.0}}};
   // The tensor bytes a step added at its peak (weft's runs): rank 0 grows with the run's first step.
   if (comm) summary["activation_peak_mib_per_rank"] = {40.0 + steps.front(), 30.0};
+  if (comm) summary["model_flops_per_token"] = 6.0e8;
   out << summary.dump() << "\n";
   return path;
 }
@@ -190,6 +193,7 @@ TEST(BenchStats, WarmUpIsDroppedAndEveryFigureFollowsFromTheMeasuredSteps) {
   const auto a1 = weft::read_run(write_metrics(dir, "a1", {9.0, 1.0, 3.0, 2.0}, true), 1);
   const auto a2 = weft::read_run(write_metrics(dir, "a2", {9.0, 4.0, 1.5, 2.5}, true), 1);
   ASSERT_EQ(a1.step_seconds, (std::vector<double>{1.0, 3.0, 2.0}));
+  EXPECT_EQ(a1.flops_per_token, 6.0e8);
   const auto a = weft::summarise("a x2", "a", 2, false, {a1, a2}, 1000);
   // Pooled measured steps {1, 3, 2, 4, 1.5, 2.5}: median 2.25, min 1, max 4.
   EXPECT_DOUBLE_EQ(a.step_seconds.median, 2.25);
@@ -217,7 +221,12 @@ TEST(BenchStats, WarmUpIsDroppedAndEveryFigureFollowsFromTheMeasuredSteps) {
 
   const auto b1 = weft::read_run(write_metrics(dir, "b1", {9.0, 4.0, 4.0, 4.0}, false), 1);
   const auto b2 = weft::read_run(write_metrics(dir, "b2", {9.0, 5.0, 5.0, 5.0}, false), 1);
-  const auto b = weft::summarise("b x1", "b", 1, false, {b1, b2}, 1000);
+  auto b = weft::summarise("b x1", "b", 1, false, {b1, b2}, 1000);
+  EXPECT_FALSE(b1.flops_per_token.has_value());
+  EXPECT_FALSE(b.mfu.has_value());  // the bench sets it where it measured a peak
+  EXPECT_TRUE(weft::to_json(b)["mfu"].is_null());
+  b.mfu = 0.4567;
+  EXPECT_DOUBLE_EQ(weft::to_json(b)["mfu"].get<double>(), 0.4567);
   EXPECT_FALSE(b.comm_wait_fraction.has_value());
   EXPECT_FALSE(b.forward_seconds.has_value());
   EXPECT_TRUE(b.activation_peak_mib_per_rank.empty());
@@ -232,6 +241,8 @@ TEST(BenchStats, WarmUpIsDroppedAndEveryFigureFollowsFromTheMeasuredSteps) {
             std::string::npos)
       << table;
   EXPECT_NE(table.find("| b x1 vs a x2 | 0.50x | 0.50, 0.50 |"), std::string::npos) << table;
+  EXPECT_NE(table.find("| - | 45.7% |\n"), std::string::npos) << table;  // b's bubble, then its MFU
+  EXPECT_NE(table.find("| 0.300 (0.200) | - |\n"), std::string::npos) << table;  // a has none
   // Beyond 3 variants the table lists each against the first only (all pairs stay in JSON).
   auto c = b, d = b;
   c.name = "c x1";
@@ -244,6 +255,56 @@ TEST(BenchStats, WarmUpIsDroppedAndEveryFigureFollowsFromTheMeasuredSteps) {
   EXPECT_NE(long_table.find("| per repetition (each against the first variant; every pair is in bench.json) |"),
             std::string::npos)
       << long_table;
+}
+
+// The products trainer bench measures its CPU peak on are the model's, as weft multiplies them
+// (q/k/v and gate/up stacked, the head on its chunk of rows), and the peak is the best of their
+// rates, timed in the asked dtype with the asked threads (the caller's setting restored).
+TEST(GemmPeak, TheModelsOwnProductsAndTheBestOfTheirRates) {
+  weft::ModelConfig smol;  // SmolLM2-135M's shape
+  smol.vocab_size = 49152;
+  smol.hidden_size = 576;
+  smol.intermediate_size = 1536;
+  smol.num_hidden_layers = 30;
+  smol.num_attention_heads = 9;
+  smol.num_key_value_heads = 3;
+  smol.head_dim = 64;
+  auto shapes = weft::model_gemm_shapes(smol, 1024, 1360);
+  ASSERT_EQ(shapes.size(), 5u);
+  auto mkn = [](const weft::GemmShape& s) { return std::vector<int64_t>{s.m, s.k, s.n}; };
+  EXPECT_EQ(mkn(shapes[0]), (std::vector<int64_t>{1024, 576, 960}));   // q/k/v: 576 + 2 x 192
+  EXPECT_EQ(mkn(shapes[1]), (std::vector<int64_t>{1024, 576, 576}));   // o
+  EXPECT_EQ(mkn(shapes[2]), (std::vector<int64_t>{1024, 576, 3072}));  // gate/up
+  EXPECT_EQ(mkn(shapes[3]), (std::vector<int64_t>{1024, 1536, 576}));  // down
+  EXPECT_EQ(mkn(shapes[4]), (std::vector<int64_t>{1024, 576, 49152})); // the head: one chunk holds all rows
+  EXPECT_EQ(weft::model_gemm_shapes(smol, 1024, 256)[4].m, 256);
+  EXPECT_DOUBLE_EQ(shapes[1].flops(), 2.0 * 1024 * 576 * 576);
+  smol.num_labels = 2;  // a classifier: no LM head product
+  EXPECT_EQ(weft::model_gemm_shapes(smol, 1024).size(), 4u);
+
+  const int previous = at::get_num_threads();
+  at::set_num_threads(2);  // the caller's setting, other than the 1 thread measured with
+  const int threads = at::get_num_threads();
+  const std::vector<weft::GemmShape> small{{32, 64, 48, "a"}, {64, 96, 128, "b"}};
+  for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    const auto peak = weft::measure_gemm_peak(small, dtype, 1, 0.01);
+    EXPECT_EQ(peak.dtype, dtype == torch::kFloat32 ? "fp32" : "bf16");
+    EXPECT_EQ(peak.threads, 1);
+    ASSERT_EQ(peak.rates.size(), 2u);
+    EXPECT_EQ(peak.rates[1].shape.what, "b");
+    EXPECT_GT(peak.rates[0].gflops, 0.0);
+    EXPECT_GT(peak.rates[1].gflops, 0.0);
+    EXPECT_DOUBLE_EQ(peak.gflops, std::max(peak.rates[0].gflops, peak.rates[1].gflops));
+    const auto json = weft::to_json(peak);
+    EXPECT_EQ(json["shapes"][1]["n"], 128);
+    EXPECT_DOUBLE_EQ(json["gflops"].get<double>(), peak.gflops);
+  }
+  EXPECT_EQ(at::get_num_threads(), threads);
+  EXPECT_THROW(weft::measure_gemm_peak({}, torch::kFloat32, 1), weft::Error);
+  EXPECT_THROW(weft::measure_gemm_peak({{0, 4, 4, "empty"}}, torch::kFloat32, 1), weft::Error);
+  EXPECT_THROW(weft::measure_gemm_peak(small, torch::kFloat32, 0), weft::Error);
+  EXPECT_EQ(at::get_num_threads(), threads);
+  at::set_num_threads(previous);
 }
 
 TEST(BenchStats, PercentilesInterpolateBetweenTheClosestRanksAsNumpyDoes) {
@@ -293,6 +354,31 @@ TEST(BenchCommand, AlternatesTwoPluginsAndWritesTheTableJsonAndRunReports) {
   };
   EXPECT_LT(finished("ddp_x2", 1), finished("single_x1", 2));
   EXPECT_LT(finished("single_x1", 1), finished("ddp_x2", 1));
+  // A CPU job: the GEMM peak of the tiny model's five products (q/k/v, o, gate/up, down, the head)
+  // in fp32 on one thread, measured before the runs, and each variant's MFU against it: its median
+  // tokens/s per process times the FLOPs per token its runs' summaries give, over the peak.
+  const auto& peak = json["gemm_peak"];
+  ASSERT_TRUE(peak.is_object()) << json.dump(2);
+  EXPECT_EQ(peak["dtype"], "fp32");
+  EXPECT_EQ(peak["threads"], 1);
+  ASSERT_EQ(peak["shapes"].size(), 5u);
+  EXPECT_EQ(peak["shapes"][4]["what"], "head");
+  EXPECT_EQ(peak["shapes"][0]["m"], 4 * 32);  // single x1 multiplies the whole batch
+  double best = 0;
+  for (const auto& shape : peak["shapes"]) best = std::max(best, shape["gflops"].get<double>());
+  EXPECT_GT(best, 0.0);
+  EXPECT_DOUBLE_EQ(peak["gflops"].get<double>(), best);
+  nlohmann::json run_summary;
+  std::ifstream metrics(out + "/runs/ddp_x2/rep1/metrics.jsonl");
+  for (std::string line; std::getline(metrics, line);) {
+    if (const auto j = nlohmann::json::parse(line); j["type"] == "summary") run_summary = j;
+  }
+  const double flops = run_summary["model_flops_per_token"].get<double>();
+  EXPECT_GT(flops, 0.0);
+  const auto& ddp = json["variants"][1];
+  EXPECT_NEAR(ddp["mfu"].get<double>(), ddp["tokens_per_s"]["median"].get<double>() / 2 * flops / (best * 1e9),
+              1e-12);
+  EXPECT_NE(result.output.find(" MFU (of the measured GEMM peak) |"), std::string::npos) << result.output;
   // Every run records the command that reproduces it.
   EXPECT_NE(read_text(out + "/runs/ddp_x2/rep1/command.txt").find("--plugin ddp --nproc 2"), std::string::npos);
   // A plugin that does not exist is refused before anything runs.
@@ -495,6 +581,14 @@ TEST(BenchCommand, TransformersAndPeftTrainTheSameCheckpointBesideWeft) {
   EXPECT_EQ(json["variants"][1]["name"], "pytorch-ddp x1");
   EXPECT_EQ(json["variants"][2]["name"], "transformers-peft x1");
   EXPECT_EQ(json["variants"][2]["kind"], "pytorch");
+  // MFU: transformers + PEFT trains the job's adapters (weft's FLOPs per token); PyTorch's own
+  // model trains every weight of a LoRA job (other FLOPs): none for it.
+  EXPECT_GT(json["variants"][0]["mfu"].get<double>(), 0.0);
+  EXPECT_NEAR(json["variants"][2]["mfu"].get<double>() / json["variants"][0]["mfu"].get<double>(),
+              json["variants"][2]["tokens_per_s"]["median"].get<double>() /
+                  json["variants"][0]["tokens_per_s"]["median"].get<double>(),
+              1e-9);
+  EXPECT_TRUE(json["variants"][1]["mfu"].is_null());
   const auto records = [&](const std::string& variant) {
     std::vector<double> losses;
     nlohmann::json summary;

@@ -1,0 +1,71 @@
+#include "core/bench/gemm_peak.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "core/util/error.h"
+
+namespace weft {
+
+std::vector<GemmShape> model_gemm_shapes(const ModelConfig& c, int64_t tokens, int64_t head_rows) {
+  const int64_t attention = c.num_attention_heads * c.head_dim, kv = c.num_key_value_heads * c.head_dim;
+  std::vector<GemmShape> shapes{{tokens, c.hidden_size, attention + 2 * kv, "q/k/v"},
+                                {tokens, attention, c.hidden_size, "o"},
+                                {tokens, c.hidden_size, 2 * c.intermediate_size, "gate/up"},
+                                {tokens, c.intermediate_size, c.hidden_size, "down"}};
+  if (!c.classification()) {
+    shapes.push_back({head_rows > 0 ? std::min(head_rows, tokens) : tokens, c.hidden_size, c.vocab_size, "head"});
+  }
+  return shapes;
+}
+
+GemmPeak measure_gemm_peak(const std::vector<GemmShape>& shapes, torch::Dtype dtype, int threads,
+                           double seconds_per_shape) {
+  WEFT_CHECK(!shapes.empty(), "measure_gemm_peak: no shapes to time");
+  WEFT_CHECK(threads >= 1, "measure_gemm_peak: {} threads (at least 1)", threads);
+  for (const auto& s : shapes) {
+    WEFT_CHECK(s.m > 0 && s.k > 0 && s.n > 0, "measure_gemm_peak: a product of [{} x {}] by [{} x {}]", s.m, s.k, s.k,
+               s.n);
+  }
+  torch::NoGradGuard no_grad;
+  const int previous = at::get_num_threads();
+  at::set_num_threads(threads);
+  GemmPeak peak;
+  peak.dtype = dtype == torch::kBFloat16 ? "bf16" : dtype == torch::kHalf ? "fp16" : "fp32";
+  peak.threads = threads;
+  using Clock = std::chrono::steady_clock;
+  try {
+    for (const auto& s : shapes) {
+      const auto options = torch::TensorOptions().dtype(dtype);
+      const auto x = torch::randn({s.m, s.k}).to(options);
+      const auto w = torch::randn({s.n, s.k}).to(options);
+      auto y = torch::empty({s.m, s.n}, options);
+      for (int i = 0; i < 2; ++i) torch::mm_out(y, x, w.t());  // warm-up: the library's kernels and packing
+      int64_t calls = 0;
+      const auto start = Clock::now();
+      double elapsed = 0;
+      while (calls < 3 || elapsed < seconds_per_shape) {
+        torch::mm_out(y, x, w.t());
+        ++calls;
+        elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+      }
+      peak.rates.push_back({s, s.flops() * static_cast<double>(calls) / elapsed / 1e9});
+      peak.gflops = std::max(peak.gflops, peak.rates.back().gflops);
+    }
+  } catch (...) {
+    at::set_num_threads(previous);
+    throw;
+  }
+  at::set_num_threads(previous);
+  return peak;
+}
+
+nlohmann::json to_json(const GemmPeak& peak) {
+  nlohmann::json shapes = nlohmann::json::array();
+  for (const auto& r : peak.rates) {
+    shapes.push_back({{"m", r.shape.m}, {"k", r.shape.k}, {"n", r.shape.n}, {"what", r.shape.what}, {"gflops", r.gflops}});
+  }
+  return {{"dtype", peak.dtype}, {"threads", peak.threads}, {"gflops", peak.gflops}, {"shapes", shapes}};
+}
+
+}  // namespace weft

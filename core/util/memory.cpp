@@ -141,6 +141,14 @@ void install_memory_tracker() {
   // resident per rank in a step of the 1B shape with flat-sharded parameters, gathered and released.
   // MALLOC_MMAP_THRESHOLD_ in the environment (glibc's own setting) wins.
   if (std::getenv("MALLOC_MMAP_THRESHOLD_") == nullptr) mallopt(M_MMAP_THRESHOLD, 4 << 20);
+  // Setting that threshold also fixes glibc's trim threshold at its 128 KiB default: whenever 128
+  // KiB at the top of the heap were free, they went back to the system and faulted in again at
+  // the next allocations there. The blocks below 1 MiB that a step allocates and frees (LoRA
+  // dropout's masks, each adapter's small operands and gradients) then cost a page fault per 4 KiB
+  // every step: measured on the quickstart's bf16 LoRA step, 25k page faults per step with dropout
+  // 0.05 and 5k without; with the heap's top kept up to 64 MiB, none and under 100 (peak RSS +3
+  // MiB). MALLOC_TRIM_THRESHOLD_ in the environment wins.
+  if (std::getenv("MALLOC_TRIM_THRESHOLD_") == nullptr) mallopt(M_TRIM_THRESHOLD, 64 << 20);
 #endif
   c10::SetCPUAllocator(&allocator, /*priority=*/100);
 }

@@ -10,7 +10,10 @@
 namespace weft {
 
 // Installs the counting allocator as LibTorch's CPU allocator (idempotent). Tensors allocated
-// before are freed by their own allocator and never counted.
+// before are freed by their own allocator and never counted. With glibc, also sets malloc's mmap
+// threshold to 4 MiB and its trim threshold to 64 MiB (unless MALLOC_MMAP_THRESHOLD_ /
+// MALLOC_TRIM_THRESHOLD_ set them): large blocks return to the system when freed, while the
+// heap keeps the small ones a step frees for the next step's.
 void install_memory_tracker();
 bool memory_tracker_installed();
 

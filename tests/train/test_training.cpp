@@ -4,6 +4,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include <sys/resource.h>
+
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
@@ -224,6 +226,29 @@ TEST(TensorMemory, FreedBlocksServeTheNextAllocationOfTheirSizeWithinTheHighWate
     EXPECT_LT(tensor_bytes_cached(), 256 * kMiB);
   }
   EXPECT_EQ(tensor_bytes_live(), live0);
+}
+
+// Blocks below 1 MiB come from malloc's heap: freed and allocated again every step (LoRA dropout's
+// masks, the adapters' small operands), they are served from memory already resident, not given
+// back to the system at each free and faulted in again (glibc's trim threshold, which the
+// tracker's mmap threshold would otherwise leave at 128 KiB). MALLOC_TRIM_THRESHOLD_=131072 in the
+// environment brings the old behaviour back.
+TEST(TensorMemory, SmallBlocksAllocatedAgainEveryStepAreNotFaultedInAgain) {
+  install_memory_tracker();
+  auto minor_faults = [] {
+    rusage usage{};
+    getrusage(RUSAGE_SELF, &usage);
+    return static_cast<int64_t>(usage.ru_minflt);
+  };
+  auto round = [] {  // 64 blocks of 512 KiB, written, then all freed
+    std::vector<torch::Tensor> blocks;
+    for (int i = 0; i < 64; ++i) blocks.push_back(torch::ones({128 * 1024}, torch::kFloat32));
+  };
+  round();
+  const int64_t before = minor_faults();
+  for (int i = 0; i < 10; ++i) round();
+  // Measured: ~2k faults over the 10 rounds, ~17k with the 128 KiB threshold (82k pages written).
+  EXPECT_LT(minor_faults() - before, 6000) << "32 MiB of blocks per round, 10 rounds";
 }
 
 TEST(Training, OverfitsOneBatch) {

@@ -148,13 +148,13 @@ std::string run_arguments(const ConformanceOptions& c, const std::string& corpus
   return fmt::format(
       "train --plugin {} --nproc {} --set model.config={} --set data.path={} --set data.seq_len=32"
       " --set data.heldout_fraction=0.1 --set data.split_seed=1 --set data.tokenizer=byte --set data.cache_dir="
-      " --set train.lr=1e-3 --set train.warmup_steps=2 --set train.seed=11 --set train.max_steps={}"
+      " --set train.lr=1e-3 --set train.eps={} --set train.warmup_steps=2 --set train.seed=11 --set train.max_steps={}"
       " --set train.batch_size={} --set train.grad_accum_steps={} --set train.precision={} --set train.threads=1"
       " --set train.device={}"
       " --set train.out_dir={} --set train.overwrite=true --set log.progress=off --set checkpoint.keep_best=false"
       " --set checkpoint.save_final=true --log-level warn{}",
-      c.plugin, c.nproc, model_config, corpus, c.steps, c.batch_size, c.grad_accum_steps, c.precision, c.device,
-      out_dir, plugin_settings);
+      c.plugin, c.nproc, model_config, corpus, c.adam_eps, c.steps, c.batch_size, c.grad_accum_steps, c.precision,
+      c.device, out_dir, plugin_settings);
 }
 
 // ": <the first error line of a run's log>", or "" when it has none.
@@ -215,6 +215,7 @@ TrainOptions run_options(const ConformanceOptions& c, const std::string& corpus,
   o.data.tokenize_threads = 1;
   o.tokenizer = "byte";
   o.optim.lr = 1e-3;
+  o.optim.eps = c.adam_eps;
   o.optim.warmup_steps = 2;
   o.seed = 11;
   o.max_steps = c.steps;

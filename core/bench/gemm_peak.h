@@ -42,7 +42,8 @@ struct GemmPeak {
 };
 
 // Times torch::mm over each shape in `dtype` on the CPU with `threads` intra-op threads (the
-// caller's setting restored after), for about `seconds_per_shape` each after a warm-up. Throws
+// caller's setting restored after), after one warm-up call, for about `seconds_per_shape` each
+// (at least one call). Throws
 // weft::Error for no shapes, a shape with a zero or negative side, or threads < 1.
 GemmPeak measure_gemm_peak(const std::vector<GemmShape>& shapes, torch::Dtype dtype, int threads,
                            double seconds_per_shape = 0.2);

@@ -24,6 +24,7 @@
 #include "core/job/job.h"
 #include "core/job/options.h"
 #include "core/model/linear_cross_entropy.h"
+#include "core/train/flops.h"
 #include "core/util/error.h"
 #include "core/util/fs.h"
 #include "core/util/shell.h"
@@ -230,7 +231,7 @@ void set_mfu(std::vector<VariantSummary>& summaries, const std::vector<std::vect
     } else if (!v->transformers.empty() || mode == "full") {
       flops = job_flops;
     }
-    if (flops && peak.gflops > 0) s.mfu = s.tokens_per_second.median / s.nproc * *flops / (peak.gflops * 1e9);
+    if (flops && peak.gflops > 0) s.mfu = model_flop_utilisation(s.tokens_per_second.median / s.nproc, *flops, peak.gflops / 1e3);
   }
 }
 

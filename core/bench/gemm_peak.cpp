@@ -28,36 +28,33 @@ GemmPeak measure_gemm_peak(const std::vector<GemmShape>& shapes, torch::Dtype dt
                s.n);
   }
   torch::NoGradGuard no_grad;
-  const int previous = at::get_num_threads();
+  struct Threads {  // the caller's setting back on every way out
+    int previous = at::get_num_threads();
+    ~Threads() { at::set_num_threads(previous); }
+  } restore;
   at::set_num_threads(threads);
   GemmPeak peak;
   peak.dtype = dtype == torch::kBFloat16 ? "bf16" : dtype == torch::kHalf ? "fp16" : "fp32";
   peak.threads = threads;
   using Clock = std::chrono::steady_clock;
-  try {
-    for (const auto& s : shapes) {
-      const auto options = torch::TensorOptions().dtype(dtype);
-      const auto x = torch::randn({s.m, s.k}).to(options);
-      const auto w = torch::randn({s.n, s.k}).to(options);
-      auto y = torch::empty({s.m, s.n}, options);
-      torch::mm_out(y, x, w.t());  // warm-up: the library's kernel selection and packing
-      // At least one timed call: a big model's head product alone may take seconds on a CPU.
-      int64_t calls = 0;
-      const auto start = Clock::now();
-      double elapsed = 0;
-      while (calls < 1 || elapsed < seconds_per_shape) {
-        torch::mm_out(y, x, w.t());
-        ++calls;
-        elapsed = std::chrono::duration<double>(Clock::now() - start).count();
-      }
-      peak.rates.push_back({s, s.flops() * static_cast<double>(calls) / elapsed / 1e9});
-      peak.gflops = std::max(peak.gflops, peak.rates.back().gflops);
+  for (const auto& s : shapes) {
+    const auto options = torch::TensorOptions().dtype(dtype);
+    const auto x = torch::randn({s.m, s.k}).to(options);
+    const auto w = torch::randn({s.n, s.k}).to(options);
+    auto y = torch::empty({s.m, s.n}, options);
+    torch::mm_out(y, x, w.t());  // warm-up: the library's kernel selection and packing
+    // At least one timed call: a big model's head product alone may take seconds on a CPU.
+    int64_t calls = 0;
+    const auto start = Clock::now();
+    double elapsed = 0;
+    while (calls < 1 || elapsed < seconds_per_shape) {
+      torch::mm_out(y, x, w.t());
+      ++calls;
+      elapsed = std::chrono::duration<double>(Clock::now() - start).count();
     }
-  } catch (...) {
-    at::set_num_threads(previous);
-    throw;
+    peak.rates.push_back({s, s.flops() * static_cast<double>(calls) / elapsed / 1e9});
+    peak.gflops = std::max(peak.gflops, peak.rates.back().gflops);
   }
-  at::set_num_threads(previous);
   return peak;
 }
 

@@ -5,7 +5,6 @@
 // figure is measured where the bench runs, beside the runs it judges.
 #pragma once
 
-#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>

@@ -430,7 +430,7 @@ class SwigluFunction : public torch::autograd::Function<SwigluFunction> {
 // (to within U's 23 bits), and only the dropped elements cost a draw. Draw t of block b: U from a
 // 32-bit hash of (seed, b, t), MurmurHash3's finalizer twice with the seed's halves mixed in.
 constexpr int64_t kDropBlock = int64_t{1} << 16;
-constexpr int kDraws = 16;  // gaps drawn at once, so that the hash and the logarithm vectorise
+constexpr int kDraws = 64;  // gaps drawn at once: the hash and the logarithm in vectors, four chains in flight
 
 WEFT_ALWAYS_INLINE uint32_t fmix32(uint32_t h) {
   h ^= h >> 16;
@@ -511,19 +511,23 @@ torch::Tensor dropped_indices(int64_t n, double p, uint64_t seed) {
              "dropout: at most 2^31 - 1 elements per tensor, got {}", n);
   const MaskParams m = mask_params(p, seed);
   const int64_t blocks = (n + kDropBlock - 1) / kDropBlock;
-  std::vector<std::vector<int32_t>> parts(static_cast<size_t>(blocks));
+  // The blocks' buffers are the calling thread's, kept from call to call: a LoRA step draws a mask
+  // per adapter, and their allocations cost more than the draws where the heap is fragmented.
+  thread_local std::vector<std::vector<int32_t>> parts;
+  if (parts.size() < static_cast<size_t>(blocks)) parts.resize(static_cast<size_t>(blocks));
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       auto& part = parts[static_cast<size_t>(b)];
+      part.clear();
       part.reserve(static_cast<size_t>(static_cast<double>(std::min(kDropBlock, n - b * kDropBlock)) * p * 1.1) + 64);
       dropped_in_block(b, n, m, part);
     }
   });
   int64_t count = 0;
-  for (const auto& part : parts) count += static_cast<int64_t>(part.size());
+  for (int64_t b = 0; b < blocks; ++b) count += static_cast<int64_t>(parts[static_cast<size_t>(b)].size());
   auto out = torch::empty({count}, torch::kInt32);
   int32_t* o = out.data_ptr<int32_t>();
-  for (const auto& part : parts) o = std::copy(part.begin(), part.end(), o);
+  for (int64_t b = 0; b < blocks; ++b) o = std::copy(parts[static_cast<size_t>(b)].begin(), parts[static_cast<size_t>(b)].end(), o);
   return out;
 }
 
@@ -576,8 +580,12 @@ struct Complement {
   int64_t stride, r;
   float scale;
   float* part;
+  void* values;  // x's dropped elements in d's order, of x's type (null: none): forward writes, backward reads
 };
 constexpr int64_t kMaxComplements = 16;  // adapters per pass (more go in further passes)
+// Backward's prefetch distance in dropped elements: x's and x's gradient's elements are read and
+// written out of cache order (a pass per adapter over each row), and miss.
+constexpr int64_t kPrefetchAhead = 16;
 
 // The dropped indices of rows [begin, end) of a [R, cols] matrix: d's range [lo, hi).
 std::pair<int64_t, int64_t> rows_range(const int32_t* d, int64_t count, int64_t begin, int64_t end, int64_t cols) {
@@ -618,6 +626,10 @@ WEFT_ALWAYS_INLINE void complement_forward_span(const T* __restrict x, int64_t c
     const float* __restrict at = op.at;
     const int64_t r = op.r;
     T* __restrict ui = static_cast<T*>(op.rows) + i * op.stride;
+    if (op.values != nullptr) {
+      T* __restrict values = static_cast<T*>(op.values);
+      for (int64_t q = k; q < k1; ++q) values[q] = x[d[q]];
+    }
     int64_t c0 = 0;
     for (; c0 + kLanes <= r; c0 += kLanes) {
       Lanes16 acc0 = {}, acc1 = {};
@@ -688,9 +700,30 @@ WEFT_ALWAYS_INLINE void complement_backward_span(T* __restrict g, const T* __res
     const int64_t r = op.r;
     const T* __restrict vi = static_cast<const T*>(op.rows) + i * op.stride;
     float* __restrict part = op.part + block * cols * r;
+    // x's dropped elements: forward's copy in d's order where it kept one (read in order), else x's.
+    const T* __restrict values = static_cast<const T*>(op.values);
+    if (r == kLanes) {  // one vector: v's row converted once for the row's elements
+      const Lanes16 vv = load16(vi);
+      for (int64_t k = k0; k < k1; ++k) {
+        const int64_t e = d[k];
+        if (k + kPrefetchAhead < k1) {
+          if (values == nullptr) __builtin_prefetch(x + d[k + kPrefetchAhead], 0, 3);
+          if (g != nullptr) __builtin_prefetch(g + d[k + kPrefetchAhead], 1, 3);
+        }
+        const float xv = to_float(values != nullptr ? values[k] : x[e]);
+        float* out = part + (e - row) * kLanes;
+        store16(out, load16(out) + xv * vv);
+        if (g != nullptr) {
+          products[kSum16Slot[n]] = vv * load16(at + (e - row) * kLanes);
+          at_of[n++] = e;
+          if (n == kLanes) subtract_sums(g, products, at_of, n), n = 0;
+        }
+      }
+      return;
+    }
     for (int64_t k = k0; k < k1; ++k) {
       const int64_t e = d[k];
-      const float xv = to_float(x[e]);
+      const float xv = to_float(values != nullptr ? values[k] : x[e]);
       const float* a = at + (e - row) * r;
       float* out = part + (e - row) * r;
       if (r % kLanes == 0) {
@@ -1178,6 +1211,7 @@ torch::Tensor seeded_dropout(const torch::Tensor& x, double p, uint64_t seed) {
 float dropout_scale(double p) { return static_cast<float>(1.0 / (1.0 - p)); }
 
 torch::Tensor dropout_mask_indices(int64_t n, double p, uint64_t seed) {
+  RECORD_FUNCTION("weft::dropout_mask_indices", std::vector<c10::IValue>());  // named in profiles
   WEFT_CHECK(p > 0.0 && p < 1.0, "dropout_mask_indices: p in (0, 1) expected, got {}", p);
   return dropped_indices(n, p, seed);
 }
@@ -1207,14 +1241,21 @@ std::vector<Complement> complements(const torch::Tensor& x, const std::vector<Dr
                    (rows.size(0) <= 1 || rows.stride(0) >= rows.size(1)),
                "{}: a [{}, {}] CPU matrix of x's dtype with unit column stride expected", what, x.size(0),
                a.at.size(1));
+    const auto& values = a.values;
+    WEFT_CHECK(!values.defined() || (values.device().is_cpu() && values.scalar_type() == x.scalar_type() &&
+                                     values.dim() == 1 && values.is_contiguous() && values.numel() == dropped.numel()),
+               "{}: the dropped elements' values as a contiguous CPU vector of x's dtype and the mask's {} elements "
+               "expected", what, dropped.numel());
     ops.push_back(Complement{dropped.data_ptr<int32_t>(), dropped.numel(), a.at.data_ptr<float>(), rows.data_ptr(),
-                             rows.stride(0), a.at.size(1), a.scale, nullptr});
+                             rows.stride(0), a.at.size(1), a.scale, nullptr,
+                             values.defined() ? values.data_ptr() : nullptr});
   }
   return ops;
 }
 }  // namespace
 
 void subtract_dropped_products_(const torch::Tensor& x, const std::vector<DroppedAdapter>& adapters) {
+  RECORD_FUNCTION("weft::subtract_dropped_products_", std::vector<c10::IValue>());  // named in profiles
   const auto ops = complements(x, adapters, "subtract_dropped_products_");
   const int64_t rows = x.size(0), cols = x.size(1);
   dispatch_float_or_bf16(x.scalar_type(), "subtract_dropped_products_", [&](auto tag) {
@@ -1229,6 +1270,7 @@ void subtract_dropped_products_(const torch::Tensor& x, const std::vector<Droppe
 }
 
 void dropped_backward_(torch::Tensor& grad_x, const torch::Tensor& x, const std::vector<DroppedAdapter>& adapters) {
+  RECORD_FUNCTION("weft::dropped_backward_", std::vector<c10::IValue>());  // named in profiles
   auto ops = complements(x, adapters, "dropped_backward_");
   const int64_t rows = x.size(0), cols = x.size(1);
   WEFT_CHECK(!grad_x.defined() || (grad_x.sizes() == x.sizes() && grad_x.scalar_type() == x.scalar_type() &&
@@ -1236,7 +1278,7 @@ void dropped_backward_(torch::Tensor& grad_x, const torch::Tensor& x, const std:
              "dropped_backward_: x's gradient must be a contiguous CPU tensor of x's shape and dtype");
   // A's shares in fixed blocks of rows, each summed in row order into its own [cols, r] part, the
   // parts then added in block order: the same bits at any thread count.
-  constexpr int64_t kBlockRows = 256;
+  constexpr int64_t kBlockRows = 512;
   const int64_t blocks = (rows + kBlockRows - 1) / kBlockRows;
   std::vector<torch::Tensor> parts;
   for (size_t o = 0; o < ops.size(); ++o) {
@@ -1273,6 +1315,22 @@ void dropped_backward_(torch::Tensor& grad_x, const torch::Tensor& x, const std:
       }
     });
   }
+}
+
+torch::Tensor transposed_fp32(const torch::Tensor& a) {
+  WEFT_CHECK(seeded_dropout_applies(a) && a.dim() == 2 && a.is_contiguous(),
+             "transposed_fp32: a contiguous 2-d CPU matrix of fp32 or bf16 expected");
+  const int64_t rows = a.size(0), cols = a.size(1);
+  auto out = torch::empty({cols, rows}, a.options().dtype(torch::kFloat32));
+  float* o = out.data_ptr<float>();
+  dispatch_float_or_bf16(a.scalar_type(), "transposed_fp32", [&](auto tag) {
+    using T = decltype(tag);
+    const T* in = data<T>(a);
+    for (int64_t c = 0; c < rows; ++c) {
+      for (int64_t j = 0; j < cols; ++j) o[j * rows + c] = to_float(in[c * cols + j]);
+    }
+  });
+  return out;
 }
 
 torch::Tensor fused_dropout(const torch::Tensor& x, double p) {

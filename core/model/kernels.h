@@ -115,6 +115,9 @@ struct DroppedAdapter {
   torch::Tensor rows;     // u (forward) or v (backward): [R, r] of x's dtype, unit column stride (a view will do)
   float scale = 1.0f;     // forward's: 1 / (1 - p)
   torch::Tensor grad_a;   // backward's: A's gradient [r, I], contiguous fp32, updated in place
+  // Optional: x's dropped elements in the mask's order ([count] of x's dtype, contiguous). Forward
+  // fills it; backward then reads it instead of x's scattered elements, which miss in cache.
+  torch::Tensor values;
 };
 // u[i, :] = (u[i, :] - sum over dropped (i, j) of x[i, j] at[j, :]) * scale for each adapter, each
 // element rounded once: u = x A^T becomes D(x) A^T.
@@ -124,6 +127,9 @@ void subtract_dropped_products_(const torch::Tensor& x, const std::vector<Droppe
 // (i, j) (grad_x [R, I] contiguous of x's dtype, each adapter's term rounded in adapter order;
 // undefined: skipped), and grad_a -= (x_dropped^T v)^T.
 void dropped_backward_(torch::Tensor& grad_x, const torch::Tensor& x, const std::vector<DroppedAdapter>& adapters);
+// A^T [I, r] contiguous fp32 of an adapter's A [r, I] (fp32 or bf16, contiguous): DroppedAdapter's
+// `at`, in one pass.
+torch::Tensor transposed_fp32(const torch::Tensor& a);
 
 // The ATen formulations: the same values up to rounding order, on every device and dtype.
 torch::Tensor aten_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, torch::Dtype out_dtype);

@@ -325,15 +325,17 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     // Every adapter's x A^T, side by side in one GEMM; a dropped-out adapter's less its dropped
     // elements' terms, scaled by 1 / (1 - p) (the mask's complement, kernels.h): its D(x) A^T.
     auto u = torch::mm(x2, a_all.t());
-    // Each dropped-out adapter's mask (its dropped indices) and A^T in fp32, kept for backward.
-    std::vector<torch::Tensor> masks(a.size()), ats(a.size());
+    // Each dropped-out adapter's mask (its dropped indices), A^T in fp32 and x's dropped elements
+    // (written by the complement's pass), kept for backward.
+    std::vector<torch::Tensor> masks(a.size()), ats(a.size()), values(a.size());
     std::vector<DroppedAdapter> dropped;
     for (size_t k = 0, column = 0; k < a.size(); column += static_cast<size_t>(a[k].size(0)), ++k) {
       if (dropouts[k] <= 0) continue;
       masks[k] = dropout_mask_indices(x2.numel(), dropouts[k], static_cast<uint64_t>(seeds[k]));
-      ats[k] = a[k].to(torch::kFloat32).t().contiguous();
+      ats[k] = transposed_fp32(a[k].contiguous());
+      values[k] = torch::empty({masks[k].numel()}, x2.options());
       dropped.push_back({masks[k], ats[k], u.narrow(1, static_cast<int64_t>(column), a[k].size(0)),
-                         dropout_scale(dropouts[k]), {}});
+                         dropout_scale(dropouts[k]), {}, values[k]});
     }
     if (!dropped.empty()) subtract_dropped_products_(x2, dropped);
     // y = x W^T + each adapter's scaled u B^T: the adapters' products first, each written into its
@@ -369,6 +371,7 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     ctx->saved_data["dropouts"] = dropouts;
     ctx->saved_data["masks"] = masks;
     ctx->saved_data["ats"] = ats;
+    ctx->saved_data["values"] = values;
     ctx->saved_data["dtype"] = dtype_code;
     ctx->saved_data["weights"] = static_cast<int64_t>(weights.size());
     ctx->saved_data["cached"] = cached.defined();
@@ -409,6 +412,7 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
       offset += widths[i];
     }
     const auto masks = ctx->saved_data["masks"].toTensorVector(), ats = ctx->saved_data["ats"].toTensorVector();
+    const auto values = ctx->saved_data["values"].toTensorVector();
     const bool want_x = ctx->needs_input_grad(0);
     const auto a_all = stacked(a, dtype);
     torch::Tensor grad_x = want_x ? torch::mm(g, w) : torch::Tensor();
@@ -421,7 +425,8 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
       const int64_t r = a[k].size(0);
       const auto grad_ak = grad_a_all.narrow(0, rank_offset, r);
       if (dropouts[k] > 0) {  // A's gradient in fp32 until the dropped terms are taken out
-        dropped.push_back({masks[k], ats[k], v.narrow(1, rank_offset, r), 1.0f, grad_ak.to(torch::kFloat32).contiguous()});
+        dropped.push_back({masks[k], ats[k], v.narrow(1, rank_offset, r), 1.0f, grad_ak.to(torch::kFloat32).contiguous(),
+                           values[k]});
         dropped_k.push_back(k);
       } else {
         grad_a[k] = grad_ak.to(a[k].scalar_type());

@@ -294,6 +294,27 @@ TEST(FusedKernels, DroppedProductsAreTheMaskComplementsTerms) {
     at::set_num_threads(threads);
     EXPECT_TRUE(torch::equal(wide_u2, wide_u) && torch::equal(g2, g));
     for (int64_t k = 0; k < 3; ++k) EXPECT_TRUE(torch::equal(group2[k].grad_a, group[k].grad_a)) << k;
+    // Forward's copy of x's dropped elements (`values`): x's elements at the mask, in its order;
+    // backward reading it instead of x: the same bits.
+    const auto wide_u3 = u_before.clone();
+    std::vector<DroppedAdapter> group3;
+    for (int64_t k = 0, column = 1; k < 3; column += ranks[k], ++k) {
+      group3.push_back({masks[k], ats[k], wide_u3.narrow(1, column, ranks[k]), dropout_scale(ps[k]), {},
+                        torch::full({masks[k].numel()}, 7.0, x.options())});
+    }
+    subtract_dropped_products_(x, group3);
+    EXPECT_TRUE(torch::equal(wide_u3, wide_u));
+    auto g3 = g0.clone();
+    for (int64_t k = 0; k < 3; ++k) {
+      EXPECT_TRUE(torch::equal(group3[k].values, x.flatten().index_select(0, masks[k].to(torch::kInt64)))) << k;
+      group3[k] = {masks[k], ats[k], group[k].rows, 1.0f, ga0[k].clone(), group3[k].values};
+    }
+    dropped_backward_(g3, x, group3);
+    EXPECT_TRUE(torch::equal(g3, g));
+    for (int64_t k = 0; k < 3; ++k) EXPECT_TRUE(torch::equal(group3[k].grad_a, group[k].grad_a)) << k;
+    // An adapter's A^T in fp32.
+    const auto a_k = ats[2].t().contiguous().to(dtype);
+    EXPECT_TRUE(torch::equal(transposed_fp32(a_k), a_k.to(torch::kFloat32).t()));
   }
   // 17 adapters (two passes): each one's u as when alone.
   const auto x = torch::randn({rows, cols});
@@ -321,6 +342,9 @@ TEST(FusedKernels, DroppedProductsAreTheMaskComplementsTerms) {
   fails({bits, at5, torch::randn({5, rows}).t(), 1.0f, torch::zeros({5, cols})}, true);  // v's columns strided
   fails({bits, at5, u, 1.0f, torch::zeros({cols, 5}).t()}, true);                      // A's gradient transposed
   fails({bits, at5, u, 1.0f, {}}, true);                                              // no A gradient
+  fails({bits, at5, u, 1.0f, {}, torch::zeros({bits.numel() + 1})}, false);            // values not the mask's count
+  fails({bits, at5, u, 1.0f, torch::zeros({5, cols}), torch::zeros({bits.numel()}, torch::kBFloat16)}, true);  // x's dtype
+  EXPECT_THROW(transposed_fp32(torch::randn({5, cols}).t()), Error);                      // not contiguous
 }
 
 // The CUDA backend (core/model/cuda) against the ATen formulations on the same GPU, values and
@@ -729,8 +753,9 @@ TEST(FusedKernels, LoraLinearEqualsEachLayersProductsComposed) {
 // generator state (the seeds drawn in layer order), so the same output and the same gradients of
 // x, A and B; the masks are drawn again in backward, and evaluation drops nothing.
 TEST(FusedKernels, LoraLinearDropsOutAsEachAdaptersDropout) {
-  for (const int64_t rank : {3, 16}) {  // 16: the complement kernels' one-register path
-    SCOPED_TRACE("rank " + std::to_string(rank));
+  // 16: the complement kernels' one-register path; alone: one adapter
+  for (const auto& [rank, alone] : std::vector<std::pair<int64_t, bool>>{{3, false}, {16, false}, {16, true}}) {
+    SCOPED_TRACE("rank " + std::to_string(rank) + (alone ? ", one layer" : ", two layers"));
     torch::manual_seed(9);
     Linear q(16, 6), v(16, 5);
     for (auto* layer : {q.get(), v.get()}) {
@@ -739,10 +764,10 @@ TEST(FusedKernels, LoraLinearDropsOutAsEachAdaptersDropout) {
       torch::NoGradGuard no_grad;
       layer->adapter_as<LoraAdapter>()->B->weight.normal_();
     }
-    const std::vector<LinearImpl*> group{q.get(), v.get()};
+    const auto group = alone ? std::vector<LinearImpl*>{q.get()} : std::vector<LinearImpl*>{q.get(), v.get()};
     ASSERT_TRUE(lora_linear_applies(group));
     const auto x0 = torch::randn({3, 5, 16});
-    const auto probe = torch::randn({3, 5, 11});
+    const auto probe = torch::randn({3, 5, alone ? 6 : 11});
     const auto run = [&](bool fused) {
       torch::manual_seed(21);  // the dropout seeds' generator
       auto x = x0.clone().requires_grad_(true);

@@ -1087,6 +1087,29 @@ WEFT_SIMD_CLONES double squared_sum_dispatch(const Bf16Bits* x, int64_t n) { ret
 WEFT_SIMD_CLONES void add_widened_dispatch(float* sum, const Bf16Bits* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) sum[i] += to_float(x[i]);
 }
+WEFT_SIMD_CLONES void add_widened_out_dispatch(float* out, const float* x, const Bf16Bits* a, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] + to_float(a[i]);
+}
+
+// add_widened's node (fp32 x, bf16 a): the sum in one pass; backward as ATen's add of mixed dtypes.
+class WidenedAddFunction : public torch::autograd::Function<WidenedAddFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext*, const torch::Tensor& x, const torch::Tensor& a) {
+    RECORD_FUNCTION("weft::add_widened", std::vector<c10::IValue>());  // named in profiles
+    auto out = torch::empty_like(x, torch::MemoryFormat::Contiguous);
+    float* o = data<float>(out);
+    const float* xp = data<float>(x);
+    const Bf16Bits* ap = data<Bf16Bits>(a);
+    at::parallel_for(0, x.numel(), int64_t{1} << 16, [&](int64_t begin, int64_t end) {
+      add_widened_out_dispatch(o + begin, xp + begin, ap + begin, end - begin);
+    });
+    return out;
+  }
+  static variable_list backward(AutogradContext*, variable_list grads) {
+    if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor()};
+    return {grads[0], grads[0].to(torch::kBFloat16)};
+  }
+};
 
 #ifdef WEFT_WITH_CUDA
 // The sum of the per-token cross-entropy of logits [N, V] (fp32 or bf16) against targets [N], in
@@ -1354,6 +1377,14 @@ void add_into_fp32_(at::Tensor& sum, const at::Tensor& x) {
     return;
   }
   sum.add_(x);
+}
+
+torch::Tensor add_widened(const torch::Tensor& x, const torch::Tensor& a) {
+  if (x.device().is_cpu() && a.device().is_cpu() && x.scalar_type() == torch::kFloat32 &&
+      a.scalar_type() == torch::kBFloat16 && x.is_contiguous() && a.is_contiguous() && x.sizes() == a.sizes()) {
+    return WidenedAddFunction::apply(x, a);
+  }
+  return x + a;
 }
 
 at::Tensor squared_sum_fp64(const at::Tensor& t) {

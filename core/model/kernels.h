@@ -79,6 +79,10 @@ at::Tensor squared_sum_fp64(const at::Tensor& t);
 // sum += x, x widened to sum's dtype: on contiguous CPU tensors of the same shape, fp32 += bf16 in
 // one pass over both (ATen's add_ of mixed dtypes first makes an fp32 copy of x); elsewhere add_.
 void add_into_fp32_(at::Tensor& sum, const at::Tensor& x);
+// x + a, a widened to x's dtype: on contiguous CPU tensors of the same shape, fp32 + bf16 in one
+// pass (ATen's add of mixed dtypes first makes an fp32 copy of a), the same bits; autograd's: x's
+// gradient passed through, a's cast to bf16. Elsewhere x + a. The fp32 residual stream's adds.
+torch::Tensor add_widened(const torch::Tensor& x, const torch::Tensor& a);
 
 // Inverted dropout (training): each element kept with probability 1 - p and scaled by 1 / (1 - p),
 // else 0, in x's dtype. On CPU tensors of fp32 or bf16 the mask is drawn from a counter-based hash

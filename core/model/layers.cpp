@@ -473,10 +473,10 @@ DecoderBlockImpl::DecoderBlockImpl(const ModelConfig& c, const BlockShape& shape
 
 namespace {
 
-// x + sublayer output, in x's dtype: one kernel that promotes a bf16 output on the fly where x's
-// dtype is the wider one (fp32 residual stream), instead of a cast and an add.
+// x + sublayer output, in x's dtype: one pass that widens a bf16 output on the fly where x's dtype
+// is the wider one (the fp32 residual stream; add_widened), instead of a cast and an add.
 torch::Tensor residual_add(const torch::Tensor& x, const torch::Tensor& a) {
-  if (c10::promoteTypes(x.scalar_type(), a.scalar_type()) == x.scalar_type()) return x + a;
+  if (c10::promoteTypes(x.scalar_type(), a.scalar_type()) == x.scalar_type()) return add_widened(x, a);
   return x + a.to(x.scalar_type());
 }
 

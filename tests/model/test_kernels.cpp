@@ -454,6 +454,31 @@ TEST(FusedKernels, AddIntoFp32IsAtensAddOfTheWidenedCopy) {
   EXPECT_EQ(strided.sum().item<float>(), 48.0f);
 }
 
+// add_widened (the fp32 residual stream's adds): fp32 + bf16 in one pass, the same bits as ATen's
+// add of mixed dtypes, and its gradients as ATen's (x's passed through, a's cast to bf16); other
+// dtypes and layouts fall back to x + a.
+TEST(FusedKernels, AddWidenedIsAtensMixedAddAndItsGradients) {
+  torch::manual_seed(13);
+  const auto x0 = torch::randn({3, 1000003 / 3 + 1});
+  const auto a0 = (torch::randn(x0.sizes()) * 1e-3).to(torch::kBFloat16);
+  const auto probe = torch::randn(x0.sizes());
+  const auto run = [&](bool fused) {
+    auto x = x0.clone().requires_grad_(true);
+    auto a = a0.clone().requires_grad_(true);
+    const auto y = fused ? add_widened(x, a) : x + a;
+    (y * probe).sum().backward();
+    return std::vector<torch::Tensor>{y.detach(), x.grad(), a.grad()};
+  };
+  const auto expected = run(false), got = run(true);
+  EXPECT_EQ(got[0].scalar_type(), torch::kFloat32);
+  EXPECT_EQ(got[2].scalar_type(), torch::kBFloat16);
+  for (size_t i = 0; i < expected.size(); ++i) EXPECT_TRUE(torch::equal(got[i], expected[i])) << i;
+  const auto strided = torch::zeros({8, 6}).t();
+  EXPECT_TRUE(torch::equal(add_widened(strided, torch::ones({6, 8}, torch::kBFloat16)), torch::ones({6, 8})));
+  EXPECT_TRUE(torch::equal(add_widened(torch::ones({4}, torch::kBFloat16), torch::ones({4}, torch::kBFloat16)),
+                           torch::full({4}, 2.0, torch::kBFloat16)));
+}
+
 // A trainable fp32 weight computing in bf16 on the CPU (deferrable_linear, which fused_linear and
 // Linear use for it): each weight is cast into its rows of the product's operand, and dW is added
 // straight into the weight's existing gradient, which autograd's accumulator then adopts (the same

@@ -1341,8 +1341,8 @@ void dropped_backward_(torch::Tensor& grad_x, const torch::Tensor& x, const std:
 }
 
 torch::Tensor transposed_fp32(const torch::Tensor& a) {
-  WEFT_CHECK(seeded_dropout_applies(a) && a.dim() == 2 && a.is_contiguous(),
-             "transposed_fp32: a contiguous 2-d CPU matrix of fp32 or bf16 expected");
+  WEFT_CHECK(a.dim() == 2, "transposed_fp32: a matrix expected, got {} dimensions", a.dim());
+  if (!seeded_dropout_applies(a) || !a.is_contiguous()) return a.to(torch::kFloat32).t().contiguous();
   const int64_t rows = a.size(0), cols = a.size(1);
   auto out = torch::empty({cols, rows}, a.options().dtype(torch::kFloat32));
   float* o = out.data_ptr<float>();

@@ -131,8 +131,8 @@ void subtract_dropped_products_(const torch::Tensor& x, const std::vector<Droppe
 // (i, j) (grad_x [R, I] contiguous of x's dtype, each adapter's term rounded in adapter order;
 // undefined: skipped), and grad_a -= (x_dropped^T v)^T.
 void dropped_backward_(torch::Tensor& grad_x, const torch::Tensor& x, const std::vector<DroppedAdapter>& adapters);
-// A^T [I, r] contiguous fp32 of an adapter's A [r, I] (fp32 or bf16, contiguous): DroppedAdapter's
-// `at`, in one pass.
+// A^T [I, r] contiguous fp32 of an adapter's A [r, I]: DroppedAdapter's `at`, in one pass from a
+// contiguous CPU matrix of fp32 or bf16 (others: a cast and a transposing copy).
 torch::Tensor transposed_fp32(const torch::Tensor& a);
 
 // The ATen formulations: the same values up to rounding order, on every device and dtype.

@@ -332,7 +332,7 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     for (size_t k = 0, column = 0; k < a.size(); column += static_cast<size_t>(a[k].size(0)), ++k) {
       if (dropouts[k] <= 0) continue;
       masks[k] = dropout_mask_indices(x2.numel(), dropouts[k], static_cast<uint64_t>(seeds[k]));
-      ats[k] = transposed_fp32(a[k].contiguous());
+      ats[k] = transposed_fp32(a[k]);
       values[k] = torch::empty({masks[k].numel()}, x2.options());
       dropped.push_back({masks[k], ats[k], u.narrow(1, static_cast<int64_t>(column), a[k].size(0)),
                          dropout_scale(dropouts[k]), {}, values[k]});

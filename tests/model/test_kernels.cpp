@@ -344,7 +344,9 @@ TEST(FusedKernels, DroppedProductsAreTheMaskComplementsTerms) {
   fails({bits, at5, u, 1.0f, {}}, true);                                              // no A gradient
   fails({bits, at5, u, 1.0f, {}, torch::zeros({bits.numel() + 1})}, false);            // values not the mask's count
   fails({bits, at5, u, 1.0f, torch::zeros({5, cols}), torch::zeros({bits.numel()}, torch::kBFloat16)}, true);  // x's dtype
-  EXPECT_THROW(transposed_fp32(torch::randn({5, cols}).t()), Error);                      // not contiguous
+  const auto a_t = torch::randn({5, cols}, torch::kFloat64).t();  // another dtype, strided: cast and copied
+  EXPECT_TRUE(torch::equal(transposed_fp32(a_t), a_t.to(torch::kFloat32).t()));
+  EXPECT_THROW(transposed_fp32(torch::randn({5})), Error);  // not a matrix
 }
 
 // The CUDA backend (core/model/cuda) against the ATen formulations on the same GPU, values and

@@ -513,7 +513,9 @@ torch::Tensor dropped_indices(int64_t n, double p, uint64_t seed) {
   const int64_t blocks = (n + kDropBlock - 1) / kDropBlock;
   // The blocks' buffers are the calling thread's, kept from call to call: a LoRA step draws a mask
   // per adapter, and their allocations cost more than the draws where the heap is fragmented.
-  thread_local std::vector<std::vector<int32_t>> parts;
+  // (Named by a reference here: in the workers' lambda the thread_local's name is each worker's own.)
+  thread_local std::vector<std::vector<int32_t>> kept;
+  auto& parts = kept;
   if (parts.size() < static_cast<size_t>(blocks)) parts.resize(static_cast<size_t>(blocks));
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
@@ -1105,9 +1107,9 @@ class WidenedAddFunction : public torch::autograd::Function<WidenedAddFunction> 
     });
     return out;
   }
-  static variable_list backward(AutogradContext*, variable_list grads) {
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
     if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor()};
-    return {grads[0], grads[0].to(torch::kBFloat16)};
+    return {grads[0], ctx->needs_input_grad(1) ? grads[0].to(torch::kBFloat16) : torch::Tensor()};
   }
 };
 

@@ -199,6 +199,25 @@ TEST(FusedKernels, DropoutKeepsOneMinusPScaledAndBackwardUsesTheSameMask) {
     const auto zeros = (seeded_dropout(odd.to(dtype), 0.2, 1234) == 0).flatten().nonzero().flatten();
     EXPECT_TRUE(torch::equal(zeros, as64)) << dtype;
   }
+  // The stream itself, pinned (a change would silently change every seeded run's masks): the count
+  // and the indices' sum of this mask.
+  EXPECT_EQ(dropped.numel(), int64_t{199975});
+  EXPECT_EQ(as64.sum().item<int64_t>(), int64_t{99940932889});
+  // The same mask after drawing a larger one and a smaller one (the blocks' buffers are the calling
+  // thread's, kept from call to call), at 2, 4 and 1 threads (where the build runs at::parallel_for's
+  // chunks on several: weft's own loops compile without OpenMP today and run on the caller).
+  const int threads = at::get_num_threads();
+  for (const int n : {2, 4, 1}) {
+    at::set_num_threads(n);
+    const auto larger = dropout_mask_indices(1999000, 0.2, 77);
+    EXPECT_TRUE(torch::equal(dropout_mask_indices(999000, 0.2, 1234), dropped)) << n << " threads";
+    const auto smaller = dropout_mask_indices(70000, 0.2, 78);
+    EXPECT_TRUE(torch::equal(dropout_mask_indices(1999000, 0.2, 77), larger)) << n << " threads";
+    at::set_num_threads(1);
+    EXPECT_TRUE(torch::equal(dropout_mask_indices(70000, 0.2, 78), smaller)) << n << " threads";
+    EXPECT_TRUE(torch::equal(dropout_mask_indices(1999000, 0.2, 77), larger)) << n << " threads";
+  }
+  at::set_num_threads(threads);
   EXPECT_THROW(dropout_mask_indices(10, 1.0, 1), Error);
   EXPECT_THROW(dropout_mask_indices(10, 0.0, 1), Error);
 }
@@ -206,7 +225,7 @@ TEST(FusedKernels, DropoutKeepsOneMinusPScaledAndBackwardUsesTheSameMask) {
 // LoRA's dropout by the mask's complement (lora_linear), for three adapters that share x in one
 // call: against the dense products of x less each adapter's kept elements, in fp32 and bf16, for
 // ranks on the kernels' vector path (16, 32) and off it (5), on u and v that are column slices of
-// one wider matrix (as lora_linear's), over more rows than one of backward's blocks of 256; x A^T
+// one wider matrix (as lora_linear's), over more rows than one of backward's blocks of 512; x A^T
 // less the dropped terms, scaled by 1 / (1 - p), is seeded_dropout(x) A^T; each sum in a fixed
 // order, so two threads give the bits one gives, and an adapter's A gradient is the same alone or
 // in the group; more adapters than one pass takes (16) give each one's own result.
@@ -311,6 +330,13 @@ TEST(FusedKernels, DroppedProductsAreTheMaskComplementsTerms) {
     }
     dropped_backward_(g3, x, group3);
     EXPECT_TRUE(torch::equal(g3, g));
+    for (int64_t k = 0; k < 3; ++k) EXPECT_TRUE(torch::equal(group3[k].grad_a, group[k].grad_a)) << k;
+    // ... and reads them: x with every dropped element zeroed, the values kept, the same bits.
+    const auto x_zeroed = x.masked_fill(kept_by_all.logical_not(), 0);
+    auto g4 = g0.clone();
+    for (int64_t k = 0; k < 3; ++k) group3[k].grad_a = ga0[k].clone();
+    dropped_backward_(g4, x_zeroed, group3);
+    EXPECT_TRUE(torch::equal(g4, g));
     for (int64_t k = 0; k < 3; ++k) EXPECT_TRUE(torch::equal(group3[k].grad_a, group[k].grad_a)) << k;
     // An adapter's A^T in fp32.
     const auto a_k = ats[2].t().contiguous().to(dtype);

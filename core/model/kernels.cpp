@@ -511,8 +511,8 @@ torch::Tensor dropped_indices(int64_t n, double p, uint64_t seed) {
              "dropout: at most 2^31 - 1 elements per tensor, got {}", n);
   const MaskParams m = mask_params(p, seed);
   const int64_t blocks = (n + kDropBlock - 1) / kDropBlock;
-  // The blocks' buffers are the calling thread's, kept from call to call: a LoRA step draws a mask
-  // per adapter, and their allocations cost more than the draws where the heap is fragmented.
+  // The blocks' buffers are the calling thread's, kept from call to call instead of allocated per
+  // mask (a LoRA step draws one per adapter: 210 masks of up to 24 blocks on the bundled model).
   // (Named by a reference here: in the workers' lambda the thread_local's name is each worker's own.)
   thread_local std::vector<std::vector<int32_t>> kept;
   auto& parts = kept;

@@ -9,7 +9,8 @@
 # here, before anything compiles.
 #
 # Sets TORCH_LIBRARIES (link it), WEFT_TORCH_CUDA and WEFT_TORCH_NCCL (ON when LibTorch's CUDA
-# and NCCL paths are compiled into weft), and prints one line saying what was found.
+# and NCCL paths are compiled into weft), compiles every C++ target with OpenMP where LibTorch's
+# loops run on it (below), and prints one line saying what was found.
 #
 # A CUDA build of LibTorch (every Linux wheel on PyPI) needs a CUDA toolkit for find_package(Torch);
 # on a machine without one weft builds CPU only against the same LibTorch's CPU libraries
@@ -103,6 +104,21 @@ if(TARGET torch_cuda)
   if("USE_C10D_NCCL" IN_LIST _weft_cuda_defs)
     set(WEFT_TORCH_NCCL ON)
   endif()
+endif()
+
+# LibTorch's wheel runs its CPU operators' loops on OpenMP (AT_PARALLEL_OPENMP; torch/lib holds its
+# libgomp.so.1). at::parallel_for, an inline template in ATen's headers, splits a loop over threads
+# only where the including file was compiled with OpenMP (_OPENMP): without it weft's own CPU
+# kernels (core/model/kernels.cpp) ran every loop on the calling thread whatever train.threads said.
+# Every C++ target compiles with OpenMP (one definition of at::parallel_for in every object, the
+# shared precompiled header's included), and links libgomp.so.1 by its soname, which resolves to the
+# copy LibTorch already loaded: one thread pool, sized by at::set_num_threads. A LibTorch on its own
+# thread pool (AT_PARALLEL_NATIVE) splits loops without this.
+file(STRINGS "${TORCH_INSTALL_PREFIX}/include/ATen/Config.h" _weft_at_openmp REGEX "^#define AT_PARALLEL_OPENMP 1")
+if(_weft_at_openmp)
+  find_package(OpenMP REQUIRED COMPONENTS CXX)
+  add_compile_options("$<$<COMPILE_LANGUAGE:CXX>:${OpenMP_CXX_FLAGS}>")
+  link_libraries(OpenMP::OpenMP_CXX)
 endif()
 
 # The wheel ships fmt 12's headers in its include folder, ahead of the system's; spdlog (Debian)

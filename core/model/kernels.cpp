@@ -16,6 +16,12 @@
 
 #include "core/util/error.h"
 
+// at::parallel_for splits this file's loops among LibTorch's threads only where OpenMP compiles it
+// (on a LibTorch that runs its loops on OpenMP, as PyTorch's wheels do): cmake/libtorch.cmake.
+#if AT_PARALLEL_OPENMP && !defined(_OPENMP)
+#error "core/model/kernels.cpp needs OpenMP (-fopenmp) with this LibTorch: its loops would run on one thread"
+#endif
+
 #ifdef WEFT_WITH_CUDA  // the CUDA backend: core/model/cuda
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

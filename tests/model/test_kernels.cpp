@@ -4,6 +4,11 @@
 #include <torch/torch.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
+#include <fstream>
+#include <mutex>
+#include <set>
+#include <string>
+
 #include "core/model/kernels.h"
 #include "core/model/weight_grad.h"
 #include "core/model/layers.h"
@@ -204,8 +209,7 @@ TEST(FusedKernels, DropoutKeepsOneMinusPScaledAndBackwardUsesTheSameMask) {
   EXPECT_EQ(dropped.numel(), int64_t{199975});
   EXPECT_EQ(as64.sum().item<int64_t>(), int64_t{99940932889});
   // The same mask after drawing a larger one and a smaller one (the blocks' buffers are the calling
-  // thread's, kept from call to call), at 2, 4 and 1 threads (where the build runs at::parallel_for's
-  // chunks on several: weft's own loops compile without OpenMP today and run on the caller).
+  // thread's, kept from call to call), at 2, 4 and 1 threads.
   const int threads = at::get_num_threads();
   for (const int n : {2, 4, 1}) {
     at::set_num_threads(n);
@@ -220,6 +224,95 @@ TEST(FusedKernels, DropoutKeepsOneMinusPScaledAndBackwardUsesTheSameMask) {
   at::set_num_threads(threads);
   EXPECT_THROW(dropout_mask_indices(10, 1.0, 1), Error);
   EXPECT_THROW(dropout_mask_indices(10, 0.0, 1), Error);
+}
+
+// weft's CPU kernels split their loops with at::parallel_for, which compiles to OpenMP only in files
+// built with it (cmake/libtorch.cmake): a loop of this file, built as kernels.cpp is, runs on as
+// many of LibTorch's threads as at::set_num_threads gives it, and the process holds one OpenMP
+// runtime (LibTorch's), so that setting reaches weft's loops.
+TEST(FusedKernels, WeftsLoopsRunOnLibTorchsThreads) {
+  const int threads = at::get_num_threads();
+  for (const int n : {1, 2, 3}) {
+    at::set_num_threads(n);
+    std::mutex m;
+    std::set<int> seen;
+    at::parallel_for(0, 64, 1, [&](int64_t, int64_t) {
+      std::lock_guard<std::mutex> lock(m);
+      seen.insert(at::get_thread_num());
+    });
+    EXPECT_EQ(seen.size(), static_cast<size_t>(n)) << n << " threads";
+  }
+  at::set_num_threads(threads);
+  std::ifstream maps("/proc/self/maps");
+  std::set<std::string> gomp;
+  for (std::string line; std::getline(maps, line);) {
+    const auto slash = line.find('/');
+    if (slash != std::string::npos && line.find("libgomp") != std::string::npos) gomp.insert(line.substr(slash));
+  }
+  EXPECT_LE(gomp.size(), size_t{1}) << "two OpenMP runtimes: " << *gomp.begin() << ", " << *gomp.rbegin();
+}
+
+// Each CPU kernel's loops split rows (or fixed blocks summed in order) among threads: one thread and
+// two give the same bits, forward and backward, fp32 and bf16, on shapes that split.
+TEST(FusedKernels, EachCpuKernelGivesTheSameBitsOnOneThreadAndOnTwo) {
+  torch::manual_seed(21);
+  auto config = preset_config("tiny");
+  RotaryEmbedding rope(config);
+  const int64_t b = 2, t = 128, h = 4, kvh = 2, d = config.head_dim;
+  const auto [cos, sin] = rope.tables(0, t);
+  const auto x = torch::randn({512, 96}), w = torch::rand({96}) + 0.5, gate_up = torch::randn({512, 2 * 80}) * 3;
+  const auto qkv = torch::randn({b, t, (h + 2 * kvh) * d});
+  const auto scores = torch::randn({6, 64, 96}), dp = torch::randn({6, 64, 96});
+  const auto logits = torch::randn({96, 1000}) * 3, targets = torch::randint(0, 1000, {96});
+  const auto big = torch::randn({300000}), small = torch::randn({300000}).to(torch::kBFloat16);
+  const auto run = [&](torch::Dtype dtype) {
+    std::vector<torch::Tensor> out;
+    const auto push_grads = [&](auto f, std::vector<torch::Tensor> in, const torch::Tensor& probe) {
+      for (auto& g : grads_of(f, std::move(in), probe)) out.push_back(g);
+    };
+    out.push_back(fused_rms_norm(x.to(dtype), w, 1e-5, dtype));
+    push_grads([&](std::vector<torch::Tensor> in) { return fused_rms_norm(in[0], in[1], 1e-5, dtype); },
+               {x.to(dtype), w}, torch::randn({512, 96}));
+    out.push_back(fused_swiglu(gate_up.to(dtype)));
+    push_grads([](std::vector<torch::Tensor> in) { return fused_swiglu(in[0]); }, {gate_up.to(dtype)},
+               torch::randn({512, 80}));
+    push_grads([&](std::vector<torch::Tensor> in) {
+      auto [q, k, v] = split_qkv_with_rope(in[0], h, kvh, cos, sin);
+      return torch::cat({q.flatten(), k.flatten(), v.flatten()});
+    }, {qkv.to(dtype)}, torch::randn({qkv.numel()}));
+    auto p = scores.to(dtype).clone();  // (in place: the fp32 case's .to() would be the input itself)
+    causal_softmax_rows_(p, 0.125, 2, 32);
+    auto g = dp.to(dtype).clone();
+    causal_softmax_backward_rows_(p, g, 0.125, 2, 32);
+    out.push_back(p);
+    out.push_back(g);
+    auto l = logits.to(dtype).clone();
+    out.push_back(cross_entropy_rows(l, targets, -100, 0.5));
+    out.push_back(l);
+    out.push_back(squared_sum_fp64(big.to(dtype)));
+    return out;
+  };
+  const int threads = at::get_num_threads();
+  for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    at::set_num_threads(1);
+    torch::manual_seed(22);
+    const auto one = run(dtype);
+    at::set_num_threads(2);
+    torch::manual_seed(22);
+    const auto two = run(dtype);
+    ASSERT_EQ(one.size(), two.size());
+    for (size_t i = 0; i < one.size(); ++i) EXPECT_TRUE(torch::equal(one[i], two[i])) << dtype << " output " << i;
+  }
+  // The fp32 residual stream's adds of a bf16 branch.
+  auto sum1 = big.clone(), sum2 = big.clone();
+  at::set_num_threads(1);
+  add_into_fp32_(sum1, small);
+  const auto added1 = add_widened(big, small);
+  at::set_num_threads(2);
+  add_into_fp32_(sum2, small);
+  EXPECT_TRUE(torch::equal(sum1, sum2));
+  EXPECT_TRUE(torch::equal(add_widened(big, small), added1));
+  at::set_num_threads(threads);
 }
 
 // LoRA's dropout by the mask's complement (lora_linear), for three adapters that share x in one

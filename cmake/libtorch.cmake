@@ -111,9 +111,10 @@ endif()
 # only where the including file was compiled with OpenMP (_OPENMP): without it weft's own CPU
 # kernels (core/model/kernels.cpp) ran every loop on the calling thread whatever train.threads said.
 # Every C++ target compiles with OpenMP (one definition of at::parallel_for in every object, the
-# shared precompiled header's included), and links libgomp.so.1 by its soname, which resolves to the
-# copy LibTorch already loaded: one thread pool, sized by at::set_num_threads. A LibTorch on its own
-# thread pool (AT_PARALLEL_NATIVE) splits loops without this.
+# shared precompiled header's included) and needs libgomp.so.1 by its soname, which the binaries'
+# RUNPATH (LibTorch's lib/) resolves to LibTorch's own copy: one OpenMP runtime per process
+# (FusedKernels.WeftsLoopsRunOnLibTorchsThreads), sized by at::set_num_threads. A LibTorch on its
+# own thread pool (AT_PARALLEL_NATIVE) splits loops without this.
 file(STRINGS "${TORCH_INSTALL_PREFIX}/include/ATen/Config.h" _weft_at_openmp REGEX "^#define AT_PARALLEL_OPENMP 1")
 if(_weft_at_openmp)
   find_package(OpenMP REQUIRED COMPONENTS CXX)

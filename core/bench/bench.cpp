@@ -193,15 +193,13 @@ void draw_plots(const BenchOptions& o, const std::string& json_path) {
 }
 
 // On a CPU job, the GEMM peak of the job's products on this machine (gemm_peak.h), for the
-// largest batch one process of the bench multiplies; none on a GPU (its MFU is in each run's own
+// largest micro-batch one process of the bench multiplies (`micro_batch_tokens`: each variant's); none on a GPU (its MFU is in each run's own
 // summary, against the data sheet's peak).
 std::optional<GemmPeak> cpu_gemm_peak(const TrainOptions& job, const std::vector<BenchVariant>& variants,
-                                      int64_t tokens_per_step) {
+                                      const std::vector<int64_t>& micro_batch_tokens) {
   const bool cpu = job.device == "cpu" || (job.device == "auto" && !torch::cuda::is_available());
   if (!cpu || variants.empty()) return std::nullopt;
-  int fewest = variants.front().nproc * variants.front().nnodes;
-  for (const auto& v : variants) fewest = std::min(fewest, v.nproc * v.nnodes);
-  const int64_t tokens = std::max<int64_t>(tokens_per_step / job.grad_accum_steps / fewest, 1);
+  const int64_t tokens = *std::max_element(micro_batch_tokens.begin(), micro_batch_tokens.end());
   const ModelConfig config = resolve_model_config(job, nullptr);
   const auto shapes = model_gemm_shapes(config, tokens, linear_cross_entropy_chunk_rows(config.vocab_size));
   auto peak = measure_gemm_peak(shapes, compute_dtype(job.precision), static_cast<int>(job.threads));
@@ -342,8 +340,25 @@ int run_bench(const BenchOptions& options) {
   // The job itself is validated here, before any run: a bad config fails once, clearly.
   const TrainOptions job = train_options_from_config(load_run_config(o.config, o.overrides));
   const int64_t tokens_per_step = job.batch_size * job.grad_accum_steps * job.data.seq_len;
-  for (const auto& v : variants) {
+  // Each variant's global batch in tokens: its own settings may change train.batch_size,
+  // train.grad_accum_steps or data.seq_len (and a bad one fails here, before any run).
+  std::vector<int64_t> variant_tokens(variants.size(), tokens_per_step);
+  std::vector<int64_t> micro_batch_tokens(variants.size(), 0);  // one process's micro-batch
+  for (size_t i = 0; i < variants.size(); ++i) {
+    const auto& v = variants[i];
     if (!v.pytorch) resolve_plugin_paths(v.plugin);  // throws naming a plugin that is not found
+    TrainOptions own = job;
+    if (!v.settings.empty()) {
+      auto overrides = o.overrides;
+      overrides.insert(overrides.end(), v.settings.begin(), v.settings.end());
+      try {
+        own = train_options_from_config(load_run_config(o.config, overrides));
+      } catch (const Error& e) {
+        fail("trainer bench: variant '{}': {}", v.name, e.what());
+      }
+    }
+    variant_tokens[i] = own.batch_size * own.grad_accum_steps * own.data.seq_len;
+    micro_batch_tokens[i] = std::max<int64_t>(variant_tokens[i] / own.grad_accum_steps / (v.nproc * v.nnodes), 1);
   }
   // The runs' directories are part of their configuration, which every rank checks is the same.
   WEFT_CHECK(o.nnodes == 1 || !o.out_dir.empty(),
@@ -363,7 +378,7 @@ int run_bench(const BenchOptions& options) {
   // (a run directory may be shared between nodes, as on a shared file system).
   const bool reads_metrics = o.node_rank == 0;
   // Measured before the runs, on the quiet machine they will have.
-  const auto peak = reads_metrics ? cpu_gemm_peak(job, variants, tokens_per_step) : std::nullopt;
+  const auto peak = reads_metrics ? cpu_gemm_peak(job, variants, micro_batch_tokens) : std::nullopt;
   const std::string node_suffix = reads_metrics ? "" : fmt::format(".node{}", o.node_rank);
   std::vector<std::vector<RunMeasurement>> runs(variants.size());
   std::vector<std::optional<Failure>> failures(variants.size());
@@ -395,7 +410,7 @@ int run_bench(const BenchOptions& options) {
       if (o.eval_every == 0) runs[i].back().held_out.clear();  // only the final one-batch evaluation
       const double step = median_of(runs[i].back().step_seconds);
       spdlog::info("bench: repetition {}/{} {}: median step {:.3f} s, {:.0f} tokens/s", rep, o.repetitions, v.name,
-                   step, tokens_per_step / step);
+                   step, static_cast<double>(variant_tokens[i]) / step);
     }
   }
   if (!reads_metrics) {
@@ -411,7 +426,7 @@ int run_bench(const BenchOptions& options) {
   for (size_t i = 0; i < variants.size(); ++i) {
     const auto& v = variants[i];
     if (failures[i]) continue;
-    summaries.push_back(summarise(v.name, v.plugin, v.nproc * v.nnodes, v.pytorch, runs[i], tokens_per_step));
+    summaries.push_back(summarise(v.name, v.plugin, v.nproc * v.nnodes, v.pytorch, runs[i], variant_tokens[i]));
     steps_per_epoch = runs[i].front().steps_per_epoch;
   }
   if (peak) set_mfu(summaries, runs, variants, job.mode, *peak);

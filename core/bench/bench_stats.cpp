@@ -235,6 +235,7 @@ nlohmann::json to_json(const VariantSummary& v) {
           {"plugin", v.plugin},
           {"nproc", v.nproc},
           {"kind", v.pytorch ? "pytorch" : "weft"},
+          {"tokens_per_step", v.tokens_per_step},
           {"step_time_s", spread(v.step_seconds)},
           {"step_time_mean_s", v.step_seconds_mean},
           {"step_time_percentiles_s",

@@ -58,7 +58,7 @@ struct VariantSummary {
   std::string name, plugin;
   int nproc = 1;
   bool pytorch = false;
-  int64_t tokens_per_step = 0;   // the global batch in tokens (the same for every variant)
+  int64_t tokens_per_step = 0;   // the variant's global batch in tokens (its own settings may change it)
   Spread step_seconds;           // over every measured step of every repetition
   double step_seconds_mean = 0;  // the same steps' mean: with a strategy whose steps differ in kind
                                  // (a sync every H steps), the time a step costs on average
@@ -82,7 +82,7 @@ struct VariantSummary {
 };
 
 
-// Summarises a variant's repetitions. `tokens_per_step` is the global batch in tokens.
+// Summarises a variant's repetitions. `tokens_per_step` is the variant's global batch in tokens.
 VariantSummary summarise(const std::string& name, const std::string& plugin, int nproc, bool pytorch,
                          const std::vector<RunMeasurement>& runs, int64_t tokens_per_step);
 

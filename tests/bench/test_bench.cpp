@@ -389,6 +389,45 @@ TEST(BenchCommand, AlternatesTwoPluginsAndWritesTheTableJsonAndRunReports) {
   EXPECT_FALSE(std::filesystem::exists(dir + "/bench2/runs"));
 }
 
+// A variant whose own settings change the global batch (here half the job's sequences) is timed on
+// its own tokens per step: its tokens/s is what its runs logged, not the job's batch over its step
+// time; the GEMM peak is measured on the largest micro-batch of one process. A variant setting the
+// job cannot take is refused before any run, naming the variant.
+TEST(BenchCommand, AVariantsOwnBatchSetsItsTokensPerStep) {
+  const auto dir = fresh_dir("weft_bench", "variant_batch");
+  const auto result = run_tiny_bench(dir, "--plugin single --plugin 'single --set train.batch_size=2' --nproc 1 "
+                                          "--repetitions 1");
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  const auto json = nlohmann::json::parse(read_text(dir + "/bench/bench.json"));
+  ASSERT_EQ(json["variants"].size(), 2u);
+  EXPECT_EQ(json["tokens_per_step"], 4 * 32);
+  EXPECT_EQ(json["variants"][0]["tokens_per_step"], 4 * 32);
+  EXPECT_EQ(json["variants"][1]["tokens_per_step"], 2 * 32);
+  EXPECT_EQ(json["gemm_peak"]["shapes"][0]["m"], 4 * 32);
+  for (const auto* name : {"single_x1", "single_train.batch_size_2_x1"}) {
+    const auto& v = json["variants"][std::string(name) == "single_x1" ? 0 : 1];
+    std::vector<double> logged;  // the run's own tokens/s over the counted steps (after the 1 warm-up)
+    std::ifstream metrics(dir + "/bench/runs/" + name + "/rep1/metrics.jsonl");
+    for (std::string line; std::getline(metrics, line);) {
+      const auto j = nlohmann::json::parse(line);
+      if (j["type"] == "step" && j["step"].get<int>() > 1) logged.push_back(j["tokens_per_s"].get<double>());
+    }
+    ASSERT_EQ(logged.size(), 2u) << name;
+    std::sort(logged.begin(), logged.end());
+    // The median of two steps' times: tokens / (mean of the times), between the two logged rates.
+    const double tokens_per_s = v["tokens_per_s"]["median"].get<double>();
+    EXPECT_GE(tokens_per_s, logged[0] * (1 - 1e-9)) << name;
+    EXPECT_LE(tokens_per_s, logged[1] * (1 + 1e-9)) << name;
+    EXPECT_NEAR(tokens_per_s * v["step_time_s"]["median"].get<double>(), v["tokens_per_step"].get<double>(), 1e-6);
+  }
+  const auto bad_dir = fresh_dir("weft_bench", "variant_batch_bad");
+  const auto bad = run_tiny_bench(bad_dir, "--plugin single --plugin 'single --set train.batch_size=0' --nproc 1 "
+                                           "--repetitions 1");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("variant 'single train.batch_size=0 x1'"), std::string::npos) << bad.output;
+  EXPECT_FALSE(std::filesystem::exists(bad_dir + "/bench/runs"));
+}
+
 // --eval-every: the held-out loss every N steps, the same for two plugins that train alike, placed at
 // increasing training times, in bench.json, the table and held_out_loss.png.
 TEST(BenchCommand, EvalEveryRecordsHeldOutLossAgainstTrainingTime) {

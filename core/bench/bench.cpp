@@ -193,10 +193,11 @@ void draw_plots(const BenchOptions& o, const std::string& json_path) {
 }
 
 // On a CPU job, the GEMM peak of the job's products on this machine (gemm_peak.h), for the
-// largest micro-batch one process of the bench multiplies (`micro_batch_tokens`: each variant's); none on a GPU (its MFU is in each run's own
+// largest micro-batch one process of the bench multiplies (`micro_batch_tokens`: each variant's),
+// logged where `log`; none on a GPU (its MFU is in each run's own
 // summary, against the data sheet's peak).
 std::optional<GemmPeak> cpu_gemm_peak(const TrainOptions& job, const std::vector<BenchVariant>& variants,
-                                      const std::vector<int64_t>& micro_batch_tokens) {
+                                      const std::vector<int64_t>& micro_batch_tokens, bool log) {
   const bool cpu = job.device == "cpu" || (job.device == "auto" && !torch::cuda::is_available());
   if (!cpu || variants.empty()) return std::nullopt;
   const int64_t tokens = *std::max_element(micro_batch_tokens.begin(), micro_batch_tokens.end());
@@ -205,8 +206,9 @@ std::optional<GemmPeak> cpu_gemm_peak(const TrainOptions& job, const std::vector
   auto peak = measure_gemm_peak(shapes, compute_dtype(job.precision), static_cast<int>(job.threads));
   const auto best = std::max_element(peak.rates.begin(), peak.rates.end(),
                                      [](const GemmRate& a, const GemmRate& b) { return a.gflops < b.gflops; });
-  spdlog::info("bench: this CPU's GEMM peak in {} with {} thread{}: {:.0f} GFLOP/s ({}: [{} x {}] by [{} x {}]); the "
-               "table's MFU is against it",
+  if (!log) return peak;
+  spdlog::info("bench: this CPU's GEMM peak in {} with {} thread{}: {:.0f} GFLOP/s ({}: [{} x {}] by [{} x {}]); "
+               "measured again before each repetition, the table's MFU is against the median",
                peak.dtype, peak.threads, peak.threads == 1 ? "" : "s", peak.gflops, best->shape.what, best->shape.m,
                best->shape.k, best->shape.k, best->shape.n);
   return peak;
@@ -378,12 +380,20 @@ int run_bench(const BenchOptions& options) {
   // (a run directory may be shared between nodes, as on a shared file system).
   const bool reads_metrics = o.node_rank == 0;
   // Measured before the runs, on the quiet machine they will have.
-  const auto peak = reads_metrics ? cpu_gemm_peak(job, variants, micro_batch_tokens) : std::nullopt;
+  // Measured again before each repetition: the table's MFU is against each product's median rate
+  // over those measurements, the machine's speed over the whole bench (a shared machine's moves by
+  // ~10% within minutes) rather than at one moment.
+  std::vector<GemmPeak> peaks;
+  const auto measure_peak = [&](int64_t rep) {
+    if (!reads_metrics) return;
+    if (auto peak = cpu_gemm_peak(job, variants, micro_batch_tokens, rep == 1)) peaks.push_back(*peak);
+  };
   const std::string node_suffix = reads_metrics ? "" : fmt::format(".node{}", o.node_rank);
   std::vector<std::vector<RunMeasurement>> runs(variants.size());
   std::vector<std::optional<Failure>> failures(variants.size());
   nlohmann::json outcomes = nlohmann::json::array();  // the other nodes: each run's outcome
   for (int64_t rep = 1; rep <= o.repetitions; ++rep) {
+    measure_peak(rep);
     for (size_t i = 0; i < variants.size(); ++i) {  // alternated: A B C, A B C, ...
       const auto& v = variants[i];
       if (failures[i]) continue;  // failed once: its other repetitions would fail alike
@@ -429,6 +439,7 @@ int run_bench(const BenchOptions& options) {
     summaries.push_back(summarise(v.name, v.plugin, v.nproc * v.nnodes, v.pytorch, runs[i], variant_tokens[i]));
     steps_per_epoch = runs[i].front().steps_per_epoch;
   }
+  const auto peak = peaks.empty() ? std::nullopt : std::optional<GemmPeak>(median_peak(peaks));
   if (peak) set_mfu(summaries, runs, variants, job.mode, *peak);
   const auto ratios = pair_ratios(summaries);
   std::string table = summaries.empty() ? std::string() : format_bench_table(summaries, ratios);
@@ -464,8 +475,10 @@ int run_bench(const BenchOptions& options) {
   }
   if (peak) {
     table += fmt::format("\nMFU: model FLOPs per second per process over this CPU's GEMM peak, {:.0f} GFLOP/s in {} with {} "
-                         "thread{} (torch::mm on the job's products, measured before the runs; bench.json's gemm_peak).\n",
-                         peak->gflops, peak->dtype, peak->threads, peak->threads == 1 ? "" : "s");
+                         "thread{} (torch::mm on the job's products, the median of {} measurement{}, one before each "
+                         "repetition; bench.json's gemm_peak).\n",
+                         peak->gflops, peak->dtype, peak->threads, peak->threads == 1 ? "" : "s", peak->measurements.size(),
+                         peak->measurements.size() == 1 ? "" : "s");
   }
   std::cout << table;
   const std::string json_path = o.out_dir + "/bench.json";

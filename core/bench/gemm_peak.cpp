@@ -58,12 +58,40 @@ GemmPeak measure_gemm_peak(const std::vector<GemmShape>& shapes, torch::Dtype dt
   return peak;
 }
 
+GemmPeak median_peak(const std::vector<GemmPeak>& measured) {
+  WEFT_CHECK(!measured.empty(), "median_peak: no measurements");
+  GemmPeak out = measured.front();
+  out.gflops = 0;
+  out.measurements.clear();
+  for (const auto& m : measured) {
+    WEFT_CHECK(m.dtype == out.dtype && m.threads == out.threads && m.rates.size() == out.rates.size(),
+               "median_peak: measurements of other dtypes, threads or shapes");
+    out.measurements.push_back(m.gflops);
+  }
+  for (size_t s = 0; s < out.rates.size(); ++s) {
+    std::vector<double> rates;
+    for (const auto& m : measured) {
+      const auto& a = m.rates[s].shape;
+      const auto& b = out.rates[s].shape;
+      WEFT_CHECK(a.m == b.m && a.k == b.k && a.n == b.n, "median_peak: measurements of other shapes");
+      rates.push_back(m.rates[s].gflops);
+    }
+    std::sort(rates.begin(), rates.end());
+    const size_t n = rates.size();
+    out.rates[s].gflops = n % 2 == 1 ? rates[n / 2] : 0.5 * (rates[n / 2 - 1] + rates[n / 2]);
+    out.gflops = std::max(out.gflops, out.rates[s].gflops);
+  }
+  return out;
+}
+
 nlohmann::json to_json(const GemmPeak& peak) {
   nlohmann::json shapes = nlohmann::json::array();
   for (const auto& r : peak.rates) {
     shapes.push_back({{"m", r.shape.m}, {"k", r.shape.k}, {"n", r.shape.n}, {"what", r.shape.what}, {"gflops", r.gflops}});
   }
-  return {{"dtype", peak.dtype}, {"threads", peak.threads}, {"gflops", peak.gflops}, {"shapes", shapes}};
+  nlohmann::json out = {{"dtype", peak.dtype}, {"threads", peak.threads}, {"gflops", peak.gflops}, {"shapes", shapes}};
+  if (!peak.measurements.empty()) out["measurements"] = peak.measurements;
+  return out;
 }
 
 }  // namespace weft

@@ -38,6 +38,7 @@ struct GemmPeak {
   int threads = 1;
   std::vector<GemmRate> rates;  // one per shape, in order
   double gflops = 0;            // the peak: the best of `rates`
+  std::vector<double> measurements;  // median_peak's: each measurement's peak, in order
 };
 
 // Times torch::mm over each shape in `dtype` on the CPU with `threads` intra-op threads (the
@@ -47,7 +48,14 @@ struct GemmPeak {
 GemmPeak measure_gemm_peak(const std::vector<GemmShape>& shapes, torch::Dtype dtype, int threads,
                            double seconds_per_shape = 0.2);
 
-// bench.json's "gemm_peak": {"dtype", "threads", "gflops", "shapes": [{"m", "k", "n", "what", "gflops"}]}.
+// Several measurements of the same shapes (measure_gemm_peak's, in order) as one: each shape's
+// median rate (the mean of the middle two for an even count), the peak the best of those, and
+// `measurements` each one's peak. Throws weft::Error for none, or measurements of other shapes,
+// dtypes or threads.
+GemmPeak median_peak(const std::vector<GemmPeak>& measured);
+
+// bench.json's "gemm_peak": {"dtype", "threads", "gflops", "shapes": [{"m", "k", "n", "what", "gflops"}],
+// "measurements": [gflops, ...]} (measurements: only where median_peak combined several or one).
 nlohmann::json to_json(const GemmPeak& peak);
 
 }  // namespace weft

@@ -379,10 +379,9 @@ int run_bench(const BenchOptions& options) {
   // Across nodes, node 0's rank 0 writes each run's metrics; the other nodes' files are named by node
   // (a run directory may be shared between nodes, as on a shared file system).
   const bool reads_metrics = o.node_rank == 0;
-  // Measured before the runs, on the quiet machine they will have.
-  // Measured again before each repetition: the table's MFU is against each product's median rate
-  // over those measurements, the machine's speed over the whole bench (a shared machine's moves by
-  // ~10% within minutes) rather than at one moment.
+  // The GEMM peak, measured on the quiet machine the runs will have, before each repetition: the
+  // table's MFU is against each product's median rate over those measurements, the machine's speed
+  // over the whole bench (a shared machine's moves by ~10% within minutes) rather than at one moment.
   std::vector<GemmPeak> peaks;
   const auto measure_peak = [&](int64_t rep) {
     if (!reads_metrics) return;

@@ -677,6 +677,7 @@ class HostStep : public sdk::Strategy {
       reducer_ = std::make_unique<GradientReducer>(h, dp_group_, shard_group_, replica_group_, reduced,
                                                    std::max<int64_t>(1, dp_->layout.reduce_bucket_bytes), stage_of);
       reducer_->set_explicit(gatherer_ != nullptr);
+      reducer_->keep_gradients_in_buckets();
     }
     GradientReducer* whole_partial = slices_ ? slices_->make_reducers(tp_->layout.reduce_bucket_bytes) : nullptr;
     // Which reducer starts its buckets during the last backward (it holds the host's gradient-ready

@@ -40,6 +40,23 @@ weft_status* parameter_grad_release(weft_host* host, int64_t index) {
   });
 }
 
+weft_status* parameter_grad_into_buffer(weft_host* host, int64_t index, weft_buffer* buffer, int64_t offset) {
+  return guarded([&] {
+    WEFT_CHECK(buffer != nullptr, "parameter_grad_into_buffer: null buffer");
+    auto& p = parameter_at(state_of(host), index);
+    const at::Tensor grad = p.tensor.grad();
+    const at::Tensor& flat = buffer->tensor;
+    if (!grad.defined() || grad.scalar_type() != flat.scalar_type() || grad.device() != flat.device()) return;
+    WEFT_CHECK(flat.dim() == 1 && offset >= 0 && offset + grad.numel() <= flat.numel(),
+               "parameter_grad_into_buffer: {} elements at {} do not fit a buffer of {}", grad.numel(), offset,
+               flat.numel());
+    at::NoGradGuard no_grad;
+    auto view = flat.narrow(0, offset, grad.numel()).view(grad.sizes());
+    view.copy_(grad);
+    p.tensor.mutable_grad() = view;
+  });
+}
+
 weft_status* parameter_release(weft_host* host, int64_t index) {
   return guarded([&] {
     auto& p = sharded_parameter(state_of(host), index, "parameter_release");

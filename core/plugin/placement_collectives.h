@@ -136,6 +136,19 @@ class GradientReducer {
     } catch (...) {
     }
   }
+  // Each REPLICATE gradient becomes a view of its bucket (parameter_grad_into_buffer, as PyTorch
+  // DDP's gradient_as_bucket_view): the backward adds into the bucket, which is all-reduced and
+  // averaged in place, with no copy in or out and no second copy of the gradients. A gradient the
+  // host later replaces with other memory is copied as before.
+  void keep_gradients_in_buckets() {
+    for (Bucket& b : buckets_) {
+      if (b.scatter) continue;
+      for (size_t k = 0; k < b.parameters.size(); ++k) {
+        host_.check(::weft::host::parameter_grad_into_buffer(host_.handle(), b.parameters[k], b.buffer.handle(),
+                                                             b.offsets[k]));
+      }
+    }
+  }
   int64_t buckets() const { return static_cast<int64_t>(buckets_.size()); }
   // Of the last armed backward's buckets, how many started during it (the rest at REDUCE).
   int64_t started_in_backward() const { return started_in_backward_; }
@@ -211,7 +224,7 @@ class GradientReducer {
         if (!host_.step_gradient(b.parameters[k], grad)) continue;
         int64_t shape[2];
         const DLTensor part = b.buffer.part(b.offsets[k], b.sizes[k], shape);
-        host_.copy(grad, part);
+        if (!same_memory(grad, part)) host_.copy(grad, part);
       }
     }
   }
@@ -240,6 +253,9 @@ class GradientReducer {
     sdk::Buffer row;     // scatter: this rank's reduced row, likewise
     sdk::Work work;
   };
+  static bool same_memory(const DLTensor& a, const DLTensor& b) {
+    return static_cast<const char*>(a.data) + a.byte_offset == static_cast<const char*>(b.data) + b.byte_offset;
+  }
   // The elements of parameter k's range that rank r holds (the last ranges shorter or empty).
   int64_t range_count(const Bucket& b, size_t k, int64_t r) const {
     return std::clamp<int64_t>(b.sizes[k] - r * b.chunks[k], 0, b.chunks[k]);
@@ -281,7 +297,7 @@ class GradientReducer {
         DLTensor target = b.buffer.part(b.offsets[k], b.sizes[k], shape);
         DLTensor grad{};
         if (host_.step_gradient(b.parameters[k], grad)) {
-          host_.copy(target, grad);
+          if (!same_memory(target, grad)) host_.copy(target, grad);
         } else {
           host_.scale(target, 0.0);
         }

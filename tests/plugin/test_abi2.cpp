@@ -842,6 +842,39 @@ TEST(Abi2, ZeroStage3GathersEachStageAroundItsUsesAndResumesUnderAnyLayout) {
 // keeping each model stage whole from its forward to its backward trains to the same losses to the bit
 // and sends fewer bytes (one gather per micro-batch, not two); under bf16, gathering in the compute
 // dtype holds less tensor memory at the peak than fp32 gathers, and the plan says so too.
+// Under ddp each gradient is a view of its all-reduce bucket (as PyTorch DDP's
+// gradient_as_bucket_view): a rank holds one copy of the gradients, so its measured tensor peak is
+// one process's on the same per-rank batch, not that plus the buckets (23.4 MiB of fp32 gradients
+// on the small shape; the two peaks were 149.56 against 126.21 MiB with a bucket copy).
+TEST(Abi2, DdpKeepsEachGradientInItsBucket) {
+  const std::string dir = weft::testing::fresh_dir("weft_test_abi2", "grad_buckets");
+  const std::string run = tiny_run("--set model.preset=small --set train.max_steps=3");
+  const auto summary = [](const std::string& metrics) {
+    nlohmann::json out;
+    std::ifstream in(metrics);
+    for (std::string line; std::getline(in, line);) {
+      const auto record = nlohmann::json::parse(line);
+      if (record["type"] == "summary") out = record;
+    }
+    return out;
+  };
+  const auto one = weft::testing::run_trainer(run + " --plugin single --nproc 1 --set train.batch_size=2 "
+                                              "--set train.out_dir=" + dir + "/single");
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const auto two = weft::testing::run_trainer(run + " --plugin ddp --nproc 2 --set train.batch_size=4 "
+                                              "--set train.out_dir=" + dir + "/ddp");
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  const auto single = summary(dir + "/single/metrics.jsonl");
+  const auto ddp = summary(dir + "/ddp/metrics.jsonl");
+  const double gradients = single["state_mib_per_rank"]["gradients"][0].get<double>();
+  ASSERT_GT(gradients, 20.0);
+  const double alone = single["tensor_peak_mib_per_rank"][0].get<double>();
+  ASSERT_EQ(ddp["tensor_peak_mib_per_rank"].size(), 2u);
+  for (const auto& rank : ddp["tensor_peak_mib_per_rank"]) {
+    EXPECT_LT(rank.get<double>(), alone + 0.25 * gradients) << "one process: " << alone << " MiB";
+  }
+}
+
 TEST(Abi2, ZeroStage3KeepsStagesWholeUntilTheirBackwardAndGathersInTheComputeDtype) {
   const std::string dir = weft::testing::fresh_dir("weft_test_abi2", "zero3_options");
   const std::string run = tiny_run("--nproc 2 --set train.max_steps=4 --set train.grad_accum_steps=2 "

@@ -590,6 +590,12 @@ weft_status* parameter_grad_shard(weft_host* host, int64_t index, DLTensor* out)
  * parameter_grad_shard): parameter_grad fails until the next backward accumulates a new one.
  * Views of the old gradient die. */
 weft_status* parameter_grad_release(weft_host* host, int64_t index);
+/* Host-internal (not a service of the ABI's table): the parameter's whole gradient becomes elements
+ * [offset, offset + n) of `buffer` (n: the gradient's element count), its values copied there
+ * first; the gradient then shares the buffer's storage (it keeps it alive) and the backward adds
+ * into it in place, as PyTorch DDP's gradient_as_bucket_view. Nothing happens where the parameter
+ * has no gradient, or one of another dtype or device than the buffer's. */
+weft_status* parameter_grad_into_buffer(weft_host* host, int64_t index, weft_buffer* buffer, int64_t offset);
 /* Frees the whole parameter's storage (its shard must be RELEASABLE): views from
  * parameter_data die, and the parameter must be materialised again before a forward or
  * backward that uses it. The shard (parameter_shard) is kept. Releasing a released parameter

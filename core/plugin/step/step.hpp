@@ -225,6 +225,8 @@ class Buffer {
   DLTensor part(int64_t offset, int64_t count, int64_t (&shape_and_stride)[2]) const noexcept {
     return flat_part(view_, offset, count, shape_and_stride);
   }
+  // The host's buffer (host-internal services take it; null for an empty Buffer).
+  weft_buffer* handle() const noexcept { return handle_; }
   void reset() noexcept {
     if (handle_ != nullptr) ::weft::host::buffer_release(host_, std::exchange(handle_, nullptr));
     view_ = DLTensor{};

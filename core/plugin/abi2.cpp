@@ -491,7 +491,7 @@ class HostStep : public sdk::Strategy {
   // is built) keep 1 / N of their share: the optimizer state's; the gradients' beside the whole ones
   // (which accumulate over the micro-batches and live until their bucket starts); the parameters'
   // beside the stages gathered at once (the current and the prefetched one, and stage 0 through the
-  // step with a tied embedding). The reducer's all-reduce buckets hold the gradients once more.
+  // step with a tied embedding). The reducer's all-reduce buckets are the gradients' own memory.
   void memory_plan(weft_memory_plan& plan) override {
     // Context parallelism: each rank keeps its share of every sequence's activations (all-to-alls: the core's
     // share of the heads over the whole sequence is as large; the plugin's core: the host's estimate
@@ -537,9 +537,10 @@ class HostStep : public sdk::Strategy {
         plan.activation_bytes = std::max<int64_t>(0, plan.activation_bytes - copies);
       }
     }
-    // All-reduce buckets through the run; a reduce-scatter bucket takes the place of the whole gradients
-    // it frees, beside its row.
-    plan.buffer_bytes += static_cast<int64_t>(static_cast<double>(gradients) * (1.0 - shares.gradient + shares.gradient / n));
+    // An all-reduce bucket holds its gradients themselves (each REPLICATE gradient a view of it, the
+    // reducer's keep_gradients_in_buckets): nothing beside them. A reduce-scatter bucket takes the
+    // place of the whole gradients it frees, beside its row.
+    plan.buffer_bytes += static_cast<int64_t>(static_cast<double>(gradients) * shares.gradient / n);
   }
 
   // The optimizer state's placement FLAT_SHARD: the host's optimizer keeps and updates this rank's

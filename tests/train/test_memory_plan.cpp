@@ -83,7 +83,7 @@ TEST(MemoryPlan, TrainerPlanPrintsEveryRanksPlanWithoutBuildingAnything) {
   ASSERT_EQ(d.size(), 7u) << ddp.output;
   ASSERT_EQ(z.size(), 7u) << zero3.output;
   EXPECT_NEAR(d[2], 2 * d[0], 0.2);          // ddp: AdamW's two moments per parameter
-  EXPECT_NEAR(d[4], d[1], 0.2);              // ddp: its buckets copy every gradient
+  EXPECT_NEAR(d[4], 0.0, 0.05);             // ddp: its gradients are its all-reduce buckets' memory, no copy
   EXPECT_NEAR(z[2], d[2] / 2, 0.2);          // zero: half the optimizer state per rank at 2 ranks
   EXPECT_LT(z[0], d[0]);                     // stage 3: parameters sharded, a few stages whole at once
   EXPECT_NEAR(d[6], d[0] + d[1] + d[2] + d[3] + d[4] + d[5], 0.5);
@@ -136,7 +136,7 @@ TEST(MemoryPlan, APlanThatDoesNotFitAdvisesWhatWouldFromThePlan) {
       << ddp.output;
   // zero stage 1 with little activation memory: its gradients and parameters are whole on each rank.
   const auto zero1 = run_trainer("plan --config " + config + " --plugin zero --nproc 2 --set plugin.stage=1 " +
-                                 "--set data.seq_len=16 --set train.batch_size=2 --set train.memory_limit_gib=0.97");
+                                 "--set data.seq_len=16 --set train.batch_size=2 --set train.memory_limit_gib=0.93");
   EXPECT_EQ(zero1.exit_code, 1) << zero1.output;
   EXPECT_NE(zero1.output.find("are whole on every rank: a plugin setting that shards them too (zero's plugin.stage = 2 "
                               "or 3) would need about"),

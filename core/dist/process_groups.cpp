@@ -19,6 +19,7 @@
 #include <torch/cuda.h>
 #endif
 
+#include "core/dist/shared_memory_reduce.h"
 #include "core/util/error.h"
 #include "core/util/fault_injection.h"
 #include "core/util/libtorch.h"
@@ -138,6 +139,27 @@ Route Communicator::route(const ProcessGroup& group, const c10::Device& device) 
 }
 
 c10d::Store& Communicator::store() { return *store_; }
+
+void Communicator::use_shared_memory(int64_t slot_bytes) {
+  shared_memory_slot_bytes_ = std::max<int64_t>(0, slot_bytes);
+  for (auto& group : groups_) {
+    if (group->rank >= 0 && !group->local) attach_shared_memory(*group);
+  }
+}
+
+void Communicator::attach_shared_memory(ProcessGroup& group) {
+  if (shared_memory_slot_bytes_ <= 0 || group.size < 2) return;
+  std::string why_not;
+  group.local = SharedMemoryReduce::open(*store_, group.name, group.rank, group.size,
+                                         std::max<int64_t>(1, shared_memory_slot_bytes_ / 4), timeout_, &why_not);
+  if (group.rank != 0) return;
+  if (group.local) {
+    spdlog::info("group {}: its {} ranks all-reduce fp32 over shared memory ({} KiB per rank)", group.name, group.size,
+                 2 * shared_memory_slot_bytes_ >> 10);
+  } else {
+    spdlog::info("group {}: all-reduces over Gloo ({})", group.name, why_not);
+  }
+}
 
 std::vector<double> Communicator::all_gather(double value) {
   auto& world = this->world();
@@ -282,6 +304,12 @@ at::Tensor landing(const Route& route, const at::Tensor& output) {
   return route.staged ? at::empty(output.sizes(), output.options().device(at::kCPU)) : output;
 }
 
+// An operation done on SharedMemoryReduce's thread: complete (or failed) when it calls done().
+class LocalWork : public c10d::Work {
+ public:
+  void done(std::exception_ptr error) { finish(std::move(error)); }
+};
+
 // After completion, copies `result` into `tensor` where they are different tensors (staged or widened).
 std::function<void()> copy_back(const at::Tensor& tensor, const at::Tensor& result) {
   if (result.is_same(tensor)) return {};
@@ -296,6 +324,15 @@ Operation Communicator::all_reduce(ProcessGroup& group, const at::Tensor& tensor
   at::Tensor reduced = on_route(route, tensor);
   if (!reduces_natively(route.name, tensor.scalar_type())) reduced = reduced.to(at::kFloat);  // reduce wider
   std::vector<at::Tensor> tensors{reduced};
+  if (group.local && op.op_ == c10d::ReduceOp::SUM && reduced.device().is_cpu() &&
+      reduced.scalar_type() == at::kFloat && reduced.is_contiguous()) {
+    auto work = c10::make_intrusive<LocalWork>();
+    group.local->enqueue(reduced.data_ptr<float>(), reduced.numel(), [work](std::exception_ptr error) { work->done(error); });
+    operation.work = work;
+    operation.finish = copy_back(tensor, reduced);
+    operation.tensors = {tensor, reduced};
+    return operation;
+  }
   c10d::AllreduceOptions options;
   options.reduceOp = op;
   operation.work = route.backend->allreduce(tensors, options);
@@ -596,6 +633,7 @@ ProcessGroup& Communicator::create_group(const std::vector<int32_t>& world_ranks
   if (it != world_ranks.end()) {
     group->rank = static_cast<int32_t>(it - world_ranks.begin());
     attach_backends(*group, group->name);
+    attach_shared_memory(*group);
   }
   groups_.push_back(std::move(group));
   return *groups_.back();

@@ -5,7 +5,8 @@
 // Communicator, which routes it by its tensors' device (route()) and adapts a tensor to what the
 // backend can do (a dtype it cannot reduce is reduced in a wider one, a dtype it cannot move is
 // moved as raw bytes, a CUDA tensor in a group without NCCL is staged through host memory) and,
-// when a collective times out, asks the store which ranks never reached it.
+// when a collective times out, asks the store which ranks never reached it. A group whose members
+// all run on this machine may sum CPU fp32 tensors through shared memory instead (use_shared_memory).
 #pragma once
 
 #include <algorithm>
@@ -33,6 +34,8 @@ class Store;
 
 namespace weft {
 
+class SharedMemoryReduce;
+
 struct ProcessGroup {
   c10::intrusive_ptr<c10d::Backend> backend;      // c10d's Gloo group (CPU tensors); null on ranks outside
   c10::intrusive_ptr<c10d::Backend> nccl;         // c10d's NCCL group (CUDA tensors), or null: see route()
@@ -41,6 +44,9 @@ struct ProcessGroup {
   int32_t size = 0;
   std::string name;                                 // "world", "group1", ...
   std::atomic<int64_t> collectives{0};              // collectives issued on it so far by this process
+  // Its members' fp32 sums through shared memory where they all run on this machine
+  // (Communicator::use_shared_memory), or null.
+  std::shared_ptr<SharedMemoryReduce> local;
 };
 
 // One operation issued on a process group, until it is waited for.
@@ -128,6 +134,12 @@ class Communicator {
   ProcessGroup& create_group(const std::vector<int32_t>& world_ranks);
   std::chrono::milliseconds timeout() const { return timeout_; }
   c10d::Store& store();  // the rendezvous store (for start-up key exchanges)
+  // From now on, each group (the world and the groups made later) whose members all run on this
+  // machine all-reduces CPU fp32 sums (and bf16 ones, which Gloo's path widens to fp32) through a
+  // shared memory segment of two `slot_bytes` slots per member (SharedMemoryReduce) instead of Gloo's loopback
+  // connections; other operations stay on Gloo. Collective over the world; a group that cannot
+  // (members on several machines, /dev/shm too small) keeps Gloo, and says why in the log.
+  void use_shared_memory(int64_t slot_bytes);
   // Where the store is ("10.0.0.1:29500"), for the messages that say it stopped answering.
   void set_store_address(std::string address) { store_address_ = std::move(address); }
   // Every rank's `value`, in rank order. Collective over the world.
@@ -212,6 +224,8 @@ class Communicator {
 
   static constexpr int64_t kStoreAnswerLimitMs = 5000;
   std::vector<std::unique_ptr<ProcessGroup>> groups_;
+  int64_t shared_memory_slot_bytes_ = 0;  // use_shared_memory's; 0: none
+  void attach_shared_memory(ProcessGroup& group);
   // The flight recorder (issue may run on the autograd thread, hence the lock).
   mutable std::mutex flight_mutex_;
   std::deque<FlightRecord> flight_;

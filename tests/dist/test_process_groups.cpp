@@ -338,5 +338,79 @@ TEST(ProcessGroups, ATimedOutCollectiveNamesTheRanksThatNeverJoinedIt) {
   EXPECT_GE(timed_out.load(), 1) << "neither member that waited for rank 2 timed out";
 }
 
+// Ranks of one machine all-reduce fp32 (and bf16, widened) sums through shared memory: the sum of
+// each element over the ranks in rank order, the same bits on every rank, through slots smaller than
+// the tensor (pieces, an uneven split of each); a group made later has it too, other operations stay
+// on Gloo.
+TEST(ProcessGroups, SharedMemoryAllReduceSumsInRankOrderOnEveryRank) {
+  on_ranks(3, [](Communicator& c) {
+    auto& world = c.world();
+    EXPECT_EQ(world.local, nullptr);
+    c.use_shared_memory(4096);  // 1024 floats per slot
+    ASSERT_NE(world.local, nullptr);
+    const int rank = world.rank;
+    for (int round = 0; round < 10; ++round) {  // issued back to back: the pieces' slots reused
+      const auto values = [round](int r) {           // a generator of its own: the ranks are threads
+        return torch::randn({2500 + round}, at::detail::createCPUGenerator(100 * round + r)) * (r + 1) * 1e3;
+      };
+      auto sum = values(rank);
+      auto operation = c.all_reduce(world, sum, c10d::ReduceOp::SUM);
+      c.wait(operation);
+      const auto expected = (values(0) + values(1)) + values(2);
+      EXPECT_TRUE(torch::equal(sum, expected)) << round << ": " << (sum - expected).abs().max();
+    }
+    auto half = torch::full({3}, rank == 0 ? 1.0 : 1.0 / 256, torch::kBFloat16);
+    auto widened = c.all_reduce(world, half, c10d::ReduceOp::SUM);
+    c.wait(widened);
+    EXPECT_TRUE(torch::equal(half, torch::full({3}, 1.0 + 1.0 / 128, torch::kBFloat16))) << half;
+    auto& pair = c.create_group({0, 2});
+    if (rank == 1) {
+      EXPECT_EQ(pair.local, nullptr);
+      return;
+    }
+    ASSERT_NE(pair.local, nullptr);
+    auto ones = torch::ones({5000});
+    auto in_pair = c.all_reduce(pair, ones, c10d::ReduceOp::SUM);
+    c.wait(in_pair);
+    EXPECT_TRUE(torch::equal(ones, torch::full({5000}, 2.0)));
+  });
+}
+
+// A member that never reaches a shared-memory all-reduce is named as over Gloo: the others' wait
+// times out within train.collective_timeout_s, and their next reduction fails at once.
+TEST(ProcessGroups, ASharedMemoryAllReduceThatTimesOutNamesTheAbsentRank) {
+  on_ranks(
+      3,
+      [](Communicator& c) {
+        auto& world = c.world();
+        c.use_shared_memory(1 << 20);
+        ASSERT_NE(world.local, nullptr);
+        auto value = torch::ones({4});
+        auto first = c.all_reduce(world, value, c10d::ReduceOp::SUM);
+        c.wait(first);
+        EXPECT_TRUE(torch::equal(value, torch::full({4}, 3.0)));
+        if (world.rank == 2) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(3500));
+          return;
+        }
+        auto second = c.all_reduce(world, value, c10d::ReduceOp::SUM);
+        const auto start = std::chrono::steady_clock::now();
+        try {
+          c.wait(second);
+          ADD_FAILURE() << "the all_reduce completed without rank 2";
+        } catch (const CommError& e) {
+          EXPECT_TRUE(e.timed_out()) << e.what();
+          EXPECT_NE(std::string(e.what()).find("all_reduce #2 on group world timed out after 2 s (train.collective_timeout_s): "
+                                               "rank 2 did not join it"),
+                    std::string::npos)
+              << e.what();
+        }
+        EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(3400));
+        auto third = c.all_reduce(world, value, c10d::ReduceOp::SUM);
+        EXPECT_THROW(c.wait(third), CommError);
+      },
+      std::chrono::seconds(2));
+}
+
 }  // namespace
 }  // namespace weft

@@ -1,0 +1,75 @@
+// All-reduce (sum) of fp32 vectors among the processes of one machine through a shared memory
+// segment, beside a group's Gloo connections: Gloo on loopback moves each byte through the kernel's
+// sockets several times. Here, piece by piece (a slot's worth, small enough to stay in the caches),
+// each rank copies its vector into its slot, sums its 1/N of the elements over the slots in rank
+// order (every rank then holds the same bits), and copies the others' sums back. Waits sleep on a
+// futex in the segment.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+namespace c10d {
+class Store;
+}
+
+namespace weft {
+
+class SharedMemoryReduce {
+ public:
+  // Collective over the group's `size` members (keys under `prefix` in `store`). Returns null on every
+  // member when they do not all run on this machine (host name, boot, and the IPC, mount and network
+  // namespaces: ranks in network namespaces of their own count as machines of their own) or when a
+  // member could not map the segment (a small /dev/shm: the reason is in `why_not`). Each slot holds
+  // `slot_floats`, two per member; longer vectors go through in pieces.
+  static std::unique_ptr<SharedMemoryReduce> open(c10d::Store& store, const std::string& prefix, int rank, int size,
+                                                  int64_t slot_floats, std::chrono::milliseconds timeout,
+                                                  std::string* why_not = nullptr);
+  ~SharedMemoryReduce();
+  SharedMemoryReduce(const SharedMemoryReduce&) = delete;
+  SharedMemoryReduce& operator=(const SharedMemoryReduce&) = delete;
+
+  // Sums `count` floats at `data` over the members, in place, on this thread. Every member calls it
+  // in the same order with the same count. Throws weft::Error ("timed out" in its message) when a
+  // member does not arrive within the timeout, naming it, or at once when a member's process is gone.
+  void all_reduce_sum(float* data, int64_t count);
+
+  // The same on this reducer's own thread, in issue order: `done` runs there with the error, if any.
+  void enqueue(float* data, int64_t count, std::function<void(std::exception_ptr)> done);
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+
+  struct Header;  // the segment's start (shared_memory_reduce.cpp)
+
+ private:
+  SharedMemoryReduce(int rank, int size, int64_t slot_floats, std::chrono::milliseconds timeout, void* base, size_t bytes);
+  void arrive_and_wait();
+  float* slot(int set, int r) const;
+  void worker();
+
+  int rank_, size_;
+  int64_t slot_floats_;
+  std::chrono::milliseconds timeout_;
+  void* base_;
+  size_t bytes_;
+  Header* header_;
+  uint32_t phase_ = 0;    // barriers this rank passed
+  uint64_t pieces_ = 0;   // pieces reduced, over all calls (which set of slots is next)
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  bool stop_ = false;
+  std::exception_ptr broken_;  // the worker's first failure
+  std::thread thread_;
+};
+
+}  // namespace weft

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Fuzzes weft's parsers of untrusted input with libFuzzer (clang, with AddressSanitizer, its leak
 # checker, and UBSan): builds fuzz/ into build-fuzz/ and runs every target from its seed corpus
-# for SECONDS each (default 60), or until WEFT_FUZZ_RUNS executions. Prints executions, corpus and
-# findings per target; exits non-zero if any target found a crash, a leak, undefined behaviour or
-# an exception other than weft::Error (bad input must get one clear error). A finding is kept as
+# for SECONDS each (default 60), or until WEFT_FUZZ_RUNS executions, as many at once as there are
+# cores (WEFT_FUZZ_JOBS). Prints executions, corpus and findings per target; exits non-zero if any
+# target found a crash, a leak, undefined behaviour or an exception other than weft::Error (bad
+# input must get one clear error). A finding is kept as
 # build-fuzz/crash-<target>-* (replay: build-fuzz/fuzz_<target> FILE).
 #
 #   tools/fuzz.sh               every target, 60 s each
@@ -58,29 +59,52 @@ if [[ ${#targets[@]} -eq 0 ]]; then
   done
 fi
 
-failed=0
-printf 'fuzz: %-15s %12s %8s %8s  %s\n' target executions exec/s corpus result
-for target in "${targets[@]}"; do
-  corpus=build-fuzz/corpus/$target
+# The targets run side by side, one per core (WEFT_FUZZ_JOBS, default nproc): each is one
+# single-threaded process, so each gets the executions it would alone; rows print in target order.
+jobs=${WEFT_FUZZ_JOBS:-$(nproc)}
+fuzz_one() {
+  local target=$1 corpus=build-fuzz/corpus/$1 seeds=() log=build-fuzz/$1.log result
   mkdir -p "$corpus"
-  seeds=()
   if [[ $target == config ]]; then
     seeds=(build-fuzz/seeds-config)
     mkdir -p "${seeds[0]}" && cp configs/*.toml "${seeds[0]}/"
   else
     seeds=(fuzz/seeds/$target)
   fi
-  log=build-fuzz/$target.log
   if build-fuzz/fuzz_$target "$corpus" "${seeds[@]}" -max_total_time="$seconds" -runs="$runs" -print_final_stats=1 \
        -artifact_prefix="build-fuzz/crash-$target-" >"$log" 2>&1; then
     result=ok
   else
     result="FAILED: $(grep -m1 -E 'ERROR: |terminate called|runtime error' "$log" || echo "exit status")"
-    failed=1
   fi
+  local executions speed
   executions=$(awk '/stat::number_of_executed_units/ {print $2}' "$log")
   speed=$(awk '/stat::average_exec_per_sec/ {print $2}' "$log")
-  printf 'fuzz: %-15s %12s %8s %8s  %s\n' "$target" "${executions:-?}" "${speed:-?}" "$(ls "$corpus" | wc -l)" "$result"
+  printf 'fuzz: %-15s %12s %8s %8s  %s\n' "$target" "${executions:-?}" "${speed:-?}" "$(ls "$corpus" | wc -l)" "$result" \
+    >"build-fuzz/$target.row"
+}
+
+printf 'fuzz: %-15s %12s %8s %8s  %s\n' target executions exec/s corpus result
+running=0
+for target in "${targets[@]}"; do
+  rm -f "build-fuzz/$target.row"
+  if (( running >= jobs )); then
+    wait -n || true
+    running=$((running - 1))
+  fi
+  fuzz_one "$target" &
+  running=$((running + 1))
+done
+wait || true
+failed=0
+for target in "${targets[@]}"; do
+  if [[ -f build-fuzz/$target.row ]]; then
+    cat "build-fuzz/$target.row"
+    grep -q '  ok$' "build-fuzz/$target.row" || failed=1
+  else
+    echo "fuzz: $target: no result (the fuzzing process did not finish)"
+    failed=1
+  fi
 done
 [[ $failed == 0 ]] || echo "fuzz: findings above; the log of each target is build-fuzz/<target>.log" >&2
 exit $failed

@@ -154,10 +154,10 @@ void Communicator::attach_shared_memory(ProcessGroup& group) {
                                          std::max<int64_t>(1, shared_memory_slot_bytes_ / 4), timeout_, &why_not);
   if (group.rank != 0) return;
   if (group.local) {
-    spdlog::info("group {}: its {} ranks all-reduce fp32 over shared memory ({} KiB per rank)", group.name, group.size,
+    spdlog::info("group {}: its {} ranks reduce and gather CPU tensors over shared memory ({} KiB per rank)", group.name, group.size,
                  2 * shared_memory_slot_bytes_ >> 10);
   } else {
-    spdlog::info("group {}: all-reduces over Gloo ({})", group.name, why_not);
+    spdlog::info("group {}: reduces and gathers over Gloo ({})", group.name, why_not);
   }
 }
 
@@ -327,7 +327,10 @@ Operation Communicator::all_reduce(ProcessGroup& group, const at::Tensor& tensor
   if (group.local && op.op_ == c10d::ReduceOp::SUM && reduced.device().is_cpu() &&
       reduced.scalar_type() == at::kFloat && reduced.is_contiguous()) {
     auto work = c10::make_intrusive<LocalWork>();
-    group.local->enqueue(reduced.data_ptr<float>(), reduced.numel(), [work](std::exception_ptr error) { work->done(error); });
+    float* data = reduced.data_ptr<float>();
+    const int64_t count = reduced.numel();
+    group.local->enqueue([data, count](SharedMemoryReduce& local) { local.all_reduce_sum(data, count); },
+                         [work](std::exception_ptr error) { work->done(error); });
     operation.work = work;
     operation.finish = copy_back(tensor, reduced);
     operation.tensors = {tensor, reduced};
@@ -363,6 +366,26 @@ Operation Communicator::reduce_scatter(ProcessGroup& group, const at::Tensor& ou
     return operation;
   }
   const auto kind = op.op_;
+  if (group.local && sent.device().is_cpu() && sent.scalar_type() == at::kFloat &&
+      (kind == c10d::ReduceOp::SUM || kind == c10d::ReduceOp::AVG)) {
+    // Through the machine's shared memory: each rank sums its own part over the members' inputs in
+    // rank order, into the output itself where it is a contiguous fp32 CPU tensor.
+    const bool direct = output.device().is_cpu() && output.scalar_type() == at::kFloat && output.is_contiguous();
+    at::Tensor received = direct ? output : at::empty({output.numel()}, sent.options());
+    auto work = c10::make_intrusive<LocalWork>();
+    const float* in = sent.data_ptr<float>();
+    float* out = received.data_ptr<float>();
+    const int64_t floats = output.numel();
+    group.local->enqueue([in, out, floats](SharedMemoryReduce& local) { local.reduce_scatter_sum(in, out, floats); },
+                         [work](std::exception_ptr error) { work->done(error); });
+    operation.work = work;
+    operation.finish = [received, output, ranks, kind, direct]() mutable {
+      if (kind == c10d::ReduceOp::AVG) received.div_(static_cast<double>(ranks));
+      if (!direct) output.copy_(received.view(output.sizes()));
+    };
+    operation.tensors = {output, input, sent, received};
+    return operation;
+  }
   if (kind == c10d::ReduceOp::SUM || kind == c10d::ReduceOp::AVG || kind == c10d::ReduceOp::MIN ||
       kind == c10d::ReduceOp::MAX || kind == c10d::ReduceOp::PRODUCT) {
     // Gloo's reduce_scatter all-reduces (measured: a whole all-reduce's bytes on the link). An
@@ -403,6 +426,21 @@ Operation Communicator::all_gather(ProcessGroup& group, const at::Tensor& output
   const Route route = Communicator::route(group, input.device());
   const at::Tensor gathered = landing(route, output);
   const at::Tensor sent = on_route(route, input);
+  if (group.local && sent.device().is_cpu()) {
+    // Through the machine's shared memory, as bytes.
+    const at::Tensor in = sent.contiguous();
+    const at::Tensor out = gathered.is_contiguous() ? gathered : at::empty(gathered.sizes(), gathered.options());
+    auto work = c10::make_intrusive<LocalWork>();
+    const void* from = in.data_ptr();
+    void* to = out.data_ptr();
+    const auto bytes = static_cast<int64_t>(in.nbytes());
+    group.local->enqueue([from, to, bytes](SharedMemoryReduce& local) { local.all_gather(from, to, bytes); },
+                         [work](std::exception_ptr error) { work->done(error); });
+    operation.work = work;
+    operation.finish = copy_back(output, out);
+    operation.tensors = {output, input, gathered, sent, in, out};
+    return operation;
+  }
   const bool native = moves_natively(route.name, input.scalar_type());
   const at::Tensor out = native ? gathered : as_movable(gathered), in = native ? sent : as_movable(sent);
   std::vector<std::vector<at::Tensor>> outputs{out.chunk(group.size, 0)};

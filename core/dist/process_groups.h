@@ -6,7 +6,8 @@
 // backend can do (a dtype it cannot reduce is reduced in a wider one, a dtype it cannot move is
 // moved as raw bytes, a CUDA tensor in a group without NCCL is staged through host memory) and,
 // when a collective times out, asks the store which ranks never reached it. A group whose members
-// all run on this machine may sum CPU fp32 tensors through shared memory instead (use_shared_memory).
+// all run on this machine may all-reduce, reduce-scatter and all-gather CPU tensors through shared
+// memory instead (use_shared_memory).
 #pragma once
 
 #include <algorithm>
@@ -44,7 +45,7 @@ struct ProcessGroup {
   int32_t size = 0;
   std::string name;                                 // "world", "group1", ...
   std::atomic<int64_t> collectives{0};              // collectives issued on it so far by this process
-  // Its members' fp32 sums through shared memory where they all run on this machine
+  // Its members' collectives through shared memory where they all run on this machine
   // (Communicator::use_shared_memory), or null.
   std::shared_ptr<SharedMemoryReduce> local;
 };
@@ -135,10 +136,12 @@ class Communicator {
   std::chrono::milliseconds timeout() const { return timeout_; }
   c10d::Store& store();  // the rendezvous store (for start-up key exchanges)
   // From now on, each group (the world and the groups made later) whose members all run on this
-  // machine all-reduces CPU fp32 sums (and bf16 ones, which Gloo's path widens to fp32) through a
-  // shared memory segment of two `slot_bytes` slots per member (SharedMemoryReduce) instead of Gloo's loopback
-  // connections; other operations stay on Gloo. Collective over the world; a group that cannot
-  // (members on several machines, /dev/shm too small) keeps Gloo, and says why in the log.
+  // machine all-reduces and reduce-scatters CPU fp32 sums and averages (and bf16 ones, which
+  // Gloo's path widens to fp32; all-reduce: sums only) and all-gathers CPU tensors of any dtype
+  // through a shared memory segment of two `slot_bytes` slots per member (SharedMemoryReduce)
+  // instead of Gloo's loopback connections; other operations stay on Gloo. Collective over the
+  // world; a group that cannot (members on several machines, /dev/shm too small) keeps Gloo, and
+  // says why in the log.
   void use_shared_memory(int64_t slot_bytes);
   // Where the store is ("10.0.0.1:29500"), for the messages that say it stopped answering.
   void set_store_address(std::string address) { store_address_ = std::move(address); }

@@ -1,5 +1,6 @@
 #include "core/dist/shared_memory_reduce.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <climits>
@@ -83,8 +84,8 @@ std::unique_ptr<SharedMemoryReduce> SharedMemoryReduce::open(c10d::Store& store,
   const auto say = [&](const std::string& why) {
     if (why_not != nullptr) *why_not = why;
   };
-  if (size < 2 || slot_floats < 1) {
-    say("one member");
+  if (size < 2 || slot_floats < size) {
+    say(size < 2 ? "one member" : "slots smaller than one float per member");
     return nullptr;
   }
   const std::string key = prefix + "/shared_memory/";
@@ -201,18 +202,19 @@ void SharedMemoryReduce::arrive_and_wait() {
       if (static_cast<int32_t>(passed - phase_) >= 0) continue;
       const int32_t pid = header_->ranks[r].pid;
       if (pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH) {
-        fail("all_reduce over shared memory: group rank {} (pid {}) exited before it", r, pid);
+        fail("{} over shared memory: group rank {} (pid {}) exited before it", operation_, r, pid);
       }
       late += (late.empty() ? "" : ", ") + std::to_string(r);
     }
     if (std::chrono::steady_clock::now() > deadline) {
-      fail("all_reduce over shared memory timed out after {:.0f} s: group rank(s) {} did not arrive",
+      fail("{} over shared memory timed out after {:.0f} s: group rank(s) {} did not arrive", operation_,
            std::chrono::duration<double>(timeout_).count(), late);
     }
   }
 }
 
 void SharedMemoryReduce::all_reduce_sum(float* data, int64_t count) {
+  operation_ = "all_reduce";
   // Pieces of a slot each, small enough to stay in the caches between the copies; two sets of slots
   // in turn, so that one barrier per piece separates the copies in from the sums and one the sums
   // from the copies out (a set is written again two pieces later, after every member passed the
@@ -237,15 +239,53 @@ void SharedMemoryReduce::all_reduce_sum(float* data, int64_t count) {
   }
 }
 
-void SharedMemoryReduce::enqueue(float* data, int64_t count, std::function<void(std::exception_ptr)> done) {
+// A reduce-scatter's and an all-gather's pieces need one barrier each: a member reads only the
+// slots of its piece's set, and before the next piece's barrier; the set is written again two
+// pieces later, after every member passed the next piece's barrier.
+void SharedMemoryReduce::reduce_scatter_sum(const float* input, float* output, int64_t part) {
+  operation_ = "reduce_scatter";
+  const int64_t piece = std::max<int64_t>(1, slot_floats_ / size_);  // a slot holds a piece of every part
+  for (int64_t offset = 0; offset < part; offset += piece) {
+    const int set = static_cast<int>(pieces_++ % 2);
+    const int64_t n = std::min(piece, part - offset);
+    float* mine = slot(set, rank_);
+    for (int r = 0; r < size_; ++r) {
+      std::memcpy(mine + r * n, input + r * part + offset, static_cast<size_t>(n) * sizeof(float));
+    }
+    arrive_and_wait();
+    float* out = output + offset;
+    std::memcpy(out, slot(set, 0) + rank_ * n, static_cast<size_t>(n) * sizeof(float));
+    for (int r = 1; r < size_; ++r) {
+      const float* in = slot(set, r) + rank_ * n;
+      for (int64_t i = 0; i < n; ++i) out[i] += in[i];
+    }
+  }
+}
+
+void SharedMemoryReduce::all_gather(const void* input, void* output, int64_t bytes) {
+  operation_ = "all_gather";
+  const int64_t piece = slot_floats_ * static_cast<int64_t>(sizeof(float));
+  const auto* in = static_cast<const char*>(input);
+  auto* out = static_cast<char*>(output);
+  for (int64_t offset = 0; offset < bytes; offset += piece) {
+    const int set = static_cast<int>(pieces_++ % 2);
+    const auto n = static_cast<size_t>(std::min(piece, bytes - offset));
+    std::memcpy(slot(set, rank_), in + offset, n);
+    arrive_and_wait();
+    for (int r = 0; r < size_; ++r) std::memcpy(out + r * bytes + offset, slot(set, r), n);
+  }
+}
+
+void SharedMemoryReduce::enqueue(std::function<void(SharedMemoryReduce&)> operation,
+                                 std::function<void(std::exception_ptr)> done) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!thread_.joinable()) thread_ = std::thread([this] { worker(); });
-  queue_.emplace_back([this, data, count, done = std::move(done)] {
-    // After a failure the members' barriers are out of step: every later reduction fails alike.
+  queue_.emplace_back([this, operation = std::move(operation), done = std::move(done)] {
+    // After a failure the members' barriers are out of step: every later operation fails alike.
     std::exception_ptr error = broken_;
     if (!error) {
       try {
-        all_reduce_sum(data, count);
+        operation(*this);
       } catch (...) {
         error = broken_ = std::current_exception();
       }

@@ -1,9 +1,10 @@
-// All-reduce (sum) of fp32 vectors among the processes of one machine through a shared memory
-// segment, beside a group's Gloo connections: Gloo on loopback moves each byte through the kernel's
-// sockets several times. Here, piece by piece (a slot's worth, small enough to stay in the caches),
-// each rank copies its vector into its slot, sums its 1/N of the elements over the slots in rank
-// order (every rank then holds the same bits), and copies the others' sums back. Waits sleep on a
-// futex in the segment.
+// Collectives among the processes of one machine through a shared memory segment, beside a group's
+// Gloo connections: Gloo on loopback moves each byte through the kernel's sockets several times.
+// Piece by piece (a slot's worth, small enough to stay in the caches), each rank copies its data
+// into its slot; after a barrier, for an all-reduce (fp32 sum) it sums its 1/N of the elements over
+// the slots in rank order (every rank then holds the same bits) and copies the others' sums back;
+// for a reduce-scatter (fp32 sum) it sums its own part over the slots in rank order; for an
+// all-gather (any bytes) it copies every slot out. Waits sleep on a futex in the segment.
 #pragma once
 
 #include <chrono>
@@ -42,8 +43,17 @@ class SharedMemoryReduce {
   // member does not arrive within the timeout, naming it, or at once when a member's process is gone.
   void all_reduce_sum(float* data, int64_t count);
 
-  // The same on this reducer's own thread, in issue order: `done` runs there with the error, if any.
-  void enqueue(float* data, int64_t count, std::function<void(std::exception_ptr)> done);
+  // This member's part of the sum over the members of their `input`s (each `size()` parts of `part`
+  // floats, in group-rank order: part r goes to group rank r), summed in rank order, into `output`.
+  // Every member calls it in the same order with the same part; errors as all_reduce_sum's.
+  void reduce_scatter_sum(const float* input, float* output, int64_t part);
+
+  // Every member's `bytes` at `input`, in group-rank order, into `output` (size() x bytes).
+  void all_gather(const void* input, void* output, int64_t bytes);
+
+  // Runs `operation` (one of the above) on this reducer's own thread, in issue order: `done` runs
+  // there with the error, if any. After a failure every later operation fails with it.
+  void enqueue(std::function<void(SharedMemoryReduce&)> operation, std::function<void(std::exception_ptr)> done);
 
   int rank() const { return rank_; }
   int size() const { return size_; }
@@ -63,7 +73,8 @@ class SharedMemoryReduce {
   size_t bytes_;
   Header* header_;
   uint32_t phase_ = 0;    // barriers this rank passed
-  uint64_t pieces_ = 0;   // pieces reduced, over all calls (which set of slots is next)
+  uint64_t pieces_ = 0;   // pieces moved, over all operations (which set of slots is next)
+  const char* operation_ = "all_reduce";  // the one under way, for errors
   std::mutex mutex_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> queue_;

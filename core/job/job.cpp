@@ -218,7 +218,7 @@ void Job::join() {
   // CUDA tensors travel over NCCL where this LibTorch has it and each rank has its own GPU (Gloo
   // stages them through host memory otherwise).
   communicator_ = join_world(context_.env, timeout, nccl_ ? "nccl" : "gloo");
-  if (options_.shared_memory_all_reduce) communicator_->use_shared_memory(512 << 10);
+  if (options_.shared_memory_collectives) communicator_->use_shared_memory(512 << 10);
   // A collective that fails or times out leaves this rank's last operations here.
   if (!options_.out_dir.empty()) {
     communicator_->set_flight_record_path(fmt::format("{}/flight_recorder.rank{}.json", options_.out_dir, context_.rank));

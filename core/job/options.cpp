@@ -252,10 +252,11 @@ const std::vector<Row>& rows() {
       float_key("train.collective_timeout_s", WEFT_MEMBER(collective_timeout_s), 300.0,
                 "Seconds a collective or the start-up rendezvous may take before the run stops with an error naming it.",
                 1.0),
-      bool_key("train.shared_memory_all_reduce", WEFT_MEMBER(shared_memory_all_reduce), true,
-               "Ranks on one machine all-reduce CPU fp32 and bf16 sums (data parallelism's gradient buckets among "
-               "them) through a shared memory segment (1 MiB per rank in /dev/shm) instead of Gloo's loopback "
-               "connections; ranks on other machines, and every other operation, stay on Gloo (or NCCL)."),
+      bool_key("train.shared_memory_collectives", WEFT_MEMBER(shared_memory_collectives), true,
+               "Ranks on one machine all-reduce and reduce-scatter CPU fp32 and bf16 sums (data parallelism's "
+               "gradient buckets, ZeRO's shards) and all-gather CPU tensors through a shared memory segment (1 MiB "
+               "per rank in /dev/shm) instead of Gloo's loopback connections; ranks on other machines, and every "
+               "other operation, stay on Gloo (or NCCL)."),
       float_key("train.memory_limit_gib", WEFT_MEMBER(memory_limit_gib), 0.0,
                 "GiB the memory plan may use before compute: on the CPU, all ranks of a machine together; on CUDA, "
                 "each rank's device. 0 = the machine's memory (MemTotal) or the device's. A run whose plan exceeds it "

@@ -70,7 +70,7 @@ struct TrainOptions {
   std::string plugin;         // train.plugin: a path or name; empty = single, built into the host
   int64_t mesh_pp, mesh_dp, mesh_cp, mesh_tp;  // [mesh]: 0 = unset (Mesh::resolve)
   double collective_timeout_s;
-  bool shared_memory_all_reduce;  // train.shared_memory_all_reduce
+  bool shared_memory_collectives;  // train.shared_memory_collectives
   double memory_limit_gib;    // train.memory_limit_gib: 0 = the machine's memory (CPU) / the device's (CUDA)
   bool save_merged;           // lora.save_merged
   int64_t eval_every, eval_max_batches, eval_batch_size, patience;

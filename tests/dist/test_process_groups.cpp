@@ -100,7 +100,9 @@ TEST(Rendezvous, GlooListensWhereThePeersCanReachIt) {
     }
   }
   ::freeifaddrs(list);
-  if (!own.empty()) EXPECT_EQ(gloo_network(env_at(own, true)).address, own);
+  if (!own.empty()) {
+    EXPECT_EQ(gloo_network(env_at(own, true)).address, own);
+  }
 
   ::setenv("GLOO_SOCKET_IFNAME", "lo", 1);
   const auto on_lo = gloo_network(env_at("10.1.2.3", false));
@@ -251,7 +253,7 @@ TEST(ProcessGroups, Bf16IsReducedInFp32AndMovedAsBytes) {
     EXPECT_TRUE(torch::equal(mine, (3 * torch::arange(2 * rank, 2 * rank + 2, torch::kFloat)).to(torch::kBFloat16)));
     // ... of 2-D rows, and by the other operations (fp32: rank r sent (r + 1) x [0 .. 5]).
     const auto rows = (rank + 1) * torch::arange(12, torch::kFloat).view({6, 2});
-    for (const auto [op, factor] : {std::pair{c10d::ReduceOp::MAX, 3.0}, {c10d::ReduceOp::MIN, 1.0},
+    for (const auto& [op, factor] : {std::pair{c10d::ReduceOp::MAX, 3.0}, {c10d::ReduceOp::MIN, 1.0},
                                     {c10d::ReduceOp::AVG, 2.0}, {c10d::ReduceOp::PRODUCT, 6.0}}) {
       auto part = torch::empty({2, 2});
       run(c.reduce_scatter(world, part, rows, c10d::ReduceOp(op)));
@@ -340,9 +342,9 @@ TEST(ProcessGroups, ATimedOutCollectiveNamesTheRanksThatNeverJoinedIt) {
 
 // Ranks of one machine all-reduce fp32 (and bf16, widened) sums through shared memory: the sum of
 // each element over the ranks in rank order, the same bits on every rank, through slots smaller than
-// the tensor (pieces, an uneven split of each); a group made later has it too, other operations stay
-// on Gloo.
-TEST(ProcessGroups, SharedMemoryAllReduceSumsInRankOrderOnEveryRank) {
+// the tensor (pieces, an uneven split of each); reduce-scatters and all-gathers too; a group made
+// later has it too.
+TEST(ProcessGroups, SharedMemoryCollectivesSumInRankOrderOnEveryRank) {
   on_ranks(3, [](Communicator& c) {
     auto& world = c.world();
     EXPECT_EQ(world.local, nullptr);
@@ -363,6 +365,40 @@ TEST(ProcessGroups, SharedMemoryAllReduceSumsInRankOrderOnEveryRank) {
     auto widened = c.all_reduce(world, half, c10d::ReduceOp::SUM);
     c.wait(widened);
     EXPECT_TRUE(torch::equal(half, torch::full({3}, 1.0 + 1.0 / 128, torch::kBFloat16))) << half;
+    // Reduce-scatters (sums, averages, bf16 widened) and all-gathers (bytes of any dtype), interleaved
+    // with all-reduces: parts and gathered rows longer than a slot, the slot sets in turn across kinds.
+    for (int round = 0; round < 6; ++round) {
+      const int64_t part = 1000 + 7 * round;  // floats per rank: pieces of 341 (1024 / 3)
+      const auto input = [round, part](int r) {
+        return torch::randn({3 * part}, at::detail::createCPUGenerator(1000 + 100 * round + r)) * (r + 1);
+      };
+      auto mine = torch::empty({part});
+      auto scattered = c.reduce_scatter(world, mine, input(rank), c10d::ReduceOp::SUM);
+      c.wait(scattered);
+      const auto whole = (input(0) + input(1)) + input(2);
+      EXPECT_TRUE(torch::equal(mine, whole.narrow(0, rank * part, part))) << round;
+
+      auto rows = torch::full({700 + round, 3}, static_cast<double>(rank * 10 + round), torch::kBFloat16);
+      rows[0][0] = -rank;
+      auto gathered = torch::empty({3 * (700 + round), 3}, torch::kBFloat16);
+      auto gather = c.all_gather(world, gathered, rows);  // 4200+ bytes per rank: 2 pieces of 4096
+      c.wait(gather);
+      for (int r = 0; r < 3; ++r) {
+        auto expected = torch::full({700 + round, 3}, static_cast<double>(r * 10 + round), torch::kBFloat16);
+        expected[0][0] = -r;
+        EXPECT_TRUE(torch::equal(gathered.narrow(0, r * (700 + round), 700 + round), expected)) << round << " " << r;
+      }
+
+      auto sum = torch::full({1500}, static_cast<double>(rank + round));
+      auto reduced = c.all_reduce(world, sum, c10d::ReduceOp::SUM);
+      c.wait(reduced);
+      EXPECT_TRUE(torch::equal(sum, torch::full({1500}, 3.0 + 3 * round))) << round;
+    }
+    auto halves = torch::full({6, 2}, rank == 0 ? 1.0 : 1.0 / 256, torch::kBFloat16);
+    auto averaged = torch::empty({2, 2}, torch::kBFloat16);
+    auto average = c.reduce_scatter(world, averaged, halves, c10d::ReduceOp::AVG);
+    c.wait(average);
+    EXPECT_TRUE(torch::equal(averaged, torch::full({2, 2}, (1.0 + 1.0 / 128) / 3, torch::kBFloat16))) << averaged;
     auto& pair = c.create_group({0, 2});
     if (rank == 1) {
       EXPECT_EQ(pair.local, nullptr);

@@ -289,7 +289,7 @@ void PipelineStrategy::memory_plan(weft_memory_plan& plan) {
     plan.gradient_bytes += embedding.trainable_bytes;
     plan.optimizer_bytes += 2 * embedding.trainable_bytes;
   }
-  if (placement_.replicas > 1) plan.buffer_bytes += plan.gradient_bytes;  // the replicas' averaging buckets
+  // The replicas' averaging buckets hold the gradients themselves (each a view of its bucket): nothing beside them.
 }
 
 // Per sequence of seq_len tokens, what a split backward keeps for one micro-batch's W on this rank: for each held

@@ -262,6 +262,7 @@ class PipelineStep : public pipeline::PipelineStrategy {
     if (reduced.empty()) return;
     reducer_ = std::make_unique<GradientReducer>(h, replica_group(), replica_group(), sdk::Group(), reduced, bucket_bytes);
     reducer_->set_explicit(true);  // a chunk's gradients are final at its REDUCE, not at each backward
+    reducer_->keep_gradients_in_buckets();  // each replicated gradient a view of its bucket, as ddp's
     if (async_ && !state_shards_.empty()) {
       throw sdk::Error(WEFT_STATUS_UNSUPPORTED,
                        fmt::format("{} places state FLAT_SHARD, which the asynchronous pipeline of {} does not run (its "
@@ -288,7 +289,7 @@ class PipelineStep : public pipeline::PipelineStrategy {
   // the whole ones; the parameters' range beside the whole ones, which a chunk keeps from its GATHER to
   // its RELEASE (all of this rank's at the step's peak).
   void memory_plan(weft_memory_plan& plan) override {
-    PipelineStrategy::memory_plan(plan);  // the replicas' buckets included
+    PipelineStrategy::memory_plan(plan);
     const int32_t compute_bytes = host().model_info().compute_dtype.bits / 8;
     const int64_t tokens = plan.seq_len / (sequences_ ? sequences_->ranks() : 1);
     for (const Abi2Instance* o : {static_cast<const Abi2Instance*>(opened_.get()), static_cast<const Abi2Instance*>(companion_.get()),
@@ -325,10 +326,9 @@ class PipelineStep : public pipeline::PipelineStrategy {
       plan.parameter_bytes -= static_cast<int64_t>(static_cast<double>(saved) * shares.parameter);
       plan.gradient_bytes -= static_cast<int64_t>(static_cast<double>(saved_gradients) * shares.parameter);
     }
-    // A reduce-scatter bucket takes the place of the whole gradients it frees (the pipeline's plan
-    // counted an all-reduce bucket for every gradient), beside its row.
-    plan.buffer_bytes += range(gradients, shares.gradient) -
-                         static_cast<int64_t>(static_cast<double>(gradients) * shares.gradient);
+    // An all-reduce bucket holds its gradients themselves (keep_gradients_in_buckets): nothing beside
+    // them. A reduce-scatter bucket takes the place of the whole gradients it frees, beside its row.
+    plan.buffer_bytes += range(gradients, shares.gradient);
   }
 
   double train_step(const weft_step_info& step) override {

@@ -845,7 +845,8 @@ TEST(Abi2, ZeroStage3GathersEachStageAroundItsUsesAndResumesUnderAnyLayout) {
 // Under ddp each gradient is a view of its all-reduce bucket (as PyTorch DDP's
 // gradient_as_bucket_view): a rank holds one copy of the gradients, so its measured tensor peak is
 // one process's on the same per-rank batch, not that plus the buckets (23.4 MiB of fp32 gradients
-// on the small shape; the two peaks were 149.56 against 126.21 MiB with a bucket copy).
+// on the small shape; the two peaks were 149.56 against 126.21 MiB with a bucket copy). So do a
+// pipeline's replicas.
 TEST(Abi2, DdpKeepsEachGradientInItsBucket) {
   const std::string dir = weft::testing::fresh_dir("weft_test_abi2", "grad_buckets");
   const std::string run = tiny_run("--set model.preset=small --set train.max_steps=3");
@@ -872,6 +873,25 @@ TEST(Abi2, DdpKeepsEachGradientInItsBucket) {
   ASSERT_EQ(ddp["tensor_peak_mib_per_rank"].size(), 2u);
   for (const auto& rank : ddp["tensor_peak_mib_per_rank"]) {
     EXPECT_LT(rank.get<double>(), alone + 0.25 * gradients) << "one process: " << alone << " MiB";
+  }
+  // A pipeline's replicas average their stage's gradients in buckets that are the gradients too: each
+  // rank of 2 stages x 2 replicas peaks where the rank of the same stage peaks without replicas, on the
+  // same per-rank batch (each stage holds about half the gradients).
+  const auto alone_pp = weft::testing::run_trainer(run + " --plugin gpipe --nproc 2 --set train.batch_size=2 "
+                                                   "--set plugin.microbatches=2 --set train.out_dir=" + dir + "/pp");
+  ASSERT_EQ(alone_pp.exit_code, 0) << alone_pp.output;
+  const auto replicated = weft::testing::run_trainer(run + " --plugin gpipe --nproc 4 --set plugin.stages=2 "
+                                                     "--set train.batch_size=4 --set plugin.microbatches=2 "
+                                                     "--set train.out_dir=" + dir + "/pp_dp");
+  ASSERT_EQ(replicated.exit_code, 0) << replicated.output;
+  const auto stages = summary(dir + "/pp/metrics.jsonl")["tensor_peak_mib_per_rank"];
+  const auto replicas = summary(dir + "/pp_dp/metrics.jsonl")["tensor_peak_mib_per_rank"];
+  ASSERT_EQ(stages.size(), 2u);
+  ASSERT_EQ(replicas.size(), 4u);
+  for (int rank = 0; rank < 4; ++rank) {  // ranks 0 and 2 hold stage 0, 1 and 3 stage 1
+    const double peak = replicas[static_cast<size_t>(rank)].get<double>();
+    const double stage = stages[static_cast<size_t>(rank % 2)].get<double>();
+    EXPECT_LT(peak, stage + 0.15 * gradients) << "rank " << rank << "; the stage without replicas: " << stage << " MiB";
   }
 }
 

@@ -327,9 +327,9 @@ Operation Communicator::all_reduce(ProcessGroup& group, const at::Tensor& tensor
   if (group.local && op.op_ == c10d::ReduceOp::SUM && reduced.device().is_cpu() &&
       reduced.scalar_type() == at::kFloat && reduced.is_contiguous()) {
     auto work = c10::make_intrusive<LocalWork>();
-    float* data = reduced.data_ptr<float>();
-    const int64_t count = reduced.numel();
-    group.local->enqueue([data, count](SharedMemoryReduce& local) { local.all_reduce_sum(data, count); },
+    // The operation holds its tensors until it ran, whatever happens to the Operation.
+    group.local->enqueue(
+        [reduced](SharedMemoryReduce& local) { local.all_reduce_sum(reduced.data_ptr<float>(), reduced.numel()); },
                          [work](std::exception_ptr error) { work->done(error); });
     operation.work = work;
     operation.finish = copy_back(tensor, reduced);
@@ -346,9 +346,9 @@ Operation Communicator::all_reduce(ProcessGroup& group, const at::Tensor& tensor
 
 Operation Communicator::reduce_scatter(ProcessGroup& group, const at::Tensor& output, const at::Tensor& input,
                                        c10d::ReduceOp op) {
-  WEFT_CHECK(input.size(0) == output.size(0) * group.size,
-             "reduce_scatter: input dim 0 ({}) must be {} x output dim 0 ({})", input.size(0), group.size,
-             output.size(0));
+  WEFT_CHECK(input.size(0) == output.size(0) * group.size && input.numel() == output.numel() * group.size,
+             "reduce_scatter: input ({}) must be {} x output ({}) along dim 0, with the same other dims",
+             c10::str(input.sizes()), group.size, c10::str(output.sizes()));
   auto operation = issue(group, "reduce_scatter", true, static_cast<int64_t>(input.nbytes()));
   const Route route = Communicator::route(group, input.device());
   const bool widen = !reduces_natively(route.name, input.scalar_type());
@@ -373,10 +373,10 @@ Operation Communicator::reduce_scatter(ProcessGroup& group, const at::Tensor& ou
     const bool direct = output.device().is_cpu() && output.scalar_type() == at::kFloat && output.is_contiguous();
     at::Tensor received = direct ? output : at::empty({output.numel()}, sent.options());
     auto work = c10::make_intrusive<LocalWork>();
-    const float* in = sent.data_ptr<float>();
-    float* out = received.data_ptr<float>();
-    const int64_t floats = output.numel();
-    group.local->enqueue([in, out, floats](SharedMemoryReduce& local) { local.reduce_scatter_sum(in, out, floats); },
+    group.local->enqueue(
+        [sent, received](SharedMemoryReduce& local) {
+          local.reduce_scatter_sum(sent.data_ptr<float>(), received.data_ptr<float>(), received.numel());
+        },
                          [work](std::exception_ptr error) { work->done(error); });
     operation.work = work;
     operation.finish = [received, output, ranks, kind, direct]() mutable {
@@ -418,9 +418,9 @@ Operation Communicator::reduce_scatter(ProcessGroup& group, const at::Tensor& ou
 }
 
 Operation Communicator::all_gather(ProcessGroup& group, const at::Tensor& output, const at::Tensor& input) {
-  WEFT_CHECK(output.size(0) == input.size(0) * group.size,
-             "all_gather: output dim 0 ({}) must be {} x input dim 0 ({})", output.size(0), group.size,
-             input.size(0));
+  WEFT_CHECK(output.size(0) == input.size(0) * group.size && output.numel() == input.numel() * group.size,
+             "all_gather: output ({}) must be {} x input ({}) along dim 0, with the same other dims",
+             c10::str(output.sizes()), group.size, c10::str(input.sizes()));
   WEFT_CHECK(output.scalar_type() == input.scalar_type(), "all_gather: output and input dtypes differ");
   auto operation = issue(group, "all_gather", true, static_cast<int64_t>(input.nbytes()));
   const Route route = Communicator::route(group, input.device());
@@ -429,12 +429,14 @@ Operation Communicator::all_gather(ProcessGroup& group, const at::Tensor& output
   if (group.local && sent.device().is_cpu()) {
     // Through the machine's shared memory, as bytes.
     const at::Tensor in = sent.contiguous();
-    const at::Tensor out = gathered.is_contiguous() ? gathered : at::empty(gathered.sizes(), gathered.options());
+    const at::Tensor out = gathered.is_contiguous() && gathered.device().is_cpu()
+                               ? gathered
+                               : at::empty(gathered.sizes(), gathered.options().device(at::kCPU));
     auto work = c10::make_intrusive<LocalWork>();
-    const void* from = in.data_ptr();
-    void* to = out.data_ptr();
-    const auto bytes = static_cast<int64_t>(in.nbytes());
-    group.local->enqueue([from, to, bytes](SharedMemoryReduce& local) { local.all_gather(from, to, bytes); },
+    group.local->enqueue(
+        [in, out](SharedMemoryReduce& local) {
+          local.all_gather(in.data_ptr(), out.data_ptr(), static_cast<int64_t>(in.nbytes()));
+        },
                          [work](std::exception_ptr error) { work->done(error); });
     operation.work = work;
     operation.finish = copy_back(output, out);

@@ -281,13 +281,21 @@ void SharedMemoryReduce::enqueue(std::function<void(SharedMemoryReduce&)> operat
   std::lock_guard<std::mutex> lock(mutex_);
   if (!thread_.joinable()) thread_ = std::thread([this] { worker(); });
   queue_.emplace_back([this, operation = std::move(operation), done = std::move(done)] {
-    // After a failure the members' barriers are out of step: every later operation fails alike.
-    std::exception_ptr error = broken_;
-    if (!error) {
+    // After a failure the members' barriers are out of step: every later operation fails, naming the
+    // first failure's operation (its own message, with the ranks it named, went to that operation's waiter).
+    std::exception_ptr error;
+    if (!broken_.empty()) {
+      try {
+        fail("not run over shared memory: this group's segment is out of step since its {} failed", broken_);
+      } catch (...) {
+        error = std::current_exception();
+      }
+    } else {
       try {
         operation(*this);
       } catch (...) {
-        error = broken_ = std::current_exception();
+        error = std::current_exception();
+        broken_ = operation_;
       }
     }
     done(error);

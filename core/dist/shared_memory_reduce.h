@@ -79,7 +79,7 @@ class SharedMemoryReduce {
   std::condition_variable cv_;
   std::deque<std::function<void()>> queue_;
   bool stop_ = false;
-  std::exception_ptr broken_;  // the worker's first failure
+  std::string broken_;  // the operation that failed first, if one did (every later one fails)
   std::thread thread_;
 };
 

@@ -296,10 +296,9 @@ class PipelineStep : public pipeline::PipelineStrategy {
                                   static_cast<const Abi2Instance*>(tensor_.get()), static_cast<const Abi2Instance*>(context_.get())}) {
       if (o != nullptr) plan.buffer_bytes += abi2_plugin_memory(*o, plan, tokens, compute_bytes);  // the plugins' own
     }
-    if (sequences_) {  // each rank's share of every sequence
-      plan.activation_bytes /= sequences_->ranks();
-      if (placement().replicas <= 1 && replicas() > 1) plan.buffer_bytes += plan.gradient_bytes;  // cp's buckets
-    }
+    // Each rank's share of every sequence. (The buckets that average the gradients over cp, or dp x
+    // cp, are the gradients' own memory: keep_gradients_in_buckets.)
+    if (sequences_) plan.activation_bytes /= sequences_->ranks();
     if (!companion_ || replicas() <= 1) return;
     std::vector<std::pair<int64_t, int64_t>> ranges(placement().chunk_stages.begin(), placement().chunk_stages.end());
     const Abi2ShardShares shares =

@@ -394,6 +394,9 @@ TEST(ProcessGroups, SharedMemoryCollectivesSumInRankOrderOnEveryRank) {
       c.wait(reduced);
       EXPECT_TRUE(torch::equal(sum, torch::full({1500}, 3.0 + 3 * round))) << round;
     }
+    // Shapes whose elements do not add up are refused before anything is issued, on every rank alike.
+    EXPECT_THROW(c.reduce_scatter(world, torch::empty({2, 4}), torch::empty({6, 2}), c10d::ReduceOp::SUM), Error);
+    EXPECT_THROW(c.all_gather(world, torch::empty({6, 2}), torch::empty({2, 3})), Error);
     auto halves = torch::full({6, 2}, rank == 0 ? 1.0 : 1.0 / 256, torch::kBFloat16);
     auto averaged = torch::empty({2, 2}, torch::kBFloat16);
     auto average = c.reduce_scatter(world, averaged, halves, c10d::ReduceOp::AVG);
@@ -413,7 +416,7 @@ TEST(ProcessGroups, SharedMemoryCollectivesSumInRankOrderOnEveryRank) {
 }
 
 // A member that never reaches a shared-memory all-reduce is named as over Gloo: the others' wait
-// times out within train.collective_timeout_s, and their next reduction fails at once.
+// times out within train.collective_timeout_s, and their next reduction fails at once, saying why.
 TEST(ProcessGroups, ASharedMemoryAllReduceThatTimesOutNamesTheAbsentRank) {
   on_ranks(
       3,
@@ -443,7 +446,15 @@ TEST(ProcessGroups, ASharedMemoryAllReduceThatTimesOutNamesTheAbsentRank) {
         }
         EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(3400));
         auto third = c.all_reduce(world, value, c10d::ReduceOp::SUM);
-        EXPECT_THROW(c.wait(third), CommError);
+        try {
+          c.wait(third);
+          ADD_FAILURE() << "an all_reduce ran on a segment out of step";
+        } catch (const CommError& e) {
+          EXPECT_FALSE(e.timed_out()) << e.what();
+          EXPECT_NE(std::string(e.what()).find("this group's segment is out of step since its all_reduce failed"),
+                    std::string::npos)
+              << e.what();
+        }
       },
       std::chrono::seconds(2));
 }

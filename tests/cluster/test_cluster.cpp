@@ -62,7 +62,8 @@ class Cluster {
   std::pair<int64_t, int64_t> bytes(int node) const {
     const auto r = run_command(kTool + " bytes " + name_ + " " + std::to_string(node));
     int64_t tx = -1, rx = -1;
-    std::sscanf(r.output.c_str(), "%ld %ld", &tx, &rx);
+    EXPECT_TRUE(r.exit_code == 0 && std::sscanf(r.output.c_str(), "%ld %ld", &tx, &rx) == 2)
+        << "the byte counters of node " << node << ": " << r.output;
     return {tx, rx};
   }
 
@@ -206,7 +207,9 @@ std::string expect_one_process_across_nodes(const std::string& name, const std::
                                launch(cluster, 0, args, dir + "/node0.txt", per_node) + "; a=$?; wait %1; echo $a$?");
   const std::string log0 = weft::testing::read_text(dir + "/node0.txt");
   const std::string log1 = weft::testing::read_text(dir + "/node1.txt");
-  EXPECT_EQ(weft::testing::last_line(run.output), "00") << log0 << "\n--- node 1:\n" << log1;
+  EXPECT_EQ(weft::testing::last_line(run.output), "00")
+      << "node 0's and node 1's exit statuses, after: " << run.output << "\n--- node 0:\n" << log0
+      << "\n--- node 1:\n" << log1;
   // Each rank's Gloo listened on its node's address, not on loopback.
   EXPECT_NE(log0.find("rank 0: Gloo listens on " + Cluster::address(0)), std::string::npos) << log0;
   EXPECT_NE(log1.find("rank " + std::to_string(per_node) + ": Gloo listens on " + Cluster::address(1)),
@@ -233,8 +236,10 @@ std::string expect_one_process_across_nodes(const std::string& name, const std::
   }
   EXPECT_LT(worst, 1e-5);
   const auto after = cluster.bytes(1);
-  EXPECT_GT(after.first - before.first, min_bytes);
-  EXPECT_GT(after.second - before.second, min_bytes);
+  EXPECT_GT(after.first - before.first, min_bytes)
+      << "bytes sent by node 1 (its counter " << before.first << " -> " << after.first << ")";
+  EXPECT_GT(after.second - before.second, min_bytes)
+      << "bytes received by node 1 (its counter " << before.second << " -> " << after.second << ")";
   const int64_t moved = after.first - before.first + after.second - before.second;
   std::printf("%s: %.2f MB over node 1's link\n", name.c_str(), moved / 1e6);
   if (max_bytes > 0) {

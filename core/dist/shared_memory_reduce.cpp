@@ -244,7 +244,7 @@ void SharedMemoryReduce::all_reduce_sum(float* data, int64_t count) {
 // pieces later, after every member passed the next piece's barrier.
 void SharedMemoryReduce::reduce_scatter_sum(const float* input, float* output, int64_t part) {
   operation_ = "reduce_scatter";
-  const int64_t piece = std::max<int64_t>(1, slot_floats_ / size_);  // a slot holds a piece of every part
+  const int64_t piece = slot_floats_ / size_;  // a slot holds a piece of every part (open: slot_floats_ >= size_)
   for (int64_t offset = 0; offset < part; offset += piece) {
     const int set = static_cast<int>(pieces_++ % 2);
     const int64_t n = std::min(piece, part - offset);

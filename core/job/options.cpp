@@ -254,7 +254,7 @@ const std::vector<Row>& rows() {
                 1.0),
       bool_key("train.shared_memory_collectives", WEFT_MEMBER(shared_memory_collectives), true,
                "Ranks on one machine all-reduce and reduce-scatter CPU fp32 and bf16 sums (data parallelism's "
-               "gradient buckets, ZeRO's shards) and all-gather CPU tensors through a shared memory segment (1 MiB "
+               "gradient buckets, sharded gradients) and all-gather CPU tensors through a shared memory segment (1 MiB "
                "per rank in /dev/shm) instead of Gloo's loopback connections; ranks on other machines, and every "
                "other operation, stay on Gloo (or NCCL)."),
       float_key("train.memory_limit_gib", WEFT_MEMBER(memory_limit_gib), 0.0,

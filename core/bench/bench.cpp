@@ -203,14 +203,25 @@ std::optional<GemmPeak> cpu_gemm_peak(const TrainOptions& job, const std::vector
   const int64_t tokens = *std::max_element(micro_batch_tokens.begin(), micro_batch_tokens.end());
   const ModelConfig config = resolve_model_config(job, nullptr);
   const auto shapes = model_gemm_shapes(config, tokens, linear_cross_entropy_chunk_rows(config.vocab_size));
-  auto peak = measure_gemm_peak(shapes, compute_dtype(job.precision), static_cast<int>(job.threads));
+  const auto dtype = compute_dtype(job.precision);
+  const int threads = static_cast<int>(job.threads);
+  const auto aten = measure_gemm_peak(shapes, dtype, threads);
+  auto peak = aten;
+  // fp32 on a CPU where oneDNN multiplies it too (train.fp32_cpu_gemm): the machine's peak is the
+  // faster library's, shape by shape.
+  std::optional<GemmPeak> onednn;
+  if (dtype == torch::kFloat32 && !onednn_fp32_gemm_unavailable()) {
+    onednn = measure_gemm_peak(shapes, dtype, threads, 0.2, CpuFp32Gemm::onednn);
+    peak = faster_of(aten, *onednn);
+  }
   const auto best = std::max_element(peak.rates.begin(), peak.rates.end(),
                                      [](const GemmRate& a, const GemmRate& b) { return a.gflops < b.gflops; });
   if (!log) return peak;
-  spdlog::info("bench: this CPU's GEMM peak in {} with {} thread{}: {:.0f} GFLOP/s ({}: [{} x {}] by [{} x {}]); "
+  spdlog::info("bench: this CPU's GEMM peak in {} with {} thread{}: {:.0f} GFLOP/s ({}: [{} x {}] by [{} x {}], {}{}); "
                "measured again before each repetition, the table's MFU is against the median",
                peak.dtype, peak.threads, peak.threads == 1 ? "" : "s", peak.gflops, best->shape.what, best->shape.m,
-               best->shape.k, best->shape.k, best->shape.n);
+               best->shape.k, best->shape.k, best->shape.n, best->library,
+               onednn ? fmt::format("; ATen's best {:.0f}, oneDNN's {:.0f}", aten.gflops, onednn->gflops) : std::string());
   return peak;
 }
 

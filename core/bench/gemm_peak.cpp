@@ -20,7 +20,7 @@ std::vector<GemmShape> model_gemm_shapes(const ModelConfig& c, int64_t tokens, i
 }
 
 GemmPeak measure_gemm_peak(const std::vector<GemmShape>& shapes, torch::Dtype dtype, int threads,
-                           double seconds_per_shape) {
+                           double seconds_per_shape, CpuFp32Gemm library) {
   WEFT_CHECK(!shapes.empty(), "measure_gemm_peak: no shapes to time");
   WEFT_CHECK(threads >= 1, "measure_gemm_peak: {} threads (at least 1)", threads);
   for (const auto& s : shapes) {
@@ -42,20 +42,36 @@ GemmPeak measure_gemm_peak(const std::vector<GemmShape>& shapes, torch::Dtype dt
     const auto x = torch::randn({s.m, s.k}).to(options);
     const auto w = torch::randn({s.n, s.k}).to(options);
     auto y = torch::empty({s.m, s.n}, options);
-    torch::mm_out(y, x, w.t());  // warm-up: the library's kernel selection and packing
+    const auto product = [&] { gemm_out_with(library, y, x, w.t()); };
+    product();  // warm-up: the library's kernel selection and packing
     // At least one timed call: a big model's head product alone may take seconds on a CPU.
     int64_t calls = 0;
     const auto start = Clock::now();
     double elapsed = 0;
     while (calls < 1 || elapsed < seconds_per_shape) {
-      torch::mm_out(y, x, w.t());
+      product();
       ++calls;
       elapsed = std::chrono::duration<double>(Clock::now() - start).count();
     }
-    peak.rates.push_back({s, s.flops() * static_cast<double>(calls) / elapsed / 1e9});
+    const bool routed = library == CpuFp32Gemm::onednn && cpu_gemm_routes(x, w.t(), y);
+    peak.rates.push_back({s, s.flops() * static_cast<double>(calls) / elapsed / 1e9, routed ? "onednn" : "aten"});
     peak.gflops = std::max(peak.gflops, peak.rates.back().gflops);
   }
   return peak;
+}
+
+GemmPeak faster_of(const GemmPeak& a, const GemmPeak& b) {
+  WEFT_CHECK(a.dtype == b.dtype && a.threads == b.threads && a.rates.size() == b.rates.size(),
+             "faster_of: measurements of other dtypes, threads or shapes");
+  GemmPeak out = a;
+  out.gflops = 0;
+  for (size_t s = 0; s < out.rates.size(); ++s) {
+    const auto &x = a.rates[s].shape, &y = b.rates[s].shape;
+    WEFT_CHECK(x.m == y.m && x.k == y.k && x.n == y.n, "faster_of: measurements of other shapes");
+    if (b.rates[s].gflops > a.rates[s].gflops) out.rates[s] = b.rates[s];
+    out.gflops = std::max(out.gflops, out.rates[s].gflops);
+  }
+  return out;
 }
 
 GemmPeak median_peak(const std::vector<GemmPeak>& measured) {
@@ -87,7 +103,8 @@ GemmPeak median_peak(const std::vector<GemmPeak>& measured) {
 nlohmann::json to_json(const GemmPeak& peak) {
   nlohmann::json shapes = nlohmann::json::array();
   for (const auto& r : peak.rates) {
-    shapes.push_back({{"m", r.shape.m}, {"k", r.shape.k}, {"n", r.shape.n}, {"what", r.shape.what}, {"gflops", r.gflops}});
+    shapes.push_back({{"m", r.shape.m}, {"k", r.shape.k}, {"n", r.shape.n}, {"what", r.shape.what}, {"gflops", r.gflops},
+                      {"library", r.library}});
   }
   nlohmann::json out = {{"dtype", peak.dtype}, {"threads", peak.threads}, {"gflops", peak.gflops}, {"shapes", shapes}};
   if (!peak.measurements.empty()) out["measurements"] = peak.measurements;

@@ -13,6 +13,7 @@
 #include <torch/torch.h>
 
 #include "core/model/config.h"
+#include "core/model/gemm.h"
 
 namespace weft {
 
@@ -31,6 +32,7 @@ std::vector<GemmShape> model_gemm_shapes(const ModelConfig& config, int64_t toke
 struct GemmRate {
   GemmShape shape;
   double gflops = 0;  // the product's FLOPs over its mean time, operands in cache
+  std::string library = "aten";  // whose product it timed: "aten" (torch::mm) or "onednn" (gemm.h)
 };
 
 struct GemmPeak {
@@ -41,12 +43,16 @@ struct GemmPeak {
   std::vector<double> measurements;  // median_peak's: each measurement's peak, in order
 };
 
-// Times torch::mm over each shape in `dtype` on the CPU with `threads` intra-op threads (the
+// Times torch::mm (or, for fp32 and `library` onednn, oneDNN's product: gemm_out_with) over each shape in `dtype` on the CPU with `threads` intra-op threads (the
 // caller's setting restored after), after one warm-up call, for about `seconds_per_shape` each
 // (at least one call). Throws
 // weft::Error for no shapes, a shape with a zero or negative side, or threads < 1.
 GemmPeak measure_gemm_peak(const std::vector<GemmShape>& shapes, torch::Dtype dtype, int threads,
-                           double seconds_per_shape = 0.2);
+                           double seconds_per_shape = 0.2, CpuFp32Gemm library = CpuFp32Gemm::aten);
+
+// Each shape's better rate of two measurements of the same shapes (fp32 by ATen and by oneDNN),
+// its library with it; the peak the best of those. Throws weft::Error for other shapes, dtypes or threads.
+GemmPeak faster_of(const GemmPeak& a, const GemmPeak& b);
 
 // Several measurements of the same shapes (measure_gemm_peak's, in order) as one: each shape's
 // median rate (the mean of the middle two for an even count), the peak the best of those, and

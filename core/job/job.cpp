@@ -16,6 +16,7 @@
 
 #include "core/data/documents.h"
 #include "core/dist/mesh.h"
+#include "core/model/gemm.h"
 #include "core/model/gguf_model.h"
 #include "core/model/memory_estimate.h"
 #include "core/model/weights.h"
@@ -146,6 +147,7 @@ Job::Job(TrainOptions options, RunContext context, Data data) : options_(std::mo
   bind_device(device_);
   install_memory_tracker();
   at::set_num_threads(static_cast<int>(options_.threads));
+  set_cpu_fp32_gemm(resolve_cpu_fp32_gemm(options_.fp32_cpu_gemm));
   torch::manual_seed(options_.seed);
   const bool no_tokenizer = plan_only_ && options_.tokenizer != "byte" && !fs::exists(options_.tokenizer);
   if (!no_tokenizer) tokenizer_ = load_tokenizer(options_.tokenizer);

@@ -236,6 +236,13 @@ const std::vector<Row>& rows() {
                 "known GPUs (none for CPUs).",
                 0),
       int_key("train.threads", WEFT_MEMBER(threads), 1, "Intra-op threads per process.", 1),
+      string_key("train.fp32_cpu_gemm", WEFT_MEMBER(fp32_cpu_gemm), "auto",
+                 "The library that multiplies fp32 matrices on the CPU: aten = ATen's (its BLAS: MKL in PyTorch's "
+                 "x86 builds), onednn = oneDNN's matmul in the same LibTorch, auto = onednn where ATen's BLAS is MKL on "
+                 "an AMD CPU of family 0x1A or later (Zen 5, whose full-width AVX-512 MKL leaves to its AVX2 kernels) "
+                 "and oneDNN takes fp32, aten elsewhere. The summary's fp32_cpu_gemm says which ran. Results differ "
+                 "by rounding only.",
+                 {"auto", "aten", "onednn"}),
       string_key("train.out_dir", WEFT_MEMBER(out_dir), "runs/default",
                  "Run directory for checkpoints, metrics and the effective config."),
       // A string or a list of strings: the list's names joined with commas (TrainOptions::plugin).

@@ -62,6 +62,7 @@ struct TrainOptions {
   uint64_t seed;
   int64_t epochs, max_steps, batch_size, grad_accum_steps, threads;
   std::string precision;
+  std::string fp32_cpu_gemm;  // train.fp32_cpu_gemm: auto | aten | onednn
   std::string device;         // train.device: auto | cpu | cuda
   double peak_tflops;
   double loss_scale;          // train.loss_scale: fp16's initial dynamic loss scale         // train.peak_tflops: 0 = the table's (core/train/flops.h)

@@ -5,6 +5,7 @@
 
 #include <torch/torch.h>
 
+#include "core/model/gemm.h"
 #include "core/model/kernels.h"
 #include "core/model/weight_grad.h"
 #include "core/util/error.h"
@@ -324,7 +325,7 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     const auto a_all = stacked(a, dtype);
     // Every adapter's x A^T, side by side in one GEMM; a dropped-out adapter's less its dropped
     // elements' terms, scaled by 1 / (1 - p) (the mask's complement, kernels.h): its D(x) A^T.
-    auto u = torch::mm(x2, a_all.t());
+    auto u = gemm(x2, a_all.t());
     // Each dropped-out adapter's mask (its dropped indices), A^T in fp32 and x's dropped elements
     // (written by the complement's pass), kept for backward.
     std::vector<torch::Tensor> masks(a.size()), ats(a.size()), values(a.size());
@@ -356,7 +357,7 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
       }
       offset += widths[i];
     }
-    y.addmm_(x2, w.t());
+    gemm_out(y, x2, w.t(), /*accumulate=*/true);
     // A fresh copy of the bases (cast or stacked) is kept for backward as autograd keeps a
     // product's operand; one layer's cast is made again there instead (frozen_cast_linear's way).
     // The cache's copy (model.cache_frozen_casts) lives anyway: kept, never made again.
@@ -415,9 +416,9 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     const auto values = ctx->saved_data["values"].toTensorVector();
     const bool want_x = ctx->needs_input_grad(0);
     const auto a_all = stacked(a, dtype);
-    torch::Tensor grad_x = want_x ? torch::mm(g, w) : torch::Tensor();
-    if (want_x) grad_x.addmm_(v, a_all);
-    const auto grad_a_all = torch::mm(v.t(), x2);
+    torch::Tensor grad_x = want_x ? gemm(g, w) : torch::Tensor();
+    if (want_x) gemm_out(grad_x, v, a_all, /*accumulate=*/true);
+    const auto grad_a_all = gemm(v.t(), x2);
     std::vector<DroppedAdapter> dropped;
     std::vector<size_t> dropped_k;
     rank_offset = 0;
@@ -568,7 +569,11 @@ class FrozenCastLinearFunction : public torch::autograd::Function<FrozenCastLine
     auto y = torch::empty({x2.size(0), w.size(0)}, x2.options());
     for (int64_t r = 0; r < w.size(0); r += chunk_rows) {
       const int64_t n = std::min(chunk_rows, w.size(0) - r);
-      y.narrow(1, r, n).copy_(torch::mm(x2, w.narrow(0, r, n).to(dtype).t()));
+      if (n == w.size(0)) {
+        gemm_out(y, x2, w.to(dtype).t());
+      } else {
+        y.narrow(1, r, n).copy_(gemm(x2, w.narrow(0, r, n).to(dtype).t()));
+      }
     }
     auto shape = x.sizes().vec();
     shape.back() = w.size(0);
@@ -582,7 +587,7 @@ class FrozenCastLinearFunction : public torch::autograd::Function<FrozenCastLine
     auto gx = torch::zeros({g.size(0), w.size(1)}, g.options());
     for (int64_t r = 0; r < w.size(0); r += chunk_rows) {
       const int64_t n = std::min(chunk_rows, w.size(0) - r);
-      gx.addmm_(g.narrow(1, r, n), w.narrow(0, r, n).to(g.scalar_type()));
+      gemm_out(gx, g.narrow(1, r, n), w.narrow(0, r, n).to(g.scalar_type()), /*accumulate=*/true);
     }
     auto shape = grads[0].sizes().vec();
     shape.back() = w.size(1);

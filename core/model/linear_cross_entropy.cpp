@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 
+#include "core/model/gemm.h"
 #include "core/model/kernels.h"
 #include "core/util/error.h"
 
@@ -58,7 +59,7 @@ Pass run_chunks(const torch::Tensor& h, const torch::Tensor& weight, const torch
     const int64_t rows = std::min(step, n - start);
     const auto x = hc.narrow(0, start, rows);
     const auto target = t.narrow(0, start, rows);
-    auto logits = torch::mm(x, w.t());
+    auto logits = gemm(x, w.t());
     const bool want_grad = grad_h || grad_w;
     torch::Tensor dc;  // d loss / d logits (softmax - one-hot, 0 on ignored rows) times the hint, in the compute dtype
     if (cross_entropy_rows_applies(logits)) {
@@ -92,7 +93,7 @@ Pass run_chunks(const torch::Tensor& h, const torch::Tensor& weight, const torch
     if (grad_h) {
       auto slice = out.grad_h.narrow(0, start, rows);  // rows of a contiguous [N, H]: contiguous
       if (slice.scalar_type() == dc.scalar_type()) {
-        torch::mm_out(slice, dc, w);
+        gemm_out(slice, dc, w);
       } else {
         slice.copy_(torch::mm(dc, w));
       }
@@ -106,7 +107,7 @@ Pass run_chunks(const torch::Tensor& h, const torch::Tensor& weight, const torch
           accumulate_wide(out.grad_w, dc.t(), x);
         }
       } else {
-        auto part = torch::mm(dc.t(), x);
+        auto part = gemm(dc.t(), x);
         if (!out.grad_w.defined()) {
           out.grad_w = part.to(torch::kFloat32);
         } else {

@@ -5,6 +5,7 @@
 
 #include <torch/torch.h>
 
+#include "core/model/gemm.h"
 #include "core/model/kernels.h"
 #include "core/util/error.h"
 
@@ -42,18 +43,22 @@ std::vector<torch::Tensor> weight_grads(const torch::Tensor& x, const torch::Ten
   // Where every weight is wider than dY and takes dW in dY's dtype (then added or cast), one product
   // for all of them, each weight's rows of it contiguous: narrow ones (k_proj's, v_proj's) ran ~10%
   // slower alone on an AMD Zen 4 core.
+  // So too for fp32 weights whose products oneDNN takes (gemm.h): it would copy a narrowed dY^T
+  // before each; their gradients are then row blocks (views) of the one product.
   bool joint = weights.size() > 1;
   for (const auto& w : weights) {
-    joint = joint && w.requires_grad() && w.scalar_type() != dy2.scalar_type() &&
-            !wide_weight_grad_applies(w, dy2.scalar_type());
+    joint = joint && w.requires_grad() &&
+            ((w.scalar_type() != dy2.scalar_type() && !wide_weight_grad_applies(w, dy2.scalar_type())) ||
+             (w.scalar_type() == dy2.scalar_type() && cpu_fp32_gemm() == CpuFp32Gemm::onednn &&
+              cpu_gemm_routes(dy2.t(), x2)));
   }
-  const auto all = joint ? dy2.t().mm(x2) : torch::Tensor();
+  const auto all = joint ? gemm(dy2.t(), x2) : torch::Tensor();
   std::vector<torch::Tensor> grads;
   int64_t row = 0;
   for (size_t i = 0; i < weights.size(); ++i) {
     const auto& w = weights[i];
     const auto dy_rows = dy2.narrow(1, row, rows[i]).t();
-    const auto product = [&] { return joint ? all.narrow(0, row, rows[i]) : dy_rows.mm(x2); };
+    const auto product = [&] { return joint ? all.narrow(0, row, rows[i]) : gemm(dy_rows, x2); };
     if (!w.requires_grad()) {
       grads.emplace_back();
     } else if (wide_weight_grad_applies(w, dy2.scalar_type())) {
@@ -95,7 +100,10 @@ class DeferrableLinear : public torch::autograd::Function<DeferrableLinear> {
     ctx->saved_data["weights"] = weights.vec();
     ctx->saved_data["rows"] = rows;
     ctx->saved_data["defer"] = defer;
-    return torch::nn::functional::linear(x, w);
+    if (!cpu_gemm_routes(x.reshape({-1, x.size(-1)}), w.t())) return torch::nn::functional::linear(x, w);
+    auto shape = x.sizes().vec();
+    shape.back() = w.size(0);
+    return gemm(x.reshape({-1, x.size(-1)}), w.t()).view(shape);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -106,7 +114,15 @@ class DeferrableLinear : public torch::autograd::Function<DeferrableLinear> {
     const auto rows = ctx->saved_data["rows"].toIntVector();
     const auto& dy = grad_outputs[0];
     torch::autograd::variable_list grads;
-    grads.push_back(ctx->needs_input_grad(0) ? torch::matmul(dy, w) : torch::Tensor());
+    if (!ctx->needs_input_grad(0)) {
+      grads.emplace_back();
+    } else if (const auto dy2 = dy.reshape({-1, dy.size(-1)}); cpu_gemm_routes(dy2, w)) {
+      auto shape = dy.sizes().vec();
+      shape.back() = w.size(1);
+      grads.push_back(gemm(dy2, w).view(shape));
+    } else {
+      grads.push_back(torch::matmul(dy, w));
+    }
     bool any = false;
     for (size_t i = 0; i < weights.size(); ++i) any = any || ctx->needs_input_grad(1 + i);
     WeightGradQueue* queue = ctx->saved_data["defer"].toBool() ? active_queue.load() : nullptr;
@@ -166,6 +182,9 @@ torch::Tensor deferrable_linear(const torch::Tensor& x, const std::vector<torch:
 }
 
 bool master_weight_grad_applies(const torch::Tensor& weight, torch::Dtype dtype) {
+  if (weight.requires_grad() && weight.scalar_type() == torch::kFloat32 && dtype == torch::kFloat32) {
+    return weight.device().is_cpu() && cpu_fp32_gemm() == CpuFp32Gemm::onednn;
+  }
   return weight.requires_grad() && weight.scalar_type() == torch::kFloat32 &&
          (dtype == torch::kBFloat16 || dtype == torch::kFloat16);
 }

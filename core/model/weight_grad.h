@@ -63,7 +63,9 @@ torch::Tensor deferrable_linear(const torch::Tensor& x, const std::vector<torch:
 // bf16 or fp16 compute, any device): its cast goes straight into the product's operand (no
 // concatenation of fused weights' casts), and dW reaches the fp32 gradient without autograd's cast:
 // from an fp32-output GEMM (wide_weight_grad_applies), or added into the gradient there (one
-// mixed-dtype pass instead of a cast and the accumulator's addition).
+// mixed-dtype pass instead of a cast and the accumulator's addition). Also an fp32 CPU weight computing
+// in fp32 while oneDNN multiplies fp32 matrices on the CPU (gemm.h): autograd's own linear would take
+// ATen's products, deferrable_linear takes the process's library for all three.
 bool master_weight_grad_applies(const torch::Tensor& weight, torch::Dtype dtype);
 
 // Whether a trainable weight's product in `dtype` takes its gradient from deferrable_linear's

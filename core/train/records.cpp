@@ -6,6 +6,7 @@
 #include <spdlog/spdlog.h>
 
 #include "core/dist/process_groups.h"
+#include "core/model/gemm.h"
 #include "core/train/flops.h"
 #include "core/util/device.h"
 #include "core/util/stats.h"
@@ -119,6 +120,8 @@ const TrainResult& RunRecords::finish(Communicator& communicator, int rank, int6
                             {"device", setting_.device},
                             {"device_name", setting_.device_name},
                             {"precision", setting_.precision},
+                            {"fp32_cpu_gemm", to_string(cpu_fp32_gemm())},
+                            {"onednn_fp32_products", onednn_fp32_products()},
                             {"model_flops_per_token", setting_.flops_per_token},
                             {"activation_peak_mib", activation_peak_mib_}};
   if (seconds_ > 0) {

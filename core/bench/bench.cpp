@@ -485,10 +485,13 @@ int run_bench(const BenchOptions& options) {
   }
   if (peak) {
     table += fmt::format("\nMFU: model FLOPs per second per process over this CPU's GEMM peak, {:.0f} GFLOP/s in {} with {} "
-                         "thread{} (torch::mm on the job's products, the median of {} measurement{}, one before each "
+                         "thread{} ({} on the job's products, the median of {} measurement{}, one before each "
                          "repetition; bench.json's gemm_peak).\n",
-                         peak->gflops, peak->dtype, peak->threads, peak->threads == 1 ? "" : "s", peak->measurements.size(),
-                         peak->measurements.size() == 1 ? "" : "s");
+                         peak->gflops, peak->dtype, peak->threads, peak->threads == 1 ? "" : "s",
+                         peak->dtype == "fp32" && !onednn_fp32_gemm_unavailable()
+                             ? "torch::mm and oneDNN, each product's faster,"
+                             : "torch::mm",
+                         peak->measurements.size(), peak->measurements.size() == 1 ? "" : "s");
   }
   std::cout << table;
   const std::string json_path = o.out_dir + "/bench.json";

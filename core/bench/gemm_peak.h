@@ -32,7 +32,8 @@ std::vector<GemmShape> model_gemm_shapes(const ModelConfig& config, int64_t toke
 struct GemmRate {
   GemmShape shape;
   double gflops = 0;  // the product's FLOPs over its mean time, operands in cache
-  std::string library = "aten";  // whose product it timed: "aten" (torch::mm) or "onednn" (gemm.h)
+  std::string library = "aten";  // whose product it timed: "aten" (torch::mm) or "onednn" (gemm.h);
+                                 // median_peak's "aten, onednn" where its measurements' differ
 };
 
 struct GemmPeak {

@@ -10,6 +10,7 @@
 #endif
 
 #include <ATen/Context.h>
+#include <fmt/ranges.h>
 #include <torch/torch.h>
 
 #include "core/util/error.h"
@@ -62,7 +63,7 @@ std::optional<std::string> onednn_fp32_gemm_unavailable() {
     } catch (const std::exception& e) {
       std::string message = e.what();
       if (const auto line = message.find('\n'); line != std::string::npos) message.resize(line);
-      return "oneDNN refused an fp32 product on this CPU: " + message;
+      return "oneDNN refused an fp32 product here: " + message;
     }
     return std::nullopt;
   }();
@@ -127,9 +128,12 @@ bool cpu_gemm_routes(const torch::Tensor& a, const torch::Tensor& b, const torch
 
 void gemm_out_with(CpuFp32Gemm gemm, const torch::Tensor& out, const torch::Tensor& a, const torch::Tensor& b,
                    bool accumulate) {
+  WEFT_CHECK(out.dim() == 2 && a.dim() == 2 && b.dim() == 2 && out.size(0) == a.size(0) && out.size(1) == b.size(1),
+             "gemm_out: [{}] by [{}] into [{}]", fmt::join(a.sizes(), " x "), fmt::join(b.sizes(), " x "),
+             fmt::join(out.sizes(), " x "));
   if (gemm == CpuFp32Gemm::onednn && cpu_gemm_routes(a, b, out)) {
-    WEFT_CHECK(out.size(0) == a.size(0) && out.size(1) == b.size(1), "gemm_out: [{} x {}] by [{} x {}] into [{} x {}]",
-               a.size(0), a.size(1), b.size(0), b.size(1), out.size(0), out.size(1));
+    const auto why = onednn_fp32_gemm_unavailable();
+    WEFT_CHECK(!why, "gemm_out: oneDNN cannot multiply fp32 matrices here: {}", *why);
     onednn_out(out, a, b, accumulate);
     return;
   }

@@ -52,10 +52,12 @@ int64_t onednn_fp32_products();
 torch::Tensor gemm(const torch::Tensor& a, const torch::Tensor& b);
 
 // out = a b, or out += a b where `accumulate`; out [m, n] must not overlap a or b. The same routing.
+// Throws weft::Error for shapes that do not make [m, n] (ATen's mm_out would resize `out`).
 void gemm_out(const torch::Tensor& out, const torch::Tensor& a, const torch::Tensor& b, bool accumulate = false);
 
 // The same with the library given (trainer bench's peak, the tests), when `gemm` can take the
-// product (cpu_gemm_routes), ATen's otherwise.
+// product (cpu_gemm_routes), ATen's otherwise; throws weft::Error for oneDNN where
+// onednn_fp32_gemm_unavailable() says why not.
 void gemm_out_with(CpuFp32Gemm gemm, const torch::Tensor& out, const torch::Tensor& a, const torch::Tensor& b,
                    bool accumulate = false);
 

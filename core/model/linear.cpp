@@ -14,11 +14,25 @@ namespace weft {
 
 // ---- base weights -------------------------------------------------------------------------------
 
+namespace {
+
+// A frozen fp32 CPU weight computing in fp32 while oneDNN multiplies fp32 matrices (gemm.h): its
+// product goes through frozen_cast_linear, whose products take the process's library, instead of
+// autograd's linear (ATen's).
+bool frozen_product_routes(const torch::Tensor& weight, torch::Dtype dtype) {
+  return !weight.requires_grad() && weight.device().is_cpu() && weight.scalar_type() == torch::kFloat32 &&
+         dtype == torch::kFloat32 && cpu_fp32_gemm() == CpuFp32Gemm::onednn;
+}
+
+}  // namespace
+
 DenseWeight::DenseWeight(torch::nn::Module& owner, int64_t out_features, int64_t in_features)
     : weight(owner.register_parameter("weight", torch::empty({out_features, in_features}))) {}
 
 torch::Tensor DenseWeight::forward(const torch::Tensor& input, torch::Dtype dtype) {
-  if (!weight.requires_grad() && weight.scalar_type() != dtype) return frozen_cast_linear(input, weight, dtype);
+  if (!weight.requires_grad() && (weight.scalar_type() != dtype || frozen_product_routes(weight, dtype))) {
+    return frozen_cast_linear(input, weight, dtype);
+  }
   if (deferrable() || master_weight_grad_applies(weight, dtype)) {
     return deferrable_linear(input, {weight}, dtype, deferrable());
   }
@@ -536,9 +550,13 @@ torch::Tensor fused_linear(const torch::Tensor& x, const std::vector<LinearImpl*
   if (!deferrable && !master && !cached.defined()) {
     for (const auto& p : params) weights.push_back(p.to(dtype));  // cast, then concatenate: half the bytes in bf16
   }
+  bool frozen = !deferrable && !master && !cached.defined();
+  for (const auto& p : params) frozen = frozen && frozen_product_routes(p, dtype);
+  const auto stacked_weights = [&] { return weights.size() == 1 ? weights[0] : torch::cat(weights); };
   auto y = deferrable || master ? deferrable_linear(input, params, dtype, deferrable)
-           : cached.defined() ? torch::nn::functional::linear(input, cached)
-                              : torch::nn::functional::linear(input, weights.size() == 1 ? weights[0] : torch::cat(weights));
+           : cached.defined()   ? torch::nn::functional::linear(input, cached)
+           : frozen             ? frozen_cast_linear(input, stacked_weights(), dtype)
+                                : torch::nn::functional::linear(input, stacked_weights());
   if (!any_adapter) return y;
   std::vector<torch::Tensor> parts;
   int64_t offset = 0;
@@ -584,10 +602,11 @@ class FrozenCastLinearFunction : public torch::autograd::Function<FrozenCastLine
     const auto w = ctx->saved_data["w"].toTensor();
     const int64_t chunk_rows = ctx->saved_data["rows"].toInt();
     const auto g = grads[0].reshape({-1, w.size(0)});
-    auto gx = torch::zeros({g.size(0), w.size(1)}, g.options());
+    const bool whole = chunk_rows >= w.size(0);  // one product: written, not added to zeros
+    auto gx = whole ? torch::empty({g.size(0), w.size(1)}, g.options()) : torch::zeros({g.size(0), w.size(1)}, g.options());
     for (int64_t r = 0; r < w.size(0); r += chunk_rows) {
       const int64_t n = std::min(chunk_rows, w.size(0) - r);
-      gemm_out(gx, g.narrow(1, r, n), w.narrow(0, r, n).to(g.scalar_type()), /*accumulate=*/true);
+      gemm_out(gx, g.narrow(1, r, n), w.narrow(0, r, n).to(g.scalar_type()), /*accumulate=*/!whole);
     }
     auto shape = grads[0].sizes().vec();
     shape.back() = w.size(1);

@@ -43,8 +43,8 @@ std::vector<torch::Tensor> weight_grads(const torch::Tensor& x, const torch::Ten
   // Where every weight is wider than dY and takes dW in dY's dtype (then added or cast), one product
   // for all of them, each weight's rows of it contiguous: narrow ones (k_proj's, v_proj's) ran ~10%
   // slower alone on an AMD Zen 4 core.
-  // So too for fp32 weights whose products oneDNN takes (gemm.h): it would copy a narrowed dY^T
-  // before each; their gradients are then row blocks (views) of the one product.
+  // So too for fp32 weights whose products oneDNN takes (gemm.h), which takes no narrowed dY^T (those
+  // would go to ATen): their gradients are then row blocks (views) of the one product.
   bool joint = weights.size() > 1;
   for (const auto& w : weights) {
     joint = joint && w.requires_grad() &&
@@ -100,10 +100,13 @@ class DeferrableLinear : public torch::autograd::Function<DeferrableLinear> {
     ctx->saved_data["weights"] = weights.vec();
     ctx->saved_data["rows"] = rows;
     ctx->saved_data["defer"] = defer;
-    if (!cpu_gemm_routes(x.reshape({-1, x.size(-1)}), w.t())) return torch::nn::functional::linear(x, w);
+    const auto x2 = x.reshape({-1, x.size(-1)});
+    if (cpu_fp32_gemm() != CpuFp32Gemm::onednn || !cpu_gemm_routes(x2, w.t())) return torch::nn::functional::linear(x, w);
     auto shape = x.sizes().vec();
     shape.back() = w.size(0);
-    return gemm(x.reshape({-1, x.size(-1)}), w.t()).view(shape);
+    auto y = torch::empty(shape, x.options());  // the output itself, not a view of the product
+    gemm_out(y.view({-1, w.size(0)}), x2, w.t());
+    return y;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -116,7 +119,8 @@ class DeferrableLinear : public torch::autograd::Function<DeferrableLinear> {
     torch::autograd::variable_list grads;
     if (!ctx->needs_input_grad(0)) {
       grads.emplace_back();
-    } else if (const auto dy2 = dy.reshape({-1, dy.size(-1)}); cpu_gemm_routes(dy2, w)) {
+    } else if (const auto dy2 = dy.reshape({-1, dy.size(-1)});
+               cpu_fp32_gemm() == CpuFp32Gemm::onednn && cpu_gemm_routes(dy2, w)) {
       auto shape = dy.sizes().vec();
       shape.back() = w.size(1);
       grads.push_back(gemm(dy2, w).view(shape));
@@ -131,7 +135,12 @@ class DeferrableLinear : public torch::autograd::Function<DeferrableLinear> {
       // parameters' post-accumulation hooks run as they would have in this backward.
       queue->push(
           [x, dy, weights, rows] {
-            const auto computed = weight_grads(x, dy, weights, rows, /*into_gradients=*/false);
+            // The products outside autograd (the queue runs with gradients on), as in the backward:
+            // their operands, which autograd tracks, would keep them off oneDNN (gemm.h) and record a graph.
+            const auto computed = [&] {
+              torch::NoGradGuard no_grad;
+              return weight_grads(x, dy, weights, rows, /*into_gradients=*/false);
+            }();
             std::vector<torch::Tensor> outputs, values;
             for (size_t i = 0; i < weights.size(); ++i) {
               if (!computed[i].defined()) continue;

@@ -9,6 +9,9 @@
 #include "common/metrics.h"
 #include "common/process.h"
 #include "core/model/gemm.h"
+#include "core/model/linear.h"
+#include "core/model/linear_cross_entropy.h"
+#include "core/model/weight_grad.h"
 #include "core/util/error.h"
 
 namespace {
@@ -120,6 +123,92 @@ TEST(CpuGemm, TheSettingNamesALibraryAndAutoFollowsTheCpu) {
   EXPECT_EQ(weft::resolve_cpu_fp32_gemm("auto"), zen5 ? CpuFp32Gemm::onednn : CpuFp32Gemm::aten);
   EXPECT_STREQ(weft::to_string(CpuFp32Gemm::onednn), "onednn");
   EXPECT_STREQ(weft::to_string(CpuFp32Gemm::aten), "aten");
+}
+
+// Values and gradients through each layer kind whose products oneDNN takes, against ATen's: LoRA's
+// fused layers (frozen bases), full fine-tuning's fused trainable weights (deferrable_linear, dW as
+// one product), a frozen layer without an adapter, a frozen weight by frozen_cast_linear, and the
+// chunked head's loss; each takes products through oneDNN.
+TEST(CpuGemm, EachLayersValuesAndGradientsThroughOneDnnEqualAtens) {
+  if (const auto why = weft::onednn_fp32_gemm_unavailable()) GTEST_SKIP() << "oneDNN takes no fp32 here: " << *why;
+  AtenAfter restore;
+  torch::manual_seed(11);
+  const int64_t in = 96;
+  weft::Linear q(in, 80), k(in, 72), v(in, 64), mlp(in, 128);
+  q->add_lora(weft::LoraSpec{4, 8.0, 0.0}, 1);
+  v->add_lora(weft::LoraSpec{4, 8.0, 0.0}, 2);
+  {
+    torch::NoGradGuard no_grad;
+    for (auto* layer : {q.get(), k.get(), v.get(), mlp.get()}) layer->weight.normal_(0.0, 0.1).set_requires_grad(false);
+    q->adapter_as<weft::LoraAdapter>()->B->weight.normal_();
+    v->adapter_as<weft::LoraAdapter>()->B->weight.normal_();
+  }
+  const std::vector<weft::LinearImpl*> group{q.get(), k.get(), v.get()};
+  ASSERT_TRUE(weft::lora_linear_applies(group));
+  std::vector<torch::Tensor> trained{torch::randn({80, in}), torch::randn({72, in}), torch::randn({64, in})};
+  const auto x0 = torch::randn({2, 64, in}), head0 = torch::randn({256, in}) * 0.1;
+  const auto targets = torch::randint(0, 256, {128});
+  const auto frozen_head = torch::randn({192, in});
+
+  // Every value and gradient of one pass, and how many products oneDNN took in it.
+  const auto pass = [&](CpuFp32Gemm library) {
+    weft::set_cpu_fp32_gemm(library);
+    const int64_t before = weft::onednn_fp32_products();
+    std::vector<torch::Tensor> out;
+    const auto take = [&](const torch::Tensor& t) { out.push_back(t.detach().clone()); };
+    auto x = x0.clone().requires_grad_(true);
+    // LoRA's fused layers: output, x's gradient and the adapters'.
+    for (auto* layer : {q.get(), v.get()}) {
+      auto* lora = layer->adapter_as<weft::LoraAdapter>();
+      for (auto* p : {&lora->A->weight, &lora->B->weight}) p->mutable_grad() = torch::Tensor();
+    }
+    auto y = weft::lora_linear(x, group);
+    y.pow(2).sum().backward();
+    take(y);
+    take(x.grad());
+    for (auto* layer : {q.get(), v.get()}) {
+      auto* lora = layer->adapter_as<weft::LoraAdapter>();
+      take(lora->A->weight.grad());
+      take(lora->B->weight.grad());
+    }
+    // Trainable fused weights (full fine-tuning's q/k/v): output, x's and each weight's gradient.
+    x.mutable_grad() = torch::Tensor();
+    std::vector<torch::Tensor> weights;
+    for (const auto& w : trained) weights.push_back(w.clone().requires_grad_(true));
+    y = weft::deferrable_linear(x, weights, torch::kFloat32, /*defer=*/false);
+    y.pow(2).sum().backward();
+    take(y);
+    take(x.grad());
+    for (const auto& w : weights) take(w.grad());
+    // A frozen layer without an adapter, and a frozen weight by frozen_cast_linear: x's gradient.
+    x.mutable_grad() = torch::Tensor();
+    y = mlp(x) + weft::frozen_cast_linear(x, frozen_head, torch::kFloat32).narrow(-1, 0, 128);
+    y.pow(2).sum().backward();
+    take(y);
+    take(x.grad());
+    // The chunked head's loss (two chunks of 64 rows): the loss, h's and the head's gradients.
+    auto h = x0.reshape({128, in}).clone().requires_grad_(true);
+    auto head = head0.clone().requires_grad_(true);
+    const auto loss = weft::linear_cross_entropy_sum(h, head, targets, torch::kFloat32, -100, nullptr, 64);
+    loss.backward();
+    take(loss);
+    take(h.grad());
+    take(head.grad());
+    return std::make_pair(out, weft::onednn_fp32_products() - before);
+  };
+  const auto [aten, aten_products] = pass(CpuFp32Gemm::aten);
+  const auto [onednn, onednn_products] = pass(CpuFp32Gemm::onednn);
+  EXPECT_EQ(aten_products, 0);
+  // LoRA: 2 bases' products (forward, x's gradient); deferrable: 3 (y, x's gradient, the joint dW);
+  // the frozen layer and frozen_cast_linear: 2 each; the head: 3 per chunk.
+  EXPECT_GE(onednn_products, 2 + 3 + 4 + 6);
+  ASSERT_EQ(aten.size(), onednn.size());
+  for (size_t i = 0; i < aten.size(); ++i) {
+    SCOPED_TRACE(i);
+    ASSERT_TRUE(aten[i].defined() && onednn[i].defined());
+    ASSERT_EQ(aten[i].sizes(), onednn[i].sizes());
+    EXPECT_LT((onednn[i] - aten[i]).abs().max().item<double>(), 1e-5 * (1 + aten[i].abs().max().item<double>()));
+  }
 }
 
 // A training run's products through oneDNN (LoRA's frozen bases and head, full fine-tuning's

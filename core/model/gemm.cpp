@@ -126,6 +126,15 @@ bool cpu_gemm_routes(const torch::Tensor& a, const torch::Tensor& b, const torch
   return contiguous_or_transposed(a) && contiguous_or_transposed(b);
 }
 
+bool onednn_takes(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& out) {
+  return cpu_fp32_gemm() == CpuFp32Gemm::onednn && cpu_gemm_routes(a, b, out);
+}
+
+bool onednn_multiplies(const torch::Tensor& weight, torch::Dtype dtype) {
+  return weight.device().is_cpu() && weight.scalar_type() == torch::kFloat32 && dtype == torch::kFloat32 &&
+         cpu_fp32_gemm() == CpuFp32Gemm::onednn;
+}
+
 void gemm_out_with(CpuFp32Gemm gemm, const torch::Tensor& out, const torch::Tensor& a, const torch::Tensor& b,
                    bool accumulate) {
   WEFT_CHECK(out.dim() == 2 && a.dim() == 2 && b.dim() == 2 && out.size(0) == a.size(0) && out.size(1) == b.size(1),
@@ -150,7 +159,7 @@ void gemm_out(const torch::Tensor& out, const torch::Tensor& a, const torch::Ten
 }
 
 torch::Tensor gemm(const torch::Tensor& a, const torch::Tensor& b) {
-  if (cpu_fp32_gemm() != CpuFp32Gemm::onednn || !cpu_gemm_routes(a, b)) return torch::mm(a, b);
+  if (!onednn_takes(a, b)) return torch::mm(a, b);
   auto out = torch::empty({a.size(0), b.size(1)}, a.options());
   onednn_out(out, a, b, false);
   return out;

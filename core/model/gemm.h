@@ -67,4 +67,12 @@ void gemm_out_with(CpuFp32Gemm gemm, const torch::Tensor& out, const torch::Tens
 // products stay with ATen: oneDNN ran them at 25-65 GFLOP/s inside a step, the large ones at 75-88).
 bool cpu_gemm_routes(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& out = {});
 
+// Whether the process's products of a and b go to oneDNN: it is chosen and cpu_gemm_routes holds.
+bool onednn_takes(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& out = {});
+
+// Whether a layer's fp32 CPU weight computing in `dtype` has its products where oneDNN is chosen:
+// fp32 compute on the CPU with oneDNN as the process's library (the layer then takes a path whose
+// products go through gemm(), not autograd's linear).
+bool onednn_multiplies(const torch::Tensor& weight, torch::Dtype dtype);
+
 }  // namespace weft

@@ -20,8 +20,7 @@ namespace {
 // product goes through frozen_cast_linear, whose products take the process's library, instead of
 // autograd's linear (ATen's).
 bool frozen_product_routes(const torch::Tensor& weight, torch::Dtype dtype) {
-  return !weight.requires_grad() && weight.device().is_cpu() && weight.scalar_type() == torch::kFloat32 &&
-         dtype == torch::kFloat32 && cpu_fp32_gemm() == CpuFp32Gemm::onednn;
+  return !weight.requires_grad() && onednn_multiplies(weight, dtype);
 }
 
 }  // namespace

@@ -49,8 +49,7 @@ std::vector<torch::Tensor> weight_grads(const torch::Tensor& x, const torch::Ten
   for (const auto& w : weights) {
     joint = joint && w.requires_grad() &&
             ((w.scalar_type() != dy2.scalar_type() && !wide_weight_grad_applies(w, dy2.scalar_type())) ||
-             (w.scalar_type() == dy2.scalar_type() && cpu_fp32_gemm() == CpuFp32Gemm::onednn &&
-              cpu_gemm_routes(dy2.t(), x2)));
+             (w.scalar_type() == dy2.scalar_type() && onednn_takes(dy2.t(), x2)));
   }
   const auto all = joint ? gemm(dy2.t(), x2) : torch::Tensor();
   std::vector<torch::Tensor> grads;
@@ -101,7 +100,7 @@ class DeferrableLinear : public torch::autograd::Function<DeferrableLinear> {
     ctx->saved_data["rows"] = rows;
     ctx->saved_data["defer"] = defer;
     const auto x2 = x.reshape({-1, x.size(-1)});
-    if (cpu_fp32_gemm() != CpuFp32Gemm::onednn || !cpu_gemm_routes(x2, w.t())) return torch::nn::functional::linear(x, w);
+    if (!onednn_takes(x2, w.t())) return torch::nn::functional::linear(x, w);
     auto shape = x.sizes().vec();
     shape.back() = w.size(0);
     auto y = torch::empty(shape, x.options());  // the output itself, not a view of the product
@@ -119,8 +118,7 @@ class DeferrableLinear : public torch::autograd::Function<DeferrableLinear> {
     torch::autograd::variable_list grads;
     if (!ctx->needs_input_grad(0)) {
       grads.emplace_back();
-    } else if (const auto dy2 = dy.reshape({-1, dy.size(-1)});
-               cpu_fp32_gemm() == CpuFp32Gemm::onednn && cpu_gemm_routes(dy2, w)) {
+    } else if (const auto dy2 = dy.reshape({-1, dy.size(-1)}); onednn_takes(dy2, w)) {
       auto shape = dy.sizes().vec();
       shape.back() = w.size(1);
       grads.push_back(gemm(dy2, w).view(shape));
@@ -192,7 +190,7 @@ torch::Tensor deferrable_linear(const torch::Tensor& x, const std::vector<torch:
 
 bool master_weight_grad_applies(const torch::Tensor& weight, torch::Dtype dtype) {
   if (weight.requires_grad() && weight.scalar_type() == torch::kFloat32 && dtype == torch::kFloat32) {
-    return weight.device().is_cpu() && cpu_fp32_gemm() == CpuFp32Gemm::onednn;
+    return onednn_multiplies(weight, dtype);
   }
   return weight.requires_grad() && weight.scalar_type() == torch::kFloat32 &&
          (dtype == torch::kBFloat16 || dtype == torch::kFloat16);

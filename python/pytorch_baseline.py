@@ -235,6 +235,9 @@ def transformers_model(cfg, run):
         config._attn_implementation = "sdpa"
         model = transformers.LlamaForCausalLM(config)
     elif weights.endswith(".gguf"):
+        import gguf_memo  # this folder's: the file's metadata parsed once, where transformers parses it twice
+
+        gguf_memo.install()
         model = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(weights),
                                                                   gguf_file=os.path.basename(weights), **options)
     elif os.path.isdir(weights):

@@ -42,6 +42,11 @@ import gguf
 import transformers
 from transformers import AutoModelForCausalLM
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+import gguf_memo  # noqa: E402  (python/gguf_memo.py: each GGUF file parsed once in this process)
+
+gguf_memo.install()
+
 TOLERANCE = 1e-5
 T = gguf.GGMLQuantizationType
 TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K]

@@ -24,6 +24,11 @@ from peft import PeftModel, PromptTuningConfig, PromptTuningInit, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+import gguf_memo  # noqa: E402  (python/gguf_memo.py: each GGUF file parsed once in this process)
+
+gguf_memo.install()
+
 P = 32
 TOLERANCE = 1e-5
 INIT_TEXT = "Continue the story in the words of Jane Austen:"

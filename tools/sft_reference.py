@@ -41,6 +41,11 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer, pack_dataset
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+import gguf_memo  # noqa: E402  (python/gguf_memo.py: each GGUF file parsed once in this process)
+
+gguf_memo.install()
+
 SEQ_LEN = 48  # TRL's max_length = SEQ_LEN + 1
 
 SYSTEM = "You are a concise assistant who answers questions about novels."

@@ -630,7 +630,8 @@ TEST(BenchCommand, ThePytorchPipelineBaselinesTrainWhatItsDdpBaselineTrains) {
 // itself): the same model (its parameter and trained-parameter counts are weft's), the same first
 // batch (LoRA's B starts at zero, so the first step's loss is the checkpoint's own on that batch:
 // equal to weft's to fp32 rounding), the same number of steps; with train.mode = "full" its name
-// says transformers alone. ~40 s (2-core Xeon): transformers dequantizes the GGUF file (~19 s).
+// says transformers alone. ~40 s (2-core Xeon, contended; 55 s there before python/gguf_memo.py):
+// transformers loads the GGUF file (~12 s).
 TEST(BenchCommand, TransformersAndPeftTrainTheSameCheckpointBesideWeft) {
   const std::string source = WEFT_SOURCE_DIR;
   const std::string model = source + "/data/models/SmolLM2-135M-Instruct.Q4_1.gguf";

@@ -634,6 +634,24 @@ WEFT_ALWAYS_INLINE void complement_forward_span(const T* __restrict x, int64_t c
     const float* __restrict at = op.at;
     const int64_t r = op.r;
     T* __restrict ui = static_cast<T*>(op.rows) + i * op.stride;
+    if (r == kLanes) {  // one vector: x's element read once, for the sum and forward's copy
+      Lanes16 acc0 = {}, acc1 = {};
+      T* __restrict values = static_cast<T*>(op.values);
+      int64_t q = k;
+      for (; q + 1 < k1; q += 2) {
+        const T x0 = x[d[q]], x1 = x[d[q + 1]];
+        if (values != nullptr) values[q] = x0, values[q + 1] = x1;
+        acc0 += to_float(x0) * load16(at + (d[q] - row) * kLanes);
+        acc1 += to_float(x1) * load16(at + (d[q + 1] - row) * kLanes);
+      }
+      if (q < k1) {
+        const T x0 = x[d[q]];
+        if (values != nullptr) values[q] = x0;
+        acc0 += to_float(x0) * load16(at + (d[q] - row) * kLanes);
+      }
+      store16(ui, (load16(ui) - (acc0 + acc1)) * op.scale);
+      return;
+    }
     if (op.values != nullptr) {
       T* __restrict values = static_cast<T*>(op.values);
       for (int64_t q = k; q < k1; ++q) values[q] = x[d[q]];

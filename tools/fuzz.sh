@@ -71,12 +71,16 @@ fuzz_one() {
   else
     seeds=(fuzz/seeds/$target)
   fi
-  if build-fuzz/fuzz_$target "$corpus" "${seeds[@]}" -max_total_time="$seconds" -runs="$runs" -print_final_stats=1 \
-       -artifact_prefix="build-fuzz/crash-$target-" >"$log" 2>&1; then
+  # The targets that read files write them in a scratch folder of their own (fuzz/scratch.h), removed after.
+  local scratch
+  scratch=$(mktemp -d "${TMPDIR:-/tmp}/weft-fuzz-$target.XXXXXX")
+  if TMPDIR=$scratch build-fuzz/fuzz_$target "$corpus" "${seeds[@]}" -max_total_time="$seconds" -runs="$runs" \
+       -print_final_stats=1 -artifact_prefix="build-fuzz/crash-$target-" >"$log" 2>&1; then
     result=ok
   else
     result="FAILED: $(grep -m1 -E 'ERROR: |terminate called|runtime error' "$log" || echo "exit status")"
   fi
+  rm -rf "$scratch"
   local executions speed
   executions=$(awk '/stat::number_of_executed_units/ {print $2}' "$log")
   speed=$(awk '/stat::average_exec_per_sec/ {print $2}' "$log")

@@ -30,6 +30,7 @@ Reference.GgufReadsAsGgufPyAndTransformersDo:
 Exit status 0 when every comparison holds, 1 otherwise."""
 import json
 import os
+import shutil
 import subprocess
 import time
 import sys
@@ -95,6 +96,13 @@ def typed_file(path, rng):
 
 def same_bits(a, b):
     return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def discard(path, ok):
+    """Removes a large intermediate file (or folder) once its check passed: the test's outputs would
+    hold ~2.7 GB on disk otherwise. A failed check keeps it for a look."""
+    if ok:
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 
 def compare_file(gguf_tensors, path, out, seen):
@@ -177,7 +185,9 @@ def main():
     # 2. The bundled model's tensors.
     model = bundled_model()
     seen = {}
-    failures += compare_file(gguf_tensors, model, os.path.join(work, "smollm2.safetensors"), seen)
+    bad_tensors = compare_file(gguf_tensors, model, os.path.join(work, "smollm2.safetensors"), seen)
+    failures += bad_tensors
+    discard(os.path.join(work, "smollm2.safetensors"), bad_tensors == 0)
     print(f"{os.path.basename(model)}: {sum(seen.values())} tensors ({', '.join(f'{k} x{v}' for k, v in seen.items())}) "
           "bit for bit")
 
@@ -207,6 +217,8 @@ def main():
                   f"(largest difference {(tensor - state[name]).abs().max().item():.3g})")
             failures += 1
     print(f"HF names: {compared} tensors equal transformers' bit for bit")
+    del mine
+    discard(saved, failures == 0)
     with torch.no_grad():
         expected = reference(tokens).logits
     got = load_file(os.path.join(work, "logits.safetensors"))["logits"]
@@ -351,6 +363,8 @@ def main():
         if qtype != "q8_0":  # their bytes are checked above; transformers reads the Q8_0 file back below
             print(f"{'ok  ' if not bad else 'FAIL'} export {qtype}: {len(names)} tensors as gguf-py quantizes them, "
                   "the tokenizer's metadata")
+            del written
+            discard(os.path.join(work, out_name), not bad)
             continue
         exported_logits = os.path.join(work, f"logits.{qtype}.safetensors")
         subprocess.run([hf_logits, os.path.join(work, out_name), os.path.join(work, "tokens.safetensors"), exported_logits],
@@ -365,7 +379,8 @@ def main():
         print(f"{'ok  ' if ok else 'FAIL'} export {qtype}: {len(names)} tensors as gguf-py quantizes them, the "
               f"tokenizer's metadata; transformers' logits from it within {worst:.3g} of weft's (largest {scale:.3g})")
         failures += 0 if worst <= TOLERANCE * scale else 1
-        del readback
+        del readback, written
+        discard(os.path.join(work, out_name), ok)
 
     # A LoRA adapter PEFT made (random, nonzero) merged by weft's export: transformers' logits from the
     # F32 file equal PEFT's merged model's.
@@ -393,6 +408,8 @@ def main():
     print(f"{'ok  ' if ok else 'FAIL'} export with a PEFT adapter merged (f32): transformers' logits from it within "
           f"{worst:.3g} of PEFT's merged model (largest {scale:.3g}; the adapter moved them by up to {moved:.3g})")
     failures += 0 if ok else 1
+    del readback
+    discard(os.path.join(work, "smollm2-merged.f32.gguf"), ok)
     phase("done")
     print("gguf reference: all comparisons hold" if failures == 0 else f"gguf reference: {failures} failures")
     return 1 if failures else 0

@@ -20,10 +20,22 @@ log="$dir/ctest.log"
 status=0
 tools/setup.sh || { echo "test: set-up or build failed" >&2; echo "test: 0 passed, 0 failed"; exit 1; }
 
+# Scratch files: every test's go under one folder of this run (TMPDIR), removed when every test
+# passed and kept, with its path printed, when one failed. Each GoogleTest process also removes its
+# own folder in it as soon as its tests pass (tests/common/gtest_main.cpp).
+scratch=$(mktemp -d "${TMPDIR:-/tmp}/weft-tests.XXXXXX")
+free_gib() { df -P -k "$1" | awk 'NR == 2 { printf "%.1f", $4 / 1048576 }'; }
+echo "test: scratch files in $scratch ($(free_gib "$scratch") GiB free there, $(free_gib "$dir") GiB on the build's disk)"
+
 rm -f "$log"
 started=$(date +%s)
-ctest --test-dir "$dir" --output-on-failure -j "$WEFT_JOBS" --timeout 600 "$@" 2>&1 | tee "$log" || status=$?
+TMPDIR=$scratch ctest --test-dir "$dir" --output-on-failure -j "$WEFT_JOBS" --timeout 600 "$@" 2>&1 | tee "$log" || status=$?
 seconds=$(( $(date +%s) - started ))
+if [[ $status == 0 ]]; then
+  rm -rf "$scratch"
+else
+  echo "test: the scratch files of this run are kept in $scratch ($(du -sh "$scratch" | cut -f1))"
+fi
 [[ -n "${WEFT_PHASE_LOG:-}" ]] && echo "tests $seconds" >> "$WEFT_PHASE_LOG"
 
 # ctest's lines "  12/640 Test #301: NAME ......   Passed   41.20 sec": the slowest 15. (No `head`

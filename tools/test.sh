@@ -26,9 +26,9 @@ tools/setup.sh || { echo "test: set-up or build failed" >&2; echo "test: 0 passe
 scratch=$(mktemp -d "${TMPDIR:-/tmp}/weft-tests.XXXXXX")
 free_gib() { df -P -k "$1" | awk 'NR == 2 { printf "%.1f", $4 / 1048576 }'; }
 echo "test: scratch files in $scratch ($(free_gib "$scratch") GiB free there, $(free_gib "$dir") GiB on the build's disk)"
-# The tests write up to ~1.6 GiB at once (measured, docs/testing.md); with less than twice that free
+# The tests write up to ~1.6 GiB at once (measured, docs/testing.md); with less than 2 GiB free
 # they would fail by the dozen with "No space left on device", so they do not start.
-need_gib=${WEFT_TEST_DISK_GIB:-3}  # the check: WEFT_TEST_DISK_GIB=0 turns it off
+need_gib=${WEFT_TEST_DISK_GIB:-2}  # the check: WEFT_TEST_DISK_GIB=0 turns it off
 for where in "$scratch" "$dir"; do
   if awk -v free="$(free_gib "$where")" -v need="$need_gib" 'BEGIN { exit !(free < need) }'; then
     echo "test: only $(free_gib "$where") GiB free on the disk of $where; the tests need $need_gib GiB there: free some space (or point TMPDIR at another disk)" >&2

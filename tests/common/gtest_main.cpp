@@ -4,8 +4,7 @@
 //
 // Scratch: TMPDIR points at a new folder, ${TMPDIR:-/tmp}/weft-test-<pid>, for this process and
 // every process it starts (the trainer, torchrun, Python). It is removed when every test passed
-// and kept, with its path printed, when one failed. Before, each run of the suite left about 1 GB
-// in /tmp, and a machine's disk filled after a few dozen runs.
+// and kept, with its path printed, when one failed.
 #include <gtest/gtest.h>
 #include <unistd.h>
 

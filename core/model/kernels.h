@@ -131,6 +131,20 @@ void subtract_dropped_products_(const torch::Tensor& x, const std::vector<Droppe
 // (i, j) (grad_x [R, I] contiguous of x's dtype, each adapter's term rounded in adapter order;
 // undefined: skipped), and grad_a -= (x_dropped^T v)^T.
 void dropped_backward_(torch::Tensor& grad_x, const torch::Tensor& x, const std::vector<DroppedAdapter>& adapters);
+// x's gradient through the adapters with their masks, where the CPU multiplies bf16 tiles (AMX):
+// grad_x[i, j] += the sum over the adapters whose masks keep (i, j) of v[i, :] . A[:, j], in fp32
+// over A rounded to bf16, rounded once into grad_x per three adapters. In place of the dense rank-r
+// product that dropped_backward_ then corrects (call it with an undefined x's gradient after: A's
+// gradients only). Applies to grad_x [R, I] contiguous bf16 with I a multiple of 16, each adapter's
+// rank a multiple of 16, v bf16 (`rows`), on CPUs with AMX-BF16 and AVX512_BF16 that the kernel lets
+// use the tiles; returns false, changing nothing, elsewhere. The same bits at any thread count.
+bool add_kept_products_(torch::Tensor& grad_x, const std::vector<DroppedAdapter>& adapters);
+// Each adapter's A gradient through its mask where the CPU multiplies bf16 tiles (AMX): grad_a =
+// v^T D(x) ([r, I] fp32, x's dropped elements zero; the scale is v's), set in place of the dense
+// product that dropped_backward_ then corrects. Applies to x [R, I] contiguous bf16 with I a
+// multiple of 16, v bf16 with rank a multiple of 16, where add_kept_products_ does; returns false,
+// changing nothing, elsewhere. The same bits at any thread count.
+bool kept_weight_grads_(const torch::Tensor& x, std::vector<DroppedAdapter>& adapters);
 // A^T [I, r] contiguous fp32 of an adapter's A [r, I]: DroppedAdapter's `at`, in one pass from a
 // contiguous CPU matrix of fp32 or bf16 (others: a cast and a transposing copy).
 torch::Tensor transposed_fp32(const torch::Tensor& a);

@@ -428,26 +428,36 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     const auto masks = ctx->saved_data["masks"].toTensorVector(), ats = ctx->saved_data["ats"].toTensorVector();
     const auto values = ctx->saved_data["values"].toTensorVector();
     const bool want_x = ctx->needs_input_grad(0);
-    const auto a_all = stacked(a, dtype);
     torch::Tensor grad_x = want_x ? gemm(g, w) : torch::Tensor();
-    if (want_x) gemm_out(grad_x, v, a_all, /*accumulate=*/true);
-    const auto grad_a_all = gemm(v.t(), x2);
     std::vector<DroppedAdapter> dropped;
     std::vector<size_t> dropped_k;
-    rank_offset = 0;
-    for (size_t k = 0; k < a.size(); ++k) {
-      const int64_t r = a[k].size(0);
-      const auto grad_ak = grad_a_all.narrow(0, rank_offset, r);
-      if (dropouts[k] > 0) {  // A's gradient in fp32 until the dropped terms are taken out
-        dropped.push_back({masks[k], ats[k], v.narrow(1, rank_offset, r), 1.0f, grad_ak.to(torch::kFloat32).contiguous(),
-                           values[k]});
-        dropped_k.push_back(k);
-      } else {
-        grad_a[k] = grad_ak.to(a[k].scalar_type());
-      }
-      rank_offset += r;
+    for (size_t k = 0, column = 0; k < a.size(); column += static_cast<size_t>(a[k].size(0)), ++k) {
+      if (dropouts[k] <= 0) continue;
+      dropped.push_back({masks[k], ats[k], v.narrow(1, static_cast<int64_t>(column), a[k].size(0)), 1.0f, {}, values[k]});
+      dropped_k.push_back(k);
     }
-    if (!dropped.empty()) dropped_backward_(grad_x, x2, dropped);
+    // Where every adapter is dropped out and the CPU multiplies bf16 tiles: x's gradient through
+    // the adapters and A's gradients with their masks applied (add_kept_products_ and
+    // kept_weight_grads_); else the dense products, which dropped_backward_ corrects.
+    const bool all_dropped = !dropped.empty() && dropped.size() == a.size();
+    const bool kept_x = want_x && all_dropped && add_kept_products_(grad_x, dropped);
+    if (want_x && !kept_x) gemm_out(grad_x, v, stacked(a, dtype), /*accumulate=*/true);
+    const bool kept_a = all_dropped && (kept_x || !want_x) && kept_weight_grads_(x2, dropped);
+    if (!kept_a) {
+      const auto grad_a_all = gemm(v.t(), x2);
+      for (size_t k = 0, column = 0, n = 0; k < a.size(); column += static_cast<size_t>(a[k].size(0)), ++k) {
+        const auto grad_ak = grad_a_all.narrow(0, static_cast<int64_t>(column), a[k].size(0));
+        if (dropouts[k] > 0) {  // A's gradient in fp32 until the dropped terms are taken out
+          dropped[n++].grad_a = grad_ak.to(torch::kFloat32).contiguous();
+        } else {
+          grad_a[k] = grad_ak.to(a[k].scalar_type());
+        }
+      }
+      if (!dropped.empty()) {
+        torch::Tensor none;
+        dropped_backward_(kept_x ? none : grad_x, x2, dropped);
+      }
+    }
     for (size_t n = 0; n < dropped.size(); ++n) grad_a[dropped_k[n]] = dropped[n].grad_a.to(a[dropped_k[n]].scalar_type());
     if (want_x) {
       auto shape = grads[0].sizes().vec();

@@ -955,6 +955,120 @@ TEST(FusedKernels, LoraLinearDropsOutAsEachAdaptersDropout) {
   }
 }
 
+// x's gradient through dropped-out adapters in one pass on AMX (add_kept_products_): each adapter's
+// v A over A rounded to bf16, 0 where its mask drops the element, added in fp32 and rounded once;
+// four adapters (two passes: three, then one), ranks 16 and 32, rows not a multiple of 16 (the
+// last 6 without tiles). Where it does not apply (fp32, a width not a multiple of 16) it returns
+// false and changes nothing; on a CPU without AMX-BF16 it never applies.
+TEST(FusedKernels, KeptProductsAreEachAdaptersMaskedProductOnAmx) {
+  torch::manual_seed(13);
+  const int64_t rows = 150, cols = 144;
+  const std::vector<int64_t> ranks{16, 32, 16, 16};
+  const std::vector<double> ps{0.3, 0.2, 0.5, 0.1};
+  const int64_t width = 16 + 32 + 16 + 16;
+  const auto f64 = [](const torch::Tensor& t) { return t.to(torch::kFloat64); };
+  const auto wide_v = torch::randn({rows, width + 2}).to(torch::kBFloat16);
+  const auto g0 = torch::randn({rows, cols}).to(torch::kBFloat16);
+  std::vector<DroppedAdapter> group;
+  auto expected = f64(g0);
+  torch::Tensor first_pass;
+  for (int64_t k = 0, column = 1; k < 4; column += ranks[k], ++k) {
+    const auto mask = dropout_mask_indices(rows * cols, ps[k], 40 + k);
+    auto keep = torch::ones({rows * cols}, torch::kBool);
+    keep.index_fill_(0, mask.to(torch::kInt64), false);
+    const auto at = torch::randn({cols, ranks[k]});
+    const auto v = wide_v.narrow(1, column, ranks[k]);
+    group.push_back({mask, at, v, 1.0f, torch::zeros({ranks[k], cols}), {}});
+    expected += (f64(v).mm(f64(at.to(torch::kBFloat16)).t())).masked_fill(~keep.view({rows, cols}), 0);
+    if (k == 2) first_pass = expected.clone();
+  }
+  // Where it does not apply: nothing changes.
+  auto fp32 = g0.to(torch::kFloat32);
+  EXPECT_FALSE(add_kept_products_(fp32, group));
+  EXPECT_TRUE(torch::equal(fp32, g0.to(torch::kFloat32)));
+  auto narrow_g = g0.narrow(1, 0, 40).contiguous();
+  const auto narrow_before = narrow_g.clone();
+  std::vector<DroppedAdapter> narrow_group{{group[0].dropped, group[0].at.narrow(0, 0, 40).contiguous(), group[0].rows, 1.0f, {}, {}}};
+  EXPECT_FALSE(add_kept_products_(narrow_g, narrow_group));
+  EXPECT_TRUE(torch::equal(narrow_g, narrow_before));
+  auto g = g0.clone();
+  if (!add_kept_products_(g, group)) {
+    EXPECT_TRUE(torch::equal(g, g0));
+    GTEST_SKIP() << "add_kept_products_ needs AMX-BF16 and AVX512_BF16, which this CPU lacks (or the kernel "
+                    "refused the process the tiles); the dense product and dropped_backward_ serve here";
+  }
+  // Each pass's sum in fp32, rounded once into bf16: within a rounding of the first three adapters'
+  // exact sum and one of all four (2^-8 relative each), plus the fp32 sums' own error.
+  const auto err = (f64(g) - expected).abs();
+  EXPECT_TRUE((err <= (first_pass.abs() + expected.abs()) * (1.0 / 256) + 1e-3).all().item<bool>())
+      << err.max().item<double>();
+  // The dense products corrected by dropped_backward_ (the path elsewhere) agree to bf16's rounding:
+  // they round each dropped term into the sum before taking it out again, so their error is a few
+  // roundings of the products (up to ~35 here: 2^-8 of it ~0.14) even where the result is small.
+  auto g_dense = g0.clone();
+  for (size_t k = 0; k < group.size(); ++k) g_dense.add_(group[k].rows.mm(group[k].at.t().to(torch::kBFloat16)));
+  dropped_backward_(g_dense, g0, group);
+  EXPECT_TRUE(torch::allclose(f64(g_dense), expected, 2e-2, 0.4)) << (f64(g_dense) - expected).abs().max().item<double>();
+  EXPECT_FALSE(torch::allclose(f64(g0), expected, 2e-2, 0.4));  // the products are not negligible
+  // A's gradients (kept_weight_grads_): v^T D(x) in fp32, x's dropped elements zero; 150 rows are
+  // four blocks of 32 and 22 rows of the fifth (the rest zeros), 144 columns nine tiles.
+  const auto x = torch::randn({rows, cols}).to(torch::kBFloat16);
+  auto weights = group;
+  ASSERT_TRUE(kept_weight_grads_(x, weights));
+  for (size_t k = 0; k < weights.size(); ++k) {
+    auto keep = torch::ones({rows * cols}, torch::kBool);
+    keep.index_fill_(0, group[k].dropped.to(torch::kInt64), false);
+    const auto expected_a = f64(group[k].rows).t().mm(f64(x).masked_fill(~keep.view({rows, cols}), 0));
+    EXPECT_TRUE(weights[k].grad_a.scalar_type() == torch::kFloat32 &&
+                torch::allclose(f64(weights[k].grad_a), expected_a, 1e-5, 1e-4)) << k;
+  }
+  // Two threads: the same bits.
+  const int threads = at::get_num_threads();
+  at::set_num_threads(2);
+  auto g2 = g0.clone();
+  EXPECT_TRUE(add_kept_products_(g2, group));
+  auto weights2 = group;
+  EXPECT_TRUE(kept_weight_grads_(x, weights2));
+  at::set_num_threads(threads);
+  EXPECT_TRUE(torch::equal(g2, g));
+  for (size_t k = 0; k < weights.size(); ++k) EXPECT_TRUE(torch::equal(weights2[k].grad_a, weights[k].grad_a)) << k;
+}
+
+// The same group through its dropout in bf16 as in fp32 (which the test above holds to ATen's
+// composition), to bf16's rounding: the masks are the same (the same seeds), and in bf16 x's
+// gradient goes through add_kept_products_ where the CPU has AMX (width 32, rank 16; 21 rows: one
+// block of tiles and 5 rows without), through the dense product and its correction elsewhere.
+TEST(FusedKernels, LoraLinearDropsOutInBf16AsInFp32) {
+  torch::manual_seed(10);
+  Linear q(32, 24), v(32, 16);
+  for (auto* layer : {q.get(), v.get()}) {
+    torch::nn::init::normal_(layer->weight);
+    layer->add_lora(LoraSpec{16, 32.0, 0.1}, 7);
+    torch::NoGradGuard no_grad;
+    layer->adapter_as<LoraAdapter>()->B->weight.normal_();
+  }
+  const std::vector<LinearImpl*> group{q.get(), v.get()};
+  const auto x0 = torch::randn({3, 7, 32}).to(torch::kBFloat16).to(torch::kFloat32);
+  const auto probe = torch::randn({3, 7, 40}).to(torch::kBFloat16).to(torch::kFloat32);
+  const auto run = [&](torch::Dtype dtype) {
+    for (auto* layer : group) layer->set_compute_dtype(dtype);
+    for (auto* layer : group) layer->zero_grad();
+    torch::manual_seed(21);
+    auto x = x0.clone().requires_grad_(true);
+    const auto y = lora_linear(x, group);
+    (y.to(torch::kFloat32) * probe).sum().backward();
+    std::vector<torch::Tensor> out{y.detach().to(torch::kFloat32), x.grad()};
+    take_adapter_grads(group, out);
+    return out;
+  };
+  const auto fp32 = run(torch::kFloat32), bf16 = run(torch::kBFloat16);
+  ASSERT_EQ(fp32.size(), bf16.size());
+  for (size_t i = 0; i < fp32.size(); ++i) {
+    const double scale = fp32[i].abs().max().item<double>();
+    EXPECT_TRUE(torch::allclose(bf16[i].to(torch::kFloat32), fp32[i], 3e-2, 3e-2 * scale)) << i;
+  }
+}
+
 // Attention's causal softmax rows (the GEMM attention's blocks): against ATen's softmax over the
 // masked, scaled scores and its backward, in fp32 and bf16, for widths that are whole vectors of 16
 // (the masked last block) and ones that are not (lanes one by one), with two query heads' rows per
